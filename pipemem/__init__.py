@@ -1,0 +1,15 @@
+"""pipemem: per-rank GPU memory of distributed training, at every moment of the pipeline schedule.
+
+Layers (DESIGN.md "The flow"), each importing only from those before it:
+ir -> liveness -> sources (traced, templates, paddle) -> stages -> schedules / replay -> report -> cli.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import UserError  # noqa: E402
+from .ir import Op, Program, Tensor, TensorKind, load_programs, save_programs  # noqa: E402
+from .liveness import analyze_program, analyze_sequence  # noqa: E402
+from .pipeline_estimator import PipelineMemoryEstimator  # noqa: E402
+
+__all__ = ["UserError", "Op", "Program", "Tensor", "TensorKind", "load_programs", "save_programs",
+           "analyze_program", "analyze_sequence", "PipelineMemoryEstimator"]

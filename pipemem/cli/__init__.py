@@ -1,0 +1,1 @@
+"""Command-line interface: `pipemem <command>`; one module per command (cmd_<name>.py)."""

@@ -1,0 +1,231 @@
+"""`pipemem estimate`: per-rank memory of one training plan (table, JSON, plot)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import UserError
+
+EXAMPLE = """\
+examples:
+  pipemem estimate --model llama3-70b --gpu h100-80g --dp 2 --tp 8 --pp 4
+  pipemem estimate --model llama3-8b --gpu a100-80g --dp 8 --zero 1 --recompute selective --json
+  pipemem estimate --model ./my_model/config.json --seq-len 8192 --tp 4 --pp 2 --vpp 2 --plot mem.html
+  pipemem estimate --gpu h100-80g --from-megatron -- --num-layers 32 --hidden-size 4096 \\
+      --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 \\
+      --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --swiglu --bf16 --tokenizer-type Llama2Tokenizer
+  pipemem estimate --gpu gtx1080ti --from-paddlenlp -- --model_name_or_path facebook/llama-7b \\
+      --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4
+  pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
+
+Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
+Exit status 0 whether or not the plan fits (read `fits` in --json); 2 on bad input.
+"""
+
+
+def _bool_flag(p, name: str, help_: str) -> None:
+    p.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+
+
+def register(sub) -> None:
+    from ..estimate import KERNEL_POLICIES, MODES
+    from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS, RECOMPUTE
+
+    p = sub.add_parser(
+        "estimate", help="per-rank GPU memory of a training plan",
+        description="Estimate the allocated memory of every pipeline rank at every moment of the schedule, "
+                    "for a model (preset, HF config.json, or another tool's launch configuration) and a "
+                    "parallel plan; print a per-rank table, JSON, or a plot.",
+        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--model", metavar="NAME|PATH",
+                     help="preset name (see `pipemem presets`), or a Hugging Face config.json / its directory")
+    src.add_argument("--from-megatron", action="store_true",
+                     help="read Megatron-LM pretrain_gpt.py arguments given after `--`")
+    src.add_argument("--from-paddlenlp", action="store_true",
+                     help="read PaddleNLP run_pretrain arguments given after `--` (a pasted launch line works)")
+    src.add_argument("--from-torchtitan", metavar="FILE.toml", help="read a torchtitan job config")
+
+    b = p.add_argument_group("batch")
+    b.add_argument("--seq-len", type=int, metavar="N", help="sequence length (default 4096)")
+    b.add_argument("--micro-batch", type=int, metavar="N", help="sequences per microbatch (default 1)")
+    b.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all dp ranks")
+    b.add_argument("--microbatches", type=int, metavar="N", help="microbatches per pipeline per step")
+
+    par = p.add_argument_group("parallelism")
+    for flag, what in (("--dp", "data"), ("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context"),
+                       ("--ep", "expert")):
+        par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
+    par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
+    _bool_flag(par, "--sp", "sequence parallelism (default: on with tp > 1 in the megatron convention)")
+    par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
+    par.add_argument("--schedule", metavar="NAME",
+                     help="pipeline schedule (1F1B, GPipe, Interleaved1F1B, ZBH1, ZBVZeroBubble, DualPipeV, "
+                          "VPP, ... or csv:FILE); default 1F1B when pp > 1")
+
+    sh = p.add_argument_group("model states")
+    sh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over dp (default 0)")
+    sh.add_argument("--fsdp", action="store_const", const=True, default=None, help="FSDP full sharding over dp")
+    sh.add_argument("--dist-opt", action="store_const", const=True, default=None,
+                    help="Megatron distributed optimizer (optimizer states and master weights sharded over dp)")
+    sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
+    _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
+    sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+
+    act = p.add_argument_group("activations")
+    act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
+    act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
+    act.add_argument("--recompute-allgather", action="store_const", const=True, default=None,
+                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle)")
+    _bool_flag(act, "--flash-attn", "flash attention (default on)")
+    act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
+    act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
+
+    out = p.add_argument_group("GPU and output")
+    out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
+    out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
+    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (pp 1, needs torch)")
+    out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
+    out.add_argument("--explain", action="store_true", help="list what one layer keeps for backward and why")
+    p.add_argument("tool_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
+              "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
+              "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention")
+
+
+def parse_layout(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise UserError(f"--pp-layout {text!r}: write layer counts separated by commas, e.g. 7,8,8,9") from None
+    if not out or any(x < 0 for x in out):
+        raise UserError(f"--pp-layout {text!r}: layer counts must be non-negative integers, e.g. 7,8,8,9")
+    return out
+
+
+def collect(args) -> tuple[object, dict, dict, list[str]]:
+    """Flags (+ another tool's configuration) -> (model, plan kwargs, options, warnings)."""
+    from ..configs import read_megatron, read_paddlenlp, read_torchtitan
+
+    tool_args = list(args.tool_args or [])
+    if tool_args and tool_args[0] == "--":
+        tool_args = tool_args[1:]
+    sources = [s for s, on in (("--model", args.model is not None), ("--from-megatron", args.from_megatron),
+                               ("--from-paddlenlp", args.from_paddlenlp),
+                               ("--from-torchtitan", args.from_torchtitan is not None)) if on]
+    if len(sources) > 1:
+        raise UserError(f"give one model source, not {' and '.join(sources)}")
+    if not sources:
+        raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
+                        "--from-paddlenlp / --from-torchtitan")
+    if tool_args and not (args.from_megatron or args.from_paddlenlp):
+        raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
+                        "only with --from-megatron or --from-paddlenlp")
+
+    flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    if "pp_layout" in flags:
+        flags["pp_layout"] = parse_layout(flags["pp_layout"])
+    opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
+            "kernel_policy": args.kernel_policy, "explain": args.explain}
+    if args.model is not None:
+        return args.model, flags, opts, []
+
+    if args.from_megatron:
+        tool = read_megatron(tool_args)
+    elif args.from_paddlenlp:
+        tool = read_paddlenlp(tool_args)
+    else:
+        tool = read_torchtitan(args.from_torchtitan)
+    plan = merge(tool, flags)
+    if tool.model_name:
+        opts["model_name"] = tool.model_name
+    if tool.tool == "torchtitan":
+        from ..configs.torchtitan import finish_plan
+        from ..estimate import resolve_model
+        _, _, cfg = resolve_model(tool.model)
+        layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
+        plan = finish_plan(plan, int(layers))
+    return tool.model, plan, opts, list(tool.warnings)
+
+
+def merge(tool, flags: dict) -> dict:
+    """The tool's plan, completed by pipemem flags; a flag that disagrees with the tool is an error."""
+    plan = dict(tool.plan)
+    for k, v in flags.items():
+        if k in plan and not k.startswith("_") and plan[k] != v and _norm(plan[k]) != _norm(v):
+            flag = "--" + k.replace("_", "-")
+            raise UserError(f"{flag} {_show(v)} contradicts the {tool.tool} configuration ({k} = {_show(plan[k])}); "
+                            f"drop {flag} or change the configuration")
+        plan[k] = v
+    if tool.dp_unknown and "dp" not in plan:
+        plan["dp"] = 1
+        tool.warnings.append(f"{tool.tool}: the world size is not in the configuration; assuming --dp 1 "
+                             "(pass --dp N, the data-parallel degree)")
+    return plan
+
+
+def _norm(v):
+    if isinstance(v, str):
+        return v.replace("-", "").replace("_", "").lower()
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def _show(v) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, (tuple, list)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def run(args) -> int:
+    from ..estimate import estimate
+
+    model, plan, opts, warnings = collect(args)
+    if args.plot:
+        _check_plot_path(args.plot)
+    est = estimate(model, **plan, **{k: v for k, v in opts.items() if v is not None})
+    est.warnings = warnings + list(est.warnings)
+    for w in est.warnings:
+        print(f"pipemem: warning: {w}", file=sys.stderr)
+    if args.json:
+        d = est.to_dict()
+        if args.explain and est.explain is not None:
+            from ..report.text import _as_dict
+            d["explain"] = _jsonable(est.explain, _as_dict)
+        print(json.dumps(d, indent=2))
+    else:
+        from ..report.text import render
+        render(est, explain=args.explain)
+    if args.plot:
+        from ..report.plot import write_plot
+        path = write_plot(est, args.plot)
+        print(f"pipemem: plot written to {path}", file=sys.stderr)
+    return 0
+
+
+def _check_plot_path(path: str) -> None:
+    from pathlib import Path
+
+    p = Path(path)
+    if p.suffix.lower() not in (".png", ".html", ".htm"):
+        raise UserError(f"--plot {path}: give a file ending in .png or .html")
+    if not p.parent.exists():
+        raise UserError(f"--plot {path}: directory {p.parent} does not exist")
+
+
+def _jsonable(rows, as_dict):
+    if isinstance(rows, dict):
+        return {str(k): _jsonable(v, as_dict) for k, v in rows.items()}
+    if isinstance(rows, str):
+        return rows
+    return [as_dict(r) for r in rows]

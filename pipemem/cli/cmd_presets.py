@@ -1,0 +1,82 @@
+"""`pipemem presets`: the built-in model shapes and GPU capacities."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EXAMPLE = """\
+examples:
+  pipemem presets
+  pipemem presets --json
+  pipemem estimate --model mixtral-8x7b --gpu h100-80g --tp 2 --ep 4 --pp 4
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("presets", help="list built-in models and GPUs",
+                       description="List the model presets (published Hugging Face config.json shapes, shipped "
+                                   "with pipemem) and GPU presets (total device memory) that --model and --gpu "
+                                   "accept.",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def model_rows() -> list[dict]:
+    from ..model import arch_from_hf_config
+    from ..presets import load_model_config, model_names
+
+    rows = []
+    for name in model_names():
+        _, cfg = load_model_config(name)
+        a = arch_from_hf_config(cfg, name)
+        row = {"name": name, "model_type": a.model_type, "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
+               "kv_heads": a.kv_heads, "ffn": a.ffn or a.expert_ffn, "experts": a.experts, "top_k": a.top_k,
+               "vocab": a.vocab, "source": cfg.get("_pipemem_source", "")}
+        try:
+            row["params"] = a.param_count()
+        except ImportError:   # the templates package is not installed in this build
+            row["params"] = None
+        rows.append(row)
+    return rows
+
+
+def gpu_rows() -> list[dict]:
+    from ..presets import gpu_info, gpu_names
+
+    return [{k: v for k, v in gpu_info(n).items()} for n in gpu_names()]
+
+
+def run(args) -> int:
+    from ..units import fmt_bytes
+
+    models, gpus = model_rows(), gpu_rows()
+    if args.json:
+        print(json.dumps({"models": models, "gpus": gpus}, indent=2))
+        return 0
+    from rich.table import Table
+
+    from ..report.text import _console
+
+    con = _console()
+    t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False)
+    for c, j in (("name", "left"), ("type", "left"), ("params", "right"), ("layers", "right"),
+                 ("hidden", "right"), ("heads/kv", "right"), ("ffn", "right"), ("experts", "right"),
+                 ("vocab", "right")):
+        t.add_column(c, justify=j, no_wrap=True)
+    for m in models:
+        params = "-" if m["params"] is None else f"{m['params'] / 1e9:.2f} B"
+        experts = f"{m['experts']} (top {m['top_k']})" if m["experts"] else "-"
+        t.add_row(m["name"], m["model_type"], params, str(m["layers"]), str(m["hidden"]),
+                  f"{m['heads']}/{m['kv_heads']}", str(m["ffn"]), experts, str(m["vocab"]))
+    con.print(t)
+    g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False)
+    for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right")):
+        g.add_column(c, justify=j, no_wrap=True)
+    for row in gpus:
+        g.add_row(row["key"], row["name"], fmt_bytes(row["bytes"]), str(row["mib"]))
+    con.print(g)
+    con.print("GPU memory = the device total as nvidia-smi reports it; see pipemem/presets/gpus.json for sources.",
+              style="dim")
+    return 0

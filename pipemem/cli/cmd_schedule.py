@@ -1,0 +1,146 @@
+"""`pipemem schedule NAME`: per-rank action lists of a pipeline schedule, its bubble and memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..errors import UserError
+
+EXAMPLE = """\
+examples:
+  pipemem schedule 1F1B --pp 4 --microbatches 8
+  pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
+  pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4 --csv-out zb.csv
+  pipemem schedule csv:zb.csv --pp 4 --microbatches 16
+
+Memory is in units of one microbatch's retained activations on a rank (all its chunks):
+F of a chunk keeps 1/vpp, B frees it; with split backward I frees all but the weight-grad
+inputs (w = M_W/M_B, --w-ratio) and W frees the rest. Time: T_F = T_I = T_W = 1 unless --times.
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "schedule", help="per-rank actions, bubble and peak of a pipeline schedule",
+        description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
+                    "microbatch-unit jobs and a time model, and print a compact chart.",
+        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="schedule name (e.g. GPipe, 1F1B, Interleaved1F1B, ZBH1, ZBVZeroBubble, "
+                                "DualPipeV, VHalf, VMin, auto), csv:FILE or torch:NAME")
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    p.add_argument("--vpp", type=int, default=None,
+                   help="model chunks per rank (default 1; 2 for V schedules)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="MICROBATCHES",
+                   help="per-rank activation limit in microbatch units: runs the memory-limited "
+                        "zero-bubble scheduler (NAME auto)")
+    p.add_argument("--w-ratio", type=float, default=None, metavar="R",
+                   help="M_W/M_B, the share of a microbatch's activations kept from I until W "
+                        "(default 32/34, Qi et al. 2024 without the attention-score term)")
+    p.add_argument("--times", default="1,1,1", metavar="F,I,W[,COMM]",
+                   help="durations of F, I, W (B = I + W) and of a hop between ranks (default 1,1,1,0)")
+    p.add_argument("--csv-out", metavar="FILE", help="write the schedule as CSV PyTorch pipelining loads")
+    p.add_argument("--full", action="store_true", help="print every action (default: the first 40 per rank)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _parse_times(text: str):
+    from ..schedules.check import TimeModel
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) not in (3, 4) or any(v < 0 for v in vals) or min(vals[:3]) <= 0:
+        raise UserError(f"--times {text!r}: write F,I,W or F,I,W,COMM with positive durations, e.g. 1,1,1")
+    return TimeModel(F=vals[0], I=vals[1], W=vals[2], comm=vals[3] if len(vals) == 4 else 0.0)
+
+
+def _label(a, schedule) -> str:
+    if schedule.vpp == 1:
+        return f"{a.kind}{a.microbatch}"
+    chunk = schedule.chunk_of(a.stage)
+    if schedule.vpp == 2:
+        return f"{a.kind if chunk == 0 else a.kind.lower()}{a.microbatch}"
+    return f"{a.kind}{a.microbatch}.{chunk}"
+
+
+def _num(x) -> float:
+    return round(float(x), 4)
+
+
+def run(args) -> int:
+    from ..replay import replay
+    from ..schedules import default_vpp, get_schedule
+    from ..schedules.check import check_schedule
+    from ..schedules.unit_jobs import DEFAULT_W_RATIO, unit_jobs
+
+    if args.pp < 1 or args.microbatches < 1:
+        raise UserError("--pp and --microbatches must be at least 1")
+    if args.w_ratio is not None and not 0 <= args.w_ratio <= 1:
+        raise UserError(f"--w-ratio {args.w_ratio}: give a share between 0 and 1, e.g. 0.94")
+    if args.memory_limit is not None and args.memory_limit <= 0:
+        raise UserError("--memory-limit must be a positive number of microbatches, e.g. 4")
+    times = _parse_times(args.times)
+    name = args.name
+    if args.memory_limit is not None and not name.lower().startswith(("csv:", "torch:")):
+        from ..schedules import canonical_name
+        if canonical_name(name) not in ("ZBAuto", "ZBVPP"):
+            raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
+    vpp = args.vpp if args.vpp is not None else default_vpp(name)
+    w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
+    if name.lower() in ("auto", "zbauto", "zbvpp"):
+        from fractions import Fraction
+        from ..schedules.zb_scheduler import memory_limited_schedule
+        w_exact = Fraction(w).limit_denominator(10**6)
+        jobs = unit_jobs(args.pp * vpp, vpp, w_exact, (times.F, times.I, times.W))
+        limit = args.memory_limit
+        if name.lower() == "zbvpp":
+            if vpp != 2:
+                raise UserError(f"ZBVPP runs 2 chunks per rank: pass --vpp 2 (got {vpp})")
+            limit = args.pp if limit is None else limit
+        sched = memory_limited_schedule(args.pp, args.microbatches, jobs, times, limit, vpp=vpp,
+                                        name="ZBVPP" if name.lower() == "zbvpp" else "ZBAuto")
+    else:
+        sched = get_schedule(name, args.pp, args.microbatches, vpp)
+    check_schedule(sched, times)
+    jobs = unit_jobs(sched.num_stages, sched.vpp, w, (times.F, times.I, times.W))
+    res = replay(sched, jobs, None, times=times)
+    if args.csv_out:
+        from ..schedules.csv_io import write_csv
+        write_csv(sched, args.csv_out)
+    if args.json:
+        out = {"schedule": sched.name, "pp": sched.pp, "vpp": sched.vpp, "microbatches": sched.microbatches,
+               "placement": sched.placement, "split_backward": sched.split_backward,
+               "w_ratio": _num(w), "memory_limit": args.memory_limit,
+               "times": {"F": times.F, "I": times.I, "W": times.W, "comm": times.comm},
+               "makespan": res.makespan, "bubble_ratio": res.bubble_ratio,
+               "stage_bubble_ratio": res.stage_bubble_ratio,
+               "peak_microbatches": _num(max(r.peak_allocated_bytes for r in res.ranks)),
+               "ranks": [{"pp_rank": r, "stages": sched.stages_of_rank(r),
+                          "actions": [str(a) for a in acts],
+                          "max_inflight": rr.max_inflight, "peak_microbatches": _num(rr.peak_allocated_bytes),
+                          "peak_at": rr.peak_at}
+                         for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))]}
+        if sched.notes:
+            out["notes"] = sched.notes
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
+          f"{sched.microbatches} microbatches, {sched.num_actions} actions"
+          + (", split backward (I/W)" if sched.split_backward else ""))
+    if sched.notes:
+        print(f"  {sched.notes}")
+    limit = None if args.full else 40
+    for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
+        shown = acts if limit is None else acts[:limit]
+        tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
+        print(f"rank {r:>2}  peak {float(rr.peak_allocated_bytes):6.3f} mb at {rr.peak_at:<9} "
+              f"in-flight {rr.max_inflight:>3} | " + " ".join(_label(a, sched) for a in shown) + tail)
+    print(f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
+          f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
+          f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}")
+    print(f"peak {float(max(r.peak_allocated_bytes for r in res.ranks)):.3f} microbatches of activations "
+          f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else ""))
+    return 0

@@ -1,0 +1,64 @@
+"""Entry point of the `pipemem` command.
+
+Each subcommand lives in `pipemem/cli/cmd_<name>.py` with `register(subparsers)` and
+`run(args) -> int`; they are discovered here so commands can be added without touching
+this file. Heavy libraries are imported inside `run`, so `pipemem --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from ..errors import UserError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line (no usage dump) with exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="pipemem",
+        description="Per-rank GPU memory of distributed training, at every moment of the pipeline schedule.",
+        epilog="Example: pipemem estimate --model llama3-70b --gpu h100-80g --tp 8 --pp 4 --dp 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pipemem {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    from . import __path__ as cli_path
+    for info in sorted(pkgutil.iter_modules(cli_path), key=lambda m: m.name):
+        if info.name.startswith("cmd_"):
+            importlib.import_module(f"{__package__}.{info.name}").register(sub)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"pipemem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pipemem: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""PaddleNLP `run_pretrain*.py` arguments (llm/ and auto-parallel trainers) -> pipemem plan.
+
+Degrees follow PaddleNLP's TrainingArguments: world = dp * sharding * tp * pp * sep, and
+`gradient_accumulation_steps` is the number of microbatches per pipeline when pp > 1.
+Precision: `--bf16 1` or `--fp16 1` turn on AMP; with neither, training is fp32 whatever
+`--fp16_opt_level` says (the level only applies once AMP is on).
+"""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from . import ToolConfig
+from .argv import parse
+
+TOOL = "PaddleNLP"
+
+# Arguments that change memory and that we read.
+KNOWN = {
+    "model_name_or_path", "model_type", "max_seq_length", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "tensor_parallel_degree", "pipeline_parallel_degree",
+    "virtual_pp_degree", "sharding_parallel_degree", "sharding", "data_parallel_degree",
+    "sep_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
+    "sequence_parallel", "fp16", "bf16", "fp16_opt_level", "recompute", "recompute_granularity",
+    "pp_recompute_interval", "use_flash_attention", "pipeline_schedule_mode", "num_hidden_layers",
+    "global_batch_size", "amp_master_grad", "optim", "world_size",
+}
+# Arguments that do not change the estimate (paths, logging, schedule of the LR, fusions
+# whose saved tensors equal the unfused ones' in our model).
+IGNORED = {
+    "tokenizer_name_or_path", "input_dir", "output_dir", "split", "per_device_eval_batch_size",
+    "scale_loss", "learning_rate", "min_learning_rate", "max_steps", "save_steps", "weight_decay",
+    "warmup_ratio", "warmup_steps", "max_grad_norm", "logging_steps", "dataloader_num_workers",
+    "eval_steps", "report_to", "disable_tqdm", "continue_training", "do_train", "do_eval",
+    "do_predict", "device", "data_impl", "enable_auto_parallel", "use_fused_rms_norm",
+    "use_fused_rope", "use_fused_linear", "fuse_attention_qkv", "fuse_attention_ffn", "seed",
+    "skip_memory_metrics", "data_cache", "lr_scheduler_type", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "save_total_limit", "logging_dir", "overwrite_output_dir", "num_train_epochs",
+    "run_name", "to_static", "skip_profile_timer", "tensor_parallel_config", "pipeline_parallel_config",
+    "sharding_parallel_config", "data_parallel_config", "recompute_use_reentrant", "unified_checkpoint",
+    "save_strategy", "evaluation_strategy", "eval_accumulation_steps", "max_evaluate_steps",
+    "use_fast_layer_norm", "virtual_pipeline_seg_method", "distributed_dataloader",
+    "sequence_parallel_config", "auto_parallel_resume_form_hybrid_parallel", "max_position_embeddings",
+    "use_fused_dropout_add", "tokenizer", "fp16_full_eval", "ignore_data_skip", "dataset_world_size",
+    "enable_linear_fused_grad_add", "sharding_comm_buffer_size_MB", "pipeline_parallel_config",
+}
+
+_SCHEDULES = {"1f1b": "1F1B", "fthenb": "FThenB", "vpp": "VPP", "eager1f1b": "Eager1F1B",
+              "zbh1": "ZBH1", "zbvpp": "ZBVPP", "zbv": "ZBVZeroBubble"}
+
+
+def read(argv: list[str]) -> ToolConfig:
+    a = parse(list(argv), TOOL)
+    if not a.values:
+        raise UserError("--from-paddlenlp: no arguments after `--`; paste the run_pretrain.py arguments, e.g. "
+                        "pipemem estimate --from-paddlenlp -- --model_name_or_path facebook/llama-7b ...")
+    warnings: list[str] = []
+    plan: dict = {"convention": "paddle"}
+
+    model = a.str("model_name_or_path")
+    if not model:
+        raise UserError("--from-paddlenlp: --model_name_or_path is required (a preset, hub id or config dir)")
+    layers = a.int("num_hidden_layers")
+    if layers is not None:
+        plan["layers"] = layers
+
+    seq = a.int("max_seq_length")
+    if seq is not None:
+        plan["seq_len"] = seq
+    mb = a.int("per_device_train_batch_size")
+    if mb is not None:
+        plan["micro_batch"] = mb
+
+    tp = a.int("tensor_parallel_degree") or 1
+    pp = a.int("pipeline_parallel_degree") or 1
+    sharding_degree = a.int("sharding_parallel_degree") or 1
+    sep = a.int("sep_parallel_degree") or a.int("context_parallel_degree") or 1
+    dp_degree = a.int("data_parallel_degree")
+    world = a.int("world_size") or a.world_size
+    if dp_degree is None:
+        if world is not None:
+            model_par = tp * pp * sharding_degree * sep
+            if world % model_par:
+                raise UserError(f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sharding*sep "
+                                f"degrees = {model_par}")
+            dp_degree = world // model_par
+        else:
+            dp_degree = 1
+    plan.update(tp=tp, pp=pp, cp=sep, dp=dp_degree * sharding_degree)
+    ep = a.int("expert_parallel_degree")
+    if ep is not None:
+        plan["ep"] = ep
+    vpp = a.int("virtual_pp_degree")
+    if vpp is not None:
+        plan["vpp"] = vpp
+
+    stage = (a.str("sharding") or "").lower()
+    if sharding_degree > 1 and stage:
+        levels = {int(s[-1]) for s in stage.split() if s.startswith("stage") and s[-1:].isdigit()}
+        if not levels:
+            raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
+        plan["zero"] = max(levels)
+        if dp_degree > 1:
+            warnings.append(f"{TOOL}: data_parallel_degree {dp_degree} x sharding_parallel_degree "
+                            f"{sharding_degree}: ZeRO states are modelled as sharded over all "
+                            f"{dp_degree * sharding_degree} data-parallel ranks (PaddleNLP shards over "
+                            f"{sharding_degree} only)")
+
+    sp = a.bool("sequence_parallel")
+    if sp is not None:
+        plan["sp"] = sp
+
+    fp16 = a.bool("fp16")
+    bf16 = a.bool("bf16")
+    if fp16 and bf16:
+        raise UserError(f"{TOOL}: --fp16 and --bf16 are both on; choose one")
+    if fp16 or bf16:
+        plan["dtype"] = "bf16" if bf16 else "fp16"
+        level = (a.str("fp16_opt_level") or "O1").upper()
+        # O2 keeps fp16/bf16 weights with fp32 master weights; O1 keeps fp32 weights and casts.
+        plan["master_weights"] = True
+        if level not in ("O1", "O2"):
+            raise UserError(f"{TOOL}: --fp16_opt_level {level!r}: expected O1 or O2")
+        if level == "O1":
+            warnings.append(f"{TOOL}: --fp16_opt_level O1 keeps fp32 weights and casts per op; "
+                            "modelled as O2 (half weights + fp32 master weights)")
+    else:
+        plan["dtype"] = "fp32"
+        plan["master_weights"] = False
+    a.str("fp16_opt_level")
+
+    rec = a.bool("recompute")
+    gran = (a.str("recompute_granularity") or "full").lower()
+    if rec:
+        if gran not in ("full", "full_attn", "core_attn"):
+            raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, full_attn or core_attn")
+        plan["recompute"] = gran
+        interval = a.int("pp_recompute_interval", minimum=0)
+        if interval and interval > 1:
+            warnings.append(f"{TOOL}: pp_recompute_interval {interval} (recompute every {interval}th layer) "
+                            "is modelled as recomputing every layer")
+    elif rec is False:
+        plan["recompute"] = "none"
+
+    flash = a.bool("use_flash_attention")
+    if flash is not None:
+        plan["flash_attn"] = flash
+
+    sched = a.str("pipeline_schedule_mode")
+    if sched:
+        key = sched.replace("-", "").replace("_", "").lower()
+        plan["schedule"] = _SCHEDULES.get(key, sched)
+
+    accum = a.int("gradient_accumulation_steps")
+    gbs = a.int("global_batch_size")
+    if accum is not None and gbs is not None:
+        expected = accum * (mb or 1) * plan["dp"]
+        if gbs != expected:
+            raise UserError(f"{TOOL}: --global_batch_size {gbs} contradicts gradient_accumulation_steps "
+                            f"{accum} x per_device_train_batch_size {mb or 1} x data parallel {plan['dp']} "
+                            f"= {expected}")
+    if accum is not None:
+        plan["microbatches"] = accum
+    elif gbs is not None:
+        plan["global_batch"] = gbs
+
+    optim = a.str("optim")
+    if optim:
+        o = optim.lower()
+        plan["optimizer"] = "adamw" if o.startswith("adamw") else ("sgd" if o == "sgd" else "adamw")
+    a.bool("amp_master_grad")
+    a.str("model_type")
+
+    unknown = a.unknown(KNOWN, IGNORED)
+    if unknown:
+        warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
+    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL)

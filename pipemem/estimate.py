@@ -1,0 +1,318 @@
+"""`pipemem.estimate(model, **plan)`: the per-rank memory of one training plan.
+
+This module only wires the engine together and packages its answer; every number comes
+from the stage jobs (templates or traced programs, through liveness) and the schedule
+replay. Flow: model (preset / config.json / dict) -> ArchSpec -> validated ParallelPlan ->
+stage jobs + static bytes -> schedule -> replay per rank -> `Estimate`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from .errors import UserError
+from .jobs import JobMemory, StaticBytes
+from .plan import ParallelPlan
+
+MODES = ("templates", "traced")
+KERNEL_POLICIES = ("cuda", "cpu")
+# keyword arguments of estimate() that are not plan fields
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name")
+JOB_KEYS = ("F", "B", "W", "optimizer")
+
+
+@dataclass
+class TimelinePoint:
+    """One action of a rank's replay: allocated bytes (static included) before, at the peak
+    inside the action, and after it."""
+
+    label: str
+    before: int
+    peak: int
+    after: int
+
+
+@dataclass
+class RankEstimate:
+    pp_rank: int
+    static: StaticBytes
+    peak_allocated_bytes: int
+    peak_at: str
+    activation_hwm_bytes: int
+    inflight: int
+    jobs: dict[str, JobMemory | None]
+    stages: list[int] = field(default_factory=list)
+    stage_jobs: list[dict] = field(default_factory=list)
+    timeline: list[TimelinePoint] = field(default_factory=list)
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the action at the peak needs above the static state and the stored activations."""
+        return max(0, self.peak_allocated_bytes - self.static.total - self.activation_hwm_bytes)
+
+    def headroom(self, gpu_bytes: int | None) -> int | None:
+        return None if gpu_bytes is None else gpu_bytes - self.peak_allocated_bytes
+
+    def to_dict(self, gpu_bytes: int | None) -> dict:
+        jobs = {k: (v.to_dict() if v is not None else None) for k, v in self.jobs.items()}
+        head = self.headroom(gpu_bytes)
+        return {
+            "pp_rank": self.pp_rank,
+            "stages": list(self.stages),
+            "static_bytes": self.static.to_dict(),
+            "activation_hwm_bytes": self.activation_hwm_bytes,
+            "inflight": self.inflight,
+            "transient_bytes": self.transient_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_at": self.peak_at,
+            "headroom_bytes": head,
+            "fits": None if head is None else head >= 0,
+            "jobs": jobs,
+            "stage_jobs": self.stage_jobs,
+        }
+
+
+@dataclass
+class Estimate:
+    model_name: str
+    model_source: str
+    arch: Any                      # pipemem.model.ArchSpec
+    plan: ParallelPlan
+    mode: str
+    schedule: str
+    ranks: list[RankEstimate]
+    gpu_name: str | None = None
+    gpu_memory_bytes: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    explain: Any = None            # stages.layer_explain rows when asked for
+    world_size: int = 1
+
+    @property
+    def max_peak_allocated_bytes(self) -> int:
+        return max(r.peak_allocated_bytes for r in self.ranks)
+
+    @property
+    def worst_rank(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.peak_allocated_bytes)
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes - self.max_peak_allocated_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        h = self.headroom_bytes
+        return None if h is None else h >= 0
+
+    def to_dict(self) -> dict:
+        from . import __version__
+
+        plan = asdict(self.plan)
+        if plan.get("pp_layout") is not None:
+            plan["pp_layout"] = list(plan["pp_layout"])
+        a = self.arch
+        return {
+            "pipemem_version": __version__,
+            "model": {"name": self.model_name, "source": self.model_source, "model_type": a.model_type,
+                      "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+                      "head_dim": a.head_dim, "ffn": a.ffn, "vocab": a.vocab, "experts": a.experts,
+                      "top_k": a.top_k, "tied_embeddings": a.tied_embeddings},
+            "plan": plan,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "schedule": self.schedule,
+            "gpu": self.gpu_name,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "ranks": [r.to_dict(self.gpu_memory_bytes) for r in self.ranks],
+            "max_peak_allocated_bytes": self.max_peak_allocated_bytes,
+            "worst_rank": self.worst_rank.pp_rank,
+            "headroom_bytes": self.headroom_bytes,
+            "fits": self.fits,
+            "warnings": list(self.warnings),
+        }
+
+
+# ---------------------------------------------------------------- inputs
+
+def resolve_model(model: str | Mapping, name: str = "") -> tuple[str, str, dict]:
+    """Preset name / hub alias / config path / config dict -> (name, source, HF config dict)."""
+    from .presets import load_model_config
+
+    if isinstance(model, Mapping):
+        cfg = dict(model)
+        return name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"), "dict", cfg
+    if not isinstance(model, str):
+        raise UserError(f"model must be a preset name, a config.json path or a config dict, "
+                        f"got {type(model).__name__}")
+    display, cfg = load_model_config(model)
+    return name or display, str(cfg.get("_pipemem_source") or model), cfg
+
+
+def split_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """estimate() keyword arguments -> (plan fields, options); unknown names are a UserError."""
+    fields_ = set(ParallelPlan.field_names())
+    plan, opts = {}, {}
+    for k, v in kwargs.items():
+        if k in OPTIONS:
+            opts[k] = v
+        elif k in fields_:
+            plan[k] = v
+        else:
+            near = difflib.get_close_matches(k, sorted(fields_ | set(OPTIONS)), n=2)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise UserError(f"estimate(): unknown argument {k!r}{hint}")
+    return plan, opts
+
+
+def default_schedule(plan: ParallelPlan) -> str:
+    if plan.vpp > 1:
+        return "Interleaved1F1B" if plan.convention == "torchtitan" else "VPP"
+    return "1F1B"
+
+
+def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None, int | None]:
+    from .presets import gpu_info
+
+    if gpu is not None and gpu_memory is not None:
+        raise UserError("give --gpu NAME or --gpu-memory GIB, not both")
+    if gpu is not None:
+        info = gpu_info(gpu)
+        return info["key"], int(info["bytes"])
+    if gpu_memory is not None:
+        if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
+            raise UserError(f"--gpu-memory {gpu_memory!r}: expected a positive number of GiB, e.g. 80")
+        return f"{gpu_memory:g} GiB", int(round(gpu_memory * (1 << 30)))
+    return None, None
+
+
+# ---------------------------------------------------------------- the estimate
+
+def estimate(model: str | Mapping, **kwargs) -> Estimate:
+    """Per-rank memory of training `model` with the plan given as keyword arguments (the CLI's
+    flag names with underscores: `tp=8, pp=4, micro_batch=1, recompute="full", gpu="h100-80g"`)."""
+    plan_kw, opts = split_kwargs(kwargs)
+    mode = opts.get("mode") or "templates"
+    if mode not in MODES:
+        raise UserError(f"--mode {mode!r}: expected one of {', '.join(MODES)}")
+    policy = opts.get("kernel_policy") or "cuda"
+    if policy not in KERNEL_POLICIES:
+        raise UserError(f"--kernel-policy {policy!r}: expected one of {', '.join(KERNEL_POLICIES)}")
+    gpu_name, gpu_bytes = gpu_capacity(opts.get("gpu"), opts.get("gpu_memory"))
+    name, source, config = resolve_model(model, opts.get("model_name") or "")
+
+    plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
+    if isinstance(plan_kw.get("pp_layout"), list):
+        plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
+
+    from .model import arch_from_hf_config
+
+    arch = arch_from_hf_config(config, name)
+    try:
+        plan = ParallelPlan(**plan_kw)
+    except TypeError as e:   # a wrong type slipped through from the Python API
+        raise UserError(f"estimate(): {e}") from None
+    if mode == "traced":
+        return _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
+    return _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
+
+
+def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
+    from dataclasses import replace
+
+    from .plan import validate_plan
+    from .replay import replay
+    from .schedules import canonical_name, default_vpp, get_schedule
+    from .stages import build_stage_jobs, layer_explain
+
+    sched_name = plan.schedule or default_schedule(plan)
+    if not sched_name.lower().startswith(("csv:", "torch:")):
+        sched_name = canonical_name(sched_name)
+        if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
+            plan = replace(plan, vpp=default_vpp(sched_name))   # V schedules: 2 chunks per rank
+    plan = validate_plan(arch, replace(plan, schedule=sched_name))
+    if plan.layers is not None and plan.layers != arch.layers:
+        arch = arch.with_layers(plan.layers)
+    schedule = get_schedule(sched_name, plan.pp, plan.microbatches, vpp=plan.vpp)
+    style = "v" if schedule.placement == "v" else "interleaved"
+    stage_plan = build_stage_jobs(arch, plan, style=style)
+    result = replay(schedule, stage_plan.stages, stage_plan.static, optimizer_jobs=stage_plan.optimizer,
+                    simulate_time=False)
+    ranks = [_rank_from_replay(r, schedule, stage_plan) for r in result.ranks]
+    explain = layer_explain(arch, plan) if opts.get("explain") else None
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="templates",
+                    schedule=schedule.name, ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
+                    explain=explain, world_size=_world(plan))
+
+
+def _world(plan: ParallelPlan) -> int:
+    return plan.dp * plan.tp * plan.pp * plan.cp
+
+
+def _rank_from_replay(r, schedule, stage_plan) -> RankEstimate:
+    rank = r.pp_rank
+    stage_ids = schedule.stages_of_rank(rank)
+    stage_objs = [stage_plan.stages[s] for s in stage_ids]
+    jobs: dict[str, JobMemory | None] = {}
+    for kind in ("F", "B", "I", "W"):
+        cands = [getattr(s, kind, None) for s in stage_objs]
+        cands = [c for c in cands if c is not None]
+        # a rank with several chunks reports, per kind, its chunk with the largest peak
+        jobs[kind] = max(cands, key=lambda j: j.peak_bytes) if cands else None
+    opt = stage_plan.optimizer[rank] if stage_plan.optimizer else None
+    jobs["optimizer"] = opt
+    per_stage = []
+    for s in stage_objs:
+        row = {"stage": s.stage, "layers": list(s.layers)}
+        for kind in ("F", "B", "I", "W"):
+            j = getattr(s, kind, None)
+            row[kind] = j.to_dict() if j is not None else None
+        per_stage.append(row)
+    return RankEstimate(
+        pp_rank=rank, static=stage_plan.static[rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
+        peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
+        jobs=jobs, stages=list(stage_ids), stage_jobs=per_stage, timeline=_timeline(r))
+
+
+def _timeline(r) -> list[TimelinePoint]:
+    tl = getattr(r, "timeline", None) or []
+    out = []
+    for p in tl:
+        if isinstance(p, TimelinePoint):
+            out.append(p)
+        elif isinstance(p, (tuple, list)):
+            out.append(TimelinePoint(str(p[0]), int(p[1]), int(p[2]), int(p[3])))
+        elif isinstance(p, Mapping):
+            out.append(TimelinePoint(str(p.get("label", p.get("action", ""))), int(p["before"]),
+                                     int(p["peak"]), int(p["after"])))
+        else:
+            label = getattr(p, "label", None) or str(getattr(p, "action", ""))
+            out.append(TimelinePoint(label, int(p.before), int(p.peak), int(p.after)))
+    return out
+
+
+def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+    from .plan import validate_plan
+
+    if plan.pp != 1 or plan.vpp != 1:
+        raise UserError("--mode traced runs one whole model on one rank: use --pp 1 (templates mode "
+                        "handles pipeline parallelism)")
+    plan = validate_plan(arch, plan)
+    from .traced import traced_estimate
+
+    t = traced_estimate(config, plan, policy)
+    jobs = {k: None for k in ("F", "B", "I", "W")}
+    tj = getattr(t, "jobs", {}) or {}
+    for k, v in (tj.items() if isinstance(tj, Mapping) else []):
+        if k in jobs:
+            jobs[k] = v
+    jobs["optimizer"] = getattr(t, "optimizer", None)
+    static = t.static
+    act = getattr(t, "activation_hwm_bytes", None) or 0
+    rank = RankEstimate(pp_rank=0, static=static, peak_allocated_bytes=int(t.peak_allocated_bytes),
+                        peak_at=str(t.peak_at), activation_hwm_bytes=int(act), inflight=1, jobs=jobs,
+                        stages=[0], timeline=_timeline(t))
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
+                    schedule="none (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
+                    world_size=_world(plan))

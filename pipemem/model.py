@@ -1,0 +1,233 @@
+"""Architecture spec of a decoder-only transformer, read from a Hugging Face ``config.json``.
+
+`ArchSpec` holds what the templates need to generate one rank's op-level programs: sizes
+(layers, hidden, heads, KV heads, head dim, FFN, experts, vocab), kinds (norm, activation,
+position embedding) and switches (biases, tied embeddings, dropout, QK-norm, parallel
+residual). It is frozen and hashable, so program caches can key on it.
+
+The vocabulary is stored unpadded; each framework convention pads it its own way
+(`pipemem.templates.conventions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from .errors import UserError
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
+
+# model_type -> family handled by the same reader.
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "internlm2", "yi"}
+_MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
+MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    name: str
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int                       # dense FFN width (intermediate size)
+    vocab: int                     # unpadded
+    norm: str = "rmsnorm"
+    activation: str = "swiglu"
+    position: str = "rope"         # rope | learned
+    max_positions: int = 0
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False         # attention output projection bias
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
+    attn_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    embd_dropout: float = 0.0
+    # Mixture of experts (experts == 0: dense model)
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0        # count of shared experts (width shared_ffn each, fused)
+    shared_ffn: int = 0
+    dense_layers: tuple[int, ...] = ()   # layer indices that stay dense in a MoE model
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.experts > 0 and index not in self.dense_layers
+
+    @property
+    def attn_width(self) -> int:
+        return self.heads * self.head_dim
+
+    def with_layers(self, layers: int) -> "ArchSpec":
+        """The same model with `layers` decoder layers (``--layers N``)."""
+        dense = tuple(i for i in self.dense_layers if i < layers)
+        return replace(self, layers=layers, dense_layers=dense)
+
+    def param_count(self) -> int:
+        """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
+        from .templates.params import layer_param_shapes, embedding_param_shapes  # local: layer order
+        total = sum(_prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items())
+        for i in range(self.layers):
+            total += sum(_prod(s) for _, (s, _e) in layer_param_shapes(self, i, tp=1, etp=1, ep=1).items())
+        return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class _Reader:
+    """Reads keys from a config dict; a missing required key is a UserError naming it."""
+
+    def __init__(self, config: Mapping[str, Any], name: str):
+        self.c = config
+        self.name = name or str(config.get("_name_or_path") or config.get("model_type") or "model")
+
+    def req(self, *keys: str) -> Any:
+        for k in keys:
+            v = self.c.get(k)
+            if v is not None:
+                return v
+        alts = " or ".join(repr(k) for k in keys)
+        raise UserError(f"config of {self.name}: missing key {alts} (model_type {self.c.get('model_type')!r})")
+
+    def opt(self, key: str, default: Any) -> Any:
+        v = self.c.get(key)
+        return default if v is None else v
+
+    def pos_int(self, *keys: str) -> int:
+        v = self.req(*keys)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise UserError(f"config of {self.name}: {keys[0]!r} must be a positive integer, got {v!r}")
+        return v
+
+
+def _activation(act: str, gated: bool, name: str) -> str:
+    a = str(act).lower()
+    if a in ("silu", "swish"):
+        return "swiglu" if gated else "gelu"  # ungated silu is rare; treat like gelu (same saves)
+    if a.startswith("gelu"):
+        return "geglu" if gated else "gelu"
+    if a == "relu":
+        return "relu"
+    raise UserError(f"config of {name}: activation {act!r} not supported; use silu, gelu or relu")
+
+
+def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
+    """ArchSpec from a Hugging Face config dict (the contents of ``config.json``)."""
+    if not isinstance(config, Mapping):
+        raise UserError("model config must be a JSON object (the contents of an HF config.json)")
+    r = _Reader(config, name)
+    mt = config.get("model_type")
+    if mt is None:
+        raise UserError(f"config of {r.name}: missing key 'model_type'; supported: {', '.join(MODEL_TYPES)}")
+    mt = str(mt).lower()
+    if mt == "gpt2":
+        return _gpt2(r)
+    if mt == "gpt_neox":
+        return _gpt_neox(r)
+    if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
+        return _llama_like(r, mt)
+    raise UserError(f"config of {r.name}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+
+
+def _gpt2(r: _Reader) -> ArchSpec:
+    hidden = r.pos_int("n_embd", "hidden_size")
+    heads = r.pos_int("n_head", "num_attention_heads")
+    _check_div(r, hidden, heads, "n_embd", "n_head")
+    inner = r.opt("n_inner", None) or 4 * hidden
+    return ArchSpec(
+        name=r.name, model_type="gpt2", layers=r.pos_int("n_layer", "num_hidden_layers"), hidden=hidden,
+        heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=int(inner), vocab=r.pos_int("vocab_size"),
+        norm="layernorm", activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
+        position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
+        attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
+        embd_dropout=float(r.opt("embd_pdrop", 0.1)))
+
+
+def _gpt_neox(r: _Reader) -> ArchSpec:
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
+    return ArchSpec(
+        name=r.name, model_type="gpt_neox", layers=r.pos_int("num_hidden_layers"), hidden=hidden, heads=heads,
+        kv_heads=heads, head_dim=hidden // heads, ffn=r.pos_int("intermediate_size"), vocab=r.pos_int("vocab_size"),
+        norm="layernorm", activation=_activation(r.opt("hidden_act", "gelu"), False, r.name), position="rope",
+        max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        qkv_bias=bool(r.opt("attention_bias", True)), out_bias=bool(r.opt("attention_bias", True)), mlp_bias=True,
+        parallel_residual=bool(r.opt("use_parallel_residual", True)),
+        attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=float(r.opt("hidden_dropout", 0.0)))
+
+
+def _llama_like(r: _Reader, mt: str) -> ArchSpec:
+    c = r.c
+    if c.get("kv_lora_rank") or c.get("q_lora_rank"):
+        raise UserError(f"config of {r.name}: multi-head latent attention (key 'kv_lora_rank') is not supported "
+                        "by template mode; use a config without MLA")
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    kv = int(r.opt("num_key_value_heads", heads))
+    if kv <= 0 or heads % kv:
+        raise UserError(f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+                        f"num_attention_heads={heads}")
+    head_dim = c.get("head_dim")
+    if head_dim is None:
+        _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
+        head_dim = hidden // heads
+    layers = r.pos_int("num_hidden_layers")
+    experts = top_k = expert_ffn = shared = shared_ffn = 0
+    dense_layers: tuple[int, ...] = ()
+    if mt in _MOE_LLAMA_LIKE:
+        experts = int(r.req("num_local_experts", "num_experts", "n_routed_experts"))
+        top_k = int(r.req("num_experts_per_tok", "num_experts_per_token"))
+        if experts <= 0 or not 0 < top_k <= experts:
+            raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+        if mt == "mixtral":
+            expert_ffn = r.pos_int("intermediate_size")
+        else:
+            expert_ffn = r.pos_int("moe_intermediate_size")
+        if mt == "qwen2_moe":
+            shared_ffn = int(r.opt("shared_expert_intermediate_size", 0))
+            shared = 1 if shared_ffn else 0
+        elif mt.startswith("deepseek"):
+            shared = int(r.opt("n_shared_experts", 0))
+            shared_ffn = expert_ffn if shared else 0
+        first_dense = int(r.opt("first_k_dense_replace", 0))
+        step = int(r.opt("decoder_sparse_step", r.opt("moe_layer_freq", 1)) or 1)
+        mlp_only = set(r.opt("mlp_only_layers", []) or [])
+        dense_layers = tuple(i for i in range(layers)
+                             if i < first_dense or i in mlp_only or (step > 1 and (i + 1) % step != 0))
+    needs_dense_ffn = experts == 0 or bool(dense_layers)
+    ffn = r.pos_int("intermediate_size") if needs_dense_ffn or "intermediate_size" in c else 0
+    qkv_bias = bool(r.opt("attention_bias", mt in ("qwen2", "qwen2_moe")))
+    return ArchSpec(
+        name=r.name, model_type=mt, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=int(head_dim),
+        ffn=ffn, vocab=r.pos_int("vocab_size"), norm="rmsnorm",
+        activation=_activation(r.opt("hidden_act", r.opt("hidden_activation", "silu")), True, r.name),
+        position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
+        mlp_bias=bool(r.opt("mlp_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe"),
+        attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
+        experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
+        dense_layers=dense_layers)
+
+
+def _check_div(r: _Reader, a: int, b: int, ka: str, kb: str) -> None:
+    if a % b:
+        raise UserError(f"config of {r.name}: {ka}={a} is not divisible by {kb}={b}; add 'head_dim' to the config")

@@ -1,0 +1,114 @@
+"""pipemem vs Paddle's own `PipelineMemoryEstimator` vs a measurement, on the same programs.
+
+For one case: bind the dynamic dims, split the main program by op role, then
+(a) pipemem: capture to IR and walk `analyze_sequence` (carrying what later sub-programs
+    read, freeing everything else after its last use);
+(b) Paddle: `paddle.distributed.passes.pass_utils.PipelineMemoryEstimator` on the very
+    same sub-programs, with the one-method dist_context it needs;
+(c) the measurement (`pipemem.paddle.measure`).
+Rows: one per sub-program and quantity (net, peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..liveness import analyze_sequence
+from .capture import resolve_shapes, to_ir
+from .split import SUB_PROGRAM_TYPES, split_program
+
+# Paddle's estimator asserts that a job typed "backward" keeps nothing for later jobs:
+# true in its pipeline passes, where gradient merge makes the grads persistable, false
+# in a plain step, where the optimizer reads the grads. The type names are only dict keys
+# to it otherwise, so it gets these.
+_PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "optimizer": "O"}
+
+
+@dataclass
+class Row:
+    name: str
+    measured_bytes: int
+    estimated_bytes: int
+    rel_error: float | None
+    paddle_estimated_bytes: int | None
+    paddle_rel_error: float | None
+    peak_op: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rel_error(estimated: int | None, measured: int) -> float | None:
+    """(estimated - measured) / |measured|; 0 when both are 0, None when undefined."""
+    if estimated is None:
+        return None
+    if measured == 0:
+        return 0.0 if estimated == 0 else None
+    return (estimated - measured) / abs(measured)
+
+
+class _SerialDistOp:
+    def __init__(self, op):
+        self._op = op
+
+    def get_serial_input(self, name):
+        return self._op.block._var_recursive(name)
+
+    get_serial_output = get_serial_input
+
+
+class SerialDistContext:
+    """The part of a dist_context Paddle's estimator calls, for a single-rank program."""
+
+    def get_dist_op_for_program(self, op):
+        return _SerialDistOp(op)
+
+
+def paddle_estimates(sub_programs: dict) -> dict[str, tuple[int, int]]:
+    """{type: (net, peak)} from Paddle's own PipelineMemoryEstimator."""
+    from paddle.distributed.passes.pass_utils import PipelineMemoryEstimator
+
+    est = PipelineMemoryEstimator()
+    keyed = {_PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
+    est.set_program_skip_gc_vars(keyed, list(keyed))
+    ctx = SerialDistContext()
+    return {t: tuple(int(v) for v in est.estimate_memory(p, _PADDLE_TYPE_KEYS[t], ctx))
+            for t, p in sub_programs.items()}
+
+
+def pipemem_estimates(sub_programs: dict, name_prefix: str = "") -> dict:
+    """{type: ProgramMemory} from pipemem's liveness over the captured IR."""
+    programs = to_ir(sub_programs, name_prefix=name_prefix)
+    return {p.type: r for p, r in zip(programs, analyze_sequence(programs))}
+
+
+def compare_case(case, measure: bool = True) -> list[Row]:
+    from .measure import measure_step
+
+    feed_shapes = {n: list(a.shape) for n, a in case.feeds.items()}
+    resolved = resolve_shapes(case.main, feed_shapes=feed_shapes)
+    subs = split_program(resolved, SUB_PROGRAM_TYPES)
+    ours = pipemem_estimates(subs, name_prefix=f"{case.name}/")
+    theirs = paddle_estimates(subs)
+    measured = {m.type: m for m in measure_step(case.startup, subs, case.feeds)} if measure else {}
+    rows = []
+    for t in SUB_PROGRAM_TYPES:
+        r = ours[t]
+        for quantity, est, pest in (("net", r.net_bytes, theirs[t][0]), ("peak", r.peak_bytes, theirs[t][1])):
+            m = measured.get(t)
+            meas = (m.net_bytes if quantity == "net" else m.peak_bytes) if m else 0
+            rows.append(Row(name=f"{case.name}/{t}/{quantity}", measured_bytes=meas, estimated_bytes=est,
+                            rel_error=rel_error(est, meas) if m else None,
+                            paddle_estimated_bytes=pest, paddle_rel_error=rel_error(pest, meas) if m else None,
+                            peak_op=r.peak_op_label if quantity == "peak" else ""))
+    return rows
+
+
+def compare(names=None) -> list[Row]:
+    from .models import CASES
+
+    names = list(names or CASES)
+    rows = []
+    for n in names:
+        rows.extend(compare_case(CASES[n]()))
+    return rows

@@ -1,0 +1,178 @@
+"""Small Paddle static training programs for the comparison (legacy IR).
+
+Every builder returns a `Case`: the main and startup programs, the shapes that bind the
+dynamic dims (inputs are declared with -1 batch / sequence dims, as real programs are),
+and feeds of those shapes. Models are written out op by op, nanoGPT style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Case:
+    name: str
+    main: object
+    startup: object
+    batch: int
+    seq: int | None
+    feeds: dict = field(default_factory=dict)
+    notes: str = ""
+
+
+def _programs():
+    import paddle
+
+    paddle.enable_static()
+    return paddle.static.Program(), paddle.static.Program()
+
+
+def mlp(batch: int = 32, width: int = 64, hidden: int = 256, classes: int = 10) -> Case:
+    """Two fully connected layers, ReLU, softmax cross-entropy, Adam."""
+    import numpy as np
+    import paddle
+
+    main, startup = _programs()
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        x = paddle.static.data("x", [-1, width], "float32")
+        y = paddle.static.data("y", [-1, 1], "int64")
+        h = paddle.static.nn.fc(x, hidden, activation="relu")
+        logits = paddle.static.nn.fc(h, classes)
+        loss = paddle.nn.functional.cross_entropy(logits, y).mean()
+        paddle.optimizer.Adam(1e-3).minimize(loss)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((batch, width), dtype=np.float32),
+             "y": rng.integers(0, classes, (batch, 1)).astype("int64")}
+    return Case("mlp", main, startup, batch, None, feeds)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    style: str = "gpt"        # gpt: LayerNorm, GELU, 4h MLP, dropout; llama: RMSNorm, SwiGLU
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    ffn: int = 256
+    vocab: int = 128
+    dropout: float = 0.1
+
+
+def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32,
+            recompute: bool = False, amp: str | None = None) -> Case:
+    """A causal decoder (GPT or Llama style) with a language-model loss and AdamW.
+
+    recompute: Paddle's static `RecomputeOptimizer` with each layer's output as a
+    checkpoint (backward re-runs each layer's forward before its gradient ops).
+    amp: "bf16" for `paddle.static.amp` O1 bf16 autocast."""
+    import numpy as np
+    import paddle
+    import paddle.nn.functional as F
+
+    main, startup = _programs()
+    h, nh = cfg.hidden, cfg.heads
+    hd = h // nh
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        tokens = paddle.static.data("tokens", [-1, -1], "int64")
+        labels = paddle.static.data("labels", [-1, -1], "int64")
+        x = paddle.nn.Embedding(cfg.vocab, h)(tokens)
+        if cfg.style == "gpt":
+            pos = paddle.static.data("positions", [-1, -1], "int64")
+            x = x + paddle.nn.Embedding(1024, h)(pos)
+        # Additive causal mask [1, 1, s, s]: fed, so it has the batch-independent dynamic shape.
+        mask = paddle.static.data("mask", [1, 1, -1, -1], "float32")
+        checkpoints = []
+
+        def norm():
+            return paddle.nn.LayerNorm(h) if cfg.style == "gpt" else _RMSNorm(h)
+
+        for _ in range(cfg.layers):
+            a = norm()(x)
+            qkv = paddle.nn.Linear(h, 3 * h)(a)
+            qkv = paddle.reshape(qkv, [0, 0, 3, nh, hd])
+            qkv = paddle.transpose(qkv, [2, 0, 3, 1, 4])       # 3, b, nh, s, hd
+            q, k, v = paddle.unbind(qkv, axis=0)
+            scores = _legacy_op("matmul_v2", {"X": q, "Y": k}, {"trans_x": False, "trans_y": True})
+            scores = scores * (hd ** -0.5) + mask
+            probs = F.softmax(scores, axis=-1)
+            if cfg.dropout:
+                probs = F.dropout(probs, cfg.dropout)
+            ctx = _legacy_op("matmul_v2", {"X": probs, "Y": v}, {"trans_x": False, "trans_y": False})
+            ctx = paddle.reshape(paddle.transpose(ctx, [0, 2, 1, 3]), [0, 0, h])
+            attn = paddle.nn.Linear(h, h)(ctx)
+            if cfg.dropout:
+                attn = F.dropout(attn, cfg.dropout)
+            x = x + attn
+            m = norm()(x)
+            if cfg.style == "gpt":
+                m = paddle.nn.Linear(cfg.ffn, h)(_legacy_op("gelu", {"X": paddle.nn.Linear(h, cfg.ffn)(m)},
+                                                               {"approximate": False}))
+            else:
+                m = paddle.nn.Linear(cfg.ffn, h)(F.silu(paddle.nn.Linear(h, cfg.ffn)(m))
+                                                 * paddle.nn.Linear(h, cfg.ffn)(m))
+            if cfg.dropout:
+                m = F.dropout(m, cfg.dropout)
+            x = x + m
+            checkpoints.append(x)
+        logits = paddle.nn.Linear(h, cfg.vocab)(norm()(x))
+        loss = F.cross_entropy(logits, paddle.unsqueeze(labels, -1)).mean()
+        opt = paddle.optimizer.AdamW(1e-3, weight_decay=0.01)
+        if amp == "bf16":
+            # The CPU bf16 rewrite (paddle.static.amp.decorate assumes a GPU and keeps
+            # matmul in fp32 on a CPU-only build): O1, casts inserted around bf16 ops.
+            from paddle.static.amp.bf16 import AutoMixedPrecisionListsBF16, decorate_bf16
+
+            lists = AutoMixedPrecisionListsBF16(custom_fp32_list={"matmul_v2", "matmul", "mul"})
+            opt = decorate_bf16(opt, amp_lists=lists, use_pure_bf16=False,
+                                use_bf16_guard=False)
+        elif amp:
+            raise ValueError(f"amp={amp!r}: only 'bf16' is built")
+        if recompute:
+            opt = paddle.incubate.optimizer.RecomputeOptimizer(opt)
+            opt._set_checkpoints(checkpoints)
+        opt.minimize(loss)
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
+             "labels": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
+             "mask": np.triu(np.full((seq, seq), -1e4, np.float32), 1)[None, None]}
+    if cfg.style == "gpt":
+        feeds["positions"] = np.tile(np.arange(seq, dtype=np.int64), (batch, 1))
+    name = f"{cfg.style}{cfg.layers}" + ("-recompute" if recompute else "") + (f"-{amp}" if amp else "")
+    return Case(name, main, startup, batch, seq, feeds)
+
+
+class _RMSNorm:
+    """x * rsqrt(mean(x^2) + eps) * w, written out (Llama's norm)."""
+
+    def __init__(self, h: int, eps: float = 1e-6):
+        import paddle
+
+        self.w = paddle.create_parameter([h], "float32", default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.eps = eps
+
+    def __call__(self, x):
+        import paddle
+
+        return x * _legacy_op("rsqrt", {"X": paddle.mean(x * x, axis=-1, keepdim=True) + self.eps}) * self.w
+
+
+def _legacy_op(op_type: str, inputs: dict, attrs: dict | None = None):
+    """Append one legacy-IR op (some paddle.* functions of 3.x only build PIR ops)."""
+    from paddle.base.layer_helper import LayerHelper
+
+    helper = LayerHelper(op_type)
+    first = next(iter(inputs.values()))
+    out = helper.create_variable_for_type_inference(first.dtype)
+    helper.append_op(type=op_type, inputs={k: [v] for k, v in inputs.items()}, outputs={"Out": [out]},
+                     attrs=attrs or {})
+    return out
+
+
+CASES = {
+    "mlp": lambda: mlp(),
+    "gpt2": lambda: decoder(DecoderConfig(style="gpt")),
+    "gpt2-recompute": lambda: decoder(DecoderConfig(style="gpt"), recompute=True),
+    "llama2": lambda: decoder(DecoderConfig(style="llama", dropout=0.0)),
+    "llama2-recompute": lambda: decoder(DecoderConfig(style="llama", dropout=0.0), recompute=True),
+    "llama2-bf16": lambda: decoder(DecoderConfig(style="llama", dropout=0.0), amp="bf16"),
+}

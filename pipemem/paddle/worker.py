@@ -1,0 +1,46 @@
+"""`python -m pipemem.paddle.worker [CASE ...]`: run the Paddle comparison in this process
+and print one JSON object ``{"cases": [...]}``.
+
+Paddle is configured before it is imported (legacy IR, garbage collection on), so this
+runs as its own process: `pipemem validate paddle` and the tests start it, and Paddle
+never shares a process with PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Legacy `Program` IR; GC on (eager deletion threshold 0 frees a var right after its last use).
+PADDLE_ENV = {"FLAGS_enable_pir_api": "0", "FLAGS_eager_delete_tensor_gb": "0", "GLOG_v": "0",
+              "GLOG_minloglevel": "2"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    for k, v in PADDLE_ENV.items():
+        os.environ.setdefault(k, v)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from ..errors import UserError
+    from .compare import compare
+    from .models import CASES
+
+    names = list(argv if argv is not None else sys.argv[1:]) or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    try:
+        rows = compare(names)
+    except UserError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    json.dump({"cases": [r.to_dict() for r in rows]}, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""The parallel plan: one config object, validated once at the edge (torchtitan's rule).
+
+Field names are the CLI flag names of DESIGN.md with underscores, so
+`pipemem.estimate(model, tp=8, pp=16, micro_batch=1)` and `pipemem estimate --tp 8 --pp 16
+--micro-batch 1` mean the same thing. `validate_plan(arch, plan)` checks every field against
+the model and returns a new plan with every default resolved (sp, microbatches,
+main_grad_dtype, layers, pp_layout, recompute_layers, etc.); everything after it trusts the plan.
+
+Rules chosen where frameworks differ (stated here, in the messages and in the docs):
+* KV heads and tp: tp must divide the KV heads, or when KV heads < tp, tp must be a multiple
+  of them and each rank holds one KV head (replicated tp/kv times, as Megatron and vLLM do).
+* Virtual stage s of pp*vpp lives on pipeline rank `rank_of_stage(s, pp, vpp, style)`:
+  interleaved (Megatron, PyTorch Interleaved1F1B) s % pp; "v" (ZB-V, DualPipeV: two chunks
+  in a V) s for s < pp, else 2pp-1-s.
+* Without pp_layout the layers are split evenly over the pp*vpp virtual stages (pp*vpp must
+  divide the layer count); the embedding sits on stage 0, final norm, head and loss on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from .errors import UserError
+
+CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
+RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
+DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
+STAGE_STYLES = ("interleaved", "v")
+
+
+@dataclass
+class ParallelPlan:
+    # batch and sequence
+    seq_len: int = 4096
+    micro_batch: int = 1
+    global_batch: int | None = None      # sequences per step over all dp ranks
+    microbatches: int | None = None      # per pipeline; derived from global_batch when None
+    # parallel degrees
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None               # expert tensor parallel; None = tp
+    sp: bool | None = None               # sequence parallel; None = convention default (on when tp > 1)
+    pp_layout: tuple[int, ...] | None = None  # decoder layers per (virtual) stage, in stage order
+    # sharding of model states
+    zero: int = 0
+    fsdp: bool = False
+    dist_opt: bool = False
+    # precision and optimizer
+    dtype: str = "bf16"
+    master_weights: bool = True
+    main_grad_dtype: str | None = None   # None = convention default (fp32 for megatron mixed precision)
+    optimizer: str = "adamw"
+    # activations
+    recompute: str = "none"
+    recompute_layers: int | None = None  # layers recomputed per stage; None = all
+    recompute_allgather: bool = False
+    flash_attn: bool = True
+    # model overrides and framework
+    layers: int | None = None
+    convention: str = "megatron"
+    schedule: str | None = None          # None = 1F1B when pp > 1
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    # Derived quantities (valid after validate_plan) ---------------------------------------
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: the dp*cp*tp ranks of one pp stage regrouped as ep x etp x edp."""
+        return (self.dp * self.cp * self.tp) // (self.ep * (self.etp or self.tp))
+
+    def shard_key(self) -> tuple:
+        """Everything that shapes one rank's programs (not dp/zero/optimizer): a cache key."""
+        return (self.seq_len, self.micro_batch, self.tp, self.cp, self.ep, self.etp, self.sp, self.dtype,
+                self.recompute, self.recompute_allgather, self.flash_attn, self.convention)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def rank_of_stage(stage: int, pp: int, vpp: int = 1, style: str = "interleaved") -> int:
+    """Pipeline rank that runs virtual stage `stage` (0 .. pp*vpp-1)."""
+    if not 0 <= stage < pp * vpp:
+        raise ValueError(f"stage {stage} out of range for pp={pp} vpp={vpp}")
+    if style == "interleaved":
+        return stage % pp
+    if style == "v":
+        # down the ranks, back up, down again... (ZB-V, DualPipeV: vpp=2 gives s or 2pp-1-s)
+        chunk, pos = divmod(stage, pp)
+        return pos if chunk % 2 == 0 else pp - 1 - pos
+    raise UserError(f"unknown stage placement {style!r}: use one of {', '.join(STAGE_STYLES)}")
+
+
+def stages_of_rank(rank: int, pp: int, vpp: int = 1, style: str = "interleaved") -> list[int]:
+    return [s for s in range(pp * vpp) if rank_of_stage(s, pp, vpp, style) == rank]
+
+
+def _check_positive(plan: ParallelPlan, names: tuple[str, ...]) -> None:
+    for n in names:
+        v = getattr(plan, n)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise UserError(f"{_flag(n)} {v!r}: must be a positive integer")
+
+
+def _choice(value, allowed, flag: str):
+    if value not in allowed:
+        raise UserError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+    return value
+
+
+def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
+    """Check `plan` against `arch` (a `pipemem.model.ArchSpec`); return it with defaults resolved."""
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError("validate_plan expects a ParallelPlan")
+    _check_positive(plan, ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp",
+                           "cp", "ep", "etp", "layers", "recompute_layers"))
+    conv = _choice(str(plan.convention).lower(), CONVENTIONS, "--convention")
+    dtype = _choice(str(plan.dtype).lower(), DTYPES, "--dtype")
+    recompute = _choice(str(plan.recompute).lower(), RECOMPUTE, "--recompute")
+    opt = _choice(str(plan.optimizer).lower().replace("-", "").replace("_", ""),
+                  tuple(o.replace("_", "") for o in OPTIMIZERS), "--optimizer")
+    if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
+        raise UserError(f"--zero {plan.zero!r}: use 0, 1, 2 or 3")
+    name = arch.name or arch.model_type
+    layers = plan.layers or arch.layers
+    if plan.layers is not None and arch.is_moe and plan.layers > arch.layers:
+        pass  # extra layers beyond the config follow the config's MoE pattern (MoE)
+
+    # Tensor parallel vs heads.
+    tp = plan.tp
+    if arch.heads % tp:
+        raise UserError(f"--tp {tp} does not divide {arch.heads} attention heads of {name}: "
+                        f"use a divisor of {arch.heads} ({_divisors(arch.heads)})")
+    if arch.kv_heads % tp and (arch.kv_heads >= tp or tp % arch.kv_heads):
+        raise UserError(f"--tp {tp} and {arch.kv_heads} KV heads of {name}: tp must divide the KV heads or be a "
+                        f"multiple of them (then KV heads are replicated); use one of {_divisors(arch.heads)}")
+    if arch.ffn and arch.ffn % tp:
+        raise UserError(f"--tp {tp} does not divide the FFN width {arch.ffn} of {name}: use a divisor of {arch.ffn}")
+    # Sequence parallel defaults on with tp > 1 for every convention we model.
+    sp = plan.sp if plan.sp is not None else tp > 1
+    if sp and tp == 1:
+        sp = False  # sequence parallel over one rank is the identity
+    if plan.recompute_allgather and not sp and tp > 1:
+        raise UserError("--recompute-allgather needs sequence parallel (--sp): it re-gathers the sequence-sharded input")
+
+    # Context parallel.
+    cp = plan.cp
+    if plan.seq_len % (cp * (tp if sp else 1)):
+        div = cp * (tp if sp else 1)
+        raise UserError(f"--seq-len {plan.seq_len} is not divisible by {div} (= --cp {cp}"
+                        f"{' x --tp ' + str(tp) + ' with --sp' if sp else ''}): use a multiple of {div}")
+    if cp > 1 and plan.seq_len % (2 * cp):
+        raise UserError(f"--seq-len {plan.seq_len}: context parallel splits the sequence into 2 x --cp {cp} chunks "
+                        f"(load balancing); use a multiple of {2 * cp}")
+
+    # Pipeline.
+    pp, vpp = plan.pp, plan.vpp
+    if vpp > 1 and pp == 1:
+        raise UserError(f"--vpp {vpp} needs --pp > 1 (virtual stages interleave over pipeline ranks)")
+    stages = pp * vpp
+    if stages > layers:
+        raise UserError(f"--pp {pp} x --vpp {vpp} = {stages} stages exceeds the {layers} layers of {name}: "
+                        "use fewer stages or --layers")
+    if plan.pp_layout is not None:
+        layout = tuple(int(x) for x in plan.pp_layout)
+        if len(layout) != stages:
+            raise UserError(f"--pp-layout has {len(layout)} entries but --pp {pp} x --vpp {vpp} = {stages} stages")
+        if any(x < 0 for x in layout) or sum(layout) != layers:
+            raise UserError(f"--pp-layout {','.join(map(str, layout))}: entries must be >= 0 and sum to the "
+                            f"{layers} layers of {name}")
+    else:
+        if layers % stages:
+            raise UserError(f"--pp {pp} x --vpp {vpp} = {stages} stages does not divide the {layers} layers of "
+                            f"{name}: use a divisor of {layers} ({_divisors(layers)}) or give --pp-layout")
+        layout = (layers // stages,) * stages
+    rl = plan.recompute_layers
+    if rl is not None:
+        if recompute == "none":
+            raise UserError("--recompute-layers needs --recompute (selective, full, full_attn or core_attn)")
+        if rl > max(layout):
+            raise UserError(f"--recompute-layers {rl} exceeds the {max(layout)} layers of the largest stage")
+
+    # Batches.
+    mbs = plan.micro_batch
+    microbatches = plan.microbatches
+    if plan.global_batch is not None:
+        per = mbs * plan.dp
+        if plan.global_batch % per:
+            raise UserError(f"--global-batch {plan.global_batch} is not divisible by --micro-batch {mbs} x --dp "
+                            f"{plan.dp} = {per}")
+        derived = plan.global_batch // per
+        if microbatches is not None and microbatches != derived:
+            raise UserError(f"--microbatches {microbatches} contradicts --global-batch {plan.global_batch} "
+                            f"(= {derived} microbatches of {mbs} on {plan.dp} dp ranks); give only one")
+        microbatches = derived
+    if microbatches is None:
+        microbatches = max(pp, 1) if pp > 1 else 1
+    if vpp > 1 and conv == "megatron" and microbatches % pp:
+        raise UserError(f"--microbatches {microbatches} must be a multiple of --pp {pp} with --vpp {vpp} "
+                        "(Megatron's interleaved schedule)")
+
+    # Experts.
+    ep = plan.ep
+    etp = plan.etp if plan.etp is not None else (tp if arch.is_moe else 1)
+    if not arch.is_moe:
+        if ep > 1:
+            raise UserError(f"--ep {ep}: {name} has no experts; use --ep 1")
+        etp = 1
+    else:
+        if arch.experts % ep:
+            raise UserError(f"--ep {ep} does not divide the {arch.experts} experts of {name}: "
+                            f"use a divisor of {arch.experts} ({_divisors(arch.experts)})")
+        if (plan.dp * cp) % ep and (plan.dp * cp * tp) % (ep * etp):
+            raise UserError(f"--ep {ep} must divide --dp {plan.dp} x --cp {cp} = {plan.dp * cp} "
+                            "(expert-parallel groups are carved from the data/context-parallel ranks)")
+        if (plan.dp * cp * tp) % (ep * etp):
+            raise UserError(f"--ep {ep} x --etp {etp} must divide --dp x --cp x --tp = {plan.dp * cp * tp}")
+        if arch.expert_ffn % etp:
+            raise UserError(f"--etp {etp} does not divide the expert FFN width {arch.expert_ffn} of {name}")
+
+    # Sharding of model states.
+    zero = plan.zero
+    if plan.fsdp:
+        if plan.zero not in (0, 3):
+            raise UserError(f"--fsdp shards parameters, gradients and optimizer states (ZeRO-3); drop --zero {zero}")
+        zero = 3
+    if plan.dist_opt and zero >= 2:
+        raise UserError("--dist-opt is Megatron's ZeRO-1 (sharded optimizer states); it cannot be combined with "
+                        f"--zero {zero}; use one of them")
+    if plan.dist_opt and conv != "megatron":
+        raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
+    if plan.fsdp and conv == "megatron" and pp > 1:
+        pass  # Megatron FSDP with pp is allowed (mcore custom FSDP); sharding is per stage
+
+    # Precision.
+    if dtype == "fp32" and plan.master_weights and plan.extra.get("explicit_master_weights"):
+        pass
+    master = plan.master_weights and dtype != "fp32"
+    mgd = plan.main_grad_dtype
+    if mgd is None:
+        if dtype == "fp32":
+            mgd = "fp32"
+        elif conv in ("megatron", "paddle") and master:
+            mgd = "fp32"
+        else:
+            mgd = dtype   # torchtitan/FSDP2 and HF reduce grads in the param dtype by default
+    mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
+
+    if conv != "paddle" and plan.recompute_allgather:
+        pass  # accepted; megatron always re-gathers, torchtitan keeps: the flag changes nothing there
+    if recompute in ("full_attn", "core_attn", "selective") and arch.is_moe is None:
+        pass
+
+    return replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
+                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
+                   layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra))
+
+
+def _canon_opt(o: str) -> str:
+    return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit"}[o]

@@ -1,0 +1,139 @@
+"""Built-in model shapes and GPU capacities, shipped with the package (no downloads).
+
+Models are Hugging Face style `config.json` dicts in `presets/models/<name>.json`, copied
+from the published configs (each file names its source in `_pipemem_source`), so a preset
+and a user's own `config.json` go through the same code. GPUs are in `presets/gpus.json`:
+total device memory as the driver reports it (see that file's `_about`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import UserError
+
+_HERE = Path(__file__).resolve().parent
+_MODELS = _HERE / "models"
+
+# Names other tools use for the same published shapes (PaddleNLP / Hugging Face hub ids).
+# LLaMA-1 7B ("facebook/llama-7b" in PaddleNLP) has Llama-2-7B's shapes; only its context
+# length (2048) differs, which does not change memory at a given --seq-len.
+ALIASES = {
+    "facebook/llama-7b": "llama2-7b",
+    "facebook/llama-13b": "llama2-13b",
+    "meta-llama/llama-2-7b": "llama2-7b",
+    "meta-llama/llama-2-7b-hf": "llama2-7b",
+    "meta-llama/llama-2-13b": "llama2-13b",
+    "meta-llama/llama-2-13b-hf": "llama2-13b",
+    "meta-llama/llama-2-70b": "llama2-70b",
+    "meta-llama/llama-2-70b-hf": "llama2-70b",
+    "meta-llama/meta-llama-3-8b": "llama3-8b",
+    "meta-llama/meta-llama-3-70b": "llama3-70b",
+    "meta-llama/llama-3.1-8b": "llama3-8b",
+    "meta-llama/llama-3.1-70b": "llama3-70b",
+    "meta-llama/llama-3.1-405b": "llama3.1-405b",
+    "meta-llama/meta-llama-3.1-405b": "llama3.1-405b",
+    "mistralai/mistral-7b-v0.1": "mistral-7b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-72b": "qwen2.5-72b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "openai-community/gpt2": "gpt2",
+    "openai-community/gpt2-medium": "gpt2-medium",
+    "openai-community/gpt2-large": "gpt2-large",
+    "openai-community/gpt2-xl": "gpt2-xl",
+    "gpt2-medium-en": "gpt2-medium",
+    "gpt2-en": "gpt2",
+    "gpt3": "gpt3-175b",
+    "llama3.1-8b": "llama3-8b",
+    "llama3.1-70b": "llama3-70b",
+}
+
+GPU_ALIASES = {
+    "a100": "a100-80g", "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
+    "h100": "h100-80g", "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
+    "h100-94gb": "h100-94g", "h200-141g": "h200", "3090": "rtx3090", "1080ti": "gtx1080ti",
+}
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in _MODELS.glob("*.json"))
+
+
+@lru_cache(maxsize=None)
+def _gpu_table() -> dict:
+    with open(_HERE / "gpus.json", encoding="utf-8") as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+
+
+def gpu_names() -> list[str]:
+    return list(_gpu_table())
+
+
+def gpu_info(name: str) -> dict:
+    """The gpus.json entry of a GPU preset (name, mib, bytes, source)."""
+    table = _gpu_table()
+    key = str(name).strip().lower()
+    key = GPU_ALIASES.get(key, key)
+    if key not in table:
+        raise UserError(f"--gpu {name!r}: unknown GPU{_close(key, list(table) + list(GPU_ALIASES))}; "
+                        f"known: {', '.join(table)} (or give --gpu-memory GIB)")
+    return dict(table[key], key=key)
+
+
+def gpu_memory_bytes(name: str) -> int:
+    return int(gpu_info(name)["bytes"])
+
+
+def preset_source(name: str) -> str:
+    return load_model_config(name)[1].get("_pipemem_source", "")
+
+
+def load_model_config(name_or_path: str) -> tuple[str, dict]:
+    """A preset name, a known hub id, a config.json path or a directory holding one ->
+    (display name, HF-style config dict)."""
+    text = str(name_or_path).strip()
+    if not text:
+        raise UserError("--model: empty; give a preset name (pipemem presets) or a path to a config.json")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"--model {text}: directory has no config.json")
+    if path.is_file():
+        return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path)
+    key = text.lower()
+    key = ALIASES.get(key, key)
+    preset = _MODELS / f"{key}.json"
+    if key in model_names():
+        with open(preset, encoding="utf-8") as f:
+            return key, json.load(f)
+    if text.endswith(".json") or text.startswith((".", "/", "~")):
+        raise UserError(f"--model {text}: file not found")
+    raise UserError(f"--model {text!r}: not a preset, known hub id or file"
+                    f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
+                    f"or pass a path to a config.json (nothing is downloaded)")
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise UserError(f"--model {path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--model {path}: not valid JSON ({e}); expected a Hugging Face config.json") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"--model {path}: expected a JSON object (a Hugging Face config.json), "
+                        f"got {type(cfg).__name__}")
+    return cfg
+
+
+def _close(word: str, candidates: list[str]) -> str:
+    near = difflib.get_close_matches(word, candidates, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(near)}?)" if near else ""

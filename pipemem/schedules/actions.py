@@ -1,0 +1,119 @@
+"""Schedules as data: an `Action` is one compute job (F, B, I or W) of one virtual stage for one
+microbatch; a `Schedule` is the ordered list of actions of every pipeline rank.
+
+`Action` is a tuple (cheap to create and hash: a p=64, v=2, m=1024 schedule has 262,144 of
+them). Its text form is `F3@s1` (kind, microbatch, @s stage); PyTorch's `1F3` form is handled
+in csv_io.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from ..errors import UserError
+
+KINDS = ("F", "B", "I", "W")
+KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input-grad backward", "W": "weight-grad backward"}
+_ACTION_RE = re.compile(r"\s*([FBIW])(\d+)@s(\d+)\s*")
+
+
+class Action(NamedTuple):
+    kind: str        # 'F', 'B' (fused backward), 'I' (input grad), 'W' (weight grad)
+    stage: int       # virtual stage index, 0 .. num_stages-1
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@s{self.stage}"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """'F3@s1' -> Action('F', 1, 3)."""
+        m = _ACTION_RE.fullmatch(text)
+        if not m:
+            raise UserError(f"cannot read action {text!r}: write KIND MICROBATCH @s STAGE, e.g. F3@s1 "
+                            f"(kinds: F, B, I, W)")
+        return Action(m.group(1), int(m.group(3)), int(m.group(2)))
+
+
+def loop_stage_map(pp: int, vpp: int) -> list[int]:
+    """Stage -> rank for looped placement (Megatron/PyTorch interleaved): stage s on rank s % pp."""
+    return [s % pp for s in range(pp * vpp)]
+
+
+def v_stage_map(pp: int, vpp: int) -> list[int]:
+    """Stage -> rank for V placement (ZB-V, DualPipeV): down the ranks, then back up, ..."""
+    out = []
+    for s in range(pp * vpp):
+        chunk, pos = divmod(s, pp)
+        out.append(pos if chunk % 2 == 0 else pp - 1 - pos)
+    return out
+
+
+class Schedule:
+    """Per-rank ordered actions plus the stage placement they assume.
+
+    `stage_rank[s]` is the rank that runs virtual stage `s`; chunk `c` of rank `r` is the c-th
+    smallest stage index placed on `r` (so chunk 0 is where a microbatch first enters a rank).
+    """
+
+    __slots__ = ("name", "pp", "vpp", "microbatches", "ranks", "stage_rank", "placement", "notes",
+                 "_rank_stages")
+
+    def __init__(self, name: str, pp: int, vpp: int, microbatches: int, ranks: list[list[Action]],
+                 stage_rank: list[int] | None = None, placement: str = "loop", notes: str = ""):
+        self.name = name
+        self.pp = pp
+        self.vpp = vpp
+        self.microbatches = microbatches
+        self.ranks = ranks
+        if stage_rank is None:
+            stage_rank = v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
+        self.stage_rank = list(stage_rank)
+        self.placement = placement
+        self.notes = notes
+        stages: list[list[int]] = [[] for _ in range(pp)]
+        for s, r in enumerate(self.stage_rank):
+            stages[r].append(s)
+        self._rank_stages = stages
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_rank)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when any backward is split into I (input grad) and W (weight grad)."""
+        return any(a[0] == "I" or a[0] == "W" for acts in self.ranks for a in acts)
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.stage_rank[stage]
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        return list(self._rank_stages[rank])
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        return self._rank_stages[rank][chunk]
+
+    def chunk_of(self, stage: int) -> int:
+        return self._rank_stages[self.stage_rank[stage]].index(stage)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(a) for a in self.ranks)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Schedule) and self.pp == other.pp and self.vpp == other.vpp
+                and self.microbatches == other.microbatches and self.stage_rank == other.stage_rank
+                and self.ranks == other.ranks)
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, microbatches={self.microbatches}, "
+                f"actions={self.num_actions})")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "pp": self.pp, "vpp": self.vpp, "microbatches": self.microbatches,
+                "num_stages": self.num_stages, "placement": self.placement,
+                "stage_rank": list(self.stage_rank), "split_backward": self.split_backward,
+                "ranks": [{"pp_rank": r, "stages": self.stages_of_rank(r), "actions": [str(a) for a in acts]}
+                          for r, acts in enumerate(self.ranks)]}

@@ -1,0 +1,59 @@
+"""PyTorch pipelining's own orders, without a process group (imports torch; only used on demand).
+
+`torch.distributed.pipelining._schedule_visualizer.get_schedule_ops` builds each schedule class
+on mock stages and returns `pipeline_order`. We keep the compute actions (F, B, I, W; an
+OVERLAP_F_B becomes its forward then its backward) and drop bubbles and communication.
+`Schedule1F1B.pipeline_order` is off by one on the last rank in torch 2.13 (forward indices
+1..m instead of 0..m-1, FINDINGS.md §4); we rebuild that rank as the runtime executes it.
+"""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .actions import Action, Schedule
+
+TORCH_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+               "DualPipeV")
+_V_STYLE = {"zbvzerobubble", "dualpipev"}
+
+
+def torch_actions(acts) -> list[Action]:
+    """PyTorch `_Action`s (or None) -> our compute actions, overlapped pairs flattened."""
+    out = []
+    for a in acts:
+        if a is None:
+            continue
+        kind = a.computation_type.value
+        if kind == "OVERLAP_F_B":
+            out += torch_actions(a.sub_actions or ())
+        elif kind in ("F", "B", "I", "W"):
+            out.append(Action(kind, a.stage_index, a.microbatch_index))
+    return out
+
+
+def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None,
+                   fix_1f1b: bool = True) -> Schedule:
+    """PyTorch's order for one of TORCH_NAMES as a Schedule (raw=not fixed when fix_1f1b=False)."""
+    try:
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise UserError(f"torch:{name} needs PyTorch with torch.distributed.pipelining ({e})") from None
+    canon = {n.lower(): n for n in TORCH_NAMES}.get(name.lower())
+    if canon is None:
+        raise UserError(f"torch:{name}: unknown PyTorch schedule; choose one of {', '.join(TORCH_NAMES)}")
+    single = canon in ("GPipe", "1F1B")
+    if single and vpp not in (None, 1):
+        raise UserError(f"torch:{canon} runs one chunk per rank: drop --vpp (got {vpp})")
+    per_rank = 1 if single else (vpp or 2)
+    try:
+        ops = get_schedule_ops(canon, pp, microbatches, num_stages_per_rank=None if single else per_rank)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise UserError(f"torch:{canon} with --pp {pp} --microbatches {microbatches} --vpp {per_rank}: "
+                        f"PyTorch refuses: {e}") from None
+    ranks = [torch_actions(acts) for acts in ops]
+    if canon == "1F1B" and fix_1f1b:
+        last = pp - 1
+        ranks[last] = [Action(a.kind, a.stage, a.microbatch - 1) if a.kind == "F" else a for a in ranks[last]] \
+            if any(a.kind == "F" and a.microbatch == microbatches for a in ranks[last]) else ranks[last]
+    placement = "v" if canon.lower() in _V_STYLE else "loop"
+    return Schedule(f"torch:{canon}", pp, per_rank, microbatches, ranks, placement=placement)

@@ -1,0 +1,221 @@
+"""Stage jobs from template programs (layer 4 of DESIGN.md's flow).
+
+A (virtual) pipeline stage is a range of decoder layers, plus the embedding on stage 0 and
+the final norm, output layer and loss on the last stage. Each part's F / B / I / W programs
+are analysed once per distinct shape by the liveness engine (pipemem.templates.programs);
+a stage job composes its parts in run order:
+
+    F: [recv input | embedding F] -> layer F ... -> [head F | send output]
+    B: [head B | recv output grad] -> layer B (reverse) ... -> [embedding B | send input grad]
+
+with `peak = max(peak, current + part.peak)`, `current += part.net` -- the same walk the
+liveness engine does inside a program, lifted to parts that only hand tensors forward.
+Pipeline conventions: a stage's received input is a new buffer (its first layer saves it);
+Megatron and Paddle free a stage's output after sending it (deallocate_output_tensor);
+the received output grad is a new buffer consumed by the last layer's backward; the input
+grad is freed after it is sent.
+
+Virtual stage s runs on pipeline rank `pipemem.plan.rank_of_stage(s, pp, vpp, style)`:
+interleaved by default (s % pp); `style="v"` for V-shaped schedules (ZB-V, DualPipeV).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .errors import UserError
+from .ir import Program, Tensor, Op, dtype_bytes
+from .jobs import JobMemory, StageJobs, StaticBytes
+from .liveness import analyze_program
+from .plan import ParallelPlan, rank_of_stage, stages_of_rank, validate_plan
+from .units import fmt_bytes
+
+__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "rank_of_stage", "stage_layer_ranges"]
+
+
+@dataclass(slots=True)
+class StagePlan:
+    plan: ParallelPlan
+    stages: dict[int, StageJobs]
+    static: list[StaticBytes]              # per pipeline rank
+    optimizer: list[JobMemory]             # per pipeline rank
+    stage_layers: dict[int, tuple[int, ...]]
+    style: str = "interleaved"
+    notes: dict = field(default_factory=dict)
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        return stages_of_rank(rank, self.plan.pp, self.plan.vpp, self.style)
+
+    def to_dict(self) -> dict:
+        return {"stages": {s: {k: getattr(j, k).to_dict() for k in ("F", "B", "I", "W") if getattr(j, k)}
+                           for s, j in self.stages.items()},
+                "static": [s.to_dict() for s in self.static],
+                "optimizer": [o.to_dict() for o in self.optimizer],
+                "stage_layers": {s: list(v) for s, v in self.stage_layers.items()}}
+
+
+def stage_layer_ranges(plan: ParallelPlan) -> dict[int, tuple[int, ...]]:
+    """Decoder layer indices of each virtual stage, from the validated plan's pp_layout
+    (stage order: virtual stage 0 holds the first layers)."""
+    out, start = {}, 0
+    for s, n in enumerate(plan.pp_layout):
+        out[s] = tuple(range(start, start + n))
+        start += n
+    return out
+
+
+def _compose(parts, kinds: str, pre: int = 0, post: int = 0) -> JobMemory:
+    """Walk parts in order: `pre` bytes allocated first (a recv), `post` bytes freed last (a send)."""
+    cur = pre
+    peak = max(0, pre)
+    for part in parts:
+        j = getattr(part, kinds)
+        peak = max(peak, cur + j.peak_bytes)
+        cur += j.net_bytes
+    cur -= post
+    return JobMemory(cur, peak)
+
+
+def _resolve(arch, plan):
+    from .templates.conventions import convention_for
+    from .templates.layers import make_shard
+    if plan.pp_layout is None or plan.sp is None or plan.microbatches is None:
+        plan = validate_plan(arch, plan)
+    if plan.layers and plan.layers != arch.layers:
+        arch = arch.with_layers(plan.layers)
+    conv = convention_for(plan)
+    return arch, plan, conv, make_shard(arch, plan, conv)
+
+
+def _layer_parts(arch, plan, conv, sh, layers: tuple[int, ...]):
+    from .templates.layers import layer_options
+    from .templates.programs import layer_memory
+    k = len(layers) if plan.recompute_layers is None else plan.recompute_layers
+    return [layer_memory(arch, sh, conv, layer_options(arch, plan, i, pos < k)) for pos, i in enumerate(layers)]
+
+
+def build_stage_jobs(arch, plan: ParallelPlan, style: str = "interleaved") -> StagePlan:
+    """Per virtual stage F/B/I/W jobs, per pipeline rank static bytes and optimizer job."""
+    arch, plan, conv, sh = _resolve(arch, plan)
+    return _build(arch, plan, conv, sh, style)
+
+
+def _build(arch, plan, conv, sh, style) -> StagePlan:
+    from .templates.programs import embedding_memory, head_memory
+    from .templates.static import static_bytes
+    layout = stage_layer_ranges(plan)
+    n_stages = plan.pp * plan.vpp
+    free_output = conv.name in ("megatron", "paddle")
+    act = sh.s_sp * sh.b * sh.h * dtype_bytes(sh.dt)
+    stages: dict[int, StageJobs] = {}
+    emb = embedding_memory(arch, sh, conv, plan.seq_len)
+    head = head_memory(arch, sh, conv)
+    for s in range(n_stages):
+        parts = _layer_parts(arch, plan, conv, sh, layout[s])
+        first, last = s == 0, s == n_stages - 1
+        fparts = ([emb] if first else []) + parts + ([head] if last else [])
+        bparts = list(reversed(fparts))
+        recv = 0 if first else act
+        send_out = act if (not last and free_output) else 0
+        grad_in = 0 if last else act     # received output grad
+        grad_out = 0 if first else act   # input grad sent and freed
+        F = _compose(fparts, "F", pre=recv, post=send_out)
+        B = _compose(bparts, "B", pre=grad_in, post=grad_out)
+        I = _compose(bparts, "I", pre=grad_in, post=grad_out)
+        W = _compose(bparts, "W")
+        if not free_output and not last:
+            # the stage output is kept until backward and released by it
+            B = JobMemory(B.net_bytes - act, B.peak_bytes)
+            I = JobMemory(I.net_bytes - act, I.peak_bytes)
+        stages[s] = StageJobs(stage=s, F=F, B=B, I=I, W=W, layers=layout[s],
+                              notes={"embedding": first, "head": last})
+    static, optim = [], []
+    for r in range(plan.pp):
+        rs = stages_of_rank(r, plan.pp, plan.vpp, style)
+        st = static_bytes(arch, plan, conv, layout, rs)
+        static.append(st)
+        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+    return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
+                     notes={"convention": conv.name, "shard": sh})
+
+
+@lru_cache(maxsize=4096)
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
+    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
+    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
+    size of the local parameters (the denominator), freed inside the step."""
+    prog = Program("optimizer", type="optimizer")
+    ws = 0
+    if conv in ("torchtitan", "hf") and optimizer != "sgd":
+        ws = st.params if st.params else 0
+    prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
+    prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
+    r = analyze_program(prog)
+    return JobMemory(r.net_bytes, r.peak_bytes)
+
+
+def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[dict]:
+    """What one decoder layer keeps for backward: rows {tensor, shape, dtype, bytes, why},
+    largest first, then a row for the forward transient peak and one for the backward peak.
+    `layer` defaults to the first layer of stage 0 (recomputed if the plan recomputes it)."""
+    from .templates.layers import layer_options
+    from .templates.programs import layer_programs
+    arch, plan, conv, sh = _resolve(arch, plan)
+    idx = 0 if layer is None else layer
+    if not 0 <= idx < arch.layers:
+        raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
+    k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
+    pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
+    pp = layer_programs(arch, sh, conv, layer_options(arch, plan, idx, pos < k))
+    F, B = pp.F, pp.B
+    rf = pp.results["F"]
+    readers: dict[str, list[str]] = {}
+    for op in B.ops:
+        if op.phase == "recompute":
+            continue
+        for n in op.inputs:
+            st = B.tensors[n].storage
+            readers.setdefault(st, [])
+            if op.type not in readers[st]:
+                readers[st].append(op.type)
+    by_storage: dict[str, Tensor] = {}
+    for t in F.tensors.values():
+        if t.storage == t.name:
+            by_storage[t.storage] = t
+    rows = []
+    kept = (rf.live_after - {F.tensors[pp.input].storage}) if pp.input in F.tensors else rf.live_after
+    for st in kept:
+        t = by_storage.get(st)
+        if t is None:
+            continue
+        if st == F.tensors[pp.output].storage:
+            why = "layer output: the next layer's input (its norm saves it)"
+        else:
+            why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
+        rows.append({"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why})
+    rows.sort(key=lambda r: -r["bytes"])
+    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
+                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rb = pp.results["B"]
+    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
+                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    return rows
+
+
+def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:
+    acc = 0
+    for s, n in enumerate(plan.pp_layout):
+        if idx < acc + n:
+            return s
+        acc += n
+    return len(plan.pp_layout) - 1
+
+
+def format_explain(rows: list[dict]) -> str:
+    """Plain-text table of `layer_explain` rows (for --explain)."""
+    lines = [f"{'tensor':40s} {'shape':>24s} {'dtype':>6s} {'bytes':>12s}  why"]
+    for r in rows:
+        lines.append(f"{r['tensor'][:40]:40s} {str(r['shape']):>24s} {r['dtype']:>6s} {fmt_bytes(r['bytes']):>12s}  "
+                     f"{r['why']}")
+    return "\n".join(lines)

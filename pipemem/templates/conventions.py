@@ -1,0 +1,75 @@
+"""How each framework builds a transformer layer, as far as memory is concerned.
+
+Only the switches that change what autograd keeps or which buffers exist are here; every
+number comes out of the generated op-level programs and the liveness engine.
+
+megatron   Megatron-Core with Transformer Engine: fused QKV and fused gate/up (fc1) linears,
+           fused bias-SwiGLU / bias-GeLU (saves the fc1 output only), fused norms (save input +
+           statistics), fused rope. Sequence-parallel column linears save the *sharded* input
+           and all-gather it again in backward. fp32 main grads; vocab padded to 128*tp.
+           Vocab-parallel cross entropy works in place on an fp32 copy of the logits.
+paddle     PaddleNLP on Fleet: fused QKV / fused FFN (fuse_attention_qkv, fuse_attention_ffn),
+           fused rms_norm and swiglu. `ColumnSequenceParallelLinear` saves the sharded input AND
+           the gathered one, unless recompute_allgather (FINDINGS 1b). Each column-parallel
+           linear gathers its own input. Vocab padded to a multiple of tp.
+torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1(x)) * w3(x)
+           unfused, fused RMSNorm. SequenceParallel norm output is all-gathered once per block
+           (PrepareModuleInput) and the gathered tensor is what the projections save.
+           Cross entropy: log_softmax over an fp32 copy, out of place. Grads in param dtype.
+hf         Hugging Face transformers modules, eager on CUDA (what traced mode records): separate
+           projections, unfused SwiGLU, RMSNorm computed in fp32 by separate ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Convention:
+    name: str
+    fused_qkv: bool            # one column-parallel linear for q, k, v
+    fused_gate_up: bool        # one fc1 producing [gate | up] and a fused SwiGLU saving only its input
+    sp_save: str               # what an SP column linear keeps: "shard" | "shard+gathered" | "gathered"
+    gather_once_per_block: bool  # one all-gather feeds every projection of a block
+    fused_norm: bool           # norm saves input + fp32 statistics only
+    ce_inplace: bool           # cross-entropy backward reuses the saved fp32 softmax
+    vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
+    gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
+
+
+CONVENTIONS = {
+    "megatron": Convention("megatron", fused_qkv=True, fused_gate_up=True, sp_save="shard",
+                           gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
+                           gqa_expand_eager=True),
+    "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
+                         gather_once_per_block=False, fused_norm=True, ce_inplace=False, vocab_multiple=1,
+                         gqa_expand_eager=True),
+    "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
+                             gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
+                             gqa_expand_eager=True),
+    "hf": Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered", gather_once_per_block=True,
+                     fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True),
+}
+
+
+def convention_for(plan) -> Convention:
+    """The convention of a validated plan, with the per-plan switches applied
+    (recompute_allgather under paddle; fused-projection overrides in plan.extra)."""
+    c = CONVENTIONS[plan.convention]
+    sp_save = c.sp_save
+    if c.name == "paddle" and plan.recompute_allgather:
+        sp_save = "shard"
+    extra = plan.extra or {}
+    fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
+    fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
+    if (sp_save, fused_qkv, fused_gate_up) == (c.sp_save, c.fused_qkv, c.fused_gate_up):
+        return c
+    return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager)
+
+
+def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:
+    """Vocabulary size after the convention's padding (Megatron: multiple of 128*tp)."""
+    m = conv.vocab_multiple * tp
+    return -(-vocab // m) * m

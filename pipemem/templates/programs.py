@@ -1,0 +1,122 @@
+"""Generate a part's programs (embedding, decoder layer, head) and run liveness on them.
+
+Each part is analysed once per distinct shape (`functools.lru_cache` on a hashable key made
+of the frozen ArchSpec, Shard, Convention and LayerOptions), so a 126-layer model with one
+layer shape costs one analysis, and plans that share shapes share analyses.
+
+Boundary rules of a part's programs (what is alive on entry, what must outlive them):
+* F: its input is alive on entry (allocated by the previous part or the pipeline recv); it
+  keeps what its backward reads and its output (the next part's input).
+* B: entry = what F left alive + the output grad; it frees the saved tensors and the input
+  (which this part's norm saved) and keeps the input grad.
+* I / W: as B, but I also keeps what W reads (linear inputs and output grads) until W.
+So F.net = saved bytes incl. its output; B.net = -(saved bytes incl. its input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..jobs import JobMemory
+from ..liveness import analyze_program, touched_storages
+from .conventions import Convention
+from .layers import LayerOptions, Shard, decoder_layer_tape, embedding_tape, head_tape
+
+
+@dataclass(frozen=True, slots=True)
+class PartMemory:
+    F: JobMemory
+    B: JobMemory
+    I: JobMemory
+    W: JobMemory
+    input_bytes: int      # bytes of the part's input (recv buffer on a stage boundary)
+    output_bytes: int     # bytes of its output
+    f_peak_op: str
+    b_peak_op: str
+
+
+@dataclass(slots=True)
+class PartPrograms:
+    F: object
+    B: object
+    I: object
+    W: object
+    input: str
+    output: str
+    results: dict
+
+
+def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
+    F = tape.forward("F")
+    (B,) = tape.backward((out_grad_of,), name="B")
+    I, W = tape.backward((out_grad_of,), name="I", split=True)
+    st = lambda prog, n: prog.tensors[n].storage if n in prog.tensors else n  # noqa: E731
+    xs = st(F, x)
+    ys = st(F, y)
+    tb, ti, tw = touched_storages(B), touched_storages(I), touched_storages(W)
+    # The input is alive on entry unless F creates it (the embedding loads its token ids).
+    entry = set() if any(x in op.outputs for op in F.ops) else {xs}
+    rf = analyze_program(F, live_on_entry=entry, keep=(tb | ti) | {ys})
+    dy = st(B, "d." + out_grad_of)
+    dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
+    rb = analyze_program(B, live_on_entry=rf.live_after | {dy}, keep=dx_b)
+    dx_i = {st(I, "d." + x)} if ("d." + x) in I.tensors else set()
+    ri = analyze_program(I, live_on_entry=rf.live_after | {st(I, "d." + out_grad_of)}, keep=tw | dx_i)
+    # The input grad may share storage with an output grad W still reads (a residual add
+    # hands the same grad to both branches): it belongs to the previous part, W must not free it.
+    rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i)
+    return PartPrograms(F, B, I, W, x, y, {"F": rf, "B": rb, "I": ri, "W": rw})
+
+
+def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
+    r = pp.results
+    jm = lambda k: JobMemory(r[k].net_bytes, r[k].peak_bytes)  # noqa: E731
+    return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
+                      r["B"].peak_op_label)
+
+
+def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> PartPrograms:
+    tape, x, y = decoder_layer_tape(arch, sh, conv, opt)
+    return _analyze(tape, x, y, y)
+
+
+def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
+    tape, ids, y = embedding_tape(arch, sh, conv, plan)
+    return _analyze(tape, ids, y, y)
+
+
+def head_programs(arch, sh: Shard, conv: Convention) -> PartPrograms:
+    tape, x, loss = head_tape(arch, sh, conv)
+    return _analyze(tape, x, loss, loss)
+
+
+def _act_bytes(sh: Shard) -> int:
+    from ..ir import dtype_bytes
+    return sh.s_sp * sh.b * sh.h * dtype_bytes(sh.dt)
+
+
+@lru_cache(maxsize=4096)
+def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> PartMemory:
+    n = _act_bytes(sh)
+    return _part_memory(layer_programs(arch, sh, conv, opt), n, n)
+
+
+@lru_cache(maxsize=1024)
+def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int) -> PartMemory:
+    class _P:  # the embedding tape reads only seq_len from the plan
+        pass
+    p = _P()
+    p.seq_len = seq_len
+    return _part_memory(embedding_programs(arch, sh, conv, p), 0, _act_bytes(sh))
+
+
+@lru_cache(maxsize=1024)
+def head_memory(arch, sh: Shard, conv: Convention) -> PartMemory:
+    return _part_memory(head_programs(arch, sh, conv), _act_bytes(sh), 0)
+
+
+def clear_caches() -> None:
+    layer_memory.cache_clear()
+    embedding_memory.cache_clear()
+    head_memory.cache_clear()

@@ -1,0 +1,108 @@
+"""Static bytes per pipeline rank: parameters, gradients, optimizer states (incl. master weights).
+
+Bytes per parameter, before sharding (FINDINGS §2):
+
+* megatron / paddle mixed precision: weight in the training dtype (2), fp32 main grad (4),
+  fp32 master weight (4), optimizer states in fp32 (Adam 8): 18 B/param. Pure bf16
+  (--no-master-weights): 2 + 2 + 2x2 = 8.
+* torchtitan / hf mixed precision keep the fp32 parameters themselves as the master copy
+  (FSDP2 MixedPrecisionPolicy, autocast): 4 + 4 + 8 = 16, no separate master.
+* fp32 training: 4 + 4 + 8 = 16.
+
+Sharding over the data-parallel group (dp x cp for dense weights, the expert-data-parallel
+group for expert weights):
+* --zero 1 / --dist-opt: optimizer states and master weights / group (Megatron's distributed
+  optimizer: 6 + 12/dp);
+* --zero 2: also the gradients;
+* --zero 3 / --fsdp: also the parameters.
+Partial shards are rounded up (each rank holds ceil(n / group) elements).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..ir import dtype_bytes
+from ..jobs import StaticBytes
+from .conventions import Convention, padded_vocab
+from .params import embedding_param_shapes, head_param_shapes, layer_param_shapes
+
+STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2}
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
+    """(param, grad, master, optimizer-state) bytes per parameter element, unsharded."""
+    dt = dtype_bytes(plan.dtype)
+    master = plan.master_weights and plan.dtype != "fp32"
+    state_dtype = 4 if (master or plan.dtype == "fp32") else dt
+    per_state = 1 if plan.optimizer == "adam8bit" else state_dtype
+    states = STATES[plan.optimizer] * per_state
+    grad = dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    if conv.name in ("torchtitan", "hf") and master:
+        return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
+    return dt, grad, (4 if master else 0), states
+
+
+def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
+                      rank_stages: list[int]) -> tuple[int, int]:
+    """(dense, expert) parameter elements held by one pipeline rank (its tp/ep shard)."""
+    tp, etp, ep = plan.tp, plan.etp or 1, plan.ep
+    vocab = padded_vocab(arch.vocab, tp, conv)
+    last = plan.pp * plan.vpp - 1
+    dense = expert = 0
+    for s in rank_stages:
+        for i in stage_layers[s]:
+            d, e = _layer_counts(arch, arch.is_moe_layer(i), i if arch.is_moe_layer(i) else -1, tp, etp, ep)
+            dense += d
+            expert += e
+        if s == 0:
+            dense += sum(_prod(v) for v in embedding_param_shapes(arch, vocab, tp, head=False).values())
+        if s == last:
+            same = 0 in rank_stages
+            dense += sum(_prod(v) for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=same).values())
+    return dense, expert
+
+
+@lru_cache(maxsize=8192)
+def _layer_counts(arch, moe: bool, index: int, tp: int, etp: int, ep: int) -> tuple[int, int]:
+    # index is -1 for dense layers (all dense layers of a model have the same shapes)
+    dense = expert = 0
+    for shape, is_expert in layer_param_shapes(arch, index if moe else _first_dense(arch), tp, etp, ep).values():
+        if is_expert:
+            expert += _prod(shape)
+        else:
+            dense += _prod(shape)
+    return dense, expert
+
+
+def _first_dense(arch) -> int:
+    if not arch.is_moe:
+        return 0
+    return arch.dense_layers[0] if arch.dense_layers else 0
+
+
+def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
+                 rank_stages: list[int]) -> StaticBytes:
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    p, g, m, st = bytes_per_param(plan, conv)
+    dp_group = plan.dp * plan.cp
+    edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    zero = plan.zero
+    opt_shard = zero >= 1 or plan.dist_opt
+
+    def shard(n: int, group: int, on: bool) -> int:
+        return -(-n // group) if on else n
+
+    params = grads = optimizer = 0
+    for n, group in ((dense, dp_group), (expert, edp_group)):
+        params += shard(n, group, zero >= 3) * p
+        grads += shard(n, group, zero >= 2) * g
+        optimizer += shard(n, group, opt_shard) * (m + st)
+    return StaticBytes(params=params, grads=grads, optimizer=optimizer)

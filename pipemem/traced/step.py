@@ -1,0 +1,272 @@
+"""One training step, run for real or traced on fake tensors.
+
+`run_step` is THE step both ways (the trace and the real CPU run of `pipemem validate cpu`
+execute the same Python, so every reference is dropped at the same moment):
+
+    with autocast:  loss = loss_fn(model(*args, **kwargs))
+    loss.backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+For HF causal LMs `loss_fn` reads `.loss` and the inputs are
+``input_ids=ids, labels=ids, use_cache=False`` (`hf.py`). The step is the first one: the
+optimizer creates its state lazily inside `step()`.
+
+`trace_step` runs it under `FakeTensorMode` with a `StorageRecorder` and returns a
+`TracedStep`: IR programs ``forward``, ``backward``, ``optimizer`` and their memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import UserError
+from ..ir import Program, TensorKind
+from ..liveness import analyze_sequence
+from . import kernel_policy as policies
+from .capture import ModuleScope, StorageRecorder, find_layer_prefix, layer_index_fn
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def default_loss(output):
+    """The loss of a model output: the tensor itself, `.loss` (HF), or its first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise UserError("trace_step: the model output has no loss; pass loss_fn=")
+
+
+def adamw(params):
+    """The default optimizer (PyTorch defaults; the kernel policy picks foreach)."""
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def run_step(model, args, kwargs, loss_fn=default_loss, optimizer=None, autocast_dtype=None,
+             on_phase: Callable[[str], None] | None = None, zero_grad: bool = True,
+             backward: bool = True) -> None:
+    """Run one training step. `on_phase(name)` is called when forward / backward / optimizer
+    start and at "end"."""
+    mark = on_phase or (lambda phase: None)
+    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    mark("forward")
+    with amp:
+        loss = loss_fn(model(*args, **kwargs))
+    if backward:
+        mark("backward")
+        loss.backward()
+        if optimizer is not None:
+            mark("optimizer")
+            optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad(set_to_none=True)
+    del loss
+    mark("end")
+
+
+@dataclass
+class PhaseMemory:
+    name: str
+    net_bytes: int
+    peak_bytes: int     # above the bytes in use when the phase starts
+    peak_op: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes,
+                "peak_op": self.peak_op}
+
+
+@dataclass
+class TracedStep:
+    """A traced training step: IR programs, the static bytes that exist before it, and the
+    memory of each phase (from `pipemem.liveness`, the same code every source goes through)."""
+
+    programs: list[Program]
+    entry_storages: list[str]
+    static: dict                    # params, buffers, inputs, other, total (bytes)
+    phases: list[PhaseMemory]
+    layer_prefix: str | None = None
+    layers: int = 0
+    op_layers: dict = field(default_factory=dict, repr=False)   # phase -> [layer index or None per op]
+    kinds_bytes: dict = field(default_factory=dict)             # created-in-step bytes per kind
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest total bytes in use during the step, params, buffers and inputs included."""
+        return self.static["total"] + _peak_of(self.phases)[0]
+
+    @property
+    def peak_at(self) -> str:
+        i = _peak_of(self.phases)[1]
+        return f"{self.phases[i].name}: {self.phases[i].peak_op}" if i >= 0 else ""
+
+    @property
+    def net_after_forward(self) -> int:
+        """Bytes the forward leaves allocated for the backward (above the static bytes)."""
+        return next((p.net_bytes for p in self.phases if p.name == "forward"), 0)
+
+    def phase(self, name: str) -> PhaseMemory:
+        for p in self.phases:
+            if p.name == name:
+                return p
+        return PhaseMemory(name, 0, 0)
+
+    def summary(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at,
+                "net_after_forward": self.net_after_forward, "static": dict(self.static),
+                "phases": [p.to_dict() for p in self.phases], "layers": self.layers,
+                "created_bytes_by_kind": dict(self.kinds_bytes)}
+
+
+def _peak_of(phases) -> tuple[int, int]:
+    cur, peak, at = 0, 0, -1
+    for i, p in enumerate(phases):
+        if cur + p.peak_bytes > peak:
+            peak, at = cur + p.peak_bytes, i
+        cur += p.net_bytes
+    return peak, at
+
+
+def analyze_programs(programs: list[Program], entry: list[str]) -> list[PhaseMemory]:
+    results = analyze_sequence(programs, live_on_entry=entry)
+    return [PhaseMemory(r.name, r.net_bytes, r.peak_bytes, r.peak_op_label) for r in results]
+
+
+# Fake model and inputs ---------------------------------------------------------------------
+
+def meta_to_fake(module: torch.nn.Module) -> torch.nn.Module:
+    """Inside an active FakeTensorMode: replace meta (or real) parameters and buffers by fake
+    CPU tensors of the same shape and dtype, keeping tied weights tied. Much cheaper than
+    running initialisation ops on fake tensors."""
+    memo: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+            mod._buffers[name] = memo[id(b)]
+    return module
+
+
+def _fake_tensor(x):
+    if isinstance(x, torch.Tensor):
+        if x.requires_grad and x.is_leaf:
+            return torch.empty(x.shape, dtype=x.dtype).requires_grad_()
+        return torch.empty(x.shape, dtype=x.dtype)
+    return x
+
+
+def _fake_inputs(example_inputs, model):
+    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+        example_inputs = example_inputs(model)
+    if isinstance(example_inputs, dict):
+        return (), {k: _fake_tensor(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor):
+        return (_fake_tensor(example_inputs),), {}
+    if isinstance(example_inputs, (tuple, list)):
+        if len(example_inputs) == 2 and isinstance(example_inputs[1], dict) and isinstance(example_inputs[0], (tuple, list)):
+            a, k = example_inputs
+            return tuple(_fake_tensor(x) for x in a), {n: _fake_tensor(v) for n, v in k.items()}
+        return tuple(_fake_tensor(x) for x in example_inputs), {}
+    raise UserError("trace_step: example_inputs must be a tensor, a tuple, a dict, (args, kwargs) or a callable")
+
+
+def _meta_model(model_or_factory) -> torch.nn.Module:
+    """The module to trace, built on the meta device when a factory is given (no init cost)."""
+    if isinstance(model_or_factory, torch.nn.Module):
+        return model_or_factory
+    if callable(model_or_factory):
+        with torch.device("meta"):
+            model = model_or_factory()
+        if isinstance(model, torch.nn.Module):
+            return model
+    raise UserError("trace_step: pass an nn.Module or a zero-argument function that builds one")
+
+
+def _bytes_of(storages, names) -> int:
+    return sum(storages[n].nbytes for n in set(names))
+
+
+def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None,
+               optimizer_factory: Callable | None = adamw, kernel_policy: str = "cuda", *,
+               autocast_dtype=None, zero_grad: bool = True, backward: bool = True,
+               layer_prefix: str | None = None, prepare: Callable | None = None,
+               patches=None) -> TracedStep:
+    """Trace one training step of any module on fake CPU tensors.
+
+    model_or_factory: an nn.Module (its parameters become fake tensors of the same shapes;
+        build it on the meta device to skip initialisation) or a function building one (run on
+        meta). example_inputs: a tensor, a tuple of args, a dict of kwargs, ``(args, kwargs)``,
+        or ``f(model)`` returning one of those. loss_fn: output -> scalar (default: the output,
+        its ``.loss`` or its first element). optimizer_factory: params -> optimizer, or None for
+        forward+backward only. prepare: ``f(model)`` run on the fake model before tracing
+        (checkpointing, hooks). patches: a context manager active while tracing (framework
+        quirks, see `hf.fake_tensor_quirks`).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policies.check(kernel_policy)
+    loss_fn = loss_fn or default_loss
+    model = _meta_model(model_or_factory)
+    with FakeTensorMode(), (patches or contextlib.nullcontext()):
+        model = meta_to_fake(model)
+        if prepare is not None:
+            prepare(model)
+        args, kwargs = _fake_inputs(example_inputs, model)
+        optimizer = optimizer_factory(model.parameters()) if optimizer_factory is not None else None
+        policies.configure_optimizer(kernel_policy, optimizer)
+        params = list(model.parameters())
+        scope = ModuleScope(model)
+        rec = StorageRecorder(scope)
+        names = {"params": rec.register(params, TensorKind.PARAM),
+                 "buffers": rec.register(model.buffers(), TensorKind.BUFFER)}
+        input_tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        names["inputs"] = rec.register(input_tensors, TensorKind.ACTIVATION)
+
+        def on_phase(phase: str) -> None:
+            if phase in ("optimizer", "end"):
+                rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
+            if phase == "end" and optimizer is not None:
+                states = [v for st in optimizer.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor)]
+                rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
+            if phase in PHASES:
+                scope.reset()
+                rec.begin(phase)
+
+        with scope, rec, policies.context(kernel_policy):
+            run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
+                     zero_grad=zero_grad, backward=backward)
+        del optimizer, args, kwargs, input_tensors
+        programs = rec.programs()
+        entry = rec.entry_storages()
+        st = rec.storages
+        static = {"params": _bytes_of(st, names["params"]), "buffers": _bytes_of(st, names["buffers"]),
+                  "inputs": _bytes_of(st, set(names["inputs"]) - set(names["params"]) - set(names["buffers"]))}
+        static["other"] = _bytes_of(st, entry) - static["params"] - static["buffers"] - static["inputs"]
+        static["total"] = _bytes_of(st, entry)
+        kinds: dict[str, int] = {}
+        for info in st.values():
+            if info.phase:
+                kinds[info.kind.value] = kinds.get(info.kind.value, 0) + info.nbytes
+        prefix = layer_prefix if layer_prefix is not None else find_layer_prefix(model)
+        n_layers = len(model.get_submodule(prefix)) if prefix else 0
+    index = layer_index_fn(prefix)
+    op_layers = {p.name: [index(op.module) for op in p.ops] for p in programs}
+    return TracedStep(programs=programs, entry_storages=entry, static=static,
+                      phases=analyze_programs(programs, entry), layer_prefix=prefix, layers=n_layers,
+                      op_layers=op_layers, kinds_bytes=kinds)

@@ -1,0 +1,172 @@
+"""`pipemem validate cpu`: traced estimates against real CPU training steps.
+
+Each case builds a tiny HF causal LM, runs the default training step for real on the CPU
+under `torch.profiler.profile(profile_memory=True)`, and sums the allocation events in time
+order (read from `prof.profiler.kineto_results.experimental_event_tree()`, FINDINGS.md §4).
+Measured peak = bytes of parameters, buffers and inputs + the highest running sum;
+net after forward = the running sum when the backward starts. The estimate is the traced step
+with `--kernel-policy cpu` (the kernels the real run uses). Seconds per case on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+EXAMPLE = """\
+examples:
+  pipemem validate cpu
+  pipemem validate cpu --json
+  pipemem validate cpu --cases llama-fp32-sdpa,mixtral-bf16-autocast
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    arch: str
+    dtype: str = "fp32"
+    attn: str = "sdpa"
+    recompute: str = "none"
+    batch: int = 2
+    seq: int = 64
+    optimizer: str = "adamw"
+
+
+CASES = (
+    Case("llama-fp32-sdpa", "llama"),
+    Case("llama-fp32-eager", "llama", attn="eager"),
+    Case("llama-bf16-autocast-full", "llama", dtype="bf16-autocast", recompute="full"),
+    Case("llama-fp32-selective", "llama", recompute="selective"),
+    Case("mistral-bf16-autocast", "mistral", dtype="bf16-autocast"),
+    Case("qwen2-bf16-pure-full", "qwen2", dtype="bf16-pure", recompute="full"),
+    Case("gpt2-fp32-eager", "gpt2", attn="eager"),
+    Case("gpt2-fp32-sdpa-full", "gpt2", recompute="full"),
+    Case("mixtral-bf16-autocast", "mixtral", dtype="bf16-autocast"),
+    Case("mixtral-fp32-full", "mixtral", recompute="full"),
+    Case("llama-fp16-autocast", "llama", dtype="fp16-autocast"),
+)
+
+
+@dataclass
+class Measured:
+    peak_bytes: int
+    net_after_forward: int
+    static_bytes: int
+
+
+def _storages_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr(), st.nbytes()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_real(case: Case, seed: int = 0) -> Measured:
+    """Run the case's training step for real on the CPU and measure it with the profiler."""
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ..traced.hf import TINY, Precision, build_model, enable_recompute, hf_loss, make_config, optimizer_factory, step_inputs
+    from ..traced.step import run_step
+
+    torch.manual_seed(seed)
+    cfg = make_config(TINY[case.arch], case.attn)
+    prec = Precision.parse(case.dtype)
+    model = build_model(cfg, prec.param_dtype, device="cpu")
+    enable_recompute(model, case.recompute)
+    kwargs = step_inputs(cfg, case.batch, case.seq)()
+    opt_factory = optimizer_factory(case.optimizer)
+    optimizer = opt_factory(model.parameters()) if opt_factory else None
+    static = _storages_bytes([*model.parameters(), *model.buffers(), kwargs["input_ids"]])
+
+    def on_phase(phase):
+        with record_function(f"pipemem::{phase}"):
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step(model, (), kwargs, hf_loss, optimizer, prec.autocast_dtype, on_phase)
+    allocs, marks = [], {}
+
+    def walk(node):
+        kind = node.typed[0]
+        if kind == _EventType.Allocation:
+            allocs.append((node.start_time_ns, node.typed[1].alloc_size))
+        elif node.name.startswith("pipemem::"):
+            marks[node.name[len("pipemem::"):]] = node.start_time_ns
+        for c in node.children:
+            walk(c)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    allocs.sort()
+    cur = peak = 0
+    net_fwd = None
+    t_backward = marks.get("backward")
+    for t, size in allocs:
+        if net_fwd is None and t_backward is not None and t >= t_backward:
+            net_fwd = cur
+        cur += size
+        peak = max(peak, cur)
+    return Measured(peak_bytes=static + peak, net_after_forward=net_fwd if net_fwd is not None else cur,
+                    static_bytes=static)
+
+
+def estimate(case: Case):
+    from ..traced.hf import TINY, trace_hf_step
+    return trace_hf_step(TINY[case.arch], case.batch, case.seq, dtype=case.dtype, attn=case.attn,
+                         recompute=case.recompute, optimizer=case.optimizer, kernel_policy="cpu")
+
+
+def run_cases(cases=CASES) -> list[dict]:
+    rows = []
+    for case in cases:
+        t0 = time.perf_counter()
+        est = estimate(case)
+        t1 = time.perf_counter()
+        real = measure_real(case)
+        t2 = time.perf_counter()
+        for what, m, e in (("peak", real.peak_bytes, est.peak_bytes),
+                           ("net_after_forward", real.net_after_forward, est.net_after_forward)):
+            rows.append({"name": f"{case.name}/{what}", "measured_bytes": int(m), "estimated_bytes": int(e),
+                         "rel_error": (e - m) / m if m else 0.0,
+                         "trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)})
+    return rows
+
+
+def register(sub) -> None:
+    p = sub.add_parser("cpu", help="traced estimates vs real CPU training steps of tiny HF models",
+                       description=__doc__.split("\n\n")[0] + ".",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
+                   f"known: {', '.join(c.name for c in CASES)}")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..errors import UserError
+    from ..units import fmt_bytes
+
+    cases = CASES
+    if getattr(args, "cases", ""):
+        wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+        known = {c.name: c for c in CASES}
+        bad = [w for w in wanted if w not in known]
+        if bad:
+            raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
+        cases = tuple(known[w] for w in wanted)
+    rows = run_cases(cases)
+    worst = max(abs(r["rel_error"]) for r in rows) if rows else 0.0
+    if args.json:
+        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": rows, "max_abs_rel_error": worst}, indent=1))
+    else:
+        print(f"{'case':44s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
+        for r in rows:
+            print(f"{r['name']:44s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
+                  f"{r['rel_error']:>+10.2e}")
+        print(f"max |rel_error| = {worst:.2e} over {len(rows)} cases")
+    return 0 if worst <= 1e-3 else 1

@@ -1,0 +1,280 @@
+"""Other tools' configurations -> pipemem model + plan, read the way each tool reads them."""
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pipemem.configs import read_megatron, read_paddlenlp, read_torchtitan
+from pipemem.errors import UserError
+from pipemem.model import arch_from_hf_config
+from pipemem.presets import load_model_config
+
+SEED = Path("/work/shared/seeds/paddle-pr-pipeline-memory-estimator.txt")
+SEED_LINE = """python -u -m paddle.distributed.launch \\
+    --gpus "0,1,2,3" \\
+    --log_dir "output/$task_name""_log" \\
+    run_pretrain_auto_static.py \\
+    --model_type "llama" \\
+    --model_name_or_path "facebook/llama-7b" \\
+    --tokenizer_name_or_path "facebook/llama-7b" \\
+    --input_dir "../data" \\
+    --output_dir "output/$task_name" \\
+    --split 949,50,1 \\
+    --max_seq_length 2048 \\
+    --per_device_train_batch_size 1 \\
+    --per_device_eval_batch_size 1 \\
+    --gradient_accumulation_steps 8 \\
+    --use_flash_attention 0 \\
+    --use_fused_rms_norm 0 \\
+    --fp16 0 \\
+    --fp16_opt_level "O2"  \\
+    --scale_loss 1024 \\
+    --pipeline_parallel_degree  4 \\
+    --tensor_parallel_degree 1 \\
+    --pipeline_schedule_mode "1F1B" \\
+    --learning_rate 0.0001 \\
+    --min_learning_rate 0.00001 \\
+    --max_steps 10 \\
+    --save_steps 5000 \\
+    --weight_decay 0.01 \\
+    --warmup_ratio 0.01 \\
+    --max_grad_norm 1.0 \\
+    --logging_steps 1 \\
+    --dataloader_num_workers 1 \\
+    --eval_steps 1000 \\
+    --report_to "visualdl" \\
+    --disable_tqdm true \\
+    --continue_training 0 \\
+    --recompute 1 \\
+    --recompute_granularity full \\
+    --do_train \\
+    --do_eval \\
+    --device "gpu" \\
+    --data_impl "mmap" \\
+    --enable_auto_parallel 1 \\
+    --sharding_parallel_degree 1 \\
+    --sharding "stage1" \\
+    --num_hidden_layers 4 \\
+"""
+
+
+def seed_tokens() -> list[str]:
+    return shlex.split(SEED_LINE)
+
+
+def test_seed_line_is_the_one_in_the_seed_file():
+    if not SEED.exists():
+        pytest.skip("shared seeds not present")
+    text = SEED.read_text()
+    body = text[text.index("python -u -m paddle.distributed.launch"):text.index("想要复现")]
+    assert shlex.split(body) == seed_tokens()
+
+
+def test_paddlenlp_seed_line():
+    tc = read_paddlenlp(seed_tokens())
+    p = tc.plan
+    # 4 GPUs = pp 4 x tp 1 x sharding 1 -> dp 1; gradient_accumulation_steps = microbatches with pp;
+    # --fp16 0: AMP off, so fp32 training whatever fp16_opt_level says.
+    assert (p["pp"], p["tp"], p["dp"], p["layers"], p["microbatches"]) == (4, 1, 1, 4, 8)
+    assert (p["seq_len"], p["micro_batch"], p["recompute"], p["dtype"]) == (2048, 1, "full", "fp32")
+    assert p["schedule"] == "1F1B" and p["flash_attn"] is False and p["convention"] == "paddle"
+    assert tc.warnings == []     # every argument of the seed line is known or irrelevant to memory
+    name, cfg = load_model_config(tc.model)
+    assert name == "llama2-7b" and arch_from_hf_config(cfg).hidden == 4096
+
+
+def test_paddlenlp_bf16_sharding_and_unknown():
+    tc = read_paddlenlp(["--model_name_or_path", "meta-llama/Llama-2-13b", "--bf16", "1", "--fp16_opt_level", "O2",
+                         "--sharding_parallel_degree", "8", "--sharding", "stage2", "--tensor_parallel_degree", "2",
+                         "--world_size", "16", "--recompute", "0", "--some_new_flag", "3", "--other_flag"])
+    p = tc.plan
+    assert p["dtype"] == "bf16" and p["master_weights"] is True
+    assert p["zero"] == 2 and p["dp"] == 8 and p["tp"] == 2 and p["recompute"] == "none"
+    unknown = [w for w in tc.warnings if "ignored" in w]
+    assert len(unknown) == 1 and "--some_new_flag" in unknown[0] and "--other_flag" in unknown[0]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model_name_or_path", "x", "--fp16", "1", "--bf16", "1"], "choose one"),
+    (["--model_name_or_path", "x", "--pipeline_parallel_degree", "abc"], "integer"),
+    (["--model_name_or_path", "x", "--tensor_parallel_degree", "-2"], ">= 1"),
+    (["--max_seq_length", "10"], "model_name_or_path"),
+    ([], "no arguments"),
+    (["--model_name_or_path", "x", "--gradient_accumulation_steps", "4", "--global_batch_size", "7"], "contradicts"),
+    (["--gpus", "0,1,2", "run.py", "--model_name_or_path", "x", "--pipeline_parallel_degree", "2"], "divisible"),
+])
+def test_paddlenlp_bad_inputs(argv, match):
+    with pytest.raises(UserError, match=match):
+        read_paddlenlp(argv)
+
+
+LLAMA2_7B_MEGATRON = (
+    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
+    "--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 64 --swiglu "
+    "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
+    "--position-embedding-type rope --tokenizer-type Llama2Tokenizer --bf16")
+
+
+def test_megatron_llama2_7b_matches_hf_shape():
+    tc = read_megatron(shlex.split(LLAMA2_7B_MEGATRON))
+    ours = arch_from_hf_config(tc.model, "m")
+    hf = arch_from_hf_config(load_model_config("llama2-7b")[1], "hf")
+    fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "norm", "activation",
+              "tied_embeddings", "qkv_bias", "mlp_bias")
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(hf, f) for f in fields}
+    assert tc.plan["dtype"] == "bf16" and tc.plan["global_batch"] == 64 and tc.dp_unknown
+
+
+def test_megatron_gpt3_175b_matches_preset():
+    argv = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+            "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 "
+            "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --fp16 "
+            "--tokenizer-type GPT2BPETokenizer --world-size 1024")
+    tc = read_megatron(argv.split())
+    ours = arch_from_hf_config(tc.model, "m")
+    ref = arch_from_hf_config(load_model_config("gpt3-175b")[1], "ref")
+    for f in ("layers", "hidden", "heads", "ffn", "vocab", "norm", "activation", "position", "tied_embeddings"):
+        assert getattr(ours, f) == getattr(ref, f), f
+    # world 1024 / (tp 8 x pp 16) = dp 8
+    assert tc.plan["dp"] == 8 and tc.plan["dtype"] == "fp16" and tc.plan["sp"] is False
+
+
+def test_megatron_defaults_follow_megatron_rules():
+    tc = read_megatron("--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 128 --swiglu "
+                       "--vocab-size 1000 --num-layers-per-virtual-pipeline-stage 1 "
+                       "--pipeline-model-parallel-size 4".split())
+    # Megatron: with --swiglu, ffn = int(4h * 2/3 / 64) * 64 = int(10922.67 / 64) * 64 = 170 * 64
+    assert tc.model["intermediate_size"] == 10880
+    assert tc.model["tie_word_embeddings"] is True and tc.model["attention_bias"] is True
+    assert tc.plan["vpp"] == 2 and tc.plan["dtype"] == "fp32"
+
+
+def test_megatron_moe_gqa_launcher_world():
+    argv = shlex.split("torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --num-layers 32 --hidden-size 4096 "
+                       "--ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+                       "--num-query-groups 8 --seq-length 4096 --swiglu --normalization RMSNorm --num-experts 8 "
+                       "--moe-router-topk 2 --expert-model-parallel-size 8 --tensor-model-parallel-size 2 "
+                       "--pipeline-model-parallel-size 2 --context-parallel-size 2 --vocab-size 32000 "
+                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce")
+    tc = read_megatron(argv)
+    a = arch_from_hf_config(tc.model, "m")
+    assert (a.experts, a.top_k, a.kv_heads, a.expert_ffn) == (8, 2, 8, 14336)
+    # 32 GPUs / (tp 2 x pp 2 x cp 2) = dp 4; EP is carved out of dp x cp in Megatron
+    assert tc.plan["dp"] == 4 and tc.plan["ep"] == 8 and tc.plan["cp"] == 2
+    assert tc.plan["recompute"] == "selective" and tc.plan["dist_opt"] is True and tc.warnings == []
+
+
+def test_megatron_uneven_pipeline():
+    tc = read_megatron("--num-layers 30 --hidden-size 256 --num-attention-heads 4 --seq-length 64 "
+                       "--vocab-size 100 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 6 "
+                       "--decoder-last-pipeline-num-layers 6".split())
+    assert tc.plan["pp_layout"] == [6, 9, 9, 6]
+
+
+@pytest.mark.parametrize("argv,match", [
+    ("--hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "--num-layers"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --bf16 --fp16",
+     "choose one"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8", "vocabulary"),
+    ("--num-layers 2 --hidden-size 66 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "divisible"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+     "--recompute-granularity full", "recompute-method"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+     "--recompute-activations --recompute-granularity full --recompute-method block", "contradicts"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+     "--tensor-model-parallel-size 2 --world-size 3", "divisible"),
+    ("--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+     "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "divisible"),
+    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --num-experts 4",
+     "Llama-style"),
+    ("stray --num-layers 2", "does not follow"),
+])
+def test_megatron_bad_inputs(argv, match):
+    with pytest.raises(UserError, match=match):
+        read_megatron(argv.split())
+
+
+TITAN_8B = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[profiling]
+enable_profiling = true
+
+[model]
+name = "llama3"
+flavor = "8B"
+tokenizer_path = "./assets/tokenizer/original/tokenizer.model"
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0
+steps = 1000
+compile = false
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable_checkpoint = false
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+"""
+
+
+def test_torchtitan_llama3_8b(tmp_path):
+    f = tmp_path / "llama3_8b.toml"
+    f.write_text(TITAN_8B)
+    tc = read_torchtitan(str(f))
+    assert tc.model == "llama3-8b"
+    p = tc.plan
+    assert (p["seq_len"], p["micro_batch"], p["microbatches"]) == (8192, 1, 1)
+    assert p["fsdp"] is True and p["recompute"] == "selective" and p["dtype"] == "bf16"
+    assert p["convention"] == "torchtitan" and tc.dp_unknown and "dp" not in p
+
+
+def test_torchtitan_pipeline(tmp_path):
+    text = TITAN_8B.replace('flavor = "8B"', 'flavor = "70B"').replace("local_batch_size = 1", "local_batch_size = 8")
+    text = text.replace("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 4\n'
+                        'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_microbatch_size = 2')
+    text = text.replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 2")
+    text = text.replace('mode = "selective"', 'mode = "full"')
+    f = tmp_path / "t.toml"
+    f.write_text(text)
+    tc = read_torchtitan(str(f))
+    p = tc.plan
+    assert tc.model == "llama3-70b" and p["pp"] == 4 and p["micro_batch"] == 2 and p["microbatches"] == 4
+    assert p["vpp"] == 2 and p["dp"] == 2 and p["recompute"] == "full" and p["schedule"] == "Interleaved1F1B"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[model\nname=", "not valid TOML"),
+    ('[model]\nname = "llama3"\nflavor = "7B"', "not known"),
+    ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = -5', "positive integer"),
+    ('[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nmode = "sometimes"', "mode"),
+    ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nmixed_precision_param = "int4"', "mixed_precision"),
+    ('model = 3', "must be a table"),
+])
+def test_torchtitan_bad_inputs(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=match):
+        read_torchtitan(str(f))
+
+
+def test_torchtitan_missing_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_torchtitan(str(tmp_path / "none.toml"))

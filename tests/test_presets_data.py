@@ -1,0 +1,135 @@
+"""Presets: every model preset is a readable HF config with the published shape, GPU presets
+carry the device totals, and unknown names fail with close matches."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipemem.errors import UserError
+from pipemem.model import arch_from_hf_config
+from pipemem.presets import (gpu_info, gpu_memory_bytes, gpu_names, load_model_config, model_names)
+
+REQUIRED_MODELS = {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b",
+                   "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-30b-a3b",
+                   "gpt3-175b", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+REQUIRED_GPUS = {"a100-40g", "a100-80g", "h100-80g", "h100-94g", "h200", "b200", "mi300x", "rtx3090", "gtx1080ti"}
+
+# Published shapes (layers, hidden, heads, kv heads, ffn or expert ffn, vocab, experts, top-k),
+# typed from the model cards / papers, not from our files: Llama 2 paper Table 1 + HF configs,
+# Llama 3 / 3.1 model cards, Mistral & Mixtral announcements, Qwen2.5 / Qwen3 technical reports,
+# GPT-2 paper Table 2, GPT-3 paper Table 2.1.
+PUBLISHED = {
+    "llama2-7b": (32, 4096, 32, 32, 11008, 32000, 0, 0),
+    "llama2-13b": (40, 5120, 40, 40, 13824, 32000, 0, 0),
+    "llama2-70b": (80, 8192, 64, 8, 28672, 32000, 0, 0),
+    "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 0, 0),
+    "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 0, 0),
+    "llama3.1-405b": (126, 16384, 128, 8, 53248, 128256, 0, 0),
+    "mistral-7b": (32, 4096, 32, 8, 14336, 32000, 0, 0),
+    "mixtral-8x7b": (32, 4096, 32, 8, 14336, 32000, 8, 2),
+    "mixtral-8x22b": (56, 6144, 48, 8, 16384, 32768, 8, 2),
+    "qwen2.5-7b": (28, 3584, 28, 4, 18944, 152064, 0, 0),
+    "qwen2.5-72b": (80, 8192, 64, 8, 29568, 152064, 0, 0),
+    "qwen3-30b-a3b": (48, 2048, 32, 4, 768, 151936, 128, 8),
+    "gpt2": (12, 768, 12, 12, 3072, 50257, 0, 0),
+    "gpt2-medium": (24, 1024, 16, 16, 4096, 50257, 0, 0),
+    "gpt2-large": (36, 1280, 20, 20, 5120, 50257, 0, 0),
+    "gpt2-xl": (48, 1600, 25, 25, 6400, 50257, 0, 0),
+    "gpt3-175b": (96, 12288, 96, 96, 49152, 50257, 0, 0),
+}
+
+# Parameter counts as published (safetensors totals on the HF model pages / model cards).
+PUBLISHED_PARAMS = {
+    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512,
+}
+
+
+def test_all_required_presets_exist():
+    assert REQUIRED_MODELS <= set(model_names())
+    assert REQUIRED_GPUS <= set(gpu_names())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_has_published_shape(name):
+    display, cfg = load_model_config(name)
+    assert display == name
+    a = arch_from_hf_config(cfg, name)
+    ffn = a.expert_ffn if a.experts else a.ffn
+    assert (a.layers, a.hidden, a.heads, a.kv_heads, ffn, a.vocab, a.experts, a.top_k) == PUBLISHED[name]
+
+
+def test_gpt3_is_gpt2_style_with_2048_positions():
+    _, cfg = load_model_config("gpt3-175b")
+    assert cfg["model_type"] == "gpt2" and cfg["n_embd"] == 12288 and cfg["n_positions"] == 2048
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_param_count_matches_published(name):
+    pytest.importorskip("pipemem.templates.params")
+    _, cfg = load_model_config(name)
+    assert arch_from_hf_config(cfg, name).param_count() == PUBLISHED_PARAMS[name]
+
+
+def test_every_preset_file_names_its_source():
+    for name in model_names():
+        _, cfg = load_model_config(name)
+        assert cfg.get("_pipemem_source"), name
+
+
+def test_aliases_resolve_to_presets():
+    assert load_model_config("facebook/llama-7b")[0] == "llama2-7b"
+    assert load_model_config("meta-llama/Meta-Llama-3-70B")[0] == "llama3-70b"
+    assert load_model_config("LLAMA3-8B")[0] == "llama3-8b"
+
+
+def test_h100_total_is_81559_mib():
+    # nvidia-smi memory.total of an H100 80GB HBM3
+    assert gpu_memory_bytes("h100-80g") == 81559 * 2**20
+    assert gpu_memory_bytes("H100") == gpu_memory_bytes("h100-80g")
+
+
+def test_gpu_table_is_consistent():
+    for n in gpu_names():
+        info = gpu_info(n)
+        assert info["bytes"] == info["mib"] * 2**20 and info["source"]
+    # ordering facts from the vendors' nominal sizes (GB): 40 < 80 < 94 < 141 < 180/192
+    mem = {n: gpu_memory_bytes(n) for n in gpu_names()}
+    assert mem["gtx1080ti"] < mem["rtx3090"] < mem["a100-40g"] < mem["h100-80g"] <= mem["a100-80g"]
+    assert mem["a100-80g"] < mem["h100-94g"] < mem["h200"] < mem["b200"] < mem["mi300x"]
+
+
+def test_unknown_model_lists_close_matches():
+    with pytest.raises(UserError, match="llama3-70b"):
+        load_model_config("llama3-70")
+
+
+def test_unknown_gpu_lists_close_matches():
+    with pytest.raises(UserError, match="h100-80g"):
+        gpu_info("h100-8g")
+
+
+def test_config_path_and_directory(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(str(tmp_path / "config.json"))[1] == cfg
+    assert load_model_config(str(tmp_path))[1] == cfg
+
+
+@pytest.mark.parametrize("text,match", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object")])
+def test_malformed_config_is_user_error(tmp_path, text, match):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(UserError, match=match):
+        load_model_config(str(p))
+
+
+def test_missing_file_is_user_error(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_model_config(str(tmp_path / "nope.json"))
+    with pytest.raises(UserError, match="no config.json"):
+        load_model_config(str(tmp_path))

@@ -1,0 +1,235 @@
+"""The per-rank action walker of `pipemem validate cuda`, run on CPU with tiny modules.
+
+Expectations come from outside the walker: plain autograd on the unsplit model (gradients),
+the pipeline literature (1F1B holds min(m, p - r) microbatches on rank r), and hand-written
+action lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipemem.errors import UserError  # noqa: E402
+from pipemem.validate.stage_emulation import (  # noqa: E402
+    Action, RankEmulator, normalize_actions, stages_of_rank)
+
+HIDDEN, BATCH, VOCAB = 8, 3, 11
+
+
+class Embed(torch.nn.Module):      # stage 0: token ids -> hidden
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, ids):
+        return torch.tanh(self.lin(self.emb(ids)))
+
+
+class Middle(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) + h
+
+
+class Head(torch.nn.Module):       # last stage: hidden -> scalar loss
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, h):
+        return torch.nn.functional.cross_entropy(self.lin(h), torch.arange(BATCH) % VOCAB)
+
+
+def make_stages(n: int, seed: int = 0) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    return [Embed()] + [Middle() for _ in range(n - 2)] + [Head()]
+
+
+def tokens(mb: int) -> torch.Tensor:
+    return (torch.arange(BATCH) * (mb + 2)) % VOCAB
+
+
+def recv_spec(stage: int):
+    return (BATCH, HIDDEN), torch.float32
+
+
+def emulator(stage_modules: dict, num_stages: int, **kw) -> RankEmulator:
+    return RankEmulator(stage_modules, num_stages, tokens, recv_spec, device="cpu", **kw)
+
+
+def grads(modules) -> list[torch.Tensor]:
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def reference_grads(modules, microbatches: int) -> list[torch.Tensor]:
+    """Plain autograd through the unsplit model, summed over microbatches."""
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+    for mb in range(microbatches):
+        h = tokens(mb)
+        for m in modules:
+            h = m(h)
+        h.backward()
+    return grads(modules)
+
+
+def one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+    """1F1B as the papers describe it: p - r - 1 warm-up forwards, then one forward and one
+    backward alternately, then the remaining backwards."""
+    warm = min(pp - rank - 1, m)
+    acts = [Action("F", rank, i) for i in range(warm)]
+    f, b = warm, 0
+    while b < m:
+        if f < m:
+            acts.append(Action("F", rank, f))
+            f += 1
+        acts.append(Action("B", rank, b))
+        b += 1
+    return acts
+
+
+# Gradients: an all-local pipeline is the unsplit model ------------------------------------
+
+def test_all_stages_on_one_rank_give_the_unsplit_gradients():
+    mods = make_stages(4)
+    want = reference_grads(mods, 3)
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    acts = [Action("F", s, mb) for mb in range(3) for s in range(4)]
+    acts += [Action("B", s, mb) for mb in range(3) for s in reversed(range(4))]
+    run = emulator(dict(enumerate(mods)), 4).run(acts)
+    got = grads(mods)
+    assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    assert run.received_activations == [] and run.received_grads == []   # everything local
+    assert run.sent_activations == 0 and run.sent_grads == 0
+    assert run.max_held_forwards == 12
+
+
+def test_split_backward_gives_the_same_gradients_as_full_backward():
+    mods = make_stages(3)
+    want = reference_grads(mods, 2)
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    acts = [Action("F", s, mb) for mb in range(2) for s in range(3)]
+    acts += [Action("I", s, mb) for mb in range(2) for s in reversed(range(3))]
+    emu = emulator(dict(enumerate(mods)), 3)
+    # Before any W, no weight gradient of a non-first stage exists.
+    emu.run(acts + [Action("W", s, mb) for mb in range(2) for s in range(3)])
+    got = grads(mods)
+    assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+
+
+def test_input_pass_leaves_weight_grads_to_the_weight_pass():
+    mods = make_stages(3)
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    seen = {}
+
+    def probe():
+        seen[len(seen)] = mods[2].lin.weight.grad is None
+        return 0
+
+    acts = [Action("F", 0, 0), Action("F", 1, 0), Action("F", 2, 0),
+            Action("I", 2, 0), Action("I", 1, 0), Action("I", 0, 0),
+            Action("W", 2, 0), Action("W", 1, 0), Action("W", 0, 0)]
+    run = emulator(dict(enumerate(mods)), 3, probe=probe).run(acts)
+    assert seen[3] is True and seen[6] is False      # after 2I0: none; after 2W0: there
+    assert [r.held_weight_grads for r in run.records] == [0, 0, 0, 1, 2, 3, 2, 1, 0]
+
+
+# One rank of a real pipeline: receives at true shapes, sends dropped ------------------------
+
+@pytest.mark.parametrize("pp,m", [(4, 6), (4, 2), (2, 5)])
+def test_1f1b_holds_min_m_p_minus_r_microbatches(pp, m):
+    for rank in range(pp):
+        mods = make_stages(pp)
+        run = emulator({rank: mods[rank]}, pp).run(one_f_one_b(rank, pp, m))
+        assert run.max_held_forwards == min(m, pp - rank)
+        # Every forward of a non-first stage receives its input; every backward of a
+        # non-last stage receives its output gradient; the rest is sent and dropped.
+        assert len(run.received_activations) == (m if rank > 0 else 0)
+        assert len(run.received_grads) == (m if rank < pp - 1 else 0)
+        assert run.sent_activations == (m if rank < pp - 1 else 0)
+        assert run.sent_grads == (m if rank > 0 else 0)
+        assert all(shape == (BATCH, HIDDEN) and dtype == "torch.float32"
+                   for _, _, shape, dtype in run.received_activations + run.received_grads)
+        assert all(p.grad is not None for p in mods[rank].parameters())
+
+
+def test_v_schedule_turnaround_is_local_on_the_last_rank():
+    # pp=2, V placement: rank 1 holds stages 1 and 2; stage 2's input is stage 1's output.
+    assert stages_of_rank(1, 2, 2, "v") == [1, 2]
+    mods = make_stages(4)
+    acts = [Action("F", 1, 0), Action("F", 2, 0), Action("I", 2, 0), Action("I", 1, 0),
+            Action("W", 2, 0), Action("W", 1, 0)]
+    run = emulator({1: mods[1], 2: mods[2]}, 4).run(acts)
+    assert [s for s, *_ in run.received_activations] == [1]     # stage 2 received nothing
+    assert [s for s, *_ in run.received_grads] == [2]           # stage 1's grad came from stage 2
+    assert run.sent_grads == 1 and run.sent_activations == 1
+
+
+def test_torch_schedules_run_on_every_rank():
+    pipelining = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    pp, m = 2, 4
+    for name, vpp, style in (("Interleaved1F1B", 2, "loop"), ("ZBVZeroBubble", 2, "v"), ("DualPipeV", 2, "v")):
+        per_rank = pipelining.get_schedule_ops(name, pp, m, num_stages_per_rank=vpp)
+        for rank, acts in enumerate(per_rank):
+            mods = make_stages(pp * vpp)
+            owned = stages_of_rank(rank, pp, vpp, style)
+            run = emulator({s: mods[s] for s in owned}, pp * vpp).run(acts)
+            computes = normalize_actions(acts)
+            assert {a.stage for a in computes} == set(owned)
+            assert len([a for a in computes if a.kind == "F"]) == vpp * m
+            assert all(p.grad is not None for s in owned for p in mods[s].parameters())
+            assert len(run.records) == len(computes)
+
+
+# Action spellings ------------------------------------------------------------------------
+
+def test_normalize_reads_torch_actions_and_expands_overlap():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as CT
+
+    acts = [None, _Action(0, CT.FORWARD, 1), _Action(0, CT.SEND_F, 1),
+            _Action(3, CT.OVERLAP_F_B, None, (_Action(0, CT.FORWARD, 2), _Action(3, CT.FULL_BACKWARD, 0))),
+            _Action(3, CT.BACKWARD_INPUT, 1), _Action(3, CT.BACKWARD_WEIGHT, 1), ("b", 2, 5)]
+    assert normalize_actions(acts) == [Action("F", 0, 1), Action("F", 0, 2), Action("B", 3, 0),
+                                       Action("I", 3, 1), Action("W", 3, 1), Action("B", 2, 5)]
+
+
+def test_unreadable_action_is_a_user_error():
+    with pytest.raises(UserError, match="compute action"):
+        normalize_actions([("X", 0, 0)])
+
+
+# Schedules that cannot run are reported, not crashed on ------------------------------------
+
+@pytest.mark.parametrize("acts,match", [
+    ([Action("B", 0, 0)], "without a pending forward"),
+    ([Action("F", 0, 0)], "without a finished backward"),
+    ([Action("F", 0, 0), Action("F", 0, 0)], "runs twice"),
+    ([Action("F", 0, 0), Action("W", 0, 0)], "without its input-gradient pass"),
+    ([Action("F", 1, 0)], "not on this rank"),
+])
+def test_bad_schedules_are_user_errors(acts, match):
+    mods = make_stages(2)
+    with pytest.raises(UserError, match=match):
+        emulator({0: mods[0]}, 2).run(acts)
+
+
+def test_local_handover_before_the_producer_is_an_error():
+    mods = make_stages(2)
+    with pytest.raises(UserError, match="before the forward of stage 0"):
+        emulator({0: mods[0], 1: mods[1]}, 2).run([Action("F", 1, 0)])
+
+
+def test_stage_placement():
+    assert stages_of_rank(1, 4, 2) == [1, 5]
+    assert stages_of_rank(0, 4, 2, "v") == [0, 7]
+    with pytest.raises(UserError):
+        stages_of_rank(4, 4, 1)
