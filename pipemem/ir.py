@@ -98,9 +98,17 @@ class Tensor:
         if self.persistent is None:
             self.persistent = self.kind in PERSISTENT_KINDS
         self.shape = tuple(self.shape)
+        self._refresh_size()
+
+    def _refresh_size(self) -> None:
+        """Cache the byte size when it is known (liveness reads it for millions of tensors)."""
         itemsize = DTYPE_BYTES.get(self.dtype) or dtype_bytes(self.dtype)  # a bad dtype names itself
-        if all(type(d) is int and d >= 0 for d in self.shape):
+        if self.bytes is not None:
+            self._nbytes = int(self.bytes)
+        elif all(type(d) is int and d >= 0 for d in self.shape):
             self._nbytes = math.prod(self.shape) * itemsize
+        else:
+            self._nbytes = None
 
     @property
     def nbytes(self) -> int:
@@ -223,7 +231,7 @@ def resolve_dims(programs: Iterable[Program], dims: Mapping[str, int]) -> None:
             seen.add(id(t))
             if any(isinstance(d, str) for d in t.shape):
                 t.shape = tuple(dims.get(d, d) if isinstance(d, str) else d for d in t.shape)
-                t._nbytes = None
+                t._refresh_size()
         prog._compiled = None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import attrgetter
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -56,31 +57,36 @@ def compile_program(program: Program) -> CompiledProgram:
         return cached
     tensors = list(program.tensors.values())
     # Group tensors by storage: a storage is as large as its largest tensor (a view is never
-    # larger than its base) and persistent if any tensor on it is.
-    index: dict[str, int] = {}
-    tensor_sid = {name: index.setdefault(t.storage, len(index)) for name, t in program.tensors.items()}
-    tensor_storage = list(tensor_sid.values())
-    names = list(index)
+    # larger than its base) and persistent if any tensor on it is. map/attrgetter keep the
+    # per-tensor work in C: this runs once per program, over up to millions of tensors.
+    tensor_storages = list(map(attrgetter("storage"), tensors))
+    names = list(dict.fromkeys(tensor_storages))
+    index = {n: i for i, n in enumerate(names)}
+    tensor_storage = np.fromiter(map(index.__getitem__, tensor_storages), dtype=np.int64, count=len(tensors))
+    tensor_sid = dict(zip(program.tensors, tensor_storage.tolist()))
     try:
-        tensor_bytes = [t.nbytes for t in tensors]
-    except UserError:
-        program.validate()  # names the first tensor with an unknown size
-        raise
-    sizes = np.zeros(len(names), dtype=np.int64)
-    np.maximum.at(sizes, np.asarray(tensor_storage, dtype=np.int64), np.asarray(tensor_bytes, dtype=np.int64))
-    persistent = np.zeros(len(names), dtype=bool)
-    persistent[[sid for t, sid in zip(tensors, tensor_storage) if t.persistent]] = True
+        tensor_bytes = np.fromiter(map(attrgetter("_nbytes"), tensors), dtype=np.int64, count=len(tensors))
+    except TypeError:  # a size is not cached: compute each (raises on an unknown dimension)
+        tensor_bytes = np.asarray([t.nbytes for t in tensors], dtype=np.int64)
     n_storages = len(names)
+    sizes = np.zeros(n_storages, dtype=np.int64)
+    np.maximum.at(sizes, tensor_storage, tensor_bytes)
+    persistent = np.zeros(n_storages, dtype=bool)
+    persistent[tensor_storage[np.fromiter(map(attrgetter("persistent"), tensors), dtype=bool, count=len(tensors))]] = True
+
     ops = program.ops
     n_ops = len(ops)
-
-    reads = [op.inputs if not op.no_need_buffer else tuple(n for n in op.inputs if n not in op.no_need_buffer)
-             for op in ops]
-    writes = [op.outputs for op in ops]
-    frees = [op.frees for op in ops]
+    reads = list(map(attrgetter("inputs"), ops))
+    if any(map(attrgetter("no_need_buffer"), ops)):
+        reads = [op.inputs if not op.no_need_buffer else tuple(n for n in op.inputs if n not in op.no_need_buffer)
+                 for op in ops]
+    writes = list(map(attrgetter("outputs"), ops))
+    frees = list(map(attrgetter("frees"), ops)) if any(map(attrgetter("frees"), ops)) else None
     op_ids = np.arange(n_ops, dtype=np.int64)
     sids, keys = [], []
     for kind, groups in ((_READ, reads), (_WRITE, writes), (_FREE, frees)):
+        if groups is None:
+            continue
         counts = np.fromiter(map(len, groups), dtype=np.int64, count=n_ops)
         total = int(counts.sum())
         try:
@@ -108,7 +114,7 @@ def compile_program(program: Program) -> CompiledProgram:
         first_is_write=touched & (first_key % 3 == _WRITE),
         last_op=np.where(touched, last_key // 3, -1),
         touched=touched,
-        workspace=np.fromiter((op.workspace_bytes for op in ops), dtype=np.int64, count=n_ops),
+        workspace=np.fromiter(map(attrgetter("workspace_bytes"), ops), dtype=np.int64, count=n_ops),
     )
     program._compiled = compiled
     return compiled
