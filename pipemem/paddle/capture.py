@@ -16,8 +16,8 @@ What is mapped, and why:
 * **In-place ops**: an output named like one of the op's inputs (adam's ParamOut = Param,
   ``x = x + y`` rewrites) is the same var, hence the same storage. With the legacy
   executor (FLAGS_new_executor_use_inplace off, the default) no other op shares a buffer:
-  reshape2 / squeeze2 / unsqueeze2 / flatten copy their input on the CPU (measured; see
-  docs/ACCURACY.md); `share_buffer_ops` lets a caller declare ops that alias.
+  reshape2 / transpose2 / unsqueeze2 copy their input on the CPU (measured exactly without
+  any alias for them; docs/ACCURACY.md).
 * **no_need_buffer**: per op, Paddle's `core.infer_no_need_buffer_slots` names the input
   slots whose data the kernel never reads (e.g. X of reduce_mean_grad, X and Y of
   elementwise_add_grad). Vars seen only in such slots are `Op.no_need_buffer`: they do not
@@ -57,15 +57,20 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
                     d = next(bound, None)
                     if d is None:
                         raise UserError(f"data var {var.name!r} has shape {list(var.shape)} with more dynamic "
-                                        "dims than --batch/--seq bind; give its shape in feed_shapes")
+                                        "dims than batch and seq bind; give its shape in feed_shapes")
                 shape.append(int(d))
         var.desc.set_shape(shape)
     if feed_shapes:
         raise UserError(f"feed_shapes names {sorted(feed_shapes)}, which are not data vars of the program")
-    for op in block.ops:
+    for i, op in enumerate(block.ops):
         if op.type in _SKIP_OPS:
             continue
-        op.desc.infer_shape(block.desc)
+        try:
+            op.desc.infer_shape(block.desc)
+        except (ValueError, RuntimeError) as e:  # Paddle's enforce errors: the bound shapes do not fit
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"shape inference failed at op #{i} ({op.type}) with the bound input shapes "
+                            f"{ {v.name: list(v.shape) for v in block.vars.values() if _is_data(v)} }: {first}") from None
     prog._sync_with_cpp()
     return prog
 
@@ -75,9 +80,17 @@ def _is_data(var) -> bool:
 
 
 def _is_dense(var) -> bool:
+    """True for dense tensors; False for vars that hold no tensor data (feed/fetch lists,
+    scopes, readers, raw); a UserError for tensor kinds whose size is not their shape."""
     from paddle.base import core
 
-    return var.type in (core.VarDesc.VarType.DENSE_TENSOR, core.VarDesc.VarType.SELECTED_ROWS)
+    vt = core.VarDesc.VarType
+    if var.type == vt.DENSE_TENSOR:
+        return True
+    if var.type in (vt.SELECTED_ROWS, vt.DENSE_TENSOR_ARRAY, vt.SPARSE_COO):
+        raise UserError(f"Paddle var {var.name!r} is a {var.type.name} (sparse rows or a tensor array): "
+                        "its size is not known from the program; pipemem captures dense tensors only")
+    return False
 
 
 def tensor_for_var(var) -> Tensor:
@@ -114,13 +127,9 @@ def no_need_buffer_names(op) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for s in slots for n in inputs.get(s, ()) if n not in needed))
 
 
-def to_ir(sub_programs: Mapping[str, object], share_buffer_ops: Mapping[str, tuple[str, str]] | None = None,
-          name_prefix: str = "") -> list[Program]:
+def to_ir(sub_programs: Mapping[str, object], name_prefix: str = "") -> list[Program]:
     """pipemem programs for `{type: paddle Program}` (in run order), sharing one tensor table.
-
-    `share_buffer_ops` maps an op type to (input slot, output slot) whose output aliases
-    the input's storage (for executors that run such ops in place)."""
-    share_buffer_ops = dict(share_buffer_ops or {})
+    Only the global block runs; an op with a sub-block (control flow) is a UserError."""
     table: dict[str, Tensor] = {}
     programs = []
     for ptype, pprog in sub_programs.items():
@@ -129,17 +138,15 @@ def to_ir(sub_programs: Mapping[str, object], share_buffer_ops: Mapping[str, tup
         for op in block.ops:
             if op.type in _SKIP_OPS:
                 continue
+            if any(a in ("sub_block", "sub_blocks") for a in op.attr_names):
+                raise UserError(f"{ptype} op {op.type!r} runs a sub-block (control flow); pipemem captures "
+                                "straight-line programs only")
             ins = _dense_names(block, op.input_arg_names)
             outs = _dense_names(block, op.output_arg_names)
             for n in (*ins, *outs):
                 if n not in table:
                     table[n] = tensor_for_var(block._var_recursive(n))
                 prog.tensors[n] = table[n]
-            if op.type in share_buffer_ops:
-                src_slot, dst_slot = share_buffer_ops[op.type]
-                for src, dst in zip(op.input(src_slot), op.output(dst_slot)):
-                    if src in table and dst in table:
-                        table[dst].storage = table[src].storage
             nnb = tuple(n for n in no_need_buffer_names(op) if n in ins)
             prog.ops.append(Op(type=op.type, inputs=ins, outputs=outs, no_need_buffer=nnb, phase=ptype))
         programs.append(prog)

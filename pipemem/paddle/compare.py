@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass
 
 from ..liveness import analyze_sequence
 from .capture import resolve_shapes, to_ir
-from .split import SUB_PROGRAM_TYPES, split_program
+from .split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
 
 # Paddle's estimator asserts that a job typed "backward" keeps nothing for later jobs:
 # true in its pipeline passes, where gradient merge makes the grads persistable, false
 # in a plain step, where the optimizer reads the grads. The type names are only dict keys
 # to it otherwise, so it gets these.
-_PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "optimizer": "O"}
+_PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "backward_b": "B", "backward_w": "W", "optimizer": "O"}
 
 
 @dataclass
@@ -82,17 +82,28 @@ def pipemem_estimates(sub_programs: dict, name_prefix: str = "") -> dict:
     return {p.type: r for p, r in zip(programs, analyze_sequence(programs))}
 
 
+def estimate(main_program, batch: int | None = None, seq: int | None = None, feed_shapes=None) -> dict:
+    """pipemem's {type: ProgramMemory} for a Paddle legacy training program: dynamic dims
+    bound (`capture.resolve_shapes`), split by op role, captured, walked in order.
+    `net_bytes` / `peak_bytes` are relative to the start of each sub-program; parameters,
+    optimizer states and fed inputs are static and not included."""
+    resolved = resolve_shapes(main_program, batch=batch, seq=seq, feed_shapes=feed_shapes)
+    return pipemem_estimates(split_program(resolved, SUB_PROGRAM_TYPES))
+
+
 def compare_case(case, measure: bool = True) -> list[Row]:
     from .measure import measure_step
 
     feed_shapes = {n: list(a.shape) for n, a in case.feeds.items()}
     resolved = resolve_shapes(case.main, feed_shapes=feed_shapes)
     subs = split_program(resolved, SUB_PROGRAM_TYPES)
+    if getattr(case, "split_bw", False):
+        subs = split_backward_bw(subs)
     ours = pipemem_estimates(subs, name_prefix=f"{case.name}/")
     theirs = paddle_estimates(subs)
     measured = {m.type: m for m in measure_step(case.startup, subs, case.feeds)} if measure else {}
     rows = []
-    for t in SUB_PROGRAM_TYPES:
+    for t in subs:
         r = ours[t]
         for quantity, est, pest in (("net", r.net_bytes, theirs[t][0]), ("peak", r.peak_bytes, theirs[t][1])):
             m = measured.get(t)

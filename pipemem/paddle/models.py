@@ -18,7 +18,7 @@ class Case:
     batch: int
     seq: int | None
     feeds: dict = field(default_factory=dict)
-    notes: str = ""
+    split_bw: bool = False    # split the backward into backward_b / backward_w (zero bubble)
 
 
 def _programs():
@@ -59,12 +59,15 @@ class DecoderConfig:
 
 
 def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32,
-            recompute: bool = False, amp: str | None = None) -> Case:
+            recompute: bool = False) -> Case:
     """A causal decoder (GPT or Llama style) with a language-model loss and AdamW.
 
     recompute: Paddle's static `RecomputeOptimizer` with each layer's output as a
     checkpoint (backward re-runs each layer's forward before its gradient ops).
-    amp: "bf16" for `paddle.static.amp` O1 bf16 autocast."""
+
+    No AMP variant: on this CPU (no AVX-512) Paddle's bf16 matmul is oneDNN-only and
+    fails to build its primitive, and silu has no CPU bf16 kernel; paddle.static.amp's
+    O1 rewrite keeps everything fp32 on a CPU-only build (docs/ACCURACY.md)."""
     import numpy as np
     import paddle
     import paddle.nn.functional as F
@@ -117,16 +120,6 @@ def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32,
         logits = paddle.nn.Linear(h, cfg.vocab)(norm()(x))
         loss = F.cross_entropy(logits, paddle.unsqueeze(labels, -1)).mean()
         opt = paddle.optimizer.AdamW(1e-3, weight_decay=0.01)
-        if amp == "bf16":
-            # The CPU bf16 rewrite (paddle.static.amp.decorate assumes a GPU and keeps
-            # matmul in fp32 on a CPU-only build): O1, casts inserted around bf16 ops.
-            from paddle.static.amp.bf16 import AutoMixedPrecisionListsBF16, decorate_bf16
-
-            lists = AutoMixedPrecisionListsBF16(custom_fp32_list={"matmul_v2", "matmul", "mul"})
-            opt = decorate_bf16(opt, amp_lists=lists, use_pure_bf16=False,
-                                use_bf16_guard=False)
-        elif amp:
-            raise ValueError(f"amp={amp!r}: only 'bf16' is built")
         if recompute:
             opt = paddle.incubate.optimizer.RecomputeOptimizer(opt)
             opt._set_checkpoints(checkpoints)
@@ -137,7 +130,7 @@ def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32,
              "mask": np.triu(np.full((seq, seq), -1e4, np.float32), 1)[None, None]}
     if cfg.style == "gpt":
         feeds["positions"] = np.tile(np.arange(seq, dtype=np.int64), (batch, 1))
-    name = f"{cfg.style}{cfg.layers}" + ("-recompute" if recompute else "") + (f"-{amp}" if amp else "")
+    name = f"{cfg.style}{cfg.layers}" + ("-recompute" if recompute else "")
     return Case(name, main, startup, batch, seq, feeds)
 
 
@@ -168,11 +161,29 @@ def _legacy_op(op_type: str, inputs: dict, attrs: dict | None = None):
     return out
 
 
+def _named(case: Case, name: str) -> Case:
+    case.name = name
+    return case
+
+
+def _zb(case: Case) -> Case:
+    case.name += "-zb"
+    case.split_bw = True
+    return case
+
+
 CASES = {
     "mlp": lambda: mlp(),
     "gpt2": lambda: decoder(DecoderConfig(style="gpt")),
     "gpt2-recompute": lambda: decoder(DecoderConfig(style="gpt"), recompute=True),
     "llama2": lambda: decoder(DecoderConfig(style="llama", dropout=0.0)),
     "llama2-recompute": lambda: decoder(DecoderConfig(style="llama", dropout=0.0), recompute=True),
-    "llama2-bf16": lambda: decoder(DecoderConfig(style="llama", dropout=0.0), amp="bf16"),
+    "llama2-zb": lambda: _zb(decoder(DecoderConfig(style="llama", dropout=0.0))),
+    "gpt2-zb": lambda: _zb(decoder(DecoderConfig(style="gpt"))),
+    # Wider and deeper, one of each style: 28 MB of activations instead of 1 MB.
+    "llama4-wide": lambda: _named(decoder(DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688,
+                                                        vocab=1000, dropout=0.0), batch=2, seq=128), "llama4-wide"),
+    "gpt4-wide-recompute": lambda: _named(decoder(DecoderConfig(style="gpt", layers=4, hidden=256, heads=8, ffn=1024,
+                                                                vocab=1000), batch=2, seq=128, recompute=True),
+                                          "gpt4-wide-recompute"),
 }

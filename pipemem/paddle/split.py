@@ -57,3 +57,57 @@ def split_program(main_program, types: tuple[str, ...] = SUB_PROGRAM_TYPES) -> d
         prog._sync_with_cpp()
         out[t] = prog
     return out
+
+
+# Ops whose input-gradient and weight-gradient halves can run apart: (input-grad output
+# slot, weight-grad output slot). Their kernels take either output as optional, which is
+# how Paddle's zero-bubble passes split matmul_grad too (PIR only in Paddle 3.3).
+_SPLITTABLE = {"matmul_v2_grad": ("X@GRAD", "Y@GRAD"), "mul_grad": ("X@GRAD", "Y@GRAD")}
+
+ZB_SUB_PROGRAM_TYPES = ("forward", "backward_b", "backward_w", "optimizer")
+
+
+def _is_param_grad(block, name: str) -> bool:
+    from paddle.base.framework import Parameter
+
+    if not name.endswith("@GRAD"):
+        return False
+    var = block._find_var_recursive(name[: -len("@GRAD")])
+    return isinstance(var, Parameter)
+
+
+def split_backward_bw(sub_programs: dict) -> dict:
+    """forward / backward_b / backward_w / optimizer from a forward / backward / optimizer
+    split, the zero-bubble way: backward_w holds the ops that only produce parameter
+    gradients, plus the weight-gradient half of each matmul_v2_grad / mul_grad whose Y
+    gradient is a parameter's; backward_b holds everything else (with those matmuls
+    computing only their input gradient). backward_w runs after the whole backward_b, so
+    whatever it reads (the matmul inputs and output gradients) stays alive in between."""
+    missing = [t for t in SUB_PROGRAM_TYPES if t not in sub_programs]
+    if missing:
+        raise UserError(f"split_backward_bw needs the {', '.join(missing)} sub-program(s)")
+    backward = sub_programs["backward"]
+    block = backward.global_block()
+    kinds = []
+    for op in block.ops:
+        outs = [n for n in op.output_arg_names if n]
+        slots = _SPLITTABLE.get(op.type)
+        if slots and op.output(slots[1]) and all(_is_param_grad(block, n) for n in op.output(slots[1])) \
+                and op.output(slots[0]):
+            kinds.append("split")
+        elif outs and all(_is_param_grad(block, n) for n in outs):
+            kinds.append("W")
+        else:
+            kinds.append("B")
+    progs = {}
+    for ptype, drop, empty_slot in (("backward_b", "W", 1), ("backward_w", "B", 0)):
+        prog = backward.clone()
+        pblock = prog.global_block()
+        for i in range(len(kinds) - 1, -1, -1):
+            if kinds[i] == drop:
+                pblock._remove_op(i, sync=False)
+            elif kinds[i] == "split":
+                pblock.ops[i].desc.set_output(_SPLITTABLE[pblock.ops[i].type][empty_slot], [])
+        prog._sync_with_cpp()
+        progs[ptype] = prog
+    return {"forward": sub_programs["forward"], **progs, "optimizer": sub_programs["optimizer"]}

@@ -12,13 +12,16 @@ import json
 import os
 import sys
 
-# Legacy `Program` IR; GC on (eager deletion threshold 0 frees a var right after its last use).
-PADDLE_ENV = {"FLAGS_enable_pir_api": "0", "FLAGS_eager_delete_tensor_gb": "0", "GLOG_v": "0",
-              "GLOG_minloglevel": "2"}
+# Legacy `Program` IR (the captured and measured programs are legacy ones); GC on (eager
+# deletion threshold 0 frees a var right after its last use). These are not negotiable.
+PADDLE_ENV = {"FLAGS_enable_pir_api": "0", "FLAGS_eager_delete_tensor_gb": "0"}
+# Quiet logs unless the caller asked for them.
+LOG_ENV = {"GLOG_v": "0", "GLOG_minloglevel": "2"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    for k, v in PADDLE_ENV.items():
+    os.environ.update(PADDLE_ENV)
+    for k, v in LOG_ENV.items():
         os.environ.setdefault(k, v)
     import warnings
 

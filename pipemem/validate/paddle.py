@@ -1,0 +1,98 @@
+"""`pipemem validate paddle`: Paddle static programs - pipemem vs Paddle's own estimator.
+
+Each case is a small Paddle legacy-IR training program (MLP; GPT- and Llama-style 2-layer
+decoders, with and without Paddle's static `RecomputeOptimizer`). Its main program is
+split by op role into forward / backward / optimizer (the -zb cases further split the
+backward into backward_b / backward_w, zero-bubble style), and for each sub-program and
+quantity (net change, peak above its start) three numbers are put side by side:
+pipemem's liveness over the captured program, Paddle's own
+`paddle.distributed.passes.pass_utils.PipelineMemoryEstimator` on the same sub-programs,
+and a measurement: the sub-programs run in sequence as jobs of one Paddle executor plan on
+the CPU, reading the host allocator's statistics between jobs (pipemem/paddle/measure.py).
+
+Paddle runs in a subprocess (`python -m pipemem.paddle.worker`): it must be configured
+before import (legacy IR) and must not share a process with PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from ..errors import UserError
+from ..paddle.models import CASES  # builders only: paddle is imported when one runs, in the worker
+
+EXAMPLE = """\
+examples:
+  pipemem validate paddle
+  pipemem validate paddle --json
+  pipemem validate paddle --cases mlp,gpt2-recompute
+"""
+
+CASE_NAMES = tuple(CASES)
+
+
+def run_cases(names=CASE_NAMES, timeout: float = 300) -> list[dict]:
+    """Run the comparison for `names` in a fresh Python process; its `cases[]` rows."""
+    from importlib.util import find_spec
+
+    if find_spec("paddle") is None:
+        raise UserError("pipemem validate paddle needs paddlepaddle: pip install 'pipemem[paddle]'")
+    proc = subprocess.run([sys.executable, "-m", "pipemem.paddle.worker", *names], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ))
+    if proc.returncode == 2:
+        raise UserError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "paddle worker refused")
+    if proc.returncode != 0:
+        raise RuntimeError(f"paddle worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"paddle worker printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])["cases"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("paddle", help="Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
+                       description=__doc__.split("\n\n")[1], epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
+                                               f"known: {', '.join(CASE_NAMES)}")
+    p.set_defaults(func=run)
+
+
+def _fmt_err(e) -> str:
+    return "n/a" if e is None else f"{e * 100:+.2f}%"
+
+
+def run(args) -> int:
+    from ..units import fmt_bytes
+
+    names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(CASE_NAMES)
+    bad = [n for n in names if n not in CASE_NAMES]
+    if bad:
+        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(CASE_NAMES)}")
+    rows = run_cases(names)
+    errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
+    perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
+    worst = max(errs, default=0.0)
+    if args.json:
+        print(json.dumps({"target": "paddle", "cases": rows, "max_abs_rel_error": worst,
+                          "paddle_max_abs_rel_error": max(perrs, default=0.0)}, indent=1))
+        return 0
+    header = ("case / sub-program / quantity", "measured", "pipemem", "error", "Paddle estimator", "error")
+    table = [(r["name"], fmt_bytes(r["measured_bytes"], signed=r["name"].endswith("net")),
+              fmt_bytes(r["estimated_bytes"], signed=r["name"].endswith("net")), _fmt_err(r["rel_error"]),
+              fmt_bytes(r["paddle_estimated_bytes"], signed=r["name"].endswith("net")),
+              _fmt_err(r["paddle_rel_error"])) for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None)
+    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: max |error| "
+          f"{max(perrs, default=0.0) * 100:.2f}%" + (f" ({undefined} lines with measured 0 and a non-zero "
+                                                      "estimate have no relative error)" if undefined else ""))
+    return 0
