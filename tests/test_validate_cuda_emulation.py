@@ -170,7 +170,8 @@ def test_v_schedule_turnaround_is_local_on_the_last_rank():
             Action("W", 2, 0), Action("W", 1, 0)]
     run = emulator({1: mods[1], 2: mods[2]}, 4).run(acts)
     assert [s for s, *_ in run.received_activations] == [1]     # stage 2 received nothing
-    assert [s for s, *_ in run.received_grads] == [2]           # stage 1's grad came from stage 2
+    # stage 2's output grad comes from stage 3 (remote); stage 1's from stage 2 (local)
+    assert [s for s, *_ in run.received_grads] == [2]
     assert run.sent_grads == 1 and run.sent_activations == 1
 
 
@@ -233,3 +234,117 @@ def test_stage_placement():
     assert stages_of_rank(0, 4, 2, "v") == [0, 7]
     with pytest.raises(UserError):
         stages_of_rank(4, 4, 1)
+
+
+# Memory: what a rank holds after each action, counted by a live-storage tracker ---------------
+
+class LiveStorages:
+    """Bytes of the distinct tensor storages alive that were created while the mode was active
+    (a TorchDispatchMode seeing every op's outputs, a weakref finalizer per storage)."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        tracker = self
+        self.live = 0
+        self.seen = seen = WeakIdKeyDictionary()
+
+        def free(n):
+            tracker.live -= n
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func is torch.ops.aten.lift_fresh.default:
+                    return out    # a Python constant made a tensor (torch internals keep one), not data
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        if st not in seen:
+                            seen[st] = weakref.finalize(st, free, st.nbytes())
+                            tracker.live += st.nbytes()
+                return out
+
+        self.mode = Mode()
+
+    def ignore(self, *tensors):
+        """Storages that exist already (parameters): never counted, even when an op views them."""
+        for t in tensors:
+            self.seen[t.untyped_storage()] = None
+
+
+def test_1f1b_middle_rank_holds_three_tensors_per_microbatch_and_drops_sends():
+    # Middle stage: y = tanh(h W^T + b) + h. Kept for backward per microbatch: the received h
+    # (read by the matmul's backward), tanh's result, and the output y (kept until the
+    # microbatch's backward, as the pipelining runtime does): 3 * b * hidden fp32 values.
+    pp, rank, m = 3, 1, 4
+    per_mb = 3 * BATCH * HIDDEN * 4
+    grads_bytes = (HIDDEN * HIDDEN + HIDDEN) * 4
+    mods = make_stages(pp)
+    tracker = LiveStorages()
+    tracker.ignore(*mods[rank].parameters())
+    emu = emulator({rank: mods[rank]}, pp, probe=lambda: tracker.live)
+    acts = one_f_one_b(rank, pp, m)
+    with tracker.mode:
+        run = emu.run(acts)
+    before, first_b = 0, True
+    for rec in run.records:
+        delta = rec.bytes_after - before
+        if rec.action.kind == "F":
+            assert delta == per_mb, rec.action
+        else:
+            # The received output gradient and the sent input gradient are both gone after B;
+            # the first B also allocates the weight gradients.
+            assert delta == -per_mb + (grads_bytes if first_b else 0), rec.action
+            first_b = False
+        before = rec.bytes_after
+    # The high-water mark: min(m, p - r) microbatches held, once weight gradients exist (m > p - r).
+    assert max(r.bytes_after for r in run.records) == min(m, pp - rank) * per_mb + grads_bytes
+    assert run.records[-1].bytes_after == grads_bytes
+
+
+def test_split_backward_keeps_what_the_runtime_keeps_until_w():
+    # Same middle stage. After I (stage_backward_input), until W the runtime keeps: the input h
+    # and its gradient (h.grad), the detached output y, the received output gradient, and the
+    # gradient at the linear's output captured for dW (tanh's result is freed with y's graph):
+    # 5 tensors of b * hidden fp32 values. W frees them all and adds the weight gradients.
+    unit = BATCH * HIDDEN * 4
+    grads_bytes = (HIDDEN * HIDDEN + HIDDEN) * 4
+    mods = make_stages(3)
+    tracker = LiveStorages()
+    tracker.ignore(*mods[1].parameters())
+    emu = emulator({1: mods[1]}, 3, probe=lambda: tracker.live)
+    acts = [Action("F", 1, 0), Action("F", 1, 1), Action("I", 1, 0), Action("W", 1, 0),
+            Action("I", 1, 1), Action("W", 1, 1)]
+    with tracker.mode:
+        run = emu.run(acts)
+    assert [r.bytes_after for r in run.records] == [
+        3 * unit, 6 * unit, 8 * unit, 3 * unit + grads_bytes, 5 * unit + grads_bytes, grads_bytes]
+
+
+def test_every_pipeline_case_of_the_matrix_walks_on_every_rank():
+    """The action lists `validate cuda` will run on a GPU, walked here with tiny stages: every
+    rank finishes its step, runs m forwards per stage it holds, and 1F1B ranks hold
+    min(m, p - r) microbatches."""
+    from pipemem.validate.cuda import rank_actions
+    from pipemem.validate.cuda_cases import get_cases
+
+    cases = [c for c in get_cases("full") + get_cases("small") if c.pp > 1]
+    assert cases
+    # Precision and attention do not change the action lists: one case per schedule shape.
+    for case in {(c.schedule, c.pp, c.vpp, c.microbatches): c for c in cases}.values():
+        mods = make_stages(case.num_stages)
+        owned_all = []
+        for rank in range(case.pp):
+            acts, owned, _ = rank_actions(case, rank)
+            owned_all += owned
+            run = emulator({s: mods[s] for s in owned}, case.num_stages).run(acts)
+            fwd = [r.action for r in run.records if r.action.kind == "F"]
+            assert sorted((a.stage, a.microbatch) for a in fwd) == sorted(
+                (s, m) for s in owned for m in range(case.microbatches)), case.name
+            if case.schedule == "1F1B":
+                assert run.max_held_forwards == min(case.microbatches, case.pp - rank), case.name
+        assert sorted(owned_all) == list(range(case.num_stages)), case.name

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -50,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--case", action="append", default=[], metavar="TEXT",
                    help="only the cases whose name contains TEXT (repeatable)")
     p.add_argument("--out", metavar="FILE",
-                   help="where to write the JSON results (default: validation/cuda/<gpu>-<date>.json)")
+                   help="where to write the JSON results (default: validation/cuda/<gpu>-<configs>-<date>.json)")
     p.add_argument("--no-estimates", action="store_true", help="measure only")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -66,7 +68,7 @@ def run(args) -> int:
     require_cuda()
     report = new_report(environment(), args.configs)
     for i, case in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] {case.name}", file=__import__("sys").stderr, flush=True)
+        print(f"[{i}/{len(cases)}] {case.name}", file=sys.stderr, flush=True)
         result = measure_case(case, "cuda")
         if not args.no_estimates:
             add_estimates(result, case)
@@ -261,6 +263,7 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
         "received_activations": len(walk.received_activations), "received_grads": len(walk.received_grads),
         "timeline": [[str(r.action), r.bytes_after] for r in walk.records],
         "seconds": round(time.perf_counter() - started, 3),
+        "pid": os.getpid(),
     }
     del emu, stages, optimizer, params, walk
     return result

@@ -25,6 +25,7 @@ only when an emulator is built.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -51,8 +52,8 @@ class Action:
     stage: int
     microbatch: int
 
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+    def __str__(self) -> str:   # pipemem.schedules' text form: F3@s1
+        return f"{self.kind}{self.microbatch}@s{self.stage}"
 
 
 def _kind_name(kind: Any) -> str:
@@ -172,9 +173,6 @@ class RankEmulator:
             raise UserError(f"schedule leaves (stage, microbatch) {left} without a finished backward")
         self._reset_state()
         return run
-
-    def held_forwards(self) -> int:
-        return len(self._fwd)
 
     def _forward(self, a: Action, run: RankRun) -> None:
         import torch
@@ -326,7 +324,9 @@ def _materialize(module: Any, device: Any, dtype: Any, config: Any) -> None:
         module.rotary = type(module.rotary)(config=config)
 
 
+@functools.lru_cache(maxsize=None)
 def _stage_class():
+    """The stage module class (defined on first use, so importing this module needs no torch)."""
     import torch
 
     class HFStage(torch.nn.Module):
