@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 from .jobs import JobMemory, StageJobs, StaticBytes
-from .schedules.actions import Action, Schedule
+from .schedules.actions import Action, Schedule, paused_gc
 from .schedules.check import Simulation, TimeModel, simulate
 
 
@@ -29,18 +29,21 @@ class RankReplay:
     activation_hwm_bytes: int          # max of `current` after an action (above static)
     final_bytes: int                   # static + current after the last action (and optimizer)
     _actions: list = field(repr=False, default_factory=list)
-    _during: list = field(repr=False, default_factory=list)
-    _after: list = field(repr=False, default_factory=list)
+    _table: dict = field(repr=False, default_factory=dict)
     optimizer: tuple | None = field(repr=False, default=None)   # (before, during, after)
+    _override: dict = field(repr=False, default_factory=dict)   # Action -> (net, peak)
 
     @property
     def timeline(self) -> list[tuple[str, int, int, int]]:
-        """(action, bytes before, bytes at its peak, bytes after), static included."""
+        """(action, bytes before, bytes at its peak, bytes after), static included. Rebuilt on
+        demand by walking the actions again, so a replay keeps no per-action lists."""
         out = []
-        before = self.static_bytes
-        for a, d, aft in zip(self._actions, self._during, self._after):
-            out.append((str(a), before, d, aft))
-            before = aft
+        cur = self.static_bytes
+        table, override = self._table, self._override
+        for a in self._actions:
+            net, pk = override.get(a) or table[a[0]][a[1]]
+            out.append((str(a), cur, cur + pk, cur + net))
+            cur += net
         if self.optimizer is not None:
             out.append(("optimizer",) + tuple(self.optimizer))
         return out
@@ -96,10 +99,9 @@ def _static_total(x) -> int:
     return x.total if isinstance(x, StaticBytes) else x
 
 
-def _job_table(schedule: Schedule, jobs) -> dict[tuple[str, int], tuple]:
-    """(kind, stage) -> (net, peak) for every kind the schedule uses."""
-    used = {(a[0], a[1]) for acts in schedule.ranks for a in acts} if schedule.num_actions < 50_000 else None
-    table = {}
+def _job_table(schedule: Schedule, jobs) -> dict[str, list]:
+    """kind -> per stage (net, peak), or None where the stage has no such job."""
+    table = {k: [None] * schedule.num_stages for k in "FBIW"}
     for s in range(schedule.num_stages):
         sj = jobs.get(s)
         if sj is None:
@@ -112,10 +114,18 @@ def _job_table(schedule: Schedule, jobs) -> dict[tuple[str, int], tuple]:
                               max(sj.I.peak_bytes, sj.I.net_bytes + sj.W.peak_bytes),
                               sj.I.seconds + sj.W.seconds)
             if j is not None:
-                table[kind, s] = (j.net_bytes, j.peak_bytes)
-            elif used is None or (kind, s) in used:
-                table[kind, s] = None
+                table[kind][s] = (j.net_bytes, j.peak_bytes)
     return table
+
+
+def _missing_job(schedule: Schedule, rank: int, table) -> UserError:
+    for a in schedule.ranks[rank]:
+        if a[0] not in table:
+            return UserError(f"replay: rank {rank} runs {a}: unknown kind {a[0]!r}")
+        if table[a[0]][a[1]] is None:
+            return UserError(f"replay: rank {rank} runs {a} but stage {a[1]} has no {a[0]} job "
+                             f"(build split-backward jobs for schedules with I/W)")
+    return UserError(f"replay: rank {rank}: malformed actions")
 
 
 def _times_from_jobs(schedule: Schedule, jobs) -> TimeModel | None:
@@ -129,51 +139,67 @@ def _times_from_jobs(schedule: Schedule, jobs) -> TimeModel | None:
     return TimeModel(F=tf, B=tb, I=ti, W=tw)
 
 
-def replay(schedule: Schedule, jobs: dict[int, StageJobs], static_bytes: list | None = None,
+def _overrides(jobs) -> dict:
+    """Jobs given for one (stage, microbatch): Action -> (net, peak) for each kind they have."""
+    out = {}
+    for key, sj in jobs.items():
+        if isinstance(key, tuple):
+            stage, mb = key
+            for kind in "FBIW":
+                j = getattr(sj, kind, None)
+                if j is not None:
+                    out[Action(kind, stage, mb)] = (j.net_bytes, j.peak_bytes)
+    return out
+
+
+def replay(schedule: Schedule, jobs: dict[int | tuple[int, int], StageJobs], static_bytes: list | None = None,
            optimizer_jobs: list[JobMemory] | dict[int, JobMemory] | None = None,
            times: TimeModel | None = None, simulate_time: bool | None = None) -> ReplayResult:
-    """Walk every rank's actions; see the module docstring. `jobs` is keyed by virtual stage;
+    """Walk every rank's actions; see the module docstring. `jobs` is keyed by virtual stage,
+    and may also hold keys (stage, microbatch) whose jobs replace the stage's for that
+    microbatch (memory only: the time model uses the per-stage durations);
     `static_bytes[r]` (int or StaticBytes) is what rank r holds before the first action.
     The schedule is assumed valid (pipemem.schedules.check.check_schedule). Makespan and bubbles
     come from `times`, or from the jobs' `seconds` when every F and B has one (simulate_time=None),
     or are skipped (simulate_time=False)."""
+    with paused_gc():
+        return _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time)
+
+
+def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) -> ReplayResult:
     pp = schedule.pp
     statics = [0] * pp if static_bytes is None else [_static_total(x) for x in static_bytes]
     if len(statics) != pp:
         raise UserError(f"replay: {len(statics)} static sizes for {pp} pipeline ranks")
     table = _job_table(schedule, jobs)
+    override = _overrides(jobs)
     ranks = []
     for r, acts in enumerate(schedule.ranks):
         static = statics[r]
         cur = static
         peak = None
         at = -1
-        hwm = 0
+        hi = static
         inflight = max_inflight = 0
-        during_l: list = []
-        after_l: list = []
-        dappend, aappend = during_l.append, after_l.append
-        for idx, a in enumerate(acts):
-            kind = a[0]
-            nj = table.get((kind, a[1]))
-            if nj is None:
-                raise UserError(f"replay: rank {r} runs {a} but stage {a[1]} has no {kind} job "
-                                f"(build split-backward jobs for schedules with I/W)")
-            during = cur + nj[1]
-            if peak is None or during > peak:
-                peak = during
-                at = idx
-            cur += nj[0]
-            dappend(during)
-            aappend(cur)
-            if cur - static > hwm:
-                hwm = cur - static
-            if kind == "F":
-                inflight += 1
-                if inflight > max_inflight:
-                    max_inflight = inflight
-            elif kind != "W":
-                inflight -= 1
+        try:
+            for idx, a in enumerate(acts):
+                kind, s, _ = a
+                net, pk = (override.get(a) or table[kind][s]) if override else table[kind][s]
+                during = cur + pk
+                if peak is None or during > peak:
+                    peak = during
+                    at = idx
+                cur += net
+                if cur > hi:
+                    hi = cur
+                if kind == "F":
+                    inflight += 1
+                    if inflight > max_inflight:
+                        max_inflight = inflight
+                elif kind != "W":
+                    inflight -= 1
+        except (TypeError, KeyError, IndexError):
+            raise _missing_job(schedule, r, table) from None
         opt = None
         if optimizer_jobs is not None:
             oj = optimizer_jobs[r]
@@ -186,9 +212,9 @@ def replay(schedule: Schedule, jobs: dict[int, StageJobs], static_bytes: list | 
                 at = len(acts)
         if peak is None:
             peak = static
-        rank = RankReplay(r, static, peak, "optimizer" if at == len(acts) else (str(acts[at]) if at >= 0 else "-"),
-                          at, max_inflight, hwm, cur, acts, during_l, after_l, opt)
-        ranks.append(rank)
+        ranks.append(RankReplay(r, static, peak,
+                                "optimizer" if at == len(acts) else (str(acts[at]) if at >= 0 else "-"),
+                                at, max_inflight, hi - static, cur, acts, table, opt, override))
     sim = None
     if simulate_time is not False:
         tm = times or (_times_from_jobs(schedule, jobs) if simulate_time is None else TimeModel())

@@ -31,7 +31,7 @@ def test_replay_rule_by_hand():
 
 
 def test_optimizer_runs_after_the_last_action():
-    opt = [JobMemory(0, 40), JobMemory(30, 5)]
+    opt = [JobMemory(0, 40), JobMemory(30, 35)]
     res = replay(get_schedule("1F1B", 2, 2), _jobs(2), [100, 200], optimizer_jobs=opt)
     r0, r1 = res.ranks
     assert (r0.peak_allocated_bytes, r0.peak_at, r0.peak_action_index) == (140, "optimizer", 4)
@@ -104,3 +104,15 @@ def test_check_names_the_first_dependency_violation():
                       [A("F", 1, 1), A("B", 1, 1), A("F", 1, 0), A("B", 1, 0)]], m=2)
     with pytest.raises(UserError, match=r"rank 0 action #1 B0@s0 .*B0@s1 \(rank 1 action #3\)"):
         check_schedule(crossed)
+
+
+def test_jobs_for_one_microbatch_replace_the_stage_jobs():
+    """Microbatch 1 of stage 0 keeps 30 instead of 10: rank 0 (F0 F1 B0 B1 from 0) reaches
+    10 + 30 + its F peak above net (5) = 45 at F1."""
+    jobs = _jobs(2)
+    jobs[(0, 1)] = StageJobs(0, F=JobMemory(30, 35), B=JobMemory(-30, 0))
+    res = replay(get_schedule("1F1B", 2, 2), jobs, [0, 0])
+    r0 = res.ranks[0]
+    assert (r0.peak_allocated_bytes, r0.peak_at) == (45, "F1@s0")
+    assert r0.timeline == [("F0@s0", 0, 15, 10), ("F1@s0", 10, 45, 40), ("B0@s0", 40, 45, 30),
+                           ("B1@s0", 30, 30, 0)]

@@ -12,7 +12,7 @@ examples:
   pipemem schedule 1F1B --pp 4 --microbatches 8
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
   pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4 --csv-out zb.csv
-  pipemem schedule csv:zb.csv --pp 4 --microbatches 16
+  pipemem schedule csv:zb.csv
 
 Memory is in units of one microbatch's retained activations on a rank (all its chunks):
 F of a chunk keeps 1/vpp, B frees it; with split backward I frees all but the weight-grad
@@ -26,10 +26,12 @@ def register(sub) -> None:
         description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
                     "microbatch-unit jobs and a time model, and print a compact chart.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", help="schedule name (e.g. GPipe, 1F1B, Interleaved1F1B, ZBH1, ZBVZeroBubble, "
-                                "DualPipeV, VHalf, VMin, auto), csv:FILE or torch:NAME")
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    p.add_argument("name", help="schedule name, case-insensitive: GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
+                                "LoopedBFS, InterleavedZeroBubble, ZBH1 (Paddle's order), ZB1P (the paper's "
+                                "ZB-H1), ZBH2, ZBVZeroBubble/ZBV, DualPipeV, VHalf, VMin, ZBVPP, auto "
+                                "(memory-limited), csv:FILE or torch:NAME")
+    p.add_argument("--pp", type=int, help="pipeline ranks (required unless NAME is csv:FILE)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (required unless NAME is csv:FILE)")
     p.add_argument("--vpp", type=int, default=None,
                    help="model chunks per rank (default 1; 2 for V schedules)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="MICROBATCHES",
@@ -72,11 +74,14 @@ def _num(x) -> float:
 
 def run(args) -> int:
     from ..replay import replay
-    from ..schedules import default_vpp, get_schedule
+    from ..schedules import canonical_name, default_vpp, get_schedule
     from ..schedules.check import check_schedule
     from ..schedules.unit_jobs import DEFAULT_W_RATIO, unit_jobs
 
-    if args.pp < 1 or args.microbatches < 1:
+    from_csv = args.name.lower().startswith("csv:")
+    if not from_csv and (args.pp is None or args.microbatches is None):
+        raise UserError(f"schedule {args.name}: give --pp and --microbatches, e.g. --pp 4 --microbatches 8")
+    if (args.pp is not None and args.pp < 1) or (args.microbatches is not None and args.microbatches < 1):
         raise UserError("--pp and --microbatches must be at least 1")
     if args.w_ratio is not None and not 0 <= args.w_ratio <= 1:
         raise UserError(f"--w-ratio {args.w_ratio}: give a share between 0 and 1, e.g. 0.94")
@@ -84,26 +89,25 @@ def run(args) -> int:
         raise UserError("--memory-limit must be a positive number of microbatches, e.g. 4")
     times = _parse_times(args.times)
     name = args.name
-    if args.memory_limit is not None and not name.lower().startswith(("csv:", "torch:")):
-        from ..schedules import canonical_name
-        if canonical_name(name) not in ("ZBAuto", "ZBVPP"):
+    if args.memory_limit is not None:
+        if name.lower().startswith(("csv:", "torch:")) or canonical_name(name) not in ("ZBAuto", "ZBVPP"):
             raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
     vpp = args.vpp if args.vpp is not None else default_vpp(name)
     w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
-    if name.lower() in ("auto", "zbauto", "zbvpp"):
+    canon = None if name.lower().startswith(("csv:", "torch:")) else canonical_name(name)
+    if canon in ("ZBAuto", "ZBVPP"):
         from fractions import Fraction
         from ..schedules.zb_scheduler import memory_limited_schedule
         w_exact = Fraction(w).limit_denominator(10**6)
         jobs = unit_jobs(args.pp * vpp, vpp, w_exact, (times.F, times.I, times.W))
         limit = args.memory_limit
-        if name.lower() == "zbvpp":
+        if canon == "ZBVPP":
             if vpp != 2:
                 raise UserError(f"ZBVPP runs 2 chunks per rank: pass --vpp 2 (got {vpp})")
-            limit = args.pp if limit is None else limit
-        sched = memory_limited_schedule(args.pp, args.microbatches, jobs, times, limit, vpp=vpp,
-                                        name="ZBVPP" if name.lower() == "zbvpp" else "ZBAuto")
+            limit = args.pp if limit is None else limit      # ZB-V's memory: p microbatches
+        sched = memory_limited_schedule(args.pp, args.microbatches, jobs, times, limit, vpp=vpp, name=canon)
     else:
-        sched = get_schedule(name, args.pp, args.microbatches, vpp)
+        sched = get_schedule(name, args.pp or 0, args.microbatches or 0, vpp)
     check_schedule(sched, times)
     jobs = unit_jobs(sched.num_stages, sched.vpp, w, (times.F, times.I, times.W))
     res = replay(sched, jobs, None, times=times)

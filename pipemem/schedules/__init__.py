@@ -5,7 +5,7 @@ import/export, validity check and time model, and a memory-limited zero-bubble s
 
 Names are case-insensitive and ignore '-' and '_': PyTorch's (GPipe, 1F1B, Interleaved1F1B,
 LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), Paddle's (FThenB, Eager1F1B, VPP,
-ZBH1, ZBVPP), ZBH2, ZBV, VHalf, VMin, ZBAuto (alias auto: the memory-limited scheduler),
+ZBH1, ZBVPP), ZB1P (the paper's ZB-H1, all backwards split), ZBH2, ZBV, VHalf, VMin, ZBAuto (alias auto: the memory-limited scheduler),
 `csv:FILE` and `torch:NAME` (PyTorch's own order, needs torch).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from . import generators as _g
-from .actions import Action, Schedule
+from .actions import Action, Schedule, paused_gc
 
 # canonical name -> generator(pp, m, vpp, name=...)
 _GENERATORS = {
@@ -26,6 +26,7 @@ _GENERATORS = {
     "LoopedBFS": _g.looped_bfs,
     "InterleavedZeroBubble": _g.interleaved_zero_bubble,
     "ZBH1": _g.zb_h1,
+    "ZB1P": _g.zb_1p,
     "ZBH2": _g.zb_h2,
     "ZBVZeroBubble": _g.zb_v,
     "ZBV": _g.zb_v,
@@ -34,7 +35,7 @@ _GENERATORS = {
     "VMin": _g.v_min,
 }
 _SCHEDULERS = ("ZBVPP", "ZBAuto")
-_ALIASES = {"auto": "ZBAuto", "memorylimited": "ZBAuto", "zb1p": "ZBH1", "zb2p": "ZBH2",
+_ALIASES = {"auto": "ZBAuto", "memorylimited": "ZBAuto", "zb2p": "ZBH2",
             "pipedreamflush": "1F1B", "interleaved": "Interleaved1F1B"}
 SCHEDULE_NAMES = tuple(_GENERATORS) + _SCHEDULERS
 
@@ -70,7 +71,7 @@ def get_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, memory_lim
     if name.lower().startswith("csv:"):
         from .csv_io import read_csv
         sched = read_csv(name[4:])
-        if (pp, microbatches) != (sched.pp, sched.microbatches) and pp and microbatches:
+        if (pp and pp != sched.pp) or (microbatches and microbatches != sched.microbatches):
             raise UserError(f"{name}: the file has {sched.pp} ranks and {sched.microbatches} microbatches, "
                             f"but --pp {pp} --microbatches {microbatches} were given; make them agree")
         return sched
@@ -94,7 +95,8 @@ def get_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, memory_lim
     if memory_limit is not None:
         raise UserError(f"--memory-limit applies to the memory-limited scheduler: use schedule 'auto' "
                         f"(or ZBVPP) instead of {canon}")
-    return _GENERATORS[canon](pp, microbatches, vpp, name=canon)
+    with paused_gc():
+        return _GENERATORS[canon](pp, microbatches, vpp, name=canon)
 
 
 __all__ = ["Action", "Schedule", "get_schedule", "canonical_name", "default_vpp", "SCHEDULE_NAMES"]

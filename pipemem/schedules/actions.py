@@ -8,7 +8,9 @@ in csv_io.py.
 
 from __future__ import annotations
 
+import gc
 import re
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..errors import UserError
@@ -34,6 +36,19 @@ class Action(NamedTuple):
             raise UserError(f"cannot read action {text!r}: write KIND MICROBATCH @s STAGE, e.g. F3@s1 "
                             f"(kinds: F, B, I, W)")
         return Action(m.group(1), int(m.group(3)), int(m.group(2)))
+
+
+@contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector while building or walking 10^5-10^6 small tuples:
+    they hold no cycles, and repeated full collections over them would dominate the run time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def loop_stage_map(pp: int, vpp: int) -> list[int]:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import UserError
-from .actions import Schedule
+from .actions import Schedule, paused_gc
 
 
 @dataclass
@@ -64,125 +64,133 @@ def _structure(schedule: Schedule) -> None:
     stage_rank = schedule.stage_rank
     seen = {k: bytearray(S * M) for k in "FBIW"}
     for r, acts in enumerate(schedule.ranks):
-        for n, a in enumerate(acts):
-            kind, s, i = a
-            where = f"schedule {name}: rank {r} action #{n} {a}"
-            if kind not in seen:
-                raise UserError(f"{where}: unknown kind {kind!r} (use F, B, I or W)")
-            if not (0 <= s < S):
-                raise UserError(f"{where}: stage {s} out of range 0..{S - 1} (pp {pp} x vpp {schedule.vpp})")
-            if not (0 <= i < M):
-                raise UserError(f"{where}: microbatch {i} out of range 0..{M - 1}")
-            if stage_rank[s] != r:
-                raise UserError(f"{where}: stage {s} is placed on rank {stage_rank[s]}, not rank {r}")
+        for n, (kind, s, i) in enumerate(acts):
+            arr = seen.get(kind)
+            if arr is None or not (0 <= s < S) or not (0 <= i < M) or stage_rank[s] != r:
+                _bad_action(schedule, r, n)
             k = s * M + i
-            if seen[kind][k]:
-                raise UserError(f"{where}: runs a second time")
-            seen[kind][k] = 1
+            if arr[k]:
+                raise UserError(f"schedule {name}: rank {r} action #{n} {acts[n]}: runs a second time")
+            arr[k] = 1
+    n = S * M
+    ones = int.from_bytes(b"\x01" * n, "little")
+    sf, sb, si, sw = (int.from_bytes(seen[k], "little") for k in "FBIW")
+    ok = sf & ((sb & (ones ^ si) & (ones ^ sw)) | ((ones ^ sb) & si & sw))
+    if ok == ones:
+        return
     sf, sb, si, sw = seen["F"], seen["B"], seen["I"], seen["W"]
-    for s in range(S):
-        for i in range(M):
-            k = s * M + i
-            missing = None
-            if not sf[k]:
-                missing = "F"
-            elif sb[k] and (si[k] or sw[k]):
-                missing = "no I/W next to its B (backward runs twice)"
-            elif not sb[k] and not (si[k] and sw[k]):
-                missing = "W" if si[k] else ("I" if sw[k] else "B (or I and W)")
-            if missing:
-                raise UserError(f"schedule {name}: stage {s} microbatch {i} (rank {stage_rank[s]}) "
-                                f"has {missing}" if missing.startswith("no") else
-                                f"schedule {name}: stage {s} microbatch {i} (rank {stage_rank[s]}) never runs "
-                                f"{missing}")
+    for k in range(n):
+        s, i = divmod(k, M)
+        where = f"schedule {name}: stage {s} microbatch {i} (rank {stage_rank[s]})"
+        if not sf[k]:
+            raise UserError(f"{where} never runs F")
+        if sb[k] and (si[k] or sw[k]):
+            raise UserError(f"{where} runs both B and {'I' if si[k] else 'W'} (its backward twice)")
+        if not sb[k] and not (si[k] and sw[k]):
+            raise UserError(f"{where} never runs " + ("W" if si[k] else "I" if sw[k] else "B (or I and W)"))
+
+
+def _bad_action(schedule: Schedule, r: int, n: int):
+    a = schedule.ranks[r][n]
+    kind, s, i = a
+    S, M = schedule.num_stages, schedule.microbatches
+    where = f"schedule {schedule.name}: rank {r} action #{n} {a}"
+    if kind not in ("F", "B", "I", "W"):
+        raise UserError(f"{where}: unknown kind {kind!r} (use F, B, I or W)")
+    if not (0 <= s < S):
+        raise UserError(f"{where}: stage {s} out of range 0..{S - 1} (pp {schedule.pp} x vpp {schedule.vpp})")
+    if not (0 <= i < M):
+        raise UserError(f"{where}: microbatch {i} out of range 0..{M - 1}")
+    raise UserError(f"{where}: stage {s} is placed on rank {schedule.stage_rank[s]}, not rank {r}")
 
 
 def simulate(schedule: Schedule, times: TimeModel | None = None) -> Simulation:
     """Run every rank's list in order, each action as soon as its inputs and its rank are ready.
     Raises UserError on a deadlock (an order that violates the data dependencies)."""
+    with paused_gc():
+        return _simulate(schedule, times)
+
+
+def _simulate(schedule: Schedule, times: TimeModel | None) -> Simulation:
     times = times or TimeModel()
     pp, S, M = schedule.pp, schedule.num_stages, schedule.microbatches
     tf, tb, ti, tw = times.per_stage(S)
     comm = float(times.comm)
     stage_rank = schedule.stage_rank
+    # hop cost into stage s from s-1 (forward) and from s+1 (backward)
+    hop_prev = [comm if s and stage_rank[s - 1] != stage_rank[s] else 0.0 for s in range(S)]
+    hop_next = [comm if s + 1 < S and stage_rank[s + 1] != stage_rank[s] else 0.0 for s in range(S)]
     n = S * M
-    fin_f = [-1.0] * n          # F(s, i) finished
-    fin_g = [-1.0] * n          # input grad of (s, i) finished (B or I)
-    fin_w = [-1.0] * n          # weight grad of (s, i) finished (B or W)
+    # finish times: [0, n) forward of (s, i) at s*M+i; [n, 2n) its input grad (B or I)
+    fin = [-1.0] * (2 * n)
     ranks = schedule.ranks
     ptr = [0] * pp
     clock = [0.0] * pp
     busy = [0.0] * pp
     starts = [[0.0] * len(a) for a in ranks]
     ends = [[0.0] * len(a) for a in ranks]
-    waiting: dict[tuple[int, int], list[int]] = {}
+    waiting: dict[int, list[int]] = {}
     ready = deque(range(pp))
     last = S - 1
     while ready:
         r = ready.popleft()
         acts = ranks[r]
         j = ptr[r]
-        t_rank = clock[r]
+        t0 = t_rank = clock[r]
         st, en = starts[r], ends[r]
         na = len(acts)
+        spent = 0.0
         while j < na:
             kind, s, i = acts[j]
             k = s * M + i
             if kind == "F":
+                key = k
                 t0 = t_rank
                 if s:
-                    d = fin_f[k - M]
+                    d = fin[k - M]
                     if d < 0:
-                        waiting.setdefault((0, k - M), []).append(r)
+                        waiting.setdefault(k - M, []).append(r)
                         break
-                    if stage_rank[s - 1] != r:
-                        d += comm
+                    d += hop_prev[s]
                     if d > t0:
                         t0 = d
                 dur = tf[s]
-                t1 = t0 + dur
-                fin_f[k] = t1
-                key = (0, k)
             elif kind == "W":
-                d = fin_g[k]
+                key = -1
+                d = fin[n + k]
                 if d < 0:
-                    waiting.setdefault((1, k), []).append(r)
+                    waiting.setdefault(n + k, []).append(r)
                     break
                 t0 = d if d > t_rank else t_rank
                 dur = tw[s]
-                t1 = t0 + dur
-                fin_w[k] = t1
-                key = None
             else:                                   # B or I
-                d = fin_f[k]
+                key = n + k
+                d = fin[k]
                 if d < 0:
-                    waiting.setdefault((0, k), []).append(r)
+                    waiting.setdefault(k, []).append(r)
                     break
                 t0 = d if d > t_rank else t_rank
                 if s != last:
-                    d = fin_g[k + M]
+                    d = fin[key + M]
                     if d < 0:
-                        waiting.setdefault((1, k + M), []).append(r)
+                        waiting.setdefault(key + M, []).append(r)
                         break
-                    if stage_rank[s + 1] != r:
-                        d += comm
+                    d += hop_next[s]
                     if d > t0:
                         t0 = d
                 dur = tb[s] if kind == "B" else ti[s]
-                t1 = t0 + dur
-                fin_g[k] = t1
-                if kind == "B":
-                    fin_w[k] = t1
-                key = (1, k)
+            t_rank = t0 + dur
             st[j] = t0
-            en[j] = t1
-            t_rank = t1
-            busy[r] += dur
+            en[j] = t_rank
+            spent += dur
             j += 1
-            if key is not None and waiting:
-                woken = waiting.pop(key, None)
-                if woken:
-                    ready.extend(woken)
+            if key >= 0:
+                fin[key] = t_rank
+                if waiting:
+                    woken = waiting.pop(key, None)
+                    if woken:
+                        ready.extend(woken)
+        busy[r] += spent
         ptr[r] = j
         clock[r] = t_rank
     stuck = [r for r in range(pp) if ptr[r] < len(ranks[r])]
@@ -203,7 +211,21 @@ def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> s
     for r, acts in enumerate(schedule.ranks):
         for n, a in enumerate(acts):
             where[(a.kind, a.stage, a.microbatch)] = (r, n)
-    r = stuck[0]
+    def blockers_of(r):
+        kind, s, i = schedule.ranks[r][ptr[r]]
+        if kind == "F":
+            need = [("F", s - 1)]
+        elif kind == "W":
+            need = [("I", s)]
+        else:
+            need = [("F", s)] + ([("B", s + 1), ("I", s + 1)] if s + 1 < schedule.num_stages else [])
+        return [where[(nk, ns, i)] for nk, ns in need
+                if (nk, ns, i) in where and where[(nk, ns, i)][1] >= ptr[where[(nk, ns, i)][0]]]
+
+    # the root cause first: an action that waits for a later action of its own rank
+    own = [q for q in stuck if any(b[0] == q for b in blockers_of(q))]
+    r = own[0] if own else stuck[0]
+    stuck = [r] + [q for q in stuck if q != r]
     a = schedule.ranks[r][ptr[r]]
     kind, s, i = a
     if kind == "F":

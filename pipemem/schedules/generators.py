@@ -1,7 +1,7 @@
 """Generators of per-rank action lists for the named pipeline schedules.
 
 Each generator returns a `Schedule`; ranks' lists hold only compute actions (no bubbles, no
-communication): the order is what matters for memory, and the time model (simulate.py) puts
+communication): the order is what matters for memory, and the time model (check.simulate) puts
 the bubbles back. Orders that PyTorch's pipelining also defines follow the order its schedule
 classes build (torch 2.13; tests compare against `get_schedule_ops`), with PyTorch's
 `Schedule1F1B` taken as executed by its runtime (its `pipeline_order` is off by one on the last
@@ -103,20 +103,36 @@ def zb_h1(pp: int, m: int, vpp: int = 1, name: str = "ZBH1") -> Schedule:
     return Schedule(name, pp, 1, m, ranks)
 
 
-def zb_h2(pp: int, m: int, vpp: int = 1, name: str = "ZBH2") -> Schedule:
-    """ZB-H2 (Qi et al. 2024): 2(p - r) - 1 warm-up forwards, then I, W, F triples; no bubble in
-    the steady state when T_F = T_I = T_W, at (2p-1)·M_B on rank 0."""
+def zb_1p(pp: int, m: int, vpp: int = 1, name: str = "ZB1P") -> Schedule:
+    """ZB-H1 as the paper draws it (ZB-1p): every backward split; rank r runs p-1-r warm-up
+    forwards, then F and I pairs, each followed by the oldest pending W once r of them wait.
+    PyTorch's InterleavedZeroBubble order with one chunk. Same memory as ZBH1, (p-r)·M_B +
+    r·M_W, but with T_F = T_I = T_W the step takes 3m + p - 1 (m >= p)."""
     _check_basic(name, pp, m, vpp)
     _single_chunk(name, vpp)
-    ranks = []
-    for r in range(pp):
-        warm = min(m, 2 * (pp - r) - 1)
-        acts = [Action(F, r, i) for i in range(warm)]
-        for b in range(m):
-            acts += [Action(I, r, b), Action(W, r, b)]
-            if warm + b < m:
-                acts.append(Action(F, r, warm + b))
-        ranks.append(acts)
+    ranks = [_interleaved_rank(pp, m, 1, r, pp - 1 - r, 1, zero_bubble=True, deferred_w=r) for r in range(pp)]
+    return Schedule(name, pp, 1, m, ranks)
+
+
+def zb_h2(pp: int, m: int, vpp: int = 1, name: str = "ZBH2") -> Schedule:
+    """ZB-H2 (Qi et al. 2024 §2.2): extra warm-up forwards fill the bubble before the first
+    backward and the tail's W passes are reordered, turning the trapezoid into a parallelogram:
+    with T_F = T_I = T_W and m >= 2p - 1 every rank is busy from its first action to its last
+    (makespan 3m + p - 1). Built by unit-time list scheduling (I first, then F, W to fill) with
+    every rank capped at (2p-1)·M_B counting a W's inputs as a whole M_B, so the peak is
+    (2p-1)·M_B for any M_W <= M_B; rank r holds at most (2(p-r)-1)·M_B + 2r·M_W."""
+    _check_basic(name, pp, m, vpp)
+    _single_chunk(name, vpp)
+    from fractions import Fraction
+
+    from .actions import loop_stage_map
+    from .check import TimeModel
+    from .unit_jobs import unit_jobs
+    from .zb_scheduler import _greedy, _job_nums
+
+    nums, _ = _job_nums(unit_jobs(pp, 1, Fraction(1)), pp)   # integer units: scale 1
+    tf, tb, ti, tw = TimeModel().per_stage(pp)
+    ranks = _greedy(pp, m, loop_stage_map(pp, 1), nums, (tf, tb, ti, tw, 0.0), [2 * pp - 1] * pp, True)
     return Schedule(name, pp, 1, m, ranks)
 
 
@@ -145,45 +161,45 @@ def looped_bfs(pp: int, m: int, vpp: int = 2, name: str = "LoopedBFS") -> Schedu
 def _interleaved_rank(pp: int, m: int, vpp: int, r: int, warmup: int, group: int,
                       zero_bubble: bool = False, deferred_w: int = 0) -> list[Action]:
     """Depth-first interleaved order of rank r: the k-th forward runs chunk (k // group) % v, the
-    k-th backward chunk v-1 - (k // group) % v; `warmup` forwards, then forward/backward pairs,
-    then the remaining backwards. With `zero_bubble`, backwards are I and each I after the first
-    `deferred_w` ones is followed by the oldest pending W; leftover Ws end the list."""
+    k-th backward chunk v-1 - (k // group) % v, each chunk's microbatches in order; `warmup`
+    forwards, then forward/backward pairs, then the remaining backwards. With `zero_bubble`,
+    backwards are I and each I after the first `deferred_w` ones is followed by the oldest
+    pending W (Ws run in the order of their Is); leftover Ws end the list."""
     total = m * vpp
     warmup = min(warmup, total)
-    nxt_f = [0] * vpp
-    nxt_b = [0] * vpp
-    nxt_w = [0] * vpp
-    back_chunks: list[int] = []
-    acts: list[Action] = []
     bkind = I if zero_bubble else B
 
-    def forward(k):
-        c = (k // group) % vpp
-        acts.append(Action(F, c * pp + r, nxt_f[c]))
-        nxt_f[c] += 1
+    def in_order(kind, reverse_chunks):
+        seen = [0] * vpp
+        out = []
+        for k in range(total):
+            c = (k // group) % vpp
+            if reverse_chunks:
+                c = vpp - 1 - c
+            out.append(Action(kind, c * pp + r, seen[c]))
+            seen[c] += 1
+        return out
 
-    def backward(k):
-        c = vpp - 1 - (k // group) % vpp
-        acts.append(Action(bkind, c * pp + r, nxt_b[c]))
-        nxt_b[c] += 1
-        back_chunks.append(c)
-        if zero_bubble and k >= deferred_w:
-            weight()
-
-    def weight():
-        c = back_chunks[sum(nxt_w)]
-        acts.append(Action(W, c * pp + r, nxt_w[c]))
-        nxt_w[c] += 1
-
-    for k in range(warmup):
-        forward(k)
-    for k in range(warmup, total):
-        forward(k)
-        backward(k - warmup)
-    for k in range(total - warmup, total):
-        backward(k)
-    while zero_bubble and sum(nxt_w) < total:
-        weight()
+    fwd = in_order(F, False)
+    bwd = in_order(bkind, True)
+    acts = fwd[:warmup]
+    append = acts.append
+    if not zero_bubble:
+        for k in range(total - warmup):
+            append(fwd[warmup + k])
+            append(bwd[k])
+        acts += bwd[total - warmup:]
+        return acts
+    wts = [Action(W, a[1], a[2]) for a in bwd]
+    nw = 0
+    for k in range(total):
+        if k < total - warmup:
+            append(fwd[warmup + k])
+        append(bwd[k])
+        if k >= deferred_w:
+            append(wts[nw])
+            nw += 1
+    acts += wts[nw:]
     return acts
 
 
@@ -241,35 +257,36 @@ def zb_v(pp: int, m: int, vpp: int = 2, name: str = "ZBVZeroBubble") -> Schedule
     n = max(2 * pp - 1, m)
     ranks = []
     for r in range(pp):
-        s0, s1 = r, 2 * pp - 1 - r
-        cnt = {(F, 0): 0, (F, 1): 0, (I, 0): 0, (I, 1): 0, (W, 0): 0, (W, 1): 0}
+        stage = (r, 2 * pp - 1 - r)
+        # next microbatch per (kind, chunk): F0 F1 I0 I1 W0 W1
+        cnt = [0, 0, 0, 0, 0, 0]
         acts: list[Action] = []
+        append = acts.append
 
-        def add(kind, chunk):
-            acts.append(Action(kind, s0 if chunk == 0 else s1, cnt[kind, chunk]))
-            cnt[kind, chunk] += 1
+        def add(slot, kind, chunk):
+            append(Action(kind, stage[chunk], cnt[slot]))
+            cnt[slot] += 1
 
         for _ in range(2 * (pp - r) - 1):
-            add(F, 0)
+            add(0, F, 0)
         for _ in range(r):
-            add(F, 1)
-            add(F, 0)
+            add(1, F, 1), add(0, F, 0)
         for _ in range(pp - r):
-            add(F, 1), add(I, 1), add(W, 1)
-        while cnt[F, 1] < cnt[F, 0] or cnt[F, 0] < n:
-            if cnt[F, 0] < n:
-                add(F, 0)
-            add(I, 0), add(W, 0)
-            add(F, 1), add(I, 1), add(W, 1)
+            add(1, F, 1), add(3, I, 1), add(5, W, 1)
+        while cnt[1] < cnt[0] or cnt[0] < n:
+            if cnt[0] < n:
+                add(0, F, 0)
+            add(2, I, 0), add(4, W, 0)
+            add(1, F, 1), add(3, I, 1), add(5, W, 1)
         for _ in range(r):
-            add(I, 0), add(I, 1)
+            add(2, I, 0), add(3, I, 1)
         for _ in range(pp - r):
-            add(I, 0), add(W, 0)
-        while cnt[W, 1] < cnt[I, 1]:
-            add(W, 1)
-        while cnt[W, 0] < cnt[I, 0]:
-            add(W, 0)
-        ranks.append([a for a in acts if a.microbatch < m])
+            add(2, I, 0), add(4, W, 0)
+        while cnt[5] < cnt[3]:
+            add(5, W, 1)
+        while cnt[4] < cnt[2]:
+            add(4, W, 0)
+        ranks.append(acts if n == m else [a for a in acts if a[2] < m])
     return Schedule(name, pp, 2, m, ranks, placement="v")
 
 

@@ -33,7 +33,8 @@ def torch_actions(acts) -> list[Action]:
 
 def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None,
                    fix_1f1b: bool = True) -> Schedule:
-    """PyTorch's order for one of TORCH_NAMES as a Schedule (raw=not fixed when fix_1f1b=False)."""
+    """PyTorch's order for one of TORCH_NAMES as a Schedule; `fix_1f1b=False` keeps 1F1B's
+    pipeline_order as PyTorch reports it (which then fails the validity check)."""
     try:
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     except ImportError as e:  # pragma: no cover - torch missing
@@ -51,9 +52,8 @@ def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None
         raise UserError(f"torch:{canon} with --pp {pp} --microbatches {microbatches} --vpp {per_rank}: "
                         f"PyTorch refuses: {e}") from None
     ranks = [torch_actions(acts) for acts in ops]
-    if canon == "1F1B" and fix_1f1b:
-        last = pp - 1
-        ranks[last] = [Action(a.kind, a.stage, a.microbatch - 1) if a.kind == "F" else a for a in ranks[last]] \
-            if any(a.kind == "F" and a.microbatch == microbatches for a in ranks[last]) else ranks[last]
+    if canon == "1F1B" and fix_1f1b and any(a.kind == "F" and a.microbatch == microbatches for a in ranks[-1]):
+        # the last rank's forwards are numbered 1..m in pipeline_order; the runtime runs 0..m-1
+        ranks[-1] = [Action("F", a.stage, a.microbatch - 1) if a.kind == "F" else a for a in ranks[-1]]
     placement = "v" if canon.lower() in _V_STYLE else "loop"
     return Schedule(f"torch:{canon}", pp, per_rank, microbatches, ranks, placement=placement)

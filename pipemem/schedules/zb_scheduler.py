@@ -20,6 +20,8 @@ When nothing fits, `smallest_feasible_limit` binary-searches the limit.
 from __future__ import annotations
 
 import heapq
+import math
+from fractions import Fraction
 
 from ..errors import UserError
 from ..jobs import StageJobs
@@ -29,7 +31,21 @@ from .unit_jobs import DEFAULT_W_RATIO, unit_jobs
 
 
 def _job_nums(jobs: dict[int, StageJobs], num_stages: int):
-    """Per stage: (F net, F peak), (I net, I peak), (W net, W peak), (B net, B peak)."""
+    """Per stage: (F net, F peak), (I net, I peak), (W net, W peak), (B net, B peak), and the
+    factor they were multiplied by: Fractions (microbatch units) become integers, which keeps
+    the greedy's arithmetic fast and exact; compare limits times that factor."""
+    out = _raw_job_nums(jobs, num_stages)
+    fracs = [v for n in out for pair in n if pair for v in pair if isinstance(v, Fraction)]
+    if not fracs:
+        return out, 1
+    scale = 1
+    for v in fracs:
+        scale = scale * v.denominator // math.gcd(scale, v.denominator)
+    conv = [tuple(None if pair is None else tuple(int(v * scale) for v in pair) for pair in n) for n in out]
+    return conv, scale
+
+
+def _raw_job_nums(jobs: dict[int, StageJobs], num_stages: int):
     out = []
     for s in range(num_stages):
         sj = jobs.get(s)
@@ -55,8 +71,10 @@ def _times(jobs, times: TimeModel | None, num_stages: int) -> tuple[list, list, 
     return tf, tb, ti, tw, float(times.comm)
 
 
-def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w_first=None):
-    """One greedy pass. Returns per-rank action lists, or None when the policy deadlocks."""
+def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w_first=None, alternate=False):
+    """One greedy pass. Returns per-rank action lists, or None when the policy deadlocks.
+    `alternate`: after a backward, a ready forward goes before the next backward (the 1F1B
+    rhythm; Ws between them do not count); otherwise backwards always go first."""
     tf, tb, ti, tw, comm = tms
     S = len(stage_rank)
     rank_stages = [[s for s in range(S) if stage_rank[s] == r] for r in range(pp)]
@@ -69,7 +87,8 @@ def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w
     pend_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     acts: list[list[Action]] = [[] for _ in range(pp)]
     todo = [len(st) * m * (3 if split else 2) for st in rank_stages]
-    # memory a new microbatch will still need on rank r after its first forward there
+    # memory a new microbatch will still need on rank r after its first forward there, and the
+    # headroom any single job of the rank needs above its start (its peak, or F's peak above net)
     later_f = [0] * S
     bpeak = [0] * pp
     for r in range(pp):
@@ -78,21 +97,29 @@ def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w
             later_f[s] = sum(nums[q][0][0] for q in st[n + 1:])
         for s in st:
             f, i, w, b = nums[s]
-            cand = [b[1]] if not split else [i[1], i[0] + w[1] if w else 0]
+            cand = [b[1], f[1] - f[0]] + ([i[1], w[1]] if split else [])
             bpeak[r] = max(bpeak[r], max(0, *cand))
-    first_on_rank = [stage_rank[s - 1] != stage_rank[s] if s else True for s in range(S)]
-    # a microbatch enters a rank at its rank's first stage only when stages of a rank are not contiguous
+    # a microbatch enters a rank at the rank's first (lowest) stage
     enters = [s == rank_stages[stage_rank[s]][0] for s in range(S)]
-    heap = [(0.0, 0, r) for r in range(pp)]
-    seq = pp
-    events: list[float] = []
-    stuck = set()
+    inf = float("inf")
+    # a rank is woken at its wake_at time: when its running action ends, when an input it
+    # saw coming arrives, or when a neighbour finishes something it may consume
+    wake_at = [0.0] * pp
+    busy_until = [0.0] * pp
+    heap = [(0.0, r) for r in range(pp)]
+    last_fb = ["F"] * pp            # last forward or backward each rank ran (Ws skipped)
+
+    def notify(q, when):
+        if todo[q]:
+            when = max(when, busy_until[q])
+            if when < wake_at[q]:
+                wake_at[q] = when
+                heapq.heappush(heap, (when, q))
+
     while heap:
-        t, _, r = heapq.heappop(heap)
-        if not todo[r]:
+        t, r = heapq.heappop(heap)
+        if t != wake_at[r] or not todo[r]:
             continue
-        while events and events[0] <= t:
-            heapq.heappop(events)
         lim = limits[r]
         choice = None
         future = None
@@ -123,7 +150,7 @@ def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w
         if best is not None:
             choice = ("I" if split else "B", best[1], best[2])
         wait_w = bool(pend_w[r]) and w_first is not None and cur[r] >= w_first * lim
-        if choice is None and not wait_w:
+        if (choice is None or (alternate and last_fb[r] != "F")) and not wait_w:
             bestf = None
             for s in rank_stages[r]:
                 i = next_f[s]
@@ -152,27 +179,23 @@ def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w
                     future = d
             if bestf is not None:
                 choice = ("F", bestf[1], bestf[2])
+            elif best is not None:
+                choice = ("I" if split else "B", best[1], best[2])
         if choice is None and pend_w[r]:
             s, i = pend_w[r][0]
-            if cur[r] + nums[s][2][1] <= lim or True:     # W frees memory; its own peak is checked below
+            if cur[r] + nums[s][2][1] <= lim:     # oldest first; a W frees memory but may peak above
                 pend_w[r].pop(0)
                 choice = ("W", s, i)
         if choice is None:
-            nxt = future
-            if events:
-                nxt = events[0] if nxt is None else min(nxt, events[0])
-            if nxt is None:
-                stuck.add(r)
-                if len(stuck) >= sum(1 for q in range(pp) if todo[q]):
-                    return None
-                heapq.heappush(heap, (t, seq, r))
-                seq += 1
+            if future is None:
+                wake_at[r] = inf           # sleep until a neighbour's notify
             else:
-                heapq.heappush(heap, (nxt, seq, r))
-                seq += 1
+                wake_at[r] = future
+                heapq.heappush(heap, (future, r))
             continue
-        stuck.clear()
         kind, s, i = choice
+        if kind != "W":
+            last_fb[r] = kind
         if kind == "F":
             dur = tf[s]
             net, pk = nums[s][0]
@@ -197,9 +220,14 @@ def _greedy(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w
         cur[r] += net
         acts[r].append(Action(kind, s, i))
         todo[r] -= 1
-        heapq.heappush(events, t + dur)
-        heapq.heappush(heap, (t + dur, seq, r))
-        seq += 1
+        end = t + dur
+        busy_until[r] = wake_at[r] = end
+        heapq.heappush(heap, (end, r))
+        if kind == "F":
+            if s + 1 < S and stage_rank[s + 1] != r:
+                notify(stage_rank[s + 1], end + comm)
+        elif kind != "W" and s and stage_rank[s - 1] != r:
+            notify(stage_rank[s - 1], end + comm)
     if any(todo):
         return None
     return acts
@@ -223,7 +251,7 @@ def _peaks(ranks, stage_rank, nums):
 def _named_candidates(pp, m, vpp, placement, split):
     from . import generators as g
     if vpp == 1:
-        fns = [g.one_f_one_b, g.zb_h1, g.zb_h2, g.gpipe] if split else [g.one_f_one_b, g.gpipe]
+        fns = [g.one_f_one_b, g.zb_h1, g.zb_1p, g.zb_h2, g.gpipe] if split else [g.one_f_one_b, g.gpipe]
     elif placement == "v" and vpp == 2:
         fns = [g.zb_v, g.v_half, g.v_min, g.dualpipe_v] if split else []
     else:
@@ -257,7 +285,7 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
     S = pp * vpp
     if jobs is None:
         jobs = unit_jobs(S, vpp, w_ratio)
-    nums = _job_nums(jobs, S)
+    nums, scale = _job_nums(jobs, S)
     if split and any(n[1] is None or n[2] is None for n in nums):
         split = False
     tms = _times(jobs, times, S)
@@ -269,15 +297,19 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
         limits = list(memory_limit)
     else:
         limits = [memory_limit] * pp
-    policies = [(1.0, None)]
+    limits = [lim if lim == float("inf") else lim * scale for lim in limits]
+    # (admission scale, W-first threshold, 1F1B alternation)
+    policies = [(1.0, None, True), (1.0, None, False)]
     if search:
-        policies += [(1.0, 0.9), (1.0, 0.75), (0.9, None), (0.8, None), (0.67, None), (0.5, None), (0.8, 0.8)]
+        policies += [(a, wf, alt) for alt in (True, False)
+                     for a, wf in ((1.0, 0.9), (1.0, 0.75), (0.9, None), (0.8, None), (0.67, None), (0.5, None),
+                                   (0.8, 0.8))]
     tm = TimeModel(F=tms[0], B=tms[1], I=tms[2], W=tms[3], comm=tms[4])
     best = None
-    for admit, wf in policies:
+    for admit, wf, alt in policies:
         if admit < 1.0 and limits[0] == float("inf"):
             continue
-        ranks = _greedy(pp, microbatches, stage_rank, nums, tms, limits, split, admit, wf)
+        ranks = _greedy(pp, microbatches, stage_rank, nums, tms, limits, split, admit, wf, alt)
         if ranks is None:
             continue
         best = _better(best, ranks, "greedy", stage_rank, nums, limits, tm, pp, vpp, microbatches, placement)
@@ -334,7 +366,7 @@ def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJob
     S = pp * vpp
     if jobs is None:
         jobs = unit_jobs(S, vpp, w_ratio)
-    nums = _job_nums(jobs, S)
+    nums, scale = _job_nums(jobs, S)
     if split and any(n[1] is None or n[2] is None for n in nums):
         split = False
     tms = _times(jobs, times, S)
@@ -354,7 +386,7 @@ def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJob
                 hi = mid
             else:
                 lo = mid + 1
-        return hi
+        return hi if scale == 1 else Fraction(hi, scale)
     lo, hi = float(lo), float(hi)
     while hi - lo > rel_tol * max(abs(hi), 1e-12):
         mid = (lo + hi) / 2

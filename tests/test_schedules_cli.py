@@ -1,0 +1,53 @@
+"""`pipemem schedule`."""
+
+from __future__ import annotations
+
+import json
+
+from pipemem.cli.main import main
+
+
+def _json(capsys, *argv):
+    assert main(["schedule", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_ranks_actions_and_inflight(capsys):
+    out = _json(capsys, "1F1B", "--pp", "4", "--microbatches", "8")
+    assert [r["max_inflight"] for r in out["ranks"]] == [4, 3, 2, 1]
+    assert out["ranks"][3]["actions"][:4] == ["F0@s3", "B0@s3", "F1@s3", "B1@s3"]
+    assert out["peak_microbatches"] == 4
+    assert abs(out["bubble_ratio"] - 3 / 11) < 1e-9          # (p-1)/(m+p-1) with T_B = 2 T_F
+
+
+def test_v_schedule_defaults_to_two_chunks(capsys):
+    out = _json(capsys, "zbv", "--pp", "4", "--microbatches", "8")
+    assert out["vpp"] == 2 and out["placement"] == "v" and out["split_backward"]
+    assert out["ranks"][0]["stages"] == [0, 7]
+
+
+def test_memory_limit_and_csv_out(capsys, tmp_path):
+    path = tmp_path / "zb.csv"
+    out = _json(capsys, "auto", "--pp", "4", "--microbatches", "8", "--memory-limit", "2",
+                "--csv-out", str(path))
+    assert out["schedule"] == "ZBAuto" and out["peak_microbatches"] <= 2
+    back = _json(capsys, f"csv:{path}", "--pp", "4", "--microbatches", "8")
+    assert [r["actions"] for r in back["ranks"]] == [r["actions"] for r in out["ranks"]]
+
+
+def test_text_chart(capsys):
+    assert main(["schedule", "VHalf", "--pp", "4", "--microbatches", "8"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("VHalf: pp 4, vpp 2") and "rank  3" in text and "bubble" in text
+
+
+def test_errors_are_one_line_exit_2(capsys):
+    assert main(["schedule", "Interleaved1F1B", "--pp", "4", "--microbatches", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--vpp 2" in err and err.count("\n") == 1
+    assert main(["schedule", "1F1B", "--pp", "4", "--microbatches", "8", "--memory-limit", "2"]) == 2
+    assert "auto" in capsys.readouterr().err
+    assert main(["schedule", "nope", "--pp", "4", "--microbatches", "8"]) == 2
+    assert main(["schedule", "1F1B", "--pp", "4", "--microbatches", "8", "--times", "1,x"]) == 2
+    assert main(["schedule", "auto", "--pp", "4", "--microbatches", "8", "--memory-limit", "0.01"]) == 2
+    assert "smallest limit" in capsys.readouterr().err
