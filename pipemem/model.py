@@ -38,6 +38,7 @@ class ArchSpec:
     vocab: int                     # unpadded
     norm: str = "rmsnorm"
     activation: str = "swiglu"
+    act_fn: str = ""               # the HF name (gelu_new, gelu_pytorch_tanh, silu...): how eager HF computes it
     position: str = "rope"         # rope | learned
     max_positions: int = 0
     tied_embeddings: bool = False
@@ -46,6 +47,7 @@ class ArchSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
+    fused_qkv: bool = False        # the HF module computes q, k, v with one linear (gpt2 c_attn, neox)
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     embd_dropout: float = 0.0
@@ -75,7 +77,6 @@ class ArchSpec:
 
     def param_count(self) -> int:
         """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
-        from .templates.params import layer_param_shapes, embedding_param_shapes  # local: layer order
         total = sum(_prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items())
         for i in range(self.layers):
             total += sum(_prod(s) for _, (s, _e) in layer_param_shapes(self, i, tp=1, etp=1, ep=1).items())
@@ -153,8 +154,10 @@ def _gpt2(r: _Reader) -> ArchSpec:
         name=r.name, model_type="gpt2", layers=r.pos_int("n_layer", "num_hidden_layers"), hidden=hidden,
         heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=int(inner), vocab=r.pos_int("vocab_size"),
         norm="layernorm", activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
+        act_fn=str(r.opt("activation_function", "gelu_new")),
         position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
         tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
+        fused_qkv=True,
         attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
         embd_dropout=float(r.opt("embd_pdrop", 0.1)))
 
@@ -167,10 +170,11 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
         name=r.name, model_type="gpt_neox", layers=r.pos_int("num_hidden_layers"), hidden=hidden, heads=heads,
         kv_heads=heads, head_dim=hidden // heads, ffn=r.pos_int("intermediate_size"), vocab=r.pos_int("vocab_size"),
         norm="layernorm", activation=_activation(r.opt("hidden_act", "gelu"), False, r.name), position="rope",
+        act_fn=str(r.opt("hidden_act", "gelu")),
         max_positions=int(r.opt("max_position_embeddings", 0)),
         tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
         qkv_bias=bool(r.opt("attention_bias", True)), out_bias=bool(r.opt("attention_bias", True)), mlp_bias=True,
-        parallel_residual=bool(r.opt("use_parallel_residual", True)),
+        parallel_residual=bool(r.opt("use_parallel_residual", True)), fused_qkv=True,
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=float(r.opt("hidden_dropout", 0.0)))
 
 
@@ -219,6 +223,7 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         name=r.name, model_type=mt, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=int(head_dim),
         ffn=ffn, vocab=r.pos_int("vocab_size"), norm="rmsnorm",
         activation=_activation(r.opt("hidden_act", r.opt("hidden_activation", "silu")), True, r.name),
+        act_fn=str(r.opt("hidden_act", r.opt("hidden_activation", "silu"))),
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
         tied_embeddings=bool(r.opt("tie_word_embeddings", False)), qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
@@ -231,3 +236,63 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
 def _check_div(r: _Reader, a: int, b: int, ka: str, kb: str) -> None:
     if a % b:
         raise UserError(f"config of {r.name}: {ka}={a} is not divisible by {kb}={b}; add 'head_dim' to the config")
+
+
+# Parameter shapes of one rank's shard -----------------------------------------------------
+# Each decoder-layer entry is `name -> (shape, is_expert)`: expert weights are sharded over ep
+# and etp and their gradients reduced over the expert-data-parallel group; the rest over tp
+# and dp. Norm weights and the router are replicated across tp.
+
+def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    h, d = arch.hidden, arch.head_dim
+    a = arch.heads // tp
+    kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    ln_parts = 2 if arch.norm == "layernorm" else 1
+    out["input_norm"] = ((ln_parts * h,), False)
+    out["post_attention_norm"] = ((ln_parts * h,), False)
+    out["qkv"] = (((a + 2 * kv) * d, h), False)
+    if arch.qkv_bias:
+        out["qkv_bias"] = (((a + 2 * kv) * d,), False)
+    out["o_proj"] = ((h, a * d), False)
+    if arch.out_bias:
+        out["o_proj_bias"] = ((h,), False)
+    if arch.qk_norm:
+        out["qk_norm"] = ((2 * d,), False)
+    gated = arch.activation in ("swiglu", "geglu")
+    if arch.is_moe_layer(index):
+        e = arch.experts // ep
+        f = arch.expert_ffn // etp
+        out["router"] = ((arch.experts, h), False)
+        out["experts"] = ((e, (3 if gated else 2) * f, h), True)
+        if arch.shared_experts:
+            sf = arch.shared_experts * arch.shared_ffn // tp
+            out["shared_mlp"] = (((3 if gated else 2) * sf, h), False)
+    else:
+        f = arch.ffn // tp
+        out["mlp"] = (((3 if gated else 2) * f, h), False)
+        if arch.mlp_bias:
+            out["mlp_bias"] = (((2 if gated else 1) * f + h,), False)
+    return out
+
+
+def embedding_param_shapes(arch, padded_vocab: int, tp: int, head: bool) -> dict[str, tuple[int, ...]]:
+    """Word (and learned position) embedding; with `head`, also the final norm and output
+    layer (the output layer is a separate weight unless tied on a single stage)."""
+    h = arch.hidden
+    out = {"word_embeddings": (padded_vocab // tp, h)}
+    if arch.position == "learned":
+        out["position_embeddings"] = (arch.max_positions, h)
+    if head:
+        out.update(head_param_shapes(arch, padded_vocab, tp, same_stage_as_embedding=True))
+    return out
+
+
+def head_param_shapes(arch, padded_vocab: int, tp: int, same_stage_as_embedding: bool) -> dict[str, tuple[int, ...]]:
+    """Final norm and output layer. Tied embeddings share the word embedding on the same stage;
+    on a different stage (pp > 1) the last stage holds its own copy (Megatron)."""
+    h = arch.hidden
+    out = {"final_norm": ((2 if arch.norm == "layernorm" else 1) * h,)}
+    if not (arch.tied_embeddings and same_stage_as_embedding):
+        out["output_layer"] = (padded_vocab // tp, h)
+    return out

@@ -26,7 +26,7 @@ CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
-STAGE_STYLES = ("interleaved", "v")
+STAGE_STYLES = ("interleaved", "loop", "v")
 
 
 @dataclass
@@ -102,7 +102,7 @@ def rank_of_stage(stage: int, pp: int, vpp: int = 1, style: str = "interleaved")
     """Pipeline rank that runs virtual stage `stage` (0 .. pp*vpp-1)."""
     if not 0 <= stage < pp * vpp:
         raise ValueError(f"stage {stage} out of range for pp={pp} vpp={vpp}")
-    if style == "interleaved":
+    if style in ("interleaved", "loop"):   # "loop": pipemem.schedules' name for the same placement
         return stage % pp
     if style == "v":
         # down the ranks, back up, down again... (ZB-V, DualPipeV: vpp=2 gives s or 2pp-1-s)
@@ -145,8 +145,14 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         raise UserError(f"--zero {plan.zero!r}: use 0, 1, 2 or 3")
     name = arch.name or arch.model_type
     layers = plan.layers or arch.layers
-    if plan.layers is not None and arch.is_moe and plan.layers > arch.layers:
-        pass  # extra layers beyond the config follow the config's MoE pattern (MoE)
+
+    # The hf convention is HF modules as written (one rank holds whole layers): data parallel,
+    # ZeRO/FSDP and pipeline stages compose with it, tensor/context/expert parallelism do not.
+    if conv == "hf":
+        for flag in ("tp", "cp", "ep"):
+            if getattr(plan, flag) > 1:
+                raise UserError(f"--{flag} {getattr(plan, flag)} with --convention hf: HF modules run unsharded; "
+                                "use --convention torchtitan (DTensor) or megatron for model parallelism")
 
     # Tensor parallel vs heads.
     tp = plan.tp
@@ -154,8 +160,10 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         raise UserError(f"--tp {tp} does not divide {arch.heads} attention heads of {name}: "
                         f"use a divisor of {arch.heads} ({_divisors(arch.heads)})")
     if arch.kv_heads % tp and (arch.kv_heads >= tp or tp % arch.kv_heads):
+        ok = ", ".join(str(t) for t in range(1, arch.heads + 1)
+                       if arch.heads % t == 0 and (arch.kv_heads % t == 0 or t % arch.kv_heads == 0))
         raise UserError(f"--tp {tp} and {arch.kv_heads} KV heads of {name}: tp must divide the KV heads or be a "
-                        f"multiple of them (then KV heads are replicated); use one of {_divisors(arch.heads)}")
+                        f"multiple of them (then KV heads are replicated); use one of {ok}")
     if arch.ffn and arch.ffn % tp:
         raise UserError(f"--tp {tp} does not divide the FFN width {arch.ffn} of {name}: use a divisor of {arch.ffn}")
     # Sequence parallel defaults on with tp > 1 for every convention we model.
@@ -167,6 +175,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
 
     # Context parallel.
     cp = plan.cp
+    if cp > 1 and not plan.flash_attn:
+        raise UserError(f"--cp {cp} needs --flash-attn: context parallelism runs ring attention on fused kernels")
     if plan.seq_len % (cp * (tp if sp else 1)):
         div = cp * (tp if sp else 1)
         raise UserError(f"--seq-len {plan.seq_len} is not divisible by {div} (= --cp {cp}"
@@ -232,10 +242,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         if arch.experts % ep:
             raise UserError(f"--ep {ep} does not divide the {arch.experts} experts of {name}: "
                             f"use a divisor of {arch.experts} ({_divisors(arch.experts)})")
-        if (plan.dp * cp) % ep and (plan.dp * cp * tp) % (ep * etp):
-            raise UserError(f"--ep {ep} must divide --dp {plan.dp} x --cp {cp} = {plan.dp * cp} "
-                            "(expert-parallel groups are carved from the data/context-parallel ranks)")
+        # Expert-parallel groups are carved from the dp x cp x tp ranks of a stage, regrouped as
+        # ep x etp x expert-dp (Megatron-Core); with the default etp = tp this is "ep divides dp x cp".
         if (plan.dp * cp * tp) % (ep * etp):
+            if etp == tp:
+                raise UserError(f"--ep {ep} must divide --dp {plan.dp} x --cp {cp} = {plan.dp * cp} (expert-parallel "
+                                "groups are carved from the data/context-parallel ranks)")
             raise UserError(f"--ep {ep} x --etp {etp} must divide --dp x --cp x --tp = {plan.dp * cp * tp}")
         if arch.expert_ffn % etp:
             raise UserError(f"--etp {etp} does not divide the expert FFN width {arch.expert_ffn} of {name}")
@@ -251,27 +263,18 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
                         f"--zero {zero}; use one of them")
     if plan.dist_opt and conv != "megatron":
         raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
-    if plan.fsdp and conv == "megatron" and pp > 1:
-        pass  # Megatron FSDP with pp is allowed (mcore custom FSDP); sharding is per stage
 
-    # Precision.
-    if dtype == "fp32" and plan.master_weights and plan.extra.get("explicit_master_weights"):
-        pass
+    # Precision. (recompute_allgather only changes Paddle's programs: Megatron always gathers
+    # again in backward, torchtitan's DTensor always keeps the gathered input.)
     master = plan.master_weights and dtype != "fp32"
     mgd = plan.main_grad_dtype
     if mgd is None:
-        if dtype == "fp32":
-            mgd = "fp32"
-        elif conv in ("megatron", "paddle") and master:
-            mgd = "fp32"
-        else:
-            mgd = dtype   # torchtitan/FSDP2 and HF reduce grads in the param dtype by default
+        # Mixed precision keeps fp32 gradients everywhere: Megatron/Paddle fp32 main grads,
+        # torchtitan (FSDP2 reduce_dtype fp32) and HF autocast grads of fp32 parameters.
+        # Pure low-precision training (--no-master-weights) keeps them in the param dtype.
+        mgd = "fp32" if (dtype == "fp32" or master) else dtype
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
 
-    if conv != "paddle" and plan.recompute_allgather:
-        pass  # accepted; megatron always re-gathers, torchtitan keeps: the flag changes nothing there
-    if recompute in ("full_attn", "core_attn", "selective") and arch.is_moe is None:
-        pass
 
     return replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
                    etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .errors import UserError
-from .ir import Program, Tensor, Op, dtype_bytes
+from .ir import Op, Program, Tensor
 from .jobs import JobMemory, StageJobs, StaticBytes
 from .liveness import analyze_program
 from .plan import ParallelPlan, rank_of_stage, stages_of_rank, validate_plan
@@ -88,48 +88,62 @@ def _resolve(arch, plan):
     return arch, plan, conv, make_shard(arch, plan, conv)
 
 
-def _layer_parts(arch, plan, conv, sh, layers: tuple[int, ...]):
-    from .templates.layers import layer_options
-    from .templates.programs import layer_memory
-    k = len(layers) if plan.recompute_layers is None else plan.recompute_layers
-    return [layer_memory(arch, sh, conv, layer_options(arch, plan, i, pos < k)) for pos, i in enumerate(layers)]
+def _layer_opts(arch, plan, layers: tuple[int, ...]) -> tuple:
+    return _layer_opts_cached(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layers)
+
+
+@lru_cache(maxsize=65536)
+def _layer_opts_cached(arch, flash: bool, recompute: str, recompute_layers, layers: tuple[int, ...]) -> tuple:
+    """LayerOptions of each layer of a stage; the first `recompute_layers` are recomputed
+    (Megatron's block method), all of them when None."""
+    from .templates.layers import _layer_options
+    k = len(layers) if recompute_layers is None else recompute_layers
+    return tuple(_layer_options(arch, arch.is_moe_layer(i), flash, recompute if pos < k else "none")
+                 for pos, i in enumerate(layers))
 
 
 def build_stage_jobs(arch, plan: ParallelPlan, style: str = "interleaved") -> StagePlan:
-    """Per virtual stage F/B/I/W jobs, per pipeline rank static bytes and optimizer job."""
+    """Per virtual stage F/B/I/W jobs, per pipeline rank static bytes and optimizer job.
+    `style` places virtual stages on ranks (see `rank_of_stage`); it only changes which
+    stages' parameters each rank holds."""
     arch, plan, conv, sh = _resolve(arch, plan)
     return _build(arch, plan, conv, sh, style)
 
 
+@lru_cache(maxsize=65536)
+def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: int, stage: int,
+                layers: tuple[int, ...]) -> StageJobs:
+    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
+    from .templates.programs import embedding_memory, head_memory, layer_memory
+    parts = [layer_memory(arch, sh, conv, o) for o in opts]
+    free_output = conv.name in ("megatron", "paddle")
+    act = sh.boundary_bytes
+    fparts = ([embedding_memory(arch, sh, conv, seq_len)] if first else []) + parts + \
+        ([head_memory(arch, sh, conv)] if last else [])
+    bparts = fparts[::-1]
+    recv = 0 if first else act
+    send_out = act if (not last and free_output) else 0
+    grad_in = 0 if last else act     # received output grad
+    grad_out = 0 if first else act   # input grad sent and freed
+    F = _compose(fparts, "F", pre=recv, post=send_out)
+    B = _compose(bparts, "B", pre=grad_in, post=grad_out)
+    I = _compose(bparts, "I", pre=grad_in, post=grad_out)
+    W = _compose(bparts, "W")
+    if not free_output and not last:
+        # the stage output is kept until backward and released by it
+        B = JobMemory(B.net_bytes - act, B.peak_bytes)
+        I = JobMemory(I.net_bytes - act, I.peak_bytes)
+    return StageJobs(stage=stage, F=F, B=B, I=I, W=W, layers=layers, notes={"embedding": first, "head": last})
+
+
 def _build(arch, plan, conv, sh, style) -> StagePlan:
-    from .templates.programs import embedding_memory, head_memory
     from .templates.static import static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
-    free_output = conv.name in ("megatron", "paddle")
-    act = sh.s_sp * sh.b * sh.h * dtype_bytes(sh.dt)
     stages: dict[int, StageJobs] = {}
-    emb = embedding_memory(arch, sh, conv, plan.seq_len)
-    head = head_memory(arch, sh, conv)
     for s in range(n_stages):
-        parts = _layer_parts(arch, plan, conv, sh, layout[s])
-        first, last = s == 0, s == n_stages - 1
-        fparts = ([emb] if first else []) + parts + ([head] if last else [])
-        bparts = list(reversed(fparts))
-        recv = 0 if first else act
-        send_out = act if (not last and free_output) else 0
-        grad_in = 0 if last else act     # received output grad
-        grad_out = 0 if first else act   # input grad sent and freed
-        F = _compose(fparts, "F", pre=recv, post=send_out)
-        B = _compose(bparts, "B", pre=grad_in, post=grad_out)
-        I = _compose(bparts, "I", pre=grad_in, post=grad_out)
-        W = _compose(bparts, "W")
-        if not free_output and not last:
-            # the stage output is kept until backward and released by it
-            B = JobMemory(B.net_bytes - act, B.peak_bytes)
-            I = JobMemory(I.net_bytes - act, I.peak_bytes)
-        stages[s] = StageJobs(stage=s, F=F, B=B, I=I, W=W, layers=layout[s],
-                              notes={"embedding": first, "head": last})
+        stages[s] = _stage_jobs(arch, sh, conv, _layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1,
+                                plan.seq_len, s, layout[s])
     static, optim = [], []
     for r in range(plan.pp):
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
@@ -172,13 +186,12 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     rf = pp.results["F"]
     readers: dict[str, list[str]] = {}
     for op in B.ops:
-        if op.phase == "recompute":
-            continue
+        label = ("recompute of " + op.type) if op.phase == "recompute" else op.type
         for n in op.inputs:
             st = B.tensors[n].storage
             readers.setdefault(st, [])
-            if op.type not in readers[st]:
-                readers[st].append(op.type)
+            if label not in readers[st]:
+                readers[st].append(label)
     by_storage: dict[str, Tensor] = {}
     for t in F.tensors.values():
         if t.storage == t.name:
@@ -210,6 +223,15 @@ def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:
             return s
         acc += n
     return len(plan.pp_layout) - 1
+
+
+def clear_caches() -> None:
+    """Forget every cached analysis (tests, benchmarks)."""
+    from .templates.programs import clear_caches as clear_parts
+    clear_parts()
+    _stage_jobs.cache_clear()
+    _optimizer_job.cache_clear()
+    _layer_opts_cached.cache_clear()
 
 
 def format_explain(rows: list[dict]) -> str:

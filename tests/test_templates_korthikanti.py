@@ -59,3 +59,28 @@ def test_korthikanti_table2(name, tp, sp, recompute, formula, stat_tokens):
 def test_full_recompute_with_sequence_parallel_keeps_the_input_shard():
     f_net, _ = retained(T, True, "full")
     assert f_net == 2 * sbh // T
+
+
+def split_kept_for_w(tp, sp):
+    arch = arch_from_hf_config(GPT, "gpt-small")
+    plan = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, tp=tp, sp=sp, flash_attn=False, dtype="fp16",
+                                            convention="megatron"))
+    conv = convention_for(plan)
+    m = layer_memory(arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 0, True))
+    return m.F.net_bytes + m.I.net_bytes, m
+
+
+@pytest.mark.parametrize("tp,sp,units", [
+    (1, False, 32),             # Zero Bubble (Qi et al. 2024): M_W = 32sbh
+    # by hand with TP: linear inputs qkv 2, out-proj 2/t, fc1 2, fc2 8/t; output grads qkv 6/t,
+    # out-proj 2 (full), fc1 8/t, fc2 2 (full)
+    (T, False, 2 + 2 / T + 2 + 8 / T + 6 / T + 2 + 8 / T + 2),
+    # with SP (Megatron): the qkv and fc1 inputs are kept as shards (re-gathered in W): 2/t each
+    (T, True, 2 / T + 2 / T + 2 / T + 8 / T + 6 / T + 2 + 8 / T + 2),
+])
+def test_zero_bubble_weight_grad_memory(tp, sp, units):
+    """After the input-grad pass (I), a layer keeps for W exactly the linear inputs and the
+    linear output grads: M_W = 32sbh without TP (the paper's figure), dM(I) = M_W - M_B."""
+    kept, m = split_kept_for_w(tp, sp)
+    assert kept == int(units * sbh)
+    assert m.W.net_bytes == -kept

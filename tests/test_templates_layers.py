@@ -104,3 +104,15 @@ def test_recompute_allgather_changes_nothing_under_megatron():
     a = layer(LLAMA, convention="megatron", tp=2, sp=True)
     b = layer(LLAMA, convention="megatron", tp=2, sp=True, recompute_allgather=True)
     assert (a.F, a.B, a.I, a.W) == (b.F, b.B, b.I, b.W)
+
+
+def test_zero3_gathers_the_layer_parameters_for_forward():
+    """ZeRO-3 / FSDP: the layer's tp-shard of parameters (bf16) is all-gathered for the whole
+    forward of the layer, so the forward peak rises by exactly those bytes and nothing more is kept."""
+    tp = 2
+    a, kv, f = A // tp, KV // tp, F // tp
+    params = H * (a + 2 * kv) * D + a * D * H + 3 * H * f + 2 * H
+    base = layer(LLAMA, tp=tp, dp=4)
+    z3 = layer(LLAMA, tp=tp, dp=4, zero=3)
+    assert z3.F.net_bytes == base.F.net_bytes
+    assert z3.F.peak_bytes == base.F.peak_bytes + 2 * params

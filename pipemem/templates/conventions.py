@@ -36,6 +36,7 @@ class Convention:
     ce_inplace: bool           # cross-entropy backward reuses the saved fp32 softmax
     vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
     gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
+    wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
 
 
 CONVENTIONS = {
@@ -47,9 +48,10 @@ CONVENTIONS = {
                          gqa_expand_eager=True),
     "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
                              gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
-                             gqa_expand_eager=True),
+                             gqa_expand_eager=True, wgrad_fused=False),
     "hf": Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered", gather_once_per_block=True,
-                     fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True),
+                     fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True,
+                     wgrad_fused=False),
 }
 
 
@@ -66,7 +68,7 @@ def convention_for(plan) -> Convention:
     if (sp_save, fused_qkv, fused_gate_up) == (c.sp_save, c.fused_qkv, c.fused_gate_up):
         return c
     return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager)
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

@@ -55,6 +55,19 @@ class Shard:
     etp: int = 1
     ep: int = 1
     shared_ffn: int = 0  # local shared-expert width (after tp)
+    autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
+    first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
+    fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+
+    @property
+    def res_dt(self) -> str:
+        """dtype of the residual stream: fp32 under autocast (fp32 params, fp32 adds)."""
+        return "fp32" if self.autocast else self.dt
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes of one layer input / output [s_sp, b, h]."""
+        return self.s_sp * self.b * self.h * dtype_bytes(self.res_dt)
 
 
 def make_shard(arch, plan, conv: Convention) -> Shard:
@@ -69,7 +82,9 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         tp=tp, sp=sp, cp=cp, dt=plan.dtype,
         experts=arch.experts // plan.ep if arch.experts else 0, top_k=arch.top_k,
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
-        shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0)
+        shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
+        autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
+        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +93,14 @@ class LayerOptions:
 
     norm: str
     activation: str
+    act_fn: str
     moe: bool
     qkv_bias: bool
     out_bias: bool
     mlp_bias: bool
     qk_norm: bool
     parallel_residual: bool
+    native_fused_qkv: bool   # the model's own modules fuse q, k, v (used by the hf convention)
     attn_dropout: bool
     hidden_dropout: bool
     flash: bool
@@ -97,9 +114,9 @@ def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
 @lru_cache(maxsize=4096)
 def _layer_options(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
     return LayerOptions(
-        norm=arch.norm, activation=arch.activation, moe=moe, qkv_bias=arch.qkv_bias,
+        norm=arch.norm, activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
         out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm, parallel_residual=arch.parallel_residual,
-        attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
+        native_fused_qkv=arch.fused_qkv, attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
         recompute=recompute)
 
 
@@ -109,7 +126,13 @@ class _Gen:
     """Helpers over one tape with the shard's sizes."""
 
     def __init__(self, tape: Tape, sh: Shard, conv: Convention, prefix: str):
+        if not conv.wgrad_fused or sh.fsdp:
+            chain = (sh.dt, "fp32") if sh.autocast else (sh.dt,)
+            tape.wgrad_chain = chain
+            tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
+        tape.fsdp = sh.fsdp
         self.t = tape
+        self.sac = False
         self.sh = sh
         self.conv = conv
         self.p = prefix
@@ -127,12 +150,17 @@ class _Gen:
         return nm
 
     # Norms --------------------------------------------------------------------------------
+    def dtype_of(self, x: str) -> str:
+        return self.t.tensors[x].dtype
+
     def norm(self, x: str, name: str, kind: str, tokens_shape: tuple) -> str:
         h = tokens_shape[-1]
         w = self.t.param(self.n(name + ".weight"), (h,), self.dt)
         tok = tokens_shape[:-1]
-        y = self.act(name + ".out", tokens_shape)
-        if self.conv.fused_norm:
+        x_dt = self.dtype_of(x)
+        # Under autocast the fp32 weight promotes the output to fp32.
+        y = self.act(name + ".out", tokens_shape, "fp32" if self.sh.autocast else x_dt)
+        if self.conv.fused_norm or kind == "layernorm":
             rstd = self.act(name + ".rstd", tok, STAT)
             outs = (y, rstd)
             saves = (x, rstd, w)
@@ -143,28 +171,50 @@ class _Gen:
             self.t.node(kind, (x, w), outs, diff_inputs=(x,), save_i=saves)
             return y
         # Unfused RMSNorm as HF writes it: x.float(); var = x.pow(2).mean(); x * rsqrt(var + eps);
-        # weight * x.to(dtype). Each op saves what its backward needs.
-        xf = self.act(name + ".xf", tokens_shape, "fp32")
-        self.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
+        # weight * x.to(input dtype). Each op saves what its backward needs; casts to the dtype a
+        # tensor already has are no-ops.
+        xf = x
+        if x_dt != "fp32":
+            xf = self.act(name + ".xf", tokens_shape, "fp32")
+            self.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
         var = self.act(name + ".var", tok + (1,), "fp32")
         self.t.node("pow_mean", (xf,), (var,), diff_inputs=(xf,), save_i=(xf,))
         rs = self.act(name + ".rsqrt", tok + (1,), "fp32")
         self.t.node("rsqrt", (var,), (rs,), diff_inputs=(var,), save_i=(rs,))
         xn = self.act(name + ".xn", tokens_shape, "fp32")
         self.t.node("mul", (xf, rs), (xn,), diff_inputs=(xf, rs), save_i=(xf, rs))
-        xc = self.act(name + ".xc", tokens_shape)
-        self.t.node("to_dtype", (xn,), (xc,), diff_inputs=(xn,))
+        xc = xn
+        if x_dt != "fp32":
+            xc = self.act(name + ".xc", tokens_shape, x_dt)
+            self.t.node("to_dtype", (xn,), (xc,), diff_inputs=(xn,))
         self.t.node("mul_weight", (xc, w), (y,), diff_inputs=(xc,), params=(w,), save_i=(w,), save_w=(xc,))
         return y
 
+    def to_compute(self, x: str, name: str) -> str:
+        """Autocast's input cast: a low-precision copy of an fp32 activation (a new tensor per
+        consumer; autocast caches only casts of parameters)."""
+        if not self.sh.autocast or self.dtype_of(x) == self.dt:
+            return x
+        xc = self.act(name + ".autocast_in", self.t.tensors[x].shape)
+        self.t.node("autocast_cast", (x,), (xc,), diff_inputs=(x,))
+        return xc
+
     # Linears ------------------------------------------------------------------------------
     def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool) -> str:
-        """y = x W^T (+ b), local shapes; saves x for the weight gradient."""
+        """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
+        input and the fp32 weight are cast first, and the matmul saves both copies."""
         w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.dt)
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
         y = self.act(name + ".out", out_shape)
+        if self.sh.autocast:
+            x = self.to_compute(x, name)
+            wc = self.act(name + ".weight_bf16", (out_shape[-1], in_features))
+            self.t.node("autocast_weight", (w,), (wc,))
+            self.t.node("linear", (x, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
+                        save_w=(x,))
+            return y
         self.t.node("linear", (x,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x,))
         return y
 
@@ -175,10 +225,11 @@ class _Gen:
         full = (sh.s, sh.b, sh.h)
         if not sh.sp:
             return [self.linear(x, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
-        if conv.sp_save == "gathered" or (conv.sp_save == "shard+gathered" and conv.gather_once_per_block):
+        if conv.sp_save == "gathered":
+            # DTensor: one all-gather feeds every projection, which save the gathered tensor;
+            # its backward is a reduce-scatter of the accumulated grad into the shard's grad.
             xg = self.act(block + ".allgather", full, kind=COMM)
-            self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,), grad_via={x: "d." + xg},
-                        post_i=(BwdOp("reduce_scatter", ("d." + xg,), ("d." + x,)),))
+            self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
             return [self.linear(xg, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
         outs = []
         for nm, f, bias in specs:
@@ -208,6 +259,9 @@ class _Gen:
     def row_linear(self, x: str, name: str, in_features: int, bias: bool) -> str:
         """Row-parallel linear to [s_sp, b, h]: all-reduce (no SP) or reduce-scatter (SP)."""
         sh = self.sh
+        if sh.tp == 1 or self.sh.autocast:
+            # one rank: an ordinary linear with its bias inside the GEMM (addmm)
+            return self.linear(x, name, (sh.s_sp, sh.b, sh.h), in_features, bias)
         w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.dt)
         partial = self.act(name + ".partial", (sh.s, sh.b, sh.h))
         self.t.node("linear", (x, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x,))
@@ -223,19 +277,25 @@ class _Gen:
         if bias:
             b = self.t.param(self.n(name + ".bias"), (sh.h,), self.dt)
             yb = self.act(name + ".biased", (sh.s_sp, sh.b, sh.h))
-            self.t.node("add_bias", (y, b), (yb,), diff_inputs=(y,), params=(b,), grad_alias=True)
+            # bias added after the reduction (Megatron's bias-dropout-add): its grad is a token
+            # sum done with the input grads, never deferred to the weight-grad pass
+            self.t.node("add_bias", (y, b), (yb,), diff_inputs=(y,), grad_alias=True)
             y = yb
         return y
 
     def dropout(self, x: str, name: str, shape: tuple) -> str:
         mask = self.act(name + ".mask", shape, MASK)
-        y = self.act(name + ".out", shape)
+        y = self.act(name + ".out", shape, self.dtype_of(x))
         self.t.node("dropout", (x,), (y, mask), diff_inputs=(x,), save_i=(mask,))
         return y
 
     def add(self, a: str, b: str, name: str, shape: tuple) -> str:
-        y = self.act(name, shape)
-        self.t.node("add", (a, b), (y,), diff_inputs=(a, b), grad_alias=True)
+        # type promotion: an fp32 operand (autocast's residual stream) makes an fp32 sum
+        dt = "fp32" if "fp32" in (self.dtype_of(a), self.dtype_of(b)) else self.dt
+        y = self.act(name, shape, dt)
+        # the grad of an operand of another dtype is cast (a new tensor); the others alias it
+        alias = tuple(x for x in (a, b) if self.dtype_of(x) == dt)
+        self.t.node("add", (a, b), (y,), diff_inputs=(a, b), grad_alias=alias)
         return y
 
     # Attention ----------------------------------------------------------------------------
@@ -246,7 +306,7 @@ class _Gen:
         region = opt.recompute == "full_attn"
         if region:
             self.t.begin_region()
-        if conv.fused_qkv:
+        if conv.fused_qkv or (conv.name == "hf" and opt.native_fused_qkv):
             (qkv,) = self.column_linears(x, "attn", [("attn.qkv", (a + 2 * kv) * d, opt.qkv_bias)])
             q = self.act("attn.q", (s, b, a, d), storage=qkv)
             k = self.act("attn.k", (s, b, kv, d), storage=qkv)
@@ -265,12 +325,14 @@ class _Gen:
             q = self.norm(q, "attn.q_norm", "rmsnorm", (s, b, a, d))
             k = self.norm(k, "attn.k_norm", "rmsnorm", (s, b, kv, d))
         if self._uses_rope:
-            qr = self.act("attn.q_rope", (s, b, a, d))
-            kr = self.act("attn.k_rope", (s, b, kv, d))
+            # HF casts cos/sin to the hidden states' dtype: fp32 under autocast, so q, k become fp32
+            rope_dt = "fp32" if self.sh.autocast else None
+            qr = self.act("attn.q_rope", (s, b, a, d), rope_dt)
+            kr = self.act("attn.k_rope", (s, b, kv, d), rope_dt)
             self.t.node("rope", (q,), (qr,), diff_inputs=(q,))
             self.t.node("rope", (k,), (kr,), diff_inputs=(k,))
             q, k = qr, kr
-        core = opt.recompute in ("selective", "core_attn")
+        core = opt.recompute in ("selective", "core_attn") and not self.sac
         if core:
             self.t.begin_region()
         ctx = self.core_attention(q, k, v, opt)
@@ -288,6 +350,7 @@ class _Gen:
         a, kv, d, s, b = sh.heads, sh.kv, sh.d, sh.s, sh.b
         eb = dtype_bytes(self.dt)
         ctx = self.act("attn.ctx", (s, b, a, d))
+        q, k, v = (self.to_compute(q, "attn.q"), self.to_compute(k, "attn.k"), self.to_compute(v, "attn.v"))
         if opt.flash:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
@@ -308,8 +371,19 @@ class _Gen:
             k, v = ke, ve
         scores = self.act("attn.scores", (b, a, s, s))
         self.t.node("bmm_qk", (q, k), (scores,), diff_inputs=(q, k), save_i=(q, k))
-        probs = self.act("attn.probs", (b, a, s, s))
-        self.t.node("scale_mask_softmax", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
+        if self.conv.name == "hf":
+            # HF eager: (q k^T) * scale + mask, softmax(dtype=fp32) (saves its fp32 output), .to(dtype)
+            scaled = self.act("attn.scaled", (b, a, s, s))
+            self.t.node("mul_scale", (scores,), (scaled,), diff_inputs=(scores,))
+            masked = self.act("attn.masked", (b, a, s, s))
+            self.t.node("add_mask", (scaled,), (masked,), diff_inputs=(scaled,), grad_alias=True)
+            p32 = self.act("attn.probs_fp32", (b, a, s, s), "fp32")
+            self.t.node("softmax", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
+            probs = self.act("attn.probs", (b, a, s, s))
+            self.t.node("to_dtype", (p32,), (probs,), diff_inputs=(p32,))
+        else:
+            probs = self.act("attn.probs", (b, a, s, s))
+            self.t.node("scale_mask_softmax", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
         if opt.attn_dropout:
             probs = self.dropout(probs, "attn.dropout", (b, a, s, s))
         self.t.node("bmm_pv", (probs, v), (ctx,), diff_inputs=(probs, v), save_i=(probs, v))
@@ -334,9 +408,99 @@ class _Gen:
                 self.t.node("mul", (g, up), (act,), diff_inputs=(g, up), save_i=(g, up))
         else:
             (fc1,) = self.column_linears(x, name, [(name + ".fc1", f, opt.mlp_bias)])
-            act = self.act(name + ".act", (s, b, f))
-            self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+            if conv.name == "hf" and opt.act_fn == "gelu_new":
+                act = self.gelu_new(fc1, name, (s, b, f))
+            else:
+                act = self.act(name + ".act", (s, b, f))
+                self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
         return self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
+
+    def gelu_new(self, u: str, name: str, shape: tuple) -> str:
+        """HF's NewGELUActivation, op by op: 0.5*u*(1+tanh(c*(u+0.044715*u^3)))."""
+        def new(tag):
+            return self.act(f"{name}.gelu.{tag}", shape)
+        p3, p2, a1, a2, th, t1, hx, g = (new(t) for t in ("pow", "scaled", "sum", "arg", "tanh", "one_plus",
+                                                         "half_x", "out"))
+        self.t.node("pow", (u,), (p3,), diff_inputs=(u,), save_i=(u,))
+        self.t.node("mul_scalar", (p3,), (p2,), diff_inputs=(p3,))
+        self.t.node("add", (u, p2), (a1,), diff_inputs=(u, p2), grad_alias=True)
+        self.t.node("mul_scalar", (a1,), (a2,), diff_inputs=(a1,))
+        self.t.node("tanh", (a2,), (th,), diff_inputs=(a2,), save_i=(th,))
+        self.t.node("add_scalar", (th,), (t1,), diff_inputs=(th,), grad_alias=True)
+        self.t.node("mul_scalar", (u,), (hx,), diff_inputs=(u,))
+        self.t.node("mul", (hx, t1), (g,), diff_inputs=(hx, t1), save_i=(hx, t1))
+        return g
+
+    def moe_hf(self, x: str, opt: LayerOptions) -> str:
+        """HF transformers' MoE block (MixtralTopKRouter + grouped_mm experts), op by op: fp32
+        router softmax, top-k renormalised in place (autograd clones the top-k values), tokens
+        sorted by expert and gathered, grouped GEMMs, then the routing weights applied in fp32,
+        the original order restored and the top-k copies summed in fp32 and cast back."""
+        sh = self.sh
+        T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
+        S = T * K
+        f = sh.expert_ffn
+        logits = self.linear(x, "moe.router", (T, E), h, False)
+        lf = self.act("moe.logits_fp32", (T, E), "fp32")
+        self.t.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
+        probs = self.act("moe.probs", (T, E), "fp32")
+        self.t.node("softmax", (lf,), (probs,), diff_inputs=(lf,), save_i=(probs,))
+        topv = self.act("moe.topk_values", (T, K), "fp32")
+        topi = self.act("moe.topk_idx", (T, K), "int64")
+        self.t.node("topk", (probs,), (topv, topi), diff_inputs=(probs,), save_i=(topi,))
+        ssum = self.act("moe.topk_sum", (T, 1), "fp32")
+        self.t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
+        orig = self.act("moe.topk_values_orig", (T, K), "fp32")
+        topn = self.act("moe.topk_weights", (T, K), "fp32", storage=topv)
+        self.t.node("div_", (topv, ssum), (orig, topn), diff_inputs=(topv, ssum), save_i=(orig, ssum),
+                    fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, ssum), (topn,))))
+        ids_g = self.act("moe.expert_ids_sorted", (S,), "int64")
+        perm = self.act("moe.perm", (S,), "int64")
+        self.t.node("sort", (topi,), (ids_g, perm))
+        tok_idx = self.act("moe.token_idx", (S,), "int64")
+        self.t.node("floor_divide", (perm,), (tok_idx,))
+        hs_g = self.act("moe.permuted", (S, h))
+        self.t.node("index", (x, tok_idx), (hs_g,), diff_inputs=(x,), save_i=(tok_idx,),
+                    workspace_i=T * h * dtype_bytes(self.dt))   # new_zeros before index_put
+        sw_g = self.act("moe.sample_weights", (S,), "fp32")
+        self.t.node("index", (topn, perm), (sw_g,), diff_inputs=(topn,), save_i=(perm,))
+        offs = self.act("moe.offsets", (E,), "int32")
+        self.t.node("histc_cumsum", (ids_g,), (offs,))
+        gated = opt.activation in ("swiglu", "geglu")
+        fc1 = self.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
+        act = self.act("moe.experts.act", (S, f))
+        if gated:
+            gate = self.act("moe.experts.gate", (S, f), storage=fc1)
+            up = self.act("moe.experts.up", (S, f), storage=fc1)
+            self.t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
+            sg = self.act("moe.experts.silu", (S, f))
+            self.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
+            self.t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
+        else:
+            self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+        out = self.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
+        inv = self.act("moe.inv_perm", (S,), "int64")
+        self.t.node("inverse_perm", (perm,), (inv,))
+        wout = self.act("moe.weighted", (S, h), "fp32")
+        # grad of the bf16 factor: fp32 product then a cast; grad of the weights: fp32 product, summed
+        self.t.node("mul", (out, sw_g), (wout,), diff_inputs=(out, sw_g), save_i=(out, sw_g),
+                    workspace_i=2 * S * h * 4)
+        wperm = self.act("moe.unpermuted", (S, h), "fp32")
+        self.t.node("index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * 4)
+        y32 = self.act("moe.out_fp32", (sh.s_sp, sh.b, h), "fp32")
+        self.t.node("sum_topk", (wperm,), (y32,), diff_inputs=(wperm,))
+        y = self.act("moe.out", (sh.s_sp, sh.b, h))
+        self.t.node("to_dtype", (y32,), (y,), diff_inputs=(y32,))
+        return y
+
+    def grouped_linear(self, x: str, offs: str, name: str, out_shape: tuple, in_features: int) -> str:
+        """torch._grouped_mm over the local experts: saves its input (and the offsets)."""
+        sh = self.sh
+        w = self.t.param(self.n(name + ".weight"), (sh.experts, out_shape[-1], in_features), self.dt)
+        y = self.act(name + ".out", out_shape)
+        self.t.node("grouped_mm", (x, w, offs), (y,), diff_inputs=(x,), params=(w,), save_i=(offs,),
+                    save_w=(x, offs))
+        return y
 
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
@@ -370,7 +534,17 @@ class _Gen:
         gated = opt.activation in ("swiglu", "geglu")
         fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False)
         act = self.act("moe.experts.act", (M, f))
-        self.t.node("bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+        if gated and not self.conv.fused_gate_up:
+            # gate_up = grouped GEMM; gate, up = chunk (views); silu(gate) * up, unfused
+            gate = self.act("moe.experts.gate", (M, f), storage=fc1)
+            up = self.act("moe.experts.up", (M, f), storage=fc1)
+            self.t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
+            sg = self.act("moe.experts.silu", (M, f))
+            self.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
+            self.t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
+        else:
+            self.t.node("bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
+                        save_i=(fc1,))
         out = self.linear(act, "moe.experts.fc2", (M, h), f, False)
         if sh.etp > 1 and sh.sp:
             rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
@@ -405,8 +579,11 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     g = _Gen(tape, sh, conv, prefix)
     g._uses_rope = arch.position == "rope"
     tok = (sh.s_sp, sh.b, sh.h)
-    x = g.act("input", tok)
-    if opt.recompute == "full":
+    x = g.act("input", tok, sh.res_dt)
+    g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
+    if g.sac:
+        tape.pin = _torchtitan_op_sac()
+    if opt.recompute == "full" or g.sac:
         tape.begin_region()
     h1 = g.norm(x, "input_norm", opt.norm, tok)
     tape.module = "attn"
@@ -420,7 +597,10 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         r1 = g.add(x, attn, "residual1", tok)
         h2 = g.norm(r1, "post_attention_norm", opt.norm, tok)
     tape.module = "mlp"
-    m = g.moe(h2, opt) if opt.moe else g.mlp(h2, opt)
+    if opt.moe:
+        m = g.moe_hf(h2, opt) if conv.name == "hf" else g.moe(h2, opt)
+    else:
+        m = g.mlp(h2, opt)
     if opt.hidden_dropout:
         m = g.dropout(m, "mlp.dropout_out", tok)
     tape.module = ""
@@ -429,9 +609,23 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         y = g.add(r, m, "output", tok)
     else:
         y = g.add(r1, m, "output", tok)
-    if opt.recompute == "full":
+    if opt.recompute == "full" or g.sac:
         tape.end_region()
     return tape, x, y
+
+
+def _torchtitan_op_sac():
+    """torchtitan's op-level selective checkpointing ("selective_ac_option = 'op'"): inside a
+    checkpointed layer, keep the outputs of SDPA, of reduce-scatters and of every odd-numbered
+    matmul (1st, 3rd, ...), recompute everything else (its custom policy over aten ops)."""
+    count = [0]
+
+    def pin(node_type: str) -> bool:
+        if node_type == "linear":
+            count[0] += 1
+            return count[0] % 2 == 1
+        return node_type in ("flash_attn", "reduce_scatter")
+    return pin
 
 
 def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, str]:
@@ -444,19 +638,19 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, 
     w = tape.param("emb.word.weight", (sh.vocab, sh.h), sh.dt)
     full = (sh.s, sh.b, sh.h)
     tok = (sh.s_sp, sh.b, sh.h)
-    partial = g.act("lookup", full)
+    partial = g.act("lookup", full, sh.res_dt)
     tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
     y = partial
     if sh.tp > 1:
         if sh.sp:
-            y = g.act("reduce_scatter", tok, kind=COMM)
+            y = g.act("reduce_scatter", tok, sh.res_dt, kind=COMM)
             tape.node("reduce_scatter", (partial,), (y,), diff_inputs=(partial,))
         else:
-            y = g.act("all_reduce", full, storage=partial)
+            y = g.act("all_reduce", full, sh.res_dt, storage=partial)
             tape.node("all_reduce", (partial,), (y,), diff_inputs=(partial,), grad_alias=True)
     if arch.position == "learned":
         pw = tape.param("emb.position.weight", (max(arch.max_positions, plan.seq_len), sh.h), sh.dt)
-        pos = g.act("positions", tok)
+        pos = g.act("positions", tok, sh.res_dt)
         tape.node("embedding", (pw,), (pos,), params=(pw,))
         y = g.add(y, pos, "with_positions", tok)
     if arch.embd_dropout > 0:
@@ -470,7 +664,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
     tok = (sh.s_sp, sh.b, sh.h)
-    x = g.act("input", tok)
+    x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", arch.norm, tok)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
     labels = g.act("labels", (sh.b, sh.s), "int64")

@@ -51,6 +51,7 @@ def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
     F = tape.forward("F")
     (B,) = tape.backward((out_grad_of,), name="B")
     I, W = tape.backward((out_grad_of,), name="I", split=True)
+    dx_name_i = tape.grad_name(x)
     st = lambda prog, n: prog.tensors[n].storage if n in prog.tensors else n  # noqa: E731
     xs = st(F, x)
     ys = st(F, y)
@@ -61,7 +62,7 @@ def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
     dy = st(B, "d." + out_grad_of)
     dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
     rb = analyze_program(B, live_on_entry=rf.live_after | {dy}, keep=dx_b)
-    dx_i = {st(I, "d." + x)} if ("d." + x) in I.tensors else set()
+    dx_i = {st(I, dx_name_i)} if dx_name_i in I.tensors else set()
     ri = analyze_program(I, live_on_entry=rf.live_after | {st(I, "d." + out_grad_of)}, keep=tw | dx_i)
     # The input grad may share storage with an output grad W still reads (a residual add
     # hands the same grad to both branches): it belongs to the previous part, W must not free it.
@@ -92,8 +93,7 @@ def head_programs(arch, sh: Shard, conv: Convention) -> PartPrograms:
 
 
 def _act_bytes(sh: Shard) -> int:
-    from ..ir import dtype_bytes
-    return sh.s_sp * sh.b * sh.h * dtype_bytes(sh.dt)
+    return sh.boundary_bytes
 
 
 @lru_cache(maxsize=4096)

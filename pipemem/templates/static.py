@@ -24,8 +24,8 @@ from functools import lru_cache
 
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from .conventions import Convention, padded_vocab
-from .params import embedding_param_shapes, head_param_shapes, layer_param_shapes
+from .conventions import Convention
+from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2}
 
@@ -53,20 +53,27 @@ def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
 def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
                       rank_stages: list[int]) -> tuple[int, int]:
     """(dense, expert) parameter elements held by one pipeline rank (its tp/ep shard)."""
-    tp, etp, ep = plan.tp, plan.etp or 1, plan.ep
-    vocab = padded_vocab(arch.vocab, tp, conv)
     last = plan.pp * plan.vpp - 1
+    layers = tuple(i for s in rank_stages for i in stage_layers[s])
+    return _rank_counts(arch, conv.vocab_multiple, plan.tp, plan.etp or 1, plan.ep, layers, 0 in rank_stages,
+                        last in rank_stages)
+
+
+@lru_cache(maxsize=65536)
+def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, layers: tuple[int, ...], has_embedding: bool,
+                 has_head: bool) -> tuple[int, int]:
+    m = vocab_multiple * tp
+    vocab = -(-arch.vocab // m) * m
     dense = expert = 0
-    for s in rank_stages:
-        for i in stage_layers[s]:
-            d, e = _layer_counts(arch, arch.is_moe_layer(i), i if arch.is_moe_layer(i) else -1, tp, etp, ep)
-            dense += d
-            expert += e
-        if s == 0:
-            dense += sum(_prod(v) for v in embedding_param_shapes(arch, vocab, tp, head=False).values())
-        if s == last:
-            same = 0 in rank_stages
-            dense += sum(_prod(v) for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=same).values())
+    for i in layers:
+        moe = arch.is_moe_layer(i)
+        d, e = _layer_counts(arch, moe, i if moe else -1, tp, etp, ep)
+        dense += d
+        expert += e
+    if has_embedding:
+        dense += sum(_prod(v) for v in embedding_param_shapes(arch, vocab, tp, head=False).values())
+    if has_head:
+        dense += sum(_prod(v) for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values())
     return dense, expert
 
 

@@ -5,8 +5,9 @@ tensors it saves for the input-gradient pass (I) and for the weight-gradient pas
 any extra ops its backward runs (a re-gather, a reduce-scatter). From the node list the tape
 emits the forward program, the fused backward (B = I then W per node, in reverse order) and
 the split backward (all I ops, then all W ops). Saved tensors are simply read by the
-backward ops; the liveness engine then finds that they outlive the forward, and frees them
-after their last backward reader, exactly as autograd drops saved tensors.
+backward ops; the liveness engine then finds that they outlive the forward. In the fused
+backward a node's saved tensors are released when the node's whole backward returns (as
+autograd does); in the split backward, I releases what only I reads and W the rest.
 
 Recompute regions (activation checkpointing): the nodes of a region run in forward without
 their saves mattering; at the region's first backward node, the region's forward ops are
@@ -15,7 +16,13 @@ region's inputs (produced outside it) are read under their own names, so the for
 them, as a checkpoint keeps its inputs.
 
 Gradients are ``d.<name>``; a tensor used by several nodes gets its later contributions
-added into the first (autograd's input buffer), through a temporary.
+added into the first (autograd's input buffer), through a temporary -- in place, unless a
+deferred W op still reads that storage (split backward), then into a new tensor. Residual
+adds and views pass their output grad on without a copy (`grad_alias`).
+
+Weight grads: either accumulated by the GEMM into the persistent grad buffer (Megatron,
+Paddle) or materialised as eager temporaries (`wgrad_chain`) that are accumulated, become
+`.grad` on the first step, or are held for FSDP's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -60,8 +67,10 @@ class Node:
     region: int = -1
     module: str = ""
     fwd_ops: tuple[Op, ...] = ()     # explicit forward ops (else one op over inputs/outputs)
-    grad_alias: bool = False         # input grads are the output grad itself (add, views)
+    grad_alias: bool | tuple = False  # input grads are the output grad itself (add, views);
+                                      # a tuple names the inputs that alias (the rest get a copy)
     w_pre_first: bool = False        # fused B runs pre_w before the I op (Megatron's re-gather)
+    pinned: bool = False             # selective checkpointing keeps its outputs: not recomputed
 
 
 class Tape:
@@ -73,6 +82,20 @@ class Tape:
         self.region = -1
         self._next_region = 0
         self.module = ""
+        # Weight gradients: () = the GEMM accumulates into the persistent grad (Megatron's
+        # gradient_accumulation_fusion, Paddle's fused_linear_param_grad_add). Otherwise the
+        # dtypes of the temporaries eager autograd materialises (dW, then autocast's fp32
+        # cast), and `wgrad_final` is the op that moves the last one into the grad buffer:
+        # "accumulate_grad" (grad += dW; steady state) or "steal_grad" (first step: the
+        # temporary becomes .grad, so the last cast writes the grad buffer directly).
+        self.wgrad_chain: tuple[str, ...] = ()
+        self.wgrad_final = "accumulate_grad"
+        # ZeRO-3 / FSDP: the part's parameters are all-gathered into one buffer before its
+        # forward and its backward and released after; eager weight grads are held unsharded
+        # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
+        self.fsdp = False
+        # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
+        self.pin = None
 
     # Declaring ---------------------------------------------------------------------------
     def t(self, name: str, shape, dtype: str, kind: TensorKind = ACT, storage: str = "") -> str:
@@ -99,17 +122,39 @@ class Tape:
              w_pre_first=False) -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}), workspace_f,
-                 workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first)
+                 workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
+                 self.region >= 0 and self.pin is not None and self.pin(type))
         self.nodes.append(n)
         return n
 
     # Emitting ----------------------------------------------------------------------------
     def forward(self, name: str = "F") -> Program:
         prog = Program(name=name, type="forward")
+        gather = self._fsdp_gather(prog, "fwd")
         for n in self.nodes:
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
+        self._fsdp_release(prog, gather)
         return prog
+
+    def _fsdp_param_bytes(self) -> int:
+        seen: dict[str, int] = {}
+        for t in self.tensors.values():
+            if t.kind is PARAM:
+                seen[t.storage] = max(seen.get(t.storage, 0), t.nbytes)
+        return sum(seen.values())
+
+    def _fsdp_gather(self, prog: Program, tag: str) -> str:
+        if not self.fsdp:
+            return ""
+        nm = f"{self.prefix}fsdp.params_{tag}"
+        self.tensors[nm] = Tensor(nm, (), "uint8", COMM, bytes=self._fsdp_param_bytes())
+        self._add(prog, Op("fsdp_all_gather", (), (nm,), phase="fsdp"))
+        return nm
+
+    def _fsdp_release(self, prog: Program, gathered: str) -> None:
+        if gathered:
+            self._add(prog, Op("fsdp_reshard", (gathered,), (), frees=(gathered,), phase="fsdp"))
 
     def backward(self, out_grads: tuple[str, ...], name: str = "B", split: bool = False) -> list[Program]:
         """Fused backward [B] or split backward [I, W]. `out_grads` are the forward tensors whose
@@ -121,13 +166,21 @@ class Tape:
                 has_grad.update(n.diff_inputs)
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
+        gathered = self._fsdp_gather(i_prog, "bwd")
+        self._held_grads: list[tuple[str, str]] = []
         for t in out_grads:
             self._grad_tensor(i_prog, t)
         written: set[str] = {"d." + t for t in out_grads}
         regions_done: set[int] = set()
         self._acc = 0
+        # Split backward: a grad storage a deferred W op still reads cannot take later
+        # contributions in place (autograd accumulates out of place while another reference
+        # holds it), so accumulation then makes a new tensor and later readers use it.
+        self._cur: dict[str, str] = {}
+        w_storages: set[str] = set()
+        cur = self._cur.get
         for n in reversed(self.nodes):
-            gouts = tuple("d." + o for o in n.outputs if ("d." + o) in written)
+            gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
             ren: dict[str, str] = {}
@@ -136,7 +189,7 @@ class Tape:
                 if n.region not in regions_done:
                     regions_done.add(n.region)
                     for rn in self.nodes:
-                        if rn.region == n.region:
+                        if rn.region == n.region and not rn.pinned:
                             for op in self._fwd_ops(rn, ren):
                                 op.phase = "recompute"
                                 self._add(i_prog, op)
@@ -144,9 +197,9 @@ class Tape:
             w_block: list[Op] = []
             if n.params:
                 w_block = [self._bop(b, r, n) for b in n.pre_w]
-                gparams = tuple(self._param_grad(i_prog, p) for p in n.params)
-                w_block.append(Op(n.type + "_wgrad", gouts + tuple(r(s) for s in n.save_w) + gparams, gparams,
-                                  module=n.module, phase="backward_w"))
+                w_block.extend(self._wgrad_ops(n, gouts, r, i_prog))
+                if split:
+                    w_storages.update(self._lookup(nm).storage for op in w_block for nm in op.inputs)
             early = []
             if not split and n.w_pre_first and n.pre_w:
                 early, w_block = w_block[:len(n.pre_w)], w_block[len(n.pre_w):]
@@ -161,7 +214,8 @@ class Tape:
                 if x not in has_grad:
                     continue
                 target = n.grad_via.get(x, "d." + x)
-                out = self._grad_target(i_prog, target, written, accs, alias_of=gouts[0] if n.grad_alias else "")
+                alias = n.grad_alias is True or (isinstance(n.grad_alias, tuple) and x in n.grad_alias)
+                out = self._grad_target(i_prog, target, written, accs, alias_of=gouts[0] if alias else "")
                 outs.append(out)
             if outs:
                 ins = gouts + tuple(r(s) for s in n.save_i)
@@ -173,18 +227,71 @@ class Tape:
                                    for o in op.outputs)
                 self._add(i_prog, op)
             for target, tmp in accs:
-                self._add(i_prog, Op("grad_accumulate", (target, tmp), (target,), module=n.module, phase="backward"))
+                now = cur(target, target)
+                if split and self._lookup(now).storage in w_storages:
+                    self._acc += 1
+                    new = f"{target}#{self._acc}"
+                    base = self._lookup(target)
+                    self.tensors[new] = Tensor(new, base.shape, base.dtype, ACT)
+                    self._cur[target] = new
+                    self._add(i_prog, Op("grad_accumulate", (now, tmp), (new,), module=n.module, phase="backward"))
+                else:
+                    self._add(i_prog, Op("grad_accumulate", (now, tmp), (now,), module=n.module, phase="backward"))
             if split:
                 w_ops.extend(w_block)
             else:
+                # autograd releases a node's saved tensors when its whole backward returns
+                # (input and weight grads), not after their last read
+                if w_block:
+                    saved = tuple(dict.fromkeys(r(x) for x in (*n.save_i, *n.save_w)
+                                                if self.tensors[x].kind is not PARAM))
+                    last = w_block[-1]
+                    last.frees = tuple(dict.fromkeys((*last.frees, *saved)))
                 for op in w_block:
                     self._add(i_prog, op)
+        self._fsdp_release(i_prog, gathered)
         if not split:
+            self._fsdp_reduce_scatter(i_prog)
             return [i_prog]
         w_prog = Program(name="W", type="backward_w")
         for op in w_ops:
             self._add(w_prog, op)
+        self._fsdp_reduce_scatter(w_prog)
         return [i_prog, w_prog]
+
+    def _fsdp_reduce_scatter(self, prog: Program) -> None:
+        if self._held_grads:
+            temps = tuple(t for t, _ in self._held_grads)
+            grads = tuple(g for _, g in self._held_grads)
+            self._add(prog, Op("fsdp_reduce_scatter", temps + grads, grads, frees=temps, phase="fsdp"))
+
+    def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
+        gparams = tuple(self._param_grad(prog, p) for p in n.params)
+        reads = gouts + tuple(r(s) for s in n.save_w)
+        chain = self.wgrad_chain
+        if not chain:
+            return [Op(n.type + "_wgrad", reads + gparams, gparams, module=n.module, phase="backward_w")]
+        ops = []
+        for p, g in zip(n.params, gparams):
+            shape = self.tensors[p].shape
+            names = []
+            for k, dt in enumerate(chain):
+                nm = f"dw{k}.{p}"
+                self.tensors[nm] = Tensor(nm, shape, dt, TEMP)
+                names.append(nm)
+            ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
+            for a, b in zip(names, names[1:]):
+                ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
+            if self.fsdp:
+                self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
+            elif self.wgrad_final == "steal_grad" and len(names) > 1:
+                # the last cast's result becomes .grad: it writes the grad buffer itself
+                ops[-1] = Op("cast", (names[-2], g), (g,), module=n.module, phase="backward_w")
+            elif self.wgrad_final == "steal_grad":
+                ops[-1] = Op(n.type + "_wgrad", reads + (g,), (g,), module=n.module, phase="backward_w")
+            else:
+                ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
+        return ops
 
     def _grad_target(self, prog: Program, target: str, written: set[str], accs: list, alias_of: str = "") -> str:
         """Name an op should write for gradient `target`: the target itself the first time,
@@ -211,7 +318,7 @@ class Tape:
     def _region_renames(self, region: int) -> dict[str, str]:
         ren = {}
         for n in self.nodes:
-            if n.region == region:
+            if n.region == region and not n.pinned:
                 for o in n.outputs:
                     ren[o] = o + "@rc"
                 for op in n.fwd_ops:
@@ -228,11 +335,17 @@ class Tape:
                    module=n.module, phase="forward")]
 
     def _bop(self, b: BwdOp, r, n: Node) -> Op:
-        return Op(b.type, tuple(map(r, b.inputs)), tuple(map(r, b.outputs)), workspace_bytes=b.workspace,
-                  module=n.module, phase="backward")
+        cur = getattr(self, "_cur", {})
+        ins = tuple(cur.get(x, x) if x.startswith("d.") else r(x) for x in b.inputs)
+        return Op(b.type, ins, tuple(map(r, b.outputs)), workspace_bytes=b.workspace, module=n.module,
+                  phase="backward")
+
+    def grad_name(self, x: str) -> str:
+        """The tensor holding x's gradient at the end of the last backward built."""
+        return getattr(self, "_cur", {}).get("d." + x, "d." + x)
 
     def _add(self, prog: Program, op: Op) -> None:
-        for nm in (*op.inputs, *op.outputs):
+        for nm in (*op.inputs, *op.outputs, *op.frees):
             if nm not in prog.tensors:
                 t = prog.tensors[nm] = self._lookup(nm)
                 # A view's storage is sized by its base: declare the base too, so every
