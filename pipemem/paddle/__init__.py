@@ -10,10 +10,17 @@
 * `compare` - pipemem, Paddle's own `PipelineMemoryEstimator` and the measurement side by
               side (`pipemem validate paddle`);
 * `models`  - the small static programs the comparison runs (MLP, GPT / Llama decoders);
-* `worker`  - ``python -m pipemem.paddle.worker [CASE ...]``: the comparison as JSON.
+* `worker`  - ``python -m pipemem.paddle.worker [--ir pir] [CASE ...]``: the comparison as JSON.
 
-Legacy `Program`s only (``FLAGS_enable_pir_api=0`` before paddle is imported): plain PIR
-programs carry no op roles and cannot be measured per sub-program (docs/ACCURACY.md).
+The modules above take legacy `Program`s (``FLAGS_enable_pir_api=0`` before paddle is
+imported). PIR programs (Paddle 3's default IR) have their own:
+
+* `pir_capture` - a PIR program -> pipemem IR, split into forward / backward / optimizer
+                  (by op_role when set, else by structure), with the executor's in-place
+                  pass, CPU views and no_need_buffer operands;
+* `pir_measure` - a whole step's peak and net with Paddle's normal `Executor` (PIR has no
+                  py_func to measure between sub-programs);
+* `pir_models`  - the same models built as PIR programs.
 
 Everything here imports paddle inside functions: importing `pipemem.paddle` stays cheap.
 Paddle work for the CLI and the tests runs in a subprocess (`python -m

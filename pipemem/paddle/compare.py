@@ -123,3 +123,38 @@ def compare(names=None) -> list[Row]:
     for n in names:
         rows.extend(compare_case(CASES[n]()))
     return rows
+
+
+# PIR programs ----------------------------------------------------------------------------
+# A PIR step is compared whole (pipemem.paddle.pir_measure explains why): its peak, its net
+# change once the garbage collector has drained, and, with garbage collection off, the
+# bytes it allocates in all. Paddle's estimator has no number here: it reads `op.type` /
+# `op.desc` of legacy ops and fails on PIR operations (AttributeError).
+
+PIR_QUANTITIES = ("peak", "net", "allocated-no-gc")
+
+
+def compare_pir_case(case, trials: int = 5) -> list[Row]:
+    from .pir_capture import allocated_total, capture, whole_step
+    from .pir_measure import measure_no_gc, measure_step
+
+    captured = capture(case.main, case.sizes, name_prefix=f"{case.name}/")
+    peak, net, label = whole_step(captured)
+    m = measure_step(case.main, case.startup, case.feeds, trials=trials)
+    allocated = measure_no_gc(case.main, case.startup, case.feeds)
+    rows = []
+    for quantity, est, meas in (("peak", peak, m.peak_bytes), ("net", net, m.net_bytes),
+                                ("allocated-no-gc", allocated_total(captured), allocated)):
+        rows.append(Row(name=f"{case.name}/step/{quantity}", measured_bytes=meas, estimated_bytes=est,
+                        rel_error=rel_error(est, meas), paddle_estimated_bytes=None, paddle_rel_error=None,
+                        peak_op=label if quantity == "peak" else ""))
+    return rows
+
+
+def compare_pir(names=None, trials: int = 5) -> list[Row]:
+    from .pir_models import CASES as PIR_CASES
+
+    rows = []
+    for n in list(names or PIR_CASES):
+        rows.extend(compare_pir_case(PIR_CASES[n](), trials=trials))
+    return rows

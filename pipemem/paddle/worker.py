@@ -1,9 +1,9 @@
-"""`python -m pipemem.paddle.worker [CASE ...]`: run the Paddle comparison in this process
-and print one JSON object ``{"cases": [...]}``.
+"""`python -m pipemem.paddle.worker [--ir pir] [--trials N] [CASE ...]`: run the Paddle
+comparison in this process and print one JSON object ``{"cases": [...]}``.
 
-Paddle is configured before it is imported (legacy IR, garbage collection on), so this
-runs as its own process: `pipemem validate paddle` and the tests start it, and Paddle
-never shares a process with PyTorch.
+Paddle is configured before it is imported (legacy IR by default, PIR with ``--ir pir``;
+garbage collection on), so this runs as its own process: `pipemem validate paddle` and
+the tests start it (once per IR), and Paddle never shares a process with PyTorch.
 """
 
 from __future__ import annotations
@@ -15,28 +15,41 @@ import sys
 # Legacy `Program` IR (the captured and measured programs are legacy ones); GC on (eager
 # deletion threshold 0 frees a var right after its last use). These are not negotiable.
 PADDLE_ENV = {"FLAGS_enable_pir_api": "0", "FLAGS_eager_delete_tensor_gb": "0"}
+# The same for PIR programs (Paddle 3's default IR).
+PIR_ENV = {"FLAGS_enable_pir_api": "1", "FLAGS_eager_delete_tensor_gb": "0"}
 # Quiet logs unless the caller asked for them.
 LOG_ENV = {"GLOG_v": "0", "GLOG_minloglevel": "2"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.update(PADDLE_ENV)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipemem.paddle.worker")
+    parser.add_argument("--ir", choices=("legacy", "pir"), default="legacy")
+    parser.add_argument("--trials", type=int, default=5, help="PIR: measured steps per case (smallest peak)")
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    os.environ.update(PIR_ENV if args.ir == "pir" else PADDLE_ENV)
     for k, v in LOG_ENV.items():
         os.environ.setdefault(k, v)
     import warnings
 
     warnings.filterwarnings("ignore")
     from ..errors import UserError
-    from .compare import compare
-    from .models import CASES
+    from .compare import compare, compare_pir
 
-    names = list(argv if argv is not None else sys.argv[1:]) or list(CASES)
+    if args.ir == "pir":
+        from .pir_models import CASES
+    else:
+        from .models import CASES
+
+    names = args.cases or list(CASES)
     unknown = [n for n in names if n not in CASES]
     if unknown:
         print(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
         return 2
     try:
-        rows = compare(names)
+        rows = compare_pir(names, trials=args.trials) if args.ir == "pir" else compare(names)
     except UserError as e:
         print(str(e), file=sys.stderr)
         return 2

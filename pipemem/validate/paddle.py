@@ -10,8 +10,14 @@ pipemem's liveness over the captured program, Paddle's own
 and a measurement: the sub-programs run in sequence as jobs of one Paddle executor plan on
 the CPU, reading the host allocator's statistics between jobs (pipemem/paddle/measure.py).
 
-Paddle runs in a subprocess (`python -m pipemem.paddle.worker`): it must be configured
-before import (legacy IR) and must not share a process with PyTorch.
+The -pir cases are the same models built as PIR programs (Paddle 3's default IR). PIR
+programs cannot be measured per sub-program (no py_func op in PIR), so each is compared
+over the whole step: its peak, its net change, and the bytes it allocates with garbage
+collection off (pipemem/paddle/pir_measure.py); Paddle's estimator cannot read PIR
+programs (n/a).
+
+Paddle runs in a subprocess (`python -m pipemem.paddle.worker`), one per IR: it must be
+configured before import (legacy IR or PIR) and must not share a process with PyTorch.
 """
 
 from __future__ import annotations
@@ -24,25 +30,32 @@ import sys
 
 from ..errors import UserError
 from ..paddle.models import CASES  # builders only: paddle is imported when one runs, in the worker
+from ..paddle.pir_models import CASES as PIR_CASES
 
 EXAMPLE = """\
 examples:
   pipemem validate paddle
   pipemem validate paddle --json
   pipemem validate paddle --cases mlp,gpt2-recompute
+  pipemem validate paddle --ir pir
 """
 
 CASE_NAMES = tuple(CASES)
+PIR_CASE_NAMES = tuple(PIR_CASES)
 
 
-def run_cases(names=CASE_NAMES, timeout: float = 300) -> list[dict]:
-    """Run the comparison for `names` in a fresh Python process; its `cases[]` rows."""
+def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None) -> list[dict]:
+    """Run the comparison for `names` (all of one IR: "legacy" or "pir") in a fresh Python
+    process; its `cases[]` rows."""
     from importlib.util import find_spec
 
     if find_spec("paddle") is None:
         raise UserError("pipemem validate paddle needs paddlepaddle: pip install 'pipemem[paddle]'")
-    proc = subprocess.run([sys.executable, "-m", "pipemem.paddle.worker", *names], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ))
+    cmd = [sys.executable, "-m", "pipemem.paddle.worker", "--ir", ir]
+    if trials is not None:
+        cmd += ["--trials", str(trials)]
+    proc = subprocess.run([*cmd, "--", *names], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
     if proc.returncode == 2:
         raise UserError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "paddle worker refused")
     if proc.returncode != 0:
@@ -58,8 +71,10 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[1], epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
-                                               f"known: {', '.join(CASE_NAMES)}")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all of --ir); "
+                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES)}")
+    p.add_argument("--ir", choices=("legacy", "pir", "both"), default="both",
+                   help="legacy Program cases, PIR cases (*-pir), or both (default)")
     p.set_defaults(func=run)
 
 
@@ -67,14 +82,26 @@ def _fmt_err(e) -> str:
     return "n/a" if e is None else f"{e * 100:+.2f}%"
 
 
+def _fmt(fmt_bytes, n, signed: bool) -> str:
+    return "n/a" if n is None else fmt_bytes(n, signed=signed)
+
+
 def run(args) -> int:
     from ..units import fmt_bytes
 
-    names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(CASE_NAMES)
-    bad = [n for n in names if n not in CASE_NAMES]
+    ir = getattr(args, "ir", "both")
+    allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES}[ir]
+    names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(allowed)
+    bad = [n for n in names if n not in allowed]
     if bad:
-        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(CASE_NAMES)}")
-    rows = run_cases(names)
+        raise UserError(f"--cases: unknown case(s) {', '.join(bad)} for --ir {ir}; known: {', '.join(allowed)}")
+    rows = []
+    legacy = [n for n in names if n in CASE_NAMES]
+    pir = [n for n in names if n in PIR_CASE_NAMES]
+    if legacy:
+        rows += run_cases(legacy)
+    if pir:
+        rows += run_cases(pir, ir="pir")
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     worst = max(errs, default=0.0)
@@ -85,14 +112,16 @@ def run(args) -> int:
     header = ("case / sub-program / quantity", "measured", "pipemem", "error", "Paddle estimator", "error")
     table = [(r["name"], fmt_bytes(r["measured_bytes"], signed=r["name"].endswith("net")),
               fmt_bytes(r["estimated_bytes"], signed=r["name"].endswith("net")), _fmt_err(r["rel_error"]),
-              fmt_bytes(r["paddle_estimated_bytes"], signed=r["name"].endswith("net")),
+              _fmt(fmt_bytes, r["paddle_estimated_bytes"], r["name"].endswith("net")),
               _fmt_err(r["paddle_rel_error"])) for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     for t in table:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
-    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None)
-    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: max |error| "
-          f"{max(perrs, default=0.0) * 100:.2f}%" + (f" ({undefined} lines with measured 0 and a non-zero "
-                                                      "estimate have no relative error)" if undefined else ""))
+    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
+    theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
+        (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
+    if any(r["paddle_estimated_bytes"] is None for r in rows):
+        theirs += "; it cannot read PIR programs (n/a on the -pir lines)"
+    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: {theirs}")
     return 0

@@ -1,0 +1,187 @@
+"""Paddle PIR programs (Paddle 3's default IR): capture, split and whole-step measurement.
+
+Paddle runs in subprocesses (one snippet for the capture checks, the PIR worker for the
+measured comparison), so this process never imports paddle next to torch. Needs
+paddlepaddle (CI installs it).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipemem.validate.paddle import run_cases
+
+# MLP of pipemem.paddle.pir_models.mlp: batch 32, 64 -> 256 (ReLU) -> 10, cross-entropy, Adam.
+B, D, H, C = 32, 64, 256, 10
+F32, I64 = 4, 8
+
+SNIPPET = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import paddle
+    from pipemem.errors import UserError
+    from pipemem.paddle.pir_capture import capture, op_types
+    from pipemem.paddle.pir_models import CASES
+
+    out = {}
+    mlp = CASES["mlp-pir"]()
+    out["is_pir"] = type(mlp.main).__module__
+    ops = list(mlp.main.global_block().ops)
+    types = op_types(mlp.main)
+    out["ops"] = [[op.name(), t] for op, t in zip(ops, types)]
+    cap = capture(mlp.main, mlp.sizes)
+    out["inplace"] = [l.split(":", 1)[1] for l in cap.inplace_ops]
+    out["fed"] = cap.fed_bytes
+    out["programs"] = {p.type: [[o.type, list(o.inputs), list(o.outputs), list(o.no_need_buffer)] for o in p.ops]
+                       for p in cap.programs}
+    out["tensors"] = {n: [list(t.shape), t.dtype, t.kind.value, t.storage, bool(t.persistent)]
+                      for p in cap.programs for n, t in p.tensors.items()}
+    try:
+        capture(mlp.main)          # no sizes program: the batch dim stays -1
+        out["unresolved"] = None
+    except UserError as e:
+        out["unresolved"] = str(e)
+
+    gpt = CASES["gpt2-pir"]()
+    gcap = capture(gpt.main, gpt.sizes)
+    views = []
+    for p in gcap.programs:
+        for o in p.ops:
+            if o.type == "pd_op.reshape":
+                views.append([p.tensors[o.inputs[0]].storage, p.tensors[o.outputs[0]].storage])
+    out["reshape_storages"] = views
+
+    # Programs that set op_role (auto-parallel ones do) are split by it.
+    from paddle.base.libpaddle import pir
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8], "float32")
+        pir.set_op_role(0)
+        loss = paddle.static.nn.fc(x, 8).mean()
+        pir.set_op_role(1)
+        grads = paddle.static.append_backward(loss)
+        pir.set_op_role(2)
+        paddle.optimizer.SGD(0.1)._apply_optimize(loss, startup, grads)
+        pir.set_op_role(-1)
+    out["roles"] = [[op.name(), op.op_role, t] for op, t in zip(main.global_block().ops, op_types(main))]
+
+    try:
+        from paddle.distributed.passes.pass_utils import PipelineMemoryEstimator
+        PipelineMemoryEstimator().set_program_skip_gc_vars({"F": mlp.main}, ["F"])
+        out["paddle_estimator"] = "ran"
+    except AttributeError as e:
+        out["paddle_estimator"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def captured():
+    env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {r["name"]: r for r in run_cases(("mlp-pir", "gpt2-pir"), ir="pir", trials=3)}
+
+
+def test_programs_are_pir(captured):
+    assert captured["is_pir"].startswith("paddle.base.libpaddle.pir")
+
+
+def test_split_by_structure(captured):
+    ops = captured["ops"]
+    names = [n for n, _ in ops]
+    first_grad = next(i for i, n in enumerate(names) if n.endswith("_grad"))
+    # append_backward's seed (full 1.0, full_like(loss)) opens the backward.
+    assert names[first_grad - 2:first_grad] == ["pd_op.full", "pd_op.full_like"]
+    assert all(t == "forward" for _, t in ops[:first_grad - 2])
+    opt = [n for n, t in ops if t == "optimizer"]
+    # Adam.minimize: per parameter three constants (beta1, beta2, epsilon) and adam_.
+    assert opt == ["pd_op.full", "pd_op.full", "pd_op.full", "pd_op.adam_"] * 4
+    bwd = [n for n, t in ops if t == "backward"]
+    assert bwd[2:] and all(n.endswith("_grad") for n in bwd[2:])
+
+
+def test_split_by_op_role_when_set(captured):
+    names = {0: "forward", 1: "backward", 2: "optimizer"}
+    roles = captured["roles"]
+    assert {r for _, r, _ in roles} >= {0, 1, 2}
+    assert all(t == names.get(r, "forward") for _, r, t in roles)
+    assert [n for n, _, t in roles if t == "optimizer" and n != "pd_op.data"] == ["pd_op.sgd_", "pd_op.sgd_"]
+
+
+def test_executor_inplace_rule_on_the_mlp(captured):
+    # Paddle's inplace_pass: an op with a registered `_` variant whose input dies there,
+    # shapes with -1 only leading. relu (its input, the bias add, dies), the softmax of
+    # cross_entropy (logits die), its grad, relu_grad, and both add_grads (x_grad on
+    # out_grad). Not the first bias add: its input lives on into add_grad.
+    assert captured["inplace"] == ["pd_op.relu", "pd_op.cross_entropy_with_softmax",
+                                   "pd_op.cross_entropy_with_softmax_grad", "pd_op.add_grad",
+                                   "pd_op.relu_grad", "pd_op.add_grad"]
+    t = captured["tensors"]
+    relu = next(o for o in captured["programs"]["forward"] if o[0] == "pd_op.relu")
+    assert t[relu[2][0]][3] == t[relu[1][0]][3]           # same storage
+    adam = captured["programs"]["optimizer"][3]
+    assert adam[0] == "pd_op.adam_"
+    param = adam[1][0]
+    assert t[param][2] == "param" and t[adam[2][0]][3] == param
+
+
+def test_shapes_dtypes_and_kinds(captured):
+    t = captured["tensors"]
+    assert t["fc_0.w_0"][:3] == [[D, H], "float32", "param"]
+    assert t["fc_0.w_0_moment1_0"][2] == "optimizer_state" and t["fc_0.w_0_moment1_0"][4]
+    fed = [v for v in t.values() if v[4] and v[2] == "activation"]
+    assert sorted(v[0] for v in fed) == [[B, 1], [B, D]]
+    assert captured["fed"] == B * D * F32 + B * 1 * I64
+    matmul = next(o for o in captured["programs"]["forward"] if o[0] == "pd_op.matmul")
+    assert t[matmul[2][0]][0] == [B, H]
+
+
+def test_no_need_buffer_from_pir(captured):
+    add_grads = [o for o in captured["programs"]["backward"] if o[0] == "pd_op.add_grad"]
+    # add_grad reads only the shapes of x and y.
+    assert add_grads and all(o[3] == o[1][:2] for o in add_grads)
+
+
+def test_unresolved_dims_are_user_errors_naming_the_value(captured):
+    msg = captured["unresolved"]
+    assert msg and "unresolved shape" in msg and "op #" in msg and "-1" in msg
+
+
+def test_reshape_is_a_view_on_the_cpu(captured):
+    assert captured["reshape_storages"] and all(a == b for a, b in captured["reshape_storages"])
+
+
+def test_paddle_estimator_cannot_read_pir(captured):
+    assert "type" in captured["paddle_estimator"]
+
+
+def test_pipemem_within_one_percent_of_measured_step(rows):
+    for case in ("mlp-pir", "gpt2-pir"):
+        for q in ("peak", "net", "allocated-no-gc"):
+            r = rows[f"{case}/step/{q}"]
+            assert abs(r["estimated_bytes"] - r["measured_bytes"]) <= 0.01 * abs(r["measured_bytes"]), (case, q, r)
+            assert r["paddle_estimated_bytes"] is None
+
+
+def test_measured_mlp_matches_hand_derivation(rows):
+    fed = B * D * F32 + B * 1 * I64
+    # After the first step only the fed inputs stay: Adam updates in place, every
+    # activation and gradient is freed.
+    assert rows["mlp-pir/step/net"]["measured_bytes"] == fed
+    # With GC off, every value the step writes, minus what runs in place (relu, the
+    # softmax, its grad, relu_grad, the x_grads of add_grad) and the fed input's grad:
+    fwd = B * H * F32 * 2 + B * C * F32 * 2 + B * 1 * F32 + 2 * F32         # matmul+add, x2; loss; 2 means
+    # seed (full, full_like), two mean_grads, the bias grads, the matmul grads (none for the fed x)
+    bwd = 3 * F32 + B * 1 * F32 + C * F32 + H * F32 + B * H * F32 + H * C * F32 + D * H * F32
+    opt = 12 * F32                                                            # beta1/beta2/eps per param
+    assert rows["mlp-pir/step/allocated-no-gc"]["measured_bytes"] == fed + fwd + bwd + opt
