@@ -10,6 +10,7 @@ storages and their lifetimes are those of rank r's real step (`pipemem.traced.ca
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -26,11 +27,13 @@ def fake_process_group(rank: int, world: int):
     if dist.is_initialized():
         raise UserError("a torch.distributed process group is already initialised in this process; "
                         "trace fake ranks in a fresh process")
+    hook = sys.excepthook       # init_process_group prefixes tracebacks with "[rankN]:"
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def trace_parallel_rank(kind: str, spec: dict, micro_batch: int, seq_len: int, rank: int, world: int) -> dict:
@@ -54,14 +57,14 @@ def trace_parallel_rank(kind: str, spec: dict, micro_batch: int, seq_len: int, r
 def trace_model_step(model, micro_batch: int, seq_len: int) -> dict:
     """Trace `run_step` (the step the real ranks run) of a fake `DecoderStack` and walk the
     forward / backward / optimizer programs with liveness, params and inputs live on entry."""
-    from ..traced.capture import StorageRecorder
     from ..traced.step import run_step
+    from .capture import DistStorageRecorder
     from .models import local_tensor, loss_fn, make_optimizer
 
     opt = make_optimizer(model.parameters())
     ids = torch.empty((micro_batch, seq_len), dtype=torch.long)
     target = torch.empty((micro_batch, seq_len), dtype=torch.long)
-    rec = StorageRecorder()
+    rec = DistStorageRecorder()
     params = rec.register([local_tensor(p) for p in model.parameters()], TensorKind.PARAM)
     rec.register([local_tensor(b) for b in model.buffers()], TensorKind.BUFFER)
     rec.register([ids, target], TensorKind.ACTIVATION)
@@ -70,7 +73,7 @@ def trace_model_step(model, micro_batch: int, seq_len: int) -> dict:
         if phase != "end":
             rec.begin(phase)
 
-    with rec:
+    with rec.fsdp_resizes(), rec:
         run_step(model, (ids,), {}, lambda out: loss_fn(out, target), opt, on_phase=on_phase)
     del opt
     programs = rec.programs()

@@ -27,11 +27,19 @@ def model_config(spec: dict):
         from transformers import MixtralConfig
         cfg = MixtralConfig(num_local_experts=spec.get("experts", 4),
                             num_experts_per_tok=spec.get("topk", 2), **common)
+        # grouped_mm keeps every shape independent of the routing (fake tensors cannot follow
+        # the eager loop's data-dependent slicing); its CPU kernel wants bf16 weights.
+        cfg._experts_implementation = "grouped_mm"
     else:
         from transformers import LlamaConfig
         cfg = LlamaConfig(**common)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def param_dtype(cfg) -> torch.dtype:
+    """fp32, except bf16 for MoE models (HF's grouped_mm experts)."""
+    return torch.bfloat16 if getattr(cfg, "model_type", "") == "mixtral" else torch.float32
 
 
 class DecoderStack(nn.Module):
@@ -60,7 +68,7 @@ class DecoderStack(nn.Module):
     def forward(self, x):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         pos = torch.arange(self.seq_len).unsqueeze(0)
-        pe = self.rotary(pos.to(torch.float32), pos)
+        pe = self.rotary(h, pos)          # reads only h's dtype and device
         for layer in self.layers.values():
             out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
             h = out[0] if isinstance(out, tuple) else out
@@ -72,10 +80,9 @@ class DecoderStack(nn.Module):
 def build_stack(cfg, layer_ids, first, last, seq_len, seed=0, init=True):
     """Build on the meta device, then materialise only this slice (no full-model detour).
     init=False leaves values unset (fake-tensor traces: only shapes matter)."""
-    from ..traced.step import meta_to_fake   # plain torch.empty per parameter: real or fake
     with torch.device("meta"):
         m = DecoderStack(cfg, layer_ids, first, last, seq_len)
-    m = meta_to_fake(m)
+    _materialize(m, param_dtype(cfg))
     if not init:
         return m.train()
     g = torch.Generator().manual_seed(seed)
@@ -85,13 +92,29 @@ def build_stack(cfg, layer_ids, first, last, seq_len, seed=0, init=True):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        for mod in m.modules():   # rotary inv_freq: recompute what meta init skipped
-            if hasattr(mod, "inv_freq") and hasattr(mod, "rope_init_fn"):
-                inv, _ = mod.rope_init_fn(mod.config, "cpu")
-                mod.inv_freq.copy_(inv)
-                if hasattr(mod, "original_inv_freq"):
-                    mod.original_inv_freq = mod.inv_freq
+        for mod in m.modules():   # rotary tables: recompute what the meta build skipped
+            if isinstance(getattr(mod, "inv_freq", None), torch.Tensor):
+                inv, _ = mod.compute_default_rope_parameters(mod.config)
+                for name in ("inv_freq", "original_inv_freq"):
+                    if isinstance(getattr(mod, name, None), torch.Tensor):
+                        getattr(mod, name).copy_(inv)
     return m.train()
+
+
+def _materialize(module: nn.Module, dtype: torch.dtype) -> None:
+    """Replace meta parameters and buffers by `torch.empty` ones of the same shape (floating
+    ones in `dtype`): real CPU tensors, or fake ones under FakeTensorMode (where `to_empty`
+    and `.to()` cannot swap)."""
+    def dt(t):
+        return dtype if t.is_floating_point() else t.dtype
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt(p)),
+                                                     requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = torch.empty(b.shape, dtype=dt(b))
 
 
 def loss_fn(logits, target):

@@ -6,14 +6,17 @@ with RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT in the environment.
 JSON list of case dicts (see `dist.py`); every rank runs every case in order and writes one
 JSON line per case to OUT.<rank>.
 
-Ground truth (FINDINGS.md §4): the profiler is started *before* the model is built, so every
-byte the case owns (params, optimizer states, pipelining buffers, activations) appears as an
-allocation event; the measured peak is the running sum of those events, taken over the
-window of the training step.
+Ground truth (FINDINGS.md §4): measured = the bytes alive before the step (every CPU storage
+Python can reach: params, buffers, inputs) + the highest running sum of the step's
+`torch.profiler` allocation events (optimizer states, pipelining buffers, activations, gloo's
+copies). `measured_step` explains the two repairs that gloo's worker threads make necessary.
+PIPEMEM_DIST_DEBUG=PREFIX writes each rank's event timeline to PREFIX.<rank>.tsv.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
 import json
 import os
@@ -22,55 +25,136 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..traced.step import run_step
 from ..distributed.models import (build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
-                                  make_batch, make_mesh, make_optimizer, model_config, split_layers, stage_ids_of_rank)
+                                  make_batch, make_mesh, make_optimizer, model_config, split_layers,
+                                  stage_ids_of_rank)
+from ..traced.step import run_step
 
 STEP_MARK = "pipemem::step"
 
 
 # ---- measurement ---------------------------------------------------------------------------
 
-def peak_from_profile(prof) -> dict:
-    """Running sum of allocation events; peak over the step window (record_function mark)."""
+def allocation_events(prof):
+    """From the profile: allocation events (time ns, bytes (+alloc / -free), address, op) in
+    time order, the end times of collective waits, and the (start, end) of the step mark."""
     from torch._C._profiler import _EventType
-    allocs, marks = [], []
+    events, waits, mark = [], [], None
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         n = stack.pop()
-        if n.typed[0] == _EventType.Allocation:
-            allocs.append((n.start_time_ns, n.typed[1].alloc_size))  # CPU-only run: all host
+        if n.typed[0] == _EventType.Allocation:   # CPU-only run: every event is host memory
+            events.append((n.start_time_ns, n.typed[1].alloc_size, n.typed[1].ptr, n.parent.name if n.parent else ""))
         elif n.name == STEP_MARK:
-            marks.append((n.start_time_ns, n.end_time_ns))
+            mark = (n.start_time_ns, n.end_time_ns)
+        elif "wait_tensor" in n.name or n.name.endswith("::wait"):
+            waits.append(n.end_time_ns)
         stack.extend(n.children)
-    allocs.sort()
-    t0, t1 = marks[0] if marks else (allocs[0][0], allocs[-1][0])
-    cur = 0
-    at_start = None
-    peak = 0
+    events.sort()
+    waits.sort()
+    return events, waits, mark
+
+
+def repair_missed_frees(events, waits=()):
+    """The profiler records a free only on a thread that profiles. A block whose last reference
+    dies on a gloo worker thread (a collective's input, output or internal copy, held by its
+    Work until the worker lets go) is freed without an event. Such a block is freed at the end
+    of the first collective wait after its allocation (the Work has completed) or, if earlier,
+    when its address is allocated again (the allocator cannot hand out a block in use).
+    Returns the events with those frees inserted, and the bytes repaired."""
+    import bisect
+    live: dict[int, tuple[int, int]] = {}
+    inserted, missed = [], 0
+
+    def repair(ptr: int, size: int, t_alloc: int, t_reuse: int) -> None:
+        i = bisect.bisect_right(waits, t_alloc)
+        t = min(waits[i], t_reuse) if i < len(waits) else t_reuse
+        inserted.append((t, -size, ptr, "<free on another thread>"))
+
+    for t, size, ptr, _op in events:
+        if size > 0:
+            old = live.pop(ptr, None)
+            if old is not None:
+                repair(ptr, old[0], old[1], t)
+                missed += old[0]
+            live[ptr] = (size, t)
+        else:
+            live.pop(ptr, None)
+    # (sorted: a repaired free at the reuse time goes before the reusing allocation)
+    out = sorted(events + inserted, key=lambda e: (e[0], e[1] > 0))
+    return out, missed
+
+
+def peak_from_profile(prof, baseline: int) -> dict:
+    """baseline + the highest running sum of the step's allocation events."""
+    events, waits, mark = allocation_events(prof)
+    events, missed = repair_missed_frees(events, waits)
+    t0 = mark[0] if mark else (events[0][0] if events else 0)
+    debug = os.environ.get("PIPEMEM_DIST_DEBUG")
+    if debug:    # the whole allocation timeline, to compare with a trace op by op
+        with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
+            c = baseline
+            for t, sz, ptr, op in events:
+                c += sz
+                f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
+    cur = peak = 0
     peak_t = t0
-    for t, sz in allocs:
-        if t >= t0 and at_start is None:
-            at_start = cur
-            peak = cur
+    for t, sz, _ptr, _op in events:
         cur += sz
-        if t0 <= t <= t1 and cur > peak:
+        if cur > peak:
             peak, peak_t = cur, t
-    return {"measured_bytes": int(peak), "step_start_bytes": int(at_start or 0),
-            "end_bytes": int(cur), "n_alloc_events": len(allocs), "peak_at_ms": (peak_t - t0) / 1e6}
+    return {"measured_bytes": int(baseline + peak), "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
+            "missed_free_bytes": int(missed), "n_alloc_events": len(events), "peak_at_ms": (peak_t - t0) / 1e6}
 
 
-def profiled(fn):
-    """Run fn(mark) under the memory profiler; fn wraps its step in `mark()`."""
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor Python can reach (a DTensor counts
+    its local shard): what the rank holds before the step (params, buffers, inputs...)."""
+    sizes: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        t = getattr(obj, "_local_tensor", obj)
+        try:
+            if t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        n = st.nbytes()
+        if n:
+            sizes[st.data_ptr()] = max(sizes.get(st.data_ptr(), 0), n)
+    return sum(sizes.values())
+
+
+@contextlib.contextmanager
+def measured_step(result: dict):
+    """Measure the step run inside: the bytes alive before it (`live_tensor_bytes`, after a
+    pause that lets gloo workers drop finished Works) plus the peak of its allocation events
+    (`torch.profiler`, FINDINGS.md §4). Fills `result`."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     gc.collect()
+    time.sleep(0.05)
+    gc.collect()
+    baseline = live_tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        info = fn(lambda: record_function(STEP_MARK))
-    res = peak_from_profile(prof)
-    res.update(info or {})
-    return res
+        with record_function(STEP_MARK):
+            yield
+    result.update(peak_from_profile(prof, baseline))
+
+
+def repeated(run_once, repeat: int) -> dict:
+    """Run a measurement `repeat` times (fresh model each time): gloo worker threads may hold
+    a finished collective's buffers a little longer in one run than another, so the measured
+    peak of a tensor-parallel step varies by a block or two; report the lowest (the program's
+    own order of frees) and the spread."""
+    runs = [run_once() for _ in range(max(1, repeat))]
+    best = min(runs, key=lambda r: r["measured_bytes"])
+    best = dict(best, measured_max_bytes=max(r["measured_bytes"] for r in runs), repeats=len(runs))
+    return best
 
 
 # ---- cases ---------------------------------------------------------------------------------
@@ -86,14 +170,14 @@ def run_pipeline(case: dict, rank: int, world: int) -> dict:
     sched_cls = get_schedule_class(case["schedule"])
     if world != pp:
         raise ValueError(f"pipeline case {case['name']}: world size {world} != pp {pp}")
-    group = None
 
-    def body(mark):
+    def once() -> dict:
+        res: dict = {}
         stages, params = [], []
         for s in stage_ids_of_rank(case["schedule"], rank, pp, vpp):
             mod = build_stack(cfg, layout[s], s == 0, s == n_stages - 1, seq, seed=s)
             params += list(mod.parameters())
-            stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu"), group=group))
+            stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu")))
         opt = make_optimizer(params)
         ids, target = make_batch(spec, mb * m, seq)
         if len(stages) == 1 and vpp == 1:
@@ -102,18 +186,61 @@ def run_pipeline(case: dict, rank: int, world: int) -> dict:
             sched = sched_cls(stages, n_microbatches=m, loss_fn=loss_fn)
         has_first = any(s.is_first for s in stages)
         has_last = any(s.is_last for s in stages)
-        dist.barrier(group=group)
-        with mark():
+        dist.barrier()
+        with measured_step(res):
             args = (ids,) if has_first else ()
             kw = {"target": target, "losses": []} if has_last else {}
             sched.step(*args, return_outputs=False, **kw)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        dist.barrier(group=group)
-        return {"param_bytes": sum(p.numel() * p.element_size() for p in params),
-                "stages": [s.stage_index for s in stages]}
+        dist.barrier()
+        return dict(res, param_bytes=sum(p.numel() * p.element_size() for p in params),
+                    stages=[s.stage_index for s in stages])
 
-    return profiled(body)
+    return repeated(once, case.get("repeat", 1))
+
+
+class SettleCollectives(TorchDispatchMode):
+    """The profiler records allocator events of the main thread only. A gloo worker thread
+    keeps a reference to a collective's Work (its input and output tensors) for a moment after
+    completing it; if the main thread drops the tensors first, they are freed on the gloo
+    thread and the free event is lost. Pausing after every wait (functional collectives'
+    `_c10d_functional.wait_tensor`, from Python or from autograd's C++: hence a dispatch mode;
+    and `Work.wait()`, which FSDP2 calls) lets the worker let go first, so frees happen, and
+    are recorded, where the program drops the tensor; each `Work.wait()` is also marked in
+    the profile as "c10d::wait" for `repair_missed_frees`. Memory semantics are unchanged;
+    only timing."""
+
+    def __init__(self, pause_s: float = 0.003):
+        super().__init__()
+        self.pause_s = pause_s
+        self.wait = torch.ops._c10d_functional.wait_tensor.default
+        self._work_wait = None
+
+    def __enter__(self):
+        from torch._C._distributed_c10d import Work
+        from torch.autograd.profiler import record_function
+        orig, pause = Work.wait, self.pause_s
+
+        def wait(work, *args, **kwargs):
+            with record_function("c10d::wait"):
+                out = orig(work, *args, **kwargs)
+            time.sleep(pause)
+            return out
+        self._work_wait = orig
+        Work.wait = wait
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from torch._C._distributed_c10d import Work
+        Work.wait = self._work_wait
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is self.wait:
+            time.sleep(self.pause_s)
+        return out
 
 
 def run_data_model(case: dict, rank: int, world: int) -> dict:
@@ -122,17 +249,18 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
     cfg = model_config(spec)
     build = build_tp_model if case["kind"] == "tp" else build_fsdp_model
 
-    def body(mark):
+    def once() -> dict:
+        res: dict = {}
         model = build(cfg, seq, make_mesh(world))
         opt = make_optimizer(model.parameters())
         ids, target = make_batch(spec, mb, seq, seed=1 if case["kind"] == "tp" else 1 + rank)
         dist.barrier()
-        with mark():   # the same step the estimator traces (pipemem.traced.step.run_step)
+        with measured_step(res), SettleCollectives():   # the step the estimator traces (run_step)
             run_step(model, (ids,), {}, lambda out: loss_fn(out, target), opt)
         dist.barrier()
-        return {"param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())}
+        return dict(res, param_bytes=sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()))
 
-    return profiled(body)
+    return repeated(once, case.get("repeat", 1))
 
 
 CASES = {"pp": run_pipeline, "tp": run_data_model, "fsdp": run_data_model}
@@ -144,7 +272,8 @@ def main(argv: list[str]) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A short timeout: a rank whose peer died fails in minutes (the launcher kills it anyway).
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     try:
         with open(f"{out_path}.{rank}", "w") as out:
             for case in cases:

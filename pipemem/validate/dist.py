@@ -1,0 +1,258 @@
+"""`pipemem validate dist`: real multi-process training steps over gloo on the CPU, each rank
+measuring itself, against pipemem's per-rank estimate of the same runs.
+
+Runs (pipemem/distributed/models.py; tiny HF Llama decoder layers, fp32, AdamW foreach):
+- pipeline parallel with torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B,
+  ZBVZeroBubble, DualPipeV), a hand-split `DecoderStack` per stage, pp 2 and 4;
+- DTensor tensor parallel with sequence parallel (torchtitan's plan), tp 2;
+- FSDP2 (`fully_shard` per decoder layer and the root), dp 2.
+
+Each rank is a process (`python -m pipemem.validate.dist_worker`, MASTER_ADDR=127.0.0.1, a
+free port) that starts `torch.profiler.profile(profile_memory=True)` before it builds its
+model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
+running sum during the step (params, buffers, inputs and runtime buffers included).
+
+Estimates (pipemem/distributed/): TP and FSDP ranks are traced one at a time in this process
+on FakeTensorMode under PyTorch's fake process group; pipeline ranks replay PyTorch's own
+action order over traced F/B/I/W stage jobs plus what the pipelining runtime keeps alive
+(pipeline_runtime.py). `cpu` kernel policy (the kernels the real run uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..errors import UserError
+
+EXAMPLE = """\
+examples:
+  pipemem validate dist                 # CI set: one pipeline, one TP, one FSDP case (world 2)
+  pipemem validate dist --full --json   # every schedule at pp 2 and 4, TP, FSDP
+  pipemem validate dist --cases pp2-ZBVZeroBubble-m4,tp2-llama
+  pipemem validate dist --list
+"""
+
+LLAMA = {"arch": "llama", "hidden": 64, "layers": 8, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256}
+MIXTRAL = {"arch": "mixtral", "hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 256,
+           "experts": 4, "topk": 2}
+SEQ = 64
+
+# (schedule, vpp): the multi-stage schedules run 2 stages per rank.
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
+def _pp_case(schedule: str, vpp: int, pp: int, m: int) -> dict:
+    return {"name": f"pp{pp}-{schedule}-m{m}", "kind": "pp", "schedule": schedule, "pp": pp, "vpp": vpp,
+            "microbatches": m, "micro_batch": 1, "seq_len": SEQ, "model": LLAMA, "world": pp}
+
+
+def all_cases() -> list[dict]:
+    # DualPipeV needs at least as many microbatches as stages (8 at pp 4).
+    cases = [_pp_case(s, v, pp, m) for pp in (2, 4) for m in (4, 8) for s, v in SCHEDULES
+             if not (s == "DualPipeV" and m < 2 * pp)]
+    cases += [
+        {"name": "tp2-llama", "kind": "tp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
+         "repeat": 3},
+        {"name": "fsdp2-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
+         "repeat": 3},
+        {"name": "fsdp2-mixtral", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": MIXTRAL, "world": 2,
+         "repeat": 3},
+        dict(_pp_case("1F1B", 1, 2, 4), name="pp2-1F1B-m4-mixtral", model=MIXTRAL),
+    ]
+    return cases
+
+
+CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "fsdp2-llama")
+
+
+# ---- real runs -------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """`world` worker processes running `cases` over gloo on 127.0.0.1; `collect()` waits for
+    them and returns {(case name, rank): measurement}. Every process is killed on timeout,
+    on error, and when collect() returns or raises."""
+
+    def __init__(self, cases: list[dict], world: int, timeout: float = 600.0):
+        self.world, self.timeout = world, timeout
+        self.tmp = tempfile.TemporaryDirectory(prefix="pipemem-dist-")
+        spec = os.path.join(self.tmp.name, "cases.json")
+        with open(spec, "w") as f:
+            json.dump(cases, f)
+        self.out = os.path.join(self.tmp.name, "out")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+        self.procs, self.logs = [], []
+        self.started = time.monotonic()
+        try:
+            for r in range(world):
+                log = open(os.path.join(self.tmp.name, f"log.{r}"), "w")
+                self.logs.append(log)
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pipemem.validate.dist_worker", spec, self.out],
+                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True))
+        except BaseException:
+            self.close()
+            raise
+
+    def collect(self) -> dict[tuple[str, int], dict]:
+        try:
+            procs = self.procs
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() - self.started > self.timeout:
+                    raise RuntimeError(f"dist run of {self.world} ranks timed out after {self.timeout:.0f} s")
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                raise RuntimeError(f"rank {bad[0]} of the {self.world}-rank dist run failed:\n{self._log_tail(bad[0])}")
+            results = {}
+            for r in range(self.world):
+                with open(f"{self.out}.{r}") as f:
+                    for line in f:
+                        res = json.loads(line)
+                        results[res["name"], r] = res
+            return results
+        finally:
+            self.close()
+
+    def _log_tail(self, rank: int) -> str:
+        self.logs[rank].flush()
+        with open(os.path.join(self.tmp.name, f"log.{rank}")) as f:
+            return "".join(line for line in f.readlines() if "USDT" not in line)[-3000:]
+
+    def close(self) -> None:
+        _stop(self.procs)
+        for log in self.logs:
+            log.close()
+        self.tmp.cleanup()
+
+
+def launch(cases: list[dict], world: int, timeout: float = 600.0) -> dict[tuple[str, int], dict]:
+    """Run `cases` (all of world size `world`) in `world` fresh processes; see `Launch`."""
+    return Launch(cases, world, timeout).collect()
+
+
+def _stop(procs) -> None:
+    """Kill the worker processes we started (each leads its own session), then reap them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ---- compare -----------------------------------------------------------------------------------
+
+def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
+    """Measure (worker processes, one launch per world size) and estimate (this process, while
+    the workers run) every case; one row per rank and case."""
+    from ..distributed.runs import estimate_case
+
+    rows = []
+    by_world: dict[int, list[dict]] = {}
+    for c in cases:
+        by_world.setdefault(c["world"], []).append(c)
+    for world, group in sorted(by_world.items()):
+        run = Launch(group, world, timeout)     # the ranks start while this process estimates
+        try:
+            t0 = time.perf_counter()
+            estimates = {c["name"]: estimate_case(c) for c in group}
+            t_est = time.perf_counter() - t0
+        except BaseException:
+            run.close()
+            raise
+        measured = run.collect()
+        for c in group:
+            for est in estimates[c["name"]]:
+                meas = measured[c["name"], est["rank"]]
+                m, e = meas["measured_bytes"], est["estimated_bytes"]
+                rows.append({"name": f"{c['name']}/rank{est['rank']}", "case": c["name"], "rank": est["rank"],
+                             "measured_bytes": m, "estimated_bytes": e, "rel_error": (e - m) / m,
+                             "peak_at": est.get("peak_at", ""), "static_bytes": est.get("static_bytes"),
+                             "measured_baseline_bytes": meas.get("baseline_bytes"),
+                             "measured_max_bytes": meas.get("measured_max_bytes"),
+                             "repeats": meas.get("repeats"),
+                             "missed_free_bytes": meas.get("missed_free_bytes", 0),
+                             "estimate_seconds": round(t_est / len(group), 2),
+                             "run_seconds": meas.get("seconds")})
+    return rows
+
+
+def register(sub) -> None:
+    p = sub.add_parser("dist", help="real gloo runs (pipelining, TP/SP, FSDP2) per rank vs the estimate",
+                       description="Real multi-process training steps over gloo on the CPU "
+                                   "(torch.distributed.pipelining schedules, DTensor TP with sequence "
+                                   "parallel, FSDP2), each rank measuring its own peak with the profiler, "
+                                   "against pipemem's per-rank estimate of the same runs.",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="every case (pp 2 and 4, 4 and 8 microbatches, "
+                                                       "5 schedules, TP, FSDP): minutes on 2 cores")
+    p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per multi-process launch (default 900)")
+    p.set_defaults(func=run)
+
+
+def select(args) -> list[dict]:
+    known = {c["name"]: c for c in all_cases()}
+    if args.cases:
+        names = [n.strip() for n in args.cases.split(",") if n.strip()]
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate dist --list")
+        return [known[n] for n in names]
+    if args.full:
+        return list(known.values())
+    return [known[n] for n in CI_CASES]
+
+
+def run(args) -> int:
+    if args.timeout <= 0:
+        raise UserError("--timeout: must be a positive number of seconds")
+    cases = select(args)
+    if args.list:
+        for c in all_cases():
+            print(c["name"])
+        return 0
+    try:
+        rows = run_cases(cases, args.timeout)
+    except RuntimeError as e:
+        print(f"pipemem: validate dist: {e}", file=sys.stderr)
+        return 1
+    worst = max(abs(r["rel_error"]) for r in rows)
+    if args.json:
+        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu", "cases": rows,
+                          "max_abs_rel_error": worst}, indent=1))
+        return 0
+    from ..units import fmt_bytes
+    print(f"{'case / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}  peak at")
+    for r in rows:
+        print(f"{r['name']:36s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
+              f"{r['rel_error']:>+10.2e}  {r['peak_at'][:48]}")
+    print(f"max |rel_error| = {worst:.2e} over {len(rows)} rank measurements")
+    return 0
