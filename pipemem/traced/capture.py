@@ -18,41 +18,72 @@ from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ir import DTYPE_BYTES, Op, Program, Tensor, TensorKind
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_PRIM_DEVICE = torch.ops.prim.device.default
+_NOT_DONE = object()
+_ZEROS_LIKE = torch.ops.aten.zeros_like.default
+_EMPTY_LIKE = torch.ops.aten.empty_like.default
+# Foreach ops whose results have the shape and dtype of their first list's tensors.
+_FOREACH_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "sqrt", "reciprocal", "lerp", "addcmul", "addcdiv", "abs",
+    "exp", "sign", "clamp_min", "clamp_max", "maximum", "minimum", "copy", "zero", "sigmoid", "rsqrt"})
 
 # Raw op record fields (lists are cheaper than objects on the hot path).
 _TYPE, _PHASE, _MODULE, _INPUTS, _OUTPUTS, _FREES = range(6)
 
 
-class ModuleScope:
-    """Which modules are running, forward and backward, as fully qualified names.
+def _valueless(t) -> bool:
+    return isinstance(t, FakeTensor) or t.is_meta
 
-    Forward: module pre/post hooks. Backward: a module is entered when the gradient of any of
-    its outputs is ready and left when the gradient of any of its inputs is ready (``mode="any"``
-    hooks pass gradients through untouched, so no lifetime changes)."""
+
+def _flat(args, kwargs) -> list:
+    """The tensors among aten op arguments (tensors and lists of tensors; faster than pytree)."""
+    out = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+class ModuleScope:
+    """Which module an op runs for, forward and backward, as a fully qualified name.
+
+    Forward: global module pre/post hooks keep the stack of running modules. Each forward
+    module call also records the range of autograd sequence numbers its ops were given
+    (`torch._C._autograd._get_sequence_nr`). Backward: the op belongs to the module whose
+    range holds the sequence number of the autograd node running it
+    (`torch._C._current_autograd_node`); gradient accumulation belongs to the parameter's
+    module. No tensor hooks: nothing changes any lifetime, and it costs a fraction of
+    ModTracker's multi-grad hooks (which also buffer gradients)."""
 
     def __init__(self, root: torch.nn.Module | None = None):
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._depth: dict[str, int] = {}
+        self._param_module: dict[int, str] = {}
         if root is not None:
             for name, mod in root.named_modules():
-                if name:
-                    self._names[mod] = name
-                    self._depth[name] = name.count(".") + 1
-                else:
-                    self._names[mod] = type(mod).__name__
-                    self._depth[type(mod).__name__] = 0
-        self._count: dict[str, int] = {}
-        self.current = ""          # innermost active module ("" = none)
+                key = name or type(mod).__name__
+                self._names[mod] = key
+                self._depth[key] = name.count(".") + 1 if name else 0
+                for p in mod.parameters(recurse=False):
+                    self._param_module.setdefault(id(p), key)
+        self._stack: list[tuple[str, int]] = []     # (name, first sequence number)
+        self._ranges: list[tuple[int, int, int, str]] = []   # (depth, start, end, name)
+        self._owner: list[str] | None = None
+        self._base = 0
         self._handles = []
 
     def _name(self, mod) -> str:
@@ -62,40 +93,46 @@ class ModuleScope:
             self._depth.setdefault(name, 1000)
         return name
 
-    def _enter(self, name: str) -> None:
-        self._count[name] = self._count.get(name, 0) + 1
-        self._refresh()
-
-    def _leave(self, name: str) -> None:
-        n = self._count.get(name, 0) - 1
-        if n > 0:
-            self._count[name] = n
-        else:
-            self._count.pop(name, None)
-        self._refresh()
-
-    def _refresh(self) -> None:
-        self.current = max(self._count, key=self._depth.__getitem__) if self._count else ""
-
     def _pre(self, mod, args):
-        name = self._name(mod)
-        self._enter(name)
-        if torch._C._current_graph_task_id() == -1:   # not recomputing inside backward
-            ts = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
-            if ts:
-                register_multi_grad_hook(ts, lambda _g, n=name: self._leave(n), mode="any")
+        self._stack.append((self._name(mod), _seq_nr()))
 
     def _post(self, mod, args, out):
-        name = self._name(mod)
-        self._leave(name)
-        if torch._C._current_graph_task_id() == -1:
-            ts = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
-            if ts:
-                register_multi_grad_hook(ts, lambda _g, n=name: self._enter(n), mode="any")
+        if not self._stack:
+            return
+        name, start = self._stack.pop()
+        if torch._C._current_graph_task_id() == -1:    # a forward, not a recompute in backward
+            self._ranges.append((self._depth.get(name, 1000), start, _seq_nr(), name))
+            self._owner = None
+
+    @property
+    def current(self) -> str:
+        if self._stack:                 # forward, or a layer recomputed inside the backward
+            return self._stack[-1][0]
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ""
+        seq = node._sequence_nr()
+        owner = self._owner if self._owner is not None else self._build_owner()
+        i = seq - self._base
+        if 0 <= i < len(owner):
+            return owner[i]
+        variable = getattr(node, "variable", None)     # AccumulateGrad: the parameter's module
+        return self._param_module.get(id(variable), "") if variable is not None else ""
+
+    def _build_owner(self) -> list[str]:
+        """Sequence number -> innermost module, painting outer ranges first."""
+        if not self._ranges:
+            self._owner = []
+            return self._owner
+        self._base = min(r[1] for r in self._ranges)
+        owner = [""] * (max(r[2] for r in self._ranges) - self._base)
+        for _depth, start, end, name in sorted(self._ranges, key=lambda r: r[0]):
+            owner[start - self._base:end - self._base] = [name] * (end - start)
+        self._owner = owner
+        return owner
 
     def reset(self) -> None:
-        self._count.clear()
-        self.current = ""
+        self._stack.clear()
 
     def __enter__(self):
         self._handles = [register_module_forward_pre_hook(self._pre),
@@ -106,6 +143,10 @@ class ModuleScope:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _seq_nr() -> int:
+    return torch._C._autograd._get_sequence_nr()
 
 
 @dataclass
@@ -126,9 +167,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class StorageRecorder(TorchDispatchMode):
     """Records aten ops and storage lifetimes; `programs()` turns them into IR programs."""
 
-    def __init__(self, scope: ModuleScope | None = None):
+    def __init__(self, scope: ModuleScope | None = None, cpu_scalars: bool = False, shortcuts: bool = True):
         super().__init__()
+        self.shortcuts = shortcuts       # skip value computations that cannot change memory
         self.scope = scope
+        self.cpu_scalars = cpu_scalars
         self.phase = "forward"
         self.phases: list[str] = ["forward"]
         self.ops: list[list] = []
@@ -184,6 +227,17 @@ class StorageRecorder(TorchDispatchMode):
                     out.add(name)
         return out
 
+    def note_external(self, t: torch.Tensor, op_type: str) -> None:
+        """A tensor the traced code allocated outside the dispatcher (e.g. RNG state): an op
+        `op_type` creating it, now; its lifetime is tracked like any other storage."""
+        st = t.untyped_storage()
+        if self._ids.get(st) is not None:
+            return
+        frees, self._pending_frees = self._pending_frees, []
+        name = self._new(t, st, self.phase)
+        module = self.scope.current if self.scope is not None else ""
+        self.ops.append([op_type, self.phase, module, [], [name], frees])
+
     def set_kind(self, tensors, kind: TensorKind) -> None:
         for name in self.storage_names(tensors):
             info = self.storages[name]
@@ -198,18 +252,28 @@ class StorageRecorder(TorchDispatchMode):
     # Dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self._valueless_shortcut(func, args) if (self.shortcuts and not kwargs) else _NOT_DONE
+        if out is _NOT_DONE:
+            out = func(*args, **kwargs)
+        if func is _PRIM_DEVICE:     # metadata query, touches no memory
+            return out
         ids = self._ids
         inputs = []
-        for a in tree_flatten((args, kwargs))[0]:
+        constants = []
+        # lift_fresh wraps the real constant behind a fake tensor built from Python data
+        # (torch.tensor(0.0) for Adam's `step`): the real run has one storage, the output's.
+        flat_args = () if func is _LIFT_FRESH else _flat(args, kwargs)
+        for a in flat_args:
             if isinstance(a, torch.Tensor):
                 st = a.untyped_storage()
                 name = ids.get(st)
                 if name is None:
-                    # Not declared and not made by an op: a tensor built from Python data during
-                    # the step (torch.tensor(0.0) for Adam's `step` reaches dispatch only as the
-                    # input of lift_fresh). It was allocated just now, as in the real run.
+                    # Neither declared nor made by an op: a tensor built from Python data during
+                    # the step (a Python scalar wrapped as a 0-dim tensor for `mul_.Tensor`).
+                    # The real run allocates it just before this op; a synthetic "constant" op
+                    # does that here.
                     name = self._new(a, st, self.phase)
+                    constants.append(name)
                 if name not in inputs:
                     inputs.append(name)
         outputs = []
@@ -229,9 +293,67 @@ class StorageRecorder(TorchDispatchMode):
             return out
         frees, self._pending_frees = self._pending_frees, []
         module = self.scope.current if self.scope is not None else ""
+        freed_by_op = self._wrapped_scalars(func, args, kwargs) if self.cpu_scalars else []
+        constants.extend(freed_by_op)
+        if constants:
+            self.ops.append(["constant", self.phase, module, [], constants, frees])
+            frees = []
         self.ops.append([func.__name__ if hasattr(func, "__name__") else str(func),
-                         self.phase, module, inputs, outputs, frees])
+                         self.phase, module, inputs, outputs, frees + freed_by_op])
         return out
+
+    @staticmethod
+    def _valueless_shortcut(func, args):
+        """Shortcuts for tensors without values (fake or meta), which dominate optimizer traces
+        of deep models: foreach meta kernels run one Python decomposition per tensor (and fake
+        tensors hash every list for their cache), yet nothing about memory needs them. In-place
+        elementwise foreach ops change no storage; out-of-place ones return one new tensor
+        like each input; zeros_like allocates what empty_like does."""
+        if func is _ZEROS_LIKE and args and _valueless(args[0]):   # same schema, same allocation
+            return _EMPTY_LIKE(*args)
+        name = getattr(func, "__name__", "")
+        if not name.startswith("_foreach_") or not args or not isinstance(args[0], (list, tuple)):
+            return _NOT_DONE
+        first = args[0]
+        if not first or not all(isinstance(t, torch.Tensor) and _valueless(t) for t in first):
+            return _NOT_DONE
+        base = name.split(".", 1)[0]
+        if base.endswith("_"):
+            return None if base[:-1][len("_foreach_"):] in _FOREACH_ELEMENTWISE else _NOT_DONE
+        if base[len("_foreach_"):] in _FOREACH_ELEMENTWISE:
+            return [torch.empty_like(t) for t in first]
+        return _NOT_DONE
+
+    def _wrapped_scalars(self, func, args, kwargs) -> list[str]:
+        """CPU only: a Python number passed where the schema takes a Tensor becomes a 0-dim
+        "wrapped number" tensor (8 bytes: double or int64; Python's arg parser), which the
+        dispatcher hands back to Python modes as the number, so it is invisible here. On the
+        CPU, TensorIterator (aten/src/ATen/TensorIterator.cpp, `compute_types` with
+        promote_inputs_to_common_dtype) also casts it to the op's dtype. Both live during the
+        op. (On CUDA, CPU scalars are kernel arguments: no device memory.)"""
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            return []
+        dtype = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                dtype = a.dtype
+                break
+        names = []
+        for i, arg in enumerate(schema.arguments):
+            v = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(v, (bool, int, float, complex)) and isinstance(arg.type, torch.TensorType):
+                wrapped = {bool: torch.bool, int: torch.int64, float: torch.float64,
+                           complex: torch.complex128}[type(v)]
+                sizes = [(wrapped.itemsize, wrapped)]
+                if dtype is not None and dtype != wrapped:
+                    sizes.append((dtype.itemsize, dtype))
+                for nbytes, dt in sizes:
+                    name = f"s{self._next}"
+                    self._next += 1
+                    self.storages[name] = _StorageInfo(nbytes, (), _dtype_name(dt), self.phase, TensorKind.TEMP, False)
+                    names.append(name)
+        return names
 
     # IR -----------------------------------------------------------------------------------------
     def finalize_kinds(self) -> None:
@@ -318,12 +440,3 @@ def layer_index_fn(prefix: str | None):
             v = cache[module] = int(m.group(1)) if m else None
         return v
     return index
-
-
-@dataclass
-class RecordedRun:
-    """What a recorder saw, turned into programs, with the static (pre-existing) bytes."""
-
-    programs: list[Program]
-    entry_storages: list[str]
-    static: dict = field(default_factory=dict)   # params / buffers / inputs / other -> bytes

@@ -74,20 +74,17 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None):
 
     if attn not in ATTENTION:
         raise UserError(f"attention {attn!r}: use one of {', '.join(ATTENTION)}")
-    if isinstance(model_config, PretrainedConfig):
-        cfg = model_config.__class__.from_dict(model_config.to_dict())
-    else:
-        d = dict(model_config)
-        model_type = d.pop("model_type", None)
-        if not model_type:
-            raise UserError("model config: no \"model_type\" (needed to pick the HF architecture); "
-                            "use an HF config.json")
-        try:
-            cfg = AutoConfig.for_model(model_type, **d)
-        except (ValueError, KeyError) as e:
-            raise UserError(f"model config: model_type {model_type!r} is not known to transformers ({e})") from None
+    d = model_config.to_dict() if isinstance(model_config, PretrainedConfig) else dict(model_config)
     if layers is not None:
-        cfg.num_hidden_layers = int(layers)
+        d = _with_layers(d, int(layers))
+    model_type = d.pop("model_type", None)
+    if not model_type:
+        raise UserError("model config: no \"model_type\" (needed to pick the HF architecture); "
+                        "use an HF config.json")
+    try:
+        cfg = AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"model config: model_type {model_type!r} is not known to transformers ({e})") from None
     cfg.use_cache = False
     cfg._attn_implementation = attn
     if hasattr(cfg, "num_local_experts") or hasattr(cfg, "num_experts"):
@@ -97,14 +94,30 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None):
     return cfg
 
 
+def _with_layers(d: dict, layers: int) -> dict:
+    """Config dict with `layers` decoder layers; per-layer lists (`layer_types`: Qwen2,
+    Gemma...) repeat their pattern so HF's validation accepts the new count."""
+    d = dict(d)
+    key = "n_layer" if d.get("model_type") == "gpt2" else "num_hidden_layers"
+    d[key] = layers
+    types = d.get("layer_types")
+    if isinstance(types, list) and types:
+        d["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    return d
+
+
 def build_model(cfg, param_dtype: torch.dtype = torch.float32, device: str = "meta") -> torch.nn.Module:
     """The causal LM of `cfg` in training mode, on `device` ("meta" for tracing, "cpu" for a
     real run: initialised by HF, then cast)."""
     from transformers import AutoModelForCausalLM
 
     if device == "meta":
-        with torch.device("meta"):
+        # No weight initialisation on meta: the values are never read, and HF's init of an
+        # 80-layer model costs 1.5 s, more than the rest of a replicated trace.
+        from transformers.initialization import no_init_weights
+        with torch.device("meta"), no_init_weights():
             model = AutoModelForCausalLM.from_config(cfg)
+            model.tie_weights()    # skipped with the initialisation; tied embeddings are one tensor
     else:
         model = AutoModelForCausalLM.from_config(cfg)
     return model.to(param_dtype).train()

@@ -13,9 +13,13 @@ so by default it saves what CPU kernels save. Two policies:
      (`aten._scaled_dot_product_flash_attention`: saves output + logsumexp [B,H,S] fp32 + philox
      seed/offset) for fp16/bf16 without an explicit mask and head_dim <= 256 (`check_dtypes_low_precision`,
      `check_head_dim_size_flash`, `check_for_attn_mask`); otherwise memory-efficient attention
-     (`aten._scaled_dot_product_efficient_attention`: output + logsumexp padded to 32 rows), which
-     takes fp32 and masks but not grouped-query heads (`check_grouped_query_attention` lists flash
-     and math only); otherwise the math path (`aten._scaled_dot_product_attention_math`).
+     (`aten._scaled_dot_product_efficient_attention`: output + logsumexp padded to 32 rows) for
+     fp32 or masked inputs with head_dim divisible by 4 (fp32) / 8 (`check_head_dim_size_mem_efficient`);
+     otherwise the math path (`aten._scaled_dot_product_attention_math`). Grouped-query k/v are
+     expanded for efficient attention (its meta kernels need equal head counts; recent CUDA
+     kernels take them natively, so fp32 GQA attention is estimated slightly high). On sm90+
+     with a recent cuDNN, PyTorch may prefer cuDNN attention (`check_prefer_cudnn_attention`),
+     which saves the same output + fp32 logsumexp as flash.
      Under autocast the inputs are cast first, as the CUDA autocast list
      (aten/src/ATen/autocast_mode.cpp, `KERNEL_CUDA(scaled_dot_product_attention, lower_precision_fp)`)
      does.
@@ -26,9 +30,18 @@ so by default it saves what CPU kernels save. Two policies:
   3. Optimizers with ``foreach=None`` -> `_default_to_fused_or_foreach` (torch/optim/optimizer.py)
      picks the foreach implementation for CUDA tensors (the CPU default is the for-loop, which
      peaks lower: FINDINGS.md §4).
-
-Known gap: autocast runs with the CPU autocast op lists; the CUDA lists also upcast e.g. `pow`,
-`softmax`, `layer_norm` to fp32. Llama-family models upcast explicitly, so they are not affected.
+  4. ``F.softmax`` / ``F.log_softmax`` of an fp16 input with ``dtype=float32`` -> the CUDA branch
+     of `at::native::softmax` / `log_softmax` (aten/src/ATen/native/SoftMax.cpp) calls
+     `_softmax(input, dim, half_to_float=true)`: no fp32 copy of the input (the CPU branch makes
+     one with `input_.toType(dtype)`). bf16 inputs take the copying branch on both devices.
+  5. Autocast: the trace runs under CPU autocast, whose op lists differ from CUDA's. CUDA's
+     float32 list (aten/src/ATen/autocast_mode.h `AT_FORALL_FP32`, and the "CUDA Ops that can
+     autocast to float32" table of the torch.amp docs: pow, exp, log*, rsqrt, reciprocal,
+     layer_norm, group_norm, softplus, the losses, ...) casts fp16/bf16 inputs to fp32; its
+     `AT_FORALL_FP32_SET_OPT_DTYPE` ops (softmax, log_softmax, sum, cumsum, cumprod, prod) run
+     with ``dtype=float32`` unless a dtype is given. We wrap those entry points (torch.*,
+     Tensor methods and operators, torch.nn.functional) while autocast is on; CPU autocast
+     upcasts none of them (pow, softmax, layer_norm stay bf16 on the CPU).
 """
 
 from __future__ import annotations
@@ -37,7 +50,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..errors import UserError
 
@@ -64,21 +76,48 @@ def _autocast_cast(*ts):
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype != dt else t for t in ts)
 
 
-class CudaKernels(TorchFunctionMode):
-    """Rules 1 and 2 of the module docstring, applied above autograd so saved tensors follow."""
+class CudaKernels:
+    """Rules 1 and 2 of the module docstring. They replace the `torch.nn.functional` entry
+    points while a step is traced (callers look them up at call time), so they also apply
+    when checkpointing recomputes a layer inside the backward, where a TorchFunctionMode is
+    not active. They run above autograd, so saved tensors follow the CUDA kernels."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._sdpa(args, kwargs)
-        if func is F.dropout:
-            x = args[0]
-            p = _arg(args, kwargs, 1, "p", 0.5)
-            training = _arg(args, kwargs, 2, "training", True)
-            inplace = _arg(args, kwargs, 3, "inplace", False)
-            if training and 0 < p < 1 and x.numel() > 0 and not inplace:
-                return torch.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
+    def __enter__(self):
+        self._saved = (F.scaled_dot_product_attention, F.dropout)
+        F.scaled_dot_product_attention = self._sdpa_entry
+        F.dropout = self._dropout_entry
+        self._patched = []
+        for owner, names, wrap in ((torch, _FP32_TORCH, _fp32_inputs), (torch.Tensor, _FP32_TENSOR, _fp32_inputs),
+                                   (F, _FP32_FUNCTIONAL, _fp32_inputs), (torch, _SET_DTYPE, _fp32_dtype),
+                                   (torch.Tensor, _SET_DTYPE, _fp32_dtype), (F, _SET_DTYPE_FUNCTIONAL, _fp32_dtype)):
+            for name in names:
+                original = getattr(owner, name, None)
+                if original is not None:
+                    self._patched.append((owner, name, original, name in vars(owner)))
+                    setattr(owner, name, wrap(original, name))
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention, F.dropout = self._saved
+        for owner, name, original, own in reversed(self._patched):
+            if own:
+                setattr(owner, name, original)
+            else:            # inherited (torch.Tensor from TensorBase): drop our shadowing attribute
+                delattr(owner, name)
+        self._patched = []
+        return False
+
+    def _sdpa_entry(self, *args, **kwargs):
+        return self._sdpa(args, kwargs)
+
+    def _dropout_entry(self, *args, **kwargs):
+        x = args[0] if args else kwargs["input"]
+        p = _arg(args, kwargs, 1, "p", 0.5)
+        training = _arg(args, kwargs, 2, "training", True)
+        inplace = _arg(args, kwargs, 3, "inplace", False)
+        if training and 0 < p < 1 and x.numel() > 0 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return self._saved[1](*args, **kwargs)
 
     @staticmethod
     def _sdpa(args, kwargs):
@@ -93,14 +132,73 @@ class CudaKernels(TorchFunctionMode):
             (mask,) = _autocast_cast(mask)
         aten = torch.ops.aten
         low_precision = q.dtype in (torch.float16, torch.bfloat16)
-        if mask is None and low_precision and q.shape[-1] <= 256 and q.dim() == 4:
+        head = q.shape[-1]
+        if mask is None and low_precision and head <= 256 and q.dim() == 4 and head == v.shape[-1]:
             return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
-        if not gqa and q.dim() == 4:
+        if q.dim() == 4 and head % (8 if low_precision else 4) == 0 and head == v.shape[-1]:
+            if gqa:
+                # The meta kernels want equal head counts; expanding k/v keeps this trace
+                # conservative where newer CUDA kernels take grouped heads natively.
+                rep = q.shape[-3] // k.shape[-3]
+                k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
             need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             return aten._scaled_dot_product_efficient_attention(
                 q, k, v, mask, need_grad, p, causal, scale=scale)[0]
         return aten._scaled_dot_product_attention_math(
             q, k, v, mask, p, causal, None, scale=scale, enable_gqa=bool(gqa))[0]
+
+
+_LOW = (torch.float16, torch.bfloat16)
+_FP32_TORCH = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
+               "reciprocal", "rsqrt", "sinh", "tan", "pow", "cdist", "dist", "renorm", "cosine_similarity",
+               "layer_norm", "group_norm")
+_FP32_TENSOR = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
+                "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "__rtruediv__",
+                "__rdiv__", "dist", "renorm")
+_FP32_FUNCTIONAL = ("layer_norm", "group_norm", "softplus", "normalize", "cosine_similarity", "pdist",
+                    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss",
+                    "binary_cross_entropy_with_logits", "cross_entropy", "poisson_nll_loss",
+                    "hinge_embedding_loss", "margin_ranking_loss", "multilabel_margin_loss",
+                    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "cosine_embedding_loss")
+_SET_DTYPE = ("softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod")
+_SET_DTYPE_FUNCTIONAL = ("softmax", "log_softmax", "softmin")
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu")
+
+
+def _fp32_inputs(original, name):
+    """CUDA autocast's float32 policy: fp16/bf16 tensor arguments are cast to fp32 first."""
+    def wrapper(*args, **kwargs):
+        if _autocast_on():
+            args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
+            kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v)
+                      for k, v in kwargs.items()}
+        return original(*args, **kwargs)
+    wrapper.__name__ = name
+    return wrapper
+
+
+def _fp32_dtype(original, name):
+    """CUDA autocast's fp32_set_opt_dtype policy (dtype=float32 for fp16/bf16 inputs unless a
+    dtype is given), then rule 4 for fp16 softmax / log_softmax."""
+    half_to_float = {"softmax": torch._softmax, "log_softmax": torch._log_softmax}.get(name)
+
+    def wrapper(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor):
+            return original(*args, **kwargs)
+        dtype_given = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args[1:])
+        if _autocast_on() and x.dtype in _LOW and not dtype_given:
+            kwargs = dict(kwargs, dtype=torch.float32)
+        if half_to_float is not None and x.dtype == torch.float16 and kwargs.get("dtype") == torch.float32:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int):
+                return half_to_float(x, dim, True)
+        return original(*args, **kwargs)
+    wrapper.__name__ = name
+    return wrapper
 
 
 def context(policy: str):

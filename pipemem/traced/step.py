@@ -61,7 +61,12 @@ def run_step(model, args, kwargs, loss_fn=default_loss, optimizer=None, autocast
         loss = loss_fn(model(*args, **kwargs))
     if backward:
         mark("backward")
-        loss.backward()
+        if isinstance(loss, tuple):      # a pipeline stage: (output, f(output) -> output grad)
+            out, grad_fn = loss
+            torch.autograd.backward(out, grad_fn(out))
+            del out
+        else:
+            loss.backward()
         if optimizer is not None:
             mark("optimizer")
             optimizer.step()
@@ -141,48 +146,82 @@ def analyze_programs(programs: list[Program], entry: list[str]) -> list[PhaseMem
 
 # Fake model and inputs ---------------------------------------------------------------------
 
-def meta_to_fake(module: torch.nn.Module) -> torch.nn.Module:
+def meta_to_fake(module: torch.nn.Module) -> list:
     """Inside an active FakeTensorMode: replace meta (or real) parameters and buffers by fake
     CPU tensors of the same shape and dtype, keeping tied weights tied. Much cheaper than
-    running initialisation ops on fake tensors."""
+    running initialisation ops on fake tensors. Returns what `restore_tensors` needs to put
+    the originals back (a real module passed to `trace_step` is left as it was)."""
     memo: dict[int, torch.Tensor] = {}
+    originals = []
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is None:
                 continue
             if id(p) not in memo:
                 memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            originals.append((mod._parameters, name, p))
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
             if id(b) not in memo:
                 memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+            originals.append((mod._buffers, name, b))
             mod._buffers[name] = memo[id(b)]
-    return module
+    return originals
 
 
-def _fake_tensor(x):
-    if isinstance(x, torch.Tensor):
-        if x.requires_grad and x.is_leaf:
-            return torch.empty(x.shape, dtype=x.dtype).requires_grad_()
-        return torch.empty(x.shape, dtype=x.dtype)
-    return x
+def restore_tensors(originals) -> None:
+    for table, name, t in originals:
+        table[name] = t
 
 
 def _fake_inputs(example_inputs, model):
+    """(args, kwargs) of fake tensors; real or meta tensors are replaced by fake ones of the
+    same shape, keeping tensors passed twice (input_ids and labels) one tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(x):
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            return x
+        if id(x) not in memo:
+            t = torch.empty(x.shape, dtype=x.dtype)
+            memo[id(x)] = t.requires_grad_() if (x.requires_grad and x.is_leaf) else t
+        return memo[id(x)]
+
     if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
         example_inputs = example_inputs(model)
     if isinstance(example_inputs, dict):
-        return (), {k: _fake_tensor(v) for k, v in example_inputs.items()}
+        return (), {k: fake(v) for k, v in example_inputs.items()}
     if isinstance(example_inputs, torch.Tensor):
-        return (_fake_tensor(example_inputs),), {}
+        return (fake(example_inputs),), {}
     if isinstance(example_inputs, (tuple, list)):
         if len(example_inputs) == 2 and isinstance(example_inputs[1], dict) and isinstance(example_inputs[0], (tuple, list)):
             a, k = example_inputs
-            return tuple(_fake_tensor(x) for x in a), {n: _fake_tensor(v) for n, v in k.items()}
-        return tuple(_fake_tensor(x) for x in example_inputs), {}
+            return tuple(fake(x) for x in a), {n: fake(v) for n, v in k.items()}
+        return tuple(fake(x) for x in example_inputs), {}
     raise UserError("trace_step: example_inputs must be a tensor, a tuple, a dict, (args, kwargs) or a callable")
+
+
+@contextlib.contextmanager
+def _host_rng_states(rec):
+    """CPU policy only: non-reentrant checkpointing keeps `torch.get_rng_state()` (a 5056-byte
+    CPU tensor, built outside the dispatcher) per checkpointed region until its recompute.
+    Record it so the CPU ground truth matches; on a GPU it is host memory, not device memory."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        rec.note_external(state, "get_rng_state")
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def _meta_model(model_or_factory) -> torch.nn.Module:
@@ -223,50 +262,64 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
     loss_fn = loss_fn or default_loss
     model = _meta_model(model_or_factory)
     with FakeTensorMode(), (patches or contextlib.nullcontext()):
-        model = meta_to_fake(model)
-        if prepare is not None:
-            prepare(model)
-        args, kwargs = _fake_inputs(example_inputs, model)
-        optimizer = optimizer_factory(model.parameters()) if optimizer_factory is not None else None
-        policies.configure_optimizer(kernel_policy, optimizer)
-        params = list(model.parameters())
-        scope = ModuleScope(model)
-        rec = StorageRecorder(scope)
-        names = {"params": rec.register(params, TensorKind.PARAM),
-                 "buffers": rec.register(model.buffers(), TensorKind.BUFFER)}
-        input_tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-        names["inputs"] = rec.register(input_tensors, TensorKind.ACTIVATION)
+        originals = meta_to_fake(model)
+        try:
+            if prepare is not None:
+                prepare(model)
+            args, kwargs = _fake_inputs(example_inputs, model)
+            optimizer = optimizer_factory(model.parameters()) if optimizer_factory is not None else None
+            policies.configure_optimizer(kernel_policy, optimizer)
+            params = list(model.parameters())
+            scope = ModuleScope(model)
+            rec = StorageRecorder(scope, cpu_scalars=(kernel_policy == "cpu"))
+            names = {"params": rec.register(params, TensorKind.PARAM),
+                     "buffers": rec.register(model.buffers(), TensorKind.BUFFER)}
+            input_tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            names["inputs"] = rec.register(input_tensors, TensorKind.ACTIVATION)
 
-        def on_phase(phase: str) -> None:
-            if phase in ("optimizer", "end"):
-                rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
-            if phase == "end" and optimizer is not None:
-                states = [v for st in optimizer.state.values() for v in st.values()
-                          if isinstance(v, torch.Tensor)]
-                rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
-            if phase in PHASES:
-                scope.reset()
-                rec.begin(phase)
+            def on_phase(phase: str) -> None:
+                if phase in ("optimizer", "end"):
+                    rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
+                if phase == "end" and optimizer is not None:
+                    states = [v for st in optimizer.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor)]
+                    rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
+                if phase in PHASES:
+                    scope.reset()
+                    rec.begin(phase)
 
-        with scope, rec, policies.context(kernel_policy):
-            run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
-                     zero_grad=zero_grad, backward=backward)
-        del optimizer, args, kwargs, input_tensors
-        programs = rec.programs()
-        entry = rec.entry_storages()
-        st = rec.storages
-        static = {"params": _bytes_of(st, names["params"]), "buffers": _bytes_of(st, names["buffers"]),
-                  "inputs": _bytes_of(st, set(names["inputs"]) - set(names["params"]) - set(names["buffers"]))}
-        static["other"] = _bytes_of(st, entry) - static["params"] - static["buffers"] - static["inputs"]
-        static["total"] = _bytes_of(st, entry)
-        kinds: dict[str, int] = {}
-        for info in st.values():
-            if info.phase:
-                kinds[info.kind.value] = kinds.get(info.kind.value, 0) + info.nbytes
-        prefix = layer_prefix if layer_prefix is not None else find_layer_prefix(model)
-        n_layers = len(model.get_submodule(prefix)) if prefix else 0
+            host = _host_rng_states(rec) if kernel_policy == "cpu" else contextlib.nullcontext()
+            with scope, rec, policies.context(kernel_policy), host:
+                run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
+                         zero_grad=zero_grad, backward=backward)
+            del optimizer, args, kwargs, input_tensors
+            programs = rec.programs()
+            entry = rec.entry_storages()
+            st = rec.storages
+            static = {"params": _bytes_of(st, names["params"]), "buffers": _bytes_of(st, names["buffers"]),
+                      "inputs": _bytes_of(st, set(names["inputs"]) - set(names["params"]) - set(names["buffers"]))}
+            static["other"] = _bytes_of(st, entry) - static["params"] - static["buffers"] - static["inputs"]
+            static["total"] = _bytes_of(st, entry)
+            kinds: dict[str, int] = {}
+            for info in st.values():
+                if info.phase:
+                    kinds[info.kind.value] = kinds.get(info.kind.value, 0) + info.nbytes
+            prefix = layer_prefix if layer_prefix is not None else find_layer_prefix(model)
+            n_layers = len(model.get_submodule(prefix)) if prefix else 0
+        finally:
+            restore_tensors(originals)   # a real module passed in is left as it was
     index = layer_index_fn(prefix)
     op_layers = {p.name: [index(op.module) for op in p.ops] for p in programs}
     return TracedStep(programs=programs, entry_storages=entry, static=static,
                       phases=analyze_programs(programs, entry), layer_prefix=prefix, layers=n_layers,
                       op_layers=op_layers, kinds_bytes=kinds)
+
+
+def trace_stage(module, inputs, output_grad_fn: Callable | None = None, optimizer_factory: Callable | None = None,
+                kernel_policy: str = "cuda", **kwargs) -> TracedStep:
+    """Forward and backward of one pipeline stage: `module(*inputs)` (inputs that require grad
+    are the activations received from the previous stage), then the backward from an output
+    gradient `output_grad_fn(output)` (default: ones like the output, as received from the
+    next stage; created when the backward starts). Other arguments as `trace_step`."""
+    grad_fn = output_grad_fn or torch.ones_like
+    return trace_step(module, inputs, lambda out: (out, grad_fn), optimizer_factory, kernel_policy, **kwargs)

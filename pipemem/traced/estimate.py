@@ -1,0 +1,91 @@
+"""`traced_estimate`: the traced source behind `pipemem estimate --mode traced`.
+
+Maps a `ParallelPlan` onto the default training step of an HF causal LM (hf.py, step.py),
+traces it (K layers + exact replication for deep models, replicate.py) and hands back what
+the stage-job layer needs: static bytes, the F / B jobs of stage 0 and the optimizer job.
+Only single-rank plans so far (tp = pp = cp = ep = 1; dp without sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..jobs import JobMemory, StageJobs, StaticBytes
+from ..plan import ParallelPlan
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass
+class TracedEstimate:
+    static: StaticBytes
+    jobs: StageJobs
+    optimizer: JobMemory | None
+    peak_allocated_bytes: int
+    peak_at: str
+    kernel_policy: str = "cuda"
+    notes: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        jobs = {"F": self.jobs.F.to_dict(), "B": self.jobs.B.to_dict(), "W": None,
+                "optimizer": self.optimizer.to_dict() if self.optimizer else None}
+        rank = {"pp_rank": 0, "static_bytes": self.static.to_dict(),
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_at": self.peak_at, "jobs": jobs}
+        return {"mode": "traced", "kernel_policy": self.kernel_policy, "ranks": [rank],
+                "max_peak_allocated_bytes": self.peak_allocated_bytes, "notes": dict(self.notes)}
+
+
+def _check_plan(plan: ParallelPlan) -> None:
+    degrees = {"tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "vpp": plan.vpp}
+    bad = [f"{k}={v}" for k, v in degrees.items() if v != 1]
+    if bad:
+        raise UserError(f"traced mode supports only tp=pp=cp=ep=1 so far (got {', '.join(bad)}); "
+                        "use --mode templates")
+    if plan.dp > 1 and (plan.zero or plan.fsdp or plan.dist_opt):
+        raise UserError("traced mode does not shard model states yet (--zero/--fsdp/--dist-opt with dp > 1); "
+                        "use --mode templates")
+    if plan.recompute not in RECOMPUTE:
+        raise UserError(f"--recompute {plan.recompute}: traced mode supports {', '.join(RECOMPUTE)}; "
+                        "use --mode templates")
+    if plan.recompute_layers is not None:
+        raise UserError("--recompute-layers: traced mode recomputes all layers or none; use --mode templates")
+    if plan.optimizer not in ("adamw", "adam", "sgd"):
+        raise UserError(f"--optimizer {plan.optimizer}: traced mode supports adamw, adam, sgd")
+    if plan.micro_batch < 1 or plan.seq_len < 1:
+        raise UserError("--micro-batch and --seq-len must be positive")
+
+
+def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str = "cuda") -> TracedEstimate:
+    """Estimate one training step of the HF model `model_config` (a config.json dict) under
+    `plan` by tracing it on fake tensors."""
+    from . import kernel_policy as policies
+    from .hf import Precision, make_config
+    from .replicate import trace_hf_replicated
+
+    policies.check(kernel_policy)
+    _check_plan(plan)
+    if not isinstance(model_config, dict):
+        raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
+    attn = "sdpa" if plan.flash_attn else "eager"
+    cfg = make_config(model_config, attn, plan.layers)
+    prec = Precision.parse(plan.dtype, plan.master_weights)
+    import torch
+    if (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)) and prec.param_dtype != torch.bfloat16:
+        raise UserError("traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
+                        "use --dtype bf16 --no-master-weights or --mode templates")
+    step = trace_hf_replicated(cfg, plan.micro_batch, plan.seq_len, dtype=prec.name, attn=attn,
+                               recompute=plan.recompute, optimizer=plan.optimizer, kernel_policy=kernel_policy)
+    s = step.static
+    static = StaticBytes(params=s["params"], grads=0, optimizer=0, other=s["total"] - s["params"])
+    f, b, o = step.phase("forward"), step.phase("backward"), step.phase("optimizer")
+    n = step.layers
+    jobs = StageJobs(stage=0, F=JobMemory(f.net_bytes, f.peak_bytes), B=JobMemory(b.net_bytes, b.peak_bytes),
+                     layers=tuple(range(n)),
+                     notes={"first_step": "gradients are created in B; optimizer states in the optimizer job"})
+    notes = {"layers": n, "precision": prec.name, "attention": attn, "recompute": plan.recompute,
+             "traced_layers": step.traced.layers if step.traced else n,
+             "static_detail": dict(s)}
+    return TracedEstimate(static=static, jobs=jobs, optimizer=JobMemory(o.net_bytes, o.peak_bytes),
+                          peak_allocated_bytes=step.peak_bytes, peak_at=step.peak_at,
+                          kernel_policy=kernel_policy, notes=notes)

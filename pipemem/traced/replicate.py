@@ -1,0 +1,284 @@
+"""Layer replication: the memory of an N-layer step from a trace of K layers (K = 4).
+
+Decoder layers in the steady state are identical, so their forward and backward pieces have
+identical memory timelines. We trace K layers, cut each phase's liveness timeline
+(`analyze_sequence` of the K-layer programs) into pieces that end where a layer's ops end,
+and repeat the piece of the template layer T (= 2: after the first two, before the last) so
+that it stands for layers T .. N-K+T. Layers before and after T, the embedding, the head and
+the loss keep their own pieces. Extrapolating the peak number alone would be wrong (the
+peak moves, FINDINGS.md §4); walking the expanded pieces is exact.
+
+The optimizer depends on every parameter at once (foreach kernels take them all), so it is
+traced separately on the N-layer parameter list with gradients present (cheap: no model run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..ir import TensorKind
+from ..liveness import analyze_sequence, compile_program, retention_sets
+from . import kernel_policy as policies
+from .step import PhaseMemory, TracedStep, trace_step
+
+TRACED_LAYERS = 4
+TEMPLATE_LAYER = 2
+
+
+class NotReplicable(Exception):
+    """The traced layers do not run one after another; trace the full model instead."""
+
+
+@dataclass
+class Piece:
+    layer: int | None       # the layer whose ops end this piece (None: embedding, head, tail)
+    during: np.ndarray      # bytes while each op runs, relative to the piece's start
+    after: np.ndarray       # bytes after each op, relative to the piece's start
+    labels: list[str]
+    template_frees: np.ndarray | None = None   # bytes of template-layer storages freed at each op
+
+
+def _piece_slices(layers: list) -> list[tuple[int, int, int | None]]:
+    """(start, end, layer) of the pieces of one phase: each ends with the last op of a layer."""
+    last: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for i, lay in enumerate(layers):
+        if lay is not None:
+            first.setdefault(lay, i)
+            last[lay] = i
+    order = sorted(last, key=lambda lay: first[lay])
+    for a, b in zip(order, order[1:]):
+        if last[a] >= first[b]:
+            raise NotReplicable(f"ops of layers {a} and {b} interleave")
+    out, start = [], 0
+    for end, lay in [(last[lay], lay) for lay in order] + [(len(layers) - 1, None)]:
+        if end >= start:
+            out.append((start, end, lay))
+            start = end + 1
+    return out
+
+
+def phase_pieces(step: TracedStep, template: int = TEMPLATE_LAYER) -> dict[str, list[Piece]]:
+    """Per phase, the pieces of its liveness timeline.
+
+    Most storages a layer allocates are freed by the same layer (or its neighbour, which is
+    replicated with it). Some are freed all at once outside the layers: with autocast and
+    checkpointing, the bf16 weight copies that autocast caches for each layer's forward live
+    until autocast exits after the loss. A piece outside the layers that frees storages of the
+    template layer must free them once per replicated layer: `template_frees` records them."""
+    programs = step.programs
+    results = analyze_sequence(programs, live_on_entry=step.entry_storages)
+    keep = retention_sets(programs)
+    entry = set(step.entry_storages)
+    slices = {p.name: _piece_slices(step.op_layers.get(p.name, [])) for p in programs}
+
+    def piece_layer(prog_name: str, op: int):
+        for start, end, lay in slices[prog_name]:
+            if start <= op <= end:
+                return lay
+        return None
+
+    # Storages allocated by the template layer, and where (program, op) they are freed.
+    allocated_by_template: set[str] = set()
+    frees: dict[str, list[tuple[int, int]]] = {}
+    for prog, kept in zip(programs, keep):
+        c = compile_program(prog)
+        for i, name in enumerate(c.storage_names):
+            if c.first_is_write[i] and name not in entry and piece_layer(prog.name, int(c.first_op[i])) == template:
+                allocated_by_template.add(name)
+        for i, name in enumerate(c.storage_names):
+            if name in allocated_by_template and c.touched[i] and not c.persistent[i] and name not in kept:
+                frees.setdefault(prog.name, []).append((int(c.last_op[i]), int(c.sizes[i])))
+
+    out: dict[str, list[Piece]] = {}
+    for prog, res in zip(programs, results):
+        pieces = []
+        for start, end, lay in slices[prog.name]:
+            base = int(res.after[start - 1]) if start > 0 else 0
+            tf = None
+            if lay is None:
+                tf = np.zeros(end - start + 1, dtype=np.int64)
+                for op, size in frees.get(prog.name, ()):
+                    if start <= op <= end:
+                        tf[op - start] += size
+                if not tf.any():
+                    tf = None
+            pieces.append(Piece(lay, res.during[start:end + 1] - base, res.after[start:end + 1] - base,
+                                [op.label for op in prog.ops[start:end + 1]], tf))
+        out[prog.name] = pieces
+    return out
+
+
+def expand(pieces: list[Piece], n_layers: int, traced: int, template: int) -> PhaseMemory:
+    """Walk the pieces with the template layer's piece repeated for the missing layers."""
+    extra = n_layers - traced       # copies of the template beyond the one traced
+    cur = peak = 0
+    label = ""
+    for p in pieces:
+        during, after = p.during, p.after
+        if p.template_frees is not None and extra:
+            freed = np.cumsum(p.template_frees)
+            during = during - extra * (freed - p.template_frees)
+            after = after - extra * freed
+        k = int(during.argmax()) if len(during) else 0
+        piece_peak = max(0, int(during[k])) if len(during) else 0
+        net = int(after[-1]) if len(after) else 0
+        for _ in range(extra + 1 if p.layer == template else 1):
+            if cur + piece_peak > peak:
+                peak, label = cur + piece_peak, p.labels[k]
+            cur += net
+    return PhaseMemory("", cur, peak, label)
+
+
+def layer_template_params(model: torch.nn.Module, prefix: str, n_layers: int, template: int):
+    """(shape, dtype) of every parameter of the N-layer model, in `parameters()` order,
+    layers missing from `model` given the template layer's parameters."""
+    traced = len(model.get_submodule(prefix))
+    specs = []
+    tag = prefix + "."
+    for name, p in model.named_parameters():
+        if name.startswith(tag):
+            layer = int(name[len(tag):].split(".", 1)[0])
+            copies = n_layers - traced + 1 if layer == template else 1
+        else:
+            copies = 1
+        specs.extend([(tuple(p.shape), p.dtype)] * copies)
+    return specs
+
+
+def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dtype=torch.float32,
+                    zero_grad: bool = True) -> PhaseMemory:
+    """The optimizer phase of the step for parameters of these shapes, their gradients alive
+    on entry (as after a backward) and the loss freed at the end (as `run_step` does)."""
+    from .capture import StorageRecorder
+    from .step import analyze_programs
+
+    # Meta tensors, not fake ones: optimizers never branch on values or on meta-vs-cpu, and
+    # FakeTensorMode's per-op cache keys cost O(#params) for every foreach op (16 s vs 1 s on
+    # the 80-layer 70B model).
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dt, device="meta")) for shape, dt in param_specs]
+    optimizer = optimizer_factory(params)
+    policies.configure_optimizer(kernel_policy, optimizer)
+    rec = StorageRecorder(cpu_scalars=(kernel_policy == "cpu"))
+    rec.register(params, TensorKind.PARAM)
+    with rec:
+        rec.begin("backward")            # what the backward leaves: grads and the loss
+        for p in params:
+            p.grad = torch.empty_like(p)
+        loss = torch.empty((), dtype=loss_dtype, device="meta")
+        rec.begin("optimizer")
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        del loss
+    del optimizer
+    phases = analyze_programs(rec.programs(), rec.entry_storages())
+    return next(p for p in phases if p.name == "optimizer")
+
+
+@dataclass
+class ReplicatedStep:
+    """Same summary as `TracedStep` for an N-layer step built from a K-layer trace."""
+
+    static: dict
+    phases: list[PhaseMemory]
+    layers: int
+    traced: TracedStep = field(repr=False, default=None)
+
+    peak_bytes = TracedStep.peak_bytes
+    peak_at = TracedStep.peak_at
+    net_after_forward = TracedStep.net_after_forward
+    phase = TracedStep.phase
+
+    def summary(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at,
+                "net_after_forward": self.net_after_forward, "static": dict(self.static),
+                "phases": [p.to_dict() for p in self.phases], "layers": self.layers,
+                "replicated_from_layers": self.traced.layers if self.traced else None}
+
+
+def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, loss_fn=None,
+                     optimizer_factory=None, kernel_policy: str = "cuda", *, traced_layers: int = TRACED_LAYERS,
+                     template: int = TEMPLATE_LAYER, **trace_kwargs) -> ReplicatedStep:
+    """Trace `build_model()` after `set_layers(traced_layers)` and replicate to `n_layers`.
+
+    build_model: zero-argument function building the model (on meta); set_layers(k): makes the
+    next build have k layers. Other arguments as `trace_step`.
+    """
+    def full():
+        set_layers(n_layers)
+        step = trace_step(build_model, example_inputs, loss_fn, optimizer_factory, kernel_policy, **trace_kwargs)
+        return ReplicatedStep(step.static, step.phases, n_layers, step)
+
+    if n_layers <= traced_layers:
+        return full()
+    set_layers(traced_layers)
+    loss_meta = {}
+
+    def lf(out):
+        from .step import default_loss
+        loss = (loss_fn or default_loss)(out)
+        loss_meta["dtype"] = loss.dtype
+        loss_meta["bytes"] = loss.untyped_storage().nbytes()
+        return loss
+
+    step = trace_step(build_model, example_inputs, lf, None, kernel_policy, **trace_kwargs)
+    if not step.layer_prefix or step.layers != traced_layers:
+        return full()          # no list of identical layers to replicate
+    try:
+        pieces = phase_pieces(step, template)
+    except NotReplicable:
+        return full()
+    phases = []
+    for name in ("forward", "backward"):
+        if name in pieces:
+            pm = expand(pieces[name], n_layers, traced_layers, template)
+            pm.name = name
+            phases.append(pm)
+    if optimizer_factory is not None and phases and phases[-1].name == "backward":
+        # Traced without an optimizer, the step dropped the loss right after the backward;
+        # with one it lives until the optimizer is done (trace_optimizer frees it there).
+        phases[-1].net_bytes += loss_meta.get("bytes", 0)
+    with torch.device("meta"):
+        model = build_model()
+    per_layer = sum(p.numel() * p.element_size() for p in model.get_submodule(step.layer_prefix)[template].parameters())
+    per_layer_buf = sum(b.numel() * b.element_size() for b in model.get_submodule(step.layer_prefix)[template].buffers())
+    extra = n_layers - traced_layers
+    static = dict(step.static)
+    static["params"] += extra * per_layer
+    static["buffers"] += extra * per_layer_buf
+    static["total"] += extra * (per_layer + per_layer_buf)
+    if optimizer_factory is not None:
+        specs = layer_template_params(model, step.layer_prefix, n_layers, template)
+        opt = trace_optimizer(specs, optimizer_factory, kernel_policy, loss_meta.get("dtype", torch.float32),
+                              trace_kwargs.get("zero_grad", True))
+        phases.append(opt)
+    return ReplicatedStep(static, phases, n_layers, step)
+
+
+def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None = None, dtype: str = "fp32",
+                        attn: str = "sdpa", recompute: str = "none", optimizer: str = "adamw",
+                        kernel_policy: str = "cuda", master_weights: bool = True, **kw) -> ReplicatedStep:
+    """`hf.trace_hf_step` for deep models: K layers traced, the rest replicated."""
+    from .hf import Precision, build_model, enable_recompute, fake_tensor_quirks, hf_loss, make_config, optimizer_factory, step_inputs
+
+    cfg = make_config(model_config, attn, n_layers)
+    n = cfg.num_hidden_layers
+    if len(set(getattr(cfg, "layer_types", None) or ())) > 1:
+        kw["traced_layers"] = n      # layers of different kinds (sliding / full attention): no template
+    prec = Precision.parse(dtype, master_weights)
+    holder = {"cfg": cfg}
+
+    def set_layers(k):
+        holder["cfg"] = make_config(cfg, attn, k)
+
+    return trace_replicated(lambda: build_model(holder["cfg"], prec.param_dtype), set_layers, n,
+                            step_inputs(cfg, batch, seq), hf_loss, optimizer_factory(optimizer), kernel_policy,
+                            autocast_dtype=prec.autocast_dtype, prepare=lambda m: enable_recompute(m, recompute),
+                            patches=fake_tensor_quirks(), **kw)
+
+
+replicate_step = trace_replicated
