@@ -416,19 +416,30 @@ class _Gen:
         return self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
 
     def gelu_new(self, u: str, name: str, shape: tuple) -> str:
-        """HF's NewGELUActivation, op by op: 0.5*u*(1+tanh(c*(u+0.044715*u^3)))."""
-        def new(tag):
-            return self.act(f"{name}.gelu.{tag}", shape)
-        p3, p2, a1, a2, th, t1, hx, g = (new(t) for t in ("pow", "scaled", "sum", "arg", "tanh", "one_plus",
-                                                         "half_x", "out"))
-        self.t.node("pow", (u,), (p3,), diff_inputs=(u,), save_i=(u,))
+        """HF's NewGELUActivation, op by op: 0.5*u*(1+tanh(c*(u+0.044715*u^3))).
+
+        Under CUDA autocast `pow` is on the fp32 op list (torch/csrc/autograd/autocast_mode /
+        the autocast docs' "CUDA Ops that can autocast to float32"): u is cast to an fp32 copy
+        that pow saves, and type promotion carries fp32 through the rest of the chain, so the
+        tanh output, 1+tanh and the result are fp32; only 0.5*u stays in u's dtype."""
+        wide = "fp32" if self.sh.autocast else None
+
+        def new(tag, dtype=wide):
+            return self.act(f"{name}.gelu.{tag}", shape, dtype)
+        base = u
+        if self.sh.autocast:
+            base = new("pow_in_fp32")
+            self.t.node("autocast_cast", (u,), (base,), diff_inputs=(u,))
+        p3, p2, a1, a2, th, t1 = (new(t) for t in ("pow", "scaled", "sum", "arg", "tanh", "one_plus"))
+        hx, g = new("half_x", None), new("out")
+        self.t.node("pow", (base,), (p3,), diff_inputs=(base,), save_i=(base,))
         self.t.node("mul_scalar", (p3,), (p2,), diff_inputs=(p3,))
-        self.t.node("add", (u, p2), (a1,), diff_inputs=(u, p2), grad_alias=True)
+        self.t.node("add", (u, p2), (a1,), diff_inputs=(u, p2), grad_alias=True, promote_grads=True)
         self.t.node("mul_scalar", (a1,), (a2,), diff_inputs=(a1,))
         self.t.node("tanh", (a2,), (th,), diff_inputs=(a2,), save_i=(th,))
         self.t.node("add_scalar", (th,), (t1,), diff_inputs=(th,), grad_alias=True)
         self.t.node("mul_scalar", (u,), (hx,), diff_inputs=(u,))
-        self.t.node("mul", (hx, t1), (g,), diff_inputs=(hx, t1), save_i=(hx, t1))
+        self.t.node("mul", (hx, t1), (g,), diff_inputs=(hx, t1), save_i=(hx, t1), promote_grads=True)
         return g
 
     def moe_hf(self, x: str, opt: LayerOptions) -> str:

@@ -71,6 +71,8 @@ class Node:
                                       # a tuple names the inputs that alias (the rest get a copy)
     w_pre_first: bool = False        # fused B runs pre_w before the I op (Megatron's re-gather)
     pinned: bool = False             # selective checkpointing keeps its outputs: not recomputed
+    promote_grads: bool = False      # mixed-dtype op: an input's grad is computed in the output's
+                                     # dtype, then cast to the input's (autograd's validate_outputs)
 
 
 class Tape:
@@ -119,11 +121,11 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False) -> Node:
+             w_pre_first=False, promote_grads=False) -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}), workspace_f,
                  workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self.region >= 0 and self.pin is not None and self.pin(type))
+                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
         self.nodes.append(n)
         return n
 
@@ -209,18 +211,34 @@ class Tape:
                 self._add(i_prog, self._bop(bop, r, n))
             # Input grads: each diff input gets d.<x> (or the node's grad_via name, finished by
             # post_i ops); a second contribution goes to a temporary that is then accumulated.
-            outs, accs = [], []
+            outs, accs, casts = [], [], []
             for x in n.diff_inputs:
                 if x not in has_grad:
                     continue
                 target = n.grad_via.get(x, "d." + x)
                 alias = n.grad_alias is True or (isinstance(n.grad_alias, tuple) and x in n.grad_alias)
+                wide_dtype = self._lookup(gouts[0]).dtype
+                if n.promote_grads and self._lookup(x).dtype != wide_dtype:
+                    # computed in the output's dtype (or passed through, for an add), then cast
+                    src = gouts[0]
+                    if not alias:
+                        self._acc += 1
+                        src = f"{target}@wide{self._acc}"
+                        self.tensors[src] = Tensor(src, self._lookup(x).shape, wide_dtype, TEMP)
+                        outs.append(src)
+                    casts.append((src, target))
+                    continue
                 out = self._grad_target(i_prog, target, written, accs, alias_of=gouts[0] if alias else "")
                 outs.append(out)
+            ins = gouts + tuple(r(s) for s in n.save_i)
             if outs:
-                ins = gouts + tuple(r(s) for s in n.save_i)
                 self._add(i_prog, Op(n.type + "_grad", ins, tuple(outs), workspace_bytes=n.workspace_i,
                                      module=n.module, phase="backward"))
+            for k, (src, target) in enumerate(casts):
+                # the engine casts before it releases the node's grad inputs and saved tensors
+                held = ins if k == len(casts) - 1 and outs else ()
+                dst = self._grad_target(i_prog, target, written, accs)
+                self._add(i_prog, Op("cast", (src,), (dst,), frees=held, module=n.module, phase="backward"))
             for bop in n.post_i:
                 op = self._bop(bop, r, n)
                 op.outputs = tuple(self._grad_target(i_prog, o, written, accs) if o.startswith("d.") else o
