@@ -85,6 +85,7 @@ class Tensor:
     persistent: bool | None = None
     bytes: int | None = None
     _nbytes: int | None = field(default=None, init=False, repr=False, compare=False)  # cache
+    _id: int = field(default=-1, init=False, repr=False, compare=False)  # scratch for liveness
 
     def __post_init__(self) -> None:
         if not self.storage:

@@ -20,8 +20,10 @@ every program until its last user frees it.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from itertools import chain
+import operator
 from operator import attrgetter
 from typing import Iterable, Sequence
 
@@ -33,14 +35,14 @@ from .ir import Program
 # Touch order inside one op: its reads, then its writes, then the references it drops.
 _READ, _WRITE, _FREE = 0, 1, 2
 _UNTOUCHED = np.iinfo(np.int64).max
+_ID = attrgetter("_id")
 
 
 @dataclass(slots=True)
 class CompiledProgram:
     """A program flattened to arrays: one row per storage, one entry per op."""
 
-    storage_names: list[str]
-    storage_index: dict[str, int]
+    storage_names: list[str]   # by id; ids that are no storage (views) are never touched
     sizes: np.ndarray          # int64 bytes per storage (largest tensor on it)
     persistent: np.ndarray     # bool per storage
     first_op: np.ndarray       # int64 op index of the first touch (-1 untouched)
@@ -48,31 +50,78 @@ class CompiledProgram:
     last_op: np.ndarray        # int64 op index of the last touch (-1 untouched)
     touched: np.ndarray        # bool per storage
     workspace: np.ndarray      # int64 per op
+    tensors: list = field(repr=False)            # the program's tensors, in id order
+    by_name: dict = field(repr=False)            # the program's name -> tensor dict
+    extra_storages: dict = field(repr=False)     # storage names no tensor is named after -> id
+
+    def storage_id(self, name: str) -> int | None:
+        """Id of the storage called `name` (storage ids are the ids of same-named tensors)."""
+        t = self.by_name.get(name)
+        if t is None:
+            return self.extra_storages.get(name)
+        i = t._id
+        if not (0 <= i < len(self.tensors) and self.tensors[i] is t):
+            # the id stamp was overwritten by another program sharing this tensor: restamp
+            for k, u in enumerate(self.tensors):
+                u._id = k
+            i = t._id
+        return i
 
 
 def compile_program(program: Program) -> CompiledProgram:
     """Flatten `program` to arrays (cached on the program until it changes)."""
     cached = program._compiled
-    if cached is not None:
-        return cached
-    tensors = list(program.tensors.values())
-    # Group tensors by storage: a storage is as large as its largest tensor (a view is never
-    # larger than its base) and persistent if any tensor on it is. map/attrgetter keep the
-    # per-tensor work in C: this runs once per program, over up to millions of tensors.
+    if cached is None:
+        # The flattening makes a few large lists and no cycles; with millions of live objects
+        # around, the cyclic collector would rescan the heap several times meanwhile.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            cached = program._compiled = _flatten(program)
+        finally:
+            if paused:
+                gc.enable()
+    return cached
+
+
+def _flatten(program: Program) -> CompiledProgram:
+    by_name = program.tensors
+    tensors = list(by_name.values())
+    n_tensors = len(tensors)
+    # Ids: tensor i has id i (stamped on the tensor for the duration of this call, so a touch
+    # resolves with one lookup in the program's own dict); a storage's id is the id of the
+    # tensor of the same name (most tensors are their own storage), or a new id after the
+    # tensors when no tensor has its name. Ids that are nobody's storage stay untouched and
+    # are ignored. Per-tensor and per-touch work goes through map()/numpy: this runs over
+    # millions of tensors.
+    for i, t in enumerate(tensors):
+        t._id = i
+    names = list(by_name)
     tensor_storages = list(map(attrgetter("storage"), tensors))
-    names = list(dict.fromkeys(tensor_storages))
-    index = {n: i for i, n in enumerate(names)}
-    tensor_storage = np.fromiter(map(index.__getitem__, tensor_storages), dtype=np.int64, count=len(tensors))
-    tensor_sid = dict(zip(program.tensors, tensor_storage.tolist()))
+    tensor_storage = np.arange(n_tensors, dtype=np.int64)
+    moved = np.flatnonzero(~np.fromiter(map(operator.eq, tensor_storages, names), dtype=bool, count=n_tensors))
+    extra: dict[str, int] = {}
+    for i in moved.tolist():  # views and in-place results: their base's id
+        st = tensor_storages[i]
+        base = by_name.get(st)
+        if base is not None:
+            tensor_storage[i] = base._id
+        else:
+            if st not in extra:
+                extra[st] = len(names)
+                names.append(st)
+            tensor_storage[i] = extra[st]
     try:
-        tensor_bytes = np.fromiter(map(attrgetter("_nbytes"), tensors), dtype=np.int64, count=len(tensors))
+        tensor_bytes = np.fromiter(map(attrgetter("_nbytes"), tensors), dtype=np.int64, count=n_tensors)
     except TypeError:  # a size is not cached: compute each (raises on an unknown dimension)
         tensor_bytes = np.asarray([t.nbytes for t in tensors], dtype=np.int64)
+    # A storage is as large as its largest tensor (a view is never larger than its base) and
+    # persistent if any tensor on it is.
     n_storages = len(names)
     sizes = np.zeros(n_storages, dtype=np.int64)
     np.maximum.at(sizes, tensor_storage, tensor_bytes)
     persistent = np.zeros(n_storages, dtype=bool)
-    persistent[tensor_storage[np.fromiter(map(attrgetter("persistent"), tensors), dtype=bool, count=len(tensors))]] = True
+    persistent[tensor_storage[np.fromiter(map(attrgetter("persistent"), tensors), dtype=bool, count=n_tensors)]] = True
 
     ops = program.ops
     n_ops = len(ops)
@@ -90,11 +139,12 @@ def compile_program(program: Program) -> CompiledProgram:
         counts = np.fromiter(map(len, groups), dtype=np.int64, count=n_ops)
         total = int(counts.sum())
         try:
-            sids.append(np.fromiter(map(tensor_sid.__getitem__, chain.from_iterable(groups)),
-                                    dtype=np.int64, count=total))
+            tids = np.fromiter(map(_ID, map(by_name.__getitem__, chain.from_iterable(groups))),
+                               dtype=np.int64, count=total)
         except KeyError:
             program.validate()  # names the op and the undeclared tensor
             raise
+        sids.append(tensor_storage[tids])
         keys.append(np.repeat(op_ids, counts) * 3 + kind)
     sid_all = np.concatenate(sids)
     key_all = np.concatenate(keys)
@@ -107,7 +157,6 @@ def compile_program(program: Program) -> CompiledProgram:
 
     compiled = CompiledProgram(
         storage_names=names,
-        storage_index=index,
         sizes=sizes,
         persistent=persistent,
         first_op=np.where(touched, first_key // 3, -1),
@@ -115,8 +164,10 @@ def compile_program(program: Program) -> CompiledProgram:
         last_op=np.where(touched, last_key // 3, -1),
         touched=touched,
         workspace=np.fromiter(map(attrgetter("workspace_bytes"), ops), dtype=np.int64, count=n_ops),
+        tensors=tensors,
+        by_name=by_name,
+        extra_storages=extra,
     )
-    program._compiled = compiled
     return compiled
 
 
@@ -151,9 +202,9 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
     n_ops = len(program.ops)
     live_on_entry = list(live_on_entry)
     entry = np.zeros(len(c.storage_names), dtype=bool)
-    _mark(entry, c.storage_index, live_on_entry)
+    _mark(entry, c, live_on_entry)
     kept = c.persistent.copy()
-    _mark(kept, c.storage_index, keep)
+    _mark(kept, c, keep)
 
     sizes = c.sizes if granularity <= 1 else -(-c.sizes // granularity) * granularity
     allocated = c.first_is_write & ~entry
@@ -172,9 +223,8 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
     if peak == 0:
         peak_op = -1
     names = c.storage_names
-    index = c.storage_index
     # Only the (usually few) storages alive on entry or kept need names: no set over all.
-    live_after = {n for n in live_on_entry if n not in index or not freed[index[n]]}
+    live_after = {n for n in live_on_entry if (i := c.storage_id(n)) is None or not freed[i]}
     live_after.update(names[i] for i in np.flatnonzero(allocated & ~freed))
     return ProgramMemory(
         name=program.name, net_bytes=net, peak_bytes=peak, peak_op=peak_op,
@@ -184,9 +234,9 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
         during=during, after=after)
 
 
-def _mark(mask: np.ndarray, index: dict[str, int], names: Iterable[str]) -> None:
+def _mark(mask: np.ndarray, c: CompiledProgram, names: Iterable[str]) -> None:
     for n in names:
-        i = index.get(n)
+        i = c.storage_id(n)
         if i is not None:
             mask[i] = True
 

@@ -36,7 +36,7 @@ class PipelineMemoryEstimator:
         programs = [type_to_program[t] for t in program_types]
         for t, prog, keep in zip(program_types, programs, retention_sets(programs)):
             c = compile_program(prog)
-            self.type_to_skip_gc_vars[t] = {s: int(c.sizes[c.storage_index[s]]) for s in sorted(keep)}
+            self.type_to_skip_gc_vars[t] = {s: int(c.sizes[c.storage_id(s)]) for s in sorted(keep)}
 
     def estimate_memory(self, program: Program, program_type: str, dist_context=None) -> tuple[int, int]:
         """(net change, peak above the start) of `program` run as `program_type`.
