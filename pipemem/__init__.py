@@ -10,6 +10,9 @@ from .errors import UserError  # noqa: E402
 from .ir import Op, Program, Tensor, TensorKind, load_programs, save_programs  # noqa: E402
 from .liveness import analyze_program, analyze_sequence  # noqa: E402
 from .pipeline_estimator import PipelineMemoryEstimator  # noqa: E402
+# Eager on purpose: importing the submodule `pipemem.estimate` (the CLI does) would otherwise
+# bind the package attribute to the module. It imports no torch.
+from .estimate import Estimate, estimate  # noqa: E402
 
 __all__ = ["UserError", "Op", "Program", "Tensor", "TensorKind", "load_programs", "save_programs",
-           "analyze_program", "analyze_sequence", "PipelineMemoryEstimator"]
+           "analyze_program", "analyze_sequence", "PipelineMemoryEstimator", "Estimate", "estimate"]

@@ -19,8 +19,7 @@ from .plan import ParallelPlan
 MODES = ("templates", "traced")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name")
-JOB_KEYS = ("F", "B", "W", "optimizer")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag")
 
 
 @dataclass
@@ -88,6 +87,8 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     explain: Any = None            # stages.layer_explain rows when asked for
     world_size: int = 1
+    inputs: tuple | None = field(default=None, repr=False)   # (model, kwargs) as given to estimate()
+    suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
 
     @property
     def max_peak_allocated_bytes(self) -> int:
@@ -130,13 +131,19 @@ class Estimate:
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
+            "suggestions": list(self.suggestions),
             "warnings": list(self.warnings),
         }
+
+    def suggest(self, limit: int = 2) -> list[dict]:
+        """One-step plan changes that make an OOM plan fit (see suggest_fixes); kept in .suggestions."""
+        self.suggestions = suggest_fixes(self, limit)
+        return self.suggestions
 
 
 # ---------------------------------------------------------------- inputs
 
-def resolve_model(model: str | Mapping, name: str = "") -> tuple[str, str, dict]:
+def resolve_model(model: str | Mapping, name: str = "", flag: str = "--model") -> tuple[str, str, dict]:
     """Preset name / hub alias / config path / config dict -> (name, source, HF config dict)."""
     from .presets import load_model_config
 
@@ -146,7 +153,7 @@ def resolve_model(model: str | Mapping, name: str = "") -> tuple[str, str, dict]
     if not isinstance(model, str):
         raise UserError(f"model must be a preset name, a config.json path or a config dict, "
                         f"got {type(model).__name__}")
-    display, cfg = load_model_config(model)
+    display, cfg = load_model_config(model, flag)
     return name or display, str(cfg.get("_pipemem_source") or model), cfg
 
 
@@ -200,7 +207,7 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
     if policy not in KERNEL_POLICIES:
         raise UserError(f"--kernel-policy {policy!r}: expected one of {', '.join(KERNEL_POLICIES)}")
     gpu_name, gpu_bytes = gpu_capacity(opts.get("gpu"), opts.get("gpu_memory"))
-    name, source, config = resolve_model(model, opts.get("model_name") or "")
+    name, source, config = resolve_model(model, opts.get("model_name") or "", opts.get("model_flag") or "--model")
 
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
     if isinstance(plan_kw.get("pp_layout"), list):
@@ -214,8 +221,11 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
     except TypeError as e:   # a wrong type slipped through from the Python API
         raise UserError(f"estimate(): {e}") from None
     if mode == "traced":
-        return _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
-    return _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
+        est = _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
+    else:
+        est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
+    est.inputs = (model, dict(kwargs))
+    return est
 
 
 def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
@@ -247,7 +257,7 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
 
 
 def _world(plan: ParallelPlan) -> int:
-    return plan.dp * plan.tp * plan.pp * plan.cp
+    return plan.world
 
 
 def _rank_from_replay(r, schedule, stage_plan) -> RankEstimate:
@@ -299,20 +309,81 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
         raise UserError("--mode traced runs one whole model on one rank: use --pp 1 (templates mode "
                         "handles pipeline parallelism)")
     plan = validate_plan(arch, plan)
-    from .traced import traced_estimate
+    if plan.layers is not None and plan.layers != arch.layers:
+        arch = arch.with_layers(plan.layers)
+    try:
+        from .traced import traced_estimate
+        t = traced_estimate(config, plan, policy)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("torch", "transformers"):
+            raise UserError(f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
+                            "(or use the default --mode templates)") from None
+        raise
+    from .replay import replay
+    from .schedules import get_schedule
 
-    t = traced_estimate(config, plan, policy)
-    jobs = {k: None for k in ("F", "B", "I", "W")}
-    tj = getattr(t, "jobs", {}) or {}
-    for k, v in (tj.items() if isinstance(tj, Mapping) else []):
-        if k in jobs:
-            jobs[k] = v
-    jobs["optimizer"] = getattr(t, "optimizer", None)
-    static = t.static
-    act = getattr(t, "activation_hwm_bytes", None) or 0
-    rank = RankEstimate(pp_rank=0, static=static, peak_allocated_bytes=int(t.peak_allocated_bytes),
-                        peak_at=str(t.peak_at), activation_hwm_bytes=int(act), inflight=1, jobs=jobs,
-                        stages=[0], timeline=_timeline(t))
+    sj = t.jobs
+    jobs = {"F": sj.F, "B": sj.B, "I": sj.I, "W": sj.W, "optimizer": t.optimizer}
+    # The traced step is one microbatch's forward, backward and optimizer step; replaying it
+    # as a one-microbatch schedule gives the per-action timeline for the plot.
+    rep = replay(get_schedule("1F1B", 1, 1), {0: sj}, [t.static],
+                 optimizer_jobs=[t.optimizer] if t.optimizer is not None else None, simulate_time=False).ranks[0]
+    warnings = ["traced mode: one training step as recorded (first step: gradients are created in backward "
+                "and optimizer states in the optimizer step, so they count under 'transient')"]
+    if (plan.microbatches or 1) > 1:
+        warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
+                        "not replayed")
+    # what the forward keeps for backward (one microbatch in flight)
+    rank = RankEstimate(pp_rank=0, static=t.static, peak_allocated_bytes=int(t.peak_allocated_bytes),
+                        peak_at=str(t.peak_at), activation_hwm_bytes=int(sj.F.net_bytes), inflight=1, jobs=jobs,
+                        stages=[0], stage_jobs=[{"stage": 0, "layers": list(sj.layers),
+                                                 "F": sj.F.to_dict(), "B": sj.B.to_dict()}],
+                        timeline=_timeline(rep))
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
-                    schedule="none (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
-                    world_size=_world(plan))
+                    schedule="one step (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
+                    warnings=warnings, world_size=_world(plan))
+
+
+# ---------------------------------------------------------------- what would fit
+
+def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
+    """For a plan that does not fit: re-run the engine on a few one-step changes (on the same
+    number of GPUs) and return those that fit, or the best one if none does:
+    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}]."""
+    if est.fits is not False or est.inputs is None or est.mode != "templates":
+        return []
+    model, kw = est.inputs
+    kw = {k: v for k, v in kw.items() if k != "explain"}
+    p = est.plan
+    cands: list[tuple[str, dict]] = []
+    if p.recompute == "none":
+        cands.append(("--recompute selective", {"recompute": "selective"}))
+    if p.recompute != "full" or p.recompute_layers is not None:
+        cands.append(("--recompute full", {"recompute": "full", "recompute_layers": None}))
+    if p.tp > 1 and not p.sp:
+        cands.append(("--sp", {"sp": True}))
+    if p.dp > 1 and not (p.zero or p.fsdp or p.dist_opt):
+        cands.append(("--dist-opt", {"dist_opt": True}) if p.convention == "megatron" else ("--zero 1", {"zero": 1}))
+    if p.micro_batch > 1:
+        half = p.micro_batch // 2
+        change = {"micro_batch": half}
+        if "global_batch" not in kw:
+            change["microbatches"] = p.microbatches * p.micro_batch // half
+        cands.append((f"--micro-batch {half}", change))
+    if p.dp % 2 == 0:   # same GPUs: trade data parallelism for model parallelism
+        cands.append((f"--tp {p.tp * 2} --dp {p.dp // 2}", {"tp": p.tp * 2, "dp": p.dp // 2}))
+        cands.append((f"--pp {p.pp * 2} --dp {p.dp // 2}", {"pp": p.pp * 2, "dp": p.dp // 2, "pp_layout": None}))
+    tried = []
+    for flags, change in cands:
+        trial = dict(kw)
+        trial.update(change)
+        trial = {k: v for k, v in trial.items() if v is not None}
+        try:
+            e = estimate(model, **trial)
+        except UserError:
+            continue    # not a valid plan for this model (e.g. tp would not divide the heads)
+        tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes, "fits": bool(e.fits)})
+    fitting = [t for t in tried if t["fits"]]
+    if fitting:
+        return fitting[:limit]
+    return sorted(tried, key=lambda t: t["max_peak_allocated_bytes"])[:1]

@@ -278,3 +278,18 @@ def test_torchtitan_bad_inputs(tmp_path, text, match):
 def test_torchtitan_missing_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
         read_torchtitan(str(tmp_path / "none.toml"))
+
+
+def test_paddlenlp_recompute_allgather_and_vpp():
+    tc = read_paddlenlp(["--model_name_or_path", "llama2-13b", "--tensor_parallel_degree", "4", "--sequence_parallel",
+                         "1", "--tensor_parallel_config", "enable_mp_async_allreduce recompute_allgather",
+                         "--pipeline_parallel_degree", "2", "--virtual_pp_degree", "2",
+                         "--pipeline_schedule_mode", "VPP", "--bf16", "true"])
+    p = tc.plan
+    assert p["recompute_allgather"] is True and p["sp"] is True and p["vpp"] == 2 and p["schedule"] == "VPP"
+    assert "recompute_allgather" not in read_paddlenlp(["--model_name_or_path", "x"]).plan
+
+
+def test_readers_unpack_as_model_plan_warnings():
+    model, plan, warnings = read_paddlenlp(seed_tokens())
+    assert model == "facebook/llama-7b" and plan["pp"] == 4 and warnings == []

@@ -2,7 +2,6 @@
 carry the device totals, and unknown names fail with close matches."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ REQUIRED_GPUS = {"a100-40g", "a100-80g", "h100-80g", "h100-94g", "h200", "b200",
 
 # Published shapes (layers, hidden, heads, kv heads, ffn or expert ffn, vocab, experts, top-k),
 # typed from the model cards / papers, not from our files: Llama 2 paper Table 1 + HF configs,
-# Llama 3 / 3.1 model cards, Mistral & Mixtral announcements, Qwen2.5 / Qwen3 technical reports,
+# Llama 3 / 3.1 / 3.2 model cards, Mistral & Mixtral announcements, Qwen2.5 / Qwen3 technical reports,
 # GPT-2 paper Table 2, GPT-3 paper Table 2.1.
 PUBLISHED = {
     "llama2-7b": (32, 4096, 32, 32, 11008, 32000, 0, 0),
@@ -26,6 +25,8 @@ PUBLISHED = {
     "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 0, 0),
     "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 0, 0),
     "llama3.1-405b": (126, 16384, 128, 8, 53248, 128256, 0, 0),
+    "llama3.2-1b": (16, 2048, 32, 8, 8192, 128256, 0, 0),
+    "llama3.2-3b": (28, 3072, 24, 8, 8192, 128256, 0, 0),
     "mistral-7b": (32, 4096, 32, 8, 14336, 32000, 0, 0),
     "mixtral-8x7b": (32, 4096, 32, 8, 14336, 32000, 8, 2),
     "mixtral-8x22b": (56, 6144, 48, 8, 16384, 32768, 8, 2),
@@ -44,7 +45,9 @@ PUBLISHED_PARAMS = {
     "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
-    "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512,
+    "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+    "llama3.1-405b": 405_853_388_800, "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
+    "mixtral-8x22b": 140_630_071_296, "qwen3-30b-a3b": 30_532_122_624,
 }
 
 

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from pipemem.report.text import table_rows
+
 from pipemem.estimate import Estimate, RankEstimate, TimelinePoint
 from pipemem.jobs import JobMemory, StaticBytes
 from pipemem.model import arch_from_hf_config
@@ -36,7 +38,7 @@ def est(peaks, gpu=80 * GiB, name="h100-80g"):
 
 def test_table_has_one_row_per_rank_and_fits_verdict():
     out = render_to_string(est([40, 35, 30, 31]))
-    rows = [l for l in out.splitlines() if l.startswith("│")]
+    rows = table_rows(out)
     assert len(rows) == 4
     assert "FITS" in out and "OOM" not in out
     # worst rank 0: 40 GiB of 80 GiB -> 50 %, 40 GiB headroom
@@ -114,6 +116,7 @@ def test_html_plot_is_self_contained(tmp_path):
     write_plot(est([40, 90]), str(p))
     text = p.read_text()
     assert text.count('<svg class="rank"') == 2 and "<script>" in text
+    assert text.count("<tr") == 3 and text.count('<tr class="oom">') == 1   # header + 2 ranks; rank 1 over 80 GiB
     assert "src=" not in text and "href=" not in text and "@import" not in text
     data = json.loads(text.split('id="pipemem-data">')[1].split("</script>")[0])
     assert data["ranks"][1]["actions"][1][2] == 90 * GiB

@@ -15,9 +15,11 @@ examples:
   pipemem estimate --model ./my_model/config.json --seq-len 8192 --tp 4 --pp 2 --vpp 2 --plot mem.html
   pipemem estimate --gpu h100-80g --from-megatron -- --num-layers 32 --hidden-size 4096 \\
       --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 \\
-      --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --swiglu --bf16 --tokenizer-type Llama2Tokenizer
+      --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --swiglu --normalization RMSNorm --bf16 \\
+      --tokenizer-type Llama2Tokenizer
   pipemem estimate --gpu gtx1080ti --from-paddlenlp -- --model_name_or_path facebook/llama-7b \\
-      --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4
+      --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
+      --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
@@ -59,7 +61,7 @@ def register(sub) -> None:
                        ("--ep", "expert")):
         par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
     par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
-    _bool_flag(par, "--sp", "sequence parallelism (default: on with tp > 1 in the megatron convention)")
+    _bool_flag(par, "--sp", "sequence parallelism (default: on when tp > 1)")
     par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
     par.add_argument("--schedule", metavar="NAME",
                      help="pipeline schedule (1F1B, GPipe, Interleaved1F1B, ZBH1, ZBVZeroBubble, DualPipeV, "
@@ -146,6 +148,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     plan = merge(tool, flags)
     if tool.model_name:
         opts["model_name"] = tool.model_name
+    if args.from_paddlenlp:
+        opts["model_flag"] = "PaddleNLP --model_name_or_path"
     if tool.tool == "torchtitan":
         from ..configs.torchtitan import finish_plan
         from ..estimate import resolve_model
@@ -195,6 +199,13 @@ def run(args) -> int:
         _check_plot_path(args.plot)
     est = estimate(model, **plan, **{k: v for k, v in opts.items() if v is not None})
     est.warnings = warnings + list(est.warnings)
+    if est.fits is False:
+        est.suggest()    # a few one-step changes, each estimated by the engine
+        tool = ("Megatron" if args.from_megatron else "PaddleNLP" if args.from_paddlenlp
+                else "torchtitan" if args.from_torchtitan else None)
+        if tool and est.suggestions:
+            est.warnings.append(f"the suggested changes are written as pipemem flags; make the same change in "
+                                f"the {tool} configuration")
     for w in est.warnings:
         print(f"pipemem: warning: {w}", file=sys.stderr)
     if args.json:

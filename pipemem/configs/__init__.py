@@ -25,6 +25,10 @@ class ToolConfig:
     def as_tuple(self):
         return self.model, self.plan, self.warnings
 
+    def __iter__(self):
+        """`model, plan, warnings = read_megatron(argv)` works too."""
+        return iter(self.as_tuple())
+
 
 def read_megatron(argv: list[str]) -> ToolConfig:
     from .megatron import read

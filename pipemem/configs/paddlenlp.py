@@ -22,7 +22,7 @@ KNOWN = {
     "sep_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
     "sequence_parallel", "fp16", "bf16", "fp16_opt_level", "recompute", "recompute_granularity",
     "pp_recompute_interval", "use_flash_attention", "pipeline_schedule_mode", "num_hidden_layers",
-    "global_batch_size", "amp_master_grad", "optim", "world_size",
+    "global_batch_size", "amp_master_grad", "optim", "world_size", "tensor_parallel_config",
 }
 # Arguments that do not change the estimate (paths, logging, schedule of the LR, fusions
 # whose saved tensors equal the unfused ones' in our model).
@@ -35,7 +35,7 @@ IGNORED = {
     "use_fused_rope", "use_fused_linear", "fuse_attention_qkv", "fuse_attention_ffn", "seed",
     "skip_memory_metrics", "data_cache", "lr_scheduler_type", "adam_beta1", "adam_beta2",
     "adam_epsilon", "save_total_limit", "logging_dir", "overwrite_output_dir", "num_train_epochs",
-    "run_name", "to_static", "skip_profile_timer", "tensor_parallel_config", "pipeline_parallel_config",
+    "run_name", "to_static", "skip_profile_timer", "pipeline_parallel_config",
     "sharding_parallel_config", "data_parallel_config", "recompute_use_reentrant", "unified_checkpoint",
     "save_strategy", "evaluation_strategy", "eval_accumulation_steps", "max_evaluate_steps",
     "use_fast_layer_norm", "virtual_pipeline_seg_method", "distributed_dataloader",
@@ -108,6 +108,10 @@ def read(argv: list[str]) -> ToolConfig:
     sp = a.bool("sequence_parallel")
     if sp is not None:
         plan["sp"] = sp
+    # Fleet's MpConfig.recompute_allgather (Paddle PR #64244), passed as a tensor_parallel_config word
+    tp_config = (a.str("tensor_parallel_config") or "").replace(",", " ").split()
+    if any(w in ("recompute_allgather", "enable_recompute_allgather") for w in tp_config):
+        plan["recompute_allgather"] = True
 
     fp16 = a.bool("fp16")
     bf16 = a.bool("bf16")

@@ -138,13 +138,14 @@ def read(path: str) -> ToolConfig:
     elif mode == "selective":
         option = str(ac.get("selective_ac_option", "op")).lower()
         if option == "op":
+            # under the torchtitan convention, --recompute selective is torchtitan's op-level
+            # policy (pipemem/templates/layers.py: matmuls and attention kept, the rest recomputed)
             plan["recompute"] = "selective"
         elif option.isdigit() and int(option) > 0:
             plan["recompute"] = "full"
             plan["_every_nth_layer"] = int(option)
-            warnings.append(f"{TOOL}: selective_ac_option {option} (full checkpoint of every {option}th "
-                            "layer) is modelled with --recompute-layers = layers per stage / "
-                            f"{option}")
+            warnings.append(f"{TOOL}: selective_ac_option {option} (a full checkpoint on one layer in "
+                            f"{option}) is modelled with --recompute-layers = layers per stage / {option}")
         else:
             raise UserError(f"{path}: [activation_checkpoint] selective_ac_option {option!r}: expected 'op' "
                             "or a positive integer")
@@ -177,7 +178,10 @@ def finish_plan(plan: dict, layers: int) -> dict:
     nth = plan.pop("_every_nth_layer", None)
     if nth:
         per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))
-        plan["recompute_layers"] = max(0, per_stage // nth)
+        if per_stage // nth:
+            plan["recompute_layers"] = per_stage // nth
+        else:   # fewer layers per stage than the checkpoint period: nothing is checkpointed
+            plan["recompute"] = "none"
     return plan
 
 

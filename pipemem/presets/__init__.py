@@ -36,6 +36,8 @@ ALIASES = {
     "meta-llama/llama-3.1-70b": "llama3-70b",
     "meta-llama/llama-3.1-405b": "llama3.1-405b",
     "meta-llama/meta-llama-3.1-405b": "llama3.1-405b",
+    "meta-llama/llama-3.2-1b": "llama3.2-1b",
+    "meta-llama/llama-3.2-3b": "llama3.2-3b",
     "mistralai/mistral-7b-v0.1": "mistral-7b",
     "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
@@ -93,19 +95,19 @@ def preset_source(name: str) -> str:
     return load_model_config(name)[1].get("_pipemem_source", "")
 
 
-def load_model_config(name_or_path: str) -> tuple[str, dict]:
+def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, dict]:
     """A preset name, a known hub id, a config.json path or a directory holding one ->
-    (display name, HF-style config dict)."""
+    (display name, HF-style config dict). `flag` names the input in error messages."""
     text = str(name_or_path).strip()
     if not text:
-        raise UserError("--model: empty; give a preset name (pipemem presets) or a path to a config.json")
+        raise UserError(f"{flag}: empty; give a preset name (pipemem presets) or a path to a config.json")
     path = Path(text).expanduser()
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
-            raise UserError(f"--model {text}: directory has no config.json")
+            raise UserError(f"{flag} {text}: directory has no config.json")
     if path.is_file():
-        return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path)
+        return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
     preset = _MODELS / f"{key}.json"
@@ -113,23 +115,23 @@ def load_model_config(name_or_path: str) -> tuple[str, dict]:
         with open(preset, encoding="utf-8") as f:
             return key, json.load(f)
     if text.endswith(".json") or text.startswith((".", "/", "~")):
-        raise UserError(f"--model {text}: file not found")
-    raise UserError(f"--model {text!r}: not a preset, known hub id or file"
+        raise UserError(f"{flag} {text}: file not found")
+    raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"
                     f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
                     f"or pass a path to a config.json (nothing is downloaded)")
 
 
-def read_config_file(path: str | Path) -> dict:
+def read_config_file(path: str | Path, flag: str = "--model") -> dict:
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except OSError as e:
-        raise UserError(f"--model {path}: cannot read ({e.strerror})") from None
+        raise UserError(f"{flag} {path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"--model {path}: not valid JSON ({e}); expected a Hugging Face config.json") from None
+        raise UserError(f"{flag} {path}: not valid JSON ({e}); expected a Hugging Face config.json") from None
     if not isinstance(cfg, dict):
-        raise UserError(f"--model {path}: expected a JSON object (a Hugging Face config.json), "
+        raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json), "
                         f"got {type(cfg).__name__}")
     return cfg
 

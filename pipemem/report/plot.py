@@ -85,20 +85,21 @@ def _png(est, path: Path) -> None:
         if ys:
             over = gpu is not None and ys[k] > gpu
             ax.plot([xs[k]], [ys_g[k]], marker="v", color="#b00020" if over else "black", ms=7)
+            right = xs[k] > 0.7 * xs[-1]     # keep the label inside the panel
             ax.annotate(f"peak {fmt_bytes(ys[k])} at {labels[k]}", (xs[k], ys_g[k]), textcoords="offset points",
-                        xytext=(6, 4), fontsize=8)
+                        xytext=(-6, 4) if right else (6, 4), ha="right" if right else "left", fontsize=8)
         ax.set_ylim(0, top)
         ax.set_xlim(0, max(xs[-1] if xs else 1, 1))
         ax.set_ylabel(f"rank {r.pp_rank}\nGiB", fontsize=8)
         ax.tick_params(labelsize=7)
+    height = 1.9 * n + 1.2
     fig.suptitle(f"{est.model_name}: allocated memory per pipeline rank over the schedule ({est.schedule})",
-                 fontsize=10)
+                 fontsize=10, y=1 - 0.12 / height)
     axes[-1, 0].set_xlabel("actions on the rank, in schedule order", fontsize=8)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    top_frac = 1 - 0.75 / (1.9 * n + 1.2)
     fig.legend(handles, labels, loc="upper center", fontsize=7, ncol=4, frameon=False,
-               bbox_to_anchor=(0.5, top_frac + 0.01))
-    fig.tight_layout(rect=(0, 0, 1, top_frac - 0.01))
+               bbox_to_anchor=(0.5, 1 - 0.38 / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.65 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -157,12 +158,15 @@ h1 {{ font-size: 17px; margin: 0 0 4px; }} .plan {{ color: #666; margin-bottom: 
 .verdict {{ margin: 8px 0 14px; font-weight: 600; }} svg.rank {{ display: block; margin-bottom: 6px; width: 100%;
 max-width: {_W}px; height: auto; }} #tip {{ position: absolute; display: none; background: #222; color: #fff;
 padding: 4px 7px; border-radius: 4px; font-size: 12px; pointer-events: none; }}
-.legend span {{ margin-right: 14px; }} .sw {{ display: inline-block; width: 11px; height: 11px; margin-right: 4px;
+.legend span {{ margin-right: 14px; }} table {{ border-collapse: collapse; margin-bottom: 12px; }}
+td, th {{ padding: 2px 10px; text-align: right; border-bottom: 1px solid #ddd; }} tr.oom td {{ color: #b00020;
+font-weight: 600; }} .sw {{ display: inline-block; width: 11px; height: 11px; margin-right: 4px;
 vertical-align: -1px; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <div class="plan">{html.escape(describe_plan(est))}</div>
 <div class="verdict">{html.escape(verdict(est))}</div>
+{_html_table(est)}
 <div class="legend"><span><i class="sw" style="background:#9db4d0"></i>static (params, grads, optimizer)</span>
 <span><i class="sw" style="background:#f2b36b"></i>activations + transient</span>
 <span><i class="sw" style="background:#b00020"></i>GPU capacity / peak</span></div>
@@ -205,9 +209,11 @@ def _svg_panel(idx, r, tl, n, top, gpu, gpu_name, plot_w) -> str:
         px, py = X(k + 0.5), Y(tl[k][2])
         over = gpu is not None and tl[k][2] > gpu
         color = "#b00020" if over else "#000"
+        right = px > _PAD_L + 0.7 * plot_w     # keep the label inside the panel
+        tx, anchor = (px - 8, "end") if right else (px + 8, "start")
         parts.append(f'<path d="M{px - 5:.1f},{py - 9:.1f} L{px + 5:.1f},{py - 9:.1f} L{px:.1f},{py - 1:.1f} Z" '
-                     f'fill="{color}"/><text x="{px + 8:.1f}" y="{py - 3:.1f}" font-size="10" fill="{color}">'
-                     f'peak {fmt_bytes(tl[k][2])} at {html.escape(tl[k][0])}</text>')
+                     f'fill="{color}"/><text x="{tx:.1f}" y="{max(py - 3, 10):.1f}" text-anchor="{anchor}" '
+                     f'font-size="10" fill="{color}">peak {fmt_bytes(tl[k][2])} at {html.escape(tl[k][0])}</text>')
     for frac in (0, 0.5, 1):
         b = top / 1.08 * frac
         parts.append(f'<text x="{_PAD_L - 6}" y="{Y(b) + 3:.1f}" text-anchor="end" font-size="10" '
@@ -218,3 +224,20 @@ def _svg_panel(idx, r, tl, n, top, gpu, gpu_name, plot_w) -> str:
                  f'<line class="cursor" x1="0" x2="0" y1="{_PAD_T}" y2="{Y(0):.1f}" stroke="#444" '
                  f'stroke-width="0.7" style="display:none"/></svg>')
     return "\n".join(p for p in parts if p)
+
+
+def _html_table(est) -> str:
+    gpu = est.gpu_memory_bytes
+    head = ("rank", "params", "grads", "optimizer", "activations (in flight)", "transient", "peak", "headroom",
+            "peak at")
+    rows = []
+    for r in est.ranks:
+        room = r.headroom(gpu)
+        room_txt = "-" if room is None else (f"OOM by {fmt_bytes(-room)}" if room < 0 else fmt_bytes(room))
+        cells = (str(r.pp_rank), fmt_bytes(r.static.params), fmt_bytes(r.static.grads), fmt_bytes(r.static.optimizer),
+                 f"{fmt_bytes(r.activation_hwm_bytes)} ({r.inflight} mb)", fmt_bytes(r.transient_bytes),
+                 fmt_bytes(r.peak_allocated_bytes), room_txt, str(r.peak_at))
+        cls = ' class="oom"' if room is not None and room < 0 else ""
+        rows.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+            + "".join(rows) + "</table>")

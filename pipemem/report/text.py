@@ -11,7 +11,7 @@ import io
 import os
 import shutil
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from ..units import fmt_bytes
 
@@ -56,8 +56,9 @@ def describe_plan(est) -> str:
     prec = p.dtype + ("" if p.dtype == "fp32" else (" + fp32 master" if p.master_weights else " (no master)"))
     rec = f"recompute {p.recompute}" + (f" ({p.recompute_layers} layers/stage)"
                                         if p.recompute_layers is not None and p.recompute != "none" else "")
+    framework = "HF modules, traced" if est.mode == "traced" else f"{p.convention} convention"
     bits = [" ".join(parts)] + shard + [est.schedule, batch, prec, p.optimizer, rec,
-                                         "flash-attn" if p.flash_attn else "no flash-attn", f"{p.convention} convention"]
+                                         "flash-attn" if p.flash_attn else "no flash-attn", framework]
     return ", ".join(bits)
 
 
@@ -71,11 +72,14 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
     con.print(Text(f"{est.model_name}: {est.world_size} GPUs, {gpu_txt}", style="bold"))
     con.print(Text(describe_plan(est), style=DIM))
     if est.mode == "traced":
-        con.print(Text("traced mode: the real training step recorded on fake tensors", style=DIM))
+        con.print(Text("traced mode: the real PyTorch training step recorded on fake tensors", style=DIM))
 
-    t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False)
+    from rich import box
+
+    t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False, box=box.SIMPLE_HEAD,
+              show_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
     cols = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads", "right"),
-            ("optimizer", "right"), ("activations", "right"), ("in flight", "right"), ("transient", "right"),
+            ("optimizer", "right"), ("activations\n(in flight)", "right"), ("transient", "right"),
             ("peak", "right"), ("headroom", "right"), ("peak at", "left")]
     for name, justify in cols:
         t.add_column(name, justify=justify, no_wrap=True)
@@ -89,7 +93,7 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
         head_txt = "-" if head is None else (f"OOM by {fmt_bytes(-head)}" if head < 0 else fmt_bytes(head))
         t.add_row(str(r.pp_rank), _layers_text(r), fmt_bytes(r.static.params), fmt_bytes(r.static.grads),
                   fmt_bytes(r.static.optimizer),
-                  fmt_bytes(r.activation_hwm_bytes), f"{r.inflight} mb", fmt_bytes(r.transient_bytes),
+                  f"{fmt_bytes(r.activation_hwm_bytes)} ({r.inflight} mb)", fmt_bytes(r.transient_bytes),
                   Text(fmt_bytes(r.peak_allocated_bytes), style=style or "bold"),
                   Text(head_txt, style=style), str(r.peak_at))
     con.print(t)
@@ -98,8 +102,6 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
                    "forward of microbatch 3 on stage 1, B backward, I/W split backward). Allocated bytes, as "
                    "torch.cuda.max_memory_allocated counts them; the allocator's reserve, the CUDA context "
                    "and NCCL buffers come on top.", style=DIM))
-    for w in est.warnings:
-        con.print(Text(f"note: {w}", style=YELLOW))
     con.print(verdict(est, markup=True))
     if explain and est.explain is not None:
         render_explain(est.explain, con)
@@ -149,10 +151,25 @@ def verdict(est, markup: bool = False):
     else:
         over = [r.pp_rank for r in est.ranks if r.peak_allocated_bytes > gpu]
         rank_word = "rank" if len(over) == 1 else "ranks"
-        line = Text.assemble(("OOM", RED), f" on {est.gpu_name}: {rank_word} {_ranges(over)} exceed "
+        verb = "exceeds" if len(over) == 1 else "exceed"
+        line = Text.assemble(("OOM", RED), f" on {est.gpu_name}: {rank_word} {_ranges(over)} {verb} "
                              f"{fmt_bytes(gpu)}; worst is {where}; "
-                             f"{fmt_bytes(worst.peak_allocated_bytes - gpu)} over.{_hint(est, worst)}")
+                             f"{fmt_bytes(worst.peak_allocated_bytes - gpu)} over.{_advice(est, worst)}")
     return line if markup else line.plain
+
+
+def _advice(est, worst) -> str:
+    """Engine-checked alternatives when the CLI computed them, else the levers that apply."""
+    sug = getattr(est, "suggestions", None) or []
+    fit = [x for x in sug if x["fits"]]
+    if fit:
+        return " Fits with " + " or ".join(f"{x['flags']} ({fmt_bytes(x['max_peak_allocated_bytes'])})"
+                                           for x in fit) + "."
+    if sug:
+        x = sug[0]
+        return (f" No single change tried fits; closest: {x['flags']} "
+                f"({fmt_bytes(x['max_peak_allocated_bytes'])}).")
+    return _hint(est, worst)
 
 
 def _hint(est, worst) -> str:
@@ -190,28 +207,44 @@ _BYTES_KEYS = ("bytes", "size", "net_bytes", "peak_bytes")
 
 
 def render_explain(rows: Any, con) -> None:
-    """Rows from stages.layer_explain: a list of dicts (or objects with to_dict), or a dict of
-    sections {title: rows}. Bytes columns are formatted; other values shown as given."""
-    from rich.table import Table
+    """Rows from stages.layer_explain (dicts with tensor, shape, dtype, bytes, why; rows whose
+    tensor is "(...)" describe the layer's transient peaks), or a dict of sections
+    {title: rows or text}. Bytes columns are formatted; other values shown as given."""
     from rich.text import Text
 
-    sections = rows.items() if isinstance(rows, Mapping) else [("what one layer keeps for backward", rows)]
+    if isinstance(rows, Mapping):
+        sections = list(rows.items())
+    else:
+        items = [_as_dict(x) for x in (rows or [])]
+        kept = [r for r in items if not str(r.get("tensor", "")).startswith("(")]
+        peaks = [r for r in items if str(r.get("tensor", "")).startswith("(")]
+        total = sum(r.get("bytes", 0) or 0 for r in kept)
+        sections = [(f"what one layer keeps for backward, per microbatch in flight ({fmt_bytes(total)} in all)",
+                     kept), ("where the layer's transient peaks come from", peaks)]
     for title, part in sections:
         if isinstance(part, str):
             con.print(Text(f"{title}: {part}"))
             continue
-        items = [_as_dict(x) for x in (part or [])]
-        if not items:
-            continue
-        keys: list[str] = []
-        for it in items:
-            keys += [k for k in it if k not in keys]
-        t = Table(title=str(title), title_justify="left", header_style="bold", pad_edge=False)
-        for k in keys:
-            t.add_column(k.replace("_", " "), justify="right" if k in _BYTES_KEYS else "left")
-        for it in items:
-            t.add_row(*[_cell(k, it.get(k)) for k in keys])
-        con.print(t)
+        _explain_table(str(title), [_as_dict(x) for x in (part or [])], con)
+
+
+def _explain_table(title: str, items: list[dict], con) -> None:
+    from rich.table import Table
+
+    if not items:
+        return
+    keys: list[str] = []
+    for it in items:
+        keys += [k for k in it if k not in keys and any(it2.get(k) not in (None, "", [], ()) for it2 in items)]
+    from rich import box
+
+    t = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=box.SIMPLE_HEAD,
+              show_edge=False)
+    for k in keys:
+        t.add_column(k.replace("_", " "), justify="right" if k in _BYTES_KEYS else "left")
+    for it in items:
+        t.add_row(*[_cell(k, it.get(k)) for k in keys])
+    con.print(t)
 
 
 def _as_dict(x) -> dict:
@@ -233,7 +266,7 @@ def _cell(key: str, v) -> str:
     if key in _BYTES_KEYS and isinstance(v, (int, float)):
         return fmt_bytes(v)
     if isinstance(v, (tuple, list)):
-        return "[" + ", ".join(str(x) for x in v) + "]"
+        return "[" + ", ".join(str(x) for x in v) + "]" if v else ""
     return str(v)
 
 
@@ -243,5 +276,8 @@ def render_to_string(est, explain: bool = False) -> str:
     return buf.getvalue()
 
 
-def iter_lines(est) -> Iterable[str]:
-    return render_to_string(est).splitlines()
+def table_rows(text: str) -> list[str]:
+    """The per-rank rows of a rendered report (lines that start with a rank number)."""
+    import re
+
+    return [line for line in text.splitlines() if re.match(r"\s*\d+\s+\S+\s+\d", line) and "B" in line]
