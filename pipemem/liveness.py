@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 import operator
 from operator import attrgetter
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import UserError
 from .ir import Program
 
 # Touch order inside one op: its reads, then its writes, then the references it drops.
@@ -101,16 +100,18 @@ def _flatten(program: Program) -> CompiledProgram:
     tensor_storage = np.arange(n_tensors, dtype=np.int64)
     moved = np.flatnonzero(~np.fromiter(map(operator.eq, tensor_storages, names), dtype=bool, count=n_tensors))
     extra: dict[str, int] = {}
-    for i in moved.tolist():  # views and in-place results: their base's id
-        st = tensor_storages[i]
-        base = by_name.get(st)
-        if base is not None:
-            tensor_storage[i] = base._id
+    if moved.size:  # views and in-place results: their base's id
+        moved_storages = [tensor_storages[i] for i in moved.tolist()]
+        bases = list(map(by_name.get, moved_storages))
+        if any(map(operator.is_, bases, repeat(None))):  # storages named after no tensor: new ids
+            for st, base in zip(moved_storages, bases):
+                if base is None and st not in extra:
+                    extra[st] = len(names)
+                    names.append(st)
+            ids = [extra[st] if base is None else base._id for st, base in zip(moved_storages, bases)]
         else:
-            if st not in extra:
-                extra[st] = len(names)
-                names.append(st)
-            tensor_storage[i] = extra[st]
+            ids = list(map(_ID, bases))
+        tensor_storage[moved] = ids
     try:
         tensor_bytes = np.fromiter(map(attrgetter("_nbytes"), tensors), dtype=np.int64, count=n_tensors)
     except TypeError:  # a size is not cached: compute each (raises on an unknown dimension)

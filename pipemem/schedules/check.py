@@ -206,7 +206,6 @@ def _simulate(schedule: Schedule, times: TimeModel | None) -> Simulation:
 
 
 def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> str:
-    M = schedule.microbatches
     where = {}
     for r, acts in enumerate(schedule.ranks):
         for n, a in enumerate(acts):
