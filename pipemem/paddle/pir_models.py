@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .models import DecoderConfig
+from .models import PIR_OPS, DecoderConfig, decoder_feeds, decoder_loss
 
 
 @dataclass
@@ -57,84 +57,26 @@ def mlp(batch: int = 32, width: int = 64, hidden: int = 256, classes: int = 10) 
 
 def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32) -> PirCase:
     """A causal decoder (GPT or Llama style) with a language-model loss and AdamW."""
-    import numpy as np
     import paddle
-    import paddle.nn.functional as F
-
-    h, nh = cfg.hidden, cfg.heads
-    hd = h // nh
 
     def body(dynamic):
         b, s = (-1, -1) if dynamic else (batch, seq)
         tokens = paddle.static.data("tokens", [b, s], "int64")
         labels = paddle.static.data("labels", [b, s], "int64")
-        x = paddle.nn.Embedding(cfg.vocab, h)(tokens)
-        if cfg.style == "gpt":
-            pos = paddle.static.data("positions", [b, s], "int64")
-            x = x + paddle.nn.Embedding(1024, h)(pos)
+        positions = paddle.static.data("positions", [b, s], "int64") if cfg.style == "gpt" else None
         mask = paddle.static.data("mask", [1, 1, s, s], "float32")
-
-        def norm():
-            return paddle.nn.LayerNorm(h) if cfg.style == "gpt" else _RMSNorm(h)
-
-        for _ in range(cfg.layers):
-            a = norm()(x)
-            qkv = paddle.nn.Linear(h, 3 * h)(a)
-            qkv = paddle.reshape(qkv, [0, 0, 3, nh, hd])
-            qkv = paddle.transpose(qkv, [2, 0, 3, 1, 4])
-            q, k, v = paddle.unbind(qkv, axis=0)
-            scores = paddle.matmul(q, k, transpose_y=True) * (hd ** -0.5) + mask
-            probs = F.softmax(scores, axis=-1)
-            if cfg.dropout:
-                probs = F.dropout(probs, cfg.dropout)
-            ctx = paddle.matmul(probs, v)
-            ctx = paddle.reshape(paddle.transpose(ctx, [0, 2, 1, 3]), [0, 0, h])
-            attn = paddle.nn.Linear(h, h)(ctx)
-            if cfg.dropout:
-                attn = F.dropout(attn, cfg.dropout)
-            x = x + attn
-            m = norm()(x)
-            if cfg.style == "gpt":
-                m = paddle.nn.Linear(cfg.ffn, h)(F.gelu(paddle.nn.Linear(h, cfg.ffn)(m)))
-            else:
-                m = paddle.nn.Linear(cfg.ffn, h)(F.silu(paddle.nn.Linear(h, cfg.ffn)(m))
-                                                 * paddle.nn.Linear(h, cfg.ffn)(m))
-            if cfg.dropout:
-                m = F.dropout(m, cfg.dropout)
-            x = x + m
-        logits = paddle.nn.Linear(h, cfg.vocab)(norm()(x))
-        loss = F.cross_entropy(logits, paddle.unsqueeze(labels, -1)).mean()
+        loss = decoder_loss(cfg, tokens, labels, positions, mask, PIR_OPS)
         paddle.optimizer.AdamW(1e-3, weight_decay=0.01).minimize(loss)
 
     main, startup = _build(body, True)
     sizes, _ = _build(body, False)
-    rng = np.random.default_rng(0)
-    feeds = {"tokens": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
-             "labels": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
-             "mask": np.triu(np.full((seq, seq), -1e4, np.float32), 1)[None, None]}
-    if cfg.style == "gpt":
-        feeds["positions"] = np.tile(np.arange(seq, dtype=np.int64), (batch, 1))
+    feeds = decoder_feeds(cfg, batch, seq)
     return PirCase(f"{cfg.style}{cfg.layers}-pir", main, startup, sizes, feeds)
 
 
 def _named(case: PirCase, name: str) -> PirCase:
     case.name = name
     return case
-
-
-class _RMSNorm:
-    """x * rsqrt(mean(x^2) + eps) * w, written out (Llama's norm)."""
-
-    def __init__(self, h: int, eps: float = 1e-6):
-        import paddle
-
-        self.w = paddle.create_parameter([h], "float32", default_initializer=paddle.nn.initializer.Constant(1.0))
-        self.eps = eps
-
-    def __call__(self, x):
-        import paddle
-
-        return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + self.eps) * self.w
 
 
 CASES = {
