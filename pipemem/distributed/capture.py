@@ -19,9 +19,8 @@ import contextlib
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-from ..traced.capture import _FREES, StorageRecorder, _dtype_name
+from ..traced.capture import _FREES, StorageRecorder
 
 
 def _keep(_obj) -> None:
@@ -40,6 +39,8 @@ class DistStorageRecorder(StorageRecorder):
     """StorageRecorder for DTensor / FSDP2 code (see the module docstring)."""
 
     def __init__(self, scope=None, **options):
+        # DTensor arguments are not plain fake tensors: no valueless shortcuts
+        options.setdefault("shortcuts", False)
         super().__init__(scope, **options)
         self._manually_freed: set[str] = set()
 
@@ -100,55 +101,26 @@ class DistStorageRecorder(StorageRecorder):
             for m, n, f in saved:
                 setattr(m, n, f)
 
-    # Dispatch -----------------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        ids = self._ids
+    # Dispatch hooks ---------------------------------------------------------------------------
+    def _unwrap(self, t):
+        return _local(t)
+
+    def _skip(self, storage) -> bool:
+        return storage.nbytes() == 0          # a freed (resized-to-0) storage read for metadata
+
+    def _after_call(self, func, args, out) -> None:
         if func in _RETURNS_INPUT and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             # Real: returns its (waited-on) input. Fake: a fresh tensor. Make it the same storage.
             in_st, out_st = _local(args[0]).untyped_storage(), _local(out).untyped_storage()
-            name = ids.get(in_st)
+            name = self._ids.get(in_st)
             if name is not None and out_st is not in_st:
-                ids[out_st] = name
+                self._ids[out_st] = name
                 weakref.finalize(out_st, _keep, in_st)   # the storage dies with the last of the two
-        inputs = []
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor):
-                a = _local(a)
-                st = a.untyped_storage()
-                if st.nbytes() == 0:          # a freed (resized-to-0) storage read for metadata
-                    continue
-                name = ids.get(st)
-                if name is None:
-                    # Not declared (params, buffers, inputs, grads are): made inside DTensor's
-                    # dispatch, where the mode is popped (sharded-embedding masks, scalar
-                    # operands). It exists from here, not from before the step.
-                    name = self._new(a, st, self.phase)
-                    self.ops.append(["dtensor_internal", self.phase, self.scope.current if self.scope else "",
-                                     [], [name], []])
-                if name not in inputs:
-                    inputs.append(name)
-        outputs = []
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if not isinstance(t, torch.Tensor):
-                continue
-            t = _local(t)
-            st = t.untyped_storage()
-            if st.nbytes() == 0:
-                continue
-            name = ids.get(st)
-            if name is None:
-                outputs.append(self._new(t, st, self.phase))
-            else:
-                alias = f"{name}.{len(self.aliases)}"
-                nbytes = min(t.numel() * t.element_size(), self.storages[name].nbytes)
-                self.aliases[alias] = (name, tuple(t.shape), _dtype_name(t.dtype), nbytes)
-                outputs.append(alias)
-        if not inputs and not outputs:
-            return out
-        frees, self._pending_frees = self._pending_frees, []
-        module = self.scope.current if self.scope is not None else ""
-        self.ops.append([func.__name__ if hasattr(func, "__name__") else str(func),
-                         self.phase, module, inputs, outputs, frees])
-        return out
+
+    def _undeclared_input(self, a, st, constants: list) -> str:
+        # Not declared (params, buffers, inputs, grads are): made inside DTensor's dispatch,
+        # where the mode is popped (sharded-embedding masks, scalar operands). It exists from
+        # here, not from before the step.
+        name = self._new(a, st, self.phase)
+        self.ops.append(["dtensor_internal", self.phase, self.scope.current if self.scope else "", [], [name], []])
+        return name

@@ -257,6 +257,7 @@ class StorageRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if func is _PRIM_DEVICE:     # metadata query, touches no memory
             return out
+        self._after_call(func, args, out)
         ids = self._ids
         inputs = []
         constants = []
@@ -265,22 +266,23 @@ class StorageRecorder(TorchDispatchMode):
         flat_args = () if func is _LIFT_FRESH else _flat(args, kwargs)
         for a in flat_args:
             if isinstance(a, torch.Tensor):
+                a = self._unwrap(a)
                 st = a.untyped_storage()
+                if self._skip(st):
+                    continue
                 name = ids.get(st)
                 if name is None:
-                    # Neither declared nor made by an op: a tensor built from Python data during
-                    # the step (a Python scalar wrapped as a 0-dim tensor for `mul_.Tensor`).
-                    # The real run allocates it just before this op; a synthetic "constant" op
-                    # does that here.
-                    name = self._new(a, st, self.phase)
-                    constants.append(name)
+                    name = self._undeclared_input(a, st, constants)
                 if name not in inputs:
                     inputs.append(name)
         outputs = []
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if not isinstance(t, torch.Tensor):
                 continue
+            t = self._unwrap(t)
             st = t.untyped_storage()
+            if self._skip(st):
+                continue
             name = ids.get(st)
             if name is None:
                 outputs.append(self._new(t, st, self.phase))
@@ -301,6 +303,26 @@ class StorageRecorder(TorchDispatchMode):
         self.ops.append([func.__name__ if hasattr(func, "__name__") else str(func),
                          self.phase, module, inputs, outputs, frees + freed_by_op])
         return out
+
+    # Hooks for recorders of tensor subclasses (pipemem.distributed.capture) ----------------
+    def _unwrap(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose storage holds the memory (a subclass's local tensor)."""
+        return t
+
+    def _skip(self, storage) -> bool:
+        """Storages not to record (none here)."""
+        return False
+
+    def _after_call(self, func, args, out) -> None:
+        """Called after an op ran, before its tensors are recorded."""
+
+    def _undeclared_input(self, a: torch.Tensor, st, constants: list) -> str:
+        """An input neither declared nor made by a recorded op: a tensor built from Python data
+        during the step (a Python scalar wrapped as a 0-dim tensor for `mul_.Tensor`). The
+        real run allocates it just before this op; a synthetic "constant" op does that here."""
+        name = self._new(a, st, self.phase)
+        constants.append(name)
+        return name
 
     @staticmethod
     def _valueless_shortcut(func, args):
