@@ -59,8 +59,10 @@ def all_cases() -> list[dict]:
     cases = [_pp_case(s, v, pp, m) for pp in (2, 4) for m in (4, 8) for s, v in SCHEDULES
              if not (s == "DualPipeV" and m < 2 * pp)]
     cases += [
+        # gloo threads race on the TP collectives' frees (docs/ACCURACY.md): more repeats, whose
+        # smallest peak is the program-order one; 3 still left one rank +0.9 % once.
         {"name": "tp2-llama", "kind": "tp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
-         "repeat": 3},
+         "repeat": 6},
         {"name": "fsdp2-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
          "repeat": 3},
         {"name": "fsdp2-mixtral", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": MIXTRAL, "world": 2,
