@@ -85,13 +85,13 @@ SNIPPET = textwrap.dedent("""
     except UserError as e:
         out["sparse"] = str(e)
 
-    from pipemem.paddle.compare import estimate
-    from pipemem.paddle.models import mlp
+    from pipemem.validation.paddle_runs.compare import estimate
+    from pipemem.validation.paddle_runs.models import mlp
     est = estimate(mlp().main, batch=32)
     out["mlp_estimate"] = {t: [r.net_bytes, r.peak_bytes] for t, r in est.items()}
 
     # Op by op: a marker before every op of a real MLP step vs pipemem's op timeline.
-    from pipemem.paddle.measure import measure_step
+    from pipemem.validation.paddle_runs.measure import measure_step
     case = mlp()
     subs_mlp = split_program(resolve_shapes(case.main, batch=32))
     ir = to_ir(subs_mlp)

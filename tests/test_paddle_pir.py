@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from pipemem.validate.paddle import run_cases
+from pipemem.validation.paddle import run_cases
 
-# MLP of pipemem.paddle.pir_models.mlp: batch 32, 64 -> 256 (ReLU) -> 10, cross-entropy, Adam.
+# MLP of pipemem.validation.paddle_runs.pir_models.mlp: batch 32, 64 -> 256 (ReLU) -> 10, cross-entropy, Adam.
 B, D, H, C = 32, 64, 256, 10
 F32, I64 = 4, 8
 
@@ -25,7 +25,7 @@ SNIPPET = textwrap.dedent("""
     import paddle
     from pipemem.errors import UserError
     from pipemem.paddle.pir_capture import capture, op_types
-    from pipemem.paddle.pir_models import CASES
+    from pipemem.validation.paddle_runs.pir_models import CASES
 
     out = {}
     mlp = CASES["mlp-pir"]()

@@ -1,15 +1,15 @@
 """pipemem vs measurement vs Paddle's own estimator on Paddle static programs.
 
-The Paddle work runs once, in a subprocess (`pipemem.validate.paddle.run_cases`), so this
+The Paddle work runs once, in a subprocess (`pipemem.validation.paddle.run_cases`), so this
 test process never imports paddle next to torch. Needs paddlepaddle (CI installs it).
 """
 
 import pytest
 
 from pipemem.cli.main import main as cli_main
-from pipemem.validate.paddle import CASE_NAMES, run_cases
+from pipemem.validation.paddle import CASE_NAMES, run_cases
 
-# MLP of pipemem.paddle.models.mlp: batch 32, 64 -> 256 (ReLU) -> 10, cross-entropy, Adam.
+# MLP of pipemem.validation.paddle_runs.models.mlp: batch 32, 64 -> 256 (ReLU) -> 10, cross-entropy, Adam.
 B, D, H, C = 32, 64, 256, 10
 F32 = 4
 

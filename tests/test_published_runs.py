@@ -8,7 +8,6 @@ framework), never from pipemem's output.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,9 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("validate_published", ROOT / "bench" / "validate_published.py")
-V = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(V)
+import pipemem.validation.published as V  # noqa: E402
 
 RECORDS_JSONL = r"""{"id": "torchtitan-T1-FSDP", "model": {"name": "Llama 3.1 8B (torchtitan flavor 8B)", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "tied_embeddings": false, "norm": "RMSNorm", "act": "SwiGLU"}, "seq_len": 8192, "micro_batch": 2, "global_batch": 16, "grad_accum": 1, "dtype": "bf16", "framework": "torchtitan (FSDP2 / DTensor)", "mixed_precision": "bf16 compute; FSDP2 MixedPrecisionPolicy param=bf16, reduce=fp32 (config defaults mixed_precision_param=bfloat16, mixed_precision_reduce=float32); sharded fp32 master params", "optimizer": "AdamW (fp32 states, sharded by FSDP)", "flash_attention": "yes (F.scaled_dot_product_attention, is_causal=True)", "parallelism": {"world": 8, "dp_shard_fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_equiv": "FSDP2 full shard (ZeRO-3-like)"}, "recompute": "selective AC (benchmark text: 'Selective activation checkpointing'; default config selective_ac_option='op')", "torch_compile": false, "schedule": "n/a", "hardware": "H100 SXM-class, 96GB HBM2e, 500W limit (Grand Teton), 8 GPUs/host", "measured": {"value": 82.4, "unit": "GiB", "metric": "torch.cuda.memory_stats()['reserved_bytes.all.peak'] (torchtitan logs max_reserved GiB); footnote: 'Different PP ranks can have different peak memory usages. We take the maximum across all GPUs.'", "rank": "max over all GPUs"}, "source_estimate": null, "completeness": "high", "missing": ["seq_len not restated in benchmark file (taken from train_configs/llama3_8b.toml @9dec370: seq_len = 8192)"]}
 {"id": "megatron-vuiseng9-gpt2xl-1gpu", "model": {"name": "GPT2-XL (Megatron GPT)", "layers": 48, "hidden": 1600, "heads": 25, "ffn": 6400, "vocab": "GPT-2 BPE (padded by Megatron)", "params_B": 1.56}, "seq_len": 1024, "micro_batch": 1, "global_batch": 1, "grad_accum": 1, "dtype": "bf16 likely (theoretical uses 18 B/param: 26699.47 MB / 1.5554B params)", "framework": "Megatron-LM main f4fa7d6b era, NGC pytorch:25.06", "optimizer": "Adam (non-distributed)", "flash_attention": "not stated", "parallelism": {"world": 1}, "recompute": "not stated", "schedule": "n/a", "hardware": "H100 80GB HBM3", "measured": {"value": 33321, "unit": "MiB", "metric": "nvidia-smi used memory (gpustat line '33321 / 81559 MB')", "rank": "GPU 0"}, "source_estimate": {"value": 29485.06, "unit": "MB", "what": "Megatron 'Theoretical memory footprints: weight and optimizer=26699.47 MB, activation=2785.59 MB, total=29485.06 MB' (activation 'without SP')"}, "completeness": "low", "missing": ["nvidia-smi includes CUDA context + allocator cache", "exact launch args (Makefile target gpt2-xl-1gpu-bs1)"]}

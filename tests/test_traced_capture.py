@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from pipemem.ir import TensorKind  # noqa: E402
 from pipemem.traced.step import trace_step  # noqa: E402
-from pipemem.validate.cpu import measure_step  # noqa: E402
+from pipemem.validation.cpu import measure_step  # noqa: E402
 
 
 def test_linear_sum_hand_derived():
@@ -99,6 +99,6 @@ def test_trace_stage_forward_and_backward_from_output_grad():
 def test_import_pipemem_and_traced_package_do_not_import_torch():
     import subprocess
     import sys
-    code = "import sys, pipemem, pipemem.traced, pipemem.validate.cpu; print('torch' in sys.modules)"
+    code = "import sys, pipemem, pipemem.traced, pipemem.validation.cpu; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from pipemem.validate.cpu import CASES, estimate, measure_real  # noqa: E402
+from pipemem.validation.cpu import CASES, estimate, measure_real  # noqa: E402
 
 TOL = 1e-3   # the acceptance: 0.1 %
 

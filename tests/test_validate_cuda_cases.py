@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipemem.errors import UserError
-from pipemem.validate.cuda_cases import (
+from pipemem.validation.cuda_cases import (
     ARCHS, ATTENTIONS, OPTIMIZERS, PRECISIONS, RECOMPUTES, SCHEDULES, Case, full_cases, get_cases,
     hf_config_dict, small_cases, to_plan)
 
@@ -65,7 +65,7 @@ def test_hf_config_is_what_transformers_reads():
     assert d["model_type"] == "mixtral" and d["num_local_experts"] == 4 and d["num_experts_per_tok"] == 2
     assert d["hidden_size"] // d["num_attention_heads"] == d["head_dim"]
     pytest.importorskip("transformers")
-    from pipemem.validate.cuda import build_hf_config
+    from pipemem.validation.cuda import build_hf_config
 
     cfg = build_hf_config(c)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts) == (1024, 2, 4)

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from pipemem.cli.main import main
-from pipemem.validate import cuda
-from pipemem.validate.cuda_cases import Case
+from pipemem.validation import cuda
+from pipemem.validation.cuda_cases import Case
 
 torch = pytest.importorskip("torch")
 
@@ -64,7 +64,7 @@ def test_pipeline_ranks_receive_what_the_schedule_sends():
 
 def test_received_activation_dtype_is_what_a_stage_really_sends():
     """Stage 0's real output under each precision has the dtype the receiving rank allocates."""
-    from pipemem.validate.stage_emulation import hf_stage_modules
+    from pipemem.validation.stage_emulation import hf_stage_modules
 
     for precision in ("bf16", "bf16_autocast", "fp32"):
         case = replace(TINY, precision=precision, pp=2, schedule="1F1B")
@@ -79,7 +79,7 @@ def test_received_activation_dtype_is_what_a_stage_really_sends():
 
 def _saved_bytes(case: Case) -> int:
     """Bytes of the distinct storages autograd saves during one forward of the whole model."""
-    from pipemem.validate.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
+    from pipemem.validation.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
 
     cfg = cuda.build_hf_config(case)
     if case.recompute == "selective":
@@ -203,7 +203,7 @@ def test_recompute_changes_memory_not_math(attn):
     and the selective implementation builds the same attention mask as its base."""
     import transformers.masking_utils as mu
 
-    from pipemem.validate.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
+    from pipemem.validation.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
 
     ids = torch.randint(0, TINY.vocab, (1, TINY.seq_len), generator=torch.Generator().manual_seed(1))
     results = {}

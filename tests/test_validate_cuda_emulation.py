@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipemem.errors import UserError  # noqa: E402
-from pipemem.validate.stage_emulation import (  # noqa: E402
+from pipemem.validation.stage_emulation import (  # noqa: E402
     Action, RankEmulator, normalize_actions, stages_of_rank)
 
 HIDDEN, BATCH, VOCAB = 8, 3, 11
@@ -329,8 +329,8 @@ def test_every_pipeline_case_of_the_matrix_walks_on_every_rank():
     """The action lists `validate cuda` will run on a GPU, walked here with tiny stages: every
     rank finishes its step, runs m forwards per stage it holds, and 1F1B ranks hold
     min(m, p - r) microbatches."""
-    from pipemem.validate.cuda import rank_actions
-    from pipemem.validate.cuda_cases import get_cases
+    from pipemem.validation.cuda import rank_actions
+    from pipemem.validation.cuda_cases import get_cases
 
     cases = [c for c in get_cases("full") + get_cases("small") if c.pp > 1]
     assert cases

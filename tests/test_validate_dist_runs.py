@@ -10,13 +10,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pipemem.cli.main import main  # noqa: E402
-from pipemem.validate.dist import CI_CASES, LLAMA  # noqa: E402
+from pipemem.validation.dist import CI_CASES, LLAMA  # noqa: E402
 
 
 def test_tp_rank_holds_its_shard_of_every_sharded_weight():
     # Hand count for torchtitan's plan at tp=2: embedding (vocab-sharded), q/k/v/o, gate/up/down
     # and lm_head are split in two; the three kinds of RMSNorm weights are replicated.
-    from pipemem.distributed.fake_ranks import trace_parallel_rank
+    from pipemem.validation.distributed.fake_ranks import trace_parallel_rank
     spec = dict(LLAMA, layers=2)
     h, f, v, kv = spec["hidden"], spec["ffn"], spec["vocab"], spec["kv_heads"]
     hd = h // spec["heads"]

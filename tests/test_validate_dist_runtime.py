@@ -9,9 +9,9 @@ from pipemem.jobs import JobMemory
 
 torch = pytest.importorskip("torch")
 
-from pipemem.distributed.pipeline_jobs import TracedStageJobs  # noqa: E402
-from pipemem.distributed.pipeline_runtime import replay_rank  # noqa: E402
-from pipemem.validate.dist_worker import repair_missed_frees  # noqa: E402
+from pipemem.validation.distributed.pipeline_jobs import TracedStageJobs  # noqa: E402
+from pipemem.validation.distributed.pipeline_runtime import replay_rank  # noqa: E402
+from pipemem.validation.dist_worker import repair_missed_frees  # noqa: E402
 
 Y, DX, IN, GB = 100, 10, 10, 100   # bytes of y, dx, one input buffer, one output-grad buffer
 
@@ -94,7 +94,7 @@ def test_pipemem_schedules_match_the_order_pytorch_runs(name, pp, m):
     # the compute order, rank by rank, for estimates made without torch.
     from torch.distributed.pipelining.schedules import _ComputationType as CT
 
-    from pipemem.distributed.pipeline_runtime import runtime_actions
+    from pipemem.validation.distributed.pipeline_runtime import runtime_actions
     from pipemem.schedules import get_schedule
     kind = {CT.FORWARD: "F", CT.FULL_BACKWARD: "B", CT.BACKWARD_INPUT: "I", CT.BACKWARD_WEIGHT: "W"}
     ours = get_schedule(name, pp, m, 2)

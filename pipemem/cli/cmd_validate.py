@@ -15,7 +15,7 @@ examples:
 
 
 def register(sub) -> None:
-    from ..validate import TARGETS
+    from ..validation import TARGETS
 
     p = sub.add_parser("validate", help="run real training steps, measure memory, compare with the estimate",
                        description="Run real training steps, measure peak memory and compare with pipemem's "
@@ -24,9 +24,9 @@ def register(sub) -> None:
     targets = p.add_subparsers(dest="target", metavar="TARGET", parser_class=type(p))
     for name in TARGETS:
         try:
-            module = importlib.import_module(f"pipemem.validate.{name}")
+            module = importlib.import_module(f"pipemem.validation.{name}")
         except ModuleNotFoundError as e:
-            if e.name != f"pipemem.validate.{name}":
+            if e.name != f"pipemem.validation.{name}":
                 raise
             continue
         module.register(targets)

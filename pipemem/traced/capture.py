@@ -304,7 +304,7 @@ class StorageRecorder(TorchDispatchMode):
                          self.phase, module, inputs, outputs, frees + freed_by_op])
         return out
 
-    # Hooks for recorders of tensor subclasses (pipemem.distributed.capture) ----------------
+    # Hooks for recorders of tensor subclasses (pipemem.validation.distributed.capture) ----------------
     def _unwrap(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor whose storage holds the memory (a subclass's local tensor)."""
         return t

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..jobs import JobMemory
+from ...jobs import JobMemory
 from .pipeline_jobs import TracedStageJobs
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")

@@ -1,7 +1,7 @@
 """Measure a whole PIR training step on the CPU with Paddle's normal `Executor`.
 
 PIR programs cannot be measured sub-program by sub-program the way legacy ones are
-(`pipemem.paddle.measure`): PIR has no ``py_func`` op to read the allocator between
+(`pipemem.validation.paddle_runs.measure`): PIR has no ``py_func`` op to read the allocator between
 jobs. So a step is measured whole, from `core.host_memory_stat_current_value("Allocated",
 0)` and `..._peak_value` (reset just before). Each choice was checked on paddlepaddle
 3.3.1 CPU (docs/ACCURACY.md):

@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..traced.capture import _FREES, StorageRecorder
+from ...traced.capture import _FREES, StorageRecorder
 
 
 def _keep(_obj) -> None:

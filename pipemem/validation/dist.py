@@ -1,18 +1,18 @@
 """`pipemem validate dist`: real multi-process training steps over gloo on the CPU, each rank
 measuring itself, against pipemem's per-rank estimate of the same runs.
 
-Runs (pipemem/distributed/models.py; tiny HF Llama decoder layers, fp32, AdamW foreach):
+Runs (pipemem/validation/distributed/models.py; tiny HF Llama decoder layers, fp32, AdamW foreach):
 - pipeline parallel with torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B,
   ZBVZeroBubble, DualPipeV), a hand-split `DecoderStack` per stage, pp 2 and 4;
 - DTensor tensor parallel with sequence parallel (torchtitan's plan), tp 2;
 - FSDP2 (`fully_shard` per decoder layer and the root), dp 2.
 
-Each rank is a process (`python -m pipemem.validate.dist_worker`, MASTER_ADDR=127.0.0.1, a
+Each rank is a process (`python -m pipemem.validation.dist_worker`, MASTER_ADDR=127.0.0.1, a
 free port) that starts `torch.profiler.profile(profile_memory=True)` before it builds its
 model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
-Estimates (pipemem/distributed/): TP and FSDP ranks are traced one at a time in this process
+Estimates (pipemem/validation/distributed/): TP and FSDP ranks are traced one at a time in this process
 on FakeTensorMode under PyTorch's fake process group; pipeline ranks replay PyTorch's own
 action order over traced F/B/I/W stage jobs plus what the pipelining runtime keeps alive
 (pipeline_runtime.py). `cpu` kernel policy (the kernels the real run uses).
@@ -106,7 +106,7 @@ class Launch:
                 log = open(os.path.join(self.tmp.name, f"log.{r}"), "w")
                 self.logs.append(log)
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pipemem.validate.dist_worker", spec, self.out],
+                    [sys.executable, "-m", "pipemem.validation.dist_worker", spec, self.out],
                     env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True))
         except BaseException:
@@ -172,7 +172,7 @@ def _stop(procs) -> None:
 def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
     """Measure (worker processes, one launch per world size) and estimate (this process, while
     the workers run) every case; one row per rank and case."""
-    from ..distributed.runs import estimate_case
+    from .distributed.runs import estimate_case
 
     rows = []
     by_world: dict[int, list[dict]] = {}

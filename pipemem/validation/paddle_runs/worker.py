@@ -1,4 +1,4 @@
-"""`python -m pipemem.paddle.worker [--ir pir] [--trials N] [CASE ...]`: run the Paddle
+"""`python -m pipemem.validation.paddle_runs.worker [--ir pir] [--trials N] [CASE ...]`: run the Paddle
 comparison in this process and print one JSON object ``{"cases": [...]}``.
 
 Paddle is configured before it is imported (legacy IR by default, PIR with ``--ir pir``;
@@ -24,7 +24,7 @@ LOG_ENV = {"GLOG_v": "0", "GLOG_minloglevel": "2"}
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m pipemem.paddle.worker")
+    parser = argparse.ArgumentParser(prog="python -m pipemem.validation.paddle_runs.worker")
     parser.add_argument("--ir", choices=("legacy", "pir"), default="legacy")
     parser.add_argument("--trials", type=int, default=5, help="PIR: measured steps per case (smallest peak)")
     parser.add_argument("cases", nargs="*")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from ..errors import UserError
+    from ...errors import UserError
     from .compare import compare, compare_pir
 
     if args.ir == "pir":

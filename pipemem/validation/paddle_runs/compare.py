@@ -5,7 +5,7 @@ For one case: bind the dynamic dims, split the main program by op role, then
     read, freeing everything else after its last use);
 (b) Paddle: `paddle.distributed.passes.pass_utils.PipelineMemoryEstimator` on the very
     same sub-programs, with the one-method dist_context it needs;
-(c) the measurement (`pipemem.paddle.measure`).
+(c) the measurement (`pipemem.validation.paddle_runs.measure`).
 Rows: one per sub-program and quantity (net, peak).
 """
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..liveness import analyze_sequence
-from .capture import resolve_shapes, to_ir
-from .split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
+from ...liveness import analyze_sequence
+from ..compare import rel_error
+from ...paddle.capture import resolve_shapes, to_ir
+from ...paddle.split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
 
 # Paddle's estimator asserts that a job typed "backward" keeps nothing for later jobs:
 # true in its pipeline passes, where gradient merge makes the grads persistable, false
@@ -38,13 +39,6 @@ class Row:
         return asdict(self)
 
 
-def rel_error(estimated: int | None, measured: int) -> float | None:
-    """(estimated - measured) / |measured|; 0 when both are 0, None when undefined."""
-    if estimated is None:
-        return None
-    if measured == 0:
-        return 0.0 if estimated == 0 else None
-    return (estimated - measured) / abs(measured)
 
 
 class _SerialDistOp:
@@ -126,7 +120,7 @@ def compare(names=None) -> list[Row]:
 
 
 # PIR programs ----------------------------------------------------------------------------
-# A PIR step is compared whole (pipemem.paddle.pir_measure explains why): its peak, its net
+# A PIR step is compared whole (pipemem.validation.paddle_runs.pir_measure explains why): its peak, its net
 # change once the garbage collector has drained, and, with garbage collection off, the
 # bytes it allocates in all. Paddle's estimator has no number here: it reads `op.type` /
 # `op.desc` of legacy ops and fails on PIR operations (AttributeError).
@@ -135,7 +129,7 @@ PIR_QUANTITIES = ("peak", "net", "allocated-no-gc")
 
 
 def compare_pir_case(case, trials: int = 5) -> list[Row]:
-    from .pir_capture import allocated_total, capture, whole_step
+    from ...paddle.pir_capture import allocated_total, capture, whole_step
     from .pir_measure import measure_no_gc, measure_step
 
     captured = capture(case.main, case.sizes, name_prefix=f"{case.name}/")

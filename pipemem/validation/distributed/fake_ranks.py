@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from ..errors import UserError
-from ..ir import TensorKind
-from ..liveness import analyze_sequence
+from ...errors import UserError
+from ...ir import TensorKind
+from ...liveness import analyze_sequence
 
 
 @contextlib.contextmanager
@@ -57,7 +57,7 @@ def trace_parallel_rank(kind: str, spec: dict, micro_batch: int, seq_len: int, r
 def trace_model_step(model, micro_batch: int, seq_len: int) -> dict:
     """Trace `run_step` (the step the real ranks run) of a fake `DecoderStack` and walk the
     forward / backward / optimizer programs with liveness, params and inputs live on entry."""
-    from ..traced.step import run_step
+    from ...traced.step import run_step
     from .capture import DistStorageRecorder
     from .models import local_tensor, loss_fn, make_optimizer
 

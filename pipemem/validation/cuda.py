@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
+from .compare import rel_error
 from .cuda_cases import CONFIG_SETS, Case, get_cases, hf_config_dict, to_plan
 
-FORMAT = "pipemem.validate.cuda/1"
+FORMAT = "pipemem.validation.cuda/1"
 ESTIMATE_MODES = ("traced", "templates")
 
 EXAMPLE = """\
@@ -329,11 +330,6 @@ def estimate_case(case: Case, mode: str, estimator: Callable | None = None) -> d
     return {"mode": mode, "ranks": ranks, "peak_bytes": max(ranks), "error": None}
 
 
-def rel_error(estimated: int | None, measured: int | None) -> float | None:
-    """(estimated - measured) / measured, as DESIGN.md defines it for every validate target."""
-    if estimated is None or not measured:
-        return None
-    return (estimated - measured) / measured
 
 
 def add_estimates(result: dict, case: Case, estimator: Callable | None = None) -> dict:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ir import TensorKind
-from ..jobs import JobMemory
-from ..liveness import analyze_sequence
+from ...ir import TensorKind
+from ...jobs import JobMemory
+from ...liveness import analyze_sequence
 
 
 @dataclass

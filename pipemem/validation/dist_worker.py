@@ -1,7 +1,7 @@
 """One rank of `pipemem validate dist`: build a tiny model, run one real training step over
 gloo on the CPU, and measure this rank's peak from profiler allocation events.
 
-Launched by `pipemem.validate.dist` as ``python -m pipemem.validate.dist_worker CASES OUT``
+Launched by `pipemem.validation.dist` as ``python -m pipemem.validation.dist_worker CASES OUT``
 with RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT in the environment. CASES is a
 JSON list of case dicts (see `dist.py`); every rank runs every case in order and writes one
 JSON line per case to OUT.<rank>.
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.models import (build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
+from .distributed.models import (build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
                                   make_batch, make_mesh, make_optimizer, model_config, split_layers,
                                   stage_ids_of_rank)
 from ..traced.step import run_step

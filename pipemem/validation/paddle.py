@@ -16,7 +16,7 @@ over the whole step: its peak, its net change, and the bytes it allocates with g
 collection off (pipemem/paddle/pir_measure.py); Paddle's estimator cannot read PIR
 programs (n/a).
 
-Paddle runs in a subprocess (`python -m pipemem.paddle.worker`), one per IR: it must be
+Paddle runs in a subprocess (`python -m pipemem.validation.paddle_runs.worker`), one per IR: it must be
 configured before import (legacy IR or PIR) and must not share a process with PyTorch.
 """
 
@@ -29,8 +29,8 @@ import subprocess
 import sys
 
 from ..errors import UserError
-from ..paddle.models import CASES  # builders only: paddle is imported when one runs, in the worker
-from ..paddle.pir_models import CASES as PIR_CASES
+from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
+from .paddle_runs.pir_models import CASES as PIR_CASES
 
 EXAMPLE = """\
 examples:
@@ -51,7 +51,7 @@ def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials
 
     if find_spec("paddle") is None:
         raise UserError("pipemem validate paddle needs paddlepaddle: pip install 'pipemem[paddle]'")
-    cmd = [sys.executable, "-m", "pipemem.paddle.worker", "--ir", ir]
+    cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", ir]
     if trials is not None:
         cmd += ["--trials", str(trials)]
     proc = subprocess.run([*cmd, "--", *names], capture_output=True, text=True, timeout=timeout,

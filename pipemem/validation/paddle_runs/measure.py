@@ -21,7 +21,7 @@ How (each choice was checked on paddlepaddle 3.3.1 CPU; docs/ACCURACY.md):
   jitter by whatever the collector has not freed yet (seen: +16 KiB peaks, a whole
   optimizer's frees landing in the next step).
 * Legacy IR (`FLAGS_enable_pir_api=0`) must be set before paddle is imported: this module
-  is used from `pipemem.paddle.worker`, which sets it.
+  is used from `pipemem.validation.paddle_runs.worker`, which sets it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def required_vars(sub_program) -> set[str]:
     the static `RecomputeOptimizer` keep two scratch blocks holding copies of the
     backward and recomputed ops that nothing runs; with Paddle's rule the forward job
     would keep every activation alive for them (3.6 MB instead of 83 KB on gpt2)."""
-    from .capture import no_need_buffer_names
+    from ...paddle.capture import no_need_buffer_names
 
     block = sub_program.global_block()
     out: set[str] = set()

@@ -1,6 +1,6 @@
 """Small Paddle PIR training programs (``FLAGS_enable_pir_api=1``) for the comparison.
 
-The same models as `pipemem.paddle.models` (MLP; GPT- and Llama-style decoders), written
+The same models as `pipemem.validation.paddle_runs.models` (MLP; GPT- and Llama-style decoders), written
 with the paddle.* functions that build PIR ops. Each builder makes the program twice from
 the same code: `main` with dynamic (-1) batch / sequence dims, as real programs declare
 their inputs (this one is run and its op structure captured), and `sizes` with the bound

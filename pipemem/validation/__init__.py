@@ -1,0 +1,13 @@
+"""Validation: pipemem's estimates against measurements of real runs and traces of the
+frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core imports it).
+
+* `pipemem validate <target>`: each target is a module here (cpu.py, dist.py, paddle.py,
+  cuda.py) defining `register(subparsers)` and `run(args) -> int`; `cmd_validate` finds them
+  through TARGETS. Every target estimates through `pipemem.estimate` and reports
+  `compare.CaseRow`s (one `rel_error`).
+* `distributed/`: the models and launch helpers of the gloo runs (`validate dist`).
+* `paddle_runs/`: the Paddle cases, executor measurements and the comparison worker.
+* `published.py`: the published measured runs (bench/validate_published.py).
+"""
+
+TARGETS = ("cpu", "dist", "paddle", "cuda")
