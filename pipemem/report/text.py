@@ -108,8 +108,7 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
 
 
 def _layers_text(r) -> str:
-    layers = [l for row in r.stage_jobs for l in row.get("layers", [])]
-    if not layers:
+    if not any(len(row.get("layers") or ()) for row in r.stage_jobs):
         return "-" if r.stage_jobs else "all"
     chunks = []
     for row in r.stage_jobs:
