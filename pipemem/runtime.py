@@ -327,6 +327,8 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
 
     def backward(j):                         # input_tensor_grad = backward_step(...)
         out.append(bwd[j])
+        if last:                             # the last stage's output (the loss) is done with
+            out.append(Action("FREE_Y", s, j))
         if not first:                        # x.retain_grad(): x.grad references dx until x goes
             h.hold(("dx", s, j), "x.grad")
             h.tie(("dx", s, j), "x.grad", ("x", s, j))
@@ -383,6 +385,8 @@ def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
         out.append(a)
         if kind in ("B", "I") and s:
             out.append(Action("FREE_DX", s, m))
+        if kind in ("B", "I") and s == S - 1:     # the last stage's output (loss) goes with its backward
+            out.append(Action("FREE_Y", s, m))
         if kind == "W" or (kind == "B") or (kind == "I" and (s, m) not in split):
             if s:
                 out.append(Action("FREE_X", s, m))

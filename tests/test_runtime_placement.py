@@ -97,13 +97,14 @@ def test_megatron_1f1b_holds_what_its_loop_variables_hold():
     acts, res = _walk(get_schedule("1F1B", 2, 3), "megatron")
     assert acts[0] == ["F0@s0", "FREE_Y0@s0", "F1@s0", "FREE_Y1@s0", "RECV_B0@s0", "B0@s0", "F2@s0", "FREE_Y2@s0",
                        "RECV_B1@s0", "FREE_DY0@s0", "B1@s0", "RECV_B2@s0", "FREE_DY1@s0", "B2@s0", "FREE_DY2@s0"]
-    assert acts[1] == ["RECV_F0@s1", "F0@s1", "B0@s1", "RECV_F1@s1", "FREE_X0@s1", "F1@s1", "B1@s1", "FREE_DX0@s1",
-                       "RECV_F2@s1", "FREE_X1@s1", "F2@s1", "B2@s1", "FREE_DX1@s1", "FREE_X2@s1", "FREE_DX2@s1"]
+    assert acts[1] == ["RECV_F0@s1", "F0@s1", "B0@s1", "FREE_Y0@s1", "RECV_F1@s1", "FREE_X0@s1", "F1@s1", "B1@s1",
+                       "FREE_Y1@s1", "FREE_DX0@s1", "RECV_F2@s1", "FREE_X1@s1", "F2@s1", "B2@s1", "FREE_Y2@s1",
+                       "FREE_DX1@s1", "FREE_X2@s1", "FREE_DX2@s1"]
     after0 = [e for _, _, _, e in res.ranks[0].timeline]
     assert after0 == [100, 90, 190, 180, 190, 100, 200, 190, 200, 190, 100, 110, 100, 10, 0]
     assert res.ranks[0].peak_allocated_bytes == 220 and res.ranks[0].peak_at == "F2@s0"
     after1 = [e for _, _, _, e in res.ranks[1].timeline]
-    assert after1 == [10, 60, 20, 30, 20, 70, 30, 20, 30, 20, 70, 30, 20, 10, 0]
+    assert after1 == [10, 60, 20, 20, 30, 20, 70, 30, 30, 20, 30, 20, 70, 30, 30, 20, 10, 0]
     assert res.ranks[1].peak_allocated_bytes == 85 and res.ranks[1].peak_at == "B1@s1"
     assert res.ranks[0].final_bytes == res.ranks[1].final_bytes == 0
 

@@ -34,6 +34,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
     from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS, RECOMPUTE
+    from ..runtime import RUNTIMES
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -84,6 +85,9 @@ def register(sub) -> None:
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
+    act.add_argument("--runtime", choices=RUNTIMES,
+                     help="pipeline runtime whose buffers and references are replayed (default from --convention: "
+                          "megatron -> megatron, paddle -> paddle, torchtitan/hf -> torch)")
 
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
@@ -135,7 +139,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     if "pp_layout" in flags:
         flags["pp_layout"] = parse_layout(flags["pp_layout"])
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
-            "kernel_policy": args.kernel_policy, "explain": args.explain}
+            "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
     if args.model is not None:
         return args.model, flags, opts, []
 
