@@ -148,7 +148,7 @@ class Estimate:
         return None if h is None else h >= 0
 
     def to_dict(self) -> dict:
-        from . import __version__
+        from .version import __version__
 
         plan = asdict(self.plan)
         if plan.get("pp_layout") is not None:
@@ -262,28 +262,36 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
     except TypeError as e:   # a wrong type slipped through from the Python API
         raise UserError(f"estimate(): {e}") from None
     if mode == "traced":
-        est = _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
+        est = _traced(name, source, config, arch, plan, "vpp" in plan_kw, policy, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
     return est
 
 
-def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
+def _with_schedule(arch, plan, vpp_given: bool):
+    """The validated plan with its schedule named (V schedules: 2 chunks per rank unless
+    --vpp was given), the model with the plan's layer count."""
     from dataclasses import replace
 
     from .plan import validate_plan
     from .schedules import canonical_name, default_vpp
-    from .stages import build_stage_jobs, layer_explain
 
     sched_name = plan.schedule or default_schedule(plan)
     if not sched_name.lower().startswith(("csv:", "torch:")):
         sched_name = canonical_name(sched_name)
         if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
-            plan = replace(plan, vpp=default_vpp(sched_name))   # V schedules: 2 chunks per rank
+            plan = replace(plan, vpp=default_vpp(sched_name))
     plan = validate_plan(arch, replace(plan, schedule=sched_name))
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
+    return arch, plan
+
+
+def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
+    from .stages import build_stage_jobs, layer_explain
+
+    arch, plan = _with_schedule(arch, plan, vpp_given)
     schedule = schedule_of(plan)
     runtime = _runtime(opts, plan)
     stage_plan = build_stage_jobs(arch, plan)
@@ -295,9 +303,9 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
                     explain=explain, world_size=_world(plan), runtime=runtime)
 
 
-def _runtime(opts, plan) -> str:
+def _runtime(opts, plan, default: str | None = None) -> str:
     from .runtime import default_runtime, get_runtime
-    name = opts.get("runtime") or default_runtime(plan.convention)
+    name = opts.get("runtime") or default or default_runtime(plan.convention)
     return get_runtime(name).name
 
 
@@ -368,14 +376,29 @@ def _rank_jobs(held, optimizer) -> dict[str, JobMemory | None]:
     return jobs
 
 
-def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+def _needs_torch(e: ModuleNotFoundError):
+    if e.name and e.name.split(".")[0] in ("torch", "transformers"):
+        return UserError(f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
+                         "(or use the default --mode templates)")
+    return None
+
+
+def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
     from dataclasses import replace
 
     from .plan import validate_plan
 
-    if plan.pp != 1 or plan.vpp != 1:
-        raise UserError("--mode traced runs one whole model on one rank: use --pp 1 (templates mode "
-                        "handles pipeline parallelism)")
+    if not isinstance(config, dict):
+        raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
+    sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3))
+    if plan.pp > 1 or sharded:
+        try:
+            return _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts)
+        except ModuleNotFoundError as e:
+            err = _needs_torch(e)
+            if err is None:
+                raise
+            raise err from None
     plan = validate_plan(arch, plan)
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
@@ -383,10 +406,10 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
         from .traced import traced_estimate
         t = traced_estimate(config, plan, policy)
     except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] in ("torch", "transformers"):
-            raise UserError(f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
-                            "(or use the default --mode templates)") from None
-        raise
+        err = _needs_torch(e)
+        if err is None:
+            raise
+        raise err from None
     sj = t.jobs
     # The traced step is one microbatch's forward, backward and optimizer step: replayed as a
     # one-microbatch schedule, like every other estimate.
@@ -402,6 +425,52 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
                     schedule="one step (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
                     warnings=warnings, world_size=_world(plan), runtime="torch")
+
+
+def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+    """Traced pipelines (pp > 1) and tensor / fully sharded data parallel ranks: traced stage
+    jobs or a traced rank step, then the same schedule, runtime lowering and replay as templates
+    (`per_rank`). Traced code is PyTorch's: the runtime defaults to torch."""
+    from dataclasses import replace
+
+    from .traced.parallel import trace_sharded_rank, traced_stage_plan
+
+    if plan.pp > 1 and (plan.tp > 1 or plan.dp > 1 and (plan.fsdp or plan.zero == 3)):
+        raise UserError("traced mode traces either a pipeline (--pp) or one sharded rank (--tp, or --fsdp with "
+                        "--dp), not both yet; use --mode templates")
+    warnings = []
+    if plan.pp > 1:
+        arch, plan = _with_schedule(arch, plan, vpp_given)
+        schedule = schedule_of(plan)
+        runtime = _runtime(opts, plan, default="torch")
+        sp = traced_stage_plan(config, plan, schedule.split_backward, policy)
+        ranks = per_rank(sp.stages, schedule, runtime, sp.static_per_rank(schedule), sp.optimizer_per_rank(schedule),
+                         plan, overrides=sp.first_grad_overrides(schedule))
+        sched_name = schedule.name
+    else:
+        from .plan import validate_plan
+        if plan.tp > 1 and plan.dp > 1 and (plan.fsdp or plan.zero == 3):
+            raise UserError("traced mode traces one sharding at a time: --tp or --fsdp with --dp, not both yet")
+        plan = validate_plan(arch, replace(plan, schedule="1F1B", microbatches=1))
+        if plan.layers is not None and plan.layers != arch.layers:
+            arch = arch.with_layers(plan.layers)
+        kind = "tp" if plan.tp > 1 else "fsdp"
+        t = trace_sharded_rank(config, plan, kind, policy)
+        from .jobs import StageJobs
+        runtime = _runtime(opts, plan, default="torch")
+        (rank,) = per_rank({0: StageJobs(0, F=t["F"], B=t["B"], layers=range(arch.layers))},
+                           schedule_of(plan), runtime, [t["static"]], [t["optimizer"]], plan)
+        phase = {"F0@s0": "forward", "B0@s0": "backward", "optimizer": "optimizer"}.get(rank.peak_at)
+        if phase in t["peak_op"]:
+            rank.peak_at = t["peak_op"][phase]      # the same moment, named down to the op
+        ranks = [rank]
+        sched_name = f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})"
+        warnings.append(f"traced mode: rank 0 of the {kind} group traced; its ranks run the same program")
+    warnings.append("traced mode: one training step as recorded (first step: gradients are created in backward "
+                    "and optimizer states in the optimizer step, so they count under 'transient')")
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced", schedule=sched_name,
+                    ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes, warnings=warnings,
+                    world_size=_world(plan), runtime=runtime)
 
 
 # ---------------------------------------------------------------- what would fit

@@ -215,7 +215,7 @@ def run(args) -> int:
     if args.json:
         d = est.to_dict()
         if args.explain and est.explain is not None:
-            from ..report.text import _as_dict
+            from ..report.text import as_dict as _as_dict
             d["explain"] = _jsonable(est.explain, _as_dict)
         print(json.dumps(d, indent=2))
     else:

@@ -13,7 +13,7 @@ World size is not a Megatron argument: it comes from the launcher part of a past
 from __future__ import annotations
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 from .argv import parse
 
 TOOL = "Megatron"

@@ -9,7 +9,7 @@ Precision: `--bf16 1` or `--fp16 1` turn on AMP; with neither, training is fp32 
 from __future__ import annotations
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 from .argv import parse
 
 TOOL = "PaddleNLP"

@@ -280,3 +280,8 @@ def table_rows(text: str) -> list[str]:
     import re
 
     return [line for line in text.splitlines() if re.match(r"\s*\d+\s+\S+\s+\d", line) and "B" in line]
+
+
+# The names other modules use (the CLI): public, not reached into.
+as_dict = _as_dict
+console = _console

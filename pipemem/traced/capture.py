@@ -199,6 +199,10 @@ class StorageRecorder(TorchDispatchMode):
         if self.closed:
             return
         self.storages[name].alive = False
+        self._free_here(name)
+
+    def _free_here(self, name: str) -> None:
+        """Record `name` as freed after the last op recorded so far."""
         if self.ops:
             self.ops[-1][_FREES].append(name)
         else:

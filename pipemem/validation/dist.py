@@ -12,10 +12,11 @@ free port) that starts `torch.profiler.profile(profile_memory=True)` before it b
 model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
-Estimates (pipemem/validation/distributed/): TP and FSDP ranks are traced one at a time in this process
-on FakeTensorMode under PyTorch's fake process group; pipeline ranks replay PyTorch's own
-action order over traced F/B/I/W stage jobs plus what the pipelining runtime keeps alive
-(pipeline_runtime.py). `cpu` kernel policy (the kernels the real run uses).
+Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",
+convention="torchtitan", ...)` of the case's plan, the call users make (`estimate_case`):
+pipelines are traced stage jobs + the schedule + the torch runtime profile's lowering + replay;
+TP and FSDP ranks are traced on FakeTensorMode under PyTorch's fake process group. Nothing
+here computes a memory number.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import tempfile
 import time
 
 from ..errors import UserError
+from .compare import CaseRow, max_abs_rel_error
 
 EXAMPLE = """\
 examples:
@@ -169,11 +171,38 @@ def _stop(procs) -> None:
 
 # ---- compare -----------------------------------------------------------------------------------
 
-def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
+def estimate_kwargs(case: dict) -> dict:
+    """The case as `pipemem.estimate` keyword arguments."""
+    from .distributed.models import precision
+    kw = dict(mode="traced", kernel_policy="cpu", convention="torchtitan", seq_len=case["seq_len"],
+              micro_batch=case["micro_batch"], **precision(case["model"]))
+    if case["kind"] == "pp":
+        kw.update(pp=case["pp"], vpp=case.get("vpp", 1), microbatches=case["microbatches"], schedule=case["schedule"],
+                  runtime="torch")
+    elif case["kind"] == "tp":
+        kw.update(tp=case["world"])
+    else:
+        kw.update(fsdp=True, dp=case["world"])
+    return kw
+
+
+def estimate_case(case: dict) -> dict[int, dict]:
+    """{rank: {estimated_bytes, peak_at, static_bytes}} of every rank of the case, from one
+    `pipemem.estimate` call (a TP / FSDP estimate is one rank: every rank of the group runs it)."""
+    import pipemem
+    from .distributed.models import hf_config
+    est = pipemem.estimate(hf_config(case["model"]), **estimate_kwargs(case))
+    out = {}
+    for r in range(case["world"]):
+        rank = est.ranks[r] if case["kind"] == "pp" else est.ranks[0]
+        out[r] = {"estimated_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at,
+                  "static_bytes": rank.static.total}
+    return out
+
+
+def run_cases(cases: list[dict], timeout: float = 600.0) -> list[CaseRow]:
     """Measure (worker processes, one launch per world size) and estimate (this process, while
     the workers run) every case; one row per rank and case."""
-    from .distributed.runs import estimate_case
-
     rows = []
     by_world: dict[int, list[dict]] = {}
     for c in cases:
@@ -189,18 +218,14 @@ def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
             raise
         measured = run.collect()
         for c in group:
-            for est in estimates[c["name"]]:
-                meas = measured[c["name"], est["rank"]]
-                m, e = meas["measured_bytes"], est["estimated_bytes"]
-                rows.append({"name": f"{c['name']}/rank{est['rank']}", "case": c["name"], "rank": est["rank"],
-                             "measured_bytes": m, "estimated_bytes": e, "rel_error": (e - m) / m,
-                             "peak_at": est.get("peak_at", ""), "static_bytes": est.get("static_bytes"),
-                             "measured_baseline_bytes": meas.get("baseline_bytes"),
-                             "measured_max_bytes": meas.get("measured_max_bytes"),
-                             "repeats": meas.get("repeats"),
-                             "missed_free_bytes": meas.get("missed_free_bytes", 0),
-                             "estimate_seconds": round(t_est / len(group), 2),
-                             "run_seconds": meas.get("seconds")})
+            for r, est in sorted(estimates[c["name"]].items()):
+                meas = measured[c["name"], r]
+                rows.append(CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
+                    "case": c["name"], "rank": r, "peak_at": est["peak_at"], "static_bytes": est["static_bytes"],
+                    "measured_baseline_bytes": meas.get("baseline_bytes"),
+                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats"),
+                    "missed_free_bytes": meas.get("missed_free_bytes", 0),
+                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")}))
     return rows
 
 
@@ -246,15 +271,15 @@ def run(args) -> int:
     except RuntimeError as e:
         print(f"pipemem: validate dist: {e}", file=sys.stderr)
         return 1
-    worst = max(abs(r["rel_error"]) for r in rows)
+    worst = max_abs_rel_error(rows)
     if args.json:
-        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu", "cases": rows,
-                          "max_abs_rel_error": worst}, indent=1))
+        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu",
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst}, indent=1))
         return 0
     from ..units import fmt_bytes
     print(f"{'case / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}  peak at")
     for r in rows:
-        print(f"{r['name']:36s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
-              f"{r['rel_error']:>+10.2e}  {r['peak_at'][:48]}")
+        print(f"{r.name:36s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+              f"{r.rel_error:>+10.2e}  {r.extra['peak_at'][:48]}")
     print(f"max |rel_error| = {worst:.2e} over {len(rows)} rank measurements")
     return 0
