@@ -42,13 +42,13 @@ class RankEstimate:
     peak_at: str
     activation_hwm_bytes: int
     inflight: int
-    jobs: dict[str, JobMemory | None]
+    jobs: dict[str, JobMemory | None] = None    # per kind, the rank's chunk with the largest peak (lazy)
     stages: list[int] = field(default_factory=list)
     # per stage {stage, layers, F, B, I, W} and the per-action timeline: made when first read
     # (a plan's estimate builds neither; --json reads stage_jobs, --plot the timeline)
     stage_jobs: list[dict] = None
     timeline: list[TimelinePoint] = None
-    source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs) for the lazy fields
+    source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
 
     @property
     def transient_bytes(self) -> int:
@@ -83,7 +83,7 @@ def _lazy(name: str, build):
     def get(self):
         v = self.__dict__.get(attr)
         if v is None:
-            v = build(self) if self.source is not None else []
+            v = build(self) if self.source is not None else ({} if name == "jobs" else [])
             self.__dict__[attr] = v
         return v
 
@@ -108,7 +108,12 @@ def _timeline_points(r: RankEstimate) -> list[TimelinePoint]:
     return [TimelinePoint(*p) for p in r.source[0].timeline]
 
 
+def _jobs_of(r: RankEstimate) -> dict:
+    return _rank_jobs(r.source[1], r.source[2])
+
+
 RankEstimate.stage_jobs = _lazy("stage_jobs", _stage_rows)
+RankEstimate.jobs = _lazy("jobs", _jobs_of)
 RankEstimate.timeline = _lazy("timeline", _timeline_points)
 
 
@@ -357,8 +362,7 @@ def per_rank(stages: dict, schedule, runtime: str, statics: list[StaticBytes], o
         out.append(RankEstimate(
             pp_rank=r.pp_rank, static=statics[r.pp_rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
             peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
-            jobs=_rank_jobs(held, optimizers[r.pp_rank] if optimizers else None), stages=list(stage_ids),
-            source=(r, held)))
+            stages=list(stage_ids), source=(r, held, optimizers[r.pp_rank] if optimizers else None)))
     return out
 
 

@@ -52,10 +52,16 @@ def compose(parts: Iterable, start: int = 0) -> JobMemory:
     A part is a JobMemory, an object with `net_bytes`/`peak_bytes`, or a `(net, peak)` pair.
     The result is relative to the job's start, so `start` bytes allocated first (a receive)
     count in both; the peak is never below 0 (or below `start`)."""
+    return compose_at(parts, start)[0]
+
+
+def compose_at(parts: Iterable, start: int = 0) -> tuple[JobMemory, int]:
+    """`compose`, and the index of the part at the peak (-1 when no part rises above the start)."""
     cur = start
     peak = max(0, start)
+    at = -1
     secs = 0.0
-    for p in parts:
+    for i, p in enumerate(parts):
         if isinstance(p, tuple):
             net, pk = p
         else:
@@ -63,8 +69,9 @@ def compose(parts: Iterable, start: int = 0) -> JobMemory:
             secs += getattr(p, "seconds", 0.0)
         if cur + pk > peak:
             peak = cur + pk
+            at = i
         cur += net
-    return JobMemory(cur, peak, secs)
+    return JobMemory(cur, peak, secs), at
 
 
 @dataclass(frozen=True, slots=True)

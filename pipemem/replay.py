@@ -137,31 +137,49 @@ def _job_table(schedule: Schedule, jobs) -> tuple[np.ndarray, np.ndarray, np.nda
     """(net, peak, present) per (kind, stage) code: compute jobs from the stages' jobs, memory
     actions from their boundary bytes."""
     S = schedule.num_stages
-    K = len(ALL_KINDS)
-    net = [0] * (K * S)
-    peak = [0] * (K * S)
-    have = [False] * (K * S)
+    rows = []
     for s in range(S):
         sj = jobs.get(s)
         if sj is None:
             raise UserError(f"replay: no jobs for virtual stage {s} (schedule {schedule.name} has "
                             f"{schedule.num_stages} stages: pp {schedule.pp} x vpp {schedule.vpp})")
-        for k, kind in enumerate(KINDS):
-            j = getattr(sj, kind, None)
-            if j is None and kind == "B":
-                j = sj.fused_backward() if isinstance(sj, StageJobs) else None
-            if j is not None:
-                c = k * S + s
-                net[c], peak[c], have[c] = j.net_bytes, j.peak_bytes, True
-        for kind, (attr, sign) in MEMORY_KINDS.items():
-            c = _KIND_INDEX[kind] * S + s
-            b = sign * int(getattr(sj, attr, 0) or 0)
-            net[c], peak[c], have[c] = b, max(b, 0), True
+        rows.append(_stage_row(sj))
+    net = [r[0][k] for k in range(len(ALL_KINDS)) for r in rows]       # kind-major: code = k * S + s
+    peak = [r[1][k] for k in range(len(ALL_KINDS)) for r in rows]
+    have = [r[2][k] for k in range(len(ALL_KINDS)) for r in rows]
     # Bytes are integers; jobs in other units (Fractions of a microbatch, floats) replay exactly
     # too, on Python numbers (slower: scale them to integers for large schedules).
     exact = all(type(v) is int for v in net) and all(type(v) is int for v in peak)
     dt = np.int64 if exact else object
     return (np.asarray(net, dtype=dt), np.asarray(peak, dtype=dt), np.asarray(have, dtype=bool))
+
+
+_ROWS: dict = {}     # id(StageJobs) -> (the jobs, their row): stage jobs are shared between plans
+
+
+def _stage_row(sj) -> tuple:
+    """(net, peak, present) of every kind (ALL_KINDS order) for one stage's jobs."""
+    hit = _ROWS.get(id(sj))
+    if hit is not None and hit[0] is sj:
+        return hit[1]
+    net, peak, have = [], [], []
+    for kind in KINDS:
+        j = getattr(sj, kind, None)
+        if j is None and kind == "B" and isinstance(sj, StageJobs):
+            j = sj.fused_backward()
+        net.append(j.net_bytes if j is not None else 0)
+        peak.append(j.peak_bytes if j is not None else 0)
+        have.append(j is not None)
+    for attr, sign in MEMORY_KINDS.values():
+        b = sign * int(getattr(sj, attr, 0) or 0)
+        net.append(b)
+        peak.append(max(b, 0))
+        have.append(True)
+    row = (net, peak, have)
+    if len(_ROWS) > 100_000:
+        _ROWS.clear()
+    _ROWS[id(sj)] = (sj, row)
+    return row
 
 
 def _missing_job(schedule: Schedule, rank: int, jobs) -> UserError:

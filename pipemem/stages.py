@@ -47,7 +47,11 @@ class StagePlan:
     def rank_static(self, stage_ids) -> StaticBytes:
         """Params, grads and optimizer states of a rank holding these virtual stages."""
         from .templates.static import static_bytes
-        return static_bytes(self.arch, self.plan, self.conv, self.stage_layers, tuple(sorted(stage_ids)))
+        key = tuple(sorted(stage_ids))
+        st = self.notes.get(("static", key))
+        if st is None:
+            st = self.notes[("static", key)] = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
+        return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
         return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids))
@@ -250,6 +254,8 @@ def clear_caches() -> None:
     """Forget every cached analysis (tests, benchmarks)."""
     from .templates.programs import clear_caches as clear_parts
     clear_parts()
+    from .templates.static import clear_caches as clear_static
+    clear_static()
     _stage_jobs.cache_clear()
     _optimizer_job.cache_clear()
     _layer_runs.cache_clear()

@@ -123,14 +123,19 @@ def _layer_of_kind(arch, moe: bool) -> int:
     return next(i for i in range(len(dense) + 1) if i not in dense)
 
 
-def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
-                 rank_stages: list[int]) -> StaticBytes:
+def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
-    p, g, m, st = bytes_per_param(plan, conv)
-    dp_group = plan.dp * plan.cp
-    edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
-    zero = plan.zero
-    opt_shard = zero >= 1 or plan.dist_opt
+    return _sharded(dense, expert, bytes_per_param(plan, conv), plan.dp * plan.cp,
+                    max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1))), plan.zero,
+                    plan.zero >= 1 or plan.dist_opt)
+
+
+@lru_cache(maxsize=65536)
+def _sharded(dense: int, expert: int, per_param: tuple, dp_group: int, edp_group: int, zero: int,
+             opt_shard: bool) -> StaticBytes:
+    """Bytes of (dense, expert) parameter elements after ZeRO / FSDP / distributed-optimizer
+    sharding over their data-parallel groups (partial shards rounded up)."""
+    p, g, m, st = per_param
 
     def shard(n: int, group: int, on: bool) -> int:
         return -(-n // group) if on else n
@@ -141,3 +146,9 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
         grads += shard(n, group, zero >= 2) * g
         optimizer += shard(n, group, opt_shard) * (m + st)
     return StaticBytes(params=params, grads=grads, optimizer=optimizer)
+
+
+def clear_caches() -> None:
+    _rank_counts.cache_clear()
+    _layer_counts.cache_clear()
+    _sharded.cache_clear()
