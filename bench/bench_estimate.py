@@ -70,39 +70,46 @@ def distinct_plans(n: int, seed: int = 0) -> list[dict]:
 
 def warm_405b(runs: int) -> None:
     pipemem.estimate("llama3.1-405b", **PLAN_405B)
-    times = []
+    times, cpu = [], []
     for _ in range(runs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         pipemem.estimate("llama3.1-405b", **PLAN_405B)
         times.append(time.perf_counter() - t)
-    print(f"warm 405B plan via pipemem.estimate: median {statistics.median(times) * 1e3:.3f} ms over {runs} runs "
-          f"(min {min(times) * 1e3:.3f}, max {max(times) * 1e3:.3f})")
+        cpu.append(time.process_time() - c)
+    print(f"warm 405B plan via pipemem.estimate: median {statistics.median(times) * 1e3:.3f} ms wall, "
+          f"{statistics.median(cpu) * 1e3:.3f} ms CPU over {runs} runs "
+          f"(wall min {min(times) * 1e3:.3f}, max {max(times) * 1e3:.3f})")
 
 
 def many_plans(n: int, repeats: int) -> None:
     plans = distinct_plans(n)
-    runs = []
+    runs, cpu = [], []
     for _ in range(repeats):
         clear_caches()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for p in plans:
             pipemem.estimate("llama3.1-405b", **p)
         runs.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     med = statistics.median(runs)
-    print(f"{n:,} distinct 405B plans via pipemem.estimate from empty caches: median {med:.2f} s over {repeats} runs "
-          f"({med / n * 1e3:.2f} ms per plan; runs {', '.join(f'{r:.2f}' for r in runs)})")
+    print(f"{n:,} distinct 405B plans via pipemem.estimate from empty caches: median {med:.2f} s wall, "
+          f"{statistics.median(cpu):.2f} s CPU over {repeats} runs ({med / n * 1e3:.2f} ms per plan; "
+          f"wall runs {', '.join(f'{r:.2f}' for r in runs)})")
 
 
 def cli(runs: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for what, args in CLI:
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
             t = time.perf_counter()
+            before = os.times()
             subprocess.run([sys.executable, "-m", "pipemem", *args], check=True, capture_output=True, env=env)
+            after = os.times()
             times.append(time.perf_counter() - t)
-        print(f"cli {what:16s} median {statistics.median(times):.3f} s over {runs} runs "
-              f"(min {min(times):.3f}, max {max(times):.3f}): pipemem {' '.join(args)}")
+            cpu.append((after.children_user - before.children_user) + (after.children_system - before.children_system))
+        print(f"cli {what:16s} median {statistics.median(times):.3f} s wall, {statistics.median(cpu):.3f} s CPU "
+              f"over {runs} runs (wall min {min(times):.3f}, max {max(times):.3f}): pipemem {' '.join(args)}")
 
 
 def main() -> None:

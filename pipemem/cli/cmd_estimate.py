@@ -92,7 +92,8 @@ def register(sub) -> None:
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
-    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (pp 1, needs torch)")
+    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (the PyTorch step on fake "
+                                                   "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch)")
     out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
