@@ -45,7 +45,8 @@ def describe_plan(est) -> str:
         parts.append("sp")
     shard = []
     if p.zero:
-        shard.append(f"zero {p.zero}")
+        group = (p.extra or {}).get("zero_group")
+        shard.append(f"zero {p.zero}" + (f" over {group} of the {p.dp * p.cp} dp ranks" if group else ""))
     if p.fsdp:
         shard.append("fsdp")
     if p.dist_opt:

@@ -15,7 +15,9 @@ group for expert weights):
   optimizer: 6 + 12/dp);
 * --zero 2: also the gradients;
 * --zero 3 / --fsdp: also the parameters.
-Partial shards are rounded up (each rank holds ceil(n / group) elements).
+Partial shards are rounded up (each rank holds ceil(n / group) elements). A plan whose
+`extra["zero_group"]` is set (PaddleNLP: sharding_parallel_degree) shards over that many
+of the data-parallel ranks only; the other data-parallel replicas each hold a copy.
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
     p, g, m, st = bytes_per_param(plan, conv)
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    zero_group = (plan.extra or {}).get("zero_group")
+    if zero_group:
+        # The states are sharded over a sub-group of the data-parallel ranks (PaddleNLP's
+        # sharding group: sharding_parallel_degree of the dp x sharding replicas).
+        replicas = max(1, dp_group // int(zero_group))
+        dp_group = int(zero_group)
+        edp_group = max(1, edp_group // replicas)
     zero = plan.zero
     opt_shard = zero >= 1 or plan.dist_opt
 
