@@ -288,8 +288,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if plan.dist_opt and conv != "megatron":
         raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
 
-    # Precision. (recompute_allgather only changes Paddle's programs: Megatron always gathers
-    # again in backward, torchtitan's DTensor always keeps the gathered input.)
+    # Precision. (recompute_allgather changes Paddle's programs and torchtitan's, whose linears
+    # then use pipemem.torch_tp.RegatherColwiseParallel; Megatron always gathers again in backward.)
     master = plan.master_weights and dtype != "fp32"
     mgd = plan.main_grad_dtype
     if mgd is None:
