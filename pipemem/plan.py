@@ -182,6 +182,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
                        if arch.heads % t == 0 and (arch.kv_heads % t == 0 or t % arch.kv_heads == 0))
         raise UserError(f"--tp {tp} and {arch.kv_heads} KV heads of {name}: tp must divide the KV heads or be a "
                         f"multiple of them (then KV heads are replicated); use one of {ok}")
+    if conv == "megatron" and arch.kv_heads % tp:
+        # megatron-core with tp > KV heads all-gathers the whole QKV projection on every rank and
+        # slices it (attention.py get_query_key_value_tensors): not what the templates build.
+        ok = ", ".join(str(t) for t in range(1, arch.kv_heads + 1) if arch.kv_heads % t == 0 and arch.heads % t == 0)
+        raise UserError(f"--tp {tp} does not divide the {arch.kv_heads} KV heads of {name}: under the megatron "
+                        f"convention tp must divide the KV heads (num_query_groups); use one of {ok}")
     if arch.ffn and arch.ffn % tp:
         raise UserError(f"--tp {tp} does not divide the FFN width {arch.ffn} of {name}: use a divisor of {arch.ffn}")
     # Sequence parallel defaults on with tp > 1 for every convention we model.
@@ -282,8 +288,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if plan.dist_opt and conv != "megatron":
         raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
 
-    # Precision. (recompute_allgather only changes Paddle's programs: Megatron always gathers
-    # again in backward, torchtitan's DTensor always keeps the gathered input.)
+    # Precision. (recompute_allgather changes Paddle's programs and torchtitan's, whose linears
+    # then use pipemem.torch_tp.RegatherColwiseParallel; Megatron always gathers again in backward.)
     master = plan.master_weights and dtype != "fp32"
     mgd = plan.main_grad_dtype
     if mgd is None:

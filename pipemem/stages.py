@@ -210,9 +210,23 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
         raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
     k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
     pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
-    pp = layer_programs(arch, sh, conv, layer_options(arch, plan, idx, pos < k))
-    F, B = pp.F, pp.B
+    opts = layer_options(arch, plan, idx, pos < k)
+    pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
+    rows = sorted(_kept_rows(pp).values(), key=lambda r: -r["bytes"])
+    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
+                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rb = pp.results["B"]
+    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
+                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    if plan.recompute_allgather:
+        rows += _regather_trade(arch, plan, conv, sh, opts, pp)
+    return rows
+
+
+def _kept_rows(pp) -> dict[str, dict]:
+    """What a layer's forward leaves alive for its backward: storage -> explain row."""
+    F, B = pp.F, pp.B
     readers: dict[str, list[str]] = {}
     for op in B.ops:
         label = ("recompute of " + op.type) if op.phase == "recompute" else op.type
@@ -225,7 +239,8 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     for t in F.tensors.values():
         if t.storage == t.name:
             by_storage[t.storage] = t
-    rows = []
+    rows = {}
+    rf = pp.results["F"]
     kept = (rf.live_after - {F.tensors[pp.input].storage}) if pp.input in F.tensors else rf.live_after
     for st in kept:
         t = by_storage.get(st)
@@ -235,14 +250,39 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
             why = "layer output: the next layer's input (its norm saves it)"
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
-        rows.append({"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why})
-    rows.sort(key=lambda r: -r["bytes"])
-    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
-                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
-    rb = pp.results["B"]
-    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
-                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+        rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
     return rows
+
+
+def _regather_trade(arch, plan: ParallelPlan, conv, sh, opts, pp) -> list[dict]:
+    """--recompute-allgather, per layer and microbatch: the tensors the layer no longer keeps
+    for backward, what it keeps instead, and the all-gathers its backward runs in exchange
+    (the same layer built without the switch, compared). None when the convention gathers
+    again in backward anyway (Megatron)."""
+    from dataclasses import replace
+
+    from .templates.conventions import convention_for
+    from .templates.programs import layer_programs
+    base_conv = convention_for(replace(plan, recompute_allgather=False))
+    if base_conv == conv:
+        return []
+    base = layer_programs(arch, sh, base_conv, opts)
+    kept, kept_before = _kept_rows(pp), _kept_rows(base)
+    dropped = [dict(r, why="no longer kept: " + r["why"]) for st, r in kept_before.items() if st not in kept]
+    added = [dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
+             for st, r in kept.items() if st not in kept_before]
+    gathers_before = {o for op in base.B.ops if op.type == "all_gather" for o in op.outputs}
+    comm = []
+    for op in pp.B.ops:
+        if op.type == "all_gather" and op.phase == "backward" and not set(op.outputs) & gathers_before:
+            t = pp.B.tensors[op.outputs[0]]
+            comm.append({"tensor": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+                         "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
+                                f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks"})
+    net = sum(r["bytes"] for r in dropped) - sum(r["bytes"] for r in added)
+    section = (f"--recompute-allgather trades memory for communication, per layer and microbatch: "
+               f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward")
+    return [dict(r, section=section) for r in sorted(dropped, key=lambda r: -r["bytes"]) + added + comm]
 
 
 def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:

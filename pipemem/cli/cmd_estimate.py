@@ -91,7 +91,9 @@ def register(sub) -> None:
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
     act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
     act.add_argument("--recompute-allgather", action="store_const", const=True, default=None,
-                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle)")
+                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle: "
+                          "recompute_allgather; torchtitan: pipemem.torch_tp.RegatherColwiseParallel; "
+                          "megatron always does)")
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")

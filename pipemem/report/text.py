@@ -45,7 +45,8 @@ def describe_plan(est) -> str:
         parts.append("sp")
     shard = []
     if p.zero:
-        shard.append(f"zero {p.zero}")
+        group = (p.extra or {}).get("zero_group")
+        shard.append(f"zero {p.zero}" + (f" over {group} of the {p.dp * p.cp} dp ranks" if group else ""))
     if p.fsdp:
         shard.append("fsdp")
     if p.dist_opt:
@@ -241,11 +242,17 @@ def render_explain(rows: Any, con) -> None:
         sections = list(rows.items())
     else:
         items = [_as_dict(x) for x in (rows or [])]
+        # rows naming a "section" (e.g. the --recompute-allgather trade) get a table of their own
+        extra: dict[str, list] = {}
+        for r in items:
+            if r.get("section"):
+                extra.setdefault(str(r["section"]), []).append({k: v for k, v in r.items() if k != "section"})
+        items = [r for r in items if not r.get("section")]
         kept = [r for r in items if not str(r.get("tensor", "")).startswith("(")]
         peaks = [r for r in items if str(r.get("tensor", "")).startswith("(")]
         total = sum(r.get("bytes", 0) or 0 for r in kept)
         sections = [(f"what one layer keeps for backward, per microbatch in flight ({fmt_bytes(total)} in all)",
-                     kept), ("where the layer's transient peaks come from", peaks)]
+                     kept), ("where the layer's transient peaks come from", peaks), *extra.items()]
     for title, part in sections:
         if isinstance(part, str):
             con.print(Text(f"{title}: {part}"))

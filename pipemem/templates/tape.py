@@ -58,6 +58,9 @@ class Node:
     params: tuple[str, ...] = ()     # parameters whose grads the W pass computes
     save_i: tuple[str, ...] = ()     # read by the input-grad op
     save_w: tuple[str, ...] = ()     # read by the weight-grad op
+    read_w: tuple[str, ...] = ()     # also read by the weight-grad op, made in backward by another
+                                     # node (a re-gather shared by several linears): freed after
+                                     # its last reader, not with this node's saved tensors
     pre_i: tuple[BwdOp, ...] = ()    # backward ops before the input-grad op (e.g. a re-gather)
     post_i: tuple[BwdOp, ...] = ()   # ops after it (e.g. reduce-scatter of the input grad)
     pre_w: tuple[BwdOp, ...] = ()
@@ -124,10 +127,10 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False) -> Node:
+             w_pre_first=False, promote_grads=False, read_w=()) -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
-                 tuple(save_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}), workspace_f,
-                 workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
+                 tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
+                 workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
                  self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
         self.nodes.append(n)
         return n
@@ -289,7 +292,7 @@ class Tape:
 
     def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
         gparams = tuple(self._param_grad(prog, p) for p in n.params)
-        reads = gouts + tuple(r(s) for s in n.save_w)
+        reads = gouts + tuple(r(s) for s in (*n.save_w, *n.read_w))
         chain = self.wgrad_chain
         created = self.grad_create is not None
         if not chain:
