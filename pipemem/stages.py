@@ -21,7 +21,7 @@ interleaved by default (s % pp); `style="v"` for V-shaped schedules (ZB-V, DualP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .errors import UserError
@@ -43,6 +43,15 @@ class StagePlan:
     stage_layers: dict[int, tuple[int, ...]]
     style: str = "interleaved"
     notes: dict = field(default_factory=dict)
+    # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
+    # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
+    first_backward: dict[int, StageJobs] = field(default_factory=dict)
+
+    def replay_jobs(self) -> dict:
+        """`stages`, with the first-backward jobs keyed (stage, 0) as `replay` takes them."""
+        jobs: dict = dict(self.stages)
+        jobs.update({(s, 0): j for s, j in self.first_backward.items()})
+        return jobs
 
     def stages_of_rank(self, rank: int) -> list[int]:
         return stages_of_rank(rank, self.plan.pp, self.plan.vpp, self.style)
@@ -137,35 +146,55 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:
+    from .templates.layers import first_backward_shard
     from .templates.static import static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     stages: dict[int, StageJobs] = {}
+    first: dict[int, StageJobs] = {}
+    creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
+    sh_first = first_backward_shard(sh) if creates_grads else None
     for s in range(n_stages):
-        stages[s] = _stage_jobs(arch, sh, conv, _layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1,
-                                plan.seq_len, s, layout[s])
+        args = (_layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1, plan.seq_len, s, layout[s])
+        stages[s] = _stage_jobs(arch, sh, conv, *args)
+        if creates_grads:
+            fj = _stage_jobs(arch, sh_first, conv, *args)
+            first[s] = StageJobs(stage=s, F=stages[s].F, B=fj.B, I=fj.I, W=fj.W, layers=fj.layers, notes=fj.notes)
     static, optim = [], []
     for r in range(plan.pp):
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
+        if creates_grads:
+            # the gradients the first backwards create, as the programs allocate them
+            st = replace(st, grads_in_step=sum(first[s].B.net_bytes - stages[s].B.net_bytes for s in rs))
         static.append(st)
         optim.append(_optimizer_job(conv.name, plan.optimizer, st))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
-                     notes={"convention": conv.name, "shard": sh})
+                     notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
+                     first_backward=first)
 
 
 @lru_cache(maxsize=4096)
 def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
-    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
+    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+    size of the local parameters (the denominator), freed inside the step. On the first step
+    the optimizer creates its states before it updates (`optimizer_in_step`); with
+    zero_grad(set_to_none=True) the gradients the step created are freed after it."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
         ws = st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
-    prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
-    r = analyze_program(prog)
+    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
+    reads = ("opt_state", "grads")
+    if st.optimizer_in_step:
+        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=st.optimizer_in_step))
+        prog.add_op(Op("init_state", (), ("new_state",)))
+        reads += ("new_state",)
+    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=ws))
+    prog.add_op(Op("zero_grad", ("grads",), (), frees=("grads",)))
+    r = analyze_program(prog, live_on_entry=("grads",), keep=() if st.grads_in_step else ("grads",))
     return JobMemory(r.net_bytes, r.peak_bytes)
 
 

@@ -70,10 +70,13 @@ def convention_for(plan) -> Convention:
     extra = plan.extra or {}
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
-    if (sp_save, fused_qkv, fused_gate_up) == (c.sp_save, c.fused_qkv, c.fused_gate_up):
+    # Megatron --no-gradient-accumulation-fusion: weight grads are eager temporaries added into
+    # the main grad (extra["wgrad_fused"] = False)
+    wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
+    if (sp_save, fused_qkv, fused_gate_up, wgrad_fused) == (c.sp_save, c.fused_qkv, c.fused_gate_up, c.wgrad_fused):
         return c
     return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused)
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, wgrad_fused)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

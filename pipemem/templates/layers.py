@@ -58,6 +58,12 @@ class Shard:
     autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+    # Gradients created by this backward (the first backward of a step after
+    # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
+    # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
+    grads_created: bool = False
+    grad_dt: str = "fp32"
+    grad_shard: int = 1
 
     @property
     def res_dt(self) -> str:
@@ -84,7 +90,16 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
-        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp))
+        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
+
+
+def first_backward_shard(sh: Shard) -> Shard:
+    """The shard of a step's first backward when gradients were set to None: eager weight
+    grads become .grad (stolen, not accumulated) and every gradient is a new tensor."""
+    from dataclasses import replace
+    return replace(sh, first_step=True, grads_created=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +146,8 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        if sh.grads_created:
+            tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
         self.sac = False
         self.sh = sh
