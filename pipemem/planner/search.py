@@ -94,17 +94,30 @@ class PlanSearch:
     fixed: dict
     plans: list[PlanResult]          # fitting plans, fastest first
     stats: SearchStats
+    config: dict = field(default_factory=dict, repr=False)   # the model's HF config
+    gpu_opts: dict = field(default_factory=dict)              # estimate()'s gpu / gpu_memory
 
     @property
     def pareto(self) -> list[PlanResult]:
-        """Plans no other plan beats on both peak memory and bubble (lowest peak first)."""
-        out = []
-        best_bubble = float("inf")
-        for p in sorted(self.plans, key=lambda p: (p.peak_bytes, p.cost.bubble, p.cost.step_s)):
-            if p.cost.bubble < best_bubble - 1e-12:
-                out.append(p)
-                best_bubble = p.cost.bubble
-        return out
+        """Pipeline plans (pp > 1) no other pipeline plan beats on both peak memory and bubble,
+        lowest peak first. (Plans without a pipeline have no bubble at all.)"""
+        return pareto_front([p for p in self.plans if p.kwargs.get("pp", 1) > 1], lambda p: p.cost.bubble)
+
+    @property
+    def pareto_step_time(self) -> list[PlanResult]:
+        """Plans no other plan beats on both peak memory and estimated step time."""
+        return pareto_front(self.plans, lambda p: p.cost.step_s)
+
+
+def pareto_front(plans: list[PlanResult], second) -> list[PlanResult]:
+    """The plans not dominated in (peak bytes, second(plan)), lowest peak first."""
+    out = []
+    best = float("inf")
+    for p in sorted(plans, key=lambda p: (p.peak_bytes, second(p), p.flags)):
+        if second(p) < best - 1e-12:
+            out.append(p)
+            best = second(p)
+    return out
 
 
 def _flag(name: str) -> str:
@@ -204,7 +217,8 @@ def search_plans(model, target: Target, seq_len: int, global_batch: int, options
         bar.close()
     plans = sorted(runner.results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
     runner.stats.seconds = time.perf_counter() - t0
-    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, runner.stats)
+    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, runner.stats, config,
+                      runner.gpu_opts)
 
 
 class _Runner:
