@@ -166,6 +166,7 @@ class Estimate:
                       "head_dim": a.head_dim, "ffn": a.ffn, "vocab": a.vocab, "experts": a.experts,
                       "top_k": a.top_k, "tied_embeddings": a.tied_embeddings},
             "plan": plan,
+            "step": {"step": self.plan.step, "grads": self.plan.grads},
             "world_size": self.world_size,
             "mode": self.mode,
             "schedule": self.schedule,
@@ -301,7 +302,8 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
     runtime = _runtime(opts, plan)
     stage_plan = build_stage_jobs(arch, plan)
     ranks = per_rank(stage_plan.stages, schedule, runtime, stage_plan.static_per_rank(schedule),
-                     stage_plan.optimizer_per_rank(schedule), plan)
+                     stage_plan.optimizer_per_rank(schedule), plan,
+                     overrides=stage_plan.first_backward_overrides(schedule))
     explain = layer_explain(arch, plan) if opts.get("explain") else None
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="templates",
                     schedule=schedule.name, ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
@@ -421,14 +423,23 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
                        [t.optimizer] if t.optimizer is not None else None, plan)
     if rank.peak_allocated_bytes == t.peak_allocated_bytes:
         rank.peak_at = str(t.peak_at)      # the same moment, named down to the op
-    warnings = ["traced mode: one training step as recorded (first step: gradients are created in backward "
-                "and optimizer states in the optimizer step, so they count under 'transient')"]
+    warnings = [] if plan.step == "steady" else [
+        "traced mode, --step first: the first training step as recorded (gradients are created in backward "
+        "and optimizer states in the optimizer step, so they count under 'transient')"]
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
                     schedule="one step (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
                     warnings=warnings, world_size=_world(plan), runtime="torch")
+
+
+def _first_step_only(plan: ParallelPlan) -> None:
+    """Traced pipelines and sharded ranks record one step of a fresh model: the first step. A
+    steady-state answer from it could say FITS wrongly (optimizer states not yet resident)."""
+    if plan.step != "first":
+        raise UserError("traced mode traces pipelines (--pp) and sharded ranks (--tp, --fsdp) for the first "
+                        "training step only so far: pass --step first, or use --mode templates for the steady state")
 
 
 def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
@@ -445,6 +456,7 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
     warnings = []
     if plan.pp > 1:
         arch, plan = _with_schedule(arch, plan, vpp_given)
+        _first_step_only(plan)
         schedule = schedule_of(plan)
         runtime = _runtime(opts, plan, default="torch")
         sp = traced_stage_plan(config, plan, schedule.split_backward, policy)
@@ -456,6 +468,7 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
         if plan.tp > 1 and plan.dp > 1 and (plan.fsdp or plan.zero == 3):
             raise UserError("traced mode traces one sharding at a time: --tp or --fsdp with --dp, not both yet")
         plan = validate_plan(arch, replace(plan, schedule="1F1B", microbatches=1))
+        _first_step_only(plan)
         if plan.layers is not None and plan.layers != arch.layers:
             arch = arch.with_layers(plan.layers)
         kind = "tp" if plan.tp > 1 else "fsdp"
@@ -470,8 +483,8 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
         ranks = [rank]
         sched_name = f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})"
         warnings.append(f"traced mode: rank 0 of the {kind} group traced; its ranks run the same program")
-    warnings.append("traced mode: one training step as recorded (first step: gradients are created in backward "
-                    "and optimizer states in the optimizer step, so they count under 'transient')")
+    warnings.append("traced mode, --step first: the first training step as recorded (gradients are created in "
+                    "backward and optimizer states in the optimizer step, so they count under 'transient')")
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced", schedule=sched_name,
                     ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes, warnings=warnings,
                     world_size=_world(plan), runtime=runtime)

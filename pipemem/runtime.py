@@ -395,6 +395,29 @@ def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
     return out
 
 
+def fold_per_action(stages: dict) -> dict:
+    """Stage jobs with the per-action rule folded in (x received at the start of F and y freed
+    at its end; dy received at the start of B / I, dx freed at their end, x and dy freed at the
+    end of B or W): self-contained jobs whose F and backward balance, for code that schedules
+    jobs without a runtime lowering (the memory-limited scheduler)."""
+    from dataclasses import replace
+
+    from .jobs import compose
+    out = {}
+    final = max(s for s in stages if isinstance(s, int))
+    for s, j in stages.items():
+        x, y, dx, dy = j.input_bytes, j.output_bytes, j.input_grad_bytes, j.output_grad_bytes
+        last = s == final
+        f = compose([(x, x), j.F, (-y, 0)] if not last else [(x, x), j.F])
+        tail = [(-dx, 0)] + ([(-y, 0)] if last else [])
+        b = compose([(dy, dy), j.B, *tail, (-x, 0), (-dy, 0)]) if j.B is not None else None
+        i = compose([(dy, dy), j.I, *tail]) if j.I is not None else None
+        w = compose([j.W, (-x, 0), (-dy, 0)]) if j.W is not None else None
+        out[s] = replace(j, F=f, B=b, I=i, W=w, input_bytes=0, output_bytes=0, input_grad_bytes=0,
+                         output_grad_bytes=0)
+    return out
+
+
 PROFILES = {
     "torch": RuntimeProfile("torch", _torch_rank, batch_on_every_rank=True,
                             doc="torch.distributed.pipelining 2.13 (torchtitan)"),
@@ -402,4 +425,4 @@ PROFILES = {
     "paddle": RuntimeProfile("paddle", _per_action_rank, doc="PaddleNLP PipelineParallel"),
 }
 
-__all__ = ["RUNTIMES", "RuntimeProfile", "default_runtime", "get_runtime", "lower"]
+__all__ = ["RUNTIMES", "RuntimeProfile", "default_runtime", "fold_per_action", "get_runtime", "lower"]

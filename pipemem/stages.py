@@ -20,7 +20,7 @@ Which stages a pipeline rank holds is the schedule's business (`Schedule.stage_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .errors import UserError
@@ -43,14 +43,42 @@ class StagePlan:
     arch: object = None
     conv: object = None
     notes: dict = field(default_factory=dict)
+    # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
+    # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
+    first_backward: dict[int, StageJobs] = field(default_factory=dict)
+
+    def replay_jobs(self, schedule=None) -> dict:
+        """`stages`, with the first-backward jobs keyed (stage, microbatch) as `replay` takes
+        them: the microbatch whose backward runs first on the stage in `schedule` (0 without)."""
+        jobs: dict = dict(self.stages)
+        jobs.update(self.first_backward_overrides(schedule))
+        return jobs
+
+    def first_backward_overrides(self, schedule=None) -> dict:
+        if not self.first_backward:
+            return {}
+        first_mb = {s: 0 for s in self.first_backward}
+        if schedule is not None:
+            seen = set()
+            for acts in schedule.ranks:
+                for kind, s, m in acts:
+                    if kind in ("B", "I") and s not in seen:
+                        seen.add(s)
+                        first_mb[s] = m
+        return {(s, first_mb[s]): j for s, j in self.first_backward.items()}
 
     def rank_static(self, stage_ids) -> StaticBytes:
-        """Params, grads and optimizer states of a rank holding these virtual stages."""
+        """Params, grads and optimizer states of a rank holding these virtual stages (and the
+        gradients its stages' first backwards create, with --grads set-to-none / ddp-bucket)."""
         from .templates.static import static_bytes
         key = tuple(sorted(stage_ids))
         st = self.notes.get(("static", key))
         if st is None:
-            st = self.notes[("static", key)] = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
+            st = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
+            if self.first_backward:
+                st = replace(st, grads_in_step=sum(self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes
+                                                   for s in key))
+            self.notes[("static", key)] = st
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
@@ -118,14 +146,23 @@ def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
     optimizer job depend on which stages a rank holds: `StagePlan.rank_static`."""
     arch, plan, conv, sh = _resolve(arch, plan)
+    from .templates.layers import first_backward_shard
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
-    stages = {s: _stage_jobs(arch, sh, conv, _layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers,
-                                                        layout[s]), s == 0, s == n_stages - 1, plan.seq_len, s,
-                             layout[s])
-              for s in range(n_stages)}
+    creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
+    sh_first = first_backward_shard(sh) if creates_grads else None
+    stages: dict[int, StageJobs] = {}
+    first: dict[int, StageJobs] = {}
+    for s in range(n_stages):
+        args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]), s == 0,
+                s == n_stages - 1, plan.seq_len, s, layout[s])
+        stages[s] = _stage_jobs(arch, sh, conv, *args)
+        if creates_grads:
+            fj = _stage_jobs(arch, sh_first, conv, *args)
+            first[s] = replace(stages[s], B=fj.B, I=fj.I, W=fj.W)
     return StagePlan(plan=plan, stages=stages, stage_layers=layout, arch=arch, conv=conv,
-                     notes={"convention": conv.name, "shard": sh})
+                     notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
+                     first_backward=first)
 
 
 def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
@@ -181,16 +218,25 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 @lru_cache(maxsize=4096)
 def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
-    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
+    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+    size of the local parameters (the denominator), freed inside the step. On the first step
+    the optimizer creates its states before it updates (`optimizer_in_step`); with
+    zero_grad(set_to_none=True) the gradients the step created are freed after it."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
         ws = st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
-    prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
-    r = analyze_program(prog)
+    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
+    reads = ("opt_state", "grads")
+    if st.optimizer_in_step:
+        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=st.optimizer_in_step))
+        prog.add_op(Op("init_state", (), ("new_state",)))
+        reads += ("new_state",)
+    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=ws))
+    prog.add_op(Op("zero_grad", ("grads",), (), frees=("grads",)))
+    r = analyze_program(prog, live_on_entry=("grads",), keep=() if st.grads_in_step else ("grads",))
     return JobMemory(r.net_bytes, r.peak_bytes)
 
 
@@ -206,9 +252,23 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
         raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
     k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
     pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
-    pp = layer_programs(arch, sh, conv, layer_options(arch, plan, idx, pos < k))
-    F, B = pp.F, pp.B
+    opts = layer_options(arch, plan, idx, pos < k)
+    pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
+    rows = sorted(_kept_rows(pp).values(), key=lambda r: -r["bytes"])
+    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
+                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rb = pp.results["B"]
+    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
+                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    if plan.recompute_allgather:
+        rows += _regather_trade(arch, plan, conv, sh, opts, pp)
+    return rows
+
+
+def _kept_rows(pp) -> dict[str, dict]:
+    """What a layer's forward leaves alive for its backward: storage -> explain row."""
+    F, B = pp.F, pp.B
     readers: dict[str, list[str]] = {}
     for op in B.ops:
         label = ("recompute of " + op.type) if op.phase == "recompute" else op.type
@@ -221,7 +281,8 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     for t in F.tensors.values():
         if t.storage == t.name:
             by_storage[t.storage] = t
-    rows = []
+    rows = {}
+    rf = pp.results["F"]
     kept = (rf.live_after - {F.tensors[pp.input].storage}) if pp.input in F.tensors else rf.live_after
     for st in kept:
         t = by_storage.get(st)
@@ -231,14 +292,39 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
             why = "layer output: the next layer's input (its norm saves it)"
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
-        rows.append({"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why})
-    rows.sort(key=lambda r: -r["bytes"])
-    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
-                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
-    rb = pp.results["B"]
-    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
-                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+        rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
     return rows
+
+
+def _regather_trade(arch, plan: ParallelPlan, conv, sh, opts, pp) -> list[dict]:
+    """--recompute-allgather, per layer and microbatch: the tensors the layer no longer keeps
+    for backward, what it keeps instead, and the all-gathers its backward runs in exchange
+    (the same layer built without the switch, compared). None when the convention gathers
+    again in backward anyway (Megatron)."""
+    from dataclasses import replace
+
+    from .templates.conventions import convention_for
+    from .templates.programs import layer_programs
+    base_conv = convention_for(replace(plan, recompute_allgather=False))
+    if base_conv == conv:
+        return []
+    base = layer_programs(arch, sh, base_conv, opts)
+    kept, kept_before = _kept_rows(pp), _kept_rows(base)
+    dropped = [dict(r, why="no longer kept: " + r["why"]) for st, r in kept_before.items() if st not in kept]
+    added = [dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
+             for st, r in kept.items() if st not in kept_before]
+    gathers_before = {o for op in base.B.ops if op.type == "all_gather" for o in op.outputs}
+    comm = []
+    for op in pp.B.ops:
+        if op.type == "all_gather" and op.phase == "backward" and not set(op.outputs) & gathers_before:
+            t = pp.B.tensors[op.outputs[0]]
+            comm.append({"tensor": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+                         "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
+                                f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks"})
+    net = sum(r["bytes"] for r in dropped) - sum(r["bytes"] for r in added)
+    section = (f"--recompute-allgather trades memory for communication, per layer and microbatch: "
+               f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward")
+    return [dict(r, section=section) for r in sorted(dropped, key=lambda r: -r["bytes"]) + added + comm]
 
 
 def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:

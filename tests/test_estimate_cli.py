@@ -204,7 +204,7 @@ BAD = [
     (["--model", "gpt2", "--dp", "2", "--dist-opt", "--zero", "3"], "--dist-opt"),
     (["--model", "gpt2", "--recompute-layers", "2"], "--recompute-layers"),
     (["--model", "gpt2", "--ep", "2"], "--ep"),
-    (["--model", "gpt2", "--mode", "traced", "--pp", "2"], "--no-master-weights"),
+    (["--model", "gpt2", "--mode", "traced", "--pp", "2"], "--step first"),
     (["--model", "gpt2", "--plot", "out.pdf"], ".png or .html"),
     (["--model", "gpt2", "--", "--x", "1"], "--from-megatron"),
     (["--from-paddlenlp", "--"], "no arguments"),

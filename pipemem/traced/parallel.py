@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -287,13 +287,25 @@ def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, 
     from .stack import build_fsdp_model, build_tp_model, make_mesh
 
     build = {"tp": build_tp_model, "fsdp": build_fsdp_model}[kind]
+    if kind == "tp" and plan.recompute_allgather:
+        # torchtitan convention: the column-parallel linears keep their sequence shard and
+        # all-gather it again in backward (pipemem.torch_tp.RegatherColwiseParallel)
+        build = partial(build_tp_model, regather=True)
     world = plan.tp if kind == "tp" else plan.dp
     cfg = make_config(model_config, "sdpa" if plan.flash_attn else "eager", plan.layers)
     dtype = getattr(torch, param_dtype_name(plan))
+    if plan.recompute not in ("none", "full") or (kind == "fsdp" and plan.recompute != "none"):
+        raise UserError(f"traced mode with --{kind}: --recompute {plan.recompute} is not traced yet; use "
+                        + ("none or full" if kind == "tp" else "none") + ", or --mode templates")
     with fake_process_group(rank, world):
         mesh = make_mesh(world)          # device meshes cannot be built under FakeTensorMode
         with FakeTensorMode(), policies.context(kernel_policy):
-            return _trace_model_step(build(cfg, plan.seq_len, mesh, init=False, dtype=dtype), plan, kernel_policy)
+            model = build(cfg, plan.seq_len, mesh, init=False, dtype=dtype)
+            if plan.recompute == "full":     # torchtitan's full activation checkpointing, per decoder layer
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                for k in list(model.layers):
+                    model.layers[k] = checkpoint_wrapper(model.layers[k])
+            return _trace_model_step(model, plan, kernel_policy)
 
 
 def _trace_model_step(model, plan, kernel_policy: str) -> dict:
