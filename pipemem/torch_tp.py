@@ -100,10 +100,11 @@ class RegatherColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         out = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-        layout = input_layouts[0]
-        if isinstance(layout, Shard) and out is not inputs[0]:
+        layout, x = input_layouts[0], inputs[0]
+        given = x.placements[0] if isinstance(x, DTensor) else layout
+        if isinstance(layout, Shard) and given == layout and out is not x:
             # gathered here from the shard we were given: keep that shard, no copy
-            _KNOWN_SHARDS[_local(out).untyped_storage()] = (_local(inputs[0]), layout.dim)
+            _KNOWN_SHARDS[_local(out).untyped_storage()] = (_local(x), layout.dim)
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -122,8 +123,8 @@ class RegatherColwiseParallel(ColwiseParallel):
 # storage of a gathered input -> (the shard it was gathered from, sequence dim), while the
 # gathered tensor lives: what the linears reading it save instead of it
 _KNOWN_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# saved shard -> _Regather: how many saves of it are still to be unpacked, and the re-gathered
-# tensor they share in backward
+# saved shard -> _Regather: how many linears saved it, and per backward pass the re-gathered
+# tensor they share
 _PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _STACK_ATTR = "_pipemem_regather_hooks"
 
