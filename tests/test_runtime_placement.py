@@ -157,3 +157,12 @@ def test_every_lowering_frees_what_it_holds_by_the_end():
                 # the last stage's FREE_Y frees its (zero-byte) loss, made by F but not counted above
                 assert {k: n for k, n in held.items() if n and not (k[0] == "output_bytes" and n < 0)} == {}, \
                     (name, runtime)
+
+
+def test_torch_runtime_keeps_the_step_state_and_adds_the_batch():
+    # torchtitan: gradients created by the first backward (set-to-none) stay accounted; the
+    # torch runtime adds the step's token ids and labels to every pipeline rank
+    est = pipemem.estimate(TINY, convention="torchtitan", pp=2, microbatches=4, seq_len=64, grads="set-to-none")
+    for r in est.ranks:
+        assert r.static.grads_in_step > 0
+        assert r.static.other == 2 * 8 * 4 * 64
