@@ -137,7 +137,7 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:
-    from .templates.static import static_bytes
+    from .templates.static import optimizer_step_scratch, static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     stages: dict[int, StageJobs] = {}
@@ -149,18 +149,19 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+        optim.append(_optimizer_job(conv.name, plan.optimizer, st, optimizer_step_scratch(arch, plan, conv, layout, rs)))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh})
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, scratch: int = 0) -> JobMemory:
     """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+    scratch beyond `scratch` (Megatron's fp32 copies of narrow grads, templates.static);
+    PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the size of
+    the local parameters (the denominator), freed inside the step."""
     prog = Program("optimizer", type="optimizer")
-    ws = 0
+    ws = scratch
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
         ws = st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))

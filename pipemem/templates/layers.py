@@ -131,6 +131,7 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
         self.t = tape
         self.sac = False
         self.sh = sh
