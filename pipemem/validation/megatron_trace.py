@@ -41,6 +41,9 @@ with the GPU kernel's allocations and saved tensors, and nothing else:
     on a GPU): only their results are allocated;
   * dropout is CUDA's fused `native_dropout` (a bool mask; `pipemem.traced.kernel_policy`);
   * apex's multi_tensor_scale (grad clipping, main -> model param copies) is in place;
+  * MoE: TE's GroupedLinear (one output for all local experts, fused wgrad) for the experts;
+    TE's GEMM for the fp32 router logits; balanced dropless routing (see
+    `_moe_on_fake_tensors`);
   * Adam is the fused kernel (apex/TE FusedAdam: in place, no temporaries), as torch's
     `AdamW(fused=True)`.
 """
@@ -187,6 +190,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     p.set(torch.cuda, "current_device", cpu)
     p.set(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
     p.set(torch.cuda, "get_rng_state", lambda device=None: torch.get_rng_state())
+    p.set(torch.cuda, "synchronize", lambda *a, **k: None)
     p.set(rnd, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     p.set(rnd, "_set_cuda_rng_state", lambda state, *a, **k: None)
     p.set(rnd.CudaRNGStatesTracker, "fork", _no_fork)
@@ -206,6 +210,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     p.set(mutils.GlobalMemoryBuffer, "get_tensor", _fresh_tensor)
     p.set(attn, "apply_rotary_pos_emb", _fused_rope)
     _fused_activations(p)
+    _moe_on_fake_tensors(p)
     _fake_item(p)
 
 
@@ -362,6 +367,130 @@ def _fused_activations(p: _Patches) -> None:
     p.set(swiglu, "weighted_swiglu_back", lambda g, y, weights: (torch.empty_like(y), torch.empty_like(weights)))
 
 
+class _Stream:
+    """torch.cuda.Stream stand-in: megatron's MoE dispatcher creates a D2H side stream."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def _moe_on_fake_tensors(p: _Patches) -> None:
+    """megatron's MoE runs on fake tensors with balanced dropless routing.
+
+    Routing decides how many tokens each expert gets: data that fake tensors do not have. The
+    alltoall dispatcher's token counts (`preprocess`, then copied to the host) are replaced by
+    balanced ones -- each of the T x top_k routed copies of this rank's tokens spread evenly
+    over the experts -- after megatron's own code has made its (device) count tensors; the
+    two `masked_select`s of `permute` return the `num_out_tokens` (= T x top_k) entries a
+    dropless routing selects (same allocations; masked_select's backward keeps the mask)."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    p.set(torch.cuda, "Stream", _Stream)
+    p.set(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    p.set(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
+    orig_pre = td.MoEAlltoAllTokenDispatcher.preprocess
+
+    def preprocess(self, routing_map):
+        orig_pre(self, routing_map)
+        tokens, k, experts = routing_map.size(0), self.config.moe_router_topk, self.num_experts
+        ep, tp, local = self.ep_size, self.tp_size, self.num_local_experts
+        per_expert = tokens * k // experts
+        self.num_out_tokens = tokens * k
+        self.input_splits = np.full(ep, tokens * k // ep)
+        self.output_splits = np.full(ep, per_expert * local)
+        self.output_splits_tp = np.full(tp, per_expert * local * ep)
+        self.num_global_tokens_per_local_expert = np.full((tp * ep, local), per_expert)
+        return np.full(local, per_expert * tp * ep)
+    p.set(td.MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
+    p.set(td.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+          lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    p.set(td, "permute", _dropless_permute)
+    from megatron.core.transformer.moe import moe_utils
+    p.set(moe_utils, "te_general_gemm", _te_gemm)     # the router GEMM, straight to fp32
+
+
+def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
+    """transformer_engine general_gemm's result for megatron's router: one output tensor in
+    `out_dtype` (no casted copies of the operands). Layouts as megatron calls it."""
+    rows, cols = {"TN": (b.shape[0], a.shape[0]), "NN": (b.shape[0], a.shape[1]),
+                  "NT": (b.shape[1], a.shape[1])}[layout]
+    return (torch.empty((rows, cols), dtype=out_dtype),)
+
+
+class _MaskedSelect(torch.autograd.Function):
+    """x.masked_select(mask) with `n` selected entries (its backward keeps the mask)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, n):
+        ctx.save_for_backward(mask)
+        ctx.shape = x.shape
+        return torch.empty(n, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty(ctx.shape, dtype=g.dtype), None, None
+
+
+def _dropless_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+    """megatron.core.transformer.moe.moe_utils.permute, dropless branch, with masked_select's
+    result sized by `num_out_tokens`."""
+    num_tokens, _ = tokens.shape
+    num_experts = routing_map.shape[1]
+    routing_map = routing_map.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = _MaskedSelect.apply(token_indices, routing_map, num_out_tokens)
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = _MaskedSelect.apply(probs.T.contiguous(), routing_map, num_out_tokens)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """Transformer Engine's GroupedLinear with fused weight-gradient accumulation: one output
+    for all local experts; saves its input; backward writes dgrad, accumulates each expert's
+    wgrad into its main_grad and hands autograd TE's cached dummy wgrads."""
+
+    @staticmethod
+    def forward(ctx, x, out_features, *weights):
+        ctx.save_for_backward(x, *weights)
+        return torch.empty((x.shape[0], out_features), dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *weights = ctx.saved_tensors
+        dummies = []
+        for w in weights:
+            if hasattr(w, "grad_added_to_main_grad"):
+                w.grad_added_to_main_grad = True
+            dummies.append(_dummy_wgrad(list(w.shape), x.dtype))
+        return (torch.empty_like(x), None, *dummies)
+
+
+class GroupedLinear(torch.nn.Module):
+    """Stands for TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (expert tensor
+    parallel size 1 in the cases traced): one weight [out, in] per local expert."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method=None, bias=False,
+                 skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
+        super().__init__()
+        self.out_features = output_size
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            for _ in range(num_gemms))
+        for w in self.weights:
+            w.allreduce = not is_expert     # expert params: the expert-data-parallel grad buffer
+
+    def forward(self, x, m_splits):
+        return _GroupedGemm.apply(x, self.out_features, *self.weights), None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
@@ -417,6 +546,12 @@ def _layer_spec(case: MegatronCase):
     spec = get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=case.grouped_gemm,
                                     normalization="RMSNorm" if case.kind != "gpt" else "LayerNorm")
     spec.submodules.self_attention.submodules.core_attention = FlashAttention
+    if case.experts:
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        spec.submodules.mlp.submodules.experts = ModuleSpec(
+            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear))
     return spec
 
 
@@ -433,7 +568,8 @@ def _config(case: MegatronCase):
               normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
               activation_func=F.gelu if gpt else F.silu, add_bias_linear=gpt, bias_activation_fusion=True,
               hidden_dropout=case.dropout, attention_dropout=case.dropout, gradient_accumulation_fusion=True,
-              apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True)
+              apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True,
+              deallocate_pipeline_outputs=True, batch_p2p_comm=True)   # as Megatron-LM sets them
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
