@@ -18,7 +18,15 @@ group for expert weights):
   optimizer: 6 + 12/dp);
 * --zero 2: also the gradients;
 * --zero 3 / --fsdp: also the parameters.
-Partial shards are rounded up (each rank holds ceil(n / group) elements).
+Partial shards are rounded up (each rank holds ceil(n / group) elements). A plan whose
+`extra["zero_group"]` is set (PaddleNLP: sharding_parallel_degree) shards over that many
+of the data-parallel ranks only; the other data-parallel replicas each hold a copy.
+
+What is resident when the step starts depends on --grads and --step (pipemem.plan.GRADS):
+set-to-none gradients are created in the step (`grads_in_step`), DDP's buckets
+(ddp-bucket) are one more resident copy of the gradients, and the first step has no
+optimizer states (Adam's moments) before its optimizer step (`optimizer_in_step`; master
+weights are made when the optimizer is built, so they are resident).
 """
 
 from __future__ import annotations
@@ -113,23 +121,44 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
     p, g, m, st = bytes_per_param(plan, conv)
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    zero_group = (plan.extra or {}).get("zero_group")
+    if zero_group:
+        # The states are sharded over a sub-group of the data-parallel ranks (PaddleNLP's
+        # sharding group: sharding_parallel_degree of the dp x sharding replicas).
+        replicas = max(1, dp_group // int(zero_group))
+        dp_group = int(zero_group)
+        edp_group = max(1, edp_group // replicas)
     zero = plan.zero
     opt_shard = zero >= 1 or plan.dist_opt
 
     def shard(n: int, group: int, on: bool) -> int:
         return -(-n // group) if on else n
 
-    params = grads = optimizer = 0
+    params = grads = master = states = 0
     for n, group in ((dense, dp_group), (expert, edp_group)):
         params += shard(n, group, zero >= 3) * p
         grads += shard(n, group, zero >= 2) * g
-        optimizer += shard(n, group, opt_shard) * (m + st)
+        master += shard(n, group, opt_shard) * m
+        states += shard(n, group, opt_shard) * st
     other = 0
     if conv.name == "megatron":
         last = plan.pp * plan.vpp - 1
         layers = tuple(i for s in rank_stages for i in stage_layers[s])
         other = megatron_runtime_bytes(arch, plan, conv, layers, last in rank_stages)
-    return StaticBytes(params=params, grads=grads, optimizer=optimizer, other=other)
+    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states, other=other), plan.grads,
+                      plan.step, states)
+
+
+def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int) -> StaticBytes:
+    """`full` (every model state resident) as the reported step starts: see the module
+    docstring. `states`: the optimizer's moment bytes within `full.optimizer`."""
+    resident_grads, in_step = full.grads, 0
+    if grads_mode in ("set-to-none", "ddp-bucket"):
+        in_step = full.grads
+        resident_grads = full.grads if grads_mode == "ddp-bucket" else 0   # DDP's buckets stay
+    first = step == "first"
+    return StaticBytes(params=full.params, grads=resident_grads, optimizer=full.optimizer - (states if first else 0),
+                       other=full.other, grads_in_step=in_step, optimizer_in_step=states if first else 0)
 
 
 def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
