@@ -134,9 +134,15 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
     send_out = act if (not last and free_output) else 0
     grad_in = 0 if last else act     # received output grad
     grad_out = 0 if first else act   # input grad sent and freed
-    F = _compose(fparts, "F", pre=recv, post=send_out)
-    B = _compose(bparts, "B", pre=grad_in, post=grad_out)
-    I = _compose(bparts, "I", pre=grad_in, post=grad_out)
+    # Megatron, stages after the first (traced in megatron-core's own 1F1B schedule,
+    # `pipemem validate megatron`, pp2 cases): the previous microbatch's received input is
+    # still referenced while the next forward runs (freed as it ends), and the input grad sent
+    # last stays alive until the next backward has made its own: two more boundary tensors
+    # under each F, one under each B.
+    held = act if (conv.name == "megatron" and not first) else 0
+    F = _compose(fparts, "F", pre=recv + 2 * held, post=send_out + 2 * held)
+    B = _compose(bparts, "B", pre=grad_in + held, post=grad_out + held)
+    I = _compose(bparts, "I", pre=grad_in + held, post=grad_out + held)
     W = _compose(bparts, "W")
     if not free_output and not last:
         # the stage output is kept until backward and released by it
@@ -168,7 +174,10 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
             # the gradients the first backwards create, as the programs allocate them
             st = replace(st, grads_in_step=sum(first[s].B.net_bytes - stages[s].B.net_bytes for s in rs))
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st, optimizer_step_scratch(arch, plan, conv, layout, rs)))
+        scratch = optimizer_step_scratch(arch, plan, conv, layout, rs)
+        if conv.name == "megatron":   # each later chunk still holds its last input and input grad
+            scratch += 2 * sh.boundary_bytes * sum(1 for s in rs if s != 0)
+        optim.append(_optimizer_job(conv.name, plan.optimizer, st, scratch))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
                      first_backward=first)
