@@ -839,7 +839,16 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, 
     full = (sh.s, sh.b, sh.h)
     tok = (sh.s_sp, sh.b, sh.h)
     partial = g.act("lookup", full, sh.res_dt)
-    tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
+    if sh.tp > 1 and conv.name == "megatron":
+        # VocabParallelEmbedding: ids outside the shard are masked (a bool mask) and shifted (an
+        # int64 copy, what the lookup saves); the output rows of masked ids are zeroed (the
+        # mask is kept for that index_put's backward)
+        mask = g.act("input_mask", (sh.b, sh.s), "bool")
+        masked = g.act("masked_ids", (sh.b, sh.s), "int64")
+        tape.node("mask_ids", (ids,), (mask, masked))
+        tape.node("embedding", (masked, w, mask), (partial,), diff_inputs=(), params=(w,), save_w=(ids, masked, mask))
+    else:
+        tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
     y = partial
     if sh.tp > 1:
         if sh.sp:
@@ -873,12 +882,24 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace:
-        # Megatron's vocab-parallel CE: max/sub/exp/div in place on the fp32 copy, which it
-        # saves as the softmax; backward edits it in place into the logits grad.
+        # Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed
+        # to [s, b]: max/sub/exp/div in place on the fp32 copy, which it saves as the softmax
+        # with the bool target mask and the int64 masked target; backward edits the softmax in
+        # place into the logits grad. Inside it: logits max, predicted logits (+ a clone), the
+        # sum of exps (fp32) and an int64 arange per token. GPTModel still holds the bf16
+        # logits and the transposed labels when it transposes the loss back to [b, s].
+        tokens = sh.s * sh.b
+        labels_t = g.act("labels_t", (sh.s, sh.b), "int64")
+        tape.node("transpose_contiguous", (labels,), (labels_t,))
         soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
-        tape.node("vocab_parallel_cross_entropy", (lf, labels), (soft, loss), diff_inputs=(lf,),
-                  save_i=(soft, labels), workspace_f=3 * sh.s * sh.b * 4)
+        tmask = g.act("target_mask", (sh.s, sh.b), "bool")
+        mtarget = g.act("masked_target", (tokens,), "int64")
+        tape.node("vocab_parallel_cross_entropy", (lf, labels_t), (soft, loss, tmask, mtarget), diff_inputs=(lf,),
+                  save_i=(soft, tmask, mtarget), workspace_f=tokens * (4 + 4 + 4 + 4 + 8))
         tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+        loss_t = g.act("loss_bs", (sh.b, sh.s), "fp32")
+        tape.node("transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True)
+        return tape, x, loss_t
     else:
         logp = g.act("log_softmax", (sh.s, sh.b, sh.vocab), "fp32")
         tape.node("log_softmax", (lf,), (logp,), diff_inputs=(lf,), save_i=(logp,))

@@ -54,54 +54,11 @@ import contextlib
 import sys
 import types
 import warnings
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..errors import UserError
-from ..ir import TensorKind
-
-
-@dataclass(frozen=True)
-class MegatronCase:
-    """One rank's training step as megatron-core runs it; field names follow pipemem's plan."""
-
-    name: str
-    kind: str = "dense"           # dense (Llama-style) | gpt (LayerNorm, GeLU, biases, learned positions) | moe
-    layers: int = 2
-    hidden: int = 256
-    heads: int = 8
-    kv_heads: int = 4
-    ffn: int = 512
-    vocab: int = 1000
-    seq_len: int = 128
-    micro_batch: int = 2
-    microbatches: int = 1
-    tp: int = 1
-    pp: int = 1
-    dp: int = 2
-    ep: int = 1
-    sp: bool = True
-    dist_opt: bool = True
-    recompute: str = "none"       # none | selective | full
-    recompute_method: str = "uniform"
-    recompute_layers: int | None = None
-    main_grad_dtype: str = "fp32"
-    experts: int = 0
-    top_k: int = 2
-    expert_ffn: int = 0
-    shared_ffn: int = 0
-    grouped_gemm: bool = True
-    pp_rank: int = 0
-    dropout: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def to_json(self) -> dict:
-        return asdict(self)
+from .megatron import MegatronCase
 
 
 # Patches --------------------------------------------------------------------------------------
