@@ -306,12 +306,9 @@ class _Gen:
             if conv.sp_save == "shard":
                 # Megatron / Paddle recompute_allgather: keep the shard, gather again for dW.
                 xg2 = self.act(nm + ".allgather_bwd", full, kind=COMM)
-                # Megatron's backward holds the full input grad (before its reduce-scatter) until
-                # the weight grad is done (a local of LinearWithGradAccumulationAndAsync...)
-                held = (dfull,) if conv.name == "megatron" else ()
                 self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
                             fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
-                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,) + held,
+                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,),
                             pre_w=(BwdOp("all_gather", (x,), (xg2,)),), w_pre_first=True)
             else:
                 # Paddle's SPInnerOverlapLinear: saves x and the gathered input.
