@@ -548,7 +548,7 @@ def trace_case(case: MegatronCase) -> dict:
         import megatron.core  # noqa: F401
     except ModuleNotFoundError:
         raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'") from None
-    from ..validation.distributed.fake_ranks import fake_process_group
+    from ..traced.dist_capture import fake_process_group
 
     _DUMMY_WGRADS.clear()
     # rank order of megatron's default "tp-cp-ep-dp-pp": pipeline rank r is global rank r * tp * dp
