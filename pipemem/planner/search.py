@@ -77,12 +77,14 @@ class SearchStats:
     invalid: Counter = field(default_factory=Counter)   # reason -> count
     pruned_static: int = 0                              # skipped by the static-bytes bound
     no_fit: int = 0                                     # estimated, nothing of the ladder fits
+    implied: int = 0                                    # settings known not to fit without an estimate
     estimates: int = 0                                  # pipemem.estimate calls
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
-                "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates, "seconds": self.seconds}
+                "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
+                "settings_implied_too_large": self.implied, "seconds": self.seconds}
 
 
 @dataclass
@@ -170,8 +172,8 @@ class _Progress:
         self.done = 0
         self.bar = None
 
-    def advance(self, fitting: int) -> None:
-        self.done += 1
+    def advance(self, fitting: int, n: int = 1) -> None:
+        self.done += n
         if not self.enabled:
             return
         if self.bar is None:
@@ -207,12 +209,15 @@ def search_plans(model, target: Target, seq_len: int, global_batch: int, options
         arch = arch.with_layers(extra["layers"])
     model_flag = model_flag or (model if isinstance(model, str) else name)
     runner = _Runner(config, name, arch, target, seq_len, global_batch, options, extra, model_flag)
-    bases = list(enumerate_bases(arch, target.gpus, options))
-    bar = _Progress(len(bases), progress)
+    groups: dict[tuple, list[Base]] = {}
+    for base in enumerate_bases(arch, target.gpus, options):
+        groups.setdefault(replace(base, sharding=""), []).append(base)
+    groups = list(groups.values())
+    bar = _Progress(sum(len(g) for g in groups), progress)
     try:
-        for base in bases:
-            runner.run_base(base)
-            bar.advance(len(runner.results))
+        for group in groups:
+            runner.run_group(group)
+            bar.advance(len(runner.results), len(group))
     finally:
         bar.close()
     plans = sorted(runner.results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
@@ -230,34 +235,43 @@ class _Runner:
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
 
-    # ------------------------------------------------------------ one base
-    def run_base(self, base: Base) -> None:
+    # ------------------------------------------------------------ one group of bases
+    def run_group(self, bases: list[Base]) -> None:
+        """Bases that differ only in model-state sharding, most sharded first: those that keep
+        every tensor of the stage jobs as they are (ddp, ZeRO-1/2, the distributed optimizer,
+        not ZeRO-3/FSDP) run the same jobs from different static bytes, so a setting that does
+        not fit with more sharding does not fit with less (`_Ladder.failed`)."""
         conv = self.options.convention
-        for sched, placement in schedules_for(conv, base.pp, base.vpp, self.options.schedules):
+        b0 = bases[0]
+        bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
+        for sched, placement in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
             style = "v" if placement == "v" else "interleaved"
-            statics = None
+            statics: dict[str, list[int]] = {}
             for mbs in self.options.micro_batches:
-                self.stats.proposed += 1
-                kw = {"seq_len": self.seq_len, "global_batch": self.global_batch, "micro_batch": mbs,
-                      **base.kwargs(conv), "schedule": sched, "convention": conv, **self.extra}
-                plan = self._validate(kw)
-                if plan is None:
-                    continue
-                if statics is None:
-                    statics = self._static(plan, style)
-                if max(statics) > self.target.budget_bytes:
-                    self.stats.pruned_static += 1
-                    continue
-                try:
-                    schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
-                except UserError:
-                    self.stats.invalid["schedule"] += 1
-                    continue
-                res = self._cheapest_fit(kw, plan, sched, style)
-                if res is None:
-                    self.stats.no_fit += 1
-                else:
-                    self.results.append(res)
+                ladder = _Ladder()
+                for base in bases:
+                    self.stats.proposed += 1
+                    kw = {"seq_len": self.seq_len, "global_batch": self.global_batch, "micro_batch": mbs,
+                          **base.kwargs(conv), "schedule": sched, "convention": conv, **self.extra}
+                    plan = self._validate(kw)
+                    if plan is None:
+                        continue
+                    if base.sharding not in statics:
+                        statics[base.sharding] = self._static(plan, style)
+                    if max(statics[base.sharding]) > self.target.budget_bytes:
+                        self.stats.pruned_static += 1
+                        continue
+                    try:
+                        schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
+                    except UserError:
+                        self.stats.invalid["schedule"] += 1
+                        continue
+                    shared = ladder if base.sharding in SAME_JOBS else _Ladder()
+                    res = self._cheapest_fit(kw, plan, sched, style, shared)
+                    if res is None:
+                        self.stats.no_fit += 1
+                    else:
+                        self.results.append(res)
 
     def _validate(self, kw: dict) -> ParallelPlan | None:
         if self.global_batch % (kw["dp"] * kw["micro_batch"]):
@@ -281,30 +295,42 @@ class _Runner:
                 for r in range(plan.pp)]
 
     # ------------------------------------------------------------ recomputation
-    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, style) -> PlanResult | None:
-        res = self._try(kw, plan, sched, style, "none", None)
+    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, style, ladder: "_Ladder") -> PlanResult | None:
+        def attempt(recompute, layers):
+            if ladder.failed(recompute, layers):
+                self.stats.implied += 1
+                return None
+            r = self._try(kw, plan, sched, style, recompute, layers)
+            if r is None:
+                ladder.fail(recompute, layers)
+            return r
+
+        res = attempt("none", None)
         if res is not None:
             return res
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
         sel_cost = self._cost(plan, sched, style, "selective", None).step_s
-        if sel_cost <= self._cost(plan, sched, style, "full", 1).step_s:
-            sel = self._try(kw, plan, sched, style, "selective", None)
+        full1_cost = self._cost(plan, sched, style, "full", 1).step_s
+        if sel_cost <= full1_cost:
+            sel = attempt("selective", None)
             if sel is not None:
                 return sel        # cheaper than any full recomputation
-        full = self._try(kw, plan, sched, style, "full", None)
+        full = attempt("full", None)
         if full is None:
             return None           # full recomputation keeps the least (module docstring)
-        # fewest layers per stage that fits: bisection over K (module docstring)
-        lo, hi, best = 1, max(plan.pp_layout), full
+        # fewest layers per stage that fits: bisection over K (module docstring), starting above
+        # the fewest a more sharded plan with the same jobs needed
+        lo, hi, best = max(1, ladder.min_layers), max(plan.pp_layout), full
         while lo < hi:
             mid = (lo + hi) // 2
-            r = self._try(kw, plan, sched, style, "full", mid)
+            r = attempt("full", mid)
             if r is not None:
                 hi, best = mid, r
             else:
                 lo = mid + 1
-        if sel_cost < best.cost.step_s and sel_cost > self._cost(plan, sched, style, "full", 1).step_s:
-            sel = self._try(kw, plan, sched, style, "selective", None)
+        ladder.min_layers = hi
+        if full1_cost < sel_cost < best.cost.step_s:
+            sel = attempt("selective", None)
             if sel is not None:
                 return sel
         return best
@@ -348,6 +374,28 @@ class _Runner:
             if best is None or sum(n) > sum(best[1]):
                 best = (st, n)
         return best
+
+
+# sharding labels, most sharded first; those in SAME_JOBS leave the stage jobs unchanged
+SHARDING_ORDER = {"fsdp": 0, "zero3": 0, "zero2": 1, "dist-opt": 2, "zero1": 2, "ddp": 3}
+SAME_JOBS = ("zero2", "dist-opt", "zero1", "ddp")
+
+
+class _Ladder:
+    """What plans with the same stage jobs and fewer static bytes already showed: the
+    recomputation settings that did not fit them (so cannot fit a plan with more static bytes:
+    replay adds the same actions to a higher start) and the fewest fully recomputed layers per
+    stage that fit them."""
+
+    def __init__(self):
+        self._failed: set = set()
+        self.min_layers = 1
+
+    def failed(self, recompute: str, layers: int | None) -> bool:
+        return (recompute, layers) in self._failed
+
+    def fail(self, recompute: str, layers: int | None) -> None:
+        self._failed.add((recompute, layers))
 
 
 def _reason(message: str) -> str:
