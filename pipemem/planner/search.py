@@ -234,6 +234,7 @@ class _Runner:
         self.results: list[PlanResult] = []
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
+        self._busiest: dict = {}
 
     # ------------------------------------------------------------ one group of bases
     def run_group(self, bases: list[Base]) -> None:
@@ -296,11 +297,13 @@ class _Runner:
 
     # ------------------------------------------------------------ recomputation
     def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, style, ladder: "_Ladder") -> PlanResult | None:
+        peaks: dict = {}
+
         def attempt(recompute, layers):
             if ladder.failed(recompute, layers):
                 self.stats.implied += 1
                 return None
-            r = self._try(kw, plan, sched, style, recompute, layers)
+            r, peaks[recompute, layers] = self._try(kw, plan, sched, style, recompute, layers)
             if r is None:
                 ladder.fail(recompute, layers)
             return r
@@ -318,16 +321,25 @@ class _Runner:
         full = attempt("full", None)
         if full is None:
             return None           # full recomputation keeps the least (module docstring)
-        # fewest layers per stage that fits: bisection over K (module docstring), starting above
-        # the fewest a more sharded plan with the same jobs needed
-        lo, hi, best = max(1, ladder.min_layers), max(plan.pp_layout), full
+        # Fewest layers per stage K that fits: bisection over K (module docstring), from the
+        # fewest a more sharded plan with the same jobs needed; the first probes go where the
+        # peaks of no and full recomputation put K if the peak fell linearly with K, and just
+        # below or above it, so a good guess costs two estimates.
+        layers = max(plan.pp_layout)
+        lo, hi, best = max(1, ladder.min_layers), layers, full
+        guess = _interpolate(peaks.get(("none", None)), full.peak_bytes, self.target.budget_bytes, layers)
+        pivots = [guess] if guess is not None else []
         while lo < hi:
-            mid = (lo + hi) // 2
+            mid = pivots.pop(0) if pivots and lo <= pivots[0] < hi else (lo + hi) // 2
             r = attempt("full", mid)
             if r is not None:
                 hi, best = mid, r
+                if mid == guess:
+                    pivots = [mid - 1]
             else:
                 lo = mid + 1
+                if mid == guess:
+                    pivots = [mid + 1]
         ladder.min_layers = hi
         if full1_cost < sel_cost < best.cost.step_s:
             sel = attempt("selective", None)
@@ -340,8 +352,8 @@ class _Runner:
         rank_stages, params = self._busiest_rank(p, style)
         return plan_cost(self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds)
 
-    def _try(self, kw, plan, sched, style, recompute: str, layers: int | None) -> PlanResult | None:
-        """Estimate the plan with this recomputation; the result when it fits, else None."""
+    def _try(self, kw, plan, sched, style, recompute: str, layers: int | None) -> tuple[PlanResult | None, int]:
+        """Estimate the plan with this recomputation: (the result when it fits else None, its peak)."""
         from ..estimate import estimate
 
         kw = dict(kw, recompute=recompute)
@@ -352,16 +364,23 @@ class _Runner:
         est = estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
         peak = est.max_peak_allocated_bytes
         if peak > self.target.budget_bytes:
-            return None
+            return None, peak
         cost = self._cost(plan, sched, style, recompute, layers)
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
                           headroom_bytes=self.target.capacity_bytes - peak, schedule=est.schedule if sched else None,
-                          cost=cost)
+                          cost=cost), peak
 
     def _busiest_rank(self, plan, style) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
         its communication is the step's."""
+        key = (plan.tp, plan.pp, plan.vpp, plan.ep, plan.etp, plan.pp_layout, style)
+        hit = self._busiest.get(key)
+        if hit is None:
+            hit = self._busiest[key] = self._find_busiest_rank(plan, style)
+        return hit
+
+    def _find_busiest_rank(self, plan, style) -> tuple[list[int], tuple[int, int]]:
         from ..stages import stage_layer_ranges
         from ..templates.conventions import convention_for
         from ..templates.static import rank_param_counts
@@ -396,6 +415,15 @@ class _Ladder:
 
     def fail(self, recompute: str, layers: int | None) -> None:
         self._failed.add((recompute, layers))
+
+
+def _interpolate(peak_none: int | None, peak_full: int, budget: int, layers: int) -> int | None:
+    """K (1..layers-1) at which a peak falling linearly from `peak_none` (K = 0) to `peak_full`
+    (K = layers) meets `budget`; only a first guess for the bisection."""
+    if peak_none is None or peak_none <= peak_full or layers < 2:
+        return None
+    k = -(-(peak_none - budget) * layers // (peak_none - peak_full))
+    return min(max(int(k), 1), layers - 1)
 
 
 def _reason(message: str) -> str:
