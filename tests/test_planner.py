@@ -283,3 +283,11 @@ def test_cli_bad_input_is_one_line(argv, needle):
     rc, out, err = _cli(["plan", "--model", "llama3.2-1b", *argv])
     assert rc == 2
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_torchtitan_8b_fsdp_published_plan_fits():
+    """torchtitan's Llama 3.1 8B benchmark (shared/validation: torchtitan-T1-FSDP): FSDP over 8 H100
+    (96 GB class), seq 8192, local batch 2, selective activation checkpointing; it ran."""
+    res = search_plans("llama3-8b", _target(8, "h100-94g"), 8192, 16,
+                       SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}))
+    assert any(p.kwargs.get("fsdp") and p.kwargs["tp"] == 1 and p.kwargs["pp"] == 1 for p in res.plans)

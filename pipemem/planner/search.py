@@ -361,7 +361,11 @@ class _Runner:
             kw["recompute_layers"] = layers
         call = {k: v for k, v in kw.items() if v is not None}
         self.stats.estimates += 1
-        est = estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+        try:
+            est = estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+        except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
+            self.stats.invalid[_reason(str(e))] += 1
+            return None, None
         peak = est.max_peak_allocated_bytes
         if peak > self.target.budget_bytes:
             return None, peak
