@@ -312,9 +312,8 @@ class _Runner:
         if res is not None:
             return res
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
-        sel_cost = self._cost(plan, sched, style, "selective", None).step_s
-        full1_cost = self._cost(plan, sched, style, "full", 1).step_s
-        if sel_cost <= full1_cost:
+        sel_first = self._selective_cheaper(plan, sched, style, 1)
+        if sel_first:
             sel = attempt("selective", None)
             if sel is not None:
                 return sel        # cheaper than any full recomputation
@@ -341,11 +340,27 @@ class _Runner:
                 if mid == guess:
                     pivots = [mid + 1]
         ladder.min_layers = hi
-        if full1_cost < sel_cost < best.cost.step_s:
+        if not sel_first and best.kwargs.get("recompute_layers", layers) > 1 and \
+                self._selective_cheaper(plan, sched, style, best.kwargs.get("recompute_layers", layers)):
             sel = attempt("selective", None)
             if sel is not None:
                 return sel
         return best
+
+    def _selective_cheaper(self, plan, sched, style, layers: int) -> bool:
+        """Does selective recomputation cost less than full recomputation of `layers` layers per
+        stage? Settled without simulating when one adds no more FLOPs to any stage than the other
+        (the simulated makespan only grows with durations, and full recomputation also repeats
+        the forward's tp traffic); simulated otherwise."""
+        from .cost import stage_flops
+        a = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "selective", None)
+        b = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "full", layers)
+        if all(x[1] <= y[1] for x, y in zip(a, b)):
+            return True
+        if all(x[1] >= y[1] for x, y in zip(a, b)) and plan.tp == 1:
+            return False
+        return self._cost(plan, sched, style, "selective", None).step_s < \
+            self._cost(plan, sched, style, "full", layers).step_s
 
     def _cost(self, plan, sched, style, recompute, layers) -> Cost:
         p = replace(plan, recompute=recompute, recompute_layers=layers)
