@@ -195,9 +195,12 @@ class _Progress:
 
 
 def search_plans(model, target: Target, seq_len: int, global_batch: int, options: SpaceOptions,
-                 extra: dict | None = None, model_flag: str | None = None, progress: bool = False) -> PlanSearch:
+                 extra: dict | None = None, model_flag: str | None = None, progress: bool = False,
+                 prune: bool = True) -> PlanSearch:
     """Every plan of the space (space.py) that fits `target`, fastest first (see module docstring).
-    `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers)."""
+    `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers).
+    `prune=False` estimates what the static-bytes bound and the shared ladder would skip (for
+    tests: the listing must not change)."""
     from ..estimate import resolve_model
     from ..model import arch_from_hf_config
 
@@ -209,6 +212,7 @@ def search_plans(model, target: Target, seq_len: int, global_batch: int, options
         arch = arch.with_layers(extra["layers"])
     model_flag = model_flag or (model if isinstance(model, str) else name)
     runner = _Runner(config, name, arch, target, seq_len, global_batch, options, extra, model_flag)
+    runner.prune = prune
     groups: dict[tuple, list[Base]] = {}
     for base in enumerate_bases(arch, target.gpus, options):
         groups.setdefault(replace(base, sharding=""), []).append(base)
@@ -235,6 +239,7 @@ class _Runner:
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
         self._busiest: dict = {}
+        self.prune = True
 
     # ------------------------------------------------------------ one group of bases
     def run_group(self, bases: list[Base]) -> None:
@@ -259,7 +264,7 @@ class _Runner:
                         continue
                     if base.sharding not in statics:
                         statics[base.sharding] = self._static(plan, style)
-                    if max(statics[base.sharding]) > self.target.budget_bytes:
+                    if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
                         self.stats.pruned_static += 1
                         continue
                     try:
@@ -267,7 +272,7 @@ class _Runner:
                     except UserError:
                         self.stats.invalid["schedule"] += 1
                         continue
-                    shared = ladder if base.sharding in SAME_JOBS else _Ladder()
+                    shared = ladder if base.sharding in SAME_JOBS and self.prune else _Ladder()
                     res = self._cheapest_fit(kw, plan, sched, style, shared)
                     if res is None:
                         self.stats.no_fit += 1
