@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
-from ..plan import ParallelPlan, stages_of_rank, validate_plan
+from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
 from .space import Base, SpaceOptions, enumerate_bases, schedules_for
@@ -250,8 +250,7 @@ class _Runner:
         conv = self.options.convention
         b0 = bases[0]
         bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
-        for sched, placement in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
-            style = "v" if placement == "v" else "interleaved"
+        for sched, _ in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
             statics: dict[str, list[int]] = {}
             for mbs in self.options.micro_batches:
                 ladder = _Ladder()
@@ -262,18 +261,20 @@ class _Runner:
                     plan = self._validate(kw)
                     if plan is None:
                         continue
-                    if base.sharding not in statics:
-                        statics[base.sharding] = self._static(plan, style)
-                    if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
-                        self.stats.pruned_static += 1
-                        continue
                     try:
-                        schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
+                        schedule = schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
                     except UserError:
                         self.stats.invalid["schedule"] += 1
                         continue
+                    # the virtual stages each pipeline rank runs (the schedule's placement)
+                    placement = tuple(tuple(schedule.stages_of_rank(r)) for r in range(plan.pp))
+                    if base.sharding not in statics:
+                        statics[base.sharding] = self._static(plan, placement)
+                    if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
+                        self.stats.pruned_static += 1
+                        continue
                     shared = ladder if base.sharding in SAME_JOBS and self.prune else _Ladder()
-                    res = self._cheapest_fit(kw, plan, sched, style, shared)
+                    res = self._cheapest_fit(kw, plan, sched, placement, shared)
                     if res is None:
                         self.stats.no_fit += 1
                     else:
@@ -289,7 +290,7 @@ class _Runner:
             self.stats.invalid[_reason(str(e))] += 1
             return None
 
-    def _static(self, plan: ParallelPlan, style: str) -> list[int]:
+    def _static(self, plan: ParallelPlan, placement) -> list[int]:
         """Static bytes of every pipeline rank (what replay starts from)."""
         from ..stages import stage_layer_ranges
         from ..templates.conventions import convention_for
@@ -297,18 +298,17 @@ class _Runner:
 
         conv = convention_for(plan)
         layout = stage_layer_ranges(plan)
-        return [static_bytes(self.arch, plan, conv, layout, stages_of_rank(r, plan.pp, plan.vpp, style)).total
-                for r in range(plan.pp)]
+        return [static_bytes(self.arch, plan, conv, layout, list(stages)).total for stages in placement]
 
     # ------------------------------------------------------------ recomputation
-    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, style, ladder: "_Ladder") -> PlanResult | None:
+    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, ladder: "_Ladder") -> PlanResult | None:
         peaks: dict = {}
 
         def attempt(recompute, layers):
             if ladder.failed(recompute, layers):
                 self.stats.implied += 1
                 return None
-            r, peaks[recompute, layers] = self._try(kw, plan, sched, style, recompute, layers)
+            r, peaks[recompute, layers] = self._try(kw, plan, sched, placement, recompute, layers)
             if r is None:
                 ladder.fail(recompute, layers)
             return r
@@ -317,7 +317,7 @@ class _Runner:
         if res is not None:
             return res
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
-        sel_first = self._selective_cheaper(plan, sched, style, 1)
+        sel_first = self._selective_cheaper(plan, sched, placement, 1)
         if sel_first:
             sel = attempt("selective", None)
             if sel is not None:
@@ -346,13 +346,13 @@ class _Runner:
                     pivots = [mid + 1]
         ladder.min_layers = hi
         if not sel_first and best.kwargs.get("recompute_layers", layers) > 1 and \
-                self._selective_cheaper(plan, sched, style, best.kwargs.get("recompute_layers", layers)):
+                self._selective_cheaper(plan, sched, placement, best.kwargs.get("recompute_layers", layers)):
             sel = attempt("selective", None)
             if sel is not None:
                 return sel
         return best
 
-    def _selective_cheaper(self, plan, sched, style, layers: int) -> bool:
+    def _selective_cheaper(self, plan, sched, placement, layers: int) -> bool:
         """Does selective recomputation cost less than full recomputation of `layers` layers per
         stage? Settled without simulating when one adds no more FLOPs to any stage than the other
         (the simulated makespan only grows with durations, and full recomputation also repeats
@@ -364,15 +364,15 @@ class _Runner:
             return True
         if all(x[1] >= y[1] for x, y in zip(a, b)) and plan.tp == 1:
             return False
-        return self._cost(plan, sched, style, "selective", None).step_s < \
-            self._cost(plan, sched, style, "full", layers).step_s
+        return self._cost(plan, sched, placement, "selective", None).step_s < \
+            self._cost(plan, sched, placement, "full", layers).step_s
 
-    def _cost(self, plan, sched, style, recompute, layers) -> Cost:
+    def _cost(self, plan, sched, placement, recompute, layers) -> Cost:
         p = replace(plan, recompute=recompute, recompute_layers=layers)
-        rank_stages, params = self._busiest_rank(p, style)
+        rank_stages, params = self._busiest_rank(p, placement)
         return plan_cost(self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds)
 
-    def _try(self, kw, plan, sched, style, recompute: str, layers: int | None) -> tuple[PlanResult | None, int]:
+    def _try(self, kw, plan, sched, placement, recompute: str, layers: int | None) -> tuple[PlanResult | None, int]:
         """Estimate the plan with this recomputation: (the result when it fits else None, its peak)."""
         from ..estimate import estimate
 
@@ -389,22 +389,22 @@ class _Runner:
         peak = est.max_peak_allocated_bytes
         if peak > self.target.budget_bytes:
             return None, peak
-        cost = self._cost(plan, sched, style, recompute, layers)
+        cost = self._cost(plan, sched, placement, recompute, layers)
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
                           headroom_bytes=self.target.capacity_bytes - peak, schedule=est.schedule if sched else None,
                           cost=cost), peak
 
-    def _busiest_rank(self, plan, style) -> tuple[list[int], tuple[int, int]]:
+    def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
         its communication is the step's."""
-        key = (plan.tp, plan.pp, plan.vpp, plan.ep, plan.etp, plan.pp_layout, style)
+        key = (plan.tp, plan.pp, plan.vpp, plan.ep, plan.etp, plan.pp_layout, placement)
         hit = self._busiest.get(key)
         if hit is None:
-            hit = self._busiest[key] = self._find_busiest_rank(plan, style)
+            hit = self._busiest[key] = self._find_busiest_rank(plan, placement)
         return hit
 
-    def _find_busiest_rank(self, plan, style) -> tuple[list[int], tuple[int, int]]:
+    def _find_busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         from ..stages import stage_layer_ranges
         from ..templates.conventions import convention_for
         from ..templates.static import rank_param_counts
@@ -412,7 +412,7 @@ class _Runner:
         conv, layout = convention_for(plan), stage_layer_ranges(plan)
         best = None
         for r in range(plan.pp):
-            st = stages_of_rank(r, plan.pp, plan.vpp, style)
+            st = list(placement[r])
             n = rank_param_counts(self.arch, plan, conv, layout, st)
             if best is None or sum(n) > sum(best[1]):
                 best = (st, n)
