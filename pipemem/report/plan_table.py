@@ -113,8 +113,9 @@ def render_zero_bubble(con, zb, target, csv_path) -> None:
     what = "zero bubble" if zb.zero_bubble else f"its least stage bubble ({zb.stage_bubble:.1%}; the stages are unbalanced)"
     verdict = ("FITS", GREEN) if zb.fits else ("DOES NOT FIT", RED)
     con.print(Text.assemble(("Zero bubble", "bold"), f": the memory-limited scheduler reaches {what} for the best "
-                            f"pipeline plan from {fmt_bytes(zb.memory_bytes)} per GPU ({zb.probes} scheduler runs); "
-                            f"estimated peak with that schedule {fmt_bytes(zb.peak_bytes)}: ", verdict,
+                            f"pipeline plan once static bytes + activations may reach {fmt_bytes(zb.memory_bytes)} "
+                            f"per GPU ({zb.probes} scheduler runs). The step's peak with that schedule (pipemem "
+                            f"estimate, optimizer step included) is {fmt_bytes(zb.peak_bytes)}: ", verdict,
                             f" with the {fmt_bytes(target.reserve_bytes)} reserve. Bubble {zb.bubble:.1%}, makespan "
                             f"{zb.makespan_ratio:.3f}x the plan's own schedule."))
     if csv_path:
