@@ -30,7 +30,7 @@ from ..errors import UserError
 from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
-from .space import Base, SpaceOptions, enumerate_bases, schedules_for
+from .space import BUFFERED_GRADS, Base, SpaceOptions, enumerate_bases, schedules_for
 
 RECOMPUTE_LADDER = ("none", "selective", "full")
 
@@ -243,9 +243,9 @@ class _Runner:
 
     # ------------------------------------------------------------ one group of bases
     def run_group(self, bases: list[Base]) -> None:
-        """Bases that differ only in model-state sharding, most sharded first: those that keep
-        every tensor of the stage jobs as they are (ddp, ZeRO-1/2, the distributed optimizer,
-        not ZeRO-3/FSDP) run the same jobs from different static bytes, so a setting that does
+        """Bases that differ only in model-state sharding, most sharded first. Where gradients live
+        in a resident buffer (Megatron, Paddle), ddp, ZeRO-1/2 and the distributed optimizer (not
+        ZeRO-3/FSDP) run the same stage jobs from different static bytes, so a setting that does
         not fit with more sharding does not fit with less (`_Ladder.failed`)."""
         conv = self.options.convention
         b0 = bases[0]
@@ -273,7 +273,8 @@ class _Runner:
                     if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
                         self.stats.pruned_static += 1
                         continue
-                    shared = ladder if base.sharding in SAME_JOBS and self.prune else _Ladder()
+                    shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
+                        else _Ladder()
                     res = self._cheapest_fit(kw, plan, sched, placement, shared)
                     if res is None:
                         self.stats.no_fit += 1
