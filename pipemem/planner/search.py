@@ -7,8 +7,9 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    counted by reason, never listed;
 2. exact pruning: a rank's replayed peak is at least its static bytes (replay starts there and
    no job has a negative peak), so when the static bytes of some rank (the same
-   `static_bytes` the estimate uses) plus the reserve exceed the GPU, no micro-batch size,
-   recomputation or schedule of that placement can fit: the whole group is skipped unestimated;
+   `static_bytes` the estimate uses, for the ranks' stages as the schedule places them) plus
+   the reserve exceed the GPU, no micro-batch size or recomputation can fit: those plans are
+   counted, not estimated;
 3. recomputation: the cheapest setting that fits. No recomputation when it fits (any
    recomputation only adds work); otherwise selective, and full recomputation of the fewest
    layers per stage that fits (`--recompute-layers K`, found by bisection over K), whichever
@@ -16,8 +17,13 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    per stage is recomputed (each recomputed layer keeps a subset of what it kept before:
    tests/test_planner.py checks it on random plans); every listed plan is estimated as listed,
    so this can only cost a missed lighter setting, never a wrong FITS;
-4. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
+4. plans that differ only in sharding and run the same stage jobs (Megatron, Paddle: ddp,
+   ZeRO-1/2, distributed optimizer) are tried most sharded first; a setting that did not fit
+   with fewer static bytes is not estimated again with more (`_Ladder`);
+5. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
    reproduce it with `pipemem estimate`.
+
+`search_plans(..., prune=False)` switches 2 and 4 off; the listing must not change (tested).
 """
 
 from __future__ import annotations
@@ -31,9 +37,6 @@ from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
 from .space import BUFFERED_GRADS, Base, SpaceOptions, enumerate_bases, schedules_for
-
-RECOMPUTE_LADDER = ("none", "selective", "full")
-
 
 @dataclass(frozen=True)
 class Target:
