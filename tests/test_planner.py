@@ -197,6 +197,10 @@ def test_pinned_degrees_and_moe():
     assert len({p.kwargs["ep"] for p in res.plans}) > 1
     assert any(p.kwargs.get("etp") == 1 for p in res.plans)
     assert all(p.cost.comm and any(c.group == "ep" for c in p.cost.comm) for p in res.plans if p.kwargs["ep"] > 1)
+    etp1 = next(p for p in res.plans if p.kwargs.get("etp") == 1 and p.kwargs["ep"] > 1)
+    rc, out, err = _cli(["estimate", *etp1.flags.split(), "--json"])
+    assert rc == 0, err
+    assert "--etp 1" in etp1.flags and json.loads(out)["max_peak_allocated_bytes"] == etp1.peak_bytes
 
 
 # ---------------------------------------------------------------- published runs
