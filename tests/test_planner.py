@@ -154,6 +154,7 @@ def test_pruning_changes_nothing_listed(conv, shardings):
     pruned = search_plans(*args)
     full = search_plans(*args, prune=False)
     assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0 or conv == "hf")
+    assert (pruned.stats.derived > 0) == (conv != "hf") and pruned.stats.derivation_mismatch == 0
     assert full.stats.pruned_static == 0 and full.stats.implied == 0
     assert pruned.stats.estimates < full.stats.estimates
     assert [(p.flags, p.rank_peaks) for p in pruned.plans] == [(p.flags, p.rank_peaks) for p in full.plans]

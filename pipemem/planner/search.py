@@ -81,13 +81,16 @@ class SearchStats:
     pruned_static: int = 0                              # skipped by the static-bytes bound
     no_fit: int = 0                                     # estimated, nothing of the ladder fits
     implied: int = 0                                    # settings known not to fit without an estimate
+    derived: int = 0                                    # settings whose peaks carried over (_Ladder)
+    derivation_mismatch: int = 0                        # should stay 0 (_Probe.result)
     estimates: int = 0                                  # pipemem.estimate calls
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
                 "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
-                "settings_implied_too_large": self.implied, "seconds": self.seconds}
+                "settings_implied_too_large": self.implied, "settings_derived": self.derived,
+                "derivation_mismatch": self.derivation_mismatch, "seconds": self.seconds}
 
 
 @dataclass
@@ -278,7 +281,7 @@ class _Runner:
                         continue
                     shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
                         else _Ladder()
-                    res = self._cheapest_fit(kw, plan, sched, placement, shared)
+                    res = self._cheapest_fit(kw, plan, sched, placement, statics[base.sharding], shared)
                     if res is None:
                         self.stats.no_fit += 1
                     else:
@@ -305,43 +308,29 @@ class _Runner:
         return [static_bytes(self.arch, plan, conv, layout, list(stages)).total for stages in placement]
 
     # ------------------------------------------------------------ recomputation
-    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, ladder: "_Ladder") -> PlanResult | None:
-        peaks: dict = {}
-
-        def attempt(recompute, layers):
-            if ladder.failed(recompute, layers):
-                self.stats.implied += 1
-                return None
-            r, peaks[recompute, layers] = self._try(kw, plan, sched, placement, recompute, layers)
-            if r is None:
-                ladder.fail(recompute, layers)
-            return r
-
-        res = attempt("none", None)
-        if res is not None:
-            return res
+    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, statics: list[int],
+                      ladder: "_Ladder") -> PlanResult | None:
+        probe = _Probe(self, kw, plan, sched, placement, statics, ladder)
+        if probe.fits("none", None):
+            return probe.result("none", None)
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
         sel_first = self._selective_cheaper(plan, sched, placement, 1)
-        if sel_first:
-            sel = attempt("selective", None)
-            if sel is not None:
-                return sel        # cheaper than any full recomputation
-        full = attempt("full", None)
-        if full is None:
+        if sel_first and probe.fits("selective", None):
+            return probe.result("selective", None)       # cheaper than any full recomputation
+        if not probe.fits("full", None):
             return None           # full recomputation keeps the least (module docstring)
         # Fewest layers per stage K that fits: bisection over K (module docstring), from the
         # fewest a more sharded plan with the same jobs needed; the first probes go where the
         # peaks of no and full recomputation put K if the peak fell linearly with K, and just
         # below or above it, so a good guess costs two estimates.
         layers = max(plan.pp_layout)
-        lo, hi, best = max(1, ladder.min_layers), layers, full
-        guess = _interpolate(peaks.get(("none", None)), full.peak_bytes, self.target.budget_bytes, layers)
+        lo, hi = max(1, ladder.min_layers), layers
+        guess = _interpolate(probe.peak("none", None), probe.peak("full", None), self.target.budget_bytes, layers)
         pivots = [guess] if guess is not None else []
         while lo < hi:
             mid = pivots.pop(0) if pivots and lo <= pivots[0] < hi else (lo + hi) // 2
-            r = attempt("full", mid)
-            if r is not None:
-                hi, best = mid, r
+            if probe.fits("full", mid):
+                hi = mid
                 if mid == guess:
                     pivots = [mid - 1]
             else:
@@ -349,12 +338,11 @@ class _Runner:
                 if mid == guess:
                     pivots = [mid + 1]
         ladder.min_layers = hi
-        if not sel_first and best.kwargs.get("recompute_layers", layers) > 1 and \
-                self._selective_cheaper(plan, sched, placement, best.kwargs.get("recompute_layers", layers)):
-            sel = attempt("selective", None)
-            if sel is not None:
-                return sel
-        return best
+        k = hi if hi < layers else None
+        if not sel_first and hi > 1 and self._selective_cheaper(plan, sched, placement, hi) and \
+                probe.fits("selective", None):
+            return probe.result("selective", None)
+        return probe.result("full", k)
 
     def _selective_cheaper(self, plan, sched, placement, layers: int) -> bool:
         """Does selective recomputation cost less than full recomputation of `layers` layers per
@@ -376,28 +364,32 @@ class _Runner:
         rank_stages, params = self._busiest_rank(p, placement)
         return plan_cost(self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds)
 
-    def _try(self, kw, plan, sched, placement, recompute: str, layers: int | None) -> tuple[PlanResult | None, int]:
-        """Estimate the plan with this recomputation: (the result when it fits else None, its peak)."""
+    def _estimate(self, kw: dict, recompute: str, layers: int | None):
+        """pipemem.estimate of the plan with this recomputation, or None when it refuses the plan."""
         from ..estimate import estimate
 
+        call = self._call(kw, recompute, layers)
+        self.stats.estimates += 1
+        try:
+            return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+        except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
+            self.stats.invalid[_reason(str(e))] += 1
+            return None
+
+    @staticmethod
+    def _call(kw: dict, recompute: str, layers: int | None) -> dict:
         kw = dict(kw, recompute=recompute)
         if layers is not None:
             kw["recompute_layers"] = layers
-        call = {k: v for k, v in kw.items() if v is not None}
-        self.stats.estimates += 1
-        try:
-            est = estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
-        except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
-            self.stats.invalid[_reason(str(e))] += 1
-            return None, None
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def _result(self, kw, plan, sched, placement, recompute, layers, est) -> PlanResult:
+        call = self._call(kw, recompute, layers)
         peak = est.max_peak_allocated_bytes
-        if peak > self.target.budget_bytes:
-            return None, peak
-        cost = self._cost(plan, sched, placement, recompute, layers)
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
                           headroom_bytes=self.target.capacity_bytes - peak, schedule=est.schedule if sched else None,
-                          cost=cost), peak
+                          cost=self._cost(plan, sched, placement, recompute, layers))
 
     def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
@@ -429,13 +421,17 @@ SAME_JOBS = ("zero2", "dist-opt", "zero1", "ddp")
 
 
 class _Ladder:
-    """What plans with the same stage jobs and fewer static bytes already showed: the
-    recomputation settings that did not fit them (so cannot fit a plan with more static bytes:
-    replay adds the same actions to a higher start) and the fewest fully recomputed layers per
-    stage that fit them."""
+    """What plans with the same stage jobs (same schedule, placement and micro-batch size;
+    sharding levels that leave the jobs unchanged) showed, for the next one with more static
+    bytes. Replay is a walk that starts at a rank's static bytes and adds the same job sequence,
+    so with the same jobs each rank's peak moves by exactly its change in static bytes: a
+    setting's per-rank peaks carry over (`derive`), and a setting that did not fit cannot fit
+    with more static bytes (`failed`). Also the fewest fully recomputed layers per stage that
+    fitted."""
 
     def __init__(self):
         self._failed: set = set()
+        self._peaks: dict = {}          # (recompute, layers) -> (rank peaks, rank statics)
         self.min_layers = 1
 
     def failed(self, recompute: str, layers: int | None) -> bool:
@@ -443,6 +439,71 @@ class _Ladder:
 
     def fail(self, recompute: str, layers: int | None) -> None:
         self._failed.add((recompute, layers))
+
+    def record(self, key, rank_peaks: list[int], statics: list[int]) -> None:
+        self._peaks[key] = (list(rank_peaks), list(statics))
+
+    def derive(self, key, statics: list[int]) -> list[int] | None:
+        hit = self._peaks.get(key)
+        if hit is None:
+            return None
+        peaks, base = hit
+        return [p - a + b for p, a, b in zip(peaks, base, statics)]
+
+
+class _Probe:
+    """The recomputation settings of one plan: does each fit, and the listed result. A setting
+    is estimated unless the ladder settles it; one that the ladder says fits is estimated before
+    it is listed, and must give the bytes the ladder derived (else the ladder is dropped and the
+    setting estimated afresh: `SearchStats.derivation_mismatch`, tested to stay 0)."""
+
+    def __init__(self, runner, kw, plan, sched, placement, statics, ladder):
+        self.r, self.kw, self.plan, self.sched, self.placement = runner, kw, plan, sched, placement
+        self.statics, self.ladder = statics, ladder
+        self.peaks: dict = {}       # key -> rank peaks (estimated or derived)
+        self.ests: dict = {}        # key -> Estimate
+
+    def peak(self, recompute, layers) -> int | None:
+        p = self.peaks.get((recompute, layers))
+        return max(p) if p else None
+
+    def fits(self, recompute: str, layers: int | None) -> bool:
+        key = (recompute, layers)
+        budget = self.r.target.budget_bytes
+        if key not in self.peaks:
+            if self.ladder.failed(*key):
+                self.r.stats.implied += 1
+                return False
+            derived = self.ladder.derive(key, self.statics)
+            if derived is not None:
+                self.r.stats.derived += 1
+                self.peaks[key] = derived
+            else:
+                est = self.r._estimate(self.kw, recompute, layers)
+                if est is None:
+                    self.ladder.fail(*key)
+                    return False
+                self.ests[key] = est
+                self.peaks[key] = [x.peak_allocated_bytes for x in est.ranks]
+            self.ladder.record(key, self.peaks[key], self.statics)
+        ok = max(self.peaks[key]) <= budget
+        if not ok:
+            self.ladder.fail(*key)
+        return ok
+
+    def result(self, recompute: str, layers: int | None) -> PlanResult | None:
+        key = (recompute, layers)
+        est = self.ests.get(key)
+        if est is None:
+            est = self.r._estimate(self.kw, recompute, layers)
+            if est is None or [x.peak_allocated_bytes for x in est.ranks] != self.peaks.get(key):
+                # the ladder's derivation disagrees with the engine: never trust it here
+                self.r.stats.derivation_mismatch += 1
+                return self.r._cheapest_fit(self.kw, self.plan, self.sched, self.placement, self.statics,
+                                            _Ladder())
+        if est.max_peak_allocated_bytes > self.r.target.budget_bytes:
+            return None
+        return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
 
 
 def _interpolate(peak_none: int | None, peak_full: int, budget: int, layers: int) -> int | None:
