@@ -82,7 +82,10 @@ class StagePlan:
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids))
+        from .templates.static import optimizer_step_scratch
+        key = tuple(sorted(stage_ids))
+        scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
+        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids), scratch)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -217,14 +220,15 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, scratch: int = 0) -> JobMemory:
     """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
+    scratch beyond `scratch` (Megatron's fp32 copies of narrow grads, templates.static);
+    PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
     size of the local parameters (the denominator), freed inside the step. On the first step
     the optimizer creates its states before it updates (`optimizer_in_step`); with
     zero_grad(set_to_none=True) the gradients the step created are freed after it."""
     prog = Program("optimizer", type="optimizer")
-    ws = 0
+    ws = scratch
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
         ws = st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
