@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from .errors import UserError
 from .jobs import JobMemory, StaticBytes
-from .plan import ParallelPlan
+from .plan import MAX_GPU_GIB, ParallelPlan
 
 MODES = ("templates", "traced")
 KERNEL_POLICIES = ("cuda", "cpu")
@@ -190,6 +190,8 @@ def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None,
     if gpu_memory is not None:
         if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
             raise UserError(f"--gpu-memory {gpu_memory!r}: expected a positive number of GiB, e.g. 80")
+        if not gpu_memory <= MAX_GPU_GIB:   # also inf
+            raise UserError(f"--gpu-memory {gpu_memory!r}: at most {MAX_GPU_GIB:,} GiB (1 PiB) of device memory")
         return f"{gpu_memory:g} GiB", int(round(gpu_memory * (1 << 30)))
     return None, None
 
@@ -198,7 +200,18 @@ def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None,
 
 def estimate(model: str | Mapping, **kwargs) -> Estimate:
     """Per-rank memory of training `model` with the plan given as keyword arguments (the CLI's
-    flag names with underscores: `tp=8, pp=4, micro_batch=1, recompute="full", gpu="h100-80g"`)."""
+    flag names with underscores: `tp=8, pp=4, micro_batch=1, recompute="full", gpu="h100-80g"`).
+    Bad input of any kind raises `UserError`."""
+    try:
+        return _estimate(model, **kwargs)
+    except (OverflowError, MemoryError) as e:
+        # validate_plan bounds every number; this is the net under it (a config value that
+        # slipped past the bounds): one clear error, never a traceback or a wrapped number.
+        raise UserError(f"the numbers of this plan are too large to estimate ({type(e).__name__}: {e}); "
+                        "check --seq-len, --micro-batch, --layers and the model's sizes") from e
+
+
+def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     plan_kw, opts = split_kwargs(kwargs)
     mode = opts.get("mode") or "templates"
     if mode not in MODES:
@@ -241,7 +254,8 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
         sched_name = canonical_name(sched_name)
         if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
             plan = replace(plan, vpp=default_vpp(sched_name))   # V schedules: 2 chunks per rank
-    plan = validate_plan(arch, replace(plan, schedule=sched_name))
+    # at pp 1 no schedule runs: a named one is refused by validate_plan, none is replayed as 1F1B
+    plan = validate_plan(arch, replace(plan, schedule=sched_name if plan.pp > 1 else plan.schedule))
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
     schedule = get_schedule(sched_name, plan.pp, plan.microbatches, vpp=plan.vpp)

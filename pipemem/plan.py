@@ -18,6 +18,7 @@ Rules chosen where frameworks differ (stated here, in the messages and in the do
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from .errors import UserError
@@ -27,6 +28,35 @@ RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
 STAGE_STYLES = ("interleaved", "loop", "v")
+
+# What a training run can be. Beyond these bounds a number no longer describes a plan (and
+# byte counts would leave 64 bits, or a replay would run for minutes); each bound is named in
+# the error. They are generous: the largest published runs are far inside them.
+LIMITS = {
+    "seq_len": 1 << 24,          # 16,777,216 tokens per sequence
+    "micro_batch": 1 << 16,      # sequences per microbatch
+    "global_batch": 1 << 32,     # sequences per step
+    "microbatches": 1 << 16,     # microbatches per pipeline per step
+    "dp": 1 << 20, "tp": 1 << 20, "pp": 1 << 20, "cp": 1 << 20, "ep": 1 << 20, "etp": 1 << 20,
+    "vpp": 1 << 10,              # model chunks per pipeline rank
+    "layers": 1 << 14,           # 16,384 decoder layers (Llama 3.1 405B has 126)
+    "recompute_layers": 1 << 14,
+}
+MAX_WORLD = 1 << 20              # 1,048,576 GPUs in one job
+MAX_TOKENS = 1 << 32             # tokens per microbatch (seq_len x micro_batch)
+# Schedule actions per step are pp x vpp x microbatches (stage, microbatch) pairs; a replay
+# costs a few microseconds each, the memory-limited schedulers (auto, ZBVPP) search and cost
+# ~0.3 ms each. These keep one estimate within a few seconds on one core.
+MAX_STAGE_MICROBATCHES = 1 << 17
+MAX_SEARCHED_STAGE_MICROBATCHES = 1 << 13
+SEARCHED_SCHEDULES = ("ZBAuto", "ZBVPP")
+# An upper bound of a rank's bytes must stay below this (int64 byte counts, with margin).
+MAX_BYTES = 1 << 62
+MAX_GPU_GIB = 1 << 20            # 1 PiB of device memory
+# ArchSpec sizes read from a config.json
+ARCH_LIMITS = {"hidden": 1 << 20, "ffn": 1 << 22, "expert_ffn": 1 << 22, "shared_ffn": 1 << 22,
+               "vocab": 1 << 24, "heads": 1 << 14, "kv_heads": 1 << 14, "head_dim": 1 << 14,
+               "experts": 1 << 16, "top_k": 1 << 16, "layers": LIMITS["layers"]}
 
 
 @dataclass
@@ -124,6 +154,85 @@ def _check_positive(plan: ParallelPlan, names: tuple[str, ...]) -> None:
             raise UserError(f"{_flag(n)} {v!r}: must be a positive integer")
 
 
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def check_ranges(plan: ParallelPlan) -> None:
+    """Every number of the plan within what a training run can be (LIMITS); one UserError
+    naming the flag and the bound otherwise. Call before anything computes with the plan."""
+    names = tuple(LIMITS)
+    _check_positive(plan, names)
+    for n in names:
+        v = getattr(plan, n)
+        if v is not None and v > LIMITS[n]:
+            raise UserError(f"{_flag(n)} {v}: at most {_n(LIMITS[n])} ({_BOUND_WHY[n]})")
+    world = plan.dp * plan.tp * plan.pp * plan.cp
+    if world > MAX_WORLD:
+        raise UserError(f"--dp {plan.dp} x --tp {plan.tp} x --pp {plan.pp} x --cp {plan.cp} = {_n(world)} GPUs: "
+                        f"at most {_n(MAX_WORLD)} GPUs in one job")
+    tokens = plan.seq_len * plan.micro_batch
+    if tokens > MAX_TOKENS:
+        raise UserError(f"--seq-len {plan.seq_len} x --micro-batch {plan.micro_batch} = {_n(tokens)} tokens per "
+                        f"microbatch: at most {_n(MAX_TOKENS)}")
+    if plan.pp_layout is not None:
+        for x in plan.pp_layout:
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0 or x > LIMITS["layers"]:
+                raise UserError(f"--pp-layout entry {x!r}: layer counts are integers from 0 to "
+                                f"{_n(LIMITS['layers'])}")
+
+
+_BOUND_WHY = {
+    "seq_len": "tokens per sequence", "micro_batch": "sequences per microbatch",
+    "global_batch": "sequences per step", "microbatches": "microbatches per pipeline per step",
+    "dp": "GPUs", "tp": "GPUs", "pp": "GPUs", "cp": "GPUs", "ep": "GPUs", "etp": "GPUs",
+    "vpp": "model chunks per pipeline rank", "layers": "decoder layers; the largest published models have ~130",
+    "recompute_layers": "decoder layers",
+}
+
+
+def check_schedule_size(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
+    """A schedule of pp x vpp x microbatches (stage, microbatch) pairs within what one estimate
+    replays in seconds (MAX_STAGE_MICROBATCHES; the searching schedulers, less)."""
+    units = pp * vpp * microbatches
+    searched = schedule in SEARCHED_SCHEDULES
+    bound = MAX_SEARCHED_STAGE_MICROBATCHES if searched else MAX_STAGE_MICROBATCHES
+    if units > bound:
+        what = f"{schedule} searches for its order, so " if searched else ""
+        raise UserError(f"--pp {pp} x --vpp {vpp} x --microbatches {microbatches} = {_n(units)} stage-microbatches: "
+                        f"{what}at most {_n(bound)} per step; use fewer microbatches")
+
+
+def check_arch(arch) -> None:
+    """Model sizes read from a config within ARCH_LIMITS (a corrupt or mistyped config.json)."""
+    name = arch.name or arch.model_type
+    for k, bound in ARCH_LIMITS.items():
+        v = getattr(arch, k, 0) or 0
+        if not isinstance(v, int) or v < 0 or v > bound:
+            raise UserError(f"config of {name}: {k} {v!r} is outside 0..{_n(bound)}; check the model configuration")
+
+
+def check_bytes(arch, plan: ParallelPlan) -> None:
+    """A loose upper bound of any rank's bytes (unsharded model states, every microbatch's
+    activations in fp32 with generous factors, eager attention scores) below MAX_BYTES, so
+    the engine's int64 byte counts cannot overflow."""
+    h, layers = arch.hidden, plan.layers or arch.layers
+    ffn = max(arch.ffn, (arch.expert_ffn or 0) * max(arch.top_k, 1) + (arch.shared_ffn or 0) * arch.shared_experts)
+    width = max(h, arch.heads * arch.head_dim)
+    params = layers * (4 * width * h + 3 * h * max(arch.ffn, (arch.expert_ffn or 0) * max(arch.experts, 1))) \
+        + 2 * arch.vocab * h
+    tokens = plan.seq_len * plan.micro_batch
+    scores = 0 if plan.flash_attn else plan.micro_batch * arch.heads * plan.seq_len * plan.seq_len
+    per_mb = tokens * (64 * width + 16 * ffn) * layers + 16 * scores * layers + 16 * tokens * arch.vocab
+    inflight = (plan.microbatches or plan.pp) * plan.vpp
+    total = 32 * params + per_mb * inflight
+    if total > MAX_BYTES:
+        raise UserError(f"this plan would need up to ~{total:.1e} bytes on a rank, beyond 64-bit byte counts "
+                        f"(2^62): check --seq-len {plan.seq_len}, --micro-batch {plan.micro_batch}"
+                        f"{'' if plan.flash_attn else ' (without flash attention the scores grow with seq_len^2)'} "
+                        "and the model's sizes")
+
+
 def _choice(value, allowed, flag: str):
     if value not in allowed:
         raise UserError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
@@ -134,8 +243,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     """Check `plan` against `arch` (a `pipemem.model.ArchSpec`); return it with defaults resolved."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError("validate_plan expects a ParallelPlan")
-    _check_positive(plan, ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp",
-                           "cp", "ep", "etp", "layers", "recompute_layers"))
+    check_ranges(plan)
+    check_arch(arch)
     conv = _choice(str(plan.convention).lower(), CONVENTIONS, "--convention")
     dtype = _choice(str(plan.dtype).lower(), DTYPES, "--dtype")
     recompute = _choice(str(plan.recompute).lower(), RECOMPUTE, "--recompute")
@@ -227,6 +336,13 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         microbatches = derived
     if microbatches is None:
         microbatches = max(pp, 1) if pp > 1 else 1
+    if microbatches > LIMITS["microbatches"]:
+        raise UserError(f"--global-batch {plan.global_batch} / (--micro-batch {mbs} x --dp {plan.dp}) = "
+                        f"{_n(microbatches)} microbatches: at most {_n(LIMITS['microbatches'])} per step")
+    if plan.schedule is not None and pp == 1:
+        raise UserError(f"--schedule {plan.schedule} does nothing at --pp 1 (one pipeline stage runs no pipeline "
+                        "schedule): drop --schedule, or set --pp")
+    check_schedule_size(plan.schedule or "1F1B", pp, vpp, microbatches)
     if vpp > 1 and conv == "megatron" and microbatches % pp:
         raise UserError(f"--microbatches {microbatches} must be a multiple of --pp {pp} with --vpp {vpp} "
                         "(Megatron's interleaved schedule)")
@@ -276,9 +392,11 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
 
 
-    return replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
-                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
-                   layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra))
+    out = replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
+                  etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
+                  layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra))
+    check_bytes(arch, out)
+    return out
 
 
 def _canon_opt(o: str) -> str:

@@ -54,7 +54,7 @@ def _parse_times(text: str):
         vals = [float(x) for x in text.split(",")]
     except ValueError:
         vals = []
-    if len(vals) not in (3, 4) or any(v < 0 for v in vals) or min(vals[:3]) <= 0:
+    if len(vals) not in (3, 4) or not all(0 <= v < 1e12 for v in vals) or min(vals[:3]) <= 0:
         raise UserError(f"--times {text!r}: write F,I,W or F,I,W,COMM with positive durations, e.g. 1,1,1")
     return TimeModel(F=vals[0], I=vals[1], W=vals[2], comm=vals[3] if len(vals) == 4 else 0.0)
 
@@ -73,6 +73,7 @@ def _num(x) -> float:
 
 
 def run(args) -> int:
+    from ..plan import LIMITS, check_schedule_size
     from ..replay import replay
     from ..schedules import canonical_name, default_vpp, get_schedule
     from ..schedules.check import check_schedule
@@ -81,18 +82,22 @@ def run(args) -> int:
     from_csv = args.name.lower().startswith("csv:")
     if not from_csv and (args.pp is None or args.microbatches is None):
         raise UserError(f"schedule {args.name}: give --pp and --microbatches, e.g. --pp 4 --microbatches 8")
-    if (args.pp is not None and args.pp < 1) or (args.microbatches is not None and args.microbatches < 1):
-        raise UserError("--pp and --microbatches must be at least 1")
+    for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--vpp", args.vpp)):
+        key = flag[2:]
+        if v is not None and not 1 <= v <= LIMITS[key]:
+            raise UserError(f"{flag} {v}: give 1 to {LIMITS[key]:,}")
     if args.w_ratio is not None and not 0 <= args.w_ratio <= 1:
         raise UserError(f"--w-ratio {args.w_ratio}: give a share between 0 and 1, e.g. 0.94")
-    if args.memory_limit is not None and args.memory_limit <= 0:
-        raise UserError("--memory-limit must be a positive number of microbatches, e.g. 4")
+    if args.memory_limit is not None and not 0 < args.memory_limit < 1e12:
+        raise UserError(f"--memory-limit {args.memory_limit}: give a positive number of microbatches, e.g. 4")
     times = _parse_times(args.times)
     name = args.name
     if args.memory_limit is not None:
         if name.lower().startswith(("csv:", "torch:")) or canonical_name(name) not in ("ZBAuto", "ZBVPP"):
             raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
     vpp = args.vpp if args.vpp is not None else default_vpp(name)
+    if not from_csv and not name.lower().startswith("torch:"):
+        check_schedule_size(canonical_name(name), args.pp, vpp, args.microbatches)
     w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
     canon = None if name.lower().startswith(("csv:", "torch:")) else canonical_name(name)
     if canon in ("ZBAuto", "ZBVPP"):
