@@ -47,9 +47,25 @@ class RankEstimate:
     timeline: list[TimelinePoint] = field(default_factory=list)
 
     @property
+    def activations_at_peak_bytes(self) -> int:
+        """Activations held around the action at the peak: the larger of what is held before
+        and after it (a forward adds its microbatch's, a backward frees them), the static
+        state not counted. At an optimizer-step peak, what is still resident then (usually 0).
+        Without a timeline, the activation high-water mark."""
+        for p in self.timeline:
+            if p.label == self.peak_at and p.peak == self.peak_allocated_bytes:
+                return max(0, min(max(p.before, p.after) - self.static.total, self.activation_hwm_bytes))
+        return self.activation_hwm_bytes
+
+    @property
     def transient_bytes(self) -> int:
-        """What the action at the peak needs above the static state and the stored activations."""
-        return max(0, self.peak_allocated_bytes - self.static.total - self.activation_hwm_bytes)
+        """What the action at the peak needs above the static state and the activations held
+        around it: a forward's or backward's working memory, the optimizer step's scratch."""
+        return max(0, self.peak_allocated_bytes - self.static.total - self.activations_at_peak_bytes)
+
+    @property
+    def peak_is_optimizer(self) -> bool:
+        return self.peak_at == "optimizer"
 
     def headroom(self, gpu_bytes: int | None) -> int | None:
         return None if gpu_bytes is None else gpu_bytes - self.peak_allocated_bytes
@@ -63,6 +79,7 @@ class RankEstimate:
             "static_bytes": self.static.to_dict(),
             "activation_hwm_bytes": self.activation_hwm_bytes,
             "inflight": self.inflight,
+            "activations_at_peak_bytes": self.activations_at_peak_bytes,
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_at": self.peak_at,
@@ -89,6 +106,7 @@ class Estimate:
     world_size: int = 1
     inputs: tuple | None = field(default=None, repr=False)   # (model, kwargs) as given to estimate()
     suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
+    suggestions_tried: bool = False                           # suggest() ran (an empty list means none helps)
 
     @property
     def max_peak_allocated_bytes(self) -> int:
@@ -138,6 +156,7 @@ class Estimate:
     def suggest(self, limit: int = 2) -> list[dict]:
         """One-step plan changes that make an OOM plan fit (see suggest_fixes); kept in .suggestions."""
         self.suggestions = suggest_fixes(self, limit)
+        self.suggestions_tried = self.fits is False and self.mode == "templates" and self.inputs is not None
         return self.suggestions
 
 
@@ -196,6 +215,22 @@ def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None,
     return None, None
 
 
+def _flash_for_gpu(plan_kw: dict, gpu: str | None) -> None:
+    """Flash attention defaults off on a GPU preset that cannot run it (gpus.json
+    `flash_attention`); asking for it there is an error, not a quietly wrong estimate."""
+    if gpu is None:
+        return
+    from .presets import gpu_info
+
+    info = gpu_info(gpu)
+    if info.get("flash_attention", True):
+        return
+    if plan_kw.get("flash_attn") is True:
+        raise UserError(f"--flash-attn: {info['key']} (compute capability {info.get('compute_capability', '?')}) "
+                        "cannot run flash attention kernels (they need sm 8.0+); drop --flash-attn")
+    plan_kw["flash_attn"] = False
+
+
 # ---------------------------------------------------------------- the estimate
 
 def estimate(model: str | Mapping, **kwargs) -> Estimate:
@@ -225,6 +260,7 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
     if isinstance(plan_kw.get("pp_layout"), list):
         plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
+    _flash_for_gpu(plan_kw, opts.get("gpu"))
 
     from .model import arch_from_hf_config
 
@@ -360,35 +396,32 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
 
 # ---------------------------------------------------------------- what would fit
 
-def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
+def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 4.0) -> list[dict]:
     """For a plan that does not fit: re-run the engine on a few one-step changes (on the same
-    number of GPUs) and return those that fit, or the best one if none does:
-    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}]."""
+    number of GPUs) that could lower the *peak*, and return those that fit, or else the one
+    that lowers the peak most; a change that does not lower the peak is never returned:
+    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}].
+    When the worst rank peaks in the optimizer step only optimizer levers are tried (sharding
+    its states, a fused or per-parameter step, fewer dp ranks for more tp/pp): recompute or a
+    smaller micro-batch cannot lower that peak. Stops trying after `budget_s` seconds."""
+    import time
+
     if est.fits is not False or est.inputs is None or est.mode != "templates":
         return []
     model, kw = est.inputs
     kw = {k: v for k, v in kw.items() if k != "explain"}
     p = est.plan
-    cands: list[tuple[str, dict]] = []
-    if p.recompute == "none":
-        cands.append(("--recompute selective", {"recompute": "selective"}))
-    if p.recompute != "full" or p.recompute_layers is not None:
-        cands.append(("--recompute full", {"recompute": "full", "recompute_layers": None}))
-    if p.tp > 1 and not p.sp:
-        cands.append(("--sp", {"sp": True}))
-    if p.dp > 1 and not (p.zero or p.fsdp or p.dist_opt):
-        cands.append(("--dist-opt", {"dist_opt": True}) if p.convention == "megatron" else ("--zero 1", {"zero": 1}))
-    if p.micro_batch > 1:
-        half = p.micro_batch // 2
-        change = {"micro_batch": half}
-        if "global_batch" not in kw:
-            change["microbatches"] = p.microbatches * p.micro_batch // half
-        cands.append((f"--micro-batch {half}", change))
+    cands = _optimizer_levers(p) if est.worst_rank.peak_is_optimizer else _activation_levers(p, kw) + \
+        _sharding_levers(p)
     if p.dp % 2 == 0:   # same GPUs: trade data parallelism for model parallelism
         cands.append((f"--tp {p.tp * 2} --dp {p.dp // 2}", {"tp": p.tp * 2, "dp": p.dp // 2}))
         cands.append((f"--pp {p.pp * 2} --dp {p.dp // 2}", {"pp": p.pp * 2, "dp": p.dp // 2, "pp_layout": None}))
+    now = est.max_peak_allocated_bytes
     tried = []
+    start = time.perf_counter()
     for flags, change in cands:
+        if time.perf_counter() - start > budget_s:
+            break
         trial = dict(kw)
         trial.update(change)
         trial = {k: v for k, v in trial.items() if v is not None}
@@ -396,8 +429,48 @@ def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
             e = estimate(model, **trial)
         except UserError:
             continue    # not a valid plan for this model (e.g. tp would not divide the heads)
-        tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes, "fits": bool(e.fits)})
+        if e.max_peak_allocated_bytes < now:
+            tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes,
+                          "fits": bool(e.fits)})
     fitting = [t for t in tried if t["fits"]]
     if fitting:
         return fitting[:limit]
     return sorted(tried, key=lambda t: t["max_peak_allocated_bytes"])[:1]
+
+
+def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:
+    out: list[tuple[str, dict]] = []
+    if p.recompute == "none":
+        out.append(("--recompute selective", {"recompute": "selective"}))
+    if p.recompute != "full" or p.recompute_layers is not None:
+        out.append(("--recompute full", {"recompute": "full", "recompute_layers": None}))
+    if p.tp > 1 and not p.sp:
+        out.append(("--sp", {"sp": True}))
+    if p.micro_batch > 1:
+        half = p.micro_batch // 2
+        change = {"micro_batch": half}
+        if "global_batch" not in kw:
+            change["microbatches"] = p.microbatches * p.micro_batch // half
+        out.append((f"--micro-batch {half}", change))
+    return out
+
+
+def _sharding_levers(p: ParallelPlan) -> list[tuple[str, dict]]:
+    """Shard the optimizer states (and more) over the data-parallel ranks."""
+    if p.dp * p.cp == 1 or p.zero >= 3 or p.fsdp:
+        return []
+    if p.convention == "megatron":
+        return [] if p.dist_opt else [("--dist-opt", {"dist_opt": True})]
+    if p.convention == "torchtitan":
+        return [("--fsdp", {"fsdp": True, "zero": None})]
+    return [(f"--zero {z}", {"zero": z}) for z in (1, 3) if z > p.zero]
+
+
+def _optimizer_levers(p: ParallelPlan) -> list[tuple[str, dict]]:
+    """What lowers a peak in the optimizer step: sharding what it updates, no scratch."""
+    out = _sharding_levers(p)
+    if p.optimizer_impl != "fused":
+        out.append(("--optimizer-impl fused", {"optimizer_impl": "fused"}))
+    if p.optimizer_impl == "foreach":
+        out.append(("--optimizer-impl for-loop", {"optimizer_impl": "for-loop"}))
+    return out

@@ -27,6 +27,14 @@ CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
+# How the optimizer step runs (torch.optim's foreach/fused switches, torchtitan's
+# [optimizer] implementation): fused kernels need no scratch, foreach materialises one
+# temporary the size of the local parameters, for-loop one parameter's at a time.
+OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+# Each framework's default: Megatron (TE/Apex FusedAdam) and Paddle (in-place adamw kernels)
+# fuse; torchtitan's `implementation` defaults to "fused"; HF modules trained with a plain
+# torch.optim.AdamW (what traced mode records) take the foreach path on GPUs.
+DEFAULT_OPTIMIZER_IMPL = {"megatron": "fused", "paddle": "fused", "torchtitan": "fused", "hf": "foreach"}
 STAGE_STYLES = ("interleaved", "loop", "v")
 
 # What a training run can be. Beyond these bounds a number no longer describes a plan (and
@@ -85,6 +93,7 @@ class ParallelPlan:
     master_weights: bool = True
     main_grad_dtype: str | None = None   # None = convention default (fp32 for megatron mixed precision)
     optimizer: str = "adamw"
+    optimizer_impl: str | None = None    # fused | foreach | for-loop; None = convention default
     # activations
     recompute: str = "none"
     recompute_layers: int | None = None  # layers recomputed per stage; None = all
@@ -390,11 +399,14 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         # Pure low-precision training (--no-master-weights) keeps them in the param dtype.
         mgd = "fp32" if (dtype == "fp32" or master) else dtype
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
+    impl = plan.optimizer_impl
+    impl = DEFAULT_OPTIMIZER_IMPL[conv] if impl is None else _choice(
+        str(impl).lower().replace("_", "-").replace("forloop", "for-loop"), OPTIMIZER_IMPLS, "--optimizer-impl")
 
 
     out = replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
-                  layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra))
+                  optimizer_impl=impl, layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra))
     check_bytes(arch, out)
     return out
 

@@ -137,7 +137,7 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:
-    from .templates.static import static_bytes
+    from .templates.static import optimizer_elems, static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     stages: dict[int, StageJobs] = {}
@@ -149,20 +149,24 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+        elems, largest = optimizer_elems(arch, plan, conv, layout, rs)
+        temp = 4 if (plan.master_weights or plan.dtype == "fp32") else 2   # the optimizer's math dtype
+        optim.append(_optimizer_job(plan.optimizer_impl or "fused", plan.optimizer, elems * temp, largest * temp))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh})
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
-    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int) -> JobMemory:
+    """The optimizer step as a one-op program. Fused kernels (Megatron, Paddle, torch
+    fused=True) need no scratch. torch's foreach Adam materialises the denominator
+    sqrt(v)/c + eps as one temporary list the size of the local parameters (in the math
+    dtype), freed inside the step; the for-loop path does it per parameter (sqrt, then the
+    division: two temporaries of the largest parameter). SGD keeps no such temporary."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
-    if conv in ("torchtitan", "hf") and optimizer != "sgd":
-        ws = st.params if st.params else 0
+    if optimizer != "sgd":
+        ws = {"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl]
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
     r = analyze_program(prog)

@@ -33,7 +33,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
-    from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS, RECOMPUTE
+    from ..plan import CONVENTIONS, DTYPES, OPTIMIZER_IMPLS, OPTIMIZERS, RECOMPUTE
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -75,6 +75,10 @@ def register(sub) -> None:
     sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
     _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    sh.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
+                    help="how the step runs: fused kernels (no scratch), foreach (a temporary the size of the "
+                         "local parameters), for-loop (one parameter's); default: the convention's (fused; "
+                         "foreach for hf)")
 
     act = p.add_argument_group("activations")
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
@@ -93,13 +97,16 @@ def register(sub) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
     out.add_argument("--explain", action="store_true", help="list what one layer keeps for backward and why")
+    out.add_argument("--wide", action="store_true",
+                     help="always print the per-rank table, however narrow the terminal (default: one block "
+                          "per rank when the table does not fit)")
     p.add_argument("tool_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
               "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
-              "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention")
+              "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:
@@ -216,7 +223,7 @@ def run(args) -> int:
         print(json.dumps(d, indent=2))
     else:
         from ..report.text import render
-        render(est, explain=args.explain)
+        render(est, explain=args.explain, wide=args.wide)
     if args.plot:
         from ..report.plot import write_plot
         path = write_plot(est, args.plot)

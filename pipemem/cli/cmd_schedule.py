@@ -13,10 +13,41 @@ examples:
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
   pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4 --csv-out zb.csv
   pipemem schedule csv:zb.csv
+"""
 
-Memory is in units of one microbatch's retained activations on a rank (all its chunks):
-F of a chunk keeps 1/vpp, B frees it; with split backward I frees all but the weight-grad
-inputs (w = M_W/M_B, --w-ratio) and W frees the rest. Time: T_F = T_I = T_W = 1 unless --times.
+NOTATION = """\
+notation:
+  F3 forward of microbatch 3; B3 its backward; I3 / W3 the two halves of a split backward
+  (input grad, then weight grad). With 2 chunks per rank (--vpp 2) UPPER case is the rank's
+  first chunk and lower case its second (F3 / f3, B3 / b3); with more chunks, F3.2 is
+  microbatch 3 on chunk 2. In `pipemem estimate`, F3@s5 names the virtual stage (s5).
+  Memory: "mb" is one microbatch's activations on a rank (all its chunks): a chunk's F
+  keeps 1/vpp of it, B frees it; a split backward's I frees all but the weight-grad inputs
+  (w = M_W/M_B, --w-ratio) and W the rest. "in flight" is the most microbatches (in the same
+  unit) whose forward has run and whose backward has not, as `pipemem estimate` shows it.
+  Time: T_F = T_I = T_W = 1 unless --times.
+
+names (case-insensitive; '-' and '_' ignored):
+  pipemem           PyTorch (torch.distributed.pipelining)   Paddle      paper / Megatron
+  GPipe, FThenB     ScheduleGPipe                            FThenB      GPipe (Huang et al. 2019)
+  1F1B              Schedule1F1B                             1F1B        PipeDream-flush, Megatron 1F1B
+  Eager1F1B         -                                        Eager1F1B   -
+  Interleaved1F1B   ScheduleInterleaved1F1B                  -           interleaved 1F1B (Narayanan 2021)
+  VPP               -                                        VPP         Megatron's interleaved (virtual pipeline)
+  LoopedBFS         ScheduleLoopedBFS                        -           breadth-first (Lamy-Poirier 2022)
+  ZBH1              -                                        ZBH1        ZB-H1 in Paddle's order: only the first
+                                                                         r backwards of rank r split
+  ZB1P              -                                        -           ZB-H1 as the paper draws it (Qi et al.
+                                                                         2024, "ZB-1p"): every backward split
+  ZBH2              -                                        -           ZB-H2 (Qi et al. 2024)
+  InterleavedZeroBubble  ScheduleInterleavedZeroBubble       -           ZB-1p over looped chunks
+  ZBVZeroBubble, ZBV     ScheduleZBVZeroBubble               -           ZB-V (Qi et al. 2024)
+  DualPipeV         ScheduleDualPipeV                        -           DualPipeV (DeepSeek-V3's DualPipe, halved)
+  VHalf, VMin       -                                        -           V-Half, V-Min (Qi et al. 2024b)
+  ZBVPP             -                                        ZBVPP       Paddle's memory-limited zero-bubble V
+  auto (ZBAuto)     -                                        -           memory-limited zero-bubble search (--memory-limit)
+  csv:FILE          _load_csv (PyTorch's CSV of actions)
+  torch:NAME        PyTorch's own generator, run (needs torch)
 """
 
 
@@ -25,8 +56,8 @@ def register(sub) -> None:
         "schedule", help="per-rank actions, bubble and peak of a pipeline schedule",
         description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
                     "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", help="schedule name, case-insensitive: GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
+        epilog=EXAMPLE + "\n" + NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="schedule name (table below): GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
                                 "LoopedBFS, InterleavedZeroBubble, ZBH1 (Paddle's order), ZB1P (the paper's "
                                 "ZB-H1), ZBH2, ZBVZeroBubble/ZBV, DualPipeV, VHalf, VMin, ZBVPP, auto "
                                 "(memory-limited), csv:FILE or torch:NAME")
@@ -66,6 +97,24 @@ def _label(a, schedule) -> str:
     if schedule.vpp == 2:
         return f"{a.kind if chunk == 0 else a.kind.lower()}{a.microbatch}"
     return f"{a.kind}{a.microbatch}.{chunk}"
+
+
+def _mb(x) -> str:
+    """Microbatch units as `pipemem estimate` prints them: 5.5 mb, 4 mb, 3.941 mb."""
+    return f"{round(float(x), 3):g} mb"
+
+
+def _legend(sched) -> str:
+    kinds = "F forward, B backward" + (", I/W its input-/weight-grad halves when split" if sched.split_backward
+                                       else "")
+    if sched.vpp == 1:
+        chunks = ""
+    elif sched.vpp == 2:
+        chunks = "; UPPER case = first chunk of the rank, lower case = second"
+    else:
+        chunks = "; F3.2 = microbatch 3 on chunk 2"
+    return (f"  ({kinds}; the number is the microbatch{chunks}; @sN = virtual stage N; "
+            "mb = one microbatch's activations on a rank)")
 
 
 def _num(x) -> float:
@@ -129,7 +178,9 @@ def run(args) -> int:
                "peak_microbatches": _num(max(r.peak_allocated_bytes for r in res.ranks)),
                "ranks": [{"pp_rank": r, "stages": sched.stages_of_rank(r),
                           "actions": [str(a) for a in acts],
-                          "max_inflight": rr.max_inflight, "peak_microbatches": _num(rr.peak_allocated_bytes),
+                          "max_inflight": rr.max_inflight,
+                          "max_inflight_microbatches": _num(rr.max_inflight / sched.vpp),
+                          "peak_microbatches": _num(rr.peak_allocated_bytes),
                           "peak_at": rr.peak_at}
                          for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))]}
         if sched.notes:
@@ -141,15 +192,16 @@ def run(args) -> int:
           + (", split backward (I/W)" if sched.split_backward else ""))
     if sched.notes:
         print(f"  {sched.notes}")
+    print(_legend(sched))
     limit = None if args.full else 40
     for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
         shown = acts if limit is None else acts[:limit]
         tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
-        print(f"rank {r:>2}  peak {float(rr.peak_allocated_bytes):6.3f} mb at {rr.peak_at:<9} "
-              f"in-flight {rr.max_inflight:>3} | " + " ".join(_label(a, sched) for a in shown) + tail)
+        print(f"rank {r:>2}  peak {_mb(rr.peak_allocated_bytes):>8} at {rr.peak_at:<9} "
+              f"in flight {_mb(rr.max_inflight / sched.vpp):>7} | " + " ".join(_label(a, sched) for a in shown) + tail)
     print(f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
           f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
           f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}")
-    print(f"peak {float(max(r.peak_allocated_bytes for r in res.ranks)):.3f} microbatches of activations "
+    print(f"peak {_mb(max(r.peak_allocated_bytes for r in res.ranks))} (microbatches of a rank's activations) "
           f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else ""))
     return 0

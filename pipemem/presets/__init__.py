@@ -55,9 +55,11 @@ ALIASES = {
     "llama3.1-70b": "llama3-70b",
 }
 
+# Only names that mean one device: "a100" or "h100" alone could be either memory size, and
+# are an error listing the candidates (see `_candidates`).
 GPU_ALIASES = {
-    "a100": "a100-80g", "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
-    "h100": "h100-80g", "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
+    "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
+    "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
     "h100-94gb": "h100-94g", "h200-141g": "h200", "3090": "rtx3090", "1080ti": "gtx1080ti",
 }
 
@@ -82,6 +84,10 @@ def gpu_info(name: str) -> dict:
     key = str(name).strip().lower()
     key = GPU_ALIASES.get(key, key)
     if key not in table:
+        cands = _candidates(key, table)
+        if len(cands) > 1:
+            listed = ", ".join(f"{k} ({table[k]['name']}, {table[k]['mib']} MiB)" for k in cands)
+            raise UserError(f"--gpu {name!r} is ambiguous: {listed}; give one of them")
         raise UserError(f"--gpu {name!r}: unknown GPU{_close(key, list(table) + list(GPU_ALIASES))}; "
                         f"known: {', '.join(table)} (or give --gpu-memory GIB)")
     return dict(table[key], key=key)
@@ -116,6 +122,10 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
             return key, json.load(f)
     if text.endswith(".json") or text.startswith((".", "/", "~")):
         raise UserError(f"{flag} {text}: file not found")
+    cands = _candidates(key, model_names())
+    if len(cands) > 1:
+        raise UserError(f"{flag} {text!r} is ambiguous: {', '.join(cands)}; give one of them "
+                        "(pipemem presets lists their shapes)")
     raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"
                     f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
                     f"or pass a path to a config.json (nothing is downloaded)")
@@ -134,6 +144,12 @@ def read_config_file(path: str | Path, flag: str = "--model") -> dict:
         raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json), "
                         f"got {type(cfg).__name__}")
     return cfg
+
+
+def _candidates(key: str, names) -> list[str]:
+    """Names that `key` abbreviates: those starting with it (a100 -> a100-40g, a100-80g)."""
+    key = key.strip().lower()
+    return sorted(n for n in names if len(key) >= 2 and n.startswith(key) and n != key)
 
 
 def _close(word: str, candidates: list[str]) -> str:

@@ -95,6 +95,35 @@ def _first_dense(arch) -> int:
     return arch.dense_layers[0] if arch.dense_layers else 0
 
 
+def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
+                    rank_stages: list[int]) -> tuple[int, int]:
+    """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
+    after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
+    layers = tuple(i for s in rank_stages for i in stage_layers[s])
+    last = plan.pp * plan.vpp - 1
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    m = conv.vocab_multiple * plan.tp
+    vocab = -(-arch.vocab // m) * m
+    shapes = []
+    for moe in {arch.is_moe_layer(i) for i in layers}:
+        index = next(i for i in layers if arch.is_moe_layer(i) == moe)
+        shapes += [(s, e) for s, e in layer_param_shapes(arch, index if moe else _first_dense(arch), plan.tp,
+                                                          plan.etp or 1, plan.ep).values()]
+    if 0 in rank_stages:
+        shapes += [(s, False) for s in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
+    if last in rank_stages:
+        shapes += [(s, False) for s in head_param_shapes(arch, vocab, plan.tp,
+                                                         same_stage_as_embedding=0 in rank_stages).values()]
+    on = plan.zero >= 1 or plan.dist_opt
+    dp_group = plan.dp * plan.cp
+    edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+
+    def shard(n: int, group: int) -> int:
+        return -(-n // group) if on else n
+    largest = max((shard(_prod(s), edp_group if e else dp_group) for s, e in shapes), default=0)
+    return shard(dense, dp_group) + shard(expert, edp_group), largest
+
+
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
                  rank_stages: list[int]) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
