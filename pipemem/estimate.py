@@ -274,6 +274,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
+    if config.get("_pipemem_note"):
+        est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
 
 

@@ -153,6 +153,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
+    if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
+        plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
     if tool.model_name:
         opts["model_name"] = tool.model_name
     if args.from_paddlenlp:

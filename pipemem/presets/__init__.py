@@ -116,10 +116,14 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
         return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
-    preset = _MODELS / f"{key}.json"
     if key in model_names():
-        with open(preset, encoding="utf-8") as f:
-            return key, json.load(f)
+        return key, _preset(key)
+    base = base_model_id(key)
+    if base is not None:
+        cfg = _preset(base)
+        cfg["_pipemem_note"] = (f"{flag} {text}: not a preset; estimated with the shapes of its base model {base} "
+                                "(instruction / chat fine-tunes and -hf conversions keep the base model's shapes)")
+        return base, cfg
     if text.endswith(".json") or text.startswith((".", "/", "~")):
         raise UserError(f"{flag} {text}: file not found")
     cands = _candidates(key, model_names())
@@ -129,6 +133,34 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
     raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"
                     f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
                     f"or pass a path to a config.json (nothing is downloaded)")
+
+
+# Name parts of fine-tuned or converted checkpoints that keep the base model's shapes.
+_VARIANT_PARTS = ("instruct", "chat", "hf", "it")
+
+
+def base_model_id(key: str) -> str | None:
+    """The preset of a fine-tune / conversion named after its base model
+    ('meta-llama/Meta-Llama-3-8B-Instruct' -> llama3-8b, 'Llama-2-7b-chat-hf' -> llama2-7b,
+    'Mistral-7B-Instruct-v0.1' -> mistral-7b), else None. Only the name parts that keep the
+    shapes are dropped; what remains must be a known preset or hub id."""
+    key = key.strip().lower()
+    org, _, name = key.rpartition("/")
+    parts = name.split("-")
+    kept = [p for p in parts if p not in _VARIANT_PARTS]
+    if len(kept) == len(parts) or not kept:
+        return None
+    stripped = "-".join(kept)
+    for cand in (f"{org}/{stripped}" if org else stripped, stripped):
+        cand = ALIASES.get(cand, cand)
+        if cand in model_names():
+            return cand
+    return None
+
+
+def _preset(key: str) -> dict:
+    with open(_MODELS / f"{key}.json", encoding="utf-8") as f:
+        return json.load(f)
 
 
 def read_config_file(path: str | Path, flag: str = "--model") -> dict:
