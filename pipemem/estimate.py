@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from .errors import UserError
 from .jobs import JobMemory, StaticBytes
-from .plan import MAX_GPU_GIB, ParallelPlan
+from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
 
 MODES = ("templates", "traced")
 KERNEL_POLICIES = ("cuda", "cpu")
@@ -209,8 +209,9 @@ def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None,
     if gpu_memory is not None:
         if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
             raise UserError(f"--gpu-memory {gpu_memory!r}: expected a positive number of GiB, e.g. 80")
-        if not gpu_memory <= MAX_GPU_GIB:   # also inf
-            raise UserError(f"--gpu-memory {gpu_memory!r}: at most {MAX_GPU_GIB:,} GiB (1 PiB) of device memory")
+        if not MIN_GPU_GIB <= gpu_memory <= MAX_GPU_GIB:   # also inf
+            raise UserError(f"--gpu-memory {gpu_memory!r}: give {MIN_GPU_GIB:g} to {MAX_GPU_GIB:,} GiB (1 PiB) of "
+                            "device memory")
         return f"{gpu_memory:g} GiB", int(round(gpu_memory * (1 << 30)))
     return None, None
 
@@ -398,7 +399,7 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
 
 # ---------------------------------------------------------------- what would fit
 
-def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 4.0) -> list[dict]:
+def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[dict]:
     """For a plan that does not fit: re-run the engine on a few one-step changes (on the same
     number of GPUs) that could lower the *peak*, and return those that fit, or else the one
     that lowers the peak most; a change that does not lower the peak is never returned:
@@ -421,9 +422,11 @@ def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 4.0) -> list[
     now = est.max_peak_allocated_bytes
     tried = []
     start = time.perf_counter()
+    slowest = 0.0
     for flags, change in cands:
-        if time.perf_counter() - start > budget_s:
-            break
+        if time.perf_counter() - start + slowest > budget_s:
+            break    # a huge plan: fewer suggestions rather than a long wait
+        t0 = time.perf_counter()
         trial = dict(kw)
         trial.update(change)
         trial = {k: v for k, v in trial.items() if v is not None}
@@ -431,6 +434,8 @@ def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 4.0) -> list[
             e = estimate(model, **trial)
         except UserError:
             continue    # not a valid plan for this model (e.g. tp would not divide the heads)
+        finally:
+            slowest = max(slowest, time.perf_counter() - t0)
         if e.max_peak_allocated_bytes < now:
             tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes,
                           "fits": bool(e.fits)})

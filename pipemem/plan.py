@@ -56,11 +56,12 @@ MAX_TOKENS = 1 << 32             # tokens per microbatch (seq_len x micro_batch)
 # costs a few microseconds each, the memory-limited schedulers (auto, ZBVPP) search and cost
 # ~0.3 ms each. These keep one estimate within a few seconds on one core.
 MAX_STAGE_MICROBATCHES = 1 << 17
-MAX_SEARCHED_STAGE_MICROBATCHES = 1 << 13
+MAX_SEARCHED_STAGE_MICROBATCHES = 1 << 12
 SEARCHED_SCHEDULES = ("ZBAuto", "ZBVPP")
 # An upper bound of a rank's bytes must stay below this (int64 byte counts, with margin).
 MAX_BYTES = 1 << 62
 MAX_GPU_GIB = 1 << 20            # 1 PiB of device memory
+MIN_GPU_GIB = 1 / 1024           # 1 MiB
 # ArchSpec sizes read from a config.json
 ARCH_LIMITS = {"hidden": 1 << 20, "ffn": 1 << 22, "expert_ffn": 1 << 22, "shared_ffn": 1 << 22,
                "vocab": 1 << 24, "heads": 1 << 14, "kv_heads": 1 << 14, "head_dim": 1 << 14,

@@ -22,7 +22,8 @@ def run_cli(argv, capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--seq-len", "99999999999999999999"], "--seq-len 99999999999999999999: at most 16,777,216"),
     (["--micro-batch", "100000000000"], "--micro-batch 100000000000: at most 65,536"),
-    (["--gpu-memory", "1e400"], "--gpu-memory inf: at most 1,048,576 GiB"),
+    (["--gpu-memory", "1e400"], "--gpu-memory inf: give .* to 1,048,576 GiB"),
+    (["--gpu-memory", "1e-300"], "--gpu-memory 1e-300: give 0.000976562 to"),
     (["--gpu-memory", "nan"], "--gpu-memory nan"),
     (["--layers", "100000000"], "--layers 100000000: at most 16,384"),
     (["--dp", "99999999999999999999999"], "--dp 99999999999999999999999: at most 1,048,576"),
@@ -31,7 +32,7 @@ def run_cli(argv, capsys):
     (["--microbatches", "10000000000"], "--microbatches 10000000000: at most 65,536"),
     (["--global-batch", "4000000000"], r"= 4,000,000,000 microbatches: at most 65,536"),
     (["--pp", "8", "--microbatches", "60000"], "480,000 stage-microbatches: at most 131,072"),
-    (["--pp", "8", "--schedule", "auto", "--microbatches", "4096"], "ZBAuto searches"),
+    (["--pp", "8", "--schedule", "auto", "--microbatches", "1024"], "ZBAuto searches for its order, so at most 4,096"),
     (["--seq-len", "16777216", "--micro-batch", "65536"], "tokens per microbatch"),
     (["--seq-len", "16000000", "--no-flash-attn", "--microbatches", "64"], "beyond 64-bit byte counts"),
     (["--pp", "2", "--pp-layout", "99999999999999999999,1"], "--pp-layout entry"),
