@@ -123,10 +123,10 @@ def _inflight_text(r, vpp: int) -> str:
     return f"{r.inflight / max(vpp, 1):g} mb"
 
 
-FOOTNOTE = ("peak = params + grads + optimizer (+ other static) + activations (held around the action at the "
-            "peak; in brackets the most microbatches in flight, in units of one microbatch's activations on the "
-            "rank) + transient (working memory of that action; of the optimizer step when the peak is there; "
-            "F3@s1 = forward of microbatch 3 on stage 1, B backward, I/W split backward). Allocated bytes, as "
+FOOTNOTE = ("peak = params + grads + optimizer (+ other static) + activations held around the action at the peak "
+            "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
+            "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
+            "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
             "torch.cuda.max_memory_allocated counts them; the allocator's reserve, the CUDA context and NCCL "
             "buffers come on top.")
 
