@@ -46,22 +46,44 @@ class RankEstimate:
     stage_jobs: list[dict] = field(default_factory=list)
     timeline: list[TimelinePoint] = field(default_factory=list)
 
+    def _peak_point(self) -> tuple[int, TimelinePoint] | None:
+        for i, p in enumerate(self.timeline):
+            if p.label == self.peak_at and p.peak == self.peak_allocated_bytes:
+                return i, p
+        return None
+
+    @property
+    def grads_at_peak_bytes(self) -> int:
+        """Gradients the step created (set-to-none / DDP grads, `static.grads_in_step`) that are
+        resident when the action at the peak starts: all of them once every stage of the rank
+        has run a backward; before that they are counted with what the backward holds."""
+        found = self._peak_point()
+        if found is None or not self.static.grads_in_step:
+            return 0
+        done = {lab.split("@s")[1] for lab in (p.label for p in self.timeline[:found[0]])
+                if lab[:1] in "BW" and "@s" in lab}
+        return self.static.grads_in_step if done >= {str(s) for s in self.stages} else 0
+
     @property
     def activations_at_peak_bytes(self) -> int:
         """Activations held around the action at the peak: the larger of what is held before
-        and after it (a forward adds its microbatch's, a backward frees them), the static
-        state not counted. At an optimizer-step peak, what is still resident then (usually 0).
-        Without a timeline, the activation high-water mark."""
-        for p in self.timeline:
-            if p.label == self.peak_at and p.peak == self.peak_allocated_bytes:
-                return max(0, min(max(p.before, p.after) - self.static.total, self.activation_hwm_bytes))
-        return self.activation_hwm_bytes
+        and after it (a forward adds its microbatch's, a backward frees them), neither the
+        static state nor the gradients the step created counted. At an optimizer-step peak,
+        what is still resident then (usually 0). Without a timeline, the high-water mark."""
+        found = self._peak_point()
+        if found is None:
+            return self.activation_hwm_bytes
+        p = found[1]
+        held = max(p.before, p.after) - self.static.total - self.grads_at_peak_bytes
+        return max(0, min(held, self.activation_hwm_bytes))
 
     @property
     def transient_bytes(self) -> int:
-        """What the action at the peak needs above the static state and the activations held
-        around it: a forward's or backward's working memory, the optimizer step's scratch."""
-        return max(0, self.peak_allocated_bytes - self.static.total - self.activations_at_peak_bytes)
+        """What the action at the peak needs above the static state, the step's gradients and
+        the activations held around it: a forward's or backward's working memory, the
+        optimizer step's scratch."""
+        return max(0, self.peak_allocated_bytes - self.static.total - self.grads_at_peak_bytes
+                   - self.activations_at_peak_bytes)
 
     @property
     def peak_is_optimizer(self) -> bool:
@@ -80,6 +102,7 @@ class RankEstimate:
             "activation_hwm_bytes": self.activation_hwm_bytes,
             "inflight": self.inflight,
             "activations_at_peak_bytes": self.activations_at_peak_bytes,
+            "grads_at_peak_bytes": self.grads_at_peak_bytes,
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_at": self.peak_at,
@@ -139,6 +162,7 @@ class Estimate:
                       "head_dim": a.head_dim, "ffn": a.ffn, "vocab": a.vocab, "experts": a.experts,
                       "top_k": a.top_k, "tied_embeddings": a.tied_embeddings},
             "plan": plan,
+            "step": {"step": self.plan.step, "grads": self.plan.grads},
             "world_size": self.world_size,
             "mode": self.mode,
             "schedule": self.schedule,
@@ -300,7 +324,7 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
     schedule = get_schedule(sched_name, plan.pp, plan.microbatches, vpp=plan.vpp)
     style = "v" if schedule.placement == "v" else "interleaved"
     stage_plan = build_stage_jobs(arch, plan, style=style)
-    result = replay(schedule, stage_plan.stages, stage_plan.static, optimizer_jobs=stage_plan.optimizer,
+    result = replay(schedule, stage_plan.replay_jobs(), stage_plan.static, optimizer_jobs=stage_plan.optimizer,
                     simulate_time=False)
     ranks = [_rank_from_replay(r, schedule, stage_plan) for r in result.ranks]
     explain = layer_explain(arch, plan) if opts.get("explain") else None
@@ -381,8 +405,9 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
     # as a one-microbatch schedule gives the per-action timeline for the plot.
     rep = replay(get_schedule("1F1B", 1, 1), {0: sj}, [t.static],
                  optimizer_jobs=[t.optimizer] if t.optimizer is not None else None, simulate_time=False).ranks[0]
-    warnings = ["traced mode: one training step as recorded (first step: gradients are created in backward "
-                "and optimizer states in the optimizer step, so they count under 'transient')"]
+    warnings = [] if plan.step == "steady" else [
+        "traced mode, --step first: the first training step as recorded (gradients are created in backward "
+        "and optimizer states in the optimizer step, so they count under 'transient')"]
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")

@@ -150,13 +150,14 @@ def _gpt2(r: _Reader) -> ArchSpec:
     heads = r.pos_int("n_head", "num_attention_heads")
     _check_div(r, hidden, heads, "n_embd", "n_head")
     inner = r.opt("n_inner", None) or 4 * hidden
+    bias = bool(r.opt("add_bias_linear", True))   # Megatron's --disable-bias-linear (HF GPT-2 always has biases)
     return ArchSpec(
         name=r.name, model_type="gpt2", layers=r.pos_int("n_layer", "num_hidden_layers"), hidden=hidden,
         heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=int(inner), vocab=r.pos_int("vocab_size"),
         norm="layernorm", activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
         act_fn=str(r.opt("activation_function", "gelu_new")),
         position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=bias, out_bias=bias, mlp_bias=bias,
         fused_qkv=True,
         attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
         embd_dropout=float(r.opt("embd_pdrop", 0.1)))
@@ -227,7 +228,8 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
         tied_embeddings=bool(r.opt("tie_word_embeddings", False)), qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
-        mlp_bias=bool(r.opt("mlp_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe"),
+        mlp_bias=bool(r.opt("mlp_bias", False)),
+        qk_norm=mt in ("qwen3", "qwen3_moe") or bool(r.opt("qk_layernorm", False)),   # Megatron's key
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
         experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
         dense_layers=dense_layers)

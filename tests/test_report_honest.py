@@ -17,10 +17,12 @@ def test_optimizer_peak_row_shows_the_step_not_the_forward():
     e = pipemem.estimate("llama3-8b", **OPT_PEAK)
     r = e.worst_rank
     assert r.peak_at == "optimizer" and r.activation_hwm_bytes > 0
-    # what is held then: the static state only; the rest is the optimizer's scratch
+    # what is held then: the static state and the gradients of the step (torchtitan: set to
+    # None after each step, created by the backward), no activations; the rest is the scratch
     assert r.activations_at_peak_bytes == 0
+    assert r.grads_at_peak_bytes == r.static.grads_in_step > 0
     assert r.transient_bytes == r.jobs["optimizer"].peak_bytes
-    assert r.static.total + r.transient_bytes == r.peak_allocated_bytes
+    assert r.static.total + r.grads_at_peak_bytes + r.transient_bytes == r.peak_allocated_bytes
     d = e.to_dict()["ranks"][0]
     assert d["activations_at_peak_bytes"] == 0 and d["transient_bytes"] == r.transient_bytes
     assert "optimizer step" in verdict(e) and "optimizer scratch" in verdict(e)

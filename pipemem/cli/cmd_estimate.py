@@ -21,6 +21,8 @@ examples:
       --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
       --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
+  pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
+  pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
 Exit status 0 whether or not the plan fits (read `fits` in --json); 2 on bad input.
@@ -33,7 +35,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
-    from ..plan import CONVENTIONS, DTYPES, OPTIMIZER_IMPLS, OPTIMIZERS, RECOMPUTE
+    from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZER_IMPLS, OPTIMIZERS, RECOMPUTE, STEPS
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -79,12 +81,23 @@ def register(sub) -> None:
                     help="how the step runs: fused kernels (no scratch), foreach (a temporary the size of the "
                          "local parameters), for-loop (one parameter's); default: the convention's (fused; "
                          "foreach for hf)")
+    sh.add_argument("--grads", choices=GRADS,
+                    help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
+                         "Paddle), set-to-none (zero_grad(set_to_none=True), created in backward: torchtitan, "
+                         "HF), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+                         "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
+                         "ddp-bucket)")
+    sh.add_argument("--step", choices=STEPS,
+                    help="which training step: steady (default; what max_memory_allocated shows after a few "
+                         "steps) or first (no optimizer states before the first optimizer step)")
 
     act = p.add_argument_group("activations")
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
     act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
     act.add_argument("--recompute-allgather", action="store_const", const=True, default=None,
-                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle)")
+                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle: "
+                          "recompute_allgather; torchtitan: pipemem.torch_tp.RegatherColwiseParallel; "
+                          "megatron always does)")
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
@@ -106,7 +119,8 @@ def register(sub) -> None:
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
               "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
-              "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention")
+              "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers",
+              "convention", "grads", "step")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:

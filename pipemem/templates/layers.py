@@ -58,6 +58,12 @@ class Shard:
     autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+    # Gradients created by this backward (the first backward of a step after
+    # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
+    # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
+    grads_created: bool = False
+    grad_dt: str = "fp32"
+    grad_shard: int = 1
 
     @property
     def res_dt(self) -> str:
@@ -84,7 +90,16 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
-        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp))
+        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
+
+
+def first_backward_shard(sh: Shard) -> Shard:
+    """The shard of a step's first backward when gradients were set to None: eager weight
+    grads become .grad (stolen, not accumulated) and every gradient is a new tensor."""
+    from dataclasses import replace
+    return replace(sh, first_step=True, grads_created=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +146,8 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        if sh.grads_created:
+            tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
         self.sac = False
         self.sh = sh
@@ -218,9 +235,12 @@ class _Gen:
         self.t.node("linear", (x,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x,))
         return y
 
-    def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]]) -> list[str]:
+    def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
+                       gathered_by_linear: bool = False) -> list[str]:
         """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
-        (name, local out features, bias). Handles the sequence-parallel all-gather."""
+        (name, local out features, bias). Handles the sequence-parallel all-gather.
+        `gathered_by_linear`: the linear gathers its own input (DTensor: `input_layouts=Shard`,
+        as the LM head) rather than a `PrepareModuleInput` before the block."""
         sh, conv = self.sh, self.conv
         full = (sh.s, sh.b, sh.h)
         if not sh.sp:
@@ -231,6 +251,8 @@ class _Gen:
             xg = self.act(block + ".allgather", full, kind=COMM)
             self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
             return [self.linear(xg, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
+        if conv.sp_save == "shard_regather":
+            return self._regather_linears(x, block, specs, gathered_by_linear)
         outs = []
         for nm, f, bias in specs:
             w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.dt)
@@ -253,6 +275,37 @@ class _Gen:
                 self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
                             fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
                             grad_via={x: dfull}, post_i=(rs,), save_i=(x,), save_w=(xg,))
+            outs.append(y)
+        return outs
+
+    def _regather_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
+                          gathered_by_linear: bool) -> list[str]:
+        """DTensor with `pipemem.torch_tp.RegatherColwiseParallel`: one all-gather feeds every
+        projection as before, but they save this rank's shard of it -- the input itself when
+        the linear gathered it, else a copy of its chunk of the gathered tensor (the sharded
+        norm output is freed as usual) -- and the first of their backward nodes all-gathers
+        it again into one tensor that every projection's weight grad reads, freed with the
+        last of them (the first in forward order)."""
+        sh = self.sh
+        full = (sh.s, sh.b, sh.h)
+        xg = self.act(block + ".allgather", full, kind=COMM)
+        self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
+        kept = x
+        if not gathered_by_linear:
+            kept = self.act(block + ".shard_copy", (sh.s_sp, sh.b, sh.h), self.dtype_of(x))
+            self.t.node("copy_shard", (xg,), (kept,))
+        xg2 = self.act(block + ".allgather_bwd", full, kind=COMM)
+        outs = []
+        for i, (nm, f, bias) in enumerate(specs):
+            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.dt)
+            params = (w,)
+            if bias:
+                params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
+            y = self.act(nm + ".out", (sh.s, sh.b, f))
+            last = i == len(specs) - 1        # its backward runs first: it gathers
+            self.t.node("linear", (xg,) + params, (y,), diff_inputs=(xg,), params=params,
+                        save_w=(kept,) if i == 0 else (), read_w=(xg2,),
+                        pre_w=(BwdOp("all_gather", (kept,), (xg2,)),) if last else (), w_pre_first=last)
             outs.append(y)
         return outs
 
@@ -677,7 +730,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", arch.norm, tok)
-    (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
+    (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")
