@@ -150,3 +150,15 @@ def test_schedule_help_explains_notation_and_names(capsys):
     # Paddle's ZBH1 vs the paper's ZB-H1 (ZB1P), and PyTorch's class names
     assert "ZB-H1 in Paddle's order" in out and "ZB-H1 as the paper draws it" in out
     assert "ScheduleInterleaved1F1B" in out and "ScheduleZBVZeroBubble" in out
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--sp"], "--sp does nothing at --tp 1"),
+    (["--recompute-allgather"], "--recompute-allgather does nothing at --tp 1"),
+    (["--pp-layout", "32"], "--pp-layout does nothing"),
+    (["--dtype", "fp32", "--no-master-weights"], "do nothing with --dtype fp32"),
+    (["--kernel-policy", "cpu"], "--kernel-policy applies to --mode traced only"),
+])
+def test_flags_that_do_nothing_are_refused_by_name(argv, flag, capsys):
+    assert main(["estimate", "--model", "llama3-8b", *argv]) == 2
+    assert flag in capsys.readouterr().err

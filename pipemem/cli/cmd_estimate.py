@@ -158,6 +158,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
             "kernel_policy": args.kernel_policy, "explain": args.explain}
     if args.model is not None:
+        refuse_inert(flags, flags, opts)
         return args.model, flags, opts, []
 
     if args.from_megatron:
@@ -179,7 +180,28 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         _, _, cfg = resolve_model(tool.model)
         layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
         plan = finish_plan(plan, int(layers))
+    refuse_inert(flags, plan, opts)
     return tool.model, plan, opts, list(tool.warnings)
+
+
+def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
+    """A pipemem flag the user gave that does nothing in this plan is an error naming it (a
+    silently ignored flag reads as if it had been modelled). `given`: the flags on the command
+    line; `plan`: the plan with another tool's configuration merged in."""
+    tp, pp, vpp = plan.get("tp", 1), plan.get("pp", 1), plan.get("vpp", 1)
+    if given.get("sp") is True and tp == 1:
+        raise UserError("--sp does nothing at --tp 1 (sequence parallelism splits the sequence over the tensor-"
+                        "parallel ranks): drop --sp, or set --tp")
+    if given.get("recompute_allgather") and tp == 1:
+        raise UserError("--recompute-allgather does nothing at --tp 1 (there is no sequence-parallel all-gather): "
+                        "drop it, or set --tp")
+    if "pp_layout" in given and pp * vpp == 1:
+        raise UserError("--pp-layout does nothing with one pipeline stage: drop it, or set --pp")
+    if "master_weights" in given and plan.get("dtype") == "fp32":
+        raise UserError("--master-weights / --no-master-weights do nothing with --dtype fp32 (the weights are "
+                        "fp32 already): drop the flag")
+    if opts.get("kernel_policy") and (opts.get("mode") or "templates") != "traced":
+        raise UserError("--kernel-policy applies to --mode traced only: drop it, or add --mode traced")
 
 
 def merge(tool, flags: dict) -> dict:
