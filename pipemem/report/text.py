@@ -124,7 +124,8 @@ def _inflight_text(r, vpp: int) -> str:
     return f"{r.inflight / max(vpp, 1):g} mb"
 
 
-FOOTNOTE = ("peak = params + grads + optimizer (+ other static) + activations held around the action at the peak "
+FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step's backward) + optimizer (+ other "
+            "static) + activations held around the action at the peak "
             "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
             "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
             "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
