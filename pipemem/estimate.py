@@ -294,6 +294,9 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:   # a wrong type slipped through from the Python API
         raise UserError(f"estimate(): {e}") from None
+    from .plan import check_ranges
+
+    check_ranges(plan)   # types and bounds first: nothing below computes with a bad number
     if mode == "traced":
         est = _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
     else:

@@ -66,6 +66,7 @@ LIMITS = {
     "layers": 1 << 14,           # 16,384 decoder layers (Llama 3.1 405B has 126)
     "recompute_layers": 1 << 14,
 }
+BOOL_FIELDS = ("sp", "fsdp", "dist_opt", "master_weights", "recompute_allgather", "flash_attn")
 MAX_WORLD = 1 << 20              # 1,048,576 GPUs in one job
 MAX_TOKENS = 1 << 32             # tokens per microbatch (seq_len x micro_batch)
 # Schedule actions per step are pp x vpp x microbatches (stage, microbatch) pairs; a replay
@@ -189,6 +190,14 @@ def _n(x: int) -> str:
 def check_ranges(plan: ParallelPlan) -> None:
     """Every number of the plan within what a training run can be (LIMITS); one UserError
     naming the flag and the bound otherwise. Call before anything computes with the plan."""
+    for n in BOOL_FIELDS:
+        v = getattr(plan, n, None)
+        if v is not None and not isinstance(v, bool):
+            raise UserError(f"{_flag(n)} {v!r}: expected True or False")
+    for n in ("schedule", "convention", "dtype", "recompute", "optimizer"):
+        v = getattr(plan, n, None)
+        if v is not None and not isinstance(v, str):
+            raise UserError(f"{_flag(n)} {v!r}: expected a name (a string)")
     names = tuple(LIMITS)
     _check_positive(plan, names)
     for n in names:

@@ -101,3 +101,18 @@ def test_real_command_prints_no_traceback():
     r = subprocess.run([sys.executable, "-m", "pipemem", "estimate", "--model", "llama3-8b", "--micro-batch",
                         "100000000000"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(schedule=5, pp=2), "--schedule 5: expected a name"),
+    (dict(fsdp="no"), "--fsdp 'no': expected True or False"),     # "no" is truthy: never read as FSDP on
+    (dict(sp="yes", tp=2), "--sp 'yes'"),
+])
+def test_python_api_types(kw, match):
+    with pytest.raises(UserError, match=match):
+        pipemem.estimate("llama3-8b", **kw)
+
+
+def test_overlong_model_name_is_one_error():
+    with pytest.raises(UserError, match="--model"):
+        pipemem.estimate("x" * 300)

@@ -107,12 +107,19 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
     text = str(name_or_path).strip()
     if not text:
         raise UserError(f"{flag}: empty; give a preset name (pipemem presets) or a path to a config.json")
+    if len(text) > 4096:
+        raise UserError(f"{flag} {text[:40]}...: {len(text)} characters; give a preset name or a path")
     path = Path(text).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:   # a name the file system cannot hold (too long a component...)
+        is_dir = is_file = False
+    if is_dir:
         path = path / "config.json"
         if not path.is_file():
             raise UserError(f"{flag} {text}: directory has no config.json")
-    if path.is_file():
+        is_file = True
+    if is_file:
         return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
