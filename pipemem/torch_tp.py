@@ -34,6 +34,9 @@ block, so outputs and gradients are bitwise those of `ColwiseParallel`.
   keeps nothing; after recomputation the linears keep the shard, not the gathered input.
 * FSDP2 over a data-parallel mesh dimension composes (the hooks touch activations only).
 * Eager only: torch.compile is not supported.
+* Without sequence parallelism the input is replicated, and the style still keeps only 1/tp
+  of it and gathers it in backward; `pipemem estimate --recompute-allgather` models the
+  sequence-parallel case only (without the flag its estimate is the larger, safe one).
 
 Only this module imports torch; ``import pipemem`` does not.
 """

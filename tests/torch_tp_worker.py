@@ -25,8 +25,9 @@ SPEC = {"arch": "llama", "hidden": 64, "layers": 2, "heads": 8, "kv_heads": 4, "
 SEQ, BATCH = 32, 2
 
 
-def step(regather: bool, tp_mesh, dp_mesh=None, checkpoint: bool = False) -> tuple:
-    """Outputs and parameter grads (local shards) of one forward + backward."""
+def step(regather: bool, tp_mesh, dp_mesh=None, checkpoint: bool = False, twice: bool = False) -> tuple:
+    """Outputs and parameter grads (local shards) of one forward + backward (`twice`: two
+    backward passes over one graph, the saved tensors unpacked again)."""
     from torch.distributed.tensor.parallel import parallelize_module
     cfg = model_config(SPEC)
     model = build_stack(cfg, range(SPEC["layers"]), True, True, SEQ, seed=0)
@@ -44,7 +45,10 @@ def step(regather: bool, tp_mesh, dp_mesh=None, checkpoint: bool = False) -> tup
         dp_rank = dp_mesh.get_local_rank()
     ids, target = make_batch(SPEC, BATCH, SEQ, seed=1 + dp_rank)
     out = model(ids)
-    loss_fn(out, target).backward()
+    loss = loss_fn(out, target)
+    if twice:
+        loss.backward(retain_graph=True)
+    loss.backward()
     grads = {n: local_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
     return local_tensor(out).detach().clone(), grads
 
@@ -67,6 +71,7 @@ def main(out_path: str) -> int:
         tp4 = init_device_mesh("cpu", (world,))
         rows.append(compare(f"tp{world}", tp_mesh=tp4))
         rows.append(compare(f"tp{world}-checkpoint", tp_mesh=tp4, checkpoint=True))
+        rows.append(compare(f"tp{world}-retain-graph", tp_mesh=tp4, twice=True))
         if world == 4:    # tp 2 within a 2 x 2 mesh: plain, checkpointed, and FSDP2 over the other dimension
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             rows.append(compare("tp2", tp_mesh=mesh["tp"]))

@@ -63,6 +63,8 @@ def register(sub) -> None:
                        ("--ep", "expert")):
         par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
     par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
+    par.add_argument("--etp", type=int, metavar="N",
+                     help="expert tensor-parallel degree of MoE layers (default: --tp)")
     _bool_flag(par, "--sp", "sequence parallelism (default: on when tp > 1)")
     par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
     par.add_argument("--schedule", metavar="NAME",
@@ -118,7 +120,7 @@ def register(sub) -> None:
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
-              "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
+              "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
               "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers",
               "convention", "grads", "step")
 

@@ -77,6 +77,10 @@ class Shard:
 
 
 def make_shard(arch, plan, conv: Convention) -> Shard:
+    if arch.model_type == "gemma2":
+        from ..errors import UserError
+        raise UserError("gemma2: template mode does not model its attention and final-logit soft-capping "
+                        "(eager attention, tanh over the logits); use --mode traced --no-flash-attn")
     tp, cp = plan.tp, plan.cp
     s = plan.seq_len // cp
     sp = bool(plan.sp) and tp > 1
@@ -114,12 +118,20 @@ class LayerOptions:
     out_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    qk_norm_proj: bool       # q/k norm over the whole projection (olmo2), not per head
+    norm_placement: str      # pre | post | sandwich (ArchSpec.norm_placement)
+    norm_weight_first: bool  # HF RMSNorm: (weight * x_normed).to(dtype), not weight * x_normed.to(dtype)
     parallel_residual: bool
     native_fused_qkv: bool   # the model's own modules fuse q, k, v (used by the hf convention)
     attn_dropout: bool
     hidden_dropout: bool
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
+
+
+def norm_kind(arch) -> str:
+    """The norm a layer's tape builds: rmsnorm, layernorm, or layernorm-noaffine (olmo)."""
+    return arch.norm if arch.norm_affine else arch.norm + "-noaffine"
 
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
@@ -129,8 +141,11 @@ def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
 @lru_cache(maxsize=4096)
 def _layer_options(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
     return LayerOptions(
-        norm=arch.norm, activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
-        out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm, parallel_residual=arch.parallel_residual,
+        norm=norm_kind(arch), activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
+        out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm,
+        qk_norm_proj=arch.qk_norm_scope == "proj", norm_placement=arch.norm_placement,
+        norm_weight_first=arch.norm_weight_first,
+        parallel_residual=arch.parallel_residual,
         native_fused_qkv=arch.fused_qkv, attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
         recompute=recompute)
 
@@ -154,6 +169,7 @@ class _Gen:
         self.conv = conv
         self.p = prefix
         self.dt = sh.dt
+        self.norm_weight_first = False
 
     def n(self, name: str) -> str:
         return f"{self.p}{name}"
@@ -172,9 +188,24 @@ class _Gen:
 
     def norm(self, x: str, name: str, kind: str, tokens_shape: tuple) -> str:
         h = tokens_shape[-1]
-        w = self.t.param(self.n(name + ".weight"), (h,), self.dt)
         tok = tokens_shape[:-1]
         x_dt = self.dtype_of(x)
+        if kind.endswith("-noaffine"):
+            # F.layer_norm(x.float(), no weight, no bias).to(x.dtype) (OlmoLayerNorm): saves the
+            # fp32 input and the statistics
+            xf = x
+            if x_dt != "fp32":
+                xf = self.act(name + ".xf", tokens_shape, "fp32")
+                self.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
+            mean, rstd = self.act(name + ".mean", tok, STAT), self.act(name + ".rstd", tok, STAT)
+            yf = self.act(name + ".out" if x_dt == "fp32" else name + ".outf", tokens_shape, "fp32")
+            self.t.node("layernorm", (xf,), (yf, mean, rstd), diff_inputs=(xf,), save_i=(xf, mean, rstd))
+            if x_dt == "fp32":
+                return yf
+            y = self.act(name + ".out", tokens_shape, x_dt)
+            self.t.node("to_dtype", (yf,), (y,), diff_inputs=(yf,))
+            return y
+        w = self.t.param(self.n(name + ".weight"), (h,), self.dt)
         # Under autocast the fp32 weight promotes the output to fp32.
         y = self.act(name + ".out", tokens_shape, "fp32" if self.sh.autocast else x_dt)
         if self.conv.fused_norm or kind == "layernorm":
@@ -200,6 +231,14 @@ class _Gen:
         self.t.node("rsqrt", (var,), (rs,), diff_inputs=(var,), save_i=(rs,))
         xn = self.act(name + ".xn", tokens_shape, "fp32")
         self.t.node("mul", (xf, rs), (xn,), diff_inputs=(xf, rs), save_i=(xf, rs))
+        if self.norm_weight_first and not self.conv.fused_norm:
+            # (weight * xn).to(input dtype): the fp32 product saves xn; then one cast
+            y = self.act(name + ".out", tokens_shape, x_dt)
+            yf = y if x_dt == "fp32" else self.act(name + ".scaled", tokens_shape, "fp32")
+            self.t.node("mul_weight", (xn, w), (yf,), diff_inputs=(xn,), params=(w,), save_i=(w,), save_w=(xn,))
+            if yf != y:
+                self.t.node("to_dtype", (yf,), (y,), diff_inputs=(yf,))
+            return y
         xc = xn
         if x_dt != "fp32":
             xc = self.act(name + ".xc", tokens_shape, x_dt)
@@ -369,12 +408,15 @@ class _Gen:
             q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
                                                          ("attn.k_proj", kv * d, opt.qkv_bias),
                                                          ("attn.v_proj", kv * d, opt.qkv_bias)])
+            if opt.qk_norm and opt.qk_norm_proj:
+                q2 = self.norm(q2, "attn.q_norm", "rmsnorm", (s, b, a * d))
+                k2 = self.norm(k2, "attn.k_norm", "rmsnorm", (s, b, kv * d))
             q = self.act("attn.q", (s, b, a, d), storage=q2)
             k = self.act("attn.k", (s, b, kv, d), storage=k2)
             v = self.act("attn.v", (s, b, kv, d), storage=v2)
             for src, dst in ((q2, q), (k2, k), (v2, v)):
                 self.t.node("view", (src,), (dst,), diff_inputs=(src,), grad_alias=True)
-        if opt.qk_norm:
+        if opt.qk_norm and not opt.qk_norm_proj:
             q = self.norm(q, "attn.q_norm", "rmsnorm", (s, b, a, d))
             k = self.norm(k, "attn.k_norm", "rmsnorm", (s, b, kv, d))
         if self._uses_rope:
@@ -642,6 +684,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     tape = Tape(prefix)
     g = _Gen(tape, sh, conv, prefix)
     g._uses_rope = arch.position == "rope"
+    g.norm_weight_first = opt.norm_weight_first
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
@@ -649,17 +692,23 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         tape.pin = _torchtitan_op_sac()
     if opt.recompute == "full" or g.sac:
         tape.begin_region()
-    h1 = g.norm(x, "input_norm", opt.norm, tok)
+    # norm placement: pre (llama) normalises each block's input; post (olmo2) its output
+    # before the residual add; sandwich (gemma2) both
+    pre = opt.norm_placement in ("pre", "sandwich")
+    post = opt.norm_placement in ("post", "sandwich")
+    h1 = g.norm(x, "input_norm", opt.norm, tok) if pre else x
     tape.module = "attn"
     attn = g.attention(h1, opt)
     if opt.hidden_dropout:
         attn = g.dropout(attn, "attn.dropout_out", tok)
     tape.module = ""
+    if post:
+        attn = g.norm(attn, "post_attention_norm" if not pre else "post_attention_out_norm", opt.norm, tok)
     if opt.parallel_residual:
         h2 = g.norm(x, "post_attention_norm", opt.norm, tok)
     else:
         r1 = g.add(x, attn, "residual1", tok)
-        h2 = g.norm(r1, "post_attention_norm", opt.norm, tok)
+        h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
     if opt.moe:
         m = g.moe_hf(h2, opt) if conv.name == "hf" else g.moe(h2, opt)
@@ -668,6 +717,8 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     if opt.hidden_dropout:
         m = g.dropout(m, "mlp.dropout_out", tok)
     tape.module = ""
+    if post:
+        m = g.norm(m, "post_mlp_norm", opt.norm, tok)
     if opt.parallel_residual:
         r = g.add(x, attn, "residual_attn", tok)
         y = g.add(r, m, "output", tok)
@@ -729,7 +780,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     g = _Gen(tape, sh, conv, "head.")
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
-    hn = g.norm(x, "final_norm", arch.norm, tok)
+    hn = g.norm(x, "final_norm", norm_kind(arch), tok)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
