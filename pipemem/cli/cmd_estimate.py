@@ -202,6 +202,9 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
     if "master_weights" in given and plan.get("dtype") == "fp32":
         raise UserError("--master-weights / --no-master-weights do nothing with --dtype fp32 (the weights are "
                         "fp32 already): drop the flag")
+    if "optimizer_impl" in given and opts.get("mode") == "traced":
+        raise UserError("--optimizer-impl does not apply to --mode traced (it records torch.optim's own step): "
+                        "drop it, or use --mode templates")
     if opts.get("kernel_policy") and (opts.get("mode") or "templates") != "traced":
         raise UserError("--kernel-policy applies to --mode traced only: drop it, or add --mode traced")
 

@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import sys
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..units import fmt_bytes
@@ -96,10 +97,13 @@ def describe_plan(est) -> str:
         batch += f", {_plural(p.microbatches, 'microbatch')}".replace("microbatchs", "microbatches")
     rec = f"recompute {p.recompute}" + (f" ({p.recompute_layers} layers/stage)"
                                         if p.recompute_layers is not None and p.recompute != "none" else "")
-    framework = "HF modules, traced" if est.mode == "traced" else f"{p.convention} convention"
-    opt = p.optimizer + (f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) else "")
+    traced = est.mode == "traced"
+    framework = "HF modules, traced" if traced else f"{p.convention} convention"
+    # traced mode runs HF modules under torch autocast and torch.optim as recorded
+    prec_plan = replace(p, convention="hf") if traced else p
+    opt = p.optimizer + (f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) and not traced else "")
     sched = [est.schedule] if p.pp > 1 else []      # one stage runs no pipeline schedule
-    bits = [" ".join(parts)] + shard + sched + [batch, describe_precision(p), opt, rec, _flash_text(est),
+    bits = [" ".join(parts)] + shard + sched + [batch, describe_precision(prec_plan), opt, rec, _flash_text(est),
                                                 framework]
     return ", ".join(bits)
 
