@@ -162,3 +162,11 @@ def test_schedule_help_explains_notation_and_names(capsys):
 def test_flags_that_do_nothing_are_refused_by_name(argv, flag, capsys):
     assert main(["estimate", "--model", "llama3-8b", *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_presets_table_never_cuts(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "NVIDIA GeForce GTX 1080 Ti" in out and "qwen3-30b-a3b" in out
+    assert "6.1" in out   # the 1080 Ti's compute capability, beside flash-attn "no"
