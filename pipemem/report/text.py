@@ -183,11 +183,12 @@ def _table(est, rows):
 
 
 def _table_width(table) -> int:
+    """Columns the table needs to print without shrinking any cell."""
     from rich.console import Console
+    from rich.measure import Measurement
 
-    buf = io.StringIO()
-    Console(file=buf, width=10_000, no_color=True, soft_wrap=False).print(table)
-    return max((len(line.rstrip()) for line in buf.getvalue().splitlines()), default=0)
+    con = Console(file=io.StringIO(), width=10_000, no_color=True, soft_wrap=False)
+    return Measurement.get(con, con.options, table).maximum
 
 
 def _stacked(rows, width: int):
