@@ -57,9 +57,9 @@ def quiet_profiler_chatter(prefixes: tuple[bytes, ...] = CHATTER_PREFIXES):
             *lines, pending = pending.split(b"\n")
             kept = [ln + b"\n" for ln in lines if not ln.startswith(prefixes)]
             if kept:
-                os.write(saved, b"".join(kept))
+                _write(saved, b"".join(kept))
         if pending and not pending.startswith(prefixes):
-            os.write(saved, pending)
+            _write(saved, pending)
         os.close(read_fd)
 
     thread = threading.Thread(target=pump, name="pipemem-stderr-filter", daemon=True)
@@ -71,9 +71,17 @@ def quiet_profiler_chatter(prefixes: tuple[bytes, ...] = CHATTER_PREFIXES):
             sys.stderr.flush()
         except ValueError:
             pass
-        os.dup2(saved, 2)          # closes the pipe's last write end: the pump sees EOF
+        os.dup2(saved, 2)          # closes our write end: the pump sees EOF once no child holds one
         thread.join(timeout=5)
-        os.close(saved)
+        if not thread.is_alive():  # else a child still writes: leave `saved` open for the pump
+            os.close(saved)
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
 
 
 class CaseProgress:
