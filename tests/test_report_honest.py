@@ -7,6 +7,7 @@ import pipemem
 from pipemem.cli.main import main
 from pipemem.errors import UserError
 from pipemem.report.text import describe_plan, describe_precision, render_to_string, verdict
+from pipemem.units import fmt_bytes
 
 # dp 1, foreach AdamW (a plain torch.optim.AdamW loop): the step's temporary the size of the
 # fp32 parameters tops the backward.
@@ -106,11 +107,14 @@ def test_narrow_terminal_stacks_and_never_cuts_a_number(cols, monkeypatch, capsy
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
-    assert "83.23 GiB" in out and "OOM by 3.58 GiB" in out and "rank 3" in out
+    e = pipemem.estimate("llama3-70b", gpu="h100-80g", dp=2, tp=8, pp=4, seq_len=8192, micro_batch=2)
+    worst = e.worst_rank
+    peak, over = fmt_bytes(worst.peak_allocated_bytes), f"OOM by {fmt_bytes(-worst.headroom(e.gpu_memory_bytes))}"
+    assert e.fits is False and peak in out and over in out and "rank 3" in out
     assert main(argv + ["--wide"]) == 0
     wide = capsys.readouterr().out
     assert "…" not in wide and any(len(line) > cols for line in wide.splitlines())
-    assert "OOM by 3.58 GiB" in wide and "peak at" in wide
+    assert over in wide and "peak at" in wide
 
 
 def test_wide_terminal_keeps_the_table(monkeypatch, capsys):
@@ -170,3 +174,20 @@ def test_presets_table_never_cuts(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "…" not in out and "NVIDIA GeForce GTX 1080 Ti" in out and "qwen3-30b-a3b" in out
     assert "6.1" in out   # the 1080 Ti's compute capability, beside flash-attn "no"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tp=8, pp=4, dp=2),
+    dict(tp=8, pp=4, vpp=2, microbatches=8),
+    dict(pp=4, schedule="ZBH1", microbatches=8),
+    dict(pp=2, convention="torchtitan", microbatches=4),                       # gradients created in the step
+    dict(convention="torchtitan", optimizer_impl="foreach", seq_len=1024),     # peak in the optimizer step
+    dict(convention="hf", dp=2, seq_len=1024),
+])
+def test_peak_decomposes_into_the_report_columns(kw):
+    # every rank: peak = static + the step's gradients + activations held + transient, none negative
+    for r in pipemem.estimate("llama3-70b" if kw.get("tp") else "llama3-8b", **kw).to_dict()["ranks"]:
+        parts = (r["static_bytes"]["total"], r["grads_at_peak_bytes"], r["activations_at_peak_bytes"],
+                 r["transient_bytes"])
+        assert min(parts) >= 0 and sum(parts) == r["peak_allocated_bytes"], r["peak_at"]
+        assert r["activations_at_peak_bytes"] <= r["activation_hwm_bytes"]

@@ -65,7 +65,18 @@ GPU_ALIASES = {
 
 
 def model_names() -> list[str]:
-    return sorted(p.stem for p in _MODELS.glob("*.json"))
+    return list(_model_names())
+
+
+@lru_cache(maxsize=1)
+def _model_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _MODELS.glob("*.json")))
+
+
+@lru_cache(maxsize=None)
+def _preset_json(key: str) -> dict:
+    with open(_MODELS / f"{key}.json", encoding="utf-8") as f:
+        return json.load(f)
 
 
 @lru_cache(maxsize=None)
@@ -123,11 +134,11 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
         return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
-    if key in model_names():
-        return key, _preset(key)
+    if key in _model_names():
+        return key, dict(_preset_json(key))      # a copy: callers may change their config
     base = base_model_id(key)
     if base is not None:
-        cfg = _preset(base)
+        cfg = dict(_preset_json(base))
         cfg["_pipemem_note"] = (f"{flag} {text}: not a preset; estimated with the shapes of its base model {base} "
                                 "(instruction / chat fine-tunes and -hf conversions keep the base model's shapes)")
         return base, cfg
@@ -160,14 +171,9 @@ def base_model_id(key: str) -> str | None:
     stripped = "-".join(kept)
     for cand in (f"{org}/{stripped}" if org else stripped, stripped):
         cand = ALIASES.get(cand, cand)
-        if cand in model_names():
+        if cand in _model_names():
             return cand
     return None
-
-
-def _preset(key: str) -> dict:
-    with open(_MODELS / f"{key}.json", encoding="utf-8") as f:
-        return json.load(f)
 
 
 def read_config_file(path: str | Path, flag: str = "--model") -> dict:

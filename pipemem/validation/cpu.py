@@ -17,6 +17,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from .compare import CaseRow, max_abs_rel_error
+
 EXAMPLE = """\
 examples:
   pipemem validate cpu
@@ -138,27 +140,32 @@ def measure_real(case: Case, seed: int = 0) -> Measured:
 
 
 def estimate(case: Case):
-    from ..traced.hf import TINY, trace_hf_step
-    return trace_hf_step(TINY[case.arch], case.batch, case.seq, dtype=case.dtype, attn=case.attn,
-                         recompute=case.recompute, optimizer=case.optimizer, kernel_policy="cpu")
+    """`pipemem.estimate` of the case in traced mode (cpu kernel policy): the call users make."""
+    import pipemem
+    from ..traced.hf import TINY
+    base, _, how = case.dtype.partition("-")
+    # HF modules and PyTorch's zero_grad(set_to_none=True), as the real step runs them
+    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", convention="hf",
+                            grads="set-to-none", micro_batch=case.batch,
+                            seq_len=case.seq, dtype=base, master_weights=how != "pure",
+                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
 
 
-def run_cases(cases=CASES, progress=None) -> list[dict]:
+def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
     """Trace and measure each case; `progress` (a progress.CaseProgress) follows along."""
     rows = []
     for case in cases:
         if progress is not None:
             progress.start(case.name)
         t0 = time.perf_counter()
-        est = estimate(case)
+        est = estimate(case).ranks[0]
         t1 = time.perf_counter()
         real = measure_real(case)
         t2 = time.perf_counter()
-        for what, m, e in (("peak", real.peak_bytes, est.peak_bytes),
-                           ("net_after_forward", real.net_after_forward, est.net_after_forward)):
-            rows.append({"name": f"{case.name}/{what}", "measured_bytes": int(m), "estimated_bytes": int(e),
-                         "rel_error": (e - m) / m if m else 0.0,
-                         "trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)})
+        for what, m, e in (("peak", real.peak_bytes, est.peak_allocated_bytes),
+                           ("net_after_forward", real.net_after_forward, est.jobs["F"].net_bytes)):
+            rows.append(CaseRow(f"{case.name}/{what}", int(m), int(e),
+                                {"trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)}))
         if progress is not None:
             progress.done(case.name)
     return rows
@@ -192,10 +199,11 @@ def run(args) -> int:
 
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cpu") as bar:
         rows = run_cases(cases, bar)
-    worst = max(abs(r["rel_error"]) for r in rows) if rows else 0.0
+    worst = max_abs_rel_error(rows) or 0.0
     if args.json:
-        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": rows, "max_abs_rel_error": worst}, indent=1))
+        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": [r.to_dict() for r in rows],
+                          "max_abs_rel_error": worst}, indent=1))
     else:
         print_summary(rows, columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
-                      signed=lambda r: r["name"].endswith("net_after_forward"))
+                      signed=lambda name: name.endswith("net_after_forward"))
     return 0 if worst <= 1e-3 else 1

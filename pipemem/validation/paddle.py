@@ -141,7 +141,7 @@ def run(args) -> int:
                           "paddle_max_abs_rel_error": max(perrs, default=0.0)}, indent=1))
         return 0
     print_summary(rows, columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
-                  signed=lambda r: r["name"].endswith("net"), what="lines")
+                  signed=lambda name: name.endswith("net"), what="lines")
     undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
     theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
         (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")

@@ -181,7 +181,8 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
                   signed: Callable[[object], bool] | None = None, what: str = "cases") -> float | None:
     """The closing table of a validate target: case, measured, estimated, rel_error, then the
     target's own `columns` ((key, header) pairs; byte counts formatted), and one line with the
-    worst |rel_error|. Returns that worst error (None when no row has one)."""
+    worst |rel_error|. `signed(name)`: whether that row's bytes are a change (+/-). Returns
+    that worst error (None when no row has one)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -202,7 +203,7 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
         if v is None:
             return "-"
         if isinstance(v, int) and not isinstance(v, bool):
-            return fmt_bytes(v, signed=bool(signed and signed(row)))
+            return fmt_bytes(v, signed=bool(signed and signed(str(_get(row, "name")))))
         return str(v)
 
     for r in rows:
