@@ -210,6 +210,13 @@ _BOUND_WHY = {
 }
 
 
+def _runs_at_pp1(schedule: str) -> bool:
+    """A schedule name that still means something with one pipeline stage: 1F1B (what one
+    stage runs anyway) or an explicit action list."""
+    key = schedule.strip().lower().replace("-", "").replace("_", "")
+    return key in ("1f1b", "pipedreamflush") or key.startswith(("csv:", "torch:"))
+
+
 def check_schedule_size(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
     """A schedule of pp x vpp x microbatches (stage, microbatch) pairs within what one estimate
     replays in seconds (MAX_STAGE_MICROBATCHES; the searching schedulers, less)."""
@@ -364,9 +371,9 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if microbatches > LIMITS["microbatches"]:
         raise UserError(f"--global-batch {plan.global_batch} / (--micro-batch {mbs} x --dp {plan.dp}) = "
                         f"{_n(microbatches)} microbatches: at most {_n(LIMITS['microbatches'])} per step")
-    if plan.schedule is not None and pp == 1 and not plan.schedule.lower().startswith(("csv:", "torch:")):
-        # a named schedule orders pipeline stages; frameworks run one stage F, B, F, B... (an
-        # explicit action list, csv: or torch:, is still an order to replay)
+    if plan.schedule is not None and pp == 1 and not _runs_at_pp1(plan.schedule):
+        # a named schedule orders pipeline stages; frameworks run one stage F, B, F, B... (1F1B,
+        # so naming it is harmless; an explicit action list, csv: or torch:, is still an order)
         raise UserError(f"--schedule {plan.schedule} does nothing at --pp 1 (one pipeline stage runs no pipeline "
                         "schedule): drop --schedule, or set --pp")
     check_schedule_size(plan.schedule or "1F1B", pp, vpp, microbatches)
