@@ -98,6 +98,8 @@ def register(sub) -> None:
                    help="with --zero-bubble: write that schedule as CSV (PyTorch pipelining's format)")
     o.add_argument("--json", action="store_true", help="print one JSON object listing every fitting plan")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--jobs", type=int, metavar="N",
+                   help="processes searching in parallel (default: the CPU count; the listing is the same)")
     p.set_defaults(func=run)
 
 
@@ -116,7 +118,7 @@ def build_inputs(args):
     from ..planner.space import SHARDINGS, check_schedule_names
 
     _positive(args, ("gpus", "gpus_per_node", "seq_len", "global_batch", "tp", "pp", "cp", "dp", "vpp", "ep",
-                     "etp", "max_vpp", "layers", "top"))
+                     "etp", "max_vpp", "layers", "top", "jobs"))
     if args.gpu is None and args.gpu_memory is None:
         raise UserError("give --gpu NAME (see `pipemem presets`) or --gpu-memory GIB")
     key, capacity = gpu_capacity(args.gpu, args.gpu_memory)
@@ -152,8 +154,10 @@ def run(args) -> int:
 
     target, options, extra = build_inputs(args)
     progress = not args.no_progress and sys.stderr.isatty()
+    import os
+    jobs = args.jobs or os.cpu_count() or 1
     res = search_plans(args.model, target, args.seq_len, args.global_batch, options, extra=extra,
-                       model_flag=args.model, progress=progress)
+                       model_flag=args.model, progress=progress, jobs=jobs)
     zb = None
     if args.zero_bubble:
         from ..planner.zero_bubble import smallest_zero_bubble_memory
