@@ -249,31 +249,38 @@ _WORKER: "_Runner | None" = None
 
 
 def _run_groups(runner: "_Runner", groups: list[list[Base]], jobs: int):
-    """Yield (bases done, results, stats) per group, in this process or in `jobs` forked ones."""
+    """Yield (bases done, results, stats) per task, in this process or in `jobs` forked ones.
+    A task is the groups that share pp, vpp and dp, so share their schedules: the first
+    estimate of a schedule builds and lowers it (tens to hundreds of milliseconds at
+    thousands of microbatches), and a worker keeps it for the rest of its task."""
     import multiprocessing as mp
 
-    if jobs > 1 and len(groups) > 1 and "fork" in mp.get_all_start_methods():
+    tasks: dict[tuple, list[list[Base]]] = {}
+    for g in groups:
+        tasks.setdefault((g[0].pp, g[0].vpp, g[0].dp), []).append(g)
+    task_list = sorted(tasks.values(), key=lambda t: -sum(len(g) for g in t))   # big ones first
+    if jobs > 1 and len(task_list) > 1 and "fork" in mp.get_all_start_methods():
         global _WORKER
         _WORKER = runner          # inherited by the forked workers
         try:
-            with mp.get_context("fork").Pool(min(jobs, len(groups))) as pool:
-                for out in pool.imap_unordered(_run_group_in_worker, groups):
-                    yield out
+            with mp.get_context("fork").Pool(min(jobs, len(task_list))) as pool:
+                yield from pool.imap_unordered(_run_task_in_worker, task_list)
         finally:
             _WORKER = None
         return
-    for group in groups:
-        yield _run_one(runner, group)
+    for task in task_list:
+        yield _run_task(runner, task)
 
 
-def _run_one(runner: "_Runner", group: list[Base]):
+def _run_task(runner: "_Runner", task: list[list[Base]]):
     runner.results, runner.stats = [], SearchStats()
-    runner.run_group(group)
-    return len(group), (runner.results, runner.stats)
+    for group in task:
+        runner.run_group(group)
+    return sum(len(g) for g in task), (runner.results, runner.stats)
 
 
-def _run_group_in_worker(group: list[Base]):
-    return _run_one(_WORKER, group)
+def _run_task_in_worker(task: list[list[Base]]):
+    return _run_task(_WORKER, task)
 
 
 class _Runner:
