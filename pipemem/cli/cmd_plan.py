@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..errors import UserError
@@ -115,7 +116,7 @@ def build_inputs(args):
     from ..estimate import gpu_capacity
     from ..planner import SpaceOptions, Target
     from ..planner.hardware import default_reserve_bytes, speeds_for
-    from ..planner.space import SHARDINGS, check_schedule_names
+    from ..planner.space import check_schedule_names
 
     _positive(args, ("gpus", "gpus_per_node", "seq_len", "global_batch", "tp", "pp", "cp", "dp", "vpp", "ep",
                      "etp", "max_vpp", "layers", "top", "jobs"))
@@ -130,12 +131,7 @@ def build_inputs(args):
     target = Target(args.gpus, capacity, reserve, speeds, gpu=key if args.gpu else None,
                     gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node)
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "dp", "vpp", "ep", "etp") if getattr(args, k)}
-    shardings = _names(args.shardings)
-    if shardings:
-        known = [lbl for lbl, _ in SHARDINGS[args.convention]]
-        bad = [x for x in shardings if x not in known]
-        if bad:
-            raise UserError(f"--shardings {bad[0]}: the {args.convention} convention offers {', '.join(known)}")
+    shardings = _names(args.shardings)       # checked against the convention's by the search
     schedules = _names(args.schedules)
     options = SpaceOptions(convention=args.convention, gpus_per_node=args.gpus_per_node,
                            tp_across_nodes=args.tp_across_nodes,
@@ -154,7 +150,6 @@ def run(args) -> int:
 
     target, options, extra = build_inputs(args)
     progress = not args.no_progress and sys.stderr.isatty()
-    import os
     jobs = args.jobs or os.cpu_count() or 1
     res = search_plans(args.model, target, args.seq_len, args.global_batch, options, extra=extra,
                        model_flag=args.model, progress=progress, jobs=jobs)
