@@ -58,7 +58,7 @@ def run(args) -> int:
     from rich import box
     from rich.table import Table
 
-    from ..report.text import _console, _table_width, terminal_width
+    from ..report.text import console as _console, table_width as _table_width, terminal_width
 
     t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False,
               box=box.SIMPLE_HEAD)

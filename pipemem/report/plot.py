@@ -231,7 +231,7 @@ def _html_table(est) -> str:
     head = ("rank", "params", "grads", "optimizer", "activations (in flight)", "transient", "peak", "headroom",
             "peak at")
     rows = []
-    from .text import _row_cells
+    from .text import row_cells as _row_cells
 
     for r in est.ranks:
         room = r.headroom(gpu)
