@@ -129,3 +129,21 @@ def test_one_regather_per_block_in_each_backward_pass():
     # what the layer keeps shrinks by 2 x (gathered - shard) = 2 x 3/4 x s*b*h bf16
     kept = {k: progs[k].results["F"].net_bytes for k in (False, True)}
     assert kept[False] - kept[True] == 2 * 3 * 4096 * arch.hidden * 2 // 4
+
+
+def test_readme_table_is_what_pipemem_estimates():
+    # README's 70B table (Keep only the sequence shard) comes from these two estimates
+    import os
+    import re
+
+    from pipemem.units import fmt_bytes
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme[readme.index("## Keep only the sequence shard"):]
+    rows = re.findall(r"^\| (\d) \| [\d-]+ \| ([\d.]+ GiB) \| ([\d.]+ GiB) \| ([\d.]+ GiB)", section, re.M)
+    kw = dict(gpu="h100-80g", dp=2, tp=8, pp=4, seq_len=8192, convention="torchtitan")
+    plain = pipemem.estimate("llama3-70b", **kw).ranks
+    regather = pipemem.estimate("llama3-70b", recompute_allgather=True, **kw).ranks
+    assert len(rows) == 4
+    for (rank, a, b, saved), p, r in zip(rows, plain, regather):
+        assert (a, b, saved) == (fmt_bytes(p.peak_allocated_bytes), fmt_bytes(r.peak_allocated_bytes),
+                                 fmt_bytes(p.peak_allocated_bytes - r.peak_allocated_bytes)), f"README rank {rank}"
