@@ -290,15 +290,15 @@ def test_cli_table_and_json(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
      "--micro-batch"),
-    (["--gpus", "0", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
+    (["--gpus", "0", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
      "--shardings"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
      "--schedules"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
      "--zero-bubble"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle):

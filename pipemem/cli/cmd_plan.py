@@ -33,6 +33,9 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         vals = ()
     if not vals or min(vals) < 1:
         raise UserError(f"{flag} {text!r}: write positive integers separated by commas, e.g. 1,2,4")
+    from ..plan import LIMITS
+    if max(vals) > LIMITS["micro_batch"] or len(vals) > 64:
+        raise UserError(f"{flag} {text!r}: at most 64 values, each at most {LIMITS['micro_batch']:,}")
     return tuple(sorted(set(vals)))
 
 
@@ -105,10 +108,16 @@ def register(sub) -> None:
 
 
 def _positive(args, names) -> None:
+    """Positive, and within what a training run can be (the bounds of `pipemem estimate`)."""
+    from ..plan import LIMITS, MAX_WORLD
+
+    bounds = dict(LIMITS, gpus=MAX_WORLD, gpus_per_node=MAX_WORLD, max_vpp=LIMITS["vpp"], top=1 << 20)
     for n in names:
         v = getattr(args, n)
         if v is not None and v < 1:
             raise UserError(f"--{n.replace('_', '-')} {v}: must be a positive integer")
+        if v is not None and n in bounds and v > bounds[n]:
+            raise UserError(f"--{n.replace('_', '-')} {v}: at most {bounds[n]:,}")
 
 
 def build_inputs(args):
