@@ -6,6 +6,8 @@ cores are shared, so wall time moves with the load; CPU time much less).
     python bench/bench_plan.py --runs 5 --case 70b
     python bench/bench_plan.py --runs 1 --check 30   # also re-estimate 30 listed plans per case
                                                      # with `pipemem estimate <flags>`
+    python bench/bench_plan.py --case 70b --no-prune # in process, without the static bound and the
+                                                     # shared ladder: estimate calls and CPU
 
 Targets (issue #18): 70B on 64 GPUs <= 10 s; 405B on 16,384 GPUs <= 60 s.
 """
@@ -45,11 +47,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--case", choices=sorted(CASES), action="append")
+    ap.add_argument("--no-prune", action="store_true",
+                    help="run the search in this process with and without pruning; print calls and CPU")
     ap.add_argument("--check", type=int, default=0, metavar="N",
                     help="re-estimate N random listed plans with `pipemem estimate FLAGS --json`")
     a = ap.parse_args()
     for key in a.case or list(CASES):
         what, args = CASES[key]
+        if a.no_prune:
+            compare_pruning(what, args)
+            continue
         walls, cpus = [], []
         for _ in range(a.runs):
             wall, cpu, d = run_once(args)
@@ -63,6 +70,25 @@ def main() -> None:
         sys.stdout.flush()
         if a.check:
             check(d["plans"], a.check)
+
+
+def compare_pruning(what: str, args: list[str]) -> None:
+    """The same search with and without the exact pruning (search_plans(prune=False))."""
+    from pipemem.cli.cmd_plan import build_inputs
+    from pipemem.cli.main import build_parser
+    from pipemem.planner import search_plans
+
+    ns = build_parser().parse_args(["plan", *args])
+    target, options, extra = build_inputs(ns)
+    runs = {}
+    for prune in (True, False):
+        c = time.process_time()
+        res = search_plans(ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=prune)
+        runs[prune] = (time.process_time() - c, res)
+    (c1, r1), (c0, r0) = runs[True], runs[False]
+    same = [(p.flags, p.rank_peaks) for p in r1.plans] == [(p.flags, p.rank_peaks) for p in r0.plans]
+    print(f"{what}: pruned {r1.stats.estimates:,} estimate calls, {c1:.1f} s CPU; without pruning "
+          f"{r0.stats.estimates:,} calls, {c0:.1f} s CPU; {len(r1.plans):,} plans, listings identical: {same}")
 
 
 def check(plans: list[dict], n: int) -> None:
