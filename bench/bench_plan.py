@@ -48,10 +48,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--case", choices=sorted(CASES), action="append")
     ap.add_argument("--no-prune", action="store_true",
-                    help="run the search in this process with and without pruning; print calls and CPU")
+                    help="run the search with and without pruning (one process each); print calls and CPU")
+    ap.add_argument("--one-search", choices=("prune", "no-prune"), help=argparse.SUPPRESS)
+    ap.add_argument("plan_args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--check", type=int, default=0, metavar="N",
                     help="re-estimate N random listed plans with `pipemem estimate FLAGS --json`")
     a = ap.parse_args()
+    if a.one_search:
+        one_search(a.one_search, a.plan_args)
+        return
     for key in a.case or list(CASES):
         what, args = CASES[key]
         if a.no_prune:
@@ -73,22 +78,33 @@ def main() -> None:
 
 
 def compare_pruning(what: str, args: list[str]) -> None:
-    """The same search with and without the exact pruning (search_plans(prune=False))."""
+    """The same search with and without the exact pruning (search_plans(prune=False)), each in
+    a fresh process so that neither inherits the other's caches."""
+    runs = {}
+    for prune in ("prune", "no-prune"):
+        out = subprocess.run([sys.executable, __file__, "--one-search", prune, "--", *args],
+                             check=True, capture_output=True, text=True).stdout
+        runs[prune] = json.loads(out)
+    a, b = runs["prune"], runs["no-prune"]
+    print(f"{what}: pruned {a['calls']:,} estimate calls, {a['cpu']:.1f} s CPU; without pruning "
+          f"{b['calls']:,} calls, {b['cpu']:.1f} s CPU; {a['plans']:,} plans, listings identical: "
+          f"{a['listing'] == b['listing']}")
+
+
+def one_search(mode: str, args: list[str]) -> None:
+    import hashlib
+
     from pipemem.cli.cmd_plan import build_inputs
     from pipemem.cli.main import build_parser
     from pipemem.planner import search_plans
 
     ns = build_parser().parse_args(["plan", *args])
     target, options, extra = build_inputs(ns)
-    runs = {}
-    for prune in (True, False):
-        c = time.process_time()
-        res = search_plans(ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=prune)
-        runs[prune] = (time.process_time() - c, res)
-    (c1, r1), (c0, r0) = runs[True], runs[False]
-    same = [(p.flags, p.rank_peaks) for p in r1.plans] == [(p.flags, p.rank_peaks) for p in r0.plans]
-    print(f"{what}: pruned {r1.stats.estimates:,} estimate calls, {c1:.1f} s CPU; without pruning "
-          f"{r0.stats.estimates:,} calls, {c0:.1f} s CPU; {len(r1.plans):,} plans, listings identical: {same}")
+    c = time.process_time()
+    res = search_plans(ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=mode == "prune")
+    cpu = time.process_time() - c
+    listing = hashlib.sha256(repr([(p.flags, p.rank_peaks) for p in res.plans]).encode()).hexdigest()
+    print(json.dumps({"cpu": cpu, "calls": res.stats.estimates, "plans": len(res.plans), "listing": listing}))
 
 
 def check(plans: list[dict], n: int) -> None:

@@ -256,12 +256,13 @@ def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
        rec=st.sampled_from(["none", "selective", "full"]))
 def test_larger_micro_batch_never_lowers_the_peak(tp, pp, seq, conv, sched, rec):
     """What the search assumes across micro-batch sizes (same global batch, so fewer
-    microbatches): a setting that does not fit at micro-batch b does not fit at 2b."""
+    microbatches, but at least 2 x pp x vpp of them): a setting that does not fit at
+    micro-batch b does not fit at 2b."""
     vpp = 1 if pp == 1 or sched in ("1F1B", "ZBH1") else 2
     peaks = []
     for mbs in (1, 2, 4):
         try:
-            e = estimate("llama3.2-1b", seq_len=seq, micro_batch=mbs, global_batch=16, tp=tp, pp=pp, vpp=vpp, dp=1,
+            e = estimate("llama3.2-1b", seq_len=seq, micro_batch=mbs, global_batch=64, tp=tp, pp=pp, vpp=vpp, dp=1,
                          convention=conv, layers=8, schedule=sched if pp > 1 else None, recompute=rec)
         except UserError:
             return          # a schedule that cannot run so few microbatches
