@@ -256,7 +256,7 @@ def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
        rec=st.sampled_from(["none", "selective", "full"]))
 def test_larger_micro_batch_never_lowers_the_peak(tp, pp, seq, conv, sched, rec):
     """What the search assumes across micro-batch sizes (same global batch, so fewer
-    microbatches, but at least 2 x pp x vpp of them): a setting that does not fit at
+    microbatches, but at least 2 x pp of them): a setting that does not fit at
     micro-batch b does not fit at 2b."""
     vpp = 1 if pp == 1 or sched in ("1F1B", "ZBH1") else 2
     peaks = []

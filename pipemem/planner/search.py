@@ -23,10 +23,11 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    carry over exactly (`_Ladder`);
 5. micro-batch sizes are tried smallest first; a setting that did not fit a plan does not fit
    it with a larger micro-batch, and it needs at least as many recomputed layers, as long as
-   the larger micro-batch still leaves at least 2 x pp x vpp microbatches: then every
-   schedule holds as many microbatches in flight as with the smaller one, each larger, so the
-   peak does not fall (with fewer microbatches than the pipeline holds, the count in flight
-   drops and the peak can fall: Llama 405B at pp 2 with 1 or 2 microbatches).
+   the larger micro-batch still leaves at least 2 x pp microbatches: then every schedule
+   (1F1B, interleaved, zero-bubble, V) has filled its pipeline and holds as many microbatches
+   in flight as with the smaller one, each larger, so the peak does not fall (with fewer
+   microbatches the count in flight drops and the peak can fall: Llama 405B at pp 2 with 1
+   or 2 microbatches).
    tests/test_planner.py checks it on random plans, like the recomputation bisection: at
    worst a missed plan, never a wrong FITS;
 6. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
@@ -339,7 +340,7 @@ class _Runner:
                     shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
                         else _Ladder()
                     # what a smaller micro-batch showed carries over while the pipeline stays full
-                    full_pipe = plan.microbatches >= 2 * plan.pp * plan.vpp
+                    full_pipe = plan.microbatches >= 2 * plan.pp
                     res, smaller[base.sharding] = self._cheapest_fit(
                         kw, plan, sched, placement, statics[base.sharding], shared,
                         smaller.get(base.sharding) if self.prune and full_pipe else None)
