@@ -6,6 +6,8 @@ cores are shared, so wall time moves with the load; CPU time much less).
     python bench/bench_plan.py --runs 5 --case 70b
     python bench/bench_plan.py --runs 1 --check 30   # also re-estimate 30 listed plans per case
                                                      # with `pipemem estimate <flags>`
+    python bench/bench_plan.py --case 70b --no-prune # in process, without the static bound and the
+                                                     # shared ladder: estimate calls and CPU
 
 Targets (issue #18): 70B on 64 GPUs <= 10 s; 405B on 16,384 GPUs <= 60 s.
 """
@@ -45,11 +47,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--case", choices=sorted(CASES), action="append")
+    ap.add_argument("--no-prune", action="store_true",
+                    help="run the search with and without pruning (one process each); print calls and CPU")
+    ap.add_argument("--one-search", choices=("prune", "no-prune"), help=argparse.SUPPRESS)
+    ap.add_argument("plan_args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--check", type=int, default=0, metavar="N",
                     help="re-estimate N random listed plans with `pipemem estimate FLAGS --json`")
     a = ap.parse_args()
+    if a.one_search:
+        one_search(a.one_search, a.plan_args)
+        return
     for key in a.case or list(CASES):
         what, args = CASES[key]
+        if a.no_prune:
+            compare_pruning(what, args)
+            continue
         walls, cpus = [], []
         for _ in range(a.runs):
             wall, cpu, d = run_once(args)
@@ -63,6 +75,36 @@ def main() -> None:
         sys.stdout.flush()
         if a.check:
             check(d["plans"], a.check)
+
+
+def compare_pruning(what: str, args: list[str]) -> None:
+    """The same search with and without the exact pruning (search_plans(prune=False)), each in
+    a fresh process so that neither inherits the other's caches."""
+    runs = {}
+    for prune in ("prune", "no-prune"):
+        out = subprocess.run([sys.executable, __file__, "--one-search", prune, "--", *args],
+                             check=True, capture_output=True, text=True).stdout
+        runs[prune] = json.loads(out)
+    a, b = runs["prune"], runs["no-prune"]
+    print(f"{what}: pruned {a['calls']:,} estimate calls, {a['cpu']:.1f} s CPU; without pruning "
+          f"{b['calls']:,} calls, {b['cpu']:.1f} s CPU; {a['plans']:,} plans, listings identical: "
+          f"{a['listing'] == b['listing']}")
+
+
+def one_search(mode: str, args: list[str]) -> None:
+    import hashlib
+
+    from pipemem.cli.cmd_plan import build_inputs
+    from pipemem.cli.main import build_parser
+    from pipemem.planner import search_plans
+
+    ns = build_parser().parse_args(["plan", *args])
+    target, options, extra = build_inputs(ns)
+    c = time.process_time()
+    res = search_plans(ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=mode == "prune")
+    cpu = time.process_time() - c
+    listing = hashlib.sha256(repr([(p.flags, p.rank_peaks) for p in res.plans]).encode()).hexdigest()
+    print(json.dumps({"cpu": cpu, "calls": res.stats.estimates, "plans": len(res.plans), "listing": listing}))
 
 
 def check(plans: list[dict], n: int) -> None:

@@ -249,6 +249,27 @@ def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
     assert all(a >= b for a, b in zip(ks, ks[1:])) and ks[-1] == full and none >= ks[0]
 
 
+@settings(max_examples=12)
+@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), seq=st.sampled_from([1024, 4096]),
+       conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
+       sched=st.sampled_from(["1F1B", "ZBH1", "VPP", "Interleaved1F1B", "ZBVZeroBubble"]),
+       rec=st.sampled_from(["none", "selective", "full"]))
+def test_larger_micro_batch_never_lowers_the_peak(tp, pp, seq, conv, sched, rec):
+    """What the search assumes across micro-batch sizes (same global batch, so fewer
+    microbatches, but at least 2 x pp of them): a setting that does not fit at
+    micro-batch b does not fit at 2b."""
+    vpp = 1 if pp == 1 or sched in ("1F1B", "ZBH1") else 2
+    peaks = []
+    for mbs in (1, 2, 4):
+        try:
+            e = estimate("llama3.2-1b", seq_len=seq, micro_batch=mbs, global_batch=64, tp=tp, pp=pp, vpp=vpp, dp=1,
+                         convention=conv, layers=8, schedule=sched if pp > 1 else None, recompute=rec)
+        except UserError:
+            return          # a schedule that cannot run so few microbatches
+        peaks.append(e.max_peak_allocated_bytes)
+    assert peaks == sorted(peaks)
+
+
 # ---------------------------------------------------------------- zero bubble
 
 def test_zero_bubble_memory_is_found_and_reestimates(tmp_path):

@@ -19,11 +19,21 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    so this can only cost a missed lighter setting, never a wrong FITS;
 4. plans that differ only in sharding and run the same stage jobs (Megatron, Paddle: ddp,
    ZeRO-1/2, distributed optimizer) are tried most sharded first; a setting that did not fit
-   with fewer static bytes is not estimated again with more (`_Ladder`);
-5. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
+   with fewer static bytes is not estimated again with more, and a setting's per-rank peaks
+   carry over exactly (`_Ladder`);
+5. micro-batch sizes are tried smallest first; a setting that did not fit a plan does not fit
+   it with a larger micro-batch, and it needs at least as many recomputed layers, as long as
+   the larger micro-batch still leaves at least 2 x pp microbatches: then every schedule
+   (1F1B, interleaved, zero-bubble, V) has filled its pipeline and holds as many microbatches
+   in flight as with the smaller one, each larger, so the peak does not fall (with fewer
+   microbatches the count in flight drops and the peak can fall: Llama 405B at pp 2 with 1
+   or 2 microbatches).
+   tests/test_planner.py checks it on random plans, like the recomputation bisection: at
+   worst a missed plan, never a wrong FITS;
+6. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
    reproduce it with `pipemem estimate`.
 
-`search_plans(..., prune=False)` switches 2 and 4 off; the listing must not change (tested).
+`search_plans(..., prune=False)` switches 2, 4 and 5 off; the listing must not change (tested).
 """
 
 from __future__ import annotations
@@ -305,7 +315,8 @@ class _Runner:
         bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
         for sched, _ in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
             statics: dict[str, list[int]] = {}
-            for mbs in self.options.micro_batches:
+            smaller: dict[str, tuple[set, int]] = {}   # sharding -> outcome at a smaller micro-batch
+            for mbs in sorted(self.options.micro_batches):
                 ladder = _Ladder()
                 for base in bases:
                     self.stats.proposed += 1
@@ -328,7 +339,11 @@ class _Runner:
                         continue
                     shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
                         else _Ladder()
-                    res = self._cheapest_fit(kw, plan, sched, placement, statics[base.sharding], shared)
+                    # what a smaller micro-batch showed carries over while the pipeline stays full
+                    full_pipe = plan.microbatches >= 2 * plan.pp
+                    res, smaller[base.sharding] = self._cheapest_fit(
+                        kw, plan, sched, placement, statics[base.sharding], shared,
+                        smaller.get(base.sharding) if self.prune and full_pipe else None)
                     if res is None:
                         self.stats.no_fit += 1
                     else:
@@ -356,8 +371,16 @@ class _Runner:
 
     # ------------------------------------------------------------ recomputation
     def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, statics: list[int],
-                      ladder: "_Ladder") -> PlanResult | None:
-        probe = _Probe(self, kw, plan, sched, placement, statics, ladder)
+                      ladder: "_Ladder", smaller: tuple[set, int] | None = None):
+        """(the cheapest recomputation setting that fits, or None; (the settings that did not fit,
+        the fewest layers per stage fully recomputed that did)) -- the second part is `smaller`
+        for the same plan at the next micro-batch size (module docstring)."""
+        probe = _Probe(self, kw, plan, sched, placement, statics, ladder, smaller)
+        res = self._ladder(probe, plan, sched, placement)
+        return res, (probe.failed_here, probe.min_layers)
+
+    def _ladder(self, probe: "_Probe", plan: ParallelPlan, sched, placement) -> PlanResult | None:
+        ladder = probe.ladder
         if probe.fits("none", None):
             return probe.result("none", None)
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
@@ -367,11 +390,12 @@ class _Runner:
         if not probe.fits("full", None):
             return None           # full recomputation keeps the least (module docstring)
         # Fewest layers per stage K that fits: bisection over K (module docstring), from the
-        # fewest a more sharded plan with the same jobs needed; the first probes go where the
-        # peaks of no and full recomputation put K if the peak fell linearly with K, and just
-        # below or above it, so a good guess costs two estimates.
+        # fewest a more sharded plan with the same jobs, or this plan at a smaller micro-batch,
+        # needed; the first probes go where the peaks of no and full recomputation put K if the
+        # peak fell linearly with K, and just below or above it, so a good guess costs two estimates.
         layers = max(plan.pp_layout)
-        lo, hi = max(1, ladder.min_layers), layers
+        lo, hi = max(1, ladder.min_layers, probe.smaller_min), layers
+        lo = min(lo, hi)
         guess = _interpolate(probe.peak("none", None), probe.peak("full", None), self.target.budget_bytes, layers)
         pivots = [guess] if guess is not None else []
         while lo < hi:
@@ -384,7 +408,7 @@ class _Runner:
                 lo = mid + 1
                 if mid == guess:
                     pivots = [mid + 1]
-        ladder.min_layers = hi
+        ladder.min_layers = probe.min_layers = hi
         k = hi if hi < layers else None
         if not sel_first and hi > 1 and self._selective_cheaper(plan, sched, placement, hi) and \
                 probe.fits("selective", None):
@@ -504,11 +528,14 @@ class _Probe:
     it is listed, and must give the bytes the ladder derived (else the ladder is dropped and the
     setting estimated afresh: `SearchStats.derivation_mismatch`, tested to stay 0)."""
 
-    def __init__(self, runner, kw, plan, sched, placement, statics, ladder):
+    def __init__(self, runner, kw, plan, sched, placement, statics, ladder, smaller=None):
         self.r, self.kw, self.plan, self.sched, self.placement = runner, kw, plan, sched, placement
         self.statics, self.ladder = statics, ladder
+        self.smaller_failed, self.smaller_min = smaller or (set(), 1)
         self.peaks: dict = {}       # key -> rank peaks (estimated or derived)
         self.ests: dict = {}        # key -> Estimate
+        self.failed_here: set = set()
+        self.min_layers = 1
 
     def peak(self, recompute, layers) -> int | None:
         p = self.peaks.get((recompute, layers))
@@ -518,8 +545,9 @@ class _Probe:
         key = (recompute, layers)
         budget = self.r.target.budget_bytes
         if key not in self.peaks:
-            if self.ladder.failed(*key):
+            if self.ladder.failed(*key) or key in self.smaller_failed:
                 self.r.stats.implied += 1
+                self.failed_here.add(key)
                 return False
             derived = self.ladder.derive(key, self.statics)
             if derived is not None:
@@ -529,6 +557,7 @@ class _Probe:
                 est = self.r._estimate(self.kw, recompute, layers)
                 if est is None:
                     self.ladder.fail(*key)
+                    self.failed_here.add(key)
                     return False
                 self.ests[key] = est
                 self.peaks[key] = [x.peak_allocated_bytes for x in est.ranks]
@@ -536,6 +565,7 @@ class _Probe:
         ok = max(self.peaks[key]) <= budget
         if not ok:
             self.ladder.fail(*key)
+            self.failed_here.add(key)
         return ok
 
     def result(self, recompute: str, layers: int | None) -> PlanResult | None:
@@ -546,8 +576,8 @@ class _Probe:
             if est is None or [x.peak_allocated_bytes for x in est.ranks] != self.peaks.get(key):
                 # the ladder's derivation disagrees with the engine: never trust it here
                 self.r.stats.derivation_mismatch += 1
-                return self.r._cheapest_fit(self.kw, self.plan, self.sched, self.placement, self.statics,
-                                            _Ladder())
+                return self.r._ladder(_Probe(self.r, self.kw, self.plan, self.sched, self.placement,
+                                             self.statics, _Ladder()), self.plan, self.sched, self.placement)
         if est.max_peak_allocated_bytes > self.r.target.budget_bytes:
             return None
         return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
