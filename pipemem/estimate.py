@@ -16,10 +16,10 @@ from .errors import UserError
 from .jobs import JobMemory, StaticBytes
 from .plan import ParallelPlan
 
-MODES = ("templates", "traced")
+MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "progress")
 
 
 @dataclass
@@ -222,6 +222,8 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
         raise UserError(f"estimate(): {e}") from None
     if mode == "traced":
         est = _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
+    elif mode == "paddle":
+        est = _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
@@ -342,6 +344,39 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
                     schedule="one step (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
                     warnings=warnings, world_size=_world(plan))
+
+
+def _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts) -> Estimate:
+    """PaddleNLP's own job programs, built by Paddle's passes for one card per pipeline rank,
+    walked by liveness and replayed along each card's own job list (pipemem.paddle.paddlenlp_programs)."""
+    from dataclasses import replace
+
+    from .paddle.paddlenlp_programs import build_spec, card_of_stage, job_memory, rank_documents, stage_plan
+    from .plan import validate_plan
+    from .replay import replay
+    from .stages import StagePlan
+
+    if plan.convention != "paddle":
+        raise UserError("--exact (mode paddle) builds PaddleNLP's programs: use --from-paddlenlp or "
+                        "--convention paddle")
+    plan = validate_plan(arch, replace(plan, schedule=plan.schedule or default_schedule(plan)))
+    if plan.layers is not None and plan.layers != arch.layers:
+        arch = arch.with_layers(plan.layers)
+    spec = build_spec(arch, plan)
+    cards = [card_of_stage(spec, r) for r in range(plan.pp)]
+    docs = rank_documents(spec, cards, progress=opts.get("progress"))
+    ps = stage_plan(spec, [job_memory(docs[c]) for c in cards], name=spec["schedule"])
+    sp = StagePlan(plan=plan, stages={s: j for s, j in ps.stages.items() if isinstance(s, int)}, static=ps.static,
+                   optimizer=[o or JobMemory(0, 0) for o in ps.optimizer], stage_layers=ps.stage_layers,
+                   notes={"convention": "paddle", "cards": cards})
+    result = replay(ps.schedule, ps.stages, ps.static, optimizer_jobs=sp.optimizer, simulate_time=False)
+    ranks = [_rank_from_replay(r, ps.schedule, sp) for r in result.ranks]
+    warnings = [f"paddle programs: cards {', '.join(map(str, cards))} (the first card of each pipeline stage) "
+                f"built by Paddle's own passes; fed inputs ({ps.cards[0].fed_bytes} B on card 0) are outside "
+                "the jobs"]
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="paddle",
+                    schedule=f"{spec['schedule']} (Paddle's job lists)", ranks=ranks, gpu_name=gpu_name,
+                    gpu_memory_bytes=gpu_bytes, warnings=warnings, world_size=_world(plan))
 
 
 # ---------------------------------------------------------------- what would fit
