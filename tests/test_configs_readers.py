@@ -306,6 +306,9 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
     tc = read_paddlenlp(argv)
     assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"] == {"zero_group": 2}
     assert not [w for w in tc.warnings if "sharding" in w]
+    # The auto-parallel trainer shards over the whole [dp x sharding] mesh dimension.
+    auto = read_paddlenlp(argv + ["--enable_auto_parallel", "1"])
+    assert auto.plan["zero"] == 1 and auto.plan["dp"] == 4 and "extra" not in auto.plan
     est = estimate(tc.model, **tc.plan)
     unsharded = estimate(tc.model, **{**tc.plan, "zero": 0, "extra": {}})
     over4 = estimate(tc.model, **{**tc.plan, "extra": {}})

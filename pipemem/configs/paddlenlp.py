@@ -133,9 +133,14 @@ def read(argv: list[str]) -> ToolConfig:
         if not levels:
             raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
         plan["zero"] = max(levels)
-        # PaddleNLP shards the model states over the sharding group only (its size is
-        # sharding_parallel_degree); the data_parallel_degree replicas each hold a full set.
-        plan["extra"] = {"zero_group": sharding_degree}
+        # Fleet's hybrid trainer (run_pretrain.py) shards the model states over the sharding
+        # group only (sharding_parallel_degree): each of the data_parallel_degree replicas
+        # holds a full set. The auto-parallel trainer (--enable_auto_parallel 1) builds its
+        # mesh as [pp, dp x sharding, mp] and shards over that whole "dp" dimension
+        # (AutoTrainer: dist.shard_optimizer(opt, ShardingStageN("dp"))), seen in the
+        # programs Paddle 3.3.1 builds for it.
+        if not a.bool("enable_auto_parallel"):
+            plan["extra"] = {"zero_group": sharding_degree}
 
     sp = a.bool("sequence_parallel")
     if sp is not None:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-# The pipeline pass writes sub-programs in this order of job types (pipeline_pass_base:
-# `_partial_pir_programs`); a type missing from a plan is skipped.
+# Job types in the order a micro-batch meets them (the pipeline passes' "optimizer"; the
+# gradient-merge plan without pipeline names it "optimize"); a type missing from a plan is skipped.
 JOB_TYPE_ORDER = ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_b",
-                  "backward_w", "send_backward", "optimizer")
+                  "backward_w", "send_backward", "optimizer", "optimize")
 
 
 @dataclass
@@ -101,6 +101,7 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
 
     if dist.get_rank() != rank:
         raise RuntimeError(f"paddle sees rank {dist.get_rank()}, not {rank}: set_rank_env before importing paddle")
+    _numpy2_mesh_fix()
     Engine._init_comm = lambda self: None                       # no NCCL communicators on a CPU
     Engine._initialize = lambda self, mode, init_parameters=True: None   # no startup run: shapes only
 
@@ -134,7 +135,9 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     if spec.sharding > 1 and spec.sharding_stage:
         stage = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[spec.sharding_stage]
-        opt = dist.shard_optimizer(opt, stage())
+        # PaddleNLP 2.8.1 calls ShardingStageN() with no argument; Paddle 3.3.1 requires the
+        # mesh dimension to shard over: "dp", the dimension PaddleNLP's mesh gives data parallelism.
+        opt = dist.shard_optimizer(opt, stage("dp"))
     else:
         opt = dist.shard_optimizer(opt)
 
@@ -150,14 +153,12 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
 
     global_batch = spec.micro_batch * spec.accumulate_steps * spec.dp * spec.sharding
     loader = paddle.io.DataLoader(Tokens(), batch_size=global_batch)
-    if spec.dp * spec.sharding > 1:
-        # PaddleNLP's AutoTrainer._wrap_for_dist_loader: the batch is split over "dp". (With
-        # one data-parallel replica the plain loader gives the same global program; Paddle
-        # 3.3.1's ShardDataloader also fails on a rank outside the first and last stages.)
-        meshes = [fleet.auto.get_mesh().get_mesh_with_dim("pp", 0)]
-        if spec.pp > 1:
-            meshes.append(fleet.auto.get_mesh().get_mesh_with_dim("pp", spec.pp - 1))
-        loader = dist.shard_dataloader(loader, meshes=meshes, shard_dims="dp")
+    # PaddleNLP's AutoTrainer._wrap_for_dist_loader: the batch is split over "dp", read on
+    # the first and last stages.
+    meshes = [fleet.auto.get_mesh().get_mesh_with_dim("pp", 0)]
+    if spec.pp > 1:
+        meshes.append(fleet.auto.get_mesh().get_mesh_with_dim("pp", spec.pp - 1))
+    loader = dist.shard_dataloader(loader, meshes=meshes, shard_dims="dp")
 
     strategy = dist.Strategy()
     if spec.pp > 1:
@@ -191,6 +192,21 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
     order = [t for t in JOB_TYPE_ORDER if t in types] + sorted(unknown, key=_chunked_type_key)
     return RankPlan(rank=rank, job_list=[(j.type(), int(j.micro_batch_id())) for j in plan.job_list()],
                     programs={t: plan.ir_program(t) for t in order})
+
+
+def _numpy2_mesh_fix() -> None:
+    """Paddle 3.3.1's `ProcessMesh.get_rank_by_dim_and_process_id` converts a one-element
+    array with int(), which numpy >= 2.4 refuses (TypeError); the same lookup, numpy-2 safe."""
+    import numpy as np
+    from paddle.distributed.auto_parallel.process_mesh import ProcessMesh
+
+    def get_rank_by_dim_and_process_id(self, dim, process_id):
+        if dim is None:
+            return 0
+        index = self._dim_names.index(dim) if isinstance(dim, str) else int(dim)
+        return int(np.where(self._mesh == process_id)[index].item())
+
+    ProcessMesh.get_rank_by_dim_and_process_id = get_rank_by_dim_and_process_id
 
 
 def _chunked_type_key(t: str):

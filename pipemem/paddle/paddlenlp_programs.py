@@ -284,7 +284,7 @@ def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStage
         for jtype, mb in card.job_list:
             net, peak, _ = card.jobs[(jtype, mb)]
             base, chunk = _chunk(jtype)
-            if base == "optimizer":
+            if base in ("optimizer", "optimize"):
                 opt = _fold(pending + [(net, peak)])
                 pending = []
                 continue

@@ -515,12 +515,14 @@ def capture_jobs(type_to_program: dict, name_prefix: str = "") -> tuple[dict[str
 
 
 def _scope_value(v, kwargs=()) -> bool:
-    """A value the scope holds (fed input, parameter, persistable, a job's keyword argument):
-    views of these copy."""
+    """A value the scope holds by name (fed input, parameter, persistable, a job's keyword
+    argument, a value a job hands on with ``builtin.shadow_output``): views of these copy."""
     if _persistable(v) or v.id in kwargs:
         return True
     d = v.get_defining_op()
-    return d is not None and d.name() in _DEFINE_OPS
+    if d is not None and d.name() in _DEFINE_OPS:
+        return True
+    return any(u.name() == "builtin.shadow_output" for u in v.all_used_ops())
 
 
 def get_inplace_info(op) -> dict[int, int]:
