@@ -19,15 +19,16 @@ How each job is run, and why (checked on paddlepaddle 3.3.1, CPU):
   holding a lone job typed "backward" (hence the `JOB_PREFIX` names).
 * **Communication ops run locally**: there is no process group on one CPU, so each is
   replaced by a local op that allocates the same output: ``recv_v2`` -> ``full`` of its
-  shape; ``send_v2`` is dropped (it allocates nothing); an in-place collective
+  shape; ``send_v2`` -> ``share_data_`` of the sent value (a read that allocates nothing); an in-place collective
   (``*_``) passes its input through; an out-of-place one becomes a copy (``assign``,
   same shape), a concatenation of copies (gathers: larger output) or a slice (scatters:
   smaller output). The stream-event attributes (``events_to_wait``...) are dropped:
   one CPU stream. So the measured programs are Paddle's minus the wire.
 * **Program order, one thread; the collector kept ahead**: ``sequential_run`` and
   ``serial_run``; the CPU garbage collector frees on its own thread, so the process is
-  pinned to one CPU, the collector's threads get nice -15 and the thread running the
-  ops nice 19 (`pir_measure`): a free is done before the next op allocates. Each job's
+  pinned to one CPU and a watcher thread gives each thread an executor starts (its
+  collector) nice -15 as soon as it appears, above the thread running the ops
+  (`pir_measure._boost`): a free is done before the next op allocates. Each job's
   net change is read after the collector drained; its peak is the smallest over
   `trials` runs of the whole chain (a late free can only raise a peak).
 * Persistables (parameters, optimizer states, gradient-merge buffers, the learning rate)
@@ -65,6 +66,11 @@ def _replace_comm_ops(program) -> list[str]:
         if not comm or short in ("reduce_as",):
             continue
         if short in ("send_v2", "p_send"):
+            # a read of the sent value that allocates nothing, so it dies here as it does
+            # after a real send
+            with paddle.static.program_guard(program):
+                pir.set_insertion_point(op)
+                paddle._C_ops.share_data_(op.operand_source(0))
             op.erase()
             done.append(name)
             continue
@@ -180,15 +186,14 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
             root.var(name).get_tensor().set(arr, place)
         jobs, ttp = make_jobs()
         scope = root
+        first = None
         if k:
             first = core.StandaloneExecutor(place, core.Plan(jobs[:k], {JOB_PREFIX + t: ttp[JOB_PREFIX + t]
                                                                        for t in chain[:k]}), root)
             first.run([], False)
-            kept.append(first)
             scope = root._kids()[-1]
         t = chain[k]
         exe = core.StandaloneExecutor(place, core.Plan([jobs[k]], {JOB_PREFIX + t: ttp[JOB_PREFIX + t]}), scope)
-        before_threads = _threads()
         time.sleep(DRAIN_S)
         before = stat()
         core.host_memory_stat_reset_peak_value("Allocated", 0)
@@ -196,18 +201,13 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         peak = int(core.host_memory_stat_peak_value("Allocated", 0)) - before
         time.sleep(DRAIN_S)
         net = stat() - before
-        _boost(_threads() - before_threads - {threading.get_native_id()})
-        kept.append((exe, root))       # executors hold their scopes: both live until the process ends
+        kept.append((first, exe, root))      # executors hold their scopes: all live until the process ends
         return net, peak
 
     results = {k: {"nets": [], "peaks": []} for k in range(len(chain))}
     errors: list = []
 
     def trials_body():
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
         try:
             for _ in range(trials):
                 for k in range(len(chain)):
@@ -217,9 +217,27 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         except BaseException as e:  # re-raised below
             errors.append(e)
 
-    th = threading.Thread(target=trials_body, name="pipemem-paddlenlp-measure")
+    stop = threading.Event()
+    runner: list[int] = []
+
+    def booster():
+        """Give every thread the executors start (their garbage collectors) a higher
+        priority than the thread running the ops, as soon as it appears."""
+        seen = _threads()
+        while not stop.is_set():
+            new = _threads() - seen - set(runner)
+            if new:
+                _boost(new)
+                seen |= new
+            time.sleep(0.0002)
+
+    th = threading.Thread(target=lambda: (runner.append(threading.get_native_id()), trials_body()),
+                          name="pipemem-paddlenlp-measure")
+    boost = threading.Thread(target=booster, name="pipemem-booster", daemon=True)
+    boost.start()
     th.start()
     th.join()
+    stop.set()
     if errors:
         raise errors[0]
     rows = []
