@@ -149,20 +149,22 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+        optim.append(_optimizer_job(conv.name, plan.optimizer, st, conv.grad_clip_copy))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh})
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, clip_copy: bool = False) -> JobMemory:
     """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+    size of the local parameters (the denominator), freed inside the step. `clip_copy`:
+    global-norm clipping writes a clipped copy of every gradient before the first update
+    (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter, out of place)."""
     prog = Program("optimizer", type="optimizer")
-    ws = 0
+    ws = st.grads if clip_copy else 0
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
-        ws = st.params if st.params else 0
+        ws += st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
     r = analyze_program(prog)

@@ -200,13 +200,25 @@ class CardJobs:
     fed_bytes: int
 
     def of_type(self, jtype: str) -> JobMemory | None:
-        """The job of this type with the highest peak (the types' jobs differ only where a
-        micro-batch's chain ends with the optimizer)."""
-        found = [v for (t, _), v in self.jobs.items() if t == jtype]
+        """The job of this type with its micro-batch's own transfers folded in (recv_* before
+        it, send_* after it: one micro-batch's forward or backward step, as a legacy-IR
+        pipeline ran it in one program), for the micro-batch with the highest peak."""
+        found = []
+        for mb in {m for (t, m) in self.jobs if t == jtype}:
+            found.append(_fold([self.jobs[(u, mb)][:2] for u in self.step_of(jtype, mb)]))
         if not found:
             return None
-        net, peak, _ = max(found, key=lambda v: (v[1], v[0]))
-        return JobMemory(net, peak)
+        return max(found, key=lambda j: (j.peak_bytes, j.net_bytes))
+
+    def step_of(self, jtype: str, mb: int) -> list[str]:
+        """The job types of micro-batch `mb`'s step around `jtype`: the transfers of the same
+        direction and chunk right before (recv_*) and after (send_*) it in the micro-batch's chain."""
+        base, chunk = _chunk(jtype)
+        direction = "forward" if base == "forward" else "backward"
+        suffix = jtype[len(base):]
+        chain = [t for t, m in self.job_list if m == mb]
+        step = [t for t in (f"recv_{direction}{suffix}", jtype, f"send_{direction}{suffix}") if t in chain]
+        return step if jtype in chain else [jtype]
 
 
 def job_memory(doc: dict) -> CardJobs:
@@ -285,6 +297,10 @@ def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStage
             net, peak, _ = card.jobs[(jtype, mb)]
             base, chunk = _chunk(jtype)
             if base in ("optimizer", "optimize"):
+                if pending and acts:            # transfers after the last action belong to it
+                    last = acts[-1]
+                    composites[last] = _fold([(composites[last].net_bytes, composites[last].peak_bytes)] + pending)
+                    pending = []
                 opt = _fold(pending + [(net, peak)])
                 pending = []
                 continue

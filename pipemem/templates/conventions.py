@@ -11,7 +11,15 @@ megatron   Megatron-Core with Transformer Engine: fused QKV and fused gate/up (f
 paddle     PaddleNLP on Fleet: fused QKV / fused FFN (fuse_attention_qkv, fuse_attention_ffn),
            fused rms_norm and swiglu. `ColumnSequenceParallelLinear` saves the sharded input AND
            the gathered one, unless recompute_allgather (FINDINGS 1b). Each column-parallel
-           linear gathers its own input. Vocab padded to a multiple of tp.
+           linear gathers its own input. Vocab padded to a multiple of tp. `--from-paddlenlp`
+           applies PaddleNLP's own defaults (LlamaConfig: use_fused_rms_norm, use_fused_rope
+           off: unfused RMSNorm and rotate_half rope, as in the programs Paddle builds). Without
+           flash attention the executor's in-place pass runs the mask add and the softmax in
+           the scores' buffer (fp32 softmax plus a cast copy under AMP); gradient clipping
+           (max_grad_norm > 0, the default) copies every gradient before the update. The loss
+           (cross_entropy_with_softmax) runs in place on the fp32 logits (the in-place pass).
+           Weight gradients are new tensors added into the gradient(-merge) buffer (matmul_grad
+           then add_), not accumulated inside the GEMM.
 torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1(x)) * w3(x)
            unfused, fused RMSNorm. SequenceParallel norm output is all-gathered once per block
            (PrepareModuleInput) and the gathered tensor is what the projections save.
@@ -37,6 +45,8 @@ class Convention:
     vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
     gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
     wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
+    fused_rope: bool = True    # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
+    grad_clip_copy: bool = False  # the optimizer step first makes a clipped copy of every gradient
 
 
 CONVENTIONS = {
@@ -44,8 +54,8 @@ CONVENTIONS = {
                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
                            gqa_expand_eager=True),
     "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
-                         gather_once_per_block=False, fused_norm=True, ce_inplace=False, vocab_multiple=1,
-                         gqa_expand_eager=True),
+                         gather_once_per_block=False, fused_norm=True, ce_inplace=True, vocab_multiple=1,
+                         gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True),
     "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
                              gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
                              gqa_expand_eager=True, wgrad_fused=False),
@@ -65,10 +75,14 @@ def convention_for(plan) -> Convention:
     extra = plan.extra or {}
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
-    if (sp_save, fused_qkv, fused_gate_up) == (c.sp_save, c.fused_qkv, c.fused_gate_up):
+    fused_norm = bool(extra.get("fused_norm", c.fused_norm))
+    fused_rope = bool(extra.get("fused_rope", c.fused_rope))
+    clip = bool(extra.get("grad_clip", True)) and c.grad_clip_copy
+    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip) == \
+            (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy):
         return c
-    return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused)
+    return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, fused_norm,
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused, fused_rope, clip)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

@@ -329,8 +329,12 @@ class _Gen:
             rope_dt = "fp32" if self.sh.autocast else None
             qr = self.act("attn.q_rope", (s, b, a, d), rope_dt)
             kr = self.act("attn.k_rope", (s, b, kv, d), rope_dt)
-            self.t.node("rope", (q,), (qr,), diff_inputs=(q,))
-            self.t.node("rope", (k,), (kr,), diff_inputs=(k,))
+            if self.conv.fused_rope:
+                self.t.node("rope", (q,), (qr,), diff_inputs=(q,))
+                self.t.node("rope", (k,), (kr,), diff_inputs=(k,))
+            else:
+                self.rotate_half_rope(q, qr, "attn.q", (s, b, a, d))
+                self.rotate_half_rope(k, kr, "attn.k", (s, b, kv, d))
             q, k = qr, kr
         core = opt.recompute in ("selective", "core_attn") and not self.sac
         if core:
@@ -344,6 +348,18 @@ class _Gen:
         return out
 
     _uses_rope = True
+
+    def rotate_half_rope(self, x: str, y: str, name: str, shape: tuple) -> None:
+        """PaddleNLP's unfused rope, x*cos + rotate_half(x)*sin: the two half slices, the
+        negated half and their concat are new tensors; the products' backward reads x, the
+        concat and the halves (as the programs Paddle builds keep them)."""
+        half = shape[:-1] + (shape[-1] // 2,)
+        h1 = self.act(name + ".rope_x1", half)
+        h2 = self.act(name + ".rope_x2_neg", half)
+        rot = self.act(name + ".rope_rotated", shape)
+        self.t.node("rope_rotate_half", (x,), (y,), diff_inputs=(x,), save_i=(x, h1, h2, rot),
+                    fwd_ops=(_op("slice", (x,), (h1,)), _op("scale", (x,), (h2,)), _op("concat", (h1, h2), (rot,)),
+                             _op("rope_mul_add", (x, rot), (y,))))
 
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
         sh = self.sh
@@ -381,6 +397,19 @@ class _Gen:
             self.t.node("softmax", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
             probs = self.act("attn.probs", (b, a, s, s))
             self.t.node("to_dtype", (p32,), (probs,), diff_inputs=(p32,))
+        elif self.conv.name == "paddle":
+            # PaddleNLP (non-flash): scores + mask, softmax in fp32. Paddle's in-place pass runs
+            # the add and the softmax in the scores' buffer when they die there; under AMP the
+            # fp32 softmax output (kept by softmax_grad) is cast to a low-precision copy (kept
+            # by the PV matmul).
+            if self.dt == "fp32":
+                probs = self.act("attn.probs", (b, a, s, s), storage=scores)
+                self.t.node("mask_add_softmax_", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
+            else:
+                p32 = self.act("attn.probs_fp32", (b, a, s, s), "fp32")
+                self.t.node("mask_add_softmax_fp32", (scores,), (p32,), diff_inputs=(scores,), save_i=(p32,))
+                probs = self.act("attn.probs", (b, a, s, s))
+                self.t.node("cast", (p32,), (probs,), diff_inputs=(p32,))
         else:
             probs = self.act("attn.probs", (b, a, s, s))
             self.t.node("scale_mask_softmax", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
@@ -680,8 +709,11 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
-    lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")
-    tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
+    if sh.dt == "fp32":
+        lf = logits      # .float() / astype("float32") of an fp32 tensor is the tensor itself
+    else:
+        lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")
+        tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace:
         # Megatron's vocab-parallel CE: max/sub/exp/div in place on the fp32 copy, which it
@@ -689,7 +721,10 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
         tape.node("vocab_parallel_cross_entropy", (lf, labels), (soft, loss), diff_inputs=(lf,),
                   save_i=(soft, labels), workspace_f=3 * sh.s * sh.b * 4)
-        tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+        if conv.name != "paddle":
+            # (Paddle's cross_entropy_with_softmax_grad writes a new logits grad.)
+            tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32",
+                                                             storage=lf)
     else:
         logp = g.act("log_softmax", (sh.s, sh.b, sh.vocab), "fp32")
         tape.node("log_softmax", (lf,), (logp,), diff_inputs=(lf,), save_i=(logp,))

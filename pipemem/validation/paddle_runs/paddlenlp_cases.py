@@ -8,7 +8,9 @@ finds it, and runs the jobs of one micro-batch on Paddle's executor. pipemem's n
 come from `pipemem.estimate(..., mode="paddle")` on the same plan: the same captured
 programs, through the product's path. Rows per card: the forward's net change and peak,
 the backward's peak (input-grad and weight-grad peaks with a zero-bubble split) and the
-optimizer's peak, each relative to the job's start.
+optimizer's peak, each relative to the step's start; a step is the compute job with its
+micro-batch's transfer jobs (recv_forward + forward, backward + send_backward), as the
+legacy-IR pipeline of the seed's era ran it in one program and as pipemem reports it.
 
 Paddle's `PipelineMemoryEstimator` reads legacy programs only (``op.desc``); Paddle 3.3.1's
 pipeline passes split PIR programs only (legacy: NotImplementedError), so it has no
@@ -107,6 +109,26 @@ def _kind_rows(jtype: str) -> list[tuple[str, str, str]]:
     return []
 
 
+def _step(chain: list[str], jtype: str) -> list[str]:
+    """A compute job with its micro-batch's transfers (as pipemem reports a step: recv_*
+    before it, send_* after it, same direction and chunk)."""
+    base = jtype.rstrip("0123456789")
+    suffix = jtype[len(base):]
+    if base not in ("forward", "backward", "backward_b", "backward_w"):
+        return [jtype]
+    direction = "forward" if base == "forward" else "backward"
+    return [t for t in (f"recv_{direction}{suffix}", jtype, f"send_{direction}{suffix}") if t in chain]
+
+
+def _fold_measured(rows: list[dict]) -> tuple[int, int]:
+    """(net, peak) of jobs run back to back, each measured relative to its own start."""
+    cur = peak = 0
+    for r in rows:
+        peak = max(peak, cur + r["peak_bytes"])
+        cur += r["net_bytes"]
+    return cur, peak
+
+
 def compare_case(name: str, trials: int = 3) -> list[CaseRow]:
     from ...estimate import estimate
     from ...paddle.paddlenlp_programs import card_of_stage
@@ -121,15 +143,18 @@ def compare_case(name: str, trials: int = 3) -> list[CaseRow]:
         rank = card // per_stage
         r = est.ranks[rank]
         by_stage = {s["stage"]: s for s in r.stage_jobs}
+        jobs = {j["type"]: j for j in measured[card]["jobs"]}
         for job in measured[card]["jobs"]:
             jtype = job["type"]
             chunk = int(jtype[len(jtype.rstrip("0123456789")):] or 0)
             stage = by_stage.get(chunk * pp + rank, {})
+            step = _step(measured[card]["chain"], jtype)
             for kind, quantity, label in _kind_rows(jtype):
                 jm = (r.jobs.get("optimizer").to_dict() if kind == "optimizer" and r.jobs.get("optimizer")
                       else stage.get(kind))
                 ours = None if not jm else jm["net_bytes" if quantity == "net" else "peak_bytes"]
-                meas = job["net_bytes" if quantity == "net" else "peak_bytes"]
+                net, peak = _fold_measured([jobs[u] for u in step])
+                meas = net if quantity == "net" else peak
                 rows.append(CaseRow(f"{name}/card{card}/{jtype}/{quantity}", meas, ours,
                                     extra={"card": card, "pp_rank": rank, "estimated_from_card":
                                            card_of_stage(spec, rank), "peaks": job["peaks"], "nets": job["nets"],
