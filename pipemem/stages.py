@@ -118,8 +118,8 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
     parts = [layer_memory(arch, sh, conv, o) for o in opts]
     free_output = conv.name in ("megatron", "paddle")
     act = sh.boundary_bytes
-    fparts = ([embedding_memory(arch, sh, conv, seq_len)] if first else []) + parts + \
-        ([head_memory(arch, sh, conv)] if last else [])
+    fparts = ([embedding_memory(arch, sh, conv, seq_len)] if first else []) + _stage_prologue(sh, conv, opts) + \
+        parts + ([head_memory(arch, sh, conv)] if last else [])
     bparts = fparts[::-1]
     recv = 0 if first else act
     send_out = act if (not last and free_output) else 0
@@ -134,6 +134,15 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
         B = JobMemory(B.net_bytes - act, B.peak_bytes)
         I = JobMemory(I.net_bytes - act, I.peak_bytes)
     return StageJobs(stage=stage, F=F, B=B, I=I, W=W, layers=layers, notes={"embedding": first, "head": last})
+
+
+def _stage_prologue(sh, conv, opts) -> list:
+    """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
+    attention is not flash (kept for backward when layers are recomputed)."""
+    if conv.name != "paddle" or not opts or opts[0].flash:
+        return []
+    from .templates.programs import causal_mask_memory
+    return [causal_mask_memory(sh, any(o.recompute != "none" for o in opts))]
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:

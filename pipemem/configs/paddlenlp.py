@@ -201,6 +201,8 @@ def read(argv: list[str]) -> ToolConfig:
         extra["grad_clip"] = clip is None or float(clip) > 0     # PaddleNLP's default max_grad_norm is 1.0
     except ValueError:
         raise UserError(f"{TOOL} argument --max_grad_norm {clip!r}: expected a number") from None
+    if a.bool("enable_auto_parallel"):
+        extra["full_vocab_loss"] = True
     plan["extra"] = extra
 
     sched = a.str("pipeline_schedule_mode")

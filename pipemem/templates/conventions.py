@@ -19,7 +19,9 @@ paddle     PaddleNLP on Fleet: fused QKV / fused FFN (fuse_attention_qkv, fuse_a
            (max_grad_norm > 0, the default) copies every gradient before the update. The loss
            (cross_entropy_with_softmax) runs in place on the fp32 logits (the in-place pass).
            Weight gradients are new tensors added into the gradient(-merge) buffer (matmul_grad
-           then add_), not accumulated inside the GEMM.
+           then add_), not accumulated inside the GEMM. PaddleNLP's auto-parallel trainer
+           (--enable_auto_parallel) gathers tp-sharded logits to the full vocabulary for its
+           plain cross entropy (the reshard Paddle inserts: all_gather, split, concat).
 torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1(x)) * w3(x)
            unfused, fused RMSNorm. SequenceParallel norm output is all-gathered once per block
            (PrepareModuleInput) and the gathered tensor is what the projections save.
@@ -47,6 +49,7 @@ class Convention:
     wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
     fused_rope: bool = True    # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
     grad_clip_copy: bool = False  # the optimizer step first makes a clipped copy of every gradient
+    full_vocab_loss: bool = False  # tp > 1: the logits are gathered to the full vocabulary for the loss
 
 
 CONVENTIONS = {
@@ -78,11 +81,12 @@ def convention_for(plan) -> Convention:
     fused_norm = bool(extra.get("fused_norm", c.fused_norm))
     fused_rope = bool(extra.get("fused_rope", c.fused_rope))
     clip = bool(extra.get("grad_clip", True)) and c.grad_clip_copy
-    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip) == \
-            (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy):
+    full_vocab = bool(extra.get("full_vocab_loss", c.full_vocab_loss))
+    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip, full_vocab) == \
+            (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy, c.full_vocab_loss):
         return c
     return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused, fused_rope, clip)
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused, fused_rope, clip, full_vocab)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..ir import dtype_bytes
-from .conventions import Convention, padded_vocab
+from .conventions import CONVENTIONS, Convention, padded_vocab
 from .tape import COMM, BwdOp, Tape
 
 MASK = "bool"
+CONVENTIONS_PADDLE = CONVENTIONS["paddle"]
 STAT = "fp32"
 
 
@@ -402,12 +403,18 @@ class _Gen:
             # the add and the softmax in the scores' buffer when they die there; under AMP the
             # fp32 softmax output (kept by softmax_grad) is cast to a low-precision copy (kept
             # by the PV matmul).
+            # A layer kept for backward hands its QK^T output to the backward program (add_grad
+            # names it), so the mask add cannot reuse its buffer; a recomputed layer's can.
+            masked = scores
+            if opt.recompute == "none":
+                masked = self.act("attn.masked", (b, a, s, s))
+                self.t.node("mask_add", (scores,), (masked,), diff_inputs=(scores,), grad_alias=True)
             if self.dt == "fp32":
-                probs = self.act("attn.probs", (b, a, s, s), storage=scores)
-                self.t.node("mask_add_softmax_", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
+                probs = self.act("attn.probs", (b, a, s, s), storage=masked)
+                self.t.node("mask_add_softmax_", (masked,), (probs,), diff_inputs=(masked,), save_i=(probs,))
             else:
                 p32 = self.act("attn.probs_fp32", (b, a, s, s), "fp32")
-                self.t.node("mask_add_softmax_fp32", (scores,), (p32,), diff_inputs=(scores,), save_i=(p32,))
+                self.t.node("mask_add_softmax_fp32", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
                 probs = self.act("attn.probs", (b, a, s, s))
                 self.t.node("cast", (p32,), (probs,), diff_inputs=(p32,))
         else:
@@ -698,6 +705,40 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, 
     return tape, ids, y
 
 
+def causal_mask_tape(sh: Shard, keep: bool) -> tuple[Tape, str, str]:
+    """PaddleNLP's non-flash causal mask, built by every pipeline stage for each microbatch
+    (`LlamaModelAuto._prepare_decoder_attention_mask`, as Paddle's programs run it): bool
+    [b,1,s,s] padding and tril masks and their AND, cast to fp32, three adds and a `where`
+    give the additive fp32 mask [b,1,s,s]. It is kept for backward only when the layers are
+    recomputed (their attention runs again); otherwise the forward frees it. Returns (tape,
+    input name, output name); the output is a token marker so the part chains like the others."""
+    tape = Tape("mask.")
+    g = _Gen(tape, sh, CONVENTIONS_PADDLE, "mask.")
+    full = (sh.b, 1, sh.s, sh.s)
+    x = g.act("input", (1,), "fp32")
+    ok = g.act("and", full, "bool")
+    tape.node("expand_tril_and", (x,), (ok,), workspace_f=2 * sh.b * sh.s * sh.s + sh.s * sh.s)
+    ones = g.act("ones_f32", full, "fp32")
+    tape.node("full_like_cast", (ok,), (ones,))
+    okf = g.act("and_f32", full, "fp32")
+    tape.node("cast", (ok,), (okf,))
+    base = g.act("base", full, "fp32")
+    tape.node("add", (ones,), (base,))
+    hi = g.act("allowed", full, "fp32")
+    tape.node("add", (base,), (hi,))
+    lo = g.act("blocked", full, "fp32")
+    tape.node("add", (base,), (lo,))
+    cond32 = g.act("cond_f32", full, "fp32", storage=okf)
+    tape.node("add_", (okf, base), (cond32,))
+    cond = g.act("cond", full, "bool")
+    tape.node("cast", (cond32,), (cond,))
+    mask = g.act("mask", full, "fp32")
+    tape.node("where", (cond, hi, lo), (mask,))
+    y = g.act("output", (1,), "fp32")
+    tape.node("mask_for_layers", (mask,) if keep else (), (y,), diff_inputs=(x,), save_i=(mask,) if keep else ())
+    return tape, x, y
+
+
 def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     """Final norm, vocab-parallel output linear, fp32 logits and cross entropy (last stage).
     Returns (tape, input name, loss name)."""
@@ -709,24 +750,33 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
+    vocab = sh.vocab
+    if conv.full_vocab_loss and sh.tp > 1:
+        # the reshard to the full vocabulary: all_gather (tp copies stacked), split + concat
+        vocab = sh.vocab * sh.tp
+        gathered = g.act("logits_gathered", (sh.tp * sh.s, sh.b, sh.vocab), kind=COMM)
+        tape.node("all_gather", (logits,), (gathered,), diff_inputs=(logits,))
+        full = g.act("logits_full", (sh.s, sh.b, vocab))
+        tape.node("split_concat", (gathered,), (full,), diff_inputs=(gathered,))
+        logits = full
     if sh.dt == "fp32":
         lf = logits      # .float() / astype("float32") of an fp32 tensor is the tensor itself
     else:
-        lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")
+        lf = g.act("logits_fp32", (sh.s, sh.b, vocab), "fp32")
         tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace:
         # Megatron's vocab-parallel CE: max/sub/exp/div in place on the fp32 copy, which it
         # saves as the softmax; backward edits it in place into the logits grad.
-        soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+        soft = g.act("softmax", (sh.s, sh.b, vocab), "fp32", storage=lf)
         tape.node("vocab_parallel_cross_entropy", (lf, labels), (soft, loss), diff_inputs=(lf,),
                   save_i=(soft, labels), workspace_f=3 * sh.s * sh.b * 4)
         if conv.name != "paddle":
             # (Paddle's cross_entropy_with_softmax_grad writes a new logits grad.)
-            tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32",
+            tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, vocab), "fp32",
                                                              storage=lf)
     else:
-        logp = g.act("log_softmax", (sh.s, sh.b, sh.vocab), "fp32")
+        logp = g.act("log_softmax", (sh.s, sh.b, vocab), "fp32")
         tape.node("log_softmax", (lf,), (logp,), diff_inputs=(lf,), save_i=(logp,))
         tape.node("nll_loss", (logp, labels), (loss,), diff_inputs=(logp,), save_i=(labels,))
     return tape, x, loss
