@@ -500,7 +500,9 @@ def capture_jobs(type_to_program: dict, name_prefix: str = "") -> tuple[dict[str
             if _persistable(v):
                 if "@GRAD" in name:
                     return TensorKind.GRAD
-                return TensorKind.PARAM if v.is_parameter() else TensorKind.OPTIMIZER_STATE
+                is_param = getattr(v, "is_parameter", False)
+                is_param = is_param() if callable(is_param) else bool(is_param)
+                return TensorKind.PARAM if is_param else TensorKind.OPTIMIZER_STATE
             return TensorKind.ACTIVATION
 
         p = Program(name=f"{name_prefix}{jtype}", type=jtype)
