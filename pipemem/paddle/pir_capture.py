@@ -87,8 +87,18 @@ def _fake(v) -> bool:
 
 
 def _is_vector(v) -> bool:
+    """A vector of values (builtin.combine's result, split_with_num's...). `as_vec_type()`
+    answers None for some producers' vectors in 3.3.1 (split_with_num), so the printed type
+    decides too."""
+    if _fake(v):
+        return False
     try:
-        return not _fake(v) and v.type().as_vec_type() is not None
+        if v.type().as_vec_type() is not None:
+            return True
+    except (AttributeError, ValueError, RuntimeError, TypeError):
+        pass
+    try:
+        return str(v.type()).startswith("vec[")
     except (AttributeError, ValueError, RuntimeError, TypeError):
         return False
 
