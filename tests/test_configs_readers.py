@@ -341,3 +341,31 @@ def test_paddlenlp_unknown_id_read_from_hf_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     tc = read_paddlenlp(["--model_name_or_path", "acme/tiny"])
     assert tc.model == str(snap / "config.json")
+
+
+def test_paddlenlp_defaults_are_paddlenlps():
+    """sequence_parallel off unless given; LlamaConfig's unfused norm and rope; clipping on."""
+    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--tensor_parallel_degree", "2",
+                         "--world_size", "2"])
+    assert tc.plan["sp"] is False
+    ex = tc.plan["extra"]
+    assert ex["fused_norm"] is False and ex["fused_rope"] is False and ex["grad_clip"] is True
+    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--sequence_parallel", "1",
+                         "--use_fused_rms_norm", "1", "--max_grad_norm", "0", "--enable_auto_parallel", "1"])
+    ex = tc.plan["extra"]
+    assert tc.plan["sp"] is True and ex["fused_norm"] is True and ex["grad_clip"] is False
+    assert ex["full_vocab_loss"] is True
+    with pytest.raises(UserError, match="max_grad_norm"):
+        read_paddlenlp(["--model_name_or_path", "x", "--max_grad_norm", "big"])
+
+
+def test_paddle_optimizer_step_holds_a_clipped_copy_of_the_gradients():
+    from pipemem import estimate
+
+    base = ["--model_name_or_path", "facebook/llama-7b", "--num_hidden_layers", "4", "--fp16", "0",
+            "--pipeline_parallel_degree", "2", "--gradient_accumulation_steps", "4", "--world_size", "2"]
+    on = read_paddlenlp(base)
+    off = read_paddlenlp(base + ["--max_grad_norm", "0"])
+    for r_on, r_off in zip(estimate(on.model, **on.plan).ranks, estimate(off.model, **off.plan).ranks):
+        assert r_on.jobs["optimizer"].peak_bytes == r_on.static.grads
+        assert r_off.jobs["optimizer"].peak_bytes == 0
