@@ -3,78 +3,108 @@
 A (virtual) pipeline stage is a range of decoder layers, plus the embedding on stage 0 and
 the final norm, output layer and loss on the last stage. Each part's F / B / I / W programs
 are analysed once per distinct shape by the liveness engine (pipemem.templates.programs);
-a stage job composes its parts in run order:
+a stage job composes its parts in run order with `pipemem.jobs.compose`:
 
-    F: [recv input | embedding F] -> layer F ... -> [head F | send output]
-    B: [head B | recv output grad] -> layer B (reverse) ... -> [embedding B | send input grad]
+    F: [embedding F] -> layer F ... -> [head F]
+    B: [head B] -> layer B (reverse) ... -> [embedding B]
 
-with `peak = max(peak, current + part.peak)`, `current += part.net` -- the same walk the
-liveness engine does inside a program, lifted to parts that only hand tensors forward.
-Pipeline conventions: a stage's received input is a new buffer (its first layer saves it);
-Megatron and Paddle free a stage's output after sending it (deallocate_output_tensor);
-the received output grad is a new buffer consumed by the last layer's backward; the input
-grad is freed after it is sent.
+Identical consecutive layers are one part repeated (`JobMemory.repeated`), so a stage of
+10^8 layers costs what a stage of one does. What crosses a stage boundary belongs to the
+pipeline runtime, not to the stage (pipemem.jobs): F leaves the stage output allocated, B / I
+leave the input grad allocated, and neither frees the received input or output grad; the
+runtime profile (pipemem.runtime) adds when those four are allocated and freed.
 
-Virtual stage s runs on pipeline rank `pipemem.plan.rank_of_stage(s, pp, vpp, style)`:
-interleaved by default (s % pp); `style="v"` for V-shaped schedules (ZB-V, DualPipeV).
+Which stages a pipeline rank holds is the schedule's business (`Schedule.stage_rank`):
+`StagePlan.static_per_rank(schedule)` counts each rank's parameters from the stages it holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .errors import UserError
 from .ir import Op, Program, Tensor
-from .jobs import JobMemory, StageJobs, StaticBytes
+from .jobs import JobMemory, StageJobs, StaticBytes, compose
 from .liveness import analyze_program
-from .plan import ParallelPlan, rank_of_stage, stages_of_rank, validate_plan
+from .plan import ParallelPlan, validate_plan
 from .units import fmt_bytes
 
-__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "rank_of_stage", "stage_layer_ranges"]
+__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "stage_layer_ranges"]
 
 
 @dataclass(slots=True)
 class StagePlan:
+    """Per virtual stage jobs of a validated plan, and the static state of any set of stages."""
+
     plan: ParallelPlan
     stages: dict[int, StageJobs]
-    static: list[StaticBytes]              # per pipeline rank
-    optimizer: list[JobMemory]             # per pipeline rank
-    stage_layers: dict[int, tuple[int, ...]]
-    style: str = "interleaved"
+    stage_layers: dict[int, range]
+    arch: object = None
+    conv: object = None
     notes: dict = field(default_factory=dict)
+    # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
+    # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
+    first_backward: dict[int, StageJobs] = field(default_factory=dict)
 
-    def stages_of_rank(self, rank: int) -> list[int]:
-        return stages_of_rank(rank, self.plan.pp, self.plan.vpp, self.style)
+    def replay_jobs(self, schedule=None) -> dict:
+        """`stages`, with the first-backward jobs keyed (stage, microbatch) as `replay` takes
+        them: the microbatch whose backward runs first on the stage in `schedule` (0 without)."""
+        jobs: dict = dict(self.stages)
+        jobs.update(self.first_backward_overrides(schedule))
+        return jobs
+
+    def first_backward_overrides(self, schedule=None) -> dict:
+        if not self.first_backward:
+            return {}
+        first_mb = {s: 0 for s in self.first_backward}
+        if schedule is not None:
+            seen = set()
+            for acts in schedule.ranks:
+                for kind, s, m in acts:
+                    if kind in ("B", "I") and s not in seen:
+                        seen.add(s)
+                        first_mb[s] = m
+        return {(s, first_mb[s]): j for s, j in self.first_backward.items()}
+
+    def rank_static(self, stage_ids) -> StaticBytes:
+        """Params, grads and optimizer states of a rank holding these virtual stages (and the
+        gradients its stages' first backwards create, with --grads set-to-none / ddp-bucket)."""
+        from .templates.static import static_bytes
+        key = tuple(sorted(stage_ids))
+        st = self.notes.get(("static", key))
+        if st is None:
+            st = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
+            if self.first_backward:
+                st = replace(st, grads_in_step=sum(self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes
+                                                   for s in key))
+            self.notes[("static", key)] = st
+        return st
+
+    def rank_optimizer(self, stage_ids) -> JobMemory:
+        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids),
+                              self.conv.grad_clip_copy)
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
+        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
 
     def to_dict(self) -> dict:
         return {"stages": {s: {k: getattr(j, k).to_dict() for k in ("F", "B", "I", "W") if getattr(j, k)}
                            for s, j in self.stages.items()},
-                "static": [s.to_dict() for s in self.static],
-                "optimizer": [o.to_dict() for o in self.optimizer],
                 "stage_layers": {s: list(v) for s, v in self.stage_layers.items()}}
 
 
-def stage_layer_ranges(plan: ParallelPlan) -> dict[int, tuple[int, ...]]:
+def stage_layer_ranges(plan: ParallelPlan) -> dict[int, range]:
     """Decoder layer indices of each virtual stage, from the validated plan's pp_layout
     (stage order: virtual stage 0 holds the first layers)."""
     out, start = {}, 0
     for s, n in enumerate(plan.pp_layout):
-        out[s] = tuple(range(start, start + n))
+        out[s] = range(start, start + n)
         start += n
     return out
-
-
-def _compose(parts, kinds: str, pre: int = 0, post: int = 0) -> JobMemory:
-    """Walk parts in order: `pre` bytes allocated first (a recv), `post` bytes freed last (a send)."""
-    cur = pre
-    peak = max(0, pre)
-    for part in parts:
-        j = getattr(part, kinds)
-        peak = max(peak, cur + j.peak_bytes)
-        cur += j.net_bytes
-    cur -= post
-    return JobMemory(cur, peak)
 
 
 def _resolve(arch, plan):
@@ -88,95 +118,137 @@ def _resolve(arch, plan):
     return arch, plan, conv, make_shard(arch, plan, conv)
 
 
-def _layer_opts(arch, plan, layers: tuple[int, ...]) -> tuple:
-    return _layer_opts_cached(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layers)
-
-
 @lru_cache(maxsize=65536)
-def _layer_opts_cached(arch, flash: bool, recompute: str, recompute_layers, layers: tuple[int, ...]) -> tuple:
-    """LayerOptions of each layer of a stage; the first `recompute_layers` are recomputed
-    (Megatron's block method), all of them when None."""
-    from .templates.layers import _layer_options
-    k = len(layers) if recompute_layers is None else recompute_layers
-    return tuple(_layer_options(arch, arch.is_moe_layer(i), flash, recompute if pos < k else "none")
-                 for pos, i in enumerate(layers))
+def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: range) -> tuple:
+    """((LayerOptions, count), ...) of a stage's layers in order: the first `recompute_layers`
+    are recomputed (Megatron's block method), all of them when None; MoE and dense layers
+    differ. One entry per run of identical layers."""
+    from .templates.layers import layer_options_of
+    n = len(layers)
+    k = n if recompute_layers is None else min(recompute_layers, n)
+    cuts = {0, k, n}
+    if arch.is_moe:
+        for i in arch.dense_layers:
+            if i in layers:
+                cuts.update((i - layers.start, i - layers.start + 1))
+    cuts = sorted(c for c in cuts if 0 <= c <= n)
+    runs = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            opt = layer_options_of(arch, arch.is_moe_layer(layers[a]), flash, recompute if a < k else "none")
+            if runs and runs[-1][0] == opt:
+                runs[-1] = (opt, runs[-1][1] + b - a)
+            else:
+                runs.append((opt, b - a))
+    return tuple(runs)
 
 
-def build_stage_jobs(arch, plan: ParallelPlan, style: str = "interleaved") -> StagePlan:
-    """Per virtual stage F/B/I/W jobs, per pipeline rank static bytes and optimizer job.
-    `style` places virtual stages on ranks (see `rank_of_stage`); it only changes which
-    stages' parameters each rank holds."""
+def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
+    """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
+    optimizer job depend on which stages a rank holds: `StagePlan.rank_static`."""
     arch, plan, conv, sh = _resolve(arch, plan)
-    return _build(arch, plan, conv, sh, style)
-
-
-@lru_cache(maxsize=65536)
-def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: int, stage: int,
-                layers: tuple[int, ...]) -> StageJobs:
-    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
-    from .templates.programs import embedding_memory, head_memory, layer_memory
-    parts = [layer_memory(arch, sh, conv, o) for o in opts]
-    free_output = conv.name in ("megatron", "paddle")
-    act = sh.boundary_bytes
-    fparts = ([embedding_memory(arch, sh, conv, seq_len)] if first else []) + _stage_prologue(sh, conv, opts) + \
-        parts + ([head_memory(arch, sh, conv)] if last else [])
-    bparts = fparts[::-1]
-    recv = 0 if first else act
-    send_out = act if (not last and free_output) else 0
-    grad_in = 0 if last else act     # received output grad
-    grad_out = 0 if first else act   # input grad sent and freed
-    F = _compose(fparts, "F", pre=recv, post=send_out)
-    B = _compose(bparts, "B", pre=grad_in, post=grad_out)
-    I = _compose(bparts, "I", pre=grad_in, post=grad_out)
-    W = _compose(bparts, "W")
-    if not free_output and not last:
-        # the stage output is kept until backward and released by it
-        B = JobMemory(B.net_bytes - act, B.peak_bytes)
-        I = JobMemory(I.net_bytes - act, I.peak_bytes)
-    return StageJobs(stage=stage, F=F, B=B, I=I, W=W, layers=layers, notes={"embedding": first, "head": last})
-
-
-def _stage_prologue(sh, conv, opts) -> list:
-    """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
-    attention is not flash (kept for backward when layers are recomputed)."""
-    if conv.name != "paddle" or not opts or opts[0].flash:
-        return []
-    from .templates.programs import causal_mask_memory
-    return [causal_mask_memory(sh, any(o.recompute != "none" for o in opts))]
-
-
-def _build(arch, plan, conv, sh, style) -> StagePlan:
-    from .templates.static import static_bytes
+    from .templates.layers import first_backward_shard
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
+    creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
+    sh_first = first_backward_shard(sh) if creates_grads else None
     stages: dict[int, StageJobs] = {}
+    first: dict[int, StageJobs] = {}
     for s in range(n_stages):
-        stages[s] = _stage_jobs(arch, sh, conv, _layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1,
-                                plan.seq_len, s, layout[s])
-    static, optim = [], []
-    for r in range(plan.pp):
-        rs = stages_of_rank(r, plan.pp, plan.vpp, style)
-        st = static_bytes(arch, plan, conv, layout, rs)
-        static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st, conv.grad_clip_copy))
-    return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
-                     notes={"convention": conv.name, "shard": sh})
+        args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]), s == 0,
+                s == n_stages - 1, plan.seq_len, s, layout[s])
+        stages[s] = _stage_jobs(arch, sh, conv, *args)
+        if creates_grads:
+            fj = _stage_jobs(arch, sh_first, conv, *args)
+            first[s] = replace(stages[s], B=fj.B, I=fj.I, W=fj.W)
+    return StagePlan(plan=plan, stages=stages, stage_layers=layout, arch=arch, conv=conv,
+                     notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
+                     first_backward=first)
+
+
+def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
+    """(PartMemory, count) of the stage's layers in forward order; the stage's first layer
+    keeps its input and its last layer its output grad (the runtime owns them)."""
+    from .templates.programs import layer_memory
+    total = sum(n for _, n in runs)
+    out, pos = [], 0
+    for opt, n in runs:
+        for a, b in ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),):
+            if b <= a:
+                continue
+            keep_in = not first and a == 0
+            keep_dy = not last and b == total
+            out.append((layer_memory(arch, sh, conv, opt, keep_in, keep_dy), b - a))
+        pos += n
+    return out
+
+
+def _stage_prologue(sh, conv, runs) -> list[tuple]:
+    """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
+    attention is not flash (kept for backward when layers are recomputed)."""
+    if conv.name != "paddle" or not runs or runs[0][0].flash:
+        return []
+    from .templates.programs import causal_mask_memory
+    return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
+
+
+@lru_cache(maxsize=65536)
+def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
+                layers: range) -> StageJobs:
+    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
+    from .templates.programs import embedding_memory, head_memory
+    parts = _layer_parts(arch, sh, conv, runs, first, last)
+    fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + _stage_prologue(sh, conv, runs) + \
+        parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
+    bparts = fparts[::-1]
+
+    def walk(ps, kind):
+        return compose(getattr(p, kind).repeated(n) for p, n in ps)
+
+    act = sh.boundary_bytes
+    empty = not parts
+    # An empty middle stage hands its input on as its output: nothing of its own to free.
+    y = 0 if (last or (empty and not first)) else act
+    dx = 0 if (first or empty) else act
+    B, I = walk(bparts, "B"), walk(bparts, "I")
+    if not last and parts:
+        # The layer's backward may hand the output grad's storage on as its input grad (the
+        # residual add); the runtime still references the received dy, so autograd
+        # accumulates into a new buffer instead: one boundary tensor more from the start.
+        via_b, via_i = parts[-1][0].grad_passes_through
+        if via_b:
+            B = compose([(act, act), B])
+        if via_i:
+            I = compose([(act, act), I])
+    return StageJobs(stage=stage, F=walk(fparts, "F"), B=B, I=I, W=walk(bparts, "W"),
+                     layers=layers, notes={"embedding": first, "head": last},
+                     input_bytes=0 if first else act, output_bytes=y, input_grad_bytes=dx,
+                     output_grad_bytes=0 if last else act)
 
 
 @lru_cache(maxsize=4096)
 def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, clip_copy: bool = False) -> JobMemory:
-    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
+    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step. `clip_copy`:
-    global-norm clipping writes a clipped copy of every gradient before the first update
-    (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter, out of place)."""
+    size of the local parameters (the denominator), freed inside the step. On the first step
+    the optimizer creates its states before it updates (`optimizer_in_step`); with
+    zero_grad(set_to_none=True) the gradients the step created are freed after it.
+    `clip_copy`: global-norm clipping writes a clipped copy of every gradient before the first
+    update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter, out of place)."""
     prog = Program("optimizer", type="optimizer")
     ws = st.grads if clip_copy else 0
     if conv in ("torchtitan", "hf") and optimizer != "sgd":
         ws += st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
-    prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
-    r = analyze_program(prog)
+    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
+    reads = ("opt_state", "grads")
+    if st.optimizer_in_step:
+        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=st.optimizer_in_step))
+        prog.add_op(Op("init_state", (), ("new_state",)))
+        reads += ("new_state",)
+    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=ws))
+    prog.add_op(Op("zero_grad", ("grads",), (), frees=("grads",)))
+    r = analyze_program(prog, live_on_entry=("grads",), keep=() if st.grads_in_step else ("grads",))
     return JobMemory(r.net_bytes, r.peak_bytes)
 
 
@@ -192,9 +264,23 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
         raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
     k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
     pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
-    pp = layer_programs(arch, sh, conv, layer_options(arch, plan, idx, pos < k))
-    F, B = pp.F, pp.B
+    opts = layer_options(arch, plan, idx, pos < k)
+    pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
+    rows = sorted(_kept_rows(pp).values(), key=lambda r: -r["bytes"])
+    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
+                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rb = pp.results["B"]
+    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
+                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    if plan.recompute_allgather:
+        rows += _regather_trade(arch, plan, conv, sh, opts, pp)
+    return rows
+
+
+def _kept_rows(pp) -> dict[str, dict]:
+    """What a layer's forward leaves alive for its backward: storage -> explain row."""
+    F, B = pp.F, pp.B
     readers: dict[str, list[str]] = {}
     for op in B.ops:
         label = ("recompute of " + op.type) if op.phase == "recompute" else op.type
@@ -207,7 +293,8 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     for t in F.tensors.values():
         if t.storage == t.name:
             by_storage[t.storage] = t
-    rows = []
+    rows = {}
+    rf = pp.results["F"]
     kept = (rf.live_after - {F.tensors[pp.input].storage}) if pp.input in F.tensors else rf.live_after
     for st in kept:
         t = by_storage.get(st)
@@ -217,14 +304,39 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
             why = "layer output: the next layer's input (its norm saves it)"
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
-        rows.append({"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why})
-    rows.sort(key=lambda r: -r["bytes"])
-    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
-                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
-    rb = pp.results["B"]
-    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
-                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+        rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
     return rows
+
+
+def _regather_trade(arch, plan: ParallelPlan, conv, sh, opts, pp) -> list[dict]:
+    """--recompute-allgather, per layer and microbatch: the tensors the layer no longer keeps
+    for backward, what it keeps instead, and the all-gathers its backward runs in exchange
+    (the same layer built without the switch, compared). None when the convention gathers
+    again in backward anyway (Megatron)."""
+    from dataclasses import replace
+
+    from .templates.conventions import convention_for
+    from .templates.programs import layer_programs
+    base_conv = convention_for(replace(plan, recompute_allgather=False))
+    if base_conv == conv:
+        return []
+    base = layer_programs(arch, sh, base_conv, opts)
+    kept, kept_before = _kept_rows(pp), _kept_rows(base)
+    dropped = [dict(r, why="no longer kept: " + r["why"]) for st, r in kept_before.items() if st not in kept]
+    added = [dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
+             for st, r in kept.items() if st not in kept_before]
+    gathers_before = {o for op in base.B.ops if op.type == "all_gather" for o in op.outputs}
+    comm = []
+    for op in pp.B.ops:
+        if op.type == "all_gather" and op.phase == "backward" and not set(op.outputs) & gathers_before:
+            t = pp.B.tensors[op.outputs[0]]
+            comm.append({"tensor": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+                         "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
+                                f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks"})
+    net = sum(r["bytes"] for r in dropped) - sum(r["bytes"] for r in added)
+    section = (f"--recompute-allgather trades memory for communication, per layer and microbatch: "
+               f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward")
+    return [dict(r, section=section) for r in sorted(dropped, key=lambda r: -r["bytes"]) + added + comm]
 
 
 def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:
@@ -240,9 +352,11 @@ def clear_caches() -> None:
     """Forget every cached analysis (tests, benchmarks)."""
     from .templates.programs import clear_caches as clear_parts
     clear_parts()
+    from .templates.static import clear_caches as clear_static
+    clear_static()
     _stage_jobs.cache_clear()
     _optimizer_job.cache_clear()
-    _layer_opts_cached.cache_clear()
+    _layer_runs.cache_clear()
 
 
 def format_explain(rows: list[dict]) -> str:

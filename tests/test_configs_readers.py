@@ -156,7 +156,8 @@ def test_megatron_moe_gqa_launcher_world():
                        "--num-query-groups 8 --seq-length 4096 --swiglu --normalization RMSNorm --num-experts 8 "
                        "--moe-router-topk 2 --expert-model-parallel-size 8 --tensor-model-parallel-size 2 "
                        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --vocab-size 32000 "
-                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce")
+                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce "
+                       "--disable-bias-linear --moe-token-dispatcher-type alltoall")
     tc = read_megatron(argv)
     a = arch_from_hf_config(tc.model, "m")
     assert (a.experts, a.top_k, a.kv_heads, a.expert_ffn) == (8, 2, 8, 14336)

@@ -21,6 +21,8 @@ examples:
       --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
       --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
+  pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
+  pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
       --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \
       --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4 \
@@ -37,7 +39,8 @@ def _bool_flag(p, name: str, help_: str) -> None:
 
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
-    from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS, RECOMPUTE
+    from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZERS, RECOMPUTE, STEPS
+    from ..runtime import RUNTIMES
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -70,6 +73,8 @@ def register(sub) -> None:
                        ("--ep", "expert")):
         par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
     par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
+    par.add_argument("--etp", type=int, metavar="N",
+                     help="expert tensor-parallel degree of MoE layers (default: --tp)")
     _bool_flag(par, "--sp", "sequence parallelism (default: on when tp > 1)")
     par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
     par.add_argument("--schedule", metavar="NAME",
@@ -84,21 +89,36 @@ def register(sub) -> None:
     sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
     _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    sh.add_argument("--grads", choices=GRADS,
+                    help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
+                         "Paddle), set-to-none (zero_grad(set_to_none=True), created in backward: torchtitan, "
+                         "HF), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+                         "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
+                         "ddp-bucket)")
+    sh.add_argument("--step", choices=STEPS,
+                    help="which training step: steady (default; what max_memory_allocated shows after a few "
+                         "steps) or first (no optimizer states before the first optimizer step)")
 
     act = p.add_argument_group("activations")
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
     act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
     act.add_argument("--recompute-allgather", action="store_const", const=True, default=None,
-                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle)")
+                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle: "
+                          "recompute_allgather; torchtitan: pipemem.torch_tp.RegatherColwiseParallel; "
+                          "megatron always does)")
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
+    act.add_argument("--runtime", choices=RUNTIMES,
+                     help="pipeline runtime whose buffers and references are replayed (default from --convention: "
+                          "megatron -> megatron, paddle -> paddle, torchtitan/hf -> torch)")
 
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
-    out.add_argument("--mode", choices=MODES, help="templates (default; any plan), traced (pp 1, needs torch) or "
-                                                 "paddle (PaddleNLP's own programs: see --exact)")
+    out.add_argument("--mode", choices=MODES, help="templates (default; any plan), traced (the PyTorch step on fake "
+                                                   "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch) "
+                                                   "or paddle (PaddleNLP's own programs: see --exact)")
     out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
@@ -108,8 +128,9 @@ def register(sub) -> None:
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
-              "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
-              "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention")
+              "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
+              "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention",
+              "grads", "step")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:
@@ -150,7 +171,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
             raise UserError(f"--exact builds Paddle's programs (mode paddle); drop --mode {mode}")
         mode = "paddle"
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": mode,
-            "kernel_policy": args.kernel_policy, "explain": args.explain}
+            "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
     if args.model is not None:
         return args.model, flags, opts, []
 
@@ -226,7 +247,7 @@ def run(args) -> int:
     if args.json:
         d = est.to_dict()
         if args.explain and est.explain is not None:
-            from ..report.text import _as_dict
+            from ..report.text import as_dict as _as_dict
             d["explain"] = _jsonable(est.explain, _as_dict)
         print(json.dumps(d, indent=2))
     else:

@@ -6,6 +6,9 @@ rank's `local_batch_size` into microbatches of `pipeline_parallel_microbatch_siz
 it the local batch is one microbatch (gradient accumulation repeats whole steps, which does
 not raise the peak). FSDP2 keeps fp32 sharded parameters and gathers them in
 `mixed_precision_param`, so bf16 training here means bf16 compute with fp32 master state.
+`[parallelism] tensor_parallel_recompute_allgather = true` (pipemem's key, for a plan whose
+column-parallel linears are `pipemem.torch_tp.RegatherColwiseParallel`) is
+`--recompute-allgather`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 
 TOOL = "torchtitan"
 
@@ -96,6 +99,12 @@ def read(path: str) -> ToolConfig:
         if replicate > 1 and shard > 1:
             warnings.append(f"{TOOL}: HSDP (replicate {replicate} x shard {shard}): states are modelled as "
                             f"sharded over all {replicate * shard} data-parallel ranks")
+    regather = par.get("tensor_parallel_recompute_allgather", False)
+    if not isinstance(regather, bool):
+        raise UserError(f"{path}: [parallelism] tensor_parallel_recompute_allgather = {regather!r}: expected "
+                        "true or false")
+    if regather:
+        plan["recompute_allgather"] = True
     reshard = str(par.get("fsdp_reshard_after_forward", "default")).lower()
     if reshard == "never" and plan.get("fsdp"):
         warnings.append(f"{TOOL}: fsdp_reshard_after_forward = never keeps gathered parameters; not modelled")
