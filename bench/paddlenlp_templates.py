@@ -8,9 +8,10 @@ pp 4 batch 1 with full recompute, pp 4 batch 1 without, pp 2 x mp 2 batch 2 with
 each, the same `--from-paddlenlp` line is estimated twice through `pipemem.estimate`:
 with the paddle templates (no Paddle needed) and with `--exact` (PaddleNLP's own
 programs, built by Paddle 3.3.1's passes for the first card of each stage; shapes only,
-cached after the first run). Per pipeline rank: the forward's net change and peak, the
-backward's peak, the optimizer's peak (each relative to the job's start), and the rank's
-static bytes and replayed peak.
+cached after the first run). Per pipeline rank: the forward step's net change and peak, the
+backward step's peak (a step with its transfers: what `--exact` reports, and what the seed
+measured per program), the optimizer's peak (each relative to the step's start), and the
+rank's static bytes and replayed peak.
 """
 
 from __future__ import annotations
@@ -47,11 +48,24 @@ def estimates(argv: str):
     return ours, exact
 
 
+def template_steps(est) -> dict:
+    """The templates' stage jobs as steps, the way `--exact` reports Paddle's jobs: the
+    received input allocated at the start of F and the sent output freed at its end, the
+    received output grad at the start of B and the sent input grad freed at its end
+    (`pipemem.runtime.fold_per_action`, Paddle's per-action runtime rule)."""
+    from pipemem.runtime import fold_per_action
+    from pipemem.stages import build_stage_jobs
+
+    return fold_per_action(build_stage_jobs(est.arch, est.plan).stages)
+
+
 def rows(name: str, ours, exact) -> list[dict]:
     out = []
+    steps = template_steps(ours)
     for a, b in zip(ours.ranks, exact.ranks):
         for kind, key, label in QUANTITIES:
-            t, e = a.jobs.get(kind), b.jobs.get(kind)
+            t = a.jobs.get(kind) if kind == "optimizer" else getattr(steps[a.pp_rank], kind)
+            e = b.jobs.get(kind)
             tv = getattr(t, key) if t else None
             ev = getattr(e, key) if e else None
             out.append({"run": name, "pp_rank": a.pp_rank, "quantity": label, "templates": tv, "programs": ev,

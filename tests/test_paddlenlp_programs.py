@@ -84,6 +84,8 @@ def test_build_spec_refuses_what_paddlenlp_auto_parallel_has_not():
     spec = build_spec(arch, plan)
     assert (spec["pp"], spec["mp"], spec["dp"], spec["sharding"], spec["accumulate_steps"]) == (2, 2, 1, 1, 8)
     assert spec["sp"] is True and spec["schedule"] == "1F1B" and spec["flash"] is False
+    with pytest.raises(UserError, match="FThenB, 1F1B and VPP"):
+        build_spec(arch, validate_plan(arch, ParallelPlan(pp=2, microbatches=4, schedule="ZBH1", convention="paddle")))
     with pytest.raises(UserError, match="selective"):
         build_spec(arch, validate_plan(arch, ParallelPlan(recompute="selective", convention="paddle")))
     moe = arch_from_hf_config(load_model_config("mixtral-8x7b")[1], "mixtral")

@@ -13,7 +13,7 @@ rank, the mesh, the dist context) is per process. The route is the one PaddleNLP
    recomputing, ``dist.shard_optimizer(AdamW, ShardingStageN())`` when sharding;
 4. ``dist.to_static(model, loader, criterion, optimizer, strategy)`` and the engine's
    ``_prepare_program("train", init_parameters=False)``: Paddle's planner, partitioner,
-   reshard, recompute, sharding and pipeline passes (1F1B, FThenB, VPP, ZBH1, ZBVPP) run as
+   reshard, recompute, sharding and pipeline passes (1F1B, FThenB, VPP: the ones 3.3.1 applies to PIR) run as
    in training and leave the rank's job plan (`core.Plan`: job list + one PIR program
    per job type).
 
@@ -54,7 +54,7 @@ class BuildSpec:
     sharding: int = 1           # sharding_parallel_degree
     sharding_stage: int = 0     # 1, 2, 3 (0: no sharding)
     vpp: int = 1
-    schedule: str = "1F1B"      # Paddle's pipeline_schedule_mode: 1F1B, FThenB, VPP, ZBH1, ZBVPP, Eager1F1B
+    schedule: str = "1F1B"      # Paddle's pipeline_schedule_mode: 1F1B, FThenB or VPP (PIR)
     recompute: str = "none"     # none, full, full_attn, core_attn
     flash: bool = False
     sp: bool = False            # sequence_parallel

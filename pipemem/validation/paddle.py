@@ -11,7 +11,7 @@ and a measurement: the sub-programs run in sequence as jobs of one Paddle execut
 the CPU, reading the host allocator's statistics between jobs (pipemem/paddle/measure.py).
 
 The paddlenlp-* cases are PaddleNLP's own auto-parallel Llama programs, built for every card
-of a plan by Paddle's own passes (1F1B, FThenB, VPP, ZBH1; pp, mp, sharding), measured job
+of a plan by Paddle's own passes (1F1B, FThenB, VPP; pp, mp, sharding), measured job
 by job on Paddle's executor and estimated by `pipemem.estimate(mode="paddle")`
 (pipemem/validation/paddle_runs/paddlenlp_cases.py); they need the paddlenlp interpreter
 ($PIPEMEM_PADDLENLP_PYTHON).

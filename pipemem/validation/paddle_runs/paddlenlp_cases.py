@@ -41,7 +41,6 @@ CASES = {
     "paddlenlp-pp2-mp2": dict(_BASE, pp=2, tp=2, sp=False, micro_batch=2, microbatches=4, schedule="1F1B"),
     "paddlenlp-pp2-fthenb": dict(_BASE, pp=2, micro_batch=1, microbatches=4, schedule="FThenB"),
     "paddlenlp-pp2-vpp2": dict(_BASE, pp=2, vpp=2, micro_batch=1, microbatches=4, schedule="VPP"),
-    "paddlenlp-pp2-zbh1": dict(_BASE, pp=2, micro_batch=1, microbatches=4, schedule="ZBH1"),
     "paddlenlp-dp2-sharding2": dict(_BASE, dp=4, zero=1, micro_batch=1, microbatches=2, extra={"zero_group": 4}),
 }
 CASE_NAMES = tuple(CASES)
