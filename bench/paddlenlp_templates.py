@@ -1,6 +1,6 @@
 """Template mode vs PaddleNLP's own programs, per card, at the seed's full size.
 
-    PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python python bench/paddlenlp_templates.py [--json]
+    PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python python bench/paddlenlp_templates.py [--json] [--more]
 
 The seed's three runs (Paddle PR #63402: PaddleNLP Llama, llama-7b width, 4 layers, seq 2048,
 fp32, no flash attention, 1F1B, gradient accumulation 8, run_pretrain_auto_static.py):
@@ -33,6 +33,17 @@ RUNS = {
     "pp4 b1": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 0 --world_size 4",
     "pp2 x mp2 b2": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 --per_device_train_batch_size 2 "
                     "--recompute 0 --world_size 4",
+}
+# Beyond the seed's runs (`--more`): the other switches the paddle templates model.
+MORE = {
+    "pp4 b1 full_attn": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 1 "
+                        "--recompute_granularity full_attn --world_size 4",
+    "pp4 b1 core_attn": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 1 "
+                        "--recompute_granularity core_attn --world_size 4",
+    "pp4 b1 flash": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 0 "
+                    "--use_flash_attention 1 --world_size 4",
+    "pp2 x mp2 b2 sp": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 --per_device_train_batch_size 2 "
+                       "--recompute 0 --sequence_parallel 1 --world_size 4",
 }
 QUANTITIES = (("F", "net_bytes", "F net"), ("F", "peak_bytes", "F peak"), ("B", "peak_bytes", "B peak"),
               ("optimizer", "peak_bytes", "opt peak"))
@@ -79,7 +90,8 @@ def rows(name: str, ours, exact) -> list[dict]:
 
 def main() -> None:
     table = []
-    for name, argv in RUNS.items():
+    runs = dict(RUNS, **(MORE if "--more" in sys.argv else {}))
+    for name, argv in runs.items():
         ours, exact = estimates(argv)
         table += rows(name, ours, exact)
     if "--json" in sys.argv:
