@@ -89,6 +89,30 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def print_table(rows: list[dict]) -> None:
+    """The text report of `cases[]` rows (also used to render a saved --json run)."""
+    from ..units import fmt_bytes
+
+    errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
+    perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
+    worst = max(errs, default=0.0)
+    header = ("case / sub-program / quantity", "measured", "pipemem", "error", "Paddle estimator", "error")
+    table = [(r["name"], fmt_bytes(r["measured_bytes"], signed=r["name"].endswith("net")),
+              _fmt(fmt_bytes, r["estimated_bytes"], r["name"].endswith("net")), _fmt_err(r["rel_error"]),
+              _fmt(fmt_bytes, r["paddle_estimated_bytes"], r["name"].endswith("net")),
+              _fmt_err(r["paddle_rel_error"])) for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
+    theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
+        (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
+    if any(r["paddle_estimated_bytes"] is None for r in rows):
+        theirs += "; it cannot read PIR programs (n/a on the -pir and paddlenlp lines)"
+    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: {theirs}")
+
+
 def _fmt_err(e) -> str:
     return "n/a" if e is None else f"{e * 100:+.2f}%"
 
@@ -98,8 +122,6 @@ def _fmt(fmt_bytes, n, signed: bool) -> str:
 
 
 def run(args) -> int:
-    from ..units import fmt_bytes
-
     ir = getattr(args, "ir", "all")
     allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES,
                "paddlenlp": PADDLENLP_CASE_NAMES, "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES}[ir]
@@ -135,21 +157,7 @@ def run(args) -> int:
         print(json.dumps({"target": "paddle", "cases": rows, "max_abs_rel_error": worst,
                           "paddle_max_abs_rel_error": max(perrs, default=0.0), "notes": notes}, indent=1))
         return 0
-    header = ("case / sub-program / quantity", "measured", "pipemem", "error", "Paddle estimator", "error")
-    table = [(r["name"], fmt_bytes(r["measured_bytes"], signed=r["name"].endswith("net")),
-              _fmt(fmt_bytes, r["estimated_bytes"], r["name"].endswith("net")), _fmt_err(r["rel_error"]),
-              _fmt(fmt_bytes, r["paddle_estimated_bytes"], r["name"].endswith("net")),
-              _fmt_err(r["paddle_rel_error"])) for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
-    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
-    theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
-        (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
-    if any(r["paddle_estimated_bytes"] is None for r in rows):
-        theirs += "; it cannot read PIR programs (n/a on the -pir and paddlenlp lines)"
-    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: {theirs}")
+    print_table(rows)
     for note in notes:
         print(f"note: {note}")
     return 0
