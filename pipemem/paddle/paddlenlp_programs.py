@@ -115,7 +115,7 @@ def world(spec: dict) -> int:
 # ---------------------------------------------------------------------------------------
 # Building (worker processes, cached)
 
-def _versions(python: str) -> str:
+def installed_versions(python: str) -> str:
     out = subprocess.run([python, "-c", "import importlib.metadata as m;"
                           "print(m.version('paddlepaddle'), m.version('paddlenlp'))"],
                          capture_output=True, text=True, timeout=120)
@@ -143,7 +143,7 @@ def rank_documents(spec: dict, cards: list[int], python: str | None = None, time
     """{card: captured document} for `cards`, each built by a worker process (at most
     `parallel` at once), read from the cache when built before."""
     python = python or paddlenlp_python()
-    versions = _versions(python)
+    versions = installed_versions(python)
     folder = cache_dir() / spec_key(spec, versions)
     out: dict[int, dict] = {}
     todo = []

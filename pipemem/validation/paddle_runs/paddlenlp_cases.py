@@ -61,11 +61,11 @@ def _spec(plan_kw: dict) -> tuple[dict, object, object]:
 def measure_case(name: str, trials: int = 3, parallel: int = 2, timeout: float = 900) -> dict[int, dict]:
     """{card: measurement} for every card of the case; the captured documents land in the
     cache `pipemem.estimate(mode="paddle")` reads."""
-    from ...paddle.paddlenlp_programs import _versions, cache_dir, paddlenlp_python, spec_key, world
+    from ...paddle.paddlenlp_programs import installed_versions, cache_dir, paddlenlp_python, spec_key, world
 
     spec, _, _ = _spec(CASES[name])
     python = paddlenlp_python()
-    folder = cache_dir() / spec_key(spec, _versions(python))
+    folder = cache_dir() / spec_key(spec, installed_versions(python))
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[3])

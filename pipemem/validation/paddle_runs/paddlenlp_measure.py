@@ -28,7 +28,7 @@ How each job is run, and why (checked on paddlepaddle 3.3.1, CPU):
   ``serial_run``; the CPU garbage collector frees on its own thread, so the process is
   pinned to one CPU and a watcher thread gives each thread an executor starts (its
   collector) nice -15 as soon as it appears, above the thread running the ops
-  (`pir_measure._boost`): a free is done before the next op allocates. Each job's
+  (`pir_measure.boost_threads`): a free is done before the next op allocates. Each job's
   net change is read after the collector drained; its peak is the smallest over
   `trials` runs of the whole chain (a late free can only raise a peak).
 * Persistables (parameters, optimizer states, gradient-merge buffers, the learning rate)
@@ -158,7 +158,7 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
     from paddle.base import core
     from paddle.distributed.passes.pass_utils import _set_skip_gc_vars_in_pir
 
-    from .pir_measure import _boost, _threads
+    from .pir_measure import boost_threads, thread_ids
 
     for p in programs.values():
         _replace_comm_ops(p)
@@ -223,11 +223,11 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
     def booster():
         """Give every thread the executors start (their garbage collectors) a higher
         priority than the thread running the ops, as soon as it appears."""
-        seen = _threads()
+        seen = thread_ids()
         while not stop.is_set():
-            new = _threads() - seen - set(runner)
+            new = thread_ids() - seen - set(runner)
             if new:
-                _boost(new)
+                boost_threads(new)
                 seen |= new
             time.sleep(0.0002)
 
