@@ -82,8 +82,17 @@ class StagePlan:
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids),
-                              self.conv.grad_clip_copy)
+        from .templates.static import optimizer_elems, optimizer_step_scratch
+        key = tuple(sorted(stage_ids))
+        elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
+        scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
+        if self.conv.grad_clip_copy:
+            # global-norm clipping writes a clipped copy of every gradient before the first
+            # update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter)
+            scratch += self.rank_static(key).grads
+        temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
+        return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
+                              largest * temp, self.rank_static(key), scratch)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -229,18 +238,21 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, clip_copy: bool = False) -> JobMemory:
-    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step. On the first step
-    the optimizer creates its states before it updates (`optimizer_in_step`); with
-    zero_grad(set_to_none=True) the gradients the step created are freed after it.
-    `clip_copy`: global-norm clipping writes a clipped copy of every gradient before the first
-    update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter, out of place)."""
+def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int, st: StaticBytes,
+                   scratch: int = 0) -> JobMemory:
+    """The optimizer step as a small program. Its working memory is `scratch` (Megatron's fp32
+    copies of narrow grads, templates.static) plus what the implementation materialises:
+    nothing for fused kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam
+    the denominator sqrt(v)/c + eps as one temporary list the size of the local parameters
+    (in the math dtype), freed inside the step; for the for-loop path the same per parameter
+    (sqrt, then the division: two temporaries of the largest parameter). SGD keeps no such
+    temporary. On the first step the optimizer creates its states before it updates
+    (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step created
+    are freed after it."""
     prog = Program("optimizer", type="optimizer")
-    ws = st.grads if clip_copy else 0
-    if conv in ("torchtitan", "hf") and optimizer != "sgd":
-        ws += st.params if st.params else 0
+    ws = scratch
+    if optimizer != "sgd":
+        ws += {"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl]
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
     reads = ("opt_state", "grads")

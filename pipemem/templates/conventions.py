@@ -34,7 +34,7 @@ hf         Hugging Face transformers modules, eager on CUDA (what traced mode re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +53,16 @@ class Convention:
     fused_rope: bool = True    # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
     grad_clip_copy: bool = False  # the optimizer step first makes a clipped copy of every gradient
     full_vocab_loss: bool = False  # tp > 1: the logits are gathered to the full vocabulary for the loss
+    # A recomputed region's outputs stay alive until the region's whole backward is done
+    # (Megatron's reentrant CheckpointFunction holds `outputs` while it runs
+    # torch.autograd.backward(outputs, grads); torch.utils.checkpoint does not)
+    checkpoint_keeps_outputs: bool = False
 
 
 CONVENTIONS = {
     "megatron": Convention("megatron", fused_qkv=True, fused_gate_up=True, sp_save="shard",
                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
-                           gqa_expand_eager=True),
+                           gqa_expand_eager=True, checkpoint_keeps_outputs=True),
     "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
                          gather_once_per_block=False, fused_norm=True, ce_inplace=True, vocab_multiple=1,
                          gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True),
@@ -94,8 +98,8 @@ def convention_for(plan) -> Convention:
             (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy,
              c.full_vocab_loss, c.wgrad_fused):
         return c
-    return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, wgrad_fused, fused_rope, clip, full_vocab)
+    return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused,
+                   fused_norm=fused_norm, fused_rope=fused_rope, grad_clip_copy=clip, full_vocab_loss=full_vocab)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:
