@@ -220,17 +220,20 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     y = 0 if (last or (empty and not first)) else act
     dx = 0 if (first or empty) else act
     B, I = walk(bparts, "B"), walk(bparts, "I")
-    if not last and parts and conv.name != "paddle":
+    if not last and parts:
         # The layer's backward may hand the output grad's storage on as its input grad (the
         # residual add); the runtime still references the received dy, so autograd
         # accumulates into a new buffer instead: one boundary tensor more from the start.
-        # (Not in Paddle's static backward: held against the programs Paddle builds,
-        # bench/paddlenlp_templates.py.)
+        # Paddle's static backward writes that new input grad too, but frees the received dy
+        # (a job's keyword argument) at its last use inside the job: the extra buffer adds to
+        # the net change, not to the peak (held against the programs Paddle builds,
+        # bench/paddlenlp_templates.py).
         via_b, via_i = parts[-1][0].grad_passes_through
+        extra = [(act, 0)] if conv.name == "paddle" else []
         if via_b:
-            B = compose([(act, act), B])
+            B = compose([B] + extra) if extra else compose([(act, act), B])
         if via_i:
-            I = compose([(act, act), I])
+            I = compose([I] + extra) if extra else compose([(act, act), I])
     return StageJobs(stage=stage, F=walk(fparts, "F"), B=B, I=I, W=walk(bparts, "W"),
                      layers=layers, notes={"embedding": first, "head": last},
                      input_bytes=0 if first else act, output_bytes=y, input_grad_bytes=dx,
