@@ -17,10 +17,10 @@ from .errors import UserError
 from .jobs import JobMemory, StaticBytes
 from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
 
-MODES = ("templates", "traced")
+MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress")
 
 
 @dataclass
@@ -345,6 +345,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     check_ranges(plan)   # types and bounds first: nothing below computes with a bad number
     if mode == "traced":
         est = _traced(name, source, config, arch, plan, "vpp" in plan_kw, policy, gpu_name, gpu_bytes, opts)
+    elif mode == "paddle":
+        est = _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
@@ -567,6 +569,45 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced", schedule=sched_name,
                     ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes, warnings=warnings,
                     world_size=_world(plan), runtime=runtime)
+
+
+def _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts) -> Estimate:
+    """PaddleNLP's own job programs, built by Paddle's passes for one card per pipeline rank,
+    walked by liveness and replayed along each card's own job list (pipemem.paddle.paddlenlp_programs)."""
+    from dataclasses import replace
+
+    from .paddle.paddlenlp_programs import build_spec, card_of_stage, job_memory, rank_documents, stage_plan
+    from .plan import validate_plan
+    from .replay import replay
+
+    if plan.convention != "paddle":
+        raise UserError("--exact (mode paddle) builds PaddleNLP's programs: use --from-paddlenlp or "
+                        "--convention paddle")
+    plan = validate_plan(arch, replace(plan, schedule=plan.schedule or default_schedule(plan)))
+    if plan.layers is not None and plan.layers != arch.layers:
+        arch = arch.with_layers(plan.layers)
+    spec = build_spec(arch, plan)
+    cards = [card_of_stage(spec, r) for r in range(plan.pp)]
+    docs = rank_documents(spec, cards, progress=opts.get("progress"))
+    ps = stage_plan(spec, [job_memory(docs[c]) for c in cards], name=spec["schedule"])
+    optimizers = [o or JobMemory(0, 0) for o in ps.optimizer]
+    # The programs hold the pipeline's transfers themselves (recv/send jobs, folded into the
+    # actions): the schedule is replayed as it is, with no runtime profile's buffers added.
+    result = replay(ps.schedule, ps.stages, ps.static, optimizer_jobs=optimizers, simulate_time=False)
+    ranks = []
+    for r in result.ranks:
+        stage_ids = ps.schedule.stages_of_rank(r.pp_rank)
+        held = [ps.stages[s] for s in stage_ids if s in ps.stages]
+        ranks.append(RankEstimate(
+            pp_rank=r.pp_rank, static=ps.static[r.pp_rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
+            peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
+            stages=list(stage_ids), source=(r, held, optimizers[r.pp_rank])))
+    warnings = [f"paddle programs: cards {', '.join(map(str, cards))} (the first card of each pipeline stage) "
+                f"built by Paddle's own passes; fed inputs ({ps.cards[0].fed_bytes} B on card 0) are outside "
+                "the jobs"]
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="paddle",
+                    schedule=f"{spec['schedule']} (Paddle's job lists)", ranks=ranks, gpu_name=gpu_name,
+                    gpu_memory_bytes=gpu_bytes, warnings=warnings, world_size=_world(plan), runtime="paddle")
 
 
 # ---------------------------------------------------------------- what would fit

@@ -86,6 +86,10 @@ class StagePlan:
         key = tuple(sorted(stage_ids))
         elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
         scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
+        if self.conv.grad_clip_copy:
+            # global-norm clipping writes a clipped copy of every gradient before the first
+            # update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter)
+            scratch += self.rank_static(key).grads
         temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
         return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
                               largest * temp, self.rank_static(key), scratch)
@@ -188,14 +192,23 @@ def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
     return out
 
 
+def _stage_prologue(sh, conv, runs) -> list[tuple]:
+    """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
+    attention is not flash (kept for backward when layers are recomputed)."""
+    if conv.name != "paddle" or not runs or runs[0][0].flash:
+        return []
+    from .templates.programs import causal_mask_memory
+    return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
+
+
 @lru_cache(maxsize=65536)
 def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
                 layers: range) -> StageJobs:
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory
     parts = _layer_parts(arch, sh, conv, runs, first, last)
-    fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + parts + \
-        ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
+    fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + _stage_prologue(sh, conv, runs) + \
+        parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
     bparts = fparts[::-1]
 
     def walk(ps, kind):
@@ -211,11 +224,16 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
         # The layer's backward may hand the output grad's storage on as its input grad (the
         # residual add); the runtime still references the received dy, so autograd
         # accumulates into a new buffer instead: one boundary tensor more from the start.
+        # Paddle's static backward writes that new input grad too, but frees the received dy
+        # (a job's keyword argument) at its last use inside the job: the extra buffer adds to
+        # the net change, not to the peak (held against the programs Paddle builds,
+        # bench/paddlenlp_templates.py).
         via_b, via_i = parts[-1][0].grad_passes_through
+        extra = [(act, 0)] if conv.name == "paddle" else []
         if via_b:
-            B = compose([(act, act), B])
+            B = compose([B] + extra) if extra else compose([(act, act), B])
         if via_i:
-            I = compose([(act, act), I])
+            I = compose([I] + extra) if extra else compose([(act, act), I])
     return StageJobs(stage=stage, F=walk(fparts, "F"), B=B, I=I, W=walk(bparts, "W"),
                      layers=layers, notes={"embedding": first, "head": last},
                      input_bytes=0 if first else act, output_bytes=y, input_grad_bytes=dx,

@@ -305,11 +305,14 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
             "--fp16_opt_level", "O2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
             "--data_parallel_degree", "2", "--world_size", "4", "--num_hidden_layers", "4"]
     tc = read_paddlenlp(argv)
-    assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"] == {"zero_group": 2}
+    assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"]["zero_group"] == 2
     assert not [w for w in tc.warnings if "sharding" in w]
+    # The auto-parallel trainer shards over the whole [dp x sharding] mesh dimension.
+    auto = read_paddlenlp(argv + ["--enable_auto_parallel", "1"])
+    assert auto.plan["zero"] == 1 and auto.plan["dp"] == 4 and "zero_group" not in auto.plan["extra"]
     est = estimate(tc.model, **tc.plan)
     unsharded = estimate(tc.model, **{**tc.plan, "zero": 0, "extra": {}})
-    over4 = estimate(tc.model, **{**tc.plan, "extra": {}})
+    over4 = estimate(tc.model, **{**tc.plan, "extra": {k: v for k, v in tc.plan["extra"].items() if k != "zero_group"}})
     opt = est.ranks[0].static.optimizer
     assert opt == -(-unsharded.ranks[0].static.optimizer // 2)     # (ceil per shard, one pipeline rank)
     assert opt > over4.ranks[0].static.optimizer
@@ -339,3 +342,31 @@ def test_paddlenlp_unknown_id_read_from_hf_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     tc = read_paddlenlp(["--model_name_or_path", "acme/tiny"])
     assert tc.model == str(snap / "config.json")
+
+
+def test_paddlenlp_defaults_are_paddlenlps():
+    """sequence_parallel off unless given; LlamaConfig's unfused norm and rope; clipping on."""
+    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--tensor_parallel_degree", "2",
+                         "--world_size", "2"])
+    assert tc.plan["sp"] is False
+    ex = tc.plan["extra"]
+    assert ex["fused_norm"] is False and ex["fused_rope"] is False and ex["grad_clip"] is True
+    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--sequence_parallel", "1",
+                         "--use_fused_rms_norm", "1", "--max_grad_norm", "0", "--enable_auto_parallel", "1"])
+    ex = tc.plan["extra"]
+    assert tc.plan["sp"] is True and ex["fused_norm"] is True and ex["grad_clip"] is False
+    assert ex["full_vocab_loss"] is True
+    with pytest.raises(UserError, match="max_grad_norm"):
+        read_paddlenlp(["--model_name_or_path", "x", "--max_grad_norm", "big"])
+
+
+def test_paddle_optimizer_step_holds_a_clipped_copy_of_the_gradients():
+    from pipemem import estimate
+
+    base = ["--model_name_or_path", "facebook/llama-7b", "--num_hidden_layers", "4", "--fp16", "0",
+            "--pipeline_parallel_degree", "2", "--gradient_accumulation_steps", "4", "--world_size", "2"]
+    on = read_paddlenlp(base)
+    off = read_paddlenlp(base + ["--max_grad_norm", "0"])
+    for r_on, r_off in zip(estimate(on.model, **on.plan).ranks, estimate(off.model, **off.plan).ranks):
+        assert r_on.jobs["optimizer"].peak_bytes == r_on.static.grads
+        assert r_off.jobs["optimizer"].peak_bytes == 0

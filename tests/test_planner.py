@@ -153,8 +153,11 @@ def test_pruning_changes_nothing_listed(conv, shardings):
             SpaceOptions(convention=conv, micro_batches=(1, 2), max_vpp=2, shardings=shardings))
     pruned = search_plans(*args)
     full = search_plans(*args, prune=False)
-    assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0 or conv == "hf")
-    assert (pruned.stats.derived > 0) == (conv != "hf") and pruned.stats.derivation_mismatch == 0
+    # (paddle's optimizer step copies the clipped gradients, so zero2 changes its jobs and
+    # shares no settings with zero1 here: nothing to imply or derive)
+    shares = conv == "megatron"
+    assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0) == shares
+    assert (pruned.stats.derived > 0) == shares and pruned.stats.derivation_mismatch == 0
     assert full.stats.pruned_static == 0 and full.stats.implied == 0
     assert pruned.stats.estimates < full.stats.estimates
     assert [(p.flags, p.rank_peaks) for p in pruned.plans] == [(p.flags, p.rank_peaks) for p in full.plans]

@@ -23,6 +23,10 @@ examples:
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
+  PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
+      --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \
+      --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4 \
+      --num_hidden_layers 4 --fp16 0 --use_flash_attention 0 --enable_auto_parallel 1
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
 Exit status 0 whether or not the plan fits (read `fits` in --json); 2 on bad input.
@@ -52,6 +56,11 @@ def register(sub) -> None:
     src.add_argument("--from-paddlenlp", action="store_true",
                      help="read PaddleNLP run_pretrain arguments given after `--` (a pasted launch line works)")
     src.add_argument("--from-torchtitan", metavar="FILE.toml", help="read a torchtitan job config")
+    src.add_argument("--exact", action="store_true",
+                     help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
+                          "programs with Paddle's passes, one card per pipeline stage, and estimate those "
+                          "(= --mode paddle; needs paddlenlp 2.8.1 + paddlepaddle 3.x, in this Python or "
+                          "$PIPEMEM_PADDLENLP_PYTHON; shapes only, no GPU)")
 
     b = p.add_argument_group("batch")
     b.add_argument("--seq-len", type=int, metavar="N", help="sequence length (default 4096)")
@@ -111,8 +120,9 @@ def register(sub) -> None:
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
-    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (the PyTorch step on fake "
-                                                   "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch)")
+    out.add_argument("--mode", choices=MODES, help="templates (default; any plan), traced (the PyTorch step on fake "
+                                                   "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch) "
+                                                   "or paddle (PaddleNLP's own programs: see --exact)")
     out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
@@ -162,7 +172,12 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
     if "pp_layout" in flags:
         flags["pp_layout"] = parse_layout(flags["pp_layout"])
-    opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
+    mode = args.mode
+    if getattr(args, "exact", False):
+        if mode not in (None, "paddle"):
+            raise UserError(f"--exact builds Paddle's programs (mode paddle); drop --mode {mode}")
+        mode = "paddle"
+    opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": mode,
             "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
     if args.model is not None:
         refuse_inert(flags, flags, opts)

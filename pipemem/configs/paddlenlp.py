@@ -26,16 +26,17 @@ KNOWN = {
     "sequence_parallel", "fp16", "bf16", "fp16_opt_level", "recompute", "recompute_granularity",
     "pp_recompute_interval", "use_flash_attention", "pipeline_schedule_mode", "num_hidden_layers",
     "global_batch_size", "amp_master_grad", "optim", "world_size", "tensor_parallel_config",
+    "use_fused_rms_norm", "use_fused_rope", "fuse_attention_qkv", "fuse_attention_ffn", "max_grad_norm",
 }
 # Arguments that do not change the estimate (paths, logging, schedule of the LR, fusions
 # whose saved tensors equal the unfused ones' in our model).
 IGNORED = {
     "tokenizer_name_or_path", "input_dir", "output_dir", "split", "per_device_eval_batch_size",
     "scale_loss", "learning_rate", "min_learning_rate", "max_steps", "save_steps", "weight_decay",
-    "warmup_ratio", "warmup_steps", "max_grad_norm", "logging_steps", "dataloader_num_workers",
+    "warmup_ratio", "warmup_steps", "logging_steps", "dataloader_num_workers",
     "eval_steps", "report_to", "disable_tqdm", "continue_training", "do_train", "do_eval",
-    "do_predict", "device", "data_impl", "enable_auto_parallel", "use_fused_rms_norm",
-    "use_fused_rope", "use_fused_linear", "fuse_attention_qkv", "fuse_attention_ffn", "seed",
+    "do_predict", "device", "data_impl", "enable_auto_parallel",
+    "use_fused_linear", "seed",
     "skip_memory_metrics", "data_cache", "lr_scheduler_type", "adam_beta1", "adam_beta2",
     "adam_epsilon", "save_total_limit", "logging_dir", "overwrite_output_dir", "num_train_epochs",
     "run_name", "to_static", "skip_profile_timer", "pipeline_parallel_config",
@@ -133,13 +134,18 @@ def read(argv: list[str]) -> ToolConfig:
         if not levels:
             raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
         plan["zero"] = max(levels)
-        # PaddleNLP shards the model states over the sharding group only (its size is
-        # sharding_parallel_degree); the data_parallel_degree replicas each hold a full set.
-        plan["extra"] = {"zero_group": sharding_degree}
+        # Fleet's hybrid trainer (run_pretrain.py) shards the model states over the sharding
+        # group only (sharding_parallel_degree): each of the data_parallel_degree replicas
+        # holds a full set. The auto-parallel trainer (--enable_auto_parallel 1) builds its
+        # mesh as [pp, dp x sharding, mp] and shards over that whole "dp" dimension
+        # (AutoTrainer: dist.shard_optimizer(opt, ShardingStageN("dp"))), seen in the
+        # programs Paddle 3.3.1 builds for it.
+        if not a.bool("enable_auto_parallel"):
+            plan["extra"] = {"zero_group": sharding_degree}
 
-    sp = a.bool("sequence_parallel")
-    if sp is not None:
-        plan["sp"] = sp
+    # PaddleNLP's TrainingArguments.sequence_parallel defaults to False (pipemem's own default
+    # turns sequence parallelism on with tp > 1).
+    plan["sp"] = bool(a.bool("sequence_parallel"))
     # Fleet's MpConfig.recompute_allgather (Paddle PR #64244), passed as a tensor_parallel_config word
     tp_config = (a.str("tensor_parallel_config") or "").replace(",", " ").split()
     if any(w in ("recompute_allgather", "enable_recompute_allgather") for w in tp_config):
@@ -180,6 +186,24 @@ def read(argv: list[str]) -> ToolConfig:
     flash = a.bool("use_flash_attention")
     if flash is not None:
         plan["flash_attn"] = flash
+
+    # PaddleNLP's own switches, with LlamaConfig's defaults (all off): which kernels run
+    # changes what the layer keeps (pipemem.templates.conventions, paddle).
+    extra = dict(plan.get("extra") or {})
+    extra["fuse_qkv"] = bool(a.bool("fuse_attention_qkv"))
+    # (fuse_attention_ffn only merges the gate and up GEMMs; the activation is Paddle's fused
+    # swiglu kernel either way, which keeps both halves and its output: the fused-fc1 picture.)
+    a.bool("fuse_attention_ffn")
+    extra["fused_norm"] = bool(a.bool("use_fused_rms_norm"))
+    extra["fused_rope"] = bool(a.bool("use_fused_rope"))
+    clip = a.str("max_grad_norm")
+    try:
+        extra["grad_clip"] = clip is None or float(clip) > 0     # PaddleNLP's default max_grad_norm is 1.0
+    except ValueError:
+        raise UserError(f"{TOOL} argument --max_grad_norm {clip!r}: expected a number") from None
+    if a.bool("enable_auto_parallel"):
+        extra["full_vocab_loss"] = True
+    plan["extra"] = extra
 
     sched = a.str("pipeline_schedule_mode")
     if sched:

@@ -26,6 +26,8 @@ checked on paddlepaddle 3.3.1, CPU):
   (same buffer, even while the input lives on), except of a fed input or a persistable,
   which it copies; flatten and transpose copy (`VIEW_OPS`; measured by the data pointers
   in the scope after a step with garbage collection off).
+* **Data-dependent sizes** (``masked_select`` of the loss over the valid labels): the
+  upper bound, every element selected (`DATA_DEPENDENT`).
 * **no_need_buffer** operands (`op.is_no_need_buffer(value)`) do not keep a value alive:
   the PIR interpreter's garbage collector skips them too.
 * **Vectors.** ``builtin.combine`` / ``builtin.split`` only pack and unpack values: an op
@@ -64,6 +66,20 @@ _NEVER_INPLACE = frozenset({"pd_op.transpose"})
 VIEW_OPS = frozenset({"pd_op.reshape", "pd_op.squeeze", "pd_op.unsqueeze"})
 
 
+# Ops whose output size depends on the data: sized as if every element were selected (the
+# upper bound, and what a pretraining batch with no ignored label gives), from this operand.
+DATA_DEPENDENT = {"pd_op.masked_select": 0, "pd_op.nonzero": 0}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise UserError(f"cannot bound a data-dependent size: its input has unresolved shape {list(shape)}")
+        n *= d
+    return n
+
+
 def _fake(v) -> bool:
     from paddle.base.libpaddle import pir
 
@@ -71,8 +87,18 @@ def _fake(v) -> bool:
 
 
 def _is_vector(v) -> bool:
+    """A vector of values (builtin.combine's result, split_with_num's...). `as_vec_type()`
+    answers None for some producers' vectors in 3.3.1 (split_with_num), so the printed type
+    decides too."""
+    if _fake(v):
+        return False
     try:
-        return not _fake(v) and v.type().as_vec_type() is not None
+        if v.type().as_vec_type() is not None:
+            return True
+    except (AttributeError, ValueError, RuntimeError, TypeError):
+        pass
+    try:
+        return str(v.type()).startswith("vec[")
     except (AttributeError, ValueError, RuntimeError, TypeError):
         return False
 
@@ -193,7 +219,7 @@ def _numel_equal(a, b, relax: bool) -> bool:
     return numel(a) == numel(b)
 
 
-def executor_inplace(ops, vid) -> dict[int, dict[int, int]]:  # vid: value -> hashable id
+def executor_inplace(ops, vid, skip_values=()) -> dict[int, dict[int, int]]:  # vid: value -> hashable id
     """{op index: {result slot: operand slot}} of the ops the executor's in-place pass
     turns into their ``_`` variant, by its rule, on the declared shapes:
 
@@ -202,7 +228,7 @@ def executor_inplace(ops, vid) -> dict[int, dict[int, int]]:  # vid: value -> ha
     result is not persistable; dtypes match and element counts match (a -1 only as the
     leading dim of a 2-D-or-more shape; reshape / squeeze / unsqueeze skip the count)."""
     last_use: dict = {}
-    skip: set = set()
+    skip: set = set(skip_values)
     for i, op in enumerate(ops):
         if op.name() in ("pd_op.data", "pd_op.feed"):
             skip.update(vid(r) for r in op.results() if not _fake(r))
@@ -272,6 +298,164 @@ class Captured:
     inplace_ops: list[str] = field(default_factory=list)   # "index:name" the executor runs in place
 
 
+class _BlockCapture:
+    """Maps the ops of PIR blocks to pipemem programs over one shared tensor table.
+
+    `name_of(value, op_index, slot)` names a value a block defines; values named alike in
+    several blocks (a pipeline job's ``builtin.shadow_output`` and a later job's keyword
+    argument of the same name) are one tensor, as they are one scope variable."""
+
+    def __init__(self):
+        self.table: dict[str, Tensor] = {}
+        self.fed = 0
+
+    def block(self, ops, types: list[str], progs: dict[str, Program], name_of, size_ops=None,
+              kwargs: dict | None = None, kind_of_kwarg=None, label_prefix: str = "") -> list[str]:
+        """Append the ops of one block to `progs[types[i]]`; returns the in-place labels."""
+        table = self.table
+        size_ops = size_ops if size_ops is not None else ops
+        vid = _vid
+        ids: dict[str, str] = {}
+        defined: dict[str, tuple[int, int]] = {}
+        for i, op in enumerate(ops):
+            for j, r in enumerate(op.results()):
+                if not _fake(r):
+                    ids[vid(r)] = name_of(r, i, j)
+                    defined[vid(r)] = (i, j)
+        kw_ids: dict[str, tuple[str, object]] = {vid(v): (k, v) for k, v in (kwargs or {}).items()}
+        parts: dict[str, dict[int, object]] = {}
+        vectors_combined: dict[str, list] = {}
+        for op in ops:
+            if op.name() == "builtin.split":
+                parts.setdefault(vid(op.operand_source(0)), {}).update(
+                    {k: r for k, r in enumerate(op.results()) if not _fake(r)})
+            elif op.name() == "builtin.slice":
+                parts.setdefault(vid(op.operand_source(0)), {})[int(op.attrs()["index"])] = op.result(0)
+            elif op.name() == "builtin.combine":
+                vectors_combined[vid(op.result(0))] = list(op.operands_source())
+        inplace = executor_inplace(ops, vid, skip_values=set(kw_ids))
+
+        def new_tensor(name: str, shape, v, kind: TensorKind, where: str) -> str:
+            shape = [int(d) for d in shape]
+            if any(d < 0 for d in shape):
+                raise UserError(f"PIR value {name} ({where}) has unresolved shape {shape}: give a sizes_program "
+                                "built with concrete input shapes")
+            dtype = str(v.dtype).rsplit(".", 1)[-1]
+            dtype_bytes(dtype)
+            table[name] = Tensor(name, tuple(shape), dtype, kind)
+            return name
+
+        def tensor(op_index: int, slot: int, v, kind_hint: TensorKind | None = None) -> str:
+            name = ids[vid(v)]
+            if name in table:
+                return name
+            kind = kind_hint
+            if kind is None:
+                kind = TensorKind.GRAD if _is_grad_op(ops[op_index].name()) or types[op_index] == "backward" \
+                    else TensorKind.ACTIVATION
+            shape = list(size_ops[op_index].result(slot).shape)
+            if any(d < 0 for d in shape):
+                shape = resolved_shape(ops[op_index], shape) or shape
+            return new_tensor(name, shape, v, kind, f"result {slot} of op #{op_index} {ops[op_index].name()}")
+
+        def resolved_shape(op, declared):
+            """A result whose declared shape has -1 dims: a data-dependent op's bound, else the
+            resolved size of an operand declared with the same shape (x and x@GRAD, ...)."""
+            if op.name() in DATA_DEPENDENT:
+                return [_numel(op.operand_source(DATA_DEPENDENT[op.name()]).shape)]
+            for v in op.operands_source():
+                if _is_dense(v) and list(v.shape) == declared:
+                    names = read_names(v)
+                    if names:
+                        return list(table[names[0]].shape)
+            return None
+
+        def read_names(v) -> list[str]:
+            if _fake(v):
+                return []
+            if vid(v) in vectors_combined:
+                return [n for part in vectors_combined[vid(v)] for n in read_names(part)]
+            if _is_vector(v):
+                return [n for _, r in sorted(parts.get(vid(v), {}).items()) for n in read_names(r)]
+            if not _is_dense(v):
+                return []
+            if vid(v) in kw_ids:
+                name, _ = kw_ids[vid(v)]
+                if name not in table:
+                    new_tensor(name, v.shape, v, kind_of_kwarg(name, v), f"keyword argument {name}")
+                    if _persistable(v):
+                        table[name].persistent = True
+                return [name]
+            i, j = defined[vid(v)]
+            return [tensor(i, j, v)]
+
+        for i, op in enumerate(ops):
+            name = op.name()
+            if name in _DEFINE_OPS:
+                r = op.result(0)
+                if not _is_dense(r):
+                    continue
+                if name == "builtin.parameter":
+                    tensor(i, 0, r, TensorKind.PARAM)
+                elif _persistable(r):
+                    tensor(i, 0, r, TensorKind.OPTIMIZER_STATE)
+                elif ids[vid(r)] not in table:
+                    n = tensor(i, 0, r, TensorKind.ACTIVATION)
+                    table[n].persistent = True
+                    self.fed += table[n].nbytes
+                continue
+            if name in _SINK_OPS or name in _PACK_OPS:
+                continue
+            if op.num_regions():
+                raise UserError(f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures "
+                                "straight-line programs only")
+            ins, nnb = [], []
+            for v in op.operands_source():
+                names = read_names(v)
+                ins.extend(names)
+                if names and not _is_vector(v) and vid(v) not in vectors_combined and op.is_no_need_buffer(v):
+                    nnb.extend(names)
+            alias = dict(get_inplace_info(op)) if name.endswith("_") else {}
+            alias.update(inplace.get(i, {}))
+            if name in VIEW_OPS and not _scope_value(op.operand_source(0), kw_ids):
+                alias[0] = 0
+            outs = []
+            for j, r in enumerate(op.results()):
+                if _fake(r):
+                    continue
+                if _is_vector(r):
+                    outs.extend(read_names(r))      # its parts, sized where they are unpacked
+                    continue
+                if not _is_dense(r):
+                    continue
+                n = tensor(i, j, r)
+                if j in alias:
+                    src_names = read_names(op.operand_source(alias[j]))
+                    if src_names:
+                        base = table[src_names[0]]
+                        t = table[n]
+                        t.storage = base.storage
+                        if base.persistent:
+                            t.persistent = True
+                            t.kind = base.kind
+                outs.append(n)
+            ins = list(dict.fromkeys(ins))
+            nnb = [n for n in dict.fromkeys(nnb) if n in ins and ins.count(n) == 1 and
+                   not any(n in read_names(v) and not op.is_no_need_buffer(v)
+                           for v in op.operands_source() if not _fake(v) and _is_dense(v))]
+            prog = progs[types[i]]
+            for n in (*ins, *outs):
+                prog.tensors[n] = table[n]
+            prog.ops.append(Op(type=name, inputs=tuple(ins), outputs=tuple(dict.fromkeys(outs)),
+                               no_need_buffer=tuple(nnb), phase=types[i],
+                               name=f"{label_prefix}{types[i]}#{i}:{name}"))
+        return [f"{i}:{ops[i].name()}" for i in sorted(inplace)]
+
+
+def _vid(v) -> str:
+    return v.id
+
+
 def capture(program, sizes_program=None, types: list[str] | None = None, name_prefix: str = "") -> Captured:
     """pipemem programs (forward / backward / optimizer, in run order, sharing one tensor
     table) for a PIR training program.
@@ -285,153 +469,72 @@ def capture(program, sizes_program=None, types: list[str] | None = None, name_pr
                         "code, one with concrete input shapes")
     types = list(types or op_types(program))
 
-    ids: dict[str, str] = {}          # value id -> tensor name
-    table: dict[str, Tensor] = {}
-    fed = 0
+    def name_of(r, i, j):
+        return r.name if _persistable(r) and r.has_name else f"v{i}.{j}"
 
-    def vid(v) -> str:
-        return v.id
-
-    for i, op in enumerate(ops):
-        for j, r in enumerate(op.results()):
-            if _fake(r):
-                continue
-            if _persistable(r) and r.has_name:
-                ids[vid(r)] = r.name
-            else:
-                ids[vid(r)] = f"v{i}.{j}"
-
-    # Parts of vectors: builtin.split results (all parts) and builtin.slice results (one
-    # part, by its "index" attribute) are the values the vector's producer writes.
-    parts: dict[str, dict[int, object]] = {}
-    for op in ops:
-        if op.name() == "builtin.split":
-            parts.setdefault(vid(op.operand_source(0)), {}).update(
-                {k: r for k, r in enumerate(op.results()) if not _fake(r)})
-        elif op.name() == "builtin.slice":
-            parts.setdefault(vid(op.operand_source(0)), {})[int(op.attrs()["index"])] = op.result(0)
-    inplace = executor_inplace(ops, vid)
-    inplace_labels = [f"{i}:{ops[i].name()}" for i in sorted(inplace)]
-
-    def tensor(op_index: int, slot: int, v, kind_hint: TensorKind | None = None) -> str:
-        name = ids[vid(v)]
-        if name in table:
-            return name
-        sv = size_ops[op_index].result(slot)
-        shape = [int(d) for d in sv.shape]
-        if any(d < 0 for d in shape):
-            raise UserError(f"PIR value {name} (result {slot} of op #{op_index} {ops[op_index].name()}) has "
-                            f"unresolved shape {shape}: give a sizes_program built with concrete input shapes")
-        dtype = str(v.dtype).rsplit(".", 1)[-1]
-        dtype_bytes(dtype)
-        if kind_hint is not None:
-            table[name] = Tensor(name, tuple(shape), dtype, kind_hint)
-        else:
-            kind = TensorKind.GRAD if _is_grad_op(ops[op_index].name()) or types[op_index] == "backward" \
-                else TensorKind.ACTIVATION
-            table[name] = Tensor(name, tuple(shape), dtype, kind)
-        return name
-
-    # Where each value is defined (op index, result slot), to size values on first read.
-    defined: dict[str, tuple[int, int]] = {}
-    for i, op in enumerate(ops):
-        for j, r in enumerate(op.results()):
-            if not _fake(r):
-                defined[vid(r)] = (i, j)
-
-    def read_names(v) -> list[str]:
-        if _fake(v):
-            return []
-        if vid(v) in vectors_combined:
-            return [n for part in vectors_combined[vid(v)] for n in read_names(part)]
-        if _is_vector(v):
-            return [n for r in _parts(v) for n in read_names(r)]
-        if not _is_dense(v):
-            return []
-        i, j = defined[vid(v)]
-        return [tensor(i, j, v)]
-
-    def _parts(v) -> list:
-        return [r for _, r in sorted(parts.get(vid(v), {}).items())]
-
-    vectors_combined: dict[str, list] = {}
-    for op in ops:
-        if op.name() == "builtin.combine":
-            vectors_combined[vid(op.result(0))] = list(op.operands_source())
-
+    cap = _BlockCapture()
     progs = {t: Program(name=f"{name_prefix}{t}", type=t) for t in SUB_PROGRAM_TYPES}
-    for i, op in enumerate(ops):
-        name = op.name()
-        if name in _DEFINE_OPS:
-            r = op.result(0)
-            if not _is_dense(r):
-                continue
-            if name == "builtin.parameter":
-                tensor(i, 0, r, TensorKind.PARAM)
-            elif _persistable(r):
-                tensor(i, 0, r, TensorKind.OPTIMIZER_STATE)
-            else:
-                n = tensor(i, 0, r, TensorKind.ACTIVATION)
-                table[n].persistent = True
-                fed += table[n].nbytes
-            continue
-        if name in _SINK_OPS or name in _PACK_OPS:
-            continue
-        if op.num_regions():
-            raise UserError(f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures straight-line "
-                            "programs only")
-        ins, nnb = [], []
-        for v in op.operands_source():
-            names = read_names(v)
-            ins.extend(names)
-            if names and not _is_vector(v) and vid(v) not in vectors_combined and op.is_no_need_buffer(v):
-                nnb.extend(names)
-        alias = dict(get_inplace_info(op)) if name.endswith("_") else {}
-        alias.update(inplace.get(i, {}))
-        if name in VIEW_OPS and not _scope_value(op.operand_source(0)):
-            alias[0] = 0
-        outs = []
-        for j, r in enumerate(op.results()):
-            if _fake(r):
-                continue
-            if _is_vector(r):
-                outs.extend(read_names(r))      # its parts, sized where they are unpacked
-                continue
-            if not _is_dense(r):
-                continue
-            n = tensor(i, j, r)
-            if j in alias:
-                src = op.operand_source(alias[j])
-                src_names = read_names(src)
-                if src_names:
-                    base = table[src_names[0]]
-                    t = table[n]
-                    t.storage = base.storage
-                    if base.persistent:
-                        t.persistent = True
-                        t.kind = base.kind
-            outs.append(n)
-        ins = list(dict.fromkeys(ins))
-        nnb = [n for n in dict.fromkeys(nnb) if n in ins and ins.count(n) == 1 and
-               not any(n in read_names(v) and not op.is_no_need_buffer(v)
-                       for v in op.operands_source() if not _fake(v) and _is_dense(v))]
-        prog = progs[types[i]]
-        for n in (*ins, *outs):
-            prog.tensors[n] = table[n]
-        prog.ops.append(Op(type=name, inputs=tuple(ins), outputs=tuple(dict.fromkeys(outs)),
-                           no_need_buffer=tuple(nnb), phase=types[i], name=f"{types[i]}#{i}:{name}"))
+    labels = cap.block(ops, types, progs, name_of, size_ops=size_ops)
     programs = [progs[t] for t in SUB_PROGRAM_TYPES]
     for p in programs:
         p.validate()
-    return Captured(programs=programs, fed_bytes=fed, inplace_ops=inplace_labels)
+    return Captured(programs=programs, fed_bytes=cap.fed, inplace_ops=labels)
 
 
-def _scope_value(v) -> bool:
-    """A value the scope holds (fed input, parameter, persistable): views of these copy."""
-    if _persistable(v):
+def capture_jobs(type_to_program: dict, name_prefix: str = "") -> tuple[dict[str, Program], int]:
+    """pipemem programs of a pipeline pass's job programs ({job type: PIR program}, e.g.
+    recv_forward / forward / backward / send_backward / optimizer), over one tensor table.
+
+    Job programs hand values to each other through the scope, by name: a value a job
+    writes with ``builtin.shadow_output`` is read by a later job as a block keyword
+    argument of that name (``shadow_var_between_sub_programs``). So a value takes its
+    shadow-output name, a keyword argument its key, persistables their Paddle name, and
+    every other value is local to its job (``<type>/v<op>.<result>``). Persistable keyword
+    arguments (the gradient-merge buffers ``*@GRAD@MERGE``, parameters, optimizer states)
+    are static tensors. Returns ({type: Program}, fed input bytes)."""
+    cap = _BlockCapture()
+    out: dict[str, Program] = {}
+    for jtype, prog in type_to_program.items():
+        ops = list(prog.global_block().ops)
+        shadow = {}
+        for op in ops:
+            if op.name() == "builtin.shadow_output":
+                shadow[_vid(op.operand_source(0))] = str(op.attrs()["output_name"])
+
+        def name_of(r, i, j, jtype=jtype, shadow=shadow):
+            if _persistable(r) and r.has_name:
+                return r.name
+            return shadow.get(_vid(r)) or f"{jtype}/v{i}.{j}"
+
+        def kind_of_kwarg(name, v):
+            if _persistable(v):
+                if "@GRAD" in name:
+                    return TensorKind.GRAD
+                is_param = getattr(v, "is_parameter", False)
+                is_param = is_param() if callable(is_param) else bool(is_param)
+                return TensorKind.PARAM if is_param else TensorKind.OPTIMIZER_STATE
+            return TensorKind.ACTIVATION
+
+        p = Program(name=f"{name_prefix}{jtype}", type=jtype)
+        cap.block(ops, [jtype] * len(ops), {jtype: p}, name_of, kwargs=dict(prog.global_block().kwargs()),
+                  kind_of_kwarg=kind_of_kwarg)
+        for t in cap.table.values():      # a persistable GRAD kwarg is static; make sure it stays so
+            if t.kind is TensorKind.GRAD and "@GRAD@MERGE" in t.name:
+                t.persistent = True
+        p.validate()
+        out[jtype] = p
+    return out, cap.fed
+
+
+def _scope_value(v, kwargs=()) -> bool:
+    """A value the scope holds by name (fed input, parameter, persistable, a job's keyword
+    argument, a value a job hands on with ``builtin.shadow_output``): views of these copy."""
+    if _persistable(v) or v.id in kwargs:
         return True
     d = v.get_defining_op()
-    return d is not None and d.name() in _DEFINE_OPS
+    if d is not None and d.name() in _DEFINE_OPS:
+        return True
+    return any(u.name() == "builtin.shadow_output" for u in v.all_used_ops())
 
 
 def get_inplace_info(op) -> dict[int, int]:

@@ -337,7 +337,9 @@ class _Runner:
                     if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
                         self.stats.pruned_static += 1
                         continue
-                    shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
+                    # (paddle's optimizer step copies the clipped gradients: sharding them changes it)
+                    same = SAME_JOBS if conv != "paddle" else tuple(x for x in SAME_JOBS if x != "zero2")
+                    shared = ladder if (base.sharding in same and conv in BUFFERED_GRADS and self.prune) \
                         else _Ladder()
                     # what a smaller micro-batch showed carries over while the pipeline stays full
                     full_pipe = plan.microbatches >= 2 * plan.pp

@@ -98,7 +98,8 @@ def describe_plan(est) -> str:
     rec = f"recompute {p.recompute}" + (f" ({p.recompute_layers} layers/stage)"
                                         if p.recompute_layers is not None and p.recompute != "none" else "")
     traced = est.mode == "traced"
-    framework = "HF modules, traced" if traced else f"{p.convention} convention"
+    framework = ("HF modules, traced" if traced else
+                 "PaddleNLP's own programs (Paddle's passes)" if est.mode == "paddle" else f"{p.convention} convention")
     # traced mode runs HF modules under torch autocast and torch.optim as recorded
     prec_plan = replace(p, convention="hf") if traced else p
     opt = p.optimizer + (f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) and not traced else "")
@@ -244,6 +245,8 @@ def render(est, file=None, color: bool | None = None, explain: bool = False, wid
     else:
         con.print(table)
     con.print(Text(FOOTNOTE, style=DIM))
+    if est.mode == "paddle":
+        render_jobs(est, con)
     con.print(verdict(est, markup=True))
     if explain and est.explain is not None:
         render_explain(est.explain, con)
@@ -328,6 +331,30 @@ def verdict(est, markup: bool = False):
                              f"{fmt_bytes(gpu)}; worst is {where}; "
                              f"{fmt_bytes(worst.peak_allocated_bytes - gpu)} over.{_advice(est, worst)}")
     return line if markup else line.plain
+
+
+def render_jobs(est, con) -> None:
+    """Per pipeline rank, each job's net change and peak relative to the job's start (the
+    numbers Paddle's PipelineMemoryEstimator reports per sub-program)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              padding=(0, 1, 0, 1), collapse_padding=True)
+    for name in ("rank", "stage", "F net", "F peak", "B net", "B peak", "I peak", "W peak", "optimizer peak"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in est.ranks:
+        opt = r.jobs.get("optimizer")
+        for row in r.stage_jobs:
+            def cell(kind, key, row=row):
+                j = row.get(kind)
+                return "-" if not j else fmt_bytes(j[key], signed=key == "net_bytes")
+            t.add_row(str(r.pp_rank), str(row["stage"]), cell("F", "net_bytes"), cell("F", "peak_bytes"),
+                      cell("B", "net_bytes"), cell("B", "peak_bytes"), cell("I", "peak_bytes"), cell("W", "peak_bytes"),
+                      fmt_bytes(opt.peak_bytes) if opt else "-")
+    con.print(Text("jobs (each relative to the memory at its start):", style="bold"))
+    con.print(t)
 
 
 def _advice(est, worst) -> str:

@@ -11,7 +11,17 @@ megatron   Megatron-Core with Transformer Engine: fused QKV and fused gate/up (f
 paddle     PaddleNLP on Fleet: fused QKV / fused FFN (fuse_attention_qkv, fuse_attention_ffn),
            fused rms_norm and swiglu. `ColumnSequenceParallelLinear` saves the sharded input AND
            the gathered one, unless recompute_allgather (FINDINGS 1b). Each column-parallel
-           linear gathers its own input. Vocab padded to a multiple of tp.
+           linear gathers its own input. Vocab padded to a multiple of tp. `--from-paddlenlp`
+           applies PaddleNLP's own defaults (LlamaConfig: use_fused_rms_norm, use_fused_rope
+           off: unfused RMSNorm and rotate_half rope, as in the programs Paddle builds). Without
+           flash attention the executor's in-place pass runs the mask add and the softmax in
+           the scores' buffer (fp32 softmax plus a cast copy under AMP); gradient clipping
+           (max_grad_norm > 0, the default) copies every gradient before the update. The loss
+           (cross_entropy_with_softmax) runs in place on the fp32 logits (the in-place pass).
+           Weight gradients are new tensors added into the gradient(-merge) buffer (matmul_grad
+           then add_), not accumulated inside the GEMM. PaddleNLP's auto-parallel trainer
+           (--enable_auto_parallel) gathers tp-sharded logits to the full vocabulary for its
+           plain cross entropy (the reshard Paddle inserts: all_gather, split, concat).
 torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1(x)) * w3(x)
            unfused, fused RMSNorm. SequenceParallel norm output is all-gathered once per block
            (PrepareModuleInput) and the gathered tensor is what the projections save; with
@@ -40,6 +50,9 @@ class Convention:
     vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
     gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
     wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
+    fused_rope: bool = True    # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
+    grad_clip_copy: bool = False  # the optimizer step first makes a clipped copy of every gradient
+    full_vocab_loss: bool = False  # tp > 1: the logits are gathered to the full vocabulary for the loss
     # A recomputed region's outputs stay alive until the region's whole backward is done
     # (Megatron's reentrant CheckpointFunction holds `outputs` while it runs
     # torch.autograd.backward(outputs, grads); torch.utils.checkpoint does not)
@@ -51,8 +64,8 @@ CONVENTIONS = {
                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
                            gqa_expand_eager=True, checkpoint_keeps_outputs=True),
     "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
-                         gather_once_per_block=False, fused_norm=True, ce_inplace=False, vocab_multiple=1,
-                         gqa_expand_eager=True),
+                         gather_once_per_block=False, fused_norm=True, ce_inplace=True, vocab_multiple=1,
+                         gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True),
     "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
                              gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
                              gqa_expand_eager=True, wgrad_fused=False),
@@ -74,12 +87,19 @@ def convention_for(plan) -> Convention:
     extra = plan.extra or {}
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
+    fused_norm = bool(extra.get("fused_norm", c.fused_norm))
+    fused_rope = bool(extra.get("fused_rope", c.fused_rope))
+    clip = bool(extra.get("grad_clip", True)) and c.grad_clip_copy
+    full_vocab = bool(extra.get("full_vocab_loss", c.full_vocab_loss))
     # Megatron --no-gradient-accumulation-fusion: weight grads are eager temporaries added into
     # the main grad (extra["wgrad_fused"] = False)
     wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
-    if (sp_save, fused_qkv, fused_gate_up, wgrad_fused) == (c.sp_save, c.fused_qkv, c.fused_gate_up, c.wgrad_fused):
+    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip, full_vocab, wgrad_fused) == \
+            (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy,
+             c.full_vocab_loss, c.wgrad_fused):
         return c
-    return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused)
+    return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused,
+                   fused_norm=fused_norm, fused_rope=fused_rope, grad_clip_copy=clip, full_vocab_loss=full_vocab)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

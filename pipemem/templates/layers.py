@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..ir import dtype_bytes
-from .conventions import Convention, padded_vocab
+from .conventions import CONVENTIONS, Convention, padded_vocab
 from .tape import COMM, BwdOp, Tape
 
 MASK = "bool"
+CONVENTIONS_PADDLE = CONVENTIONS["paddle"]
 STAT = "fp32"
 
 
@@ -425,8 +426,12 @@ class _Gen:
             rope_dt = "fp32" if self.sh.autocast else None
             qr = self.act("attn.q_rope", (s, b, a, d), rope_dt)
             kr = self.act("attn.k_rope", (s, b, kv, d), rope_dt)
-            self.t.node("rope", (q,), (qr,), diff_inputs=(q,))
-            self.t.node("rope", (k,), (kr,), diff_inputs=(k,))
+            if self.conv.fused_rope:
+                self.t.node("rope", (q,), (qr,), diff_inputs=(q,))
+                self.t.node("rope", (k,), (kr,), diff_inputs=(k,))
+            else:
+                self.rotate_half_rope(q, qr, "attn.q", (s, b, a, d))
+                self.rotate_half_rope(k, kr, "attn.k", (s, b, kv, d))
             q, k = qr, kr
         core = opt.recompute in ("selective", "core_attn") and not self.sac
         if core:
@@ -440,6 +445,18 @@ class _Gen:
         return out
 
     _uses_rope = True
+
+    def rotate_half_rope(self, x: str, y: str, name: str, shape: tuple) -> None:
+        """PaddleNLP's unfused rope, x*cos + rotate_half(x)*sin: the two half slices, the
+        negated half and their concat are new tensors; the products' backward reads x, the
+        concat and the halves (as the programs Paddle builds keep them)."""
+        half = shape[:-1] + (shape[-1] // 2,)
+        h1 = self.act(name + ".rope_x1", half)
+        h2 = self.act(name + ".rope_x2_neg", half)
+        rot = self.act(name + ".rope_rotated", shape)
+        self.t.node("rope_rotate_half", (x,), (y,), diff_inputs=(x,), save_i=(x, h1, h2, rot),
+                    fwd_ops=(_op("slice", (x,), (h1,)), _op("scale", (x,), (h2,)), _op("concat", (h1, h2), (rot,)),
+                             _op("rope_mul_add", (x, rot), (y,))))
 
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
         sh = self.sh
@@ -477,6 +494,25 @@ class _Gen:
             self.t.node("softmax", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
             probs = self.act("attn.probs", (b, a, s, s))
             self.t.node("to_dtype", (p32,), (probs,), diff_inputs=(p32,))
+        elif self.conv.name == "paddle":
+            # PaddleNLP (non-flash): scores + mask, softmax in fp32. Paddle's in-place pass runs
+            # the add and the softmax in the scores' buffer when they die there; under AMP the
+            # fp32 softmax output (kept by softmax_grad) is cast to a low-precision copy (kept
+            # by the PV matmul).
+            # A layer kept for backward hands its QK^T output to the backward program (add_grad
+            # names it), so the mask add cannot reuse its buffer; a recomputed layer's can.
+            masked = scores
+            if opt.recompute == "none":
+                masked = self.act("attn.masked", (b, a, s, s))
+                self.t.node("mask_add", (scores,), (masked,), diff_inputs=(scores,), grad_alias=True)
+            if self.dt == "fp32":
+                probs = self.act("attn.probs", (b, a, s, s), storage=masked)
+                self.t.node("mask_add_softmax_", (masked,), (probs,), diff_inputs=(masked,), save_i=(probs,))
+            else:
+                p32 = self.act("attn.probs_fp32", (b, a, s, s), "fp32")
+                self.t.node("mask_add_softmax_fp32", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
+                probs = self.act("attn.probs", (b, a, s, s))
+                self.t.node("cast", (p32,), (probs,), diff_inputs=(p32,))
         else:
             probs = self.act("attn.probs", (b, a, s, s))
             self.t.node("scale_mask_softmax", (scores,), (probs,), diff_inputs=(scores,), save_i=(probs,))
@@ -867,6 +903,40 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, 
     return tape, ids, y
 
 
+def causal_mask_tape(sh: Shard, keep: bool) -> tuple[Tape, str, str]:
+    """PaddleNLP's non-flash causal mask, built by every pipeline stage for each microbatch
+    (`LlamaModelAuto._prepare_decoder_attention_mask`, as Paddle's programs run it): bool
+    [b,1,s,s] padding and tril masks and their AND, cast to fp32, three adds and a `where`
+    give the additive fp32 mask [b,1,s,s]. It is kept for backward only when the layers are
+    recomputed (their attention runs again); otherwise the forward frees it. Returns (tape,
+    input name, output name); the output is a token marker so the part chains like the others."""
+    tape = Tape("mask.")
+    g = _Gen(tape, sh, CONVENTIONS_PADDLE, "mask.")
+    full = (sh.b, 1, sh.s, sh.s)
+    x = g.act("input", (1,), "fp32")
+    ok = g.act("and", full, "bool")
+    tape.node("expand_tril_and", (x,), (ok,), workspace_f=2 * sh.b * sh.s * sh.s + sh.s * sh.s)
+    ones = g.act("ones_f32", full, "fp32")
+    tape.node("full_like_cast", (ok,), (ones,))
+    okf = g.act("and_f32", full, "fp32")
+    tape.node("cast", (ok,), (okf,))
+    base = g.act("base", full, "fp32")
+    tape.node("add", (ones,), (base,))
+    hi = g.act("allowed", full, "fp32")
+    tape.node("add", (base,), (hi,))
+    lo = g.act("blocked", full, "fp32")
+    tape.node("add", (base,), (lo,))
+    cond32 = g.act("cond_f32", full, "fp32", storage=okf)
+    tape.node("add_", (okf, base), (cond32,))
+    cond = g.act("cond", full, "bool")
+    tape.node("cast", (cond32,), (cond,))
+    mask = g.act("mask", full, "fp32")
+    tape.node("where", (cond, hi, lo), (mask,))
+    y = g.act("output", (1,), "fp32")
+    tape.node("mask_for_layers", (mask,) if keep else (), (y,), diff_inputs=(x,), save_i=(mask,) if keep else ())
+    return tape, x, y
+
+
 def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     """Final norm, vocab-parallel output linear, fp32 logits and cross entropy (last stage).
     Returns (tape, input name, loss name)."""
@@ -878,10 +948,28 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
-    lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")
-    tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
+    vocab = sh.vocab
+    if conv.full_vocab_loss and sh.tp > 1:
+        # the reshard to the full vocabulary: all_gather (tp copies stacked), split + concat
+        vocab = sh.vocab * sh.tp
+        gathered = g.act("logits_gathered", (sh.tp * sh.s, sh.b, sh.vocab), kind=COMM)
+        tape.node("all_gather", (logits,), (gathered,), diff_inputs=(logits,))
+        full = g.act("logits_full", (sh.s, sh.b, vocab))
+        tape.node("split_concat", (gathered,), (full,), diff_inputs=(gathered,))
+        logits = full
+    if sh.dt == "fp32":
+        lf = logits      # .float() / astype("float32") of an fp32 tensor is the tensor itself
+    else:
+        lf = g.act("logits_fp32", (sh.s, sh.b, vocab), "fp32")
+        tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
     loss = g.act("loss", (sh.s, sh.b), "fp32")
-    if conv.ce_inplace:
+    if conv.ce_inplace and conv.name == "paddle":
+        # Paddle's cross_entropy_with_softmax, in place on the fp32 logits (the executor's
+        # in-place pass), saving the softmax; its grad is a new logits grad.
+        soft = g.act("softmax", (sh.s, sh.b, vocab), "fp32", storage=lf)
+        tape.node("cross_entropy_with_softmax_", (lf, labels), (soft, loss), diff_inputs=(lf,),
+                  save_i=(soft, labels))
+    elif conv.ce_inplace:
         # Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed
         # to [s, b]: max/sub/exp/div in place on the fp32 copy, which it saves as the softmax
         # with the bool target mask and the int64 masked target; backward edits the softmax in
@@ -901,7 +989,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         tape.node("transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True)
         return tape, x, loss_t
     else:
-        logp = g.act("log_softmax", (sh.s, sh.b, sh.vocab), "fp32")
+        logp = g.act("log_softmax", (sh.s, sh.b, vocab), "fp32")
         tape.node("log_softmax", (lf,), (logp,), diff_inputs=(lf,), save_i=(logp,))
         tape.node("nll_loss", (logp, labels), (loss,), diff_inputs=(logp,), save_i=(labels,))
     return tape, x, loss

@@ -25,7 +25,7 @@ from functools import lru_cache
 from ..jobs import JobMemory
 from ..liveness import analyze_program, touched_storages
 from .conventions import Convention
-from .layers import LayerOptions, Shard, decoder_layer_tape, embedding_tape, head_tape
+from .layers import LayerOptions, Shard, causal_mask_tape, decoder_layer_tape, embedding_tape, head_tape
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,15 @@ def head_memory(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> 
     return _part_memory(head_programs(arch, sh, conv, keep_input), _act_bytes(sh), 0)
 
 
+@lru_cache(maxsize=1024)
+def causal_mask_memory(sh: Shard, keep: bool) -> PartMemory:
+    """A stage's causal-mask part (paddle convention without flash attention)."""
+    tape, x, y = causal_mask_tape(sh, keep)
+    return _part_memory(_analyze(tape, x, y, y), 0, 0)
+
+
 def clear_caches() -> None:
+    causal_mask_memory.cache_clear()
     layer_memory.cache_clear()
     embedding_memory.cache_clear()
     head_memory.cache_clear()

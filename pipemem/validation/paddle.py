@@ -10,6 +10,12 @@ pipemem's liveness over the captured program, Paddle's own
 and a measurement: the sub-programs run in sequence as jobs of one Paddle executor plan on
 the CPU, reading the host allocator's statistics between jobs (pipemem/paddle/measure.py).
 
+The paddlenlp-* cases are PaddleNLP's own auto-parallel Llama programs, built for every card
+of a plan by Paddle's own passes (1F1B, FThenB, VPP; pp, mp, sharding), measured job
+by job on Paddle's executor and estimated by `pipemem.estimate(mode="paddle")`
+(pipemem/validation/paddle_runs/paddlenlp_cases.py); they need the paddlenlp interpreter
+($PIPEMEM_PADDLENLP_PYTHON).
+
 The -pir cases are the same models built as PIR programs (Paddle 3's default IR). PIR
 programs cannot be measured per sub-program (no py_func op in PIR), so each is compared
 over the whole step: its peak, its net change, and the bytes it allocates with garbage
@@ -31,6 +37,7 @@ import sys
 from ..errors import UserError
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
 from .paddle_runs.pir_models import CASES as PIR_CASES
+from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
 
 EXAMPLE = """\
 examples:
@@ -38,6 +45,7 @@ examples:
   pipemem validate paddle --json
   pipemem validate paddle --cases mlp,gpt2-recompute
   pipemem validate paddle --ir pir
+  PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem validate paddle --ir paddlenlp --cases paddlenlp-pp4
 """
 
 CASE_NAMES = tuple(CASES)
@@ -110,15 +118,19 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all of --ir); "
-                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES)}")
-    p.add_argument("--ir", choices=("legacy", "pir", "both"), default="both",
-                   help="legacy Program cases, PIR cases (*-pir), or both (default)")
+                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES)}")
+    p.add_argument("--ir", choices=("legacy", "pir", "both", "paddlenlp", "all"), default="all",
+                   help="legacy Program cases, PIR cases (*-pir), both, PaddleNLP's own programs (paddlenlp-*), "
+                        "or all (default; the paddlenlp cases are skipped with a note when there is no paddlenlp "
+                        "interpreter)")
+    p.add_argument("--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    ir = getattr(args, "ir", "both")
-    allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES}[ir]
+    ir = getattr(args, "ir", "all")
+    allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES,
+               "paddlenlp": PADDLENLP_CASE_NAMES, "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES}[ir]
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(allowed)
     bad = [n for n in names if n not in allowed]
     if bad:
@@ -133,12 +145,26 @@ def run(args) -> int:
             rows += run_cases(legacy, progress=bar)
         if pir:
             rows += run_cases(pir, ir="pir", progress=bar)
+    nlp = [n for n in names if n in PADDLENLP_CASE_NAMES]
+    notes = []
+    if nlp:
+        from ..paddle.paddlenlp_programs import paddlenlp_python
+        from .paddle_runs.paddlenlp_cases import compare_case
+        try:
+            paddlenlp_python()
+        except UserError as e:
+            if ir == "paddlenlp" or args.cases:
+                raise
+            notes.append(f"paddlenlp cases skipped: {e}")
+            nlp = []
+        for n in nlp:
+            rows += [r.to_dict() for r in compare_case(n, trials=getattr(args, "trials", 3))]
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     worst = max(errs, default=0.0)
     if args.json:
         print(json.dumps({"target": "paddle", "cases": rows, "max_abs_rel_error": worst,
-                          "paddle_max_abs_rel_error": max(perrs, default=0.0)}, indent=1))
+                          "paddle_max_abs_rel_error": max(perrs, default=0.0), "notes": notes}, indent=1))
         return 0
     print_summary(rows, columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
                   signed=lambda name: name.endswith("net"), what="lines")
@@ -146,6 +172,8 @@ def run(args) -> int:
     theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
         (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
     if any(r["paddle_estimated_bytes"] is None for r in rows):
-        theirs += "; it cannot read PIR programs (- on the -pir lines)"
+        theirs += "; it cannot read PIR programs (- on the -pir and paddlenlp lines)"
     print(f"Paddle's own estimator: {theirs}")
+    for note in notes:
+        print(f"note: {note}")
     return 0

@@ -51,14 +51,14 @@ def _stat(core) -> int:
     return int(core.host_memory_stat_current_value("Allocated", 0))
 
 
-def _threads() -> set[int]:
+def thread_ids() -> set[int]:
     try:
         return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
         return set()
 
 
-def _boost(tids) -> bool:
+def boost_threads(tids) -> bool:
     ok = bool(tids)
     for t in tids:
         try:
@@ -114,14 +114,14 @@ def _trial_body(paddle, core, main, startup, feeds, seed) -> tuple[int, int, boo
     exe = paddle.static.Executor(paddle.CPUPlace())
     exe.run(startup, scope=scope)
     time.sleep(DRAIN_S)
-    before_threads = _threads()
+    before_threads = thread_ids()
     before = _stat(core)
     exe.run(main, feed=feeds, fetch_list=[], scope=scope)
     time.sleep(DRAIN_S)
     net = _stat(core) - before
     # The collector thread now exists: raise it (root only) and lower this thread, which
     # runs the ops (serial run), so the collector keeps up.
-    boosted = _boost(_threads() - before_threads - {threading.get_native_id()})
+    boosted = boost_threads(thread_ids() - before_threads - {threading.get_native_id()})
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RUNNER_NICE)
     except OSError:
