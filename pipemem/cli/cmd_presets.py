@@ -58,7 +58,7 @@ def run(args) -> int:
     from rich import box
     from rich.table import Table
 
-    from ..report.text import console as _console, table_width as _table_width, terminal_width
+    from ..report.text import console, table_width, terminal_width
 
     t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False,
               box=box.SIMPLE_HEAD)
@@ -80,7 +80,7 @@ def run(args) -> int:
         g.add_row(row["key"], row["name"], fmt_bytes(row["bytes"]), str(row["mib"]),
                   str(row.get("compute_capability", "?")), "yes" if row.get("flash_attention", True) else "no")
     # never cut a name or a number: a table wider than the terminal is printed whole
-    con = _console(width=max(terminal_width(), _table_width(t), _table_width(g)))
+    con = console(width=max(terminal_width(), table_width(t), table_width(g)))
     con.print(t)
     con.print(g)
     con.print("GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "

@@ -231,11 +231,11 @@ def _html_table(est) -> str:
     head = ("rank", "params", "grads", "optimizer", "activations (in flight)", "transient", "peak", "headroom",
             "peak at")
     rows = []
-    from .text import row_cells as _row_cells
+    from .text import row_cells
 
     for r in est.ranks:
         room = r.headroom(gpu)
-        c = _row_cells(est, r)     # the same cells as the terminal table
+        c = row_cells(est, r)     # the same cells as the terminal table
         cells = (c["rank"], c["params"], c["grads"], c["optimizer"], c["activations"], c["transient"], c["peak"],
                  c["headroom"], c["peak at"])
         cls = ' class="oom"' if room is not None and room < 0 else ""

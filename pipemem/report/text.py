@@ -138,7 +138,7 @@ FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step
             "buffers come on top.")
 
 
-def _row_cells(est, r) -> dict:
+def row_cells(est, r) -> dict:
     gpu = est.gpu_memory_bytes
     head = r.headroom(gpu)
     head_txt = "-" if head is None else (f"OOM by {fmt_bytes(-head)}" if head < 0 else fmt_bytes(head))
@@ -183,7 +183,7 @@ def _table(est, rows):
     return t
 
 
-def _table_width(table) -> int:
+def table_width(table) -> int:
     """Columns the table needs to print without shrinking any cell."""
     from rich.console import Console
     from rich.measure import Measurement
@@ -228,9 +228,9 @@ def render(est, file=None, color: bool | None = None, explain: bool = False, wid
     from rich.text import Text
 
     width = width or terminal_width(file)
-    rows = [_row_cells(est, r) for r in est.ranks]
+    rows = [row_cells(est, r) for r in est.ranks]
     table = _table(est, rows)
-    need = _table_width(table)
+    need = table_width(table)
     stacked = need > width and not wide
     con = _console(file, color, width=max(width, need) if wide else width)
     gpu = est.gpu_memory_bytes
@@ -299,6 +299,10 @@ def describe_action(peak_at: Any) -> str:
 
     if text == "optimizer":
         return "the optimizer step"
+    m = re.fullmatch(r"(RECV_F|RECV_B|FREE_\w+)(\d+)@s(\d+)", text)
+    if m:   # a memory action of the pipeline runtime (pipemem.runtime)
+        what = {"RECV_F": "receiving the input", "RECV_B": "receiving the output grad"}.get(m.group(1), "a free")
+        return f"{what} of mb {m.group(2)} stage {m.group(3)} ({text})"
 
     m = re.fullmatch(r"([FBIW])(\d+)@s(\d+)", text)
     if m:
