@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..features import NONE as NO_FEATURES
+from ..features import Features, features_of
 from ..ir import dtype_bytes
 from .conventions import Convention, padded_vocab
 from .tape import COMM, BwdOp, Tape
@@ -58,6 +60,7 @@ class Shard:
     autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+    feat: Features = NO_FEATURES  # compile, loss, fp8, offload (pipemem.features)
 
     @property
     def res_dt(self) -> str:
@@ -84,7 +87,8 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
-        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp))
+        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        feat=features_of(plan))
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,8 @@ class _Gen:
         tape.fsdp = sh.fsdp
         self.t = tape
         self.sac = False
+        # a compiled graph computes identical casts once (common-subexpression elimination)
+        self.cse: dict | None = {} if sh.feat.compile else None
         self.sh = sh
         self.conv = conv
         self.p = prefix
@@ -195,8 +201,12 @@ class _Gen:
         consumer; autocast caches only casts of parameters)."""
         if not self.sh.autocast or self.dtype_of(x) == self.dt:
             return x
+        if self.cse is not None and x in self.cse:
+            return self.cse[x]
         xc = self.act(name + ".autocast_in", self.t.tensors[x].shape)
         self.t.node("autocast_cast", (x,), (xc,), diff_inputs=(x,))
+        if self.cse is not None:
+            self.cse[x] = xc
         return xc
 
     # Linears ------------------------------------------------------------------------------
@@ -594,7 +604,10 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
     if g.sac:
         tape.pin = _torchtitan_op_sac()
-    if opt.recompute == "full" or g.sac:
+    # torch.compile of a layer without activation checkpointing: the partitioner picks what to
+    # save (with checkpointing the checkpoint policy decides, compiled or not)
+    compiled = sh.feat.compile and opt.recompute == "none"
+    if opt.recompute == "full" or g.sac or compiled:
         tape.begin_region()
     h1 = g.norm(x, "input_norm", opt.norm, tok)
     tape.module = "attn"
@@ -620,8 +633,11 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         y = g.add(r, m, "output", tok)
     else:
         y = g.add(r1, m, "output", tok)
-    if opt.recompute == "full" or g.sac:
+    if opt.recompute == "full" or g.sac or compiled:
         tape.end_region()
+    if compiled:
+        from .compiled import min_cut_region
+        min_cut_region(tape, 0)
     return tape, x, y
 
 

@@ -1,0 +1,73 @@
+"""torch.compile of each decoder layer in traced mode: AOTAutograd's own partitioner decides.
+
+`compile_layers(model)` replaces each decoder layer's forward with an `aot_module` of it that
+uses `min_cut_rematerialization_partition` (the partitioner inductor uses) and no-op graph
+compilers. The recorded step then runs the partitioned forward and backward graphs op by op,
+and autograd holds exactly the tensors the compiled forward returns for the backward: the
+liveness engine sees what a compiled layer saves. Inductor's fusion of pointwise chains
+(fewer transient buffers inside a graph) is not modelled; the saved set is the partitioner's.
+
+The graphs are traced once per layer on its first call, with the recorder's dispatch modes
+off (tracing is not part of the step); that warm-up forward is discarded and the call is
+repeated under the recorder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODE = "aot_autograd min_cut_rematerialization_partition (no inductor fusion)"
+
+
+def compile_layers(model: torch.nn.Module, prefix: str | None = None) -> int:
+    """Compile every layer of the model's decoder layer list; returns how many."""
+    from .capture import find_layer_prefix
+
+    prefix = prefix if prefix is not None else find_layer_prefix(model)
+    if not prefix:
+        return 0
+    layers = model.get_submodule(prefix)
+    for layer in layers:
+        _compile_module(layer)
+    return len(layers)
+
+
+def _compile_module(mod: torch.nn.Module) -> None:
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def nop(gm, _example_inputs):
+        return make_boxed_func(gm.forward)
+
+    original = mod.forward
+    holder: dict = {}
+
+    class _Eager(torch.nn.Module):
+        """The layer's original forward, as a module for aot_module to trace."""
+
+        def __init__(self):
+            super().__init__()
+            self.inner = mod
+
+        def forward(self, *args, **kwargs):
+            return original(*args, **kwargs)
+
+    wrapper = _Eager()
+
+    def functional(params, buffers, args, kwargs):
+        return torch.func.functional_call(wrapper, (params, buffers), args, kwargs)
+
+    def forward(*args, **kwargs):
+        params = dict(wrapper.named_parameters())
+        buffers = dict(wrapper.named_buffers())
+        if "fn" not in holder:
+            # parameters are inputs of the traced graphs (aot_module refuses fake parameters)
+            holder["fn"] = aot_function(functional, fw_compiler=nop, bw_compiler=nop,
+                                        partition_fn=min_cut_rematerialization_partition)
+            with _disable_current_modes():
+                holder["fn"](params, buffers, args, kwargs)      # trace and partition (not recorded)
+        return holder["fn"](params, buffers, args, kwargs)
+
+    mod.forward = forward
