@@ -16,8 +16,10 @@ bytes (pipemem.templates.static); the names below are the frameworks' own words.
     fused_linear  Liger's fused linear cross-entropy (and Megatron/TE's equivalent): logits are
                   computed chunk by chunk inside the loss, their grads are formed on the spot and
                   never kept; only the hidden states are saved;
-    fused         Megatron --cross-entropy-loss-fusion: CE on the bf16 logits in one kernel,
-                  no fp32 copy of the logits.
+    fused         Megatron --cross-entropy-loss-fusion (native impl): same memory as the
+                  unfused vocab-parallel CE (it upcasts and keeps the fp32 exp-logits);
+    fused_te      ... with --cross-entropy-fusion-impl te: TE's CE in place on the bf16
+                  logits, no fp32 copy.
 * `fp8`: low-precision linears. Transformer Engine recipes (Megatron): `delayed`, `current`
   (per-tensor current scaling), `mxfp8` (block scaling); torchao Float8 (torchtitan, any
   PyTorch trainer): `tensorwise` (dynamic per-tensor), `rowwise`. `fp8_param_gather`: Megatron
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSSES = ("standard", "chunked", "fused_linear", "fused")
+LOSSES = ("standard", "chunked", "fused_linear", "fused", "fused_te")
 FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
 TE_RECIPES = ("delayed", "current", "mxfp8")       # Transformer Engine (Megatron)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")       # torchao Float8Linear
@@ -108,7 +110,8 @@ def describe(plan) -> list[str]:
     if plan.loss != "standard":
         out.append({"chunked": f"chunked cross-entropy ({plan.loss_chunks} chunks)",
                     "fused_linear": "fused linear cross-entropy (logits never whole)",
-                    "fused": "fused cross-entropy (no fp32 logits copy)"}[plan.loss])
+                    "fused": "Megatron fused cross-entropy (native)",
+                    "fused_te": "TE fused cross-entropy (no fp32 logits copy)"}[plan.loss])
     if plan.fp8:
         out.append(f"fp8 linears ({plan.fp8}{', fp8 param gather' if plan.fp8_param_gather else ''})")
     if parse_offload(plan.activation_offload):

@@ -305,9 +305,12 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
     chunks = plan.loss_chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise UserError(f"--loss-chunks {chunks!r}: must be a positive integer (torchtune uses 8)")
-    if loss == "fused" and conv != "megatron":
-        raise UserError(f"--loss fused is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
+    if loss in ("fused", "fused_te") and conv != "megatron":
+        raise UserError(f"--loss {loss} is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
                         "--loss chunked (torchtune) or fused_linear (Liger)")
+    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")):
+        raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "
+                        "with --tp 1 and --convention hf or torchtitan (Megatron: --loss fused or fused_te)")
     fp8 = plan.fp8
     if fp8 in ("", "none", None, False):
         fp8 = None

@@ -693,6 +693,11 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", arch.norm, tok)
+    # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
+    compiled_loss = sh.feat.compile and conv.name != "megatron"
+    if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
+        from .losses import loss_from_hidden
+        return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))

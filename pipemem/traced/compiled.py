@@ -16,7 +16,30 @@ from __future__ import annotations
 
 import torch
 
-MODE = "aot_autograd min_cut_rematerialization_partition (no inductor fusion)"
+MODE = "aot_autograd + inductor decompositions, min_cut_rematerialization_partition (no inductor fusion)"
+
+
+def _inductor_decompositions():
+    """Inductor's decomposition table: the partitioner sees the ops inductor compiles (e.g.
+    log-softmax as max / sub / exp / sum / log, each recomputable), not the eager kernels."""
+    from torch._inductor.decomposition import select_decomp_table
+    return select_decomp_table()
+
+
+def _tracing_modes(args):
+    """Every dispatch mode off (the recorder must not see tracing), then the inputs' fake mode
+    back on (constants the decompositions create must be fake too)."""
+    import contextlib
+
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    fake = detect_fake_mode(args)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_disable_current_modes())
+    if fake is not None:
+        stack.enter_context(fake)
+    return stack
 
 
 def compile_layers(model: torch.nn.Module, prefix: str | None = None) -> int:
@@ -36,7 +59,6 @@ def _compile_module(mod: torch.nn.Module) -> None:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch.utils._python_dispatch import _disable_current_modes
 
     def nop(gm, _example_inputs):
         return make_boxed_func(gm.forward)
@@ -65,9 +87,34 @@ def _compile_module(mod: torch.nn.Module) -> None:
         if "fn" not in holder:
             # parameters are inputs of the traced graphs (aot_module refuses fake parameters)
             holder["fn"] = aot_function(functional, fw_compiler=nop, bw_compiler=nop,
-                                        partition_fn=min_cut_rematerialization_partition)
-            with _disable_current_modes():
+                                        partition_fn=min_cut_rematerialization_partition,
+                                        decompositions=_inductor_decompositions())
+            with _tracing_modes(args):
                 holder["fn"](params, buffers, args, kwargs)      # trace and partition (not recorded)
         return holder["fn"](params, buffers, args, kwargs)
 
     mod.forward = forward
+
+
+def compile_function(fn):
+    """`fn` (tensor arguments, no parameters) as its AOTAutograd-partitioned graphs, traced on
+    its first call with the recorder's modes off (e.g. torchtune's compiled
+    `compute_cross_entropy`)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def nop(gm, _example_inputs):
+        return make_boxed_func(gm.forward)
+
+    holder: dict = {}
+
+    def compiled(*args, **kwargs):
+        if "fn" not in holder:
+            holder["fn"] = aot_function(fn, fw_compiler=nop, bw_compiler=nop,
+                                        partition_fn=min_cut_rematerialization_partition,
+                                        decompositions=_inductor_decompositions())
+            with _tracing_modes(args):
+                holder["fn"](*args, **kwargs)
+        return holder["fn"](*args, **kwargs)
+    return compiled
