@@ -131,6 +131,7 @@ class Estimate:
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
+            "features": _features(self.plan),
             "suggestions": list(self.suggestions),
             "warnings": list(self.warnings),
         }
@@ -139,6 +140,11 @@ class Estimate:
         """One-step plan changes that make an OOM plan fit (see suggest_fixes); kept in .suggestions."""
         self.suggestions = suggest_fixes(self, limit)
         return self.suggestions
+
+
+def _features(plan) -> list[str]:
+    from .features import describe
+    return describe(plan)
 
 
 # ---------------------------------------------------------------- inputs
@@ -330,6 +336,9 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
                  optimizer_jobs=[t.optimizer] if t.optimizer is not None else None, simulate_time=False).ranks[0]
     warnings = ["traced mode: one training step as recorded (first step: gradients are created in backward "
                 "and optimizer states in the optimizer step, so they count under 'transient')"]
+    if plan.compile:
+        warnings.append("traced mode, --compile: " + t.notes.get("compile", "") + "; what each compiled layer "
+                        "saves is the partitioner's, its transient buffers are the unfused graph's")
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")

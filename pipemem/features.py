@@ -60,6 +60,7 @@ class Features:
     fp8: str = ""                       # "" = none, else one of FP8_RECIPES
     fp8_param_gather: bool = False
     offload: frozenset = frozenset()    # module tags whose saved activations go to the CPU; {"*"} = all
+    opt_in_bwd: bool = False            # weight grads stepped and freed inside the backward
 
     @property
     def te_fp8(self) -> bool:
@@ -89,7 +90,7 @@ def parse_offload(value) -> frozenset:
 def features_of(plan) -> Features:
     """The Features of a validated plan."""
     return _features(bool(plan.compile), plan.loss, plan.loss_chunks, plan.fp8 or "", bool(plan.fp8_param_gather),
-                     parse_offload(plan.activation_offload))
+                     parse_offload(plan.activation_offload), bool(plan.optimizer_in_backward))
 
 
 _CACHE: dict = {}

@@ -25,7 +25,7 @@ from .errors import UserError
 CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit", "adamw_fused")
 STAGE_STYLES = ("interleaved", "loop", "v")
 
 
@@ -294,7 +294,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
 
 
 def _canon_opt(o: str) -> str:
-    return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit", "adam4bit": "adam4bit"}[o]
+    return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit", "adam4bit": "adam4bit",
+            "adamwfused": "adamw_fused"}[o]
 
 
 def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: int) -> dict:
@@ -348,6 +349,9 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
                             "microbatch, or drop it")
         if frac:
             raise UserError("--optimizer-in-backward with --optimizer-offload: no framework runs both; drop one")
+        if conv not in ("hf", "torchtitan"):
+            raise UserError(f"--optimizer-in-backward is torchtune's optimizer_in_bwd (PyTorch modules); with "
+                            f"--convention {conv} the weight-grad GEMMs accumulate into persistent grad buffers")
     sdt = plan.optimizer_state_dtype
     if sdt is not None:
         sdt = _choice(str(sdt).lower(), STATE_DTYPES, "--optimizer-state-dtype")

@@ -149,20 +149,28 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+        optim.append(_optimizer_job(conv.name, plan.optimizer, st, plan.optimizer_in_backward,
+                                    plan.optimizer_offload))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh})
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, in_backward: bool = False,
+                   offload: float = 0.0) -> JobMemory:
     """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step."""
+    size of the local parameters (the denominator), freed inside the step; `adamw_fused`
+    (torch.optim.AdamW(fused=True)) needs none. Quantized
+    optimizers (8/4-bit) dequantize one parameter's states at a time (no whole-model list);
+    with --optimizer-in-backward the steps run inside the backward programs; with
+    --optimizer-offload the offloaded share steps on the CPU."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
-    if conv in ("torchtitan", "hf") and optimizer != "sgd":
-        ws = st.params if st.params else 0
+    if in_backward:
+        return JobMemory(0, 0)
+    if conv in ("torchtitan", "hf") and optimizer not in ("sgd", "adam8bit", "adam4bit", "adamw_fused"):
+        ws = int((st.params if st.params else 0) * (1.0 - offload))
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
     r = analyze_program(prog)

@@ -59,6 +59,8 @@ def describe_plan(est) -> str:
     framework = "HF modules, traced" if est.mode == "traced" else f"{p.convention} convention"
     bits = [" ".join(parts)] + shard + [est.schedule, batch, prec, p.optimizer, rec,
                                          "flash-attn" if p.flash_attn else "no flash-attn", framework]
+    from ..features import describe
+    bits += describe(p)
     return ", ".join(bits)
 
 

@@ -135,6 +135,7 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        tape.step_in_backward = sh.feat.opt_in_bwd
         self.t = tape
         self.sac = False
         # a compiled graph computes identical casts once (common-subexpression elimination)
@@ -638,6 +639,9 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     if compiled:
         from .compiled import min_cut_region
         min_cut_region(tape, 0)
+    if sh.feat.offload:
+        from .offload import mark_offloaded
+        mark_offloaded(tape, sh.feat)
     return tape, x, y
 
 

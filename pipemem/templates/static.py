@@ -27,7 +27,12 @@ from ..jobs import StaticBytes
 from .conventions import Convention
 from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
 
-STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2}
+STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2, "adamw_fused": 2}
+# Bytes per element of one quantized state: bitsandbytes' and torchao's 8-bit states keep a
+# uint8 code per element and an fp32 scale per block of 256; torchao's AdamW4bit two codes per
+# byte and an fp32 scale per block of 128 (torchao/optim/subclass_4bit.py `zeros`).
+QUANTIZED_STATE_BYTES = {"adam8bit": 1 + 4 / 256, "adam4bit": 0.5 + 4 / 128}
+STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _prod(shape) -> int:
@@ -37,16 +42,27 @@ def _prod(shape) -> int:
     return n
 
 
-def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
-    """(param, grad, master, optimizer-state) bytes per parameter element, unsharded."""
+def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
+    """(param, grad, master, optimizer-state) bytes per parameter element, unsharded.
+
+    --optimizer-in-backward: no gradient outlives its parameter's step (the gradients are
+    transient tensors of the backward programs). --fp8-param-gather: fp8 primary weights
+    (1 B; Megatron keeps the fp32 master in the optimizer)."""
     dt = dtype_bytes(plan.dtype)
     master = plan.master_weights and plan.dtype != "fp32"
     state_dtype = 4 if (master or plan.dtype == "fp32") else dt
-    per_state = 1 if plan.optimizer == "adam8bit" else state_dtype
+    if plan.optimizer in QUANTIZED_STATE_BYTES:
+        per_state = QUANTIZED_STATE_BYTES[plan.optimizer]
+    elif getattr(plan, "optimizer_state_dtype", None):
+        per_state = STATE_DTYPE_BYTES[plan.optimizer_state_dtype]
+    else:
+        per_state = state_dtype
     states = STATES[plan.optimizer] * per_state
-    grad = dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
     if conv.name in ("torchtitan", "hf") and master:
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
+    if getattr(plan, "fp8_param_gather", False) and conv.name == "megatron":
+        return 1, grad, (4 if master else 0), states
     return dt, grad, (4 if master else 0), states
 
 
@@ -107,9 +123,12 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
     def shard(n: int, group: int, on: bool) -> int:
         return -(-n // group) if on else n
 
+    # --optimizer-offload f: that fraction of the optimizer states and master weights lives in
+    # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
+    on_gpu = 1.0 - float(getattr(plan, "optimizer_offload", 0.0) or 0.0)
     params = grads = optimizer = 0
     for n, group in ((dense, dp_group), (expert, edp_group)):
-        params += shard(n, group, zero >= 3) * p
+        params += int(shard(n, group, zero >= 3) * p)
         grads += shard(n, group, zero >= 2) * g
-        optimizer += shard(n, group, opt_shard) * (m + st)
+        optimizer += int(shard(n, group, opt_shard) * (m + st) * on_gpu)
     return StaticBytes(params=params, grads=grads, optimizer=optimizer)

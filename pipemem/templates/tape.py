@@ -98,6 +98,11 @@ class Tape:
         self.fsdp = False
         # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
         self.pin = None
+        # Activation offloading: saved tensor -> its reloaded copy (pipemem.templates.offload);
+        # the backward reads the copies, which it allocates when it starts
+        self.offloaded: dict[str, str] = {}
+        # torchtune's optimizer_in_bwd: each weight grad is stepped and freed as soon as it exists
+        self.step_in_backward = False
 
     # Declaring ---------------------------------------------------------------------------
     def t(self, name: str, shape, dtype: str, kind: TensorKind = ACT, storage: str = "") -> str:
@@ -169,6 +174,8 @@ class Tape:
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
         gathered = self._fsdp_gather(i_prog, "bwd")
+        for src, copy in self.offloaded.items():
+            self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
         self._held_grads: list[tuple[str, str]] = []
         for t in out_grads:
             self._grad_tensor(i_prog, t)
@@ -185,9 +192,9 @@ class Tape:
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
-            ren: dict[str, str] = {}
+            ren: dict[str, str] = self.offloaded
             if n.region >= 0:
-                ren = self._region_renames(n.region)
+                ren = {**self.offloaded, **self._region_renames(n.region)}
                 if n.region not in regions_done:
                     regions_done.add(n.region)
                     for rn in self.nodes:
@@ -300,6 +307,11 @@ class Tape:
             ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
             for a, b in zip(names, names[1:]):
                 ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
+            if self.step_in_backward:
+                # the post-accumulate-grad hook steps this parameter and drops its grad
+                ops.append(Op("optimizer_step", (names[-1],), (), frees=(names[-1],), module=n.module,
+                              phase="backward_w"))
+                continue
             if self.fsdp:
                 self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
             elif self.wgrad_final == "steal_grad" and len(names) > 1:

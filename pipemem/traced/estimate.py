@@ -52,6 +52,13 @@ def _check_plan(plan: ParallelPlan) -> None:
         raise UserError("--recompute-layers: traced mode recomputes all layers or none; use --mode templates")
     if plan.optimizer not in ("adamw", "adam", "sgd"):
         raise UserError(f"--optimizer {plan.optimizer}: traced mode supports adamw, adam, sgd")
+    unsupported = [name for name, on in (
+        (f"--loss {plan.loss}", plan.loss != "standard"), (f"--fp8 {plan.fp8}", bool(plan.fp8)),
+        ("--activation-offload", bool(plan.activation_offload)), ("--optimizer-offload", bool(plan.optimizer_offload)),
+        ("--optimizer-in-backward", plan.optimizer_in_backward),
+        ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype))) if on]
+    if unsupported:
+        raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
     if plan.micro_batch < 1 or plan.seq_len < 1:
         raise UserError("--micro-batch and --seq-len must be positive")
 
@@ -75,7 +82,8 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
         raise UserError("traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
                         "use --dtype bf16 --no-master-weights or --mode templates")
     step = trace_hf_replicated(cfg, plan.micro_batch, plan.seq_len, dtype=prec.name, attn=attn,
-                               recompute=plan.recompute, optimizer=plan.optimizer, kernel_policy=kernel_policy)
+                               recompute=plan.recompute, optimizer=plan.optimizer, kernel_policy=kernel_policy,
+                               compile=plan.compile)
     s = step.static
     static = StaticBytes(params=s["params"], grads=0, optimizer=0, other=s["total"] - s["params"])
     f, b, o = step.phase("forward"), step.phase("backward"), step.phase("optimizer")
@@ -86,6 +94,9 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     notes = {"layers": n, "precision": prec.name, "attention": attn, "recompute": plan.recompute,
              "traced_layers": step.traced.layers if step.traced else n,
              "static_detail": dict(s)}
+    if plan.compile:
+        from .compiled import MODE
+        notes["compile"] = MODE
     return TracedEstimate(static=static, jobs=jobs, optimizer=JobMemory(o.net_bytes, o.peak_bytes),
                           peak_allocated_bytes=step.peak_bytes, peak_at=step.peak_at,
                           kernel_policy=kernel_policy, notes=notes)
