@@ -338,7 +338,9 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
                 "and optimizer states in the optimizer step, so they count under 'transient')"]
     if plan.compile:
         warnings.append("traced mode, --compile: " + t.notes.get("compile", "") + "; what each compiled layer "
-                        "saves is the partitioner's, its transient buffers are the unfused graph's")
+                        "saves is the partitioner's, its transient buffers are the unfused graph's"
+                        + ("; the HF model's own loss runs eager here (templates compile it)"
+                           if plan.compile == "all" else ""))
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")

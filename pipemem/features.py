@@ -8,7 +8,9 @@ pipemem.templates.losses, pipemem.templates.fp8, pipemem.templates.offload) and 
 bytes (pipemem.templates.static); the names below are the frameworks' own words.
 
 * `compile`: torch.compile of each decoder layer (torchtune, torchtitan, litgpt): AOTAutograd's
-  min-cut partitioner decides what the compiled layer saves for backward.
+  min-cut partitioner decides what the compiled layer saves for backward. "all" (or True) also
+  compiles the loss (torchtune's compile_loss, torchtitan's "loss" component); "layers" leaves
+  the loss eager (torchtitan before it had compile components).
 * `loss`: how the cross-entropy sees the logits.
     standard      fp32 copy of the whole logits, log-softmax / vocab-parallel CE;
     chunked       torchtune's CEWithChunkedOutputLoss: the output projection and the fp32
@@ -54,13 +56,14 @@ STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 class Features:
     """The per-layer switches of one plan that change its programs (a cache key)."""
 
-    compile: bool = False
+    compile: bool = False               # decoder layers compiled
     loss: str = "standard"
     loss_chunks: int = 8
     fp8: str = ""                       # "" = none, else one of FP8_RECIPES
     fp8_param_gather: bool = False
     offload: frozenset = frozenset()    # module tags whose saved activations go to the CPU; {"*"} = all
     opt_in_bwd: bool = False            # weight grads stepped and freed inside the backward
+    compile_loss: bool = False          # the loss compiled too
 
     @property
     def te_fp8(self) -> bool:
@@ -90,7 +93,8 @@ def parse_offload(value) -> frozenset:
 def features_of(plan) -> Features:
     """The Features of a validated plan."""
     return _features(bool(plan.compile), plan.loss, plan.loss_chunks, plan.fp8 or "", bool(plan.fp8_param_gather),
-                     parse_offload(plan.activation_offload), bool(plan.optimizer_in_backward))
+                     parse_offload(plan.activation_offload), bool(plan.optimizer_in_backward),
+                     plan.compile in (True, "all"))
 
 
 _CACHE: dict = {}
@@ -107,7 +111,8 @@ def describe(plan) -> list[str]:
     """One phrase per switched-on feature, for reports and verdicts."""
     out = []
     if plan.compile:
-        out.append("torch.compile (min-cut partitioner decides the saved activations)")
+        what = "layers" if plan.compile == "layers" else "layers and loss"
+        out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
     if plan.loss != "standard":
         out.append({"chunked": f"chunked cross-entropy ({plan.loss_chunks} chunks)",
                     "fused_linear": "fused linear cross-entropy (logits never whole)",

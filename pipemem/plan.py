@@ -66,7 +66,7 @@ class ParallelPlan:
     schedule: str | None = None          # None = 1F1B when pp > 1
     extra: dict = field(default_factory=dict)
     # what modern trainers switch on (pipemem.features explains each)
-    compile: bool = False                # torch.compile of each decoder layer
+    compile: bool | str = False          # torch.compile: "all" (= True: layers and loss) or "layers"
     loss: str = "standard"               # standard | chunked | fused_linear | fused
     loss_chunks: int = 8                 # chunks of the chunked cross-entropy
     fp8: str | None = None               # delayed | current | mxfp8 (TE) | tensorwise | rowwise (torchao)
@@ -357,10 +357,18 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
         sdt = _choice(str(sdt).lower(), STATE_DTYPES, "--optimizer-state-dtype")
         if opt in ("adam8bit", "adam4bit", "sgd"):
             raise UserError(f"--optimizer-state-dtype with --optimizer {opt}: the optimizer fixes its state format")
-    if plan.compile and conv == "paddle":
+    comp = plan.compile
+    if comp in (True, "all", "true", "1"):
+        comp = "all"
+    elif comp in (False, None, "", "none", "false", "0"):
+        comp = False
+    elif comp != "layers":
+        raise UserError(f"--compile {plan.compile!r}: use all (layers and loss, as torchtune and torchtitan 0.3 "
+                        "compile them) or layers (decoder layers only, torchtitan before the loss component)")
+    if comp and conv == "paddle":
         raise UserError("--compile is torch.compile; with --convention paddle it does not apply")
     return {"loss": loss, "fp8": fp8, "activation_offload": ("all" if mods == {"*"} else
                                                              ",".join(sorted(mods)) if mods else None),
-            "optimizer_offload": float(frac), "optimizer_state_dtype": sdt, "compile": bool(plan.compile),
+            "optimizer_offload": float(frac), "optimizer_state_dtype": sdt, "compile": comp,
             "optimizer_in_backward": bool(plan.optimizer_in_backward),
             "fp8_param_gather": bool(plan.fp8_param_gather)}

@@ -88,9 +88,9 @@ def register(sub) -> None:
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
 
     mod = p.add_argument_group("what modern trainers switch on (see pipemem.features)")
-    mod.add_argument("--compile", action="store_const", const=True, default=None,
-                     help="torch.compile each decoder layer (and the loss): AOTAutograd's min-cut partitioner "
-                          "decides what is saved")
+    mod.add_argument("--compile", nargs="?", const="all", choices=("all", "layers"), default=None,
+                     help="torch.compile each decoder layer and the loss (all, the default) or the layers only; "
+                          "AOTAutograd's min-cut partitioner decides what is saved")
     mod.add_argument("--loss", choices=("standard", "chunked", "fused_linear", "fused", "fused_te"),
                      help="cross-entropy: chunked (torchtune), fused_linear (Liger), fused / fused_te (Megatron "
                           "--cross-entropy-loss-fusion, native / TE impl); default standard")

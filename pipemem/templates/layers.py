@@ -223,11 +223,50 @@ class _Gen:
             x = self.to_compute(x, name)
             wc = self.act(name + ".weight_bf16", (out_shape[-1], in_features))
             self.t.node("autocast_weight", (w,), (wc,))
-            self.t.node("linear", (x, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
-                        save_w=(x,))
+            x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
+            self.t.node("linear", (x_fwd, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
+                        save_w=(x_saved,), workspace_f=ws[0], workspace_i=ws[1])
             return y
-        self.t.node("linear", (x,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x,))
+        x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
+        self.t.node("linear", (x_fwd,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x_saved,),
+                    workspace_f=ws[0], workspace_i=ws[1])
         return y
+
+    # FP8 linears ---------------------------------------------------------------------------
+    def fp8_linear(self, name: str) -> bool:
+        """Is this linear run in fp8? Neither Megatron (the output layer is not a TE module,
+        the router is a plain linear) nor torchtitan (its float8 converter filters the output
+        projection) runs the head or the router in fp8."""
+        f = self.sh.feat
+        return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router"))
+
+    def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int) -> tuple[str, str, tuple]:
+        """(forward operand, tensor saved for the weight grad, (forward, backward) workspace).
+
+        Transformer Engine (te_fp8; transformer_engine/pytorch/module/linear.py): the input is
+        quantized with both usages -- rowwise for this GEMM, columnwise (the transpose) for the
+        weight-grad GEMM -- and after the forward only the columnwise copy is kept (1 B per
+        element, + 1 B per 32 for MXFP8's block scales); the backward quantizes the output
+        grad with both usages. torchao Float8 (float8_linear.py `matmul_with_hp_or_float8_args`)
+        saves the high-precision input and weight and casts them again in backward: its fp8
+        copies (input and weight, then output grad twice, weight and input) are transient."""
+        if not self.fp8_linear(name):
+            return x, x, (0, 0)
+        f = self.sh.feat
+        t = self.t.tensors[x]
+        n_in, n_w = _numel(t.shape), out_shape[-1] * in_features
+        n_out = n_in // max(1, t.shape[-1]) * out_shape[-1]
+        if f.te_fp8:
+            scale = 1 + 1 / 32 if f.fp8 == "mxfp8" else 1
+            row = self.t.t(self.n(name + ".input_fp8_rowwise"), t.shape, "fp8")
+            col = self.t.t(self.n(name + ".input_fp8_columnwise"), t.shape, "fp8")
+            if scale != 1:
+                for nm in (row, col):
+                    old = self.t.tensors[nm]
+                    self.t.tensors[nm] = type(old)(nm, old.shape, "fp8", old.kind, bytes=int(n_in * scale))
+            self.t.node("te_quantize", (x,), (row, col))
+            return row, col, (0, int(2 * n_out * scale))
+        return x, x, (n_in + n_w, 2 * n_out + n_w + n_in)
 
     def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]]) -> list[str]:
         """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
@@ -248,19 +287,27 @@ class _Gen:
             params = (w,)
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
-            xg = self.act(nm + ".allgather", full, kind=COMM)
             y = self.act(nm + ".out", (sh.s, sh.b, f))
             dfull = self.act(nm + ".dinput_full", full)
             rs = BwdOp("reduce_scatter", (dfull,), ("d." + x,))
             if conv.sp_save == "shard":
                 # Megatron / Paddle recompute_allgather: keep the shard, gather again for dW.
-                xg2 = self.act(nm + ".allgather_bwd", full, kind=COMM)
-                self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
-                            fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
+                # TE fp8: the shard is quantized first and the fp8 tensors are gathered.
+                src, ws, gdt = x, (0, 0), None
+                if self.fp8_linear(nm) and self.sh.feat.te_fp8:
+                    row, src, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h)
+                    gdt = "fp8"
+                xg = self.act(nm + ".allgather", full, gdt, kind=COMM)
+                xg2 = self.act(nm + ".allgather_bwd", full, gdt, kind=COMM)
+                fwd_in = row if gdt else x
+                self.t.node("linear_sp", (fwd_in,) + params, (y,), diff_inputs=(x,), params=params,
+                            fwd_ops=(_op("all_gather", (fwd_in,), (xg,)), _op("matmul", (xg,) + params, (y,))),
                             grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,),
-                            pre_w=(BwdOp("all_gather", (x,), (xg2,)),), w_pre_first=True)
+                            pre_w=(BwdOp("all_gather", (src,), (xg2,)),), w_pre_first=True,
+                            workspace_i=ws[1] * sh.tp)
             else:
                 # Paddle's SPInnerOverlapLinear: saves x and the gathered input.
+                xg = self.act(nm + ".allgather", full, kind=COMM)
                 self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
                             fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
                             grad_via={x: dfull}, post_i=(rs,), save_i=(x,), save_w=(xg,))
@@ -275,7 +322,9 @@ class _Gen:
             return self.linear(x, name, (sh.s_sp, sh.b, sh.h), in_features, bias)
         w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.dt)
         partial = self.act(name + ".partial", (sh.s, sh.b, sh.h))
-        self.t.node("linear", (x, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x,))
+        x_fwd, x_saved, ws = self.fp8_operands(x, name, (sh.s, sh.b, sh.h), in_features)
+        self.t.node("linear", (x_fwd, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x_saved,),
+                    workspace_f=ws[0], workspace_i=ws[1])
         y = partial
         if sh.tp > 1:
             if sh.sp:
@@ -588,6 +637,13 @@ class _Gen:
         return y
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _op(type_: str, inputs, outputs):
     from ..ir import Op
     return Op(type_, tuple(inputs), tuple(outputs))
@@ -698,7 +754,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", arch.norm, tok)
     # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
-    compiled_loss = sh.feat.compile and conv.name != "megatron"
+    compiled_loss = sh.feat.compile_loss and conv.name != "megatron"
     if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
         from .losses import loss_from_hidden
         return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)

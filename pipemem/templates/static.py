@@ -131,4 +131,26 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
         params += int(shard(n, group, zero >= 3) * p)
         grads += shard(n, group, zero >= 2) * g
         optimizer += int(shard(n, group, opt_shard) * (m + st) * on_gpu)
-    return StaticBytes(params=params, grads=grads, optimizer=optimizer)
+    return StaticBytes(params=params, grads=grads, optimizer=optimizer,
+                       other=_fp8_weight_workspaces(arch, plan, conv, stage_layers, rank_stages))
+
+
+FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
+
+
+def _fp8_weight_workspaces(arch, plan, conv: Convention, stage_layers, rank_stages) -> int:
+    """Transformer Engine keeps an fp8 copy of each linear weight (rowwise, for the forward
+    GEMM) and its transpose (columnwise, for the input-grad GEMM) for the whole step (cached
+    across microbatches, `is_first_microbatch`). With --fp8-param-gather the weight itself is
+    the fp8 rowwise copy (counted in params) and only the transpose cache is extra. MXFP8 adds
+    one 1-byte scale per 32 elements to each. torchao Float8 casts weights per use (transient)."""
+    fp8 = getattr(plan, "fp8", None)
+    if conv.name != "megatron" or not fp8:
+        return 0
+    per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
+    n = 0
+    for st in rank_stages:
+        for i in stage_layers[st]:
+            shapes = layer_param_shapes(arch, i, plan.tp, plan.etp or 1, plan.ep)
+            n += sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+    return int(n * per)
