@@ -30,6 +30,7 @@ from .conventions import Convention, padded_vocab
 from .tape import COMM, BwdOp, Tape
 
 MASK = "bool"
+CAST_BYTES = 9   # peak bytes per element of torchao's eager fp8 cast (fp32 scaled + clamped + fp8)
 STAT = "fp32"
 
 
@@ -266,7 +267,14 @@ class _Gen:
                     self.t.tensors[nm] = type(old)(nm, old.shape, "fp8", old.kind, bytes=int(n_in * scale))
             self.t.node("te_quantize", (x,), (row, col))
             return row, col, (0, int(2 * n_out * scale))
-        return x, x, (n_in + n_w, 2 * n_out + n_w + n_in)
+        # torchao's eager cast (float8_training_tensor.py `_ToFloat8ConstrFunc`): abs + max for
+        # the scale, then `x.to(fp32) * scale` and its clamp are both alive while the fp8 copy
+        # is made: 9 bytes per element at the cast, 1 kept until the GEMM (or the backward's
+        # end: the fp8 operands are locals of `matmul_with_hp_or_float8_args.backward`)
+        c = CAST_BYTES
+        ws_f = max(c * n_in, n_in + c * n_w)
+        ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
+        return x, x, (ws_f, ws_i)
 
     def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]]) -> list[str]:
         """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
