@@ -16,12 +16,13 @@ Rules (no tuning: the estimator is run as shipped, nothing is scaled to fit):
   allocated (or torch's "active" bytes, which count the same live blocks) are *compared*;
   reserved / nvidia-smi / unstated metrics are listed with the gap shown separately, since
   they add allocator cache, CUDA context and workspaces the estimate does not claim.
-* Records using what pipemem cannot express (fp8 linears, CPU/activation offload, chunked
-  cross-entropy, optimizer-in-backward, llm.c's static buffers, ZeRO-Infinity) or missing an
-  essential (model shape, sequence length, dp size...) are *skipped* with the reason.
-  torch.compile runs are skipped too (inductor fuses and re-plans activations; pipemem models
-  eager PyTorch); where compile is their only inexpressible feature the eager estimate is
-  still printed as a reference, never counted in the error summary.
+* Runs that switch on what modern trainers use when memory is tight -- torch.compile, fp8
+  linears, chunked cross-entropy, activation offloading, optimizer step in backward, 8-bit
+  optimizers -- are estimated with those features as plan options (`modern_features`, read
+  from the record's own fields; pipemem.features models each op by op).
+* Records using what pipemem cannot express (llm.c's static buffers, ZeRO-Infinity's NVMe
+  paging, Paddle's recompute offload and MP-partitioned checkpoints) or missing an essential
+  (model shape, sequence length, dp size...) are *skipped* with the reason.
 """
 
 from __future__ import annotations
@@ -201,27 +202,55 @@ def inexpressible(rec: dict) -> list[str]:
     """Features of the run pipemem cannot model, in the record's words."""
     out = []
     fw = str(rec.get("framework", "")).lower()
-    opts = rec.get("options") or {}
-    par = rec.get("parallelism") or {}
     if "llm.c" in fw:
         out.append("llm.c: hand-written CUDA with static activation buffers sized for the whole step, no autograd "
                    "liveness (not PyTorch/Paddle memory semantics)")
-    if re.search(r"float8|fp8", _text(rec, "dtype")):
-        out.append("fp8 linears (torchao Float8: fp8 casts and scales)")
-    offload = [str(x) for x in (opts.get("offload"), rec.get("offload"), par.get("offload")) if x]
-    if (opts.get("offload") is True or any(o.lower() not in ("none", "false") for o in offload)
-            or "offload" in _text(rec, "recompute") or "infinity" in fw):
-        out.append("offload to CPU/NVMe (" + (", ".join(o for o in offload if o.lower() not in ("true",)) or
-                                              "activation offloading") + ")")
-    if opts.get("chunked_ce") or any("chunked" in str(x).lower() for x in rec.get("missing") or ()):
-        out.append("chunked cross-entropy")
-    if opts.get("opt_in_bwd"):
-        out.append("optimizer step fused into backward")
+    if "infinity" in fw:
+        out.append("offload to CPU/NVMe (ZeRO-Infinity: parameters and activations paged from NVMe, not modelled)")
+    if "paddle" in fw and "offload" in _text(rec, "recompute"):
+        out.append("Paddle's recompute offload (checkpoints on the CPU; not modelled for --convention paddle)")
     if "mp切分" in _text(rec, "recompute"):
         out.append("Paddle's MP-partitioned recompute checkpoints")
-    if rec.get("torch_compile") is True or opts.get("compile") or "torch.compile" in fw:
-        out.append("torch.compile (inductor fuses and re-plans saved activations; pipemem models eager)")
     return out
+
+
+def modern_features(rec: dict, convention: str) -> tuple[dict, list[str]]:
+    """Plan fields for what the run switched on (pipemem.features), read from the record's own
+    fields, and the notes saying where each came from."""
+    opts = rec.get("options") or {}
+    par = rec.get("parallelism") or {}
+    fw = str(rec.get("framework", "")).lower()
+    plan: dict = {}
+    notes: list[str] = []
+    if rec.get("torch_compile") is True or opts.get("compile") or "torch.compile" in fw:
+        # torchtune's recipe compiles the loss too (compile_loss); torchtitan's 2024 benchmarks
+        # (apply_compile per TransformerBlock) and litgpt's benchmark compile the model only
+        plan["compile"] = "all" if "torchtune" in fw else "layers"
+        notes.append(f"torch.compile modelled ({'layers and loss' if 'torchtune' in fw else 'decoder layers'}, "
+                     "min-cut partition)")
+    dtype_text = _text(rec, "dtype")
+    if re.search(r"float8|fp8", dtype_text):
+        # torchao's Float8 default recipe (torchtitan's float8 converter): tensorwise dynamic scaling
+        plan["fp8"] = "rowwise" if "rowwise" in dtype_text else "tensorwise"
+        notes.append(f"fp8 linears modelled as torchao Float8 {plan['fp8']} (dynamic scaling; high-precision "
+                     "input and weight saved, casts transient)")
+    missing = " ".join(str(x) for x in rec.get("missing") or ()).lower()
+    if opts.get("chunked_ce") or "chunked" in missing:
+        plan["loss"] = "chunked"
+        notes.append("chunked cross-entropy modelled (8 chunks, torchtune's default num_output_chunks)")
+    if opts.get("opt_in_bwd"):
+        plan["optimizer_in_backward"] = True
+    offload = str(opts.get("offload") if opts.get("offload") not in (None, False) else
+                  rec.get("offload") or par.get("offload") or "")
+    if opts.get("offload") is True:
+        plan["activation_offload"] = "all"
+        notes.append("activation offloading modelled as torchtune's (every saved activation of the decoder "
+                     "layers; stream overlap and prefetch not modelled)")
+    elif offload and offload.lower() not in ("none", "false"):
+        mods = re.findall(r"[a-z_0-9]+", offload.split("(")[0].lower())
+        plan["activation_offload"] = ",".join(mods)
+        notes.append(f"fine-grained activation offloading of {plan['activation_offload']}")
+    return plan, notes
 
 
 def _dtype(rec: dict, assumed: dict) -> tuple[str, bool]:
@@ -244,6 +273,8 @@ def _optimizer(rec: dict) -> str:
     t = _text(rec, "optimizer")
     if "8-bit" in t or "8bit" in t:
         return "adam8bit"
+    if "fused=true" in t.replace(" ", ""):
+        return "adamw_fused"
     if "adamw" in t:
         return "adamw"
     if "adam" in t:
@@ -294,8 +325,7 @@ def translate(rec: dict) -> dict:
     rid = rec["id"]
     assumed = next((a for k, a in ASSUMED.items() if rid.startswith(k)), {})
     blocked = inexpressible(rec)
-    hard = [b for b in blocked if not b.startswith("torch.compile")]
-    if hard:
+    if blocked:
         raise Skip("; ".join(blocked))
     config = hf_config(rec)
     seq = assumed.get("seq_len") or _int(rec.get("seq_len"))
@@ -318,6 +348,8 @@ def translate(rec: dict) -> dict:
     plan = {"seq_len": seq, "micro_batch": mb, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vpp,
             "dtype": dtype, "master_weights": master, "optimizer": _optimizer(rec),
             "recompute": _recompute(rec, assumed), "flash_attn": _flash(rec, assumed), "convention": convention}
+    modern, modern_notes = modern_features(rec, convention)
+    plan.update(modern)
     shard = _text({"s": par.get("shard_mode"), "f": par.get("fsdp")}, "s", "f")
     if fsdp_dp is not None or (("fsdp" in shard) and "zero2" not in shard):
         plan["fsdp"] = dp > 1
@@ -342,10 +374,10 @@ def translate(rec: dict) -> dict:
     measured = rec.get("measured") or {}
     per_unit, unit_note = unit_bytes(measured, str(rec.get("framework", "")))
     value = float(measured["value"])
-    notes = [n for n in (unit_note, assumed.get("why", "")) if n] + _assumption_notes(rec, assumed)
+    notes = [n for n in (unit_note, assumed.get("why", "")) if n] + modern_notes + _assumption_notes(rec, assumed)
     return {"config": config, "plan": plan, "metric": metric_of(measured), "unit": str(measured.get("unit")),
             "measured_value": value, "measured_bytes": value * per_unit, "rank": _rank_of(measured, pp),
-            "compile_only": bool(blocked), "notes": notes}
+            "notes": notes}
 
 
 def _assumption_notes(rec: dict, assumed: dict) -> list[str]:
@@ -395,18 +427,25 @@ def plan_summary(plan: dict) -> str:
         parts.append("no-flash")
     if plan.get("optimizer") not in ("adamw", "adam"):
         parts.append(plan["optimizer"])
+    if plan.get("compile"):
+        parts.append("compile" if plan["compile"] in (True, "all") else "compile=layers")
+    for key, label in (("fp8", "fp8="), ("loss", "loss="), ("activation_offload", "offload=")):
+        if plan.get(key) and plan.get(key) != "standard":
+            parts.append(f"{label}{plan[key]}")
+    if plan.get("optimizer_in_backward"):
+        parts.append("opt-in-bwd")
     parts.append(plan["convention"])
     return " ".join(parts)
 
 
 # ---------------------------------------------------------------- estimating
 
-STATUS_ORDER = ("compared", "gap", "eager-ref", "skipped")
+STATUS_ORDER = ("compared", "gap", "skipped")
 
 
 def evaluate(rec: dict, traced: bool = False) -> dict:
     """One output row: status compared (allocated/active metric) / gap (reserved, nvidia-smi,
-    unstated metric) / eager-ref (torch.compile run, eager estimate for reference) / skipped."""
+    unstated metric: estimated and set against the measurement, not counted in the error) / skipped."""
     from pipemem.errors import UserError
     from pipemem.estimate import estimate
 
@@ -435,11 +474,7 @@ def evaluate(rec: dict, traced: bool = False) -> dict:
         where = "max over ranks" if len(ranks) > 1 else "one rank"
     rel = (got - t["measured_bytes"]) / t["measured_bytes"]
     notes = list(t["notes"])
-    if t["compile_only"]:
-        status = "eager-ref"
-        notes.insert(0, f"torch.compile run: eager estimate shown for reference, not counted (measured: "
-                        f"{t['metric']})")
-    elif t["metric"] in ("allocated", "active"):
+    if t["metric"] in ("allocated", "active"):
         status = "compared"
         if t["metric"] == "active":
             notes.insert(0, "active bytes (allocated blocks in use) compared with allocated")
@@ -576,10 +611,11 @@ def markdown(result: dict) -> str:
              "* **compared**: measured as allocated (or torch's active bytes); counted in the summary.",
              "* **gap**: measured as reserved, nvidia-smi or an unstated metric; these add allocator cache, "
              "CUDA context and workspaces, so the difference is a gap, not an error (allocated <= reserved).",
-             "* **eager-ref**: a torch.compile run whose only inexpressible feature is compile; the eager "
-             "estimate is shown for reference and not counted (inductor re-plans saved activations).",
-             "* **skipped**: pipemem cannot express the run (fp8, offload, chunked loss, optimizer in "
-             "backward, llm.c) or the record lacks an essential; the reason is given.", "",
+             "* **skipped**: pipemem cannot express the run (llm.c's static buffers, ZeRO-Infinity, Paddle's "
+             "recompute offload) or the record lacks an essential; the reason is given.", "",
+             "Runs with torch.compile, fp8 linears, chunked cross-entropy, activation offloading, the "
+             "optimizer step in backward or 8-bit optimizers are estimated with those features switched on "
+             "(the plan column and the notes say which).", "",
              "Measured values are converted with the record's own unit (GiB = 2^30, GB = 1e9, MiB/'MB' = "
              "2^20; Paddle's 'MB' is bytes/2^20). Where the record names a rank (a pipeline stage) that "
              "rank's estimate is compared, otherwise the maximum over ranks. Notes give assumptions and, for "
