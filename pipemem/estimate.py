@@ -121,6 +121,7 @@ class Estimate:
                       "head_dim": a.head_dim, "ffn": a.ffn, "vocab": a.vocab, "experts": a.experts,
                       "top_k": a.top_k, "tied_embeddings": a.tied_embeddings},
             "plan": plan,
+            "step": {"step": self.plan.step, "grads": self.plan.grads},
             "world_size": self.world_size,
             "mode": self.mode,
             "schedule": self.schedule,
@@ -253,7 +254,7 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
     schedule = get_schedule(sched_name, plan.pp, plan.microbatches, vpp=plan.vpp)
     style = "v" if schedule.placement == "v" else "interleaved"
     stage_plan = build_stage_jobs(arch, plan, style=style)
-    result = replay(schedule, stage_plan.stages, stage_plan.static, optimizer_jobs=stage_plan.optimizer,
+    result = replay(schedule, stage_plan.replay_jobs(), stage_plan.static, optimizer_jobs=stage_plan.optimizer,
                     simulate_time=False)
     ranks = [_rank_from_replay(r, schedule, stage_plan) for r in result.ranks]
     explain = layer_explain(arch, plan) if opts.get("explain") else None
@@ -334,8 +335,9 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
     # as a one-microbatch schedule gives the per-action timeline for the plot.
     rep = replay(get_schedule("1F1B", 1, 1), {0: sj}, [t.static],
                  optimizer_jobs=[t.optimizer] if t.optimizer is not None else None, simulate_time=False).ranks[0]
-    warnings = ["traced mode: one training step as recorded (first step: gradients are created in backward "
-                "and optimizer states in the optimizer step, so they count under 'transient')"]
+    warnings = [] if plan.step == "steady" else [
+        "traced mode, --step first: the first training step as recorded (gradients are created in backward "
+        "and optimizer states in the optimizer step, so they count under 'transient')"]
     if plan.compile:
         warnings.append("traced mode, --compile: " + t.notes.get("compile", "") + "; what each compiled layer "
                         "saves is the partitioner's, its transient buffers are the unfused graph's"

@@ -25,12 +25,21 @@ class JobMemory:
 
 @dataclass(frozen=True, slots=True)
 class StaticBytes:
-    """Bytes a rank holds for the whole run, before any microbatch."""
+    """Bytes a rank holds when the reported step starts, before any microbatch (`total`), and
+    what the step itself creates and frees again (not in `total`):
+
+    grads_in_step: gradients set to None by the previous step's zero_grad, created by the
+        first backward of this step and freed after its optimizer step (--grads set-to-none,
+        ddp-bucket);
+    optimizer_in_step: optimizer states the first step creates in its optimizer step
+        (--step first)."""
 
     params: int = 0
-    grads: int = 0        # incl. fp32 main-grad buffers
+    grads: int = 0        # resident gradient storage: fp32 main-grad buffers, DDP buckets
     optimizer: int = 0    # optimizer states incl. fp32 master weights
     other: int = 0        # buffers, CUDA context, comm buffers that persist...
+    grads_in_step: int = 0
+    optimizer_in_step: int = 0
 
     @property
     def total(self) -> int:
@@ -38,7 +47,8 @@ class StaticBytes:
 
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "other": self.other, "total": self.total}
+                "other": self.other, "total": self.total, "grads_in_step": self.grads_in_step,
+                "optimizer_in_step": self.optimizer_in_step}
 
 
 @dataclass(slots=True)

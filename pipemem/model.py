@@ -46,6 +46,12 @@ class ArchSpec:
     out_bias: bool = False         # attention output projection bias
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"    # head: per head (qwen3); proj: over the whole q / k projection (olmo2)
+    norm_affine: bool = True       # False: LayerNorm without weight and bias (olmo)
+    norm_weight_first: bool = False  # RMSNorm scales by the fp32 weight, then casts (olmo2, gemma), not
+                                     # cast, then scale (llama)
+    norm_placement: str = "pre"    # pre: norm -> block -> add; post: block -> norm -> add (olmo2);
+                                   # sandwich: norm -> block -> norm -> add (gemma2)
     parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
     fused_qkv: bool = False        # the HF module computes q, k, v with one linear (gpt2 c_attn, neox)
     attn_dropout: float = 0.0
@@ -150,13 +156,14 @@ def _gpt2(r: _Reader) -> ArchSpec:
     heads = r.pos_int("n_head", "num_attention_heads")
     _check_div(r, hidden, heads, "n_embd", "n_head")
     inner = r.opt("n_inner", None) or 4 * hidden
+    bias = bool(r.opt("add_bias_linear", True))   # Megatron's --disable-bias-linear (HF GPT-2 always has biases)
     return ArchSpec(
         name=r.name, model_type="gpt2", layers=r.pos_int("n_layer", "num_hidden_layers"), hidden=hidden,
         heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=int(inner), vocab=r.pos_int("vocab_size"),
         norm="layernorm", activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
         act_fn=str(r.opt("activation_function", "gelu_new")),
         position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=True, out_bias=True, mlp_bias=True,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=bias, out_bias=bias, mlp_bias=bias,
         fused_qkv=True,
         attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
         embd_dropout=float(r.opt("embd_pdrop", 0.1)))
@@ -221,13 +228,20 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     qkv_bias = bool(r.opt("attention_bias", mt in ("qwen2", "qwen2_moe")))
     return ArchSpec(
         name=r.name, model_type=mt, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=int(head_dim),
-        ffn=ffn, vocab=r.pos_int("vocab_size"), norm="rmsnorm",
+        # olmo: LayerNorm in fp32 without weight or bias (OlmoLayerNorm)
+        ffn=ffn, vocab=r.pos_int("vocab_size"), norm="layernorm" if mt == "olmo" else "rmsnorm",
+        norm_affine=mt != "olmo",
         activation=_activation(r.opt("hidden_act", r.opt("hidden_activation", "silu")), True, r.name),
         act_fn=str(r.opt("hidden_act", r.opt("hidden_activation", "silu"))),
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        # HF's config classes tie by default only for gemma / gemma2
+        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in ("gemma", "gemma2"))), qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
-        mlp_bias=bool(r.opt("mlp_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe"),
+        mlp_bias=bool(r.opt("mlp_bias", False)),
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2") or bool(r.opt("qk_layernorm", False)),   # Megatron's key
+        qk_norm_scope="proj" if mt == "olmo2" else "head",
+        norm_placement={"olmo2": "post", "gemma2": "sandwich"}.get(mt, "pre"),
+        norm_weight_first=mt in ("olmo2", "gemma", "gemma2"),
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
         experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
         dense_layers=dense_layers)
@@ -248,7 +262,7 @@ def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str
     a = arch.heads // tp
     kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     out: dict[str, tuple[tuple[int, ...], bool]] = {}
-    ln_parts = 2 if arch.norm == "layernorm" else 1
+    ln_parts = (2 if arch.norm == "layernorm" else 1) if arch.norm_affine else 0
     out["input_norm"] = ((ln_parts * h,), False)
     out["post_attention_norm"] = ((ln_parts * h,), False)
     out["qkv"] = (((a + 2 * kv) * d, h), False)
@@ -258,7 +272,9 @@ def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str
     if arch.out_bias:
         out["o_proj_bias"] = ((h,), False)
     if arch.qk_norm:
-        out["qk_norm"] = ((2 * d,), False)
+        out["qk_norm"] = (((a + kv) * d if arch.qk_norm_scope == "proj" else 2 * d,), False)
+    if arch.norm_placement == "sandwich":     # gemma2: a second norm around each block
+        out["sandwich_norms"] = ((2 * ln_parts * h,), False)
     gated = arch.activation in ("swiglu", "geglu")
     if arch.is_moe_layer(index):
         e = arch.experts // ep
@@ -292,7 +308,7 @@ def head_param_shapes(arch, padded_vocab: int, tp: int, same_stage_as_embedding:
     """Final norm and output layer. Tied embeddings share the word embedding on the same stage;
     on a different stage (pp > 1) the last stage holds its own copy (Megatron)."""
     h = arch.hidden
-    out = {"final_norm": ((2 if arch.norm == "layernorm" else 1) * h,)}
+    out = {"final_norm": ((2 if arch.norm == "layernorm" else 1) * h * arch.norm_affine,)}
     if not (arch.tied_embeddings and same_stage_as_embedding):
         out["output_layer"] = (padded_vocab // tp, h)
     return out

@@ -27,6 +27,22 @@ RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit", "adamw_fused")
 STAGE_STYLES = ("interleaved", "loop", "v")
+# How the trainer keeps gradients between steps (what is resident when a step starts):
+#   buffer           resident all step: Megatron's / Paddle's contiguous main-grad buffer, or
+#                    PyTorch's zero_grad(set_to_none=False)
+#   set-to-none      optimizer.zero_grad(set_to_none=True) (PyTorch's default: torchtitan, HF
+#                    Trainer, torchtune): created by the first backward of a step, freed after
+#                    the optimizer step
+#   ddp-bucket       DistributedDataParallel(gradient_as_bucket_view=False) (its default):
+#                    set-to-none .grad tensors plus DDP's flat all-reduce buckets (one more
+#                    copy of every gradient, resident all step)
+#   ddp-bucket-view  DistributedDataParallel(gradient_as_bucket_view=True): .grad is a view of
+#                    the resident buckets (one copy, resident all step)
+GRADS = ("buffer", "set-to-none", "ddp-bucket", "ddp-bucket-view")
+# Which training step is reported: "steady" (the second and later steps: optimizer states
+# exist, gradients as GRADS says) or "first" (no optimizer states before the first
+# optimizer step; gradients created by the first backward).
+STEPS = ("steady", "first")
 
 
 @dataclass
@@ -55,6 +71,8 @@ class ParallelPlan:
     master_weights: bool = True
     main_grad_dtype: str | None = None   # None = convention default (fp32 for megatron mixed precision)
     optimizer: str = "adamw"
+    grads: str | None = None             # GRADS; None = convention default (see default_grads)
+    step: str = "steady"                 # STEPS: which training step is reported
     # activations
     recompute: str = "none"
     recompute_layers: int | None = None  # layers recomputed per stage; None = all
@@ -175,6 +193,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
                        if arch.heads % t == 0 and (arch.kv_heads % t == 0 or t % arch.kv_heads == 0))
         raise UserError(f"--tp {tp} and {arch.kv_heads} KV heads of {name}: tp must divide the KV heads or be a "
                         f"multiple of them (then KV heads are replicated); use one of {ok}")
+    if conv == "megatron" and arch.kv_heads % tp:
+        # megatron-core with tp > KV heads all-gathers the whole QKV projection on every rank and
+        # slices it (attention.py get_query_key_value_tensors): not what the templates build.
+        ok = ", ".join(str(t) for t in range(1, arch.kv_heads + 1) if arch.kv_heads % t == 0 and arch.heads % t == 0)
+        raise UserError(f"--tp {tp} does not divide the {arch.kv_heads} KV heads of {name}: under the megatron "
+                        f"convention tp must divide the KV heads (num_query_groups); use one of {ok}")
     if arch.ffn and arch.ffn % tp:
         raise UserError(f"--tp {tp} does not divide the FFN width {arch.ffn} of {name}: use a divisor of {arch.ffn}")
     # Sequence parallel defaults on with tp > 1 for every convention we model.
@@ -275,8 +299,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if plan.dist_opt and conv != "megatron":
         raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
 
-    # Precision. (recompute_allgather only changes Paddle's programs: Megatron always gathers
-    # again in backward, torchtitan's DTensor always keeps the gathered input.)
+    # Precision. (recompute_allgather changes Paddle's programs and torchtitan's, whose linears
+    # then use pipemem.torch_tp.RegatherColwiseParallel; Megatron always gathers again in backward.)
     master = plan.master_weights and dtype != "fp32"
     mgd = plan.main_grad_dtype
     if mgd is None:
@@ -286,11 +310,36 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         mgd = "fp32" if (dtype == "fp32" or master) else dtype
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
 
+    # Gradients between steps, and which step is reported.
+    grads = plan.grads if plan.grads is not None else default_grads(conv, plan.dp, zero)
+    grads = _choice(str(grads).lower().replace("_", "-"), GRADS, "--grads")
+    if grads.startswith("ddp") and (zero or plan.dist_opt):
+        raise UserError(f"--grads {grads} is DistributedDataParallel's; with --zero {zero}"
+                        f"{' / --dist-opt' if plan.dist_opt else ''} the sharding runtime owns the gradients: "
+                        "use --grads buffer or set-to-none")
+    if grads.startswith("ddp") and conv in ("megatron", "paddle"):
+        raise UserError(f"--grads {grads} is PyTorch DDP's; --convention {conv} keeps a contiguous grad buffer "
+                        "(--grads buffer)")
+    step = _choice(str(plan.step).lower(), STEPS, "--step")
+
 
     modern = _validate_features(plan, conv, _canon_opt(opt), microbatches)
     return replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
                    etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
-                   layers=layers, pp_layout=layout, recompute_layers=rl, extra=dict(plan.extra), **modern)
+                   layers=layers, pp_layout=layout, recompute_layers=rl, grads=grads, step=step,
+                   extra=dict(plan.extra), **modern)
+
+
+def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:
+    """How a convention's trainer keeps gradients: Megatron and Paddle in a contiguous buffer;
+    torchtitan (FSDP2 / single device) with PyTorch's zero_grad(set_to_none=True); HF-style
+    loops the same, wrapped in DistributedDataParallel (default buckets) when they data-parallelise
+    without sharding (HF Trainer / accelerate, Lightning)."""
+    if convention in ("megatron", "paddle"):
+        return "buffer"
+    if convention == "hf" and dp > 1 and zero == 0:
+        return "ddp-bucket"
+    return "set-to-none"
 
 
 def _canon_opt(o: str) -> str:

@@ -21,7 +21,7 @@ interleaved by default (s % pp); `style="v"` for V-shaped schedules (ZB-V, DualP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .errors import UserError
@@ -43,6 +43,15 @@ class StagePlan:
     stage_layers: dict[int, tuple[int, ...]]
     style: str = "interleaved"
     notes: dict = field(default_factory=dict)
+    # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
+    # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
+    first_backward: dict[int, StageJobs] = field(default_factory=dict)
+
+    def replay_jobs(self) -> dict:
+        """`stages`, with the first-backward jobs keyed (stage, 0) as `replay` takes them."""
+        jobs: dict = dict(self.stages)
+        jobs.update({(s, 0): j for s, j in self.first_backward.items()})
+        return jobs
 
     def stages_of_rank(self, rank: int) -> list[int]:
         return stages_of_rank(rank, self.plan.pp, self.plan.vpp, self.style)
@@ -137,34 +146,46 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:
+    from .templates.layers import first_backward_shard
     from .templates.static import static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     stages: dict[int, StageJobs] = {}
+    first: dict[int, StageJobs] = {}
+    creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
+    sh_first = first_backward_shard(sh) if creates_grads else None
     for s in range(n_stages):
-        stages[s] = _stage_jobs(arch, sh, conv, _layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1,
-                                plan.seq_len, s, layout[s])
+        args = (_layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1, plan.seq_len, s, layout[s])
+        stages[s] = _stage_jobs(arch, sh, conv, *args)
+        if creates_grads:
+            fj = _stage_jobs(arch, sh_first, conv, *args)
+            first[s] = StageJobs(stage=s, F=stages[s].F, B=fj.B, I=fj.I, W=fj.W, layers=fj.layers, notes=fj.notes)
     static, optim = [], []
     for r in range(plan.pp):
         rs = stages_of_rank(r, plan.pp, plan.vpp, style)
         st = static_bytes(arch, plan, conv, layout, rs)
+        if creates_grads:
+            # the gradients the first backwards create, as the programs allocate them
+            st = replace(st, grads_in_step=sum(first[s].B.net_bytes - stages[s].B.net_bytes for s in rs))
         static.append(st)
         optim.append(_optimizer_job(conv.name, plan.optimizer, st, plan.optimizer_in_backward,
                                     plan.optimizer_offload))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
-                     notes={"convention": conv.name, "shard": sh})
+                     notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
+                     first_backward=first)
 
 
 @lru_cache(maxsize=4096)
 def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, in_backward: bool = False,
                    offload: float = 0.0) -> JobMemory:
-    """The optimizer step as a one-op program: fused kernels (Megatron, Paddle) need no
+    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
     scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
     size of the local parameters (the denominator), freed inside the step; `adamw_fused`
-    (torch.optim.AdamW(fused=True)) needs none. Quantized
-    optimizers (8/4-bit) dequantize one parameter's states at a time (no whole-model list);
-    with --optimizer-in-backward the steps run inside the backward programs; with
-    --optimizer-offload the offloaded share steps on the CPU."""
+    (torch.optim.AdamW(fused=True)) and the quantized optimizers (8/4-bit, one parameter's
+    states at a time) need none. On the first step the optimizer creates its states before it
+    updates (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step
+    created are freed after it. With --optimizer-in-backward the steps run inside the backward
+    programs; with --optimizer-offload the offloaded share steps on the CPU."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
     if in_backward:
@@ -172,8 +193,15 @@ def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, in_backward: bool
     if conv in ("torchtitan", "hf") and optimizer not in ("sgd", "adam8bit", "adam4bit", "adamw_fused"):
         ws = int((st.params if st.params else 0) * (1.0 - offload))
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
-    prog.add_op(Op("optimizer_step", ("opt_state",), ("opt_state",), workspace_bytes=ws))
-    r = analyze_program(prog)
+    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
+    reads = ("opt_state", "grads")
+    if st.optimizer_in_step:
+        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=st.optimizer_in_step))
+        prog.add_op(Op("init_state", (), ("new_state",)))
+        reads += ("new_state",)
+    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=ws))
+    prog.add_op(Op("zero_grad", ("grads",), (), frees=("grads",)))
+    r = analyze_program(prog, live_on_entry=("grads",), keep=() if st.grads_in_step else ("grads",))
     return JobMemory(r.net_bytes, r.peak_bytes)
 
 
@@ -189,9 +217,23 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
         raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
     k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
     pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
-    pp = layer_programs(arch, sh, conv, layer_options(arch, plan, idx, pos < k))
-    F, B = pp.F, pp.B
+    opts = layer_options(arch, plan, idx, pos < k)
+    pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
+    rows = sorted(_kept_rows(pp).values(), key=lambda r: -r["bytes"])
+    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
+                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rb = pp.results["B"]
+    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
+                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    if plan.recompute_allgather:
+        rows += _regather_trade(arch, plan, conv, sh, opts, pp)
+    return rows
+
+
+def _kept_rows(pp) -> dict[str, dict]:
+    """What a layer's forward leaves alive for its backward: storage -> explain row."""
+    F, B = pp.F, pp.B
     readers: dict[str, list[str]] = {}
     for op in B.ops:
         label = ("recompute of " + op.type) if op.phase == "recompute" else op.type
@@ -204,7 +246,8 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     for t in F.tensors.values():
         if t.storage == t.name:
             by_storage[t.storage] = t
-    rows = []
+    rows = {}
+    rf = pp.results["F"]
     kept = (rf.live_after - {F.tensors[pp.input].storage}) if pp.input in F.tensors else rf.live_after
     for st in kept:
         t = by_storage.get(st)
@@ -214,14 +257,39 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
             why = "layer output: the next layer's input (its norm saves it)"
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
-        rows.append({"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why})
-    rows.sort(key=lambda r: -r["bytes"])
-    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
-                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
-    rb = pp.results["B"]
-    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
-                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+        rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
     return rows
+
+
+def _regather_trade(arch, plan: ParallelPlan, conv, sh, opts, pp) -> list[dict]:
+    """--recompute-allgather, per layer and microbatch: the tensors the layer no longer keeps
+    for backward, what it keeps instead, and the all-gathers its backward runs in exchange
+    (the same layer built without the switch, compared). None when the convention gathers
+    again in backward anyway (Megatron)."""
+    from dataclasses import replace
+
+    from .templates.conventions import convention_for
+    from .templates.programs import layer_programs
+    base_conv = convention_for(replace(plan, recompute_allgather=False))
+    if base_conv == conv:
+        return []
+    base = layer_programs(arch, sh, base_conv, opts)
+    kept, kept_before = _kept_rows(pp), _kept_rows(base)
+    dropped = [dict(r, why="no longer kept: " + r["why"]) for st, r in kept_before.items() if st not in kept]
+    added = [dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
+             for st, r in kept.items() if st not in kept_before]
+    gathers_before = {o for op in base.B.ops if op.type == "all_gather" for o in op.outputs}
+    comm = []
+    for op in pp.B.ops:
+        if op.type == "all_gather" and op.phase == "backward" and not set(op.outputs) & gathers_before:
+            t = pp.B.tensors[op.outputs[0]]
+            comm.append({"tensor": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+                         "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
+                                f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks"})
+    net = sum(r["bytes"] for r in dropped) - sum(r["bytes"] for r in added)
+    section = (f"--recompute-allgather trades memory for communication, per layer and microbatch: "
+               f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward")
+    return [dict(r, section=section) for r in sorted(dropped, key=lambda r: -r["bytes"]) + added + comm]
 
 
 def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:

@@ -156,7 +156,8 @@ def test_megatron_moe_gqa_launcher_world():
                        "--num-query-groups 8 --seq-length 4096 --swiglu --normalization RMSNorm --num-experts 8 "
                        "--moe-router-topk 2 --expert-model-parallel-size 8 --tensor-model-parallel-size 2 "
                        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --vocab-size 32000 "
-                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce")
+                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce "
+                       "--disable-bias-linear --moe-token-dispatcher-type alltoall")
     tc = read_megatron(argv)
     a = arch_from_hf_config(tc.model, "m")
     assert (a.experts, a.top_k, a.kv_heads, a.expert_ffn) == (8, 2, 8, 14336)
@@ -293,3 +294,61 @@ def test_paddlenlp_recompute_allgather_and_vpp():
 def test_readers_unpack_as_model_plan_warnings():
     model, plan, warnings = read_paddlenlp(seed_tokens())
     assert model == "facebook/llama-7b" and plan["pp"] == 4 and warnings == []
+
+
+def test_paddlenlp_sharding_group_is_sharding_degree_only():
+    """dp 2 x sharding 2 on 4 GPUs: the batch is split 4 ways, the ZeRO states 2 ways (PaddleNLP's
+    sharding group), so each card holds half the optimizer states, not a quarter."""
+    from pipemem import estimate
+
+    argv = ["--model_name_or_path", "facebook/llama-7b", "--max_seq_length", "2048", "--bf16", "1",
+            "--fp16_opt_level", "O2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
+            "--data_parallel_degree", "2", "--world_size", "4", "--num_hidden_layers", "4"]
+    tc = read_paddlenlp(argv)
+    assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"] == {"zero_group": 2}
+    assert not [w for w in tc.warnings if "sharding" in w]
+    est = estimate(tc.model, **tc.plan)
+    unsharded = estimate(tc.model, **{**tc.plan, "zero": 0, "extra": {}})
+    over4 = estimate(tc.model, **{**tc.plan, "extra": {}})
+    opt = est.ranks[0].static.optimizer
+    assert opt == -(-unsharded.ranks[0].static.optimizer // 2)     # (ceil per shard, one pipeline rank)
+    assert opt > over4.ranks[0].static.optimizer
+
+
+def test_paddlenlp_unknown_id_read_from_paddlenlp_cache(tmp_path, monkeypatch):
+    cfg = load_model_config("llama2-7b")[1]
+    d = tmp_path / "models" / "my-org" / "my-llama"
+    d.mkdir(parents=True)
+    import json
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 6}))
+    monkeypatch.setenv("PPNLP_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    tc = read_paddlenlp(["--model_name_or_path", "my-org/my-llama"])
+    assert tc.model == str(d / "config.json") and tc.model_name == "my-org/my-llama"
+    assert arch_from_hf_config(load_model_config(tc.model)[1]).layers == 6
+    # An id found nowhere is left as given (estimate's --model error lists the presets).
+    assert read_paddlenlp(["--model_name_or_path", "nobody/nothing"]).model == "nobody/nothing"
+
+
+def test_paddlenlp_unknown_id_read_from_hf_hub_cache(tmp_path, monkeypatch):
+    import json
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(load_model_config("llama3.2-1b")[1]))
+    monkeypatch.setenv("PPNLP_HOME", str(tmp_path / "none"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    tc = read_paddlenlp(["--model_name_or_path", "acme/tiny"])
+    assert tc.model == str(snap / "config.json")
+
+
+def test_torchtitan_compile_and_float8(tmp_path):
+    f = tmp_path / "fp8.toml"
+    text = (TITAN_8B + '\n[compile]\nenable = true\ncomponents = ["model"]\n'
+            '[float8]\nenable_fsdp_float8_all_gather = true\n').replace('flavor = "8B"',
+                                                                   'flavor = "8B"\nconverters = ["float8"]')
+    f.write_text(text)
+    p = read_torchtitan(str(f)).plan
+    assert (p["compile"], p["fp8"], p["fp8_param_gather"]) == ("layers", "tensorwise", True)
+    f.write_text(text.replace('converters = ["float8"]', 'converters = ["mx"]'))
+    with pytest.raises(UserError, match="converters 'mx' is not modelled"):
+        read_torchtitan(str(f))

@@ -30,8 +30,14 @@ def test_tp_must_divide_heads_message():
 
 
 def test_kv_heads_fewer_than_tp_are_replicated():
-    p = validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(tp=16, ep=1, dp=1, seq_len=4096))
+    p = validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(tp=16, ep=1, dp=1, seq_len=4096, convention="torchtitan"))
     assert p.tp == 16
+
+
+def test_megatron_tp_must_divide_kv_heads():
+    # megatron-core all-gathers the whole QKV output when tp > KV heads: refused, not mis-modelled
+    with pytest.raises(UserError, match="--tp 16 does not divide the 8 KV heads.*use one of 1, 2, 4, 8"):
+        validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(tp=16, ep=1, dp=1, seq_len=4096))
 
 
 @pytest.mark.parametrize("kw,match", [

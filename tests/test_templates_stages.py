@@ -49,4 +49,14 @@ def test_builds_and_balances(model, conv, feat):
         assert j.B.net_bytes == -j.F.net_bytes
         assert j.I.net_bytes + j.W.net_bytes == j.B.net_bytes
         assert j.B.peak_bytes >= 0 and j.I.peak_bytes >= 0 and j.W.peak_bytes >= 0
-    assert all(s.params > 0 and s.grads > 0 for s in sp.static)
+    # gradients: resident (buffer), or created by each stage's first backward (set-to-none)
+    assert all(s.params > 0 and (s.grads > 0 or s.grads_in_step > 0) for s in sp.static)
+    if plan.grads == "set-to-none":
+        for s, j in sp.stages.items():
+            f = sp.first_backward[s]
+            assert f.F == j.F and f.B.net_bytes > j.B.net_bytes and f.B.peak_bytes >= j.B.peak_bytes
+            assert f.I.net_bytes + f.W.net_bytes == f.B.net_bytes
+        for r, st in enumerate(sp.static):
+            made = sum(sp.first_backward[s].B.net_bytes - sp.stages[s].B.net_bytes for s in sp.stages_of_rank(r))
+            assert st.grads == 0 and st.grads_in_step == made
+            assert sp.optimizer[r].net_bytes == -made

@@ -40,3 +40,9 @@ def test_ci_cases_match_measured_peaks_per_rank(capsys):
         assert abs(r["rel_error"]) <= 0.01, r
     # both ranks of every case were measured on their own
     assert len(rows) == 2 * len(CI_CASES)
+    # RegatherColwiseParallel's saving, measured and estimated, per rank
+    savings = [r for r in rows if r["case"] == "tp2-llama-regather"]
+    assert len(savings) == 2
+    for r in savings:
+        assert r["saving_measured_bytes"] > 0, r
+        assert abs(r["saving_estimated_bytes"] - r["saving_measured_bytes"]) <= 0.01 * r["saving_measured_bytes"], r

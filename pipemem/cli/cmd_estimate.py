@@ -23,6 +23,8 @@ examples:
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
   pipemem estimate --model llama3.2-3b --convention hf --dtype bf16 --no-master-weights --seq-len 4096 \
       --micro-batch 2 --compile --loss chunked --recompute full --optimizer-in-backward --activation-offload all
+  pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
+  pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
 Exit status 0 whether or not the plan fits (read `fits` in --json); 2 on bad input.
@@ -35,7 +37,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
-    from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS, RECOMPUTE
+    from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZERS, RECOMPUTE, STEPS
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -63,6 +65,8 @@ def register(sub) -> None:
                        ("--ep", "expert")):
         par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
     par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
+    par.add_argument("--etp", type=int, metavar="N",
+                     help="expert tensor-parallel degree of MoE layers (default: --tp)")
     _bool_flag(par, "--sp", "sequence parallelism (default: on when tp > 1)")
     par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
     par.add_argument("--schedule", metavar="NAME",
@@ -77,12 +81,23 @@ def register(sub) -> None:
     sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
     _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    sh.add_argument("--grads", choices=GRADS,
+                    help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
+                         "Paddle), set-to-none (zero_grad(set_to_none=True), created in backward: torchtitan, "
+                         "HF), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+                         "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
+                         "ddp-bucket)")
+    sh.add_argument("--step", choices=STEPS,
+                    help="which training step: steady (default; what max_memory_allocated shows after a few "
+                         "steps) or first (no optimizer states before the first optimizer step)")
 
     act = p.add_argument_group("activations")
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
     act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
     act.add_argument("--recompute-allgather", action="store_const", const=True, default=None,
-                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle)")
+                     help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle: "
+                          "recompute_allgather; torchtitan: pipemem.torch_tp.RegatherColwiseParallel; "
+                          "megatron always does)")
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
@@ -122,8 +137,9 @@ def register(sub) -> None:
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
-              "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
+              "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
               "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention",
+              "grads", "step",
               "compile", "loss", "loss_chunks", "fp8", "fp8_param_gather", "activation_offload", "optimizer_offload",
               "optimizer_in_backward", "optimizer_state_dtype")
 

@@ -2,15 +2,30 @@
 
 Megatron describes the model in its arguments, so we write the equivalent HF config:
 `--swiglu` / `--normalization RMSNorm` / rotary positions give a Llama-style model
-(`mixtral` when `--num-experts` is set), otherwise a GPT-2-style one. Defaults follow
-Megatron's argument defaults: ffn = 4h (or 8h/3 rounded down to a multiple of 64 with
-SwiGLU), biases on unless `--disable-bias-linear`, tied embeddings unless
-`--untie-embeddings-and-output-weights`, fp32 unless `--bf16`/`--fp16`.
+(`qwen2_moe`-shaped when `--num-experts` is set: separate dense and expert FFN widths, shared
+experts, dense layers), otherwise a GPT-2-style one. Defaults follow Megatron's argument
+defaults: ffn = 4h (or 8h/3 rounded down to a multiple of 64 with SwiGLU), biases on unless
+`--disable-bias-linear`, tied embeddings unless `--untie-embeddings-and-output-weights`, fp32
+unless `--bf16`/`--fp16`.
+
+Every argument that changes memory is either honoured (read below into the model or the
+plan) or refused with one line naming it (`REFUSED`, and the conditional refusals below);
+arguments that do not change allocated memory are listed in `NO_MEMORY_EFFECT` with the
+reason; anything else is named in one "not modelled, ignored" warning.
+
+Precision as `megatron/training/arguments.py` resolves it: with `--bf16` the main grads
+(DDP's contiguous grad buffer) are fp32 unless `--grad-reduce-in-bf16` or `--main-grads-dtype
+bf16`; with `--fp16` they are fp16 unless `--accumulate-allreduce-grads-in-fp32`.
+`--use-precision-aware-optimizer` makes `--main-params-dtype`, `--exp-avg-dtype` and
+`--exp-avg-sq-dtype` the stored dtypes of the master weights and Adam moments.
+
 World size is not a Megatron argument: it comes from the launcher part of a pasted command
 (`torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py ...`), `--world-size`, or `--dp`.
 """
 
 from __future__ import annotations
+
+import ast
 
 from ..errors import UserError
 from . import ToolConfig
@@ -26,40 +41,116 @@ KNOWN = {
     "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size",
     "num-experts", "moe-router-topk", "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size",
     "sequence-parallel", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
-    "recompute-num-layers", "recompute-activations", "bf16", "fp16", "swiglu", "normalization",
-    "untie-embeddings-and-output-weights", "padded-vocab-size", "vocab-size", "tokenizer-type",
+    "recompute-num-layers", "recompute-activations", "recompute-modules", "bf16", "fp16", "swiglu",
+    "normalization", "untie-embeddings-and-output-weights", "padded-vocab-size", "vocab-size", "tokenizer-type",
     "tokenizer-model", "make-vocab-size-divisible-by", "use-flash-attn", "attention-backend",
     "disable-bias-linear", "add-qkv-bias", "position-embedding-type", "use-rotary-position-embeddings",
     "world-size", "nproc-per-node", "nnodes", "optimizer", "attention-dropout", "hidden-dropout",
     "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "qk-layernorm",
-    "moe-layer-freq", "accumulate-allreduce-grads-in-fp32", "data-parallel-size",
+    "moe-layer-freq", "accumulate-allreduce-grads-in-fp32", "data-parallel-size", "grad-reduce-in-bf16",
+    "use-precision-aware-optimizer", "main-grads-dtype", "main-params-dtype", "exp-avg-dtype",
+    "exp-avg-sq-dtype", "no-gradient-accumulation-fusion", "moe-token-dispatcher-type", "cp-comm-type",
+    "cross-entropy-loss-fusion", "cross-entropy-fusion-impl", "num-distributed-optimizer-instances",
+    "use-torch-fsdp2", "use-megatron-fsdp", "use-custom-fsdp", "data-parallel-sharding-strategy",
+    "no-bias-swiglu-fusion", "attention-softmax-in-fp32", "apply-query-key-layer-scaling",
 }
-IGNORED = {
+
+# Arguments that change no allocated bytes (or only in ways stated here), accepted as they are.
+NO_MEMORY_EFFECT = {
+    # learning rate, schedule, regularisation, initialisation, loss scaling
+    "lr", "min-lr", "lr-decay-style", "lr-warmup-iters", "lr-warmup-fraction", "lr-warmup-samples",
+    "lr-decay-iters", "lr-decay-samples", "lr-warmup-init", "decoupled-lr", "decoupled-min-lr", "weight-decay",
+    "start-weight-decay", "end-weight-decay", "weight-decay-incr-style", "clip-grad", "adam-beta1", "adam-beta2",
+    "adam-eps", "sgd-momentum", "init-method-std", "init-method-xavier-uniform", "seed", "loss-scale",
+    "initial-loss-scale", "min-loss-scale", "loss-scale-window", "hysteresis", "head-lr-mult",
+    "apply-wd-to-qk-layernorm", "calculate-per-token-loss",
+    # run length, logging, checkpoints, data, tokenizer details
+    "train-iters", "train-samples", "exit-interval", "exit-duration-in-mins", "exit-signal-handler",
+    "log-interval", "log-throughput", "log-timers-to-tensorboard", "log-memory-to-tensorboard",
+    "log-validation-ppl-to-tensorboard", "log-params-norm", "log-num-zeros-in-grad", "timing-log-level",
+    "timing-log-option", "tensorboard-dir", "tensorboard-log-interval", "wandb-project", "wandb-exp-name",
+    "wandb-save-dir", "save", "load", "save-interval", "eval-interval", "eval-iters", "ckpt-format",
+    "use-checkpoint-args", "no-load-optim", "no-load-rng", "no-save-optim", "no-save-rng", "finetune",
+    "use-dist-ckpt", "dist-ckpt-format", "ckpt-fully-parallel-save", "ckpt-fully-parallel-load", "async-save",
+    "data-path", "split", "vocab-file", "merge-file", "mock-data", "data-cache-path", "num-workers",
+    "dataloader-type", "tiktoken-pattern", "no-mmap-bin-files", "no-create-attention-mask-in-dataloader",
+    "eod-mask-loss", "reset-position-ids", "reset-attention-mask", "train-data-path", "valid-data-path",
+    "test-data-path", "profile", "profile-step-start", "profile-step-end", "profile-ranks", "use-pytorch-profiler",
+    "distributed-backend", "distributed-timeout-minutes", "local-rank", "node-rank", "master-addr",
+    "master-port", "use-mcore-models", "use-legacy-models", "transformer-impl", "spec",
+    # numerics only (same tensors kept): rope variants, norm variants, softmax scale
+    "rotary-base", "rotary-percent", "rotary-interleaved", "rope-scaling", "use-rope-scaling",
+    "rope-scaling-factor", "rotary-seq-len-interpolation-factor", "norm-epsilon", "layernorm-epsilon",
+    "apply-layernorm-1p", "layernorm-zero-centered-gamma", "no-position-embedding", "openai-gelu",
+    "window-size", "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff",
+    "moe-router-score-function", "moe-router-pre-softmax", "moe-router-topk-scaling-factor",
+    "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "moe-router-dtype", "moe-input-jitter-eps",
+    "moe-per-layer-logging", "moe-use-upcycling", "moe-router-num-groups", "moe-router-group-topk",
+    "check-for-nan-in-loss-and-grad", "no-check-for-nan-in-loss-and-grad", "deterministic-mode",
+    # fusions whose kernels keep the same tensors for backward (transients only)
+    "no-masked-softmax-fusion", "no-bias-gelu-fusion", "no-bias-dropout-fusion", "no-rope-fusion",
+    "no-persist-layer-norm", "bias-swiglu-fusion", "moe-permute-fusion", "moe-router-fusion",
+    "moe-grouped-gemm", "no-async-tensor-model-parallel-allreduce", "no-gradient-reduce-div-fusion",
+    # communication scheduling over the same buffers (DDP buckets, p2p, param all-gather)
     "overlap-grad-reduce", "overlap-param-gather", "overlap-param-gather-with-optimizer-step",
-    "tp-comm-overlap", "lr", "min-lr", "lr-decay-style", "lr-warmup-iters", "lr-warmup-fraction",
-    "lr-decay-iters", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "adam-eps", "init-method-std",
-    "train-iters", "train-samples", "log-interval", "save-interval", "eval-interval", "eval-iters", "save",
-    "load", "data-path", "split", "vocab-file", "merge-file", "tensorboard-dir", "wandb-project",
-    "wandb-exp-name", "seed", "no-gradient-accumulation-fusion", "no-masked-softmax-fusion",
-    "no-bias-gelu-fusion", "no-bias-dropout-fusion", "no-bias-swiglu-fusion", "no-rope-fusion",
-    "use-mcore-models", "transformer-impl", "distributed-backend", "distributed-timeout-minutes",
-    "log-throughput", "log-timers-to-tensorboard", "log-memory-to-tensorboard", "timing-log-level",
-    "num-workers", "dataloader-type", "no-async-tensor-model-parallel-allreduce", "manual-gc",
-    "manual-gc-interval", "ckpt-format", "rotary-base", "rotary-percent", "norm-epsilon",
-    "layernorm-epsilon", "apply-layernorm-1p", "no-position-embedding", "use-checkpoint-args",
-    "exit-interval", "exit-duration-in-mins", "no-load-optim", "no-load-rng", "finetune",
-    "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-grouped-gemm", "moe-token-dispatcher-type",
-    "moe-router-dtype", "moe-permute-fusion", "moe-z-loss-coeff", "mock-data", "bias-swiglu-fusion",
-    "cross-entropy-loss-fusion", "use-torch-fsdp2", "profile", "profile-step-start", "profile-step-end",
-    "log-params-norm", "log-num-zeros-in-grad", "loss-scale", "initial-loss-scale", "min-loss-scale",
-    "loss-scale-window", "hysteresis", "attention-softmax-in-fp32", "sequence-parallel-overlap",
-    "rope-scaling", "rotary-seq-len-interpolation-factor", "no-create-attention-mask-in-dataloader",
-    "eod-mask-loss", "reset-position-ids", "reset-attention-mask", "override-opposite-embeddings",
-    "defer-embedding-wgrad-compute", "use-legacy-models", "bf16-reduce",
+    "align-param-gather", "no-align-param-gather", "ddp-bucket-size", "ddp-num-buckets",
+    "ddp-average-in-collective", "ddp-pad-buckets-for-high-nccl-busbw", "overlap-p2p-comm", "batch-p2p-comm",
+    "no-overlap-p2p-communication", "moe-shared-expert-overlap", "high-priority-stream-groups",
+    # allocator hygiene: changes reserved, never allocated, bytes
+    "empty-unused-memory-level", "manual-gc", "manual-gc-interval", "manual-gc-eval",
+}
+
+_FP8 = ("changes memory (FP8 weights, transposes and scaling state) and FP8 is not modelled yet; "
+        "remove the FP8 arguments to estimate the BF16 run instead")
+_OFFLOAD = "moves tensors to host memory, which pipemem does not model yet"
+REFUSED = {
+    "no-fp8-wgrad": _FP8, "fp8-dot-product-attention": _FP8, "fp8-multi-head-attention": _FP8,
+    "first-last-layers-bf16": _FP8, "num-layers-at-start-in-bf16": _FP8, "num-layers-at-end-in-bf16": _FP8,
+    "keep-fp8-transpose-cache": _FP8, "reuse-grad-buf-for-mxfp8-param-ag": _FP8, "te-precision-config-file": _FP8,
+    "fp4-format": "changes memory (FP4 weights) and FP4 is not modelled", "fp4": "FP4 is not modelled",
+    "fp4-recipe": "FP4 is not modelled", "fp4-param-gather": "FP4 is not modelled",
+    "cpu-offloading": _OFFLOAD, "cpu-offloading-num-layers": _OFFLOAD, "cpu-offloading-activations": _OFFLOAD,
+    "cpu-offloading-weights": _OFFLOAD,
+    "tp-comm-overlap": "allocates Transformer Engine's userbuffers (communication/GEMM overlap), not modelled",
+    "delay-wgrad-compute": "keeps weight-gradient inputs until a delayed wgrad pass, not modelled",
+    "defer-embedding-wgrad-compute": "keeps the embedding's wgrad inputs across microbatches, not modelled",
+    "moe-expert-capacity-factor": "changes the tokens each expert receives (capacity), not modelled; "
+                                  "pipemem assumes dropless balanced routing",
+    "moe-pad-expert-input-to-capacity": "pads expert inputs to capacity, not modelled",
+    "moe-token-drop-policy": "token dropping is not modelled (pipemem assumes dropless routing)",
+    "moe-layer-recompute": "recomputes the MoE layer, not modelled",
+    "moe-shared-expert-gate": "the shared-expert gate is not modelled",
+    "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
+    "multi-latent-attention": "multi-latent attention is not modelled", "q-lora-rank": "MLA is not modelled",
+    "kv-lora-rank": "MLA is not modelled", "mtp-num-layers": "multi-token prediction layers are not modelled",
+    "pipeline-model-parallel-layout": "custom pipeline layouts are not read; use "
+                                      "--decoder-first/last-pipeline-num-layers",
+    "account-for-embedding-in-pipeline-split": "changes the layer split, not modelled",
+    "account-for-loss-in-pipeline-split": "changes the layer split, not modelled",
+    "hierarchical-context-parallel-sizes": "hierarchical context parallelism is not modelled",
+    "hybrid-context-parallel": "hybrid context parallelism is not modelled",
+    "enable-cuda-graph": "CUDA graphs keep static input/output buffers, not modelled",
+    "external-cuda-graph": "CUDA graphs keep static input/output buffers, not modelled",
+    "cuda-graph-impl": "CUDA graphs keep static input/output buffers, not modelled",
+    "cuda-graph-scope": "CUDA graphs keep static input/output buffers, not modelled",
+    "fp16-lm-cross-entropy": "cross entropy on fp16 logits (no fp32 copy) is not modelled",
+    "distribute-saved-activations": "distributing saved activations over tp is not modelled",
+    "squared-relu": "the squared-ReLU MLP is not modelled", "quick-geglu": "the quick-GeGLU MLP is not modelled",
+    "hybrid-override-pattern": "hybrid (Mamba) models are not modelled",
+    "hybrid-layer-pattern": "hybrid (Mamba) models are not modelled",
+    "heterogeneous-layers-config-path": "heterogeneous layers are not modelled",
+    "heterogeneous-layers-config-encoded-json": "heterogeneous layers are not modelled",
+    "experimental-attention-variant": "attention variants are not modelled",
+    "qk-l2-norm": "QK L2 norm is not modelled", "attention-output-gate": "the attention output gate is not modelled",
 }
 
 # Vocabulary sizes of Megatron's built-in tokenizers (before padding).
 _TOKENIZER_VOCAB = {"gpt2bpetokenizer": 50257, "llama2tokenizer": 32000, "llama3tokenizer": 128256}
+_DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+
+
+def refuse(flag: str, why: str):
+    raise UserError(f"{TOOL}: --{flag} {why}")
 
 
 def read(argv: list[str]) -> ToolConfig:
@@ -67,8 +158,15 @@ def read(argv: list[str]) -> ToolConfig:
     if not a.values:
         raise UserError("--from-megatron: no arguments after `--`; paste the pretrain_gpt.py arguments, e.g. "
                         "pipemem estimate --from-megatron -- --num-layers 32 --hidden-size 4096 ...")
+    for flag, values in a.values.items():
+        off = len(values) == 1 and values[0].strip("'\"").lower() in ("0", "false", "no", "off", "none")
+        if flag in REFUSED:
+            if not off:
+                refuse(flag, REFUSED[flag])
+            a.used.add(flag)        # switched off explicitly: nothing to model
     warnings: list[str] = []
     plan: dict = {"convention": "megatron"}
+    extra: dict = {}
 
     layers = _required(a, "num-layers")
     hidden = _required(a, "hidden-size")
@@ -88,6 +186,8 @@ def read(argv: list[str]) -> ToolConfig:
         raise UserError(f"{TOOL}: --normalization {norm!r}: expected LayerNorm or RMSNorm")
     pos = (a.str("position-embedding-type") or ("rope" if a.bool("use-rotary-position-embeddings")
                                                 else "learned_absolute")).lower()
+    if pos not in ("rope", "learned_absolute", "none"):
+        refuse("position-embedding-type", f"{pos!r} is not modelled; use rope or learned_absolute")
     llama_like = swiglu or norm == "rmsnorm" or pos == "rope"
     ffn = a.int("ffn-hidden-size")
     if ffn is None:
@@ -100,6 +200,9 @@ def read(argv: list[str]) -> ToolConfig:
     qkv_bias = bool(a.bool("add-qkv-bias")) or bias
     experts = a.int("num-experts")
     topk = a.int("moe-router-topk")
+    if swiglu and a.bool("no-bias-swiglu-fusion"):
+        refuse("no-bias-swiglu-fusion", "keeps the unfused SwiGLU's intermediates (silu output and both halves), "
+                                        "not modelled")
 
     if llama_like:
         if not swiglu:
@@ -115,27 +218,27 @@ def read(argv: list[str]) -> ToolConfig:
             warnings.append(f"{TOOL}: LayerNorm with a Llama-style model is modelled as RMSNorm "
                             "(saves the same input; one fewer parameter vector)")
         if a.bool("qk-layernorm"):
-            warnings.append(f"{TOOL}: --qk-layernorm is not modelled for Llama-style models")
+            model["qk_layernorm"] = True
         if experts:
-            model.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=topk or 2,
-                         intermediate_size=a.int("moe-ffn-hidden-size") or ffn)
-            if topk is None:
-                warnings.append(f"{TOOL}: --moe-router-topk not given; Megatron's default 2 used")
-            if a.has("moe-shared-expert-intermediate-size"):
-                warnings.append(f"{TOOL}: shared experts are not modelled")
+            if bias:
+                raise UserError(f"{TOOL}: --num-experts without --disable-bias-linear: biases in MoE layers are "
+                                "not modelled; add --disable-bias-linear (as Megatron's MoE examples do)")
+            _moe(a, model, experts, topk, ffn, layers, warnings)
     else:
         if experts:
             raise UserError(f"{TOOL}: --num-experts needs a Llama-style model (--swiglu, "
                             "--normalization RMSNorm); GPT-style MoE is not supported")
-        if not bias:
-            warnings.append(f"{TOOL}: --disable-bias-linear on a GPT-style model: biases still counted")
+        if a.bool("qk-layernorm"):
+            refuse("qk-layernorm", "on a GPT-style model is not modelled")
         model = {"model_type": "gpt2", "n_embd": hidden, "n_layer": layers, "n_head": heads,
                  "n_inner": ffn, "n_positions": max_pos, "vocab_size": vocab, "tie_word_embeddings": tied,
-                 "activation_function": "gelu",
+                 "activation_function": "gelu", "add_bias_linear": bias,
                  "attn_pdrop": _float(a, "attention-dropout", 0.1), "resid_pdrop": _float(a, "hidden-dropout", 0.1),
                  "embd_pdrop": _float(a, "hidden-dropout", 0.1)}
         if kv != heads:
             raise UserError(f"{TOOL}: --group-query-attention needs a Llama-style model (--swiglu or rope)")
+        if pos == "none":
+            refuse("position-embedding-type", "none on a GPT-style model is not modelled")
     a.used.update({"attention-dropout", "hidden-dropout"})
 
     plan["seq_len"] = seq
@@ -146,12 +249,20 @@ def read(argv: list[str]) -> ToolConfig:
     pp = a.int("pipeline-model-parallel-size") or 1
     cp = a.int("context-parallel-size") or 1
     plan.update(tp=tp, pp=pp, cp=cp)
+    cp_comm = (a.str("cp-comm-type") or "p2p").lower()
+    if cp > 1 and cp_comm != "p2p":
+        refuse("cp-comm-type", f"{cp_comm} is not modelled; pipemem models the p2p ring (the default)")
     ep = a.int("expert-model-parallel-size")
     if ep is not None:
         plan["ep"] = ep
     etp = a.int("expert-tensor-parallel-size")
     if etp is not None:
         plan["etp"] = etp
+    if experts:
+        dispatcher = (a.str("moe-token-dispatcher-type") or "allgather").lower()
+        if dispatcher != "alltoall" and ((ep or 1) > 1 or tp > 1):
+            refuse("moe-token-dispatcher-type", f"{dispatcher} (Megatron's default when not given) is not "
+                   "modelled with expert or tensor parallelism; pipemem models alltoall")
 
     world = a.int("world-size")
     if world is None and a.has("nproc-per-node"):
@@ -190,18 +301,12 @@ def read(argv: list[str]) -> ToolConfig:
         plan["sp"] = True
     elif tp > 1:
         plan["sp"] = False
-    if a.bool("use-distributed-optimizer"):
-        plan["dist_opt"] = True
+    _sharding(a, plan)
 
-    fp16, bf16 = a.bool("fp16"), a.bool("bf16")
-    if fp16 and bf16:
-        raise UserError(f"{TOOL}: --fp16 and --bf16 both given; choose one")
-    plan["dtype"] = "bf16" if bf16 else ("fp16" if fp16 else "fp32")
-    if plan["dtype"] == "fp32":
-        plan["master_weights"] = False
-    a.bool("accumulate-allreduce-grads-in-fp32")
-
+    _precision(a, plan, extra)
     _recompute(a, plan, warnings, layers)
+    if a.bool("no-gradient-accumulation-fusion"):
+        extra["wgrad_fused"] = False      # eager dW temporaries, then added into the main grad
 
     flash = a.bool("use-flash-attn")
     backend = (a.str("attention-backend") or "").lower()
@@ -211,25 +316,218 @@ def read(argv: list[str]) -> ToolConfig:
         plan["flash_attn"] = False
     elif flash or backend in ("flash", "fused", "auto"):
         plan["flash_attn"] = True
+    if plan.get("flash_attn") is False:
+        for flag in ("attention-softmax-in-fp32", "apply-query-key-layer-scaling"):
+            if a.bool(flag):
+                refuse(flag, "changes the unfused attention's softmax dtype, not modelled")
+    else:
+        a.used.update({"attention-softmax-in-fp32", "apply-query-key-layer-scaling"})
+
+    if a.bool("cross-entropy-loss-fusion"):
+        impl = (a.str("cross-entropy-fusion-impl") or "native").lower()
+        if impl not in ("native", "te"):
+            refuse("cross-entropy-fusion-impl", f"{impl!r}: expected native or te")
+        # native keeps what the unfused CE keeps; te works in place on the bf16 logits
+        plan["loss"] = "fused_te" if impl == "te" else "fused"
+    a.str("cross-entropy-fusion-impl")
+    _modern_flags(a, plan)
 
     opt = a.str("optimizer")
     if opt:
         if opt.lower() not in ("adam", "sgd"):
-            raise UserError(f"{TOOL}: --optimizer {opt!r}: expected adam or sgd")
+            refuse("optimizer", f"{opt!r} is not modelled; expected adam or sgd")
         plan["optimizer"] = "adamw" if opt.lower() == "adam" else "sgd"   # Megatron's adam is AdamW
 
     gbs = a.int("global-batch-size")
     if gbs is not None:
         plan["global_batch"] = gbs
-    if a.has("moe-layer-freq") and (a.str("moe-layer-freq") or "1") != "1":
-        warnings.append(f"{TOOL}: --moe-layer-freq other than 1 is modelled as every layer MoE")
+    if extra:
+        plan["extra"] = extra
 
-    unknown = a.unknown(KNOWN, IGNORED)
+    unknown = a.unknown(KNOWN, NO_MEMORY_EFFECT)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
     name = f"megatron-{layers}L-{hidden}h"
     return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, model_name=name,
                       dp_unknown=dp is None)
+
+
+# Megatron's names for the modules its fine-grained activation offloading can move
+# (--offload-modules) -> pipemem's (pipemem.features.OFFLOAD_MODULES)
+_OFFLOAD_MODULES = {"attn_norm": "attn_norm", "qkv_linear": "qkv", "core_attn": "core_attn",
+                    "attn_proj": "attn_proj", "mlp_norm": "mlp_norm", "expert_fc1": "expert_fc1",
+                    "moe_act": "moe_act"}
+_FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current", "mxfp8": "mxfp8"}
+
+
+def _modern_flags(a, plan: dict) -> None:
+    """FP8 (Transformer Engine recipes), optimizer CPU offload and fine-grained activation
+    offloading -> pipemem.features plan fields."""
+    fmt = a.str("fp8-format") or a.str("fp8")
+    if fmt and fmt.lower() not in ("0", "false", "none"):
+        if fmt.lower() not in ("e4m3", "hybrid"):
+            refuse("fp8-format", f"{fmt!r}: expected e4m3 or hybrid")
+        recipe = (a.str("fp8-recipe") or "delayed").lower()     # Megatron's default recipe
+        if recipe not in _FP8_RECIPES:
+            refuse("fp8-recipe", f"{recipe!r} is not modelled; pipemem models delayed, tensorwise (current "
+                   "scaling) and mxfp8")
+        plan["fp8"] = _FP8_RECIPES[recipe]
+        if a.bool("fp8-param-gather"):
+            plan["fp8_param_gather"] = True
+        # per-tensor scaling state (amax history, scales): a few KB per layer
+        for flag in ("fp8-margin", "fp8-interval", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-wgrad"):
+            a.raw(flag)
+    else:
+        for flag in ("fp8-recipe", "fp8-param-gather"):
+            if a.bool(flag) if flag == "fp8-param-gather" else a.str(flag):
+                refuse(flag, "needs --fp8-format (FP8 training)")
+    if a.bool("optimizer-cpu-offload"):
+        frac = a.raw("optimizer-offload-fraction")
+        try:
+            plan["optimizer_offload"] = float(frac) if frac else 1.0
+        except ValueError:
+            refuse("optimizer-offload-fraction", f"{frac!r}: expected a number between 0 and 1")
+    else:
+        a.raw("optimizer-offload-fraction")
+    if a.bool("fine-grained-activation-offloading"):
+        mods = [m.strip() for m in (a.str("offload-modules") or "").replace(",", " ").split() if m.strip()]
+        if not mods:
+            refuse("fine-grained-activation-offloading", "without --offload-modules: name the modules to offload")
+        bad = [m for m in mods if m not in _OFFLOAD_MODULES]
+        if bad:
+            refuse("offload-modules", f"{bad[0]!r} is not modelled; known: {', '.join(_OFFLOAD_MODULES)}")
+        plan["activation_offload"] = ",".join(_OFFLOAD_MODULES[m] for m in mods)
+    else:
+        a.raw("offload-modules")
+
+
+def _moe(a, model: dict, experts: int, topk: int | None, ffn: int, layers: int, warnings: list[str]) -> None:
+    """MoE shape as megatron-core builds it: expert width --moe-ffn-hidden-size (default the
+    dense width), shared experts of --moe-shared-expert-intermediate-size (all shared experts
+    fused in one MLP), --moe-layer-freq choosing which layers are MoE (an int N: layers
+    0, N, 2N...; or a list of 0/1 per layer). Written as a qwen2_moe-style HF config."""
+    model.update(model_type="qwen2_moe", num_experts=experts, num_experts_per_tok=topk or 2,
+                 moe_intermediate_size=a.int("moe-ffn-hidden-size") or ffn)
+    if topk is None:
+        warnings.append(f"{TOOL}: --moe-router-topk not given; Megatron's default 2 used")
+    shared = a.int("moe-shared-expert-intermediate-size")
+    model["shared_expert_intermediate_size"] = shared or 0
+    freq = a.str("moe-layer-freq")
+    moe_layers = set(range(layers))
+    if freq is not None:
+        pattern = _layer_pattern(freq, layers)
+        moe_layers = {i for i in range(layers) if pattern[i]}
+    model["mlp_only_layers"] = sorted(set(range(layers)) - moe_layers)
+
+
+def _layer_pattern(text: str, layers: int) -> list[int]:
+    """--moe-layer-freq: an int N (every N-th layer from 0 is MoE) or a Python list expression of
+    0/1 per layer, e.g. "([1]*3+[0])*8" (what megatron evaluates)."""
+    text = text.strip()
+    try:
+        n = int(text)
+    except ValueError:
+        pass
+    else:
+        if n < 1:
+            refuse("moe-layer-freq", f"{n}: must be >= 1")
+        return [1 if i % n == 0 else 0 for i in range(layers)]
+    try:
+        value = _eval_list(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        refuse("moe-layer-freq", f"{text!r}: expected an integer or a list such as ([1]*3+[0])*8")
+    if len(value) != layers or any(v not in (0, 1) for v in value):
+        refuse("moe-layer-freq", f"{text!r}: needs one 0 or 1 per layer ({layers} layers)")
+    return value
+
+
+def _eval_list(node) -> list[int]:
+    """Lists of ints with + and * only (no eval)."""
+    if isinstance(node, ast.List):
+        out = []
+        for e in node.elts:
+            if not (isinstance(e, ast.Constant) and isinstance(e.value, int)):
+                raise ValueError("list items must be integers")
+            out.append(e.value)
+        return out
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _eval_list(node.left) + _eval_list(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if isinstance(node.right, ast.Constant) and isinstance(node.right.value, int):
+            return _eval_list(node.left) * node.right.value
+        if isinstance(node.left, ast.Constant) and isinstance(node.left.value, int):
+            return _eval_list(node.right) * node.left.value
+    raise ValueError("unsupported expression")
+
+
+def _sharding(a, plan: dict) -> None:
+    """Distributed optimizer, Megatron-FSDP, torch FSDP2."""
+    if a.bool("use-distributed-optimizer"):
+        plan["dist_opt"] = True
+    instances = a.int("num-distributed-optimizer-instances")
+    if instances is not None and instances > 1:
+        refuse("num-distributed-optimizer-instances", f"{instances}: sharding the optimizer over part of the "
+               "data-parallel group is not modelled")
+    if a.bool("use-torch-fsdp2"):
+        plan.pop("dist_opt", None)
+        plan["fsdp"] = True
+    megatron_fsdp = a.bool("use-megatron-fsdp") or a.bool("use-custom-fsdp")
+    strategy = (a.str("data-parallel-sharding-strategy") or "no_shard").lower()
+    if megatron_fsdp:
+        zero = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}.get(strategy)
+        if zero is None:
+            refuse("data-parallel-sharding-strategy", f"{strategy!r}: expected no_shard, optim, optim_grads or "
+                   "optim_grads_params")
+        plan.pop("dist_opt", None)
+        plan["zero"] = zero
+
+
+def _precision(a, plan: dict, extra: dict) -> None:
+    """Param, main-grad, master-weight and optimizer-state dtypes as Megatron resolves them."""
+    fp16, bf16 = a.bool("fp16"), a.bool("bf16")
+    if fp16 and bf16:
+        raise UserError(f"{TOOL}: --fp16 and --bf16 both given; choose one")
+    dtype = "bf16" if bf16 else ("fp16" if fp16 else "fp32")
+    plan["dtype"] = dtype
+    main_grads = _dtype_arg(a, "main-grads-dtype", ("fp32", "bf16"))
+    accumulate_fp32 = bool(a.bool("accumulate-allreduce-grads-in-fp32"))
+    grad_bf16 = bool(a.bool("grad-reduce-in-bf16"))
+    if dtype == "fp32":
+        plan["master_weights"] = False
+        return
+    if accumulate_fp32 and (grad_bf16 or main_grads == "bf16"):
+        raise UserError(f"{TOOL}: --accumulate-allreduce-grads-in-fp32 contradicts "
+                        f"{'--grad-reduce-in-bf16' if grad_bf16 else '--main-grads-dtype bf16'}")
+    if dtype == "bf16":
+        # arguments.py: bf16 accumulates and reduces grads in fp32 unless told otherwise
+        fp32_grads = not grad_bf16 and (accumulate_fp32 or main_grads in (None, "fp32"))
+    else:
+        fp32_grads = accumulate_fp32      # fp16: grads in fp16 unless asked
+    plan["main_grad_dtype"] = "fp32" if fp32_grads else dtype
+    if a.bool("use-precision-aware-optimizer"):
+        extra["precision_aware_optimizer"] = True
+        for flag, key, allowed in (("main-params-dtype", "main_params_dtype", ("fp32", "fp16")),
+                                   ("exp-avg-dtype", "exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
+                                   ("exp-avg-sq-dtype", "exp_avg_sq_dtype", ("fp32", "fp16", "bf16", "fp8"))):
+            value = _dtype_arg(a, flag, allowed)
+            if value not in (None, "fp32"):
+                extra[key] = value
+    else:
+        for flag in ("main-params-dtype", "exp-avg-dtype", "exp-avg-sq-dtype"):
+            value = a.str(flag)
+            if value is not None and value.lower() != "fp32":
+                raise UserError(f"{TOOL}: --{flag} {value} needs --use-precision-aware-optimizer "
+                                "(Megatron ignores it otherwise)")
+
+
+def _dtype_arg(a, flag: str, allowed: tuple[str, ...]) -> str | None:
+    value = a.str(flag)
+    if value is None:
+        return None
+    value = value.lower()
+    if value not in allowed:
+        raise UserError(f"{TOOL}: --{flag} {value!r}: expected one of {', '.join(allowed)}")
+    return _DTYPES[value]
 
 
 def _required(a, name: str) -> int:
@@ -275,6 +573,7 @@ def _recompute(a, plan: dict, warnings: list[str], layers: int) -> None:
     gran = a.str("recompute-granularity")
     method = (a.str("recompute-method") or "").lower()
     num = a.int("recompute-num-layers")
+    modules = a.str("recompute-modules")
     if a.bool("recompute-activations"):
         if gran and gran.lower() != "selective":
             raise UserError(f"{TOOL}: --recompute-activations (selective) contradicts "
@@ -287,6 +586,12 @@ def _recompute(a, plan: dict, warnings: list[str], layers: int) -> None:
         return
     gran = gran.lower()
     if gran == "selective":
+        if modules is not None and sorted(modules.replace(",", " ").split()) != ["core_attn"]:
+            refuse("recompute-modules", f"{modules}: pipemem models selective recompute of core_attn (the "
+                   "default) only")
+        if method or num is not None:
+            raise UserError(f"{TOOL}: --recompute-method/--recompute-num-layers apply to --recompute-granularity "
+                            "full only (Megatron asserts this)")
         plan["recompute"] = "selective"
         return
     if gran != "full":
@@ -294,11 +599,13 @@ def _recompute(a, plan: dict, warnings: list[str], layers: int) -> None:
     plan["recompute"] = "full"
     if method not in ("uniform", "block"):
         raise UserError(f"{TOOL}: --recompute-granularity full needs --recompute-method uniform or block")
+    if num is None:
+        raise UserError(f"{TOOL}: --recompute-granularity full needs --recompute-num-layers (Megatron asserts this)")
     if method == "block":
-        plan["recompute_layers"] = num if num is not None else layers
-    elif num and num > 1:
-        warnings.append(f"{TOOL}: --recompute-method uniform --recompute-num-layers {num} (one checkpoint per "
-                        f"{num} layers) is modelled as one checkpoint per layer")
+        plan["recompute_layers"] = num
+    elif num > 1:
+        refuse("recompute-num-layers", f"{num} with --recompute-method uniform (one checkpoint over {num} layers) "
+               "is not modelled; pipemem models uniform with 1 layer per checkpoint, or block")
 
 
 def _uneven_layout(layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:

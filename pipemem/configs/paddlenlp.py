@@ -8,6 +8,9 @@ Precision: `--bf16 1` or `--fp16 1` turn on AMP; with neither, training is fp32 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from ..errors import UserError
 from . import ToolConfig
 from .argv import parse
@@ -48,6 +51,36 @@ _SCHEDULES = {"1f1b": "1F1B", "fthenb": "FThenB", "vpp": "VPP", "eager1f1b": "Ea
               "zbh1": "ZBH1", "zbvpp": "ZBVPP", "zbv": "ZBVZeroBubble"}
 
 
+def cached_config_dirs(model_id: str) -> list[Path]:
+    """Where PaddleNLP's `from_pretrained(model_id)` finds a downloaded model's config.json:
+    its own cache (``$PPNLP_HOME/models/<id>``, default ``~/.paddlenlp/models/<id>``), then
+    the Hugging Face hub cache (``from_hf_hub``: ``$HF_HUB_CACHE`` or ``$HF_HOME/hub``,
+    ``models--<org>--<name>/snapshots/<rev>``, newest first)."""
+    home = Path(os.environ.get("PPNLP_HOME") or Path.home() / ".paddlenlp").expanduser()
+    dirs = [home / "models" / model_id]
+    hub = os.environ.get("HF_HUB_CACHE") or str(Path(os.environ.get("HF_HOME") or
+                                                     Path.home() / ".cache" / "huggingface") / "hub")
+    snaps = Path(hub).expanduser() / ("models--" + model_id.replace("/", "--")) / "snapshots"
+    if snaps.is_dir():
+        dirs += sorted((d for d in snaps.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
+    return dirs
+
+
+def resolve_model_id(model: str) -> str:
+    """A model id pipemem has no preset for, but whose config.json PaddleNLP would read from a
+    local cache, becomes that config's path; presets, known hub ids and paths stay as given
+    (an id found nowhere is left for `--model`'s own error, which lists the presets)."""
+    from ..presets import ALIASES, model_names
+
+    key = model.strip().lower()
+    if key in model_names() or key in ALIASES or Path(model).expanduser().exists():
+        return model
+    for d in cached_config_dirs(model.strip()):
+        if (d / "config.json").is_file():
+            return str(d / "config.json")
+    return model
+
+
 def read(argv: list[str]) -> ToolConfig:
     a = parse(list(argv), TOOL)
     if not a.values:
@@ -59,6 +92,7 @@ def read(argv: list[str]) -> ToolConfig:
     model = a.str("model_name_or_path")
     if not model:
         raise UserError("--from-paddlenlp: --model_name_or_path is required (a preset, hub id or config dir)")
+    model_id, model = model, resolve_model_id(model)
     layers = a.int("num_hidden_layers")
     if layers is not None:
         plan["layers"] = layers
@@ -99,11 +133,9 @@ def read(argv: list[str]) -> ToolConfig:
         if not levels:
             raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
         plan["zero"] = max(levels)
-        if dp_degree > 1:
-            warnings.append(f"{TOOL}: data_parallel_degree {dp_degree} x sharding_parallel_degree "
-                            f"{sharding_degree}: ZeRO states are modelled as sharded over all "
-                            f"{dp_degree * sharding_degree} data-parallel ranks (PaddleNLP shards over "
-                            f"{sharding_degree} only)")
+        # PaddleNLP shards the model states over the sharding group only (its size is
+        # sharding_parallel_degree); the data_parallel_degree replicas each hold a full set.
+        plan["extra"] = {"zero_group": sharding_degree}
 
     sp = a.bool("sequence_parallel")
     if sp is not None:
@@ -177,4 +209,5 @@ def read(argv: list[str]) -> ToolConfig:
     unknown = a.unknown(KNOWN, IGNORED)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
-    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL)
+    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
+                      model_name=model_id if model != model_id else "")

@@ -6,6 +6,9 @@ rank's `local_batch_size` into microbatches of `pipeline_parallel_microbatch_siz
 it the local batch is one microbatch (gradient accumulation repeats whole steps, which does
 not raise the peak). FSDP2 keeps fp32 sharded parameters and gathers them in
 `mixed_precision_param`, so bf16 training here means bf16 compute with fp32 master state.
+`[parallelism] tensor_parallel_recompute_allgather = true` (pipemem's key, for a plan whose
+column-parallel linears are `pipemem.torch_tp.RegatherColwiseParallel`) is
+`--recompute-allgather`.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ def read(path: str) -> ToolConfig:
         known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
         raise UserError(f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
                         "Use --model with an HF config.json instead")
-    if model_sec.get("converters") or cfg.get("float8"):
-        warnings.append(f"{TOOL}: float8 / model converters are not modelled (estimate is for bf16 matmuls)")
+    plan.update(_modern(cfg, model_sec, path))
 
     tr = _section(cfg, "training", path)
     par = _section(cfg, "parallelism", path)
@@ -96,6 +98,12 @@ def read(path: str) -> ToolConfig:
         if replicate > 1 and shard > 1:
             warnings.append(f"{TOOL}: HSDP (replicate {replicate} x shard {shard}): states are modelled as "
                             f"sharded over all {replicate * shard} data-parallel ranks")
+    regather = par.get("tensor_parallel_recompute_allgather", False)
+    if not isinstance(regather, bool):
+        raise UserError(f"{path}: [parallelism] tensor_parallel_recompute_allgather = {regather!r}: expected "
+                        "true or false")
+    if regather:
+        plan["recompute_allgather"] = True
     reshard = str(par.get("fsdp_reshard_after_forward", "default")).lower()
     if reshard == "never" and plan.get("fsdp"):
         warnings.append(f"{TOOL}: fsdp_reshard_after_forward = never keeps gathered parameters; not modelled")
@@ -167,6 +175,38 @@ def read(path: str) -> ToolConfig:
         warnings.append(f"{TOOL}: not modelled, ignored sections: " + " ".join(f"[{u}]" for u in unknown))
     return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
                       model_name=f"torchtitan-{name}-{flavor}", dp_unknown=dp_unknown)
+
+
+def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
+    """torch.compile and float8 (pipemem.features) from the job config. torchtitan 0.3:
+    `[compile] enable`, `components` ("model", "loss"); older configs: `[training] compile`
+    (the blocks only). Float8: `[model] converters = ["float8"]` (or the older `[float8]
+    enable_float8_linear`) with `[float8] recipe_name` (default tensorwise) and
+    `enable_fsdp_float8_all_gather`."""
+    out: dict = {}
+    comp = cfg.get("compile") if isinstance(cfg.get("compile"), dict) else {}
+    tr = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    if comp.get("enable"):
+        components = [str(c).lower() for c in comp.get("components", ["model", "loss"])]
+        out["compile"] = "all" if "loss" in components else "layers"
+    elif tr.get("compile") is True:
+        out["compile"] = "layers"
+    converters = model_sec.get("converters") or []
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",") if c.strip()]
+    f8 = cfg.get("float8") if isinstance(cfg.get("float8"), dict) else {}
+    unknown = [c for c in converters if str(c).lower() not in ("float8",)]
+    if unknown:
+        raise UserError(f"{path}: [model] converters {unknown[0]!r} is not modelled (pipemem models torchao "
+                        "Float8 tensorwise / rowwise); remove it to estimate the bf16 run")
+    if "float8" in [str(c).lower() for c in converters] or f8.get("enable_float8_linear"):
+        recipe = str(f8.get("recipe_name") or "tensorwise").lower()
+        if recipe not in ("tensorwise", "rowwise"):
+            raise UserError(f"{path}: [float8] recipe_name {recipe!r} is not modelled; use tensorwise or rowwise")
+        out["fp8"] = recipe
+        if f8.get("enable_fsdp_float8_all_gather"):
+            out["fp8_param_gather"] = True
+    return out
 
 
 def finish_plan(plan: dict, layers: int) -> dict:

@@ -45,7 +45,8 @@ def describe_plan(est) -> str:
         parts.append("sp")
     shard = []
     if p.zero:
-        shard.append(f"zero {p.zero}")
+        group = (p.extra or {}).get("zero_group")
+        shard.append(f"zero {p.zero}" + (f" over {group} of the {p.dp * p.cp} dp ranks" if group else ""))
     if p.fsdp:
         shard.append("fsdp")
     if p.dist_opt:
@@ -75,6 +76,7 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
     con.print(Text(describe_plan(est), style=DIM))
     if est.mode == "traced":
         con.print(Text("traced mode: the real PyTorch training step recorded on fake tensors", style=DIM))
+    con.print(Text(step_note(est.plan), style=DIM))
 
     from rich import box
 
@@ -93,7 +95,7 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
         elif gpu and r.peak_allocated_bytes > NEAR_FULL * gpu:
             style = YELLOW
         head_txt = "-" if head is None else (f"OOM by {fmt_bytes(-head)}" if head < 0 else fmt_bytes(head))
-        t.add_row(str(r.pp_rank), _layers_text(r), fmt_bytes(r.static.params), fmt_bytes(r.static.grads),
+        t.add_row(str(r.pp_rank), _layers_text(r), fmt_bytes(r.static.params), _grads_text(r.static),
                   fmt_bytes(r.static.optimizer),
                   f"{fmt_bytes(r.activation_hwm_bytes)} ({r.inflight} mb)", fmt_bytes(r.transient_bytes),
                   Text(fmt_bytes(r.peak_allocated_bytes), style=style or "bold"),
@@ -107,6 +109,30 @@ def render(est, file=None, color: bool | None = None, explain: bool = False) -> 
     con.print(verdict(est, markup=True))
     if explain and est.explain is not None:
         render_explain(est.explain, con)
+
+
+GRADS_WORDS = {
+    "buffer": "gradients resident all step (contiguous grad buffer / zero_grad(set_to_none=False))",
+    "set-to-none": "gradients set to None by zero_grad, created by the step's first backward",
+    "ddp-bucket": "DDP: .grad set to None by zero_grad and created in backward, plus DDP's resident buckets "
+                  "(gradient_as_bucket_view=False)",
+    "ddp-bucket-view": "DDP: .grad are views of DDP's resident buckets (gradient_as_bucket_view=True)",
+}
+
+
+def step_note(plan) -> str:
+    """Which training step the numbers are for, in words (--step, --grads)."""
+    step = ("steady state (a step after the first: optimizer states resident)" if plan.step == "steady" else
+            "first training step (optimizer states created in its optimizer step)")
+    return f"{step}; {GRADS_WORDS.get(plan.grads, plan.grads)} (--grads {plan.grads})"
+
+
+def _grads_text(static) -> str:
+    """Resident gradient bytes, plus those the step creates (in step) when there are any."""
+    if not static.grads_in_step:
+        return fmt_bytes(static.grads)
+    made = f"+{fmt_bytes(static.grads_in_step)} in step"
+    return f"{fmt_bytes(static.grads)} {made}" if static.grads else made
 
 
 def _layers_text(r) -> str:
@@ -218,11 +244,17 @@ def render_explain(rows: Any, con) -> None:
         sections = list(rows.items())
     else:
         items = [_as_dict(x) for x in (rows or [])]
+        # rows naming a "section" (e.g. the --recompute-allgather trade) get a table of their own
+        extra: dict[str, list] = {}
+        for r in items:
+            if r.get("section"):
+                extra.setdefault(str(r["section"]), []).append({k: v for k, v in r.items() if k != "section"})
+        items = [r for r in items if not r.get("section")]
         kept = [r for r in items if not str(r.get("tensor", "")).startswith("(")]
         peaks = [r for r in items if str(r.get("tensor", "")).startswith("(")]
         total = sum(r.get("bytes", 0) or 0 for r in kept)
         sections = [(f"what one layer keeps for backward, per microbatch in flight ({fmt_bytes(total)} in all)",
-                     kept), ("where the layer's transient peaks come from", peaks)]
+                     kept), ("where the layer's transient peaks come from", peaks), *extra.items()]
     for title, part in sections:
         if isinstance(part, str):
             con.print(Text(f"{title}: {part}"))

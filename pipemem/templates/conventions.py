@@ -14,7 +14,9 @@ paddle     PaddleNLP on Fleet: fused QKV / fused FFN (fuse_attention_qkv, fuse_a
            linear gathers its own input. Vocab padded to a multiple of tp.
 torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1(x)) * w3(x)
            unfused, fused RMSNorm. SequenceParallel norm output is all-gathered once per block
-           (PrepareModuleInput) and the gathered tensor is what the projections save.
+           (PrepareModuleInput) and the gathered tensor is what the projections save; with
+           recompute_allgather (pipemem.torch_tp.RegatherColwiseParallel) they save a copy of
+           this rank's shard and the block all-gathers it again once in backward.
            Cross entropy: log_softmax over an fp32 copy, out of place. Grads in param dtype.
 hf         Hugging Face transformers modules, eager on CUDA (what traced mode records): separate
            projections, unfused SwiGLU, RMSNorm computed in fp32 by separate ops.
@@ -30,7 +32,8 @@ class Convention:
     name: str
     fused_qkv: bool            # one column-parallel linear for q, k, v
     fused_gate_up: bool        # one fc1 producing [gate | up] and a fused SwiGLU saving only its input
-    sp_save: str               # what an SP column linear keeps: "shard" | "shard+gathered" | "gathered"
+    sp_save: str               # what an SP column linear keeps: "shard" | "shard+gathered" | "gathered" |
+                               # "shard_regather" (torchtitan with pipemem.torch_tp.RegatherColwiseParallel)
     gather_once_per_block: bool  # one all-gather feeds every projection of a block
     fused_norm: bool           # norm saves input + fp32 statistics only
     ce_inplace: bool           # cross-entropy backward reuses the saved fp32 softmax
@@ -57,18 +60,23 @@ CONVENTIONS = {
 
 def convention_for(plan) -> Convention:
     """The convention of a validated plan, with the per-plan switches applied
-    (recompute_allgather under paddle; fused-projection overrides in plan.extra)."""
+    (recompute_allgather under paddle and torchtitan; fused-projection overrides in plan.extra)."""
     c = CONVENTIONS[plan.convention]
     sp_save = c.sp_save
     if c.name == "paddle" and plan.recompute_allgather:
         sp_save = "shard"
+    elif c.name == "torchtitan" and plan.recompute_allgather:
+        sp_save = "shard_regather"
     extra = plan.extra or {}
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
-    if (sp_save, fused_qkv, fused_gate_up) == (c.sp_save, c.fused_qkv, c.fused_gate_up):
+    # Megatron --no-gradient-accumulation-fusion: weight grads are eager temporaries added into
+    # the main grad (extra["wgrad_fused"] = False)
+    wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
+    if (sp_save, fused_qkv, fused_gate_up, wgrad_fused) == (c.sp_save, c.fused_qkv, c.fused_gate_up, c.wgrad_fused):
         return c
     return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, c.wgrad_fused)
+                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, wgrad_fused)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

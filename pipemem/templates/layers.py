@@ -62,6 +62,12 @@ class Shard:
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
     feat: Features = NO_FEATURES  # compile, loss, fp8, offload (pipemem.features)
+    # Gradients created by this backward (the first backward of a step after
+    # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
+    # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
+    grads_created: bool = False
+    grad_dt: str = "fp32"
+    grad_shard: int = 1
 
     @property
     def res_dt(self) -> str:
@@ -75,6 +81,10 @@ class Shard:
 
 
 def make_shard(arch, plan, conv: Convention) -> Shard:
+    if arch.model_type == "gemma2":
+        from ..errors import UserError
+        raise UserError("gemma2: template mode does not model its attention and final-logit soft-capping "
+                        "(eager attention, tanh over the logits); use --mode traced --no-flash-attn")
     tp, cp = plan.tp, plan.cp
     s = plan.seq_len // cp
     sp = bool(plan.sp) and tp > 1
@@ -89,7 +99,16 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
         feat=features_of(plan))
+
+
+def first_backward_shard(sh: Shard) -> Shard:
+    """The shard of a step's first backward when gradients were set to None: eager weight
+    grads become .grad (stolen, not accumulated) and every gradient is a new tensor."""
+    from dataclasses import replace
+    return replace(sh, first_step=True, grads_created=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +123,20 @@ class LayerOptions:
     out_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    qk_norm_proj: bool       # q/k norm over the whole projection (olmo2), not per head
+    norm_placement: str      # pre | post | sandwich (ArchSpec.norm_placement)
+    norm_weight_first: bool  # HF RMSNorm: (weight * x_normed).to(dtype), not weight * x_normed.to(dtype)
     parallel_residual: bool
     native_fused_qkv: bool   # the model's own modules fuse q, k, v (used by the hf convention)
     attn_dropout: bool
     hidden_dropout: bool
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
+
+
+def norm_kind(arch) -> str:
+    """The norm a layer's tape builds: rmsnorm, layernorm, or layernorm-noaffine (olmo)."""
+    return arch.norm if arch.norm_affine else arch.norm + "-noaffine"
 
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
@@ -119,8 +146,11 @@ def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
 @lru_cache(maxsize=4096)
 def _layer_options(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
     return LayerOptions(
-        norm=arch.norm, activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
-        out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm, parallel_residual=arch.parallel_residual,
+        norm=norm_kind(arch), activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
+        out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm,
+        qk_norm_proj=arch.qk_norm_scope == "proj", norm_placement=arch.norm_placement,
+        norm_weight_first=arch.norm_weight_first,
+        parallel_residual=arch.parallel_residual,
         native_fused_qkv=arch.fused_qkv, attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
         recompute=recompute)
 
@@ -137,6 +167,8 @@ class _Gen:
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
         tape.step_in_backward = sh.feat.opt_in_bwd
+        if sh.grads_created:
+            tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
         self.sac = False
         # a compiled graph computes identical casts once (common-subexpression elimination)
@@ -145,6 +177,7 @@ class _Gen:
         self.conv = conv
         self.p = prefix
         self.dt = sh.dt
+        self.norm_weight_first = False
 
     def n(self, name: str) -> str:
         return f"{self.p}{name}"
@@ -163,9 +196,24 @@ class _Gen:
 
     def norm(self, x: str, name: str, kind: str, tokens_shape: tuple) -> str:
         h = tokens_shape[-1]
-        w = self.t.param(self.n(name + ".weight"), (h,), self.dt)
         tok = tokens_shape[:-1]
         x_dt = self.dtype_of(x)
+        if kind.endswith("-noaffine"):
+            # F.layer_norm(x.float(), no weight, no bias).to(x.dtype) (OlmoLayerNorm): saves the
+            # fp32 input and the statistics
+            xf = x
+            if x_dt != "fp32":
+                xf = self.act(name + ".xf", tokens_shape, "fp32")
+                self.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
+            mean, rstd = self.act(name + ".mean", tok, STAT), self.act(name + ".rstd", tok, STAT)
+            yf = self.act(name + ".out" if x_dt == "fp32" else name + ".outf", tokens_shape, "fp32")
+            self.t.node("layernorm", (xf,), (yf, mean, rstd), diff_inputs=(xf,), save_i=(xf, mean, rstd))
+            if x_dt == "fp32":
+                return yf
+            y = self.act(name + ".out", tokens_shape, x_dt)
+            self.t.node("to_dtype", (yf,), (y,), diff_inputs=(yf,))
+            return y
+        w = self.t.param(self.n(name + ".weight"), (h,), self.dt)
         # Under autocast the fp32 weight promotes the output to fp32.
         y = self.act(name + ".out", tokens_shape, "fp32" if self.sh.autocast else x_dt)
         if self.conv.fused_norm or kind == "layernorm":
@@ -191,6 +239,14 @@ class _Gen:
         self.t.node("rsqrt", (var,), (rs,), diff_inputs=(var,), save_i=(rs,))
         xn = self.act(name + ".xn", tokens_shape, "fp32")
         self.t.node("mul", (xf, rs), (xn,), diff_inputs=(xf, rs), save_i=(xf, rs))
+        if self.norm_weight_first and not self.conv.fused_norm:
+            # (weight * xn).to(input dtype): the fp32 product saves xn; then one cast
+            y = self.act(name + ".out", tokens_shape, x_dt)
+            yf = y if x_dt == "fp32" else self.act(name + ".scaled", tokens_shape, "fp32")
+            self.t.node("mul_weight", (xn, w), (yf,), diff_inputs=(xn,), params=(w,), save_i=(w,), save_w=(xn,))
+            if yf != y:
+                self.t.node("to_dtype", (yf,), (y,), diff_inputs=(yf,))
+            return y
         xc = xn
         if x_dt != "fp32":
             xc = self.act(name + ".xc", tokens_shape, x_dt)
@@ -215,7 +271,7 @@ class _Gen:
     def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool) -> str:
         """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
         input and the fp32 weight are cast first, and the matmul saves both copies."""
-        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.dt)
+        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.weight_dt(name))
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
@@ -234,6 +290,15 @@ class _Gen:
         return y
 
     # FP8 linears ---------------------------------------------------------------------------
+    def weight_dt(self, name: str) -> str:
+        """dtype a linear's weight has where it is used: torchao's fp8 FSDP all-gather
+        (enable_fsdp_float8_all_gather) gathers the fp8 cast of each shard, so the gathered
+        buffer holds 1 byte per weight."""
+        f = self.sh.feat
+        if f.torchao_fp8 and f.fp8_param_gather and self.sh.fsdp and self.fp8_linear(name):
+            return "fp8"
+        return self.dt
+
     def fp8_linear(self, name: str) -> bool:
         """Is this linear run in fp8? Neither Megatron (the output layer is not a TE module,
         the router is a plain linear) nor torchtitan (its float8 converter filters the output
@@ -276,9 +341,12 @@ class _Gen:
         ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
         return x, x, (ws_f, ws_i)
 
-    def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]]) -> list[str]:
+    def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
+                       gathered_by_linear: bool = False) -> list[str]:
         """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
-        (name, local out features, bias). Handles the sequence-parallel all-gather."""
+        (name, local out features, bias). Handles the sequence-parallel all-gather.
+        `gathered_by_linear`: the linear gathers its own input (DTensor: `input_layouts=Shard`,
+        as the LM head) rather than a `PrepareModuleInput` before the block."""
         sh, conv = self.sh, self.conv
         full = (sh.s, sh.b, sh.h)
         if not sh.sp:
@@ -289,9 +357,11 @@ class _Gen:
             xg = self.act(block + ".allgather", full, kind=COMM)
             self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
             return [self.linear(xg, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
+        if conv.sp_save == "shard_regather":
+            return self._regather_linears(x, block, specs, gathered_by_linear)
         outs = []
         for nm, f, bias in specs:
-            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.dt)
+            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.weight_dt(nm))
             params = (w,)
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
@@ -322,13 +392,44 @@ class _Gen:
             outs.append(y)
         return outs
 
+    def _regather_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
+                          gathered_by_linear: bool) -> list[str]:
+        """DTensor with `pipemem.torch_tp.RegatherColwiseParallel`: one all-gather feeds every
+        projection as before, but they save this rank's shard of it -- the input itself when
+        the linear gathered it, else a copy of its chunk of the gathered tensor (the sharded
+        norm output is freed as usual) -- and the first of their backward nodes all-gathers
+        it again into one tensor that every projection's weight grad reads, freed with the
+        last of them (the first in forward order)."""
+        sh = self.sh
+        full = (sh.s, sh.b, sh.h)
+        xg = self.act(block + ".allgather", full, kind=COMM)
+        self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
+        kept = x
+        if not gathered_by_linear:
+            kept = self.act(block + ".shard_copy", (sh.s_sp, sh.b, sh.h), self.dtype_of(x))
+            self.t.node("copy_shard", (xg,), (kept,))
+        xg2 = self.act(block + ".allgather_bwd", full, kind=COMM)
+        outs = []
+        for i, (nm, f, bias) in enumerate(specs):
+            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.weight_dt(nm))
+            params = (w,)
+            if bias:
+                params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
+            y = self.act(nm + ".out", (sh.s, sh.b, f))
+            last = i == len(specs) - 1        # its backward runs first: it gathers
+            self.t.node("linear", (xg,) + params, (y,), diff_inputs=(xg,), params=params,
+                        save_w=(kept,) if i == 0 else (), read_w=(xg2,),
+                        pre_w=(BwdOp("all_gather", (kept,), (xg2,)),) if last else (), w_pre_first=last)
+            outs.append(y)
+        return outs
+
     def row_linear(self, x: str, name: str, in_features: int, bias: bool) -> str:
         """Row-parallel linear to [s_sp, b, h]: all-reduce (no SP) or reduce-scatter (SP)."""
         sh = self.sh
         if sh.tp == 1 or self.sh.autocast:
             # one rank: an ordinary linear with its bias inside the GEMM (addmm)
             return self.linear(x, name, (sh.s_sp, sh.b, sh.h), in_features, bias)
-        w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.dt)
+        w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.weight_dt(name))
         partial = self.act(name + ".partial", (sh.s, sh.b, sh.h))
         x_fwd, x_saved, ws = self.fp8_operands(x, name, (sh.s, sh.b, sh.h), in_features)
         self.t.node("linear", (x_fwd, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x_saved,),
@@ -384,12 +485,15 @@ class _Gen:
             q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
                                                          ("attn.k_proj", kv * d, opt.qkv_bias),
                                                          ("attn.v_proj", kv * d, opt.qkv_bias)])
+            if opt.qk_norm and opt.qk_norm_proj:
+                q2 = self.norm(q2, "attn.q_norm", "rmsnorm", (s, b, a * d))
+                k2 = self.norm(k2, "attn.k_norm", "rmsnorm", (s, b, kv * d))
             q = self.act("attn.q", (s, b, a, d), storage=q2)
             k = self.act("attn.k", (s, b, kv, d), storage=k2)
             v = self.act("attn.v", (s, b, kv, d), storage=v2)
             for src, dst in ((q2, q), (k2, k), (v2, v)):
                 self.t.node("view", (src,), (dst,), diff_inputs=(src,), grad_alias=True)
-        if opt.qk_norm:
+        if opt.qk_norm and not opt.qk_norm_proj:
             q = self.norm(q, "attn.q_norm", "rmsnorm", (s, b, a, d))
             k = self.norm(k, "attn.k_norm", "rmsnorm", (s, b, kv, d))
         if self._uses_rope:
@@ -664,6 +768,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     tape = Tape(prefix)
     g = _Gen(tape, sh, conv, prefix)
     g._uses_rope = arch.position == "rope"
+    g.norm_weight_first = opt.norm_weight_first
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
@@ -674,17 +779,23 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     compiled = sh.feat.compile and opt.recompute == "none"
     if opt.recompute == "full" or g.sac or compiled:
         tape.begin_region()
-    h1 = g.norm(x, "input_norm", opt.norm, tok)
+    # norm placement: pre (llama) normalises each block's input; post (olmo2) its output
+    # before the residual add; sandwich (gemma2) both
+    pre = opt.norm_placement in ("pre", "sandwich")
+    post = opt.norm_placement in ("post", "sandwich")
+    h1 = g.norm(x, "input_norm", opt.norm, tok) if pre else x
     tape.module = "attn"
     attn = g.attention(h1, opt)
     if opt.hidden_dropout:
         attn = g.dropout(attn, "attn.dropout_out", tok)
     tape.module = ""
+    if post:
+        attn = g.norm(attn, "post_attention_norm" if not pre else "post_attention_out_norm", opt.norm, tok)
     if opt.parallel_residual:
         h2 = g.norm(x, "post_attention_norm", opt.norm, tok)
     else:
         r1 = g.add(x, attn, "residual1", tok)
-        h2 = g.norm(r1, "post_attention_norm", opt.norm, tok)
+        h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
     if opt.moe:
         m = g.moe_hf(h2, opt) if conv.name == "hf" else g.moe(h2, opt)
@@ -693,6 +804,8 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     if opt.hidden_dropout:
         m = g.dropout(m, "mlp.dropout_out", tok)
     tape.module = ""
+    if post:
+        m = g.norm(m, "post_mlp_norm", opt.norm, tok)
     if opt.parallel_residual:
         r = g.add(x, attn, "residual_attn", tok)
         y = g.add(r, m, "output", tok)
@@ -760,13 +873,13 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     g = _Gen(tape, sh, conv, "head.")
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
-    hn = g.norm(x, "final_norm", arch.norm, tok)
+    hn = g.norm(x, "final_norm", norm_kind(arch), tok)
     # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
     compiled_loss = sh.feat.compile_loss and conv.name != "megatron"
     if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
         from .losses import loss_from_hidden
         return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
-    (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
+    (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     lf = g.act("logits_fp32", (sh.s, sh.b, sh.vocab), "fp32")

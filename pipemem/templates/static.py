@@ -8,6 +8,9 @@ Bytes per parameter, before sharding (FINDINGS §2):
 * torchtitan / hf mixed precision keep the fp32 parameters themselves as the master copy
   (FSDP2 MixedPrecisionPolicy, autocast): 4 + 4 + 8 = 16, no separate master.
 * fp32 training: 4 + 4 + 8 = 16.
+* megatron with --use-precision-aware-optimizer (plan.extra): master weights and Adam moments
+  in the dtypes named by main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype; the main grad
+  dtype is plan.main_grad_dtype (--grad-reduce-in-bf16: 2 bytes).
 
 Sharding over the data-parallel group (dp x cp for dense weights, the expert-data-parallel
 group for expert weights):
@@ -15,7 +18,15 @@ group for expert weights):
   optimizer: 6 + 12/dp);
 * --zero 2: also the gradients;
 * --zero 3 / --fsdp: also the parameters.
-Partial shards are rounded up (each rank holds ceil(n / group) elements).
+Partial shards are rounded up (each rank holds ceil(n / group) elements). A plan whose
+`extra["zero_group"]` is set (PaddleNLP: sharding_parallel_degree) shards over that many
+of the data-parallel ranks only; the other data-parallel replicas each hold a copy.
+
+What is resident when the step starts depends on --grads and --step (pipemem.plan.GRADS):
+set-to-none gradients are created in the step (`grads_in_step`), DDP's buckets
+(ddp-bucket) are one more resident copy of the gradients, and the first step has no
+optimizer states (Adam's moments) before its optimizer step (`optimizer_in_step`; master
+weights are made when the optimizer is built, so they are resident).
 """
 
 from __future__ import annotations
@@ -61,9 +72,18 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
     grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
     if conv.name in ("torchtitan", "hf") and master:
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
+    master_bytes = 4 if master else 0
+    extra = plan.extra or {}
+    if conv.name == "megatron" and extra.get("precision_aware_optimizer"):
+        # --use-precision-aware-optimizer: TE's FusedAdam stores the master weights and each
+        # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype)
+        if master:
+            master_bytes = dtype_bytes(extra.get("main_params_dtype", "fp32"))
+        if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
+            states = dtype_bytes(extra.get("exp_avg_dtype", "fp32")) + dtype_bytes(extra.get("exp_avg_sq_dtype", "fp32"))
     if getattr(plan, "fp8_param_gather", False) and conv.name == "megatron":
-        return 1, grad, (4 if master else 0), states
-    return dt, grad, (4 if master else 0), states
+        dt = 1
+    return dt, grad, master_bytes, states
 
 
 def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
@@ -117,6 +137,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
     p, g, m, st = bytes_per_param(plan, conv)
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    zero_group = (plan.extra or {}).get("zero_group")
+    if zero_group:
+        # The states are sharded over a sub-group of the data-parallel ranks (PaddleNLP's
+        # sharding group: sharding_parallel_degree of the dp x sharding replicas).
+        replicas = max(1, dp_group // int(zero_group))
+        dp_group = int(zero_group)
+        edp_group = max(1, edp_group // replicas)
     zero = plan.zero
     opt_shard = zero >= 1 or plan.dist_opt
 
@@ -126,13 +153,27 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
     # --optimizer-offload f: that fraction of the optimizer states and master weights lives in
     # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
     on_gpu = 1.0 - float(getattr(plan, "optimizer_offload", 0.0) or 0.0)
-    params = grads = optimizer = 0
+    params = grads = master = states = 0
     for n, group in ((dense, dp_group), (expert, edp_group)):
         params += int(shard(n, group, zero >= 3) * p)
         grads += shard(n, group, zero >= 2) * g
-        optimizer += int(shard(n, group, opt_shard) * (m + st) * on_gpu)
-    return StaticBytes(params=params, grads=grads, optimizer=optimizer,
+        master += int(shard(n, group, opt_shard) * m * on_gpu)
+        states += int(shard(n, group, opt_shard) * st * on_gpu)
+    full = StaticBytes(params=params, grads=grads, optimizer=master + states,
                        other=_fp8_weight_workspaces(arch, plan, conv, stage_layers, rank_stages))
+    return step_state(full, plan.grads, plan.step, states)
+
+
+def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int) -> StaticBytes:
+    """`full` (every model state resident) as the reported step starts: see the module
+    docstring. `states`: the optimizer's moment bytes within `full.optimizer`."""
+    resident_grads, in_step = full.grads, 0
+    if grads_mode in ("set-to-none", "ddp-bucket"):
+        in_step = full.grads
+        resident_grads = full.grads if grads_mode == "ddp-bucket" else 0   # DDP's buckets stay
+    first = step == "first"
+    return StaticBytes(params=full.params, grads=resident_grads, optimizer=full.optimizer - (states if first else 0),
+                       other=full.other, grads_in_step=in_step, optimizer_in_step=states if first else 0)
 
 
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir import Op, Program, Tensor, TensorKind
+from ..ir import Op, Program, Tensor, TensorKind, dtype_bytes
 
 ACT = TensorKind.ACTIVATION
 COMM = TensorKind.COMM
@@ -58,6 +58,9 @@ class Node:
     params: tuple[str, ...] = ()     # parameters whose grads the W pass computes
     save_i: tuple[str, ...] = ()     # read by the input-grad op
     save_w: tuple[str, ...] = ()     # read by the weight-grad op
+    read_w: tuple[str, ...] = ()     # also read by the weight-grad op, made in backward by another
+                                     # node (a re-gather shared by several linears): freed after
+                                     # its last reader, not with this node's saved tensors
     pre_i: tuple[BwdOp, ...] = ()    # backward ops before the input-grad op (e.g. a re-gather)
     post_i: tuple[BwdOp, ...] = ()   # ops after it (e.g. reduce-scatter of the input grad)
     pre_w: tuple[BwdOp, ...] = ()
@@ -96,6 +99,9 @@ class Tape:
         # forward and its backward and released after; eager weight grads are held unsharded
         # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
         self.fsdp = False
+        # (dtype, shard) when this backward creates the .grad tensors (set to None before it)
+        # instead of writing resident grad buffers; None = resident (static bytes).
+        self.grad_create: tuple[str, int] | None = None
         # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
         self.pin = None
         # Activation offloading: saved tensor -> its reloaded copy (pipemem.templates.offload);
@@ -126,10 +132,10 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False) -> Node:
+             w_pre_first=False, promote_grads=False, read_w=()) -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
-                 tuple(save_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}), workspace_f,
-                 workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
+                 tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
+                 workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
                  self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
         self.nodes.append(n)
         return n
@@ -288,14 +294,18 @@ class Tape:
         if self._held_grads:
             temps = tuple(t for t, _ in self._held_grads)
             grads = tuple(g for _, g in self._held_grads)
-            self._add(prog, Op("fsdp_reduce_scatter", temps + grads, grads, frees=temps, phase="fsdp"))
+            reads = temps if self.grad_create is not None else temps + grads
+            self._add(prog, Op("fsdp_reduce_scatter", reads, grads, frees=temps, phase="fsdp"))
 
     def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
         gparams = tuple(self._param_grad(prog, p) for p in n.params)
-        reads = gouts + tuple(r(s) for s in n.save_w)
+        reads = gouts + tuple(r(s) for s in (*n.save_w, *n.read_w))
         chain = self.wgrad_chain
+        created = self.grad_create is not None
         if not chain:
-            return [Op(n.type + "_wgrad", reads + gparams, gparams, module=n.module, phase="backward_w")]
+            # a fused GEMM accumulates into the grad buffer; a created grad is only written
+            return [Op(n.type + "_wgrad", reads + (() if created else gparams), gparams, module=n.module,
+                       phase="backward_w")]
         ops = []
         for p, g in zip(n.params, gparams):
             shape = self.tensors[p].shape
@@ -316,9 +326,11 @@ class Tape:
                 self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
             elif self.wgrad_final == "steal_grad" and len(names) > 1:
                 # the last cast's result becomes .grad: it writes the grad buffer itself
-                ops[-1] = Op("cast", (names[-2], g), (g,), module=n.module, phase="backward_w")
+                ops[-1] = Op("cast", (names[-2],) + (() if created else (g,)), (g,), module=n.module,
+                             phase="backward_w")
             elif self.wgrad_final == "steal_grad":
-                ops[-1] = Op(n.type + "_wgrad", reads + (g,), (g,), module=n.module, phase="backward_w")
+                ops[-1] = Op(n.type + "_wgrad", reads + (() if created else (g,)), (g,), module=n.module,
+                             phase="backward_w")
             else:
                 ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
         return ops
@@ -429,6 +441,16 @@ class Tape:
         nm = "g." + p
         if nm not in self.tensors:
             base = self.tensors[p]
-            self.tensors[nm] = Tensor(nm, base.shape, base.dtype, GRAD, persistent=True)
+            if self.grad_create is None:
+                self.tensors[nm] = Tensor(nm, base.shape, base.dtype, GRAD, persistent=True)
+            else:
+                # a new .grad (the FSDP shard only): persistent, so allocated where an op first
+                # writes it and never freed by this backward
+                dt, shard = self.grad_create
+                numel = 1
+                for d in base.shape:
+                    numel *= d
+                self.tensors[nm] = Tensor(nm, base.shape, dt, GRAD, persistent=True,
+                                          bytes=-(-numel // shard) * dtype_bytes(dt))
         prog.tensors[nm] = self.tensors[nm]
         return nm

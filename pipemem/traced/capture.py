@@ -134,6 +134,12 @@ class ModuleScope:
     def reset(self) -> None:
         self._stack.clear()
 
+    def restart(self) -> None:
+        """Forget the module calls recorded so far (a new step starts)."""
+        self._stack.clear()
+        self._ranges.clear()
+        self._owner = None
+
     def __enter__(self):
         self._handles = [register_module_forward_pre_hook(self._pre),
                          register_module_forward_hook(self._post, always_call=True)]
@@ -196,9 +202,10 @@ class StorageRecorder(TorchDispatchMode):
         return name
 
     def _freed(self, name: str) -> None:
-        if self.closed:
+        info = self.storages.get(name)
+        if self.closed or info is None:     # None: dropped by restart()
             return
-        self.storages[name].alive = False
+        info.alive = False
         if self.ops:
             self.ops[-1][_FREES].append(name)
         else:
@@ -243,6 +250,30 @@ class StorageRecorder(TorchDispatchMode):
             info = self.storages[name]
             if info.phase:            # only storages created during the trace change kind
                 info.kind = kind
+
+    def restart(self) -> list[str]:
+        """Start recording afresh, as if the trace began now: every storage alive at this
+        moment (what an earlier step left: optimizer states, kept gradients, runtime buffers)
+        becomes one that existed before the trace, with the kind it was given; the ops
+        recorded so far are dropped. Returns the names of the storages carried over that the
+        earlier recording created. Used to trace a steady-state step after a warm-up step."""
+        carried = []
+        for name, info in self.storages.items():
+            if info.alive and info.phase:
+                if info.kind is None:      # not labelled by the step: a runtime's buffer
+                    info.kind = TensorKind.COMM
+                info.phase = ""
+                carried.append(name)
+        self.storages = {n: i for n, i in self.storages.items() if i.alive}
+        live = set(self.storages)
+        self.aliases = {a: v for a, v in self.aliases.items() if v[0] in live}
+        self.ops = []
+        self._pending_frees = []
+        self.phase = "forward"
+        self.phases = ["forward"]
+        if self.scope is not None:
+            self.scope.restart()
+        return carried
 
     def begin(self, phase: str) -> None:
         self.phase = phase

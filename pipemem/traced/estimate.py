@@ -59,6 +59,9 @@ def _check_plan(plan: ParallelPlan) -> None:
         ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype))) if on]
     if unsupported:
         raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
+    if plan.grads not in (None, "set-to-none", "buffer"):
+        raise UserError(f"--grads {plan.grads}: traced mode runs the model without DistributedDataParallel, so it "
+                        "has no DDP buckets; use --mode templates, or --grads set-to-none / buffer")
     if plan.micro_batch < 1 or plan.seq_len < 1:
         raise UserError("--micro-batch and --seq-len must be positive")
 
@@ -81,19 +84,24 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     if (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)) and prec.param_dtype != torch.bfloat16:
         raise UserError("traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
                         "use --dtype bf16 --no-master-weights or --mode templates")
+    set_to_none = (plan.grads or "set-to-none") == "set-to-none"
     step = trace_hf_replicated(cfg, plan.micro_batch, plan.seq_len, dtype=prec.name, attn=attn,
                                recompute=plan.recompute, optimizer=plan.optimizer, kernel_policy=kernel_policy,
-                               compile=plan.compile)
+                               step=plan.step, set_to_none=set_to_none, compile=plan.compile)
     s = step.static
-    static = StaticBytes(params=s["params"], grads=0, optimizer=0, other=s["total"] - s["params"])
+    grads, optim = s.get("grads", 0), s.get("optimizer", 0)
+    static = StaticBytes(params=s["params"], grads=grads, optimizer=optim,
+                         other=s["total"] - s["params"] - grads - optim,
+                         grads_in_step=s["params"] if set_to_none or plan.step == "first" else 0)
     f, b, o = step.phase("forward"), step.phase("backward"), step.phase("optimizer")
     n = step.layers
+    what = ("steady state (second step): optimizer states resident" if plan.step == "steady" else
+            "first step: optimizer states created in the optimizer job")
     jobs = StageJobs(stage=0, F=JobMemory(f.net_bytes, f.peak_bytes), B=JobMemory(b.net_bytes, b.peak_bytes),
-                     layers=tuple(range(n)),
-                     notes={"first_step": "gradients are created in B; optimizer states in the optimizer job"})
+                     layers=tuple(range(n)), notes={"step": what})
     notes = {"layers": n, "precision": prec.name, "attention": attn, "recompute": plan.recompute,
              "traced_layers": step.traced.layers if step.traced else n,
-             "static_detail": dict(s)}
+             "static_detail": dict(s), "step": plan.step, "grads": plan.grads}
     if plan.compile:
         from .compiled import MODE
         notes["compile"] = MODE

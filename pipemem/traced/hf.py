@@ -200,12 +200,15 @@ def optimizer_factory(name: str):
 
 def trace_hf_step(model_config, batch: int, seq: int, dtype: str = "fp32", attn: str = "sdpa",
                   recompute: str = "none", optimizer: str = "adamw", kernel_policy: str = "cuda",
-                  layers: int | None = None, master_weights: bool = True):
-    """Trace the default training step of an HF causal LM built from `model_config`."""
+                  layers: int | None = None, master_weights: bool = True, step: str = "steady",
+                  set_to_none: bool = True):
+    """Trace the default training step of an HF causal LM built from `model_config`
+    (`step`, `set_to_none`: see `step.trace_step`)."""
     from .step import trace_step
 
     cfg = make_config(model_config, attn, layers)
     prec = Precision.parse(dtype, master_weights)
     return trace_step(lambda: build_model(cfg, prec.param_dtype), step_inputs(cfg, batch, seq), hf_loss,
                       optimizer_factory(optimizer), kernel_policy, autocast_dtype=prec.autocast_dtype,
-                      prepare=lambda m: enable_recompute(m, recompute), patches=fake_tensor_quirks())
+                      prepare=lambda m: enable_recompute(m, recompute), patches=fake_tensor_quirks(), step=step,
+                      set_to_none=set_to_none)

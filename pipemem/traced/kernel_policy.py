@@ -15,9 +15,10 @@ so by default it saves what CPU kernels save. Two policies:
      `check_head_dim_size_flash`, `check_for_attn_mask`); otherwise memory-efficient attention
      (`aten._scaled_dot_product_efficient_attention`: output + logsumexp padded to 32 rows) for
      fp32 or masked inputs with head_dim divisible by 4 (fp32) / 8 (`check_head_dim_size_mem_efficient`);
-     otherwise the math path (`aten._scaled_dot_product_attention_math`). Grouped-query k/v are
-     expanded for efficient attention (its meta kernels need equal head counts; recent CUDA
-     kernels take them natively, so fp32 GQA attention is estimated slightly high). On sm90+
+     otherwise the math path (`aten._scaled_dot_product_attention_math`). Grouped-query k/v go
+     to efficient attention as they are (recent CUDA kernels take them natively); its meta
+     kernel needs equal head counts, so without a mask and with the sequence a multiple of 32
+     the trace runs the flash meta kernel (same saved tensors), else it expands k/v (slightly high). On sm90+
      with a recent cuDNN, PyTorch may prefer cuDNN attention (`check_prefer_cudnn_attention`),
      which saves the same output + fp32 logsumexp as flash.
      Under autocast the inputs are cast first, as the CUDA autocast list
@@ -136,6 +137,13 @@ class CudaKernels:
         if mask is None and low_precision and head <= 256 and q.dim() == 4 and head == v.shape[-1]:
             return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
         if q.dim() == 4 and head % (8 if low_precision else 4) == 0 and head == v.shape[-1]:
+            if gqa and mask is None and q.shape[-2] % 32 == 0:
+                # CUDA's efficient kernel takes grouped heads natively (sdp_utils.cpp:
+                # backend_supports_grouped_query_attention) and saves the output, the fp32
+                # logsumexp (rows padded to 32) and k/v as given. Its meta kernel wants equal
+                # head counts; the flash meta kernel takes grouped heads and saves the same
+                # tensors when the sequence is a multiple of 32.
+                return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
             if gqa:
                 # The meta kernels want equal head counts; expanding k/v keeps this trace
                 # conservative where newer CUDA kernels take grouped heads natively.

@@ -150,9 +150,12 @@ def layer_template_params(model: torch.nn.Module, prefix: str, n_layers: int, te
 
 
 def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dtype=torch.float32,
-                    zero_grad: bool = True) -> PhaseMemory:
+                    zero_grad: bool = True, step: str = "steady", set_to_none: bool = True) -> tuple[PhaseMemory, dict]:
     """The optimizer phase of the step for parameters of these shapes, their gradients alive
-    on entry (as after a backward) and the loss freed at the end (as `run_step` does)."""
+    on entry (as after a backward) and the loss freed at the end (as `run_step` does).
+    step="steady": the optimizer has stepped once before (its states exist on entry);
+    set_to_none=False: the gradients are resident buffers (zeroed, not freed).
+    Returns the phase and the bytes resident on entry: {"optimizer": states, "grads": kept grads}."""
     from .capture import StorageRecorder
     from .step import analyze_programs
 
@@ -162,21 +165,35 @@ def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dty
     params = [torch.nn.Parameter(torch.empty(shape, dtype=dt, device="meta")) for shape, dt in param_specs]
     optimizer = optimizer_factory(params)
     policies.configure_optimizer(kernel_policy, optimizer)
+    keep_grads = zero_grad and not set_to_none
+    if step == "steady":                 # the warm-up step: states created, grads left as zero_grad leaves them
+        for p in params:
+            p.grad = torch.empty_like(p)
+        optimizer.step()
+        if not keep_grads:
+            for p in params:
+                p.grad = None
     rec = StorageRecorder(cpu_scalars=(kernel_policy == "cpu"))
     rec.register(params, TensorKind.PARAM)
+    states = rec.register([v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+                          TensorKind.OPTIMIZER_STATE)
+    kept = rec.register([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
     with rec:
         rec.begin("backward")            # what the backward leaves: grads and the loss
         for p in params:
-            p.grad = torch.empty_like(p)
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
         loss = torch.empty((), dtype=loss_dtype, device="meta")
         rec.begin("optimizer")
         optimizer.step()
         if zero_grad:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
         del loss
     del optimizer
     phases = analyze_programs(rec.programs(), rec.entry_storages())
-    return next(p for p in phases if p.name == "optimizer")
+    resident = {"optimizer": sum(rec.storages[n].nbytes for n in set(states)),
+                "grads": sum(rec.storages[n].nbytes for n in set(kept))}
+    return next(p for p in phases if p.name == "optimizer"), resident
 
 
 @dataclass
@@ -251,11 +268,17 @@ def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, los
     static["params"] += extra * per_layer
     static["buffers"] += extra * per_layer_buf
     static["total"] += extra * (per_layer + per_layer_buf)
+    if static.get("grads"):   # gradients kept resident (set_to_none=False): one per parameter
+        static["grads"] += extra * per_layer
+        static["total"] += extra * per_layer
     if optimizer_factory is not None:
         specs = layer_template_params(model, step.layer_prefix, n_layers, template)
-        opt = trace_optimizer(specs, optimizer_factory, kernel_policy, loss_meta.get("dtype", torch.float32),
-                              trace_kwargs.get("zero_grad", True))
+        opt, resident = trace_optimizer(specs, optimizer_factory, kernel_policy, loss_meta.get("dtype", torch.float32),
+                                        trace_kwargs.get("zero_grad", True), trace_kwargs.get("step", "steady"),
+                                        trace_kwargs.get("set_to_none", True))
         phases.append(opt)
+        static["optimizer"] = static.get("optimizer", 0) + resident["optimizer"]
+        static["total"] += resident["optimizer"]
     return ReplicatedStep(static, phases, n_layers, step)
 
 

@@ -8,11 +8,16 @@ execute the same Python, so every reference is dropped at the same moment):
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
 For HF causal LMs `loss_fn` reads `.loss` and the inputs are
-``input_ids=ids, labels=ids, use_cache=False`` (`hf.py`). The step is the first one: the
-optimizer creates its state lazily inside `step()`.
+``input_ids=ids, labels=ids, use_cache=False`` (`hf.py`).
 
 `trace_step` runs it under `FakeTensorMode` with a `StorageRecorder` and returns a
 `TracedStep`: IR programs ``forward``, ``backward``, ``optimizer`` and their memory.
+Which step: ``step="steady"`` (default) runs one warm-up step first and records the second,
+as users measure it after a few steps: the optimizer states exist (PyTorch optimizers create
+them lazily in the first `step()`) and gradients are where the trainer left them (gone after
+``zero_grad(set_to_none=True)``, zeroed in place with ``set_to_none=False``); whatever else
+the first step left alive (a runtime's buffers) is carried over too. ``step="first"`` records
+the first step: no optimizer state before its optimizer phase, gradients created in backward.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from . import kernel_policy as policies
 from .capture import ModuleScope, StorageRecorder, find_layer_prefix, layer_index_fn
 
 PHASES = ("forward", "backward", "optimizer")
+STEPS = ("steady", "first")
 
 
 def default_loss(output):
@@ -51,9 +57,10 @@ def adamw(params):
 
 def run_step(model, args, kwargs, loss_fn=default_loss, optimizer=None, autocast_dtype=None,
              on_phase: Callable[[str], None] | None = None, zero_grad: bool = True,
-             backward: bool = True) -> None:
+             backward: bool = True, set_to_none: bool = True) -> None:
     """Run one training step. `on_phase(name)` is called when forward / backward / optimizer
-    start and at "end"."""
+    start and at "end". After the optimizer step, `optimizer.zero_grad(set_to_none=...)`
+    (`zero_grad=False` skips it)."""
     mark = on_phase or (lambda phase: None)
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     mark("forward")
@@ -71,9 +78,19 @@ def run_step(model, args, kwargs, loss_fn=default_loss, optimizer=None, autocast
             mark("optimizer")
             optimizer.step()
             if zero_grad:
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=set_to_none)
     del loss
     mark("end")
+
+
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """What `optimizer.zero_grad` does to `params` (for steps traced without an optimizer)."""
+    for p in params:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
 
 
 @dataclass
@@ -237,14 +254,29 @@ def _meta_model(model_or_factory) -> torch.nn.Module:
 
 
 def _bytes_of(storages, names) -> int:
-    return sum(storages[n].nbytes for n in set(names))
+    return sum(storages[n].nbytes for n in set(names) if n in storages)
+
+
+def _static_bytes(storages, entry: list[str], declared: dict) -> dict:
+    """Bytes alive when the recorded step starts: the declared params, buffers and inputs,
+    then what an earlier step left, by kind (gradients, optimizer states, other)."""
+    params, buffers = set(declared["params"]), set(declared["buffers"]) - set(declared["params"])
+    inputs = set(declared["inputs"]) - params - buffers
+    rest = [n for n in entry if n not in params | buffers | inputs]
+    out = {"params": _bytes_of(storages, params), "buffers": _bytes_of(storages, buffers),
+           "inputs": _bytes_of(storages, inputs),
+           "grads": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.GRAD]),
+           "optimizer": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.OPTIMIZER_STATE])}
+    out["other"] = _bytes_of(storages, rest) - out["grads"] - out["optimizer"]
+    out["total"] = _bytes_of(storages, entry)
+    return out
 
 
 def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None,
                optimizer_factory: Callable | None = adamw, kernel_policy: str = "cuda", *,
                autocast_dtype=None, zero_grad: bool = True, backward: bool = True,
                layer_prefix: str | None = None, prepare: Callable | None = None,
-               patches=None) -> TracedStep:
+               patches=None, step: str = "steady", set_to_none: bool = True) -> TracedStep:
     """Trace one training step of any module on fake CPU tensors.
 
     model_or_factory: an nn.Module (its parameters become fake tensors of the same shapes;
@@ -254,11 +286,15 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
         its ``.loss`` or its first element). optimizer_factory: params -> optimizer, or None for
         forward+backward only. prepare: ``f(model)`` run on the fake model before tracing
         (checkpointing, hooks). patches: a context manager active while tracing (framework
-        quirks, see `hf.fake_tensor_quirks`).
+        quirks, see `hf.fake_tensor_quirks`). step: "steady" (record the second step) or
+        "first" (see the module docstring). set_to_none: how zero_grad leaves the gradients
+        (also applied between the steps when there is no optimizer).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     policies.check(kernel_policy)
+    if step not in STEPS:
+        raise UserError(f"trace_step: step={step!r}; use one of {', '.join(STEPS)}")
     loss_fn = loss_fn or default_loss
     model = _meta_model(model_or_factory)
     with FakeTensorMode(), (patches or contextlib.nullcontext()):
@@ -290,18 +326,20 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
 
             host = _host_rng_states(rec) if kernel_policy == "cpu" else contextlib.nullcontext()
             with scope, rec, policies.context(kernel_policy), host:
+                if step == "steady":     # the warm-up step, then record afresh
+                    run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
+                             zero_grad=zero_grad, backward=backward, set_to_none=set_to_none)
+                    if optimizer is None and zero_grad:
+                        zero_grads(params, set_to_none)
+                    rec.restart()
                 run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
-                         zero_grad=zero_grad, backward=backward)
+                         zero_grad=zero_grad, backward=backward, set_to_none=set_to_none)
             del optimizer, args, kwargs, input_tensors
             programs = rec.programs()
             entry = rec.entry_storages()
-            st = rec.storages
-            static = {"params": _bytes_of(st, names["params"]), "buffers": _bytes_of(st, names["buffers"]),
-                      "inputs": _bytes_of(st, set(names["inputs"]) - set(names["params"]) - set(names["buffers"]))}
-            static["other"] = _bytes_of(st, entry) - static["params"] - static["buffers"] - static["inputs"]
-            static["total"] = _bytes_of(st, entry)
+            static = _static_bytes(rec.storages, entry, names)
             kinds: dict[str, int] = {}
-            for info in st.values():
+            for info in rec.storages.values():
                 if info.phase:
                     kinds[info.kind.value] = kinds.get(info.kind.value, 0) + info.nbytes
             prefix = layer_prefix if layer_prefix is not None else find_layer_prefix(model)

@@ -1,9 +1,11 @@
 """`pipemem validate cpu`: traced estimates against real CPU training steps.
 
 Each case builds a tiny HF causal LM, runs the default training step for real on the CPU
-under `torch.profiler.profile(profile_memory=True)`, and sums the allocation events in time
-order (read from `prof.profiler.kineto_results.experimental_event_tree()`, FINDINGS.md §4).
-Measured peak = bytes of parameters, buffers and inputs + the highest running sum;
+twice, the second under `torch.profiler.profile(profile_memory=True)` (the steady state
+users measure: optimizer states exist, gradients were set to None), and sums the allocation
+events in time order (read from `prof.profiler.kineto_results.experimental_event_tree()`,
+FINDINGS.md §4). Measured peak = bytes of parameters, buffers, inputs and optimizer states
++ the highest running sum;
 net after forward = the running sum when the backward starts. The estimate is the traced step
 with `--kernel-policy cpu` (the kernels the real run uses). Seconds per case on 2 cores.
 """
@@ -67,15 +69,26 @@ def _storages_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=None, inputs=()) -> Measured:
+def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=None, inputs=(),
+                 step: str = "steady") -> Measured:
     """Run `step.run_step` for real on the CPU under the profiler; peak and net after forward
-    from the allocation events, plus the bytes of parameters, buffers and `inputs`."""
+    from the allocation events, plus the bytes alive when the step starts: parameters,
+    buffers, `inputs`, and (step="steady": one unmeasured step runs first) the optimizer
+    states and any gradients the first step left."""
+    import torch
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ..traced.step import run_step
+    from ..traced.step import run_step, zero_grads
 
-    static = _storages_bytes([*model.parameters(), *model.buffers(), *inputs])
+    if step == "steady":
+        run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype)
+        if optimizer is None:
+            zero_grads(model.parameters())
+    states = [v for st in (optimizer.state.values() if optimizer is not None else ()) for v in st.values()
+              if isinstance(v, torch.Tensor)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    static = _storages_bytes([*model.parameters(), *model.buffers(), *inputs, *states, *grads])
 
     def on_phase(phase):
         with record_function(f"pipemem::{phase}"):

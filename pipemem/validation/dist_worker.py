@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from functools import partial
 import gc
 import json
 import os
@@ -247,7 +248,9 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
     """One step of a TP (same batch on every rank) or FSDP (a batch per rank) model."""
     spec, seq, mb = case["model"], case["seq_len"], case["micro_batch"]
     cfg = model_config(spec)
-    build = build_tp_model if case["kind"] == "tp" else build_fsdp_model
+    build = build_fsdp_model
+    if case["kind"] == "tp":
+        build = partial(build_tp_model, regather=case.get("regather", False))
 
     def once() -> dict:
         res: dict = {}

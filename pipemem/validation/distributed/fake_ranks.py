@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from functools import partial
 
 import torch
 
@@ -36,15 +37,17 @@ def fake_process_group(rank: int, world: int):
         sys.excepthook = hook
 
 
-def trace_parallel_rank(kind: str, spec: dict, micro_batch: int, seq_len: int, rank: int, world: int) -> dict:
+def trace_parallel_rank(kind: str, spec: dict, micro_batch: int, seq_len: int, rank: int, world: int,
+                        regather: bool = False) -> dict:
     """Trace one training step (forward, backward, AdamW, zero_grad) of rank `rank` of a
-    tensor-parallel (`kind="tp"`) or FSDP2 (`kind="fsdp"`) run of the `DecoderStack` model.
+    tensor-parallel (`kind="tp"`; `regather`: with pipemem.torch_tp.RegatherColwiseParallel)
+    or FSDP2 (`kind="fsdp"`) run of the `DecoderStack` model.
     Returns {peak_bytes, static_bytes, param_bytes, peak_at, phases: [ProgramMemory dicts]}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .models import build_fsdp_model, build_tp_model, make_mesh, model_config
 
-    build = {"tp": build_tp_model, "fsdp": build_fsdp_model}.get(kind)
+    build = {"tp": partial(build_tp_model, regather=regather), "fsdp": build_fsdp_model}.get(kind)
     if build is None:
         raise UserError(f"unknown parallel kind {kind!r}: use tp or fsdp")
     cfg = model_config(spec)

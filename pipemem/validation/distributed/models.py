@@ -133,14 +133,18 @@ def make_optimizer(params):
 
 
 
-def tp_plan(model: "DecoderStack") -> dict:
+def tp_plan(model: "DecoderStack", regather: bool = False) -> dict:
     """torchtitan's Llama plan on HF decoder layers: vocab-sharded embedding whose output is
     reduce-scattered over the sequence, sequence-parallel norms, column-parallel q/k/v and
     gate/up, row-parallel o/down reduce-scattering back to sequence shards, and a
-    column-parallel lm_head gathering full logits."""
+    column-parallel lm_head gathering full logits. regather: the column-parallel linears are
+    `pipemem.torch_tp.RegatherColwiseParallel` (they keep the sequence shard of their input)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+    if regather:
+        from ...torch_tp import RegatherColwiseParallel as ColwiseParallel
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel
     plan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
@@ -169,10 +173,10 @@ def make_mesh(world: int):
     return init_device_mesh("cpu", (world,))
 
 
-def build_tp_model(cfg, seq: int, mesh, init: bool = True):
+def build_tp_model(cfg, seq: int, mesh, init: bool = True, regather: bool = False):
     from torch.distributed.tensor.parallel import parallelize_module
     model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, seq, init=init)
-    return parallelize_module(model, mesh, tp_plan(model))
+    return parallelize_module(model, mesh, tp_plan(model, regather))
 
 
 def build_fsdp_model(cfg, seq: int, mesh, init: bool = True):

@@ -22,7 +22,8 @@ def estimate_case(case: dict) -> list[dict]:
     world = case["world"]
     out = []
     for r in range(world):
-        t = trace_parallel_rank(case["kind"], case["model"], case["micro_batch"], case["seq_len"], r, world)
+        t = trace_parallel_rank(case["kind"], case["model"], case["micro_batch"], case["seq_len"], r, world,
+                                regather=case.get("regather", False))
         out.append({"rank": r, "estimated_bytes": t["peak_bytes"], "peak_at": t["peak_at"],
                     "static_bytes": t["static_bytes"]})
     return out

@@ -1,0 +1,52 @@
+"""Whole-step cases: the steady-state training step of small HF models, traced (the real HF
+modules on fake tensors) against templates (the `hf` convention), through `pipemem.estimate`.
+
+Shared by tests/test_steady_state.py (a CI subset) and bench/steady_state.py (every family,
+fp32 and bf16; its output is in docs/ACCURACY.md).
+"""
+
+from __future__ import annotations
+
+BASE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+            intermediate_size=688, vocab_size=4000, max_position_embeddings=1024)
+
+FAMILIES = {
+    "llama": dict(BASE, model_type="llama"),
+    "qwen2": dict(BASE, model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(BASE, model_type="qwen3", head_dim=32),
+    "mistral": dict(BASE, model_type="mistral", num_key_value_heads=2, sliding_window=None),
+    "gemma": dict(BASE, model_type="gemma", head_dim=32, num_key_value_heads=8),
+    "olmo": dict(BASE, model_type="olmo"),
+    "olmo2": dict(BASE, model_type="olmo2"),
+    "gpt2": dict(model_type="gpt2", n_embd=256, n_layer=4, n_head=8, vocab_size=4000, n_positions=1024),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=256, num_attention_heads=8, num_hidden_layers=4,
+                     intermediate_size=1024, vocab_size=4000, max_position_embeddings=1024),
+    # HF experts (grouped_mm) trace only with bf16 weights: pure bf16
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                      head_dim=32),
+}
+MOE = ("mixtral", "qwen3_moe")
+
+
+def plan_for(family: str, dtype: str, **extra) -> dict:
+    """estimate() keywords of a case: hf convention, micro batch 2, seq 256."""
+    kw = dict(convention="hf", micro_batch=2, seq_len=256, dtype=dtype)
+    if family in MOE:
+        kw.update(dtype="bf16", master_weights=False)
+    kw.update(extra)
+    return kw
+
+
+def compare(family: str, dtype: str, **extra) -> dict:
+    """Traced and template estimates of one case: {traced, templates, rel_error, peak_at}."""
+    from ..estimate import estimate
+    from .compare import rel_error
+
+    kw = plan_for(family, dtype, **extra)
+    traced = estimate(FAMILIES[family], mode="traced", **kw)
+    templ = estimate(FAMILIES[family], mode="templates", **kw)
+    t, m = traced.max_peak_allocated_bytes, templ.max_peak_allocated_bytes
+    return {"name": f"{family}-{kw['dtype']}{'' if kw.get('master_weights', True) else '-pure'}", "traced": t,
+            "templates": m, "rel_error": rel_error(m, t), "traced_peak_at": traced.ranks[0].peak_at,
+            "templates_peak_at": templ.ranks[0].peak_at, "step": templ.plan.step, "grads": templ.plan.grads}

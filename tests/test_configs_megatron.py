@@ -1,0 +1,191 @@
+"""`--from-megatron`: NVIDIA's own example scripts as pasted, and every Megatron-LM argument that
+changes memory honoured or refused by name."""
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+import pipemem
+from pipemem.configs import read_megatron
+from pipemem.configs.megatron import KNOWN, NO_MEMORY_EFFECT, REFUSED
+from pipemem.errors import UserError
+from pipemem.estimate import suggest_fixes
+from pipemem.model import arch_from_hf_config
+
+DATA = Path(__file__).parent / "data" / "megatron"
+GIB = 1 << 30
+
+
+def script_argv(name: str) -> list[str]:
+    text = (DATA / name).read_text()
+    return shlex.split(" ".join(line for line in text.splitlines() if not line.startswith("#")))
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """argv minus the given options and their values."""
+    out, skip = [], False
+    for tok in argv:
+        if tok.startswith("--"):
+            skip = tok[2:] in flags
+        if not skip:
+            out.append(tok)
+    return out
+
+
+FP8 = ("fp8-format", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-param-gather")
+
+
+def test_llama3_8b_fp8_script_as_pasted_runs_transformer_engine_fp8():
+    tc = read_megatron(script_argv("llama3_8b_h100_fp8.txt"))
+    assert tc.warnings == []
+    p = tc.plan
+    # --fp8-format hybrid without --fp8-recipe: Megatron's default recipe, delayed scaling
+    assert (p["fp8"], p.get("fp8_param_gather"), p["loss"]) == ("delayed", True, "fused")
+    fp8 = pipemem.estimate(tc.model, **p).ranks[0]
+    bf16 = pipemem.estimate(tc.model, **{k: v for k, v in p.items() if not k.startswith("fp8")}).ranks[0]
+    # fp8 primary weights (1 B) + their transposes (1 B) instead of bf16 weights; the linears
+    # keep fp8 inputs for their weight grads, so the in-flight activations shrink
+    assert fp8.static.params < bf16.static.params and fp8.static.other > 0
+    assert fp8.activation_hwm_bytes < bf16.activation_hwm_bytes
+
+
+def test_llama3_8b_script_in_bf16_reduces_grads_in_bf16():
+    tc = read_megatron(without(script_argv("llama3_8b_h100_fp8.txt"), *FP8))
+    assert tc.warnings == []          # every argument known: honoured or without memory effect
+    p = tc.plan
+    assert (p["dp"], p["tp"], p["seq_len"], p["dist_opt"], p["flash_attn"]) == (8, 1, 8192, True, True)
+    assert (p["dtype"], p["main_grad_dtype"]) == ("bf16", "bf16")      # --grad-reduce-in-bf16
+    est = pipemem.estimate(tc.model, **p)
+    st = est.ranks[0].static
+    assert st.grads == st.params             # bf16 main grads: 2 bytes per parameter, like the weights
+    fp32 = pipemem.estimate(tc.model, **{**p, "main_grad_dtype": "fp32"})
+    assert fp32.ranks[0].static.grads == 2 * st.grads
+    assert fp32.max_peak_allocated_bytes - est.max_peak_allocated_bytes == st.grads
+
+
+def test_mixtral_script_needs_its_multinode_world():
+    argv = script_argv("mixtral_8x7b_distributed.txt")
+    # one node of 8 GPUs at pp 4 leaves 2 ranks per stage: expert parallel 8 does not fit (Megatron fails too)
+    with pytest.raises(UserError, match="--ep 8 must divide --dp 2"):
+        tc = read_megatron(argv)
+        pipemem.estimate(tc.model, **tc.plan)
+    argv[argv.index("--nnodes") + 1] = "4"
+    tc = read_megatron(argv)
+    assert tc.warnings == []
+    a = arch_from_hf_config(tc.model)
+    assert (a.experts, a.top_k, a.expert_ffn, a.kv_heads, a.shared_experts) == (8, 2, 14336, 8, 0)
+    assert (tc.plan["dp"], tc.plan["pp"], tc.plan["ep"], tc.plan["main_grad_dtype"]) == (8, 4, 8, "fp32")
+    est = pipemem.estimate(tc.model, **tc.plan, gpu="h100-80g")
+    assert len(est.ranks) == 4 and est.max_peak_allocated_bytes > 10 * GIB
+
+
+def test_argument_sets_are_disjoint():
+    assert not KNOWN & NO_MEMORY_EFFECT and not KNOWN & set(REFUSED) and not NO_MEMORY_EFFECT & set(REFUSED)
+
+
+BASE = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
+        "--seq-length 2048 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 32000 "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1 --world-size 8 ")
+
+
+def read(extra: str):
+    return read_megatron(shlex.split(BASE + extra))
+
+
+@pytest.mark.parametrize("flag", ["--fp8-recipe tensorwise", "--fp8-param-gather", "--fp8-recipe blockwise",
+                                  "--fp4-format e2m1", "--cpu-offloading", "--tp-comm-overlap",
+                                  "--moe-expert-capacity-factor 1.0", "--fine-grained-activation-offloading",
+                                  "--fp16-lm-cross-entropy", "--mtp-num-layers 1", "--enable-cuda-graph"])
+def test_memory_flags_not_modelled_are_refused_by_name(flag):
+    with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]):
+        read(flag)
+
+
+def test_fp8_offload_and_loss_fusion_flags_map_to_the_plan():
+    p = read("--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --cross-entropy-loss-fusion "
+             "--cross-entropy-fusion-impl te --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+             "--fine-grained-activation-offloading --offload-modules expert_fc1,qkv_linear").plan
+    assert (p["fp8"], p["loss"], p["optimizer_offload"]) == ("mxfp8", "fused_te", 0.5)
+    assert p["activation_offload"] == "expert_fc1,qkv"
+    with pytest.raises(UserError, match="^Megatron: --offload-modules 'mystery'"):
+        read("--fine-grained-activation-offloading --offload-modules mystery")
+
+
+def test_refused_flag_switched_off_is_accepted():
+    assert read("--tp-comm-overlap false").warnings == []
+
+
+@pytest.mark.parametrize("extra,grad", [
+    ("--bf16", "fp32"), ("--bf16 --grad-reduce-in-bf16", "bf16"), ("--bf16 --main-grads-dtype bf16", "bf16"),
+    ("--fp16", "fp16"), ("--fp16 --accumulate-allreduce-grads-in-fp32", "fp32"),
+])
+def test_main_grad_dtype_as_megatron_resolves_it(extra, grad):
+    assert read(extra).plan["main_grad_dtype"] == grad
+
+
+def test_precision_aware_optimizer_dtypes_change_static_bytes():
+    base = read("--bf16 --use-distributed-optimizer")
+    low = read("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-params-dtype fp16 "
+               "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp8")
+    assert low.plan["extra"] == {"precision_aware_optimizer": True, "main_params_dtype": "fp16",
+                                 "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8"}
+    o_base = pipemem.estimate(base.model, **base.plan).ranks[0].static.optimizer
+    o_low = pipemem.estimate(low.model, **low.plan).ranks[0].static.optimizer
+    # per parameter (then sharded over dp 8): master 4 + m 4 + v 4 = 12 vs 2 + 2 + 1 = 5
+    assert o_low * 12 == pytest.approx(o_base * 5, rel=1e-3)
+    with pytest.raises(UserError, match="--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"):
+        read("--bf16 --exp-avg-dtype bf16")
+
+
+def test_no_gradient_accumulation_fusion_keeps_eager_weight_grads():
+    fused = read("--bf16 --vocab-size 1000")
+    eager = read("--bf16 --vocab-size 1000 --no-gradient-accumulation-fusion")
+    assert eager.plan["extra"] == {"wgrad_fused": False}
+    w_fused = pipemem.estimate(fused.model, **fused.plan).ranks[0].jobs["W"].peak_bytes
+    w_eager = pipemem.estimate(eager.model, **eager.plan).ranks[0].jobs["W"].peak_bytes
+    # fused: the wgrad GEMM accumulates into the main grad; eager: a dW temporary first
+    assert w_fused == 0 and w_eager > 0
+
+
+def test_recompute_arguments():
+    assert read("--recompute-granularity full --recompute-method block --recompute-num-layers 4").plan[
+        "recompute_layers"] == 4
+    assert read("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1").plan[
+        "recompute"] == "full"
+    with pytest.raises(UserError, match="--recompute-num-layers 2 with --recompute-method uniform"):
+        read("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2")
+    with pytest.raises(UserError, match="--recompute-modules"):
+        read("--recompute-granularity selective --recompute-modules mlp")
+    assert read("--recompute-granularity selective --recompute-modules core_attn").plan["recompute"] == "selective"
+
+
+MOE = "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 --moe-token-dispatcher-type alltoall "
+
+
+def test_moe_shape_shared_experts_and_layer_freq():
+    tc = read(MOE + "--moe-shared-expert-intermediate-size 1024 --moe-layer-freq ([1]*3+[0])*2 "
+              "--expert-model-parallel-size 2")
+    a = arch_from_hf_config(tc.model)
+    assert (a.experts, a.expert_ffn, a.shared_experts, a.shared_ffn, a.ffn) == (8, 512, 1, 1024, 2688)
+    assert a.dense_layers == (3, 7)
+    assert arch_from_hf_config(read(MOE + "--moe-layer-freq 2").model).dense_layers == (1, 3, 5, 7)
+    with pytest.raises(UserError, match="--moe-layer-freq"):
+        read(MOE + "--moe-layer-freq [1,0]")
+
+
+def test_moe_default_dispatcher_with_expert_parallel_is_refused():
+    with pytest.raises(UserError, match="--moe-token-dispatcher-type allgather"):
+        read("--num-experts 8 --expert-model-parallel-size 2")
+
+
+def test_megatron_plan_rules_in_suggestions():
+    """A plan one step from tp > KV heads: the suggestions never propose it (megatron-core would
+    all-gather the whole QKV projection; the plan rule refuses it)."""
+    tc = read("--bf16 --tensor-model-parallel-size 4 --sequence-parallel")
+    est = pipemem.estimate(tc.model, **tc.plan, gpu_memory=0.5)
+    assert est.fits is False
+    flags = [s["flags"] for s in suggest_fixes(est, limit=10)]
+    assert flags and not any("--tp 8" in f for f in flags)
+    with pytest.raises(UserError, match="--tp 8 does not divide the 4 KV heads"):
+        pipemem.estimate(tc.model, **{**tc.plan, "tp": 8, "dp": 1})
