@@ -370,17 +370,20 @@ class _Gen:
             rs = BwdOp("reduce_scatter", (dfull,), ("d." + x,))
             if conv.sp_save == "shard":
                 # Megatron / Paddle recompute_allgather: keep the shard, gather again for dW.
-                # TE fp8: the shard is quantized first and the fp8 tensors are gathered.
-                src, ws, gdt = x, (0, 0), None
+                # TE fp8 (layernorm_linear.py): the shard is quantized and the fp8 data gathered;
+                # MXFP8 gathers the columnwise data, so only it is kept; per-tensor FP8 gathers
+                # the rowwise data and keeps both usages of the shard for backward
+                src, ws, gdt, keep = x, (0, 0), None, ()
                 if self.fp8_linear(nm) and self.sh.feat.te_fp8:
-                    row, src, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h)
+                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h)
                     gdt = "fp8"
+                    src, keep = (col, ()) if self.sh.feat.fp8 == "mxfp8" else (row, (col,))
                 xg = self.act(nm + ".allgather", full, gdt, kind=COMM)
                 xg2 = self.act(nm + ".allgather_bwd", full, gdt, kind=COMM)
                 fwd_in = row if gdt else x
                 self.t.node("linear_sp", (fwd_in,) + params, (y,), diff_inputs=(x,), params=params,
                             fwd_ops=(_op("all_gather", (fwd_in,), (xg,)), _op("matmul", (xg,) + params, (y,))),
-                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,),
+                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,) + keep,
                             pre_w=(BwdOp("all_gather", (src,), (xg2,)),), w_pre_first=True,
                             workspace_i=ws[1] * sh.tp)
             else:
