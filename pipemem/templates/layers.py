@@ -336,7 +336,9 @@ class _Gen:
         # the scale, then `x.to(fp32) * scale` and its clamp are both alive while the fp8 copy
         # is made: 9 bytes per element at the cast, 1 kept until the GEMM (or the backward's
         # end: the fp8 operands are locals of `matmul_with_hp_or_float8_args.backward`)
-        c = CAST_BYTES
+        # Compiled (torchtitan always compiles Float8), inductor fuses each cast into one kernel
+        # writing the fp8 copy: only the fp8 operands themselves are transient
+        c = 1 if f.compile else CAST_BYTES
         ws_f = max(c * n_in, n_in + c * n_w)
         ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
         return x, x, (ws_f, ws_i)
