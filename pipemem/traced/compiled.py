@@ -1,8 +1,8 @@
 """torch.compile of each decoder layer in traced mode: AOTAutograd's own partitioner decides.
 
-`compile_layers(model)` replaces each decoder layer's forward with an `aot_module` of it that
-uses `min_cut_rematerialization_partition` (the partitioner inductor uses) and no-op graph
-compilers. The recorded step then runs the partitioned forward and backward graphs op by op,
+`compile_layers(model)` replaces each decoder layer's forward with an `aot_function` of it
+(parameters as graph inputs) that uses inductor's decompositions, its partitioner
+`min_cut_rematerialization_partition` and no-op graph compilers. The recorded step then runs the partitioned forward and backward graphs op by op,
 and autograd holds exactly the tensors the compiled forward returns for the backward: the
 liveness engine sees what a compiled layer saves. Inductor's fusion of pointwise chains
 (fewer transient buffers inside a graph) is not modelled; the saved set is the partitioner's.
@@ -56,18 +56,10 @@ def compile_layers(model: torch.nn.Module, prefix: str | None = None) -> int:
 
 
 def _compile_module(mod: torch.nn.Module) -> None:
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def nop(gm, _example_inputs):
-        return make_boxed_func(gm.forward)
-
     original = mod.forward
-    holder: dict = {}
 
     class _Eager(torch.nn.Module):
-        """The layer's original forward, as a module for aot_module to trace."""
+        """The layer's original forward, as a module whose parameters are graph inputs."""
 
         def __init__(self):
             super().__init__()
@@ -81,25 +73,19 @@ def _compile_module(mod: torch.nn.Module) -> None:
     def functional(params, buffers, args, kwargs):
         return torch.func.functional_call(wrapper, (params, buffers), args, kwargs)
 
+    # parameters are inputs of the traced graphs (aot_module refuses fake parameters)
+    compiled = compile_function(functional)
+
     def forward(*args, **kwargs):
-        params = dict(wrapper.named_parameters())
-        buffers = dict(wrapper.named_buffers())
-        if "fn" not in holder:
-            # parameters are inputs of the traced graphs (aot_module refuses fake parameters)
-            holder["fn"] = aot_function(functional, fw_compiler=nop, bw_compiler=nop,
-                                        partition_fn=min_cut_rematerialization_partition,
-                                        decompositions=_inductor_decompositions())
-            with _tracing_modes(args):
-                holder["fn"](params, buffers, args, kwargs)      # trace and partition (not recorded)
-        return holder["fn"](params, buffers, args, kwargs)
+        return compiled(dict(wrapper.named_parameters()), dict(wrapper.named_buffers()), args, kwargs)
 
     mod.forward = forward
 
 
 def compile_function(fn):
-    """`fn` (tensor arguments, no parameters) as its AOTAutograd-partitioned graphs, traced on
-    its first call with the recorder's modes off (e.g. torchtune's compiled
-    `compute_cross_entropy`)."""
+    """`fn` as its AOTAutograd-partitioned graphs (e.g. torchtune's compiled
+    `compute_cross_entropy`), traced on its first call with the recorder's modes off; that
+    warm-up call is discarded and the call repeated under the recorder."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
