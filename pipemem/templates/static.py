@@ -57,8 +57,8 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
     """(param, grad, master, optimizer-state) bytes per parameter element, unsharded.
 
     --optimizer-in-backward: no gradient outlives its parameter's step (the gradients are
-    transient tensors of the backward programs). --fp8-param-gather: fp8 primary weights
-    (1 B; Megatron keeps the fp32 master in the optimizer)."""
+    transient tensors of the backward programs). (--fp8-param-gather's 1-byte linear weights
+    are applied in `static_bytes`.)"""
     dt = dtype_bytes(plan.dtype)
     master = plan.master_weights and plan.dtype != "fp32"
     state_dtype = 4 if (master or plan.dtype == "fp32") else dt
@@ -81,8 +81,6 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
             master_bytes = dtype_bytes(extra.get("main_params_dtype", "fp32"))
         if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
             states = dtype_bytes(extra.get("exp_avg_dtype", "fp32")) + dtype_bytes(extra.get("exp_avg_sq_dtype", "fp32"))
-    if getattr(plan, "fp8_param_gather", False) and conv.name == "megatron":
-        dt = 1
     return dt, grad, master_bytes, states
 
 
@@ -159,8 +157,10 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
         grads += shard(n, group, zero >= 2) * g
         master += int(shard(n, group, opt_shard) * m * on_gpu)
         states += int(shard(n, group, opt_shard) * st * on_gpu)
-    full = StaticBytes(params=params, grads=grads, optimizer=master + states,
-                       other=_fp8_weight_workspaces(arch, plan, conv, stage_layers, rank_stages))
+    linear, per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    if plan.fp8_param_gather and linear:
+        params -= linear * (p - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
+    full = StaticBytes(params=params, grads=grads, optimizer=master + states, other=int(linear * per))
     return step_state(full, plan.grads, plan.step, states)
 
 
@@ -179,19 +179,21 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
 
 
-def _fp8_weight_workspaces(arch, plan, conv: Convention, stage_layers, rank_stages) -> int:
-    """Transformer Engine keeps an fp8 copy of each linear weight (rowwise, for the forward
-    GEMM) and its transpose (columnwise, for the input-grad GEMM) for the whole step (cached
-    across microbatches, `is_first_microbatch`). With --fp8-param-gather the weight itself is
-    the fp8 rowwise copy (counted in params) and only the transpose cache is extra. MXFP8 adds
-    one 1-byte scale per 32 elements to each. torchao Float8 casts weights per use (transient)."""
+def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[int, float]:
+    """(elements of the rank's decoder-layer linear weights that Transformer Engine runs in
+    fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
+    each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
+    input-grad GEMM) for the whole step (`_fp8_workspaces`, cached across microbatches by
+    `is_first_microbatch`). With --fp8-param-gather the weight itself is the fp8 rowwise copy
+    and only the transpose is extra. MXFP8 adds a 1-byte scale per 32 elements to each.
+    torchao Float8 casts weights per use (transients in the programs): (0, 0)."""
     fp8 = getattr(plan, "fp8", None)
     if conv.name != "megatron" or not fp8:
-        return 0
+        return 0, 0.0
     per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
     n = 0
     for st in rank_stages:
         for i in stage_layers[st]:
             shapes = layer_param_shapes(arch, i, plan.tp, plan.etp or 1, plan.ep)
             n += sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
-    return int(n * per)
+    return n, per
