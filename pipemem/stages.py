@@ -124,6 +124,7 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
                 layers: tuple[int, ...]) -> StageJobs:
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory, layer_memory
+    opts = _offload_stash(arch, sh, conv, opts)
     parts = [layer_memory(arch, sh, conv, o) for o in opts]
     free_output = conv.name in ("megatron", "paddle")
     act = sh.boundary_bytes
@@ -143,6 +144,17 @@ def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: i
         B = JobMemory(B.net_bytes - act, B.peak_bytes)
         I = JobMemory(I.net_bytes - act, I.peak_bytes)
     return StageJobs(stage=stage, F=F, B=B, I=I, W=W, layers=layers, notes={"embedding": first, "head": last})
+
+
+def _offload_stash(arch, sh, conv, opts: tuple) -> tuple:
+    """torchtune's offloading (--activation-offload all) leaves the last tensors it offloaded
+    on the GPU when the forward ends (its forward stash): mark them on the stage's last layers."""
+    if "*" not in sh.feat.offload:
+        return opts
+    from .templates.offload import stash_keeps
+    from .templates.programs import layer_offload_count
+    keeps = stash_keeps([layer_offload_count(arch, sh, conv, o) for o in opts])
+    return tuple(replace(o, offload_keep=k) if k else o for o, k in zip(opts, keeps))
 
 
 def _build(arch, plan, conv, sh, style) -> StagePlan:

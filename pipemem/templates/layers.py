@@ -132,6 +132,7 @@ class LayerOptions:
     hidden_dropout: bool
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
+    offload_keep: int = 0   # activation offload: the layer's last saved tensors left on the GPU
 
 
 def norm_kind(arch) -> str:
@@ -823,7 +824,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         min_cut_region(tape, 0)
     if sh.feat.offload:
         from .offload import mark_offloaded
-        mark_offloaded(tape, sh.feat)
+        mark_offloaded(tape, sh.feat, keep=opt.offload_keep)
     return tape, x, y
 
 

@@ -10,9 +10,12 @@ saved tensors are the checkpoint's inputs. Megatron's fine-grained offloading
 saved by the named modules only.
 
 In the programs: the forward no longer keeps an offloaded tensor past its last forward use
-(its GPU copy is freed; with torchtune's streams the free waits for the copy, about one layer
-later -- not modelled), and the layer's backward starts by allocating the reloaded copies and
-reads those (the prefetch of the next layer's tensors during this one is not modelled).
+(its GPU copy is freed), and the layer's backward starts by allocating the reloaded copies
+and reads those. With its copy stream torchtune keeps the last `max_fwd_stash_size` (5)
+offloaded tensors alive on the GPU until later copies push them out; the ones still stashed
+when the forward ends are used in place by the backward, never reloaded: the stage's last
+layers keep their last 5 saved tensors (`stash_keeps`). Not modelled: the previous autograd
+node's reloaded tensors, released one node later in backward.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from .tape import PARAM, Tape
 
 MIN_OFFLOAD_BYTES = 1024   # torchtune OffloadActivations(min_offload_size=1024)
+FWD_STASH = 5              # torchtune OffloadActivations(max_fwd_stash_size=5)
 
 # Megatron's module names -> the template nodes whose saved inputs they cover
 _MODULE_NODES = {
@@ -43,8 +47,9 @@ def _selected(feat, node) -> bool:
     return any(_MODULE_NODES[m](node) for m in feat.offload if m in _MODULE_NODES)
 
 
-def mark_offloaded(tape: Tape, feat) -> dict[str, str]:
-    """Fill `tape.offloaded` with the layer's saved tensors that the plan offloads."""
+def mark_offloaded(tape: Tape, feat, keep: int = 0) -> dict[str, str]:
+    """Fill `tape.offloaded` with the layer's saved tensors that the plan offloads, in forward
+    order, leaving the last `keep` of them on the GPU (torchtune's forward stash)."""
     recomputed = {o for n in tape.nodes if n.region >= 0 and not n.pinned for o in n.outputs}
     saved: dict[str, None] = {}
     for n in tape.nodes:
@@ -58,13 +63,30 @@ def mark_offloaded(tape: Tape, feat) -> dict[str, str]:
             if x in recomputed:
                 continue
             saved[x] = None
+    names = [x for x in saved if x in tape.tensors and tape.tensors[x].kind is not PARAM
+             and tape.tensors[x].nbytes >= MIN_OFFLOAD_BYTES]
     out = {}
-    for x in saved:
-        t = tape.tensors.get(x)
-        if t is None or t.kind is PARAM or t.nbytes < MIN_OFFLOAD_BYTES:
-            continue
+    for x in names[:len(names) - keep] if keep else names:
+        t = tape.tensors[x]
         copy = x + "@h2d"
         tape.t(copy, t.shape, t.dtype)
         out[x] = copy
     tape.offloaded = out
     return out
+
+
+def offload_count(tape: Tape, feat) -> int:
+    """How many tensors a layer offloads (with nothing kept back)."""
+    return len(mark_offloaded(tape, feat))
+
+
+def stash_keeps(counts: list[int], stash: int = FWD_STASH) -> list[int]:
+    """Per layer of a stage (forward order, with `counts` offloaded tensors each), how many of
+    its last tensors are still in torchtune's forward stash when the forward ends."""
+    keep, left = [0] * len(counts), stash
+    for i in range(len(counts) - 1, -1, -1):
+        if left <= 0:
+            break
+        keep[i] = min(left, counts[i])
+        left -= keep[i]
+    return keep
