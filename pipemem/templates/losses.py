@@ -127,7 +127,7 @@ def _fused_linear(g, tape: Tape, hn: str, sh) -> str:
     # matmul output, before both are added into the accumulators
     ws = chunk * V * dtype_bytes(sh.dt) + chunk * h * eb
     tape.node("fused_linear_ce", (hn, w, labels), (loss, dinput, dweight), diff_inputs=(hn,), params=(w,),
-              save_i=(dinput,), save_w=(dweight,), workspace_f=ws)
+              save_i=(dinput,), save_w=(dweight,), workspace_f=ws, wgrad_saved=dweight)
     # backward scales the saved input grad in place (Liger's element_mul_kernel)
     tape.tensors["d." + hn] = type(tape.tensors[hn])("d." + hn, tape.tensors[hn].shape, g.dtype_of(hn),
                                                      storage=dinput)

@@ -76,6 +76,8 @@ class Node:
     pinned: bool = False             # selective checkpointing keeps its outputs: not recomputed
     promote_grads: bool = False      # mixed-dtype op: an input's grad is computed in the output's
                                      # dtype, then cast to the input's (autograd's validate_outputs)
+    wgrad_saved: str = ""            # the weight grad was computed in forward and saved under this
+                                     # name (Liger's fused linear CE): the backward scales it in place
 
 
 class Tape:
@@ -132,11 +134,11 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False, read_w=()) -> Node:
+             w_pre_first=False, promote_grads=False, read_w=(), wgrad_saved="") -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
                  workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
+                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads, wgrad_saved)
         self.nodes.append(n)
         return n
 
@@ -314,6 +316,8 @@ class Tape:
                 nm = f"dw{k}.{p}"
                 self.tensors[nm] = Tensor(nm, shape, dt, TEMP)
                 names.append(nm)
+            if n.wgrad_saved:
+                names = [r(n.wgrad_saved)]     # scaled in place, then handed to autograd as is
             ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
             for a, b in zip(names, names[1:]):
                 ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
