@@ -595,7 +595,7 @@ def run(records: list[dict], ids: set[str] | None = None, traced: bool = False) 
 
 
 def _skip_kind(note: str) -> str:
-    for key, label in (("llm.c", "llm.c static buffers"), ("fp8", "fp8 linears"), ("offload", "offload"),
+    for key, label in (("llm.c", "llm.c static buffers"), ("fp8", "fp8 linears"), ("offload", "offload not modelled (ZeRO-Infinity, Paddle recompute offload)"),
                        ("chunked", "chunked cross-entropy"), ("MP-partitioned", "Paddle MP-partitioned recompute"),
                        ("model shape", "model shape not stated"), ("seq_len", "seq_len not stated"),
                        ("world size", "world size / dp not stated"), ("precision", "precision not stated"),
