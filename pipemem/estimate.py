@@ -383,6 +383,14 @@ def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
         if "global_batch" not in kw:
             change["microbatches"] = p.microbatches * p.micro_batch // half
         cands.append((f"--micro-batch {half}", change))
+    if p.convention in ("hf", "torchtitan"):
+        # what PyTorch trainers switch on when memory is tight (pipemem.features)
+        if p.loss == "standard" and p.tp == 1:
+            cands.append(("--loss chunked", {"loss": "chunked"}))
+        if not p.compile:
+            cands.append(("--compile", {"compile": "all"}))
+        if not p.activation_offload:
+            cands.append(("--activation-offload all", {"activation_offload": "all"}))
     if p.dp % 2 == 0:   # same GPUs: trade data parallelism for model parallelism
         cands.append((f"--tp {p.tp * 2} --dp {p.dp // 2}", {"tp": p.tp * 2, "dp": p.dp // 2}))
         cands.append((f"--pp {p.pp * 2} --dp {p.dp // 2}", {"pp": p.pp * 2, "dp": p.dp // 2, "pp_layout": None}))
