@@ -51,19 +51,20 @@ def mark_offloaded(tape: Tape, feat, keep: int = 0) -> dict[str, str]:
     """Fill `tape.offloaded` with the layer's saved tensors that the plan offloads, in forward
     order, leaving the last `keep` of them on the GPU (torchtune's forward stash)."""
     recomputed = {o for n in tape.nodes if n.region >= 0 and not n.pinned for o in n.outputs}
-    saved: dict[str, None] = {}
+    # a tensor leaves the GPU only if every node that keeps it for backward is offloaded (a
+    # module's offloaded copy frees nothing while another module still holds the tensor)
+    saved: dict[str, bool] = {}
     for n in tape.nodes:
-        if not _selected(feat, n):
-            continue
         names = list(n.save_i) + list(n.save_w)
         if n.region >= 0 and not n.pinned:
             # a checkpointed node saves nothing itself; its region's inputs are saved instead
             names = [x for x in n.inputs if x not in recomputed]
+        chosen = _selected(feat, n)
         for x in names:
-            if x in recomputed:
-                continue
-            saved[x] = None
-    names = [x for x in saved if x in tape.tensors and tape.tensors[x].kind is not PARAM
+            if x not in recomputed:
+                saved[x] = saved.get(x, True) and chosen
+    names = [x for x, all_chosen in saved.items() if all_chosen and x in tape.tensors
+             and tape.tensors[x].kind is not PARAM
              and tape.tensors[x].nbytes >= MIN_OFFLOAD_BYTES]
     out = {}
     for x in names[:len(names) - keep] if keep else names:
