@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
-from ..plan import ParallelPlan, stages_of_rank, validate_plan
+from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
 from .space import Base, SpaceOptions, enumerate_bases, schedules_for
@@ -348,6 +348,13 @@ class _Runner:
             if best is None or sum(n) > sum(best[1]):
                 best = (st, n)
         return best
+
+
+def stages_of_rank(rank: int, pp: int, vpp: int, style: str) -> list[int]:
+    """The stages a named schedule of that placement puts on `rank` (the schedules' own maps)."""
+    from ..schedules.actions import loop_stage_map, v_stage_map
+    placed = v_stage_map(pp, vpp) if style == "v" else loop_stage_map(pp, vpp)
+    return [s for s, r in enumerate(placed) if r == rank]
 
 
 def _reason(message: str) -> str:

@@ -67,10 +67,12 @@ def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_p
     if plan.pp == 1:
         raise UserError("--zero-bubble needs a pipeline plan (pp > 1)")
     own = schedule_for(kw.get("schedule"), plan.pp, plan.microbatches, plan.vpp)
+    from ..runtime import fold_per_action
     placement = "v" if own.placement == "v" else "loop"
-    style = "v" if placement == "v" else "interleaved"
-    stage_plan = build_stage_jobs(search.arch, plan, style=style)
-    statics = [stage_plan.static[r].total for r in range(plan.pp)]
+    stage_plan = build_stage_jobs(search.arch, plan)
+    static = stage_plan.static_per_rank(own)          # placement: the schedule's
+    statics = [st.total for st in static]
+    jobs = fold_per_action(stage_plan.stages)         # the scheduler needs self-contained jobs
     d = stage_flops(search.arch, plan.pp_layout, plan.seq_len, plan.recompute, plan.recompute_layers)
     times = TimeModel(F=[x[0] for x in d], I=[x[1] for x in d], W=[x[2] for x in d])
     own_makespan = simulate(own, times).makespan
@@ -83,7 +85,7 @@ def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_p
         if limits is not None and min(limits) < 0:
             return None
         try:
-            sched = memory_limited_schedule(plan.pp, plan.microbatches, jobs=stage_plan.stages, times=times,
+            sched = memory_limited_schedule(plan.pp, plan.microbatches, jobs=jobs, times=times,
                                             memory_limit=limits, vpp=plan.vpp, placement=placement, name="ZBAuto",
                                             search=False)
         except UserError:
@@ -98,7 +100,7 @@ def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_p
     def peak_of(sched) -> int:
         """Highest static + activation bytes of the schedule on the jobs (what the limit bounds)."""
         from ..replay import replay
-        rep = replay(sched, stage_plan.stages, stage_plan.static, simulate_time=False)
+        rep = replay(sched, jobs, static, simulate_time=False)
         return max(r.peak_allocated_bytes for r in rep.ranks)
 
     hi = peak_of(free[0])

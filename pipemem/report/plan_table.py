@@ -6,7 +6,8 @@ Numbers are read from the PlanSearch (each plan's estimate and cost); nothing is
 from __future__ import annotations
 
 from ..units import fmt_bytes
-from .text import DIM, GREEN, RED, _console
+from .text import DIM, GREEN, RED
+from .text import console as _console
 
 
 def short_plan(kw: dict) -> str:

@@ -15,10 +15,11 @@ free port) that starts `torch.profiler.profile(profile_memory=True)` before it b
 model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
-Estimates (pipemem/validation/distributed/): TP and FSDP ranks are traced one at a time in this process
-on FakeTensorMode under PyTorch's fake process group; pipeline ranks replay PyTorch's own
-action order over traced F/B/I/W stage jobs plus what the pipelining runtime keeps alive
-(pipeline_runtime.py). `cpu` kernel policy (the kernels the real run uses).
+Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",
+convention="torchtitan", ...)` of the case's plan, the call users make (`estimate_case`):
+pipelines are traced stage jobs + the schedule + the torch runtime profile's lowering + replay;
+TP and FSDP ranks are traced on FakeTensorMode under PyTorch's fake process group. Nothing
+here computes a memory number.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import tempfile
 import time
 
 from ..errors import UserError
-from .compare import rel_error
+from .compare import CaseRow, max_abs_rel_error, rel_error
 
 EXAMPLE = """\
 examples:
@@ -180,11 +181,38 @@ def _stop(procs) -> None:
 
 # ---- compare -----------------------------------------------------------------------------------
 
-def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
+def estimate_kwargs(case: dict) -> dict:
+    """The case as `pipemem.estimate` keyword arguments."""
+    from .distributed.models import precision
+    kw = dict(mode="traced", kernel_policy="cpu", convention="torchtitan", step="first", seq_len=case["seq_len"],
+              micro_batch=case["micro_batch"], **precision(case["model"]))
+    if case["kind"] == "pp":
+        kw.update(pp=case["pp"], vpp=case.get("vpp", 1), microbatches=case["microbatches"], schedule=case["schedule"],
+                  runtime="torch")
+    elif case["kind"] == "tp":
+        kw.update(tp=case["world"], recompute_allgather=bool(case.get("regather")))
+    else:
+        kw.update(fsdp=True, dp=case["world"])
+    return kw
+
+
+def estimate_case(case: dict) -> dict[int, dict]:
+    """{rank: {estimated_bytes, peak_at, static_bytes}} of every rank of the case, from one
+    `pipemem.estimate` call (a TP / FSDP estimate is one rank: every rank of the group runs it)."""
+    import pipemem
+    from .distributed.models import hf_config
+    est = pipemem.estimate(hf_config(case["model"]), **estimate_kwargs(case))
+    out = {}
+    for r in range(case["world"]):
+        rank = est.ranks[r] if case["kind"] == "pp" else est.ranks[0]
+        out[r] = {"estimated_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at,
+                  "static_bytes": rank.static.total}
+    return out
+
+
+def run_cases(cases: list[dict], timeout: float = 600.0) -> list[CaseRow]:
     """Measure (worker processes, one launch per world size) and estimate (this process, while
     the workers run) every case; one row per rank and case."""
-    from .distributed.runs import estimate_case
-
     rows = []
     by_world: dict[int, list[dict]] = {}
     for c in cases:
@@ -200,33 +228,29 @@ def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
             raise
         measured = run.collect()
         for c in group:
-            for est in estimates[c["name"]]:
-                meas = measured[c["name"], est["rank"]]
-                m, e = meas["measured_bytes"], est["estimated_bytes"]
-                rows.append({"name": f"{c['name']}/rank{est['rank']}", "case": c["name"], "rank": est["rank"],
-                             "measured_bytes": m, "estimated_bytes": e, "rel_error": (e - m) / m,
-                             "peak_at": est.get("peak_at", ""), "static_bytes": est.get("static_bytes"),
-                             "measured_baseline_bytes": meas.get("baseline_bytes"),
-                             "measured_max_bytes": meas.get("measured_max_bytes"),
-                             "repeats": meas.get("repeats"),
-                             "missed_free_bytes": meas.get("missed_free_bytes", 0),
-                             "estimate_seconds": round(t_est / len(group), 2),
-                             "run_seconds": meas.get("seconds")})
+            for r, est in sorted(estimates[c["name"]].items()):
+                meas = measured[c["name"], r]
+                rows.append(CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
+                    "case": c["name"], "rank": r, "peak_at": est["peak_at"], "static_bytes": est["static_bytes"],
+                    "measured_baseline_bytes": meas.get("baseline_bytes"),
+                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats"),
+                    "missed_free_bytes": meas.get("missed_free_bytes", 0),
+                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")}))
     return rows
 
 
-def add_savings(rows: list[dict], cases: list[dict]) -> None:
+def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
     """Rows of a case run without and with a memory-saving switch (`base` names the case
     without it): per rank, the measured and the estimated saving (base minus this case)."""
-    by_case_rank = {(r["case"], r["rank"]): r for r in rows}
+    by_case_rank = {(r.extra["case"], r.extra["rank"]): r for r in rows}
     bases = {c["name"]: c["base"] for c in cases if c.get("base")}
     for r in rows:
-        b = by_case_rank.get((bases.get(r["case"]), r["rank"]))
+        b = by_case_rank.get((bases.get(r.extra["case"]), r.extra["rank"]))
         if b is None:
             continue
-        measured, estimated = b["measured_bytes"] - r["measured_bytes"], b["estimated_bytes"] - r["estimated_bytes"]
-        r.update(saving_measured_bytes=measured, saving_estimated_bytes=estimated,
-                 saving_rel_error=rel_error(estimated, measured))
+        measured, estimated = b.measured_bytes - r.measured_bytes, b.estimated_bytes - r.estimated_bytes
+        r.extra.update(saving_measured_bytes=measured, saving_estimated_bytes=estimated,
+                       saving_rel_error=rel_error(estimated, measured))
 
 
 def register(sub) -> None:
@@ -277,24 +301,26 @@ def run(args) -> int:
         print(f"pipemem: validate dist: {e}", file=sys.stderr)
         return 1
     add_savings(rows, cases)
-    worst = max(abs(r["rel_error"]) for r in rows)
-    savings = [r for r in rows if "saving_measured_bytes" in r]
-    worst_saving = max((abs(r["saving_rel_error"]) for r in savings if r["saving_rel_error"] is not None),
+    worst = max_abs_rel_error(rows)
+    savings = [r for r in rows if "saving_measured_bytes" in r.extra]
+    worst_saving = max((abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
                        default=None)
     if args.json:
-        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu", "cases": rows,
-                          "max_abs_rel_error": worst, "max_abs_saving_rel_error": worst_saving}, indent=1))
+        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu",
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst,
+                          "max_abs_saving_rel_error": worst_saving}, indent=1))
         return 0
     from ..units import fmt_bytes
     print(f"{'case / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}  peak at")
     for r in rows:
-        print(f"{r['name']:36s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
-              f"{r['rel_error']:>+10.2e}  {r['peak_at'][:48]}")
+        print(f"{r.name:36s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+              f"{r.rel_error:>+10.2e}  {r.extra['peak_at'][:48]}")
     print(f"max |rel_error| = {worst:.2e} over {len(rows)} rank measurements")
     if savings:
         print(f"\n{'saving (vs the case without) / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
         for r in savings:
-            err = f"{r['saving_rel_error']:>+10.2e}" if r["saving_rel_error"] is not None else f"{'-':>10s}"
-            print(f"{r['name']:36s} {fmt_bytes(r['saving_measured_bytes']):>12s} "
-                  f"{fmt_bytes(r['saving_estimated_bytes']):>12s} {err}")
+            x = r.extra
+            err = f"{x['saving_rel_error']:>+10.2e}" if x["saving_rel_error"] is not None else f"{'-':>10s}"
+            print(f"{r.name:36s} {fmt_bytes(x['saving_measured_bytes']):>12s} "
+                  f"{fmt_bytes(x['saving_estimated_bytes']):>12s} {err}")
     return 0
