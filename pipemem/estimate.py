@@ -403,6 +403,8 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
     if not isinstance(config, dict):
         raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
     sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3))
+    from .traced.estimate import refuse_unmodelled
+    refuse_unmodelled(plan, parallel=plan.pp > 1 or sharded)
     if plan.pp > 1 or sharded:
         try:
             return _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts)

@@ -52,18 +52,24 @@ def _check_plan(plan: ParallelPlan) -> None:
         raise UserError("--recompute-layers: traced mode recomputes all layers or none; use --mode templates")
     if plan.optimizer not in ("adamw", "adam", "sgd"):
         raise UserError(f"--optimizer {plan.optimizer}: traced mode supports adamw, adam, sgd")
-    unsupported = [name for name, on in (
-        (f"--loss {plan.loss}", plan.loss != "standard"), (f"--fp8 {plan.fp8}", bool(plan.fp8)),
-        ("--activation-offload", bool(plan.activation_offload)), ("--optimizer-offload", bool(plan.optimizer_offload)),
-        ("--optimizer-in-backward", plan.optimizer_in_backward),
-        ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype))) if on]
-    if unsupported:
-        raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
+    refuse_unmodelled(plan)
     if plan.grads not in (None, "set-to-none", "buffer"):
         raise UserError(f"--grads {plan.grads}: traced mode runs the model without DistributedDataParallel, so it "
                         "has no DDP buckets; use --mode templates, or --grads set-to-none / buffer")
     if plan.micro_batch < 1 or plan.seq_len < 1:
         raise UserError("--micro-batch and --seq-len must be positive")
+
+
+def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
+    """Refuse, by name, the pipemem.features switches traced mode does not run (templates do)."""
+    unsupported = [name for name, on in (
+        (f"--loss {plan.loss}", plan.loss != "standard"), (f"--fp8 {plan.fp8}", bool(plan.fp8)),
+        ("--activation-offload", bool(plan.activation_offload)), ("--optimizer-offload", bool(plan.optimizer_offload)),
+        ("--optimizer-in-backward", plan.optimizer_in_backward),
+        ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype)),
+        ("--compile (with --pp, --tp or --fsdp)", parallel and bool(plan.compile))) if on]
+    if unsupported:
+        raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
 
 
 def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str = "cuda") -> TracedEstimate:
