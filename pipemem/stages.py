@@ -82,7 +82,10 @@ class StagePlan:
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids),
+        from .templates.static import optimizer_step_scratch
+        key = tuple(sorted(stage_ids))
+        scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
+        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids), scratch,
                               self.plan.optimizer_in_backward, self.plan.optimizer_offload)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
@@ -248,18 +251,19 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, in_backward: bool = False,
+def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, scratch: int = 0, in_backward: bool = False,
                    offload: float = 0.0) -> JobMemory:
     """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step; `adamw_fused`
+    scratch beyond `scratch` (Megatron's fp32 copies of narrow grads, templates.static);
+    PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the size of
+    the local parameters (the denominator), freed inside the step; `adamw_fused`
     (torch.optim.AdamW(fused=True)) and the quantized optimizers (8/4-bit, one parameter's
     states at a time) need none. On the first step the optimizer creates its states before it
     updates (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step
     created are freed after it. With --optimizer-in-backward the steps run inside the backward
     programs; with --optimizer-offload the offloaded share steps on the CPU."""
     prog = Program("optimizer", type="optimizer")
-    ws = 0
+    ws = scratch
     if in_backward:
         return JobMemory(0, 0)
     if conv in ("torchtitan", "hf") and optimizer not in ("sgd", "adam8bit", "adam4bit", "adamw_fused"):

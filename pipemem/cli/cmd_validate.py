@@ -1,4 +1,4 @@
-"""`pipemem validate {cpu,dist,paddle,cuda,features}`: measured vs estimated on real runs and library traces."""
+"""`pipemem validate {cpu,dist,paddle,cuda,megatron,features}`: measured vs estimated on real runs and library traces."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ examples:
   pipemem validate paddle
   pipemem validate cuda --configs small
   pipemem validate features --json
+  pipemem validate megatron --json
 """
 
 

@@ -178,8 +178,15 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     linear, per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
     if plan.fp8_param_gather and linear:
         params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
-    full = StaticBytes(params=int(params), grads=int(grads), optimizer=master + states, other=int(linear * per))
-    return step_state(full, plan.grads, plan.step, states)
+    other = int(linear * per)
+    if conv.name == "megatron":
+        ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
+        n_layers = sum(len(r) for r in ranges)
+        n_moe = sum(moe_layers_in(arch, r) for r in ranges)
+        other += megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
+                                        plan.pp * plan.vpp - 1 in rank_stages)
+    return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=master + states, other=other),
+                      plan.grads, plan.step, states)
 
 
 @lru_cache(maxsize=65536)
@@ -251,3 +258,68 @@ def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages)
 def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
     shapes = layer_param_shapes(arch, index, tp, etp, ep)
     return sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+
+
+def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],
+                           rank_stages: list[int]) -> int:
+    """Bytes the optimizer step allocates beyond the model states. Megatron with main grads
+    narrower than fp32 (--grad-reduce-in-bf16, fp16 grads) and the usual fp32 optimizer hands
+    Adam fp32 copies of its grads: `main_param.grad = main_grad.float()` for every local
+    parameter (Float16OptimizerWithFloat16Params) or for the rank's shard (DistributedOptimizer
+    `_copy_model_grads_to_main_grads`); they live until the next step's zero_grad.
+    --use-precision-aware-optimizer reads the narrow grads directly."""
+    extra = plan.extra or {}
+    if conv.name != "megatron" or not plan.master_weights or extra.get("precision_aware_optimizer"):
+        return 0
+    if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
+        return 0
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    sharded = plan.dist_opt or plan.zero >= 1
+    edp = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    n = (-(-dense // (plan.dp * plan.cp)) + -(-expert // edp)) if sharded else dense + expert
+    return n * 4
+
+
+def megatron_runtime_bytes(arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool) -> int:
+    """What a Megatron-LM rank keeps for the whole run besides model states (validated against
+    megatron-core's own step, `pipemem validate megatron`):
+
+    * Transformer Engine's dummy weight gradients: with gradient-accumulation fusion the wgrad
+      GEMM writes the main grad and autograd is handed `get_dummy_wgrad(shape, dtype)`, one
+      cached tensor per distinct local weight shape (and dtype), kept for the run
+      (transformer_engine/pytorch/module/base.py; megatron tensor_parallel/layers.py);
+    * the rotary embedding's cached frequencies, fp32 [seq, 1, 1, head_dim] per stage
+      (RotaryEmbedding.forward is lru_cached in megatron-core)."""
+    total = 0
+    if conv.wgrad_fused and not (plan.zero >= 3 or plan.fsdp):
+        shapes = set()
+        for moe, present in ((False, has_dense), (True, has_moe)):
+            if present:
+                shapes.update(_linear_weight_shapes(arch, moe, plan.tp, plan.etp or 1, plan.ep))
+        if has_head:
+            m = conv.vocab_multiple * plan.tp
+            shapes.add((-(-arch.vocab // m) * m // plan.tp, arch.hidden))
+        total += sum(_prod(sh) for sh in shapes) * dtype_bytes(plan.dtype)
+    if arch.position == "rope" and (has_dense or has_moe):
+        total += plan.seq_len * arch.head_dim * 4
+    return total
+
+
+def _linear_weight_shapes(arch, moe: bool, tp: int, etp: int, ep: int) -> list[tuple[int, int]]:
+    """Local weight shapes of the linears of one decoder layer that go through the fused
+    wgrad path (attention qkv and output projections, MLP fc1 / fc2, shared-expert MLP)."""
+    h, d = arch.hidden, arch.head_dim
+    a = arch.heads // tp
+    kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
+    gated = 2 if arch.activation in ("swiglu", "geglu") else 1
+    out = [((a + 2 * kv) * d, h), (h, a * d)]
+    if moe:
+        f = arch.expert_ffn // etp
+        out += [(gated * f, h), (h, f)]
+        if arch.shared_experts:
+            sf = arch.shared_experts * arch.shared_ffn // tp
+            out += [(gated * sf, h), (h, sf)]
+    else:
+        f = arch.ffn // tp
+        out += [(gated * f, h), (h, f)]
+    return out

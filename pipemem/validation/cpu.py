@@ -144,7 +144,9 @@ def estimate(case: Case):
     import pipemem
     from ..traced.hf import TINY
     base, _, how = case.dtype.partition("-")
-    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", micro_batch=case.batch,
+    # HF modules and PyTorch's zero_grad(set_to_none=True), as the real step runs them
+    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", convention="hf",
+                            grads="set-to-none", micro_batch=case.batch,
                             seq_len=case.seq, dtype=base, master_weights=how != "pure",
                             flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
 
