@@ -82,11 +82,14 @@ class StagePlan:
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        from .templates.static import optimizer_step_scratch
+        from .templates.static import optimizer_elems, optimizer_step_scratch
         key = tuple(sorted(stage_ids))
+        elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
         scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
-        return _optimizer_job(self.conv.name, self.plan.optimizer, self.rank_static(stage_ids), scratch,
-                              self.plan.optimizer_in_backward, self.plan.optimizer_offload)
+        temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
+        return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
+                              largest * temp, self.rank_static(key), scratch, self.plan.optimizer_in_backward,
+                              self.plan.optimizer_offload)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -251,23 +254,25 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes, scratch: int = 0, in_backward: bool = False,
-                   offload: float = 0.0) -> JobMemory:
-    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
-    scratch beyond `scratch` (Megatron's fp32 copies of narrow grads, templates.static);
-    PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the size of
-    the local parameters (the denominator), freed inside the step; `adamw_fused`
-    (torch.optim.AdamW(fused=True)) and the quantized optimizers (8/4-bit, one parameter's
-    states at a time) need none. On the first step the optimizer creates its states before it
-    updates (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step
-    created are freed after it. With --optimizer-in-backward the steps run inside the backward
+def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int, st: StaticBytes,
+                   scratch: int = 0, in_backward: bool = False, offload: float = 0.0) -> JobMemory:
+    """The optimizer step as a small program. Its working memory is `scratch` (Megatron's fp32
+    copies of narrow grads, templates.static) plus what the implementation materialises:
+    nothing for fused kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam
+    the denominator sqrt(v)/c + eps as one temporary list the size of the local parameters
+    (in the math dtype), freed inside the step; for the for-loop path the same per parameter
+    (sqrt, then the division: two temporaries of the largest parameter). SGD and the quantized
+    optimizers (8/4-bit, one parameter's states at a time in their own kernels) keep no such
+    temporary. On the first step the optimizer creates its states before it updates
+    (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step created
+    are freed after it. With --optimizer-in-backward the steps run inside the backward
     programs; with --optimizer-offload the offloaded share steps on the CPU."""
-    prog = Program("optimizer", type="optimizer")
-    ws = scratch
     if in_backward:
         return JobMemory(0, 0)
-    if conv in ("torchtitan", "hf") and optimizer not in ("sgd", "adam8bit", "adam4bit", "adamw_fused"):
-        ws = int((st.params if st.params else 0) * (1.0 - offload))
+    prog = Program("optimizer", type="optimizer")
+    ws = scratch
+    if optimizer not in ("sgd", "adam8bit", "adam4bit"):
+        ws += int({"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl] * (1.0 - offload))
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
     reads = ("opt_state", "grads")

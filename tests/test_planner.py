@@ -160,6 +160,15 @@ def test_pruning_changes_nothing_listed(conv, shardings):
     assert [(p.flags, p.rank_peaks) for p in pruned.plans] == [(p.flags, p.rank_peaks) for p in full.plans]
 
 
+def test_parallel_search_lists_the_same(small_search):
+    res = search_plans("llama3.2-1b", _target(16, "rtx3090", per_node=8), 4096, 64,
+                       SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4), jobs=2)
+    assert [(p.flags, p.rank_peaks, p.cost.step_s) for p in res.plans] == \
+        [(p.flags, p.rank_peaks, p.cost.step_s) for p in small_search.plans]
+    a, b = res.stats.to_dict(), small_search.stats.to_dict()
+    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+
+
 def test_pareto_sets_are_not_dominated(small_search):
     for front, second, pipeline_only in ((small_search.pareto, lambda p: p.cost.bubble, True),
                                          (small_search.pareto_step_time, lambda p: p.cost.step_s, False)):
@@ -281,15 +290,15 @@ def test_cli_table_and_json(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
      "--micro-batch"),
-    (["--gpus", "0", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
+    (["--gpus", "0", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
      "--shardings"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
      "--schedules"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
      "--zero-bubble"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle):

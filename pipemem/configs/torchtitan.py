@@ -164,6 +164,13 @@ def read(path: str) -> ToolConfig:
     if oname not in ("adamw", "adam"):
         raise UserError(f"{path}: [optimizer] name {oname!r}: only Adam/AdamW are modelled")
     plan["optimizer"] = "adamw" if oname == "adamw" else "adam"
+    impl = str(opt.get("implementation", "fused")).lower()   # torchtitan's default is fused
+    if impl not in ("fused", "foreach", "for-loop", "fused_opt_states_bf16"):
+        raise UserError(f"{path}: [optimizer] implementation {impl!r}: expected fused, foreach or for-loop")
+    if impl == "fused_opt_states_bf16":
+        raise UserError(f"{path}: [optimizer] implementation fused_opt_states_bf16 (bf16 Adam states) is not "
+                        "modelled; use fused")
+    plan["optimizer_impl"] = impl
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):

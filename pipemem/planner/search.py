@@ -86,6 +86,12 @@ class SearchStats:
     estimates: int = 0                                  # pipemem.estimate calls
     seconds: float = 0.0
 
+    def add(self, other: "SearchStats") -> None:
+        """Count `other`'s plans too (one group's search, possibly in another process)."""
+        for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.invalid.update(other.invalid)
+
     def to_dict(self) -> dict:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
                 "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
@@ -202,11 +208,12 @@ class _Progress:
 
 def search_plans(model, target: Target, seq_len: int, global_batch: int, options: SpaceOptions,
                  extra: dict | None = None, model_flag: str | None = None, progress: bool = False,
-                 prune: bool = True) -> PlanSearch:
+                 prune: bool = True, jobs: int = 1) -> PlanSearch:
     """Every plan of the space (space.py) that fits `target`, fastest first (see module docstring).
     `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers).
     `prune=False` estimates what the static-bytes bound and the shared ladder would skip (for
-    tests: the listing must not change)."""
+    tests: the listing must not change). `jobs` > 1 searches groups of plans in that many
+    processes (each estimate is independent; the listing is the same)."""
     from ..estimate import resolve_model
     from ..model import arch_from_hf_config
 
@@ -224,16 +231,56 @@ def search_plans(model, target: Target, seq_len: int, global_batch: int, options
         groups.setdefault(replace(base, sharding=""), []).append(base)
     groups = list(groups.values())
     bar = _Progress(sum(len(g) for g in groups), progress)
+    results: list[PlanResult] = []
+    stats = SearchStats()
     try:
-        for group in groups:
-            runner.run_group(group)
-            bar.advance(len(runner.results), len(group))
+        for n, (found, counted) in _run_groups(runner, groups, jobs):
+            results += found
+            stats.add(counted)
+            bar.advance(len(results), n)
     finally:
         bar.close()
-    plans = sorted(runner.results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
-    runner.stats.seconds = time.perf_counter() - t0
-    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, runner.stats, config,
-                      runner.gpu_opts)
+    plans = sorted(results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
+    stats.seconds = time.perf_counter() - t0
+    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, stats, config, runner.gpu_opts)
+
+
+_WORKER: "_Runner | None" = None
+
+
+def _run_groups(runner: "_Runner", groups: list[list[Base]], jobs: int):
+    """Yield (bases done, results, stats) per task, in this process or in `jobs` forked ones.
+    A task is the groups that share pp, vpp and dp, so share their schedules: the first
+    estimate of a schedule builds and lowers it (tens to hundreds of milliseconds at
+    thousands of microbatches), and a worker keeps it for the rest of its task."""
+    import multiprocessing as mp
+
+    tasks: dict[tuple, list[list[Base]]] = {}
+    for g in groups:
+        tasks.setdefault((g[0].pp, g[0].vpp, g[0].dp), []).append(g)
+    task_list = sorted(tasks.values(), key=lambda t: -sum(len(g) for g in t))   # big ones first
+    if jobs > 1 and len(task_list) > 1 and "fork" in mp.get_all_start_methods():
+        global _WORKER
+        _WORKER = runner          # inherited by the forked workers
+        try:
+            with mp.get_context("fork").Pool(min(jobs, len(task_list))) as pool:
+                yield from pool.imap_unordered(_run_task_in_worker, task_list)
+        finally:
+            _WORKER = None
+        return
+    for task in task_list:
+        yield _run_task(runner, task)
+
+
+def _run_task(runner: "_Runner", task: list[list[Base]]):
+    runner.results, runner.stats = [], SearchStats()
+    for group in task:
+        runner.run_group(group)
+    return sum(len(g) for g in task), (runner.results, runner.stats)
+
+
+def _run_task_in_worker(task: list[list[Base]]):
+    return _run_task(_WORKER, task)
 
 
 class _Runner:

@@ -52,11 +52,11 @@ SCHEDULES = {
 }
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+DEFAULT_MAX_VPP = 8
 
 # conventions whose gradients live in one resident buffer for every sharding level
 # (pipemem.plan.default_grads): ddp, ZeRO-1/2 and the distributed optimizer run the same jobs
 BUFFERED_GRADS = ("megatron", "paddle")
-DEFAULT_MAX_VPP = 8
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from ..jobs import StaticBytes
 from .conventions import Convention
 from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
 
-STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2, "adamw_fused": 2}
+STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
 # Bytes per element of one quantized state: bitsandbytes' and torchao's 8-bit states keep a
 # uint8 code per element and an fp32 scale per block of 256; torchao's AdamW4bit two codes per
 # byte and an fp32 scale per block of 128 (torchao/optim/subclass_4bit.py `zeros`).
@@ -157,17 +157,50 @@ def _layer_of_kind(arch, moe: bool) -> int:
     return next(i for i in range(len(dense) + 1) if i not in dense)
 
 
-def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
-    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+def _dp_groups(plan) -> tuple[int, int]:
+    """(dense, expert) data-parallel groups that ZeRO / FSDP / the distributed optimizer shard
+    over: dp x cp, and the expert-data-parallel group; PaddleNLP's sharding group when the
+    states are sharded over a sub-group of the data-parallel ranks."""
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
     zero_group = (plan.extra or {}).get("zero_group")
     if zero_group:
-        # The states are sharded over a sub-group of the data-parallel ranks (PaddleNLP's
-        # sharding group: sharding_parallel_degree of the dp x sharding replicas).
         replicas = max(1, dp_group // int(zero_group))
         dp_group = int(zero_group)
         edp_group = max(1, edp_group // replicas)
+    return dp_group, edp_group
+
+
+def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> tuple[int, int]:
+    """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
+    after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    dp_group, edp_group = _dp_groups(plan)
+    m = conv.vocab_multiple * plan.tp
+    vocab = -(-arch.vocab // m) * m
+    kinds = set()
+    for s in rank_stages:
+        n_moe = moe_layers_in(arch, stage_layers[s])
+        kinds.update(k for k, n in ((True, n_moe), (False, len(stage_layers[s]) - n_moe)) if n)
+    shapes = [(shape, e) for moe in kinds
+              for shape, e in layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1,
+                                                 plan.ep).values()]
+    if 0 in rank_stages:
+        shapes += [(s, False) for s in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
+    if plan.pp * plan.vpp - 1 in rank_stages:
+        shapes += [(s, False) for s in head_param_shapes(arch, vocab, plan.tp,
+                                                         same_stage_as_embedding=0 in rank_stages).values()]
+    on = plan.zero >= 1 or plan.dist_opt
+
+    def shard(n: int, group: int) -> int:
+        return -(-n // group) if on else n
+    largest = max((shard(_prod(s), edp_group if e else dp_group) for s, e in shapes), default=0)
+    return shard(dense, dp_group) + shard(expert, edp_group), largest
+
+
+def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    dp_group, edp_group = _dp_groups(plan)
     per_param = bytes_per_param(plan, conv)
     params, grads, master, states = _sharded(dense, expert, per_param, dp_group, edp_group,
                                              plan.zero, plan.zero >= 1 or plan.dist_opt)

@@ -169,12 +169,22 @@ def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
                     dict(common))]
 
 
-def run_cases(cases=CASES, jobs: int = 2) -> list[CaseRow]:
+def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
+    """Trace every case (`jobs` processes at once) and compare; `progress` (a
+    progress.CaseProgress) advances as each trace finishes."""
     from importlib.util import find_spec
     if find_spec("megatron") is None or find_spec("megatron.core") is None:
         raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'")
+
+    def traced(case: MegatronCase) -> dict:
+        trace = trace_in_subprocess(case)
+        if progress is not None:
+            progress.done(case.name)
+        return trace
+    if progress is not None and cases:
+        progress.start(f"{min(max(1, jobs), len(cases))} traces at a time")
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        traces = list(pool.map(trace_in_subprocess, cases))
+        traces = list(pool.map(traced, cases))
     rows: list[CaseRow] = []
     for case, trace in zip(cases, traces):
         rows.extend(compare(case, trace))
@@ -209,22 +219,20 @@ def select(names: str) -> tuple[MegatronCase, ...]:
 
 
 def run(args) -> int:
-    from ..units import fmt_bytes
+    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
 
-    rows = run_cases(select(getattr(args, "cases", "")), jobs=getattr(args, "jobs", 2))
+    cases = select(getattr(args, "cases", ""))
+    with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate megatron") as bar:
+        rows = run_cases(cases, jobs=getattr(args, "jobs", 2), progress=bar)
     worst = max_abs_rel_error(rows) or 0.0
     ok = worst <= TOLERANCE
     if args.json:
         print(json.dumps({"target": "megatron", "megatron_core": _version(), "tolerance": TOLERANCE,
                           "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst, "passed": ok}, indent=1))
     else:
-        print(f"{'case / quantity':42s} {'megatron-core':>14s} {'pipemem':>12s} {'rel_error':>10s}   static (traced / pipemem)")
-        for r in rows:
-            st = f"{fmt_bytes(r.extra['measured_static_bytes'])} / {fmt_bytes(r.extra['estimated_static_bytes'])}"
-            print(f"{r.name:42s} {fmt_bytes(r.measured_bytes):>14s} {fmt_bytes(r.estimated_bytes):>12s} "
-                  f"{r.rel_error:>+10.3%}   {st}")
-        print(f"max |rel_error| = {worst:.3%} over {len(rows)} rows (tolerance {TOLERANCE:.1%}); megatron-core "
-              f"{_version()}")
+        print_summary(rows, columns=(("measured_static_bytes", "static (traced)"),
+                                     ("estimated_static_bytes", "static (pipemem)")), what="rows")
+        print(f"tolerance {TOLERANCE:.1%}; megatron-core {_version()}")
     return 0 if ok else 1
 
 

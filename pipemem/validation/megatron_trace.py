@@ -587,17 +587,17 @@ def _trace(case: MegatronCase) -> dict:
     rec = StorageRecorder()
     rec.begin("build")
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    with FakeTensorMode(), _CudaToCpu(), rec, _default_dtype(torch.bfloat16):
+    with FakeTensorMode(), _CudaToCpu(), rec:
         # Megatron-LM pads the tokenizer's vocabulary to a multiple of 128 x tp before building
         # the model (megatron/training/tokenizer: _vocab_size_with_padding)
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
-        gpt = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(case), vocab_size=vocab,
-                       max_sequence_length=case.seq_len, pre_process=pre, post_process=post,
-                       position_embedding_type="learned_absolute" if case.kind == "gpt" else "rope",
-                       share_embeddings_and_output_weights=case.kind == "gpt")
-        model = Float16Module(cfg, gpt)
-        torch.set_default_dtype(torch.float32)
+        with _default_dtype(torch.bfloat16):
+            gpt = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(case), vocab_size=vocab,
+                           max_sequence_length=case.seq_len, pre_process=pre, post_process=post,
+                           position_embedding_type="learned_absolute" if case.kind == "gpt" else "rope",
+                           share_embeddings_and_output_weights=case.kind == "gpt")
+            model = Float16Module(cfg, gpt)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=case.main_grad_dtype == "fp32",
                                                 overlap_grad_reduce=False, use_distributed_optimizer=case.dist_opt)
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)

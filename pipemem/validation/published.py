@@ -275,8 +275,6 @@ def _optimizer(rec: dict) -> str:
     t = _text(rec, "optimizer")
     if "8-bit" in t or "8bit" in t:
         return "adam8bit"
-    if "fused=true" in t.replace(" ", ""):
-        return "adamw_fused"
     if "adamw" in t:
         return "adamw"
     if "adam" in t:
@@ -352,6 +350,8 @@ def translate(rec: dict) -> dict:
             "recompute": _recompute(rec, assumed), "flash_attn": _flash(rec, assumed), "convention": convention}
     modern, modern_notes = modern_features(rec, convention)
     plan.update(modern)
+    if "fused=true" in _text(rec, "optimizer").replace(" ", ""):
+        plan["optimizer_impl"] = "fused"           # torch.optim.AdamW(fused=True): no step temporary
     shard = _text({"s": par.get("shard_mode"), "f": par.get("fsdp")}, "s", "f")
     if fsdp_dp is not None or (("fsdp" in shard) and "zero2" not in shard):
         # torchtitan's FSDP shards over the data- and context-parallel ranks together (its
@@ -431,6 +431,8 @@ def plan_summary(plan: dict) -> str:
         parts.append("no-flash")
     if plan.get("optimizer") not in ("adamw", "adam"):
         parts.append(plan["optimizer"])
+    if plan.get("optimizer_impl"):
+        parts.append(f"opt={plan['optimizer_impl']}")
     if plan.get("compile"):
         parts.append("compile" if plan["compile"] in (True, "all") else "compile=layers")
     for key, label in (("fp8", "fp8="), ("loss", "loss="), ("activation_offload", "offload=")):
@@ -575,7 +577,7 @@ for _r in (1, 2, 3):
 # next to the main estimate and never used for the summary.
 ALTERNATES = {
     "torchtune-3B-Activation_Checkpointing": (
-        {"optimizer": "adamw_fused"}, "alt --optimizer adamw_fused (torch.optim.AdamW(fused=True), no temporary)"),
+        {"optimizer_impl": "fused"}, "alt --optimizer-impl fused (torch.optim.AdamW(fused=True), no temporary)"),
     "colossal-lightning-gpt2xl-deepspeed-zero3": (
         {"master_weights": False}, "alt --no-master-weights (model in half as DeepSpeed runs it; "
                                    "undercounts its fp32 optimizer state by 2.9 GiB)"),
