@@ -219,6 +219,7 @@ class Estimate:
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
+            "features": _features(self.plan),
             "suggestions": list(self.suggestions),
             "warnings": list(self.warnings),
         }
@@ -228,6 +229,11 @@ class Estimate:
         self.suggestions = suggest_fixes(self, limit)
         self.suggestions_tried = self.fits is False and self.mode == "templates" and self.inputs is not None
         return self.suggestions
+
+
+def _features(plan) -> list[str]:
+    from .features import describe
+    return describe(plan)
 
 
 # ---------------------------------------------------------------- inputs
@@ -478,6 +484,8 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
     if not isinstance(config, dict):
         raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
     sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3))
+    from .traced.estimate import refuse_unmodelled
+    refuse_unmodelled(plan, parallel=plan.pp > 1 or sharded)
     if plan.pp > 1 or sharded:
         try:
             return _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts)
@@ -507,6 +515,11 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
     warnings = [] if plan.step == "steady" else [
         "traced mode, --step first: the first training step as recorded (gradients are created in backward "
         "and optimizer states in the optimizer step, so they count under 'transient')"]
+    if plan.compile:
+        warnings.append("traced mode, --compile: " + t.notes.get("compile", "") + "; what each compiled layer "
+                        "saves is the partitioner's, its transient buffers are the unfused graph's"
+                        + ("; the HF model's own loss runs eager here (templates compile it)"
+                           if plan.compile == "all" else ""))
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")
@@ -672,6 +685,14 @@ def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:
         if "global_batch" not in kw:
             change["microbatches"] = p.microbatches * p.micro_batch // half
         out.append((f"--micro-batch {half}", change))
+    if p.convention in ("hf", "torchtitan"):
+        # what PyTorch trainers switch on when memory is tight (pipemem.features)
+        if p.loss == "standard" and p.tp == 1:
+            out.append(("--loss chunked", {"loss": "chunked"}))
+        if not p.compile:
+            out.append(("--compile", {"compile": "all"}))
+        if not p.activation_offload:
+            out.append(("--activation-offload all", {"activation_offload": "all"}))
     return out
 
 

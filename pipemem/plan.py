@@ -26,7 +26,7 @@ from .errors import UserError
 CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit")
 # How the optimizer step runs (torch.optim's foreach/fused switches, torchtitan's
 # [optimizer] implementation): fused kernels need no scratch, foreach materialises one
 # temporary the size of the local parameters, for-loop one parameter's at a time.
@@ -123,6 +123,16 @@ class ParallelPlan:
     convention: str = "megatron"
     schedule: str | None = None          # None = 1F1B when pp > 1
     extra: dict = field(default_factory=dict)
+    # what modern trainers switch on (pipemem.features explains each)
+    compile: bool | str = False          # torch.compile: "all" (= True: layers and loss) or "layers"
+    loss: str = "standard"               # standard | chunked | fused_linear | fused
+    loss_chunks: int = 8                 # chunks of the chunked cross-entropy
+    fp8: str | None = None               # delayed | current | mxfp8 (TE) | tensorwise | rowwise (torchao)
+    fp8_param_gather: bool = False       # fp8 primary weights / fp8 FSDP all-gather
+    activation_offload: str | None = None  # "all" (torchtune) or module names (Megatron fine-grained)
+    optimizer_offload: float = 0.0       # fraction of optimizer states + master weights on the CPU
+    optimizer_in_backward: bool = False  # torchtune optimizer_in_bwd
+    optimizer_state_dtype: str | None = None  # Adam moments' dtype (Megatron precision-aware optimizer)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -145,7 +155,8 @@ class ParallelPlan:
     def shard_key(self) -> tuple:
         """Everything that shapes one rank's programs (not dp/zero/optimizer): a cache key."""
         return (self.seq_len, self.micro_batch, self.tp, self.cp, self.ep, self.etp, self.sp, self.dtype,
-                self.recompute, self.recompute_allgather, self.flash_attn, self.convention)
+                self.recompute, self.recompute_allgather, self.flash_attn, self.convention, self.compile, self.loss,
+                self.loss_chunks, self.fp8, self.fp8_param_gather, self.activation_offload)
 
 
 def _flag(name: str) -> str:
@@ -441,10 +452,11 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     step = _choice(str(plan.step).lower(), STEPS, "--step")
 
 
+    modern = _validate_features(plan, conv, _canon_opt(opt), microbatches)
     out = replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
                   optimizer_impl=impl, layers=layers, pp_layout=layout, recompute_layers=rl, grads=grads, step=step,
-                  extra=dict(plan.extra))
+                  extra=dict(plan.extra), **modern)
     check_bytes(arch, out)
     return out
 
@@ -462,4 +474,80 @@ def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:
 
 
 def _canon_opt(o: str) -> str:
-    return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit"}[o]
+    return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit", "adam4bit": "adam4bit"}[o]
+
+
+def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: int) -> dict:
+    """Check the modern-trainer switches (pipemem.features) and return them canonicalised."""
+    from .features import FP8_RECIPES, LOSSES, OFFLOAD_MODULES, STATE_DTYPES, TE_RECIPES, parse_offload
+
+    loss = _choice(str(plan.loss).lower().replace("-", "_"), LOSSES, "--loss")
+    chunks = plan.loss_chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise UserError(f"--loss-chunks {chunks!r}: must be a positive integer (torchtune uses 8)")
+    if loss in ("fused", "fused_te") and conv != "megatron":
+        raise UserError(f"--loss {loss} is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
+                        "--loss chunked (torchtune) or fused_linear (Liger)")
+    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")):
+        raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "
+                        "with --tp 1 and --convention hf or torchtitan (Megatron: --loss fused or fused_te)")
+    fp8 = plan.fp8
+    if fp8 in ("", "none", None, False):
+        fp8 = None
+    if fp8 is not None:
+        fp8 = _choice(str(fp8).lower(), FP8_RECIPES, "--fp8")
+        if conv == "paddle":
+            raise UserError("--fp8 with --convention paddle: PaddleNLP's fp8 linears are not modelled; "
+                            "drop --fp8 or use --convention megatron / torchtitan")
+        if fp8 in TE_RECIPES and conv != "megatron":
+            raise UserError(f"--fp8 {fp8} is a Transformer Engine recipe (Megatron); with --convention {conv} use "
+                            "--fp8 tensorwise or rowwise (torchao Float8)")
+        if fp8 not in TE_RECIPES and conv == "megatron":
+            raise UserError(f"--fp8 {fp8} is torchao's Float8 (torchtitan / PyTorch trainers); Megatron runs "
+                            "Transformer Engine: use --fp8 delayed, current or mxfp8")
+        if plan.dtype == "fp32":
+            raise UserError("--fp8 needs --dtype bf16 or fp16 (fp8 linears run inside mixed precision)")
+    if plan.fp8_param_gather and fp8 is None:
+        raise UserError("--fp8-param-gather needs --fp8 (it gathers fp8 weights)")
+    mods = parse_offload(plan.activation_offload)
+    bad = sorted(m for m in mods if m != "*" and m not in OFFLOAD_MODULES)
+    if bad:
+        raise UserError(f"--activation-offload {plan.activation_offload!r}: unknown module {bad[0]!r}; use all or "
+                        f"a comma list of {', '.join(OFFLOAD_MODULES)}")
+    if mods and conv == "paddle":
+        raise UserError("--activation-offload with --convention paddle is not modelled (Paddle's recompute "
+                        "offload keeps checkpoints on the CPU); use --convention megatron, torchtitan or hf")
+    frac = plan.optimizer_offload
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
+        raise UserError(f"--optimizer-offload {frac!r}: a fraction of the optimizer states between 0 and 1 "
+                        "(1 = all on the CPU, as DeepSpeed ZeRO-Offload)")
+    if plan.optimizer_in_backward:
+        if plan.pp > 1 or microbatches > 1:
+            raise UserError("--optimizer-in-backward steps each parameter during backward, so gradients cannot "
+                            "accumulate over microbatches (torchtune refuses it too): use --pp 1 and one "
+                            "microbatch, or drop it")
+        if frac:
+            raise UserError("--optimizer-in-backward with --optimizer-offload: no framework runs both; drop one")
+        if conv not in ("hf", "torchtitan"):
+            raise UserError(f"--optimizer-in-backward is torchtune's optimizer_in_bwd (PyTorch modules); with "
+                            f"--convention {conv} the weight-grad GEMMs accumulate into persistent grad buffers")
+    sdt = plan.optimizer_state_dtype
+    if sdt is not None:
+        sdt = _choice(str(sdt).lower(), STATE_DTYPES, "--optimizer-state-dtype")
+        if opt in ("adam8bit", "adam4bit", "sgd"):
+            raise UserError(f"--optimizer-state-dtype with --optimizer {opt}: the optimizer fixes its state format")
+    comp = plan.compile
+    if comp in (True, "all", "true", "1"):
+        comp = "all"
+    elif comp in (False, None, "", "none", "false", "0"):
+        comp = False
+    elif comp != "layers":
+        raise UserError(f"--compile {plan.compile!r}: use all (layers and loss, as torchtune and torchtitan 0.3 "
+                        "compile them) or layers (decoder layers only, torchtitan before the loss component)")
+    if comp and conv == "paddle":
+        raise UserError("--compile is torch.compile; with --convention paddle it does not apply")
+    return {"loss": loss, "fp8": fp8, "activation_offload": ("all" if mods == {"*"} else
+                                                             ",".join(sorted(mods)) if mods else None),
+            "optimizer_offload": float(frac), "optimizer_state_dtype": sdt, "compile": comp,
+            "optimizer_in_backward": bool(plan.optimizer_in_backward),
+            "fp8_param_gather": bool(plan.fp8_param_gather)}

@@ -92,7 +92,8 @@ class StagePlan:
             scratch += self.rank_static(key).grads
         temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
         return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
-                              largest * temp, self.rank_static(key), scratch)
+                              largest * temp, self.rank_static(key), scratch, self.plan.optimizer_in_backward,
+                              self.plan.optimizer_offload)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -201,12 +202,42 @@ def _stage_prologue(sh, conv, runs) -> list[tuple]:
     return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
 
 
+def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
+    """torchtune's offloading (--activation-offload all) leaves the last tensors it offloaded
+    on the GPU when the forward ends (its forward stash): the stage's last layers keep them,
+    so they get runs of their own."""
+    if "*" not in sh.feat.offload:
+        return runs
+    from .templates.offload import FWD_STASH, stash_keeps
+    from .templates.programs import layer_offload_count
+    tail: list = []                          # the stage's last FWD_STASH layers, in order
+    for opt, n in reversed(runs):
+        tail[:0] = [opt] * min(n, FWD_STASH - len(tail))
+        if len(tail) == FWD_STASH:
+            break
+    keeps = stash_keeps([layer_offload_count(arch, sh, conv, o) for o in tail])
+    head_n = sum(n for _, n in runs) - len(tail)
+    out: list = []
+    for opt, n in runs:                      # the layers before the tail, as they were
+        take = min(n, head_n)
+        if take:
+            out.append((opt, take))
+        head_n -= take
+    for opt, k in zip(tail, keeps):
+        o = replace(opt, offload_keep=k) if k else opt
+        if out and out[-1][0] == o:
+            out[-1] = (o, out[-1][1] + 1)
+        else:
+            out.append((o, 1))
+    return tuple(out)
+
+
 @lru_cache(maxsize=65536)
 def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
                 layers: range) -> StageJobs:
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory
-    parts = _layer_parts(arch, sh, conv, runs, first, last)
+    parts = _layer_parts(arch, sh, conv, _offload_stash(arch, sh, conv, runs), first, last)
     fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + _stage_prologue(sh, conv, runs) + \
         parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
     bparts = fparts[::-1]
@@ -242,20 +273,24 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
 
 @lru_cache(maxsize=4096)
 def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int, st: StaticBytes,
-                   scratch: int = 0) -> JobMemory:
+                   scratch: int = 0, in_backward: bool = False, offload: float = 0.0) -> JobMemory:
     """The optimizer step as a small program. Its working memory is `scratch` (Megatron's fp32
     copies of narrow grads, templates.static) plus what the implementation materialises:
     nothing for fused kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam
     the denominator sqrt(v)/c + eps as one temporary list the size of the local parameters
     (in the math dtype), freed inside the step; for the for-loop path the same per parameter
-    (sqrt, then the division: two temporaries of the largest parameter). SGD keeps no such
+    (sqrt, then the division: two temporaries of the largest parameter). SGD and the quantized
+    optimizers (8/4-bit, one parameter's states at a time in their own kernels) keep no such
     temporary. On the first step the optimizer creates its states before it updates
     (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step created
-    are freed after it."""
+    are freed after it. With --optimizer-in-backward the steps run inside the backward
+    programs; with --optimizer-offload the offloaded share steps on the CPU."""
+    if in_backward:
+        return JobMemory(0, 0)
     prog = Program("optimizer", type="optimizer")
     ws = scratch
-    if optimizer != "sgd":
-        ws += {"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl]
+    if optimizer not in ("sgd", "adam8bit", "adam4bit"):
+        ws += int({"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl] * (1.0 - offload))
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
     reads = ("opt_state", "grads")

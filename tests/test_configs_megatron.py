@@ -36,9 +36,18 @@ def without(argv: list[str], *flags: str) -> list[str]:
 FP8 = ("fp8-format", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-param-gather")
 
 
-def test_llama3_8b_fp8_script_as_pasted_is_refused_by_name():
-    with pytest.raises(UserError, match=r"--fp8-format .*FP8 is not modelled yet"):
-        read_megatron(script_argv("llama3_8b_h100_fp8.txt"))
+def test_llama3_8b_fp8_script_as_pasted_runs_transformer_engine_fp8():
+    tc = read_megatron(script_argv("llama3_8b_h100_fp8.txt"))
+    assert tc.warnings == []
+    p = tc.plan
+    # --fp8-format hybrid without --fp8-recipe: Megatron's default recipe, delayed scaling
+    assert (p["fp8"], p.get("fp8_param_gather"), p["loss"]) == ("delayed", True, "fused")
+    fp8 = pipemem.estimate(tc.model, **p).ranks[0]
+    bf16 = pipemem.estimate(tc.model, **{k: v for k, v in p.items() if not k.startswith("fp8")}).ranks[0]
+    # fp8 primary weights (1 B) + their transposes (1 B) instead of bf16 weights; the linears
+    # keep fp8 inputs for their weight grads, so the in-flight activations shrink
+    assert fp8.static.params < bf16.static.params and fp8.static.other > 0
+    assert fp8.activation_hwm_bytes < bf16.activation_hwm_bytes
 
 
 def test_llama3_8b_script_in_bf16_reduces_grads_in_bf16():
@@ -84,13 +93,23 @@ def read(extra: str):
     return read_megatron(shlex.split(BASE + extra))
 
 
-@pytest.mark.parametrize("flag", ["--fp8-format e4m3", "--fp8-recipe tensorwise", "--fp8-param-gather",
+@pytest.mark.parametrize("flag", ["--fp8-recipe tensorwise", "--fp8-param-gather", "--fp8-recipe blockwise",
                                   "--fp4-format e2m1", "--cpu-offloading", "--tp-comm-overlap",
-                                  "--moe-expert-capacity-factor 1.0", "--optimizer-cpu-offload",
+                                  "--moe-expert-capacity-factor 1.0", "--fine-grained-activation-offloading",
                                   "--fp16-lm-cross-entropy", "--mtp-num-layers 1", "--enable-cuda-graph"])
 def test_memory_flags_not_modelled_are_refused_by_name(flag):
     with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]):
         read(flag)
+
+
+def test_fp8_offload_and_loss_fusion_flags_map_to_the_plan():
+    p = read("--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --cross-entropy-loss-fusion "
+             "--cross-entropy-fusion-impl te --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+             "--fine-grained-activation-offloading --offload-modules expert_fc1,qkv_linear").plan
+    assert (p["fp8"], p["loss"], p["optimizer_offload"]) == ("mxfp8", "fused_te", 0.5)
+    assert p["activation_offload"] == "expert_fc1,qkv"
+    with pytest.raises(UserError, match="^Megatron: --offload-modules 'mystery'"):
+        read("--fine-grained-activation-offloading --offload-modules mystery")
 
 
 def test_refused_flag_switched_off_is_accepted():

@@ -370,3 +370,16 @@ def test_paddle_optimizer_step_holds_a_clipped_copy_of_the_gradients():
     for r_on, r_off in zip(estimate(on.model, **on.plan).ranks, estimate(off.model, **off.plan).ranks):
         assert r_on.jobs["optimizer"].peak_bytes == r_on.static.grads
         assert r_off.jobs["optimizer"].peak_bytes == 0
+
+
+def test_torchtitan_compile_and_float8(tmp_path):
+    f = tmp_path / "fp8.toml"
+    text = (TITAN_8B + '\n[compile]\nenable = true\ncomponents = ["model"]\n'
+            '[float8]\nenable_fsdp_float8_all_gather = true\n').replace('flavor = "8B"',
+                                                                   'flavor = "8B"\nconverters = ["float8"]')
+    f.write_text(text)
+    p = read_torchtitan(str(f)).plan
+    assert (p["compile"], p["fp8"], p["fp8_param_gather"]) == ("layers", "tensorwise", True)
+    f.write_text(text.replace('converters = ["float8"]', 'converters = ["mx"]'))
+    with pytest.raises(UserError, match="converters 'mx' is not modelled"):
+        read_torchtitan(str(f))

@@ -95,8 +95,18 @@ def test_paddle_pipeline_record_compares_its_own_stage():
 def test_inexpressible_records_are_skipped_with_reason():
     with pytest.raises(V.Skip, match="llm.c"):
         V.translate(RECORDS["llmc-pr309-gpt2-124M-b32-z0"])
-    with pytest.raises(V.Skip, match="fp8"):
-        V.translate(RECORDS["torchtitan-T1-FSDP_torch.compile_Float8"])
+
+
+def test_modern_features_are_read_from_the_record():
+    # torchtitan's 2024 benchmark: per-block compile (no loss compile then) + torchao Float8
+    plan = V.translate(RECORDS["torchtitan-T1-FSDP_torch.compile_Float8"])["plan"]
+    assert plan["compile"] == "layers" and plan["fp8"] == "tensorwise"
+    assert plan["recompute"] == "selective" and plan["convention"] == "torchtitan"
+    tt = {"id": "x", "framework": "torchtune full_finetune_single_device", "torch_compile": True,
+          "options": {"compile": True, "chunked_ce": True, "ac": True, "opt_in_bwd": True, "offload": True}}
+    feats, notes = V.modern_features(tt, "hf")
+    assert feats == {"compile": "all", "loss": "chunked", "optimizer_in_backward": True, "activation_offload": "all"}
+    assert notes
 
 
 def test_units_and_metrics():

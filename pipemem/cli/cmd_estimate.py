@@ -21,6 +21,8 @@ examples:
       --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
       --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
+  pipemem estimate --model llama3.2-3b --convention hf --dtype bf16 --no-master-weights --seq-len 4096 \
+      --micro-batch 2 --compile --loss chunked --recompute full --optimizer-in-backward --activation-offload all
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
@@ -117,6 +119,28 @@ def register(sub) -> None:
                      help="pipeline runtime whose buffers and references are replayed (default from --convention: "
                           "megatron -> megatron, paddle -> paddle, torchtitan/hf -> torch)")
 
+    mod = p.add_argument_group("what modern trainers switch on (see pipemem.features)")
+    mod.add_argument("--compile", nargs="?", const="all", choices=("all", "layers"), default=None,
+                     help="torch.compile each decoder layer and the loss (all, the default) or the layers only; "
+                          "AOTAutograd's min-cut partitioner decides what is saved")
+    mod.add_argument("--loss", choices=("standard", "chunked", "fused_linear", "fused", "fused_te"),
+                     help="cross-entropy: chunked (torchtune), fused_linear (Liger), fused / fused_te (Megatron "
+                          "--cross-entropy-loss-fusion, native / TE impl); default standard")
+    mod.add_argument("--loss-chunks", type=int, metavar="N", help="chunks of --loss chunked (default 8)")
+    mod.add_argument("--fp8", choices=("delayed", "current", "mxfp8", "tensorwise", "rowwise"),
+                     help="fp8 linears: Transformer Engine recipes (megatron) or torchao Float8 (torchtitan, hf)")
+    mod.add_argument("--fp8-param-gather", action="store_const", const=True, default=None,
+                     help="fp8 primary weights (Megatron --fp8-param-gather) / fp8 FSDP all-gather (torchao)")
+    mod.add_argument("--activation-offload", metavar="all|MODULES",
+                     help="saved activations to CPU: all (torchtune) or modules, e.g. expert_fc1,moe_act "
+                          "(Megatron fine-grained offloading)")
+    mod.add_argument("--optimizer-offload", type=float, metavar="FRACTION",
+                     help="fraction of optimizer states + master weights on the CPU (1 = DeepSpeed ZeRO-Offload)")
+    mod.add_argument("--optimizer-in-backward", action="store_const", const=True, default=None,
+                     help="step each parameter during backward and free its grad (torchtune optimizer_in_bwd)")
+    mod.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp16", "fp8"),
+                     help="Adam moments' dtype (Megatron precision-aware optimizer)")
+
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
@@ -137,7 +161,9 @@ def register(sub) -> None:
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
               "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
               "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers",
-              "convention", "grads", "step")
+              "convention", "grads", "step",
+              "compile", "loss", "loss_chunks", "fp8", "fp8_param_gather", "activation_offload", "optimizer_offload",
+              "optimizer_in_backward", "optimizer_state_dtype")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:

@@ -104,16 +104,13 @@ _FP8 = ("changes memory (FP8 weights, transposes and scaling state) and FP8 is n
         "remove the FP8 arguments to estimate the BF16 run instead")
 _OFFLOAD = "moves tensors to host memory, which pipemem does not model yet"
 REFUSED = {
-    "fp8-format": _FP8, "fp8": _FP8, "fp8-recipe": _FP8, "fp8-param-gather": _FP8, "fp8-margin": _FP8,
-    "fp8-interval": _FP8, "fp8-amax-history-len": _FP8, "fp8-amax-compute-algo": _FP8, "fp8-wgrad": _FP8,
     "no-fp8-wgrad": _FP8, "fp8-dot-product-attention": _FP8, "fp8-multi-head-attention": _FP8,
     "first-last-layers-bf16": _FP8, "num-layers-at-start-in-bf16": _FP8, "num-layers-at-end-in-bf16": _FP8,
     "keep-fp8-transpose-cache": _FP8, "reuse-grad-buf-for-mxfp8-param-ag": _FP8, "te-precision-config-file": _FP8,
     "fp4-format": "changes memory (FP4 weights) and FP4 is not modelled", "fp4": "FP4 is not modelled",
     "fp4-recipe": "FP4 is not modelled", "fp4-param-gather": "FP4 is not modelled",
     "cpu-offloading": _OFFLOAD, "cpu-offloading-num-layers": _OFFLOAD, "cpu-offloading-activations": _OFFLOAD,
-    "cpu-offloading-weights": _OFFLOAD, "optimizer-cpu-offload": _OFFLOAD, "optimizer-offload-fraction": _OFFLOAD,
-    "fine-grained-activation-offloading": _OFFLOAD, "offload-modules": _OFFLOAD,
+    "cpu-offloading-weights": _OFFLOAD,
     "tp-comm-overlap": "allocates Transformer Engine's userbuffers (communication/GEMM overlap), not modelled",
     "delay-wgrad-compute": "keeps weight-gradient inputs until a delayed wgrad pass, not modelled",
     "defer-embedding-wgrad-compute": "keeps the embedding's wgrad inputs across microbatches, not modelled",
@@ -328,10 +325,12 @@ def read(argv: list[str]) -> ToolConfig:
 
     if a.bool("cross-entropy-loss-fusion"):
         impl = (a.str("cross-entropy-fusion-impl") or "native").lower()
-        if impl != "native":
-            refuse("cross-entropy-fusion-impl", f"{impl} (Transformer Engine's in-place cross entropy) is not "
-                   "modelled; the native fusion keeps what the unfused one keeps")
+        if impl not in ("native", "te"):
+            refuse("cross-entropy-fusion-impl", f"{impl!r}: expected native or te")
+        # native keeps what the unfused CE keeps; te works in place on the bf16 logits
+        plan["loss"] = "fused_te" if impl == "te" else "fused"
     a.str("cross-entropy-fusion-impl")
+    _modern_flags(a, plan)
 
     opt = a.str("optimizer")
     if opt:
@@ -351,6 +350,55 @@ def read(argv: list[str]) -> ToolConfig:
     name = f"megatron-{layers}L-{hidden}h"
     return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, model_name=name,
                       dp_unknown=dp is None)
+
+
+# Megatron's names for the modules its fine-grained activation offloading can move
+# (--offload-modules) -> pipemem's (pipemem.features.OFFLOAD_MODULES)
+_OFFLOAD_MODULES = {"attn_norm": "attn_norm", "qkv_linear": "qkv", "core_attn": "core_attn",
+                    "attn_proj": "attn_proj", "mlp_norm": "mlp_norm", "expert_fc1": "expert_fc1",
+                    "moe_act": "moe_act"}
+_FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current", "mxfp8": "mxfp8"}
+
+
+def _modern_flags(a, plan: dict) -> None:
+    """FP8 (Transformer Engine recipes), optimizer CPU offload and fine-grained activation
+    offloading -> pipemem.features plan fields."""
+    fmt = a.str("fp8-format") or a.str("fp8")
+    if fmt and fmt.lower() not in ("0", "false", "none"):
+        if fmt.lower() not in ("e4m3", "hybrid"):
+            refuse("fp8-format", f"{fmt!r}: expected e4m3 or hybrid")
+        recipe = (a.str("fp8-recipe") or "delayed").lower()     # Megatron's default recipe
+        if recipe not in _FP8_RECIPES:
+            refuse("fp8-recipe", f"{recipe!r} is not modelled; pipemem models delayed, tensorwise (current "
+                   "scaling) and mxfp8")
+        plan["fp8"] = _FP8_RECIPES[recipe]
+        if a.bool("fp8-param-gather"):
+            plan["fp8_param_gather"] = True
+        # per-tensor scaling state (amax history, scales): a few KB per layer
+        for flag in ("fp8-margin", "fp8-interval", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-wgrad"):
+            a.raw(flag)
+    else:
+        for flag in ("fp8-recipe", "fp8-param-gather"):
+            if a.bool(flag) if flag == "fp8-param-gather" else a.str(flag):
+                refuse(flag, "needs --fp8-format (FP8 training)")
+    if a.bool("optimizer-cpu-offload"):
+        frac = a.raw("optimizer-offload-fraction")
+        try:
+            plan["optimizer_offload"] = float(frac) if frac else 1.0
+        except ValueError:
+            refuse("optimizer-offload-fraction", f"{frac!r}: expected a number between 0 and 1")
+    else:
+        a.raw("optimizer-offload-fraction")
+    if a.bool("fine-grained-activation-offloading"):
+        mods = [m.strip() for m in (a.str("offload-modules") or "").replace(",", " ").split() if m.strip()]
+        if not mods:
+            refuse("fine-grained-activation-offloading", "without --offload-modules: name the modules to offload")
+        bad = [m for m in mods if m not in _OFFLOAD_MODULES]
+        if bad:
+            refuse("offload-modules", f"{bad[0]!r} is not modelled; known: {', '.join(_OFFLOAD_MODULES)}")
+        plan["activation_offload"] = ",".join(_OFFLOAD_MODULES[m] for m in mods)
+    else:
+        a.raw("offload-modules")
 
 
 def _moe(a, model: dict, experts: int, topk: int | None, ffn: int, layers: int, warnings: list[str]) -> None:

@@ -61,8 +61,7 @@ def read(path: str) -> ToolConfig:
         known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
         raise UserError(f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
                         "Use --model with an HF config.json instead")
-    if model_sec.get("converters") or cfg.get("float8"):
-        warnings.append(f"{TOOL}: float8 / model converters are not modelled (estimate is for bf16 matmuls)")
+    plan.update(_modern(cfg, model_sec, path))
 
     tr = _section(cfg, "training", path)
     par = _section(cfg, "parallelism", path)
@@ -183,6 +182,38 @@ def read(path: str) -> ToolConfig:
         warnings.append(f"{TOOL}: not modelled, ignored sections: " + " ".join(f"[{u}]" for u in unknown))
     return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
                       model_name=f"torchtitan-{name}-{flavor}", dp_unknown=dp_unknown)
+
+
+def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
+    """torch.compile and float8 (pipemem.features) from the job config. torchtitan 0.3:
+    `[compile] enable`, `components` ("model", "loss"); older configs: `[training] compile`
+    (the blocks only). Float8: `[model] converters = ["float8"]` (or the older `[float8]
+    enable_float8_linear`) with `[float8] recipe_name` (default tensorwise) and
+    `enable_fsdp_float8_all_gather`."""
+    out: dict = {}
+    comp = cfg.get("compile") if isinstance(cfg.get("compile"), dict) else {}
+    tr = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    if comp.get("enable"):
+        components = [str(c).lower() for c in comp.get("components", ["model", "loss"])]
+        out["compile"] = "all" if "loss" in components else "layers"
+    elif tr.get("compile") is True:
+        out["compile"] = "layers"
+    converters = model_sec.get("converters") or []
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",") if c.strip()]
+    f8 = cfg.get("float8") if isinstance(cfg.get("float8"), dict) else {}
+    unknown = [c for c in converters if str(c).lower() not in ("float8",)]
+    if unknown:
+        raise UserError(f"{path}: [model] converters {unknown[0]!r} is not modelled (pipemem models torchao "
+                        "Float8 tensorwise / rowwise); remove it to estimate the bf16 run")
+    if "float8" in [str(c).lower() for c in converters] or f8.get("enable_float8_linear"):
+        recipe = str(f8.get("recipe_name") or "tensorwise").lower()
+        if recipe not in ("tensorwise", "rowwise"):
+            raise UserError(f"{path}: [float8] recipe_name {recipe!r} is not modelled; use tensorwise or rowwise")
+        out["fp8"] = recipe
+        if f8.get("enable_fsdp_float8_all_gather"):
+            out["fp8_param_gather"] = True
+    return out
 
 
 def finish_plan(plan: dict, layers: int) -> dict:

@@ -106,6 +106,8 @@ def describe_plan(est) -> str:
     sched = [est.schedule] if p.pp > 1 else []      # one stage runs no pipeline schedule
     bits = [" ".join(parts)] + shard + sched + [batch, describe_precision(prec_plan), opt, rec, _flash_text(est),
                                                 framework]
+    from ..features import describe
+    bits += describe(p)
     return ", ".join(bits)
 
 

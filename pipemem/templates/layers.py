@@ -23,12 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..features import NONE as NO_FEATURES
+from ..features import Features, features_of
 from ..ir import dtype_bytes
 from .conventions import CONVENTIONS, Convention, padded_vocab
 from .tape import COMM, BwdOp, Tape
 
 MASK = "bool"
 CONVENTIONS_PADDLE = CONVENTIONS["paddle"]
+CAST_BYTES = 9   # peak bytes per element of torchao's eager fp8 cast (fp32 scaled + clamped + fp8)
 STAT = "fp32"
 
 
@@ -59,6 +62,7 @@ class Shard:
     autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+    feat: Features = NO_FEATURES  # compile, loss, fp8, offload (pipemem.features)
     # Gradients created by this backward (the first backward of a step after
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
@@ -97,7 +101,8 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         grad_dt=plan.main_grad_dtype or plan.dtype,
-        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
+        feat=features_of(plan))
 
 
 def first_backward_shard(sh: Shard) -> Shard:
@@ -128,6 +133,7 @@ class LayerOptions:
     hidden_dropout: bool
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
+    offload_keep: int = 0   # activation offload: the layer's last saved tensors left on the GPU
 
 
 def norm_kind(arch) -> str:
@@ -162,11 +168,14 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        tape.step_in_backward = sh.feat.opt_in_bwd
         tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
         self.sac = False
+        # a compiled graph computes identical casts once (common-subexpression elimination)
+        self.cse: dict | None = {} if sh.feat.compile else None
         self.sh = sh
         self.conv = conv
         self.p = prefix
@@ -253,15 +262,19 @@ class _Gen:
         consumer; autocast caches only casts of parameters)."""
         if not self.sh.autocast or self.dtype_of(x) == self.dt:
             return x
+        if self.cse is not None and x in self.cse:
+            return self.cse[x]
         xc = self.act(name + ".autocast_in", self.t.tensors[x].shape)
         self.t.node("autocast_cast", (x,), (xc,), diff_inputs=(x,))
+        if self.cse is not None:
+            self.cse[x] = xc
         return xc
 
     # Linears ------------------------------------------------------------------------------
     def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool) -> str:
         """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
         input and the fp32 weight are cast first, and the matmul saves both copies."""
-        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.dt)
+        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.weight_dt(name))
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
@@ -270,11 +283,68 @@ class _Gen:
             x = self.to_compute(x, name)
             wc = self.act(name + ".weight_bf16", (out_shape[-1], in_features))
             self.t.node("autocast_weight", (w,), (wc,))
-            self.t.node("linear", (x, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
-                        save_w=(x,))
+            x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
+            self.t.node("linear", (x_fwd, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
+                        save_w=(x_saved,), workspace_f=ws[0], workspace_i=ws[1])
             return y
-        self.t.node("linear", (x,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x,))
+        x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
+        self.t.node("linear", (x_fwd,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x_saved,),
+                    workspace_f=ws[0], workspace_i=ws[1])
         return y
+
+    # FP8 linears ---------------------------------------------------------------------------
+    def weight_dt(self, name: str) -> str:
+        """dtype a linear's weight has where it is used: torchao's fp8 FSDP all-gather
+        (enable_fsdp_float8_all_gather) gathers the fp8 cast of each shard, so the gathered
+        buffer holds 1 byte per weight."""
+        f = self.sh.feat
+        if f.torchao_fp8 and f.fp8_param_gather and self.sh.fsdp and self.fp8_linear(name):
+            return "fp8"
+        return self.dt
+
+    def fp8_linear(self, name: str) -> bool:
+        """Is this linear run in fp8? Neither Megatron (the output layer is not a TE module,
+        the router is a plain linear) nor torchtitan (its float8 converter filters the output
+        projection) runs the head or the router in fp8."""
+        f = self.sh.feat
+        return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router"))
+
+    def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int) -> tuple[str, str, tuple]:
+        """(forward operand, tensor saved for the weight grad, (forward, backward) workspace).
+
+        Transformer Engine (te_fp8; transformer_engine/pytorch/module/linear.py): the input is
+        quantized with both usages -- rowwise for this GEMM, columnwise (the transpose) for the
+        weight-grad GEMM -- and after the forward only the columnwise copy is kept (1 B per
+        element, + 1 B per 32 for MXFP8's block scales); the backward quantizes the output
+        grad with both usages. torchao Float8 (float8_linear.py `matmul_with_hp_or_float8_args`)
+        saves the high-precision input and weight and casts them again in backward: its fp8
+        copies (input and weight, then output grad twice, weight and input) are transient."""
+        if not self.fp8_linear(name):
+            return x, x, (0, 0)
+        f = self.sh.feat
+        t = self.t.tensors[x]
+        n_in, n_w = _numel(t.shape), out_shape[-1] * in_features
+        n_out = n_in // max(1, t.shape[-1]) * out_shape[-1]
+        if f.te_fp8:
+            scale = 1 + 1 / 32 if f.fp8 == "mxfp8" else 1
+            row = self.t.t(self.n(name + ".input_fp8_rowwise"), t.shape, "fp8")
+            col = self.t.t(self.n(name + ".input_fp8_columnwise"), t.shape, "fp8")
+            if scale != 1:
+                for nm in (row, col):
+                    old = self.t.tensors[nm]
+                    self.t.tensors[nm] = type(old)(nm, old.shape, "fp8", old.kind, bytes=int(n_in * scale))
+            self.t.node("te_quantize", (x,), (row, col))
+            return row, col, (0, int(2 * n_out * scale))
+        # torchao's eager cast (float8_training_tensor.py `_ToFloat8ConstrFunc`): abs + max for
+        # the scale, then `x.to(fp32) * scale` and its clamp are both alive while the fp8 copy
+        # is made: 9 bytes per element at the cast, 1 kept until the GEMM (or the backward's
+        # end: the fp8 operands are locals of `matmul_with_hp_or_float8_args.backward`)
+        # Compiled (torchtitan always compiles Float8), inductor fuses each cast into one kernel
+        # writing the fp8 copy: only the fp8 operands themselves are transient
+        c = 1 if f.compile else CAST_BYTES
+        ws_f = max(c * n_in, n_in + c * n_w)
+        ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
+        return x, x, (ws_f, ws_i)
 
     def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
                        gathered_by_linear: bool = False) -> list[str]:
@@ -296,23 +366,34 @@ class _Gen:
             return self._regather_linears(x, block, specs, gathered_by_linear)
         outs = []
         for nm, f, bias in specs:
-            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.dt)
+            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.weight_dt(nm))
             params = (w,)
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
-            xg = self.act(nm + ".allgather", full, kind=COMM)
             y = self.act(nm + ".out", (sh.s, sh.b, f))
             dfull = self.act(nm + ".dinput_full", full)
             rs = BwdOp("reduce_scatter", (dfull,), ("d." + x,))
             if conv.sp_save == "shard":
                 # Megatron / Paddle recompute_allgather: keep the shard, gather again for dW.
-                xg2 = self.act(nm + ".allgather_bwd", full, kind=COMM)
-                self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
-                            fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
-                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,),
-                            pre_w=(BwdOp("all_gather", (x,), (xg2,)),), w_pre_first=True)
+                # TE fp8 (layernorm_linear.py): the shard is quantized and the fp8 data gathered;
+                # MXFP8 gathers the columnwise data, so only it is kept; per-tensor FP8 gathers
+                # the rowwise data and keeps both usages of the shard for backward
+                src, ws, gdt, keep = x, (0, 0), None, ()
+                if self.fp8_linear(nm) and self.sh.feat.te_fp8:
+                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h)
+                    gdt = "fp8"
+                    src, keep = (col, ()) if self.sh.feat.fp8 == "mxfp8" else (row, (col,))
+                xg = self.act(nm + ".allgather", full, gdt, kind=COMM)
+                xg2 = self.act(nm + ".allgather_bwd", full, gdt, kind=COMM)
+                fwd_in = row if gdt else x
+                self.t.node("linear_sp", (fwd_in,) + params, (y,), diff_inputs=(x,), params=params,
+                            fwd_ops=(_op("all_gather", (fwd_in,), (xg,)), _op("matmul", (xg,) + params, (y,))),
+                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,) + keep,
+                            pre_w=(BwdOp("all_gather", (src,), (xg2,)),), w_pre_first=True,
+                            workspace_i=ws[1] * sh.tp)
             else:
                 # Paddle's SPInnerOverlapLinear: saves x and the gathered input.
+                xg = self.act(nm + ".allgather", full, kind=COMM)
                 self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
                             fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
                             grad_via={x: dfull}, post_i=(rs,), save_i=(x,), save_w=(xg,))
@@ -338,7 +419,7 @@ class _Gen:
         xg2 = self.act(block + ".allgather_bwd", full, kind=COMM)
         outs = []
         for i, (nm, f, bias) in enumerate(specs):
-            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.dt)
+            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.weight_dt(nm))
             params = (w,)
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
@@ -356,9 +437,11 @@ class _Gen:
         if sh.tp == 1 or self.sh.autocast:
             # one rank: an ordinary linear with its bias inside the GEMM (addmm)
             return self.linear(x, name, (sh.s_sp, sh.b, sh.h), in_features, bias)
-        w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.dt)
+        w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.weight_dt(name))
         partial = self.act(name + ".partial", (sh.s, sh.b, sh.h))
-        self.t.node("linear", (x, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x,))
+        x_fwd, x_saved, ws = self.fp8_operands(x, name, (sh.s, sh.b, sh.h), in_features)
+        self.t.node("linear", (x_fwd, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x_saved,),
+                    workspace_f=ws[0], workspace_i=ws[1])
         y = partial
         if sh.tp > 1:
             if sh.sp:
@@ -793,6 +876,13 @@ class _Gen:
         return y
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _op(type_: str, inputs, outputs):
     from ..ir import Op
     return Op(type_, tuple(inputs), tuple(outputs))
@@ -811,7 +901,10 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
     if g.sac:
         tape.pin = _torchtitan_op_sac()
-    if opt.recompute == "full" or g.sac:
+    # torch.compile of a layer without activation checkpointing: the partitioner picks what to
+    # save (with checkpointing the checkpoint policy decides, compiled or not)
+    compiled = sh.feat.compile and opt.recompute == "none"
+    if opt.recompute == "full" or g.sac or compiled:
         tape.begin_region()
     # norm placement: pre (llama) normalises each block's input; post (olmo2) its output
     # before the residual add; sandwich (gemma2) both
@@ -845,8 +938,14 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         y = g.add(r, m, "output", tok)
     else:
         y = g.add(r1, m, "output", tok)
-    if opt.recompute == "full" or g.sac:
+    if opt.recompute == "full" or g.sac or compiled:
         tape.end_region()
+    if compiled:
+        from .compiled import min_cut_region
+        min_cut_region(tape, 0)
+    if sh.feat.offload:
+        from .offload import mark_offloaded
+        mark_offloaded(tape, sh.feat, keep=opt.offload_keep)
     return tape, x, y
 
 
@@ -945,6 +1044,11 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", norm_kind(arch), tok)
+    # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
+    compiled_loss = sh.feat.compile_loss and conv.name != "megatron"
+    if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
+        from .losses import loss_from_hidden
+        return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))

@@ -120,6 +120,13 @@ def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_inpu
     return _part_memory(layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad), n, n)
 
 
+@lru_cache(maxsize=4096)
+def layer_offload_count(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> int:
+    """How many saved tensors the layer sends to the CPU under --activation-offload."""
+    tape, _, _ = decoder_layer_tape(arch, sh, conv, opt)
+    return len(tape.offloaded)
+
+
 @lru_cache(maxsize=1024)
 def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int) -> PartMemory:
     class _P:  # the embedding tape reads only seq_len from the plan
@@ -145,5 +152,6 @@ def causal_mask_memory(sh: Shard, keep: bool) -> PartMemory:
 def clear_caches() -> None:
     causal_mask_memory.cache_clear()
     layer_memory.cache_clear()
+    layer_offload_count.cache_clear()
     embedding_memory.cache_clear()
     head_memory.cache_clear()

@@ -38,7 +38,12 @@ from ..jobs import StaticBytes
 from .conventions import Convention
 from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
 
-STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2}
+STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
+# Bytes per element of one quantized state: bitsandbytes' and torchao's 8-bit states keep a
+# uint8 code per element and an fp32 scale per block of 256; torchao's AdamW4bit two codes per
+# byte and an fp32 scale per block of 128 (torchao/optim/subclass_4bit.py `zeros`).
+QUANTIZED_STATE_BYTES = {"adam8bit": 1 + 4 / 256, "adam4bit": 0.5 + 4 / 128}
+STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _prod(shape) -> int:
@@ -48,14 +53,23 @@ def _prod(shape) -> int:
     return n
 
 
-def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
-    """(param, grad, master, optimizer-state) bytes per parameter element, unsharded."""
+def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
+    """(param, grad, master, optimizer-state) bytes per parameter element, unsharded.
+
+    --optimizer-in-backward: no gradient outlives its parameter's step (the gradients are
+    transient tensors of the backward programs). (--fp8-param-gather's 1-byte linear weights
+    are applied in `static_bytes`.)"""
     dt = dtype_bytes(plan.dtype)
     master = plan.master_weights and plan.dtype != "fp32"
     state_dtype = 4 if (master or plan.dtype == "fp32") else dt
-    per_state = 1 if plan.optimizer == "adam8bit" else state_dtype
+    if plan.optimizer in QUANTIZED_STATE_BYTES:
+        per_state = QUANTIZED_STATE_BYTES[plan.optimizer]
+    elif getattr(plan, "optimizer_state_dtype", None):
+        per_state = STATE_DTYPE_BYTES[plan.optimizer_state_dtype]
+    else:
+        per_state = state_dtype
     states = STATES[plan.optimizer] * per_state
-    grad = dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
     if conv.name in ("torchtitan", "hf") and master:
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
@@ -65,7 +79,7 @@ def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
         # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype)
         if master:
             master_bytes = dtype_bytes(extra.get("main_params_dtype", "fp32"))
-        if STATES[plan.optimizer] == 2 and plan.optimizer != "adam8bit":
+        if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
             states = dtype_bytes(extra.get("exp_avg_dtype", "fp32")) + dtype_bytes(extra.get("exp_avg_sq_dtype", "fp32"))
     return dt, grad, master_bytes, states
 
@@ -187,17 +201,25 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
     dp_group, edp_group = _dp_groups(plan)
-    params, grads, master, states = _sharded(dense, expert, bytes_per_param(plan, conv), dp_group, edp_group,
+    per_param = bytes_per_param(plan, conv)
+    params, grads, master, states = _sharded(dense, expert, per_param, dp_group, edp_group,
                                              plan.zero, plan.zero >= 1 or plan.dist_opt)
-    other = 0
+    # --optimizer-offload f: that fraction of the optimizer states and master weights lives in
+    # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
+    on_gpu = 1.0 - float(plan.optimizer_offload or 0.0)
+    master, states = int(master * on_gpu), int(states * on_gpu)
+    linear, per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    if plan.fp8_param_gather and linear:
+        params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
+    other = int(linear * per)
     if conv.name == "megatron":
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
-        other = megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
-                                       plan.pp * plan.vpp - 1 in rank_stages)
-    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states, other=other), plan.grads,
-                      plan.step, states)
+        other += megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
+                                        plan.pp * plan.vpp - 1 in rank_stages)
+    return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=master + states, other=other),
+                      plan.grads, plan.step, states)
 
 
 @lru_cache(maxsize=65536)
@@ -224,6 +246,7 @@ def clear_caches() -> None:
     _rank_counts.cache_clear()
     _layer_counts.cache_clear()
     _sharded.cache_clear()
+    _fp8_layer_linear.cache_clear()
 
 
 def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int) -> StaticBytes:
@@ -236,6 +259,40 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
     first = step == "first"
     return StaticBytes(params=full.params, grads=resident_grads, optimizer=full.optimizer - (states if first else 0),
                        other=full.other, grads_in_step=in_step, optimizer_in_step=states if first else 0)
+
+
+FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
+
+
+def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[int, float]:
+    """(elements of the rank's decoder-layer linear weights that Transformer Engine runs in
+    fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
+    each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
+    input-grad GEMM) for the whole step (`_fp8_workspaces`, cached across microbatches by
+    `is_first_microbatch`). With --fp8-param-gather the weight itself is the fp8 rowwise copy
+    and only the transpose is extra. MXFP8 adds a 1-byte scale per 32 elements to each.
+    torchao Float8 casts weights per use (transients in the programs): (0, 0)."""
+    fp8 = getattr(plan, "fp8", None)
+    if conv.name != "megatron" or not fp8:
+        return 0, 0.0
+    per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
+    n = 0
+    dense_idx = set(arch.dense_layers) if arch.is_moe else set()
+    for st in rank_stages:
+        layers = stage_layers[st]
+        dense = sum(1 for i in dense_idx if i in layers) if arch.is_moe else len(layers)
+        for moe, count in ((False, dense), (True, len(layers) - dense)):
+            if count:
+                n += count * _fp8_layer_linear(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
+    return n, per
+
+
+@lru_cache(maxsize=4096)
+def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
+    shapes = layer_param_shapes(arch, index, tp, etp, ep)
+    return sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+
+
 def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],
                            rank_stages: list[int]) -> int:
     """Bytes the optimizer step allocates beyond the model states. Megatron with main grads

@@ -77,6 +77,8 @@ class Node:
     pinned: bool = False             # selective checkpointing keeps its outputs: not recomputed
     promote_grads: bool = False      # mixed-dtype op: an input's grad is computed in the output's
                                      # dtype, then cast to the input's (autograd's validate_outputs)
+    wgrad_saved: str = ""            # the weight grad was computed in forward and saved under this
+                                     # name (Liger's fused linear CE): the backward scales it in place
 
 
 class Tape:
@@ -105,6 +107,11 @@ class Tape:
         self.grad_create: tuple[str, int] | None = None
         # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
         self.pin = None
+        # Activation offloading: saved tensor -> its reloaded copy (pipemem.templates.offload);
+        # the backward reads the copies, which it allocates when it starts
+        self.offloaded: dict[str, str] = {}
+        # torchtune's optimizer_in_bwd: each weight grad is stepped and freed as soon as it exists
+        self.step_in_backward = False
         # Reentrant checkpointing (Megatron): a recomputed region's outputs are held until the
         # region's backward has finished
         self.keep_recompute_outputs = False
@@ -131,11 +138,11 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False, read_w=()) -> Node:
+             w_pre_first=False, promote_grads=False, read_w=(), wgrad_saved="") -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
                  workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
+                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads, wgrad_saved)
         self.nodes.append(n)
         return n
 
@@ -179,6 +186,8 @@ class Tape:
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
         gathered = self._fsdp_gather(i_prog, "bwd")
+        for src, copy in self.offloaded.items():
+            self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
         self._held_grads: list[tuple[str, str]] = []
         for t in out_grads:
             self._grad_tensor(i_prog, t)
@@ -196,9 +205,9 @@ class Tape:
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
-            ren: dict[str, str] = {}
+            ren: dict[str, str] = self.offloaded
             if n.region >= 0:
-                ren = self._region_renames(n.region)
+                ren = {**self.offloaded, **self._region_renames(n.region)}
                 if n.region not in regions_done:
                     regions_done.add(n.region)
                     for rn in self.nodes:
@@ -329,9 +338,16 @@ class Tape:
                 nm = f"dw{k}.{p}"
                 self.tensors[nm] = Tensor(nm, shape, dt, TEMP)
                 names.append(nm)
+            if n.wgrad_saved:
+                names = [r(n.wgrad_saved)]     # scaled in place, then handed to autograd as is
             ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
             for a, b in zip(names, names[1:]):
                 ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
+            if self.step_in_backward:
+                # the post-accumulate-grad hook steps this parameter and drops its grad
+                ops.append(Op("optimizer_step", (names[-1],), (), frees=(names[-1],), module=n.module,
+                              phase="backward_w"))
+                continue
             if self.fsdp:
                 self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
             elif self.wgrad_final == "steal_grad" and len(names) > 1:

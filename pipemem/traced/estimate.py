@@ -52,11 +52,24 @@ def _check_plan(plan: ParallelPlan) -> None:
         raise UserError("--recompute-layers: traced mode recomputes all layers or none; use --mode templates")
     if plan.optimizer not in ("adamw", "adam", "sgd"):
         raise UserError(f"--optimizer {plan.optimizer}: traced mode supports adamw, adam, sgd")
+    refuse_unmodelled(plan)
     if plan.grads not in (None, "set-to-none", "buffer"):
         raise UserError(f"--grads {plan.grads}: traced mode runs the model without DistributedDataParallel, so it "
                         "has no DDP buckets; use --mode templates, or --grads set-to-none / buffer")
     if plan.micro_batch < 1 or plan.seq_len < 1:
         raise UserError("--micro-batch and --seq-len must be positive")
+
+
+def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
+    """Refuse, by name, the pipemem.features switches traced mode does not run (templates do)."""
+    unsupported = [name for name, on in (
+        (f"--loss {plan.loss}", plan.loss != "standard"), (f"--fp8 {plan.fp8}", bool(plan.fp8)),
+        ("--activation-offload", bool(plan.activation_offload)), ("--optimizer-offload", bool(plan.optimizer_offload)),
+        ("--optimizer-in-backward", plan.optimizer_in_backward),
+        ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype)),
+        ("--compile (with --pp, --tp or --fsdp)", parallel and bool(plan.compile))) if on]
+    if unsupported:
+        raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
 
 
 def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str = "cuda") -> TracedEstimate:
@@ -80,7 +93,7 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     set_to_none = (plan.grads or "set-to-none") == "set-to-none"
     step = trace_hf_replicated(cfg, plan.micro_batch, plan.seq_len, dtype=prec.name, attn=attn,
                                recompute=plan.recompute, optimizer=plan.optimizer, kernel_policy=kernel_policy,
-                               step=plan.step, set_to_none=set_to_none)
+                               step=plan.step, set_to_none=set_to_none, compile=plan.compile)
     s = step.static
     grads, optim = s.get("grads", 0), s.get("optimizer", 0)
     static = StaticBytes(params=s["params"], grads=grads, optimizer=optim,
@@ -95,6 +108,9 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     notes = {"layers": n, "precision": prec.name, "attention": attn, "recompute": plan.recompute,
              "traced_layers": step.traced.layers if step.traced else n,
              "static_detail": dict(s), "step": plan.step, "grads": plan.grads}
+    if plan.compile:
+        from .compiled import MODE
+        notes["compile"] = MODE
     return TracedEstimate(static=static, jobs=jobs, optimizer=JobMemory(o.net_bytes, o.peak_bytes),
                           peak_allocated_bytes=step.peak_bytes, peak_at=step.peak_at,
                           kernel_policy=kernel_policy, notes=notes)

@@ -282,7 +282,8 @@ def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, los
 
 def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None = None, dtype: str = "fp32",
                         attn: str = "sdpa", recompute: str = "none", optimizer: str = "adamw",
-                        kernel_policy: str = "cuda", master_weights: bool = True, **kw) -> ReplicatedStep:
+                        kernel_policy: str = "cuda", master_weights: bool = True, compile: bool = False,
+                        **kw) -> ReplicatedStep:
     """`hf.trace_hf_step` for deep models: K layers traced, the rest replicated."""
     from .hf import Precision, build_model, enable_recompute, fake_tensor_quirks, hf_loss, make_config, optimizer_factory, step_inputs
 
@@ -298,8 +299,17 @@ def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None
 
     return trace_replicated(lambda: build_model(holder["cfg"], prec.param_dtype), set_layers, n,
                             step_inputs(cfg, batch, seq), hf_loss, optimizer_factory(optimizer), kernel_policy,
-                            autocast_dtype=prec.autocast_dtype, prepare=lambda m: enable_recompute(m, recompute),
+                            autocast_dtype=prec.autocast_dtype, prepare=lambda m: _prepare(m, recompute, compile),
                             patches=fake_tensor_quirks(), **kw)
+
+
+def _prepare(model, recompute: str, compile: bool) -> None:
+    """Checkpointing first, then torch.compile of each layer (torchtitan's order)."""
+    from .hf import enable_recompute
+    enable_recompute(model, recompute)
+    if compile:
+        from .compiled import compile_layers
+        compile_layers(model)
 
 
 replicate_step = trace_replicated

@@ -8,6 +8,7 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `distributed/`: the models and launch helpers of the gloo runs (`validate dist`).
 * `paddle_runs/`: the Paddle cases, executor measurements and the comparison worker.
 * `published.py`: the published measured runs (bench/validate_published.py).
+* `features.py`: compile, chunked CE, fp8 and optimizer-in-backward against their libraries' traces.
 """
 
-TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron")
+TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "features")

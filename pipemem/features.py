@@ -1,0 +1,131 @@
+"""What modern trainers switch on when memory is tight, as one frozen record per plan.
+
+Each switch is a `ParallelPlan` field (and a CLI flag of the same name); `features_of(plan)`
+collects the ones that change a layer's programs into `Features`, which the templates carry
+in their `Shard` (so it is part of every cache key). What each switch does to memory is
+modelled op by op where the programs are generated (pipemem.templates.compiled,
+pipemem.templates.losses, pipemem.templates.fp8, pipemem.templates.offload) and in the static
+bytes (pipemem.templates.static); the names below are the frameworks' own words.
+
+* `compile`: torch.compile of each decoder layer (torchtune, torchtitan, litgpt): AOTAutograd's
+  min-cut partitioner decides what the compiled layer saves for backward. "all" (or True) also
+  compiles the loss (torchtune's compile_loss, torchtitan's "loss" component); "layers" leaves
+  the loss eager (torchtitan before it had compile components).
+* `loss`: how the cross-entropy sees the logits.
+    standard      fp32 copy of the whole logits, log-softmax / vocab-parallel CE;
+    chunked       torchtune's CEWithChunkedOutputLoss: the output projection and the fp32
+                  upcast + CE run per chunk of tokens (`loss_chunks`, default 8);
+    fused_linear  Liger's fused linear cross-entropy (and Megatron/TE's equivalent): logits are
+                  computed chunk by chunk inside the loss, their grads are formed on the spot and
+                  never kept; only the hidden states are saved;
+    fused         Megatron --cross-entropy-loss-fusion (native impl): same memory as the
+                  unfused vocab-parallel CE (it upcasts and keeps the fp32 exp-logits);
+    fused_te      ... with --cross-entropy-fusion-impl te: TE's CE in place on the bf16
+                  logits, no fp32 copy.
+* `fp8`: low-precision linears. Transformer Engine recipes (Megatron): `delayed`, `current`
+  (per-tensor current scaling), `mxfp8` (block scaling); torchao Float8 (torchtitan, any
+  PyTorch trainer): `tensorwise` (dynamic per-tensor), `rowwise`. `fp8_param_gather`: Megatron
+  --fp8-param-gather (fp8 primary weights) / torchao enable_fsdp_float8_all_gather.
+* `activation_offload`: saved activations copied to the CPU after their layer's forward and
+  brought back before its backward. `all` = torchtune's offloading context (every decoder
+  layer); a comma list of module names (`attn`, `mlp`, `attn_norm`, `mlp_norm`, `qkv`,
+  `core_attn`, `attn_proj`, `expert_fc1`, `moe_act`) = Megatron's fine-grained offloading.
+* `optimizer_offload`: fraction of optimizer states and master weights kept on the CPU
+  (DeepSpeed ZeRO-Offload = 1.0; Megatron --optimizer-cpu-offload --optimizer-offload-fraction).
+* `optimizer_in_backward`: torchtune's optimizer_in_bwd: each parameter is stepped as soon as
+  its gradient is accumulated and the gradient is freed.
+* `optimizer_state_dtype`: Adam moments in bf16 / fp16 / fp8 (Megatron's precision-aware
+  optimizer --exp-avg-dtype/--exp-avg-sq-dtype); 8-bit and 4-bit optimizers are `--optimizer
+  adam8bit` (bitsandbytes, torchao AdamW8bit) and `adam4bit` (torchao AdamW4bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOSSES = ("standard", "chunked", "fused_linear", "fused", "fused_te")
+FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
+TE_RECIPES = ("delayed", "current", "mxfp8")       # Transformer Engine (Megatron)
+TORCHAO_RECIPES = ("tensorwise", "rowwise")       # torchao Float8Linear
+OFFLOAD_MODULES = ("attn", "mlp", "attn_norm", "mlp_norm", "qkv", "core_attn", "attn_proj", "expert_fc1",
+                   "moe_act")
+STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """The per-layer switches of one plan that change its programs (a cache key)."""
+
+    compile: bool = False               # decoder layers compiled
+    loss: str = "standard"
+    loss_chunks: int = 8
+    fp8: str = ""                       # "" = none, else one of FP8_RECIPES
+    fp8_param_gather: bool = False
+    offload: frozenset = frozenset()    # module tags whose saved activations go to the CPU; {"*"} = all
+    opt_in_bwd: bool = False            # weight grads stepped and freed inside the backward
+    compile_loss: bool = False          # the loss compiled too
+
+    @property
+    def te_fp8(self) -> bool:
+        return self.fp8 in TE_RECIPES
+
+    @property
+    def torchao_fp8(self) -> bool:
+        return self.fp8 in TORCHAO_RECIPES
+
+    def offloads(self, module: str) -> bool:
+        return "*" in self.offload or module in self.offload
+
+
+NONE = Features()
+
+
+def parse_offload(value) -> frozenset:
+    """`activation_offload` (None, "none", "all", "a,b" or a sequence) -> module tags."""
+    if value in (None, "", "none", False):
+        return frozenset()
+    if value is True or value == "all":
+        return frozenset({"*"})
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return frozenset(str(x).strip() for x in items if str(x).strip())
+
+
+def features_of(plan) -> Features:
+    """The Features of a validated plan."""
+    return _features(bool(plan.compile), plan.loss, plan.loss_chunks, plan.fp8 or "", bool(plan.fp8_param_gather),
+                     parse_offload(plan.activation_offload), bool(plan.optimizer_in_backward),
+                     plan.compile in (True, "all"))
+
+
+_CACHE: dict = {}
+
+
+def _features(*key) -> Features:
+    f = _CACHE.get(key)
+    if f is None:
+        f = _CACHE[key] = Features(*key)
+    return f
+
+
+def describe(plan) -> list[str]:
+    """One phrase per switched-on feature, for reports and verdicts."""
+    out = []
+    if plan.compile:
+        what = "layers" if plan.compile == "layers" else "layers and loss"
+        out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
+    if plan.loss != "standard":
+        out.append({"chunked": f"chunked cross-entropy ({plan.loss_chunks} chunks)",
+                    "fused_linear": "fused linear cross-entropy (logits never whole)",
+                    "fused": "Megatron fused cross-entropy (native)",
+                    "fused_te": "TE fused cross-entropy (no fp32 logits copy)"}[plan.loss])
+    if plan.fp8:
+        out.append(f"fp8 linears ({plan.fp8}{', fp8 param gather' if plan.fp8_param_gather else ''})")
+    if parse_offload(plan.activation_offload):
+        out.append(f"activation offload ({plan.activation_offload})")
+    if plan.optimizer_offload:
+        out.append(f"optimizer offload ({plan.optimizer_offload:g} of the states on CPU)")
+    if plan.optimizer_in_backward:
+        out.append("optimizer step in backward")
+    if plan.optimizer_state_dtype:
+        out.append(f"optimizer states in {plan.optimizer_state_dtype}")
+    return out
