@@ -79,8 +79,8 @@ def register(sub) -> None:
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
     sh.add_argument("--grads", choices=GRADS,
                     help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
-                         "Paddle), set-to-none (zero_grad(set_to_none=True), created in backward: torchtitan, "
-                         "HF), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+                         "Paddle, torchtitan 0.3 with CUDA graphs), set-to-none (zero_grad(set_to_none=True), created in backward: "
+                         "HF, torchtune), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
                          "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
                          "ddp-bucket)")
     sh.add_argument("--step", choices=STEPS,
