@@ -53,8 +53,7 @@ def all_cases() -> list[dict]:
         _case("fsdp2-tp2", 4, {"dp_shard": 2, "tp": 2}),
         _case("cp2", 2, {"cp": 2}),
         _case("fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full"),
-        _case("fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective:op"),
-        _case("fsdp2-ac-layer2", 2, {"dp_shard": 2}, ac="selective:2"),
+        _case("fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective"),
         _case("pp2-1f1b", 2, {"pp": 2, "schedule": "1F1B"}, ranks=(0, 1), microbatch_size=1),
         _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
         _case("moe-fsdp2-ep2", 2, {"dp_shard": 2, "ep": 2}, model=QWEN3_MOE),
@@ -114,13 +113,8 @@ def estimate_kwargs(case: dict, arch: dict) -> tuple[dict, dict]:
     else:
         kw["micro_batch"] = case["local_batch_size"]
     ac = case.get("ac", "none")
-    if ac == "full":
-        kw["recompute"] = "full"
-    elif ac == "selective:op":
-        kw["recompute"] = "selective"
-    elif ac.startswith("selective:"):
-        nth = int(ac.split(":")[1])
-        kw.update(recompute="full", recompute_layers=arch["layers"] // kw["pp"] // nth)
+    if ac != "none":      # torchtitan 0.3: FullAC or SelectiveAC (op policy) on every block
+        kw["recompute"] = ac
     if par.get("reshard_after_forward", "default") == "never":
         kw["extra"] = {"fsdp_reshard_after_forward": False}
     return model, kw

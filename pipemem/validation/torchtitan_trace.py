@@ -123,24 +123,30 @@ def _flex_as_flash():
     backward) run as causal SDPA, which pipemem's CUDA kernel policy routes to the flash
     kernel: the same saved tensors (q, k, v, output, fp32 logsumexp). The per-document
     BlockMask a real run builds from the batch's positions (int32, (S/128)^2 per sequence)
-    is not made: the traced batch has no positions."""
+    is not made (`Decoder.get_attention_masks` returns None while tracing)."""
     import torch.nn.functional as F
     from torchtitan.models.common.attention import FlexAttention
 
-    def forward(self, q, k, v, *, attention_masks=None, score_mod=None, scale=None, enable_gqa=False,
-                out_transform=None, **kwargs):
+    # the argument names are FlexAttention.forward's: TP's local_map reads them
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, score_mod=None, scale=None,
+                enable_gqa=False, out_transform=None, **kwargs):
         if out_transform is not None:
             raise NotImplementedError("flex attention with an output transform (attention sinks) is not traced")
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2),
+                                             v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
+                                             enable_gqa=enable_gqa)
         return out.transpose(1, 2)
 
-    original = FlexAttention.forward
-    FlexAttention.forward = forward
+    def no_masks(self, *args, **kwargs):
+        return None
+
+    from torchtitan.models.common.decoder import Decoder
+    saved = (FlexAttention.forward, Decoder.get_attention_masks)
+    FlexAttention.forward, Decoder.get_attention_masks = forward, no_masks
     try:
         yield
     finally:
-        FlexAttention.forward = original
+        FlexAttention.forward, Decoder.get_attention_masks = saved
 
 
 def job_config(case: dict):
@@ -176,21 +182,29 @@ def job_config(case: dict):
     t.mixed_precision_param = case.get("mixed_precision_param", "bfloat16")
     t.mixed_precision_reduce = case.get("mixed_precision_reduce", "float32")
     t.disable_cuda_graphs = case.get("disable_cuda_graphs", False)
+    # torchtitan 0.3's policies: FullAC (every block) or SelectiveAC (its op-level policy)
     ac = case.get("ac", "none")
-    if ac == "none":
-        cfg.activation_checkpoint = None
-    elif ac == "full":
-        cfg.activation_checkpoint = FullAC.Config()
-    else:   # "selective:op" or "selective:<every n-th layer>"
-        option = ac.split(":", 1)[1]
-        sac = SelectiveAC.Config()
-        field = "selective_ac_option" if hasattr(sac, "selective_ac_option") else None
-        if field is None:
-            raise RuntimeError("torchtitan's SelectiveAC.Config has no selective_ac_option")
-        setattr(sac, field, option)
-        cfg.activation_checkpoint = sac
+    cfg.activation_checkpoint = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
     cfg.compile.enable = False
     return cfg
+
+
+def _microbatch_step(schedule) -> None:
+    """torchtitan 0.3 calls `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)` with
+    the microbatches already split (a newer PyTorch's signature); torch 2.13's `step` takes the
+    whole batch and splits it itself, and runs the split microbatches through
+    `_step_microbatches`. Route the pre-split call there."""
+    whole_batch_step = schedule.step
+
+    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+             loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(*args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                    **kwargs)
+        schedule._stage.has_backward = schedule._has_backward
+        schedule._stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+    schedule.step = step
 
 
 class _NoLog:
@@ -226,7 +240,7 @@ def trace_rank(case: dict, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = job_config(case)
-    with fake_process_group(rank, world):
+    with fake_process_group(rank, world), _flex_as_flash():
         dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
         pd = ParallelDims.from_config(cfg.parallelism, world)
         pd.build_mesh()
@@ -249,6 +263,7 @@ def trace_rank(case: dict, rank: int) -> dict:
                 model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
                 compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/tmp",
                 device=tr.device, model_config=mc, parallelize_fn=spec.parallelize_fn, loss_fn=tr.loss_fn)
+            _microbatch_step(tr.pp_schedule)
         else:
             tr.num_pipeline_parallel_microbatches = 1
             tr.model_parts = [spec.parallelize_fn(
@@ -306,7 +321,10 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
 
     def batches():
         while True:
-            yield {"input": torch.empty((mb, seq), dtype=torch.long)}, torch.empty((mb, seq), dtype=torch.long)
+            inputs = {"input": torch.empty((mb, seq), dtype=torch.long)}
+            if tr.parallel_dims.cp_enabled:    # context parallel shards the positions with the tokens
+                inputs["positions"] = torch.empty((mb, seq), dtype=torch.long)
+            yield inputs, torch.empty((mb, seq), dtype=torch.long)
 
     root = tr.model_parts[0] if len(tr.model_parts) == 1 else torch.nn.ModuleList(tr.model_parts)
     scope = Scope(root)
@@ -338,7 +356,7 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
     tr.loss_fn, tr.optimizers.step = loss_then_backward, optimizer_step
     data = batches()
     del vocab
-    with scope, rec.fsdp_resizes(), rec, policies.context("cuda"), _flex_as_flash():
+    with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
         tr.train_step(data)              # step 1: optimizer states made, grads left as zero_grad leaves them
         label_states()
         rec.restart()
