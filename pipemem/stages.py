@@ -168,22 +168,30 @@ def _build(arch, plan, conv, sh, style) -> StagePlan:
             # the gradients the first backwards create, as the programs allocate them
             st = replace(st, grads_in_step=sum(first[s].B.net_bytes - stages[s].B.net_bytes for s in rs))
         static.append(st)
-        optim.append(_optimizer_job(conv.name, plan.optimizer, st))
+        optim.append(_optimizer_job(_optimizer_impl(conv.name, plan), plan.optimizer, st))
     return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
                      notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
                      first_backward=first)
 
 
+def _optimizer_impl(conv: str, plan) -> str:
+    """The optimizer kernels a convention's trainer runs: Megatron and Paddle fused; torchtitan
+    0.3 fused by default ([optimizer] implementation); HF-style loops PyTorch's CUDA default,
+    foreach."""
+    default = "foreach" if conv == "hf" else "fused"
+    return str((plan.extra or {}).get("optimizer_impl", default))
+
+
 @lru_cache(maxsize=4096)
-def _optimizer_job(conv: str, optimizer: str, st: StaticBytes) -> JobMemory:
-    """The optimizer step as a small program: fused kernels (Megatron, Paddle) need no
-    scratch; PyTorch's foreach path (torchtitan, HF) materialises one fp32 temporary list the
-    size of the local parameters (the denominator), freed inside the step. On the first step
+def _optimizer_job(impl: str, optimizer: str, st: StaticBytes) -> JobMemory:
+    """The optimizer step as a small program: fused kernels (Megatron, Paddle, torchtitan's
+    default) need no scratch; PyTorch's foreach path (HF) materialises one fp32 temporary list
+    the size of the local parameters (the denominator), freed inside the step. On the first step
     the optimizer creates its states before it updates (`optimizer_in_step`); with
     zero_grad(set_to_none=True) the gradients the step created are freed after it."""
     prog = Program("optimizer", type="optimizer")
     ws = 0
-    if conv in ("torchtitan", "hf") and optimizer != "sgd":
+    if impl == "foreach" and optimizer != "sgd":
         ws = st.params if st.params else 0
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))

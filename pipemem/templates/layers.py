@@ -61,6 +61,7 @@ class Shard:
     # Gradients created by this backward (the first backward of a step after
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
+    fsdp_reshard: bool = True   # FSDP2 reshard_after_forward
     grads_created: bool = False
     grad_dt: str = "fp32"
     grad_shard: int = 1
@@ -95,6 +96,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         grad_dt=plan.main_grad_dtype or plan.dtype,
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
 
@@ -161,6 +163,7 @@ class _Gen:
             tape.wgrad_chain = chain
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
+        tape.fsdp_reshard = sh.fsdp_reshard
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape

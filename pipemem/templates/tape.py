@@ -99,6 +99,9 @@ class Tape:
         # forward and its backward and released after; eager weight grads are held unsharded
         # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
         self.fsdp = False
+        # False: the forward's gathered parameters stay until the backward, which gathers none
+        # (FSDP2 reshard_after_forward=False)
+        self.fsdp_reshard = True
         # (dtype, shard) when this backward creates the .grad tensors (set to None before it)
         # instead of writing resident grad buffers; None = resident (static bytes).
         self.grad_create: tuple[str, int] | None = None
@@ -142,7 +145,8 @@ class Tape:
         for n in self.nodes:
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
-        self._fsdp_release(prog, gather)
+        if self.fsdp_reshard:
+            self._fsdp_release(prog, gather)
         return prog
 
     def _fsdp_param_bytes(self) -> int:
@@ -174,7 +178,11 @@ class Tape:
                 has_grad.update(n.diff_inputs)
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
-        gathered = self._fsdp_gather(i_prog, "bwd")
+        if self.fsdp and not self.fsdp_reshard:     # still gathered since the forward
+            gathered = f"{self.prefix}fsdp.params_fwd"
+            i_prog.tensors[gathered] = self.tensors[gathered]
+        else:
+            gathered = self._fsdp_gather(i_prog, "bwd")
         self._held_grads: list[tuple[str, str]] = []
         for t in out_grads:
             self._grad_tensor(i_prog, t)
