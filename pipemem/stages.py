@@ -75,13 +75,18 @@ def stage_layer_ranges(plan: ParallelPlan) -> dict[int, tuple[int, ...]]:
 
 
 def _compose(parts, kinds: str, pre: int = 0, post: int = 0) -> JobMemory:
-    """Walk parts in order: `pre` bytes allocated first (a recv), `post` bytes freed last (a send)."""
+    """Walk parts in order: `pre` bytes allocated first (a recv), `post` bytes freed last (a send).
+    In a backward, FSDP2's reduce-scatter input of one part is still alive while the next
+    part runs (`PartMemory.rs_state_bytes`)."""
     cur = pre
     peak = max(0, pre)
+    linger = 0
     for part in parts:
         j = getattr(part, kinds)
-        peak = max(peak, cur + j.peak_bytes)
+        peak = max(peak, cur + linger + j.peak_bytes)
         cur += j.net_bytes
+        if kinds in ("B", "I"):
+            linger = getattr(part, "rs_state_bytes", 0)
     cur -= post
     return JobMemory(cur, peak)
 

@@ -62,6 +62,7 @@ class Shard:
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
     fsdp_reshard: bool = True   # FSDP2 reshard_after_forward
+    loss_chunks: int = 1        # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
     grads_created: bool = False
     grad_dt: str = "fp32"
     grad_shard: int = 1
@@ -97,6 +98,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
+        loss_chunks=int((plan.extra or {}).get("loss_chunks", 8 if conv.name == "torchtitan" else 1)),
         grad_dt=plan.main_grad_dtype or plan.dtype,
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
 
@@ -164,6 +166,8 @@ class _Gen:
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
         tape.fsdp_reshard = sh.fsdp_reshard
+        tape.fsdp_ag_state = conv.name == "torchtitan"
+        tape.fsdp_group = max(1, sh.grad_shard)
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape

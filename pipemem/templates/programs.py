@@ -34,6 +34,7 @@ class PartMemory:
     output_bytes: int     # bytes of its output
     f_peak_op: str
     b_peak_op: str
+    rs_state_bytes: int = 0   # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
 
 
 @dataclass(slots=True)
@@ -73,8 +74,9 @@ def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
 def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
     r = pp.results
     jm = lambda k: JobMemory(r[k].net_bytes, r[k].peak_bytes)  # noqa: E731
+    rs = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("fsdp.rs_in"))
     return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
-                      r["B"].peak_op_label)
+                      r["B"].peak_op_label, rs)
 
 
 def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> PartPrograms:
@@ -88,6 +90,9 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
 
 
 def head_programs(arch, sh: Shard, conv: Convention) -> PartPrograms:
+    if conv.name == "torchtitan" and sh.loss_chunks > 1:
+        from .chunked_loss import chunked_head_programs
+        return chunked_head_programs(arch, sh)
     tape, x, loss = head_tape(arch, sh, conv)
     return _analyze(tape, x, loss, loss)
 
