@@ -412,6 +412,8 @@ class _Gen:
             v = self.act("attn.v", (s, b, kv, d), storage=qkv)
             self.t.node("split_qkv", (qkv,), (q, k, v), diff_inputs=(qkv,))
         else:
+            if conv.name == "torchtitan":      # torchtitan 0.3 computes them as one wqkv matmul
+                self.t.share_pin(3)
             q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
                                                          ("attn.k_proj", kv * d, opt.qkv_bias),
                                                          ("attn.v_proj", kv * d, opt.qkv_bias)])
@@ -453,14 +455,23 @@ class _Gen:
         eb = dtype_bytes(self.dt)
         ctx = self.act("attn.ctx", (s, b, a, d))
         q, k, v = (self.to_compute(q, "attn.q"), self.to_compute(k, "attn.k"), self.to_compute(v, "attn.v"))
+        ring = sh.cp > 1 and self.conv.name != "torchtitan"
+        if sh.cp > 1 and not ring:
+            # torchtitan 0.3's context parallel for its (flex) attention: K and V all-gathered
+            # over the cp ranks, the whole-sequence copies saved; their grads reduce-scattered
+            s_all = s * sh.cp
+            kg, vg = self.act("attn.k_cp_gathered", (s_all, b, kv, d)), self.act("attn.v_cp_gathered", (s_all, b, kv, d))
+            self.t.node("cp_all_gather", (k,), (kg,), diff_inputs=(k,))
+            self.t.node("cp_all_gather", (v,), (vg,), diff_inputs=(v,))
+            k, v = kg, vg
         if opt.flash:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
-            ws_f = 2 * kv_bytes if sh.cp > 1 else 0       # ring: KV chunk in flight, double-buffered
+            ws_f = 2 * kv_bytes if ring else 0            # ring: KV chunk in flight, double-buffered
             ws_i = s * b * a * d * 4 + b * a * s * 4      # fp32 dq accumulator + softmax_d
             if kv < a:
                 ws_i += 2 * s * b * a * d * eb            # full-head dk, dv before the GQA sum
-            if sh.cp > 1:
+            if ring:
                 ws_i += 4 * kv_bytes                      # KV and dKV chunks in flight
             self.t.node("flash_attn", (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse),
                         workspace_f=ws_f, workspace_i=ws_i)

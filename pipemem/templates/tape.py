@@ -137,9 +137,24 @@ class Tape:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
                  workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads)
+                 self._pinned(type), promote_grads)
         self.nodes.append(n)
         return n
+
+    def share_pin(self, linears: int) -> None:
+        """The next `linears` linear nodes are one matmul to the selective-checkpointing policy
+        (torchtitan's fused wqkv projection): one decision for all of them."""
+        self._pin_share, self._pin_first = linears, True
+
+    def _pinned(self, node_type: str) -> bool:
+        if self.region < 0 or self.pin is None:
+            return False
+        if getattr(self, "_pin_share", 0) and node_type == "linear":
+            if self._pin_first:
+                self._pin_decision, self._pin_first = self.pin(node_type), False
+            self._pin_share -= 1
+            return self._pin_decision
+        return self.pin(node_type)
 
     # Emitting ----------------------------------------------------------------------------
     def forward(self, name: str = "F") -> Program:
