@@ -263,10 +263,12 @@ class _Gen:
         return xc
 
     # Linears ------------------------------------------------------------------------------
-    def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool) -> str:
+    def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool, experts: int = 0) -> str:
         """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
-        input and the fp32 weight are cast first, and the matmul saves both copies."""
-        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.dt)
+        input and the fp32 weight are cast first, and the matmul saves both copies.
+        `experts`: a grouped GEMM over that many local experts' weights (one weight each)."""
+        w_shape = (out_shape[-1], in_features)
+        w = self.t.param(self.n(name + ".weight"), ((experts,) if experts else ()) + w_shape, self.dt)
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
@@ -656,7 +658,7 @@ class _Gen:
             tokens = g
         f = sh.expert_ffn
         gated = opt.activation in ("swiglu", "geglu")
-        fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False)
+        fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False, experts=sh.experts)
         act = self.act("moe.experts.act", (M, f))
         if gated and not self.conv.fused_gate_up:
             # gate_up = grouped GEMM; gate, up = chunk (views); silu(gate) * up, unfused
@@ -669,7 +671,7 @@ class _Gen:
         else:
             self.t.node("bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
                         save_i=(fc1,))
-        out = self.linear(act, "moe.experts.fc2", (M, h), f, False)
+        out = self.linear(act, "moe.experts.fc2", (M, h), f, False, experts=sh.experts)
         if sh.etp > 1 and sh.sp:
             rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))

@@ -9,7 +9,13 @@ per traced rank; `rel_error` = (estimated - measured) / measured.
 
 Every rank of a case traces in its own subprocess (a fresh fake process group each); ranks
 that differ only in their data-parallel / tensor-parallel coordinate hold the same shapes,
-so one rank per pipeline stage is traced unless the case lists more.
+so one rank is traced unless the case lists more.
+
+Not traced yet (so not validated here): pipeline parallelism (torchtitan 0.3 calls
+`schedule.step(arg_mbs=...)`, a newer PyTorch's signature, shimmed in torchtitan_trace.py, but
+its stages exchange shape metadata with their peers at the first step, which a one-process
+fake process group cannot answer) and expert parallelism (the all-to-all splits are data:
+`.item()` of fake tensors gives shapes the dispatch rejects).
 """
 
 from __future__ import annotations
@@ -54,9 +60,7 @@ def all_cases() -> list[dict]:
         _case("cp2", 2, {"cp": 2}),
         _case("fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full"),
         _case("fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective"),
-        _case("pp2-1f1b", 2, {"pp": 2, "schedule": "1F1B"}, ranks=(0, 1), microbatch_size=1),
         _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
-        _case("moe-fsdp2-ep2", 2, {"dp_shard": 2, "ep": 2}, model=QWEN3_MOE),
     ]
 
 
