@@ -4,7 +4,7 @@ Layers (DESIGN.md "The flow"), each importing only from those before it:
 ir -> liveness -> sources (traced, templates, paddle) -> stages -> schedules / replay -> report -> cli.
 """
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402,F401
 
 from .errors import UserError  # noqa: E402
 from .ir import Op, Program, Tensor, TensorKind, load_programs, save_programs  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 from .errors import UserError
@@ -19,7 +20,7 @@ from .plan import ParallelPlan
 MODES = ("templates", "traced")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime")
 
 
 @dataclass
@@ -41,10 +42,13 @@ class RankEstimate:
     peak_at: str
     activation_hwm_bytes: int
     inflight: int
-    jobs: dict[str, JobMemory | None]
+    jobs: dict[str, JobMemory | None] = None    # per kind, the rank's chunk with the largest peak (lazy)
     stages: list[int] = field(default_factory=list)
-    stage_jobs: list[dict] = field(default_factory=list)
-    timeline: list[TimelinePoint] = field(default_factory=list)
+    # per stage {stage, layers, F, B, I, W} and the per-action timeline: made when first read
+    # (a plan's estimate builds neither; --json reads stage_jobs, --plot the timeline)
+    stage_jobs: list[dict] = None
+    timeline: list[TimelinePoint] = None
+    source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
 
     @property
     def transient_bytes(self) -> int:
@@ -69,8 +73,48 @@ class RankEstimate:
             "headroom_bytes": head,
             "fits": None if head is None else head >= 0,
             "jobs": jobs,
-            "stage_jobs": self.stage_jobs,
+            "stage_jobs": [dict(row, layers=list(row.get("layers", ()))) for row in self.stage_jobs],
         }
+
+
+def _lazy(name: str, build):
+    attr = "_" + name
+
+    def get(self):
+        v = self.__dict__.get(attr)
+        if v is None:
+            v = build(self) if self.source is not None else ({} if name == "jobs" else [])
+            self.__dict__[attr] = v
+        return v
+
+    def put(self, value):
+        self.__dict__[attr] = None if isinstance(value, property) else value
+
+    return property(get, put)
+
+
+def _stage_rows(r: RankEstimate) -> list[dict]:
+    rows = []
+    for s in r.source[1]:
+        row = {"stage": s.stage, "layers": s.layers}
+        for kind in ("F", "B", "I", "W"):
+            j = getattr(s, kind, None)
+            row[kind] = j.to_dict() if j is not None else None
+        rows.append(row)
+    return rows
+
+
+def _timeline_points(r: RankEstimate) -> list[TimelinePoint]:
+    return [TimelinePoint(*p) for p in r.source[0].timeline]
+
+
+def _jobs_of(r: RankEstimate) -> dict:
+    return _rank_jobs(r.source[1], r.source[2])
+
+
+RankEstimate.stage_jobs = _lazy("stage_jobs", _stage_rows)
+RankEstimate.jobs = _lazy("jobs", _jobs_of)
+RankEstimate.timeline = _lazy("timeline", _timeline_points)
 
 
 @dataclass
@@ -89,6 +133,7 @@ class Estimate:
     world_size: int = 1
     inputs: tuple | None = field(default=None, repr=False)   # (model, kwargs) as given to estimate()
     suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
+    runtime: str | None = None     # the pipeline runtime profile replayed (pipemem.runtime)
 
     @property
     def max_peak_allocated_bytes(self) -> int:
@@ -108,7 +153,7 @@ class Estimate:
         return None if h is None else h >= 0
 
     def to_dict(self) -> dict:
-        from . import __version__
+        from .version import __version__
 
         plan = asdict(self.plan)
         if plan.get("pp_layout") is not None:
@@ -125,6 +170,7 @@ class Estimate:
             "world_size": self.world_size,
             "mode": self.mode,
             "schedule": self.schedule,
+            "runtime": self.runtime,
             "gpu": self.gpu_name,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "ranks": [r.to_dict(self.gpu_memory_bytes) for r in self.ranks],
@@ -222,93 +268,143 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
     except TypeError as e:   # a wrong type slipped through from the Python API
         raise UserError(f"estimate(): {e}") from None
     if mode == "traced":
-        est = _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
+        est = _traced(name, source, config, arch, plan, "vpp" in plan_kw, policy, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
     return est
 
 
-def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
+def _with_schedule(arch, plan, vpp_given: bool):
+    """The validated plan with its schedule named (V schedules: 2 chunks per rank unless
+    --vpp was given), the model with the plan's layer count."""
     from dataclasses import replace
 
     from .plan import validate_plan
-    from .replay import replay
-    from .schedules import canonical_name, default_vpp, get_schedule
-    from .stages import build_stage_jobs, layer_explain
+    from .schedules import canonical_name, default_vpp
 
     sched_name = plan.schedule or default_schedule(plan)
     if not sched_name.lower().startswith(("csv:", "torch:")):
         sched_name = canonical_name(sched_name)
         if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
-            plan = replace(plan, vpp=default_vpp(sched_name))   # V schedules: 2 chunks per rank
+            plan = replace(plan, vpp=default_vpp(sched_name))
     plan = validate_plan(arch, replace(plan, schedule=sched_name))
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
-    schedule = get_schedule(sched_name, plan.pp, plan.microbatches, vpp=plan.vpp)
-    style = "v" if schedule.placement == "v" else "interleaved"
-    stage_plan = build_stage_jobs(arch, plan, style=style)
-    result = replay(schedule, stage_plan.replay_jobs(), stage_plan.static, optimizer_jobs=stage_plan.optimizer,
-                    simulate_time=False)
-    ranks = [_rank_from_replay(r, schedule, stage_plan) for r in result.ranks]
+    return arch, plan
+
+
+def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
+    from .stages import build_stage_jobs, layer_explain
+
+    arch, plan = _with_schedule(arch, plan, vpp_given)
+    schedule = schedule_of(plan)
+    runtime = _runtime(opts, plan)
+    stage_plan = build_stage_jobs(arch, plan)
+    ranks = per_rank(stage_plan.stages, schedule, runtime, stage_plan.static_per_rank(schedule),
+                     stage_plan.optimizer_per_rank(schedule), plan,
+                     overrides=stage_plan.first_backward_overrides(schedule))
     explain = layer_explain(arch, plan) if opts.get("explain") else None
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="templates",
                     schedule=schedule.name, ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
-                    explain=explain, world_size=_world(plan))
+                    explain=explain, world_size=_world(plan), runtime=runtime)
+
+
+def _runtime(opts, plan, default: str | None = None) -> str:
+    from .runtime import default_runtime, get_runtime
+    name = opts.get("runtime") or default or default_runtime(plan.convention)
+    return get_runtime(name).name
+
+
+def schedule_of(plan: ParallelPlan):
+    """The plan's schedule (named ones cached: a Schedule is never changed once built)."""
+    from .schedules import get_schedule
+    name = plan.schedule
+    if name.lower().startswith(("csv:", "torch:")):
+        return _check_placement(get_schedule(name, plan.pp, plan.microbatches, vpp=plan.vpp), plan)
+    return _named_schedule(name, plan.pp, plan.microbatches, plan.vpp)
+
+
+@lru_cache(maxsize=256)
+def _named_schedule(name: str, pp: int, microbatches: int, vpp: int):
+    from .schedules import get_schedule
+    return get_schedule(name, pp, microbatches, vpp=vpp)
+
+
+def _check_placement(schedule, plan: ParallelPlan):
+    if schedule.vpp != plan.vpp:
+        raise UserError(f"--schedule {plan.schedule}: the schedule runs {schedule.vpp} stage(s) per rank; "
+                        f"pass --vpp {schedule.vpp}")
+    return schedule
+
+
+def batch_bytes(plan: ParallelPlan) -> int:
+    """Token ids and labels (int64) of one step's microbatches."""
+    return 2 * 8 * plan.micro_batch * plan.microbatches * plan.seq_len
+
+
+def per_rank(stages: dict, schedule, runtime: str, statics: list[StaticBytes], optimizers: list[JobMemory] | None,
+             plan: ParallelPlan, overrides: dict | None = None) -> list[RankEstimate]:
+    """The one route from stage jobs to per-rank numbers: lower the schedule with the runtime
+    profile, replay it, and package each rank (templates and traced mode alike)."""
+    from .replay import replay
+    from .runtime import get_runtime, lower
+
+    profile = get_runtime(runtime)
+    if profile.batch_on_every_rank and schedule.pp > 1:
+        statics = [s.plus(batch_bytes(plan)) for s in statics]
+    jobs = dict(stages)
+    if overrides:
+        jobs.update(overrides)
+    result = replay(lower(schedule, profile.name), jobs, statics, optimizer_jobs=optimizers, simulate_time=False)
+    out = []
+    for r in result.ranks:
+        stage_ids = schedule.stages_of_rank(r.pp_rank)
+        held = [stages[s] for s in stage_ids]
+        out.append(RankEstimate(
+            pp_rank=r.pp_rank, static=statics[r.pp_rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
+            peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
+            stages=list(stage_ids), source=(r, held, optimizers[r.pp_rank] if optimizers else None)))
+    return out
 
 
 def _world(plan: ParallelPlan) -> int:
     return plan.world
 
 
-def _rank_from_replay(r, schedule, stage_plan) -> RankEstimate:
-    rank = r.pp_rank
-    stage_ids = schedule.stages_of_rank(rank)
-    stage_objs = [stage_plan.stages[s] for s in stage_ids]
+def _rank_jobs(held, optimizer) -> dict[str, JobMemory | None]:
     jobs: dict[str, JobMemory | None] = {}
     for kind in ("F", "B", "I", "W"):
-        cands = [getattr(s, kind, None) for s in stage_objs]
-        cands = [c for c in cands if c is not None]
+        cands = [c for c in (getattr(s, kind, None) for s in held) if c is not None]
         # a rank with several chunks reports, per kind, its chunk with the largest peak
         jobs[kind] = max(cands, key=lambda j: j.peak_bytes) if cands else None
-    opt = stage_plan.optimizer[rank] if stage_plan.optimizer else None
-    jobs["optimizer"] = opt
-    per_stage = []
-    for s in stage_objs:
-        row = {"stage": s.stage, "layers": list(s.layers)}
-        for kind in ("F", "B", "I", "W"):
-            j = getattr(s, kind, None)
-            row[kind] = j.to_dict() if j is not None else None
-        per_stage.append(row)
-    return RankEstimate(
-        pp_rank=rank, static=stage_plan.static[rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
-        peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
-        jobs=jobs, stages=list(stage_ids), stage_jobs=per_stage, timeline=_timeline(r))
+    jobs["optimizer"] = optimizer
+    return jobs
 
 
-def _timeline(r) -> list[TimelinePoint]:
-    tl = getattr(r, "timeline", None) or []
-    out = []
-    for p in tl:
-        if isinstance(p, TimelinePoint):
-            out.append(p)
-        elif isinstance(p, (tuple, list)):
-            out.append(TimelinePoint(str(p[0]), int(p[1]), int(p[2]), int(p[3])))
-        elif isinstance(p, Mapping):
-            out.append(TimelinePoint(str(p.get("label", p.get("action", ""))), int(p["before"]),
-                                     int(p["peak"]), int(p["after"])))
-        else:
-            label = getattr(p, "label", None) or str(getattr(p, "action", ""))
-            out.append(TimelinePoint(label, int(p.before), int(p.peak), int(p.after)))
-    return out
+def _needs_torch(e: ModuleNotFoundError):
+    if e.name and e.name.split(".")[0] in ("torch", "transformers"):
+        return UserError(f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
+                         "(or use the default --mode templates)")
+    return None
 
 
-def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+    from dataclasses import replace
+
     from .plan import validate_plan
 
-    if plan.pp != 1 or plan.vpp != 1:
-        raise UserError("--mode traced runs one whole model on one rank: use --pp 1 (templates mode "
-                        "handles pipeline parallelism)")
+    if not isinstance(config, dict):
+        raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
+    sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3))
+    if plan.pp > 1 or sharded:
+        try:
+            return _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts)
+        except ModuleNotFoundError as e:
+            err = _needs_torch(e)
+            if err is None:
+                raise
+            raise err from None
     plan = validate_plan(arch, plan)
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
@@ -316,34 +412,82 @@ def _traced(name, source, config, arch, plan, policy, gpu_name, gpu_bytes, opts)
         from .traced import traced_estimate
         t = traced_estimate(config, plan, policy)
     except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] in ("torch", "transformers"):
-            raise UserError(f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
-                            "(or use the default --mode templates)") from None
-        raise
-    from .replay import replay
-    from .schedules import get_schedule
-
+        err = _needs_torch(e)
+        if err is None:
+            raise
+        raise err from None
     sj = t.jobs
-    jobs = {"F": sj.F, "B": sj.B, "I": sj.I, "W": sj.W, "optimizer": t.optimizer}
-    # The traced step is one microbatch's forward, backward and optimizer step; replaying it
-    # as a one-microbatch schedule gives the per-action timeline for the plot.
-    rep = replay(get_schedule("1F1B", 1, 1), {0: sj}, [t.static],
-                 optimizer_jobs=[t.optimizer] if t.optimizer is not None else None, simulate_time=False).ranks[0]
+    # The traced step is one microbatch's forward, backward and optimizer step: replayed as a
+    # one-microbatch schedule, like every other estimate.
+    (rank,) = per_rank({0: sj}, schedule_of(replace(plan, schedule="1F1B", microbatches=1)), "torch", [t.static],
+                       [t.optimizer] if t.optimizer is not None else None, plan)
+    if rank.peak_allocated_bytes == t.peak_allocated_bytes:
+        rank.peak_at = str(t.peak_at)      # the same moment, named down to the op
     warnings = [] if plan.step == "steady" else [
         "traced mode, --step first: the first training step as recorded (gradients are created in backward "
         "and optimizer states in the optimizer step, so they count under 'transient')"]
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")
-    # what the forward keeps for backward (one microbatch in flight)
-    rank = RankEstimate(pp_rank=0, static=t.static, peak_allocated_bytes=int(t.peak_allocated_bytes),
-                        peak_at=str(t.peak_at), activation_hwm_bytes=int(sj.F.net_bytes), inflight=1, jobs=jobs,
-                        stages=[0], stage_jobs=[{"stage": 0, "layers": list(sj.layers),
-                                                 "F": sj.F.to_dict(), "B": sj.B.to_dict()}],
-                        timeline=_timeline(rep))
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced",
                     schedule="one step (pp 1)", ranks=[rank], gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
-                    warnings=warnings, world_size=_world(plan))
+                    warnings=warnings, world_size=_world(plan), runtime="torch")
+
+
+def _first_step_only(plan: ParallelPlan) -> None:
+    """Traced pipelines and sharded ranks record one step of a fresh model: the first step. A
+    steady-state answer from it could say FITS wrongly (optimizer states not yet resident)."""
+    if plan.step != "first":
+        raise UserError("traced mode traces pipelines (--pp) and sharded ranks (--tp, --fsdp) for the first "
+                        "training step only so far: pass --step first, or use --mode templates for the steady state")
+
+
+def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
+    """Traced pipelines (pp > 1) and tensor / fully sharded data parallel ranks: traced stage
+    jobs or a traced rank step, then the same schedule, runtime lowering and replay as templates
+    (`per_rank`). Traced code is PyTorch's: the runtime defaults to torch."""
+    from dataclasses import replace
+
+    from .traced.parallel import trace_sharded_rank, traced_stage_plan
+
+    if plan.pp > 1 and (plan.tp > 1 or plan.dp > 1 and (plan.fsdp or plan.zero == 3)):
+        raise UserError("traced mode traces either a pipeline (--pp) or one sharded rank (--tp, or --fsdp with "
+                        "--dp), not both yet; use --mode templates")
+    warnings = []
+    if plan.pp > 1:
+        arch, plan = _with_schedule(arch, plan, vpp_given)
+        _first_step_only(plan)
+        schedule = schedule_of(plan)
+        runtime = _runtime(opts, plan, default="torch")
+        sp = traced_stage_plan(config, plan, schedule.split_backward, policy)
+        ranks = per_rank(sp.stages, schedule, runtime, sp.static_per_rank(schedule), sp.optimizer_per_rank(schedule),
+                         plan, overrides=sp.first_grad_overrides(schedule))
+        sched_name = schedule.name
+    else:
+        from .plan import validate_plan
+        if plan.tp > 1 and plan.dp > 1 and (plan.fsdp or plan.zero == 3):
+            raise UserError("traced mode traces one sharding at a time: --tp or --fsdp with --dp, not both yet")
+        plan = validate_plan(arch, replace(plan, schedule="1F1B", microbatches=1))
+        _first_step_only(plan)
+        if plan.layers is not None and plan.layers != arch.layers:
+            arch = arch.with_layers(plan.layers)
+        kind = "tp" if plan.tp > 1 else "fsdp"
+        t = trace_sharded_rank(config, plan, kind, policy)
+        from .jobs import StageJobs
+        runtime = _runtime(opts, plan, default="torch")
+        (rank,) = per_rank({0: StageJobs(0, F=t["F"], B=t["B"], layers=range(arch.layers))},
+                           schedule_of(plan), runtime, [t["static"]], [t["optimizer"]], plan)
+        phase = {"F0@s0": "forward", "B0@s0": "backward", "optimizer": "optimizer"}.get(rank.peak_at)
+        if phase in t["peak_op"]:
+            rank.peak_at = t["peak_op"][phase]      # the same moment, named down to the op
+        ranks = [rank]
+        sched_name = f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})"
+        warnings.append(f"traced mode: rank 0 of the {kind} group traced; its ranks run the same program")
+    warnings.append("traced mode, --step first: the first training step as recorded (gradients are created in "
+                    "backward and optimizer states in the optimizer step, so they count under 'transient')")
+    return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced", schedule=sched_name,
+                    ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes, warnings=warnings,
+                    world_size=_world(plan), runtime=runtime)
 
 
 # ---------------------------------------------------------------- what would fit

@@ -4,11 +4,23 @@ A *job* is one action of one pipeline stage for one microbatch (F, B, I, W) or t
 step; its memory is `{net, peak}` from liveness, relative to the bytes in use when it starts.
 Templates, traced programs and Paddle programs all produce these, so replay never needs to
 know where the numbers came from.
+
+`compose(parts)` is the one walk that turns a sequence of `{net, peak}` into one: every
+module that strings programs, parts or phases together calls it (the replay of a schedule
+is the same walk, vectorised over every action of every rank: pipemem.replay).
+
+Stage boundaries (what a pipeline runtime hands between stages) are bytes on the stage:
+`input_bytes` (the received activation x), `output_bytes` (the output y the stage sends),
+`input_grad_bytes` (dx, sent back) and `output_grad_bytes` (dy, received). A stage job owns
+what it makes (F leaves y allocated, B and I leave dx allocated) and never frees what the
+runtime handed it (x, dy): the runtime profile's lowering (pipemem.runtime) says when each of
+the four is allocated and freed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 JOB_KINDS = ("F", "B", "I", "W", "optimizer")
 
@@ -21,6 +33,45 @@ class JobMemory:
 
     def to_dict(self) -> dict:
         return {"net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes}
+
+    def repeated(self, n: int) -> "JobMemory":
+        """The job run `n` times in a row, in closed form (what `compose([self] * n)` gives,
+        at O(1) cost: the peak is on the first copy when the job frees memory, else the last)."""
+        if n <= 0:
+            return JobMemory(0, 0)
+        net, pk = self.net_bytes, self.peak_bytes
+        return JobMemory(n * net, max(0, pk + (n - 1) * max(net, 0)), n * self.seconds)
+
+
+ZERO = JobMemory(0, 0)
+
+
+def compose(parts: Iterable, start: int = 0) -> JobMemory:
+    """Walk parts in order from `start` bytes (above the job's start):
+    ``peak = max(peak, current + part.peak); current += part.net``.
+    A part is a JobMemory, an object with `net_bytes`/`peak_bytes`, or a `(net, peak)` pair.
+    The result is relative to the job's start, so `start` bytes allocated first (a receive)
+    count in both; the peak is never below 0 (or below `start`)."""
+    return compose_at(parts, start)[0]
+
+
+def compose_at(parts: Iterable, start: int = 0) -> tuple[JobMemory, int]:
+    """`compose`, and the index of the part at the peak (-1 when no part rises above the start)."""
+    cur = start
+    peak = max(0, start)
+    at = -1
+    secs = 0.0
+    for i, p in enumerate(parts):
+        if isinstance(p, tuple):
+            net, pk = p
+        else:
+            net, pk = p.net_bytes, p.peak_bytes
+            secs += getattr(p, "seconds", 0.0)
+        if cur + pk > peak:
+            peak = cur + pk
+            at = i
+        cur += net
+    return JobMemory(cur, peak, secs), at
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,22 +101,39 @@ class StaticBytes:
                 "other": self.other, "total": self.total, "grads_in_step": self.grads_in_step,
                 "optimizer_in_step": self.optimizer_in_step}
 
+    def plus(self, other: int = 0) -> "StaticBytes":
+        return StaticBytes(self.params, self.grads, self.optimizer, self.other + other)
+
 
 @dataclass(slots=True)
 class StageJobs:
     """The jobs of one (virtual) pipeline stage. `I`/`W` are the split backward (input grad,
-    weight grad); `B` is the fused backward (= I then W)."""
+    weight grad); `B` is the fused backward (= I then W). `layers` is the range of decoder
+    layer indices on the stage (a `range`, so a stage of 10^8 identical layers costs nothing).
+    The boundary bytes are explained in the module docstring."""
 
     stage: int
     F: JobMemory
     B: JobMemory
     I: JobMemory | None = None
     W: JobMemory | None = None
-    layers: tuple[int, ...] = ()          # decoder layer indices on this stage
+    layers: range | tuple = ()
     notes: dict = field(default_factory=dict)
+    input_bytes: int = 0          # x, received from the previous stage (0 on the first)
+    output_bytes: int = 0         # y, sent to the next stage (on the last: what the runtime keeps)
+    input_grad_bytes: int = 0     # dx, sent back (0 on the first)
+    output_grad_bytes: int = 0    # dy, received from the next stage (0 on the last)
 
     def job(self, kind: str) -> JobMemory:
         j = getattr(self, kind, None)
         if j is None:
             raise KeyError(f"stage {self.stage} has no {kind} job (split backward not built)")
         return j
+
+    def fused_backward(self) -> JobMemory | None:
+        """B, or I then W when only the split backward was built."""
+        if self.B is not None:
+            return self.B
+        if self.I is not None and self.W is not None:
+            return compose((self.I, self.W))
+        return None

@@ -84,8 +84,12 @@ class ArchSpec:
     def param_count(self) -> int:
         """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
         total = sum(_prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items())
-        for i in range(self.layers):
-            total += sum(_prod(s) for _, (s, _e) in layer_param_shapes(self, i, tp=1, etp=1, ep=1).items())
+        dense = [i for i in self.dense_layers if i < self.layers] if self.is_moe else []
+        moe_index = next((i for i in range(len(dense) + 1) if i not in dense), 0)
+        kinds = ((moe_index, self.layers - len(dense)), (dense[0], len(dense))) if self.is_moe and dense else \
+            ((moe_index, self.layers),)
+        for index, n in kinds:     # one layer of each kind: the cost does not grow with the layer count
+            total += n * sum(_prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items())
         return total
 
 

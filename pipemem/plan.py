@@ -9,9 +9,9 @@ main_grad_dtype, layers, pp_layout, recompute_layers, etc.); everything after it
 Rules chosen where frameworks differ (stated here, in the messages and in the docs):
 * KV heads and tp: tp must divide the KV heads, or when KV heads < tp, tp must be a multiple
   of them and each rank holds one KV head (replicated tp/kv times, as Megatron and vLLM do).
-* Virtual stage s of pp*vpp lives on pipeline rank `rank_of_stage(s, pp, vpp, style)`:
-  interleaved (Megatron, PyTorch Interleaved1F1B) s % pp; "v" (ZB-V, DualPipeV: two chunks
-  in a V) s for s < pp, else 2pp-1-s.
+* Which pipeline rank runs virtual stage s is the schedule's (`Schedule.stage_rank`,
+  pipemem.schedules): looped s % pp for interleaved schedules, a V for ZB-V / DualPipeV,
+  anything for a `csv:` schedule.
 * Without pp_layout the layers are split evenly over the pp*vpp virtual stages (pp*vpp must
   divide the layer count); the embedding sits on stage 0, final norm, head and loss on the last.
 """
@@ -26,7 +26,6 @@ CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
-STAGE_STYLES = ("interleaved", "loop", "v")
 # How the trainer keeps gradients between steps (what is resident when a step starts):
 #   buffer           resident all step: Megatron's / Paddle's contiguous main-grad buffer, or
 #                    PyTorch's zero_grad(set_to_none=False)
@@ -114,23 +113,6 @@ def _flag(name: str) -> str:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def rank_of_stage(stage: int, pp: int, vpp: int = 1, style: str = "interleaved") -> int:
-    """Pipeline rank that runs virtual stage `stage` (0 .. pp*vpp-1)."""
-    if not 0 <= stage < pp * vpp:
-        raise ValueError(f"stage {stage} out of range for pp={pp} vpp={vpp}")
-    if style in ("interleaved", "loop"):   # "loop": pipemem.schedules' name for the same placement
-        return stage % pp
-    if style == "v":
-        # down the ranks, back up, down again... (ZB-V, DualPipeV: vpp=2 gives s or 2pp-1-s)
-        chunk, pos = divmod(stage, pp)
-        return pos if chunk % 2 == 0 else pp - 1 - pos
-    raise UserError(f"unknown stage placement {style!r}: use one of {', '.join(STAGE_STYLES)}")
-
-
-def stages_of_rank(rank: int, pp: int, vpp: int = 1, style: str = "interleaved") -> list[int]:
-    return [s for s in range(pp * vpp) if rank_of_stage(s, pp, vpp, style) == rank]
 
 
 def _check_positive(plan: ParallelPlan, names: tuple[str, ...]) -> None:

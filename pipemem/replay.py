@@ -1,21 +1,32 @@
-"""Replay a pipeline schedule per rank (layer 6 of DESIGN.md's flow).
+"""Replay a pipeline schedule per rank (layer 6 of DESIGN.md's flow): the one place that
+turns jobs and a schedule into memory over time.
 
 Each rank walks its actions in order with every job's {net, peak} from liveness:
     peak = max(peak, current + job.peak);  current += job.net
 starting from the rank's static bytes; the optimizer step, when given, runs after the last
-action. Durations (a TimeModel, or the jobs' `seconds`) add the makespan and the bubbles.
-Built for size: p=64, v=2, m=1024 is 262,144 actions; the loop touches tuples and lists only,
-and the timeline's action strings are made when asked for.
+action. Actions are the compute jobs (F, B, I, W) and the memory actions a runtime lowering
+adds (pipemem.runtime: receive buffers, frees of what the runtime held), whose bytes are the
+stage's boundary sizes. Durations (a TimeModel, or the jobs' `seconds`) add the makespan and
+the bubbles.
+
+Built for size and for many plans: every rank's walk is one vectorised pass (numpy gathers
+each action's {net, peak} from a per-(kind, stage) table through index arrays cached on the
+schedule, then cumulative sums), integer bytes throughout; per-action timelines are made
+only when asked for (`RankReplay.timeline`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import UserError
 from .jobs import JobMemory, StageJobs, StaticBytes
-from .schedules.actions import Action, Schedule, paused_gc
+from .schedules.actions import ALL_KINDS, KINDS, MEMORY_KINDS, Action, Schedule, paused_gc
 from .schedules.check import Simulation, TimeModel, simulate
+
+_KIND_INDEX = {k: i for i, k in enumerate(ALL_KINDS)}
 
 
 @dataclass
@@ -29,23 +40,24 @@ class RankReplay:
     activation_hwm_bytes: int          # max of `current` after an action (above static)
     final_bytes: int                   # static + current after the last action (and optimizer)
     _actions: list = field(repr=False, default_factory=list)
-    _table: dict = field(repr=False, default_factory=dict)
+    _net: object = field(repr=False, default=None)       # per action net bytes (numpy view)
+    _peak: object = field(repr=False, default=None)      # per action peak bytes
     optimizer: tuple | None = field(repr=False, default=None)   # (before, during, after)
-    _override: dict = field(repr=False, default_factory=dict)   # Action -> (net, peak)
 
     @property
     def timeline(self) -> list[tuple[str, int, int, int]]:
-        """(action, bytes before, bytes at its peak, bytes after), static included. Rebuilt on
-        demand by walking the actions again, so a replay keeps no per-action lists."""
+        """(action, bytes before, bytes at its peak, bytes after), static included. Made on
+        demand from the replay's per-action arrays."""
         out = []
-        cur = self.static_bytes
-        table, override = self._table, self._override
-        for a in self._actions:
-            net, pk = override.get(a) or table[a[0]][a[1]]
-            out.append((str(a), cur, cur + pk, cur + net))
-            cur += net
+        if self._actions:
+            net = np.asarray(self._net)
+            after = self.static_bytes + np.cumsum(net)
+            before = after - net
+            during = before + np.asarray(self._peak)
+            out = [(str(a), b, d, e) for a, b, d, e in
+                   zip(self._actions, before.tolist(), during.tolist(), after.tolist())]
         if self.optimizer is not None:
-            out.append(("optimizer",) + tuple(self.optimizer))
+            out.append(("optimizer",) + tuple(int(x) for x in self.optimizer))
         return out
 
     def to_dict(self, timeline: bool = False) -> dict:
@@ -96,33 +108,85 @@ class ReplayResult:
 
 
 def _static_total(x) -> int:
-    return x.total if isinstance(x, StaticBytes) else x
+    return x.total if isinstance(x, StaticBytes) else int(x)
 
 
-def _job_table(schedule: Schedule, jobs) -> dict[str, list]:
-    """kind -> per stage (net, peak), or None where the stage has no such job."""
-    table = {k: [None] * schedule.num_stages for k in "FBIW"}
-    for s in range(schedule.num_stages):
+def _codes(schedule: Schedule):
+    """Per schedule (cached): all ranks' actions as one int array of kind * S + stage, and each
+    rank's (start, end) in it."""
+    c = schedule.cache.get("codes")
+    if c is None:
+        S = schedule.num_stages
+        index = _KIND_INDEX
+        flat: list[int] = []
+        bounds = []
+        for r, acts in enumerate(schedule.ranks):
+            start = len(flat)
+            try:
+                flat.extend([index[a[0]] * S + a[1] for a in acts])
+            except KeyError:
+                bad = next(a for a in acts if a[0] not in index)
+                raise UserError(f"replay: rank {r} runs {bad}: unknown kind {bad[0]!r}") from None
+            bounds.append((start, len(flat)))
+        c = (np.asarray(flat, dtype=np.int64), bounds)
+        schedule.cache["codes"] = c
+    return c
+
+
+def _job_table(schedule: Schedule, jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(net, peak, present) per (kind, stage) code: compute jobs from the stages' jobs, memory
+    actions from their boundary bytes."""
+    S = schedule.num_stages
+    rows = []
+    for s in range(S):
         sj = jobs.get(s)
         if sj is None:
             raise UserError(f"replay: no jobs for virtual stage {s} (schedule {schedule.name} has "
                             f"{schedule.num_stages} stages: pp {schedule.pp} x vpp {schedule.vpp})")
-        for kind in "FBIW":
-            j = getattr(sj, kind, None)
-            if j is None and kind == "B" and sj.I is not None and sj.W is not None:
-                j = JobMemory(sj.I.net_bytes + sj.W.net_bytes,
-                              max(sj.I.peak_bytes, sj.I.net_bytes + sj.W.peak_bytes),
-                              sj.I.seconds + sj.W.seconds)
-            if j is not None:
-                table[kind][s] = (j.net_bytes, j.peak_bytes)
-    return table
+        rows.append(_stage_row(sj))
+    net = [r[0][k] for k in range(len(ALL_KINDS)) for r in rows]       # kind-major: code = k * S + s
+    peak = [r[1][k] for k in range(len(ALL_KINDS)) for r in rows]
+    have = [r[2][k] for k in range(len(ALL_KINDS)) for r in rows]
+    # Bytes are integers; jobs in other units (Fractions of a microbatch, floats) replay exactly
+    # too, on Python numbers (slower: scale them to integers for large schedules).
+    exact = all(type(v) is int for v in net) and all(type(v) is int for v in peak)
+    dt = np.int64 if exact else object
+    return (np.asarray(net, dtype=dt), np.asarray(peak, dtype=dt), np.asarray(have, dtype=bool))
 
 
-def _missing_job(schedule: Schedule, rank: int, table) -> UserError:
+_ROWS: dict = {}     # id(StageJobs) -> (the jobs, their row): stage jobs are shared between plans
+
+
+def _stage_row(sj) -> tuple:
+    """(net, peak, present) of every kind (ALL_KINDS order) for one stage's jobs."""
+    hit = _ROWS.get(id(sj))
+    if hit is not None and hit[0] is sj:
+        return hit[1]
+    net, peak, have = [], [], []
+    for kind in KINDS:
+        j = getattr(sj, kind, None)
+        if j is None and kind == "B" and isinstance(sj, StageJobs):
+            j = sj.fused_backward()
+        net.append(j.net_bytes if j is not None else 0)
+        peak.append(j.peak_bytes if j is not None else 0)
+        have.append(j is not None)
+    for attr, sign in MEMORY_KINDS.values():
+        b = sign * int(getattr(sj, attr, 0) or 0)
+        net.append(b)
+        peak.append(max(b, 0))
+        have.append(True)
+    row = (net, peak, have)
+    if len(_ROWS) > 100_000:
+        _ROWS.clear()
+    _ROWS[id(sj)] = (sj, row)
+    return row
+
+
+def _missing_job(schedule: Schedule, rank: int, jobs) -> UserError:
     for a in schedule.ranks[rank]:
-        if a[0] not in table:
-            return UserError(f"replay: rank {rank} runs {a}: unknown kind {a[0]!r}")
-        if table[a[0]][a[1]] is None:
+        sj = jobs.get(a[1])
+        if a[0] in KINDS and (sj is None or (getattr(sj, a[0], None) is None
+                                             and not (a[0] == "B" and sj.fused_backward() is not None))):
             return UserError(f"replay: rank {rank} runs {a} but stage {a[1]} has no {a[0]} job "
                              f"(build split-backward jobs for schedules with I/W)")
     return UserError(f"replay: rank {rank}: malformed actions")
@@ -145,7 +209,7 @@ def _overrides(jobs) -> dict:
     for key, sj in jobs.items():
         if isinstance(key, tuple):
             stage, mb = key
-            for kind in "FBIW":
+            for kind in KINDS:
                 j = getattr(sj, kind, None)
                 if j is not None:
                     out[Action(kind, stage, mb)] = (j.net_bytes, j.peak_bytes)
@@ -171,62 +235,81 @@ def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) 
     statics = [0] * pp if static_bytes is None else [_static_total(x) for x in static_bytes]
     if len(statics) != pp:
         raise UserError(f"replay: {len(statics)} static sizes for {pp} pipeline ranks")
-    table = _job_table(schedule, jobs)
+    codes, bounds = _codes(schedule)
+    net_tab, peak_tab, have = _job_table(schedule, jobs)
+    net = net_tab[codes]
+    peak = peak_tab[codes]
     override = _overrides(jobs)
+    if override:
+        for r, acts in enumerate(schedule.ranks):
+            o = bounds[r][0]
+            for i, a in enumerate(acts):
+                v = override.get(a)
+                if v is not None:
+                    net[o + i], peak[o + i] = v
+    if not have[codes].all():
+        bad = int(np.argmin(have[codes]))
+        r = next(r for r, (a, b) in enumerate(bounds) if a <= bad < b)
+        raise _missing_job(schedule, r, jobs)
+    cum = np.cumsum(net)
+    inflight = inflight_counts(schedule)
     ranks = []
-    for r, acts in enumerate(schedule.ranks):
+    for r, (a, b) in enumerate(bounds):
         static = statics[r]
-        cur = static
-        peak = None
-        at = -1
-        hi = static
-        inflight = max_inflight = 0
-        try:
-            for idx, a in enumerate(acts):
-                kind, s, _ = a
-                net, pk = (override.get(a) or table[kind][s]) if override else table[kind][s]
-                during = cur + pk
-                if peak is None or during > peak:
-                    peak = during
-                    at = idx
-                cur += net
-                if cur > hi:
-                    hi = cur
-                if kind == "F":
-                    inflight += 1
-                    if inflight > max_inflight:
-                        max_inflight = inflight
-                elif kind != "W":
-                    inflight -= 1
-        except (TypeError, KeyError, IndexError):
-            raise _missing_job(schedule, r, table) from None
+        acts = schedule.ranks[r]
+        if b > a:
+            base = _py(cum[a - 1]) if a else 0
+            after = cum[a:b] - base
+            during = after - net[a:b] + peak[a:b]
+            at = int(during.argmax())
+            pk = static + _py(during[at])
+            cur = _py(after[-1])
+            hi = max(0, _py(after.max()))
+        else:
+            at, pk, cur, hi = -1, None, 0, 0
+        cur += static
         opt = None
         if optimizer_jobs is not None:
             oj = optimizer_jobs[r]
             before = cur
-            during = cur + oj.peak_bytes
+            during_opt = cur + oj.peak_bytes
             cur += oj.net_bytes
-            opt = (before, during, cur)
-            if peak is None or during > peak:
-                peak = during
-                at = len(acts)
-        if peak is None:
-            peak = static
-        ranks.append(RankReplay(r, static, peak,
-                                "optimizer" if at == len(acts) else (str(acts[at]) if at >= 0 else "-"),
-                                at, max_inflight, hi - static, cur, acts, table, opt, override))
+            opt = (before, during_opt, cur)
+            if pk is None or during_opt > pk:
+                pk, at = during_opt, len(acts)
+        if pk is None:
+            pk = static
+        label = "optimizer" if at == len(acts) else (str(acts[at]) if at >= 0 else "-")
+        ranks.append(RankReplay(r, static, pk, label, at, inflight[r], hi, cur, acts, net[a:b], peak[a:b], opt))
     sim = None
     if simulate_time is not False:
         tm = times or (_times_from_jobs(schedule, jobs) if simulate_time is None else TimeModel())
         if tm is None and simulate_time:
             tm = TimeModel()
         if tm is not None:
-            sim = simulate(schedule, tm)
+            sim = simulate(_compute_only(schedule), tm)
     return ReplayResult(schedule, ranks, sim)
 
 
+def _py(x):
+    """A numpy scalar as a Python int (object arrays already hold Python numbers)."""
+    return x.item() if hasattr(x, "item") else x
+
+
+def _compute_only(schedule: Schedule) -> Schedule:
+    """The schedule without memory actions (the time model runs compute actions)."""
+    if all(a[0] in KINDS for acts in schedule.ranks for a in acts):
+        return schedule
+    ranks = [[a for a in acts if a[0] in KINDS] for acts in schedule.ranks]
+    return Schedule(schedule.name, schedule.pp, schedule.vpp, schedule.microbatches, ranks,
+                    stage_rank=schedule.stage_rank, placement=schedule.placement, notes=schedule.notes)
+
+
 def inflight_counts(schedule: Schedule) -> list[int]:
-    """Per rank, the most (chunk, microbatch) forwards held at once (F +1, B or I -1)."""
+    """Per rank, the most (chunk, microbatch) forwards held at once (F +1, B or I -1); cached."""
+    out = schedule.cache.get("inflight")
+    if out is not None:
+        return out
     out = []
     for acts in schedule.ranks:
         n = best = 0
@@ -236,9 +319,10 @@ def inflight_counts(schedule: Schedule) -> list[int]:
                 n += 1
                 if n > best:
                     best = n
-            elif k != "W":
+            elif k == "B" or k == "I":
                 n -= 1
         out.append(best)
+    schedule.cache["inflight"] = out
     return out
 
 

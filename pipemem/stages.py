@@ -3,20 +3,19 @@
 A (virtual) pipeline stage is a range of decoder layers, plus the embedding on stage 0 and
 the final norm, output layer and loss on the last stage. Each part's F / B / I / W programs
 are analysed once per distinct shape by the liveness engine (pipemem.templates.programs);
-a stage job composes its parts in run order:
+a stage job composes its parts in run order with `pipemem.jobs.compose`:
 
-    F: [recv input | embedding F] -> layer F ... -> [head F | send output]
-    B: [head B | recv output grad] -> layer B (reverse) ... -> [embedding B | send input grad]
+    F: [embedding F] -> layer F ... -> [head F]
+    B: [head B] -> layer B (reverse) ... -> [embedding B]
 
-with `peak = max(peak, current + part.peak)`, `current += part.net` -- the same walk the
-liveness engine does inside a program, lifted to parts that only hand tensors forward.
-Pipeline conventions: a stage's received input is a new buffer (its first layer saves it);
-Megatron and Paddle free a stage's output after sending it (deallocate_output_tensor);
-the received output grad is a new buffer consumed by the last layer's backward; the input
-grad is freed after it is sent.
+Identical consecutive layers are one part repeated (`JobMemory.repeated`), so a stage of
+10^8 layers costs what a stage of one does. What crosses a stage boundary belongs to the
+pipeline runtime, not to the stage (pipemem.jobs): F leaves the stage output allocated, B / I
+leave the input grad allocated, and neither frees the received input or output grad; the
+runtime profile (pipemem.runtime) adds when those four are allocated and freed.
 
-Virtual stage s runs on pipeline rank `pipemem.plan.rank_of_stage(s, pp, vpp, style)`:
-interleaved by default (s % pp); `style="v"` for V-shaped schedules (ZB-V, DualPipeV).
+Which stages a pipeline rank holds is the schedule's business (`Schedule.stage_rank`):
+`StagePlan.static_per_rank(schedule)` counts each rank's parameters from the stages it holds.
 """
 
 from __future__ import annotations
@@ -26,69 +25,86 @@ from functools import lru_cache
 
 from .errors import UserError
 from .ir import Op, Program, Tensor
-from .jobs import JobMemory, StageJobs, StaticBytes
+from .jobs import JobMemory, StageJobs, StaticBytes, compose
 from .liveness import analyze_program
-from .plan import ParallelPlan, rank_of_stage, stages_of_rank, validate_plan
+from .plan import ParallelPlan, validate_plan
 from .units import fmt_bytes
 
-__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "rank_of_stage", "stage_layer_ranges"]
+__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "stage_layer_ranges"]
 
 
 @dataclass(slots=True)
 class StagePlan:
+    """Per virtual stage jobs of a validated plan, and the static state of any set of stages."""
+
     plan: ParallelPlan
     stages: dict[int, StageJobs]
-    static: list[StaticBytes]              # per pipeline rank
-    optimizer: list[JobMemory]             # per pipeline rank
-    stage_layers: dict[int, tuple[int, ...]]
-    style: str = "interleaved"
+    stage_layers: dict[int, range]
+    arch: object = None
+    conv: object = None
     notes: dict = field(default_factory=dict)
     # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
     # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
     first_backward: dict[int, StageJobs] = field(default_factory=dict)
 
-    def replay_jobs(self) -> dict:
-        """`stages`, with the first-backward jobs keyed (stage, 0) as `replay` takes them."""
+    def replay_jobs(self, schedule=None) -> dict:
+        """`stages`, with the first-backward jobs keyed (stage, microbatch) as `replay` takes
+        them: the microbatch whose backward runs first on the stage in `schedule` (0 without)."""
         jobs: dict = dict(self.stages)
-        jobs.update({(s, 0): j for s, j in self.first_backward.items()})
+        jobs.update(self.first_backward_overrides(schedule))
         return jobs
 
-    def stages_of_rank(self, rank: int) -> list[int]:
-        return stages_of_rank(rank, self.plan.pp, self.plan.vpp, self.style)
+    def first_backward_overrides(self, schedule=None) -> dict:
+        if not self.first_backward:
+            return {}
+        first_mb = {s: 0 for s in self.first_backward}
+        if schedule is not None:
+            seen = set()
+            for acts in schedule.ranks:
+                for kind, s, m in acts:
+                    if kind in ("B", "I") and s not in seen:
+                        seen.add(s)
+                        first_mb[s] = m
+        return {(s, first_mb[s]): j for s, j in self.first_backward.items()}
+
+    def rank_static(self, stage_ids) -> StaticBytes:
+        """Params, grads and optimizer states of a rank holding these virtual stages (and the
+        gradients its stages' first backwards create, with --grads set-to-none / ddp-bucket)."""
+        from .templates.static import static_bytes
+        key = tuple(sorted(stage_ids))
+        st = self.notes.get(("static", key))
+        if st is None:
+            st = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
+            if self.first_backward:
+                st = replace(st, grads_in_step=sum(self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes
+                                                   for s in key))
+            self.notes[("static", key)] = st
+        return st
+
+    def rank_optimizer(self, stage_ids) -> JobMemory:
+        return _optimizer_job(_optimizer_impl(self.conv.name, self.plan), self.plan.optimizer,
+                              self.rank_static(stage_ids))
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
+        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
 
     def to_dict(self) -> dict:
         return {"stages": {s: {k: getattr(j, k).to_dict() for k in ("F", "B", "I", "W") if getattr(j, k)}
                            for s, j in self.stages.items()},
-                "static": [s.to_dict() for s in self.static],
-                "optimizer": [o.to_dict() for o in self.optimizer],
                 "stage_layers": {s: list(v) for s, v in self.stage_layers.items()}}
 
 
-def stage_layer_ranges(plan: ParallelPlan) -> dict[int, tuple[int, ...]]:
+def stage_layer_ranges(plan: ParallelPlan) -> dict[int, range]:
     """Decoder layer indices of each virtual stage, from the validated plan's pp_layout
     (stage order: virtual stage 0 holds the first layers)."""
     out, start = {}, 0
     for s, n in enumerate(plan.pp_layout):
-        out[s] = tuple(range(start, start + n))
+        out[s] = range(start, start + n)
         start += n
     return out
-
-
-def _compose(parts, kinds: str, pre: int = 0, post: int = 0) -> JobMemory:
-    """Walk parts in order: `pre` bytes allocated first (a recv), `post` bytes freed last (a send).
-    In a backward, FSDP2's reduce-scatter input of one part is still alive while the next
-    part runs (`PartMemory.rs_state_bytes`)."""
-    cur = pre
-    peak = max(0, pre)
-    linger = 0
-    for part in parts:
-        j = getattr(part, kinds)
-        peak = max(peak, cur + linger + j.peak_bytes)
-        cur += j.net_bytes
-        if kinds in ("B", "I"):
-            linger = getattr(part, "rs_state_bytes", 0)
-    cur -= post
-    return JobMemory(cur, peak)
 
 
 def _resolve(arch, plan):
@@ -102,81 +118,117 @@ def _resolve(arch, plan):
     return arch, plan, conv, make_shard(arch, plan, conv)
 
 
-def _layer_opts(arch, plan, layers: tuple[int, ...]) -> tuple:
-    return _layer_opts_cached(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layers)
-
-
 @lru_cache(maxsize=65536)
-def _layer_opts_cached(arch, flash: bool, recompute: str, recompute_layers, layers: tuple[int, ...]) -> tuple:
-    """LayerOptions of each layer of a stage; the first `recompute_layers` are recomputed
-    (Megatron's block method), all of them when None."""
-    from .templates.layers import _layer_options
-    k = len(layers) if recompute_layers is None else recompute_layers
-    return tuple(_layer_options(arch, arch.is_moe_layer(i), flash, recompute if pos < k else "none")
-                 for pos, i in enumerate(layers))
+def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: range) -> tuple:
+    """((LayerOptions, count), ...) of a stage's layers in order: the first `recompute_layers`
+    are recomputed (Megatron's block method), all of them when None; MoE and dense layers
+    differ. One entry per run of identical layers."""
+    from .templates.layers import layer_options_of
+    n = len(layers)
+    k = n if recompute_layers is None else min(recompute_layers, n)
+    cuts = {0, k, n}
+    if arch.is_moe:
+        for i in arch.dense_layers:
+            if i in layers:
+                cuts.update((i - layers.start, i - layers.start + 1))
+    cuts = sorted(c for c in cuts if 0 <= c <= n)
+    runs = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            opt = layer_options_of(arch, arch.is_moe_layer(layers[a]), flash, recompute if a < k else "none")
+            if runs and runs[-1][0] == opt:
+                runs[-1] = (opt, runs[-1][1] + b - a)
+            else:
+                runs.append((opt, b - a))
+    return tuple(runs)
 
 
-def build_stage_jobs(arch, plan: ParallelPlan, style: str = "interleaved") -> StagePlan:
-    """Per virtual stage F/B/I/W jobs, per pipeline rank static bytes and optimizer job.
-    `style` places virtual stages on ranks (see `rank_of_stage`); it only changes which
-    stages' parameters each rank holds."""
+def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
+    """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
+    optimizer job depend on which stages a rank holds: `StagePlan.rank_static`."""
     arch, plan, conv, sh = _resolve(arch, plan)
-    return _build(arch, plan, conv, sh, style)
-
-
-@lru_cache(maxsize=65536)
-def _stage_jobs(arch, sh, conv, opts: tuple, first: bool, last: bool, seq_len: int, stage: int,
-                layers: tuple[int, ...]) -> StageJobs:
-    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
-    from .templates.programs import embedding_memory, head_memory, layer_memory
-    parts = [layer_memory(arch, sh, conv, o) for o in opts]
-    free_output = conv.name in ("megatron", "paddle")
-    act = sh.boundary_bytes
-    fparts = ([embedding_memory(arch, sh, conv, seq_len)] if first else []) + parts + \
-        ([head_memory(arch, sh, conv)] if last else [])
-    bparts = fparts[::-1]
-    recv = 0 if first else act
-    send_out = act if (not last and free_output) else 0
-    grad_in = 0 if last else act     # received output grad
-    grad_out = 0 if first else act   # input grad sent and freed
-    F = _compose(fparts, "F", pre=recv, post=send_out)
-    B = _compose(bparts, "B", pre=grad_in, post=grad_out)
-    I = _compose(bparts, "I", pre=grad_in, post=grad_out)
-    W = _compose(bparts, "W")
-    if not free_output and not last:
-        # the stage output is kept until backward and released by it
-        B = JobMemory(B.net_bytes - act, B.peak_bytes)
-        I = JobMemory(I.net_bytes - act, I.peak_bytes)
-    return StageJobs(stage=stage, F=F, B=B, I=I, W=W, layers=layers, notes={"embedding": first, "head": last})
-
-
-def _build(arch, plan, conv, sh, style) -> StagePlan:
     from .templates.layers import first_backward_shard
-    from .templates.static import static_bytes
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
-    stages: dict[int, StageJobs] = {}
-    first: dict[int, StageJobs] = {}
     creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
     sh_first = first_backward_shard(sh) if creates_grads else None
+    stages: dict[int, StageJobs] = {}
+    first: dict[int, StageJobs] = {}
     for s in range(n_stages):
-        args = (_layer_opts(arch, plan, layout[s]), s == 0, s == n_stages - 1, plan.seq_len, s, layout[s])
+        args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]), s == 0,
+                s == n_stages - 1, plan.seq_len, s, layout[s])
         stages[s] = _stage_jobs(arch, sh, conv, *args)
         if creates_grads:
             fj = _stage_jobs(arch, sh_first, conv, *args)
-            first[s] = StageJobs(stage=s, F=stages[s].F, B=fj.B, I=fj.I, W=fj.W, layers=fj.layers, notes=fj.notes)
-    static, optim = [], []
-    for r in range(plan.pp):
-        rs = stages_of_rank(r, plan.pp, plan.vpp, style)
-        st = static_bytes(arch, plan, conv, layout, rs)
-        if creates_grads:
-            # the gradients the first backwards create, as the programs allocate them
-            st = replace(st, grads_in_step=sum(first[s].B.net_bytes - stages[s].B.net_bytes for s in rs))
-        static.append(st)
-        optim.append(_optimizer_job(_optimizer_impl(conv.name, plan), plan.optimizer, st))
-    return StagePlan(plan=plan, stages=stages, static=static, optimizer=optim, stage_layers=layout, style=style,
+            first[s] = replace(stages[s], B=fj.B, I=fj.I, W=fj.W)
+    return StagePlan(plan=plan, stages=stages, stage_layers=layout, arch=arch, conv=conv,
                      notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
                      first_backward=first)
+
+
+def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
+    """(PartMemory, count) of the stage's layers in forward order; the stage's first layer
+    keeps its input and its last layer its output grad (the runtime owns them)."""
+    from .templates.programs import layer_memory
+    total = sum(n for _, n in runs)
+    out, pos = [], 0
+    for opt, n in runs:
+        for a, b in ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),):
+            if b <= a:
+                continue
+            keep_in = not first and a == 0
+            keep_dy = not last and b == total
+            out.append((layer_memory(arch, sh, conv, opt, keep_in, keep_dy), b - a))
+        pos += n
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
+                layers: range) -> StageJobs:
+    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
+    from .templates.programs import embedding_memory, head_memory
+    parts = _layer_parts(arch, sh, conv, runs, first, last)
+    fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + parts + \
+        ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
+    bparts = fparts[::-1]
+
+    def walk(ps, kind):
+        if kind not in ("B", "I"):
+            return compose(getattr(p, kind).repeated(n) for p, n in ps)
+        # FSDP2 (torchtitan): a part's reduce-scatter input is alive while the next part of the
+        # backward runs (PartMemory.rs_state_bytes)
+        jobs, linger = [], 0
+        for p, n in ps:
+            j, own = getattr(p, kind), p.rs_state_bytes
+            if linger or own:
+                jobs.append(JobMemory(j.net_bytes, j.peak_bytes + linger))
+                if n > 1:
+                    jobs.append(JobMemory(j.net_bytes, j.peak_bytes + own).repeated(n - 1))
+            else:
+                jobs.append(j.repeated(n))
+            linger = own
+        return compose(jobs)
+
+    act = sh.boundary_bytes
+    empty = not parts
+    # An empty middle stage hands its input on as its output: nothing of its own to free.
+    y = 0 if (last or (empty and not first)) else act
+    dx = 0 if (first or empty) else act
+    B, I = walk(bparts, "B"), walk(bparts, "I")
+    if not last and parts:
+        # The layer's backward may hand the output grad's storage on as its input grad (the
+        # residual add); the runtime still references the received dy, so autograd
+        # accumulates into a new buffer instead: one boundary tensor more from the start.
+        via_b, via_i = parts[-1][0].grad_passes_through
+        if via_b:
+            B = compose([(act, act), B])
+        if via_i:
+            I = compose([(act, act), I])
+    return StageJobs(stage=stage, F=walk(fparts, "F"), B=B, I=I, W=walk(bparts, "W"),
+                     layers=layers, notes={"embedding": first, "head": last},
+                     input_bytes=0 if first else act, output_bytes=y, input_grad_bytes=dx,
+                     output_grad_bytes=0 if last else act)
 
 
 def _optimizer_impl(conv: str, plan) -> str:
@@ -311,9 +363,11 @@ def clear_caches() -> None:
     """Forget every cached analysis (tests, benchmarks)."""
     from .templates.programs import clear_caches as clear_parts
     clear_parts()
+    from .templates.static import clear_caches as clear_static
+    clear_static()
     _stage_jobs.cache_clear()
     _optimizer_job.cache_clear()
-    _layer_opts_cached.cache_clear()
+    _layer_runs.cache_clear()
 
 
 def format_explain(rows: list[dict]) -> str:

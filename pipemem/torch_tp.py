@@ -24,8 +24,9 @@ The input gradient still reaches the shared gathered input and is reduce-scatter
 block, so outputs and gradients are bitwise those of `ColwiseParallel`.
 
 * Several linears reading one gathered input (q, k and v after one `PrepareModuleInput`)
-  share one shard and one re-gather in backward: the re-gathered tensor lives from the first
-  of their backward nodes to the last, then is freed.
+  share one shard and one re-gather per backward pass: the re-gathered tensor lives from the
+  first of their backward nodes to the last, then is freed. (A pass that runs only some of
+  them keeps it until the graph is freed.)
 * Where the style gathers the input itself (``input_layouts=Shard(d)``) it keeps the input
   shard it was given; where the input arrives gathered (`PrepareModuleInput`), it keeps a
   copy of this rank's chunk of it (the sharded norm output it came from is freed as usual).
@@ -34,6 +35,9 @@ block, so outputs and gradients are bitwise those of `ColwiseParallel`.
   keeps nothing; after recomputation the linears keep the shard, not the gathered input.
 * FSDP2 over a data-parallel mesh dimension composes (the hooks touch activations only).
 * Eager only: torch.compile is not supported.
+* Without sequence parallelism the input is replicated, and the style still keeps only 1/tp
+  of it and gathers it in backward; `pipemem estimate --recompute-allgather` models the
+  sequence-parallel case only (without the flag its estimate is the larger, safe one).
 
 Only this module imports torch; ``import pipemem`` does not.
 """
@@ -41,7 +45,7 @@ Only this module imports torch; ``import pipemem`` does not.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -96,10 +100,11 @@ class RegatherColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         out = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-        layout = input_layouts[0]
-        if isinstance(layout, Shard) and out is not inputs[0]:
+        layout, x = input_layouts[0], inputs[0]
+        given = x.placements[0] if isinstance(x, DTensor) else layout
+        if isinstance(layout, Shard) and given == layout and out is not x:
             # gathered here from the shard we were given: keep that shard, no copy
-            _KNOWN_SHARDS[_local(out).untyped_storage()] = (_local(inputs[0]), layout.dim)
+            _KNOWN_SHARDS[_local(out).untyped_storage()] = (_local(x), layout.dim)
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -118,16 +123,21 @@ class RegatherColwiseParallel(ColwiseParallel):
 # storage of a gathered input -> (the shard it was gathered from, sequence dim), while the
 # gathered tensor lives: what the linears reading it save instead of it
 _KNOWN_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# saved shard -> _Regather: how many saves of it are still to be unpacked, and the re-gathered
-# tensor they share in backward
+# saved shard -> _Regather: how many linears saved it, and per backward pass the re-gathered
+# tensor they share
 _PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _STACK_ATTR = "_pipemem_regather_hooks"
 
 
 @dataclass
 class _Regather:
+    """The saves of one shard, and per backward pass (autograd graph task) how many of them
+    are still to be unpacked and the re-gathered tensor they share. Autograd unpacks every
+    saved tensor of a node it runs, so a split backward (input grads, then weight grads, as
+    zero-bubble pipeline schedules run it) gathers once in each pass."""
+
     saves: int = 0
-    full: torch.Tensor | None = None
+    passes: dict = field(default_factory=dict)     # graph task id -> [unpacks left, gathered]
 
 
 @dataclass(frozen=True)
@@ -213,16 +223,18 @@ def _unpack(outer, packed):
     s: _SavedShard = payload
     shard = outer[1](s.packed) if outer else s.packed
     pending = _PENDING.get(shard)
-    if pending is not None and pending.saves > 0:
-        # the first of the linears sharing this shard gathers; the last one lets go
-        if pending.full is None:
-            pending.full = _all_gather(shard, s)
-        full = pending.full
-        pending.saves -= 1
-        if pending.saves == 0:
-            pending.full = None
-    else:                 # unpacked again (retain_graph, a second backward pass): gather anew
+    task = torch._C._current_graph_task_id()
+    if pending is None or task == -1:      # unpacked outside a backward pass
         full = _all_gather(shard, s)
+    else:
+        # in each backward pass the first of the linears sharing this shard gathers; the last lets go
+        state = pending.passes.get(task)
+        if state is None:
+            state = pending.passes[task] = [pending.saves, _all_gather(shard, s)]
+        full = state[1]
+        state[0] -= 1
+        if state[0] <= 0:
+            del pending.passes[task]
     size, stride, offset = s.view
     local = full.as_strided(size, stride, full.storage_offset() + offset)
     if s.spec is None:

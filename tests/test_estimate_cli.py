@@ -72,18 +72,22 @@ def test_json_matches_the_engine_directly():
     from pipemem.plan import ParallelPlan, validate_plan
     from pipemem.presets import load_model_config
     from pipemem.replay import replay
+    from pipemem.runtime import lower
     from pipemem.schedules import get_schedule
     from pipemem.stages import build_stage_jobs
 
     d = estimate("llama2-7b", tp=2, pp=4, microbatches=8, recompute="selective").to_dict()
+    assert d["runtime"] == "megatron"
     arch = arch_from_hf_config(load_model_config("llama2-7b")[1], "llama2-7b")
     plan = validate_plan(arch, ParallelPlan(tp=2, pp=4, microbatches=8, recompute="selective", schedule="1F1B"))
     sp = build_stage_jobs(arch, plan)
-    rep = replay(get_schedule("1F1B", 4, 8), sp.stages, sp.static, optimizer_jobs=sp.optimizer)
+    sched = get_schedule("1F1B", 4, 8)
+    static = sp.static_per_rank(sched)
+    rep = replay(lower(sched, "megatron"), sp.stages, static, optimizer_jobs=sp.optimizer_per_rank(sched))
     for r, ref in zip(d["ranks"], rep.ranks):
         assert r["peak_allocated_bytes"] == ref.peak_allocated_bytes and r["peak_at"] == ref.peak_at
         assert r["activation_hwm_bytes"] == ref.activation_hwm_bytes and r["inflight"] == ref.max_inflight
-        assert r["static_bytes"] == sp.static[r["pp_rank"]].to_dict()
+        assert r["static_bytes"] == static[r["pp_rank"]].to_dict()
         assert r["jobs"]["F"] == sp.stages[r["pp_rank"]].F.to_dict()
 
 
@@ -200,7 +204,7 @@ BAD = [
     (["--model", "gpt2", "--dp", "2", "--dist-opt", "--zero", "3"], "--dist-opt"),
     (["--model", "gpt2", "--recompute-layers", "2"], "--recompute-layers"),
     (["--model", "gpt2", "--ep", "2"], "--ep"),
-    (["--model", "gpt2", "--mode", "traced", "--pp", "2"], "--pp 1"),
+    (["--model", "gpt2", "--mode", "traced", "--pp", "2"], "--step first"),
     (["--model", "gpt2", "--plot", "out.pdf"], ".png or .html"),
     (["--model", "gpt2", "--", "--x", "1"], "--from-megatron"),
     (["--from-paddlenlp", "--"], "no arguments"),

@@ -4,7 +4,7 @@ import pytest
 
 from pipemem.errors import UserError
 from pipemem.model import arch_from_hf_config
-from pipemem.plan import ParallelPlan, rank_of_stage, validate_plan
+from pipemem.plan import ParallelPlan, validate_plan
 
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
              "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000}
@@ -75,9 +75,10 @@ def test_defaults_resolved():
     assert validate_plan(arch(), ParallelPlan(pp=2, pp_layout=(15, 17))).pp_layout == (15, 17)
 
 
-def test_rank_of_stage():
-    assert [rank_of_stage(s, 4, 2) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert [rank_of_stage(s, 4, 2, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+def test_stage_placements():
+    from pipemem.schedules.actions import loop_stage_map, v_stage_map
+    assert loop_stage_map(4, 2) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert v_stage_map(4, 2) == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
 def test_arch_errors_name_the_key():
@@ -136,11 +137,11 @@ def test_validate_is_idempotent():
     assert validate_plan(arch(MIXTRAL, "mixtral"), m) == m
 
 
-def test_v_placement_matches_the_schedules_module():
+def test_named_schedules_place_stages_looped_or_v():
+    from pipemem.schedules import get_schedule
     from pipemem.schedules.actions import v_stage_map, loop_stage_map
-    for pp, vpp in ((4, 2), (3, 2), (2, 4)):
-        assert [rank_of_stage(s, pp, vpp, "v") for s in range(pp * vpp)] == v_stage_map(pp, vpp)
-        assert [rank_of_stage(s, pp, vpp, "loop") for s in range(pp * vpp)] == loop_stage_map(pp, vpp)
+    assert get_schedule("ZBVZeroBubble", 4, 8, 2).stage_rank == v_stage_map(4, 2)
+    assert get_schedule("Interleaved1F1B", 4, 8, 2).stage_rank == loop_stage_map(4, 2)
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402

@@ -106,3 +106,26 @@ def test_torchtitan_job_config_key(tmp_path, capsys):
     f.write_text(TITAN.format(extra='tensor_parallel_recompute_allgather = "yes"'))
     with pytest.raises(UserError, match="tensor_parallel_recompute_allgather"):
         read_torchtitan(str(f))
+
+
+def test_one_regather_per_block_in_each_backward_pass():
+    # fused backward: one all-gather per block; split backward (zero-bubble schedules): autograd
+    # runs each projection's node in both passes, so each pass gathers once per block, and the
+    # input-grad pass's copy dies in that pass
+    from pipemem.plan import ParallelPlan
+    from pipemem.stages import _resolve
+    from pipemem.templates.layers import layer_options
+    from pipemem.templates.programs import layer_programs
+    arch = arch_from_hf_config(load_model_config("llama3-8b")[1])
+    progs = {}
+    for regather in (False, True):
+        a, plan, conv, sh = _resolve(arch, ParallelPlan(tp=4, convention="torchtitan", recompute_allgather=regather))
+        progs[regather] = layer_programs(a, sh, conv, layer_options(a, plan, 0, False))
+    gathers = {k: [op for op in getattr(progs[True], k).ops if op.type == "all_gather"] for k in "BIW"}
+    assert [len(gathers[k]) for k in "BIW"] == [2, 2, 2]
+    assert not any(op.type == "all_gather" for op in progs[False].B.ops)
+    assert all(o.endswith("@i") for op in gathers["I"] for o in op.outputs)
+    assert progs[True].results["I"].net_bytes == progs[False].results["I"].net_bytes
+    # what the layer keeps shrinks by 2 x (gathered - shard) = 2 x 3/4 x s*b*h bf16
+    kept = {k: progs[k].results["F"].net_bytes for k in (False, True)}
+    assert kept[False] - kept[True] == 2 * 3 * 4096 * arch.hidden * 2 // 4

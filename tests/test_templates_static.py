@@ -17,7 +17,14 @@ def setup(**kw):
     plan = validate_plan(arch, ParallelPlan(seq_len=128, **kw))
     sp = build_stage_jobs(arch, plan)
     n_dense, n_expert = rank_param_counts(arch, plan, convention_for(plan), sp.stage_layers, [0])
-    return sp, n_dense
+    return _Rank0(sp.rank_static([0])), n_dense
+
+
+class _Rank0:
+    """The static bytes of a rank holding stage 0 only."""
+
+    def __init__(self, st):
+        self.static = [st]
 
 
 def test_megatron_mixed_precision_is_18_bytes_per_param():
@@ -43,23 +50,29 @@ def test_zero_stages(zero, expect):
 
 
 def test_pipeline_ranks_hold_their_layers_and_ends():
+    from pipemem.schedules import get_schedule
     arch = arch_from_hf_config(LLAMA, "tiny")
     sp = build_stage_jobs(arch, ParallelPlan(seq_len=128, pp=2, vpp=2))
     h, f, v = 512, 1024, 1024
     layer = 4 * h * h + 3 * h * f + 2 * h
-    # rank 0: stages 0 and 2 (4 layers) + embedding; rank 1: stages 1 and 3 + final norm + output layer
-    assert sp.static[0].params == 2 * (4 * layer + v * h)
-    assert sp.static[1].params == 2 * (4 * layer + h + v * h)
+    # looped: rank 0: stages 0 and 2 (4 layers) + embedding; rank 1: stages 1 and 3 + final norm + output layer
+    static = sp.static_per_rank(get_schedule("Interleaved1F1B", 2, 2, 2))
+    assert static[0].params == 2 * (4 * layer + v * h)
+    assert static[1].params == 2 * (4 * layer + h + v * h)
+    # V placement: rank 0 holds stages 0 and 3, embedding and head
+    static = sp.static_per_rank(get_schedule("ZBVZeroBubble", 2, 4, 2))
+    assert static[0].params == 2 * (4 * layer + v * h + h + v * h)
+    assert static[1].params == 2 * 4 * layer
     assert sorted(sp.stages) == [0, 1, 2, 3]
-    assert sp.stage_layers[3] == (6, 7)
+    assert tuple(sp.stage_layers[3]) == (6, 7)
 
 
 def test_stage_jobs_balance_and_first_stage_peak():
     arch = arch_from_hf_config(LLAMA, "tiny")
     sp = build_stage_jobs(arch, ParallelPlan(seq_len=128, pp=2))
-    for j in sp.stages.values():
-        assert j.F.net_bytes + j.B.net_bytes == 0
-        assert j.F.net_bytes + j.I.net_bytes + j.W.net_bytes == 0
+    for j in sp.stages.values():   # all but the stage output and input grad (the runtime's)
+        assert j.F.net_bytes + j.B.net_bytes == j.output_bytes + j.input_grad_bytes
+        assert j.F.net_bytes + j.I.net_bytes + j.W.net_bytes == j.output_bytes + j.input_grad_bytes
         assert j.F.peak_bytes >= j.F.net_bytes > 0
 
 

@@ -16,15 +16,17 @@ from pipemem.validation.dist import CI_CASES, LLAMA  # noqa: E402
 def test_tp_rank_holds_its_shard_of_every_sharded_weight():
     # Hand count for torchtitan's plan at tp=2: embedding (vocab-sharded), q/k/v/o, gate/up/down
     # and lm_head are split in two; the three kinds of RMSNorm weights are replicated.
-    from pipemem.validation.distributed.fake_ranks import trace_parallel_rank
+    import pipemem
+    from pipemem.validation.distributed.models import hf_config
     spec = dict(LLAMA, layers=2)
     h, f, v, kv = spec["hidden"], spec["ffn"], spec["vocab"], spec["kv_heads"]
     hd = h // spec["heads"]
     layer_sharded = h * h + 2 * h * kv * hd + h * h + 3 * h * f
     sharded = v * h + spec["layers"] * layer_sharded + v * h
     replicated = spec["layers"] * 2 * h + h
-    got = trace_parallel_rank("tp", spec, 1, 16, rank=1, world=2)
-    assert got["param_bytes"] == 4 * (sharded // 2 + replicated)
+    est = pipemem.estimate(hf_config(spec), mode="traced", kernel_policy="cpu", convention="torchtitan",
+                           dtype="fp32", tp=2, seq_len=16)
+    assert est.ranks[0].static.params == 4 * (sharded // 2 + replicated)
 
 
 @pytest.mark.slow
@@ -40,3 +42,9 @@ def test_ci_cases_match_measured_peaks_per_rank(capsys):
         assert abs(r["rel_error"]) <= 0.01, r
     # both ranks of every case were measured on their own
     assert len(rows) == 2 * len(CI_CASES)
+    # RegatherColwiseParallel's saving, measured and estimated, per rank
+    savings = [r for r in rows if r["case"] == "tp2-llama-regather"]
+    assert len(savings) == 2
+    for r in savings:
+        assert r["saving_measured_bytes"] > 0, r
+        assert abs(r["saving_estimated_bytes"] - r["saving_measured_bytes"]) <= 0.01 * r["saving_measured_bytes"], r

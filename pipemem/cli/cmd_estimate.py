@@ -38,6 +38,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
     from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZERS, RECOMPUTE, STEPS
+    from ..runtime import RUNTIMES
 
     p = sub.add_parser(
         "estimate", help="per-rank GPU memory of a training plan",
@@ -68,6 +69,8 @@ def register(sub) -> None:
                        ("--ep", "expert")):
         par.add_argument(flag, type=int, metavar="N", help=f"{what}-parallel degree (default 1)")
     par.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline chunks per rank (default 1)")
+    par.add_argument("--etp", type=int, metavar="N",
+                     help="expert tensor-parallel degree of MoE layers (default: --tp)")
     _bool_flag(par, "--sp", "sequence parallelism (default: on when tp > 1)")
     par.add_argument("--pp-layout", metavar="N,N,...", help="decoder layers per (virtual) stage, in stage order")
     par.add_argument("--schedule", metavar="NAME",
@@ -102,11 +105,15 @@ def register(sub) -> None:
     _bool_flag(act, "--flash-attn", "flash attention (default on)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
+    act.add_argument("--runtime", choices=RUNTIMES,
+                     help="pipeline runtime whose buffers and references are replayed (default from --convention: "
+                          "megatron -> megatron, paddle -> paddle, torchtitan/hf -> torch)")
 
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
-    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (pp 1, needs torch)")
+    out.add_argument("--mode", choices=MODES, help="templates (default; any plan) or traced (the PyTorch step on fake "
+                                                   "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch)")
     out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
@@ -116,7 +123,7 @@ def register(sub) -> None:
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
-              "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
+              "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
               "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention",
               "grads", "step")
 
@@ -158,7 +165,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     if "pp_layout" in flags:
         flags["pp_layout"] = parse_layout(flags["pp_layout"])
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
-            "kernel_policy": args.kernel_policy, "explain": args.explain}
+            "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
     if args.model is not None:
         return args.model, flags, opts, []
 
@@ -237,7 +244,7 @@ def run(args) -> int:
     if args.json:
         d = est.to_dict()
         if args.explain and est.explain is not None:
-            from ..report.text import _as_dict
+            from ..report.text import as_dict as _as_dict
             d["explain"] = _jsonable(est.explain, _as_dict)
         print(json.dumps(d, indent=2))
     else:

@@ -57,7 +57,7 @@ def run(args) -> int:
         return 0
     from rich.table import Table
 
-    from ..report.text import _console
+    from ..report.text import console as _console
 
     con = _console()
     t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False)

@@ -76,7 +76,7 @@ def run(args) -> int:
     from ..replay import replay
     from ..schedules import canonical_name, default_vpp, get_schedule
     from ..schedules.check import check_schedule
-    from ..schedules.unit_jobs import DEFAULT_W_RATIO, unit_jobs
+    from ..schedules.unit_jobs import DEFAULT_W_RATIO, integer_unit_jobs, unit_jobs
 
     from_csv = args.name.lower().startswith("csv:")
     if not from_csv and (args.pp is None or args.microbatches is None):
@@ -108,9 +108,14 @@ def run(args) -> int:
         sched = memory_limited_schedule(args.pp, args.microbatches, jobs, times, limit, vpp=vpp, name=canon)
     else:
         sched = get_schedule(name, args.pp or 0, args.microbatches or 0, vpp)
-    check_schedule(sched, times)
-    jobs = unit_jobs(sched.num_stages, sched.vpp, w, (times.F, times.I, times.W))
-    res = replay(sched, jobs, None, times=times)
+    sim = check_schedule(sched, times)     # the validity check runs the time model once
+    # integer units (scale per microbatch): replay stays exact and vectorised
+    jobs, scale = integer_unit_jobs(sched.num_stages, sched.vpp, w, (times.F, times.I, times.W))
+    res = replay(sched, jobs, None, simulate_time=False)
+    res.simulation = sim
+
+    def mb(x) -> float:
+        return x / scale
     if args.csv_out:
         from ..schedules.csv_io import write_csv
         write_csv(sched, args.csv_out)
@@ -121,15 +126,17 @@ def run(args) -> int:
                "times": {"F": times.F, "I": times.I, "W": times.W, "comm": times.comm},
                "makespan": res.makespan, "bubble_ratio": res.bubble_ratio,
                "stage_bubble_ratio": res.stage_bubble_ratio,
-               "peak_microbatches": _num(max(r.peak_allocated_bytes for r in res.ranks)),
+               "peak_microbatches": _num(mb(max(r.peak_allocated_bytes for r in res.ranks))),
                "ranks": [{"pp_rank": r, "stages": sched.stages_of_rank(r),
                           "actions": [str(a) for a in acts],
-                          "max_inflight": rr.max_inflight, "peak_microbatches": _num(rr.peak_allocated_bytes),
+                          "max_inflight": rr.max_inflight, "peak_microbatches": _num(mb(rr.peak_allocated_bytes)),
                           "peak_at": rr.peak_at}
                          for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))]}
         if sched.notes:
             out["notes"] = sched.notes
-        print(json.dumps(out, indent=2))
+        # one line per action would be 10^5-10^6 lines (and the pure-Python encoder): large
+        # schedules print compact
+        print(json.dumps(out, indent=2 if sched.num_actions <= 20000 else None))
         return 0
     print(f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
           f"{sched.microbatches} microbatches, {sched.num_actions} actions"
@@ -140,11 +147,11 @@ def run(args) -> int:
     for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
         shown = acts if limit is None else acts[:limit]
         tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
-        print(f"rank {r:>2}  peak {float(rr.peak_allocated_bytes):6.3f} mb at {rr.peak_at:<9} "
+        print(f"rank {r:>2}  peak {mb(rr.peak_allocated_bytes):6.3f} mb at {rr.peak_at:<9} "
               f"in-flight {rr.max_inflight:>3} | " + " ".join(_label(a, sched) for a in shown) + tail)
     print(f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
           f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
           f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}")
-    print(f"peak {float(max(r.peak_allocated_bytes for r in res.ranks)):.3f} microbatches of activations "
+    print(f"peak {mb(max(r.peak_allocated_bytes for r in res.ranks)):.3f} microbatches of activations "
           f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else ""))
     return 0

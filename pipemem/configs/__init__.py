@@ -10,24 +10,9 @@ does not know are collected into one warning; contradictory ones raise `UserErro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from .tool_config import ToolConfig
 
-
-@dataclass
-class ToolConfig:
-    model: dict | str             # HF-style config dict, or a preset name / config path
-    plan: dict                    # ParallelPlan keyword arguments
-    warnings: list[str] = field(default_factory=list)
-    tool: str = ""
-    model_name: str = ""          # display name when `model` is a dict
-    dp_unknown: bool = False      # the world size is not in the tool's arguments: pipemem --dp gives it
-
-    def as_tuple(self):
-        return self.model, self.plan, self.warnings
-
-    def __iter__(self):
-        """`model, plan, warnings = read_megatron(argv)` works too."""
-        return iter(self.as_tuple())
+__all__ = ["ToolConfig", "read_megatron", "read_paddlenlp", "read_torchtitan"]
 
 
 def read_megatron(argv: list[str]) -> ToolConfig:

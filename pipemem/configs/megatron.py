@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 from .argv import parse
 
 TOOL = "Megatron"

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 from .argv import parse
 
 TOOL = "PaddleNLP"

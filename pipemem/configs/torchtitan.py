@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from . import ToolConfig
+from .tool_config import ToolConfig
 
 TOOL = "torchtitan"
 

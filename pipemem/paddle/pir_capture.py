@@ -447,14 +447,12 @@ def whole_step(captured: Captured) -> tuple[int, int, str]:
     the fed inputs in place (a steady-state step); net: what the step leaves allocated,
     counting the fed inputs as new (the first step: the executor copies them into the
     scope, which keeps them)."""
+    from ..jobs import compose_at
     from ..liveness import analyze_sequence
 
-    entry, peak, label = 0, 0, ""
-    for r in analyze_sequence(captured.programs):
-        if entry + r.peak_bytes > peak:
-            peak, label = entry + r.peak_bytes, r.peak_op_label
-        entry += r.net_bytes
-    return peak, captured.fed_bytes + entry, label
+    results = analyze_sequence(captured.programs)
+    step, at = compose_at(results)
+    return step.peak_bytes, captured.fed_bytes + step.net_bytes, results[at].peak_op_label if at >= 0 else ""
 
 
 def allocated_total(captured: Captured) -> int:

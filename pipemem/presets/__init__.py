@@ -63,7 +63,18 @@ GPU_ALIASES = {
 
 
 def model_names() -> list[str]:
-    return sorted(p.stem for p in _MODELS.glob("*.json"))
+    return list(_model_names())
+
+
+@lru_cache(maxsize=1)
+def _model_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _MODELS.glob("*.json")))
+
+
+@lru_cache(maxsize=None)
+def _preset_json(key: str) -> dict:
+    with open(_MODELS / f"{key}.json", encoding="utf-8") as f:
+        return json.load(f)
 
 
 @lru_cache(maxsize=None)
@@ -110,10 +121,8 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
         return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
-    preset = _MODELS / f"{key}.json"
-    if key in model_names():
-        with open(preset, encoding="utf-8") as f:
-            return key, json.load(f)
+    if key in _model_names():
+        return key, dict(_preset_json(key))      # a copy: callers may change their config
     if text.endswith(".json") or text.startswith((".", "/", "~")):
         raise UserError(f"{flag} {text}: file not found")
     raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"

@@ -134,8 +134,7 @@ def _grads_text(static) -> str:
 
 
 def _layers_text(r) -> str:
-    layers = [l for row in r.stage_jobs for l in row.get("layers", [])]
-    if not layers:
+    if not any(len(row.get("layers") or ()) for row in r.stage_jobs):
         return "-" if r.stage_jobs else "all"
     chunks = []
     for row in r.stage_jobs:
@@ -313,3 +312,8 @@ def table_rows(text: str) -> list[str]:
     import re
 
     return [line for line in text.splitlines() if re.match(r"\s*\d+\s+\S+\s+\d", line) and "B" in line]
+
+
+# The names other modules use (the CLI): public, not reached into.
+as_dict = _as_dict
+console = _console

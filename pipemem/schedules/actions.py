@@ -17,6 +17,17 @@ from ..errors import UserError
 
 KINDS = ("F", "B", "I", "W")
 KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input-grad backward", "W": "weight-grad backward"}
+# Memory actions a runtime lowering (pipemem.runtime) adds to a schedule: kind -> (the stage
+# boundary it moves, +1 allocate / -1 free). Bytes come from the stage (pipemem.jobs.StageJobs).
+MEMORY_KINDS = {
+    "RECV_F": ("input_bytes", 1),          # receive buffer of the stage input x
+    "FREE_X": ("input_bytes", -1),
+    "FREE_Y": ("output_bytes", -1),        # the stage output, made by F
+    "RECV_B": ("output_grad_bytes", 1),    # receive buffer of the output grad dy
+    "FREE_DY": ("output_grad_bytes", -1),
+    "FREE_DX": ("input_grad_bytes", -1),   # the input grad, made by B or I
+}
+ALL_KINDS = KINDS + tuple(MEMORY_KINDS)
 _ACTION_RE = re.compile(r"\s*([FBIW])(\d+)@s(\d+)\s*")
 
 
@@ -73,7 +84,7 @@ class Schedule:
     """
 
     __slots__ = ("name", "pp", "vpp", "microbatches", "ranks", "stage_rank", "placement", "notes",
-                 "_rank_stages")
+                 "_rank_stages", "cache")
 
     def __init__(self, name: str, pp: int, vpp: int, microbatches: int, ranks: list[list[Action]],
                  stage_rank: list[int] | None = None, placement: str = "loop", notes: str = ""):
@@ -91,6 +102,9 @@ class Schedule:
         for s, r in enumerate(self.stage_rank):
             stages[r].append(s)
         self._rank_stages = stages
+        # what is derived from the (never mutated) action lists: replay's index arrays, the
+        # runtime lowerings, in-flight counts (pipemem.replay, pipemem.runtime)
+        self.cache: dict = {}
 
     @property
     def num_stages(self) -> int:

@@ -128,11 +128,11 @@ def zb_h2(pp: int, m: int, vpp: int = 1, name: str = "ZBH2") -> Schedule:
     from .actions import loop_stage_map
     from .check import TimeModel
     from .unit_jobs import unit_jobs
-    from .zb_scheduler import _greedy, _job_nums
+    from .list_scheduler import job_numbers, list_schedule
 
-    nums, _ = _job_nums(unit_jobs(pp, 1, Fraction(1)), pp)   # integer units: scale 1
+    nums, _ = job_numbers(unit_jobs(pp, 1, Fraction(1)), pp)   # integer units: scale 1
     tf, tb, ti, tw = TimeModel().per_stage(pp)
-    ranks = _greedy(pp, m, loop_stage_map(pp, 1), nums, (tf, tb, ti, tw, 0.0), [2 * pp - 1] * pp, True)
+    ranks = list_schedule(pp, m, loop_stage_map(pp, 1), nums, (tf, tb, ti, tw, 0.0), [2 * pp - 1] * pp, True)
     return Schedule(name, pp, 1, m, ranks)
 
 

@@ -25,8 +25,22 @@ def unit_jobs(num_stages: int, vpp: int = 1, w_ratio: float | Fraction = DEFAULT
     if not isinstance(w_ratio, Fraction) and not isinstance(unit, float):
         w_ratio = Fraction(w_ratio).limit_denominator(10**6)
     u = Fraction(unit) / vpp if not isinstance(unit, float) else unit / vpp
+
+    def num(x):     # whole numbers as int (integer replay), the rest stay exact Fractions
+        return int(x) if isinstance(x, Fraction) and x.denominator == 1 else x
+
     out = {}
     for s in range(num_stages):
-        out[s] = StageJobs(stage=s, F=JobMemory(u, u, tf), B=JobMemory(-u, 0, ti + tw),
-                           I=JobMemory((w_ratio - 1) * u, 0, ti), W=JobMemory(-w_ratio * u, 0, tw))
+        out[s] = StageJobs(stage=s, F=JobMemory(num(u), num(u), tf), B=JobMemory(num(-u), 0, ti + tw),
+                           I=JobMemory(num((w_ratio - 1) * u), 0, ti), W=JobMemory(num(-w_ratio * u), 0, tw))
     return out
+
+
+def integer_unit_jobs(num_stages: int, vpp: int = 1, w_ratio=DEFAULT_W_RATIO,
+                      times: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> tuple[dict[int, StageJobs], int]:
+    """`unit_jobs` in integers: (jobs, units per microbatch). With w = a/b (to 1e-6), one
+    microbatch is vpp*b units, so every job is a whole number and replay stays in int64
+    (exact and vectorised); divide replayed numbers by the scale for microbatch units."""
+    w = w_ratio if isinstance(w_ratio, Fraction) else Fraction(w_ratio).limit_denominator(10**6)
+    scale = vpp * w.denominator
+    return unit_jobs(num_stages, vpp, w, times, unit=scale), scale

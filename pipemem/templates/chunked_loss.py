@@ -56,8 +56,9 @@ def _fsdp_all_gather(b: _Builder, tag: str, full: int, group: int) -> tuple[str,
     return unsharded, ag_out
 
 
-def chunked_head_programs(arch, sh):
-    """PartPrograms (F, B, I = B, W empty) of the chunked-loss head; see the module docstring."""
+def chunked_head_programs(arch, sh, keep_input: bool = False):
+    """PartPrograms (F, B, I = B, W empty) of the chunked-loss head; see the module docstring.
+    `keep_input`: the head is a stage's first part, whose input the pipeline runtime frees."""
     from .programs import PartPrograms
 
     n = sh.loss_chunks
@@ -137,7 +138,8 @@ def chunked_head_programs(arch, sh):
         dgrad = B.t("d_normed_shard", tokens_sp * h * dt, COMM)
         B.op("reduce_scatter_sequence", (grad,), (dgrad,), frees=(grad,))
     dnw = B.t("d_norm_weight", norm_w * dt, TEMP)
-    B.op("rms_norm_backward", (dgrad, x, rstd) + ((u,) if sh.fsdp else ()), (dx_in, dnw), frees=(dgrad, x, rstd))
+    B.op("rms_norm_backward", (dgrad, x, rstd) + ((u,) if sh.fsdp else ()), (dx_in, dnw),
+         frees=(dgrad, rstd) if keep_input else (dgrad, x, rstd))
     if sh.fsdp:
         B.op("reshard", (u, u_state), (), frees=(u, u_state, "rs_in.lm_head"))   # the next reduce-scatter starts
         _reduce_scatter(B, sh, "norm", norm_w * 4, group, dnw)
@@ -145,8 +147,9 @@ def chunked_head_programs(arch, sh):
 
     f, b = F.prog, B.prog
     kept_f = touched_storages(b)
-    rf = analyze_program(f, live_on_entry={x}, keep=kept_f)
-    rb = analyze_program(b, live_on_entry=rf.live_after, keep={dx_in})
+    owned = {x} if keep_input else set()
+    rf = analyze_program(f, live_on_entry={x}, keep=kept_f | owned)
+    rb = analyze_program(b, live_on_entry=rf.live_after, keep={dx_in} | owned)
     rw = analyze_program(W, live_on_entry=rb.live_after)
     return PartPrograms(f, b, b, W, x, grad, {"F": rf, "B": rb, "I": rb, "W": rw})
 

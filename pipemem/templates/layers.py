@@ -139,11 +139,11 @@ def norm_kind(arch) -> str:
 
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
-    return _layer_options(arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none")
+    return layer_options_of(arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none")
 
 
 @lru_cache(maxsize=4096)
-def _layer_options(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
+def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
     return LayerOptions(
         norm=norm_kind(arch), activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
         out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm,

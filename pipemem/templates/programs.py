@@ -11,6 +11,10 @@ Boundary rules of a part's programs (what is alive on entry, what must outlive t
   (which this part's norm saved) and keeps the input grad.
 * I / W: as B, but I also keeps what W reads (linear inputs and output grads) until W.
 So F.net = saved bytes incl. its output; B.net = -(saved bytes incl. its input).
+
+On a pipeline stage boundary the runtime owns the stage input x and the received output
+grad dy (pipemem.runtime frees them): `keep_input` / `keep_out_grad` analyse a part that
+never frees them (the first / last part of a stage).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class PartMemory:
     output_bytes: int     # bytes of its output
     f_peak_op: str
     b_peak_op: str
+    # (B, I) hand the output grad's storage on as the input grad (a residual add)
+    grad_passes_through: tuple = (False, False)
     rs_state_bytes: int = 0   # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
 
 
@@ -46,9 +52,11 @@ class PartPrograms:
     input: str
     output: str
     results: dict
+    grad_passes_through: tuple = (False, False)
 
 
-def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
+def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
+             keep_out_grad: bool = False) -> PartPrograms:
     F = tape.forward("F")
     (B,) = tape.backward((out_grad_of,), name="B")
     I, W = tape.backward((out_grad_of,), name="I", split=True)
@@ -59,16 +67,22 @@ def _analyze(tape, x: str, y: str, out_grad_of: str) -> PartPrograms:
     tb, ti, tw = touched_storages(B), touched_storages(I), touched_storages(W)
     # The input is alive on entry unless F creates it (the embedding loads its token ids).
     entry = set() if any(x in op.outputs for op in F.ops) else {xs}
-    rf = analyze_program(F, live_on_entry=entry, keep=(tb | ti) | {ys})
+    owned_x = {xs} if keep_input and entry else set()
+    rf = analyze_program(F, live_on_entry=entry, keep=(tb | ti) | {ys} | owned_x)
     dy = st(B, "d." + out_grad_of)
+    dy_i = st(I, "d." + out_grad_of)
     dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
-    rb = analyze_program(B, live_on_entry=rf.live_after | {dy}, keep=dx_b)
+    rb = analyze_program(B, live_on_entry=rf.live_after | {dy},
+                         keep=dx_b | owned_x | ({dy} if keep_out_grad else set()))
     dx_i = {st(I, dx_name_i)} if dx_name_i in I.tensors else set()
-    ri = analyze_program(I, live_on_entry=rf.live_after | {st(I, "d." + out_grad_of)}, keep=tw | dx_i)
+    owned_i = owned_x | ({dy_i} if keep_out_grad else set())
+    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i}, keep=tw | dx_i | owned_i)
     # The input grad may share storage with an output grad W still reads (a residual add
     # hands the same grad to both branches): it belongs to the previous part, W must not free it.
-    rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i)
-    return PartPrograms(F, B, I, W, x, y, {"F": rf, "B": rb, "I": ri, "W": rw})
+    rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i)
+    out = PartPrograms(F, B, I, W, x, y, {"F": rf, "B": rb, "I": ri, "W": rw})
+    out.grad_passes_through = (bool(dx_b) and dx_b == {dy}, bool(dx_i) and dx_i == {dy_i})
+    return out
 
 
 def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
@@ -76,12 +90,13 @@ def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
     jm = lambda k: JobMemory(r[k].net_bytes, r[k].peak_bytes)  # noqa: E731
     rs = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("fsdp.rs_in"))
     return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
-                      r["B"].peak_op_label, rs)
+                      r["B"].peak_op_label, pp.grad_passes_through, rs)
 
 
-def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> PartPrograms:
+def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
+                   keep_out_grad: bool = False) -> PartPrograms:
     tape, x, y = decoder_layer_tape(arch, sh, conv, opt)
-    return _analyze(tape, x, y, y)
+    return _analyze(tape, x, y, y, keep_input, keep_out_grad)
 
 
 def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
@@ -89,12 +104,12 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
     return _analyze(tape, ids, y, y)
 
 
-def head_programs(arch, sh: Shard, conv: Convention) -> PartPrograms:
+def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartPrograms:
     if conv.name == "torchtitan" and sh.loss_chunks > 1:
         from .chunked_loss import chunked_head_programs
-        return chunked_head_programs(arch, sh)
+        return chunked_head_programs(arch, sh, keep_input)
     tape, x, loss = head_tape(arch, sh, conv)
-    return _analyze(tape, x, loss, loss)
+    return _analyze(tape, x, loss, loss, keep_input)
 
 
 def _act_bytes(sh: Shard) -> int:
@@ -102,9 +117,12 @@ def _act_bytes(sh: Shard) -> int:
 
 
 @lru_cache(maxsize=4096)
-def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> PartMemory:
+def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
+                 keep_out_grad: bool = False) -> PartMemory:
+    """A decoder layer's F/B/I/W memory; `keep_input` / `keep_out_grad` when it is the first /
+    last layer of a pipeline stage (the runtime owns its input and its output grad)."""
     n = _act_bytes(sh)
-    return _part_memory(layer_programs(arch, sh, conv, opt), n, n)
+    return _part_memory(layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad), n, n)
 
 
 @lru_cache(maxsize=1024)
@@ -117,8 +135,9 @@ def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int) -> PartMem
 
 
 @lru_cache(maxsize=1024)
-def head_memory(arch, sh: Shard, conv: Convention) -> PartMemory:
-    return _part_memory(head_programs(arch, sh, conv), _act_bytes(sh), 0)
+def head_memory(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartMemory:
+    """`keep_input`: the head is the first part of its stage (a last stage without layers)."""
+    return _part_memory(head_programs(arch, sh, conv, keep_input), _act_bytes(sh), 0)
 
 
 def clear_caches() -> None:

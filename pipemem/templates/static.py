@@ -70,26 +70,50 @@ def bytes_per_param(plan, conv: Convention) -> tuple[int, int, int, int]:
     return dt, grad, master_bytes, states
 
 
-def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
-                      rank_stages: list[int]) -> tuple[int, int]:
-    """(dense, expert) parameter elements held by one pipeline rank (its tp/ep shard)."""
+def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, range],
+                      rank_stages) -> tuple[int, int]:
+    """(dense, expert) parameter elements held by one pipeline rank (its tp/ep shard): the
+    layers of the stages it holds, the embedding with stage 0, the head with the last stage.
+    Counted per distinct layer kind, so the cost does not grow with the layer count."""
     last = plan.pp * plan.vpp - 1
-    layers = tuple(i for s in rank_stages for i in stage_layers[s])
-    return _rank_counts(arch, conv.vocab_multiple, plan.tp, plan.etp or 1, plan.ep, layers, 0 in rank_stages,
+    ranges = tuple(_as_range(stage_layers[s]) for s in sorted(rank_stages))
+    return _rank_counts(arch, conv.vocab_multiple, plan.tp, plan.etp or 1, plan.ep, ranges, 0 in rank_stages,
                         last in rank_stages)
 
 
+def _as_range(layers) -> range:
+    if isinstance(layers, range):
+        return layers
+    layers = tuple(layers)
+    if not layers:
+        return range(0)
+    r = range(layers[0], layers[-1] + 1)
+    if tuple(r) != layers:
+        raise ValueError(f"stage layers {layers} are not contiguous")
+    return r
+
+
+def moe_layers_in(arch, layers: range) -> int:
+    """How many of `layers` are MoE layers (the rest are dense)."""
+    if not arch.is_moe:
+        return 0
+    dense = sum(1 for i in arch.dense_layers if i in layers)
+    return len(layers) - dense
+
+
 @lru_cache(maxsize=65536)
-def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, layers: tuple[int, ...], has_embedding: bool,
-                 has_head: bool) -> tuple[int, int]:
+def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, ranges: tuple[range, ...],
+                 has_embedding: bool, has_head: bool) -> tuple[int, int]:
     m = vocab_multiple * tp
     vocab = -(-arch.vocab // m) * m
+    n_layers = sum(len(r) for r in ranges)
+    n_moe = sum(moe_layers_in(arch, r) for r in ranges)
     dense = expert = 0
-    for i in layers:
-        moe = arch.is_moe_layer(i)
-        d, e = _layer_counts(arch, moe, i if moe else -1, tp, etp, ep)
-        dense += d
-        expert += e
+    for moe, n in ((True, n_moe), (False, n_layers - n_moe)):
+        if n:
+            d, e = _layer_counts(arch, moe, tp, etp, ep)
+            dense += n * d
+            expert += n * e
     if has_embedding:
         dense += sum(_prod(v) for v in embedding_param_shapes(arch, vocab, tp, head=False).values())
     if has_head:
@@ -98,10 +122,10 @@ def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, layers: 
 
 
 @lru_cache(maxsize=8192)
-def _layer_counts(arch, moe: bool, index: int, tp: int, etp: int, ep: int) -> tuple[int, int]:
-    # index is -1 for dense layers (all dense layers of a model have the same shapes)
+def _layer_counts(arch, moe: bool, tp: int, etp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) elements of one MoE or dense layer (all layers of a kind have the same shapes)."""
     dense = expert = 0
-    for shape, is_expert in layer_param_shapes(arch, index if moe else _first_dense(arch), tp, etp, ep).values():
+    for shape, is_expert in layer_param_shapes(arch, _layer_of_kind(arch, moe), tp, etp, ep).values():
         if is_expert:
             expert += _prod(shape)
         else:
@@ -109,16 +133,18 @@ def _layer_counts(arch, moe: bool, index: int, tp: int, etp: int, ep: int) -> tu
     return dense, expert
 
 
-def _first_dense(arch) -> int:
+def _layer_of_kind(arch, moe: bool) -> int:
+    """An index of a layer of that kind (layer_param_shapes reads the kind from the index)."""
     if not arch.is_moe:
         return 0
-    return arch.dense_layers[0] if arch.dense_layers else 0
+    if not moe:
+        return arch.dense_layers[0] if arch.dense_layers else 0
+    dense = set(arch.dense_layers)
+    return next(i for i in range(len(dense) + 1) if i not in dense)
 
 
-def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int, ...]],
-                 rank_stages: list[int]) -> StaticBytes:
+def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
-    p, g, m, st = bytes_per_param(plan, conv)
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
     zero_group = (plan.extra or {}).get("zero_group")
@@ -128,8 +154,19 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
         replicas = max(1, dp_group // int(zero_group))
         dp_group = int(zero_group)
         edp_group = max(1, edp_group // replicas)
-    zero = plan.zero
-    opt_shard = zero >= 1 or plan.dist_opt
+    params, grads, master, states = _sharded(dense, expert, bytes_per_param(plan, conv), dp_group, edp_group,
+                                             plan.zero, plan.zero >= 1 or plan.dist_opt)
+    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states), plan.grads, plan.step,
+                      states)
+
+
+@lru_cache(maxsize=65536)
+def _sharded(dense: int, expert: int, per_param: tuple, dp_group: int, edp_group: int, zero: int,
+             opt_shard: bool) -> tuple[int, int, int, int]:
+    """(params, grads, master weights, optimizer states) bytes of (dense, expert) parameter
+    elements after ZeRO / FSDP / distributed-optimizer sharding over their data-parallel
+    groups (partial shards rounded up)."""
+    p, g, m, st = per_param
 
     def shard(n: int, group: int, on: bool) -> int:
         return -(-n // group) if on else n
@@ -140,8 +177,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, tuple[int
         grads += shard(n, group, zero >= 2) * g
         master += shard(n, group, opt_shard) * m
         states += shard(n, group, opt_shard) * st
-    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states), plan.grads, plan.step,
-                      states)
+    return params, grads, master, states
+
+
+def clear_caches() -> None:
+    _rank_counts.cache_clear()
+    _layer_counts.cache_clear()
+    _sharded.cache_clear()
 
 
 def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int) -> StaticBytes:

@@ -60,7 +60,8 @@ class Node:
     save_w: tuple[str, ...] = ()     # read by the weight-grad op
     read_w: tuple[str, ...] = ()     # also read by the weight-grad op, made in backward by another
                                      # node (a re-gather shared by several linears): freed after
-                                     # its last reader, not with this node's saved tensors
+                                     # its last reader, not with this node's saved tensors; a
+                                     # split backward gathers it in the input-grad pass as well
     pre_i: tuple[BwdOp, ...] = ()    # backward ops before the input-grad op (e.g. a re-gather)
     post_i: tuple[BwdOp, ...] = ()   # ops after it (e.g. reduce-scatter of the input grad)
     pre_w: tuple[BwdOp, ...] = ()
@@ -227,6 +228,7 @@ class Tape:
             self._grad_tensor(i_prog, t)
         written: set[str] = {"d." + t for t in out_grads}
         regions_done: set[int] = set()
+        i_regathered: dict[str, str] = {}     # split backward: re-gathered tensor -> its input-pass copy
         self._acc = 0
         # Split backward: a grad storage a deferred W op still reads cannot take later
         # contributions in place (autograd accumulates out of place while another reference
@@ -260,6 +262,18 @@ class Tape:
                 early, w_block = w_block[:len(n.pre_w)], w_block[len(n.pre_w):]
             for op in early:
                 self._add(i_prog, op)
+            if split and n.w_pre_first and n.pre_w and n.read_w:
+                # a re-gather shared by several nodes runs in both passes of a split backward
+                # (autograd unpacks every saved tensor of a node it runs): the input-grad pass
+                # gathers its own copy, which its nodes read and which dies in that pass
+                for b in n.pre_w:
+                    op = self._bop(b, r, n)
+                    for o in op.outputs:
+                        base = self._lookup(o)
+                        self.tensors[o + "@i"] = Tensor(o + "@i", base.shape, base.dtype, base.kind)
+                        i_regathered[o] = o + "@i"
+                    op.outputs = tuple(o + "@i" for o in op.outputs)
+                    self._add(i_prog, op)
             for bop in n.pre_i:
                 self._add(i_prog, self._bop(bop, r, n))
             # Input grads: each diff input gets d.<x> (or the node's grad_via name, finished by
@@ -283,7 +297,8 @@ class Tape:
                     continue
                 out = self._grad_target(i_prog, target, written, accs, alias_of=gouts[0] if alias else "")
                 outs.append(out)
-            ins = gouts + tuple(r(s) for s in n.save_i)
+            ins = gouts + tuple(r(s) for s in n.save_i) + tuple(i_regathered[x] for x in n.read_w
+                                                                 if x in i_regathered)
             if outs:
                 self._add(i_prog, Op(n.type + "_grad", ins, tuple(outs), workspace_bytes=n.workspace_i,
                                      module=n.module, phase="backward"))

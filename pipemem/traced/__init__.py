@@ -8,7 +8,11 @@ use:
   -> `TracedStep` (step.py), `run_step` (the step itself, shared with real runs);
 * `trace_hf_step(config, batch, seq, dtype=..., attn=..., recompute=...)` (hf.py);
 * `trace_replicated(...)` (replicate.py): a few layers traced, the rest replicated exactly;
-* `traced_estimate(model_config, plan, kernel_policy="cuda")` -> `TracedEstimate` (estimate.py).
+* `traced_estimate(model_config, plan, kernel_policy="cuda")` -> `TracedEstimate` (estimate.py);
+* parallel plans (parallel.py): `traced_stage_plan` (pipeline stage jobs, first-backward
+  variants, per-rank static and optimizer) and `trace_sharded_rank` (one TP or FSDP2 rank under
+  PyTorch's fake process group), on the model split and sharded as torchtitan does
+  (stack.py: `DecoderStack`, `tp_plan`); `dist_capture.py` records DTensor / FSDP2 code.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ _EXPORTS = {
     "trace_hf_step": "hf",
     "trace_replicated": "replicate", "replicate_step": "replicate",
     "traced_estimate": "estimate", "TracedEstimate": "estimate",
+    "traced_stage_plan": "parallel", "trace_sharded_rank": "parallel", "TracedStagePlan": "parallel",
+    "DecoderStack": "stack",
 }
 
 __all__ = sorted(_EXPORTS)

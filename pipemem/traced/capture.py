@@ -206,6 +206,10 @@ class StorageRecorder(TorchDispatchMode):
         if self.closed or info is None:     # None: dropped by restart()
             return
         info.alive = False
+        self._free_here(name)
+
+    def _free_here(self, name: str) -> None:
+        """Record `name` as freed after the last op recorded so far."""
         if self.ops:
             self.ops[-1][_FREES].append(name)
         else:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..ir import TensorKind
+from ..jobs import JobMemory, compose_at
 from ..liveness import analyze_sequence, compile_program, retention_sets
 from . import kernel_policy as policies
 from .step import PhaseMemory, TracedStep, trace_step
@@ -115,8 +116,7 @@ def phase_pieces(step: TracedStep, template: int = TEMPLATE_LAYER) -> dict[str, 
 def expand(pieces: list[Piece], n_layers: int, traced: int, template: int) -> PhaseMemory:
     """Walk the pieces with the template layer's piece repeated for the missing layers."""
     extra = n_layers - traced       # copies of the template beyond the one traced
-    cur = peak = 0
-    label = ""
+    parts, labels = [], []
     for p in pieces:
         during, after = p.during, p.after
         if p.template_frees is not None and extra:
@@ -124,13 +124,11 @@ def expand(pieces: list[Piece], n_layers: int, traced: int, template: int) -> Ph
             during = during - extra * (freed - p.template_frees)
             after = after - extra * freed
         k = int(during.argmax()) if len(during) else 0
-        piece_peak = max(0, int(during[k])) if len(during) else 0
-        net = int(after[-1]) if len(after) else 0
-        for _ in range(extra + 1 if p.layer == template else 1):
-            if cur + piece_peak > peak:
-                peak, label = cur + piece_peak, p.labels[k]
-            cur += net
-    return PhaseMemory("", cur, peak, label)
+        piece = JobMemory(int(after[-1]) if len(after) else 0, max(0, int(during[k])) if len(during) else 0)
+        parts.append(piece.repeated(extra + 1) if p.layer == template else piece)
+        labels.append(p.labels[k] if len(p.labels) else "")
+    phase, at = compose_at(parts)
+    return PhaseMemory("", phase.net_bytes, phase.peak_bytes, labels[at] if at >= 0 else "")
 
 
 def layer_template_params(model: torch.nn.Module, prefix: str, n_layers: int, template: int):

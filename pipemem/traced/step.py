@@ -30,6 +30,7 @@ import torch
 
 from ..errors import UserError
 from ..ir import Program, TensorKind
+from ..jobs import compose_at
 from ..liveness import analyze_sequence
 from . import kernel_policy as policies
 from .capture import ModuleScope, StorageRecorder, find_layer_prefix, layer_index_fn
@@ -148,12 +149,8 @@ class TracedStep:
 
 
 def _peak_of(phases) -> tuple[int, int]:
-    cur, peak, at = 0, 0, -1
-    for i, p in enumerate(phases):
-        if cur + p.peak_bytes > peak:
-            peak, at = cur + p.peak_bytes, i
-        cur += p.net_bytes
-    return peak, at
+    step, at = compose_at(phases)
+    return step.peak_bytes, at
 
 
 def analyze_programs(programs: list[Program], entry: list[str]) -> list[PhaseMemory]:

@@ -17,6 +17,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from .compare import CaseRow, max_abs_rel_error
+
 EXAMPLE = """\
 examples:
   pipemem validate cpu
@@ -138,24 +140,27 @@ def measure_real(case: Case, seed: int = 0) -> Measured:
 
 
 def estimate(case: Case):
-    from ..traced.hf import TINY, trace_hf_step
-    return trace_hf_step(TINY[case.arch], case.batch, case.seq, dtype=case.dtype, attn=case.attn,
-                         recompute=case.recompute, optimizer=case.optimizer, kernel_policy="cpu")
+    """`pipemem.estimate` of the case in traced mode (cpu kernel policy): the call users make."""
+    import pipemem
+    from ..traced.hf import TINY
+    base, _, how = case.dtype.partition("-")
+    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", micro_batch=case.batch,
+                            seq_len=case.seq, dtype=base, master_weights=how != "pure",
+                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
 
 
-def run_cases(cases=CASES) -> list[dict]:
+def run_cases(cases=CASES) -> list[CaseRow]:
     rows = []
     for case in cases:
         t0 = time.perf_counter()
-        est = estimate(case)
+        est = estimate(case).ranks[0]
         t1 = time.perf_counter()
         real = measure_real(case)
         t2 = time.perf_counter()
-        for what, m, e in (("peak", real.peak_bytes, est.peak_bytes),
-                           ("net_after_forward", real.net_after_forward, est.net_after_forward)):
-            rows.append({"name": f"{case.name}/{what}", "measured_bytes": int(m), "estimated_bytes": int(e),
-                         "rel_error": (e - m) / m if m else 0.0,
-                         "trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)})
+        for what, m, e in (("peak", real.peak_bytes, est.peak_allocated_bytes),
+                           ("net_after_forward", real.net_after_forward, est.jobs["F"].net_bytes)):
+            rows.append(CaseRow(f"{case.name}/{what}", int(m), int(e),
+                                {"trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)}))
     return rows
 
 
@@ -185,13 +190,14 @@ def run(args) -> int:
             raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
         cases = tuple(known[w] for w in wanted)
     rows = run_cases(cases)
-    worst = max(abs(r["rel_error"]) for r in rows) if rows else 0.0
+    worst = max_abs_rel_error(rows) or 0.0
     if args.json:
-        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": rows, "max_abs_rel_error": worst}, indent=1))
+        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": [r.to_dict() for r in rows],
+                          "max_abs_rel_error": worst}, indent=1))
     else:
         print(f"{'case':48s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
         for r in rows:
-            print(f"{r['name']:48s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
-                  f"{r['rel_error']:>+10.2e}")
+            print(f"{r.name:48s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                  f"{r.rel_error:>+10.2e}")
         print(f"max |rel_error| = {worst:.2e} over {len(rows)} cases")
     return 0 if worst <= 1e-3 else 1

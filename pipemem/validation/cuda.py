@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
-from .compare import rel_error
+from .compare import CaseRow, rel_error
 from .cuda_cases import CONFIG_SETS, Case, get_cases, hf_config_dict, to_plan
 
 FORMAT = "pipemem.validation.cuda/1"
@@ -343,6 +343,10 @@ def add_estimates(result: dict, case: Case, estimator: Callable | None = None) -
     result["estimate_mode"] = best
     result["estimated_bytes"] = result["estimates"][best]["peak_bytes"] if best else None
     result["rel_error"] = rel_error(result["estimated_bytes"], result.get("measured_bytes"))
+    # the comparison rows every validate target reports: one per rank and estimate mode
+    result["rows"] = [CaseRow(f"{case.name}/rank{r['rank']}/{m}", r.get("allocated_peak_bytes"), est,
+                              {"rank": r["rank"], "mode": m}).to_dict()
+                      for r in result["ranks"] for m, est in r["estimated_bytes"].items()]
     return result
 
 

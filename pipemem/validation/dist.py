@@ -4,7 +4,10 @@ measuring itself, against pipemem's per-rank estimate of the same runs.
 Runs (pipemem/validation/distributed/models.py; tiny HF Llama decoder layers, fp32, AdamW foreach):
 - pipeline parallel with torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B,
   ZBVZeroBubble, DualPipeV), a hand-split `DecoderStack` per stage, pp 2 and 4;
-- DTensor tensor parallel with sequence parallel (torchtitan's plan), tp 2;
+- DTensor tensor parallel with sequence parallel (torchtitan's plan), tp 2 and 4, each also
+  with `pipemem.torch_tp.RegatherColwiseParallel` as the column-parallel style (`-regather`
+  cases: the estimate has `recompute_allgather`); their rows add the saving per rank,
+  measured and estimated, against the same case without it;
 - FSDP2 (`fully_shard` per decoder layer and the root), dp 2.
 
 Each rank is a process (`python -m pipemem.validation.dist_worker`, MASTER_ADDR=127.0.0.1, a
@@ -12,10 +15,11 @@ free port) that starts `torch.profiler.profile(profile_memory=True)` before it b
 model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
-Estimates (pipemem/validation/distributed/): TP and FSDP ranks are traced one at a time in this process
-on FakeTensorMode under PyTorch's fake process group; pipeline ranks replay PyTorch's own
-action order over traced F/B/I/W stage jobs plus what the pipelining runtime keeps alive
-(pipeline_runtime.py). `cpu` kernel policy (the kernels the real run uses).
+Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",
+convention="torchtitan", ...)` of the case's plan, the call users make (`estimate_case`):
+pipelines are traced stage jobs + the schedule + the torch runtime profile's lowering + replay;
+TP and FSDP ranks are traced on FakeTensorMode under PyTorch's fake process group. Nothing
+here computes a memory number.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import tempfile
 import time
 
 from ..errors import UserError
+from .compare import CaseRow, max_abs_rel_error, rel_error
 
 EXAMPLE = """\
 examples:
-  pipemem validate dist                 # CI set: one pipeline, one TP, one FSDP case (world 2)
+  pipemem validate dist                 # CI set: two pipelines, TP with and without regather, FSDP (world 2)
   pipemem validate dist --full --json   # every schedule at pp 2 and 4, TP, FSDP
   pipemem validate dist --cases pp2-ZBVZeroBubble-m4,tp2-llama
+  pipemem validate dist --cases tp4-llama-regather   # with tp4-llama: the saving of RegatherColwiseParallel
   pipemem validate dist --list
 """
 
@@ -54,15 +60,21 @@ def _pp_case(schedule: str, vpp: int, pp: int, m: int) -> dict:
             "microbatches": m, "micro_batch": 1, "seq_len": SEQ, "model": LLAMA, "world": pp}
 
 
+# gloo threads race on the TP collectives' frees (docs/ACCURACY.md): more repeats, whose
+# smallest peak is the program-order one; 3 still left one rank +0.9 % once.
+TP2 = {"kind": "tp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2, "repeat": 6}
+TP4 = dict(TP2, model=dict(LLAMA, heads=8, kv_heads=4), world=4)     # tp 4 must divide the KV heads
+
+
 def all_cases() -> list[dict]:
     # DualPipeV needs at least as many microbatches as stages (8 at pp 4).
     cases = [_pp_case(s, v, pp, m) for pp in (2, 4) for m in (4, 8) for s, v in SCHEDULES
              if not (s == "DualPipeV" and m < 2 * pp)]
     cases += [
-        # gloo threads race on the TP collectives' frees (docs/ACCURACY.md): more repeats, whose
-        # smallest peak is the program-order one; 3 still left one rank +0.9 % once.
-        {"name": "tp2-llama", "kind": "tp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
-         "repeat": 6},
+        dict(TP2, name="tp2-llama"),
+        dict(TP2, name="tp2-llama-regather", regather=True, base="tp2-llama"),
+        dict(TP4, name="tp4-llama"),
+        dict(TP4, name="tp4-llama-regather", regather=True, base="tp4-llama"),
         {"name": "fsdp2-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
          "repeat": 3},
         {"name": "fsdp2-mixtral", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": MIXTRAL, "world": 2,
@@ -72,7 +84,7 @@ def all_cases() -> list[dict]:
     return cases
 
 
-CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "fsdp2-llama")
+CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "tp2-llama-regather", "fsdp2-llama")
 
 
 # ---- real runs -------------------------------------------------------------------------------
@@ -169,11 +181,38 @@ def _stop(procs) -> None:
 
 # ---- compare -----------------------------------------------------------------------------------
 
-def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
+def estimate_kwargs(case: dict) -> dict:
+    """The case as `pipemem.estimate` keyword arguments."""
+    from .distributed.models import precision
+    kw = dict(mode="traced", kernel_policy="cpu", convention="torchtitan", step="first", seq_len=case["seq_len"],
+              micro_batch=case["micro_batch"], **precision(case["model"]))
+    if case["kind"] == "pp":
+        kw.update(pp=case["pp"], vpp=case.get("vpp", 1), microbatches=case["microbatches"], schedule=case["schedule"],
+                  runtime="torch")
+    elif case["kind"] == "tp":
+        kw.update(tp=case["world"], recompute_allgather=bool(case.get("regather")))
+    else:
+        kw.update(fsdp=True, dp=case["world"])
+    return kw
+
+
+def estimate_case(case: dict) -> dict[int, dict]:
+    """{rank: {estimated_bytes, peak_at, static_bytes}} of every rank of the case, from one
+    `pipemem.estimate` call (a TP / FSDP estimate is one rank: every rank of the group runs it)."""
+    import pipemem
+    from .distributed.models import hf_config
+    est = pipemem.estimate(hf_config(case["model"]), **estimate_kwargs(case))
+    out = {}
+    for r in range(case["world"]):
+        rank = est.ranks[r] if case["kind"] == "pp" else est.ranks[0]
+        out[r] = {"estimated_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at,
+                  "static_bytes": rank.static.total}
+    return out
+
+
+def run_cases(cases: list[dict], timeout: float = 600.0) -> list[CaseRow]:
     """Measure (worker processes, one launch per world size) and estimate (this process, while
     the workers run) every case; one row per rank and case."""
-    from .distributed.runs import estimate_case
-
     rows = []
     by_world: dict[int, list[dict]] = {}
     for c in cases:
@@ -189,19 +228,29 @@ def run_cases(cases: list[dict], timeout: float = 600.0) -> list[dict]:
             raise
         measured = run.collect()
         for c in group:
-            for est in estimates[c["name"]]:
-                meas = measured[c["name"], est["rank"]]
-                m, e = meas["measured_bytes"], est["estimated_bytes"]
-                rows.append({"name": f"{c['name']}/rank{est['rank']}", "case": c["name"], "rank": est["rank"],
-                             "measured_bytes": m, "estimated_bytes": e, "rel_error": (e - m) / m,
-                             "peak_at": est.get("peak_at", ""), "static_bytes": est.get("static_bytes"),
-                             "measured_baseline_bytes": meas.get("baseline_bytes"),
-                             "measured_max_bytes": meas.get("measured_max_bytes"),
-                             "repeats": meas.get("repeats"),
-                             "missed_free_bytes": meas.get("missed_free_bytes", 0),
-                             "estimate_seconds": round(t_est / len(group), 2),
-                             "run_seconds": meas.get("seconds")})
+            for r, est in sorted(estimates[c["name"]].items()):
+                meas = measured[c["name"], r]
+                rows.append(CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
+                    "case": c["name"], "rank": r, "peak_at": est["peak_at"], "static_bytes": est["static_bytes"],
+                    "measured_baseline_bytes": meas.get("baseline_bytes"),
+                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats"),
+                    "missed_free_bytes": meas.get("missed_free_bytes", 0),
+                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")}))
     return rows
+
+
+def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
+    """Rows of a case run without and with a memory-saving switch (`base` names the case
+    without it): per rank, the measured and the estimated saving (base minus this case)."""
+    by_case_rank = {(r.extra["case"], r.extra["rank"]): r for r in rows}
+    bases = {c["name"]: c["base"] for c in cases if c.get("base")}
+    for r in rows:
+        b = by_case_rank.get((bases.get(r.extra["case"]), r.extra["rank"]))
+        if b is None:
+            continue
+        measured, estimated = b.measured_bytes - r.measured_bytes, b.estimated_bytes - r.estimated_bytes
+        r.extra.update(saving_measured_bytes=measured, saving_estimated_bytes=estimated,
+                       saving_rel_error=rel_error(estimated, measured))
 
 
 def register(sub) -> None:
@@ -212,7 +261,8 @@ def register(sub) -> None:
                                    "against pipemem's per-rank estimate of the same runs.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="every case (pp 2 and 4, 4 and 8 microbatches, "
-                                                       "5 schedules, TP, FSDP): minutes on 2 cores")
+                                                       "5 schedules, TP 2 and 4 with and without "
+                                                       "regather, FSDP): minutes on 2 cores")
     p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
@@ -227,7 +277,11 @@ def select(args) -> list[dict]:
         bad = [n for n in names if n not in known]
         if bad:
             raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate dist --list")
-        return [known[n] for n in names]
+        # a case compared with another (its saving) brings that one along, first
+        chosen: list[str] = []
+        for n in names:
+            chosen += [m for m in (known[n].get("base"), n) if m and m not in chosen]
+        return [known[n] for n in chosen]
     if args.full:
         return list(known.values())
     return [known[n] for n in CI_CASES]
@@ -246,15 +300,27 @@ def run(args) -> int:
     except RuntimeError as e:
         print(f"pipemem: validate dist: {e}", file=sys.stderr)
         return 1
-    worst = max(abs(r["rel_error"]) for r in rows)
+    add_savings(rows, cases)
+    worst = max_abs_rel_error(rows)
+    savings = [r for r in rows if "saving_measured_bytes" in r.extra]
+    worst_saving = max((abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
+                       default=None)
     if args.json:
-        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu", "cases": rows,
-                          "max_abs_rel_error": worst}, indent=1))
+        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu",
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst,
+                          "max_abs_saving_rel_error": worst_saving}, indent=1))
         return 0
     from ..units import fmt_bytes
     print(f"{'case / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}  peak at")
     for r in rows:
-        print(f"{r['name']:36s} {fmt_bytes(r['measured_bytes']):>12s} {fmt_bytes(r['estimated_bytes']):>12s} "
-              f"{r['rel_error']:>+10.2e}  {r['peak_at'][:48]}")
+        print(f"{r.name:36s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+              f"{r.rel_error:>+10.2e}  {r.extra['peak_at'][:48]}")
     print(f"max |rel_error| = {worst:.2e} over {len(rows)} rank measurements")
+    if savings:
+        print(f"\n{'saving (vs the case without) / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
+        for r in savings:
+            x = r.extra
+            err = f"{x['saving_rel_error']:>+10.2e}" if x["saving_rel_error"] is not None else f"{'-':>10s}"
+            print(f"{r.name:36s} {fmt_bytes(x['saving_measured_bytes']):>12s} "
+                  f"{fmt_bytes(x['saving_estimated_bytes']):>12s} {err}")
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from functools import partial
 import gc
 import json
 import os
@@ -28,8 +29,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .distributed.models import (build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
-                                  make_batch, make_mesh, make_optimizer, model_config, split_layers,
-                                  stage_ids_of_rank)
+                                  make_batch, make_mesh, make_optimizer, model_config, param_dtype, split_layers)
 from ..traced.step import run_step
 
 STEP_MARK = "pipemem::step"
@@ -174,8 +174,10 @@ def run_pipeline(case: dict, rank: int, world: int) -> dict:
     def once() -> dict:
         res: dict = {}
         stages, params = [], []
-        for s in stage_ids_of_rank(case["schedule"], rank, pp, vpp):
-            mod = build_stack(cfg, layout[s], s == 0, s == n_stages - 1, seq, seed=s)
+        from ..schedules import get_schedule
+        placed = get_schedule(case["schedule"], pp, m, vpp).stages_of_rank(rank)   # placement: the schedule's
+        for s in placed:
+            mod = build_stack(cfg, layout[s], s == 0, s == n_stages - 1, seq, param_dtype(cfg), seed=s)
             params += list(mod.parameters())
             stages.append(PipelineStage(mod, s, n_stages, torch.device("cpu")))
         opt = make_optimizer(params)
@@ -247,11 +249,13 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
     """One step of a TP (same batch on every rank) or FSDP (a batch per rank) model."""
     spec, seq, mb = case["model"], case["seq_len"], case["micro_batch"]
     cfg = model_config(spec)
-    build = build_tp_model if case["kind"] == "tp" else build_fsdp_model
+    build = build_fsdp_model
+    if case["kind"] == "tp":
+        build = partial(build_tp_model, regather=case.get("regather", False))
 
     def once() -> dict:
         res: dict = {}
-        model = build(cfg, seq, make_mesh(world))
+        model = build(cfg, seq, make_mesh(world), dtype=param_dtype(cfg))
         opt = make_optimizer(model.parameters())
         ids, target = make_batch(spec, mb, seq, seed=1 if case["kind"] == "tp" else 1 + rank)
         dist.barrier()

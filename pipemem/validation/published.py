@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from .compare import CaseRow, rel_error
+
 # the repository checkout (records are looked for in shared/ inside it and beside it)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -411,6 +413,12 @@ def plan_summary(plan: dict) -> str:
 STATUS_ORDER = ("compared", "gap", "eager-ref", "skipped")
 
 
+def _row(fields: dict, measured: int | None, estimated: int | None) -> dict:
+    """The report row: a `CaseRow` (name = the record id) with this target's fields."""
+    fields = {k: v for k, v in fields.items() if k not in ("measured_bytes", "estimated_bytes", "rel_error")}
+    return CaseRow(fields["id"], measured, estimated, fields).to_dict()
+
+
 def evaluate(rec: dict, traced: bool = False) -> dict:
     """One output row: status compared (allocated/active metric) / gap (reserved, nvidia-smi,
     unstated metric) / eager-ref (torch.compile run, eager estimate for reference) / skipped."""
@@ -421,18 +429,18 @@ def evaluate(rec: dict, traced: bool = False) -> dict:
     try:
         t = translate(rec)
     except Skip as e:
-        row.update(status="skipped", note=str(e), plan="", measured=_measured_text(rec), estimated_bytes=None,
-                   measured_bytes=None, rel_error=None, metric=metric_of(rec.get("measured") or {}))
+        row.update(status="skipped", note=str(e), plan="", measured=_measured_text(rec),
+                   metric=metric_of(rec.get("measured") or {}))
         if e.partial is not None:
             row["note"] += "; " + _dp_range(*e.partial)
-        return row
+        return _row(row, None, None)
     row.update(plan=plan_summary(t["plan"]), plan_kwargs=t["plan"], metric=t["metric"],
                measured=_measured_text(rec), measured_bytes=t["measured_bytes"])
     try:
         est = estimate(t["config"], model_name=rec["id"], **t["plan"]).to_dict()
     except UserError as e:
-        row.update(status="skipped", note=f"pipemem refused the plan: {e}", estimated_bytes=None, rel_error=None)
-        return row
+        row.update(status="skipped", note=f"pipemem refused the plan: {e}")
+        return _row(row, row.pop("measured_bytes"), None)
     ranks = est["ranks"]
     if t["rank"] is not None:
         got = ranks[t["rank"]]["peak_allocated_bytes"]
@@ -440,7 +448,7 @@ def evaluate(rec: dict, traced: bool = False) -> dict:
     else:
         got = est["max_peak_allocated_bytes"]
         where = "max over ranks" if len(ranks) > 1 else "one rank"
-    rel = (got - t["measured_bytes"]) / t["measured_bytes"]
+    rel = rel_error(got, t["measured_bytes"])
     notes = list(t["notes"])
     if t["compile_only"]:
         status = "eager-ref"
@@ -459,7 +467,7 @@ def evaluate(rec: dict, traced: bool = False) -> dict:
     if rec["id"] in ALTERNATES:
         change, label = ALTERNATES[rec["id"]]
         alt = estimate(t["config"], **dict(t["plan"], **change)).max_peak_allocated_bytes
-        notes.append(f"{label}: {alt / GiB:.2f} GiB ({(alt - t['measured_bytes']) / t['measured_bytes']:+.1%})")
+        notes.append(f"{label}: {alt / GiB:.2f} GiB ({rel_error(alt, t['measured_bytes']):+.1%})")
         row["alt_bytes"] = int(alt)
     first = None
     if traced and status == "compared" and len(ranks) == 1 and t["plan"]["dp"] == 1:
@@ -469,10 +477,10 @@ def evaluate(rec: dict, traced: bool = False) -> dict:
             notes.append(f"traced mode unavailable: {e}")
     if first is not None:
         notes.append(f"traced (HF module on fake tensors, steady-state step): {first / GiB:.2f} GiB "
-                     f"({(first - t['measured_bytes']) / t['measured_bytes']:+.1%})")
+                     f"({rel_error(first, t['measured_bytes']):+.1%})")
         row["traced_first_step_bytes"] = int(first)
-    row.update(status=status, estimated_bytes=int(got), rel_error=rel, where=where, note="; ".join(notes))
-    return row
+    row.update(status=status, where=where, note="; ".join(notes))
+    return _row(row, t["measured_bytes"], int(got))
 
 
 def _dp_range(config: dict, plan: dict) -> str:

@@ -276,13 +276,13 @@ class RankEmulator:
 def stages_of_rank(rank: int, pp: int, vpp: int, style: str = "loop") -> list[int]:
     """Global stage indices held by `rank`: "loop" (interleaved: rank, rank + pp, ...) or
     "v" (ZB-V / DualPipeV: rank and 2 * pp - 1 - rank)."""
+    from ..schedules.actions import loop_stage_map, v_stage_map
     if not 0 <= rank < pp:
         raise UserError(f"rank {rank} is outside 0..{pp - 1}")
-    if style == "v":
-        if vpp != 2:
-            raise UserError(f"V-shaped schedules place 2 stages per rank; got --vpp {vpp}")
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(vpp)]
+    if style == "v" and vpp != 2:
+        raise UserError(f"V-shaped schedules place 2 stages per rank; got --vpp {vpp}")
+    placement = v_stage_map(pp, vpp) if style == "v" else loop_stage_map(pp, vpp)
+    return [s for s, r in enumerate(placement) if r == rank]
 
 
 # Stage modules of an HF causal LM ------------------------------------------------------------

@@ -1,13 +1,13 @@
 """torchtitan's own training step, traced per rank on fake tensors (`pipemem validate torchtitan`).
 
-One process holds one rank of a fake process group (`distributed.fake_ranks.fake_process_group`)
+One process holds one rank of a fake process group (`pipemem.traced.dist_capture.fake_process_group`)
 and runs torchtitan 0.3's code as its `Trainer` does: the model built on meta from a
 `model_registry` flavour, its `parallelize_fn` (TP + SP, CP, activation checkpointing,
 FSDP2 with its mixed-precision policy) or `pipelining_fn` (PP stages + schedule), `to_empty`,
 `init_weights`, its optimizer and LR scheduler containers and loss, then `Trainer.train_step`
 itself (zero_grad, forward-backward, grad-norm clipping, optimizer step) twice on fake CPU
 tensors. The second step is recorded with pipemem's DTensor/FSDP recorder
-(`distributed.capture.DistStorageRecorder`, restarted after the first step so optimizer states,
+(`pipemem.traced.dist_capture.DistStorageRecorder`, restarted after the first step so optimizer states,
 resident grads and FSDP's buffers count as what the step starts with) and walked with liveness.
 
 Patches, each only what a CPU-only build needs (the probe in FINDINGS' framework-traces):
@@ -223,8 +223,7 @@ def trace_rank(case: dict, rank: int) -> dict:
     from ..liveness import analyze_sequence
     from ..traced import kernel_policy as policies
     from ..traced.capture import ModuleScope
-    from .distributed.capture import DistStorageRecorder
-    from .distributed.fake_ranks import fake_process_group
+    from ..traced.dist_capture import DistStorageRecorder, fake_process_group
 
     world = case["world"]
     with _triton_stub():
@@ -313,7 +312,7 @@ def model_shapes(model) -> dict:
 
 
 def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -> dict:
-    from .distributed.models import local_tensor
+    from ..traced.stack import local_tensor
 
     mb = case["local_batch_size"] // tr.num_pipeline_parallel_microbatches
     seq = case["seq_len"]

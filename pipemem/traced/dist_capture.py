@@ -1,5 +1,6 @@
 """Tracing distributed PyTorch code on fake tensors: `pipemem.traced.capture.StorageRecorder`
-taught two things that the single-device recorder never meets.
+taught two things that the single-device recorder never meets, and the fake process group
+under which DTensor and FSDP2 run rank r's real Python without peers.
 
 1. DTensor. A dispatch mode sees an op on DTensors *before* DTensor's own dispatch, and the
    local ops DTensor runs underneath happen with the mode popped. The memory is the local
@@ -16,11 +17,14 @@ taught two things that the single-device recorder never meets.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import torch
 
-from ...traced.capture import _FREES, StorageRecorder
+from ..errors import UserError
+
+from .capture import StorageRecorder
 
 
 def _keep(_obj) -> None:
@@ -67,10 +71,7 @@ class DistStorageRecorder(StorageRecorder):
             return
         self._manually_freed.add(name)
         self.storages[name].alive = False
-        if self.ops:
-            self.ops[-1][_FREES].append(name)
-        else:
-            self._pending_frees.append(name)
+        self._free_here(name)
 
     @contextlib.contextmanager
     def fsdp_resizes(self):
@@ -124,3 +125,22 @@ class DistStorageRecorder(StorageRecorder):
         name = self._new(a, st, self.phase)
         self.ops.append(["dtensor_internal", self.phase, self.scope.current if self.scope else "", [], [name], []])
         return name
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int):
+    """Rank `rank` of a `world`-rank fake process group (``init_process_group("fake",
+    store=FakeStore())``, what torch.distributed._tools' FSDPMemTracker tests use), torn down on
+    exit: collectives return at once, outputs are allocated as in a real run."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise UserError("a torch.distributed process group is already initialised in this process; "
+                        "trace fake ranks in a fresh process")
+    hook = sys.excepthook       # init_process_group prefixes tracebacks with "[rankN]:"
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

@@ -1,0 +1,116 @@
+"""The human report of `pipemem plan`: the best plans, the Pareto set, the zero-bubble answer.
+
+Numbers are read from the PlanSearch (each plan's estimate and cost); nothing is computed here.
+"""
+
+from __future__ import annotations
+
+from ..units import fmt_bytes
+from .text import DIM, GREEN, RED
+from .text import console as _console
+
+
+def short_plan(kw: dict) -> str:
+    """'dp 2 tp 8 pp 4 vpp 2 | mb 1 | dist-opt | recompute full x3 | VPP'."""
+    deg = [f"dp {kw['dp']}", f"tp {kw['tp']}", f"pp {kw['pp']}"]
+    for k in ("vpp", "cp", "ep"):
+        if kw.get(k, 1) > 1:
+            deg.append(f"{k} {kw[k]}")
+    if kw.get("etp") is not None:
+        deg.append(f"etp {kw['etp']}")
+    if kw.get("pp_layout"):
+        deg.append("layout " + ",".join(str(x) for x in _runs(kw["pp_layout"])))
+    shard = "fsdp" if kw.get("fsdp") else "dist-opt" if kw.get("dist_opt") else \
+        f"zero{kw['zero']}" if kw.get("zero") else "ddp"
+    rec = kw.get("recompute", "none")
+    if rec != "none" and kw.get("recompute_layers") is not None:
+        rec += f" x{kw['recompute_layers']}"
+    parts = [" ".join(deg), f"mb {kw['micro_batch']}", shard, "no recompute" if rec == "none" else f"recompute {rec}"]
+    if kw.get("schedule"):
+        parts.append(kw["schedule"])
+    return " | ".join(parts)
+
+
+def _runs(layout) -> list[str]:
+    """7,8,8,8,7 -> ['7', '8x3', '7']."""
+    out, prev, n = [], None, 0
+    for x in list(layout) + [None]:
+        if x == prev:
+            n += 1
+            continue
+        if prev is not None:
+            out.append(f"{prev}x{n}" if n > 1 else str(prev))
+        prev, n = x, 1
+    return out
+
+
+def _comm_text(cost) -> str:
+    gb = cost.comm_bytes / 1e9
+    cross = cost.crosses_nodes
+    return f"{gb:,.1f}" + (f" ({','.join(cross)} across nodes)" if cross else "")
+
+
+def _table(plans, target, title):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False, padding=(0, 1, 0, 1))
+    for name, justify in (("#", "right"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
+                          ("comm GB/step", "right"), ("step s", "right"), ("plan", "left")):
+        t.add_column(name, justify=justify, no_wrap=name != "plan")
+    for i, p in plans:
+        t.add_row(str(i), fmt_bytes(p.peak_bytes), fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
+                  _comm_text(p.cost), f"{p.cost.step_s:.2f}", short_plan(p.kwargs))
+    return t
+
+
+def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None, color: bool | None = None) -> None:
+    from rich.text import Text
+
+    con = _console(file, color)
+    t, s = res.target, res.stats
+    gpu = t.gpu or f"{t.gpu_memory:g} GiB GPU"
+    con.print(Text(f"{res.model} on {t.gpus} x {gpu} ({fmt_bytes(t.capacity_bytes)}, {t.gpus_per_node} per node), "
+                   f"reserve {fmt_bytes(t.reserve_bytes)}", style="bold"))
+    invalid = sum(s.invalid.values())
+    con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
+                   f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} fit "
+                   f"({s.estimates:,} estimates, "
+                   f"{s.seconds:.1f} s)", style=DIM))
+    if not res.plans:
+        con.print(Text.assemble(("NO PLAN FITS", RED), f": no plan of the space fits {fmt_bytes(t.budget_bytes)} "
+                                "(GPU minus reserve); try more GPUs, a smaller micro-batch or --reserve"))
+        return
+    index = {id(p): i + 1 for i, p in enumerate(res.plans)}
+    con.print(_table([(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
+                     f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} fitting plans (estimated step time)"))
+    pareto = res.pareto
+    if pareto:
+        con.print(_table([(index[id(p)], p) for p in pareto], t,
+                         "Pareto set of the pipeline plans: peak memory vs bubble"))
+    best = res.plans[0]
+    con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
+    con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus peak "
+                   "(the reserve is part of it); bubble: idle share of the pipeline ranks in the schedule simulated "
+                   "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
+                   "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
+                   style=DIM))
+    if zb is not None:
+        render_zero_bubble(con, zb, t, csv_path)
+
+
+def render_zero_bubble(con, zb, target, csv_path) -> None:
+    from rich.text import Text
+
+    what = "zero bubble" if zb.zero_bubble else f"its least stage bubble ({zb.stage_bubble:.1%}; the stages are unbalanced)"
+    verdict = ("FITS", GREEN) if zb.fits else ("DOES NOT FIT", RED)
+    con.print(Text.assemble(("Zero bubble", "bold"), f": the memory-limited scheduler reaches {what} for the best "
+                            f"pipeline plan from {fmt_bytes(zb.memory_bytes)} per GPU ({zb.probes} scheduler runs); "
+                            f"estimated peak with that schedule {fmt_bytes(zb.peak_bytes)}: ", verdict,
+                            f" with the {fmt_bytes(target.reserve_bytes)} reserve. Bubble {zb.bubble:.1%}, makespan "
+                            f"{zb.makespan_ratio:.3f}x the plan's own schedule."))
+    if csv_path:
+        con.print(Text(f"schedule written to {csv_path}; check it: pipemem estimate {zb.flags}", style=DIM))
+    else:
+        con.print(Text("add --schedule-csv FILE to write the schedule for PyTorch pipelining", style=DIM))

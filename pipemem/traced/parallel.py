@@ -1,0 +1,352 @@
+"""Traced mode for parallel plans: stage jobs of a pipeline, and the step of one tensor- or
+fully-sharded-data-parallel rank, traced on fake tensors with the model split and sharded as
+torchtitan does it (pipemem.traced.stack). The results are the same stage jobs templates
+produce, so `pipemem.estimate` replays them through the same schedule, runtime lowering and
+replay (`estimate.per_rank`).
+
+Pipelines: for one stage (a `DecoderStack` slice), F, B, I and W are traced with the very
+functions torch.distributed.pipelining calls (`stage_backward`, `stage_backward_input`,
+`stage_backward_weight`, as `PipelineStage.backward_one_chunk` calls them), two microbatches
+each, so the first backward of the step (which creates the parameters' grads) and the later
+ones (which accumulate) are both known. The jobs follow pipemem.jobs' boundary convention: F
+leaves the stage output y allocated, B / I leave the input grad dx allocated, and the input x
+and output grad dy (receive buffers, the runtime's) are never freed by a job.
+
+Tensor / FSDP ranks: rank 0 of the world runs its real Python under PyTorch's fake process
+group (dist_capture.py), one step (forward, backward, optimizer) recorded and walked by
+liveness. The ranks of a TP group or an FSDP group run the same program (FSDP2 pads uneven
+shards), so rank 0 stands for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+
+import torch
+
+from ..errors import UserError
+from ..ir import TensorKind
+from ..jobs import JobMemory, StageJobs, StaticBytes
+from ..liveness import analyze_sequence
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What shapes one traced pipeline stage (hashable: a cache key)."""
+
+    model: str              # the HF config dict as JSON (sorted keys)
+    total_layers: int
+    attn: str
+    dtype: str              # torch dtype name of the parameters
+    stage: int
+    num_stages: int
+    layers: tuple
+    micro_batch: int
+    seq_len: int
+    split: bool
+    kernel_policy: str
+    optimizer: str = "adamw"
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def _cfg(spec: StageSpec):
+    from .hf import make_config
+    return make_config(json.loads(spec.model), spec.attn, spec.total_layers)
+
+
+@dataclass
+class TracedStage:
+    jobs: StageJobs                 # F, later B / I / W
+    first_grad: StageJobs           # the first B / W of the step (creates the param grads)
+    param_bytes: int
+
+
+@lru_cache(maxsize=256)
+def trace_stage(spec: StageSpec) -> TracedStage:
+    """Trace F/B (and I/W) of one stage for two microbatches (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import kernel_policy as policies
+    from .stack import build_stack
+    cfg = _cfg(spec)
+    dtype = getattr(torch, spec.dtype)
+    with FakeTensorMode(), policies.context(spec.kernel_policy):
+        full = _trace_sequence(build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype, init=False),
+                               cfg, spec, dtype, "FB")
+        split = (_trace_sequence(build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype,
+                                             init=False), cfg, spec, dtype, "FIW") if spec.split else None)
+    h, mb, seq = cfg.hidden_size, spec.micro_batch, spec.seq_len
+    elem = torch.finfo(dtype).bits // 8
+    act = mb * seq * h * elem
+    bounds = dict(input_bytes=0 if spec.first else act,
+                  output_bytes=mb * seq * (cfg.vocab_size if spec.last else h) * elem,
+                  input_grad_bytes=0 if spec.first else act, output_grad_bytes=0 if spec.last else act)
+    layers = range(spec.layers[0], spec.layers[-1] + 1) if spec.layers else range(0)
+    later = StageJobs(spec.stage, F=full["F0"], B=full["B1"], I=split["I0"] if split else None,
+                      W=split["W1"] if split else None, layers=layers, **bounds)
+    first = StageJobs(spec.stage, F=full["F0"], B=full["B0"], I=split["I0"] if split else None,
+                      W=split["W0"] if split else None, layers=layers, **bounds)
+    return TracedStage(later, first, full["param_bytes"])
+
+
+def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
+    """Two microbatches through `kinds` ("FB": F B F B, "FIW": F I W F I W), one phase each."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    from .dist_capture import DistStorageRecorder
+    from .stack import causal_lm_loss
+
+    first, last, mb, seq = spec.first, spec.last, spec.micro_batch, spec.seq_len
+    if first:
+        x = torch.empty((mb, seq), dtype=torch.long)
+    else:
+        x = torch.empty((mb, seq, cfg.hidden_size), dtype=dtype).requires_grad_()
+    target = torch.empty((mb, seq), dtype=torch.long) if last else None
+    gy = None if last else torch.empty((mb, seq, cfg.hidden_size), dtype=dtype)
+    params = list(module.parameters())
+    rec = DistStorageRecorder()
+    rec.register(params, TensorKind.PARAM)
+    rec.register(module.buffers(), TensorKind.BUFFER)
+    rec.register([t for t in (x, target, gy) if t is not None], TensorKind.ACTIVATION)
+    held = []       # what the runtime owns: y, dx, losses (freed after the trace)
+    phases = []
+    with rec:
+        for m in range(2):
+            rec.begin(f"F{m}")
+            phases.append(f"F{m}")
+            y = module(x)
+            loss = causal_lm_loss(y, target) if last else None
+            held += [y, loss]
+            stage_output = loss if last else (y,)
+            output_grads = None if last else (gy,)
+            inputs = [x]
+            if kinds == "FB":
+                rec.begin(f"B{m}")
+                phases.append(f"B{m}")
+                dx = stage_backward(stage_output, output_grads, inputs)
+                held.append(dx)
+            else:
+                rec.begin(f"I{m}")
+                phases.append(f"I{m}")
+                if not first:
+                    so = (stage_output,) if isinstance(stage_output, torch.Tensor) else stage_output
+                    dx, groups = stage_backward_input(so, output_grads, inputs, iter(params))
+                    held.append(dx)
+                rec.begin(f"W{m}")
+                phases.append(f"W{m}")
+                if not first:
+                    stage_backward_weight(iter(params), groups)
+                    del groups, so
+                else:     # the runtime defers the first stage's whole backward to W
+                    stage_backward(stage_output, output_grads, inputs)
+            if last and not first:
+                y.detach_()
+            del y, loss, stage_output, output_grads
+    programs = {p.name: p for p in rec.programs()}
+    ordered = [programs.get(p) for p in phases]
+    mem = iter(analyze_sequence([p for p in ordered if p is not None], live_on_entry=rec.entry_storages()))
+    out = {}
+    for name, prog in zip(phases, ordered):
+        r = next(mem) if prog is not None else None
+        out[name] = JobMemory(r.net_bytes, r.peak_bytes) if r is not None else JobMemory(0, 0)
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    return out
+
+
+@lru_cache(maxsize=256)
+def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
+    """`optimizer.step(); zero_grad(set_to_none=True)` over the params of a rank's stages, every
+    param holding a gradient on entry. Returns (job, buffer bytes of the stage modules)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import kernel_policy as policies
+    from .dist_capture import DistStorageRecorder
+    from .hf import optimizer_factory
+    from .stack import build_stack
+    spec0 = specs[0]
+    cfg = _cfg(spec0)
+    dtype = getattr(torch, spec0.dtype)
+    make = optimizer_factory(spec0.optimizer)
+    with FakeTensorMode():
+        mods = [build_stack(cfg, s.layers, s.first, s.last, s.seq_len, dtype, init=False) for s in specs]
+        params = [p for m in mods for p in m.parameters()]
+        buffers = {id(b): b for m in mods for b in m.buffers()}
+        buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
+        if make is None:
+            return JobMemory(0, 0), buffer_bytes
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt = make(params)
+        policies.configure_optimizer(spec0.kernel_policy, opt)
+        rec = DistStorageRecorder()
+        rec.register(params, TensorKind.PARAM)
+        rec.register([p.grad for p in params], TensorKind.GRAD)
+        with rec:
+            rec.begin("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        (r,) = analyze_sequence(rec.programs(), live_on_entry=rec.entry_storages())
+        del opt
+    return JobMemory(r.net_bytes, r.peak_bytes), buffer_bytes
+
+
+@dataclass
+class TracedStagePlan:
+    """Traced stage jobs of a pipeline plan, with the same interface as templates'
+    `pipemem.stages.StagePlan` (what `estimate.per_rank` needs)."""
+
+    specs: dict[int, StageSpec]
+    traced: dict[int, TracedStage]
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def stages(self) -> dict[int, StageJobs]:
+        return {s: t.jobs for s, t in self.traced.items()}
+
+    def first_grad_overrides(self, schedule) -> dict:
+        """(stage, microbatch) -> the first-backward jobs, for the first action of each stage
+        that makes its parameters' gradients (a B, or a W when the backward is split)."""
+        out = {}
+        seen = set()
+        for acts in schedule.ranks:
+            for kind, s, m in acts:
+                if kind in ("B", "W") and s not in seen:
+                    seen.add(s)
+                    out[(s, m)] = self.traced[s].first_grad
+        return out
+
+    def rank_static(self, stage_ids) -> StaticBytes:
+        specs = tuple(self.specs[s] for s in sorted(stage_ids))
+        _, buffers = trace_rank_optimizer(specs)
+        return StaticBytes(params=sum(self.traced[s].param_bytes for s in stage_ids), other=buffers)
+
+    def rank_optimizer(self, stage_ids) -> JobMemory:
+        return trace_rank_optimizer(tuple(self.specs[s] for s in sorted(stage_ids)))[0]
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
+        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+
+def param_dtype_name(plan) -> str:
+    """Traced pipelines and sharded ranks run without autocast: fp32, or pure bf16 / fp16."""
+    if plan.dtype == "fp32":
+        return "float32"
+    if plan.master_weights:
+        raise UserError(f"traced mode with --pp/--tp/--fsdp: --dtype {plan.dtype} with master weights (autocast) "
+                        f"is not traced yet; use --dtype fp32 or --no-master-weights (pure {plan.dtype})")
+    return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
+
+
+def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_policy: str) -> TracedStagePlan:
+    """Trace every virtual stage of a validated pipeline plan (layers from plan.pp_layout)."""
+    _check_pipeline(plan)
+    model = json.dumps(model_config, sort_keys=True, default=str)
+    attn = "sdpa" if plan.flash_attn else "eager"
+    n = plan.pp * plan.vpp
+    specs, start = {}, 0
+    for s, k in enumerate(plan.pp_layout):
+        specs[s] = StageSpec(model, plan.layers, attn, param_dtype_name(plan), s, n, tuple(range(start, start + k)),
+                             plan.micro_batch, plan.seq_len, split_backward, kernel_policy, plan.optimizer)
+        start += k
+    return TracedStagePlan(specs, {s: trace_stage(sp) for s, sp in specs.items()})
+
+
+def _check_pipeline(plan) -> None:
+    bad = [f"--{k} {getattr(plan, k)}" for k in ("tp", "cp", "ep") if getattr(plan, k) != 1]
+    if bad or plan.zero or plan.fsdp:
+        raise UserError(f"traced mode traces pipelines of unsharded stages; {', '.join(bad) or '--zero/--fsdp'} "
+                        "with --pp is not traced yet: use --mode templates")
+    if plan.recompute != "none":
+        raise UserError("traced mode with --pp: --recompute is not traced for pipeline stages yet; "
+                        "use --mode templates")
+
+
+# ---------------------------------------------------------------- one TP / FSDP rank
+
+def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, rank: int = 0) -> dict:
+    """One training step of rank `rank` of a tensor-parallel (`kind="tp"`, world = tp) or FSDP2
+    (`kind="fsdp"`, world = dp) run of the whole `DecoderStack` model. Returns
+    {static: StaticBytes, F, B, optimizer: JobMemory, peak_at, param_bytes}."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import kernel_policy as policies
+    from .dist_capture import fake_process_group
+    from .hf import make_config
+    from .stack import build_fsdp_model, build_tp_model, make_mesh
+
+    build = {"tp": build_tp_model, "fsdp": build_fsdp_model}[kind]
+    if kind == "tp" and plan.recompute_allgather:
+        # torchtitan convention: the column-parallel linears keep their sequence shard and
+        # all-gather it again in backward (pipemem.torch_tp.RegatherColwiseParallel)
+        build = partial(build_tp_model, regather=True)
+    world = plan.tp if kind == "tp" else plan.dp
+    cfg = make_config(model_config, "sdpa" if plan.flash_attn else "eager", plan.layers)
+    dtype = getattr(torch, param_dtype_name(plan))
+    if plan.recompute not in ("none", "full") or (kind == "fsdp" and plan.recompute != "none"):
+        raise UserError(f"traced mode with --{kind}: --recompute {plan.recompute} is not traced yet; use "
+                        + ("none or full" if kind == "tp" else "none") + ", or --mode templates")
+    with fake_process_group(rank, world):
+        mesh = make_mesh(world)          # device meshes cannot be built under FakeTensorMode
+        with FakeTensorMode(), policies.context(kernel_policy):
+            model = build(cfg, plan.seq_len, mesh, init=False, dtype=dtype)
+            if plan.recompute == "full":     # torchtitan's full activation checkpointing, per decoder layer
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                for k in list(model.layers):
+                    model.layers[k] = checkpoint_wrapper(model.layers[k])
+            return _trace_model_step(model, plan, kernel_policy)
+
+
+def _trace_model_step(model, plan, kernel_policy: str) -> dict:
+    """`run_step` (the step the real ranks run) of a fake `DecoderStack`, its forward /
+    backward / optimizer programs walked by liveness, params, buffers and inputs live on entry."""
+    from . import kernel_policy as policies
+    from .dist_capture import DistStorageRecorder
+    from .hf import optimizer_factory
+    from .stack import causal_lm_loss, local_tensor
+    from .step import run_step
+
+    make = optimizer_factory(plan.optimizer)
+    opt = make(model.parameters()) if make is not None else None
+    policies.configure_optimizer(kernel_policy, opt)
+    ids = torch.empty((plan.micro_batch, plan.seq_len), dtype=torch.long)
+    target = torch.empty((plan.micro_batch, plan.seq_len), dtype=torch.long)
+    rec = DistStorageRecorder()
+    params = rec.register([local_tensor(p) for p in model.parameters()], TensorKind.PARAM)
+    buffers = rec.register([local_tensor(b) for b in model.buffers()], TensorKind.BUFFER)
+    rec.register([ids, target], TensorKind.ACTIVATION)
+
+    def on_phase(phase: str) -> None:
+        if phase != "end":
+            rec.begin(phase)
+
+    with rec.fsdp_resizes(), rec:
+        run_step(model, (ids,), {}, lambda out: causal_lm_loss(out, target), opt, on_phase=on_phase)
+    del opt
+    programs = rec.programs()
+    entry = rec.entry_storages()
+    sizes = rec.storages
+    param_bytes = sum(sizes[n].nbytes for n in set(params))
+    buffer_bytes = sum(sizes[n].nbytes for n in set(buffers) - set(params))
+    total = sum(sizes[n].nbytes for n in entry)
+    results = {r.name: r for r in analyze_sequence(programs, live_on_entry=entry)}
+
+    def job(name):
+        r = results.get(name)
+        return JobMemory(r.net_bytes, r.peak_bytes) if r is not None else JobMemory(0, 0)
+
+    peak_op = {name: f"{name}: {r.peak_op_label}" for name, r in results.items()}
+    return {"static": StaticBytes(params=param_bytes, other=total - param_bytes),
+            "F": job("forward"), "B": job("backward"), "optimizer": job("optimizer"), "peak_op": peak_op,
+            "param_bytes": param_bytes, "buffer_bytes": buffer_bytes}

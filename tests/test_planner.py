@@ -1,0 +1,285 @@
+"""`pipemem plan`: the search lists only valid plans that fit, each re-estimating to the same
+bytes with `pipemem estimate` and its flags; the cost model's bubble equals the literature's
+closed forms; the pruning it relies on holds; published large runs appear where they ran."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipemem.cli.main import main
+from pipemem.errors import UserError
+from pipemem.estimate import estimate
+from pipemem.plan import ParallelPlan, validate_plan
+from pipemem.planner import SpaceOptions, Target, search_plans
+from pipemem.planner.cost import layer_flops, pipeline_time
+from pipemem.planner.hardware import default_reserve_bytes, speeds_for
+from pipemem.planner.space import balanced_layout
+from pipemem.presets import gpu_info
+from pipemem.schedules import get_schedule
+
+
+def _target(gpus: int, gpu: str = "h100-80g", reserve: int | None = None, per_node: int = 8) -> Target:
+    cap = gpu_info(gpu)["bytes"]
+    return Target(gpus, cap, default_reserve_bytes(cap) if reserve is None else reserve, speeds_for(gpu), gpu=gpu,
+                  gpus_per_node=per_node)
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def small_search():
+    """Llama 3.2 1B on 16 24-GiB GPUs in 2 nodes: tight enough that recomputation, pruning and
+    every dimension come into play, small enough for CI."""
+    return search_plans("llama3.2-1b", _target(16, "rtx3090", per_node=8), 4096, 64,
+                        SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4))
+
+
+# ---------------------------------------------------------------- the cost model's bubble
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_bubble_1f1b_closed_form(p, m):
+    # (p-1)/(m+p-1) of the step is idle with equal stages (Narayanan et al. 2021)
+    t = pipeline_time(get_schedule("1F1B", p, m), [(1.0, 1.0, 1.0)] * p)
+    assert t.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "VPP"])
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 4), (8, 16, 2), (8, 32, 4)])
+def test_bubble_interleaved_closed_form(name, p, m, v):
+    # Megatron's interleaved schedule: bubble time (p-1)/v of a microbatch's F+B, i.e. a share
+    # (p-1)/(v m + p-1) of the step (Narayanan et al. 2021, §2.2)
+    t = pipeline_time(get_schedule(name, p, m, vpp=v), [(1 / v, 1 / v, 1 / v)] * (p * v))
+    assert t.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (8, 16)])
+@pytest.mark.parametrize("tf,ti,tw", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 1.0, 0.8)])
+def test_bubble_zb_h1_closed_form(p, m, tf, ti, tw):
+    # ZB-H1 (Qi et al. 2024, §3.1): bubble (p-1)(T_F + T_B - T_W) with T_B the input-grad pass
+    t = pipeline_time(get_schedule("ZB1P", p, m), [(tf, ti, tw)] * p)
+    bubble = (p - 1) * (tf + ti - tw)
+    assert t.makespan == pytest.approx(m * (tf + ti + tw) + bubble, rel=1e-12)
+    assert t.bubble == pytest.approx(bubble / t.makespan, rel=1e-9)
+
+
+def test_layer_flops_match_the_zero_bubble_paper():
+    # GPT layer (4h FFN, no GQA): F = sb(24h^2 + 4sh), B = sb(24h^2 + 8sh), W = sb(24h^2) per layer
+    from pipemem.model import ArchSpec
+    h, s = 1024, 2048
+    arch = ArchSpec("gpt", "gpt2", layers=2, hidden=h, heads=16, kv_heads=16, head_dim=64, ffn=4 * h, vocab=1000,
+                    norm="layernorm", activation="gelu")
+    f, i, w = layer_flops(arch, 0, s)
+    assert (f, i, w) == (24 * h * h + 4 * s * h, 24 * h * h + 8 * s * h, 24 * h * h)
+    assert layer_flops(arch, 0, s, "full") == (f, i + f, w)
+
+
+def test_balanced_layout():
+    assert balanced_layout(126, 16) == (7,) + (8,) * 14 + (7,)     # Llama 3 405B's layout
+    assert balanced_layout(80, 16) is None
+    lay = balanced_layout(81, 8)
+    assert sum(lay) == 81 and max(lay) - min(lay) == 1 and lay[0] == lay[-1] == 10
+
+
+# ---------------------------------------------------------------- the search
+
+def test_listed_plans_are_valid_and_fit(small_search):
+    res = small_search
+    assert res.plans, "some plan must fit"
+    arch = res.arch
+    for p in res.plans:
+        plan = validate_plan(arch, ParallelPlan(**p.kwargs))       # raises for an invalid plan
+        assert plan.world == 16
+        assert plan.pp * plan.vpp <= arch.layers
+        assert plan.tp <= 8                                        # tp within a node
+        assert p.peak_bytes + res.target.reserve_bytes <= res.target.capacity_bytes
+        assert p.peak_bytes == max(p.rank_peaks)
+    # every dimension was searched
+    kws = [p.kwargs for p in res.plans]
+    for key in ("tp", "pp", "cp", "dp", "micro_batch"):
+        assert len({k[key] for k in kws}) > 1, key
+    assert any(k.get("vpp", 1) > 1 for k in kws)
+    assert any(k.get("recompute", "none") != "none" for k in kws)
+    assert res.stats.no_fit + res.stats.pruned_static > 0     # not everything fits
+
+
+def test_listed_plans_reestimate_to_the_same_bytes(small_search):
+    """The acceptance check: `pipemem estimate` with a listed plan's flags gives its bytes."""
+    rng = random.Random(18)
+    plans = small_search.plans
+    sample = rng.sample(plans, min(6, len(plans)))
+    sample += [p for p in plans if p.kwargs.get("recompute_layers")][:2]
+    for p in sample:
+        rc, out, err = _cli(["estimate", *p.flags.split(), "--json"])
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["max_peak_allocated_bytes"] == p.peak_bytes, p.flags
+        assert [r["peak_allocated_bytes"] for r in d["ranks"]] == p.rank_peaks
+
+
+def test_cheapest_recompute_is_listed(small_search):
+    """A plan that recomputes is listed only when the same plan without recomputation does not fit."""
+    for p in small_search.plans:
+        if p.kwargs.get("recompute", "none") == "none":
+            continue
+        kw = {k: v for k, v in p.kwargs.items() if k not in ("recompute", "recompute_layers")}
+        e = estimate("llama3.2-1b", gpu="rtx3090", **kw)
+        assert e.max_peak_allocated_bytes + small_search.target.reserve_bytes > small_search.target.capacity_bytes
+        break
+
+
+def test_static_bound_prunes_only_plans_that_cannot_fit():
+    """Plans skipped for their static bytes are too large when estimated."""
+    res = search_plans("llama3-8b", _target(8, "rtx3090"), 2048, 16, SpaceOptions(micro_batches=(1,), max_vpp=1,
+                                                                                   shardings=("dist-opt",)))
+    assert res.stats.pruned_static > 0
+    budget = res.target.budget_bytes
+    # tp 1 x pp 1 x dp 8 with the distributed optimizer: 8B params in bf16 alone exceed 24 GiB
+    e = estimate("llama3-8b", gpu="rtx3090", seq_len=2048, global_batch=16, dp=8, dist_opt=True, recompute="full")
+    assert e.max_peak_allocated_bytes > budget
+    assert not any(p.kwargs["tp"] * p.kwargs["pp"] == 1 for p in res.plans)
+
+
+def test_pareto_sets_are_not_dominated(small_search):
+    for front, second, pipeline_only in ((small_search.pareto, lambda p: p.cost.bubble, True),
+                                         (small_search.pareto_step_time, lambda p: p.cost.step_s, False)):
+        assert front
+        assert not pipeline_only or all(p.kwargs["pp"] > 1 for p in front)
+        for a in front:
+            for b in small_search.plans:
+                if b is a or (pipeline_only and b.kwargs["pp"] == 1):
+                    continue
+                assert not (b.peak_bytes <= a.peak_bytes and second(b) < second(a) - 1e-12), (a.flags, b.flags)
+
+
+def test_plans_that_cannot_run_never_appear():
+    """tp not dividing the heads / KV heads (as validate_plan rules) and pp beyond the layers."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 1536, "num_attention_heads": 12,
+           "num_key_value_heads": 3, "intermediate_size": 4096, "vocab_size": 32000}
+    from pipemem.model import arch_from_hf_config
+    arch = arch_from_hf_config(cfg, "odd")
+    res = search_plans(cfg, _target(16, "rtx3090"), 1024, 32, SpaceOptions(micro_batches=(1,), max_vpp=2))
+    assert res.plans
+    seen_tp = {p.kwargs["tp"] for p in res.plans}
+    for tp in (1, 2, 4, 8, 16):
+        try:
+            validate_plan(arch, ParallelPlan(tp=tp))
+        except UserError:
+            assert tp not in seen_tp
+    assert all(p.kwargs["pp"] * p.kwargs.get("vpp", 1) <= 6 for p in res.plans)
+    assert res.stats.invalid      # some proposals were refused
+
+
+def test_pinned_degrees_and_moe():
+    res = search_plans("mixtral-8x7b", _target(32, "h100-80g"), 4096, 64,
+                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 2, "pp": 4}))
+    assert res.plans
+    assert {p.kwargs["tp"] for p in res.plans} == {2} and {p.kwargs["pp"] for p in res.plans} == {4}
+    assert len({p.kwargs["ep"] for p in res.plans}) > 1
+    assert any(p.kwargs.get("etp") == 1 for p in res.plans)
+    assert all(p.cost.comm and any(c.group == "ep" for c in p.cost.comm) for p in res.plans if p.kwargs["ep"] > 1)
+
+
+# ---------------------------------------------------------------- published runs
+
+@pytest.mark.parametrize("seq,batch,cp,dp", [(8192, 2048, 1, 128), (131072, 128, 16, 8)])
+def test_llama3_405b_published_plans_fit(seq, batch, cp, dp):
+    """Llama 3 405B (Llama 3 paper, Table 4): tp 8, pp 16 on 16,384 H100-80GB; cp 1 at 8K, cp 16 at
+    128K tokens; 16M tokens per batch; ZeRO-2-like sharding (optimizer states and gradients)."""
+    res = search_plans("llama3.1-405b", _target(16384), seq, batch,
+                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 8, "pp": 16, "cp": cp}))
+    fitting = [p for p in res.plans if p.kwargs["dp"] == dp]
+    assert fitting, res.stats.to_dict()
+    assert any(p.kwargs.get("zero") == 2 for p in fitting)
+    assert all(p.kwargs["pp_layout"] == (7,) + (8,) * 14 + (7,) for p in fitting)
+
+
+# ---------------------------------------------------------------- recomputation monotonicity
+
+@settings(max_examples=12)
+@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), mbs=st.sampled_from([1, 2]),
+       seq=st.sampled_from([1024, 4096]), conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
+       sched=st.sampled_from(["1F1B", "ZBH1", "GPipe"]))
+def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
+    """What the recomputation bisection assumes: none >= selective >= full, and full on K+1
+    layers per stage <= full on K."""
+    kw = dict(seq_len=seq, micro_batch=mbs, tp=tp, pp=pp, dp=1, microbatches=2 * pp, convention=conv,
+              layers=8, schedule=sched if pp > 1 else None)
+
+    def peak(**r):
+        return estimate("llama3.2-1b", **kw, **r).max_peak_allocated_bytes
+
+    none, sel, full = peak(recompute="none"), peak(recompute="selective"), peak(recompute="full")
+    assert none >= sel >= full
+    per_stage = 8 // pp
+    ks = [peak(recompute="full", recompute_layers=k) for k in range(1, per_stage + 1)]
+    assert all(a >= b for a, b in zip(ks, ks[1:])) and ks[-1] == full and none >= ks[0]
+
+
+# ---------------------------------------------------------------- zero bubble
+
+def test_zero_bubble_memory_is_found_and_reestimates(tmp_path):
+    from pipemem.planner.zero_bubble import smallest_zero_bubble_memory
+    res = search_plans("llama3.2-1b", _target(8, "rtx3090"), 2048, 32,
+                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"pp": 4, "tp": 2}))
+    best = [p for p in res.plans if p.kwargs["pp"] > 1][0]
+    path = tmp_path / "zb.csv"
+    zb = smallest_zero_bubble_memory(res, best, csv_path=str(path))
+    assert zb.zero_bubble and zb.stage_bubble <= 1e-9
+    assert path.read_text() == zb.csv_text
+    # the schedule, read back by `pipemem estimate`, peaks where the search said
+    rc, out, err = _cli(["estimate", *zb.flags.split(), "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["max_peak_allocated_bytes"] == zb.peak_bytes
+    assert zb.peak_bytes >= zb.memory_bytes - (1 << 20)
+    # below the memory found, the scheduler's schedules are not zero-bubble (within the resolution)
+    smaller = smallest_zero_bubble_memory(res, best)
+    assert smaller.memory_bytes == zb.memory_bytes
+
+
+# ---------------------------------------------------------------- the command
+
+def test_cli_table_and_json(tmp_path):
+    argv = ["plan", "--model", "llama3.2-1b", "--gpus", "8", "--gpu", "rtx3090", "--seq-len", "2048",
+            "--global-batch", "32", "--micro-batch", "1", "--max-vpp", "2", "--no-progress"]
+    rc, out, err = _cli(argv)
+    assert rc == 0, err
+    assert "BEST: pipemem estimate --model llama3.2-1b" in out and "Pareto" in out
+    rc, out, err = _cli(argv + ["--json"])
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["plans"] and all(p["flags"].startswith("--model llama3.2-1b --gpu rtx3090") for p in d["plans"])
+    assert d["reserve_bytes"] == default_reserve_bytes(gpu_info("rtx3090")["bytes"])
+    steps = [p["step_seconds"] for p in d["plans"]]
+    assert steps == sorted(steps)
+    assert set(d["pareto"]) <= {p["flags"] for p in d["plans"]}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
+    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
+     "--micro-batch"),
+    (["--gpus", "0", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
+    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
+    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
+     "--shardings"),
+    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
+     "--schedules"),
+    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
+     "--zero-bubble"),
+])
+def test_cli_bad_input_is_one_line(argv, needle):
+    rc, out, err = _cli(["plan", "--model", "llama3.2-1b", *argv])
+    assert rc == 2
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
