@@ -103,15 +103,15 @@ def read_args(argv: list[str]) -> ToolConfig:
     """torchtitan 0.3's own launch arguments (`--module llama3 --config llama3_8b
     --parallelism.tensor_parallel_degree 8 ...`), resolved by torchtitan's ConfigManager (its
     config_registry function, then the overrides); needs torchtitan installed."""
-    from ..validation.torchtitan_trace import _triton_stub
+    from ..traced.torchtitan_model import import_stubs
     try:
-        with _triton_stub():
+        with import_stubs():
             from torchtitan.config.manager import ConfigManager
     except ImportError as e:
         raise UserError(f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
                         "pip install 'pipemem[torchtitan]', or give a job TOML") from None
     try:
-        with _triton_stub():     # config_registry modules import torchtitan's models
+        with import_stubs():     # config_registry modules import torchtitan's models
             cfg = ConfigManager().parse_args(list(argv))
     except SystemExit:
         raise UserError("--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
@@ -133,7 +133,7 @@ def _model_from_spec(spec) -> dict:
     """An HF-style config dict of torchtitan's model (built on the meta device)."""
     import torch
 
-    from ..validation.torchtitan_trace import model_shapes
+    from ..traced.torchtitan_model import model_shapes
     with torch.device("meta"):
         model = spec.model.build()
     a = model_shapes(model)

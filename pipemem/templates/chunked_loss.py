@@ -56,10 +56,10 @@ def _fsdp_all_gather(b: _Builder, tag: str, full: int, group: int) -> tuple[str,
     return unsharded, ag_out
 
 
-def chunked_head_programs(arch, sh, keep_input: bool = False):
-    """PartPrograms (F, B, I = B, W empty) of the chunked-loss head; see the module docstring.
-    `keep_input`: the head is a stage's first part, whose input the pipeline runtime frees."""
-    from .programs import PartPrograms
+def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
+    """(F, B, W, input name, output name, liveness results {F, B, I, W}) of the chunked-loss
+    head (I is B: no split backward); see the module docstring. `keep_input`: the head is a
+    stage's first part, whose input the pipeline runtime frees."""
 
     n = sh.loss_chunks
     dt = dtype_bytes(sh.dt)
@@ -151,7 +151,7 @@ def chunked_head_programs(arch, sh, keep_input: bool = False):
     rf = analyze_program(f, live_on_entry={x}, keep=kept_f | owned)
     rb = analyze_program(b, live_on_entry=rf.live_after, keep={dx_in} | owned)
     rw = analyze_program(W, live_on_entry=rb.live_after)
-    return PartPrograms(f, b, b, W, x, grad, {"F": rf, "B": rb, "I": rb, "W": rw})
+    return f, b, W, x, grad, {"F": rf, "B": rb, "I": rb, "W": rw}
 
 
 def _reduce_scatter(b: _Builder, sh, tag: str, full: int, group: int, grads: str) -> None:

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from ..jobs import JobMemory
 from ..liveness import analyze_program, touched_storages
+from .chunked_loss import chunked_head_programs
 from .conventions import Convention
 from .layers import LayerOptions, Shard, decoder_layer_tape, embedding_tape, head_tape
 
@@ -106,8 +107,8 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
 
 def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartPrograms:
     if conv.name == "torchtitan" and sh.loss_chunks > 1:
-        from .chunked_loss import chunked_head_programs
-        return chunked_head_programs(arch, sh, keep_input)
+        F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
+        return PartPrograms(F, B, B, W, x, y, results)
     tape, x, loss = head_tape(arch, sh, conv)
     return _analyze(tape, x, loss, loss, keep_input)
 
