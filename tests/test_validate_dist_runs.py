@@ -25,7 +25,7 @@ def test_tp_rank_holds_its_shard_of_every_sharded_weight():
     sharded = v * h + spec["layers"] * layer_sharded + v * h
     replicated = spec["layers"] * 2 * h + h
     est = pipemem.estimate(hf_config(spec), mode="traced", kernel_policy="cpu", convention="torchtitan",
-                           dtype="fp32", tp=2, seq_len=16)
+                           step="first", dtype="fp32", tp=2, seq_len=16)
     assert est.ranks[0].static.params == 4 * (sharded // 2 + replicated)
 
 

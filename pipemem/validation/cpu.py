@@ -144,9 +144,11 @@ def estimate(case: Case):
     import pipemem
     from ..traced.hf import TINY
     base, _, how = case.dtype.partition("-")
+    # the measured loop zeroes grads with PyTorch's default zero_grad(set_to_none=True)
     return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", micro_batch=case.batch,
                             seq_len=case.seq, dtype=base, master_weights=how != "pure",
-                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
+                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer,
+                            grads="set-to-none")
 
 
 def run_cases(cases=CASES) -> list[CaseRow]:
