@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .errors import UserError
 from .jobs import JobMemory, StaticBytes
-from .plan import ParallelPlan
+from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
 
 MODES = ("templates", "traced")
 KERNEL_POLICIES = ("cuda", "cpu")
@@ -50,10 +50,48 @@ class RankEstimate:
     timeline: list[TimelinePoint] = None
     source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
 
+    def _peak_point(self) -> tuple[int, TimelinePoint] | None:
+        for i, p in enumerate(self.timeline):
+            if p.label == self.peak_at and p.peak == self.peak_allocated_bytes:
+                return i, p
+        return None
+
+    @property
+    def grads_at_peak_bytes(self) -> int:
+        """Gradients the step created (set-to-none / DDP grads, `static.grads_in_step`) that are
+        resident when the action at the peak starts: all of them once every stage of the rank
+        has run a backward; before that they are counted with what the backward holds."""
+        found = self._peak_point()
+        if found is None or not self.static.grads_in_step:
+            return 0
+        done = {lab.split("@s")[1] for lab in (p.label for p in self.timeline[:found[0]])
+                if lab[:1] in "BW" and "@s" in lab}
+        return self.static.grads_in_step if done >= {str(s) for s in self.stages} else 0
+
+    @property
+    def activations_at_peak_bytes(self) -> int:
+        """Activations held around the action at the peak: the larger of what is held before
+        and after it (a forward adds its microbatch's, a backward frees them), neither the
+        static state nor the gradients the step created counted. At an optimizer-step peak,
+        what is still resident then (usually 0). Without a timeline, the high-water mark."""
+        found = self._peak_point()
+        if found is None:
+            return self.activation_hwm_bytes
+        p = found[1]
+        held = max(p.before, p.after) - self.static.total - self.grads_at_peak_bytes
+        return max(0, min(held, self.activation_hwm_bytes))
+
     @property
     def transient_bytes(self) -> int:
-        """What the action at the peak needs above the static state and the stored activations."""
-        return max(0, self.peak_allocated_bytes - self.static.total - self.activation_hwm_bytes)
+        """What the action at the peak needs above the static state, the step's gradients and
+        the activations held around it: a forward's or backward's working memory, the
+        optimizer step's scratch."""
+        return max(0, self.peak_allocated_bytes - self.static.total - self.grads_at_peak_bytes
+                   - self.activations_at_peak_bytes)
+
+    @property
+    def peak_is_optimizer(self) -> bool:
+        return self.peak_at == "optimizer"
 
     def headroom(self, gpu_bytes: int | None) -> int | None:
         return None if gpu_bytes is None else gpu_bytes - self.peak_allocated_bytes
@@ -67,6 +105,8 @@ class RankEstimate:
             "static_bytes": self.static.to_dict(),
             "activation_hwm_bytes": self.activation_hwm_bytes,
             "inflight": self.inflight,
+            "activations_at_peak_bytes": self.activations_at_peak_bytes,
+            "grads_at_peak_bytes": self.grads_at_peak_bytes,
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_at": self.peak_at,
@@ -133,6 +173,7 @@ class Estimate:
     world_size: int = 1
     inputs: tuple | None = field(default=None, repr=False)   # (model, kwargs) as given to estimate()
     suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
+    suggestions_tried: bool = False                           # suggest() ran (an empty list means none helps)
     runtime: str | None = None     # the pipeline runtime profile replayed (pipemem.runtime)
 
     @property
@@ -185,6 +226,7 @@ class Estimate:
     def suggest(self, limit: int = 2) -> list[dict]:
         """One-step plan changes that make an OOM plan fit (see suggest_fixes); kept in .suggestions."""
         self.suggestions = suggest_fixes(self, limit)
+        self.suggestions_tried = self.fits is False and self.mode == "templates" and self.inputs is not None
         return self.suggestions
 
 
@@ -237,15 +279,45 @@ def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None,
     if gpu_memory is not None:
         if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
             raise UserError(f"--gpu-memory {gpu_memory!r}: expected a positive number of GiB, e.g. 80")
+        if not MIN_GPU_GIB <= gpu_memory <= MAX_GPU_GIB:   # also inf
+            raise UserError(f"--gpu-memory {gpu_memory!r}: give {MIN_GPU_GIB:g} to {MAX_GPU_GIB:,} GiB (1 PiB) of "
+                            "device memory")
         return f"{gpu_memory:g} GiB", int(round(gpu_memory * (1 << 30)))
     return None, None
+
+
+def _flash_for_gpu(plan_kw: dict, gpu: str | None) -> None:
+    """Flash attention defaults off on a GPU preset that cannot run it (gpus.json
+    `flash_attention`); asking for it there is an error, not a quietly wrong estimate."""
+    if gpu is None:
+        return
+    from .presets import gpu_info
+
+    info = gpu_info(gpu)
+    if info.get("flash_attention", True):
+        return
+    if plan_kw.get("flash_attn") is True:
+        raise UserError(f"--flash-attn: {info['key']} (compute capability {info.get('compute_capability', '?')}) "
+                        "cannot run flash attention kernels (they need sm 8.0+); drop --flash-attn")
+    plan_kw["flash_attn"] = False
 
 
 # ---------------------------------------------------------------- the estimate
 
 def estimate(model: str | Mapping, **kwargs) -> Estimate:
     """Per-rank memory of training `model` with the plan given as keyword arguments (the CLI's
-    flag names with underscores: `tp=8, pp=4, micro_batch=1, recompute="full", gpu="h100-80g"`)."""
+    flag names with underscores: `tp=8, pp=4, micro_batch=1, recompute="full", gpu="h100-80g"`).
+    Bad input of any kind raises `UserError`."""
+    try:
+        return _estimate(model, **kwargs)
+    except (OverflowError, MemoryError) as e:
+        # validate_plan bounds every number; this is the net under it (a config value that
+        # slipped past the bounds): one clear error, never a traceback or a wrapped number.
+        raise UserError(f"the numbers of this plan are too large to estimate ({type(e).__name__}: {e}); "
+                        "check --seq-len, --micro-batch, --layers and the model's sizes") from e
+
+
+def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     plan_kw, opts = split_kwargs(kwargs)
     mode = opts.get("mode") or "templates"
     if mode not in MODES:
@@ -259,6 +331,7 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
     if isinstance(plan_kw.get("pp_layout"), list):
         plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
+    _flash_for_gpu(plan_kw, opts.get("gpu"))
 
     from .model import arch_from_hf_config
 
@@ -267,11 +340,16 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:   # a wrong type slipped through from the Python API
         raise UserError(f"estimate(): {e}") from None
+    from .plan import check_ranges
+
+    check_ranges(plan)   # types and bounds first: nothing below computes with a bad number
     if mode == "traced":
         est = _traced(name, source, config, arch, plan, "vpp" in plan_kw, policy, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
+    if config.get("_pipemem_note"):
+        est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
 
 
@@ -288,7 +366,8 @@ def _with_schedule(arch, plan, vpp_given: bool):
         sched_name = canonical_name(sched_name)
         if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
             plan = replace(plan, vpp=default_vpp(sched_name))
-    plan = validate_plan(arch, replace(plan, schedule=sched_name))
+    # at pp 1 no schedule runs: a named one is refused by validate_plan, none is replayed as 1F1B
+    plan = validate_plan(arch, replace(plan, schedule=sched_name if plan.pp > 1 else plan.schedule))
     if plan.layers is not None and plan.layers != arch.layers:
         arch = arch.with_layers(plan.layers)
     return arch, plan
@@ -319,7 +398,7 @@ def _runtime(opts, plan, default: str | None = None) -> str:
 def schedule_of(plan: ParallelPlan):
     """The plan's schedule (named ones cached: a Schedule is never changed once built)."""
     from .schedules import get_schedule
-    name = plan.schedule
+    name = plan.schedule or default_schedule(plan)   # pp 1: no schedule named, one stage replayed as 1F1B
     if name.lower().startswith(("csv:", "torch:")):
         return _check_placement(get_schedule(name, plan.pp, plan.microbatches, vpp=plan.vpp), plan)
     return _named_schedule(name, plan.pp, plan.microbatches, plan.vpp)
@@ -492,35 +571,34 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
 
 # ---------------------------------------------------------------- what would fit
 
-def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
+def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[dict]:
     """For a plan that does not fit: re-run the engine on a few one-step changes (on the same
-    number of GPUs) and return those that fit, or the best one if none does:
-    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}]."""
+    number of GPUs) that could lower the *peak*, and return those that fit, or else the one
+    that lowers the peak most; a change that does not lower the peak is never returned:
+    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}].
+    When the worst rank peaks in the optimizer step only optimizer levers are tried (sharding
+    its states, a fused or per-parameter step, fewer dp ranks for more tp/pp): recompute or a
+    smaller micro-batch cannot lower that peak. Stops trying after `budget_s` seconds."""
+    import time
+
     if est.fits is not False or est.inputs is None or est.mode != "templates":
         return []
     model, kw = est.inputs
     kw = {k: v for k, v in kw.items() if k != "explain"}
     p = est.plan
-    cands: list[tuple[str, dict]] = []
-    if p.recompute == "none":
-        cands.append(("--recompute selective", {"recompute": "selective"}))
-    if p.recompute != "full" or p.recompute_layers is not None:
-        cands.append(("--recompute full", {"recompute": "full", "recompute_layers": None}))
-    if p.tp > 1 and not p.sp:
-        cands.append(("--sp", {"sp": True}))
-    if p.dp > 1 and not (p.zero or p.fsdp or p.dist_opt):
-        cands.append(("--dist-opt", {"dist_opt": True}) if p.convention == "megatron" else ("--zero 1", {"zero": 1}))
-    if p.micro_batch > 1:
-        half = p.micro_batch // 2
-        change = {"micro_batch": half}
-        if "global_batch" not in kw:
-            change["microbatches"] = p.microbatches * p.micro_batch // half
-        cands.append((f"--micro-batch {half}", change))
+    cands = _optimizer_levers(p) if est.worst_rank.peak_is_optimizer else _activation_levers(p, kw) + \
+        _sharding_levers(p)
     if p.dp % 2 == 0:   # same GPUs: trade data parallelism for model parallelism
         cands.append((f"--tp {p.tp * 2} --dp {p.dp // 2}", {"tp": p.tp * 2, "dp": p.dp // 2}))
         cands.append((f"--pp {p.pp * 2} --dp {p.dp // 2}", {"pp": p.pp * 2, "dp": p.dp // 2, "pp_layout": None}))
+    now = est.max_peak_allocated_bytes
     tried = []
+    start = time.perf_counter()
+    slowest = 0.0
     for flags, change in cands:
+        if time.perf_counter() - start + slowest > budget_s:
+            break    # a huge plan: fewer suggestions rather than a long wait
+        t0 = time.perf_counter()
         trial = dict(kw)
         trial.update(change)
         trial = {k: v for k, v in trial.items() if v is not None}
@@ -528,8 +606,50 @@ def suggest_fixes(est: Estimate, limit: int = 2) -> list[dict]:
             e = estimate(model, **trial)
         except UserError:
             continue    # not a valid plan for this model (e.g. tp would not divide the heads)
-        tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes, "fits": bool(e.fits)})
+        finally:
+            slowest = max(slowest, time.perf_counter() - t0)
+        if e.max_peak_allocated_bytes < now:
+            tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes,
+                          "fits": bool(e.fits)})
     fitting = [t for t in tried if t["fits"]]
     if fitting:
         return fitting[:limit]
     return sorted(tried, key=lambda t: t["max_peak_allocated_bytes"])[:1]
+
+
+def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:
+    out: list[tuple[str, dict]] = []
+    if p.recompute == "none":
+        out.append(("--recompute selective", {"recompute": "selective"}))
+    if p.recompute != "full" or p.recompute_layers is not None:
+        out.append(("--recompute full", {"recompute": "full", "recompute_layers": None}))
+    if p.tp > 1 and not p.sp:
+        out.append(("--sp", {"sp": True}))
+    if p.micro_batch > 1:
+        half = p.micro_batch // 2
+        change = {"micro_batch": half}
+        if "global_batch" not in kw:
+            change["microbatches"] = p.microbatches * p.micro_batch // half
+        out.append((f"--micro-batch {half}", change))
+    return out
+
+
+def _sharding_levers(p: ParallelPlan) -> list[tuple[str, dict]]:
+    """Shard the optimizer states (and more) over the data-parallel ranks."""
+    if p.dp * p.cp == 1 or p.zero >= 3 or p.fsdp:
+        return []
+    if p.convention == "megatron":
+        return [] if p.dist_opt else [("--dist-opt", {"dist_opt": True})]
+    if p.convention == "torchtitan":
+        return [("--fsdp", {"fsdp": True, "zero": None})]
+    return [(f"--zero {z}", {"zero": z}) for z in (1, 3) if z > p.zero]
+
+
+def _optimizer_levers(p: ParallelPlan) -> list[tuple[str, dict]]:
+    """What lowers a peak in the optimizer step: sharding what it updates, no scratch."""
+    out = _sharding_levers(p)
+    if p.optimizer_impl != "fused":
+        out.append(("--optimizer-impl fused", {"optimizer_impl": "fused"}))
+    if p.optimizer_impl == "foreach":
+        out.append(("--optimizer-impl for-loop", {"optimizer_impl": "for-loop"}))
+    return out

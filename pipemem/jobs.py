@@ -19,7 +19,7 @@ the four is allocated and freed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 JOB_KINDS = ("F", "B", "I", "W", "optimizer")
@@ -102,7 +102,8 @@ class StaticBytes:
                 "optimizer_in_step": self.optimizer_in_step}
 
     def plus(self, other: int = 0) -> "StaticBytes":
-        return StaticBytes(self.params, self.grads, self.optimizer, self.other + other)
+        """The same state with `other` more bytes held for the whole step."""
+        return replace(self, other=self.other + other)
 
 
 @dataclass(slots=True)

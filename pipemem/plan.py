@@ -18,6 +18,7 @@ Rules chosen where frameworks differ (stated here, in the messages and in the do
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from .errors import UserError
@@ -26,6 +27,14 @@ CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf")
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit")
+# How the optimizer step runs (torch.optim's foreach/fused switches, torchtitan's
+# [optimizer] implementation): fused kernels need no scratch, foreach materialises one
+# temporary the size of the local parameters, for-loop one parameter's at a time.
+OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+# Each framework's default: Megatron (TE/Apex FusedAdam) and Paddle (in-place adamw kernels)
+# fuse; torchtitan's `implementation` defaults to "fused"; HF modules trained with a plain
+# torch.optim.AdamW (what traced mode records) take the foreach path on GPUs.
+DEFAULT_OPTIMIZER_IMPL = {"megatron": "fused", "paddle": "fused", "torchtitan": "fused", "hf": "foreach"}
 # How the trainer keeps gradients between steps (what is resident when a step starts):
 #   buffer           resident all step: Megatron's / Paddle's contiguous main-grad buffer, or
 #                    PyTorch's zero_grad(set_to_none=False)
@@ -42,6 +51,37 @@ GRADS = ("buffer", "set-to-none", "ddp-bucket", "ddp-bucket-view")
 # exist, gradients as GRADS says) or "first" (no optimizer states before the first
 # optimizer step; gradients created by the first backward).
 STEPS = ("steady", "first")
+
+# What a training run can be. Beyond these bounds a number no longer describes a plan (and
+# byte counts would leave 64 bits, or a replay would run for minutes); each bound is named in
+# the error. They are generous: the largest published runs are far inside them.
+LIMITS = {
+    "seq_len": 1 << 24,          # 16,777,216 tokens per sequence
+    "micro_batch": 1 << 16,      # sequences per microbatch
+    "global_batch": 1 << 32,     # sequences per step
+    "microbatches": 1 << 16,     # microbatches per pipeline per step
+    "dp": 1 << 20, "tp": 1 << 20, "pp": 1 << 20, "cp": 1 << 20, "ep": 1 << 20, "etp": 1 << 20,
+    "vpp": 1 << 10,              # model chunks per pipeline rank
+    "layers": 1 << 14,           # 16,384 decoder layers (Llama 3.1 405B has 126)
+    "recompute_layers": 1 << 14,
+}
+BOOL_FIELDS = ("sp", "fsdp", "dist_opt", "master_weights", "recompute_allgather", "flash_attn")
+MAX_WORLD = 1 << 20              # 1,048,576 GPUs in one job
+MAX_TOKENS = 1 << 32             # tokens per microbatch (seq_len x micro_batch)
+# Schedule actions per step are pp x vpp x microbatches (stage, microbatch) pairs; a replay
+# costs a few microseconds each, the memory-limited schedulers (auto, ZBVPP) search and cost
+# ~0.3 ms each. These keep one estimate within a few seconds on one core.
+MAX_STAGE_MICROBATCHES = 1 << 17
+MAX_SEARCHED_STAGE_MICROBATCHES = 1 << 12
+SEARCHED_SCHEDULES = ("ZBAuto", "ZBVPP")
+# An upper bound of a rank's bytes must stay below this (int64 byte counts, with margin).
+MAX_BYTES = 1 << 62
+MAX_GPU_GIB = 1 << 20            # 1 PiB of device memory
+MIN_GPU_GIB = 1 / 1024           # 1 MiB
+# ArchSpec sizes read from a config.json
+ARCH_LIMITS = {"hidden": 1 << 20, "ffn": 1 << 22, "expert_ffn": 1 << 22, "shared_ffn": 1 << 22,
+               "vocab": 1 << 24, "heads": 1 << 14, "kv_heads": 1 << 14, "head_dim": 1 << 14,
+               "experts": 1 << 16, "top_k": 1 << 16, "layers": LIMITS["layers"]}
 
 
 @dataclass
@@ -70,6 +110,7 @@ class ParallelPlan:
     master_weights: bool = True
     main_grad_dtype: str | None = None   # None = convention default (fp32 for megatron mixed precision)
     optimizer: str = "adamw"
+    optimizer_impl: str | None = None    # fused | foreach | for-loop; None = convention default
     grads: str | None = None             # GRADS; None = convention default (see default_grads)
     step: str = "steady"                 # STEPS: which training step is reported
     # activations
@@ -124,6 +165,100 @@ def _check_positive(plan: ParallelPlan, names: tuple[str, ...]) -> None:
             raise UserError(f"{_flag(n)} {v!r}: must be a positive integer")
 
 
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def check_ranges(plan: ParallelPlan) -> None:
+    """Every number of the plan within what a training run can be (LIMITS); one UserError
+    naming the flag and the bound otherwise. Call before anything computes with the plan."""
+    for n in BOOL_FIELDS:
+        v = getattr(plan, n, None)
+        if v is not None and not isinstance(v, bool):
+            raise UserError(f"{_flag(n)} {v!r}: expected True or False")
+    for n in ("schedule", "convention", "dtype", "recompute", "optimizer"):
+        v = getattr(plan, n, None)
+        if v is not None and not isinstance(v, str):
+            raise UserError(f"{_flag(n)} {v!r}: expected a name (a string)")
+    names = tuple(LIMITS)
+    _check_positive(plan, names)
+    for n in names:
+        v = getattr(plan, n)
+        if v is not None and v > LIMITS[n]:
+            raise UserError(f"{_flag(n)} {v}: at most {_n(LIMITS[n])} ({_BOUND_WHY[n]})")
+    world = plan.dp * plan.tp * plan.pp * plan.cp
+    if world > MAX_WORLD:
+        raise UserError(f"--dp {plan.dp} x --tp {plan.tp} x --pp {plan.pp} x --cp {plan.cp} = {_n(world)} GPUs: "
+                        f"at most {_n(MAX_WORLD)} GPUs in one job")
+    tokens = plan.seq_len * plan.micro_batch
+    if tokens > MAX_TOKENS:
+        raise UserError(f"--seq-len {plan.seq_len} x --micro-batch {plan.micro_batch} = {_n(tokens)} tokens per "
+                        f"microbatch: at most {_n(MAX_TOKENS)}")
+    if plan.pp_layout is not None:
+        for x in plan.pp_layout:
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0 or x > LIMITS["layers"]:
+                raise UserError(f"--pp-layout entry {x!r}: layer counts are integers from 0 to "
+                                f"{_n(LIMITS['layers'])}")
+
+
+_BOUND_WHY = {
+    "seq_len": "tokens per sequence", "micro_batch": "sequences per microbatch",
+    "global_batch": "sequences per step", "microbatches": "microbatches per pipeline per step",
+    "dp": "GPUs", "tp": "GPUs", "pp": "GPUs", "cp": "GPUs", "ep": "GPUs", "etp": "GPUs",
+    "vpp": "model chunks per pipeline rank", "layers": "decoder layers; the largest published models have ~130",
+    "recompute_layers": "decoder layers",
+}
+
+
+def _runs_at_pp1(schedule: str) -> bool:
+    """A schedule name that still means something with one pipeline stage: 1F1B (what one
+    stage runs anyway) or an explicit action list."""
+    key = schedule.strip().lower().replace("-", "").replace("_", "")
+    return key in ("1f1b", "pipedreamflush") or key.startswith(("csv:", "torch:"))
+
+
+def check_schedule_size(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
+    """A schedule of pp x vpp x microbatches (stage, microbatch) pairs within what one estimate
+    replays in seconds (MAX_STAGE_MICROBATCHES; the searching schedulers, less)."""
+    units = pp * vpp * microbatches
+    searched = schedule in SEARCHED_SCHEDULES
+    bound = MAX_SEARCHED_STAGE_MICROBATCHES if searched else MAX_STAGE_MICROBATCHES
+    if units > bound:
+        what = f"{schedule} searches for its order, so " if searched else ""
+        raise UserError(f"--pp {pp} x --vpp {vpp} x --microbatches {microbatches} = {_n(units)} stage-microbatches: "
+                        f"{what}at most {_n(bound)} per step; use fewer microbatches")
+
+
+def check_arch(arch) -> None:
+    """Model sizes read from a config within ARCH_LIMITS (a corrupt or mistyped config.json)."""
+    name = arch.name or arch.model_type
+    for k, bound in ARCH_LIMITS.items():
+        v = getattr(arch, k, 0) or 0
+        if not isinstance(v, int) or v < 0 or v > bound:
+            raise UserError(f"config of {name}: {k} {v!r} is outside 0..{_n(bound)}; check the model configuration")
+
+
+def check_bytes(arch, plan: ParallelPlan) -> None:
+    """A loose upper bound of any rank's bytes (unsharded model states, every microbatch's
+    activations in fp32 with generous factors, eager attention scores) below MAX_BYTES, so
+    the engine's int64 byte counts cannot overflow."""
+    h, layers = arch.hidden, plan.layers or arch.layers
+    ffn = max(arch.ffn, (arch.expert_ffn or 0) * max(arch.top_k, 1) + (arch.shared_ffn or 0) * arch.shared_experts)
+    width = max(h, arch.heads * arch.head_dim)
+    params = layers * (4 * width * h + 3 * h * max(arch.ffn, (arch.expert_ffn or 0) * max(arch.experts, 1))) \
+        + 2 * arch.vocab * h
+    tokens = plan.seq_len * plan.micro_batch
+    scores = 0 if plan.flash_attn else plan.micro_batch * arch.heads * plan.seq_len * plan.seq_len
+    per_mb = tokens * (64 * width + 16 * ffn) * layers + 16 * scores * layers + 16 * tokens * arch.vocab
+    inflight = (plan.microbatches or plan.pp) * plan.vpp
+    total = 32 * params + per_mb * inflight
+    if total > MAX_BYTES:
+        raise UserError(f"this plan would need up to ~{total:.1e} bytes on a rank, beyond 64-bit byte counts "
+                        f"(2^62): check --seq-len {plan.seq_len}, --micro-batch {plan.micro_batch}"
+                        f"{'' if plan.flash_attn else ' (without flash attention the scores grow with seq_len^2)'} "
+                        "and the model's sizes")
+
+
 def _choice(value, allowed, flag: str):
     if value not in allowed:
         raise UserError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
@@ -134,8 +269,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     """Check `plan` against `arch` (a `pipemem.model.ArchSpec`); return it with defaults resolved."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError("validate_plan expects a ParallelPlan")
-    _check_positive(plan, ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp",
-                           "cp", "ep", "etp", "layers", "recompute_layers"))
+    check_ranges(plan)
+    check_arch(arch)
     conv = _choice(str(plan.convention).lower(), CONVENTIONS, "--convention")
     dtype = _choice(str(plan.dtype).lower(), DTYPES, "--dtype")
     recompute = _choice(str(plan.recompute).lower(), RECOMPUTE, "--recompute")
@@ -233,6 +368,15 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         microbatches = derived
     if microbatches is None:
         microbatches = max(pp, 1) if pp > 1 else 1
+    if microbatches > LIMITS["microbatches"]:
+        raise UserError(f"--global-batch {plan.global_batch} / (--micro-batch {mbs} x --dp {plan.dp}) = "
+                        f"{_n(microbatches)} microbatches: at most {_n(LIMITS['microbatches'])} per step")
+    if plan.schedule is not None and pp == 1 and not _runs_at_pp1(plan.schedule):
+        # a named schedule orders pipeline stages; frameworks run one stage F, B, F, B... (1F1B,
+        # so naming it is harmless; an explicit action list, csv: or torch:, is still an order)
+        raise UserError(f"--schedule {plan.schedule} does nothing at --pp 1 (one pipeline stage runs no pipeline "
+                        "schedule): drop --schedule, or set --pp")
+    check_schedule_size(plan.schedule or "1F1B", pp, vpp, microbatches)
     if vpp > 1 and conv == "megatron" and microbatches % pp:
         raise UserError(f"--microbatches {microbatches} must be a multiple of --pp {pp} with --vpp {vpp} "
                         "(Megatron's interleaved schedule)")
@@ -280,6 +424,9 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         # Pure low-precision training (--no-master-weights) keeps them in the param dtype.
         mgd = "fp32" if (dtype == "fp32" or master) else dtype
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
+    impl = plan.optimizer_impl
+    impl = DEFAULT_OPTIMIZER_IMPL[conv] if impl is None else _choice(
+        str(impl).lower().replace("_", "-").replace("forloop", "for-loop"), OPTIMIZER_IMPLS, "--optimizer-impl")
 
     # Gradients between steps, and which step is reported.
     grads = plan.grads if plan.grads is not None else default_grads(conv, plan.dp, zero)
@@ -294,10 +441,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     step = _choice(str(plan.step).lower(), STEPS, "--step")
 
 
-    return replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
-                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
-                   layers=layers, pp_layout=layout, recompute_layers=rl, grads=grads, step=step,
-                   extra=dict(plan.extra))
+    out = replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
+                  etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
+                  optimizer_impl=impl, layers=layers, pp_layout=layout, recompute_layers=rl, grads=grads, step=step,
+                  extra=dict(plan.extra))
+    check_bytes(arch, out)
+    return out
 
 
 def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:

@@ -30,9 +30,12 @@ holder lets go (`_Holders`). One profile per runtime:
   `retain_grad`) lives until then; `deallocate_output_tensor` frees y's data right after its
   send (Megatron-LM sets `deallocate_pipeline_outputs`); dy lives in `output_tensor_grad`
   until the next dy is received; dx in `input_tensor_grad` until the next backward returns;
-  whatever the loop still references goes when it returns. Other schedules (interleaved,
-  zero bubble) use the per-action rule: x received before its F, y freed after its send, dy
-  received before its B / I, dx freed after its send, x and dy after the stage's backward.
+  whatever the loop still references goes when it returns. Interleaved 1F1B (VPP,
+  `forward_backward_pipelining_with_interleaving` without p2p overlap) likewise: the next
+  input and output grad are received right after the current step, a steady step sends its
+  forward's output only after its backward, dx lives until the next backward returns. Other
+  orders (zero bubble) use the per-action rule: x received before its F, y freed after its
+  send, dy received before its B / I, dx freed after its send, x and dy after the backward.
 * ``paddle`` — PaddleNLP's PipelineParallel: receives before use, `_release_output` after a
   send, buffers popped by the backward: the per-action rule.
 
@@ -276,7 +279,94 @@ def _megatron_rank(schedule: Schedule, rank: int) -> list[Action]:
     acts = schedule.ranks[rank]
     if schedule.vpp == 1 and _is_1f1b_order(acts, schedule.pp - rank, schedule.microbatches):
         return _megatron_1f1b(acts, schedule, rank)
+    if schedule.vpp > 1 and _interleaved_warmup(acts) is not None:
+        return _megatron_interleaved(acts, schedule)
     return _per_action_rank(schedule, rank)
+
+
+def _interleaved_warmup(acts) -> int | None:
+    """w when the rank runs w forwards, then forward/backward pairs, then w backwards, all
+    backwards fused: the order megatron-core's interleaved loop runs (pipemem's VPP schedule)."""
+    kinds = "".join(a[0] for a in acts)
+    n = kinds.count("F")
+    lead = len(kinds) - len(kinds.lstrip("F"))
+    for w in (lead - 1, lead):
+        if 0 <= w <= n and kinds == "F" * w + "FB" * (n - w) + "B" * w:
+            return w
+    return None
+
+
+def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
+    """forward_backward_pipelining_with_interleaving without p2p overlap (megatron-core's
+    default), variable by variable: the input of the next forward (and, from the last warm-up
+    step on, the output grad of the next backward) is received right after the current step
+    (`send_forward_recv_forward`, `send_forward_backward_recv_forward_backward`,
+    `send_backward_recv_backward`) and queued in `input_tensors` / `output_tensor_grads`; a
+    steady step runs its forward then its backward and only then sends the forward's output,
+    whose data `deallocate_output_tensor` frees after the send; a backward pops its x and dy,
+    which go when it returns, and its dx lives in `input_tensor_grad` until the next backward
+    returns."""
+    S = schedule.num_stages
+    fwd = [a for a in acts if a[0] == "F"]
+    bwd = [a for a in acts if a[0] != "F"]
+    T = len(fwd)
+    w = _interleaved_warmup(acts)
+    out: list[Action] = []
+    h = _Holders(out)
+
+    def recv_x(i):
+        if i < T and fwd[i][1]:
+            a = fwd[i]
+            out.append(Action("RECV_F", a[1], a[2]))
+            h.hold(("x", a[1], a[2]), "input_tensors")
+
+    def recv_dy(j):
+        if j < T and bwd[j][1] < S - 1:
+            a = bwd[j]
+            out.append(Action("RECV_B", a[1], a[2]))
+            h.hold(("dy", a[1], a[2]), "output_tensor_grads")
+
+    def free_y(i):
+        a = fwd[i]
+        if a[1] < S - 1:
+            out.append(Action("FREE_Y", a[1], a[2]))
+
+    def backward(j):
+        kind, st, m = bwd[j]
+        out.append(bwd[j])
+        if st == S - 1:                      # the last stage's output (the loss) is done with
+            out.append(Action("FREE_Y", st, m))
+        h.release(("x", st, m), "input_tensors")          # backward_step_helper's locals go
+        h.release(("dy", st, m), "output_tensor_grads")
+        if st:
+            h.hold(("dx", st, m), "dx")
+        h.replace("input_tensor_grad", [("dx", st, m)] if st else [])
+        if st:
+            h.release(("dx", st, m), "dx")
+
+    recv_x(0)
+    for i in range(w):
+        out.append(fwd[i])
+        recv_x(i + 1)
+        if i == w - 1 and w < T:             # send_forward_backward_recv_forward_backward
+            recv_dy(0)
+        free_y(i)
+    for k in range(T - w):
+        out.append(fwd[w + k])
+        backward(k)
+        recv_x(w + k + 1)
+        recv_dy(k + 1)
+        free_y(w + k)
+    if w == T:                               # every microbatch in warm-up: recv_backward first
+        recv_dy(0)
+    for j in range(T - w, T):
+        backward(j)
+        recv_dy(j + 1)
+    h.release_all("input_tensor_grad")
+    return out
+
+
+
 
 
 def _is_1f1b_order(acts, warmup: int, M: int) -> bool:

@@ -82,8 +82,13 @@ class StagePlan:
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        return _optimizer_job(_optimizer_impl(self.conv.name, self.plan), self.plan.optimizer,
-                              self.rank_static(stage_ids))
+        from .templates.static import optimizer_elems, optimizer_step_scratch
+        key = tuple(sorted(stage_ids))
+        elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
+        scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
+        temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
+        return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
+                              largest * temp, self.rank_static(key), scratch)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -231,25 +236,22 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
                      output_grad_bytes=0 if last else act)
 
 
-def _optimizer_impl(conv: str, plan) -> str:
-    """The optimizer kernels a convention's trainer runs: Megatron and Paddle fused; torchtitan
-    0.3 fused by default ([optimizer] implementation); HF-style loops PyTorch's CUDA default,
-    foreach."""
-    default = "foreach" if conv == "hf" else "fused"
-    return str((plan.extra or {}).get("optimizer_impl", default))
-
-
 @lru_cache(maxsize=4096)
-def _optimizer_job(impl: str, optimizer: str, st: StaticBytes) -> JobMemory:
-    """The optimizer step as a small program: fused kernels (Megatron, Paddle, torchtitan's
-    default) need no scratch; PyTorch's foreach path (HF) materialises one fp32 temporary list
-    the size of the local parameters (the denominator), freed inside the step. On the first step
-    the optimizer creates its states before it updates (`optimizer_in_step`); with
-    zero_grad(set_to_none=True) the gradients the step created are freed after it."""
+def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int, st: StaticBytes,
+                   scratch: int = 0) -> JobMemory:
+    """The optimizer step as a small program. Its working memory is `scratch` (Megatron's fp32
+    copies of narrow grads, templates.static) plus what the implementation materialises:
+    nothing for fused kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam
+    the denominator sqrt(v)/c + eps as one temporary list the size of the local parameters
+    (in the math dtype), freed inside the step; for the for-loop path the same per parameter
+    (sqrt, then the division: two temporaries of the largest parameter). SGD keeps no such
+    temporary. On the first step the optimizer creates its states before it updates
+    (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step created
+    are freed after it."""
     prog = Program("optimizer", type="optimizer")
-    ws = 0
-    if impl == "foreach" and optimizer != "sgd":
-        ws = st.params if st.params else 0
+    ws = scratch
+    if optimizer != "sgd":
+        ws += {"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl]
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
     prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
     reads = ("opt_state", "grads")

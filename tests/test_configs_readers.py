@@ -394,9 +394,8 @@ def test_torchtitan_03_tables(tmp_path):
     assert p["dtype"] == "bf16" and p["master_weights"] is True and p["main_grad_dtype"] == "fp32"
     assert p["grads"] == "set-to-none" and p["fsdp"] is True
     # pipeline parallel: blocks keep their gathered parameters (torchtitan's "default" policy)
-    assert p["extra"] == {"fsdp_reshard_after_forward": False, "optimizer_impl": "foreach", "loss_chunks": 8}
+    assert p["extra"] == {"fsdp_reshard_after_forward": False, "loss_chunks": 8} and p["optimizer_impl"] == "foreach"
     assert p["_first_less"] == 1 and p["_last_less"] == 1     # torchtitan's default stage split
-    assert any("num_chunks" in w for w in tc.warnings)
     from pipemem.configs.torchtitan import finish_plan
     assert finish_plan(p, 32)["pp_layout"] == (16, 16)          # (32 + 2) / 2 = 17, minus one each side
     plan = finish_plan(dict(p, _first_less=2, _last_less=0), 32)

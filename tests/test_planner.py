@@ -129,26 +129,44 @@ def test_listed_plans_reestimate_to_the_same_bytes(small_search):
 
 
 def test_cheapest_recompute_is_listed(small_search):
-    """A plan that recomputes is listed only when the same plan without recomputation does not fit."""
-    for p in small_search.plans:
-        if p.kwargs.get("recompute", "none") == "none":
-            continue
+    """A plan that recomputes is listed only when the same plan without recomputation does not
+    fit, and a plan recomputing K layers per stage only when K - 1 does not fit."""
+    budget = small_search.target.budget_bytes
+    recomputing = [p for p in small_search.plans if p.kwargs.get("recompute", "none") != "none"]
+    partial = [p for p in recomputing if (p.kwargs.get("recompute_layers") or 0) > 1]
+    assert recomputing and partial
+    for p in recomputing[:3] + partial[:3]:
         kw = {k: v for k, v in p.kwargs.items() if k not in ("recompute", "recompute_layers")}
-        e = estimate("llama3.2-1b", gpu="rtx3090", **kw)
-        assert e.max_peak_allocated_bytes + small_search.target.reserve_bytes > small_search.target.capacity_bytes
-        break
+        assert estimate("llama3.2-1b", gpu="rtx3090", **kw).max_peak_allocated_bytes > budget
+        k = p.kwargs.get("recompute_layers")
+        if k and k > 1:
+            fewer = estimate("llama3.2-1b", gpu="rtx3090", **kw, recompute="full", recompute_layers=k - 1)
+            assert fewer.max_peak_allocated_bytes > budget, p.flags
 
 
-def test_static_bound_prunes_only_plans_that_cannot_fit():
-    """Plans skipped for their static bytes are too large when estimated."""
-    res = search_plans("llama3-8b", _target(8, "rtx3090"), 2048, 16, SpaceOptions(micro_batches=(1,), max_vpp=1,
-                                                                                   shardings=("dist-opt",)))
-    assert res.stats.pruned_static > 0
-    budget = res.target.budget_bytes
-    # tp 1 x pp 1 x dp 8 with the distributed optimizer: 8B params in bf16 alone exceed 24 GiB
-    e = estimate("llama3-8b", gpu="rtx3090", seq_len=2048, global_batch=16, dp=8, dist_opt=True, recompute="full")
-    assert e.max_peak_allocated_bytes > budget
-    assert not any(p.kwargs["tp"] * p.kwargs["pp"] == 1 for p in res.plans)
+@pytest.mark.parametrize("conv,shardings", [("megatron", ("ddp", "dist-opt", "zero2")),
+                                             ("paddle", ("zero1", "zero2", "zero3")), ("hf", None)])
+def test_pruning_changes_nothing_listed(conv, shardings):
+    """The static-bytes bound and the settings shared between sharding levels skip estimates,
+    never plans: the search without them lists the same plans with the same bytes."""
+    args = ("llama3.2-3b", _target(4, "rtx3090"), 4096, 8,
+            SpaceOptions(convention=conv, micro_batches=(1, 2), max_vpp=2, shardings=shardings))
+    pruned = search_plans(*args)
+    full = search_plans(*args, prune=False)
+    assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0 or conv == "hf")
+    assert (pruned.stats.derived > 0) == (conv != "hf") and pruned.stats.derivation_mismatch == 0
+    assert full.stats.pruned_static == 0 and full.stats.implied == 0
+    assert pruned.stats.estimates < full.stats.estimates
+    assert [(p.flags, p.rank_peaks) for p in pruned.plans] == [(p.flags, p.rank_peaks) for p in full.plans]
+
+
+def test_parallel_search_lists_the_same(small_search):
+    res = search_plans("llama3.2-1b", _target(16, "rtx3090", per_node=8), 4096, 64,
+                       SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4), jobs=2)
+    assert [(p.flags, p.rank_peaks, p.cost.step_s) for p in res.plans] == \
+        [(p.flags, p.rank_peaks, p.cost.step_s) for p in small_search.plans]
+    a, b = res.stats.to_dict(), small_search.stats.to_dict()
+    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
 
 
 def test_pareto_sets_are_not_dominated(small_search):
@@ -189,6 +207,10 @@ def test_pinned_degrees_and_moe():
     assert len({p.kwargs["ep"] for p in res.plans}) > 1
     assert any(p.kwargs.get("etp") == 1 for p in res.plans)
     assert all(p.cost.comm and any(c.group == "ep" for c in p.cost.comm) for p in res.plans if p.kwargs["ep"] > 1)
+    etp1 = next(p for p in res.plans if p.kwargs.get("etp") == 1 and p.kwargs["ep"] > 1)
+    rc, out, err = _cli(["estimate", *etp1.flags.split(), "--json"])
+    assert rc == 0, err
+    assert "--etp 1" in etp1.flags and json.loads(out)["max_peak_allocated_bytes"] == etp1.peak_bytes
 
 
 # ---------------------------------------------------------------- published runs
@@ -268,18 +290,26 @@ def test_cli_table_and_json(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
      "--micro-batch"),
-    (["--gpus", "0", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
+    (["--gpus", "0", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
      "--shardings"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
      "--schedules"),
-    (["--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
+    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
      "--zero-bubble"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle):
     rc, out, err = _cli(["plan", "--model", "llama3.2-1b", *argv])
     assert rc == 2
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_torchtitan_8b_fsdp_published_plan_fits():
+    """torchtitan's Llama 3.1 8B benchmark (shared/validation: torchtitan-T1-FSDP): FSDP over 8 H100
+    (96 GB class), seq 8192, local batch 2, selective activation checkpointing; it ran."""
+    res = search_plans("llama3-8b", _target(8, "h100-94g"), 8192, 16,
+                       SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}))
+    assert any(p.kwargs.get("fsdp") and p.kwargs["tp"] == 1 and p.kwargs["pp"] == 1 for p in res.plans)

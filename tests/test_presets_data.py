@@ -92,7 +92,21 @@ def test_aliases_resolve_to_presets():
 def test_h100_total_is_81559_mib():
     # nvidia-smi memory.total of an H100 80GB HBM3
     assert gpu_memory_bytes("h100-80g") == 81559 * 2**20
-    assert gpu_memory_bytes("H100") == gpu_memory_bytes("h100-80g")
+    assert gpu_memory_bytes("H100-80GB") == gpu_memory_bytes("h100-80g")
+
+
+@pytest.mark.parametrize("name,cands", [("H100", ("h100-80g", "h100-94g")), ("a100", ("a100-40g", "a100-80g"))])
+def test_ambiguous_gpu_names_list_the_candidates(name, cands):
+    # "h100" alone is an 80 GB SXM or a 94 GB NVL: an error naming both, not a silent pick
+    with pytest.raises(UserError, match="ambiguous") as e:
+        gpu_info(name)
+    assert all(c in str(e.value) for c in cands)
+
+
+def test_ambiguous_model_names_list_the_candidates():
+    with pytest.raises(UserError, match="ambiguous") as e:
+        load_model_config("qwen2.5")
+    assert "qwen2.5-7b" in str(e.value) and "qwen2.5-72b" in str(e.value)
 
 
 def test_gpu_table_is_consistent():

@@ -20,8 +20,9 @@ ARCH = arch_from_hf_config(load_model_config("llama3-8b")[1], "llama3-8b")
 def rank(r, static_gib, act_gib, peak_gib, at="B3@s1"):
     static = StaticBytes(params=int(static_gib * GiB / 2), grads=int(static_gib * GiB / 4),
                          optimizer=int(static_gib * GiB / 4))
-    tl = [TimelinePoint("F0@s0", static.total, static.total + GiB, static.total + GiB // 2),
-          TimelinePoint(at, static.total + GiB // 2, int(peak_gib * GiB), static.total)]
+    act = int(act_gib * GiB)   # held when the peak action starts (a backward frees one microbatch's)
+    tl = [TimelinePoint("F0@s0", static.total, static.total + act + GiB, static.total + act),
+          TimelinePoint(at, static.total + act, int(peak_gib * GiB), static.total + act - GiB)]
     return RankEstimate(pp_rank=r, static=static, peak_allocated_bytes=int(peak_gib * GiB), peak_at=at,
                         activation_hwm_bytes=int(act_gib * GiB), inflight=4 - r,
                         jobs={"F": JobMemory(GiB, 2 * GiB), "B": JobMemory(-GiB, GiB), "W": None,
@@ -43,8 +44,8 @@ def test_table_has_one_row_per_rank_and_fits_verdict():
     assert "FITS" in out and "OOM" not in out
     # worst rank 0: 40 GiB of 80 GiB -> 50 %, 40 GiB headroom
     assert "rank 0 at 40.00 GiB" in out and "50%" in out and "40.00 GiB headroom" in out
-    # transient = peak - static - activations = 40 - 20 - 10
-    assert "10.00 GiB" in rows[0]
+    # transient = peak - static - activations held at the peak = 40 - 20 - 10
+    assert rows[0].split()[12:14] == ["10.00", "GiB"], rows[0]
     assert "4 mb" in rows[0] and "1 mb" in rows[3] and "B3@s1" in rows[0]
     assert "0-7" in rows[0] and "24-31" in rows[3]
 

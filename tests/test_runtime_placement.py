@@ -118,3 +118,51 @@ def test_torch_1f1b_keeps_sends_until_its_variables_are_reassigned():
     assert res.ranks[0].peak_allocated_bytes == 260
     # the receive buffers stay: 30 bytes of output-grad buffers after the step
     assert res.ranks[0].final_bytes == 30
+
+
+def test_megatron_interleaved_follows_its_loop():
+    # Rank 1 of VPP, pp 2, vpp 2 (stages 1 and 3; 3 is the last), 2 microbatches: every
+    # microbatch in warm-up. Derived from forward_backward_pipelining_with_interleaving:
+    # recv_forward before the loop; each warm-up forward receives the next forward's input
+    # and then frees its output's data (the last stage has none); every backward pops its x
+    # (and dy), which go when it returns, keeps dx in input_tensor_grad until the next
+    # backward returns, and receives the next backward's dy after it.
+    low = lower(get_schedule("VPP", 2, 2, 2), "megatron")
+    assert [str(a) for a in low.ranks[1]] == [
+        "RECV_F0@s1", "F0@s1", "RECV_F1@s1", "FREE_Y0@s1", "F1@s1", "RECV_F0@s3", "FREE_Y1@s1", "F0@s3",
+        "RECV_F1@s3", "F1@s3", "B0@s3", "FREE_Y0@s3", "FREE_X0@s3", "B1@s3", "FREE_Y1@s3", "FREE_X1@s3",
+        "FREE_DX0@s3", "RECV_B0@s1", "B0@s1", "FREE_X0@s1", "FREE_DY0@s1", "FREE_DX1@s3", "RECV_B1@s1", "B1@s1",
+        "FREE_X1@s1", "FREE_DY1@s1", "FREE_DX0@s1", "FREE_DX1@s1"]
+
+
+def test_every_lowering_frees_what_it_holds_by_the_end():
+    # Megatron and Paddle hold nothing past the step; torch keeps its receive buffers and
+    # what V placement hands over locally.
+    from pipemem.schedules.actions import MEMORY_KINDS
+    for name, pp, m, v in (("VPP", 4, 8, 2), ("1F1B", 4, 8, 1), ("ZBVZeroBubble", 2, 4, 2),
+                           ("InterleavedZeroBubble", 2, 4, 2)):
+        sched = get_schedule(name, pp, m, v)
+        for runtime in ("megatron", "paddle"):
+            for acts in lower(sched, runtime).ranks:
+                held = {}
+                for a in acts:
+                    what, sign = MEMORY_KINDS.get(a.kind, (None, 0))
+                    if a.kind in ("F", "B", "I"):     # made by the job: y by F, dx by B / I
+                        what, sign = ("output_bytes", 1) if a.kind == "F" else ("input_grad_bytes", 1)
+                        if (a.kind == "F" and a.stage == sched.num_stages - 1) or (a.kind != "F" and a.stage == 0):
+                            continue
+                    if what:
+                        key = (what, a.stage, a.microbatch)
+                        held[key] = held.get(key, 0) + sign
+                # the last stage's FREE_Y frees its (zero-byte) loss, made by F but not counted above
+                assert {k: n for k, n in held.items() if n and not (k[0] == "output_bytes" and n < 0)} == {}, \
+                    (name, runtime)
+
+
+def test_torch_runtime_keeps_the_step_state_and_adds_the_batch():
+    # torchtitan: gradients created by the first backward (set-to-none) stay accounted; the
+    # torch runtime adds the step's token ids and labels to every pipeline rank
+    est = pipemem.estimate(TINY, convention="torchtitan", pp=2, microbatches=4, seq_len=64, grads="set-to-none")
+    for r in est.ranks:
+        assert r.static.grads_in_step > 0
+        assert r.static.other == 2 * 8 * 4 * 64

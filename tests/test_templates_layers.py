@@ -74,20 +74,22 @@ def test_full_recompute_keeps_only_the_input():
 
 
 def test_mixtral_layer_hand_derived():
-    """MoE layer, ep=1, tp=1: router logits (bf16 [T,E]) are not saved by softmax (it saves its
-    fp32 output); top-k saves indices; permuted tokens feed the grouped fc1 (saved); fc1 out
-    [N, 2f] and act [N, f] saved; expert outputs [N, h] and top-k probs saved by the weighted
-    unpermute. N = T x top_k."""
+    """MoE layer as megatron-core's MoELayer keeps it (alltoall dispatcher, grouped experts),
+    ep=1, tp=1: fp32 dense probs and the bool routing map (held by the dispatcher), top-k
+    indices and the fp32 softmax over the k scores, the transposed routing map
+    (masked_select's mask), the sorted token indices, the tokens and probs sorted by local
+    expert (fc1's input; the weighted SwiGLU's probs), fc1 out [N, 2f] and act [N, f]. The
+    probs are applied in the activation, so no expert output is kept. N = T x top_k."""
     m = layer(MIXTRAL)
     T, E, K = S * B, 4, 2
     N = T * K
     dense = llama_hand("megatron")
     mlp_dense = 2 * S * B * 2 * F + 2 * S * B * F
-    moe = (4 * T * E + 8 * T * K             # fp32 probs, int64 top-k indices
-           + 4 * T * K                        # fp32 top-k probs
-           + 2 * N * H                        # permuted tokens (fc1 input)
-           + 2 * N * 2 * F + 2 * N * F        # fc1 out, act
-           + 2 * N * H)                       # expert outputs (for the weighted sum)
+    moe = (4 * T * E + T * E                 # fp32 probs, bool routing map
+           + 8 * T * K + 4 * T * K            # int64 top-k indices, fp32 top-k softmax
+           + T * E + 8 * N                    # transposed routing map, sorted indices
+           + 2 * N * H + 4 * N                # sorted tokens (fc1 input), sorted fp32 probs
+           + 2 * N * 2 * F + 2 * N * F)       # fc1 out, act
     assert m.F.net_bytes == dense - mlp_dense + moe
 
 

@@ -27,6 +27,10 @@ class _Rank0:
         self.static = [st]
 
 
+def model_states(st) -> int:
+    return st.params + st.grads + st.optimizer
+
+
 def test_megatron_mixed_precision_is_18_bytes_per_param():
     sp, n = setup()
     st = sp.static[0]
@@ -35,18 +39,30 @@ def test_megatron_mixed_precision_is_18_bytes_per_param():
 
 def test_distributed_optimizer_is_6_plus_12_over_dp():
     sp, n = setup(dp=4, dist_opt=True)
-    assert sp.static[0].total == 6 * n + 12 * n // 4
+    assert model_states(sp.static[0]) == 6 * n + 12 * n // 4
 
 
 def test_pure_bf16_is_8_bytes_per_param():
     sp, n = setup(master_weights=False)
-    assert sp.static[0].total == 8 * n
+    assert model_states(sp.static[0]) == 8 * n
 
 
 @pytest.mark.parametrize("zero,expect", [(1, 2 + 4 + 12 / 8), (2, 2 + 4 / 8 + 12 / 8), (3, (2 + 4 + 12) / 8)])
 def test_zero_stages(zero, expect):
     sp, n = setup(dp=8, zero=zero)
-    assert sp.static[0].total == int(n * expect)
+    assert model_states(sp.static[0]) == int(n * expect)
+
+
+def test_megatron_runtime_buffers_are_other_static_bytes():
+    """Transformer Engine's cached dummy wgrads (one per distinct local weight shape, bf16) and
+    the cached rotary frequencies (fp32 [seq, head_dim]); checked against megatron-core's own
+    step by `pipemem validate megatron`."""
+    h, f, v, d = 512, 1024, 1024, 64
+    sp, _ = setup(tp=2, sp=True)
+    shapes = {(3 * h // 2, h), (h, h // 2), (2 * f // 2, h), (h, f // 2), (v // 2, h)}   # qkv, proj, fc1, fc2, head
+    assert sp.static[0].other == 2 * sum(a * b for a, b in shapes) + 128 * d * 4
+    eager, _ = setup(tp=2, sp=True, extra={"wgrad_fused": False})      # --no-gradient-accumulation-fusion
+    assert eager.static[0].other == 128 * d * 4
 
 
 def test_pipeline_ranks_hold_their_layers_and_ends():

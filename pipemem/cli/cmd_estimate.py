@@ -37,7 +37,7 @@ def _bool_flag(p, name: str, help_: str) -> None:
 
 def register(sub) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
-    from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZERS, RECOMPUTE, STEPS
+    from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZER_IMPLS, OPTIMIZERS, RECOMPUTE, STEPS
     from ..runtime import RUNTIMES
 
     p = sub.add_parser(
@@ -85,6 +85,10 @@ def register(sub) -> None:
     sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
     _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    sh.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
+                    help="how the step runs: fused kernels (no scratch), foreach (a temporary the size of the "
+                         "local parameters), for-loop (one parameter's); default: the convention's (fused; "
+                         "foreach for hf)")
     sh.add_argument("--grads", choices=GRADS,
                     help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
                          "Paddle, torchtitan 0.3 with CUDA graphs), set-to-none (zero_grad(set_to_none=True), created in backward: "
@@ -118,14 +122,17 @@ def register(sub) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
     out.add_argument("--explain", action="store_true", help="list what one layer keeps for backward and why")
+    out.add_argument("--wide", action="store_true",
+                     help="always print the per-rank table, however narrow the terminal (default: one block "
+                          "per rank when the table does not fit)")
     p.add_argument("tool_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
 PLAN_FLAGS = ("seq_len", "micro_batch", "global_batch", "microbatches", "dp", "tp", "pp", "vpp", "cp", "ep",
               "etp", "sp", "pp_layout", "schedule", "zero", "fsdp", "dist_opt", "dtype", "master_weights", "optimizer",
-              "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers", "convention",
-              "grads", "step")
+              "optimizer_impl", "recompute", "recompute_layers", "recompute_allgather", "flash_attn", "layers",
+              "convention", "grads", "step")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:
@@ -167,6 +174,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": args.mode,
             "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
     if args.model is not None:
+        refuse_inert(flags, flags, opts)
         return args.model, flags, opts, []
 
     if args.from_megatron:
@@ -179,6 +187,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
+    if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
+        plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
     if tool.model_name:
         opts["model_name"] = tool.model_name
     if args.from_paddlenlp:
@@ -189,7 +199,31 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         _, _, cfg = resolve_model(tool.model)
         layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
         plan = finish_plan(plan, int(layers))
+    refuse_inert(flags, plan, opts)
     return tool.model, plan, opts, list(tool.warnings)
+
+
+def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
+    """A pipemem flag the user gave that does nothing in this plan is an error naming it (a
+    silently ignored flag reads as if it had been modelled). `given`: the flags on the command
+    line; `plan`: the plan with another tool's configuration merged in."""
+    tp, pp, vpp = plan.get("tp", 1), plan.get("pp", 1), plan.get("vpp", 1)
+    if given.get("sp") is True and tp == 1:
+        raise UserError("--sp does nothing at --tp 1 (sequence parallelism splits the sequence over the tensor-"
+                        "parallel ranks): drop --sp, or set --tp")
+    if given.get("recompute_allgather") and tp == 1:
+        raise UserError("--recompute-allgather does nothing at --tp 1 (there is no sequence-parallel all-gather): "
+                        "drop it, or set --tp")
+    if "pp_layout" in given and pp * vpp == 1:
+        raise UserError("--pp-layout does nothing with one pipeline stage: drop it, or set --pp")
+    if "master_weights" in given and plan.get("dtype") == "fp32":
+        raise UserError("--master-weights / --no-master-weights do nothing with --dtype fp32 (the weights are "
+                        "fp32 already): drop the flag")
+    if "optimizer_impl" in given and opts.get("mode") == "traced":
+        raise UserError("--optimizer-impl does not apply to --mode traced (it records torch.optim's own step): "
+                        "drop it, or use --mode templates")
+    if opts.get("kernel_policy") and (opts.get("mode") or "templates") != "traced":
+        raise UserError("--kernel-policy applies to --mode traced only: drop it, or add --mode traced")
 
 
 def merge(tool, flags: dict) -> dict:
@@ -249,7 +283,7 @@ def run(args) -> int:
         print(json.dumps(d, indent=2))
     else:
         from ..report.text import render
-        render(est, explain=args.explain)
+        render(est, explain=args.explain, wide=args.wide)
     if args.plot:
         from ..report.plot import write_plot
         path = write_plot(est, args.plot)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..errors import UserError
@@ -32,6 +33,9 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         vals = ()
     if not vals or min(vals) < 1:
         raise UserError(f"{flag} {text!r}: write positive integers separated by commas, e.g. 1,2,4")
+    from ..plan import LIMITS
+    if max(vals) > LIMITS["micro_batch"] or len(vals) > 64:
+        raise UserError(f"{flag} {text!r}: at most 64 values, each at most {LIMITS['micro_batch']:,}")
     return tuple(sorted(set(vals)))
 
 
@@ -98,14 +102,22 @@ def register(sub) -> None:
                    help="with --zero-bubble: write that schedule as CSV (PyTorch pipelining's format)")
     o.add_argument("--json", action="store_true", help="print one JSON object listing every fitting plan")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--jobs", type=int, metavar="N",
+                   help="processes searching in parallel (default: the CPU count; the listing is the same)")
     p.set_defaults(func=run)
 
 
 def _positive(args, names) -> None:
+    """Positive, and within what a training run can be (the bounds of `pipemem estimate`)."""
+    from ..plan import LIMITS, MAX_WORLD
+
+    bounds = dict(LIMITS, gpus=MAX_WORLD, gpus_per_node=MAX_WORLD, max_vpp=LIMITS["vpp"], top=1 << 20)
     for n in names:
         v = getattr(args, n)
         if v is not None and v < 1:
             raise UserError(f"--{n.replace('_', '-')} {v}: must be a positive integer")
+        if v is not None and n in bounds and v > bounds[n]:
+            raise UserError(f"--{n.replace('_', '-')} {v}: at most {bounds[n]:,}")
 
 
 def build_inputs(args):
@@ -113,10 +125,10 @@ def build_inputs(args):
     from ..estimate import gpu_capacity
     from ..planner import SpaceOptions, Target
     from ..planner.hardware import default_reserve_bytes, speeds_for
-    from ..planner.space import SHARDINGS, check_schedule_names
+    from ..planner.space import check_schedule_names
 
     _positive(args, ("gpus", "gpus_per_node", "seq_len", "global_batch", "tp", "pp", "cp", "dp", "vpp", "ep",
-                     "etp", "max_vpp", "layers", "top"))
+                     "etp", "max_vpp", "layers", "top", "jobs"))
     if args.gpu is None and args.gpu_memory is None:
         raise UserError("give --gpu NAME (see `pipemem presets`) or --gpu-memory GIB")
     key, capacity = gpu_capacity(args.gpu, args.gpu_memory)
@@ -128,12 +140,7 @@ def build_inputs(args):
     target = Target(args.gpus, capacity, reserve, speeds, gpu=key if args.gpu else None,
                     gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node)
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "dp", "vpp", "ep", "etp") if getattr(args, k)}
-    shardings = _names(args.shardings)
-    if shardings:
-        known = [lbl for lbl, _ in SHARDINGS[args.convention]]
-        bad = [x for x in shardings if x not in known]
-        if bad:
-            raise UserError(f"--shardings {bad[0]}: the {args.convention} convention offers {', '.join(known)}")
+    shardings = _names(args.shardings)       # checked against the convention's by the search
     schedules = _names(args.schedules)
     options = SpaceOptions(convention=args.convention, gpus_per_node=args.gpus_per_node,
                            tp_across_nodes=args.tp_across_nodes,
@@ -152,8 +159,9 @@ def run(args) -> int:
 
     target, options, extra = build_inputs(args)
     progress = not args.no_progress and sys.stderr.isatty()
+    jobs = args.jobs or os.cpu_count() or 1
     res = search_plans(args.model, target, args.seq_len, args.global_batch, options, extra=extra,
-                       model_flag=args.model, progress=progress)
+                       model_flag=args.model, progress=progress, jobs=jobs)
     zb = None
     if args.zero_bubble:
         from ..planner.zero_bubble import smallest_zero_bubble_memory

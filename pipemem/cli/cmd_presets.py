@@ -55,12 +55,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"models": models, "gpus": gpus}, indent=2))
         return 0
+    from rich import box
     from rich.table import Table
 
-    from ..report.text import console as _console
+    from ..report.text import _console, _table_width, terminal_width
 
-    con = _console()
-    t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False)
+    t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False,
+              box=box.SIMPLE_HEAD)
     for c, j in (("name", "left"), ("type", "left"), ("params", "right"), ("layers", "right"),
                  ("hidden", "right"), ("heads/kv", "right"), ("ffn", "right"), ("experts", "right"),
                  ("vocab", "right")):
@@ -70,13 +71,19 @@ def run(args) -> int:
         experts = f"{m['experts']} (top {m['top_k']})" if m["experts"] else "-"
         t.add_row(m["name"], m["model_type"], params, str(m["layers"]), str(m["hidden"]),
                   f"{m['heads']}/{m['kv_heads']}", str(m["ffn"]), experts, str(m["vocab"]))
-    con.print(t)
-    g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False)
-    for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right")):
+    g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False,
+              box=box.SIMPLE_HEAD)
+    for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right"),
+                 ("compute", "right"), ("flash-attn", "left")):
         g.add_column(c, justify=j, no_wrap=True)
     for row in gpus:
-        g.add_row(row["key"], row["name"], fmt_bytes(row["bytes"]), str(row["mib"]))
+        g.add_row(row["key"], row["name"], fmt_bytes(row["bytes"]), str(row["mib"]),
+                  str(row.get("compute_capability", "?")), "yes" if row.get("flash_attention", True) else "no")
+    # never cut a name or a number: a table wider than the terminal is printed whole
+    con = _console(width=max(terminal_width(), _table_width(t), _table_width(g)))
+    con.print(t)
     con.print(g)
-    con.print("GPU memory = the device total as nvidia-smi reports it; see pipemem/presets/gpus.json for sources.",
+    con.print("GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "
+              "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json.",
               style="dim")
     return 0

@@ -30,12 +30,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+MAX_DIM = 1 << 40
+
+
 def _parse_dims(items: list[str]) -> dict[str, int]:
     dims = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name or not value.isdigit():
             raise UserError(f"--dim {item!r}: write NAME=SIZE with a non-negative integer size, e.g. --dim batch=8")
+        if int(value) > MAX_DIM:
+            raise UserError(f"--dim {item!r}: at most {MAX_DIM:,} (2^40) per dimension")
         dims[name] = int(value)
     return dims
 
@@ -45,8 +50,8 @@ def run(args) -> int:
     from ..liveness import analyze_sequence
     from ..units import fmt_bytes
 
-    if args.granularity < 1:
-        raise UserError("--granularity must be a positive number of bytes, e.g. 512")
+    if not 1 <= args.granularity <= 1 << 30:
+        raise UserError(f"--granularity {args.granularity}: give 1 to 2^30 bytes, e.g. 512")
     programs = load_programs(args.file, dims=_parse_dims(args.dim))
     results = analyze_sequence(programs, granularity=args.granularity)
     if args.json:

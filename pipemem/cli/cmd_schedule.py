@@ -13,10 +13,41 @@ examples:
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
   pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4 --csv-out zb.csv
   pipemem schedule csv:zb.csv
+"""
 
-Memory is in units of one microbatch's retained activations on a rank (all its chunks):
-F of a chunk keeps 1/vpp, B frees it; with split backward I frees all but the weight-grad
-inputs (w = M_W/M_B, --w-ratio) and W frees the rest. Time: T_F = T_I = T_W = 1 unless --times.
+NOTATION = """\
+notation:
+  F3 forward of microbatch 3; B3 its backward; I3 / W3 the two halves of a split backward
+  (input grad, then weight grad). With 2 chunks per rank (--vpp 2) UPPER case is the rank's
+  first chunk and lower case its second (F3 / f3, B3 / b3); with more chunks, F3.2 is
+  microbatch 3 on chunk 2. In `pipemem estimate`, F3@s5 names the virtual stage (s5).
+  Memory: "mb" is one microbatch's activations on a rank (all its chunks): a chunk's F
+  keeps 1/vpp of it, B frees it; a split backward's I frees all but the weight-grad inputs
+  (w = M_W/M_B, --w-ratio) and W the rest. "in flight" is the most microbatches (in the same
+  unit) whose forward has run and whose backward has not, as `pipemem estimate` shows it.
+  Time: T_F = T_I = T_W = 1 unless --times.
+
+names (case-insensitive; '-' and '_' ignored):
+  pipemem           PyTorch (torch.distributed.pipelining)   Paddle      paper / Megatron
+  GPipe, FThenB     ScheduleGPipe                            FThenB      GPipe (Huang et al. 2019)
+  1F1B              Schedule1F1B                             1F1B        PipeDream-flush, Megatron 1F1B
+  Eager1F1B         -                                        Eager1F1B   -
+  Interleaved1F1B   ScheduleInterleaved1F1B                  -           interleaved 1F1B (Narayanan 2021)
+  VPP               -                                        VPP         Megatron's interleaved (virtual pipeline)
+  LoopedBFS         ScheduleLoopedBFS                        -           breadth-first (Lamy-Poirier 2022)
+  ZBH1              -                                        ZBH1        ZB-H1 in Paddle's order: only the first
+                                                                         r backwards of rank r split
+  ZB1P              -                                        -           ZB-H1 as the paper draws it (Qi et al.
+                                                                         2024, "ZB-1p"): every backward split
+  ZBH2              -                                        -           ZB-H2 (Qi et al. 2024)
+  InterleavedZeroBubble  ScheduleInterleavedZeroBubble       -           ZB-1p over looped chunks
+  ZBVZeroBubble, ZBV     ScheduleZBVZeroBubble               -           ZB-V (Qi et al. 2024)
+  DualPipeV         ScheduleDualPipeV                        -           DualPipeV (DeepSeek-V3's DualPipe, halved)
+  VHalf, VMin       -                                        -           V-Half, V-Min (Qi et al. 2024b)
+  ZBVPP             -                                        ZBVPP       Paddle's memory-limited zero-bubble V
+  auto (ZBAuto)     -                                        -           memory-limited zero-bubble search (--memory-limit)
+  csv:FILE          _load_csv (PyTorch's CSV of actions)
+  torch:NAME        PyTorch's own generator, run (needs torch)
 """
 
 
@@ -25,8 +56,8 @@ def register(sub) -> None:
         "schedule", help="per-rank actions, bubble and peak of a pipeline schedule",
         description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
                     "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", help="schedule name, case-insensitive: GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
+        epilog=EXAMPLE + "\n" + NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="schedule name (table below): GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
                                 "LoopedBFS, InterleavedZeroBubble, ZBH1 (Paddle's order), ZB1P (the paper's "
                                 "ZB-H1), ZBH2, ZBVZeroBubble/ZBV, DualPipeV, VHalf, VMin, ZBVPP, auto "
                                 "(memory-limited), csv:FILE or torch:NAME")
@@ -54,7 +85,7 @@ def _parse_times(text: str):
         vals = [float(x) for x in text.split(",")]
     except ValueError:
         vals = []
-    if len(vals) not in (3, 4) or any(v < 0 for v in vals) or min(vals[:3]) <= 0:
+    if len(vals) not in (3, 4) or not all(0 <= v < 1e12 for v in vals) or min(vals[:3]) <= 0:
         raise UserError(f"--times {text!r}: write F,I,W or F,I,W,COMM with positive durations, e.g. 1,1,1")
     return TimeModel(F=vals[0], I=vals[1], W=vals[2], comm=vals[3] if len(vals) == 4 else 0.0)
 
@@ -68,11 +99,30 @@ def _label(a, schedule) -> str:
     return f"{a.kind}{a.microbatch}.{chunk}"
 
 
+def _mb(x) -> str:
+    """Microbatch units as `pipemem estimate` prints them: 5.5 mb, 4 mb, 3.941 mb."""
+    return f"{round(float(x), 3):g} mb"
+
+
+def _legend(sched) -> str:
+    kinds = "F forward, B backward" + (", I/W its input-/weight-grad halves when split" if sched.split_backward
+                                       else "")
+    if sched.vpp == 1:
+        chunks = ""
+    elif sched.vpp == 2:
+        chunks = "; UPPER case = first chunk of the rank, lower case = second"
+    else:
+        chunks = "; F3.2 = microbatch 3 on chunk 2"
+    return (f"  ({kinds}; the number is the microbatch{chunks}; @sN = virtual stage N; "
+            "mb = one microbatch's activations on a rank)")
+
+
 def _num(x) -> float:
     return round(float(x), 4)
 
 
 def run(args) -> int:
+    from ..plan import LIMITS, check_schedule_size
     from ..replay import replay
     from ..schedules import canonical_name, default_vpp, get_schedule
     from ..schedules.check import check_schedule
@@ -81,18 +131,22 @@ def run(args) -> int:
     from_csv = args.name.lower().startswith("csv:")
     if not from_csv and (args.pp is None or args.microbatches is None):
         raise UserError(f"schedule {args.name}: give --pp and --microbatches, e.g. --pp 4 --microbatches 8")
-    if (args.pp is not None and args.pp < 1) or (args.microbatches is not None and args.microbatches < 1):
-        raise UserError("--pp and --microbatches must be at least 1")
+    for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--vpp", args.vpp)):
+        key = flag[2:]
+        if v is not None and not 1 <= v <= LIMITS[key]:
+            raise UserError(f"{flag} {v}: give 1 to {LIMITS[key]:,}")
     if args.w_ratio is not None and not 0 <= args.w_ratio <= 1:
         raise UserError(f"--w-ratio {args.w_ratio}: give a share between 0 and 1, e.g. 0.94")
-    if args.memory_limit is not None and args.memory_limit <= 0:
-        raise UserError("--memory-limit must be a positive number of microbatches, e.g. 4")
+    if args.memory_limit is not None and not 0 < args.memory_limit < 1e12:
+        raise UserError(f"--memory-limit {args.memory_limit}: give a positive number of microbatches, e.g. 4")
     times = _parse_times(args.times)
     name = args.name
     if args.memory_limit is not None:
         if name.lower().startswith(("csv:", "torch:")) or canonical_name(name) not in ("ZBAuto", "ZBVPP"):
             raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
     vpp = args.vpp if args.vpp is not None else default_vpp(name)
+    if not from_csv and not name.lower().startswith("torch:"):
+        check_schedule_size(canonical_name(name), args.pp, vpp, args.microbatches)
     w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
     canon = None if name.lower().startswith(("csv:", "torch:")) else canonical_name(name)
     if canon in ("ZBAuto", "ZBVPP"):
@@ -129,7 +183,9 @@ def run(args) -> int:
                "peak_microbatches": _num(mb(max(r.peak_allocated_bytes for r in res.ranks))),
                "ranks": [{"pp_rank": r, "stages": sched.stages_of_rank(r),
                           "actions": [str(a) for a in acts],
-                          "max_inflight": rr.max_inflight, "peak_microbatches": _num(mb(rr.peak_allocated_bytes)),
+                          "max_inflight": rr.max_inflight,
+                          "max_inflight_microbatches": _num(rr.max_inflight / sched.vpp),
+                          "peak_microbatches": _num(mb(rr.peak_allocated_bytes)),
                           "peak_at": rr.peak_at}
                          for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))]}
         if sched.notes:
@@ -143,15 +199,16 @@ def run(args) -> int:
           + (", split backward (I/W)" if sched.split_backward else ""))
     if sched.notes:
         print(f"  {sched.notes}")
+    print(_legend(sched))
     limit = None if args.full else 40
     for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
         shown = acts if limit is None else acts[:limit]
         tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
-        print(f"rank {r:>2}  peak {mb(rr.peak_allocated_bytes):6.3f} mb at {rr.peak_at:<9} "
-              f"in-flight {rr.max_inflight:>3} | " + " ".join(_label(a, sched) for a in shown) + tail)
+        print(f"rank {r:>2}  peak {_mb(mb(rr.peak_allocated_bytes)):>8} at {rr.peak_at:<9} "
+              f"in flight {_mb(rr.max_inflight / sched.vpp):>7} | " + " ".join(_label(a, sched) for a in shown) + tail)
     print(f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
           f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
           f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}")
-    print(f"peak {mb(max(r.peak_allocated_bytes for r in res.ranks)):.3f} microbatches of activations "
+    print(f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's activations) "
           f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else ""))
     return 0

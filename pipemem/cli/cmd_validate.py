@@ -1,4 +1,4 @@
-"""`pipemem validate {cpu,dist,paddle,cuda}`: measured vs estimated on real runs."""
+"""`pipemem validate {cpu,dist,paddle,cuda,megatron}`: measured vs estimated on real runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ examples:
   pipemem validate dist
   pipemem validate paddle
   pipemem validate cuda --configs small
+  pipemem validate megatron --json
 """
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -53,11 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"pipemem: error: {e}", file=sys.stderr)
         return 2
+    except (OverflowError, ZeroDivisionError, MemoryError, RecursionError, ValueError) as e:
+        # Bad numbers that slipped past the range checks (plan.LIMITS): one line, not a
+        # traceback. PIPEMEM_DEBUG=1 shows the traceback for a bug report.
+        if os.environ.get("PIPEMEM_DEBUG"):
+            raise
+        print(f"pipemem: error: cannot handle this input ({type(e).__name__}: {_short(e)}); check the numbers "
+              "given (set PIPEMEM_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("pipemem: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 if __name__ == "__main__":

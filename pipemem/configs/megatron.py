@@ -499,6 +499,15 @@ def _float(a, name: str, default: float) -> float:
         raise UserError(f"{TOOL} argument --{name} {text!r}: expected a number") from None
 
 
+def _is_gpt2_vocab_file(path: str | None) -> bool:
+    """gpt2-vocab.json, gpt2_vocab.json, .../gpt2/vocab.json: GPT-2's BPE vocabulary by its name."""
+    if not path:
+        return False
+    parts = path.replace("\\", "/").strip("'\"").lower().split("/")
+    name = parts[-1]
+    return name.endswith(".json") and "vocab" in name and ("gpt2" in name or (len(parts) > 1 and "gpt2" in parts[-2]))
+
+
 def _vocab(a, warnings: list[str]) -> int:
     """The tokenizer's vocabulary, unpadded: the megatron convention pads it to 128 x tp itself."""
     padded = a.int("padded-vocab-size")
@@ -510,6 +519,11 @@ def _vocab(a, warnings: list[str]) -> int:
         return padded
     if vocab is None:
         vocab = _TOKENIZER_VOCAB.get(tok)
+    if vocab is None and tok in ("", "gpt2bpetokenizer") and _is_gpt2_vocab_file(a.raw("vocab-file")):
+        # Megatron's GPT examples pass GPT-2's BPE files (gpt2-vocab.json + gpt2-merges.txt)
+        vocab = _TOKENIZER_VOCAB["gpt2bpetokenizer"]
+        warnings.append(f"{TOOL}: --vocab-file {a.raw('vocab-file')} names GPT-2's BPE vocabulary: "
+                        f"{vocab} tokens (GPT2BPETokenizer)")
     if vocab is None:
         raise UserError(f"{TOOL}: vocabulary size unknown for tokenizer {tok or '(none)'!r}; "
                         "add --vocab-size N or --padded-vocab-size N")

@@ -306,23 +306,23 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     if bad:
         raise UserError(f"{path}: [optimizer] {', '.join(bad)}: only Adam/AdamW are modelled")
     plan["optimizer"] = "adamw" if names[0].lower() == "adamw" else "adam"
-    impl = str(opt.get("implementation", "fused" if "model_spec" in cfg else "foreach")).lower()
-    if impl not in ("fused", "foreach", "for-loop"):
+    impl = str(opt.get("implementation", "fused")).lower()   # torchtitan's default is fused
+    if impl not in ("fused", "foreach", "for-loop", "fused_opt_states_bf16"):
         raise UserError(f"{path}: [optimizer] implementation {impl!r}: expected fused, foreach or for-loop")
-    extra["optimizer_impl"] = impl
+    if impl == "fused_opt_states_bf16":
+        raise UserError(f"{path}: [optimizer] implementation fused_opt_states_bf16 (bf16 Adam states) is not "
+                        "modelled; use fused")
+    plan["optimizer_impl"] = impl
     if opt.get("early_step_in_backward"):
         raise UserError(f"{path}: [optimizer] early_step_in_backward: the optimizer step inside the backward "
                         "is not modelled")
 
+    # ChunkedLossWrapper (0.3's default loss): the head runs per sequence chunk (templates/chunked_loss.py)
     loss = _section(cfg, "loss", path)
     chunks = loss.get("num_chunks", 8 if "model_spec" in cfg else 1)
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise UserError(f"{path}: [loss] num_chunks = {chunks!r}: expected a positive integer")
     extra["loss_chunks"] = chunks
-    if chunks > 1:
-        warnings.append(f"{TOOL}: [loss] num_chunks {chunks} (ChunkedLossWrapper) is not modelled: the output "
-                        "layer's logits and their fp32 cross-entropy are counted for the whole sequence at once, "
-                        "which overstates the head's memory")
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):

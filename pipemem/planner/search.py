@@ -7,8 +7,9 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    counted by reason, never listed;
 2. exact pruning: a rank's replayed peak is at least its static bytes (replay starts there and
    no job has a negative peak), so when the static bytes of some rank (the same
-   `static_bytes` the estimate uses) plus the reserve exceed the GPU, no micro-batch size,
-   recomputation or schedule of that placement can fit: the whole group is skipped unestimated;
+   `static_bytes` the estimate uses, for the ranks' stages as the schedule places them) plus
+   the reserve exceed the GPU, no micro-batch size or recomputation can fit: those plans are
+   counted, not estimated;
 3. recomputation: the cheapest setting that fits. No recomputation when it fits (any
    recomputation only adds work); otherwise selective, and full recomputation of the fewest
    layers per stage that fits (`--recompute-layers K`, found by bisection over K), whichever
@@ -16,8 +17,13 @@ For each proposal of `space.enumerate_bases` x schedule x micro-batch size:
    per stage is recomputed (each recomputed layer keeps a subset of what it kept before:
    tests/test_planner.py checks it on random plans); every listed plan is estimated as listed,
    so this can only cost a missed lighter setting, never a wrong FITS;
-4. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
+4. plans that differ only in sharding and run the same stage jobs (Megatron, Paddle: ddp,
+   ZeRO-1/2, distributed optimizer) are tried most sharded first; a setting that did not fit
+   with fewer static bytes is not estimated again with more (`_Ladder`);
+5. each listed plan carries its estimate's peak, its cost (cost.py) and the flags that
    reproduce it with `pipemem estimate`.
+
+`search_plans(..., prune=False)` switches 2 and 4 off; the listing must not change (tested).
 """
 
 from __future__ import annotations
@@ -30,10 +36,7 @@ from ..errors import UserError
 from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
-from .space import Base, SpaceOptions, enumerate_bases, schedules_for
-
-RECOMPUTE_LADDER = ("none", "selective", "full")
-
+from .space import BUFFERED_GRADS, Base, SpaceOptions, enumerate_bases, schedules_for
 
 @dataclass(frozen=True)
 class Target:
@@ -77,12 +80,23 @@ class SearchStats:
     invalid: Counter = field(default_factory=Counter)   # reason -> count
     pruned_static: int = 0                              # skipped by the static-bytes bound
     no_fit: int = 0                                     # estimated, nothing of the ladder fits
+    implied: int = 0                                    # settings known not to fit without an estimate
+    derived: int = 0                                    # settings whose peaks carried over (_Ladder)
+    derivation_mismatch: int = 0                        # should stay 0 (_Probe.result)
     estimates: int = 0                                  # pipemem.estimate calls
     seconds: float = 0.0
 
+    def add(self, other: "SearchStats") -> None:
+        """Count `other`'s plans too (one group's search, possibly in another process)."""
+        for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.invalid.update(other.invalid)
+
     def to_dict(self) -> dict:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
-                "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates, "seconds": self.seconds}
+                "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
+                "settings_implied_too_large": self.implied, "settings_derived": self.derived,
+                "derivation_mismatch": self.derivation_mismatch, "seconds": self.seconds}
 
 
 @dataclass
@@ -170,8 +184,8 @@ class _Progress:
         self.done = 0
         self.bar = None
 
-    def advance(self, fitting: int) -> None:
-        self.done += 1
+    def advance(self, fitting: int, n: int = 1) -> None:
+        self.done += n
         if not self.enabled:
             return
         if self.bar is None:
@@ -193,9 +207,13 @@ class _Progress:
 
 
 def search_plans(model, target: Target, seq_len: int, global_batch: int, options: SpaceOptions,
-                 extra: dict | None = None, model_flag: str | None = None, progress: bool = False) -> PlanSearch:
+                 extra: dict | None = None, model_flag: str | None = None, progress: bool = False,
+                 prune: bool = True, jobs: int = 1) -> PlanSearch:
     """Every plan of the space (space.py) that fits `target`, fastest first (see module docstring).
-    `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers)."""
+    `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers).
+    `prune=False` estimates what the static-bytes bound and the shared ladder would skip (for
+    tests: the listing must not change). `jobs` > 1 searches groups of plans in that many
+    processes (each estimate is independent; the listing is the same)."""
     from ..estimate import resolve_model
     from ..model import arch_from_hf_config
 
@@ -207,18 +225,62 @@ def search_plans(model, target: Target, seq_len: int, global_batch: int, options
         arch = arch.with_layers(extra["layers"])
     model_flag = model_flag or (model if isinstance(model, str) else name)
     runner = _Runner(config, name, arch, target, seq_len, global_batch, options, extra, model_flag)
-    bases = list(enumerate_bases(arch, target.gpus, options))
-    bar = _Progress(len(bases), progress)
+    runner.prune = prune
+    groups: dict[tuple, list[Base]] = {}
+    for base in enumerate_bases(arch, target.gpus, options):
+        groups.setdefault(replace(base, sharding=""), []).append(base)
+    groups = list(groups.values())
+    bar = _Progress(sum(len(g) for g in groups), progress)
+    results: list[PlanResult] = []
+    stats = SearchStats()
     try:
-        for base in bases:
-            runner.run_base(base)
-            bar.advance(len(runner.results))
+        for n, (found, counted) in _run_groups(runner, groups, jobs):
+            results += found
+            stats.add(counted)
+            bar.advance(len(results), n)
     finally:
         bar.close()
-    plans = sorted(runner.results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
-    runner.stats.seconds = time.perf_counter() - t0
-    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, runner.stats, config,
-                      runner.gpu_opts)
+    plans = sorted(results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
+    stats.seconds = time.perf_counter() - t0
+    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, stats, config, runner.gpu_opts)
+
+
+_WORKER: "_Runner | None" = None
+
+
+def _run_groups(runner: "_Runner", groups: list[list[Base]], jobs: int):
+    """Yield (bases done, results, stats) per task, in this process or in `jobs` forked ones.
+    A task is the groups that share pp, vpp and dp, so share their schedules: the first
+    estimate of a schedule builds and lowers it (tens to hundreds of milliseconds at
+    thousands of microbatches), and a worker keeps it for the rest of its task."""
+    import multiprocessing as mp
+
+    tasks: dict[tuple, list[list[Base]]] = {}
+    for g in groups:
+        tasks.setdefault((g[0].pp, g[0].vpp, g[0].dp), []).append(g)
+    task_list = sorted(tasks.values(), key=lambda t: -sum(len(g) for g in t))   # big ones first
+    if jobs > 1 and len(task_list) > 1 and "fork" in mp.get_all_start_methods():
+        global _WORKER
+        _WORKER = runner          # inherited by the forked workers
+        try:
+            with mp.get_context("fork").Pool(min(jobs, len(task_list))) as pool:
+                yield from pool.imap_unordered(_run_task_in_worker, task_list)
+        finally:
+            _WORKER = None
+        return
+    for task in task_list:
+        yield _run_task(runner, task)
+
+
+def _run_task(runner: "_Runner", task: list[list[Base]]):
+    runner.results, runner.stats = [], SearchStats()
+    for group in task:
+        runner.run_group(group)
+    return sum(len(g) for g in task), (runner.results, runner.stats)
+
+
+def _run_task_in_worker(task: list[list[Base]]):
+    return _run_task(_WORKER, task)
 
 
 class _Runner:
@@ -229,35 +291,48 @@ class _Runner:
         self.results: list[PlanResult] = []
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
+        self._busiest: dict = {}
+        self.prune = True
 
-    # ------------------------------------------------------------ one base
-    def run_base(self, base: Base) -> None:
+    # ------------------------------------------------------------ one group of bases
+    def run_group(self, bases: list[Base]) -> None:
+        """Bases that differ only in model-state sharding, most sharded first. Where gradients live
+        in a resident buffer (Megatron, Paddle), ddp, ZeRO-1/2 and the distributed optimizer (not
+        ZeRO-3/FSDP) run the same stage jobs from different static bytes, so a setting that does
+        not fit with more sharding does not fit with less (`_Ladder.failed`)."""
         conv = self.options.convention
-        for sched, placement in schedules_for(conv, base.pp, base.vpp, self.options.schedules):
-            style = "v" if placement == "v" else "interleaved"
-            statics = None
+        b0 = bases[0]
+        bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
+        for sched, _ in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
+            statics: dict[str, list[int]] = {}
             for mbs in self.options.micro_batches:
-                self.stats.proposed += 1
-                kw = {"seq_len": self.seq_len, "global_batch": self.global_batch, "micro_batch": mbs,
-                      **base.kwargs(conv), "schedule": sched, "convention": conv, **self.extra}
-                plan = self._validate(kw)
-                if plan is None:
-                    continue
-                if statics is None:
-                    statics = self._static(plan, style)
-                if max(statics) > self.target.budget_bytes:
-                    self.stats.pruned_static += 1
-                    continue
-                try:
-                    schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
-                except UserError:
-                    self.stats.invalid["schedule"] += 1
-                    continue
-                res = self._cheapest_fit(kw, plan, sched, style)
-                if res is None:
-                    self.stats.no_fit += 1
-                else:
-                    self.results.append(res)
+                ladder = _Ladder()
+                for base in bases:
+                    self.stats.proposed += 1
+                    kw = {"seq_len": self.seq_len, "global_batch": self.global_batch, "micro_batch": mbs,
+                          **base.kwargs(conv), "schedule": sched, "convention": conv, **self.extra}
+                    plan = self._validate(kw)
+                    if plan is None:
+                        continue
+                    try:
+                        schedule = schedule_for(sched, plan.pp, plan.microbatches, plan.vpp)
+                    except UserError:
+                        self.stats.invalid["schedule"] += 1
+                        continue
+                    # the virtual stages each pipeline rank runs (the schedule's placement)
+                    placement = tuple(tuple(schedule.stages_of_rank(r)) for r in range(plan.pp))
+                    if base.sharding not in statics:
+                        statics[base.sharding] = self._static(plan, placement)
+                    if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
+                        self.stats.pruned_static += 1
+                        continue
+                    shared = ladder if (base.sharding in SAME_JOBS and conv in BUFFERED_GRADS and self.prune) \
+                        else _Ladder()
+                    res = self._cheapest_fit(kw, plan, sched, placement, statics[base.sharding], shared)
+                    if res is None:
+                        self.stats.no_fit += 1
+                    else:
+                        self.results.append(res)
 
     def _validate(self, kw: dict) -> ParallelPlan | None:
         if self.global_batch % (kw["dp"] * kw["micro_batch"]):
@@ -269,7 +344,7 @@ class _Runner:
             self.stats.invalid[_reason(str(e))] += 1
             return None
 
-    def _static(self, plan: ParallelPlan, style: str) -> list[int]:
+    def _static(self, plan: ParallelPlan, placement) -> list[int]:
         """Static bytes of every pipeline rank (what replay starts from)."""
         from ..stages import stage_layer_ranges
         from ..templates.conventions import convention_for
@@ -277,65 +352,102 @@ class _Runner:
 
         conv = convention_for(plan)
         layout = stage_layer_ranges(plan)
-        return [static_bytes(self.arch, plan, conv, layout, stages_of_rank(r, plan.pp, plan.vpp, style)).total
-                for r in range(plan.pp)]
+        return [static_bytes(self.arch, plan, conv, layout, list(stages)).total for stages in placement]
 
     # ------------------------------------------------------------ recomputation
-    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, style) -> PlanResult | None:
-        res = self._try(kw, plan, sched, style, "none", None)
-        if res is not None:
-            return res
+    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, statics: list[int],
+                      ladder: "_Ladder") -> PlanResult | None:
+        probe = _Probe(self, kw, plan, sched, placement, statics, ladder)
+        if probe.fits("none", None):
+            return probe.result("none", None)
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
-        sel_cost = self._cost(plan, sched, style, "selective", None).step_s
-        if sel_cost <= self._cost(plan, sched, style, "full", 1).step_s:
-            sel = self._try(kw, plan, sched, style, "selective", None)
-            if sel is not None:
-                return sel        # cheaper than any full recomputation
-        full = self._try(kw, plan, sched, style, "full", None)
-        if full is None:
+        sel_first = self._selective_cheaper(plan, sched, placement, 1)
+        if sel_first and probe.fits("selective", None):
+            return probe.result("selective", None)       # cheaper than any full recomputation
+        if not probe.fits("full", None):
             return None           # full recomputation keeps the least (module docstring)
-        # fewest layers per stage that fits: bisection over K (module docstring)
-        lo, hi, best = 1, max(plan.pp_layout), full
+        # Fewest layers per stage K that fits: bisection over K (module docstring), from the
+        # fewest a more sharded plan with the same jobs needed; the first probes go where the
+        # peaks of no and full recomputation put K if the peak fell linearly with K, and just
+        # below or above it, so a good guess costs two estimates.
+        layers = max(plan.pp_layout)
+        lo, hi = max(1, ladder.min_layers), layers
+        guess = _interpolate(probe.peak("none", None), probe.peak("full", None), self.target.budget_bytes, layers)
+        pivots = [guess] if guess is not None else []
         while lo < hi:
-            mid = (lo + hi) // 2
-            r = self._try(kw, plan, sched, style, "full", mid)
-            if r is not None:
-                hi, best = mid, r
+            mid = pivots.pop(0) if pivots and lo <= pivots[0] < hi else (lo + hi) // 2
+            if probe.fits("full", mid):
+                hi = mid
+                if mid == guess:
+                    pivots = [mid - 1]
             else:
                 lo = mid + 1
-        if sel_cost < best.cost.step_s and sel_cost > self._cost(plan, sched, style, "full", 1).step_s:
-            sel = self._try(kw, plan, sched, style, "selective", None)
-            if sel is not None:
-                return sel
-        return best
+                if mid == guess:
+                    pivots = [mid + 1]
+        ladder.min_layers = hi
+        k = hi if hi < layers else None
+        if not sel_first and hi > 1 and self._selective_cheaper(plan, sched, placement, hi) and \
+                probe.fits("selective", None):
+            return probe.result("selective", None)
+        return probe.result("full", k)
 
-    def _cost(self, plan, sched, style, recompute, layers) -> Cost:
+    def _selective_cheaper(self, plan, sched, placement, layers: int) -> bool:
+        """Does selective recomputation cost less than full recomputation of `layers` layers per
+        stage? Settled without simulating when one adds no more FLOPs to any stage than the other
+        (the simulated makespan only grows with durations, and full recomputation also repeats
+        the forward's tp traffic); simulated otherwise."""
+        from .cost import stage_flops
+        a = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "selective", None)
+        b = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "full", layers)
+        if all(x[1] <= y[1] for x, y in zip(a, b)):
+            return True
+        if all(x[1] >= y[1] for x, y in zip(a, b)) and plan.tp == 1:
+            return False
+        return self._cost(plan, sched, placement, "selective", None).step_s < \
+            self._cost(plan, sched, placement, "full", layers).step_s
+
+    def _cost(self, plan, sched, placement, recompute, layers) -> Cost:
         p = replace(plan, recompute=recompute, recompute_layers=layers)
-        rank_stages, params = self._busiest_rank(p, style)
+        rank_stages, params = self._busiest_rank(p, placement)
         return plan_cost(self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds)
 
-    def _try(self, kw, plan, sched, style, recompute: str, layers: int | None) -> PlanResult | None:
-        """Estimate the plan with this recomputation; the result when it fits, else None."""
+    def _estimate(self, kw: dict, recompute: str, layers: int | None):
+        """pipemem.estimate of the plan with this recomputation, or None when it refuses the plan."""
         from ..estimate import estimate
 
+        call = self._call(kw, recompute, layers)
+        self.stats.estimates += 1
+        try:
+            return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+        except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
+            self.stats.invalid[_reason(str(e))] += 1
+            return None
+
+    @staticmethod
+    def _call(kw: dict, recompute: str, layers: int | None) -> dict:
         kw = dict(kw, recompute=recompute)
         if layers is not None:
             kw["recompute_layers"] = layers
-        call = {k: v for k, v in kw.items() if v is not None}
-        self.stats.estimates += 1
-        est = estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def _result(self, kw, plan, sched, placement, recompute, layers, est) -> PlanResult:
+        call = self._call(kw, recompute, layers)
         peak = est.max_peak_allocated_bytes
-        if peak > self.target.budget_bytes:
-            return None
-        cost = self._cost(plan, sched, style, recompute, layers)
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
                           headroom_bytes=self.target.capacity_bytes - peak, schedule=est.schedule if sched else None,
-                          cost=cost)
+                          cost=self._cost(plan, sched, placement, recompute, layers))
 
-    def _busiest_rank(self, plan, style) -> tuple[list[int], tuple[int, int]]:
+    def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
         its communication is the step's."""
+        key = (plan.tp, plan.pp, plan.vpp, plan.ep, plan.etp, plan.pp_layout, placement)
+        hit = self._busiest.get(key)
+        if hit is None:
+            hit = self._busiest[key] = self._find_busiest_rank(plan, placement)
+        return hit
+
+    def _find_busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         from ..stages import stage_layer_ranges
         from ..templates.conventions import convention_for
         from ..templates.static import rank_param_counts
@@ -343,18 +455,111 @@ class _Runner:
         conv, layout = convention_for(plan), stage_layer_ranges(plan)
         best = None
         for r in range(plan.pp):
-            st = stages_of_rank(r, plan.pp, plan.vpp, style)
+            st = list(placement[r])
             n = rank_param_counts(self.arch, plan, conv, layout, st)
             if best is None or sum(n) > sum(best[1]):
                 best = (st, n)
         return best
 
 
-def stages_of_rank(rank: int, pp: int, vpp: int, style: str) -> list[int]:
-    """The stages a named schedule of that placement puts on `rank` (the schedules' own maps)."""
-    from ..schedules.actions import loop_stage_map, v_stage_map
-    placed = v_stage_map(pp, vpp) if style == "v" else loop_stage_map(pp, vpp)
-    return [s for s, r in enumerate(placed) if r == rank]
+# sharding labels, most sharded first; those in SAME_JOBS leave the stage jobs unchanged
+SHARDING_ORDER = {"fsdp": 0, "zero3": 0, "zero2": 1, "dist-opt": 2, "zero1": 2, "ddp": 3}
+SAME_JOBS = ("zero2", "dist-opt", "zero1", "ddp")
+
+
+class _Ladder:
+    """What plans with the same stage jobs (same schedule, placement and micro-batch size;
+    sharding levels that leave the jobs unchanged) showed, for the next one with more static
+    bytes. Replay is a walk that starts at a rank's static bytes and adds the same job sequence,
+    so with the same jobs each rank's peak moves by exactly its change in static bytes: a
+    setting's per-rank peaks carry over (`derive`), and a setting that did not fit cannot fit
+    with more static bytes (`failed`). Also the fewest fully recomputed layers per stage that
+    fitted."""
+
+    def __init__(self):
+        self._failed: set = set()
+        self._peaks: dict = {}          # (recompute, layers) -> (rank peaks, rank statics)
+        self.min_layers = 1
+
+    def failed(self, recompute: str, layers: int | None) -> bool:
+        return (recompute, layers) in self._failed
+
+    def fail(self, recompute: str, layers: int | None) -> None:
+        self._failed.add((recompute, layers))
+
+    def record(self, key, rank_peaks: list[int], statics: list[int]) -> None:
+        self._peaks[key] = (list(rank_peaks), list(statics))
+
+    def derive(self, key, statics: list[int]) -> list[int] | None:
+        hit = self._peaks.get(key)
+        if hit is None:
+            return None
+        peaks, base = hit
+        return [p - a + b for p, a, b in zip(peaks, base, statics)]
+
+
+class _Probe:
+    """The recomputation settings of one plan: does each fit, and the listed result. A setting
+    is estimated unless the ladder settles it; one that the ladder says fits is estimated before
+    it is listed, and must give the bytes the ladder derived (else the ladder is dropped and the
+    setting estimated afresh: `SearchStats.derivation_mismatch`, tested to stay 0)."""
+
+    def __init__(self, runner, kw, plan, sched, placement, statics, ladder):
+        self.r, self.kw, self.plan, self.sched, self.placement = runner, kw, plan, sched, placement
+        self.statics, self.ladder = statics, ladder
+        self.peaks: dict = {}       # key -> rank peaks (estimated or derived)
+        self.ests: dict = {}        # key -> Estimate
+
+    def peak(self, recompute, layers) -> int | None:
+        p = self.peaks.get((recompute, layers))
+        return max(p) if p else None
+
+    def fits(self, recompute: str, layers: int | None) -> bool:
+        key = (recompute, layers)
+        budget = self.r.target.budget_bytes
+        if key not in self.peaks:
+            if self.ladder.failed(*key):
+                self.r.stats.implied += 1
+                return False
+            derived = self.ladder.derive(key, self.statics)
+            if derived is not None:
+                self.r.stats.derived += 1
+                self.peaks[key] = derived
+            else:
+                est = self.r._estimate(self.kw, recompute, layers)
+                if est is None:
+                    self.ladder.fail(*key)
+                    return False
+                self.ests[key] = est
+                self.peaks[key] = [x.peak_allocated_bytes for x in est.ranks]
+            self.ladder.record(key, self.peaks[key], self.statics)
+        ok = max(self.peaks[key]) <= budget
+        if not ok:
+            self.ladder.fail(*key)
+        return ok
+
+    def result(self, recompute: str, layers: int | None) -> PlanResult | None:
+        key = (recompute, layers)
+        est = self.ests.get(key)
+        if est is None:
+            est = self.r._estimate(self.kw, recompute, layers)
+            if est is None or [x.peak_allocated_bytes for x in est.ranks] != self.peaks.get(key):
+                # the ladder's derivation disagrees with the engine: never trust it here
+                self.r.stats.derivation_mismatch += 1
+                return self.r._cheapest_fit(self.kw, self.plan, self.sched, self.placement, self.statics,
+                                            _Ladder())
+        if est.max_peak_allocated_bytes > self.r.target.budget_bytes:
+            return None
+        return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
+
+
+def _interpolate(peak_none: int | None, peak_full: int, budget: int, layers: int) -> int | None:
+    """K (1..layers-1) at which a peak falling linearly from `peak_none` (K = 0) to `peak_full`
+    (K = layers) meets `budget`; only a first guess for the bisection."""
+    if peak_none is None or peak_none <= peak_full or layers < 2:
+        return None
+    k = -(-(peak_none - budget) * layers // (peak_none - peak_full))
+    return min(max(int(k), 1), layers - 1)
 
 
 def _reason(message: str) -> str:

@@ -13,7 +13,8 @@ The proposals follow the chosen convention's framework:
 * model-state sharding and schedules are those the framework offers (`SHARDINGS`,
   `SCHEDULES`); sequence parallelism is on whenever tp > 1 (it only removes memory);
 * plain data parallelism (ddp) is not proposed where the framework has a ZeRO-1 (Megatron's
-  distributed optimizer, ZeRO-1): that plan runs the same stage jobs from fewer static bytes, so
+  distributed optimizer, Paddle's sharding stage 1) and keeps gradients in a resident buffer
+  either way: that plan runs the same stage jobs from fewer static bytes, so
   its peak is no higher (replay adds the same job sequence to a smaller start), and it sends
   no more (a reduce-scatter of grads plus an all-gather of bf16 params vs an all-reduce of
   grads): it cannot lose. `--shardings ddp,...` asks for it explicitly;
@@ -52,6 +53,10 @@ SCHEDULES = {
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_MAX_VPP = 8
+
+# conventions whose gradients live in one resident buffer for every sharding level
+# (pipemem.plan.default_grads): ddp, ZeRO-1/2 and the distributed optimizer run the same jobs
+BUFFERED_GRADS = ("megatron", "paddle")
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,9 @@ def enumerate_bases(arch, gpus: int, opts: SpaceOptions):
             raise UserError(f"--shardings {lbl}: the {opts.convention} convention offers "
                             f"{', '.join(known)}")
     layers = arch.layers
-    zero1 = any(lbl in known for lbl in ("dist-opt", "zero1"))
+    # ddp is dominated only where its stage jobs equal ZeRO-1's: gradients in a resident buffer
+    # whatever the sharding (Megatron, Paddle; HF's DDP buckets differ from DeepSpeed's ZeRO)
+    zero1 = opts.convention in BUFFERED_GRADS and any(lbl in known for lbl in ("dist-opt", "zero1"))
     for tp in divisors(gpus):
         if not opts.tp_across_nodes and tp > opts.gpus_per_node:
             continue

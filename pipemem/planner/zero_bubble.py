@@ -55,6 +55,7 @@ class ZeroBubble:
 def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_path: str | None = None) -> ZeroBubble:
     """For `result` (a PlanResult of `search`, a PlanSearch) with pp > 1: see module docstring."""
     from ..plan import ParallelPlan, validate_plan
+    from ..runtime import fold_per_action
     from ..schedules.check import TimeModel, simulate
     from ..schedules.csv_io import to_csv_text
     from ..schedules.zb_scheduler import memory_limited_schedule
@@ -67,7 +68,6 @@ def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_p
     if plan.pp == 1:
         raise UserError("--zero-bubble needs a pipeline plan (pp > 1)")
     own = schedule_for(kw.get("schedule"), plan.pp, plan.microbatches, plan.vpp)
-    from ..runtime import fold_per_action
     placement = "v" if own.placement == "v" else "loop"
     stage_plan = build_stage_jobs(search.arch, plan)
     static = stage_plan.static_per_rank(own)          # placement: the schedule's

@@ -55,9 +55,11 @@ ALIASES = {
     "llama3.1-70b": "llama3-70b",
 }
 
+# Only names that mean one device: "a100" or "h100" alone could be either memory size, and
+# are an error listing the candidates (see `_candidates`).
 GPU_ALIASES = {
-    "a100": "a100-80g", "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
-    "h100": "h100-80g", "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
+    "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
+    "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
     "h100-94gb": "h100-94g", "h200-141g": "h200", "3090": "rtx3090", "1080ti": "gtx1080ti",
 }
 
@@ -93,6 +95,10 @@ def gpu_info(name: str) -> dict:
     key = str(name).strip().lower()
     key = GPU_ALIASES.get(key, key)
     if key not in table:
+        cands = _candidates(key, table)
+        if len(cands) > 1:
+            listed = ", ".join(f"{k} ({table[k]['name']}, {table[k]['mib']} MiB)" for k in cands)
+            raise UserError(f"--gpu {name!r} is ambiguous: {listed}; give one of them")
         raise UserError(f"--gpu {name!r}: unknown GPU{_close(key, list(table) + list(GPU_ALIASES))}; "
                         f"known: {', '.join(table)} (or give --gpu-memory GIB)")
     return dict(table[key], key=key)
@@ -112,22 +118,62 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
     text = str(name_or_path).strip()
     if not text:
         raise UserError(f"{flag}: empty; give a preset name (pipemem presets) or a path to a config.json")
+    if len(text) > 4096:
+        raise UserError(f"{flag} {text[:40]}...: {len(text)} characters; give a preset name or a path")
     path = Path(text).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:   # a name the file system cannot hold (too long a component...)
+        is_dir = is_file = False
+    if is_dir:
         path = path / "config.json"
         if not path.is_file():
             raise UserError(f"{flag} {text}: directory has no config.json")
-    if path.is_file():
+        is_file = True
+    if is_file:
         return path.parent.name if path.name == "config.json" else path.stem, read_config_file(path, flag)
     key = text.lower()
     key = ALIASES.get(key, key)
     if key in _model_names():
         return key, dict(_preset_json(key))      # a copy: callers may change their config
+    base = base_model_id(key)
+    if base is not None:
+        cfg = dict(_preset_json(base))
+        cfg["_pipemem_note"] = (f"{flag} {text}: not a preset; estimated with the shapes of its base model {base} "
+                                "(instruction / chat fine-tunes and -hf conversions keep the base model's shapes)")
+        return base, cfg
     if text.endswith(".json") or text.startswith((".", "/", "~")):
         raise UserError(f"{flag} {text}: file not found")
+    cands = _candidates(key, model_names())
+    if len(cands) > 1:
+        raise UserError(f"{flag} {text!r} is ambiguous: {', '.join(cands)}; give one of them "
+                        "(pipemem presets lists their shapes)")
     raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"
                     f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
                     f"or pass a path to a config.json (nothing is downloaded)")
+
+
+# Name parts of fine-tuned or converted checkpoints that keep the base model's shapes.
+_VARIANT_PARTS = ("instruct", "chat", "hf", "it")
+
+
+def base_model_id(key: str) -> str | None:
+    """The preset of a fine-tune / conversion named after its base model
+    ('meta-llama/Meta-Llama-3-8B-Instruct' -> llama3-8b, 'Llama-2-7b-chat-hf' -> llama2-7b,
+    'Mistral-7B-Instruct-v0.1' -> mistral-7b), else None. Only the name parts that keep the
+    shapes are dropped; what remains must be a known preset or hub id."""
+    key = key.strip().lower()
+    org, _, name = key.rpartition("/")
+    parts = name.split("-")
+    kept = [p for p in parts if p not in _VARIANT_PARTS]
+    if len(kept) == len(parts) or not kept:
+        return None
+    stripped = "-".join(kept)
+    for cand in (f"{org}/{stripped}" if org else stripped, stripped):
+        cand = ALIASES.get(cand, cand)
+        if cand in _model_names():
+            return cand
+    return None
 
 
 def read_config_file(path: str | Path, flag: str = "--model") -> dict:
@@ -143,6 +189,12 @@ def read_config_file(path: str | Path, flag: str = "--model") -> dict:
         raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json), "
                         f"got {type(cfg).__name__}")
     return cfg
+
+
+def _candidates(key: str, names) -> list[str]:
+    """Names that `key` abbreviates: those starting with it (a100 -> a100-40g, a100-80g)."""
+    key = key.strip().lower()
+    return sorted(n for n in names if len(key) >= 2 and n.startswith(key) and n != key)
 
 
 def _close(word: str, candidates: list[str]) -> str:

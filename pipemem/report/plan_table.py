@@ -11,24 +11,24 @@ from .text import console as _console
 
 
 def short_plan(kw: dict) -> str:
-    """'dp 2 tp 8 pp 4 vpp 2 | mb 1 | dist-opt | recompute full x3 | VPP'."""
-    deg = [f"dp {kw['dp']}", f"tp {kw['tp']}", f"pp {kw['pp']}"]
+    """'dp2 tp8 pp4 vpp2 mb1 dist-opt full-recompute:3 VPP' (the flags say the same at length)."""
+    deg = [f"dp{kw['dp']}", f"tp{kw['tp']}", f"pp{kw['pp']}"]
     for k in ("vpp", "cp", "ep"):
         if kw.get(k, 1) > 1:
-            deg.append(f"{k} {kw[k]}")
+            deg.append(f"{k}{kw[k]}")
     if kw.get("etp") is not None:
-        deg.append(f"etp {kw['etp']}")
+        deg.append(f"etp{kw['etp']}")
     if kw.get("pp_layout"):
-        deg.append("layout " + ",".join(str(x) for x in _runs(kw["pp_layout"])))
-    shard = "fsdp" if kw.get("fsdp") else "dist-opt" if kw.get("dist_opt") else \
-        f"zero{kw['zero']}" if kw.get("zero") else "ddp"
+        deg.append("layout:" + ",".join(_runs(kw["pp_layout"])))
+    deg.append(f"mb{kw['micro_batch']}")
+    deg.append("fsdp" if kw.get("fsdp") else "dist-opt" if kw.get("dist_opt") else
+               f"zero{kw['zero']}" if kw.get("zero") else "ddp")
     rec = kw.get("recompute", "none")
-    if rec != "none" and kw.get("recompute_layers") is not None:
-        rec += f" x{kw['recompute_layers']}"
-    parts = [" ".join(deg), f"mb {kw['micro_batch']}", shard, "no recompute" if rec == "none" else f"recompute {rec}"]
+    if rec != "none":
+        deg.append(f"{rec}-recompute" + (f":{kw['recompute_layers']}" if kw.get("recompute_layers") else ""))
     if kw.get("schedule"):
-        parts.append(kw["schedule"])
-    return " | ".join(parts)
+        deg.append(kw["schedule"])
+    return " ".join(deg)
 
 
 def _runs(layout) -> list[str]:
@@ -47,7 +47,7 @@ def _runs(layout) -> list[str]:
 def _comm_text(cost) -> str:
     gb = cost.comm_bytes / 1e9
     cross = cost.crosses_nodes
-    return f"{gb:,.1f}" + (f" ({','.join(cross)} across nodes)" if cross else "")
+    return f"{gb:,.1f}" + (f" ({','.join(cross)} x-node)" if cross else "")
 
 
 def _table(plans, target, title):
@@ -87,8 +87,16 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                      f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} fitting plans (estimated step time)"))
     pareto = res.pareto
     if pareto:
-        con.print(_table([(index[id(p)], p) for p in pareto], t,
-                         "Pareto set of the pipeline plans: peak memory vs bubble"))
+        shown = pareto[:top]
+        more = f" (the {len(shown)} smallest of {len(pareto)}; all in --json)" if len(shown) < len(pareto) else ""
+        con.print(_table([(index[id(p)], p) for p in shown], t,
+                         f"Pareto set of the pipeline plans: peak memory vs bubble{more}"))
+    front = res.pareto_step_time
+    if len(front) > 1:
+        shown = front[-top:]
+        more = f" (the {len(shown)} fastest of {len(front)}; all in --json)" if len(shown) < len(front) else ""
+        con.print(_table([(index[id(p)], p) for p in shown], t,
+                         f"Pareto set of all plans: peak memory vs estimated step time{more}"))
     best = res.plans[0]
     con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
     con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus peak "
@@ -106,8 +114,9 @@ def render_zero_bubble(con, zb, target, csv_path) -> None:
     what = "zero bubble" if zb.zero_bubble else f"its least stage bubble ({zb.stage_bubble:.1%}; the stages are unbalanced)"
     verdict = ("FITS", GREEN) if zb.fits else ("DOES NOT FIT", RED)
     con.print(Text.assemble(("Zero bubble", "bold"), f": the memory-limited scheduler reaches {what} for the best "
-                            f"pipeline plan from {fmt_bytes(zb.memory_bytes)} per GPU ({zb.probes} scheduler runs); "
-                            f"estimated peak with that schedule {fmt_bytes(zb.peak_bytes)}: ", verdict,
+                            f"pipeline plan once static bytes + activations may reach {fmt_bytes(zb.memory_bytes)} "
+                            f"per GPU ({zb.probes} scheduler runs). The step's peak with that schedule (pipemem "
+                            f"estimate, optimizer step included) is {fmt_bytes(zb.peak_bytes)}: ", verdict,
                             f" with the {fmt_bytes(target.reserve_bytes)} reserve. Bubble {zb.bubble:.1%}, makespan "
                             f"{zb.makespan_ratio:.3f}x the plan's own schedule."))
     if csv_path:

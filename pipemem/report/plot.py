@@ -231,12 +231,13 @@ def _html_table(est) -> str:
     head = ("rank", "params", "grads", "optimizer", "activations (in flight)", "transient", "peak", "headroom",
             "peak at")
     rows = []
+    from .text import _row_cells
+
     for r in est.ranks:
         room = r.headroom(gpu)
-        room_txt = "-" if room is None else (f"OOM by {fmt_bytes(-room)}" if room < 0 else fmt_bytes(room))
-        cells = (str(r.pp_rank), fmt_bytes(r.static.params), fmt_bytes(r.static.grads), fmt_bytes(r.static.optimizer),
-                 f"{fmt_bytes(r.activation_hwm_bytes)} ({r.inflight} mb)", fmt_bytes(r.transient_bytes),
-                 fmt_bytes(r.peak_allocated_bytes), room_txt, str(r.peak_at))
+        c = _row_cells(est, r)     # the same cells as the terminal table
+        cells = (c["rank"], c["params"], c["grads"], c["optimizer"], c["activations"], c["transient"], c["peak"],
+                 c["headroom"], c["peak at"])
         cls = ' class="oom"' if room is not None and room < 0 else ""
         rows.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"

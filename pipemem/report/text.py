@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import sys
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..units import fmt_bytes
@@ -19,17 +20,57 @@ RED, GREEN, YELLOW, DIM = "bold red", "bold green", "yellow", "dim"
 NEAR_FULL = 0.90   # a rank above this share of the GPU is shown in yellow
 
 
-def _console(file=None, color: bool | None = None):
+def terminal_width(file=None) -> int:
+    """Columns to lay the report out in: the terminal's, else $COLUMNS, else 150 (a pipe)."""
+    file = file or sys.stdout
+    if hasattr(file, "isatty") and file.isatty():
+        return shutil.get_terminal_size((150, 40)).columns
+    try:
+        return max(20, int(os.environ.get("COLUMNS", 150)))
+    except ValueError:
+        return 150
+
+
+def _console(file=None, color: bool | None = None, width: int | None = None):
     from rich.console import Console
 
     file = file or sys.stdout
     is_tty = hasattr(file, "isatty") and file.isatty()
-    width = shutil.get_terminal_size((150, 40)).columns if is_tty else int(os.environ.get("COLUMNS", 150))
     if color is None:
         color = is_tty and "NO_COLOR" not in os.environ
-    return Console(file=file, width=max(width, 100), no_color=not color, highlight=False,
+    return Console(file=file, width=width or terminal_width(file), no_color=not color, highlight=False,
                    force_terminal=True if color else None, color_system="standard" if color else None,
                    soft_wrap=False)
+
+
+def _plural(n, word: str) -> str:
+    return f"{n:g} {word}" if n == 1 else f"{n:g} {word}s"
+
+
+def describe_precision(plan) -> str:
+    """What the convention keeps per parameter, from the same rule the engine uses
+    (templates.static.bytes_per_param): e.g. 'bf16 params, fp32 grads + master + optimizer
+    states' (Megatron), 'fp32 params + grads + optimizer states, bf16 compute' (torchtitan, hf)."""
+    from ..templates.conventions import CONVENTIONS
+    from ..templates.static import STATES, bytes_per_param
+
+    p_b, g_b, master_b, st_b = bytes_per_param(plan, CONVENTIONS[plan.convention])
+    name = {1: "8-bit", 2: plan.dtype if plan.dtype != "fp32" else "bf16", 4: "fp32"}
+    param = name.get(p_b, f"{p_b}-byte")
+    grad = plan.main_grad_dtype or plan.dtype
+    per_state = st_b // max(1, STATES.get(plan.optimizer, 1))
+    kept = [("params", param), ("grads", grad)] + ([("master", "fp32")] if master_b else []) + \
+        [("optimizer states", name.get(per_state, f"{per_state}-byte"))]
+    groups: list[tuple[str, list[str]]] = []
+    for what, dt in kept:
+        if groups and groups[-1][0] == dt:
+            groups[-1][1].append(what)
+        else:
+            groups.append((dt, [what]))
+    text = ", ".join(f"{dt} {' + '.join(ws)}" for dt, ws in groups)
+    if plan.dtype != "fp32" and param == "fp32":
+        text += f", {plan.dtype} compute"
+    return text
 
 
 def describe_plan(est) -> str:
@@ -53,57 +94,156 @@ def describe_plan(est) -> str:
         shard.append("dist-opt")
     batch = f"micro-batch {p.micro_batch} x seq {p.seq_len}"
     if p.microbatches:
-        batch += f", {p.microbatches} microbatches"
-    prec = p.dtype + ("" if p.dtype == "fp32" else (" + fp32 master" if p.master_weights else " (no master)"))
+        batch += f", {_plural(p.microbatches, 'microbatch')}".replace("microbatchs", "microbatches")
     rec = f"recompute {p.recompute}" + (f" ({p.recompute_layers} layers/stage)"
                                         if p.recompute_layers is not None and p.recompute != "none" else "")
-    framework = "HF modules, traced" if est.mode == "traced" else f"{p.convention} convention"
-    bits = [" ".join(parts)] + shard + [est.schedule, batch, prec, p.optimizer, rec,
-                                         "flash-attn" if p.flash_attn else "no flash-attn", framework]
+    traced = est.mode == "traced"
+    framework = "HF modules, traced" if traced else f"{p.convention} convention"
+    # traced mode runs HF modules under torch autocast and torch.optim as recorded
+    prec_plan = replace(p, convention="hf") if traced else p
+    opt = p.optimizer + (f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) and not traced else "")
+    sched = [est.schedule] if p.pp > 1 else []      # one stage runs no pipeline schedule
+    bits = [" ".join(parts)] + shard + sched + [batch, describe_precision(prec_plan), opt, rec, _flash_text(est),
+                                                framework]
     return ", ".join(bits)
 
 
-def render(est, file=None, color: bool | None = None, explain: bool = False) -> None:
+def _flash_text(est) -> str:
+    if est.plan.flash_attn:
+        return "flash-attn"
+    from ..presets import gpu_info
+
+    try:
+        info = gpu_info(est.gpu_name) if est.gpu_name else {}
+    except Exception:   # --gpu-memory: no preset to consult
+        info = {}
+    if info and not info.get("flash_attention", True):
+        return f"no flash-attn ({info['key']}, compute capability {info.get('compute_capability')}, cannot run it)"
+    return "no flash-attn"
+
+
+def _inflight_text(r, vpp: int) -> str:
+    """In-flight microbatches in units of one microbatch's activations on the rank (all its
+    chunks), as `pipemem schedule` counts them: 11 chunk forwards at vpp 2 = 5.5 mb."""
+    return f"{r.inflight / max(vpp, 1):g} mb"
+
+
+FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step's backward) + optimizer (+ other "
+            "static) + activations held around the action at the peak "
+            "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
+            "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
+            "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
+            "torch.cuda.max_memory_allocated counts them; the allocator's reserve, the CUDA context and NCCL "
+            "buffers come on top.")
+
+
+def _row_cells(est, r) -> dict:
+    gpu = est.gpu_memory_bytes
+    head = r.headroom(gpu)
+    head_txt = "-" if head is None else (f"OOM by {fmt_bytes(-head)}" if head < 0 else fmt_bytes(head))
+    act = r.activations_at_peak_bytes
+    act_txt = fmt_bytes(act)
+    if r.peak_is_optimizer:
+        act_txt += " (step)"
+    elif r.inflight:
+        act_txt += f" ({_inflight_text(r, est.plan.vpp)})"
+    style = ""
+    if head is not None and head < 0:
+        style = RED
+    elif gpu and r.peak_allocated_bytes > NEAR_FULL * gpu:
+        style = YELLOW
+    return {"rank": str(r.pp_rank), "layers": _layers_text(r), "params": fmt_bytes(r.static.params),
+            "grads": _grads_text(r.static), "optimizer": fmt_bytes(r.static.optimizer),
+            "activations": act_txt, "transient": fmt_bytes(r.transient_bytes),
+            "peak": fmt_bytes(r.peak_allocated_bytes), "headroom": head_txt, "peak at": str(r.peak_at),
+            "_style": style}
+
+
+_COLUMNS = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads", "right"),
+            ("optimizer", "right"), ("activations", "right"), ("transient", "right"), ("peak", "right"),
+            ("headroom", "right"), ("peak at", "left")]
+
+
+def _table(est, rows):
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    con = _console(file, color)
+    t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False, box=box.SIMPLE_HEAD,
+              show_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
+    for name, justify in _COLUMNS:
+        header = "activations\n(in flight)" if name == "activations" else name
+        t.add_column(header, justify=justify, no_wrap=True, overflow="fold")
+    for c in rows:
+        cells = [c[name] for name, _ in _COLUMNS]
+        cells[7] = Text(c["peak"], style=c["_style"] or "bold")
+        cells[8] = Text(c["headroom"], style=c["_style"])
+        t.add_row(*cells)
+    return t
+
+
+def _table_width(table) -> int:
+    """Columns the table needs to print without shrinking any cell."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    con = Console(file=io.StringIO(), width=10_000, no_color=True, soft_wrap=False)
+    return Measurement.get(con, con.options, table).maximum
+
+
+def _stacked(rows, width: int):
+    """One block per rank, `name value` items wrapped whole to the width: no number is cut."""
+    from rich.text import Text
+
+    out = Text()
+    for c in rows:
+        head = [f"rank {c['rank']}", f"layers {c['layers']}", f"peak {c['peak']}",
+                c["headroom"] if c["headroom"].startswith("OOM") else f"headroom {c['headroom']}",
+                f"at {c['peak at']}"]
+        body = [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}",
+                f"activations {c['activations']}", f"transient {c['transient']}"]
+        for i, line in enumerate(_wrap_items(head, width) + _wrap_items(body, width - 2, indent="  ")):
+            out.append(line + "\n", style=(c["_style"] or "bold") if i == 0 else "")
+    return out
+
+
+def _wrap_items(items: list[str], width: int, indent: str = "") -> list[str]:
+    lines, cur = [], ""
+    for it in items:
+        if cur and len(cur) + 2 + len(it) > width:
+            lines.append(indent + cur)
+            cur = it
+        else:
+            cur = f"{cur}  {it}" if cur else it
+    if cur:
+        lines.append(indent + cur)
+    return lines
+
+
+def render(est, file=None, color: bool | None = None, explain: bool = False, wide: bool = False,
+           width: int | None = None) -> None:
+    """The report. The per-rank table when it fits `width` (the terminal's) or with `wide`;
+    else one block per rank (stacked), so that no number is ever cut."""
+    from rich.text import Text
+
+    width = width or terminal_width(file)
+    rows = [_row_cells(est, r) for r in est.ranks]
+    table = _table(est, rows)
+    need = _table_width(table)
+    stacked = need > width and not wide
+    con = _console(file, color, width=max(width, need) if wide else width)
     gpu = est.gpu_memory_bytes
     gpu_txt = f"{est.gpu_name} ({fmt_bytes(gpu)})" if gpu is not None else "no GPU given"
-    con.print(Text(f"{est.model_name}: {est.world_size} GPUs, {gpu_txt}", style="bold"))
+    con.print(Text(f"{est.model_name}: {_plural(est.world_size, 'GPU')}, {gpu_txt}", style="bold"))
     con.print(Text(describe_plan(est), style=DIM))
     if est.mode == "traced":
         con.print(Text("traced mode: the real PyTorch training step recorded on fake tensors", style=DIM))
     con.print(Text(step_note(est.plan), style=DIM))
-
-    from rich import box
-
-    t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False, box=box.SIMPLE_HEAD,
-              show_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
-    cols = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads", "right"),
-            ("optimizer", "right"), ("activations\n(in flight)", "right"), ("transient", "right"),
-            ("peak", "right"), ("headroom", "right"), ("peak at", "left")]
-    for name, justify in cols:
-        t.add_column(name, justify=justify, no_wrap=True)
-    for r in est.ranks:
-        head = r.headroom(gpu)
-        style = ""
-        if head is not None and head < 0:
-            style = RED
-        elif gpu and r.peak_allocated_bytes > NEAR_FULL * gpu:
-            style = YELLOW
-        head_txt = "-" if head is None else (f"OOM by {fmt_bytes(-head)}" if head < 0 else fmt_bytes(head))
-        t.add_row(str(r.pp_rank), _layers_text(r), fmt_bytes(r.static.params), _grads_text(r.static),
-                  fmt_bytes(r.static.optimizer),
-                  f"{fmt_bytes(r.activation_hwm_bytes)} ({r.inflight} mb)", fmt_bytes(r.transient_bytes),
-                  Text(fmt_bytes(r.peak_allocated_bytes), style=style or "bold"),
-                  Text(head_txt, style=style), str(r.peak_at))
-    con.print(t)
-    con.print(Text("peak = params + grads + optimizer (+ other static) + activations (high-water mark, with the "
-                   "microbatches in flight) + transient (working memory of the action at the peak; F3@s1 = "
-                   "forward of microbatch 3 on stage 1, B backward, I/W split backward). Allocated bytes, as "
-                   "torch.cuda.max_memory_allocated counts them; the allocator's reserve, the CUDA context "
-                   "and NCCL buffers come on top.", style=DIM))
+    if stacked:
+        con.print(_stacked(rows, width), end="")
+    else:
+        con.print(table)
+    con.print(Text(FOOTNOTE, style=DIM))
     con.print(verdict(est, markup=True))
     if explain and est.explain is not None:
         render_explain(est.explain, con)
@@ -150,9 +290,12 @@ KIND_WORDS = {"F": "forward", "B": "backward", "I": "input-grad backward", "W": 
 
 
 def describe_action(peak_at: Any) -> str:
-    """'B3@s1' -> 'backward of microbatch 3, stage 1'; other labels unchanged."""
+    """'B3@s1' -> 'backward mb 3 stage 1 (B3@s1)'; 'optimizer' -> 'the optimizer step'."""
     text = str(peak_at)
     import re
+
+    if text == "optimizer":
+        return "the optimizer step"
 
     m = re.fullmatch(r"([FBIW])(\d+)@s(\d+)", text)
     if m:
@@ -167,6 +310,10 @@ def verdict(est, markup: bool = False):
     worst = est.worst_rank
     gpu = est.gpu_memory_bytes
     where = f"rank {worst.pp_rank} at {fmt_bytes(worst.peak_allocated_bytes)} during {describe_action(worst.peak_at)}"
+    if worst.peak_is_optimizer:
+        where += (f" ({fmt_bytes(worst.transient_bytes)} of optimizer scratch on "
+                  f"{fmt_bytes(worst.static.total + worst.grads_at_peak_bytes)} of "
+                  f"params, grads and optimizer states{_resident(worst)})")
     if gpu is None:
         line = Text.assemble(("PEAK", "bold"), f": {where}; pass --gpu NAME or --gpu-memory GIB to check the fit.")
     elif est.fits:
@@ -192,16 +339,32 @@ def _advice(est, worst) -> str:
                                            for x in fit) + "."
     if sug:
         x = sug[0]
-        return (f" No single change tried fits; closest: {x['flags']} "
+        return (f" No single change tried fits; the one that lowers the peak most: {x['flags']} "
                 f"({fmt_bytes(x['max_peak_allocated_bytes'])}).")
+    if getattr(est, "suggestions_tried", False):
+        return " No single change on these GPUs lowers the peak; more GPUs are needed" + (
+            " (e.g. --dp N with --zero 1 / --fsdp / --dist-opt to shard the optimizer states)."
+            if worst.peak_is_optimizer else " (more --tp or --pp).")
     return _hint(est, worst)
 
 
+def _resident(r) -> str:
+    act = r.activations_at_peak_bytes
+    return f", {fmt_bytes(act)} of activations still held" if act else ""
+
+
 def _hint(est, worst) -> str:
+    """Levers that can lower this peak, when the engine did not try them (Python API)."""
     p = est.plan
     static = worst.static.total
     levers = []
-    if worst.activation_hwm_bytes + worst.transient_bytes > static:
+    if worst.peak_is_optimizer:
+        if p.dp * p.cp > 1 and not (p.zero or p.fsdp or p.dist_opt):
+            levers.append("--dist-opt or --zero 1 or --fsdp")
+        if p.optimizer_impl != "fused":
+            levers.append("--optimizer-impl fused")
+        levers.append("more GPUs to shard the optimizer states over")
+    elif worst.activations_at_peak_bytes + worst.transient_bytes > static:
         if p.recompute in ("none", "selective", "core_attn"):
             levers.append("--recompute full")
         if p.micro_batch > 1:

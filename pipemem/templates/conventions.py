@@ -24,7 +24,7 @@ hf         Hugging Face transformers modules, eager on CUDA (what traced mode re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +40,16 @@ class Convention:
     vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
     gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
     wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
+    # A recomputed region's outputs stay alive until the region's whole backward is done
+    # (Megatron's reentrant CheckpointFunction holds `outputs` while it runs
+    # torch.autograd.backward(outputs, grads); torch.utils.checkpoint does not)
+    checkpoint_keeps_outputs: bool = False
 
 
 CONVENTIONS = {
     "megatron": Convention("megatron", fused_qkv=True, fused_gate_up=True, sp_save="shard",
                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
-                           gqa_expand_eager=True),
+                           gqa_expand_eager=True, checkpoint_keeps_outputs=True),
     "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
                          gather_once_per_block=False, fused_norm=True, ce_inplace=False, vocab_multiple=1,
                          gqa_expand_eager=True),
@@ -75,8 +79,7 @@ def convention_for(plan) -> Convention:
     wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
     if (sp_save, fused_qkv, fused_gate_up, wgrad_fused) == (c.sp_save, c.fused_qkv, c.fused_gate_up, c.wgrad_fused):
         return c
-    return Convention(c.name, fused_qkv, fused_gate_up, sp_save, c.gather_once_per_block, c.fused_norm,
-                      c.ce_inplace, c.vocab_multiple, c.gqa_expand_eager, wgrad_fused)
+    return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

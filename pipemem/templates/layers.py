@@ -168,6 +168,7 @@ class _Gen:
         tape.fsdp_reshard = sh.fsdp_reshard
         tape.fsdp_ag_state = conv.name == "torchtitan"
         tape.fsdp_group = max(1, sh.grad_shard)
+        tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
@@ -628,6 +629,90 @@ class _Gen:
                     save_w=(x, offs))
         return y
 
+    def moe_megatron(self, x: str, opt: LayerOptions) -> str:
+        """megatron-core's MoELayer with the alltoall dispatcher and grouped experts, node by node
+        (validated against its own code by `pipemem validate megatron`). Router: fp32 logits,
+        top-k, softmax over the k scores, scattered back into dense [T, E] probs and a bool
+        routing map (both also held by the dispatcher until the layer's next forward).
+        Dispatch: masked_select of the transposed routing map gives the sorted token indices
+        and the permuted probs, index_select permutes the tokens, all-to-all over ep (tp:
+        all-gather), chunks sorted by local expert. Experts: grouped fc1, weighted SwiGLU
+        (applies the probs; saves fc1's output and the probs), grouped fc2. Combine: the
+        reverse, then unpermute (scatter-add into [T, h], keeps the indices); shared experts
+        added. Routing is taken as balanced and dropless: each rank's experts get T x top_k
+        tokens in total."""
+        sh = self.sh
+        T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
+        N = T * K
+        w = self.t.param(self.n("moe.router.weight"), (E, h), self.dt)
+        logits = self.act("moe.router_logits", (T, E), "fp32")
+        scores = self.act("moe.topk_scores", (T, K), "fp32")
+        idx = self.act("moe.topk_idx", (T, K), "int64")
+        p = self.act("moe.topk_probs", (T, K), "fp32")
+        probs = self.act("moe.probs", (T, E), "fp32")
+        rmap = self.act("moe.routing_map", (T, E), "bool")
+        self.t.node("router_gemm", (x, w), (logits,), diff_inputs=(x,), params=(w,), save_w=(x,))
+        # the dispatcher's references to probs and the routing map outlive the layer's backward
+        self.t.node("topk", (logits,), (scores, idx), diff_inputs=(logits,), save_i=(idx, probs, rmap))
+        self.t.node("softmax", (scores,), (p,), diff_inputs=(scores,), save_i=(p,))
+        self.t.node("scatter", (p, idx), (probs,), diff_inputs=(p,), save_i=(idx,))
+        self.t.node("routing_map", (idx,), (rmap,))
+        mask_t = self.act("moe.routing_map_t", (E, T), "bool")
+        self.t.node("transpose_contiguous", (rmap,), (mask_t,))
+        sidx = self.act("moe.sorted_indices", (N,), "int64")
+        self.t.node("masked_select", (mask_t,), (sidx,))
+        probs_t = self.act("moe.probs_t", (E, T), "fp32")
+        self.t.node("transpose_contiguous", (probs,), (probs_t,), diff_inputs=(probs,))
+        tprobs = self.act("moe.permuted_probs", (N,), "fp32")
+        self.t.node("masked_select", (probs_t, mask_t), (tprobs,), diff_inputs=(probs_t,), save_i=(mask_t,))
+        tokens = self.act("moe.permuted", (N, h))
+        self.t.node("index_select", (x, sidx), (tokens,), diff_inputs=(x,), save_i=(sidx,))
+        if sh.ep > 1:
+            recv = self.act("moe.dispatch_a2a", (N, h), kind=COMM)
+            self.t.node("all_to_all", (tokens,), (recv,), diff_inputs=(tokens,))
+            precv = self.act("moe.dispatch_a2a_probs", (N,), "fp32", kind=COMM)
+            self.t.node("all_to_all", (tprobs,), (precv,), diff_inputs=(tprobs,))
+            tokens, tprobs = recv, precv
+        M = N
+        if sh.tp > 1 and sh.sp:
+            M = N * sh.tp
+            g = self.act("moe.tp_allgather", (M, h), kind=COMM)
+            self.t.node("all_gather", (tokens,), (g,), diff_inputs=(tokens,))
+            gp = self.act("moe.tp_allgather_probs", (M,), "fp32", kind=COMM)
+            self.t.node("all_gather", (tprobs,), (gp,), diff_inputs=(tprobs,))
+            tokens, tprobs = g, gp
+        if sh.experts > 1:
+            st = self.act("moe.sorted_tokens", (M, h))
+            self.t.node("sort_chunks", (tokens,), (st,), diff_inputs=(tokens,))
+            sp_ = self.act("moe.sorted_probs", (M,), "fp32")
+            self.t.node("sort_chunks", (tprobs,), (sp_,), diff_inputs=(tprobs,))
+            tokens, tprobs = st, sp_
+        f = sh.expert_ffn
+        gated = opt.activation in ("swiglu", "geglu")
+        fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False)
+        act = self.act("moe.experts.act", (M, f))
+        self.t.node("weighted_swiglu" if gated else "weighted_" + opt.activation, (fc1, tprobs), (act,),
+                    diff_inputs=(fc1, tprobs), save_i=(fc1, tprobs))
+        out = self.linear(act, "moe.experts.fc2", (M, h), f, False)
+        if sh.experts > 1:
+            us = self.act("moe.unsorted_tokens", (M, h))
+            self.t.node("sort_chunks", (out,), (us,), diff_inputs=(out,))
+            out = us
+        if sh.tp > 1 and sh.sp:
+            rs = self.act("moe.tp_reduce_scatter", (N, h), kind=COMM)
+            self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))
+            out = rs
+        if sh.ep > 1:
+            back = self.act("moe.combine_a2a", (N, h), kind=COMM)
+            self.t.node("all_to_all", (out,), (back,), diff_inputs=(out,))
+            out = back
+        y = self.act("moe.out", (sh.s_sp, sh.b, h))
+        self.t.node("unpermute", (out, sidx), (y,), diff_inputs=(out,), save_i=(sidx,))
+        if sh.shared_ffn:
+            shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
+            y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
+        return y
+
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
         Routing is taken as balanced: each rank's experts receive top_k x its tokens."""
@@ -731,7 +816,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
     if opt.moe:
-        m = g.moe_hf(h2, opt) if conv.name == "hf" else g.moe(h2, opt)
+        m = {"hf": g.moe_hf, "megatron": g.moe_megatron}.get(conv.name, g.moe)(h2, opt)
     else:
         m = g.mlp(h2, opt)
     if opt.hidden_dropout:
@@ -774,7 +859,16 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, 
     full = (sh.s, sh.b, sh.h)
     tok = (sh.s_sp, sh.b, sh.h)
     partial = g.act("lookup", full, sh.res_dt)
-    tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
+    if sh.tp > 1 and conv.name == "megatron":
+        # VocabParallelEmbedding: ids outside the shard are masked (a bool mask) and shifted (an
+        # int64 copy, what the lookup saves); the output rows of masked ids are zeroed (the
+        # mask is kept for that index_put's backward)
+        mask = g.act("input_mask", (sh.b, sh.s), "bool")
+        masked = g.act("masked_ids", (sh.b, sh.s), "int64")
+        tape.node("mask_ids", (ids,), (mask, masked))
+        tape.node("embedding", (masked, w, mask), (partial,), diff_inputs=(), params=(w,), save_w=(ids, masked, mask))
+    else:
+        tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
     y = partial
     if sh.tp > 1:
         if sh.sp:
@@ -808,12 +902,24 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace:
-        # Megatron's vocab-parallel CE: max/sub/exp/div in place on the fp32 copy, which it
-        # saves as the softmax; backward edits it in place into the logits grad.
+        # Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed
+        # to [s, b]: max/sub/exp/div in place on the fp32 copy, which it saves as the softmax
+        # with the bool target mask and the int64 masked target; backward edits the softmax in
+        # place into the logits grad. Inside it: logits max, predicted logits (+ a clone), the
+        # sum of exps (fp32) and an int64 arange per token. GPTModel still holds the bf16
+        # logits and the transposed labels when it transposes the loss back to [b, s].
+        tokens = sh.s * sh.b
+        labels_t = g.act("labels_t", (sh.s, sh.b), "int64")
+        tape.node("transpose_contiguous", (labels,), (labels_t,))
         soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
-        tape.node("vocab_parallel_cross_entropy", (lf, labels), (soft, loss), diff_inputs=(lf,),
-                  save_i=(soft, labels), workspace_f=3 * sh.s * sh.b * 4)
+        tmask = g.act("target_mask", (sh.s, sh.b), "bool")
+        mtarget = g.act("masked_target", (tokens,), "int64")
+        tape.node("vocab_parallel_cross_entropy", (lf, labels_t), (soft, loss, tmask, mtarget), diff_inputs=(lf,),
+                  save_i=(soft, tmask, mtarget), workspace_f=tokens * (4 + 4 + 4 + 4 + 8))
         tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+        loss_t = g.act("loss_bs", (sh.b, sh.s), "fp32")
+        tape.node("transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True)
+        return tape, x, loss_t
     else:
         logp = g.act("log_softmax", (sh.s, sh.b, sh.vocab), "fp32")
         tape.node("log_softmax", (lf,), (logp,), diff_inputs=(lf,), save_i=(logp,))

@@ -143,21 +143,61 @@ def _layer_of_kind(arch, moe: bool) -> int:
     return next(i for i in range(len(dense) + 1) if i not in dense)
 
 
-def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
-    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+def _dp_groups(plan) -> tuple[int, int]:
+    """(dense, expert) data-parallel groups that ZeRO / FSDP / the distributed optimizer shard
+    over: dp x cp, and the expert-data-parallel group; PaddleNLP's sharding group when the
+    states are sharded over a sub-group of the data-parallel ranks."""
     dp_group = plan.dp * plan.cp
     edp_group = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
     zero_group = (plan.extra or {}).get("zero_group")
     if zero_group:
-        # The states are sharded over a sub-group of the data-parallel ranks (PaddleNLP's
-        # sharding group: sharding_parallel_degree of the dp x sharding replicas).
         replicas = max(1, dp_group // int(zero_group))
         dp_group = int(zero_group)
         edp_group = max(1, edp_group // replicas)
+    return dp_group, edp_group
+
+
+def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> tuple[int, int]:
+    """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
+    after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    dp_group, edp_group = _dp_groups(plan)
+    m = conv.vocab_multiple * plan.tp
+    vocab = -(-arch.vocab // m) * m
+    kinds = set()
+    for s in rank_stages:
+        n_moe = moe_layers_in(arch, stage_layers[s])
+        kinds.update(k for k, n in ((True, n_moe), (False, len(stage_layers[s]) - n_moe)) if n)
+    shapes = [(shape, e) for moe in kinds
+              for shape, e in layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1,
+                                                 plan.ep).values()]
+    if 0 in rank_stages:
+        shapes += [(s, False) for s in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
+    if plan.pp * plan.vpp - 1 in rank_stages:
+        shapes += [(s, False) for s in head_param_shapes(arch, vocab, plan.tp,
+                                                         same_stage_as_embedding=0 in rank_stages).values()]
+    on = plan.zero >= 1 or plan.dist_opt
+
+    def shard(n: int, group: int) -> int:
+        return -(-n // group) if on else n
+    largest = max((shard(_prod(s), edp_group if e else dp_group) for s, e in shapes), default=0)
+    return shard(dense, dp_group) + shard(expert, edp_group), largest
+
+
+def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    dp_group, edp_group = _dp_groups(plan)
     params, grads, master, states = _sharded(dense, expert, bytes_per_param(plan, conv), dp_group, edp_group,
                                              plan.zero, plan.zero >= 1 or plan.dist_opt)
-    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states), plan.grads, plan.step,
-                      states)
+    other = 0
+    if conv.name == "megatron":
+        ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
+        n_layers = sum(len(r) for r in ranges)
+        n_moe = sum(moe_layers_in(arch, r) for r in ranges)
+        other = megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
+                                       plan.pp * plan.vpp - 1 in rank_stages)
+    return step_state(StaticBytes(params=params, grads=grads, optimizer=master + states, other=other), plan.grads,
+                      plan.step, states)
 
 
 @lru_cache(maxsize=65536)
@@ -196,3 +236,66 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
     first = step == "first"
     return StaticBytes(params=full.params, grads=resident_grads, optimizer=full.optimizer - (states if first else 0),
                        other=full.other, grads_in_step=in_step, optimizer_in_step=states if first else 0)
+def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],
+                           rank_stages: list[int]) -> int:
+    """Bytes the optimizer step allocates beyond the model states. Megatron with main grads
+    narrower than fp32 (--grad-reduce-in-bf16, fp16 grads) and the usual fp32 optimizer hands
+    Adam fp32 copies of its grads: `main_param.grad = main_grad.float()` for every local
+    parameter (Float16OptimizerWithFloat16Params) or for the rank's shard (DistributedOptimizer
+    `_copy_model_grads_to_main_grads`); they live until the next step's zero_grad.
+    --use-precision-aware-optimizer reads the narrow grads directly."""
+    extra = plan.extra or {}
+    if conv.name != "megatron" or not plan.master_weights or extra.get("precision_aware_optimizer"):
+        return 0
+    if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
+        return 0
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    sharded = plan.dist_opt or plan.zero >= 1
+    edp = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    n = (-(-dense // (plan.dp * plan.cp)) + -(-expert // edp)) if sharded else dense + expert
+    return n * 4
+
+
+def megatron_runtime_bytes(arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool) -> int:
+    """What a Megatron-LM rank keeps for the whole run besides model states (validated against
+    megatron-core's own step, `pipemem validate megatron`):
+
+    * Transformer Engine's dummy weight gradients: with gradient-accumulation fusion the wgrad
+      GEMM writes the main grad and autograd is handed `get_dummy_wgrad(shape, dtype)`, one
+      cached tensor per distinct local weight shape (and dtype), kept for the run
+      (transformer_engine/pytorch/module/base.py; megatron tensor_parallel/layers.py);
+    * the rotary embedding's cached frequencies, fp32 [seq, 1, 1, head_dim] per stage
+      (RotaryEmbedding.forward is lru_cached in megatron-core)."""
+    total = 0
+    if conv.wgrad_fused and not (plan.zero >= 3 or plan.fsdp):
+        shapes = set()
+        for moe, present in ((False, has_dense), (True, has_moe)):
+            if present:
+                shapes.update(_linear_weight_shapes(arch, moe, plan.tp, plan.etp or 1, plan.ep))
+        if has_head:
+            m = conv.vocab_multiple * plan.tp
+            shapes.add((-(-arch.vocab // m) * m // plan.tp, arch.hidden))
+        total += sum(_prod(sh) for sh in shapes) * dtype_bytes(plan.dtype)
+    if arch.position == "rope" and (has_dense or has_moe):
+        total += plan.seq_len * arch.head_dim * 4
+    return total
+
+
+def _linear_weight_shapes(arch, moe: bool, tp: int, etp: int, ep: int) -> list[tuple[int, int]]:
+    """Local weight shapes of the linears of one decoder layer that go through the fused
+    wgrad path (attention qkv and output projections, MLP fc1 / fc2, shared-expert MLP)."""
+    h, d = arch.hidden, arch.head_dim
+    a = arch.heads // tp
+    kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
+    gated = 2 if arch.activation in ("swiglu", "geglu") else 1
+    out = [((a + 2 * kv) * d, h), (h, a * d)]
+    if moe:
+        f = arch.expert_ffn // etp
+        out += [(gated * f, h), (h, f)]
+        if arch.shared_experts:
+            sf = arch.shared_experts * arch.shared_ffn // tp
+            out += [(gated * sf, h), (h, sf)]
+    else:
+        f = arch.ffn // tp
+        out += [(gated * f, h), (h, f)]
+    return out

@@ -111,6 +111,9 @@ class Tape:
         self.grad_create: tuple[str, int] | None = None
         # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
         self.pin = None
+        # Reentrant checkpointing (Megatron): a recomputed region's outputs are held until the
+        # region's backward has finished
+        self.keep_recompute_outputs = False
 
     # Declaring ---------------------------------------------------------------------------
     def t(self, name: str, shape, dtype: str, kind: TensorKind = ACT, storage: str = "") -> str:
@@ -335,6 +338,10 @@ class Tape:
                     last.frees = tuple(dict.fromkeys((*last.frees, *saved)))
                 for op in w_block:
                     self._add(i_prog, op)
+            if self.keep_recompute_outputs and n.region >= 0 and n is self._region_first(n.region):
+                held = tuple(ren[o] for o in self._region_outputs(n.region) if o in ren)
+                if held:
+                    self._add(i_prog, Op("checkpoint_backward_done", held, (), module=n.module, phase="backward"))
         self._fsdp_release(i_prog, gathered)
         if not split:
             self._fsdp_reduce_scatter(i_prog)
@@ -423,6 +430,17 @@ class Tape:
         return target
 
     # Helpers -----------------------------------------------------------------------------
+    def _region_first(self, region: int) -> Node:
+        return next(n for n in self.nodes if n.region == region)
+
+    def _region_outputs(self, region: int) -> list[str]:
+        """Outputs of a region's nodes read outside it or by nobody (the region's results)."""
+        inside = [n for n in self.nodes if n.region == region]
+        made = [o for n in inside for o in n.outputs]
+        read_outside = {x for n in self.nodes if n.region != region for x in n.inputs}
+        read_inside = {x for n in inside for x in n.inputs}
+        return [o for o in made if o in read_outside or o not in read_inside]
+
     def _region_renames(self, region: int) -> dict[str, str]:
         ren = {}
         for n in self.nodes:

@@ -10,4 +10,4 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `published.py`: the published measured runs (bench/validate_published.py).
 """
 
-TARGETS = ("cpu", "dist", "paddle", "cuda", "torchtitan")
+TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan")

@@ -144,16 +144,19 @@ def estimate(case: Case):
     import pipemem
     from ..traced.hf import TINY
     base, _, how = case.dtype.partition("-")
-    # the measured loop zeroes grads with PyTorch's default zero_grad(set_to_none=True)
-    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", micro_batch=case.batch,
+    # HF modules and PyTorch's zero_grad(set_to_none=True), as the real step runs them
+    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", convention="hf",
+                            grads="set-to-none", micro_batch=case.batch,
                             seq_len=case.seq, dtype=base, master_weights=how != "pure",
-                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer,
-                            grads="set-to-none")
+                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
 
 
-def run_cases(cases=CASES) -> list[CaseRow]:
+def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
+    """Trace and measure each case; `progress` (a progress.CaseProgress) follows along."""
     rows = []
     for case in cases:
+        if progress is not None:
+            progress.start(case.name)
         t0 = time.perf_counter()
         est = estimate(case).ranks[0]
         t1 = time.perf_counter()
@@ -163,6 +166,8 @@ def run_cases(cases=CASES) -> list[CaseRow]:
                            ("net_after_forward", real.net_after_forward, est.jobs["F"].net_bytes)):
             rows.append(CaseRow(f"{case.name}/{what}", int(m), int(e),
                                 {"trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)}))
+        if progress is not None:
+            progress.done(case.name)
     return rows
 
 
@@ -181,7 +186,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..units import fmt_bytes
 
     cases = CASES
     if getattr(args, "cases", ""):
@@ -191,15 +195,15 @@ def run(args) -> int:
         if bad:
             raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
         cases = tuple(known[w] for w in wanted)
-    rows = run_cases(cases)
+    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+
+    with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cpu") as bar:
+        rows = run_cases(cases, bar)
     worst = max_abs_rel_error(rows) or 0.0
     if args.json:
         print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": [r.to_dict() for r in rows],
                           "max_abs_rel_error": worst}, indent=1))
     else:
-        print(f"{'case':48s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
-        for r in rows:
-            print(f"{r.name:48s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
-                  f"{r.rel_error:>+10.2e}")
-        print(f"max |rel_error| = {worst:.2e} over {len(rows)} cases")
+        print_summary(rows, columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
+                      signed=lambda name: name.endswith("net_after_forward"))
     return 0 if worst <= 1e-3 else 1

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -68,12 +67,16 @@ def run(args) -> int:
         return 0
     require_cuda()
     report = new_report(environment(), args.configs)
-    for i, case in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] {case.name}", file=sys.stderr, flush=True)
-        result = measure_case(case, "cuda")
-        if not args.no_estimates:
-            add_estimates(result, case)
-        report["cases"].append(result)
+    from .progress import CaseProgress, quiet_profiler_chatter
+
+    with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cuda") as bar:
+        for case in cases:
+            bar.start(case.name)
+            result = measure_case(case, "cuda")
+            if not args.no_estimates:
+                add_estimates(result, case)
+            report["cases"].append(result)
+            bar.done(case.name, note=f"error: {result['error']}" if result.get("error") else "")
     path = write_report(report, args.out or default_out(report))
     if args.json:
         print(json.dumps(report, indent=1))

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from ..errors import UserError
 from .compare import CaseRow, max_abs_rel_error, rel_error
@@ -101,7 +102,7 @@ class Launch:
     on error, and when collect() returns or raises."""
 
     def __init__(self, cases: list[dict], world: int, timeout: float = 600.0):
-        self.world, self.timeout = world, timeout
+        self.world, self.timeout, self.cases = world, timeout, cases
         self.tmp = tempfile.TemporaryDirectory(prefix="pipemem-dist-")
         spec = os.path.join(self.tmp.name, "cases.json")
         with open(spec, "w") as f:
@@ -125,10 +126,27 @@ class Launch:
             self.close()
             raise
 
-    def collect(self) -> dict[tuple[str, int], dict]:
+    def finished(self) -> int:
+        """Cases every rank has written its result for (each worker runs them in order)."""
+        counts = []
+        for r in range(self.world):
+            try:
+                with open(f"{self.out}.{r}") as f:
+                    counts.append(sum(1 for line in f if line.endswith("\n")))
+            except OSError:
+                return 0
+        return min(counts)
+
+    def collect(self, on_case: Callable[[int], None] | None = None) -> dict[tuple[str, int], dict]:
+        """Wait for the workers; `on_case(k)` is called as the k-th case finishes on every rank."""
         try:
             procs = self.procs
+            seen = 0
             while any(p.poll() is None for p in procs):
+                if on_case is not None:
+                    for k in range(seen, self.finished()):
+                        on_case(k)
+                    seen = max(seen, self.finished())
                 if time.monotonic() - self.started > self.timeout:
                     raise RuntimeError(f"dist run of {self.world} ranks timed out after {self.timeout:.0f} s")
                 if any(p.poll() not in (None, 0) for p in procs):
@@ -137,6 +155,9 @@ class Launch:
             bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if bad:
                 raise RuntimeError(f"rank {bad[0]} of the {self.world}-rank dist run failed:\n{self._log_tail(bad[0])}")
+            if on_case is not None:
+                for k in range(seen, len(self.cases)):
+                    on_case(k)
             results = {}
             for r in range(self.world):
                 with open(f"{self.out}.{r}") as f:
@@ -210,15 +231,18 @@ def estimate_case(case: dict) -> dict[int, dict]:
     return out
 
 
-def run_cases(cases: list[dict], timeout: float = 600.0) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
     """Measure (worker processes, one launch per world size) and estimate (this process, while
-    the workers run) every case; one row per rank and case."""
+    the workers run) every case; one row per rank and case. `progress` (a
+    progress.CaseProgress) advances as each case's ranks finish."""
     rows = []
     by_world: dict[int, list[dict]] = {}
     for c in cases:
         by_world.setdefault(c["world"], []).append(c)
     for world, group in sorted(by_world.items()):
         run = Launch(group, world, timeout)     # the ranks start while this process estimates
+        if progress is not None:
+            progress.start(f"{group[0]['name']}: estimating {len(group)} case(s) while {world} ranks run")
         try:
             t0 = time.perf_counter()
             estimates = {c["name"]: estimate_case(c) for c in group}
@@ -226,7 +250,10 @@ def run_cases(cases: list[dict], timeout: float = 600.0) -> list[CaseRow]:
         except BaseException:
             run.close()
             raise
-        measured = run.collect()
+        if progress is not None:
+            progress.start(f"{group[0]['name']}: {world} ranks running")
+        measured = run.collect(None if progress is None else
+                               lambda k, g=group: progress.done(g[k]["name"]))
         for c in group:
             for r, est in sorted(estimates[c["name"]].items()):
                 meas = measured[c["name"], r]
@@ -295,8 +322,11 @@ def run(args) -> int:
         for c in all_cases():
             print(c["name"])
         return 0
+    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+
     try:
-        rows = run_cases(cases, args.timeout)
+        with quiet_profiler_chatter(), CaseProgress([c["name"] for c in cases], "validate dist") as bar:
+            rows = run_cases(cases, args.timeout, bar)
     except RuntimeError as e:
         print(f"pipemem: validate dist: {e}", file=sys.stderr)
         return 1
@@ -310,17 +340,9 @@ def run(args) -> int:
                           "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst,
                           "max_abs_saving_rel_error": worst_saving}, indent=1))
         return 0
-    from ..units import fmt_bytes
-    print(f"{'case / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}  peak at")
-    for r in rows:
-        print(f"{r.name:36s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
-              f"{r.rel_error:>+10.2e}  {r.extra['peak_at'][:48]}")
-    print(f"max |rel_error| = {worst:.2e} over {len(rows)} rank measurements")
+    print_summary(rows, columns=(("peak_at", "peak at"),), what="rank measurements")
     if savings:
-        print(f"\n{'saving (vs the case without) / rank':36s} {'measured':>12s} {'estimated':>12s} {'rel_error':>10s}")
-        for r in savings:
-            x = r.extra
-            err = f"{x['saving_rel_error']:>+10.2e}" if x["saving_rel_error"] is not None else f"{'-':>10s}"
-            print(f"{r.name:36s} {fmt_bytes(x['saving_measured_bytes']):>12s} "
-                  f"{fmt_bytes(x['saving_estimated_bytes']):>12s} {err}")
+        print()
+        print_summary([CaseRow(r.name, r.extra["saving_measured_bytes"], r.extra["saving_estimated_bytes"])
+                       for r in savings], title="saving (vs the case without)", what="rank savings")
     return 0

@@ -44,25 +44,63 @@ CASE_NAMES = tuple(CASES)
 PIR_CASE_NAMES = tuple(PIR_CASES)
 
 
-def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None) -> list[dict]:
+def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None,
+              progress=None) -> list[dict]:
     """Run the comparison for `names` (all of one IR: "legacy" or "pir") in a fresh Python
-    process; its `cases[]` rows."""
+    process; its `cases[]` rows. `progress` (a progress.CaseProgress) advances per case, on
+    the worker's progress lines."""
+    import tempfile
+    import threading
+    import time
     from importlib.util import find_spec
+
+    from .paddle_runs.worker import PROGRESS_PREFIX
 
     if find_spec("paddle") is None:
         raise UserError("pipemem validate paddle needs paddlepaddle: pip install 'pipemem[paddle]'")
     cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", ir]
     if trials is not None:
         cmd += ["--trials", str(trials)]
-    proc = subprocess.run([*cmd, "--", *names], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ))
+    left = list(names)
+    err_lines: list[str] = []
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([*cmd, "--", *names], stdout=out, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ))
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        started = time.monotonic()
+        try:
+            if progress is not None and left:
+                progress.start(left[0])
+            for line in proc.stderr:
+                if not line.startswith(PROGRESS_PREFIX):
+                    err_lines.append(line)
+                    continue
+                name = line[len(PROGRESS_PREFIX):].strip()
+                if name in left:
+                    left.remove(name)
+                if progress is not None:
+                    progress.done(name)
+                    if left:
+                        progress.start(left[0])
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode < 0 and time.monotonic() - started >= timeout:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        out.seek(0)
+        stdout = out.read()
+    stderr = "".join(err_lines)
     if proc.returncode == 2:
-        raise UserError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "paddle worker refused")
+        raise UserError(stderr.strip().splitlines()[-1] if stderr.strip() else "paddle worker refused")
     if proc.returncode != 0:
-        raise RuntimeError(f"paddle worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        raise RuntimeError(f"paddle worker failed (exit {proc.returncode}):\n{stderr[-4000:]}")
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        raise RuntimeError(f"paddle worker printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"paddle worker printed no result:\n{stdout[-2000:]}\n{stderr[-2000:]}")
     return json.loads(lines[-1])["cases"]
 
 
@@ -78,30 +116,23 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _fmt_err(e) -> str:
-    return "n/a" if e is None else f"{e * 100:+.2f}%"
-
-
-def _fmt(fmt_bytes, n, signed: bool) -> str:
-    return "n/a" if n is None else fmt_bytes(n, signed=signed)
-
-
 def run(args) -> int:
-    from ..units import fmt_bytes
-
     ir = getattr(args, "ir", "both")
     allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES}[ir]
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(allowed)
     bad = [n for n in names if n not in allowed]
     if bad:
         raise UserError(f"--cases: unknown case(s) {', '.join(bad)} for --ir {ir}; known: {', '.join(allowed)}")
+    from .progress import CaseProgress, print_summary
+
     rows = []
     legacy = [n for n in names if n in CASE_NAMES]
     pir = [n for n in names if n in PIR_CASE_NAMES]
-    if legacy:
-        rows += run_cases(legacy)
-    if pir:
-        rows += run_cases(pir, ir="pir")
+    with CaseProgress(legacy + pir, "validate paddle") as bar:
+        if legacy:
+            rows += run_cases(legacy, progress=bar)
+        if pir:
+            rows += run_cases(pir, ir="pir", progress=bar)
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     worst = max(errs, default=0.0)
@@ -109,19 +140,12 @@ def run(args) -> int:
         print(json.dumps({"target": "paddle", "cases": rows, "max_abs_rel_error": worst,
                           "paddle_max_abs_rel_error": max(perrs, default=0.0)}, indent=1))
         return 0
-    header = ("case / sub-program / quantity", "measured", "pipemem", "error", "Paddle estimator", "error")
-    table = [(r["name"], fmt_bytes(r["measured_bytes"], signed=r["name"].endswith("net")),
-              fmt_bytes(r["estimated_bytes"], signed=r["name"].endswith("net")), _fmt_err(r["rel_error"]),
-              _fmt(fmt_bytes, r["paddle_estimated_bytes"], r["name"].endswith("net")),
-              _fmt_err(r["paddle_rel_error"])) for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    print_summary(rows, columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
+                  signed=lambda name: name.endswith("net"), what="lines")
     undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
     theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
         (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
     if any(r["paddle_estimated_bytes"] is None for r in rows):
-        theirs += "; it cannot read PIR programs (n/a on the -pir lines)"
-    print(f"pipemem: max |error| {worst * 100:.2f}% over {len(errs)} lines; Paddle's estimator: {theirs}")
+        theirs += "; it cannot read PIR programs (- on the -pir lines)"
+    print(f"Paddle's own estimator: {theirs}")
     return 0

@@ -19,6 +19,8 @@ PADDLE_ENV = {"FLAGS_enable_pir_api": "0", "FLAGS_eager_delete_tensor_gb": "0"}
 PIR_ENV = {"FLAGS_enable_pir_api": "1", "FLAGS_eager_delete_tensor_gb": "0"}
 # Quiet logs unless the caller asked for them.
 LOG_ENV = {"GLOG_v": "0", "GLOG_minloglevel": "2"}
+# A line on stderr after each case: `pipemem validate paddle` advances its progress bar on it.
+PROGRESS_PREFIX = "pipemem-case-done: "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
         return 2
     try:
-        rows = compare_pir(names, trials=args.trials) if args.ir == "pir" else compare(names)
+        rows = []
+        for name in names:   # one at a time, so the caller can show progress per case
+            rows += compare_pir([name], trials=args.trials) if args.ir == "pir" else compare([name])
+            print(f"{PROGRESS_PREFIX}{name}", file=sys.stderr, flush=True)
     except UserError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -1,0 +1,244 @@
+"""`pipemem validate megatron`: the megatron convention against megatron-core's own training step.
+
+Each case is one rank of a small Megatron-LM run. `megatron_trace.trace_case` runs
+megatron-core's own code for it on fake tensors with a fake process group (GPTModel, its
+DistributedDataParallel and optimizer, two steps through its own pipeline schedule; the GPU
+kernel policy is stated there) and records every allocation. The same run is estimated
+through `pipemem.estimate(...)` with the same flags, and two numbers are compared:
+
+* `peak`: the rank's highest allocated bytes during the second (steady-state) step, static
+  state included, against the estimate's `peak_allocated_bytes` for that pipeline rank;
+* `layer_kept`: what decoder layer 0 of the rank keeps from its forward for its backward
+  (the storages its forward made that are alive when the forward ends, its output
+  included) against the sum of the estimate's `--explain` rows for that layer.
+
+The bytes resident when the second step's forward starts (params, grad buffer, optimizer
+state, runtime buffers) are reported beside the rows as `static` (not a pass criterion:
+megatron holds a few per-microbatch tensors across steps, see docs/ACCURACY.md).
+
+Every case runs in its own Python process (megatron-core keeps global state). Exit 1 if a
+row is off by more than 0.5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from ..errors import UserError
+from .compare import CaseRow, max_abs_rel_error
+
+TOLERANCE = 0.005
+
+
+@dataclass(frozen=True)
+class MegatronCase:
+    """One rank's training step as megatron-core runs it; field names follow pipemem's plan."""
+
+    name: str
+    kind: str = "dense"           # dense (Llama-style) | gpt (LayerNorm, GeLU, biases, learned positions) | moe
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    ffn: int = 512
+    vocab: int = 1000
+    seq_len: int = 128
+    micro_batch: int = 2
+    microbatches: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 2
+    ep: int = 1
+    sp: bool = True
+    dist_opt: bool = True
+    recompute: str = "none"       # none | selective | full
+    recompute_method: str = "uniform"
+    recompute_layers: int | None = None
+    main_grad_dtype: str = "fp32"
+    experts: int = 0
+    top_k: int = 2
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    grouped_gemm: bool = True
+    pp_rank: int = 0
+    dropout: float = 0.0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+EXAMPLE = """\
+examples:
+  pipemem validate megatron
+  pipemem validate megatron --json
+  pipemem validate megatron --cases dense-tp2-sp,moe-ep2-shared
+"""
+
+_PP = dict(layers=4, microbatches=4, dp=1)
+CASES = (
+    MegatronCase("dense-tp1", tp=1, dp=2, sp=False),
+    MegatronCase("dense-tp2-sp", tp=2, dp=2),
+    MegatronCase("dense-tp2-nosp", tp=2, dp=2, sp=False),
+    MegatronCase("dense-tp4-sp", tp=4, dp=1),
+    MegatronCase("dense-tp2-sp-no-distopt", tp=2, dp=2, dist_opt=False),
+    MegatronCase("dense-tp2-sp-selective", tp=2, dp=2, recompute="selective"),
+    MegatronCase("dense-tp2-sp-full-uniform", tp=2, dp=2, recompute="full"),
+    MegatronCase("dense-tp2-sp-full-block1", tp=2, dp=2, recompute="full", recompute_method="block",
+                 recompute_layers=1),
+    MegatronCase("dense-tp2-sp-grad-bf16", tp=2, dp=2, main_grad_dtype="bf16"),
+    MegatronCase("dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"),
+    MegatronCase("gpt-tp2-sp", kind="gpt", tp=2, dp=2, kv_heads=8, ffn=1024, dropout=0.1),
+    MegatronCase("gpt-tp1-selective", kind="gpt", tp=1, dp=2, sp=False, kv_heads=8, ffn=1024, dropout=0.1,
+                 recompute="selective"),
+    MegatronCase("moe-ep2-shared", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256),
+    MegatronCase("pp2-first-tp2", tp=2, pp=2, pp_rank=0, **_PP),
+    MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
+    MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
+)
+# What CI runs (tests/test_validate_megatron.py): one dense TP+SP case and the MoE case.
+CI_CASES = ("dense-tp2-sp", "moe-ep2-shared")
+
+
+def hf_config(case: MegatronCase) -> dict:
+    """The model of a case as an HF config: what `--from-megatron` writes for the same flags."""
+    if case.kind == "gpt":
+        return {"model_type": "gpt2", "n_embd": case.hidden, "n_layer": case.layers, "n_head": case.heads,
+                "n_inner": case.ffn, "n_positions": case.seq_len, "vocab_size": case.vocab,
+                "tie_word_embeddings": True, "activation_function": "gelu", "attn_pdrop": case.dropout,
+                "resid_pdrop": case.dropout, "embd_pdrop": case.dropout}
+    cfg = {"model_type": "llama", "hidden_size": case.hidden, "intermediate_size": case.ffn,
+           "num_attention_heads": case.heads, "num_key_value_heads": case.kv_heads,
+           "num_hidden_layers": case.layers, "vocab_size": case.vocab, "tie_word_embeddings": False,
+           "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "max_position_embeddings": case.seq_len}
+    if case.experts:
+        cfg.update(model_type="qwen2_moe", num_experts=case.experts, num_experts_per_tok=case.top_k,
+                   moe_intermediate_size=case.expert_ffn, shared_expert_intermediate_size=case.shared_ffn)
+    return cfg
+
+
+def plan_kwargs(case: MegatronCase) -> dict:
+    """pipemem.estimate keyword arguments for the case's Megatron flags."""
+    kw = dict(seq_len=case.seq_len, micro_batch=case.micro_batch, microbatches=case.microbatches, tp=case.tp,
+              pp=case.pp, dp=case.dp, ep=case.ep, sp=case.sp, dist_opt=case.dist_opt, dtype="bf16",
+              main_grad_dtype=case.main_grad_dtype, recompute=case.recompute, flash_attn=True,
+              convention="megatron", schedule="1F1B")
+    if case.recompute == "full" and case.recompute_method == "block":
+        kw["recompute_layers"] = case.recompute_layers or 1
+    elif case.recompute == "full" and (case.recompute_layers or 1) > 1:
+        raise UserError(f"case {case.name}: uniform recompute over several layers is not modelled")
+    return kw
+
+
+def estimate_case(case: MegatronCase) -> dict:
+    import pipemem
+    est = pipemem.estimate(hf_config(case), **plan_kwargs(case), explain=True)
+    rank = est.ranks[case.pp_rank]
+    kept = sum(r["bytes"] for r in est.explain if not r["tensor"].startswith("("))
+    return {"peak_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at, "static_bytes": rank.static.total,
+            "layer_kept_bytes": kept}
+
+
+def trace_in_subprocess(case: MegatronCase, timeout: float = 600) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pipemem.validation.megatron_trace", json.dumps(case.to_json())],
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        if "needs megatron-core" in tail:
+            raise UserError(tail.splitlines()[-1].split("error: ", 1)[-1])
+        raise RuntimeError(f"tracing megatron-core for case {case.name} failed:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
+    est = estimate_case(case)
+    common = {"rank": case.pp_rank, "measured_static_bytes": trace["static_bytes"],
+              "estimated_static_bytes": est["static_bytes"]}
+    return [CaseRow(f"{case.name}/peak", trace["peak_bytes"], est["peak_bytes"],
+                    dict(common, measured_at=trace["peak_at"], estimated_at=est["peak_at"])),
+            CaseRow(f"{case.name}/layer_kept", trace["layer_kept_bytes"].get("0"), est["layer_kept_bytes"],
+                    dict(common))]
+
+
+def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
+    """Trace every case (`jobs` processes at once) and compare; `progress` (a
+    progress.CaseProgress) advances as each trace finishes."""
+    from importlib.util import find_spec
+    if find_spec("megatron") is None or find_spec("megatron.core") is None:
+        raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'")
+
+    def traced(case: MegatronCase) -> dict:
+        trace = trace_in_subprocess(case)
+        if progress is not None:
+            progress.done(case.name)
+        return trace
+    if progress is not None and cases:
+        progress.start(f"{min(max(1, jobs), len(cases))} traces at a time")
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        traces = list(pool.map(traced, cases))
+    rows: list[CaseRow] = []
+    for case, trace in zip(cases, traces):
+        rows.extend(compare(case, trace))
+    return rows
+
+
+def register(sub) -> None:
+    p = sub.add_parser("megatron", help="the megatron convention vs megatron-core's own training step",
+                       description="Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
+                                   "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
+                                   "group, one rank per case, and compare its steady-state peak and the bytes a "
+                                   "decoder layer keeps with pipemem.estimate for the same flags. Needs "
+                                   "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
+                                   f"than {TOLERANCE:.1%}.",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
+                   f"known: {', '.join(c.name for c in CASES)}")
+    p.add_argument("--jobs", type=int, default=2, help="cases traced at once, one process each (default 2)")
+    p.set_defaults(func=run)
+
+
+def select(names: str) -> tuple[MegatronCase, ...]:
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:
+        return CASES
+    known = {c.name: c for c in CASES}
+    bad = [w for w in wanted if w not in known]
+    if bad:
+        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return tuple(known[w] for w in wanted)
+
+
+def run(args) -> int:
+    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+
+    cases = select(getattr(args, "cases", ""))
+    with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate megatron") as bar:
+        rows = run_cases(cases, jobs=getattr(args, "jobs", 2), progress=bar)
+    worst = max_abs_rel_error(rows) or 0.0
+    ok = worst <= TOLERANCE
+    if args.json:
+        print(json.dumps({"target": "megatron", "megatron_core": _version(), "tolerance": TOLERANCE,
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst, "passed": ok}, indent=1))
+    else:
+        print_summary(rows, columns=(("measured_static_bytes", "static (traced)"),
+                                     ("estimated_static_bytes", "static (pipemem)")), what="rows")
+        print(f"tolerance {TOLERANCE:.1%}; megatron-core {_version()}")
+    return 0 if ok else 1
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("megatron-core")
+    except Exception:   # noqa: BLE001 -- reporting only
+        return "unknown"

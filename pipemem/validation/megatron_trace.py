@@ -1,0 +1,776 @@
+"""Trace megatron-core's own training step for one rank, on fake tensors, in one CPU process.
+
+megatron-core (``pip install -e '.[megatron]'``, megatron-core 0.16.1) builds its `GPTModel`
+with the local (non-Transformer-Engine) layer spec, wraps it in its `DistributedDataParallel`
+(contiguous param and grad buffers) and its optimizer (`DistributedOptimizer` or the
+fp16/bf16 optimizer with fp32 master weights), and runs two full training steps through its
+own pipeline schedule (`get_forward_backward_func`) under `FakeTensorMode` with PyTorch's
+"fake" process group as rank 0 of a world of tp x pp x dp ranks. `pipemem.traced.capture.
+StorageRecorder` records every storage and when eager frees it; the second step is the
+steady state (optimizer states resident).
+
+Two kinds of patches, each needed to run at all or to run what a GPU run runs:
+
+CPU / fake-tensor patches (no memory effect): `torch.cuda.current_device` and megatron's CUDA
+RNG helpers point at the CPU; `device="cuda"` arguments become "cpu" (a TorchFunctionMode);
+object collectives are local; `_coalescing_manager` issues ops one by one (the coalesced c10d
+ops have no fake kernel); `.item()` on fake tensors returns a constant (grad norm, found-inf);
+megatron's local multi-tensor L2 norm stacks norms instead of reading values; its RNG tracker
+`fork` is a no-op (it compares RNG states by value); `Float16Module` skips `.bfloat16()` (the
+model is built in bf16: fake parameters cannot be swapped).
+
+Kernel policy: Megatron-LM on GPUs runs Transformer Engine and apex kernels whose memory
+contract differs from the CPU fallbacks of the local spec. Each is replaced by a function
+with the GPU kernel's allocations and saved tensors, and nothing else:
+  * norms (TE's fused LayerNorm/RMSNorm): output + fp32 rstd (and mean) per token; saves the
+    input and the statistics;
+  * core attention (TE's flash / cuDNN attention, `--attention-backend fused|flash|auto`):
+    output [s, b, heads*d] + fp32 logsumexp [b, heads, s]; saves q, k, v, output, logsumexp;
+    backward allocates dq, dk, dv and the kernel's workspace (fp32 dq accumulator, softmax
+    row sums, with GQA full-head dk/dv before the group sum) -- the same workspace the
+    templates assume, not measured here;
+  * rotary embedding (`--apply-rope-fusion`, TE's fused rope): a new output; saves nothing
+    but the frequencies;
+  * weight-gradient accumulation fusion (apex `fused_weight_gradient_mlp_cuda`, Megatron-LM's
+    default): the wgrad GEMM accumulates into `main_grad` in place, and the dummy weight
+    gradient handed to autograd is TE's `get_dummy_wgrad` (one cached tensor per weight
+    shape and dtype, kept for the run);
+  * sequence-parallel all-gathers allocate a new tensor per gather (TE's
+    `gather_along_first_dim`) instead of megatron's global memory buffer;
+  * megatron's @jit_fuser activations (bias-GeLU, SwiGLU) are one kernel each (torch.compile
+    on a GPU): only their results are allocated;
+  * dropout is CUDA's fused `native_dropout` (a bool mask; `pipemem.traced.kernel_policy`);
+  * apex's multi_tensor_scale (grad clipping, main -> model param copies) is in place;
+  * MoE: TE's GroupedLinear (one output for all local experts, fused wgrad) for the experts;
+    TE's GEMM for the fp32 router logits; balanced dropless routing (see
+    `_moe_on_fake_tensors`);
+  * Adam is the fused kernel (apex/TE FusedAdam: in place, no temporaries), as torch's
+    `AdamW(fused=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import warnings
+
+import torch
+
+from ..errors import UserError
+from .megatron import MegatronCase
+
+
+# Patches --------------------------------------------------------------------------------------
+
+class _Patches:
+    """setattr with undo."""
+
+    def __init__(self):
+        self._undo = []
+
+    def set(self, obj, name, value):
+        had = hasattr(obj, name)
+        old = getattr(obj, name, None)
+        self._undo.append((obj, name, had, old))
+        setattr(obj, name, value)
+
+    def undo(self):
+        for obj, name, had, old in reversed(self._undo):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._undo.clear()
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    """device='cuda' -> cpu; Tensor.cuda() is the identity; Tensor.type() names the CUDA type
+    (the trace's fake CPU tensors stand for device memory)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        d = kwargs.get("device")
+        if d is not None and _is_cuda(d):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)      # megatron checks for torch.cuda.*Tensor types
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _is_cuda(d) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """The CPU / fake-tensor patches and the kernel policy of the module docstring."""
+    p = _Patches()
+    fused_wgrad = types.ModuleType("fused_weight_gradient_mlp_cuda")
+    fused_wgrad.wgrad_gemm_accum_fp32 = _wgrad_accumulate
+    fused_wgrad.wgrad_gemm_accum_fp16 = _wgrad_accumulate
+    had_module = "fused_weight_gradient_mlp_cuda" in sys.modules
+    sys.modules["fused_weight_gradient_mlp_cuda"] = fused_wgrad
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _apply(p, fused_wgrad)
+        yield
+    finally:
+        p.undo()
+        if not had_module:
+            sys.modules.pop("fused_weight_gradient_mlp_cuda", None)
+
+
+def _apply(p: _Patches, fused_wgrad) -> None:
+    import torch.distributed as dist
+    from megatron.core import utils as mutils
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptim
+    from megatron.core.tensor_parallel import layers as tpl
+    from megatron.core.tensor_parallel import random as rnd
+    from megatron.core.transformer import attention as attn
+    from megatron.core.transformer import module as mmod
+    from megatron.core.transformer import torch_norm
+
+    cpu = lambda *a, **k: "cpu"  # noqa: E731
+    p.set(torch.cuda, "current_device", cpu)
+    p.set(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+    p.set(torch.cuda, "get_rng_state", lambda device=None: torch.get_rng_state())
+    p.set(torch.cuda, "synchronize", lambda *a, **k: None)
+    p.set(rnd, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    p.set(rnd, "_set_cuda_rng_state", lambda state, *a, **k: None)
+    p.set(rnd.CudaRNGStatesTracker, "fork", _no_fork)
+    p.set(dist, "all_gather_object", _local_all_gather_object)
+    p.set(dist, "broadcast_object_list", lambda *a, **k: None)
+    p.set(pgb, "_coalescing_manager", _one_by_one)
+    p.set(clip_grads, "l2_norm_impl", _stacked_l2_norm)
+    p.set(clip_grads, "multi_tensor_scale_impl", _fused_scale)
+    p.set(moptim, "multi_tensor_scale_impl", _fused_scale)
+    p.set(mmod.Float16Module, "__init__", _float16_init(mmod.Float16Module.__init__))
+    # kernel policy
+    p.set(torch_norm.WrappedTorchNorm, "__new__", _fused_norm_new)
+    p.set(tpl, "_grad_accum_fusion_available", True)
+    p.set(tpl, "fused_weight_gradient_mlp_cuda", fused_wgrad)
+    p.set(tpl, "HAVE_TE", True)
+    p.set(tpl, "get_dummy_wgrad", _dummy_wgrad)
+    p.set(mutils.GlobalMemoryBuffer, "get_tensor", _fresh_tensor)
+    p.set(attn, "apply_rotary_pos_emb", _fused_rope)
+    _fused_activations(p)
+    _moe_on_fake_tensors(p)
+    _fake_item(p)
+
+
+@contextlib.contextmanager
+def _no_fork(self, name="model-parallel-rng"):
+    yield
+
+
+def _local_all_gather_object(object_list, obj, group=None):
+    for i in range(len(object_list)):
+        object_list[i] = obj
+
+
+@contextlib.contextmanager
+def _one_by_one(group=None, device=None, async_ops=False):
+    class _Work:
+        def wait(self):
+            pass
+    yield _Work()
+
+
+def _stacked_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    norms = [torch.linalg.vector_norm(t).float() for tl in tensor_lists for t in tl]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _fused_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """apex's multi_tensor_scale: dst = src * scale in one kernel, no temporaries (megatron's
+    CPU fallback materialises src * scale per tensor)."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        if dst is not src:
+            dst.copy_(src)
+        if scale != 1.0:
+            dst.mul_(scale)
+
+
+def _float16_init(orig):
+    def init(self, config, module):
+        module.bfloat16 = lambda: module
+        module.half = lambda: module
+        try:
+            orig(self, config, module)
+        finally:
+            del module.__dict__["bfloat16"]
+            del module.__dict__["half"]
+    return init
+
+
+def _fake_item(p: _Patches) -> None:
+    """`.item()` of a fake tensor: a constant (0 / False for ints and flags, 1.0 for floats)."""
+    from torch._prims_common import is_float_dtype
+    from torch._subclasses import fake_impls
+
+    def const(fake_mode, func, arg, *a, **k):
+        if is_float_dtype(arg.dtype):
+            return 1.0
+        return False if arg.dtype == torch.bool else 0
+    table = fake_impls.op_implementations_dict
+    for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+        had = op in table
+        old = table.get(op)
+        table[op] = const
+        p._undo.append((_DictSlot(table, op), "value", had, old))
+
+
+class _DictSlot:
+    def __init__(self, d, key):
+        self.__dict__["_d"], self.__dict__["_k"] = d, key
+
+    def __setattr__(self, name, value):
+        self._d[self._k] = value
+
+    def __delattr__(self, name):
+        self._d.pop(self._k, None)
+
+
+# Kernel policy ---------------------------------------------------------------------------------
+
+def _wgrad_accumulate(total_input, grad_output, main_grad):
+    """apex's wgrad_gemm_accum_*: main_grad += grad_output^T @ input, in place (no allocation)."""
+
+
+_DUMMY_WGRADS: dict = {}
+
+
+def _dummy_wgrad(shape, dtype, zero=False, *args, **kwargs):
+    """Transformer Engine's get_dummy_wgrad: one cached tensor per (shape, dtype)."""
+    key = (*shape, dtype)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = torch.empty(shape, dtype=dtype)
+    return _DUMMY_WGRADS[key].detach()
+
+
+def _fresh_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    return torch.empty(tuple(tensor_shape), dtype=dtype)
+
+
+class _FusedNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, rms: bool):
+        tokens = x.shape[:-1]
+        y = torch.empty_like(x)
+        rstd = torch.empty(tokens, dtype=torch.float32)
+        saved = [x, weight, rstd]
+        if not rms:
+            saved.append(torch.empty(tokens, dtype=torch.float32))   # mean
+        ctx.save_for_backward(*saved)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors[:2]
+        dbias = torch.empty_like(weight) if ctx.has_bias else None
+        return torch.empty_like(x), torch.empty_like(weight), dbias, None
+
+
+class FusedNorm(torch.nn.Module):
+    """TE's LayerNorm / RMSNorm memory contract (see the module docstring)."""
+
+    def __init__(self, hidden: int, rms: bool, dtype, sequence_parallel: bool):
+        super().__init__()
+        self.rms = rms
+        self.weight = torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
+        self.bias = None if rms else torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
+        for prm in self.parameters():
+            prm.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return _FusedNorm.apply(x, self.weight, self.bias, self.rms)
+
+
+def _fused_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                    normalization="LayerNorm"):
+    return FusedNorm(hidden_size, config.normalization == "RMSNorm", config.params_dtype, config.sequence_parallel)
+
+
+def _fused_activations(p: _Patches) -> None:
+    """megatron's @jit_fuser activation kernels (bias-GeLU, (bias-)SwiGLU, weighted SwiGLU):
+    on a GPU one fused kernel each, writing only its result; eagerly on the CPU they allocate a
+    temporary per elementwise op. Their autograd functions (what is saved) stay megatron's."""
+    from megatron.core.fusions import fused_bias_gelu as gelu
+    from megatron.core.fusions import fused_bias_swiglu as swiglu
+
+    def half(y):
+        return torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype)
+    p.set(gelu, "bias_gelu", lambda bias, y: torch.empty_like(y))
+    p.set(gelu, "bias_gelu_back", lambda g, bias, y: torch.empty_like(y))
+    p.set(swiglu, "swiglu", half)
+    p.set(swiglu, "bias_swiglu", lambda y, bias: half(y))
+    p.set(swiglu, "weighted_swiglu", lambda y, weights: half(y))
+    p.set(swiglu, "swiglu_back", lambda g, y: torch.empty_like(y))
+    p.set(swiglu, "bias_swiglu_back", lambda g, y, bias: torch.empty_like(y))
+    p.set(swiglu, "weighted_swiglu_back", lambda g, y, weights: (torch.empty_like(y), torch.empty_like(weights)))
+
+
+class _Stream:
+    """torch.cuda.Stream stand-in: megatron's MoE dispatcher creates a D2H side stream."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def _moe_on_fake_tensors(p: _Patches) -> None:
+    """megatron's MoE runs on fake tensors with balanced dropless routing.
+
+    Routing decides how many tokens each expert gets: data that fake tensors do not have. The
+    alltoall dispatcher's token counts (`preprocess`, then copied to the host) are replaced by
+    balanced ones -- each of the T x top_k routed copies of this rank's tokens spread evenly
+    over the experts -- after megatron's own code has made its (device) count tensors; the
+    two `masked_select`s of `permute` return the `num_out_tokens` (= T x top_k) entries a
+    dropless routing selects (same allocations; masked_select's backward keeps the mask)."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    p.set(torch.cuda, "Stream", _Stream)
+    p.set(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    p.set(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
+    orig_pre = td.MoEAlltoAllTokenDispatcher.preprocess
+
+    def preprocess(self, routing_map):
+        orig_pre(self, routing_map)
+        tokens, k, experts = routing_map.size(0), self.config.moe_router_topk, self.num_experts
+        ep, tp, local = self.ep_size, self.tp_size, self.num_local_experts
+        per_expert = tokens * k // experts
+        self.num_out_tokens = tokens * k
+        self.input_splits = np.full(ep, tokens * k // ep)
+        self.output_splits = np.full(ep, per_expert * local)
+        self.output_splits_tp = np.full(tp, per_expert * local * ep)
+        self.num_global_tokens_per_local_expert = np.full((tp * ep, local), per_expert)
+        return np.full(local, per_expert * tp * ep)
+    p.set(td.MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
+    p.set(td.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+          lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    p.set(td, "permute", _dropless_permute)
+    from megatron.core.transformer.moe import moe_utils
+    p.set(moe_utils, "te_general_gemm", _te_gemm)     # the router GEMM, straight to fp32
+
+
+def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
+    """transformer_engine general_gemm's result for megatron's router: one output tensor in
+    `out_dtype` (no casted copies of the operands). Layouts as megatron calls it."""
+    rows, cols = {"TN": (b.shape[0], a.shape[0]), "NN": (b.shape[0], a.shape[1]),
+                  "NT": (b.shape[1], a.shape[1])}[layout]
+    return (torch.empty((rows, cols), dtype=out_dtype),)
+
+
+class _MaskedSelect(torch.autograd.Function):
+    """x.masked_select(mask) with `n` selected entries (its backward keeps the mask)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, n):
+        ctx.save_for_backward(mask)
+        ctx.shape = x.shape
+        return torch.empty(n, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty(ctx.shape, dtype=g.dtype), None, None
+
+
+def _dropless_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+    """megatron.core.transformer.moe.moe_utils.permute, dropless branch, with masked_select's
+    result sized by `num_out_tokens`."""
+    num_tokens, _ = tokens.shape
+    num_experts = routing_map.shape[1]
+    routing_map = routing_map.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = _MaskedSelect.apply(token_indices, routing_map, num_out_tokens)
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = _MaskedSelect.apply(probs.T.contiguous(), routing_map, num_out_tokens)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """Transformer Engine's GroupedLinear with fused weight-gradient accumulation: one output
+    for all local experts; saves its input; backward writes dgrad, accumulates each expert's
+    wgrad into its main_grad and hands autograd TE's cached dummy wgrads."""
+
+    @staticmethod
+    def forward(ctx, x, out_features, *weights):
+        ctx.save_for_backward(x, *weights)
+        return torch.empty((x.shape[0], out_features), dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *weights = ctx.saved_tensors
+        dummies = []
+        for w in weights:
+            if hasattr(w, "grad_added_to_main_grad"):
+                w.grad_added_to_main_grad = True
+            dummies.append(_dummy_wgrad(list(w.shape), x.dtype))
+        return (torch.empty_like(x), None, *dummies)
+
+
+class GroupedLinear(torch.nn.Module):
+    """Stands for TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (expert tensor
+    parallel size 1 in the cases traced): one weight [out, in] per local expert."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method=None, bias=False,
+                 skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
+        super().__init__()
+        self.out_features = output_size
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            for _ in range(num_gemms))
+        for w in self.weights:
+            w.allreduce = not is_expert     # expert params: the expert-data-parallel grad buffer
+
+    def forward(self, x, m_splits):
+        return _GroupedGemm.apply(x, self.out_features, *self.weights), None
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, freqs):
+        return torch.empty_like(t)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.empty_like(dy), None
+
+
+def _fused_rope(t, freqs, config=None, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
+    return _Rope.apply(t, freqs)
+
+
+class _Flash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        s, b, a, d = q.shape
+        out = torch.empty((s, b, a * d), dtype=q.dtype)
+        lse = torch.empty((b, a, s), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        s, b, a, d = q.shape
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        workspace = [torch.empty((s, b, a, d), dtype=torch.float32), torch.empty((b, a, s), dtype=torch.float32)]
+        if k.shape[2] < a:     # GQA: full-head dk, dv, then summed per group
+            workspace += [torch.empty_like(q), torch.empty_like(q)]
+        del workspace
+        return dq, dk, dv
+
+
+class FlashAttention(torch.nn.Module):
+    """Stands for TE's DotProductAttention with a flash / cuDNN fused backend."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type=None, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
+        super().__init__()
+        self.config = config
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        return _Flash.apply(query, key, value)
+
+
+# The trace ---------------------------------------------------------------------------------------
+
+def _layer_spec(case: MegatronCase):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=case.grouped_gemm,
+                                    normalization="RMSNorm" if case.kind != "gpt" else "LayerNorm")
+    spec.submodules.self_attention.submodules.core_attention = FlashAttention
+    if case.experts:
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        spec.submodules.mlp.submodules.experts = ModuleSpec(
+            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear))
+    return spec
+
+
+def _config(case: MegatronCase):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    gpt = case.kind == "gpt"
+    kw = dict(num_layers=case.layers, hidden_size=case.hidden, num_attention_heads=case.heads,
+              num_query_groups=case.kv_heads, ffn_hidden_size=case.ffn, use_cpu_initialization=True,
+              sequence_parallel=case.sp and case.tp > 1, tensor_model_parallel_size=case.tp,
+              pipeline_model_parallel_size=case.pp, expert_model_parallel_size=case.ep,
+              params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
+              normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
+              activation_func=F.gelu if gpt else F.silu, add_bias_linear=gpt, bias_activation_fusion=True,
+              hidden_dropout=case.dropout, attention_dropout=case.dropout, gradient_accumulation_fusion=True,
+              apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True,
+              deallocate_pipeline_outputs=True, batch_p2p_comm=True)   # as Megatron-LM sets them
+    if case.recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    elif case.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method=case.recompute_method,
+                  recompute_num_layers=case.recompute_layers or 1)
+    if case.experts:
+        kw.update(num_moe_experts=case.experts, moe_router_topk=case.top_k, moe_ffn_hidden_size=case.expert_ffn,
+                  moe_token_dispatcher_type="alltoall", moe_grouped_gemm=case.grouped_gemm,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_shared_expert_intermediate_size=case.shared_ffn or None,
+                  moe_router_dtype="fp32")
+    return TransformerConfig(**kw)
+
+
+def trace_case(case: MegatronCase) -> dict:
+    """Trace two training steps of rank `case.pp_rank`'s first tp/dp rank; returns
+    {peak_bytes, static_bytes, layer_kept_bytes: {layer: bytes}, phases: [...]}."""
+    try:
+        import megatron.core  # noqa: F401
+    except ModuleNotFoundError:
+        raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'") from None
+    from ..traced.dist_capture import fake_process_group
+
+    _DUMMY_WGRADS.clear()
+    # rank order of megatron's default "tp-cp-ep-dp-pp": pipeline rank r is global rank r * tp * dp
+    rank = case.pp_rank * case.tp * case.dp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fake_process_group(rank, case.world), megatron_on_cpu():
+            from megatron.core import parallel_state as ps
+            ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
+                                         expert_model_parallel_size=case.ep, create_gloo_process_groups=False)
+            try:
+                return _trace(case)
+            finally:
+                ps.destroy_model_parallel()
+                _DUMMY_WGRADS.clear()
+
+
+def _trace(case: MegatronCase) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from ..liveness import analyze_sequence
+    from ..traced import kernel_policy
+    from ..traced.capture import ModuleScope, StorageRecorder, find_layer_prefix, layer_index_fn
+
+    model_parallel_cuda_manual_seed(1234)
+    cfg = _config(case)
+    rec = StorageRecorder()
+    rec.begin("build")
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    with FakeTensorMode(), _CudaToCpu(), rec:
+        # Megatron-LM pads the tokenizer's vocabulary to a multiple of 128 x tp before building
+        # the model (megatron/training/tokenizer: _vocab_size_with_padding)
+        multiple = 128 * case.tp
+        vocab = -(-case.vocab // multiple) * multiple
+        with _default_dtype(torch.bfloat16):
+            gpt = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(case), vocab_size=vocab,
+                           max_sequence_length=case.seq_len, pre_process=pre, post_process=post,
+                           position_embedding_type="learned_absolute" if case.kind == "gpt" else "rope",
+                           share_embeddings_and_output_weights=case.kind == "gpt")
+            model = Float16Module(cfg, gpt)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=case.main_grad_dtype == "fp32",
+                                                overlap_grad_reduce=False, use_distributed_optimizer=case.dist_opt)
+        model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=case.dist_opt,
+                                  clip_grad=1.0)
+        opt = _with_fused_adam(lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False))
+        scope = ModuleScope(model)
+        rec.scope = scope
+        layer_of = layer_index_fn(find_layer_prefix(model))
+        counter = {"F": 0, "B": 0}
+        step_no = [0]
+        orig_fwd, orig_bwd = schedules.forward_step, schedules.backward_step
+
+        def forward_step(*a, **k):
+            rec.begin(f"s{step_no[0]}.F{counter['F']}")
+            counter["F"] += 1
+            return orig_fwd(*a, **k)
+
+        def backward_step(*a, **k):
+            rec.begin(f"s{step_no[0]}.B{counter['B']}")
+            counter["B"] += 1
+            return orig_bwd(*a, **k)
+
+        def data():
+            b, s = case.micro_batch, case.seq_len
+            while True:
+                yield (torch.randint(0, case.vocab, (b, s)), torch.arange(s).unsqueeze(0).expand(b, s),
+                       torch.randint(0, case.vocab, (b, s)), torch.ones(b, s))
+
+        it = data()
+
+        def step_func(data_iterator, m):
+            ids, pos, labels, mask = next(data_iterator)
+            out = m(ids, pos, None, labels=labels)
+
+            def loss_func(output):
+                return torch.sum(output.float().view(-1) * mask.view(-1)) / mask.sum(), {}
+            return out, loss_func
+
+        fb = get_forward_backward_func()
+        schedules.forward_step, schedules.backward_step = forward_step, backward_step
+        try:
+            with scope, kernel_policy.context("cuda"):
+                for step in (1, 2):
+                    step_no[0] = step
+                    counter.update(F=0, B=0)
+                    rec.begin(f"s{step}.zero_grad")
+                    model.zero_grad_buffer()
+                    opt.zero_grad()
+                    fb(forward_step_func=step_func, data_iterator=it, model=[model],
+                       num_microbatches=case.microbatches, seq_length=case.seq_len,
+                       micro_batch_size=case.micro_batch, forward_only=False)
+                    rec.begin(f"s{step}.optimizer")
+                    opt.step()
+        finally:
+            schedules.forward_step, schedules.backward_step = orig_fwd, orig_bwd
+    programs = rec.programs()
+    results = analyze_sequence(programs, live_on_entry=[])
+    cur = 0
+    phases = []
+    peak, peak_at = 0, ""
+    step2_start = None
+    for r in results:
+        if r.name == "s2.F0":
+            step2_start = cur       # resident during the step: after zero_grad, before the forward
+        top = cur + r.peak_bytes
+        if r.name.startswith("s2.") and top > peak:
+            peak, peak_at = top, f"{r.name}: {r.peak_op_label}"
+        phases.append({"name": r.name, "start_bytes": cur, "peak_bytes": top, "net_bytes": r.net_bytes})
+        cur += r.net_bytes
+    kept = _layer_kept(programs, "s2.F0", layer_of)
+    return {"case": case.name, "peak_bytes": peak, "peak_at": peak_at, "static_bytes": step2_start,
+            "layer_kept_bytes": kept, "layer0_kept": _layer_kept_detail(programs, "s2.F0", layer_of, 0),
+            "phases": phases, "resident": _resident(programs, results, "s2.zero_grad")}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """Modules built with torch defaults (the learned position embedding) in bf16: what
+    Float16Module's `.bfloat16()` makes of them (fake parameters cannot be cast in place)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _with_fused_adam(build):
+    """Build the optimizer with apex/TE FusedAdam's memory behaviour: megatron-core without
+    apex or TE takes torch.optim.AdamW / Adam; here they default to fused=True."""
+    saved = torch.optim.AdamW, torch.optim.Adam
+
+    def fused(cls):
+        class Fused(cls):
+            def __init__(self, *a, **k):
+                k.setdefault("fused", True)
+                super().__init__(*a, **k)
+        Fused.__name__ = cls.__name__
+        return Fused
+    torch.optim.AdamW, torch.optim.Adam = fused(saved[0]), fused(saved[1])
+    try:
+        return build()
+    finally:
+        torch.optim.AdamW, torch.optim.Adam = saved
+
+
+def _resident(programs, results, phase: str) -> list[dict]:
+    """What is alive when `phase` starts, grouped by the phase, op and module that made it."""
+    at = next((i for i, p in enumerate(programs) if p.name == phase), len(programs))
+    made: dict[str, tuple] = {}
+    freed: set[str] = set()
+    for prog in programs[:at]:
+        for op in prog.ops:
+            for n in op.outputs:
+                t = prog.tensors[n]
+                if t.storage == n:
+                    made[n] = (prog.name, op.type, op.module, t.nbytes, tuple(t.shape), t.dtype)
+            freed.update(prog.tensors[n].storage for n in op.frees)
+    groups: dict[tuple, list] = {}
+    for n, (ph, ty, mod, nb, shape, dt) in made.items():
+        if n not in freed:
+            g = groups.setdefault((ph, ty, mod, dt), [0, 0])
+            g[0] += nb
+            g[1] += 1
+    return [{"phase": k[0], "op": k[1], "module": k[2], "dtype": k[3], "bytes": v[0], "count": v[1]}
+            for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])]
+
+
+def _layer_kept(programs, phase: str, layer_of) -> dict[int, int]:
+    """Bytes of the storages each decoder layer's forward created that are still alive when
+    the forward `phase` ends (what that layer keeps for its backward, incl. its output)."""
+    prog = next((p for p in programs if p.name == phase), None)
+    if prog is None:
+        return {}
+    created: dict[str, int] = {}
+    freed: set[str] = set()
+    for op in prog.ops:
+        layer = layer_of(op.module)
+        for name in op.outputs:
+            t = prog.tensors[name]
+            if t.storage == name and layer is not None:
+                created[name] = layer
+        freed.update(prog.tensors[n].storage for n in op.frees)
+    out: dict[int, int] = {}
+    for name, layer in created.items():
+        if name not in freed:
+            out[layer] = out.get(layer, 0) + prog.tensors[name].nbytes
+    return dict(sorted(out.items()))
+
+
+def _layer_kept_detail(programs, phase: str, layer_of, layer: int) -> list[dict]:
+    """The storages behind `_layer_kept` for one layer: op, module, shape, dtype, bytes."""
+    prog = next((p for p in programs if p.name == phase), None)
+    if prog is None:
+        return []
+    made, freed = [], set()
+    for op in prog.ops:
+        if layer_of(op.module) == layer:
+            made.extend((n, op) for n in op.outputs if prog.tensors[n].storage == n)
+        freed.update(prog.tensors[n].storage for n in op.frees)
+    return [{"op": op.type, "module": op.module, "shape": list(prog.tensors[n].shape), "dtype": prog.tensors[n].dtype,
+             "bytes": prog.tensors[n].nbytes} for n, op in made if n not in freed]
+
+
+def main(argv=None) -> int:
+    """Worker: `python -m pipemem.validation.megatron_trace '<case json>'` prints the trace JSON."""
+    import json
+    args = sys.argv[1:] if argv is None else argv
+    case = MegatronCase(**json.loads(args[0]))
+    print(json.dumps(trace_case(case)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

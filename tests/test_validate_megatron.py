@@ -1,0 +1,53 @@
+"""`pipemem validate megatron` in CI: megatron-core's own step (traced on fake tensors) against
+`pipemem.estimate` for two cases; the full set runs as `pipemem validate megatron`."""
+
+import json
+import subprocess
+import sys
+from importlib.util import find_spec
+
+import pytest
+
+from pipemem.validation import TARGETS
+from pipemem.validation.megatron import CASES, CI_CASES, TOLERANCE, hf_config, plan_kwargs, select
+
+needs_megatron = pytest.mark.skipif(find_spec("megatron") is None, reason="megatron-core not installed "
+                                    "(pip install -e '.[megatron]')")
+
+
+def test_target_registered_and_cases_are_valid_plans():
+    import pipemem
+    assert "megatron" in TARGETS
+    for case in CASES:        # every case is a plan pipemem accepts, estimated through the one path
+        est = pipemem.estimate(hf_config(case), **plan_kwargs(case))
+        assert len(est.ranks) == case.pp
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_validate_megatron_ci_cases_agree():
+    out = subprocess.run([sys.executable, "-m", "pipemem", "validate", "megatron", "--json", "--cases",
+                          ",".join(CI_CASES)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    names = {r["name"] for r in d["cases"]}
+    assert names == {f"{c}/{q}" for c in CI_CASES for q in ("peak", "layer_kept")}
+    for r in d["cases"]:
+        assert r["measured_bytes"] > 0 and abs(r["rel_error"]) <= TOLERANCE, r
+
+
+@needs_megatron
+def test_patches_are_undone():
+    import torch
+    from pipemem.validation.megatron_trace import megatron_on_cpu
+    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize)
+    with megatron_on_cpu():
+        assert torch.cuda.current_device() == "cpu"
+    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize) == before
+    assert "fused_weight_gradient_mlp_cuda" not in sys.modules
+
+
+def test_unknown_case_is_one_clear_error():
+    from pipemem.errors import UserError
+    with pytest.raises(UserError, match="unknown case"):
+        select("dense-tp2-sp,nope")

@@ -1,0 +1,53 @@
+"""The shared progress, quiet-profiler and summary helpers of `pipemem validate`."""
+
+import io
+import os
+import subprocess
+import sys
+
+from pipemem.validation.compare import CaseRow
+from pipemem.validation.progress import CaseProgress, print_summary, quiet_profiler_chatter
+
+
+def test_profiler_chatter_is_dropped_other_stderr_kept(capfd):
+    with quiet_profiler_chatter():
+        os.write(2, b"USDT:2026-12-01 06:34:12 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+        os.write(2, b"USDT:2026-12-01 06:34:12 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+        print("python stderr too", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "a real warning" in err and "python stderr too" in err
+
+
+def test_log_progress_one_line_per_case():
+    buf = io.StringIO()
+    with CaseProgress(["a", "b"], "validate x", file=buf) as bar:
+        bar.start("a")
+        bar.done("a")
+        bar.start("b")
+        bar.done("b", note="error: boom")
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "validate x: 2 cases"
+    assert lines[1].startswith("[1/2] a (") and lines[2].startswith("[2/2] b (") and "error: boom" in lines[2]
+    assert lines[3].startswith("validate x: 2 of 2 done")
+
+
+def test_summary_table_rows_and_worst_error():
+    buf = io.StringIO()
+    rows = [CaseRow("c1/peak", 1000, 1010, {"peak_at": "B0@s0"}),
+            {"name": "c2/peak", "measured_bytes": 2048, "estimated_bytes": 2048, "rel_error": 0.0, "peak_at": "F1@s0"}]
+    worst = print_summary(rows, columns=(("peak_at", "peak at"),), file=buf)
+    out = buf.getvalue()
+    assert abs(worst - 0.01) < 1e-12
+    assert "c1/peak" in out and "+1.00%" in out and "2.00 KiB" in out and "B0@s0" in out
+    assert "max |rel_error| = 1.000% over 2 cases" in out
+
+
+def test_validate_cpu_shows_progress_and_no_usdt():
+    env = dict(os.environ, COLUMNS="120")
+    r = subprocess.run([sys.executable, "-m", "pipemem", "validate", "cpu", "--cases", "gpt2-fp32-eager"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "USDT" not in r.stderr
+    assert "[1/1] gpt2-fp32-eager" in r.stderr
+    assert "gpt2-fp32-eager/peak" in r.stdout and "max |rel_error|" in r.stdout
