@@ -29,7 +29,7 @@ import tempfile
 import time
 
 from ..errors import UserError
-from .compare import CaseRow, max_abs_rel_error
+from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error
 
 EXAMPLE = """\
 examples:
@@ -167,22 +167,15 @@ def register(sub) -> None:
                                    "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
                                    f"than {TOLERANCE:.0%}.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true", help="every case (FSDP2, TP, CP, PP, AC, MoE)")
-    p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
-    p.add_argument("--list", action="store_true", help="print the case names and exit")
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per traced rank (default 600)")
+    add_case_options(p, "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)", 600.0,
+                     "seconds per traced rank")
     p.set_defaults(func=run)
 
 
 def select(args) -> list[dict]:
     known = {c["name"]: c for c in all_cases()}
     if args.cases:
-        names = [n.strip() for n in args.cases.split(",") if n.strip()]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate torchtitan --list")
-        return [known[n] for n in names]
+        return [known[n] for n in case_names(args.cases, known, "torchtitan")]
     return list(known.values()) if args.full else [known[n] for n in CI_CASES]
 
 
