@@ -38,9 +38,9 @@ DEFAULT_OPTIMIZER_IMPL = {"megatron": "fused", "paddle": "fused", "torchtitan": 
 # How the trainer keeps gradients between steps (what is resident when a step starts):
 #   buffer           resident all step: Megatron's / Paddle's contiguous main-grad buffer, or
 #                    PyTorch's zero_grad(set_to_none=False)
-#   set-to-none      optimizer.zero_grad(set_to_none=True) (PyTorch's default: torchtitan, HF
-#                    Trainer, torchtune): created by the first backward of a step, freed after
-#                    the optimizer step
+#   set-to-none      optimizer.zero_grad(set_to_none=True) (PyTorch's default: HF Trainer,
+#                    torchtune, torchtitan with disable_cuda_graphs): created by the first
+#                    backward of a step, freed after the optimizer step
 #   ddp-bucket       DistributedDataParallel(gradient_as_bucket_view=False) (its default):
 #                    set-to-none .grad tensors plus DDP's flat all-reduce buckets (one more
 #                    copy of every gradient, resident all step)
@@ -463,10 +463,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
 
 def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:
     """How a convention's trainer keeps gradients: Megatron and Paddle in a contiguous buffer;
-    torchtitan (FSDP2 / single device) with PyTorch's zero_grad(set_to_none=True); HF-style
-    loops the same, wrapped in DistributedDataParallel (default buckets) when they data-parallelise
-    without sharding (HF Trainer / accelerate, Lightning)."""
-    if convention in ("megatron", "paddle"):
+    torchtitan 0.3 resident too (`Trainer.train_step` calls
+    `zero_grad(set_to_none=training.disable_cuda_graphs)`, False by default: CUDA-graph
+    replay needs fixed gradient addresses); HF-style loops with PyTorch's
+    zero_grad(set_to_none=True), wrapped in DistributedDataParallel (default buckets) when they
+    data-parallelise without sharding (HF Trainer / accelerate, Lightning)."""
+    if convention in ("megatron", "paddle", "torchtitan"):
         return "buffer"
     if convention == "hf" and dp > 1 and zero == 0:
         return "ddp-bucket"

@@ -243,7 +243,21 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     bparts = fparts[::-1]
 
     def walk(ps, kind):
-        return compose(getattr(p, kind).repeated(n) for p, n in ps)
+        if kind not in ("B", "I"):
+            return compose(getattr(p, kind).repeated(n) for p, n in ps)
+        # FSDP2 (torchtitan): a part's reduce-scatter input is alive while the next part of the
+        # backward runs (PartMemory.rs_state_bytes)
+        jobs, linger = [], 0
+        for p, n in ps:
+            j, own = getattr(p, kind), p.rs_state_bytes
+            if linger or own:
+                jobs.append(JobMemory(j.net_bytes, j.peak_bytes + linger))
+                if n > 1:
+                    jobs.append(JobMemory(j.net_bytes, j.peak_bytes + own).repeated(n - 1))
+            else:
+                jobs.append(j.repeated(n))
+            linger = own
+        return compose(jobs)
 
     act = sh.boundary_bytes
     empty = not parts

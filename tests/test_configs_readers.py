@@ -383,3 +383,91 @@ def test_torchtitan_compile_and_float8(tmp_path):
     f.write_text(text.replace('converters = ["float8"]', 'converters = ["mx"]'))
     with pytest.raises(UserError, match="converters 'mx' is not modelled"):
         read_torchtitan(str(f))
+
+
+# torchtitan 0.3: the tables of Trainer.Config.to_dict() ----------------------------------------
+TITAN_03 = """
+[model_spec]
+name = "llama3"
+flavor = "8B"
+
+[training]
+local_batch_size = 2
+seq_len = 4096
+dtype = "float32"
+mixed_precision_param = "bfloat16"
+mixed_precision_reduce = "float32"
+disable_cuda_graphs = true
+enable_cpu_offload = false
+
+[parallelism]
+data_parallel_shard_degree = 4
+tensor_parallel_degree = 2
+enable_sequence_parallel = true
+pipeline_parallel_degree = 2
+pipeline_parallel_microbatch_size = 1
+fsdp_reshard_after_forward = "default"
+enable_fsdp_symm_mem = false
+
+[activation_checkpoint]
+mode = "full"
+preserve_rng_state = true
+
+[compile]
+enable = false
+
+[optimizer]
+implementation = "foreach"
+
+[[optimizer.param_groups]]
+pattern = ".*"
+optimizer_name = "AdamW"
+
+[loss]
+num_chunks = 8
+"""
+
+
+def test_torchtitan_03_tables(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text(TITAN_03)
+    tc = read_torchtitan(str(f))
+    p = tc.plan
+    assert tc.model == "llama3-8b" and p["dp"] == 4 and p["tp"] == 2 and p["sp"] is True and p["pp"] == 2
+    assert (p["micro_batch"], p["microbatches"]) == (1, 2) and p["recompute"] == "full"
+    assert p["dtype"] == "bf16" and p["master_weights"] is True and p["main_grad_dtype"] == "fp32"
+    assert p["grads"] == "set-to-none" and p["fsdp"] is True
+    # pipeline parallel: blocks keep their gathered parameters (torchtitan's "default" policy)
+    assert p["extra"] == {"fsdp_reshard_after_forward": False, "loss_chunks": 8} and p["optimizer_impl"] == "foreach"
+    assert p["_first_less"] == 1 and p["_last_less"] == 1     # torchtitan's default stage split
+    from pipemem.configs.torchtitan import finish_plan
+    assert finish_plan(p, 32)["pp_layout"] == (16, 16)          # (32 + 2) / 2 = 17, minus one each side
+    plan = finish_plan(dict(p, _first_less=2, _last_less=0), 32)
+    assert plan["pp_layout"] == (15, 17)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (("enable = false", "enable = true"), r"\[compile\] enable"),
+    (("enable_cpu_offload = false", "enable_cpu_offload = true"), "enable_cpu_offload"),
+    (("enable_fsdp_symm_mem = false", "enable_fsdp_symm_mem = true"), "enable_fsdp_symm_mem"),
+    (("[loss]", "[float8]\nenable_fsdp_float8_all_gather = true\n[loss]"), "FP8"),
+    (('mode = "full"', 'mode = "memory_budget"'), "memory_budget"),
+    (("data_parallel_shard_degree = 4", "data_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2"),
+     "replicate"),
+    (('optimizer_name = "AdamW"', 'optimizer_name = "Muon"'), "Muon"),
+    (('[model_spec]', '[model]\nconverters = ["float8"]\n[model_spec]'), "converters"),
+])
+def test_torchtitan_03_refusals(tmp_path, edit, match):
+    f = tmp_path / "job.toml"
+    f.write_text(TITAN_03.replace(*edit))
+    with pytest.raises(UserError, match=match):
+        read_torchtitan(str(f))
+
+
+def test_torchtitan_03_precision(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text(TITAN_03.replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    p = read_torchtitan(str(f)).plan          # parameters stored in bf16: pure bf16 training
+    assert p["dtype"] == "bf16" and p["master_weights"] is False and p["main_grad_dtype"] == "bf16"
+    f.write_text(TITAN_03.replace('mixed_precision_reduce = "float32"', 'mixed_precision_reduce = "bfloat16"'))
+    assert read_torchtitan(str(f)).plan["main_grad_dtype"] == "bf16"

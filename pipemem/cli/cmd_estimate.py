@@ -23,6 +23,8 @@ examples:
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
   pipemem estimate --model llama3.2-3b --convention hf --dtype bf16 --no-master-weights --seq-len 4096 \
       --micro-batch 2 --compile --loss chunked --recompute full --optimizer-in-backward --activation-offload all
+  pipemem estimate --gpu h100-80g --from-torchtitan - -- --module llama3 --config llama3_8b \
+      --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
@@ -57,7 +59,10 @@ def register(sub) -> None:
                      help="read Megatron-LM pretrain_gpt.py arguments given after `--`")
     src.add_argument("--from-paddlenlp", action="store_true",
                      help="read PaddleNLP run_pretrain arguments given after `--` (a pasted launch line works)")
-    src.add_argument("--from-torchtitan", metavar="FILE.toml", help="read a torchtitan job config")
+    src.add_argument("--from-torchtitan", metavar="FILE.toml|-",
+                     help="read a torchtitan job config: a TOML file (the tables of Trainer.Config.to_dict()), "
+                          "or - and torchtitan 0.3's launch arguments after `--` (--module NAME --config FN "
+                          "--parallelism.tensor_parallel_degree N ...; needs torchtitan installed)")
     src.add_argument("--exact", action="store_true",
                      help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
                           "programs with Paddle's passes, one card per pipeline stage, and estimate those "
@@ -97,8 +102,8 @@ def register(sub) -> None:
                          "foreach for hf)")
     sh.add_argument("--grads", choices=GRADS,
                     help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
-                         "Paddle), set-to-none (zero_grad(set_to_none=True), created in backward: torchtitan, "
-                         "HF), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+                         "Paddle, torchtitan 0.3 with CUDA graphs), set-to-none (zero_grad(set_to_none=True), created in backward: "
+                         "HF, torchtune), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
                          "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
                          "ddp-bucket)")
     sh.add_argument("--step", choices=STEPS,
@@ -191,9 +196,13 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     if not sources:
         raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
                         "--from-paddlenlp / --from-torchtitan")
-    if tool_args and not (args.from_megatron or args.from_paddlenlp):
+    titan_args = args.from_torchtitan == "-"
+    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
-                        "only with --from-megatron or --from-paddlenlp")
+                        "only with --from-megatron, --from-paddlenlp or --from-torchtitan -")
+    if titan_args and not tool_args:
+        raise UserError("--from-torchtitan -: give torchtitan's launch arguments after `--`, e.g. "
+                        "-- --module llama3 --config llama3_8b --parallelism.tensor_parallel_degree 8")
 
     flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
     if "pp_layout" in flags:
@@ -213,6 +222,9 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         tool = read_megatron(tool_args)
     elif args.from_paddlenlp:
         tool = read_paddlenlp(tool_args)
+    elif titan_args:
+        from ..configs.torchtitan import read_args
+        tool = read_args(tool_args)
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)

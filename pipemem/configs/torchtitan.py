@@ -1,7 +1,12 @@
 """torchtitan job TOML (`train_configs/*.toml`) -> pipemem preset and plan.
 
-Model: `[model] name` + `flavor` name torchtitan's built-in Llama 3 sizes, mapped to our
-presets with the same shapes. Batch: with pipeline parallelism torchtitan splits each
+Two inputs: a job TOML (the tables of torchtitan 0.3's `Trainer.Config.to_dict()`, or an older
+job file), or torchtitan 0.3's own launch arguments (`--module llama3 --config llama3_8b
+--parallelism.tensor_parallel_degree 8`, resolved by torchtitan's ConfigManager when it is
+installed). Every memory-relevant key is honoured or refused by name (`_KEYS`; torch.compile
+and Float8 linears are read by `_modern`, MX is refused). Model: `[model] name` + `flavor`
+(or `model_spec`) name torchtitan's built-in Llama 3 sizes, mapped to our presets with the
+same shapes; launch arguments build torchtitan's own model on the meta device. Batch: with pipeline parallelism torchtitan splits each
 rank's `local_batch_size` into microbatches of `pipeline_parallel_microbatch_size`; without
 it the local batch is one microbatch (gradient accumulation repeats whole steps, which does
 not raise the peak). FSDP2 keeps fp32 sharded parameters and gathers them in
@@ -30,43 +35,152 @@ FLAVORS = {
     ("llama2", "13b"): "llama2-13b",
     ("llama2", "70b"): "llama2-70b",
 }
-# torchtitan's small test model (dim 256, 6 layers, 16 heads, ffn from multiple_of 256,
-# its test tokenizer's 2,000-token vocabulary).
+# torchtitan's small test model (0.3's llama3 "debugmodel": dim 256, 6 layers, 16 heads, ffn from
+# multiple_of 256, a 2,048-token vocabulary).
 DEBUG_MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "num_hidden_layers": 6, "vocab_size": 2000,
+               "num_key_value_heads": 16, "num_hidden_layers": 6, "vocab_size": 2048,
                "max_position_embeddings": 2048, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 _MULTI_STAGE = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
-KNOWN_SECTIONS = {"model", "training", "parallelism", "activation_checkpoint", "optimizer"}
-IGNORED_SECTIONS = {"job", "profiling", "metrics", "lr_scheduler", "checkpoint", "float8", "mx", "comm",
-                    "memory_estimation", "fault_tolerance", "experimental", "validation", "compile"}
+# Tables of torchtitan's job config (Trainer.Config.to_dict(), or an older job TOML) whose keys
+# change memory; every key of them is honoured or refused by name (_KEYS below). The other
+# tables (logging, data, checkpoints, tokenizer...) change nothing on the device.
+KNOWN_SECTIONS = {"model", "model_spec", "training", "parallelism", "activation_checkpoint", "optimizer",
+                  "compile", "loss", "float8", "mx"}
+IGNORED_SECTIONS = {"job", "profiling", "profiler", "metrics", "lr_scheduler", "checkpoint", "comm",
+                    "memory_estimation", "fault_tolerance", "experimental", "validation", "validator", "debug",
+                    "dataloader", "tokenizer", "override", "hf_assets_path", "dump_folder"}
+
+# key -> what pipemem does with it: "plan" (honoured), "none" (no device memory), or a refusal text
+_KEYS = {
+    "training": {
+        "local_batch_size": "plan", "batch_size": "plan", "global_batch_size": "plan", "seq_len": "plan",
+        "dtype": "plan", "mixed_precision_param": "plan", "mixed_precision_reduce": "plan",
+        "disable_cuda_graphs": "plan", "max_norm": "none", "steps": "none", "gc_freq": "none", "gc_debug": "none",
+        "warmup_steps": "none", "seed": "none", "deterministic": "none", "dataset": "none", "dataset_path": "none",
+        "enable_cpu_offload": "CPU offloading of parameters, gradients and optimizer states is not modelled yet",
+    },
+    "parallelism": {
+        "data_parallel_replicate_degree": "plan", "data_parallel_shard_degree": "plan",
+        "fsdp_reshard_after_forward": "plan", "tensor_parallel_degree": "plan", "enable_sequence_parallel": "plan",
+        "pipeline_parallel_degree": "plan", "pipeline_parallel_first_stage_less_layers": "plan",
+        "pipeline_parallel_last_stage_less_layers": "plan", "pipeline_parallel_layers_per_stage": "plan",
+        "pipeline_parallel_schedule": "plan", "pipeline_parallel_schedule_csv": "plan",
+        "pipeline_parallel_microbatch_size": "plan", "context_parallel_degree": "plan",
+        "expert_parallel_degree": "plan", "tensor_parallel_recompute_allgather": "plan",
+        "spmd_backend": "none", "context_parallel_load_balancer": "none", "context_parallel_ptrr_mask_key": "none",
+        "context_parallel_rotate_method": "none", "disable_loss_parallel": "none",
+        "enable_compiled_autograd": "compiled autograd is not modelled",
+        "enable_async_tensor_parallel": "async tensor parallelism (needs torch.compile) is not modelled yet",
+        "enable_fsdp_symm_mem": "FSDP symmetric-memory buffers are not modelled",
+        "module_fqns_per_model_part": "a hand-written split of modules into pipeline stages is not modelled; "
+                                      "use pipeline_parallel_layers_per_stage or --pp-layout",
+        "expert_tensor_parallel_degree": "plan",
+    },
+    "activation_checkpoint": {
+        "mode": "plan", "selective_ac_option": "plan", "preserve_rng_state": "none", "determinism_check": "none",
+        "debug": "none", "force_recompute_mm_shapes_by_fqns": "none", "per_op_sac_force_recompute_mm_shapes_by_fqns": "none",
+        "memory_budget": "plan", "visualize_memory_budget_pareto": "none", "early_stop": "none",
+    },
+    "compile": {"enable": "plan", "components": "none", "backend": "none", "enable_async_tensor_parallel": "plan"},
+    "optimizer": {"name": "plan", "param_groups": "plan", "implementation": "plan", "lr": "none", "eps": "none",
+                  "beta1": "none", "beta2": "none", "weight_decay": "none", "early_step_in_backward": "plan",
+                  "optimizer_factory_kwargs_by_name": "none"},
+    "loss": {"num_chunks": "plan", "loss_fn": "none"},
+}
+_NOT_MODELLED_16 = "(pipemem refuses rather than estimate without it)"
 
 
 def read(path: str) -> ToolConfig:
-    cfg = _load(path)
-    warnings: list[str] = []
-    plan: dict = {"convention": "torchtitan"}
-    dp_unknown = False
+    """A torchtitan job TOML: the tables of `Trainer.Config.to_dict()` (torchtitan 0.3) or an
+    older job file ([model] name/flavor, [activation_checkpoint] mode...)."""
+    return from_tables(_load(path), path)
 
-    model_sec = _section(cfg, "model", path)
-    name = str(model_sec.get("name", "llama3")).lower()
-    flavor = str(model_sec.get("flavor", "")).lower()
-    if flavor == "debugmodel":
-        model: dict | str = dict(DEBUG_MODEL)
-    elif (name, flavor) in FLAVORS:
-        model = FLAVORS[(name, flavor)]
-    else:
-        known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
-        raise UserError(f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
-                        "Use --model with an HF config.json instead")
-    plan.update(_modern(cfg, model_sec, path))
+
+def read_args(argv: list[str]) -> ToolConfig:
+    """torchtitan 0.3's own launch arguments (`--module llama3 --config llama3_8b
+    --parallelism.tensor_parallel_degree 8 ...`), resolved by torchtitan's ConfigManager (its
+    config_registry function, then the overrides); needs torchtitan installed."""
+    from ..traced.torchtitan_model import import_stubs
+    try:
+        with import_stubs():
+            from torchtitan.config.manager import ConfigManager
+    except ImportError as e:
+        raise UserError(f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
+                        "pip install 'pipemem[torchtitan]', or give a job TOML") from None
+    try:
+        with import_stubs():     # config_registry modules import torchtitan's models
+            cfg = ConfigManager().parse_args(list(argv))
+    except SystemExit:
+        raise UserError("--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
+                        "e.g. -- --module llama3 --config llama3_8b --parallelism.tensor_parallel_degree 8") from None
+    except (ImportError, ValueError, AttributeError) as e:
+        raise UserError(f"--from-torchtitan: {e}") from None
+    tables = cfg.to_dict()
+    ac = cfg.activation_checkpoint
+    tables["activation_checkpoint"] = dict(tables.get("activation_checkpoint") or {})
+    tables["activation_checkpoint"]["mode"] = ("none" if ac is None else
+                                               type(ac).__qualname__.split(".")[0].replace("AC", "").lower()
+                                               .replace("memorybudget", "memory_budget"))
+    name = cfg.model_spec.name if cfg.model_spec is not None else "model"
+    flavor = cfg.model_spec.flavor if cfg.model_spec is not None else ""
+    return from_tables(tables, f"torchtitan {name} {flavor}", model=_model_from_spec(cfg.model_spec))
+
+
+def _model_from_spec(spec) -> dict:
+    """An HF-style config dict of torchtitan's model (built on the meta device)."""
+    import torch
+
+    from ..traced.torchtitan_model import model_shapes
+    with torch.device("meta"):
+        model = spec.model.build()
+    a = model_shapes(model)
+    cfg = {"model_type": "qwen3" if a["qk_norm"] else "llama", "hidden_size": a["dim"],
+           "num_hidden_layers": a["layers"], "num_attention_heads": a["n_heads"],
+           "num_key_value_heads": a["n_kv_heads"], "head_dim": a["head_dim"], "intermediate_size": a["ffn"],
+           "vocab_size": a["vocab"], "tie_word_embeddings": a["tied"], "max_position_embeddings": 131072}
+    if a.get("experts"):
+        cfg.update(model_type="qwen3_moe", num_experts=a["experts"], num_experts_per_tok=a["top_k"],
+                   moe_intermediate_size=a["expert_ffn"])
+    return cfg
+
+
+def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolConfig:
+    """The plan of torchtitan job-config tables (see `read`); `model` when the caller resolved it."""
+    warnings: list[str] = []
+    plan: dict = {"convention": "torchtitan", "fsdp": True}
+    extra: dict = {}
+    dp_unknown = False
+    for name in cfg:
+        if name in _KEYS and isinstance(cfg[name], dict):
+            for key in cfg[name]:
+                what = _KEYS[name].get(key)
+                if what is None:
+                    warnings.append(f"{TOOL}: [{name}] {key} is not known to pipemem; ignored")
+                elif what not in ("plan", "none") and _enabled(cfg[name][key]):
+                    raise UserError(f"{path}: [{name}] {key}: {what}")
+
+    if model is None:
+        model = _model(cfg, path)
 
     tr = _section(cfg, "training", path)
     par = _section(cfg, "parallelism", path)
     ac = _section(cfg, "activation_checkpoint", path)
     opt = _section(cfg, "optimizer", path)
+    comp = _section(cfg, "compile", path)
+    if cfg.get("mx"):
+        raise UserError(f"{path}: [mx]: MX (microscaling) training is not modelled; pipemem models torchao "
+                        "Float8 tensorwise / rowwise")
+    if comp.get("enable_async_tensor_parallel"):
+        raise UserError(f"{path}: [compile] enable_async_tensor_parallel: async tensor parallelism is not "
+                        "modelled")
+    # torch.compile and float8 linears (pipemem.features)
+    plan.update(_modern(cfg, _section(cfg, "model", path), path))
+    if par.get("enable_async_tensor_parallel"):
+        raise UserError(f"{path}: [parallelism] enable_async_tensor_parallel: async TP (torch.compile) is not "
+                        f"modelled yet {_NOT_MODELLED_16}")
 
     seq = _pos_int(tr, "seq_len", path, "training")
     if seq is not None:
@@ -81,23 +195,27 @@ def read(path: str) -> ToolConfig:
     pp = _pos_int(par, "pipeline_parallel_degree", path, "parallelism") or 1
     cp = _pos_int(par, "context_parallel_degree", path, "parallelism") or 1
     ep = _pos_int(par, "expert_parallel_degree", path, "parallelism")
+    etp = _pos_int(par, "expert_tensor_parallel_degree", path, "parallelism")
     replicate = _pos_int(par, "data_parallel_replicate_degree", path, "parallelism") or 1
     shard = par.get("data_parallel_shard_degree", -1)
     if not isinstance(shard, int) or isinstance(shard, bool) or (shard < 1 and shard != -1):
         raise UserError(f"{path}: [parallelism] data_parallel_shard_degree must be -1 or a positive integer")
+    if replicate > 1:
+        raise UserError(f"{path}: [parallelism] data_parallel_replicate_degree {replicate}: replicated data "
+                        "parallelism (HSDP / replicate) is not modelled: pipemem shards model states over every "
+                        "data-parallel rank; use data_parallel_shard_degree")
     plan.update(tp=tp, pp=pp, cp=cp)
     if ep is not None:
         plan["ep"] = ep
+    if etp is not None:
+        plan["etp"] = etp
+    if "enable_sequence_parallel" in par:
+        plan["sp"] = bool(par["enable_sequence_parallel"]) and tp > 1
     if shard == -1:
         # -1 = "all remaining ranks": the world size is not in the file. pipemem --dp fills it in.
         dp_unknown = True
-        plan["fsdp"] = True
     else:
-        plan["dp"] = replicate * shard
-        plan["fsdp"] = shard > 1
-        if replicate > 1 and shard > 1:
-            warnings.append(f"{TOOL}: HSDP (replicate {replicate} x shard {shard}): states are modelled as "
-                            f"sharded over all {replicate * shard} data-parallel ranks")
+        plan["dp"] = shard
     regather = par.get("tensor_parallel_recompute_allgather", False)
     if not isinstance(regather, bool):
         raise UserError(f"{path}: [parallelism] tensor_parallel_recompute_allgather = {regather!r}: expected "
@@ -105,11 +223,16 @@ def read(path: str) -> ToolConfig:
     if regather:
         plan["recompute_allgather"] = True
     reshard = str(par.get("fsdp_reshard_after_forward", "default")).lower()
-    if reshard == "never" and plan.get("fsdp"):
-        warnings.append(f"{TOOL}: fsdp_reshard_after_forward = never keeps gathered parameters; not modelled")
+    if reshard not in ("default", "always", "never"):
+        raise UserError(f"{path}: [parallelism] fsdp_reshard_after_forward {reshard!r}: expected default, always "
+                        "or never")
+    # torchtitan: blocks reshard after forward unless "never", or "default" with pipeline parallelism
+    if reshard == "never" or (reshard == "default" and pp > 1):
+        extra["fsdp_reshard_after_forward"] = False
 
     if pp > 1:
-        sched = str(par.get("pipeline_parallel_schedule", "1F1B"))
+        csv = str(par.get("pipeline_parallel_schedule_csv", "") or "")
+        sched = f"csv:{csv}" if csv else str(par.get("pipeline_parallel_schedule", "1F1B"))
         plan["schedule"] = sched
         mbs = _pos_int(par, "pipeline_parallel_microbatch_size", path, "parallelism") or 1
         if local % mbs:
@@ -123,26 +246,46 @@ def read(path: str) -> ToolConfig:
             plan["_layers_per_stage"] = lps
             if layers is not None:
                 plan["vpp"] = max(1, layers // (pp * lps))
-        elif sched.replace("_", "").lower() in _MULTI_STAGE:
+        elif not csv and sched.replace("_", "").lower() in _MULTI_STAGE:
             plan["vpp"] = 2
             warnings.append(f"{TOOL}: {sched} without pipeline_parallel_layers_per_stage: "
                             "2 stages per rank assumed")
+        # torchtitan gives the first and last stages fewer layers (embedding / output) by default
+        for key, side in (("pipeline_parallel_first_stage_less_layers", "_first_less"),
+                          ("pipeline_parallel_last_stage_less_layers", "_last_less")):
+            v = par.get(key, 1 if "model_spec" in cfg else 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise UserError(f"{path}: [parallelism] {key} = {v!r}: expected a non-negative integer")
+            if v:
+                plan[side] = v
     else:
         plan["micro_batch"] = local
         plan["microbatches"] = 1
 
-    mp = tr.get("mixed_precision_param", "bfloat16")
-    dtype = _DTYPES.get(str(mp).lower())
-    if dtype is None:
-        raise UserError(f"{path}: [training] mixed_precision_param {mp!r}: expected bfloat16 or float32")
-    plan["dtype"] = dtype
-    plan["master_weights"] = dtype != "fp32"
+    # precision: params kept in training.dtype (fp32 default: the FSDP2 sharded copy is the master),
+    # computed in mixed_precision_param, gradients reduced in mixed_precision_reduce
+    store = _DTYPES.get(str(tr.get("dtype", "float32")).lower())
+    mp = _DTYPES.get(str(tr.get("mixed_precision_param", "bfloat16")).lower())
+    reduce_ = _DTYPES.get(str(tr.get("mixed_precision_reduce", "float32")).lower())
+    for key, v in (("dtype", store), ("mixed_precision_param", mp), ("mixed_precision_reduce", reduce_)):
+        if v is None:
+            raise UserError(f"{path}: [training] {key} {tr.get(key)!r}: expected bfloat16 or float32")
+    if store != "fp32":
+        plan["dtype"], plan["master_weights"] = store, False        # parameters stored in low precision
+    else:
+        plan["dtype"], plan["master_weights"] = mp, mp != "fp32"
+    plan["main_grad_dtype"] = reduce_ if store == "fp32" and mp != "fp32" else plan["dtype"]
+    if tr.get("disable_cuda_graphs") is not None:
+        plan["grads"] = "set-to-none" if tr.get("disable_cuda_graphs") else "buffer"
 
     mode = str(ac.get("mode", "selective")).lower()
     if mode == "none":
         plan["recompute"] = "none"
     elif mode == "full":
         plan["recompute"] = "full"
+    elif mode == "memory_budget":
+        raise UserError(f"{path}: [activation_checkpoint] memory_budget: the compiler's min-cut checkpointing "
+                        f"(needs torch.compile) is not modelled yet {_NOT_MODELLED_16}")
     elif mode == "selective":
         option = str(ac.get("selective_ac_option", "op")).lower()
         if option == "op":
@@ -160,10 +303,12 @@ def read(path: str) -> ToolConfig:
     else:
         raise UserError(f"{path}: [activation_checkpoint] mode {mode!r}: expected none, selective or full")
 
-    oname = str(opt.get("name", "AdamW")).lower()
-    if oname not in ("adamw", "adam"):
-        raise UserError(f"{path}: [optimizer] name {oname!r}: only Adam/AdamW are modelled")
-    plan["optimizer"] = "adamw" if oname == "adamw" else "adam"
+    names = [str(g.get("optimizer_name", "AdamW")) for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+    names = names or [str(opt.get("name", "AdamW"))]
+    bad = sorted({n for n in names if n.lower() not in ("adamw", "adam")})
+    if bad:
+        raise UserError(f"{path}: [optimizer] {', '.join(bad)}: only Adam/AdamW are modelled")
+    plan["optimizer"] = "adamw" if names[0].lower() == "adamw" else "adam"
     impl = str(opt.get("implementation", "fused")).lower()   # torchtitan's default is fused
     if impl not in ("fused", "foreach", "for-loop", "fused_opt_states_bf16"):
         raise UserError(f"{path}: [optimizer] implementation {impl!r}: expected fused, foreach or for-loop")
@@ -171,17 +316,30 @@ def read(path: str) -> ToolConfig:
         raise UserError(f"{path}: [optimizer] implementation fused_opt_states_bf16 (bf16 Adam states) is not "
                         "modelled; use fused")
     plan["optimizer_impl"] = impl
+    if opt.get("early_step_in_backward"):
+        raise UserError(f"{path}: [optimizer] early_step_in_backward: the optimizer step inside the backward "
+                        "is not modelled")
+
+    # ChunkedLossWrapper (0.3's default loss): the head runs per sequence chunk (templates/chunked_loss.py)
+    loss = _section(cfg, "loss", path)
+    chunks = loss.get("num_chunks", 8 if "model_spec" in cfg else 1)
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise UserError(f"{path}: [loss] num_chunks = {chunks!r}: expected a positive integer")
+    extra["loss_chunks"] = chunks
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):
         raise UserError(f"{path}: [training] global_batch_size {gbs} is not a multiple of local_batch_size "
                         f"{local} x data parallel {plan['dp']}")
+    plan["extra"] = extra
 
     unknown = sorted(k for k in cfg if k not in KNOWN_SECTIONS and k not in IGNORED_SECTIONS)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored sections: " + " ".join(f"[{u}]" for u in unknown))
+    name = str(_section(cfg, "model", path).get("name") or (cfg.get("model_spec") or {}).get("name") or "model")
+    flavor = str(_section(cfg, "model", path).get("flavor") or (cfg.get("model_spec") or {}).get("flavor") or "")
     return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
-                      model_name=f"torchtitan-{name}-{flavor}", dp_unknown=dp_unknown)
+                      model_name=f"torchtitan-{name.lower()}-{flavor.lower()}", dp_unknown=dp_unknown)
 
 
 def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
@@ -222,6 +380,98 @@ def finish_plan(plan: dict, layers: int) -> dict:
     lps = plan.pop("_layers_per_stage", None)
     if lps is not None and "vpp" not in plan:
         plan["vpp"] = max(1, layers // (plan.get("pp", 1) * lps))
+    nth = plan.pop("_every_nth_layer", None)
+    if nth:
+        per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))
+        if per_stage // nth:
+            plan["recompute_layers"] = per_stage // nth
+        else:   # fewer layers per stage than the checkpoint period: nothing is checkpointed
+            plan["recompute"] = "none"
+    return plan
+
+
+def _load(path: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--from-torchtitan {path}: file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"--from-torchtitan {path}: is a directory; give the job .toml file") from None
+    except OSError as e:
+        raise UserError(f"--from-torchtitan {path}: cannot read ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--from-torchtitan {path}: not valid TOML ({e})") from None
+
+
+def _section(cfg: dict, name: str, path: str) -> dict:
+    sec = cfg.get(name, {})
+    if not isinstance(sec, dict):
+        raise UserError(f"{path}: [{name}] must be a table")
+    return sec
+
+
+def _pos_int(sec: dict, key: str, path: str, section: str) -> int | None:
+    v = sec.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UserError(f"{path}: [{section}] {key} = {v!r}: expected a positive integer")
+    return v
+
+
+def _enabled(value) -> bool:
+    """A refused key only refuses when it asks for the thing (true, a positive number, a list)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value > 0
+    if isinstance(value, str):
+        return value.lower() not in ("", "false", "none", "0")
+    return bool(value)
+
+
+def _model(cfg: dict, path: str) -> dict | str:
+    """[model] name + flavor (older job files) or model_spec {name, flavor} (Trainer.Config.to_dict())."""
+    model_sec = _section(cfg, "model", path)
+    spec = cfg.get("model_spec") if isinstance(cfg.get("model_spec"), dict) else {}
+    name = str(model_sec.get("name") or spec.get("name") or "llama3").lower()
+    flavor = str(model_sec.get("flavor") or spec.get("flavor") or "").lower()
+    if flavor == "debugmodel":
+        return dict(DEBUG_MODEL)
+    if (name, flavor) in FLAVORS:
+        return FLAVORS[(name, flavor)]
+    known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
+    raise UserError(f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
+                    "Use --model with an HF config.json, or torchtitan's own launch arguments "
+                    "(--from-torchtitan -- --module NAME --config FN ...)")
+
+
+def finish_plan(plan: dict, layers: int) -> dict:
+    """Resolve what needs the final dp / layer count (called once pipemem flags are merged)."""
+    plan = dict(plan)
+    lps = plan.pop("_layers_per_stage", None)
+    if lps is not None and "vpp" not in plan:
+        plan["vpp"] = max(1, layers // (plan.get("pp", 1) * lps))
+    first, last = plan.pop("_first_less", 0), plan.pop("_last_less", 0)
+    pp, vpp = plan.get("pp", 1), plan.get("vpp", 1)
+    if (first or last) and pp > 1 and "pp_layout" not in plan:
+        # torchtitan's split: the first / last stage count the embedding / output as layers
+        stages = pp * vpp
+        total = layers + first + last
+        if total % stages == 0:
+            per = total // stages
+            layout = [per] * stages
+            layout[0] -= first
+            layout[-1] -= last
+            if min(layout) >= 0:
+                plan["pp_layout"] = tuple(layout)
     nth = plan.pop("_every_nth_layer", None)
     if nth:
         per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))

@@ -66,6 +66,8 @@ class Shard:
     # Gradients created by this backward (the first backward of a step after
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
+    fsdp_reshard: bool = True   # FSDP2 reshard_after_forward
+    loss_chunks: int = 1        # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
     grads_created: bool = False
     grad_dt: str = "fp32"
     grad_shard: int = 1
@@ -100,6 +102,8 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
+        loss_chunks=int((plan.extra or {}).get("loss_chunks", 8 if conv.name == "torchtitan" else 1)),
         grad_dt=plan.main_grad_dtype or plan.dtype,
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
         feat=features_of(plan))
@@ -169,6 +173,9 @@ class _Gen:
             tape.wgrad_final = "steal_grad" if sh.first_step else "accumulate_grad"
         tape.fsdp = sh.fsdp
         tape.step_in_backward = sh.feat.opt_in_bwd
+        tape.fsdp_reshard = sh.fsdp_reshard
+        tape.fsdp_ag_state = conv.name == "torchtitan"
+        tape.fsdp_group = max(1, sh.grad_shard)
         tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
@@ -271,10 +278,12 @@ class _Gen:
         return xc
 
     # Linears ------------------------------------------------------------------------------
-    def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool) -> str:
+    def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool, experts: int = 0) -> str:
         """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
-        input and the fp32 weight are cast first, and the matmul saves both copies."""
-        w = self.t.param(self.n(name + ".weight"), (out_shape[-1], in_features), self.weight_dt(name))
+        input and the fp32 weight are cast first, and the matmul saves both copies.
+        `experts`: a grouped GEMM over that many local experts' weights (one weight each)."""
+        w_shape = (out_shape[-1], in_features)
+        w = self.t.param(self.n(name + ".weight"), ((experts,) if experts else ()) + w_shape, self.weight_dt(name))
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
@@ -490,6 +499,8 @@ class _Gen:
             v = self.act("attn.v", (s, b, kv, d), storage=qkv)
             self.t.node("split_qkv", (qkv,), (q, k, v), diff_inputs=(qkv,))
         else:
+            if conv.name == "torchtitan":      # torchtitan 0.3 computes them as one wqkv matmul
+                self.t.share_pin(3)
             q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
                                                          ("attn.k_proj", kv * d, opt.qkv_bias),
                                                          ("attn.v_proj", kv * d, opt.qkv_bias)])
@@ -547,14 +558,23 @@ class _Gen:
         eb = dtype_bytes(self.dt)
         ctx = self.act("attn.ctx", (s, b, a, d))
         q, k, v = (self.to_compute(q, "attn.q"), self.to_compute(k, "attn.k"), self.to_compute(v, "attn.v"))
+        ring = sh.cp > 1 and self.conv.name != "torchtitan"
+        if sh.cp > 1 and not ring:
+            # torchtitan 0.3's context parallel for its (flex) attention: K and V all-gathered
+            # over the cp ranks, the whole-sequence copies saved; their grads reduce-scattered
+            s_all = s * sh.cp
+            kg, vg = self.act("attn.k_cp_gathered", (s_all, b, kv, d)), self.act("attn.v_cp_gathered", (s_all, b, kv, d))
+            self.t.node("cp_all_gather", (k,), (kg,), diff_inputs=(k,))
+            self.t.node("cp_all_gather", (v,), (vg,), diff_inputs=(v,))
+            k, v = kg, vg
         if opt.flash:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
-            ws_f = 2 * kv_bytes if sh.cp > 1 else 0       # ring: KV chunk in flight, double-buffered
+            ws_f = 2 * kv_bytes if ring else 0            # ring: KV chunk in flight, double-buffered
             ws_i = s * b * a * d * 4 + b * a * s * 4      # fp32 dq accumulator + softmax_d
             if kv < a:
                 ws_i += 2 * s * b * a * d * eb            # full-head dk, dv before the GQA sum
-            if sh.cp > 1:
+            if ring:
                 ws_i += 4 * kv_bytes                      # KV and dKV chunks in flight
             self.t.node("flash_attn", (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse),
                         workspace_f=ws_f, workspace_i=ws_i)
@@ -842,7 +862,7 @@ class _Gen:
             tokens = g
         f = sh.expert_ffn
         gated = opt.activation in ("swiglu", "geglu")
-        fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False)
+        fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False, experts=sh.experts)
         act = self.act("moe.experts.act", (M, f))
         if gated and not self.conv.fused_gate_up:
             # gate_up = grouped GEMM; gate, up = chunk (views); silu(gate) * up, unfused
@@ -855,7 +875,7 @@ class _Gen:
         else:
             self.t.node("bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
                         save_i=(fc1,))
-        out = self.linear(act, "moe.experts.fc2", (M, h), f, False)
+        out = self.linear(act, "moe.experts.fc2", (M, h), f, False, experts=sh.experts)
         if sh.etp > 1 and sh.sp:
             rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from ..jobs import JobMemory
 from ..liveness import analyze_program, touched_storages
+from .chunked_loss import chunked_head_programs
 from .conventions import Convention
 from .layers import LayerOptions, Shard, causal_mask_tape, decoder_layer_tape, embedding_tape, head_tape
 
@@ -40,6 +41,7 @@ class PartMemory:
     b_peak_op: str
     # (B, I) hand the output grad's storage on as the input grad (a residual add)
     grad_passes_through: tuple = (False, False)
+    rs_state_bytes: int = 0   # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
 
 
 @dataclass(slots=True)
@@ -87,8 +89,9 @@ def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
 def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
     r = pp.results
     jm = lambda k: JobMemory(r[k].net_bytes, r[k].peak_bytes)  # noqa: E731
+    rs = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("fsdp.rs_in"))
     return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
-                      r["B"].peak_op_label, pp.grad_passes_through)
+                      r["B"].peak_op_label, pp.grad_passes_through, rs)
 
 
 def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
@@ -103,6 +106,9 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
 
 
 def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartPrograms:
+    if conv.name == "torchtitan" and sh.loss_chunks > 1:
+        F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
+        return PartPrograms(F, B, B, W, x, y, results)
     tape, x, loss = head_tape(arch, sh, conv)
     return _analyze(tape, x, loss, loss, keep_input)
 

@@ -102,6 +102,12 @@ class Tape:
         # forward and its backward and released after; eager weight grads are held unsharded
         # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
         self.fsdp = False
+        # False: the forward's gathered parameters stay until the backward, which gathers none
+        # (FSDP2 reshard_after_forward=False)
+        self.fsdp_reshard = True
+        # FSDP2's all-gather buffers (torchtitan): the output buffer lives with the unit; group size
+        self.fsdp_ag_state = False
+        self.fsdp_group = 1
         # (dtype, shard) when this backward creates the .grad tensors (set to None before it)
         # instead of writing resident grad buffers; None = resident (static bytes).
         self.grad_create: tuple[str, int] | None = None
@@ -142,9 +148,24 @@ class Tape:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
                  workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self.region >= 0 and self.pin is not None and self.pin(type), promote_grads, wgrad_saved)
+                 self._pinned(type), promote_grads, wgrad_saved)
         self.nodes.append(n)
         return n
+
+    def share_pin(self, linears: int) -> None:
+        """The next `linears` linear nodes are one matmul to the selective-checkpointing policy
+        (torchtitan's fused wqkv projection): one decision for all of them."""
+        self._pin_share, self._pin_first = linears, True
+
+    def _pinned(self, node_type: str) -> bool:
+        if self.region < 0 or self.pin is None:
+            return False
+        if getattr(self, "_pin_share", 0) and node_type == "linear":
+            if self._pin_first:
+                self._pin_decision, self._pin_first = self.pin(node_type), False
+            self._pin_share -= 1
+            return self._pin_decision
+        return self.pin(node_type)
 
     # Emitting ----------------------------------------------------------------------------
     def forward(self, name: str = "F") -> Program:
@@ -153,7 +174,11 @@ class Tape:
         for n in self.nodes:
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
-        self._fsdp_release(prog, gather)
+        if self.fsdp_reshard:
+            self._fsdp_release(prog, gather)
+        elif gather and gather + ".ag_out" in self.tensors:      # kept unsharded; the buffer goes
+            state = gather + ".ag_out"
+            self._add(prog, Op("fsdp_all_gather_done", (state,), (), frees=(state,), phase="fsdp"))
         return prog
 
     def _fsdp_param_bytes(self) -> int:
@@ -167,13 +192,31 @@ class Tape:
         if not self.fsdp:
             return ""
         nm = f"{self.prefix}fsdp.params_{tag}"
-        self.tensors[nm] = Tensor(nm, (), "uint8", COMM, bytes=self._fsdp_param_bytes())
-        self._add(prog, Op("fsdp_all_gather", (), (nm,), phase="fsdp"))
+        unit = self._fsdp_param_bytes()
+        self.tensors[nm] = Tensor(nm, (), "uint8", COMM, bytes=unit)
+        if not self.fsdp_ag_state:
+            self._add(prog, Op("fsdp_all_gather", (), (nm,), phase="fsdp"))
+            return nm
+        # FSDP2: all-gather input (the bf16 shard) and output (the whole unit), copied out into
+        # the unsharded parameters; the output buffer stays (the all-gather state the next
+        # unit's copy-out releases; counted here with the unit that made it)
+        shard = -(-unit // self.fsdp_group)
+        ag_in, ag_out = nm + ".ag_in", nm + ".ag_out"
+        self.tensors[ag_in] = Tensor(ag_in, (), "uint8", COMM, bytes=shard)
+        self.tensors[ag_out] = Tensor(ag_out, (), "uint8", COMM, bytes=shard * self.fsdp_group)
+        self._add(prog, Op("fsdp_all_gather_copy_in", (), (ag_in,), phase="fsdp"))
+        self._add(prog, Op("fsdp_all_gather", (ag_in,), (ag_out,), frees=(ag_in,), phase="fsdp"))
+        self._add(prog, Op("fsdp_all_gather_copy_out", (ag_out,), (nm,), phase="fsdp"))
         return nm
 
     def _fsdp_release(self, prog: Program, gathered: str) -> None:
         if gathered:
-            self._add(prog, Op("fsdp_reshard", (gathered,), (), frees=(gathered,), phase="fsdp"))
+            state = gathered + ".ag_out"
+            gathered_here = any(state in op.outputs for op in prog.ops)
+            frees = (gathered, state) if gathered_here else (gathered,)
+            for t in frees:
+                prog.tensors.setdefault(t, self.tensors[t])
+            self._add(prog, Op("fsdp_reshard", frees, (), frees=frees, phase="fsdp"))
 
     def backward(self, out_grads: tuple[str, ...], name: str = "B", split: bool = False) -> list[Program]:
         """Fused backward [B] or split backward [I, W]. `out_grads` are the forward tensors whose
@@ -185,7 +228,11 @@ class Tape:
                 has_grad.update(n.diff_inputs)
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
-        gathered = self._fsdp_gather(i_prog, "bwd")
+        if self.fsdp and not self.fsdp_reshard:     # still gathered since the forward
+            gathered = f"{self.prefix}fsdp.params_fwd"
+            i_prog.tensors[gathered] = self.tensors[gathered]
+        else:
+            gathered = self._fsdp_gather(i_prog, "bwd")
         for src, copy in self.offloaded.items():
             self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
         self._held_grads: list[tuple[str, str]] = []
@@ -315,11 +362,27 @@ class Tape:
         return [i_prog, w_prog]
 
     def _fsdp_reduce_scatter(self, prog: Program) -> None:
-        if self._held_grads:
-            temps = tuple(t for t, _ in self._held_grads)
-            grads = tuple(g for _, g in self._held_grads)
+        if not self._held_grads:
+            return
+        temps = tuple(t for t, _ in self._held_grads)
+        grads = tuple(g for _, g in self._held_grads)
+        if not self.fsdp_ag_state:
             reads = temps if self.grad_create is not None else temps + grads
             self._add(prog, Op("fsdp_reduce_scatter", reads, grads, frees=temps, phase="fsdp"))
+            return
+        # FSDP2: the unsharded grads are copied (cast to the fp32 reduce dtype) into one
+        # reduce-scatter input, whose output shard is added into the sharded grad (or becomes
+        # it). The input stays until the next unit's reduce-scatter: stages.py counts it with
+        # the next part (PartMemory.rs_state_bytes); here it is freed with the output.
+        elems = sum(self.tensors[t].nbytes // dtype_bytes(self.tensors[t].dtype) for t in temps)
+        shard = -(-elems // self.fsdp_group)
+        rs_in, rs_out = f"{self.prefix}fsdp.rs_in", f"{self.prefix}fsdp.rs_out"
+        self.tensors[rs_in] = Tensor(rs_in, (), "uint8", COMM, bytes=shard * self.fsdp_group * 4)
+        self.tensors[rs_out] = Tensor(rs_out, (), "uint8", COMM, bytes=shard * 4)
+        self._add(prog, Op("fsdp_reduce_scatter_copy_in", temps, (rs_in,), frees=temps, phase="fsdp"))
+        self._add(prog, Op("fsdp_reduce_scatter", (rs_in,), (rs_out,), phase="fsdp"))
+        reads = (rs_out,) if self.grad_create is not None else (rs_out,) + grads
+        self._add(prog, Op("fsdp_accumulate_grad", reads, grads, frees=(rs_out, rs_in), phase="fsdp"))
 
     def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
         gparams = tuple(self._param_grad(prog, p) for p in n.params)

@@ -43,6 +43,11 @@ so by default it saves what CPU kernels save. Two policies:
      with ``dtype=float32`` unless a dtype is given. We wrap those entry points (torch.*,
      Tensor methods and operators, torch.nn.functional) while autocast is on; CPU autocast
      upcasts none of them (pow, softmax, layer_norm stay bf16 on the CPU).
+  6. ``F.rms_norm`` (``nn.RMSNorm``) -> `rms_norm_symint` (aten/src/ATen/native/layer_norm.cpp)
+     calls `at::_fused_rms_norm` when the weight has the input's dtype: on CUDA one kernel
+     whose autograd node saves the input, the fp32 rstd [rows, 1] and the weight (the CPU
+     build decomposes it into fp32 ops that save an fp32 copy and the normalised fp32
+     tensor). Traced as that kernel: output and rstd allocated, input/rstd/weight saved.
 """
 
 from __future__ import annotations
@@ -84,9 +89,10 @@ class CudaKernels:
     not active. They run above autograd, so saved tensors follow the CUDA kernels."""
 
     def __enter__(self):
-        self._saved = (F.scaled_dot_product_attention, F.dropout)
+        self._saved = (F.scaled_dot_product_attention, F.dropout, F.rms_norm)
         F.scaled_dot_product_attention = self._sdpa_entry
         F.dropout = self._dropout_entry
+        F.rms_norm = self._rms_norm_entry
         self._patched = []
         for owner, names, wrap in ((torch, _FP32_TORCH, _fp32_inputs), (torch.Tensor, _FP32_TENSOR, _fp32_inputs),
                                    (F, _FP32_FUNCTIONAL, _fp32_inputs), (torch, _SET_DTYPE, _fp32_dtype),
@@ -99,7 +105,7 @@ class CudaKernels:
         return self
 
     def __exit__(self, *exc):
-        F.scaled_dot_product_attention, F.dropout = self._saved
+        F.scaled_dot_product_attention, F.dropout, F.rms_norm = self._saved
         for owner, name, original, own in reversed(self._patched):
             if own:
                 setattr(owner, name, original)
@@ -119,6 +125,11 @@ class CudaKernels:
         if training and 0 < p < 1 and x.numel() > 0 and not inplace:
             return torch.native_dropout(x, p, True)[0]
         return self._saved[1](*args, **kwargs)
+
+    def _rms_norm_entry(self, input, normalized_shape, weight=None, eps=None):
+        if weight is not None and weight.dtype != input.dtype:     # CUDA falls back to the composite too
+            return self._saved[2](input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, weight, tuple(normalized_shape))
 
     @staticmethod
     def _sdpa(args, kwargs):
@@ -154,6 +165,23 @@ class CudaKernels:
                 q, k, v, mask, need_grad, p, causal, scale=scale)[0]
         return aten._scaled_dot_product_attention_math(
             q, k, v, mask, p, causal, None, scale=scale, enable_gqa=bool(gqa))[0]
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """Rule 6: the memory of CUDA's `_fused_rms_norm` kernel and its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape):
+        stat_shape = x.shape[:x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        rstd = x.new_empty(stat_shape, dtype=torch.float32)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dw = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        return torch.empty_like(x), dw, None
 
 
 _LOW = (torch.float16, torch.bfloat16)

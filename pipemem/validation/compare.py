@@ -46,3 +46,24 @@ def max_abs_rel_error(rows) -> float | None:
     errs = [r.rel_error if isinstance(r, CaseRow) else r.get("rel_error") for r in rows]
     errs = [abs(e) for e in errs if e is not None]
     return max(errs) if errs else None
+
+
+def add_case_options(p, full_help: str, timeout: float, timeout_help: str) -> None:
+    """The case-selection options of a validate target that runs named cases:
+    --full, --cases, --list, --json, --timeout."""
+    p.add_argument("--full", action="store_true", help=full_help)
+    p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    p.add_argument("--timeout", type=float, default=timeout, help=f"{timeout_help} (default {timeout:g})")
+
+
+def case_names(text: str, known, target: str) -> list[str]:
+    """The names given to --cases (comma-separated), each checked against `known`."""
+    from ..errors import UserError
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate {target} --list")
+    return names
+

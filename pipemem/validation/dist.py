@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from .compare import CaseRow, max_abs_rel_error, rel_error
+from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error, rel_error
 
 EXAMPLE = """\
 examples:
@@ -79,6 +79,10 @@ def all_cases() -> list[dict]:
         {"name": "fsdp2-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
          "repeat": 3},
         {"name": "fsdp2-mixtral", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": MIXTRAL, "world": 2,
+         "repeat": 3},
+        # dp 4: FSDP2's implicit backward prefetch (the next unit's all-gather issued while a
+        # unit's backward runs) and reduce-scatter buffers of a quarter shard
+        {"name": "fsdp4-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 4,
          "repeat": 3},
         dict(_pp_case("1F1B", 1, 2, 4), name="pp2-1F1B-m4-mixtral", model=MIXTRAL),
     ]
@@ -287,23 +291,16 @@ def register(sub) -> None:
                                    "parallel, FSDP2), each rank measuring its own peak with the profiler, "
                                    "against pipemem's per-rank estimate of the same runs.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true", help="every case (pp 2 and 4, 4 and 8 microbatches, "
-                                                       "5 schedules, TP 2 and 4 with and without "
-                                                       "regather, FSDP): minutes on 2 cores")
-    p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
-    p.add_argument("--list", action="store_true", help="print the case names and exit")
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per multi-process launch (default 900)")
+    add_case_options(p, "every case (pp 2 and 4, 4 and 8 microbatches, 5 schedules, TP 2 and 4 with and "
+                        "without regather, FSDP at dp 2 and 4): minutes on 2 cores", 900.0,
+                     "seconds per multi-process launch")
     p.set_defaults(func=run)
 
 
 def select(args) -> list[dict]:
     known = {c["name"]: c for c in all_cases()}
     if args.cases:
-        names = [n.strip() for n in args.cases.split(",") if n.strip()]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate dist --list")
+        names = case_names(args.cases, known, "dist")
         # a case compared with another (its saving) brings that one along, first
         chosen: list[str] = []
         for n in names:

@@ -1,0 +1,215 @@
+"""`pipemem validate torchtitan`: the torchtitan convention held against torchtitan's own code.
+
+Each case is a torchtitan 0.3 job (a debug flavour of one of its models, a parallelism,
+activation checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
+with the fake process group (`torchtitan_trace.py`: its parallelize / pipelining functions,
+optimizer, loss and `Trainer.train_step`, second step recorded). Estimated: the same job
+through `pipemem.estimate(..., convention="torchtitan")`, the rank's pipeline stage. One row
+per traced rank; `rel_error` = (estimated - measured) / measured.
+
+Every rank of a case traces in its own subprocess (a fresh fake process group each); ranks
+that differ only in their data-parallel / tensor-parallel coordinate hold the same shapes,
+so one rank is traced unless the case lists more.
+
+Not traced yet (so not validated here): pipeline parallelism (torchtitan 0.3 calls
+`schedule.step(arg_mbs=...)`, a newer PyTorch's signature, shimmed in torchtitan_trace.py, but
+its stages exchange shape metadata with their peers at the first step, which a one-process
+fake process group cannot answer) and expert parallelism (the all-to-all splits are data:
+`.item()` of fake tensors gives shapes the dispatch rejects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..errors import UserError
+from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error
+
+EXAMPLE = """\
+examples:
+  pipemem validate torchtitan                  # the CI subset
+  pipemem validate torchtitan --full --json    # every case
+  pipemem validate torchtitan --cases fsdp2-tp2,pp2-1f1b
+  pipemem validate torchtitan --list
+"""
+
+LLAMA = {"family": "llama3", "config": "llama3_debugmodel", "flavor": "debugmodel"}
+QWEN3_MOE = {"family": "qwen3", "config": "qwen3_moe_debug", "flavor": "debugmodel_moe"}
+SEQ = 256
+TOLERANCE = 0.01
+
+
+def _case(name: str, world: int, parallelism: dict, ac: str = "none", model=LLAMA, ranks=(0,), **extra) -> dict:
+    return {"name": name, "world": world, "model": model, "parallelism": parallelism, "ac": ac,
+            "seq_len": SEQ, "local_batch_size": 2, "ranks": list(ranks), **extra}
+
+
+def all_cases() -> list[dict]:
+    return [
+        _case("fsdp2", 2, {"dp_shard": 2}),
+        _case("fsdp2-no-reshard", 2, {"dp_shard": 2, "reshard_after_forward": "never"}),
+        _case("fsdp4", 4, {"dp_shard": 4}),
+        _case("tp2", 2, {"tp": 2}),
+        _case("fsdp2-tp2", 4, {"dp_shard": 2, "tp": 2}),
+        _case("cp2", 2, {"cp": 2}),
+        _case("fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full"),
+        _case("fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective"),
+        _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
+    ]
+
+
+CI_CASES = ("fsdp2", "fsdp2-tp2")
+
+
+# ---- measured: torchtitan's step, one subprocess per rank ----------------------------------------
+
+def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
+    """{rank: trace result} for the case's traced ranks (`torchtitan_trace.main` per rank)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    out: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="pipemem-torchtitan-") as tmp:
+        for rank in case["ranks"]:
+            job, res = os.path.join(tmp, f"job{rank}.json"), os.path.join(tmp, f"out{rank}.json")
+            with open(job, "w") as f:
+                json.dump({"rank": rank, "case": case}, f)
+            proc = subprocess.run([sys.executable, "-m", "pipemem.validation.torchtitan_trace", job, res],
+                                  env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                tail = "\n".join(line for line in proc.stderr.splitlines() if "Warning" not in line)[-2500:]
+                raise RuntimeError(f"torchtitan trace of {case['name']} rank {rank} failed:\n{tail}")
+            with open(res) as f:
+                out[rank] = json.load(f)
+    return out
+
+
+# ---- estimated: the same job through pipemem.estimate ---------------------------------------------
+
+def estimate_kwargs(case: dict, arch: dict) -> tuple[dict, dict]:
+    """(model config, estimate() keywords) of a case, from the model shapes the trace read off
+    torchtitan's own model (`arch`) and the case's job settings."""
+    par = case["parallelism"]
+    dp = par.get("dp_shard", 1) * par.get("dp_replicate", 1)
+    model = {"model_type": "llama", "hidden_size": arch["dim"], "num_hidden_layers": arch["layers"],
+             "num_attention_heads": arch["n_heads"], "num_key_value_heads": arch["n_kv_heads"],
+             "head_dim": arch["head_dim"], "intermediate_size": arch["ffn"], "vocab_size": arch["vocab"],
+             "tie_word_embeddings": arch["tied"], "max_position_embeddings": case["seq_len"]}
+    if arch.get("experts"):
+        model.update(model_type="qwen3_moe", num_experts=arch["experts"], num_experts_per_tok=arch["top_k"],
+                     moe_intermediate_size=arch["expert_ffn"], shared_expert_intermediate_size=0)
+        if arch.get("qk_norm"):
+            model["model_type"] = "qwen3_moe"
+    elif arch.get("qk_norm"):
+        model["model_type"] = "qwen3"
+    kw = dict(convention="torchtitan", dtype="bf16", master_weights=True, fsdp=True, dp=dp,
+              tp=par.get("tp", 1), cp=par.get("cp", 1), pp=par.get("pp", 1), ep=par.get("ep", 1),
+              seq_len=case["seq_len"], grads="set-to-none" if case.get("disable_cuda_graphs") else "buffer")
+    if par.get("pp", 1) > 1:
+        mbs = case.get("microbatch_size", 1)
+        kw.update(micro_batch=mbs, microbatches=case["local_batch_size"] // mbs, schedule=par.get("schedule", "1F1B"))
+    else:
+        kw["micro_batch"] = case["local_batch_size"]
+    ac = case.get("ac", "none")
+    if ac != "none":      # torchtitan 0.3: FullAC or SelectiveAC (op policy) on every block
+        kw["recompute"] = ac
+    if par.get("reshard_after_forward", "default") == "never":
+        kw["extra"] = {"fsdp_reshard_after_forward": False}
+    return model, kw
+
+
+def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
+    from ..estimate import estimate
+
+    rows = []
+    arch = next(iter(traces.values()))["arch"]
+    model, kw = estimate_kwargs(case, arch)
+    est = estimate(model, model_name=f"torchtitan-{case['model']['flavor']}", **kw)
+    pp = kw["pp"]
+    for rank, tr in sorted(traces.items()):
+        stage_rank = rank // (case["world"] // pp) if pp > 1 else 0
+        r = est.ranks[stage_rank]
+        rows.append(CaseRow(f"{case['name']}/rank{rank}", tr["peak_bytes"], r.peak_allocated_bytes,
+                            {"case": case["name"], "rank": rank, "pp_rank": stage_rank,
+                             "measured_static_bytes": tr["static_bytes"], "estimated_static_bytes": r.static.total,
+                             "measured_peak_at": tr["peak_at"], "estimated_peak_at": r.peak_at}))
+    return rows
+
+
+def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+    rows = []
+    for c in cases:
+        t0 = time.perf_counter()
+        traces = trace_case(c, timeout)
+        case_rows = compare_case(c, traces)
+        for r in case_rows:
+            r.extra["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.extend(case_rows)
+        if progress:
+            progress(c["name"], case_rows)
+    return rows
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def register(sub) -> None:
+    p = sub.add_parser("torchtitan", help="torchtitan's own training step (fake tensors) per rank vs the estimate",
+                       description="Trace torchtitan 0.3's own training step (its parallelize / pipelining "
+                                   "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
+                                   "with the fake process group, second step, and compare each rank's peak "
+                                   "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
+                                   "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+                                   f"than {TOLERANCE:.0%}.",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_case_options(p, "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)", 600.0,
+                     "seconds per traced rank")
+    p.set_defaults(func=run)
+
+
+def select(args) -> list[dict]:
+    known = {c["name"]: c for c in all_cases()}
+    if args.cases:
+        return [known[n] for n in case_names(args.cases, known, "torchtitan")]
+    return list(known.values()) if args.full else [known[n] for n in CI_CASES]
+
+
+def run(args) -> int:
+    if args.list:
+        for c in all_cases():
+            print(c["name"])
+        return 0
+    if args.timeout <= 0:
+        raise UserError("--timeout: must be a positive number of seconds")
+    cases = select(args)
+    from .torchtitan_trace import available
+    why = available()
+    if why:
+        raise UserError(f"validate torchtitan: {why}")
+    from ..units import fmt_bytes
+
+    def progress(name, rows):
+        if not args.json:
+            for r in rows:
+                print(f"{r.name:32s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                      f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:40]}", flush=True)
+
+    if not args.json:
+        print(f"{'case / rank':32s} {'traced':>12s} {'estimated':>12s} {'rel_error':>10s}  traced peak at")
+    try:
+        rows = run_cases(cases, args.timeout, progress)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"pipemem: validate torchtitan: {e}", file=sys.stderr)
+        return 1
+    worst = max_abs_rel_error(rows) or 0.0
+    if args.json:
+        print(json.dumps({"target": "torchtitan", "torchtitan": "0.3.0", "kernel_policy": "cuda",
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst}, indent=1))
+    else:
+        print(f"max |rel_error| = {worst:.2%} over {len(rows)} ranks")
+    return 0 if worst <= TOLERANCE else 1

@@ -1,0 +1,315 @@
+"""torchtitan's own training step, traced per rank on fake tensors (`pipemem validate torchtitan`).
+
+One process holds one rank of a fake process group (`pipemem.traced.dist_capture.fake_process_group`)
+and runs torchtitan 0.3's code as its `Trainer` does: the model built on meta from a
+`model_registry` flavour, its `parallelize_fn` (TP + SP, CP, activation checkpointing,
+FSDP2 with its mixed-precision policy) or `pipelining_fn` (PP stages + schedule), `to_empty`,
+`init_weights`, its optimizer and LR scheduler containers and loss, then `Trainer.train_step`
+itself (zero_grad, forward-backward, grad-norm clipping, optimizer step) twice on fake CPU
+tensors. The second step is recorded with pipemem's DTensor/FSDP recorder
+(`pipemem.traced.dist_capture.DistStorageRecorder`, restarted after the first step so optimizer states,
+resident grads and FSDP's buffers count as what the step starts with) and walked with liveness.
+
+Patches, each only what a CPU-only build needs (the probe in FINDINGS' framework-traces):
+torchtitan's device type is "cpu"; modules torchtitan imports at load time for what the
+step never runs (triton kernels, TensorBoard, HF datasets) are stubbed while it is imported
+when they are missing (`_STUBBED`);
+`.item()` on fake tensors returns a constant (the token count, the grad norm); the attention
+backend is SDPA (FlexAttention has no CPU backward), under pipemem's CUDA kernel policy.
+
+Run as `python -m pipemem.validation.torchtitan_trace CASES.json OUT.json` (validate
+torchtitan does, one subprocess per case, so each gets a fresh process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import sys
+
+import torch
+
+from ..traced.torchtitan_model import import_stubs, model_shapes
+
+REQUIRES = "torchtitan==0.3.0"
+
+
+def available() -> str | None:
+    """None when torchtitan can be imported here, else why not (one line)."""
+    try:
+        with import_stubs():
+            importlib.import_module("torchtitan.trainer")
+    except Exception as e:   # noqa: BLE001 - any import failure means "not usable here"
+        return f"torchtitan is not importable ({type(e).__name__}: {e}); pip install 'pipemem[torchtitan]'"
+    return None
+
+
+def _patch_fake_item() -> None:
+    """`.item()` of a fake tensor: a constant (token counts, grad norms) instead of an error."""
+    from torch._prims_common import is_float_dtype
+    from torch._subclasses import fake_impls
+
+    def constant(fake_mode, func, arg, *args, **kwargs):
+        if is_float_dtype(arg.dtype):
+            return 1.0
+        return False if arg.dtype == torch.bool else 1
+    for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+        fake_impls.op_implementations_dict[op] = constant
+
+
+@contextlib.contextmanager
+def _flex_as_flash():
+    """FlexAttention (torchtitan's language-model attention: a compiled Triton kernel, no CPU
+    backward) run as causal SDPA, which pipemem's CUDA kernel policy routes to the flash
+    kernel: the same saved tensors (q, k, v, output, fp32 logsumexp). The per-document
+    BlockMask a real run builds from the batch's positions (int32, (S/128)^2 per sequence)
+    is not made (`Decoder.get_attention_masks` returns None while tracing)."""
+    import torch.nn.functional as F
+    from torchtitan.models.common.attention import FlexAttention
+
+    # the argument names are FlexAttention.forward's: TP's local_map reads them
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, score_mod=None, scale=None,
+                enable_gqa=False, out_transform=None, **kwargs):
+        if out_transform is not None:
+            raise NotImplementedError("flex attention with an output transform (attention sinks) is not traced")
+        out = F.scaled_dot_product_attention(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2),
+                                             v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
+                                             enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+    def no_masks(self, *args, **kwargs):
+        return None
+
+    from torchtitan.models.common.decoder import Decoder
+    saved = (FlexAttention.forward, Decoder.get_attention_masks)
+    FlexAttention.forward, Decoder.get_attention_masks = forward, no_masks
+    try:
+        yield
+    finally:
+        FlexAttention.forward, Decoder.get_attention_masks = saved
+
+
+def job_config(case: dict):
+    """torchtitan's Trainer.Config for a case: its debug flavour of the model, the case's
+    parallelism, activation checkpointing and batch."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    model = case["model"]
+    registry = importlib.import_module(f"torchtitan.models.{model['family']}")
+    configs = importlib.import_module(f"torchtitan.models.{model['family']}.config_registry")
+    cfg = getattr(configs, model["config"])()
+    cfg.model_spec = registry.model_registry(model["flavor"])
+    p = cfg.parallelism
+    par = case["parallelism"]
+    p.data_parallel_shard_degree = par.get("dp_shard", 1)
+    p.data_parallel_replicate_degree = par.get("dp_replicate", 1)
+    p.tensor_parallel_degree = par.get("tp", 1)
+    p.context_parallel_degree = par.get("cp", 1)
+    p.pipeline_parallel_degree = par.get("pp", 1)
+    p.expert_parallel_degree = par.get("ep", 1)
+    p.spmd_backend = "partial_dtensor"
+    p.fsdp_reshard_after_forward = par.get("reshard_after_forward", "default")
+    if par.get("pp", 1) > 1:
+        p.pipeline_parallel_schedule = par.get("schedule", "1F1B")
+        p.pipeline_parallel_microbatch_size = case.get("microbatch_size", 1)
+        if "layers_per_stage" in par:
+            p.pipeline_parallel_layers_per_stage = par["layers_per_stage"]
+    t = cfg.training
+    t.seq_len = case["seq_len"]
+    t.local_batch_size = case["local_batch_size"]
+    t.global_batch_size = -1
+    t.steps = 10
+    t.mixed_precision_param = case.get("mixed_precision_param", "bfloat16")
+    t.mixed_precision_reduce = case.get("mixed_precision_reduce", "float32")
+    t.disable_cuda_graphs = case.get("disable_cuda_graphs", False)
+    # torchtitan 0.3's policies: FullAC (every block) or SelectiveAC (its op-level policy)
+    ac = case.get("ac", "none")
+    cfg.activation_checkpoint = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
+    cfg.compile.enable = False
+    return cfg
+
+
+def _microbatch_step(schedule) -> None:
+    """torchtitan 0.3 calls `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)` with
+    the microbatches already split (a newer PyTorch's signature); torch 2.13's `step` takes the
+    whole batch and splits it itself, and runs the split microbatches through
+    `_step_microbatches`. Route the pre-split call there."""
+    whole_batch_step = schedule.step
+
+    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+             loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(*args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                    **kwargs)
+        schedule._stage.has_backward = schedule._has_backward
+        schedule._stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+    schedule.step = step
+
+
+class _NoLog:
+    """What train_step asks of the metrics processor and the checkpointer."""
+
+    def should_log(self, step):
+        return False
+
+    def maybe_wait_for_staging(self):
+        return None
+
+
+def trace_rank(case: dict, rank: int) -> dict:
+    """Trace the second training step of `rank`; returns its peak, static bytes and phases."""
+    from ..ir import TensorKind
+    from ..liveness import analyze_sequence
+    from ..traced import kernel_policy as policies
+    from ..traced.capture import ModuleScope
+    from ..traced.dist_capture import DistStorageRecorder, fake_process_group
+
+    world = case["world"]
+    with import_stubs():
+        import torchtitan.distributed.parallel_dims as pdm
+        import torchtitan.tools.utils as tu
+        from torchtitan.components.loss import ChunkedLossWrapper
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.trainer import Trainer
+    tu.device_type = "cpu"
+    pdm.device_type = "cpu"
+    _patch_fake_item()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = job_config(case)
+    with fake_process_group(rank, world), _flex_as_flash():
+        dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+        pd = ParallelDims.from_config(cfg.parallelism, world)
+        pd.build_mesh()
+        spec = cfg.model_spec
+        mc = spec.model
+        mc.update_from_config(config=cfg)
+        with torch.device("meta"):
+            model = mc.build()
+        arch = model_shapes(model)
+        tr = object.__new__(Trainer)
+        tr.config, tr.parallel_dims, tr.device, tr.model_config = cfg, pd, torch.device("cpu"), mc
+        tr.loss_fn = cfg.loss.build(compile_config=cfg.compile)
+        tr.gradient_accumulation_steps = 1
+        tr.ntokens_seen = 0
+        tr.step = 1
+        if pd.pp_enabled:
+            tr.num_pipeline_parallel_microbatches = (cfg.training.local_batch_size
+                                                     // cfg.parallelism.pipeline_parallel_microbatch_size)
+            tr.pp_schedule, tr.model_parts, tr.pp_has_first_stage, tr.pp_has_last_stage = spec.pipelining_fn(
+                model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
+                compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/tmp",
+                device=tr.device, model_config=mc, parallelize_fn=spec.parallelize_fn, loss_fn=tr.loss_fn)
+            _microbatch_step(tr.pp_schedule)
+        else:
+            tr.num_pipeline_parallel_microbatches = 1
+            tr.model_parts = [spec.parallelize_fn(
+                model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
+                compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/tmp")]
+        del model
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for m in tr.model_parts:
+                m.to_empty(device="cpu")
+                with torch.no_grad():
+                    m.init_weights(buffer_device=None)
+                m.train()
+            if isinstance(tr.loss_fn, ChunkedLossWrapper) and (not pd.pp_enabled or tr.pp_has_last_stage):
+                tr.loss_fn.set_lm_head(tr.model_parts[-1].lm_head)
+                tr.model_parts[-1]._skip_lm_head = True
+            tr.optimizers = cfg.optimizer.build(model_parts=tr.model_parts)
+            if spec.post_optimizer_build_fn is not None:
+                spec.post_optimizer_build_fn(tr.optimizers, tr.model_parts, pd)
+            tr.lr_schedulers = cfg.lr_scheduler.build(optimizers=tr.optimizers, training_steps=cfg.training.steps)
+            tr.metrics_processor = tr.checkpointer = _NoLog()
+            tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
+            tr.fwd_bwd_fn = tr._forward_backward_body
+            out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, analyze_sequence, policies)
+    out["arch"] = arch
+    return out
+
+
+def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -> dict:
+    from ..traced.stack import local_tensor
+
+    mb = case["local_batch_size"] // tr.num_pipeline_parallel_microbatches
+    seq = case["seq_len"]
+    vocab = tr.model_config.vocab_size
+
+    def batches():
+        while True:
+            inputs = {"input": torch.empty((mb, seq), dtype=torch.long)}
+            if tr.parallel_dims.cp_enabled:    # context parallel shards the positions with the tokens
+                inputs["positions"] = torch.empty((mb, seq), dtype=torch.long)
+            yield inputs, torch.empty((mb, seq), dtype=torch.long)
+
+    root = tr.model_parts[0] if len(tr.model_parts) == 1 else torch.nn.ModuleList(tr.model_parts)
+    scope = Scope(root)
+    rec = Recorder(scope)
+    params = [local_tensor(p) for m in tr.model_parts for p in m.parameters()]
+    rec.register(params, TensorKind.PARAM)
+    rec.register([local_tensor(b) for m in tr.model_parts for b in m.buffers()], TensorKind.BUFFER)
+
+    loss_fn = tr.loss_fn
+
+    def loss_then_backward(*args, **kwargs):
+        out = loss_fn(*args, **kwargs)
+        rec.begin("backward")
+        return out
+    step_fn = tr.optimizers.step
+
+    def optimizer_step(*args, **kwargs):
+        rec.begin("optimizer")
+        return step_fn(*args, **kwargs)
+
+    def label_states():
+        grads = [local_tensor(p.grad) for p in (p for m in tr.model_parts for p in m.parameters())
+                 if p.grad is not None]
+        rec.set_kind(grads, TensorKind.GRAD)
+        states = [local_tensor(v) for o in tr.optimizers.optimizers for st in o.state.values()
+                  for v in st.values() if isinstance(v, torch.Tensor)]
+        rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
+
+    tr.loss_fn, tr.optimizers.step = loss_then_backward, optimizer_step
+    data = batches()
+    del vocab
+    with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
+        tr.train_step(data)              # step 1: optimizer states made, grads left as zero_grad leaves them
+        label_states()
+        rec.restart()
+        rec.begin("forward")
+        tr.train_step(data)              # step 2, recorded
+    programs = rec.programs()
+    entry = rec.entry_storages()
+    static = sum(rec.storages[n].nbytes for n in entry)
+    kinds: dict[str, int] = {}
+    for n in entry:
+        k = rec.storages[n].kind.value if rec.storages[n].kind is not None else "other"
+        kinds[k] = kinds.get(k, 0) + rec.storages[n].nbytes
+    results = analyze_sequence(programs, live_on_entry=entry)
+    cur = peak = 0
+    at = ""
+    for r in results:
+        if cur + r.peak_bytes > peak:
+            peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
+        cur += r.net_bytes
+    return {"peak_bytes": static + peak, "static_bytes": static, "static_by_kind": kinds, "peak_at": at,
+            "phases": [{"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes,
+                        "peak_op": r.peak_op_label} for r in results]}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cases_path, out_path = argv[0], argv[1]
+    with open(cases_path) as f:
+        job = json.load(f)
+    out = {"rank": job["rank"], "case": job["case"]["name"], **trace_rank(job["case"], job["rank"])}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
