@@ -513,5 +513,3 @@ def table_rows(text: str) -> list[str]:
 # The names other modules use (the CLI): public, not reached into.
 as_dict = _as_dict
 console = _console
-row_cells = _row_cells
-table_width = _table_width
