@@ -447,21 +447,31 @@ def test_torchtitan_03_tables(tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (("enable = false", "enable = true"), r"\[compile\] enable"),
     (("enable_cpu_offload = false", "enable_cpu_offload = true"), "enable_cpu_offload"),
     (("enable_fsdp_symm_mem = false", "enable_fsdp_symm_mem = true"), "enable_fsdp_symm_mem"),
-    (("[loss]", "[float8]\nenable_fsdp_float8_all_gather = true\n[loss]"), "FP8"),
+    (("[loss]", "[mx]\nrecipe_name = \"mxfp8\"\n[loss]"), r"\[mx\]"),
     (('mode = "full"', 'mode = "memory_budget"'), "memory_budget"),
     (("data_parallel_shard_degree = 4", "data_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2"),
      "replicate"),
     (('optimizer_name = "AdamW"', 'optimizer_name = "Muon"'), "Muon"),
-    (('[model_spec]', '[model]\nconverters = ["float8"]\n[model_spec]'), "converters"),
+    (('[model_spec]', '[model]\nconverters = ["mx"]\n[model_spec]'), "converters 'mx'"),
 ])
 def test_torchtitan_03_refusals(tmp_path, edit, match):
     f = tmp_path / "job.toml"
     f.write_text(TITAN_03.replace(*edit))
     with pytest.raises(UserError, match=match):
         read_torchtitan(str(f))
+
+
+def test_torchtitan_03_compile_and_float8_are_read(tmp_path):
+    """torch.compile and torchao Float8 are modelled (pipemem.features): read, not refused."""
+    f = tmp_path / "job.toml"
+    text = TITAN_03.replace("enable = false", "enable = true")
+    text = text.replace("[model_spec]", '[model]\nconverters = ["float8"]\n[model_spec]')
+    text = text.replace("[loss]", "[float8]\nenable_fsdp_float8_all_gather = true\n[loss]")
+    f.write_text(text)
+    p = read_torchtitan(str(f)).plan
+    assert p["compile"] in ("layers", "all") and p["fp8"] == "tensorwise" and p["fp8_param_gather"] is True
 
 
 def test_torchtitan_03_precision(tmp_path):

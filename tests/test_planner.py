@@ -154,9 +154,10 @@ def test_pruning_changes_nothing_listed(conv, shardings):
     pruned = search_plans(*args)
     full = search_plans(*args, prune=False)
     # (paddle's optimizer step copies the clipped gradients, so zero2 changes its jobs and
-    # shares no settings with zero1 here: nothing to imply or derive)
+    # shares no settings with zero1 here: nothing to derive; settings can still be implied too
+    # large by a smaller micro-batch's, so `implied` is only required where levels share)
     shares = conv == "megatron"
-    assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0) == shares
+    assert pruned.stats.pruned_static > 0 and (pruned.stats.implied > 0 or not shares)
     assert (pruned.stats.derived > 0) == shares and pruned.stats.derivation_mismatch == 0
     assert full.stats.pruned_static == 0 and full.stats.implied == 0
     assert pruned.stats.estimates < full.stats.estimates
