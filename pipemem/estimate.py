@@ -483,7 +483,7 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
 
     if not isinstance(config, dict):
         raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
-    sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3))
+    sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3)) or _ddp_rank(plan)
     from .traced.estimate import refuse_unmodelled
     refuse_unmodelled(plan, parallel=plan.pp > 1 or sharded)
     if plan.pp > 1 or sharded:
@@ -528,12 +528,21 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
                     warnings=warnings, world_size=_world(plan), runtime="torch")
 
 
+def _ddp_rank(plan: ParallelPlan) -> bool:
+    """A rank in DistributedDataParallel (replicated, its buckets asked for by --grads or the
+    convention's default; at --dp 1 too: DDP keeps its buckets in a world of one)."""
+    from .plan import default_grads
+    grads = plan.grads or default_grads(plan.convention, plan.dp, plan.zero)
+    return not (plan.fsdp or plan.zero) and str(grads).lower().replace("_", "-") in ("ddp-bucket", "ddp-bucket-view")
+
+
 def _first_step_only(plan: ParallelPlan) -> None:
     """Traced pipelines and sharded ranks record one step of a fresh model: the first step. A
     steady-state answer from it could say FITS wrongly (optimizer states not yet resident)."""
     if plan.step != "first":
-        raise UserError("traced mode traces pipelines (--pp) and sharded ranks (--tp, --fsdp) for the first "
-                        "training step only so far: pass --step first, or use --mode templates for the steady state")
+        raise UserError("traced mode traces pipelines (--pp), sharded ranks (--tp, --fsdp) and DDP ranks (--grads "
+                        "ddp-bucket / ddp-bucket-view) for the first training step only so far: pass --step first, "
+                        "or use --mode templates for the steady state")
 
 
 def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
@@ -544,9 +553,9 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
 
     from .traced.parallel import trace_sharded_rank, traced_stage_plan
 
-    if plan.pp > 1 and (plan.tp > 1 or plan.dp > 1 and (plan.fsdp or plan.zero == 3)):
-        raise UserError("traced mode traces either a pipeline (--pp) or one sharded rank (--tp, or --fsdp with "
-                        "--dp), not both yet; use --mode templates")
+    if plan.pp > 1 and (plan.tp > 1 or plan.dp > 1 and (plan.fsdp or plan.zero == 3) or _ddp_rank(plan)):
+        raise UserError("traced mode traces either a pipeline (--pp) or one sharded or DDP rank (--tp, or --dp "
+                        "with --fsdp or DDP's --grads), not both yet; use --mode templates")
     warnings = []
     if plan.pp > 1:
         arch, plan = _with_schedule(arch, plan, vpp_given)
@@ -565,7 +574,10 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
         _first_step_only(plan)
         if plan.layers is not None and plan.layers != arch.layers:
             arch = arch.with_layers(plan.layers)
-        kind = "tp" if plan.tp > 1 else "fsdp"
+        if plan.tp > 1 and _ddp_rank(plan):
+            raise UserError("traced mode traces one parallelism at a time: --tp or DDP (--dp with --grads "
+                            f"{plan.grads}), not both yet; use --mode templates")
+        kind = "tp" if plan.tp > 1 else "ddp" if _ddp_rank(plan) else "fsdp"
         t = trace_sharded_rank(config, plan, kind, policy)
         from .jobs import StageJobs
         runtime = _runtime(opts, plan, default="torch")
@@ -577,6 +589,10 @@ def _traced_parallel(name, source, config, arch, plan, vpp_given, policy, gpu_na
         ranks = [rank]
         sched_name = f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})"
         warnings.append(f"traced mode: rank 0 of the {kind} group traced; its ranks run the same program")
+        if kind == "ddp":
+            warnings.append(f"traced mode, DDP: the Reducer's {len(t['ddp_buckets'])} first-step gradient bucket(s) "
+                            f"({sum(t['ddp_buckets'])} B, one per dtype whatever bucket_cap_mb, resident) modelled on "
+                            f"the traced step, gradient_as_bucket_view={plan.grads == 'ddp-bucket-view'}")
     warnings.append("traced mode, --step first: the first training step as recorded (gradients are created in "
                     "backward and optimizer states in the optimizer step, so they count under 'transient')")
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="traced", schedule=sched_name,

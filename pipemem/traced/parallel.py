@@ -244,7 +244,7 @@ def param_dtype_name(plan) -> str:
     if plan.dtype == "fp32":
         return "float32"
     if plan.master_weights:
-        raise UserError(f"traced mode with --pp/--tp/--fsdp: --dtype {plan.dtype} with master weights (autocast) "
+        raise UserError(f"traced mode with --pp/--tp/--fsdp/DDP: --dtype {plan.dtype} with master weights (autocast) "
                         f"is not traced yet; use --dtype fp32 or --no-master-weights (pure {plan.dtype})")
     return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
 
@@ -276,8 +276,9 @@ def _check_pipeline(plan) -> None:
 # ---------------------------------------------------------------- one TP / FSDP rank
 
 def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, rank: int = 0) -> dict:
-    """One training step of rank `rank` of a tensor-parallel (`kind="tp"`, world = tp) or FSDP2
-    (`kind="fsdp"`, world = dp) run of the whole `DecoderStack` model. Returns
+    """One training step of rank `rank` of a tensor-parallel (`kind="tp"`, world = tp), FSDP2
+    (`kind="fsdp"`, world = dp) or DistributedDataParallel (`kind="ddp"`, every rank alike)
+    run of the whole `DecoderStack` model. Returns
     {static: StaticBytes, F, B, optimizer: JobMemory, peak_at, param_bytes}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -286,6 +287,8 @@ def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, 
     from .hf import make_config
     from .stack import build_fsdp_model, build_tp_model, make_mesh
 
+    if kind == "ddp":
+        return _trace_ddp_rank(model_config, plan, kernel_policy)
     build = {"tp": build_tp_model, "fsdp": build_fsdp_model}[kind]
     if kind == "tp" and plan.recompute_allgather:
         # torchtitan convention: the column-parallel linears keep their sequence shard and
@@ -308,9 +311,45 @@ def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, 
             return _trace_model_step(model, plan, kernel_policy)
 
 
-def _trace_model_step(model, plan, kernel_policy: str) -> dict:
+def _trace_ddp_rank(model_config: dict, plan, kernel_policy: str) -> dict:
+    """The first step of a DistributedDataParallel rank (`--grads ddp-bucket` or
+    `ddp-bucket-view`): the whole model's step with DDP's memory modelled on it
+    (pipemem.traced.ddp: its resident buckets, the buffer broadcast at forward start, the copy
+    into the buckets as each gradient is ready, a bucket-view .grad swap). No collective
+    allocates (the all-reduce is in place), so no process group is needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import kernel_policy as policies
+    from .ddp import DDPBuckets
+    from .hf import make_config
+    from .stack import build_stack
+
+    if plan.recompute not in ("none", "full"):
+        raise UserError(f"traced mode with DDP (--grads {plan.grads}): --recompute {plan.recompute} is not traced "
+                        "yet; use none or full, or --mode templates")
+    cfg = make_config(model_config, "sdpa" if plan.flash_attn else "eager", plan.layers)
+    dtype = getattr(torch, param_dtype_name(plan))
+    with FakeTensorMode(), policies.context(kernel_policy):
+        model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, plan.seq_len, dtype, init=False)
+        if plan.recompute == "full":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            for k in list(model.layers):
+                model.layers[k] = checkpoint_wrapper(model.layers[k])
+        ddp = DDPBuckets(model, max(plan.dp, 1), plan.grads == "ddp-bucket-view")
+        out = _trace_model_step(model, plan, kernel_policy, resident_grads=ddp.buckets)
+        ddp.remove()
+    out["ddp_buckets"] = ddp.bucket_bytes
+    # the .grad tensors backward creates beside the buckets (none as bucket views): the
+    # report's "in step" gradients, not activations
+    from dataclasses import replace
+    out["static"] = replace(out["static"], grads_in_step=0 if ddp.as_view else sum(ddp.bucket_bytes))
+    return out
+
+
+def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dict:
     """`run_step` (the step the real ranks run) of a fake `DecoderStack`, its forward /
-    backward / optimizer programs walked by liveness, params, buffers and inputs live on entry."""
+    backward / optimizer programs walked by liveness, params, buffers and inputs live on entry
+    (and `resident_grads`: gradient storage held across steps, e.g. DDP's buckets)."""
     from . import kernel_policy as policies
     from .dist_capture import DistStorageRecorder
     from .hf import optimizer_factory
@@ -326,6 +365,7 @@ def _trace_model_step(model, plan, kernel_policy: str) -> dict:
     params = rec.register([local_tensor(p) for p in model.parameters()], TensorKind.PARAM)
     buffers = rec.register([local_tensor(b) for b in model.buffers()], TensorKind.BUFFER)
     rec.register([ids, target], TensorKind.ACTIVATION)
+    grads = rec.register(list(resident_grads), TensorKind.GRAD)
 
     def on_phase(phase: str) -> None:
         if phase != "end":
@@ -339,6 +379,7 @@ def _trace_model_step(model, plan, kernel_policy: str) -> dict:
     sizes = rec.storages
     param_bytes = sum(sizes[n].nbytes for n in set(params))
     buffer_bytes = sum(sizes[n].nbytes for n in set(buffers) - set(params))
+    grad_bytes = sum(sizes[n].nbytes for n in set(grads))
     total = sum(sizes[n].nbytes for n in entry)
     results = {r.name: r for r in analyze_sequence(programs, live_on_entry=entry)}
 
@@ -347,6 +388,6 @@ def _trace_model_step(model, plan, kernel_policy: str) -> dict:
         return JobMemory(r.net_bytes, r.peak_bytes) if r is not None else JobMemory(0, 0)
 
     peak_op = {name: f"{name}: {r.peak_op_label}" for name, r in results.items()}
-    return {"static": StaticBytes(params=param_bytes, other=total - param_bytes),
+    return {"static": StaticBytes(params=param_bytes, grads=grad_bytes, other=total - param_bytes - grad_bytes),
             "F": job("forward"), "B": job("backward"), "optimizer": job("optimizer"), "peak_op": peak_op,
             "param_bytes": param_bytes, "buffer_bytes": buffer_bytes}

@@ -151,6 +151,14 @@ def build_fsdp_model(cfg, seq: int, mesh, init: bool = True, dtype=torch.float32
     return model
 
 
+def build_ddp_module(model, mesh, gradient_as_bucket_view: bool = False, bucket_cap_mb=None):
+    """`model` in torch's DistributedDataParallel over the mesh's group (CPU: no device_ids);
+    real runs only (traced mode models its buckets: pipemem.traced.ddp)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
+                                   gradient_as_bucket_view=gradient_as_bucket_view)
+
+
 def local_tensor(t):
     """The local shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t

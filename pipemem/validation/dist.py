@@ -86,10 +86,16 @@ def all_cases() -> list[dict]:
          "repeat": 3},
         dict(_pp_case("1F1B", 1, 2, 4), name="pp2-1F1B-m4-mixtral", model=MIXTRAL),
     ]
+    # DistributedDataParallel, default buckets (gradient_as_bucket_view off: .grad and the
+    # buckets are two copies) and bucket views (one copy), dp 2 and 4. A short batch, so that
+    # the peak is in the optimizer step, where gradients and buckets are both resident and the
+    # two settings differ by a whole gradient copy (at SEQ the activations' peak hides it).
+    cases += [{"name": f"ddp{w}-llama{'-view' if view else ''}", "kind": "ddp", "micro_batch": 1, "seq_len": 16,
+               "model": LLAMA, "world": w, "bucket_view": view, "repeat": 3} for w in (2, 4) for view in (False, True)]
     return cases
 
 
-CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "tp2-llama-regather", "fsdp2-llama")
+CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "tp2-llama-regather", "fsdp2-llama", "ddp2-llama")
 
 
 # ---- real runs -------------------------------------------------------------------------------
@@ -216,6 +222,8 @@ def estimate_kwargs(case: dict) -> dict:
                   runtime="torch")
     elif case["kind"] == "tp":
         kw.update(tp=case["world"], recompute_allgather=bool(case.get("regather")))
+    elif case["kind"] == "ddp":
+        kw.update(dp=case["world"], grads="ddp-bucket-view" if case.get("bucket_view") else "ddp-bucket")
     else:
         kw.update(fsdp=True, dp=case["world"])
     return kw

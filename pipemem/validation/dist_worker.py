@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed.models import (build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
+from .distributed.models import (build_ddp_module, build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
                                   make_batch, make_mesh, make_optimizer, model_config, param_dtype, split_layers)
 from ..traced.step import run_step
 
@@ -99,9 +99,13 @@ def peak_from_profile(prof, baseline: int) -> dict:
             for t, sz, ptr, op in events:
                 c += sz
                 f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
-    cur = peak = 0
-    peak_t = t0
+    # what the profile saw allocated before the step mark (a runtime built inside it, e.g.
+    # DDP's buckets) and still alive is held when the step starts: it counts, its transients not
+    cur = sum(sz for t, sz, _ptr, _op in events if t < t0)
+    peak, peak_t = cur, t0
     for t, sz, _ptr, _op in events:
+        if t < t0:
+            continue
         cur += sz
         if cur > peak:
             peak, peak_t = cur, t
@@ -130,10 +134,12 @@ def live_tensor_bytes() -> int:
 
 
 @contextlib.contextmanager
-def measured_step(result: dict):
+def measured_step(result: dict, setup=None):
     """Measure the step run inside: the bytes alive before it (`live_tensor_bytes`, after a
     pause that lets gloo workers drop finished Works) plus the peak of its allocation events
-    (`torch.profiler`, FINDINGS.md §4). Fills `result`."""
+    (`torch.profiler`, FINDINGS.md §4). Fills `result`. `setup()` runs inside the profile but
+    before the step (it yields its result): what it leaves allocated, e.g. DDP's buckets that
+    C++ holds out of Python's reach, counts as held when the step starts."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     gc.collect()
@@ -141,8 +147,9 @@ def measured_step(result: dict):
     gc.collect()
     baseline = live_tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ready = setup() if setup is not None else None
         with record_function(STEP_MARK):
-            yield
+            yield ready
     result.update(peak_from_profile(prof, baseline))
 
 
@@ -288,7 +295,31 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
     return repeated(once, case.get("repeat", 1))
 
 
-CASES = {"pp": run_pipeline, "tp": run_data_model, "fsdp": run_data_model}
+def run_ddp(case: dict, rank: int, world: int) -> dict:
+    """One step of the model in DistributedDataParallel (a batch per rank). DDP is built inside
+    the measurement (its Reducer's buckets are C++-held tensors `live_tensor_bytes` cannot see),
+    before the step mark, so its construction's transients (the parameter broadcast) are not
+    the step's."""
+    spec, seq, mb = case["model"], case["seq_len"], case["micro_batch"]
+    cfg = model_config(spec)
+
+    def once() -> dict:
+        res: dict = {}
+        model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, seq, param_dtype(cfg))
+        opt = make_optimizer(model.parameters())
+        ids, target = make_batch(spec, mb, seq, seed=1 + rank)
+        mesh = make_mesh(world)
+        dist.barrier()
+        wrap = partial(build_ddp_module, model, mesh, case.get("bucket_view", False), case.get("bucket_cap_mb"))
+        with SettleCollectives(), measured_step(res, setup=wrap) as ddp:
+            run_step(ddp, (ids,), {}, lambda out: loss_fn(out, target), opt)
+        dist.barrier()
+        return dict(res, param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+
+    return repeated(once, case.get("repeat", 1))
+
+
+CASES = {"pp": run_pipeline, "tp": run_data_model, "fsdp": run_data_model, "ddp": run_ddp}
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ...traced.stack import (DecoderStack, build_fsdp_model, build_stack, build_tp_model,  # noqa: F401
+from ...traced.stack import (DecoderStack, build_ddp_module, build_fsdp_model, build_stack, build_tp_model,  # noqa: F401
                              causal_lm_loss as loss_fn, local_tensor, make_mesh, tp_plan)
 
 
