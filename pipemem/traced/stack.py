@@ -151,12 +151,12 @@ def build_fsdp_model(cfg, seq: int, mesh, init: bool = True, dtype=torch.float32
     return model
 
 
-def build_ddp_module(model, mesh, gradient_as_bucket_view: bool = False, bucket_cap_mb=None):
+def build_ddp_module(model, mesh, gradient_as_bucket_view: bool = False, bucket_cap_mb=None, init_sync: bool = True):
     """`model` in torch's DistributedDataParallel over the mesh's group (CPU: no device_ids);
-    real runs only (traced mode models its buckets: pipemem.traced.ddp)."""
+    real runs only (traced mode models its memory: pipemem.traced.ddp)."""
     from torch.nn.parallel import DistributedDataParallel
     return DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
-                                   gradient_as_bucket_view=gradient_as_bucket_view)
+                                   gradient_as_bucket_view=gradient_as_bucket_view, init_sync=init_sync)
 
 
 def local_tensor(t):

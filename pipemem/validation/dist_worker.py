@@ -298,8 +298,11 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
 def run_ddp(case: dict, rank: int, world: int) -> dict:
     """One step of the model in DistributedDataParallel (a batch per rank). DDP is built inside
     the measurement (its Reducer's buckets are C++-held tensors `live_tensor_bytes` cannot see),
-    before the step mark, so its construction's transients (the parameter broadcast) are not
-    the step's."""
+    before the step mark, so its construction's transients are not the step's. Every rank
+    builds the same weights (same seed), so DDP's initial broadcast is skipped
+    (`init_sync=False`): its flat copy of the parameters, held by the gloo Work, was sometimes
+    freed on a gloo thread, where the profiler loses the free, reading a whole parameter copy
+    high. The step itself (the forward's buffer broadcast included) is DDP's default."""
     spec, seq, mb = case["model"], case["seq_len"], case["micro_batch"]
     cfg = model_config(spec)
 
@@ -310,7 +313,8 @@ def run_ddp(case: dict, rank: int, world: int) -> dict:
         ids, target = make_batch(spec, mb, seq, seed=1 + rank)
         mesh = make_mesh(world)
         dist.barrier()
-        wrap = partial(build_ddp_module, model, mesh, case.get("bucket_view", False), case.get("bucket_cap_mb"))
+        wrap = partial(build_ddp_module, model, mesh, case.get("bucket_view", False), case.get("bucket_cap_mb"),
+                       init_sync=False)
         with SettleCollectives(), measured_step(res, setup=wrap) as ddp:
             run_step(ddp, (ids,), {}, lambda out: loss_fn(out, target), opt)
         dist.barrier()
