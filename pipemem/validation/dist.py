@@ -8,7 +8,9 @@ Runs (pipemem/validation/distributed/models.py; tiny HF Llama decoder layers, fp
   with `pipemem.torch_tp.RegatherColwiseParallel` as the column-parallel style (`-regather`
   cases: the estimate has `recompute_allgather`); their rows add the saving per rank,
   measured and estimated, against the same case without it;
-- FSDP2 (`fully_shard` per decoder layer and the root), dp 2.
+- FSDP2 (`fully_shard` per decoder layer and the root), dp 2 and 4;
+- DistributedDataParallel, gradient_as_bucket_view off and on, dp 2 and 4 (the Reducer's
+  buckets are built inside the measurement, before the step: C++ holds them).
 
 Each rank is a process (`python -m pipemem.validation.dist_worker`, MASTER_ADDR=127.0.0.1, a
 free port) that starts `torch.profiler.profile(profile_memory=True)` before it builds its
@@ -18,7 +20,8 @@ running sum during the step (params, buffers, inputs and runtime buffers include
 Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",
 convention="torchtitan", ...)` of the case's plan, the call users make (`estimate_case`):
 pipelines are traced stage jobs + the schedule + the torch runtime profile's lowering + replay;
-TP and FSDP ranks are traced on FakeTensorMode under PyTorch's fake process group. Nothing
+TP and FSDP ranks are traced on FakeTensorMode under PyTorch's fake process group; a DDP rank
+is the model's step traced with DDP's memory modelled on it (pipemem/traced/ddp.py). Nothing
 here computes a memory number.
 """
 
@@ -40,10 +43,11 @@ from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error, r
 
 EXAMPLE = """\
 examples:
-  pipemem validate dist                 # CI set: two pipelines, TP with and without regather, FSDP (world 2)
+  pipemem validate dist                 # CI set: two pipelines, TP with and without regather, FSDP, DDP (world 2)
   pipemem validate dist --full --json   # every schedule at pp 2 and 4, TP, FSDP
   pipemem validate dist --cases pp2-ZBVZeroBubble-m4,tp2-llama
   pipemem validate dist --cases tp4-llama-regather   # with tp4-llama: the saving of RegatherColwiseParallel
+  pipemem validate dist --cases ddp2-llama,ddp2-llama-view,ddp4-llama,ddp4-llama-view   # DDP, bucket view off / on
   pipemem validate dist --list
 """
 
@@ -293,14 +297,14 @@ def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("dist", help="real gloo runs (pipelining, TP/SP, FSDP2) per rank vs the estimate",
+    p = sub.add_parser("dist", help="real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
                        description="Real multi-process training steps over gloo on the CPU "
                                    "(torch.distributed.pipelining schedules, DTensor TP with sequence "
-                                   "parallel, FSDP2), each rank measuring its own peak with the profiler, "
+                                   "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
                                    "against pipemem's per-rank estimate of the same runs.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_options(p, "every case (pp 2 and 4, 4 and 8 microbatches, 5 schedules, TP 2 and 4 with and "
-                        "without regather, FSDP at dp 2 and 4): minutes on 2 cores", 900.0,
+                        "without regather, FSDP and DDP at dp 2 and 4): minutes on 2 cores", 900.0,
                      "seconds per multi-process launch")
     p.set_defaults(func=run)
 
