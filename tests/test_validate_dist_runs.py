@@ -1,5 +1,5 @@
-"""pipemem validate dist end to end: real gloo processes on 127.0.0.1 (a pipeline, a
-tensor-parallel and an FSDP2 run, world 2), each rank measured by the profiler, against the
+"""pipemem validate dist end to end: real gloo processes on 127.0.0.1 (pipelines, tensor-parallel,
+FSDP2 and DistributedDataParallel runs, world 2), each rank measured by the profiler, against the
 per-rank estimate. One launch for all CI cases (about two minutes on two cores)."""
 
 import json
@@ -35,7 +35,7 @@ def test_ci_cases_match_measured_peaks_per_rank(capsys):
     doc = json.loads(capsys.readouterr().out)
     rows = doc["cases"]
     assert {r["case"] for r in rows} == set(CI_CASES)
-    assert {r["case"].split("-")[0][:2] for r in rows} >= {"pp", "tp", "fs"}
+    assert {r["case"].split("-")[0][:2] for r in rows} >= {"pp", "tp", "fs", "dd"}
     for r in rows:
         assert r["measured_bytes"] > 0 and r["estimated_bytes"] > 0
         assert r["rel_error"] == pytest.approx((r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"])
