@@ -29,7 +29,13 @@ checked on paddlepaddle 3.3.1, CPU):
 * **Data-dependent sizes** (``masked_select`` of the loss over the valid labels): the
   upper bound, every element selected (`DATA_DEPENDENT`).
 * **no_need_buffer** operands (`op.is_no_need_buffer(value)`) do not keep a value alive:
-  the PIR interpreter's garbage collector skips them too.
+  the PIR interpreter's garbage collector skips them too, a vector's parts included
+  (concat_grad reads only the shapes of the concatenated parts: rope's slices die after
+  the forward concat, not at the concat_grad). Across pipeline jobs, Paddle's skip_gc rule
+  (`pass_utils._set_skip_gc_vars_in_pir`, `core.get_no_need_buffer_values`) lists only
+  single values read as no_need_buffer, so a job still keeps what a later job reads only
+  as part of such a vector, and the later job, never reading its data, never frees it
+  (`Op.retain_reads`).
 * **Vectors.** ``builtin.combine`` / ``builtin.split`` only pack and unpack values: an op
   reading a combined vector reads its parts; an op producing a vector writes the parts
   that ``builtin.split`` / ``builtin.slice`` take out of it.
@@ -323,6 +329,7 @@ class _BlockCapture:
                     ids[vid(r)] = name_of(r, i, j)
                     defined[vid(r)] = (i, j)
         kw_ids: dict[str, tuple[str, object]] = {vid(v): (k, v) for k, v in (kwargs or {}).items()}
+        kw_names = set(kwargs or {})
         parts: dict[str, dict[int, object]] = {}
         vectors_combined: dict[str, list] = {}
         for op in ops:
@@ -409,12 +416,17 @@ class _BlockCapture:
             if op.num_regions():
                 raise UserError(f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures "
                                 "straight-line programs only")
-            ins, nnb = [], []
+            ins, nnb, retain = [], [], []
             for v in op.operands_source():
                 names = read_names(v)
                 ins.extend(names)
-                if names and not _is_vector(v) and vid(v) not in vectors_combined and op.is_no_need_buffer(v):
+                if names and op.is_no_need_buffer(v):
                     nnb.extend(names)
+                    if _is_vector(v) or vid(v) in vectors_combined:
+                        # A vector read as no_need_buffer (concat_grad's x) keeps none of its
+                        # parts alive here, but the pipeline's skip_gc rule still has the
+                        # earlier job keep the parts it hands over (kwargs) for this job.
+                        retain.extend(n for n in names if n in kw_names)
             alias = dict(get_inplace_info(op)) if name.endswith("_") else {}
             alias.update(inplace.get(i, {}))
             if name in VIEW_OPS and not _scope_value(op.operand_source(0), kw_ids):
@@ -442,12 +454,13 @@ class _BlockCapture:
             ins = list(dict.fromkeys(ins))
             nnb = [n for n in dict.fromkeys(nnb) if n in ins and ins.count(n) == 1 and
                    not any(n in read_names(v) and not op.is_no_need_buffer(v)
-                           for v in op.operands_source() if not _fake(v) and _is_dense(v))]
+                           for v in op.operands_source() if not _fake(v))]
+            retain = [n for n in dict.fromkeys(retain) if n in nnb]
             prog = progs[types[i]]
             for n in (*ins, *outs):
                 prog.tensors[n] = table[n]
             prog.ops.append(Op(type=name, inputs=tuple(ins), outputs=tuple(dict.fromkeys(outs)),
-                               no_need_buffer=tuple(nnb), phase=types[i],
+                               no_need_buffer=tuple(nnb), retain_reads=tuple(retain), phase=types[i],
                                name=f"{label_prefix}{types[i]}#{i}:{name}"))
         return [f"{i}:{ops[i].name()}" for i in sorted(inplace)]
 
