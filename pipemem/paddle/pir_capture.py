@@ -365,6 +365,25 @@ class _BlockCapture:
                 shape = resolved_shape(ops[op_index], shape) or shape
             return new_tensor(name, shape, v, kind, f"result {slot} of op #{op_index} {ops[op_index].name()}")
 
+        unpacked: dict[str, list[str]] = {}
+
+        def vector_parts(op_index: int, r) -> list[str]:
+            """Parts of a vector result no builtin.split unpacks (the auto-parallel loss
+            hands split_with_num's vector straight to concat): one tensor per element of its
+            printed type, ``vec[tensor<4x2048x16000xf32>, ...]``, as the kernel writes each."""
+            sized = size_ops[op_index].result(list(ops[op_index].results()).index(r)) if size_ops is not ops else r
+            out = []
+            for k, (dims, dt) in enumerate(_vector_elements(str(sized.type()))):
+                n = f"{ids[vid(r)]}#{k}"
+                kind = TensorKind.GRAD if types[op_index] == "backward" or _is_grad_op(ops[op_index].name()) \
+                    else TensorKind.ACTIVATION
+                if any(d < 0 for d in dims):
+                    raise UserError(f"PIR value {n} (part {k} of op #{op_index} {ops[op_index].name()}) has "
+                                    f"unresolved shape {dims}")
+                table[n] = Tensor(n, tuple(dims), dt, kind)
+                out.append(n)
+            return out
+
         def resolved_shape(op, declared):
             """A result whose declared shape has -1 dims: a data-dependent op's bound, else the
             resolved size of an operand declared with the same shape (x and x@GRAD, ...)."""
@@ -382,6 +401,8 @@ class _BlockCapture:
                 return []
             if vid(v) in vectors_combined:
                 return [n for part in vectors_combined[vid(v)] for n in read_names(part)]
+            if vid(v) in unpacked:
+                return list(unpacked[vid(v)])
             if _is_vector(v):
                 return [n for _, r in sorted(parts.get(vid(v), {}).items()) for n in read_names(r)]
             if not _is_dense(v):
@@ -436,6 +457,8 @@ class _BlockCapture:
                 if _fake(r):
                     continue
                 if _is_vector(r):
+                    if vid(r) not in parts and vid(r) not in unpacked:
+                        unpacked[vid(r)] = vector_parts(i, r)
                     outs.extend(read_names(r))      # its parts, sized where they are unpacked
                     continue
                 if not _is_dense(r):
@@ -467,6 +490,24 @@ class _BlockCapture:
 
 def _vid(v) -> str:
     return v.id
+
+
+_PIR_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "f64": "float64", "i64": "int64", "i32": "int32",
+               "i8": "int8", "u8": "uint8", "b": "bool", "i1": "bool"}
+
+
+def _vector_elements(text: str) -> list[tuple[list[int], str]]:
+    """(dims, dtype) of each element of a printed PIR vector type."""
+    import re
+
+    out = []
+    for body in re.findall(r"tensor<([^>]*)>", text):
+        tokens = body.split("x")
+        dt = _PIR_DTYPES.get(tokens[-1].strip())
+        if dt is None:
+            raise UserError(f"PIR vector element type {body!r}: unknown dtype {tokens[-1]!r}")
+        out.append(([int(d) for d in tokens[:-1] if d.strip()], dt))
+    return out
 
 
 def capture(program, sizes_program=None, types: list[str] | None = None, name_prefix: str = "") -> Captured:
