@@ -277,3 +277,52 @@ def test_parts_handed_between_jobs_are_kept_and_never_freed(vector_nnb):
     assert jobs["nnb"] == jobs["retain"] == ["half_a", "half_b"]
     assert jobs["fwd_net"] == 2 * 4 * 4 * F32
     assert jobs["bwd_net"] == 0 and jobs["bwd_live_after"] == ["half_a", "half_b"]
+
+
+UNPACKED_VECTOR_SNIPPET = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import paddle
+    paddle.enable_static()
+    from pipemem.paddle.pir_capture import capture_jobs
+    from pipemem.liveness import analyze_sequence
+
+    # split_with_num's vector handed straight to concat, as the auto-parallel loss does it
+    prog = paddle.static.Program()
+    with paddle.static.program_guard(prog):
+        x = paddle.static.data("x", [4, 8], "float32")
+        y = x * 2.0
+        parts = paddle._C_ops.split_with_num(y, 2, 0)
+        z = paddle._C_ops.concat(parts, 1)
+        paddle._C_ops.set_persistable_value(z, "z")
+    ops = list(prog.global_block().ops)
+    split = next(o for o in ops if o.name() == "pd_op.split_with_num")
+    unpack = next(o for o in ops if o.name() == "builtin.split")
+    combine = next(o for o in ops if o.name() == "builtin.combine")
+    combine.result(0).replace_all_uses_with(split.result(0))
+    combine.erase()
+    unpack.erase()
+    out = {"ops": [o.name() for o in prog.global_block().ops]}
+    progs, _ = capture_jobs({"forward": prog})
+    f = progs["forward"]
+    sw = next(o for o in f.ops if o.type == "pd_op.split_with_num")
+    cc = next(o for o in f.ops if o.type == "pd_op.concat")
+    out["split_outputs"] = [[n, list(f.tensors[n].shape)] for n in sw.outputs]
+    out["concat_inputs"] = list(cc.inputs)
+    r = analyze_sequence([f])[0]
+    out["peak"] = r.peak_bytes
+    print(json.dumps(out))
+""")
+
+
+def test_a_vector_nobody_unpacks_gets_its_parts():
+    # PaddleNLP's auto-parallel loss hands split_with_num's vector straight to concat (no
+    # builtin.split): its parts are still written, one tensor per element of its type.
+    env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, "-c", UNPACKED_VECTOR_SNIPPET], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "builtin.split" not in out["ops"] and "builtin.combine" not in out["ops"]
+    assert [s for _, s in out["split_outputs"]] == [[2, 8], [2, 8]]
+    assert out["concat_inputs"][:2] == [n for n, _ in out["split_outputs"]]
