@@ -135,7 +135,11 @@ class Op:
     no_need_buffer): they do not keep their storage alive. `frees` names tensors whose last
     reference is dropped right after this op (traced programs know this exactly); it keeps
     their storage alive until here like a use. `workspace_bytes` is scratch memory the op
-    allocates and releases inside itself (cuBLAS / attention workspaces)."""
+    allocates and releases inside itself (cuBLAS / attention workspaces). `retain_reads`
+    (a subset of `no_need_buffer`) are metadata reads that still count as this program's
+    reads when an *earlier* program decides what to keep for it (Paddle's pipeline
+    skip_gc rule lists a vector's parts read as no_need_buffer as required): the earlier
+    program keeps them, this one does not free them."""
 
     type: str
     inputs: tuple[str, ...] = ()
@@ -144,6 +148,7 @@ class Op:
     no_need_buffer: tuple[str, ...] = ()
     frees: tuple[str, ...] = ()
     workspace_bytes: int = 0
+    retain_reads: tuple[str, ...] = ()
     phase: str = ""
     module: str = ""
 
@@ -216,6 +221,10 @@ class Program:
                 if n not in op.inputs:
                     raise UserError(f"program {self.name!r} op #{i} ({op.label}): no_need_buffer {n!r} "
                                     "is not one of the op's inputs")
+            for n in op.retain_reads:
+                if n not in op.no_need_buffer:
+                    raise UserError(f"program {self.name!r} op #{i} ({op.label}): retain_reads {n!r} "
+                                    "is not one of the op's no_need_buffer inputs")
         for t in self.tensors.values():
             t.nbytes  # raises on unknown dimensions
 
@@ -251,7 +260,7 @@ def _tensor_to_json(t: Tensor) -> dict:
 
 def _op_to_json(op: Op) -> dict:
     d: dict = {"type": op.type, "inputs": list(op.inputs), "outputs": list(op.outputs)}
-    for key in ("name", "no_need_buffer", "frees", "workspace_bytes", "phase", "module"):
+    for key in ("name", "no_need_buffer", "frees", "workspace_bytes", "phase", "module", "retain_reads"):
         v = getattr(op, key)
         if v:
             d[key] = list(v) if isinstance(v, tuple) else v
@@ -273,7 +282,8 @@ def save_programs(programs: Sequence[Program], path: str | Path) -> None:
 
 
 _TENSOR_KEYS = {"shape", "dtype", "kind", "storage", "persistent", "bytes"}
-_OP_KEYS = {"type", "inputs", "outputs", "name", "no_need_buffer", "frees", "workspace_bytes", "phase", "module"}
+_OP_KEYS = {"type", "inputs", "outputs", "name", "no_need_buffer", "frees", "workspace_bytes", "phase", "module",
+            "retain_reads"}
 
 
 def programs_from_json(doc: object, source: str = "<json>", dims: Mapping[str, int] | None = None) -> list[Program]:
@@ -343,7 +353,7 @@ def _op_from_json(od: object, where: str) -> Op:
     if extra:
         raise UserError(f"{where}: unknown field(s) {sorted(extra)}; allowed: {sorted(_OP_KEYS)}")
     lists = {}
-    for key in ("inputs", "outputs", "no_need_buffer", "frees"):
+    for key in ("inputs", "outputs", "no_need_buffer", "frees", "retain_reads"):
         v = od.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise UserError(f"{where}: \"{key}\" must be a list of tensor names")

@@ -245,9 +245,16 @@ def _mark(mask: np.ndarray, c: CompiledProgram, names: Iterable[str]) -> None:
 
 def touched_storages(program: Program) -> set[str]:
     """Non-persistent storages whose data the program needs (persistent ones are never freed,
-    so they need no retention; one created in a program is carried in `live_after`)."""
+    so they need no retention; one created in a program is carried in `live_after`), and
+    those its ops name in `retain_reads` (kept for it by earlier programs)."""
     c = compile_program(program)
-    return {c.storage_names[i] for i in np.flatnonzero(c.touched & ~c.persistent)}
+    out = {c.storage_names[i] for i in np.flatnonzero(c.touched & ~c.persistent)}
+    for op in program.ops:
+        for n in op.retain_reads:
+            t = program.tensors[n]
+            if not t.persistent:
+                out.add(t.storage)
+    return out
 
 
 def retention_sets(programs: Sequence[Program]) -> list[set[str]]:

@@ -263,3 +263,32 @@ def test_sequence_is_deterministic_over_runs():
     a = [(r.net_bytes, r.peak_bytes) for r in analyze_sequence(progs)]
     b = [(r.net_bytes, r.peak_bytes) for r in analyze_sequence(progs)]
     assert a == b
+
+
+def test_retain_reads_are_kept_by_earlier_programs_and_never_freed_by_the_reader():
+    # Paddle's pipeline skip_gc rule: a value a later job reads only as part of a
+    # no_need_buffer vector is kept by the job that wrote it, and the reader never frees it.
+    h, x, g = act("h", 100), act("x", 10, persistent=True), act("g", 10)
+
+    def programs(retain: bool):
+        f = make("F", [h, x], [Op("slice", ("x",), ("h",))])
+        b = make("B", [h, g], [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",),
+                                  retain_reads=("h",) if retain else ())])
+        return f, b
+
+    f, b = analyze_sequence(programs(True))
+    assert f.net_bytes == 400 and "h" in f.retained
+    assert b.net_bytes == 0 and "h" in b.live_after           # h never freed (else -400)
+    f, b = analyze_sequence(programs(False))
+    assert f.net_bytes == 0 and "h" not in b.live_after       # a plain no_need_buffer read keeps nothing
+
+
+def test_retain_reads_must_be_no_need_buffer_and_survive_json():
+    from pipemem.ir import programs_from_json, programs_to_json
+
+    p = make("B", [act("h", 4), act("g", 4)], [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",),
+                                                  retain_reads=("h",))])
+    assert programs_from_json(programs_to_json([p]))[0].ops[0].retain_reads == ("h",)
+    bad = make("B", [act("h", 4), act("g", 4)], [Op("concat_grad", ("h",), ("g",), retain_reads=("h",))])
+    with pytest.raises(UserError, match="retain_reads"):
+        bad.validate()

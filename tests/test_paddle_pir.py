@@ -195,3 +195,134 @@ def test_measured_mlp_matches_hand_derivation(rows):
     bwd = 3 * F32 + B * 1 * F32 + C * F32 + H * F32 + B * H * F32 + H * C * F32 + D * H * F32
     opt = 12 * F32                                                            # beta1/beta2/eps per param
     assert rows["mlp-pir/step/allocated-no-gc"]["measured_bytes"] == fed + fwd + bwd + opt
+
+
+VECTOR_NNB_SNIPPET = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import paddle
+    paddle.enable_static()
+    from pipemem.paddle.pir_capture import capture, capture_jobs
+    from pipemem.liveness import analyze_sequence
+
+    out = {}
+    # One program: rotate-half over a parameter-scaled input; append_backward writes concat_grad.
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8], "float32")
+        w = paddle.static.create_parameter([8], "float32")
+        y = x * w
+        h1 = paddle.slice(y, [1], [0], [4])
+        h2 = -paddle.slice(y, [1], [4], [8])
+        rot = paddle.concat([h2, h1], axis=1)
+        loss = (rot * y).mean()
+        paddle.static.append_backward(loss)
+    cap = capture(main)
+    bwd = cap.programs[1]
+    cg = [o for o in bwd.ops if o.type == "pd_op.concat_grad"]
+    fwd_concat = [o for o in cap.programs[0].ops if o.type == "pd_op.concat"]
+    out["one"] = {"concat_grad_nnb": list(cg[0].no_need_buffer), "concat_inputs": list(fwd_concat[0].inputs),
+                  "retain": list(cg[0].retain_reads)}
+
+    # Two jobs: the forward hands the halves over by name; the backward reads them only as
+    # concat_grad's (no_need_buffer) vector.
+    fwd, bwdp = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(fwd):
+        x = paddle.static.data("x", [4, 8], "float32")
+        y = x * 2.0
+        a = paddle.slice(y, [1], [0], [4])
+        b = paddle.slice(y, [1], [4], [8])
+        paddle._C_ops.set_persistable_value(a, "half_a")
+        paddle._C_ops.set_persistable_value(b, "half_b")
+    with paddle.static.program_guard(bwdp):
+        blk = bwdp.global_block()
+        ka = blk.add_kwarg("half_a", a.type())
+        kb = blk.add_kwarg("half_b", b.type())
+        dout = paddle.full([4, 8], 1.0, "float32")
+        grads = paddle._C_ops.concat_grad([ka, kb], dout, 1)
+        paddle._C_ops.set_persistable_value(grads[0], "grad_a")
+        paddle._C_ops.set_persistable_value(grads[1], "grad_b")
+    progs, _ = capture_jobs({"forward": fwd, "backward": bwdp})
+    cgj = [o for o in progs["backward"].ops if o.type == "pd_op.concat_grad"][0]
+    res = analyze_sequence([progs["forward"], progs["backward"]])
+    out["jobs"] = {"nnb": list(cgj.no_need_buffer), "retain": list(cgj.retain_reads),
+                   "fwd_net": res[0].net_bytes, "bwd_net": res[1].net_bytes,
+                   "bwd_live_after": sorted(res[1].live_after)}
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def vector_nnb():
+    env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, "-c", VECTOR_NNB_SNIPPET], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_vector_read_as_no_need_buffer_keeps_none_of_its_parts(vector_nnb):
+    # concat_grad reads only the shapes of the concatenated parts (rope's halves): the
+    # executor frees them after the forward concat, not at the concat_grad.
+    one = vector_nnb["one"]
+    assert one["concat_grad_nnb"] and set(one["concat_grad_nnb"]) == set(one["concat_inputs"][:2])
+    assert one["retain"] == []          # one program: nothing to keep across jobs
+
+
+def test_parts_handed_between_jobs_are_kept_and_never_freed(vector_nnb):
+    # Paddle's skip_gc rule (get_no_need_buffer_values) does not list a vector's parts read as
+    # no_need_buffer: the forward job keeps the halves, the backward never reads their data
+    # and so never frees them.
+    jobs = vector_nnb["jobs"]
+    assert jobs["nnb"] == jobs["retain"] == ["half_a", "half_b"]
+    assert jobs["fwd_net"] == 2 * 4 * 4 * F32
+    assert jobs["bwd_net"] == 0 and jobs["bwd_live_after"] == ["half_a", "half_b"]
+
+
+UNPACKED_VECTOR_SNIPPET = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import paddle
+    paddle.enable_static()
+    from pipemem.paddle.pir_capture import capture_jobs
+    from pipemem.liveness import analyze_sequence
+
+    # split_with_num's vector handed straight to concat, as the auto-parallel loss does it
+    prog = paddle.static.Program()
+    with paddle.static.program_guard(prog):
+        x = paddle.static.data("x", [4, 8], "float32")
+        y = x * 2.0
+        parts = paddle._C_ops.split_with_num(y, 2, 0)
+        z = paddle._C_ops.concat(parts, 1)
+        paddle._C_ops.set_persistable_value(z, "z")
+    ops = list(prog.global_block().ops)
+    split = next(o for o in ops if o.name() == "pd_op.split_with_num")
+    unpack = next(o for o in ops if o.name() == "builtin.split")
+    combine = next(o for o in ops if o.name() == "builtin.combine")
+    combine.result(0).replace_all_uses_with(split.result(0))
+    combine.erase()
+    unpack.erase()
+    out = {"ops": [o.name() for o in prog.global_block().ops]}
+    progs, _ = capture_jobs({"forward": prog})
+    f = progs["forward"]
+    sw = next(o for o in f.ops if o.type == "pd_op.split_with_num")
+    cc = next(o for o in f.ops if o.type == "pd_op.concat")
+    out["split_outputs"] = [[n, list(f.tensors[n].shape)] for n in sw.outputs]
+    out["concat_inputs"] = list(cc.inputs)
+    r = analyze_sequence([f])[0]
+    out["peak"] = r.peak_bytes
+    print(json.dumps(out))
+""")
+
+
+def test_a_vector_nobody_unpacks_gets_its_parts():
+    # PaddleNLP's auto-parallel loss hands split_with_num's vector straight to concat (no
+    # builtin.split): its parts are still written, one tensor per element of its type.
+    env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, "-c", UNPACKED_VECTOR_SNIPPET], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "builtin.split" not in out["ops"] and "builtin.combine" not in out["ops"]
+    assert [s for _, s in out["split_outputs"]] == [[2, 8], [2, 8]]
+    assert out["concat_inputs"][:2] == [n for n, _ in out["split_outputs"]]

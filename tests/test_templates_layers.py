@@ -118,3 +118,15 @@ def test_zero3_gathers_the_layer_parameters_for_forward():
     z3 = layer(LLAMA, tp=tp, dp=4, zero=3)
     assert z3.F.net_bytes == base.F.net_bytes
     assert z3.F.peak_bytes == base.F.peak_bytes + 2 * params
+
+
+def test_paddle_unfused_rope_halves_are_shape_only_reads_of_the_concat_backward():
+    # Paddle's concat_grad reads rope's two halves (per q and k) for their shapes only: kept
+    # from the forward job, the pipeline's skip_gc rule keeps them and the backward never
+    # frees them; recomputed, they die after the concat and nothing is left behind.
+    extra = {"fused_rope": False}
+    halves = 2 * (S * B * A * D // 2 + S * B * KV * D // 2) * 4
+    kept = layer(LLAMA, convention="paddle", dtype="fp32", extra=extra)
+    assert kept.F.net_bytes + kept.B.net_bytes == halves
+    rc = layer(LLAMA, convention="paddle", dtype="fp32", recompute="full", extra=extra)
+    assert rc.F.net_bytes + rc.B.net_bytes == 0

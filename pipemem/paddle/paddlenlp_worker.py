@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-CAPTURE_VERSION = 2     # bump when the captured programs would change for the same spec
+CAPTURE_VERSION = 5     # bump when the captured programs would change for the same spec
 
 
 def capture_rank(plan) -> dict:

@@ -29,7 +29,13 @@ checked on paddlepaddle 3.3.1, CPU):
 * **Data-dependent sizes** (``masked_select`` of the loss over the valid labels): the
   upper bound, every element selected (`DATA_DEPENDENT`).
 * **no_need_buffer** operands (`op.is_no_need_buffer(value)`) do not keep a value alive:
-  the PIR interpreter's garbage collector skips them too.
+  the PIR interpreter's garbage collector skips them too, a vector's parts included
+  (concat_grad reads only the shapes of the concatenated parts: rope's slices die after
+  the forward concat, not at the concat_grad). Across pipeline jobs, Paddle's skip_gc rule
+  (`pass_utils._set_skip_gc_vars_in_pir`, `core.get_no_need_buffer_values`) lists only
+  single values read as no_need_buffer, so a job still keeps what a later job reads only
+  as part of such a vector, and the later job, never reading its data, never frees it
+  (`Op.retain_reads`).
 * **Vectors.** ``builtin.combine`` / ``builtin.split`` only pack and unpack values: an op
   reading a combined vector reads its parts; an op producing a vector writes the parts
   that ``builtin.split`` / ``builtin.slice`` take out of it.
@@ -323,6 +329,7 @@ class _BlockCapture:
                     ids[vid(r)] = name_of(r, i, j)
                     defined[vid(r)] = (i, j)
         kw_ids: dict[str, tuple[str, object]] = {vid(v): (k, v) for k, v in (kwargs or {}).items()}
+        kw_names = set(kwargs or {})
         parts: dict[str, dict[int, object]] = {}
         vectors_combined: dict[str, list] = {}
         for op in ops:
@@ -358,6 +365,25 @@ class _BlockCapture:
                 shape = resolved_shape(ops[op_index], shape) or shape
             return new_tensor(name, shape, v, kind, f"result {slot} of op #{op_index} {ops[op_index].name()}")
 
+        unpacked: dict[str, list[str]] = {}
+
+        def vector_parts(op_index: int, r) -> list[str]:
+            """Parts of a vector result no builtin.split unpacks (the auto-parallel loss
+            hands split_with_num's vector straight to concat): one tensor per element of its
+            printed type, ``vec[tensor<4x2048x16000xf32>, ...]``, as the kernel writes each."""
+            sized = size_ops[op_index].result(list(ops[op_index].results()).index(r)) if size_ops is not ops else r
+            out = []
+            for k, (dims, dt) in enumerate(_vector_elements(str(sized.type()))):
+                n = f"{ids[vid(r)]}#{k}"
+                kind = TensorKind.GRAD if types[op_index] == "backward" or _is_grad_op(ops[op_index].name()) \
+                    else TensorKind.ACTIVATION
+                if any(d < 0 for d in dims):
+                    raise UserError(f"PIR value {n} (part {k} of op #{op_index} {ops[op_index].name()}) has "
+                                    f"unresolved shape {dims}")
+                table[n] = Tensor(n, tuple(dims), dt, kind)
+                out.append(n)
+            return out
+
         def resolved_shape(op, declared):
             """A result whose declared shape has -1 dims: a data-dependent op's bound, else the
             resolved size of an operand declared with the same shape (x and x@GRAD, ...)."""
@@ -375,6 +401,8 @@ class _BlockCapture:
                 return []
             if vid(v) in vectors_combined:
                 return [n for part in vectors_combined[vid(v)] for n in read_names(part)]
+            if vid(v) in unpacked:
+                return list(unpacked[vid(v)])
             if _is_vector(v):
                 return [n for _, r in sorted(parts.get(vid(v), {}).items()) for n in read_names(r)]
             if not _is_dense(v):
@@ -409,12 +437,17 @@ class _BlockCapture:
             if op.num_regions():
                 raise UserError(f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures "
                                 "straight-line programs only")
-            ins, nnb = [], []
+            ins, nnb, retain = [], [], []
             for v in op.operands_source():
                 names = read_names(v)
                 ins.extend(names)
-                if names and not _is_vector(v) and vid(v) not in vectors_combined and op.is_no_need_buffer(v):
+                if names and op.is_no_need_buffer(v):
                     nnb.extend(names)
+                    if _is_vector(v) or vid(v) in vectors_combined:
+                        # A vector read as no_need_buffer (concat_grad's x) keeps none of its
+                        # parts alive here, but the pipeline's skip_gc rule still has the
+                        # earlier job keep the parts it hands over (kwargs) for this job.
+                        retain.extend(n for n in names if n in kw_names)
             alias = dict(get_inplace_info(op)) if name.endswith("_") else {}
             alias.update(inplace.get(i, {}))
             if name in VIEW_OPS and not _scope_value(op.operand_source(0), kw_ids):
@@ -424,6 +457,8 @@ class _BlockCapture:
                 if _fake(r):
                     continue
                 if _is_vector(r):
+                    if vid(r) not in parts and vid(r) not in unpacked:
+                        unpacked[vid(r)] = vector_parts(i, r)
                     outs.extend(read_names(r))      # its parts, sized where they are unpacked
                     continue
                 if not _is_dense(r):
@@ -442,18 +477,37 @@ class _BlockCapture:
             ins = list(dict.fromkeys(ins))
             nnb = [n for n in dict.fromkeys(nnb) if n in ins and ins.count(n) == 1 and
                    not any(n in read_names(v) and not op.is_no_need_buffer(v)
-                           for v in op.operands_source() if not _fake(v) and _is_dense(v))]
+                           for v in op.operands_source() if not _fake(v))]
+            retain = [n for n in dict.fromkeys(retain) if n in nnb]
             prog = progs[types[i]]
             for n in (*ins, *outs):
                 prog.tensors[n] = table[n]
             prog.ops.append(Op(type=name, inputs=tuple(ins), outputs=tuple(dict.fromkeys(outs)),
-                               no_need_buffer=tuple(nnb), phase=types[i],
+                               no_need_buffer=tuple(nnb), retain_reads=tuple(retain), phase=types[i],
                                name=f"{label_prefix}{types[i]}#{i}:{name}"))
         return [f"{i}:{ops[i].name()}" for i in sorted(inplace)]
 
 
 def _vid(v) -> str:
     return v.id
+
+
+_PIR_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "f64": "float64", "i64": "int64", "i32": "int32",
+               "i8": "int8", "u8": "uint8", "b": "bool", "i1": "bool"}
+
+
+def _vector_elements(text: str) -> list[tuple[list[int], str]]:
+    """(dims, dtype) of each element of a printed PIR vector type."""
+    import re
+
+    out = []
+    for body in re.findall(r"tensor<([^>]*)>", text):
+        tokens = body.split("x")
+        dt = _PIR_DTYPES.get(tokens[-1].strip())
+        if dt is None:
+            raise UserError(f"PIR vector element type {body!r}: unknown dtype {tokens[-1]!r}")
+        out.append(([int(d) for d in tokens[:-1] if d.strip()], dt))
+    return out
 
 
 def capture(program, sizes_program=None, types: list[str] | None = None, name_prefix: str = "") -> Captured:

@@ -551,13 +551,15 @@ class _Gen:
 
     def rotate_half_rope(self, x: str, y: str, name: str, shape: tuple) -> None:
         """PaddleNLP's unfused rope, x*cos + rotate_half(x)*sin: the two half slices, the
-        negated half and their concat are new tensors; the products' backward reads x, the
-        concat and the halves (as the programs Paddle builds keep them)."""
+        negated half and their concat are new tensors; the products' backward reads x and the
+        concat, the concat's backward only the halves' shapes (no_need_buffer): recomputed,
+        they die after the concat; kept from a forward job, the pipeline's skip_gc rule keeps
+        them and the backward never frees them (as Paddle 3.3.1's executor does)."""
         half = shape[:-1] + (shape[-1] // 2,)
         h1 = self.act(name + ".rope_x1", half)
         h2 = self.act(name + ".rope_x2_neg", half)
         rot = self.act(name + ".rope_rotated", shape)
-        self.t.node("rope_rotate_half", (x,), (y,), diff_inputs=(x,), save_i=(x, h1, h2, rot),
+        self.t.node("rope_rotate_half", (x,), (y,), diff_inputs=(x,), save_i=(x, rot), meta_i=(h1, h2),
                     fwd_ops=(_op("slice", (x,), (h1,)), _op("scale", (x,), (h2,)), _op("concat", (h1, h2), (rot,)),
                              _op("rope_mul_add", (x, rot), (y,))))
 

@@ -79,6 +79,10 @@ class Node:
                                      # dtype, then cast to the input's (autograd's validate_outputs)
     wgrad_saved: str = ""            # the weight grad was computed in forward and saved under this
                                      # name (Liger's fused linear CE): the backward scales it in place
+    meta_i: tuple[str, ...] = ()     # read by the input-grad op for their shapes only (Paddle's
+                                     # no_need_buffer): they keep nothing alive in the backward,
+                                     # but the forward still keeps them for it and the backward
+                                     # never frees them (Paddle's pipeline skip_gc rule: retain_reads)
 
 
 class Tape:
@@ -144,11 +148,11 @@ class Tape:
 
     def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
              post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False, read_w=(), wgrad_saved="") -> Node:
+             w_pre_first=False, promote_grads=False, read_w=(), wgrad_saved="", meta_i=()) -> Node:
         n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
                  tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
                  workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self._pinned(type), promote_grads, wgrad_saved)
+                 self._pinned(type), promote_grads, wgrad_saved, tuple(meta_i))
         self.nodes.append(n)
         return n
 
@@ -312,8 +316,9 @@ class Tape:
             ins = gouts + tuple(r(s) for s in n.save_i) + tuple(i_regathered[x] for x in n.read_w
                                                                  if x in i_regathered)
             if outs:
-                self._add(i_prog, Op(n.type + "_grad", ins, tuple(outs), workspace_bytes=n.workspace_i,
-                                     module=n.module, phase="backward"))
+                meta = tuple(m for m in dict.fromkeys(r(x) for x in n.meta_i) if m not in ins)
+                self._add(i_prog, Op(n.type + "_grad", ins + meta, tuple(outs), workspace_bytes=n.workspace_i,
+                                     module=n.module, phase="backward", no_need_buffer=meta, retain_reads=meta))
             for k, (src, target) in enumerate(casts):
                 # the engine casts before it releases the node's grad inputs and saved tensors
                 held = ins if k == len(casts) - 1 and outs else ()
