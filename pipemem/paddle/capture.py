@@ -41,7 +41,9 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
 
     Data vars get `feed_shapes[name]` when given; otherwise their dynamic dims are bound
     positionally: the first -1 to `batch`, the second to `seq`. Paddle's shape inference
-    then runs over the global block in op order."""
+    then runs over the global block in op order (a conditional block's ops in its place:
+    a declared shape can be stale, e.g. the partitioner leaves the global-norm clip's
+    `stack` of gradient norms at the whole model's count on every pipeline stage)."""
     prog = main_program.clone()
     block = prog.global_block()
     feed_shapes = dict(feed_shapes or {})
@@ -62,17 +64,32 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
         var.desc.set_shape(shape)
     if feed_shapes:
         raise UserError(f"feed_shapes names {sorted(feed_shapes)}, which are not data vars of the program")
-    for i, op in enumerate(block.ops):
-        if op.type in _SKIP_OPS:
-            continue
+    for i, (op_block, op) in enumerate(_flat_ops(block, "program")):
+        if op.type in _SKIP_OPS or op.type == "conditional_block" or \
+                set(op.output_arg_names) <= set(op.input_arg_names):
+            continue    # an op writing only its inputs (in place) leaves every shape as it is
+        declared = {n: list(op_block._var_recursive(n).shape) for n in op.output_arg_names
+                    if _has_shape(op_block, n)}
         try:
-            op.desc.infer_shape(block.desc)
+            op.desc.infer_shape(op_block.desc)
         except (ValueError, RuntimeError) as e:  # Paddle's enforce errors: the bound shapes do not fit
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"shape inference failed at op #{i} ({op.type}) with the bound input shapes "
                             f"{ {v.name: list(v.shape) for v in block.vars.values() if _is_data(v)} }: {first}") from None
+        for n, shape in declared.items():
+            # inference that cannot see a value (range over computed bounds) answers -1 where the
+            # program, traced with concrete inputs, declared the size: keep the declared one
+            var = op_block._var_recursive(n)
+            if any(d < 0 for d in var.shape) and all(d >= 0 for d in shape):
+                var.desc.set_shape(shape)
     prog._sync_with_cpp()
     return prog
+
+
+def _has_shape(block, name: str) -> bool:
+    var = block._find_var_recursive(name)
+    from paddle.base import core
+    return var is not None and var.type == core.VarDesc.VarType.DENSE_TENSOR
 
 
 def _is_data(var) -> bool:
@@ -129,30 +146,68 @@ def no_need_buffer_names(op) -> tuple[str, ...]:
 
 def to_ir(sub_programs: Mapping[str, object], name_prefix: str = "") -> list[Program]:
     """pipemem programs for `{type: paddle Program}` (in run order), sharing one tensor table.
-    Only the global block runs; an op with a sub-block (control flow) is a UserError."""
+
+    The global block runs. A ``conditional_block`` runs its sub-block in place of itself (the
+    branch taken: gradient merge's optimizer step, `_flat_ops`); any other op with a
+    sub-block (``while``...) is a UserError. A ``share_buffer`` op (inserted by the
+    executor's ``buffer_shared_inplace_pass``) puts each ``Out`` on the storage of its ``X``:
+    the in-place op after it writes into the buffer of its input."""
     table: dict[str, Tensor] = {}
     programs = []
+
+    def tensor(block, n):
+        if n not in table:
+            table[n] = tensor_for_var(block._var_recursive(n))
+        return table[n]
+
     for ptype, pprog in sub_programs.items():
-        block = pprog.global_block()
         prog = Program(name=f"{name_prefix}{ptype}", type=ptype)
-        for op in block.ops:
+        for block, op in _flat_ops(pprog.global_block(), ptype):
+            if op.type == "feed":
+                # the feed list holds what it feeds for the whole step, whether or not the
+                # var is still marked as data (a program split from another one is not)
+                for n in _dense_names(block, op.output_arg_names):
+                    tensor(block, n).persistent = True
             if op.type in _SKIP_OPS:
                 continue
-            if any(a in ("sub_block", "sub_blocks") for a in op.attr_names):
-                raise UserError(f"{ptype} op {op.type!r} runs a sub-block (control flow); pipemem captures "
-                                "straight-line programs only")
             ins = _dense_names(block, op.input_arg_names)
             outs = _dense_names(block, op.output_arg_names)
+            if op.type == "conditional_block":   # its sub-block ran just before (_flat_ops)
+                ins, outs = tuple(dict.fromkeys((*ins, *outs))), ()
             for n in (*ins, *outs):
-                if n not in table:
-                    table[n] = tensor_for_var(block._var_recursive(n))
-                prog.tensors[n] = table[n]
+                prog.tensors[n] = tensor(block, n)
+            if op.type == "share_buffer":
+                for x, out in zip(op.input("X"), op.output("Out")):
+                    if x in prog.tensors and out in prog.tensors and out != x:
+                        base, t = table[x], table[out]
+                        t.storage = base.storage
+                        if base.persistent:
+                            t.persistent, t.kind = True, base.kind
             nnb = tuple(n for n in no_need_buffer_names(op) if n in ins)
             prog.ops.append(Op(type=op.type, inputs=ins, outputs=outs, no_need_buffer=nnb, phase=ptype))
         programs.append(prog)
     for p in programs:
         p.validate()
     return programs
+
+
+def _flat_ops(block, ptype: str):
+    """(block, op) in run order, a ``conditional_block``'s sub-block before the op itself.
+
+    The vars a conditional block reads or writes that its parent declares (its Input and Out
+    slots) live in the parent's scope: the sub-block's garbage collector does not free
+    them, the parent's frees them after the conditional_block op (measured: the global-norm
+    clip's per-gradient norms and their stack stay until the block ends). So the op itself
+    follows its sub-block, touching those vars (`to_ir` makes it a read of them)."""
+    for op in block.ops:
+        if op.type == "conditional_block":
+            yield from _flat_ops(op._block_attr("sub_block"), ptype)
+            yield block, op
+            continue
+        if any(a in ("sub_block", "sub_blocks") for a in op.attr_names):
+            raise UserError(f"{ptype} op {op.type!r} runs a sub-block (control flow); pipemem captures "
+                            "straight-line programs and conditional blocks only")
+        yield block, op
 
 
 def _dense_names(block, names: Iterable[str]) -> tuple[str, ...]:

@@ -73,7 +73,10 @@ def paddle_estimates(sub_programs: dict) -> dict[str, tuple[int, int]]:
 def pipemem_estimates(sub_programs: dict, name_prefix: str = "") -> dict:
     """{type: ProgramMemory} from pipemem's liveness over the captured IR."""
     programs = to_ir(sub_programs, name_prefix=name_prefix)
-    return {p.type: r for p, r in zip(programs, analyze_sequence(programs))}
+    # Persistables (and fed inputs) are in the scope before the step: one first written by
+    # a sub-program (gradient merge's condition flag) is not allocated there.
+    static = {t.storage for p in programs for t in p.tensors.values() if t.persistent}
+    return {p.type: r for p, r in zip(programs, analyze_sequence(programs, live_on_entry=static))}
 
 
 def estimate(main_program, batch: int | None = None, seq: int | None = None, feed_shapes=None) -> dict:
