@@ -26,6 +26,7 @@ What is mapped, and why:
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Mapping
 
 from ..errors import UserError
@@ -33,6 +34,9 @@ from ..ir import Op, Program, Tensor, TensorKind, dtype_bytes
 
 # Ops that never touch tensor memory the executor accounts for.
 _SKIP_OPS = frozenset({"feed", "fetch", "fetch_v2", "py_func"})
+# data-dependent result sizes (masked_select's Y) -> the input slot that bounds them
+_DATA_DEPENDENT = {"masked_select": "X"}
+_STREAM_SYNC_OPS = frozenset({"c_sync_calc_stream", "c_sync_comm_stream"})
 
 
 def resolve_shapes(main_program, batch: int | None = None, seq: int | None = None,
@@ -76,6 +80,13 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"shape inference failed at op #{i} ({op.type}) with the bound input shapes "
                             f"{ {v.name: list(v.shape) for v in block.vars.values() if _is_data(v)} }: {first}") from None
+        if op.type in _DATA_DEPENDENT:
+            # as many elements as the input at most: the bound (every label valid, as in pretraining)
+            x = op_block._var_recursive(op.input(_DATA_DEPENDENT[op.type])[0])
+            for n in op.output("Y"):
+                var = op_block._var_recursive(n)
+                if any(d < 0 for d in var.shape) and all(d >= 0 for d in x.shape):
+                    var.desc.set_shape([math.prod(x.shape)])
         for n, shape in declared.items():
             # inference that cannot see a value (range over computed bounds) answers -1 where the
             # program, traced with concrete inputs, declared the size: keep the declared one
@@ -84,6 +95,27 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
                 var.desc.set_shape(shape)
     prog._sync_with_cpp()
     return prog
+
+
+def resolve_job_shapes(sub_programs: Mapping[str, object]) -> dict:
+    """`resolve_shapes` over the job programs of one step, in run order: a var a later job
+    shares by name with an earlier one (a kept activation, its gradient's shape source)
+    takes the earlier job's resolved shape first."""
+    known: dict[str, list[int]] = {}
+    out = {}
+    for t, prog in sub_programs.items():
+        prog = prog.clone()
+        for i in range(prog.num_blocks):
+            for var in prog.block(i).vars.values():
+                if var.name in known and _has_shape(prog.block(i), var.name) and any(d < 0 for d in var.shape):
+                    var.desc.set_shape(known[var.name])
+        prog._sync_with_cpp()
+        out[t] = resolve_shapes(prog)
+        for i in range(out[t].num_blocks):
+            for var in out[t].block(i).vars.values():
+                if _has_shape(out[t].block(i), var.name) and all(d >= 0 for d in var.shape):
+                    known.setdefault(var.name, list(var.shape))
+    return out
 
 
 def _has_shape(block, name: str) -> bool:
@@ -183,6 +215,12 @@ def to_ir(sub_programs: Mapping[str, object], name_prefix: str = "") -> list[Pro
                         t.storage = base.storage
                         if base.persistent:
                             t.persistent, t.kind = True, base.kind
+            if op.type in _STREAM_SYNC_OPS:
+                # waits on a stream and reads no data: Paddle's pipeline passes do not count it
+                # as a use when they choose what a job keeps for later jobs
+                # (pass_utils.set_skip_gc_vars), so it keeps nothing alive
+                prog.ops.append(Op(type=op.type, inputs=ins, no_need_buffer=ins, phase=ptype))
+                continue
             nnb = tuple(n for n in no_need_buffer_names(op) if n in ins)
             prog.ops.append(Op(type=op.type, inputs=ins, outputs=outs, no_need_buffer=nnb, phase=ptype))
         programs.append(prog)

@@ -226,13 +226,13 @@ def paddle_estimates(sub_programs: dict) -> tuple[dict, dict]:
 def compare_card(folder: str | Path, label: str) -> list[dict]:
     """Rows for one card: forward net and peak, backward peak, optimizer peak; measured,
     pipemem's, Paddle's estimator's."""
-    from ...paddle.capture import resolve_shapes
+    from ...paddle.capture import resolve_job_shapes
     from ..compare import rel_error
     from .compare import pipemem_estimates
 
     programs, doc = load_card(folder)
     subs = {t: programs[t] for t in SUB_PROGRAMS if t in programs}
-    ours = pipemem_estimates({t: resolve_shapes(p) for t, p in subs.items()}, name_prefix=f"{label}/")
+    ours = pipemem_estimates(resolve_job_shapes(subs), name_prefix=f"{label}/")
     theirs, their_errors = paddle_estimates(subs)
     measured = {m.type: m for m in measure_card(programs, doc)}
     rows = []
