@@ -250,3 +250,91 @@ def compare_card(folder: str | Path, label: str) -> list[dict]:
                      "peak_op": ours[t].peak_op_label if quantity == "peak" else "",
                      "paddle_error": their_errors.get(t, ""), "built_with": f"paddlepaddle {doc['paddle']}"})
     return rows
+
+
+# The main interpreter's side: build every card in the 2.6 interpreter, compare in a worker ------
+
+PYTHON_ENV = "PIPEMEM_PADDLE26_PYTHON"
+TINY = {"hidden": 64, "ffn": 128, "heads": 4, "vocab": 128, "layers": 4, "seq": 16}
+# The seed's three runs (run_pretrain_auto_static.py: 1F1B, no flash attention, fp32), at the
+# tiny shape of the other paddlenlp cases, gradient accumulation 4; plus FThenB.
+CASES = {
+    "paddlenlp-legacy-pp4": dict(TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B",
+                                 recompute=False),
+    "paddlenlp-legacy-pp4-recompute": dict(TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4,
+                                           schedule="1F1B", recompute=True),
+    "paddlenlp-legacy-pp2-mp2": dict(TINY, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=4, schedule="1F1B",
+                                     recompute=False),
+    "paddlenlp-legacy-pp2-fthenb": dict(TINY, pp=2, mp=1, dp=1, micro_batch=1, accumulate_steps=4,
+                                        schedule="FThenB", recompute=False),
+}
+CASE_NAMES = tuple(CASES)
+
+
+def paddle26_python() -> str:
+    """The interpreter with paddlepaddle 2.6.x and paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)."""
+    import os
+
+    from ...errors import UserError
+
+    exe = os.environ.get(PYTHON_ENV)
+    if not exe:
+        raise UserError(f"the paddlenlp-legacy cases build programs with paddlepaddle 2.6 (legacy-IR pipeline "
+                        f"passes): python -m venv ~/venvs/paddle26 && ~/venvs/paddle26/bin/pip install "
+                        f"paddlepaddle==2.6.2 paddlenlp==2.8.1 huggingface-hub==0.23.5 aistudio-sdk==0.2.1 "
+                        f"datasets==2.19.2 'numpy<2' pyarrow==17.0.0 scipy==1.13.1, then export "
+                        f"{PYTHON_ENV}=~/venvs/paddle26/bin/python")
+    if not Path(exe).exists():
+        raise UserError(f"${PYTHON_ENV}={exe}: no such interpreter")
+    return exe
+
+
+def build_case(name: str, folder: Path, parallel: int = 2, timeout: float = 600) -> list[Path]:
+    """Every card's job programs of case `name`, built in the 2.6 interpreter under `folder`."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = CASES[name]
+    python = paddle26_python()
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path = folder / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = root
+    env.setdefault("GLOG_minloglevel", "2")
+    world = spec["pp"] * spec["mp"] * spec["dp"]
+
+    def one(card: int) -> Path:
+        out = folder / f"card{card}"
+        proc = subprocess.run([python, "-m", "pipemem.validation.paddle_runs.paddlenlp_legacy_build",
+                               str(spec_path), str(card), str(out)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+        if proc.returncode != 0 or not (out / "card.json").is_file():
+            raise RuntimeError(f"{name}: building card {card} with paddle 2.6 failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        return out
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(one, range(world)))
+
+
+def compare_case(name: str, timeout: float = 900) -> list[dict]:
+    """Rows of case `name`: build its cards (2.6 interpreter), compare them in a legacy-IR worker
+    of this interpreter's Paddle (`python -m pipemem.validation.paddle_runs.worker --ir
+    paddlenlp-legacy CARD_DIR...`)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cards = build_case(name, Path(tmp) / name)
+        cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy", "--",
+               *[f"{name}/card{i}={c}" for i, c in enumerate(cards)]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: comparing on this Paddle failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1])["cases"]
