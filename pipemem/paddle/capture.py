@@ -69,9 +69,12 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
     if feed_shapes:
         raise UserError(f"feed_shapes names {sorted(feed_shapes)}, which are not data vars of the program")
     for i, (op_block, op) in enumerate(_flat_ops(block, "program")):
-        if op.type in _SKIP_OPS or op.type == "conditional_block" or \
+        if op.type in _SKIP_OPS or op.type == "conditional_block" or _is_communication(op.type) or \
                 set(op.output_arg_names) <= set(op.input_arg_names):
-            continue    # an op writing only its inputs (in place) leaves every shape as it is
+            # an op writing only its inputs (in place) leaves every shape as it is; a
+            # collective's output keeps the shape the partitioner declared (its inference
+            # needs the process group: 3.3.1's all_gather fails without one)
+            continue
         declared = {n: list(op_block._var_recursive(n).shape) for n in op.output_arg_names
                     if _has_shape(op_block, n)}
         try:
@@ -116,6 +119,18 @@ def resolve_job_shapes(sub_programs: Mapping[str, object]) -> dict:
                 if _has_shape(out[t].block(i), var.name) and all(d >= 0 for d in var.shape):
                     known.setdefault(var.name, list(var.shape))
     return out
+
+
+# Communication ops (2.6 and 3.x spellings): their outputs keep the shapes the partitioner declared.
+COMMUNICATION_OPS = frozenset({
+    "send_v2", "recv_v2", "p_send", "p_recv", "partial_send", "partial_recv", "partial_allgather",
+    "c_allreduce_sum", "c_allreduce_max", "c_allreduce_min", "c_allreduce_prod", "all_reduce",
+    "c_allgather", "all_gather", "c_reducescatter", "reduce_scatter", "c_broadcast", "broadcast",
+    "c_identity", "c_concat", "c_split", "c_sync_calc_stream", "c_sync_comm_stream", "barrier"})
+
+
+def _is_communication(op_type: str) -> bool:
+    return op_type in COMMUNICATION_OPS
 
 
 def _has_shape(block, name: str) -> bool:

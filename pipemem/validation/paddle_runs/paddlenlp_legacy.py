@@ -39,8 +39,6 @@ from pathlib import Path
 from .measure import JOB_PREFIX, MARK_VAR, Measured, _insert_marker, _stat
 
 SUB_PROGRAMS = ("forward", "backward", "optimizer")
-_INPLACE_COMM = ("send_v2", "p_send", "c_sync_calc_stream", "c_sync_comm_stream", "all_reduce", "c_allreduce_sum",
-                 "c_allreduce_max", "c_allreduce_min", "c_allreduce_prod", "c_broadcast", "c_reduce_sum")
 
 
 def load_card(folder: str | Path) -> tuple[dict, dict]:
@@ -88,34 +86,57 @@ def replace_comm_ops(program) -> list[str]:
     """Local stand-ins for the communication ops, in every block (module docstring)."""
     from paddle.static.nn.common import PyFuncRegistry
 
+    from ...paddle.capture import COMMUNICATION_OPS
+
     noop = PyFuncRegistry(lambda *_: None).id
     done = []
     for block in _blocks(program):
         for i in range(len(block.ops) - 1, -1, -1):
             op = block.ops[i]
-            if op.type in ("recv_v2", "p_recv"):
-                out = op.output("Out")[0]
-                attrs = {"shape": [int(d) for d in op.attr("out_shape")], "dtype": op.attr("dtype"),
-                         "value": 0.0, "op_role": op.attr("op_role")}
-                block._remove_op(i, sync=False)
-                block._insert_op(i, type="fill_constant", inputs={}, outputs={"Out": [out]}, attrs=attrs)
-            elif op.type in _INPLACE_COMM:
-                ins = list(dict.fromkeys(op.input_arg_names))
-                if not set(op.output_arg_names) <= set(ins):
-                    raise NotImplementedError(f"{op.type} writes {op.output_arg_names} (not in place)")
-                block._remove_op(i, sync=False)
-                block._insert_op(i, type="py_func", inputs={"X": [block._var_recursive(n) for n in ins]},
-                                 outputs={"Out": []},
-                                 attrs={"forward_callable_id": noop, "backward_callable_id": -1,
-                                        "backward_skip_vars": [], "op_role": 0})
-            elif op.type.startswith(("c_", "send", "recv", "partial_", "all_", "reduce_scatter")) and \
-                    op.type not in ("c_softmax_with_cross_entropy",):
-                raise NotImplementedError(f"communication op {op.type} has no local stand-in yet")
-            else:
+            if op.type not in COMMUNICATION_OPS:
                 continue
+            ins = list(dict.fromkeys(op.input_arg_names))
+            outs = list(dict.fromkeys(op.output_arg_names))
+            role = op.attr("op_role") if op.has_attr("op_role") else 0
+            if op.type in ("recv_v2", "p_recv"):
+                new = ("fill_constant", {}, {"Out": outs},
+                       {"shape": [int(d) for d in op.attr("out_shape")], "dtype": op.attr("dtype"), "value": 0.0})
+            elif set(outs) <= set(ins):
+                # a send, an in-place collective or a stream sync: a read that allocates nothing
+                new = ("py_func", {"X": [block._var_recursive(n) for n in ins]}, {"Out": []},
+                       {"forward_callable_id": noop, "backward_callable_id": -1, "backward_skip_vars": []})
+            elif len(ins) == 1 and len(outs) == 1:
+                x, out = block._var_recursive(ins[0]), block._var_recursive(outs[0])
+                n_in, n_out = _numel(x.shape), _numel(out.shape)
+                if n_out == n_in:       # c_identity...: a copy
+                    new = ("assign", {"X": [ins[0]]}, {"Out": outs}, {})
+                elif n_out > n_in and n_out % n_in == 0 and list(out.shape[1:]) == list(x.shape[1:]):
+                    # a gather along the first dim: the copies side by side
+                    new = ("concat", {"X": [ins[0]] * (n_out // n_in)}, {"Out": outs}, {"axis": 0})
+                elif n_out > n_in and n_out % n_in == 0 and list(out.shape[:-1]) == list(x.shape[:-1]):
+                    new = ("concat", {"X": [ins[0]] * (n_out // n_in)}, {"Out": outs}, {"axis": -1})
+                elif n_out < n_in and list(out.shape[:-1]) == list(x.shape[:-1]):   # c_split: a slice
+                    new = ("slice", {"Input": [ins[0]]}, {"Out": outs},
+                           {"axes": [len(x.shape) - 1], "starts": [0], "ends": [int(out.shape[-1])],
+                            "infer_flags": [1], "decrease_axis": []})
+                else:
+                    raise NotImplementedError(f"{op.type} {list(x.shape)} -> {list(out.shape)}: no local stand-in")
+            else:
+                raise NotImplementedError(f"{op.type} with inputs {ins} and outputs {outs}: no local stand-in")
+            kind, inputs, outputs, attrs = new
+            attrs["op_role"] = role
+            block._remove_op(i, sync=False)
+            block._insert_op(i, type=kind, inputs=inputs, outputs=outputs, attrs=attrs)
             done.append(op.type)
     program._sync_with_cpp()
     return done
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _scope_values(programs: dict, doc: dict) -> dict:
