@@ -310,8 +310,9 @@ def paddle26_python() -> str:
     return exe
 
 
-def build_case(name: str, folder: Path, parallel: int = 2, timeout: float = 600) -> list[Path]:
-    """Every card's job programs of case `name`, built in the 2.6 interpreter under `folder`."""
+def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: float = 600) -> dict[int, Path]:
+    """{card: folder} of case `name`'s job programs (every card, or `cards`), built in the 2.6
+    interpreter under `folder`."""
     import os
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
@@ -337,25 +338,31 @@ def build_case(name: str, folder: Path, parallel: int = 2, timeout: float = 600)
                                f"{proc.stderr[-3000:]}")
         return out
 
+    cards = list(range(world) if cards is None else cards)
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        return list(pool.map(one, range(world)))
+        return dict(zip(cards, pool.map(one, cards)))
 
 
-def compare_case(name: str, timeout: float = 900) -> list[dict]:
-    """Rows of case `name`: build its cards (2.6 interpreter), compare them in a legacy-IR worker
+def compare_built(name: str, cards: dict, timeout: float = 900) -> list[dict]:
+    """Rows of the built `cards` ({card: folder}) of case `name`, compared in a legacy-IR worker
     of this interpreter's Paddle (`python -m pipemem.validation.paddle_runs.worker --ir
-    paddlenlp-legacy CARD_DIR...`)."""
+    paddlenlp-legacy LABEL=FOLDER...`)."""
     import os
     import subprocess
     import sys
-    import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cards = build_case(name, Path(tmp) / name)
-        cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy", "--",
-               *[f"{name}/card{i}={c}" for i, c in enumerate(cards)]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy", "--",
+           *[f"{name}/card{i}={c}" for i, c in cards.items()]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: comparing on this Paddle failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1])["cases"]
+
+
+def compare_case(name: str) -> list[dict]:
+    """Rows of case `name`: every card built (2.6 interpreter), then compared (`compare_built`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return compare_built(name, build_case(name, Path(tmp) / name))
