@@ -93,7 +93,8 @@ def replace_comm_ops(program) -> list[str]:
     for block in _blocks(program):
         for i in range(len(block.ops) - 1, -1, -1):
             op = block.ops[i]
-            if op.type not in COMMUNICATION_OPS:
+            op_type = op.type   # `op` is gone once removed below
+            if op_type not in COMMUNICATION_OPS:
                 continue
             ins = list(dict.fromkeys(op.input_arg_names))
             outs = list(dict.fromkeys(op.output_arg_names))
@@ -127,7 +128,7 @@ def replace_comm_ops(program) -> list[str]:
             attrs["op_role"] = role
             block._remove_op(i, sync=False)
             block._insert_op(i, type=kind, inputs=inputs, outputs=outputs, attrs=attrs)
-            done.append(op.type)
+            done.append(op_type)
     program._sync_with_cpp()
     return done
 
