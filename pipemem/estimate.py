@@ -51,10 +51,24 @@ class RankEstimate:
     source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
 
     def _peak_point(self) -> tuple[int, TimelinePoint] | None:
+        """(index, point) of the first action at the rank's peak: read from the replay at its
+        peak index when the timeline was not made (cheap at any schedule size), else found in it."""
+        if self.__dict__.get("_timeline") is None and self.source is not None:
+            replay = self.source[0]
+            i = replay.peak_action_index
+            p = replay.point(i)
+            if p is not None and p[0] == self.peak_at and p[2] == self.peak_allocated_bytes:
+                return i, TimelinePoint(*p)
         for i, p in enumerate(self.timeline):
             if p.label == self.peak_at and p.peak == self.peak_allocated_bytes:
                 return i, p
         return None
+
+    def _stages_backward_before(self, i: int) -> set[int]:
+        if self.__dict__.get("_timeline") is None and self.source is not None:
+            return self.source[0].stages_backward_before(i)
+        return {int(lab.split("@s")[1]) for lab in (p.label for p in self.timeline[:i])
+                if lab[:1] in "BW" and "@s" in lab}
 
     @property
     def grads_at_peak_bytes(self) -> int:
@@ -64,9 +78,8 @@ class RankEstimate:
         found = self._peak_point()
         if found is None or not self.static.grads_in_step:
             return 0
-        done = {lab.split("@s")[1] for lab in (p.label for p in self.timeline[:found[0]])
-                if lab[:1] in "BW" and "@s" in lab}
-        return self.static.grads_in_step if done >= {str(s) for s in self.stages} else 0
+        done = self._stages_backward_before(found[0])
+        return self.static.grads_in_step if done >= set(self.stages) else 0
 
     @property
     def activations_at_peak_bytes(self) -> int:

@@ -114,7 +114,9 @@ def describe(plan) -> list[str]:
         what = "layers" if plan.compile == "layers" else "layers and loss"
         out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
     if plan.loss != "standard":
-        out.append({"chunked": f"chunked cross-entropy ({plan.loss_chunks} chunks)",
+        chunked = (f"torchtitan's ChunkedLossWrapper ({plan.loss_chunks} chunks: output layer, loss and backward "
+                   "per chunk)" if plan.convention == "torchtitan" else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
+        out.append({"chunked": chunked,
                     "fused_linear": "fused linear cross-entropy (logits never whole)",
                     "fused": "Megatron fused cross-entropy (native)",
                     "fused_te": "TE fused cross-entropy (no fp32 logits copy)"}[plan.loss])

@@ -490,7 +490,8 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
     if loss in ("fused", "fused_te") and conv != "megatron":
         raise UserError(f"--loss {loss} is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
                         "--loss chunked (torchtune) or fused_linear (Liger)")
-    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")):
+    torchtitan_chunked = loss == "chunked" and conv == "torchtitan"     # its ChunkedLossWrapper: loss parallel
+    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")) and not torchtitan_chunked:
         raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "
                         "with --tp 1 and --convention hf or torchtitan (Megatron: --loss fused or fused_te)")
     fp8 = plan.fp8

@@ -60,6 +60,21 @@ class RankReplay:
             out.append(("optimizer",) + tuple(int(x) for x in self.optimizer))
         return out
 
+    def point(self, i: int) -> tuple[str, int, int, int] | None:
+        """The timeline's i-th point (the optimizer's at len(actions)), without making the
+        timeline: a report reads the point at the peak of every rank, and a schedule of 10^5
+        actions per rank would otherwise build every rank's whole timeline for one point."""
+        n = len(self._actions)
+        if i >= n:
+            return ("optimizer",) + tuple(int(x) for x in self.optimizer) if self.optimizer is not None else None
+        net = np.asarray(self._net)
+        before = self.static_bytes + int(net[:i].sum())
+        return (str(self._actions[i]), before, before + int(np.asarray(self._peak)[i]), before + int(net[i]))
+
+    def stages_backward_before(self, i: int) -> set[int]:
+        """Stages that ran a backward (B, or W: the split backward's end) before action i."""
+        return {a[1] for a in self._actions[:i] if a[0] in ("B", "W")}
+
     def to_dict(self, timeline: bool = False) -> dict:
         d = {"pp_rank": self.pp_rank, "static_bytes": self.static_bytes,
              "peak_allocated_bytes": self.peak_allocated_bytes, "peak_at": self.peak_at,

@@ -129,8 +129,9 @@ def register(sub) -> None:
                      help="torch.compile each decoder layer and the loss (all, the default) or the layers only; "
                           "AOTAutograd's min-cut partitioner decides what is saved")
     mod.add_argument("--loss", choices=("standard", "chunked", "fused_linear", "fused", "fused_te"),
-                     help="cross-entropy: chunked (torchtune), fused_linear (Liger), fused / fused_te (Megatron "
-                          "--cross-entropy-loss-fusion, native / TE impl); default standard")
+                     help="cross-entropy: chunked (torchtune's chunked output; under --convention torchtitan its "
+                          "ChunkedLossWrapper, 0.3's default head), fused_linear (Liger), fused / fused_te "
+                          "(Megatron --cross-entropy-loss-fusion, native / TE impl); default standard")
     mod.add_argument("--loss-chunks", type=int, metavar="N", help="chunks of --loss chunked (default 8)")
     mod.add_argument("--fp8", choices=("delayed", "current", "mxfp8", "tensorwise", "rowwise"),
                      help="fp8 linears: Transformer Engine recipes (megatron) or torchao Float8 (torchtitan, hf)")

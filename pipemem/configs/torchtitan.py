@@ -374,58 +374,6 @@ def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
     return out
 
 
-def finish_plan(plan: dict, layers: int) -> dict:
-    """Resolve what needs the final dp / layer count (called once pipemem flags are merged)."""
-    plan = dict(plan)
-    lps = plan.pop("_layers_per_stage", None)
-    if lps is not None and "vpp" not in plan:
-        plan["vpp"] = max(1, layers // (plan.get("pp", 1) * lps))
-    nth = plan.pop("_every_nth_layer", None)
-    if nth:
-        per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))
-        if per_stage // nth:
-            plan["recompute_layers"] = per_stage // nth
-        else:   # fewer layers per stage than the checkpoint period: nothing is checkpointed
-            plan["recompute"] = "none"
-    return plan
-
-
-def _load(path: str) -> dict:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError(f"--from-torchtitan {path}: file not found") from None
-    except IsADirectoryError:
-        raise UserError(f"--from-torchtitan {path}: is a directory; give the job .toml file") from None
-    except OSError as e:
-        raise UserError(f"--from-torchtitan {path}: cannot read ({e.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"--from-torchtitan {path}: not valid TOML ({e})") from None
-
-
-def _section(cfg: dict, name: str, path: str) -> dict:
-    sec = cfg.get(name, {})
-    if not isinstance(sec, dict):
-        raise UserError(f"{path}: [{name}] must be a table")
-    return sec
-
-
-def _pos_int(sec: dict, key: str, path: str, section: str) -> int | None:
-    v = sec.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UserError(f"{path}: [{section}] {key} = {v!r}: expected a positive integer")
-    return v
-
-
 def _enabled(value) -> bool:
     """A refused key only refuses when it asks for the thing (true, a positive number, a list)."""
     if isinstance(value, bool):

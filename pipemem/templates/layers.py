@@ -103,10 +103,19 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
-        loss_chunks=int((plan.extra or {}).get("loss_chunks", 8 if conv.name == "torchtitan" else 1)),
+        loss_chunks=_torchtitan_loss_chunks(plan) if conv.name == "torchtitan" else 1,
         grad_dt=plan.main_grad_dtype or plan.dtype,
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
         feat=features_of(plan))
+
+
+def _torchtitan_loss_chunks(plan) -> int:
+    """Sequence chunks of torchtitan's ChunkedLossWrapper: `--loss chunked --loss-chunks N` names
+    it (under torchtitan, chunked means its wrapper), otherwise 0.3's default (8 chunks) or what
+    the trainer's TOML says (`[loss] num_chunks`, read into plan.extra; 1 = one plain CE)."""
+    if plan.loss == "chunked":
+        return int(plan.loss_chunks)
+    return int((plan.extra or {}).get("loss_chunks", 8))
 
 
 def first_backward_shard(sh: Shard) -> Shard:

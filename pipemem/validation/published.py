@@ -239,7 +239,9 @@ def modern_features(rec: dict, convention: str) -> tuple[dict, list[str]]:
     missing = " ".join(str(x) for x in rec.get("missing") or ()).lower()
     if opts.get("chunked_ce") or "chunked" in missing:
         plan["loss"] = "chunked"
-        notes.append("chunked cross-entropy modelled (8 chunks, torchtune's default num_output_chunks)")
+        notes.append("torchtitan's ChunkedLossWrapper modelled (8 chunks, its default num_chunks: output layer, loss "
+                     "and backward per chunk)" if convention == "torchtitan" else
+                     "chunked cross-entropy modelled (8 chunks, torchtune's default num_output_chunks)")
     if opts.get("opt_in_bwd"):
         plan["optimizer_in_backward"] = True
     offload = str(opts.get("offload") if opts.get("offload") not in (None, False) else
