@@ -134,6 +134,21 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _with_interpreter(cases: list[str], interpreter, label: str, asked: bool, notes: list[str]) -> list[str]:
+    """`cases` when their interpreter is there; else a UserError if they were asked for by
+    name or --ir, or none and a note (the default --ir all)."""
+    if not cases:
+        return []
+    try:
+        interpreter()
+    except UserError as e:
+        if asked:
+            raise
+        notes.append(f"{label} cases skipped: {e}")
+        return []
+    return cases
+
+
 def run(args) -> int:
     ir = getattr(args, "ir", "all")
     allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES,
@@ -153,32 +168,19 @@ def run(args) -> int:
             rows += run_cases(legacy, progress=bar)
         if pir:
             rows += run_cases(pir, ir="pir", progress=bar)
-    nlp = [n for n in names if n in PADDLENLP_CASE_NAMES]
-    notes = []
-    if nlp:
-        from ..paddle.paddlenlp_programs import paddlenlp_python
-        from .paddle_runs.paddlenlp_cases import compare_case
-        try:
-            paddlenlp_python()
-        except UserError as e:
-            if ir == "paddlenlp" or args.cases:
-                raise
-            notes.append(f"paddlenlp cases skipped: {e}")
-            nlp = []
-        for n in nlp:
-            rows += [r.to_dict() for r in compare_case(n, trials=getattr(args, "trials", 3))]
-    legacy_nlp = [n for n in names if n in LEGACY_NLP_CASE_NAMES]
-    if legacy_nlp:
-        from .paddle_runs import paddlenlp_legacy
-        try:
-            paddlenlp_legacy.paddle26_python()
-        except UserError as e:
-            if ir == "paddlenlp-legacy" or args.cases:
-                raise
-            notes.append(f"paddlenlp-legacy cases skipped: {e}")
-            legacy_nlp = []
-        for n in legacy_nlp:
-            rows += paddlenlp_legacy.compare_case(n)
+    notes: list[str] = []
+    from ..paddle.paddlenlp_programs import paddlenlp_python
+    from .paddle_runs import paddlenlp_cases, paddlenlp_legacy
+
+    explicit = bool(args.cases)
+    nlp = _with_interpreter([n for n in names if n in PADDLENLP_CASE_NAMES], paddlenlp_python, "paddlenlp",
+                            explicit or ir == "paddlenlp", notes)
+    for n in nlp:
+        rows += [r.to_dict() for r in paddlenlp_cases.compare_case(n, trials=getattr(args, "trials", 3))]
+    legacy_nlp = _with_interpreter([n for n in names if n in LEGACY_NLP_CASE_NAMES], paddlenlp_legacy.paddle26_python,
+                                   "paddlenlp-legacy", explicit or ir == "paddlenlp-legacy", notes)
+    for n in legacy_nlp:
+        rows += paddlenlp_legacy.compare_case(n)
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     worst = max(errs, default=0.0)

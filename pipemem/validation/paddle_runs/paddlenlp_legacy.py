@@ -37,6 +37,7 @@ import json
 from pathlib import Path
 
 from .measure import JOB_PREFIX, MARK_VAR, Measured, _insert_marker, _stat
+from .paddlenlp_measure import _numel
 
 SUB_PROGRAMS = ("forward", "backward", "optimizer")
 
@@ -131,13 +132,6 @@ def replace_comm_ops(program) -> list[str]:
             done.append(op_type)
     program._sync_with_cpp()
     return done
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _scope_values(programs: dict, doc: dict) -> dict:

@@ -44,11 +44,10 @@ class _FakeGPU:
 
 
 def set_rank_env(rank: int, world: int) -> None:
-    os.environ["PADDLE_TRAINER_ID"] = str(rank)
-    os.environ["PADDLE_TRAINERS_NUM"] = str(world)
-    eps = [f"127.0.0.1:{6170 + i}" for i in range(world)]
-    os.environ["PADDLE_TRAINER_ENDPOINTS"] = ",".join(eps)
-    os.environ["PADDLE_CURRENT_ENDPOINT"] = eps[rank]
+    """What `paddle.distributed.launch` sets for a rank, and legacy IR throughout."""
+    from ...paddle.paddlenlp_build import set_rank_env as launcher_env
+
+    launcher_env(rank, world)
     os.environ["FLAGS_enable_pir_api"] = "0"
     os.environ["FLAGS_enable_pir_in_executor"] = "0"
 
