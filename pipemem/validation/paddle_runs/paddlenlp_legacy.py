@@ -36,8 +36,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .measure import JOB_PREFIX, MARK_VAR, Measured, _insert_marker, _stat
-from .paddlenlp_measure import _numel
+from .measure import JOB_PREFIX, MARK_VAR, Measured, allocated_now, insert_marker
+from .paddlenlp_measure import numel
 
 SUB_PROGRAMS = ("forward", "backward", "optimizer")
 
@@ -109,7 +109,7 @@ def replace_comm_ops(program) -> list[str]:
                        {"forward_callable_id": noop, "backward_callable_id": -1, "backward_skip_vars": []})
             elif len(ins) == 1 and len(outs) == 1:
                 x, out = block._var_recursive(ins[0]), block._var_recursive(outs[0])
-                n_in, n_out = _numel(x.shape), _numel(out.shape)
+                n_in, n_out = numel(x.shape), numel(out.shape)
                 if n_out == n_in:       # c_identity...: a copy
                     new = ("assign", {"X": [ins[0]]}, {"Out": outs}, {})
                 elif n_out > n_in and n_out % n_in == 0 and list(out.shape[1:]) == list(x.shape[1:]):
@@ -184,7 +184,7 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
 
     def marker(name):
         def record(*_):
-            marks.append((name, _stat(), int(core.host_memory_stat_peak_value("Allocated", 0))))
+            marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
             core.host_memory_stat_reset_peak_value("Allocated", 0)
         return PyFuncRegistry(record).id
 
@@ -195,8 +195,8 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
             for blk in _blocks(p):
                 for i in range(len(blk.ops) - 1, -1, -1):
                     if blk.ops[i].type not in ("feed", "conditional_block"):
-                        _insert_marker(blk, i, mark_var, marker(f"{t}/b{blk.idx}/{i}:{blk.ops[i].type}"))
-        _insert_marker(block, 0, mark_var, marker(t))
+                        insert_marker(blk, i, mark_var, marker(f"{t}/b{blk.idx}/{i}:{blk.ops[i].type}"))
+        insert_marker(block, 0, mark_var, marker(t))
         p._sync_with_cpp()
     scope.var(MARK_VAR).get_tensor().set(np.zeros(1, "float32"), place)
 
@@ -224,16 +224,16 @@ def paddle_estimates(sub_programs: dict) -> tuple[dict, dict]:
     it sizes like a tensor; the seed ran it on forward and backward only)."""
     from paddle.distributed.passes.pass_utils import PipelineMemoryEstimator
 
-    from .compare import _PADDLE_TYPE_KEYS, SerialDistContext
+    from .compare import PADDLE_TYPE_KEYS, SerialDistContext
 
     est = PipelineMemoryEstimator()
-    keyed = {_PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
+    keyed = {PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
     est.set_program_skip_gc_vars(keyed, list(keyed))
     ctx = SerialDistContext()
     out, errors = {}, {}
     for t, p in sub_programs.items():
         try:
-            out[t] = tuple(int(v) for v in est.estimate_memory(p, _PADDLE_TYPE_KEYS[t], ctx))
+            out[t] = tuple(int(v) for v in est.estimate_memory(p, PADDLE_TYPE_KEYS[t], ctx))
         except (RuntimeError, ValueError, AssertionError) as e:
             errors[t] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
     return out, errors
