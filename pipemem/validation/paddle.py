@@ -16,6 +16,11 @@ by job on Paddle's executor and estimated by `pipemem.estimate(mode="paddle")`
 (pipemem/validation/paddle_runs/paddlenlp_cases.py); they need the paddlenlp interpreter
 ($PIPEMEM_PADDLENLP_PYTHON).
 
+The paddlenlp-legacy-* cases are the same PaddleNLP runs as the seed ran them: legacy IR,
+built by paddlepaddle 2.6's pipeline passes ($PIPEMEM_PADDLE26_PYTHON), compared on this
+Paddle's legacy executor with Paddle's estimator beside pipemem
+(pipemem/validation/paddle_runs/paddlenlp_legacy.py).
+
 The -pir cases are the same models built as PIR programs (Paddle 3's default IR). PIR
 programs cannot be measured per sub-program (no py_func op in PIR), so each is compared
 over the whole step: its peak, its net change, and the bytes it allocates with garbage
@@ -38,6 +43,7 @@ from ..errors import UserError
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
 from .paddle_runs.pir_models import CASES as PIR_CASES
 from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
+from .paddle_runs.paddlenlp_legacy import CASE_NAMES as LEGACY_NLP_CASE_NAMES
 
 EXAMPLE = """\
 examples:
@@ -46,6 +52,7 @@ examples:
   pipemem validate paddle --cases mlp,gpt2-recompute
   pipemem validate paddle --ir pir
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem validate paddle --ir paddlenlp --cases paddlenlp-pp4
+  PIPEMEM_PADDLE26_PYTHON=~/venvs/paddle26/bin/python pipemem validate paddle --ir paddlenlp-legacy
 """
 
 CASE_NAMES = tuple(CASES)
@@ -118,19 +125,35 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all of --ir); "
-                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES)}")
-    p.add_argument("--ir", choices=("legacy", "pir", "both", "paddlenlp", "all"), default="all",
-                   help="legacy Program cases, PIR cases (*-pir), both, PaddleNLP's own programs (paddlenlp-*), "
-                        "or all (default; the paddlenlp cases are skipped with a note when there is no paddlenlp "
-                        "interpreter)")
+                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES)}")
+    p.add_argument("--ir", choices=("legacy", "pir", "both", "paddlenlp", "paddlenlp-legacy", "all"), default="all",
+                   help="legacy Program cases, PIR cases (*-pir), both, PaddleNLP's own programs (paddlenlp-*: PIR, "
+                        "paddle 3; paddlenlp-legacy-*: legacy IR, built by paddle 2.6), or all (default; the "
+                        "paddlenlp cases are skipped with a note when their interpreter is missing)")
     p.add_argument("--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)")
     p.set_defaults(func=run)
+
+
+def _with_interpreter(cases: list[str], interpreter, label: str, asked: bool, notes: list[str]) -> list[str]:
+    """`cases` when their interpreter is there; else a UserError if they were asked for by
+    name or --ir, or none and a note (the default --ir all)."""
+    if not cases:
+        return []
+    try:
+        interpreter()
+    except UserError as e:
+        if asked:
+            raise
+        notes.append(f"{label} cases skipped: {e}")
+        return []
+    return cases
 
 
 def run(args) -> int:
     ir = getattr(args, "ir", "all")
     allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES,
-               "paddlenlp": PADDLENLP_CASE_NAMES, "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES}[ir]
+               "paddlenlp": PADDLENLP_CASE_NAMES, "paddlenlp-legacy": LEGACY_NLP_CASE_NAMES,
+               "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES}[ir]
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(allowed)
     bad = [n for n in names if n not in allowed]
     if bad:
@@ -145,20 +168,19 @@ def run(args) -> int:
             rows += run_cases(legacy, progress=bar)
         if pir:
             rows += run_cases(pir, ir="pir", progress=bar)
-    nlp = [n for n in names if n in PADDLENLP_CASE_NAMES]
-    notes = []
-    if nlp:
-        from ..paddle.paddlenlp_programs import paddlenlp_python
-        from .paddle_runs.paddlenlp_cases import compare_case
-        try:
-            paddlenlp_python()
-        except UserError as e:
-            if ir == "paddlenlp" or args.cases:
-                raise
-            notes.append(f"paddlenlp cases skipped: {e}")
-            nlp = []
-        for n in nlp:
-            rows += [r.to_dict() for r in compare_case(n, trials=getattr(args, "trials", 3))]
+    notes: list[str] = []
+    from ..paddle.paddlenlp_programs import paddlenlp_python
+    from .paddle_runs import paddlenlp_cases, paddlenlp_legacy
+
+    explicit = bool(args.cases)
+    nlp = _with_interpreter([n for n in names if n in PADDLENLP_CASE_NAMES], paddlenlp_python, "paddlenlp",
+                            explicit or ir == "paddlenlp", notes)
+    for n in nlp:
+        rows += [r.to_dict() for r in paddlenlp_cases.compare_case(n, trials=getattr(args, "trials", 3))]
+    legacy_nlp = _with_interpreter([n for n in names if n in LEGACY_NLP_CASE_NAMES], paddlenlp_legacy.paddle26_python,
+                                   "paddlenlp-legacy", explicit or ir == "paddlenlp-legacy", notes)
+    for n in legacy_nlp:
+        rows += paddlenlp_legacy.compare_case(n)
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     worst = max(errs, default=0.0)
@@ -171,8 +193,11 @@ def run(args) -> int:
     undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
     theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
         (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
-    if any(r["paddle_estimated_bytes"] is None for r in rows):
+    if any(r["paddle_estimated_bytes"] is None and not r.get("paddle_error") for r in rows):
         theirs += "; it cannot read PIR programs (- on the -pir and paddlenlp lines)"
+    failed = sorted({r["paddle_error"] for r in rows if r.get("paddle_error")})
+    if failed:
+        theirs += f"; it fails on {sum(1 for r in rows if r.get('paddle_error'))} line(s) (-): " + " | ".join(failed)
     print(f"Paddle's own estimator: {theirs}")
     for note in notes:
         print(f"note: {note}")

@@ -22,7 +22,7 @@ from ...paddle.split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
 # true in its pipeline passes, where gradient merge makes the grads persistable, false
 # in a plain step, where the optimizer reads the grads. The type names are only dict keys
 # to it otherwise, so it gets these.
-_PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "backward_b": "B", "backward_w": "W", "optimizer": "O"}
+PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "backward_b": "B", "backward_w": "W", "optimizer": "O"}
 
 
 @dataclass
@@ -63,17 +63,20 @@ def paddle_estimates(sub_programs: dict) -> dict[str, tuple[int, int]]:
     from paddle.distributed.passes.pass_utils import PipelineMemoryEstimator
 
     est = PipelineMemoryEstimator()
-    keyed = {_PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
+    keyed = {PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
     est.set_program_skip_gc_vars(keyed, list(keyed))
     ctx = SerialDistContext()
-    return {t: tuple(int(v) for v in est.estimate_memory(p, _PADDLE_TYPE_KEYS[t], ctx))
+    return {t: tuple(int(v) for v in est.estimate_memory(p, PADDLE_TYPE_KEYS[t], ctx))
             for t, p in sub_programs.items()}
 
 
 def pipemem_estimates(sub_programs: dict, name_prefix: str = "") -> dict:
     """{type: ProgramMemory} from pipemem's liveness over the captured IR."""
     programs = to_ir(sub_programs, name_prefix=name_prefix)
-    return {p.type: r for p, r in zip(programs, analyze_sequence(programs))}
+    # Persistables (and fed inputs) are in the scope before the step: one first written by
+    # a sub-program (gradient merge's condition flag) is not allocated there.
+    static = {t.storage for p in programs for t in p.tensors.values() if t.persistent}
+    return {p.type: r for p, r in zip(programs, analyze_sequence(programs, live_on_entry=static))}
 
 
 def estimate(main_program, batch: int | None = None, seq: int | None = None, feed_shapes=None) -> dict:

@@ -74,13 +74,13 @@ def skip_gc_sets(sub_programs: dict) -> dict[str, set[str]]:
     return out
 
 
-def _stat() -> int:
+def allocated_now() -> int:
     from paddle.base import core
 
     return int(core.host_memory_stat_current_value("Allocated", 0))
 
 
-def _insert_marker(block, index: int, mark_var, callable_id: int) -> None:
+def insert_marker(block, index: int, mark_var, callable_id: int) -> None:
     """A py_func op calling `callable_id`; it reads the persistable marker var only so
     that it is a valid op (py_func needs an input or an output), which frees nothing."""
     block._insert_op(index, type="py_func", inputs={"X": [mark_var]}, outputs={"Out": []},
@@ -112,7 +112,7 @@ def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 
 
     def marker(name):
         def record(*_):
-            marks.append((name, _stat(), int(core.host_memory_stat_peak_value("Allocated", 0))))
+            marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
             core.host_memory_stat_reset_peak_value("Allocated", 0)
         return PyFuncRegistry(record).id
 
@@ -140,8 +140,8 @@ def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 
             own = [i for i, op in enumerate(block.ops) if op.type != "feed"]
             positions = [(i, f"{t}/{k}:{block.ops[i].type}") for k, i in enumerate(own)]
         for i, label in reversed(positions):
-            _insert_marker(block, i, mark_var, marker(label))
-        _insert_marker(block, 0, mark_var, marker(t))
+            insert_marker(block, i, mark_var, marker(label))
+        insert_marker(block, 0, mark_var, marker(t))
         p._sync_with_cpp()
     scope.var(MARK_VAR).get_tensor().set(np.zeros(1, "float32"), place)
 

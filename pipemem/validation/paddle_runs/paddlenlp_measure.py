@@ -86,7 +86,7 @@ def _replace_comm_ops(program) -> list[str]:
                     new = op.operand_source(0)
                 else:
                     x = op.operand_source(0)
-                    n_in, n_out = _numel(x.shape), _numel(shape)
+                    n_in, n_out = numel(x.shape), numel(shape)
                     if n_out == n_in:
                         new = paddle._C_ops.assign(x)
                     elif n_out > n_in:
@@ -106,7 +106,7 @@ def _replace_comm_ops(program) -> list[str]:
     return done
 
 
-def _numel(shape) -> int:
+def numel(shape) -> int:
     n = 1
     for d in shape:
         n *= int(d)

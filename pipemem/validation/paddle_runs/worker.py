@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m pipemem.validation.paddle_runs.worker")
-    parser.add_argument("--ir", choices=("legacy", "pir"), default="legacy")
+    parser.add_argument("--ir", choices=("legacy", "pir", "paddlenlp-legacy"), default="legacy",
+                        help="paddlenlp-legacy: the cases are LABEL=CARD_DIR of built job programs")
     parser.add_argument("--trials", type=int, default=5, help="PIR: measured steps per case (smallest peak)")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
@@ -40,6 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     from ...errors import UserError
     from .compare import compare, compare_pir
 
+    if args.ir == "paddlenlp-legacy":
+        from .paddlenlp_legacy import compare_card
+
+        rows = []
+        for item in args.cases:
+            label, folder = item.split("=", 1)
+            rows += compare_card(folder, label)
+            print(f"{PROGRESS_PREFIX}{label}", file=sys.stderr, flush=True)
+        json.dump({"cases": rows}, sys.stdout)
+        print()
+        return 0
     if args.ir == "pir":
         from .pir_models import CASES
     else:

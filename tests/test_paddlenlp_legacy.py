@@ -1,0 +1,89 @@
+"""PaddleNLP's legacy-IR pipeline job programs (the seed's era): capture rules and the cases.
+
+The capture rules these programs need (the executor's share_buffer aliases, gradient merge's
+conditional optimizer block) are checked on a legacy program built here with paddlepaddle
+3.3.1 (CI). The cases themselves need paddlepaddle 2.6 with paddlenlp 2.8.1 in an
+interpreter of their own ($PIPEMEM_PADDLE26_PYTHON) and skip without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SNIPPET = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import numpy as np
+    import paddle
+    paddle.enable_static()
+    from pipemem.paddle.capture import resolve_job_shapes, to_ir
+    from pipemem.validation.paddle_runs.compare import pipemem_estimates
+    from pipemem.validation.paddle_runs.measure import measure_step
+
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        x = paddle.static.data("x", [4, 16], "float32")
+        h = paddle.nn.functional.relu(paddle.nn.Linear(16, 32)(x))
+        block = main.global_block()
+        # what paddle 2.6's buffer_shared_inplace_pass writes before an in-place op
+        t = block.create_var(name="h_inplace", shape=h.shape, dtype="float32")
+        block.append_op(type="share_buffer", inputs={"X": [h]}, outputs={"Out": [t], "XOut": [h]},
+                        attrs={"share_dims_and_dtype": [False]})
+        block.append_op(type="scale", inputs={"X": [h]}, outputs={"Out": [t]}, attrs={"scale": 2.0})
+        loss = paddle.mean(t)
+        paddle.incubate.optimizer.GradientMergeOptimizer(paddle.optimizer.SGD(0.1), k_steps=2).minimize(loss)
+    subs = {"step": main}
+    ir = to_ir(resolve_job_shapes(subs))[0]
+    ours = pipemem_estimates(resolve_job_shapes(subs))["step"]
+    m = measure_step(startup, subs, {"x": np.ones((4, 16), "float32")})[0]
+    print(json.dumps({"storages": [ir.tensors["h_inplace"].storage, ir.tensors[h.name].storage],
+                      "ops": [o.type for o in ir.ops], "estimated": [ours.net_bytes, ours.peak_bytes],
+                      "measured": [m.net_bytes, m.peak_bytes]}))
+""")
+
+
+@pytest.fixture(scope="module")
+def captured():
+    env = dict(os.environ, FLAGS_enable_pir_api="0", FLAGS_eager_delete_tensor_gb="0", GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_share_buffer_puts_the_output_on_its_input_storage(captured):
+    inplace, base = captured["storages"]
+    assert inplace == base
+
+
+def test_conditional_block_runs_its_sub_block_then_closes(captured):
+    ops = captured["ops"]
+    assert "conditional_block" in ops and ops[-1] == "conditional_block"
+    # the optimizer's sub-block (two sgd updates) is walked in place of the op, before it
+    assert ops.count("sgd") == 2 and ops.index("sgd") < ops.index("conditional_block")
+
+
+def test_step_with_share_buffer_and_conditional_block_matches_the_executor(captured):
+    assert captured["estimated"] == captured["measured"]
+
+
+PADDLE26 = os.environ.get("PIPEMEM_PADDLE26_PYTHON")
+
+
+@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
+                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+def test_pp4_first_and_last_stage_within_1pct_and_better_than_paddles_estimator(tmp_path):
+    from pipemem.validation.paddle_runs.paddlenlp_legacy import compare_built, build_case
+
+    cards = build_case("paddlenlp-legacy-pp4", tmp_path, cards=(0, 3))
+    rows = compare_built("paddlenlp-legacy-pp4", cards)
+    assert {r["name"].split("/")[1] for r in rows} == {"card0", "card3"}
+    assert len(rows) == 10
+    for r in rows:
+        assert r["rel_error"] is not None and abs(r["rel_error"]) <= 0.01, r
+    ours = max(abs(r["rel_error"]) for r in rows)
+    theirs = max(abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None)
+    assert ours < theirs
