@@ -63,6 +63,12 @@ class ArchSpec:
     expert_ffn: int = 0
     shared_experts: int = 0        # count of shared experts (width shared_ffn each, fused)
     shared_ffn: int = 0
+    attn_softcap: float = 0.0      # tanh soft-capping of the attention scores (gemma2; 0: none)
+    final_softcap: float = 0.0     # tanh soft-capping of the output logits (gemma2; 0: none)
+    hf_sdpa: bool = True           # HF's module can run SDPA (gemma2's cannot: HF trains it with eager attention)
+    shared_expert_gate: bool = False   # a sigmoid gate [1, hidden] scales the shared expert's output (qwen2_moe)
+    router_norm_topk: bool = True      # top-k routing weights renormalised to sum 1 (HF norm_topk_prob)
+    router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
     dense_layers: tuple[int, ...] = ()   # layer indices that stay dense in a MoE model
 
     @property
@@ -189,6 +195,18 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=float(r.opt("hidden_dropout", 0.0)))
 
 
+# HF config classes whose head_dim default is a number, not hidden_size / num_attention_heads
+_HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256}
+# ... and whose activation default is not silu
+_HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh"}
+
+
+def _softcap(r: _Reader, key: str, default: float) -> float:
+    """A soft-capping value: HF's default when the key is absent, none when it is null."""
+    v = r.c[key] if key in r.c else default
+    return float(v) if v else 0.0
+
+
 def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     c = r.c
     if c.get("kv_lora_rank") or c.get("q_lora_rank"):
@@ -200,12 +218,13 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     if kv <= 0 or heads % kv:
         raise UserError(f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
                         f"num_attention_heads={heads}")
-    head_dim = c.get("head_dim")
+    head_dim = c.get("head_dim", _HF_HEAD_DIM.get(mt))
     if head_dim is None:
         _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
         head_dim = hidden // heads
     layers = r.pos_int("num_hidden_layers")
     experts = top_k = expert_ffn = shared = shared_ffn = 0
+    shared_gate = False
     dense_layers: tuple[int, ...] = ()
     if mt in _MOE_LLAMA_LIKE:
         experts = int(r.req("num_local_experts", "num_experts", "n_routed_experts"))
@@ -219,6 +238,7 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         if mt == "qwen2_moe":
             shared_ffn = int(r.opt("shared_expert_intermediate_size", 0))
             shared = 1 if shared_ffn else 0
+            shared_gate = bool(shared)    # Qwen2MoeSparseMoeBlock.shared_expert_gate
         elif mt.startswith("deepseek"):
             shared = int(r.opt("n_shared_experts", 0))
             shared_ffn = expert_ffn if shared else 0
@@ -230,13 +250,13 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     needs_dense_ffn = experts == 0 or bool(dense_layers)
     ffn = r.pos_int("intermediate_size") if needs_dense_ffn or "intermediate_size" in c else 0
     qkv_bias = bool(r.opt("attention_bias", mt in ("qwen2", "qwen2_moe")))
+    act_fn = str(r.opt("hidden_act", None) or r.opt("hidden_activation", None) or _HF_ACT.get(mt, "silu"))
     return ArchSpec(
         name=r.name, model_type=mt, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=int(head_dim),
         # olmo: LayerNorm in fp32 without weight or bias (OlmoLayerNorm)
         ffn=ffn, vocab=r.pos_int("vocab_size"), norm="layernorm" if mt == "olmo" else "rmsnorm",
         norm_affine=mt != "olmo",
-        activation=_activation(r.opt("hidden_act", r.opt("hidden_activation", "silu")), True, r.name),
-        act_fn=str(r.opt("hidden_act", r.opt("hidden_activation", "silu"))),
+        activation=_activation(act_fn, True, r.name), act_fn=act_fn,
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
         # HF's config classes tie by default only for gemma / gemma2
         tied_embeddings=bool(r.opt("tie_word_embeddings", mt in ("gemma", "gemma2"))), qkv_bias=qkv_bias,
@@ -248,6 +268,14 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         norm_weight_first=mt in ("olmo2", "gemma", "gemma2"),
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
         experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
+        shared_expert_gate=shared_gate,
+        attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0) if mt == "gemma2" else 0.0,
+        final_softcap=_softcap(r, "final_logit_softcapping", 30.0) if mt == "gemma2" else 0.0,
+        hf_sdpa=mt != "gemma2",
+        # HF routers: Mixtral always renormalises its fp32 top-k weights; the Qwen MoE routers
+        # only with norm_topk_prob (their configs default it off) and cast them to the logits' dtype
+        router_norm_topk=mt == "mixtral" or bool(r.opt("norm_topk_prob", mt not in ("qwen2_moe", "qwen3_moe"))),
+        router_weights_cast=mt in ("qwen2_moe", "qwen3_moe"),
         dense_layers=dense_layers)
 
 
@@ -288,6 +316,8 @@ def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str
         if arch.shared_experts:
             sf = arch.shared_experts * arch.shared_ffn // tp
             out["shared_mlp"] = (((3 if gated else 2) * sf, h), False)
+            if arch.shared_expert_gate:
+                out["shared_gate"] = ((1, h), False)
     else:
         f = arch.ffn // tp
         out["mlp"] = (((3 if gated else 2) * f, h), False)

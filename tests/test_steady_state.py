@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from pipemem.validation.steady_cases import compare  # noqa: E402
 
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("gemma", "bf16"), ("olmo2", "bf16"), ("gpt2", "fp32"),
-         ("gpt_neox", "bf16"), ("mixtral", "bf16")]
+         ("gpt_neox", "bf16"), ("mixtral", "bf16"), ("qwen2_moe", "bf16")]
 
 
 @pytest.mark.parametrize("family,dtype", CASES)

@@ -147,6 +147,10 @@ class LayerOptions:
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
     offload_keep: int = 0   # activation offload: the layer's last saved tensors left on the GPU
+    # HF MoE router and shared expert (ArchSpec fields of the same names)
+    router_norm_topk: bool = True
+    router_weights_cast: bool = False
+    shared_expert_gate: bool = False
 
 
 def norm_kind(arch) -> str:
@@ -167,7 +171,8 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         norm_weight_first=arch.norm_weight_first,
         parallel_residual=arch.parallel_residual,
         native_fused_qkv=arch.fused_qkv, attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
-        recompute=recompute)
+        recompute=recompute, router_norm_topk=arch.router_norm_topk, router_weights_cast=arch.router_weights_cast,
+        shared_expert_gate=arch.shared_expert_gate)
 
 
 # Building blocks --------------------------------------------------------------------------
@@ -325,7 +330,7 @@ class _Gen:
         the router is a plain linear) nor torchtitan (its float8 converter filters the output
         projection) runs the head or the router in fp8."""
         f = self.sh.feat
-        return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router"))
+        return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router", "moe.shared_gate"))
 
     def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int) -> tuple[str, str, tuple]:
         """(forward operand, tensor saved for the weight grad, (forward, backward) workspace).
@@ -689,14 +694,17 @@ class _Gen:
         return g
 
     def moe_hf(self, x: str, opt: LayerOptions) -> str:
-        """HF transformers' MoE block (MixtralTopKRouter + grouped_mm experts), op by op: fp32
-        router softmax, top-k renormalised in place (autograd clones the top-k values), tokens
-        sorted by expert and gathered, grouped GEMMs, then the routing weights applied in fp32,
-        the original order restored and the top-k copies summed in fp32 and cast back."""
+        """HF transformers' sparse MoE block (its TopKRouter + grouped_mm experts, + Qwen2-MoE's
+        gated shared expert), op by op: the shared expert's MLP first, then the router softmax
+        in fp32, top-k (renormalised in place when the model does: autograd clones the top-k
+        values; cast back to the logits' dtype by the Qwen routers), tokens sorted by expert and
+        gathered, grouped GEMMs, the routing weights applied in their dtype, the original order
+        restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts."""
         sh = self.sh
         T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
         S = T * K
         f = sh.expert_ffn
+        shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn) if sh.shared_ffn else None
         logits = self.linear(x, "moe.router", (T, E), h, False)
         lf = self.act("moe.logits_fp32", (T, E), "fp32")
         self.t.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
@@ -705,12 +713,20 @@ class _Gen:
         topv = self.act("moe.topk_values", (T, K), "fp32")
         topi = self.act("moe.topk_idx", (T, K), "int64")
         self.t.node("topk", (probs,), (topv, topi), diff_inputs=(probs,), save_i=(topi,))
-        ssum = self.act("moe.topk_sum", (T, 1), "fp32")
-        self.t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
-        orig = self.act("moe.topk_values_orig", (T, K), "fp32")
-        topn = self.act("moe.topk_weights", (T, K), "fp32", storage=topv)
-        self.t.node("div_", (topv, ssum), (orig, topn), diff_inputs=(topv, ssum), save_i=(orig, ssum),
-                    fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, ssum), (topn,))))
+        topn = topv
+        if opt.router_norm_topk:
+            ssum = self.act("moe.topk_sum", (T, 1), "fp32")
+            self.t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
+            orig = self.act("moe.topk_values_orig", (T, K), "fp32")
+            topn = self.act("moe.topk_weights", (T, K), "fp32", storage=topv)
+            self.t.node("div_", (topv, ssum), (orig, topn), diff_inputs=(topv, ssum), save_i=(orig, ssum),
+                        fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, ssum), (topn,))))
+        wdt = "fp32"
+        if opt.router_weights_cast and self.dtype_of(logits) != "fp32":
+            wdt = self.dtype_of(logits)
+            topc = self.act("moe.topk_weights_cast", (T, K), wdt)
+            self.t.node("to_dtype", (topn,), (topc,), diff_inputs=(topn,))
+            topn = topc
         ids_g = self.act("moe.expert_ids_sorted", (S,), "int64")
         perm = self.act("moe.perm", (S,), "int64")
         self.t.node("sort", (topi,), (ids_g, perm))
@@ -719,7 +735,7 @@ class _Gen:
         hs_g = self.act("moe.permuted", (S, h))
         self.t.node("index", (x, tok_idx), (hs_g,), diff_inputs=(x,), save_i=(tok_idx,),
                     workspace_i=T * h * dtype_bytes(self.dt))   # new_zeros before index_put
-        sw_g = self.act("moe.sample_weights", (S,), "fp32")
+        sw_g = self.act("moe.sample_weights", (S,), wdt)
         self.t.node("index", (topn, perm), (sw_g,), diff_inputs=(topn,), save_i=(perm,))
         offs = self.act("moe.offsets", (E,), "int32")
         self.t.node("histc_cumsum", (ids_g,), (offs,))
@@ -738,17 +754,30 @@ class _Gen:
         out = self.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
         inv = self.act("moe.inv_perm", (S,), "int64")
         self.t.node("inverse_perm", (perm,), (inv,))
-        wout = self.act("moe.weighted", (S, h), "fp32")
-        # grad of the bf16 factor: fp32 product then a cast; grad of the weights: fp32 product, summed
+        wb = dtype_bytes(wdt)
+        wout = self.act("moe.weighted", (S, h), wdt)
+        # grad of the low-precision factor: a product in the weights' dtype then a cast; grad of
+        # the weights: a product, summed
         self.t.node("mul", (out, sw_g), (wout,), diff_inputs=(out, sw_g), save_i=(out, sw_g),
-                    workspace_i=2 * S * h * 4)
-        wperm = self.act("moe.unpermuted", (S, h), "fp32")
-        self.t.node("index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * 4)
-        y32 = self.act("moe.out_fp32", (sh.s_sp, sh.b, h), "fp32")
-        self.t.node("sum_topk", (wperm,), (y32,), diff_inputs=(wperm,))
-        y = self.act("moe.out", (sh.s_sp, sh.b, h))
-        self.t.node("to_dtype", (y32,), (y,), diff_inputs=(y32,))
-        return y
+                    workspace_i=2 * S * h * wb)
+        wperm = self.act("moe.unpermuted", (S, h), wdt)
+        self.t.node("index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * wb)
+        y = self.act("moe.out_" + wdt if wdt != self.dt else "moe.out", (sh.s_sp, sh.b, h), wdt)
+        self.t.node("sum_topk", (wperm,), (y,), diff_inputs=(wperm,))
+        if wdt != self.dt:
+            yc = self.act("moe.out", (sh.s_sp, sh.b, h))
+            self.t.node("to_dtype", (y,), (yc,), diff_inputs=(y,))
+            y = yc
+        if shared is None:
+            return y
+        if opt.shared_expert_gate:
+            g = self.linear(x, "moe.shared_gate", (sh.s_sp, sh.b, 1), h, False)
+            sig = self.act("moe.shared_gate_sigmoid", (sh.s_sp, sh.b, 1))
+            self.t.node("sigmoid", (g,), (sig,), diff_inputs=(g,), save_i=(sig,))
+            gated_shared = self.act("moe.shared_gated", (sh.s_sp, sh.b, h))
+            self.t.node("mul", (sig, shared), (gated_shared,), diff_inputs=(sig, shared), save_i=(sig, shared))
+            shared = gated_shared
+        return self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
 
     def grouped_linear(self, x: str, offs: str, name: str, out_shape: tuple, in_features: int) -> str:
         """torch._grouped_mm over the local experts: saves its input (and the offsets)."""

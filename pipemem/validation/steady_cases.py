@@ -25,8 +25,11 @@ FAMILIES = {
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                       head_dim=32),
+    # a gated shared expert, top-k weights neither renormalised nor kept in fp32 (HF defaults)
+    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=512),
 }
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def plan_for(family: str, dtype: str, **extra) -> dict:
