@@ -88,6 +88,20 @@ def insert_marker(block, index: int, mark_var, callable_id: int) -> None:
                             "backward_skip_vars": [], "op_role": 0})
 
 
+def marker_factory(marks: list):
+    """`marker(name)` -> the id of a py_func that appends (name, allocated now, peak since the
+    previous mark) to `marks` and resets the peak: one mark per program start or op."""
+    from paddle.base import core
+    from paddle.static.nn.common import PyFuncRegistry
+
+    def marker(name: str) -> int:
+        def record(*_):
+            marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
+            core.host_memory_stat_reset_peak_value("Allocated", 0)
+        return PyFuncRegistry(record).id
+    return marker
+
+
 def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 1, seed: int = 0,
                  per_op: bool = False) -> list[Measured]:
     """Net change and peak of each sub-program (in dict order) over one training step.
@@ -101,7 +115,6 @@ def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 
     import paddle
     from paddle.base import core
     from paddle.base.executor import _add_feed_fetch_ops
-    from paddle.static.nn.common import PyFuncRegistry
 
     place = paddle.CPUPlace()
     scope = core.Scope()
@@ -109,12 +122,7 @@ def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 
     paddle.static.Executor(place).run(startup_program, scope=scope)
 
     marks: list[tuple[str, int, int]] = []
-
-    def marker(name):
-        def record(*_):
-            marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
-            core.host_memory_stat_reset_peak_value("Allocated", 0)
-        return PyFuncRegistry(record).id
+    marker = marker_factory(marks)
 
     types = list(sub_programs)
     skip = skip_gc_sets(sub_programs)

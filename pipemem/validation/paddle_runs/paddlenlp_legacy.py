@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .measure import JOB_PREFIX, MARK_VAR, Measured, allocated_now, insert_marker
+from .measure import JOB_PREFIX, MARK_VAR, Measured, insert_marker, marker_factory
 from .paddlenlp_measure import numel
 
 SUB_PROGRAMS = ("forward", "backward", "optimizer")
@@ -164,7 +164,6 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
     import paddle
     from paddle.base import core
     from paddle.base.executor import _add_feed_fetch_ops  # noqa: F401  (feed ops are in the forward already)
-    from paddle.static.nn.common import PyFuncRegistry
 
     place = paddle.CPUPlace()
     types = [t for t in SUB_PROGRAMS if t in programs]
@@ -181,12 +180,7 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
     for name, arr in _scope_values(programs, doc).items():
         scope.var(name).get_tensor().set(arr, place)
     marks: list[tuple[str, int, int]] = []
-
-    def marker(name):
-        def record(*_):
-            marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
-            core.host_memory_stat_reset_peak_value("Allocated", 0)
-        return PyFuncRegistry(record).id
+    marker = marker_factory(marks)
 
     for t, p in progs.items():
         block = p.global_block()
