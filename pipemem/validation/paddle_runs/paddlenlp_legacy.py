@@ -233,9 +233,10 @@ def paddle_estimates(sub_programs: dict) -> tuple[dict, dict]:
     return out, errors
 
 
-def compare_card(folder: str | Path, label: str) -> list[dict]:
+def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[dict]:
     """Rows for one card: forward net and peak, backward peak, optimizer peak; measured,
-    pipemem's, Paddle's estimator's."""
+    pipemem's, Paddle's estimator's. `measure=False`: estimates only (programs at shapes the
+    CPU cannot run; the measured fields are None)."""
     from ...paddle.capture import resolve_job_shapes
     from ..compare import rel_error
     from .compare import pipemem_estimates
@@ -244,14 +245,14 @@ def compare_card(folder: str | Path, label: str) -> list[dict]:
     subs = {t: programs[t] for t in SUB_PROGRAMS if t in programs}
     ours = pipemem_estimates(resolve_job_shapes(subs), name_prefix=f"{label}/")
     theirs, their_errors = paddle_estimates(subs)
-    measured = {m.type: m for m in measure_card(programs, doc)}
+    measured = {m.type: m for m in measure_card(programs, doc)} if measure else {}
     rows = []
     for t, quantity in (("forward", "net"), ("forward", "peak"), ("backward", "net"), ("backward", "peak"),
                         ("optimizer", "peak")):
         if t not in subs:
             continue
-        m = measured[t]
-        meas = m.net_bytes if quantity == "net" else m.peak_bytes
+        m = measured.get(t)
+        meas = None if m is None else m.net_bytes if quantity == "net" else m.peak_bytes
         est = ours[t].net_bytes if quantity == "net" else ours[t].peak_bytes
         pest = None if t not in theirs else theirs[t][0] if quantity == "net" else theirs[t][1]
         rows.append({"name": f"{label}/{t}/{quantity}", "measured_bytes": meas, "estimated_bytes": est,
@@ -299,14 +300,15 @@ def paddle26_python() -> str:
     return exe
 
 
-def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: float = 600) -> dict[int, Path]:
+def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: float = 600,
+               spec: dict | None = None) -> dict[int, Path]:
     """{card: folder} of case `name`'s job programs (every card, or `cards`), built in the 2.6
-    interpreter under `folder`."""
+    interpreter under `folder` (`spec`: instead of CASES[name])."""
     import os
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    spec = CASES[name]
+    spec = spec or CASES[name]
     python = paddle26_python()
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.json"
@@ -332,7 +334,7 @@ def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: 
         return dict(zip(cards, pool.map(one, cards)))
 
 
-def compare_built(name: str, cards: dict, timeout: float = 900) -> list[dict]:
+def compare_built(name: str, cards: dict, timeout: float = 900, measure: bool = True) -> list[dict]:
     """Rows of the built `cards` ({card: folder}) of case `name`, compared in a legacy-IR worker
     of this interpreter's Paddle (`python -m pipemem.validation.paddle_runs.worker --ir
     paddlenlp-legacy LABEL=FOLDER...`)."""
@@ -340,7 +342,8 @@ def compare_built(name: str, cards: dict, timeout: float = 900) -> list[dict]:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy", "--",
+    cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy",
+           *([] if measure else ["--estimate-only"]), "--",
            *[f"{name}/card{i}={c}" for i, c in cards.items()]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipemem.validation.paddle_runs.worker")
     parser.add_argument("--ir", choices=("legacy", "pir", "paddlenlp-legacy"), default="legacy",
                         help="paddlenlp-legacy: the cases are LABEL=CARD_DIR of built job programs")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="paddlenlp-legacy: pipemem's and Paddle's estimates without running the programs")
     parser.add_argument("--trials", type=int, default=5, help="PIR: measured steps per case (smallest peak)")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for item in args.cases:
             label, folder = item.split("=", 1)
-            rows += compare_card(folder, label)
+            rows += compare_card(folder, label, measure=not args.estimate_only)
             print(f"{PROGRESS_PREFIX}{label}", file=sys.stderr, flush=True)
         json.dump({"cases": rows}, sys.stdout)
         print()
