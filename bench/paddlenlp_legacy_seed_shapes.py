@@ -21,17 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipemem.validation.paddle_runs.paddlenlp_legacy import build_case, compare_built  # noqa: E402
+from pipemem.validation.paddle_runs.paddlenlp_legacy import SEED_RUNS, build_case, compare_built  # noqa: E402
 
-LLAMA_7B_4L = {"hidden": 4096, "ffn": 11008, "heads": 32, "vocab": 32000, "layers": 4, "seq": 2048}
-SEED_RUNS = {
-    "seed-pp4-recompute": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
-                               recompute=True),
-    "seed-pp4": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
-                     recompute=False),
-    "seed-pp2-mp2": dict(LLAMA_7B_4L, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=8, schedule="1F1B",
-                         recompute=False),
-}
 MB = 2 ** 20
 
 

@@ -87,3 +87,18 @@ def test_pp4_first_and_last_stage_within_1pct_and_better_than_paddles_estimator(
     ours = max(abs(r["rel_error"]) for r in rows)
     theirs = max(abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None)
     assert ours < theirs
+
+
+@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
+                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+def test_seed_pp4_backward_peak_at_full_size_is_the_seeds_gpu_measurement(tmp_path):
+    """The seed's public row: pp 4 (no recompute) backward peak measured 322 MB (2^20 B) on
+    GPUs, Paddle's estimator 290. Built at the seed's full size, estimated only."""
+    from pipemem.validation.paddle_runs.paddlenlp_legacy import SEED_RUNS, build_case, compare_built
+
+    cards = build_case("seed-pp4", tmp_path, cards=(0,), spec=SEED_RUNS["seed-pp4"])
+    rows = {r["name"]: r for r in compare_built("seed-pp4", cards, measure=False)}
+    peak = rows["seed-pp4/card0/backward/peak"]
+    assert peak["measured_bytes"] is None
+    assert abs(peak["estimated_bytes"] / 2 ** 20 - 322) / 322 <= 0.01
+    assert abs(peak["paddle_estimated_bytes"] / 2 ** 20 - 322) / 322 > 0.05     # the seed's 290

@@ -280,6 +280,17 @@ CASES = {
                                         schedule="FThenB", recompute=False),
 }
 CASE_NAMES = tuple(CASES)
+# The seed's three runs at their full size (llama-7b's shape, 4 layers): built and estimated
+# only (bench/paddlenlp_legacy_seed_shapes.py), the CPU does not run them.
+LLAMA_7B_4L = {"hidden": 4096, "ffn": 11008, "heads": 32, "vocab": 32000, "layers": 4, "seq": 2048}
+SEED_RUNS = {
+    "seed-pp4-recompute": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
+                               recompute=True),
+    "seed-pp4": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
+                     recompute=False),
+    "seed-pp2-mp2": dict(LLAMA_7B_4L, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=8, schedule="1F1B",
+                         recompute=False),
+}
 
 
 def paddle26_python() -> str:
