@@ -102,3 +102,41 @@ def test_seed_pp4_backward_peak_at_full_size_is_the_seeds_gpu_measurement(tmp_pa
     assert peak["measured_bytes"] is None
     assert abs(peak["estimated_bytes"] / 2 ** 20 - 322) / 322 <= 0.01
     assert abs(peak["paddle_estimated_bytes"] / 2 ** 20 - 322) / 322 > 0.05     # the seed's 290
+
+
+_MOMENT_BYTES = """
+import sys, numpy as np, paddle
+paddle.enable_static()
+from pipemem.validation.paddle_runs.paddlenlp_legacy import load_card
+progs, _ = load_card(sys.argv[1])
+vs = [v for v in progs["default"].global_block().vars.values() if v.persistable]
+size = lambda v: int(np.prod([max(int(d), 1) for d in v.shape])) * 4
+print(sum(size(v) for v in vs if "moment" in v.name), sum(size(v) for v in vs if v.name.endswith((".w_0", ".b_0"))
+      or "weight" in v.name))
+"""
+
+
+@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
+                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+def test_dp2_sharding2_cards_within_1pct_and_states_sharded_over_the_sharding_group(tmp_path):
+    """No pipeline: the executor's one job, split by op role. The static auto-parallel script
+    shards the Adam moments over sharding_parallel_degree (2), not dp x sharding (4): what
+    `--from-paddlenlp` reads for run_pretrain_auto_static.py (tests/test_configs_readers.py)."""
+    import subprocess
+    import sys
+
+    from pipemem.validation.paddle_runs.paddlenlp_legacy import compare_built, build_case
+
+    cards = build_case("paddlenlp-legacy-dp2-sharding2", tmp_path, cards=(0, 1))
+    rows = compare_built("paddlenlp-legacy-dp2-sharding2", cards)
+    assert len(rows) == 10
+    for r in rows:
+        assert r["rel_error"] is not None and abs(r["rel_error"]) <= 0.01, r
+    env = {**os.environ, "FLAGS_enable_pir_api": "0"}
+    moments, params = zip(*(map(int, subprocess.run([sys.executable, "-c", _MOMENT_BYTES, str(folder)], env=env,
+                                                    capture_output=True, text=True, check=True).stdout.split())
+                            for folder in cards.values()))
+    assert params[0] == params[1] > 0
+    # two moments per parameter, the pair of cards holding each parameter's once between them
+    assert sum(moments) == 2 * params[0]
+    assert abs(moments[0] - params[0]) < 0.1 * params[0]

@@ -59,7 +59,9 @@ def load_card(folder: str | Path) -> tuple[dict, dict]:
 # and `to_ir` ask each op's no_need_buffer slots, which fails on an unregistered op): the 3.x
 # op of the same slots (X -> Out) and effect.
 _RETIRED_OPS = {"c_allreduce_sum": "all_reduce", "c_allreduce_max": "all_reduce", "c_allreduce_min": "all_reduce",
-                "c_allreduce_prod": "all_reduce", "c_allgather": "all_gather"}
+                "c_allreduce_prod": "all_reduce", "c_allgather": "all_gather",
+                # ZeRO's update: each shard's owner broadcasts its updated parameters (in place)
+                "c_broadcast": "broadcast"}
 
 
 def _rename_retired_ops(program) -> None:
@@ -157,6 +159,20 @@ def _scope_values(programs: dict, doc: dict) -> dict:
     return out
 
 
+def job_programs(programs: dict, doc: dict) -> tuple[dict, dict[str, set[str]]]:
+    """({type: Program} forward / backward / optimizer, {type: skip_gc_vars}) of micro-batch 0.
+    A pipeline card has them from Paddle's pass; a card without pipeline runs one "default"
+    job, split here by op role with the same retention rule (`measure.skip_gc_sets`), as the
+    hand-written legacy cases are."""
+    if "default" in programs:
+        from ...paddle.split import SUB_PROGRAM_TYPES, split_program
+        from .measure import skip_gc_sets
+
+        subs = split_program(programs["default"], SUB_PROGRAM_TYPES)
+        return subs, skip_gc_sets(subs)
+    return {t: programs[t] for t in SUB_PROGRAMS if t in programs}, first_job_skips(doc)
+
+
 def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measured]:
     """Net change and peak of forward, backward, optimizer of micro-batch 0, in that order
     (per_op: a `Measured` per op as well, "type/bBLOCK/INDEX:op", to find a gap's op)."""
@@ -166,11 +182,12 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
     from paddle.base.executor import _add_feed_fetch_ops  # noqa: F401  (feed ops are in the forward already)
 
     place = paddle.CPUPlace()
-    types = [t for t in SUB_PROGRAMS if t in programs]
-    progs = {t: programs[t].clone() for t in types}
+    subs, skips = job_programs(programs, doc)
+    types = list(subs)
+    progs = {t: subs[t].clone() for t in types}
     for p in progs.values():
         replace_comm_ops(p)
-    end = programs[types[-1]].clone()
+    end = subs[types[-1]].clone()
     for blk in reversed(_blocks(end)):
         for i in range(len(blk.ops) - 1, -1, -1):
             blk._remove_op(i, sync=False)
@@ -194,7 +211,6 @@ def measure_card(programs: dict, doc: dict, per_op: bool = False) -> list[Measur
         p._sync_with_cpp()
     scope.var(MARK_VAR).get_tensor().set(np.zeros(1, "float32"), place)
 
-    skips = first_job_skips(doc)
     jobs = []
     for t in progs:
         job = core.Job(JOB_PREFIX + t)
@@ -242,7 +258,7 @@ def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[d
     from .compare import pipemem_estimates
 
     programs, doc = load_card(folder)
-    subs = {t: programs[t] for t in SUB_PROGRAMS if t in programs}
+    subs, _ = job_programs(programs, doc)
     ours = pipemem_estimates(resolve_job_shapes(subs), name_prefix=f"{label}/")
     theirs, their_errors = paddle_estimates(subs)
     measured = {m.type: m for m in measure_card(programs, doc)} if measure else {}
@@ -278,6 +294,9 @@ CASES = {
                                      recompute=False),
     "paddlenlp-legacy-pp2-fthenb": dict(TINY, pp=2, mp=1, dp=1, micro_batch=1, accumulate_steps=4,
                                         schedule="FThenB", recompute=False),
+    # no pipeline: the executor's one job, split by op role; ZeRO-1 over the sharding group
+    "paddlenlp-legacy-dp2-sharding2": dict(TINY, pp=1, mp=1, dp=2, sharding=2, sharding_stage=1, micro_batch=1,
+                                           accumulate_steps=4, schedule="1F1B", recompute=False),
 }
 CASE_NAMES = tuple(CASES)
 # The seed's three runs at their full size (llama-7b's shape, 4 layers): built and estimated
@@ -328,7 +347,7 @@ def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: 
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = root
     env.setdefault("GLOG_minloglevel", "2")
-    world = spec["pp"] * spec["mp"] * spec["dp"]
+    world = spec["pp"] * spec["mp"] * spec["dp"] * spec.get("sharding", 1)
 
     def one(card: int) -> Path:
         out = folder / f"card{card}"

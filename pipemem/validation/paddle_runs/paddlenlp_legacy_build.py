@@ -71,7 +71,9 @@ def build_card(spec: dict, rank: int, out_dir: str) -> dict:
 
     paddle.set_device("cpu")
     pp, mp, dp = spec["pp"], spec.get("mp", 1), spec.get("dp", 1)
-    fleet.auto.create_mesh([("pp", pp), ("dp", dp), ("mp", mp)])
+    sharding = spec.get("sharding", 1)
+    # TrainingArguments: the mesh's "dp" dimension is the dataset world, dp x sharding
+    fleet.auto.create_mesh([("pp", pp), ("dp", dp * sharding), ("mp", mp)])
     cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["ffn"],
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["heads"], max_position_embeddings=spec["seq"],
@@ -111,13 +113,17 @@ def build_card(spec: dict, rank: int, out_dir: str) -> dict:
         strategy.gradient_merge.enable = True
         strategy.gradient_merge.k_steps = acc
         strategy.gradient_merge.avg = True
+    if sharding > 1:
+        strategy.sharding.enable = True
+        strategy.sharding.degree = sharding
+        strategy.sharding.stage = spec.get("sharding_stage", 1)
     if spec.get("recompute"):
         strategy.recompute.enable = True
         strategy.recompute.sr = 0
         strategy.recompute.refined_ops_patterns = []
 
     engine = fleet.auto.Engine(model, lambda loss, outputs: loss, opt, strategy=strategy)
-    total = spec["micro_batch"] * dp * acc
+    total = spec["micro_batch"] * dp * sharding * acc
     engine.prepare([paddle.static.InputSpec([total, spec["seq"]], "int64", "input_ids"),
                     paddle.static.InputSpec([total, spec["seq"]], "int64", "labels")], mode="train")
     main = engine.main_program
@@ -210,7 +216,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(open(argv[0]).read())
     rank = int(argv[1])
-    world = spec["pp"] * spec.get("mp", 1) * spec.get("dp", 1)
+    world = spec["pp"] * spec.get("mp", 1) * spec.get("dp", 1) * spec.get("sharding", 1)
     set_rank_env(rank, world)
     doc = build_card(spec, rank, argv[2])
     print(json.dumps({"rank": rank, "jobs": len(doc["job_list"]), "types": doc["types"]}))
