@@ -307,9 +307,17 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
     tc = read_paddlenlp(argv)
     assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"]["zero_group"] == 2
     assert not [w for w in tc.warnings if "sharding" in w]
-    # The auto-parallel trainer shards over the whole [dp x sharding] mesh dimension.
-    auto = read_paddlenlp(argv + ["--enable_auto_parallel", "1"])
+    # The AutoTrainer (run_pretrain_auto.py) shards over the whole [dp x sharding] mesh dimension;
+    # the static auto-parallel script (the seed's) over the sharding group, as the fleet trainer.
+    auto = read_paddlenlp(["run_pretrain_auto.py"] + argv + ["--enable_auto_parallel", "1"])
     assert auto.plan["zero"] == 1 and auto.plan["dp"] == 4 and "zero_group" not in auto.plan["extra"]
+    static = read_paddlenlp(["python", "-u", "llm/auto_parallel/llama/run_pretrain_auto_static.py"] + argv
+                            + ["--enable_auto_parallel", "1"])
+    assert static.plan["extra"]["zero_group"] == 2 and not static.warnings
+    # Without the script the smaller group (more memory per card), said in a note.
+    unnamed = read_paddlenlp(argv + ["--enable_auto_parallel", "1"])
+    assert unnamed.plan["extra"]["zero_group"] == 2
+    assert [w for w in unnamed.warnings if "run_pretrain_auto.py" in w and "sharding" in w]
     est = estimate(tc.model, **tc.plan)
     unsharded = estimate(tc.model, **{**tc.plan, "zero": 0, "extra": {}})
     over4 = estimate(tc.model, **{**tc.plan, "extra": {k: v for k, v in tc.plan["extra"].items() if k != "zero_group"}})

@@ -9,6 +9,7 @@ continuations (a lone `\\`) are dropped.
 from __future__ import annotations
 
 import re
+from pathlib import PurePath
 from dataclasses import dataclass, field
 
 from ..errors import UserError
@@ -23,6 +24,7 @@ class Args:
     tool: str
     values: dict[str, list[str]] = field(default_factory=dict)
     world_size: int | None = None      # from the launcher part, when present
+    script: str | None = None          # the training script's file name, when pasted
     used: set[str] = field(default_factory=set)
 
     def has(self, name: str) -> bool:
@@ -80,11 +82,15 @@ def parse(tokens: list[str], tool: str) -> Args:
         tokens = tokens[1:]
     script_at = next((i for i, t in enumerate(tokens) if t.endswith(".py") and not t.startswith("-")), None)
     launcher: dict[str, list[str]] = {}
+    tokens_script = None
     if script_at is not None:
+        tokens_script = tokens[script_at]
         launcher = _pairs(tokens[:script_at], tool, strict=False)
         tokens = tokens[script_at + 1:]
     args = Args(tool=tool, values=_pairs(tokens, tool, strict=True))
     args.world_size = _world_from_launcher(launcher, tool)
+    if script_at is not None:
+        args.script = PurePath(tokens_script).name
     return args
 
 

@@ -82,6 +82,35 @@ def resolve_model_id(model: str) -> str:
     return model
 
 
+# The auto-parallel trainers and how far each shards the ZeRO states (--sharding stageN).
+AUTO_STATIC_SCRIPT = "run_pretrain_auto_static.py"   # fleet.auto.Engine + Strategy (the seed's)
+AUTO_TRAINER_SCRIPT = "run_pretrain_auto.py"         # AutoTrainer, dist.shard_optimizer
+
+
+def _sharding_group(a, sharding_degree: int, dp_degree: int) -> tuple[int | None, str]:
+    """(ranks the ZeRO states are sharded over, or None for the whole dp x sharding group; a
+    note for the user or ""), by trainer:
+    * Fleet's hybrid trainer (run_pretrain.py) and the static auto-parallel script
+      (run_pretrain_auto_static.py: TrainingArguments sets `strategy.sharding.degree =
+      sharding_parallel_degree`; measured in the legacy programs paddle 2.6 builds for it, a
+      dp 2 x sharding 2 card holds half the Adam moments) shard over the sharding group only:
+      each of the data_parallel_degree replicas holds a full set.
+    * The AutoTrainer (run_pretrain_auto.py, --enable_auto_parallel 1 with dygraph-to-static)
+      builds its mesh as [pp, dp x sharding, mp] and shards over that whole "dp" dimension
+      (dist.shard_optimizer(opt, ShardingStageN("dp"))), seen in the PIR programs Paddle
+      3.3.1 builds for it.
+    An auto-parallel line without its script gets the smaller group (more memory per card:
+    never a false FITS) and a note."""
+    if not a.bool("enable_auto_parallel") or a.script == AUTO_STATIC_SCRIPT or dp_degree == 1:
+        return sharding_degree, ""
+    if a.script == AUTO_TRAINER_SCRIPT:
+        return None, ""
+    return sharding_degree, (f"{TOOL}: the ZeRO states are taken as sharded over --sharding_parallel_degree "
+                             f"{sharding_degree} (run_pretrain.py, {AUTO_STATIC_SCRIPT}); {AUTO_TRAINER_SCRIPT} "
+                             f"shards them over data x sharding = {dp_degree * sharding_degree} ranks: paste the "
+                             f"script name to choose")
+
+
 def read(argv: list[str]) -> ToolConfig:
     a = parse(list(argv), TOOL)
     if not a.values:
@@ -134,14 +163,11 @@ def read(argv: list[str]) -> ToolConfig:
         if not levels:
             raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
         plan["zero"] = max(levels)
-        # Fleet's hybrid trainer (run_pretrain.py) shards the model states over the sharding
-        # group only (sharding_parallel_degree): each of the data_parallel_degree replicas
-        # holds a full set. The auto-parallel trainer (--enable_auto_parallel 1) builds its
-        # mesh as [pp, dp x sharding, mp] and shards over that whole "dp" dimension
-        # (AutoTrainer: dist.shard_optimizer(opt, ShardingStageN("dp"))), seen in the
-        # programs Paddle 3.3.1 builds for it.
-        if not a.bool("enable_auto_parallel"):
-            plan["extra"] = {"zero_group": sharding_degree}
+        group, note = _sharding_group(a, sharding_degree, dp_degree)
+        if group is not None:
+            plan["extra"] = {"zero_group": group}
+        if note:
+            warnings.append(note)
 
     # PaddleNLP's TrainingArguments.sequence_parallel defaults to False (pipemem's own default
     # turns sequence parallelism on with tp > 1).
