@@ -9,7 +9,8 @@ Sections (each prints medians of several runs):
    call, as in a process that estimates many plans);
 2. 10,000 distinct 405B plans through `pipemem.estimate`, from empty caches;
 3. the command line in a fresh process: `pipemem schedule Interleaved1F1B --pp 64 --vpp 2
-   --microbatches 1024 --json`, `pipemem estimate --model llama3-8b --layers 100000000`,
+   --microbatches 1024 --json`, `pipemem estimate --model llama3-8b --layers 16384` (the most
+   plan.LIMITS accepts: `--layers 100000000` is now refused with exit 2),
    and `pipemem estimate` on large plans (interpreter start-up and imports included).
 """
 
@@ -35,7 +36,7 @@ PLAN_405B = dict(tp=8, pp=16, vpp=2, dp=64, microbatches=32, seq_len=8192, micro
 
 CLI = [
     ("schedule", ["schedule", "Interleaved1F1B", "--pp", "64", "--vpp", "2", "--microbatches", "1024", "--json"]),
-    ("1e8 layers", ["estimate", "--model", "llama3-8b", "--layers", "100000000"]),
+    ("16384 layers", ["estimate", "--model", "llama3-8b", "--layers", "16384"]),
     ("70b 64 GPUs", ["estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4",
                      "--microbatches", "16", "--json"]),
     ("405b 1152 GPUs", ["estimate", "--model", "llama3.1-405b", "--gpu", "h100-80g", "--dp", "16", "--tp", "8",

@@ -92,21 +92,32 @@ def test_validate_dist_takes_every_number_from_pipemem_estimate(monkeypatch):
 
     monkeypatch.setattr(pipemem, "estimate", spy)
     by_name = {c["name"]: c for c in dist.all_cases()}
-    for name in ("pp2-1F1B-m4", "tp2-llama", "fsdp2-llama"):
+    for name in ("pp2-1F1B-m4", "tp2-llama", "tp2-llama-regather", "fsdp2-llama", "ddp2-llama"):
         est = dist.estimate_case(by_name[name])
         assert seen[-1]["mode"] == "traced"
+        assert len(est) == by_name[name]["world"]
         for r, row in est.items():
             assert row["estimated_bytes"] == (1000 + r if name.startswith("pp") else 1000)
-    # and no module of validate dist reaches into the engine's memory code
+    # and no module of validate dist reaches into the engine's memory code, however imported
+    # (`from ..replay import replay`, `from .. import replay`, `import pipemem.replay`, ...)
     root = Path(dist.__file__).parent
-    engine = {"replay", "liveness", "runtime", "stages", "jobs", "traced.parallel", "traced.step",
-              "traced.estimate", "traced.dist_capture"}
-    for path in [root / "dist.py", *sorted((root / "distributed").glob("*.py"))]:
+    engine = {f"pipemem.{m}" for m in ("replay", "liveness", "runtime", "stages", "jobs", "pipeline_estimator",
+                                         "traced.parallel", "traced.step", "traced.estimate", "traced.dist_capture")}
+    for path in [root / "dist.py", root / "compare.py", root / "progress.py",
+                 *sorted((root / "distributed").glob("*.py"))]:
+        parts = ("pipemem",) + path.relative_to(root.parent).with_suffix("").parts
+        pkg = parts[:-1]                  # the package a relative import starts from
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                mod = node.module.lstrip(".")
-                mod = mod.removeprefix("pipemem.")
-                assert mod not in engine, f"{path.name} imports {node.module}"
+            if isinstance(node, ast.ImportFrom):
+                base = list(pkg[:len(pkg) - (node.level - 1)]) if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+                targets = {mod} | {f"{mod}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets = {a.name for a in node.names}
+            else:
+                continue
+            hit = {t for t in targets for e in engine if t == e or t.startswith(e + ".")}
+            assert not hit, f"{path.name} imports {sorted(hit)}"
 
 
 def test_missed_free_is_inserted_where_the_address_is_reused():

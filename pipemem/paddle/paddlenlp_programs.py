@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..ir import TensorKind, programs_from_json
-from ..jobs import JobMemory, StageJobs, StaticBytes
+from ..jobs import JobMemory, StageJobs, StaticBytes, compose
 from ..liveness import analyze_sequence
 
 PYTHON_ENV = "PIPEMEM_PADDLENLP_PYTHON"
@@ -344,11 +344,8 @@ def _override(existing, kind: str, j: JobMemory):
 
 
 def _fold(parts: list[tuple[int, int]]) -> JobMemory:
-    cur = peak = 0
-    for net, pk in parts:
-        peak = max(peak, cur + pk)
-        cur += net
-    return JobMemory(cur, peak)
+    """(net, peak) parts run back to back, as one job: `pipemem.jobs.compose`, the one fold."""
+    return compose(parts)
 
 
 def _stage_layers(spec: dict) -> dict[int, tuple[int, ...]]:
