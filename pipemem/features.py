@@ -4,8 +4,9 @@ Each switch is a `ParallelPlan` field (and a CLI flag of the same name); `featur
 collects the ones that change a layer's programs into `Features`, which the templates carry
 in their `Shard` (so it is part of every cache key). What each switch does to memory is
 modelled op by op where the programs are generated (pipemem.templates.compiled,
-pipemem.templates.losses, pipemem.templates.fp8, pipemem.templates.offload) and in the static
-bytes (pipemem.templates.static); the names below are the frameworks' own words.
+pipemem.templates.losses, pipemem.templates.layers' fp8 operands, pipemem.templates.offload)
+and in the static bytes (pipemem.templates.static); the names below are the frameworks' own
+words.
 
 * `compile`: torch.compile of each decoder layer (torchtune, torchtitan, litgpt): AOTAutograd's
   min-cut partitioner decides what the compiled layer saves for backward. "all" (or True) also

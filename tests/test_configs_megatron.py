@@ -96,7 +96,9 @@ def read(extra: str):
 @pytest.mark.parametrize("flag", ["--fp8-recipe tensorwise", "--fp8-param-gather", "--fp8-recipe blockwise",
                                   "--fp4-format e2m1", "--cpu-offloading", "--tp-comm-overlap",
                                   "--moe-expert-capacity-factor 1.0", "--fine-grained-activation-offloading",
-                                  "--fp16-lm-cross-entropy", "--mtp-num-layers 1", "--enable-cuda-graph"])
+                                  "--fp16-lm-cross-entropy", "--mtp-num-layers 1", "--enable-cuda-graph",
+                                  "--transformer-impl local", "--overlap-moe-expert-parallel-comm",
+                                  "--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec"])
 def test_memory_flags_not_modelled_are_refused_by_name(flag):
     with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]):
         read(flag)
@@ -189,3 +191,20 @@ def test_megatron_plan_rules_in_suggestions():
     assert flags and not any("--tp 8" in f for f in flags)
     with pytest.raises(UserError, match="--tp 8 does not divide the 4 KV heads"):
         pipemem.estimate(tc.model, **{**tc.plan, "tp": 8, "dp": 1})
+
+
+def test_attention_backend_follows_transformer_engine_dtype_rules():
+    """TE's flash / cuDNN fused attention take bf16 / fp16 only: an fp32 run (no --bf16/--fp16)
+    gets the unfused attention under the default --attention-backend auto."""
+    assert read("--bf16").plan.get("flash_attn", True) is True
+    assert read("").plan["flash_attn"] is False
+    assert read("--bf16 --transformer-impl transformer_engine --attention-backend auto").plan["flash_attn"] is True
+    with pytest.raises(UserError, match="--attention-backend fused needs --bf16 or --fp16"):
+        read("--attention-backend fused")
+
+
+def test_interleaved_microbatch_group_other_than_pp_is_refused():
+    vpp = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+    assert read(vpp + "--microbatch-group-size-per-virtual-pipeline-stage 2").plan["vpp"] == 2
+    with pytest.raises(UserError, match="^Megatron: --microbatch-group-size-per-virtual-pipeline-stage 4"):
+        read(vpp + "--microbatch-group-size-per-virtual-pipeline-stage 4")

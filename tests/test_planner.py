@@ -338,3 +338,16 @@ def test_torchtitan_8b_fsdp_published_plan_fits():
     res = search_plans("llama3-8b", _target(8, "h100-94g"), 8192, 16,
                        SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}))
     assert any(p.kwargs.get("fsdp") and p.kwargs["tp"] == 1 and p.kwargs["pp"] == 1 for p in res.plans)
+
+
+@pytest.mark.parametrize("pins,match", [
+    (["--tp", "16", "--tp-across-nodes"], "refused: --tp 16 does not divide the 8 KV heads"),
+    (["--tp", "16"], "no plan of 64 GPUs has these degrees"),
+])
+def test_pinned_degrees_no_plan_can_have_are_one_line(pins, match, capsys):
+    """A pinned --tp that breaks a plan rule (megatron: tp divides the KV heads) is refused with
+    the rule, exit 2, not "no plan fits, try more GPUs"."""
+    rc = main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--seq-len", "4096",
+               "--global-batch", "256", "--no-progress", *pins])
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and len(err.strip().splitlines()) == 1

@@ -162,6 +162,8 @@ def run(args) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     res = search_plans(args.model, target, args.seq_len, args.global_batch, options, extra=extra,
                        model_flag=args.model, progress=progress, jobs=jobs)
+    if not res.plans and options.fixed:
+        _explain_pinned(res, target, options)
     zb = None
     if args.zero_bubble:
         from ..planner.zero_bubble import smallest_zero_bubble_memory
@@ -175,6 +177,20 @@ def run(args) -> int:
         from ..report.plan_table import render_plans
         render_plans(res, args.top, zb, args.schedule_csv)
     return 0
+
+
+def _explain_pinned(res, target, options) -> None:
+    """Pinned degrees that no plan of the space can have, or that every such plan breaks a rule
+    with: one line (exit 2) instead of "no plan fits, try more GPUs"."""
+    s = res.stats
+    pinned = " ".join(f"--{k} {v}" for k, v in options.fixed.items())
+    if s.proposed == 0:
+        node = "" if options.tp_across_nodes else f", tp at most {target.gpus_per_node} GPUs per node " \
+            "(--tp-across-nodes lifts it)"
+        raise UserError(f"{pinned}: no plan of {target.gpus} GPUs has these degrees (dp x tp x pp x cp = the GPUs"
+                        f"{node}; ep divides the experts and the dp x cp x tp ranks)")
+    if sum(s.invalid.values()) == s.proposed and len(s.invalid) == 1 and s.invalid.keys() == s.invalid_why.keys():
+        raise UserError(f"{pinned}: every plan with these degrees is refused: {next(iter(s.invalid_why.values()))}")
 
 
 def to_json(res, zb) -> dict:

@@ -53,6 +53,7 @@ KNOWN = {
     "cross-entropy-loss-fusion", "cross-entropy-fusion-impl", "num-distributed-optimizer-instances",
     "use-torch-fsdp2", "use-megatron-fsdp", "use-custom-fsdp", "data-parallel-sharding-strategy",
     "no-bias-swiglu-fusion", "attention-softmax-in-fp32", "apply-query-key-layer-scaling",
+    "transformer-impl", "microbatch-group-size-per-virtual-pipeline-stage",
 }
 
 # Arguments that change no allocated bytes (or only in ways stated here), accepted as they are.
@@ -77,7 +78,7 @@ NO_MEMORY_EFFECT = {
     "eod-mask-loss", "reset-position-ids", "reset-attention-mask", "train-data-path", "valid-data-path",
     "test-data-path", "profile", "profile-step-start", "profile-step-end", "profile-ranks", "use-pytorch-profiler",
     "distributed-backend", "distributed-timeout-minutes", "local-rank", "node-rank", "master-addr",
-    "master-port", "use-mcore-models", "use-legacy-models", "transformer-impl", "spec",
+    "master-port", "use-mcore-models", "use-legacy-models",
     # numerics only (same tensors kept): rope variants, norm variants, softmax scale
     "rotary-base", "rotary-percent", "rotary-interleaved", "rope-scaling", "use-rope-scaling",
     "rope-scaling-factor", "rotary-seq-len-interpolation-factor", "norm-epsilon", "layernorm-epsilon",
@@ -142,6 +143,10 @@ REFUSED = {
     "heterogeneous-layers-config-encoded-json": "heterogeneous layers are not modelled",
     "experimental-attention-variant": "attention variants are not modelled",
     "qk-l2-norm": "QK L2 norm is not modelled", "attention-output-gate": "the attention output gate is not modelled",
+    "spec": "names a custom layer spec, which pipemem does not read; it models megatron-core's Transformer "
+            "Engine spec (the default)",
+    "overlap-moe-expert-parallel-comm": "runs one microbatch's forward with another's backward (combined 1F1B "
+                                        "expert-parallel overlap), not modelled",
 }
 
 # Vocabulary sizes of Megatron's built-in tokenizers (before padding).
@@ -292,6 +297,10 @@ def read(argv: list[str]) -> ToolConfig:
         plan["vpp"] = layers // (pp * vps)
     elif vstages is not None:
         plan["vpp"] = vstages
+    group = a.int("microbatch-group-size-per-virtual-pipeline-stage")
+    if group is not None and plan.get("vpp", 1) > 1 and group != pp:
+        refuse("microbatch-group-size-per-virtual-pipeline-stage", f"{group}: the interleaved schedule with "
+               f"microbatch groups other than the pipeline size ({pp}) is not modelled")
     first = a.int("decoder-first-pipeline-num-layers", minimum=0)
     last = a.int("decoder-last-pipeline-num-layers", minimum=0)
     if first is not None or last is not None:
@@ -310,9 +319,22 @@ def read(argv: list[str]) -> ToolConfig:
 
     flash = a.bool("use-flash-attn")
     backend = (a.str("attention-backend") or "").lower()
+    impl = (a.str("transformer-impl") or "transformer_engine").lower()
+    if impl != "transformer_engine":
+        # the local spec: megatron-core's unfused DotProductAttention (keeps the softmax probs) and
+        # torch / apex norms and linears instead of Transformer Engine's modules
+        refuse("transformer-impl", f"{impl} is not modelled; pipemem models the transformer_engine layer spec "
+               "(the default)")
     if backend in ("unfused", "local"):
         if flash:
             raise UserError(f"{TOOL}: --use-flash-attn contradicts --attention-backend {backend}")
+        plan["flash_attn"] = False
+    elif plan["dtype"] == "fp32":
+        # Transformer Engine's flash and cuDNN fused attention take bf16 / fp16 only: an fp32 run
+        # gets TE's unfused attention under --attention-backend auto (the default)
+        if flash or backend in ("flash", "fused"):
+            raise UserError(f"{TOOL}: {'--use-flash-attn' if flash else '--attention-backend ' + backend} needs "
+                            "--bf16 or --fp16 (flash / fused attention take bf16 or fp16 only)")
         plan["flash_attn"] = False
     elif flash or backend in ("flash", "fused", "auto"):
         plan["flash_attn"] = True

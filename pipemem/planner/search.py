@@ -88,6 +88,7 @@ class PlanResult:
 class SearchStats:
     proposed: int = 0
     invalid: Counter = field(default_factory=Counter)   # reason -> count
+    invalid_why: dict = field(default_factory=dict)     # reason -> the first refusal's message
     pruned_static: int = 0                              # skipped by the static-bytes bound
     no_fit: int = 0                                     # estimated, nothing of the ladder fits
     implied: int = 0                                    # settings known not to fit without an estimate
@@ -101,6 +102,13 @@ class SearchStats:
         for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.invalid.update(other.invalid)
+        for k, v in other.invalid_why.items():
+            self.invalid_why.setdefault(k, v)
+
+    def refuse(self, message: str) -> None:
+        key = _reason(message)
+        self.invalid[key] += 1
+        self.invalid_why.setdefault(key, message)
 
     def to_dict(self) -> dict:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
@@ -358,7 +366,7 @@ class _Runner:
         try:
             return validate_plan(self.arch, ParallelPlan(**{k: v for k, v in kw.items() if v is not None}))
         except UserError as e:
-            self.stats.invalid[_reason(str(e))] += 1
+            self.stats.refuse(str(e))
             return None
 
     def _static(self, plan: ParallelPlan, placement) -> list[int]:
@@ -446,7 +454,7 @@ class _Runner:
         try:
             return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
         except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
-            self.stats.invalid[_reason(str(e))] += 1
+            self.stats.refuse(str(e))
             return None
 
     @staticmethod
