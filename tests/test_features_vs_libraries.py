@@ -1,7 +1,8 @@
 """Each modern-trainer feature in templates against a trace made by the feature's own library
 (pipemem.validation.features, also `pipemem validate features`): AOTAutograd's partitioner for
 --compile, torchtune's chunked CE for --loss chunked, torchao's Float8 for --fp8 tensorwise,
-torchtune's optimizer-in-backward hooks for --optimizer-in-backward. A library that is not
+torchtune's optimizer-in-backward hooks for --optimizer-in-backward, torchao's AdamW8bit /
+AdamW4bit state buffers for --optimizer adam8bit / adam4bit. A library that is not
 installed skips its test (CI installs them: .ci/run)."""
 
 import importlib.util
@@ -52,3 +53,32 @@ def test_optimizer_in_backward_matches_torchtune():
     left, peak = F.optimizer_in_backward_cases()
     assert left.measured_bytes == 0
     close(peak, 0.01)
+
+
+@pytest.mark.parametrize("optimizer,cls", [("adam8bit", "AdamW8bit"), ("adam4bit", "AdamW4bit")])
+def test_quantized_optimizer_states_match_torchao(optimizer, cls):
+    # torchao's own optimizer allocates the two Adam states of every parameter of an HF Llama
+    # (its _new_buffer: block-quantized codes + fp32 block scales + the code map; tensors under
+    # 4096 elements stay in the parameter's dtype); pipemem's resident optimizer bytes for the
+    # same model must match them
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    optim = pytest.importorskip("torchao.optim")
+    import pipemem
+
+    cfg = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "num_hidden_layers": 4, "intermediate_size": 1536, "vocab_size": 32000}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
+    params = list(model.parameters())
+    opt = getattr(optim, cls)(params)
+
+    def nbytes(t):
+        if hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+    reference = sum(nbytes(opt._new_buffer(p, True)) + nbytes(opt._new_buffer(p, False)) for p in params)
+    est = pipemem.estimate(cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False,
+                           optimizer=optimizer).ranks[0].static.optimizer
+    assert abs(est - reference) <= 0.005 * reference, (est, reference)

@@ -18,7 +18,7 @@ nodes of one template region (pipemem.templates.tape), with the partitioner's de
 Each tensor v becomes an edge v_in -> v_out of capacity = its bytes; a node's inputs feed its
 outputs with infinite capacity; banned tensors hang from the source, tensors the backward
 reads go to the sink. The minimum cut is the saved set; nodes with an output on the sink side
-are recomputed in backward (the tape's region replay). `tests/test_compiled_partition.py`
+are recomputed in backward (the tape's region replay). `tests/test_features_vs_libraries.py`
 holds this against the real partitioner run on Hugging Face layers on fake tensors.
 """
 

@@ -568,7 +568,7 @@ EXPLAINED: dict[str, list[str]] = {
         "torchtune's decoder upcasts the whole logits to fp32 inside the model (`output.float()`, eager, "
         "outside the compiled loss) when the loss is not chunked, so its compiled CE keeps fp32 logits (3.9 "
         "GiB) where HF's loss, which the hf convention follows, keeps bf16 (2.0 GiB); the rest (about 8 GiB) "
-        "is unexplained: the partitioner run on HF layers (tests/test_compiled_partition.py) removes 7 of "
+        "is unexplained: the partitioner run on HF layers (tests/test_features_vs_libraries.py) removes 7 of "
         "22.5 [b,s,h] units per layer, the measured rows suggest inductor removed less here"],
     "torchtune-3B-Activation_Checkpointing": [
         "the peak is the optimizer step: AdamW's foreach path (PyTorch's default) materialises a "
