@@ -119,7 +119,8 @@ class _Reader:
             if v is not None:
                 return v
         alts = " or ".join(repr(k) for k in keys)
-        raise UserError(f"config of {self.name}: missing key {alts} (model_type {self.c.get('model_type')!r})")
+        raise UserError(f"config of {self.name}: missing key {alts} (model_type {self.c.get('model_type')!r}); "
+                        "add it to the config (a Hugging Face config.json of the model has it)")
 
     def opt(self, key: str, default: Any) -> Any:
         v = self.c.get(key)

@@ -375,7 +375,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         derived = plan.global_batch // per
         if microbatches is not None and microbatches != derived:
             raise UserError(f"--microbatches {microbatches} contradicts --global-batch {plan.global_batch} "
-                            f"(= {derived} microbatches of {mbs} on {plan.dp} dp ranks); give only one")
+                            f"(= {derived} microbatches of {mbs} on {plan.dp} dp rank{'s' if plan.dp != 1 else ''}); "
+                            "give only one")
         microbatches = derived
     if microbatches is None:
         microbatches = max(pp, 1) if pp > 1 else 1
@@ -398,6 +399,9 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if not arch.is_moe:
         if ep > 1:
             raise UserError(f"--ep {ep}: {name} has no experts; use --ep 1")
+        if plan.etp is not None and plan.etp > 1:
+            raise UserError(f"--etp {plan.etp} does nothing: {name} has no experts (expert tensor parallelism "
+                            "splits MoE expert layers); drop --etp")
         etp = 1
     else:
         if arch.experts % ep:

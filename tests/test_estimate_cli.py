@@ -233,6 +233,7 @@ def test_bad_files_through_the_real_command(tmp_path):
     bad_toml = tmp_path / "job.toml"
     bad_toml.write_text("[model\nflavor = ")
     for argv, match in ((["--model", str(bad_json)], "not valid JSON"), (["--model", str(no_keys)], "missing key"),
+                        (["--model", str(no_keys)], "; add it to the config"),    # the fix, not only the fault
                         (["--from-torchtitan", str(bad_toml)], "not valid TOML"),
                         (["--model", str(tmp_path)], "not valid JSON")):
         rc, out, err = cli("estimate", *argv)

@@ -116,3 +116,14 @@ def test_python_api_types(kw, match):
 def test_overlong_model_name_is_one_error():
     with pytest.raises(UserError, match="--model"):
         pipemem.estimate("x" * 300)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["schedule", "1F1B", "--pp", "4", "--microbatches", "8", "--times", "-1,1,1"], "--times"),
+    (["estimate", "--model", "llama3-8b", "--pp", "2", "--pp-layout", "-3,35"], "--pp-layout"),
+])
+def test_value_starting_with_dash_says_how_to_write_it(argv, flag, capsys):
+    # argparse reads "-1,1,1" as an option: "expected one argument" alone leaves the user guessing
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"write one that starts with '-' as {flag}=VALUE" in err

@@ -95,6 +95,20 @@ def test_h100_total_is_81559_mib():
     assert gpu_memory_bytes("H100-80GB") == gpu_memory_bytes("h100-80g")
 
 
+@pytest.mark.parametrize("name,key", [("gtx-1080-ti", "gtx1080ti"), ("RTX 3090", "rtx3090"), ("a100_80g", "a100-80g"),
+                                      ("1080-ti", "gtx1080ti"), ("B-200", "b200")])
+def test_gpu_names_ignore_separators(name, key):
+    # as schedule names do: "--gpu gtx-1080-ti" was "unknown GPU (did you mean gtx1080ti?)"
+    assert gpu_info(name)["key"] == key
+
+
+def test_separators_do_not_hide_ambiguity_or_other_gpus():
+    with pytest.raises(UserError, match="ambiguous"):
+        gpu_info("h-100")
+    with pytest.raises(UserError, match="unknown GPU"):
+        gpu_info("gtx-1080")      # the 8 GB GTX 1080 is not the 11 GB Ti
+
+
 @pytest.mark.parametrize("name,cands", [("H100", ("h100-80g", "h100-94g")), ("a100", ("a100-40g", "a100-80g"))])
 def test_ambiguous_gpu_names_list_the_candidates(name, cands):
     # "h100" alone is an 80 GB SXM or a 94 GB NVL: an error naming both, not a silent pick

@@ -37,6 +37,7 @@ def test_other_vocab_file_still_needs_a_size():
 @pytest.mark.parametrize("name,base", [
     ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3-8b"),
     ("meta-llama/Llama-2-7b-chat-hf", "llama2-7b"),
+    ("meta-llama/Llama-2-7b-chat", "llama2-7b"),        # as PaddleNLP launch lines write it
     ("Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b"),
     ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
 ])

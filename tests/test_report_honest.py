@@ -165,6 +165,8 @@ def test_schedule_help_explains_notation_and_names(capsys):
     (["--pp-layout", "32"], "--pp-layout does nothing"),
     (["--dtype", "fp32", "--no-master-weights"], "do nothing with --dtype fp32"),
     (["--kernel-policy", "cpu"], "--kernel-policy applies to --mode traced only"),
+    (["--loss-chunks", "4"], "--loss-chunks 4 does nothing without --loss chunked"),
+    (["--etp", "2"], "--etp 2 does nothing: llama3-8b has no experts"),
 ])
 def test_flags_that_do_nothing_are_refused_by_name(argv, flag, capsys):
     assert main(["estimate", "--model", "llama3-8b", *argv]) == 2
@@ -194,3 +196,51 @@ def test_peak_decomposes_into_the_report_columns(kw):
                  r["transient_bytes"])
         assert min(parts) >= 0 and sum(parts) == r["peak_allocated_bytes"], r["peak_at"]
         assert r["activations_at_peak_bytes"] <= r["activation_hwm_bytes"]
+
+
+def test_wording_one_dp_rank():
+    with pytest.raises(UserError, match=r"on 1 dp rank\)"):
+        pipemem.estimate("llama3-8b", pp=2, global_batch=4, microbatches=3)
+
+
+@pytest.mark.parametrize("cols", [40, 60, 80])
+def test_narrow_terminal_explain_stacks_and_never_cuts(cols, monkeypatch, capsys):
+    # --explain's tables cut tensor names and shapes ("attn.qkv.o…  [4096, 1,") when narrower
+    # than the terminal: one block per tensor instead, --wide keeps the tables
+    monkeypatch.setenv("COLUMNS", str(cols))
+    assert main(["estimate", "--model", "llama3-8b", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
+    assert "post_attention_norm.rstd" in out and "[4096, 1, 32, 128]" in out and "224.00 MiB" in out
+    assert "read in backward by bias_swiglu_grad" in out
+    assert main(["estimate", "--model", "llama3-8b", "--explain", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "…" not in wide and "tensor" in wide and "why" in wide and "[4096, 1, 32, 128]" in wide
+
+
+def test_explain_rows_keep_one_order():
+    # the kept tensors come from a set: equal sizes are ordered by name, the same every run
+    rows = [r for r in pipemem.estimate("llama3-8b", explain=True).explain if not r["tensor"].startswith("(")]
+    assert rows == sorted(rows, key=lambda r: (-r["bytes"], r["tensor"]))
+
+
+@pytest.mark.parametrize("cols", [40, 60])
+def test_narrow_terminal_plan_never_cuts_a_number(cols, monkeypatch, capsys):
+    # `pipemem plan` at 40 / 60 columns printed "68.1…   11.5…   0.…": one block per plan instead
+    monkeypatch.setenv("COLUMNS", str(cols))
+    argv = ["plan", "--model", "gpt2", "--gpus", "2", "--gpu", "rtx3090", "--seq-len", "1024", "--global-batch", "8",
+            "--no-progress", "--jobs", "1", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
+    assert "#1  peak " in out and " GiB" in out and "step " in out and "dp2 tp1 pp1" in out
+    monkeypatch.setenv("COLUMNS", "160")
+    assert main(argv) == 0
+    assert "comm GB/step" in capsys.readouterr().out     # wide enough: the table
+
+
+def test_estimate_help_says_flash_attention_follows_the_gpu(capsys):
+    # "--flash-attn (default on)" read as on for a GTX 1080 Ti too, where it defaults off
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    assert "off where --gpu cannot run it" in " ".join(capsys.readouterr().out.split())

@@ -51,3 +51,16 @@ def test_errors_are_one_line_exit_2(capsys):
     assert main(["schedule", "1F1B", "--pp", "4", "--microbatches", "8", "--times", "1,x"]) == 2
     assert main(["schedule", "auto", "--pp", "4", "--microbatches", "8", "--memory-limit", "0.01"]) == 2
     assert "smallest limit" in capsys.readouterr().err
+
+
+def test_unknown_torch_schedule_is_refused_before_importing_torch():
+    # a typo in torch:NAME took the seconds of `import torch` before its one-line error
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipemem.cli.main import main; "
+            "rc = main(['schedule', 'torch:Nope', '--pp', '4', '--microbatches', '8']); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert "torch:Nope: unknown PyTorch schedule" in r.stderr and len(r.stderr.strip().splitlines()) == 1

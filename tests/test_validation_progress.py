@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pipemem.validation.compare import CaseRow
 from pipemem.validation.progress import CaseProgress, print_summary, quiet_profiler_chatter
 
@@ -51,3 +53,20 @@ def test_validate_cpu_shows_progress_and_no_usdt():
     assert "USDT" not in r.stderr
     assert "[1/1] gpt2-fp32-eager" in r.stderr
     assert "gpt2-fp32-eager/peak" in r.stdout and "max |rel_error|" in r.stdout
+
+
+def test_validate_features_shows_progress_and_summary(monkeypatch, capsys):
+    # `validate features` ran ~1 min silent, then printed raw byte counts: one line per case
+    # while it runs (stderr), the shared summary table at the end
+    from pipemem.cli.main import main
+    from pipemem.validation import features
+
+    cases = [("compile/x", lambda: [CaseRow("compile/x: saved", 1000, 1001)]),
+             ("fp8/y", lambda: [CaseRow("fp8/y: peak", 2048, 2048)])]
+    monkeypatch.setattr(features, "case_list", lambda: cases)
+    for mod in ("torch", "transformers", "networkx"):    # what the command checks for first
+        pytest.importorskip(mod)
+    assert main(["validate", "features"]) == 0
+    out, err = capsys.readouterr()
+    assert "validate features: 2 cases" in err and "[1/2] compile/x (" in err and "[2/2] fp8/y (" in err
+    assert "compile/x: saved" in out and "2.00 KiB" in out and "max |rel_error| = 0.100% over 2 cases" in out

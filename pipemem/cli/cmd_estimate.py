@@ -117,7 +117,7 @@ def register(sub) -> None:
                      help="re-all-gather sequence-parallel inputs in backward instead of saving them (paddle: "
                           "recompute_allgather; torchtitan: pipemem.torch_tp.RegatherColwiseParallel; "
                           "megatron always does)")
-    _bool_flag(act, "--flash-attn", "flash attention (default on)")
+    _bool_flag(act, "--flash-attn", "flash attention (default on; off where --gpu cannot run it, e.g. gtx1080ti)")
     act.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
     act.add_argument("--convention", choices=CONVENTIONS, help="framework whose layers are modelled (default megatron)")
     act.add_argument("--runtime", choices=RUNTIMES,
@@ -261,6 +261,9 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
     if "master_weights" in given and plan.get("dtype") == "fp32":
         raise UserError("--master-weights / --no-master-weights do nothing with --dtype fp32 (the weights are "
                         "fp32 already): drop the flag")
+    if "loss_chunks" in given and str(plan.get("loss") or "standard").lower() != "chunked":
+        raise UserError(f"--loss-chunks {given['loss_chunks']} does nothing without --loss chunked (it splits the "
+                        "chunked cross-entropy): add --loss chunked, or drop --loss-chunks")
     if "optimizer_impl" in given and opts.get("mode") == "traced":
         raise UserError("--optimizer-impl does not apply to --mode traced (it records torch.optim's own step): "
                         "drop it, or use --mode templates")

@@ -20,6 +20,12 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad input as one line (no usage dump) with exit code 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        import re
+
+        m = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected one argument$", message)
+        if m:
+            # `--times -1,1,1`: argparse reads a value starting with '-' as the next option
+            message += f"; give a value, or write one that starts with '-' as {m.group(1)}=VALUE"
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 

@@ -95,7 +95,11 @@ def gpu_info(name: str) -> dict:
     key = str(name).strip().lower()
     key = GPU_ALIASES.get(key, key)
     if key not in table:
-        cands = _candidates(key, table)
+        # separators are not part of the name: gtx-1080-ti, RTX 3090, a100_80g
+        flat = {_flat(k): v for k, v in GPU_ALIASES.items()} | {_flat(k): k for k in table}
+        key = flat.get(_flat(key), key)
+    if key not in table:
+        cands = _candidates(key, table) or _candidates(_flat(key), table)
         if len(cands) > 1:
             listed = ", ".join(f"{k} ({table[k]['name']}, {table[k]['mib']} MiB)" for k in cands)
             raise UserError(f"--gpu {name!r} is ambiguous: {listed}; give one of them")
@@ -189,6 +193,10 @@ def read_config_file(path: str | Path, flag: str = "--model") -> dict:
         raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json), "
                         f"got {type(cfg).__name__}")
     return cfg
+
+
+def _flat(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch not in "-_ ")
 
 
 def _candidates(key: str, names) -> list[str]:

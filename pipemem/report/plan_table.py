@@ -50,18 +50,63 @@ def _comm_text(cost) -> str:
     return f"{gb:,.1f}" + (f" ({','.join(cross)} x-node)" if cross else "")
 
 
-def _table(plans, target, title):
+_PLAN_COLUMNS = (("#", "right"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
+                 ("comm GB/step", "right"), ("step s", "right"), ("plan", "left"))
+
+
+def _cells(i, p) -> list[str]:
+    return [str(i), fmt_bytes(p.peak_bytes), fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
+            _comm_text(p.cost), f"{p.cost.step_s:.2f}", short_plan(p.kwargs)]
+
+
+def _print_plans(con, plans, target, title) -> None:
+    """The plans as a table when it fits the console (the plan column may wrap), else one
+    block per plan, each `name value` item whole: no number is cut (as `pipemem estimate`)."""
+    from .text import table_width
+
+    t = _table(plans, target, title)
+    # the narrowest the table gets without cutting: every number whole, the plan column wrapped
+    # to its longest word
+    narrowest = _table(plans, target, title, plan_words=True)
+    if table_width(narrowest) <= con.width:
+        con.print(t)
+    else:
+        con.print(_stacked(plans, title, con.width), end="")
+
+
+def _stacked(plans, title: str, width: int):
+    import textwrap
+
+    from rich.text import Text
+
+    from .text import wrap_items
+
+    out = Text()
+    out.append("\n".join(textwrap.wrap(title, width, break_long_words=False)) + "\n", style="bold")
+    for i, p in plans:
+        c = _cells(i, p)
+        items = [f"#{c[0]}", f"peak {c[1]}", f"headroom {c[2]}", f"bubble {c[3]}", f"comm {c[4]} GB/step",
+                 f"step {c[5]} s"]
+        for line in wrap_items(items, width):
+            out.append(line + "\n")
+        for line in textwrap.wrap(c[6], max(width - 2, 10), break_long_words=False, break_on_hyphens=False):
+            out.append("  " + line + "\n", style=DIM)
+    return out
+
+
+def _table(plans, target, title, plan_words: bool = False):
     from rich import box
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=box.SIMPLE_HEAD,
               show_edge=False, pad_edge=False, padding=(0, 1, 0, 1))
-    for name, justify in (("#", "right"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
-                          ("comm GB/step", "right"), ("step s", "right"), ("plan", "left")):
+    for name, justify in _PLAN_COLUMNS:
         t.add_column(name, justify=justify, no_wrap=name != "plan")
     for i, p in plans:
-        t.add_row(str(i), fmt_bytes(p.peak_bytes), fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
-                  _comm_text(p.cost), f"{p.cost.step_s:.2f}", short_plan(p.kwargs))
+        cells = _cells(i, p)
+        if plan_words:
+            cells[-1] = max(cells[-1].split(), key=len)
+        t.add_row(*cells)
     return t
 
 
@@ -83,20 +128,20 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                                 "(GPU minus reserve); try more GPUs, a smaller micro-batch or --reserve"))
         return
     index = {id(p): i + 1 for i, p in enumerate(res.plans)}
-    con.print(_table([(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
-                     f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} fitting plans (estimated step time)"))
+    _print_plans(con, [(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
+                 f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} fitting plans (estimated step time)")
     pareto = res.pareto
     if pareto:
         shown = pareto[:top]
         more = f" (the {len(shown)} smallest of {len(pareto)}; all in --json)" if len(shown) < len(pareto) else ""
-        con.print(_table([(index[id(p)], p) for p in shown], t,
-                         f"Pareto set of the pipeline plans: peak memory vs bubble{more}"))
+        _print_plans(con, [(index[id(p)], p) for p in shown], t,
+                     f"Pareto set of the pipeline plans: peak memory vs bubble{more}")
     front = res.pareto_step_time
     if len(front) > 1:
         shown = front[-top:]
         more = f" (the {len(shown)} fastest of {len(front)}; all in --json)" if len(shown) < len(front) else ""
-        con.print(_table([(index[id(p)], p) for p in shown], t,
-                         f"Pareto set of all plans: peak memory vs estimated step time{more}"))
+        _print_plans(con, [(index[id(p)], p) for p in shown], t,
+                     f"Pareto set of all plans: peak memory vs estimated step time{more}")
     best = res.plans[0]
     con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
     con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus peak "

@@ -251,7 +251,7 @@ def render(est, file=None, color: bool | None = None, explain: bool = False, wid
         render_jobs(est, con)
     con.print(verdict(est, markup=True))
     if explain and est.explain is not None:
-        render_explain(est.explain, con)
+        render_explain(est.explain, con, wide=wide)
 
 
 GRADS_WORDS = {
@@ -427,10 +427,12 @@ def _ranges(ranks: list[int]) -> str:
 _BYTES_KEYS = ("bytes", "size", "net_bytes", "peak_bytes")
 
 
-def render_explain(rows: Any, con) -> None:
+def render_explain(rows: Any, con, wide: bool = False) -> None:
     """Rows from stages.layer_explain (dicts with tensor, shape, dtype, bytes, why; rows whose
     tensor is "(...)" describe the layer's transient peaks), or a dict of sections
-    {title: rows or text}. Bytes columns are formatted; other values shown as given."""
+    {title: rows or text}. Bytes columns are formatted; other values shown as given. A table
+    wider than the console is printed one block per row (as the per-rank table), unless
+    `wide`: no name, shape or number is cut."""
     from rich.text import Text
 
     if isinstance(rows, Mapping):
@@ -452,10 +454,10 @@ def render_explain(rows: Any, con) -> None:
         if isinstance(part, str):
             con.print(Text(f"{title}: {part}"))
             continue
-        _explain_table(str(title), [_as_dict(x) for x in (part or [])], con)
+        _explain_table(str(title), [_as_dict(x) for x in (part or [])], con, wide=wide)
 
 
-def _explain_table(title: str, items: list[dict], con) -> None:
+def _explain_table(title: str, items: list[dict], con, wide: bool = False) -> None:
     from rich.table import Table
 
     if not items:
@@ -471,7 +473,34 @@ def _explain_table(title: str, items: list[dict], con) -> None:
         t.add_column(k.replace("_", " "), justify="right" if k in _BYTES_KEYS else "left")
     for it in items:
         t.add_row(*[_cell(k, it.get(k)) for k in keys])
-    con.print(t)
+    need = table_width(t)
+    if need <= con.width:
+        con.print(t)
+    elif wide:
+        con.print(t, width=need, crop=False)
+    else:
+        con.print(_explain_stacked(title, keys, items, con.width), end="")
+
+
+def _explain_stacked(title: str, keys: list[str], items: list[dict], width: int):
+    """The --explain rows one block each: the short cells wrapped whole, then the "why" text
+    wrapped at words, indented."""
+    import textwrap
+
+    from rich.text import Text
+
+    out = Text()
+    out.append("\n".join(textwrap.wrap(title, width, break_long_words=False)) + "\n", style="bold")
+    long_keys = [k for k in keys if k == "why"]
+    for it in items:
+        cells = [_cell(k, it.get(k)) for k in keys if k not in long_keys]
+        for line in _wrap_items([c for c in cells if c], width):
+            out.append(line + "\n")
+        for k in long_keys:
+            text = _cell(k, it.get(k))
+            for line in textwrap.wrap(text, max(width - 4, 10), break_long_words=False, break_on_hyphens=False):
+                out.append("    " + line + "\n", style=DIM)
+    return out
 
 
 def _as_dict(x) -> dict:
@@ -513,3 +542,4 @@ def table_rows(text: str) -> list[str]:
 # The names other modules use (the CLI): public, not reached into.
 as_dict = _as_dict
 console = _console
+wrap_items = _wrap_items

@@ -35,16 +35,17 @@ def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None
                    fix_1f1b: bool = True) -> Schedule:
     """PyTorch's order for one of TORCH_NAMES as a Schedule; `fix_1f1b=False` keeps 1F1B's
     pipeline_order as PyTorch reports it (which then fails the validity check)."""
-    try:
-        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    except ImportError as e:  # pragma: no cover - torch missing
-        raise UserError(f"torch:{name} needs PyTorch with torch.distributed.pipelining ({e})") from None
+    # the name first: a typo is answered without the seconds importing torch takes
     canon = {n.lower(): n for n in TORCH_NAMES}.get(name.lower())
     if canon is None:
         raise UserError(f"torch:{name}: unknown PyTorch schedule; choose one of {', '.join(TORCH_NAMES)}")
     single = canon in ("GPipe", "1F1B")
     if single and vpp not in (None, 1):
         raise UserError(f"torch:{canon} runs one chunk per rank: drop --vpp (got {vpp})")
+    try:
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise UserError(f"torch:{name} needs PyTorch with torch.distributed.pipelining ({e})") from None
     per_rank = 1 if single else (vpp or 2)
     try:
         ops = get_schedule_ops(canon, pp, microbatches, num_stages_per_rank=None if single else per_rank)

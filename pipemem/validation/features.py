@@ -25,6 +25,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 from .compare import CaseRow, max_abs_rel_error
 
@@ -240,14 +241,29 @@ def optimizer_in_backward_cases() -> list[CaseRow]:
                     est.B.peak_bytes)]
 
 
-def run_all() -> list[CaseRow]:
-    rows = [compile_case(n) for n in sorted(COMPILE_CASES)]
+def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
+    """(name, run) of each case whose library is installed, in the order they run."""
+    cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
+        (f"compile/{n}", lambda n=n: [compile_case(n)]) for n in sorted(COMPILE_CASES)]
     if torchtune_chunked_loss() is not None:
-        rows += chunked_ce_cases(False) + chunked_ce_cases(True)
+        cases += [("chunked-ce/eager", lambda: chunked_ce_cases(False)),
+                  ("chunked-ce/compiled", lambda: chunked_ce_cases(True))]
     if importlib.util.find_spec("torchao") is not None:
-        rows += fp8_cases()
+        cases.append(("fp8/tensorwise", fp8_cases))
     if torchtune_optim_in_bwd_hooks() is not None:
-        rows += optimizer_in_backward_cases()
+        cases.append(("optimizer-in-backward", optimizer_in_backward_cases))
+    return cases
+
+
+def run_all(progress=None, cases=None) -> list[CaseRow]:
+    """Every case's rows; `progress` (a progress.CaseProgress) follows along."""
+    rows: list[CaseRow] = []
+    for name, fn in case_list() if cases is None else cases:
+        if progress is not None:
+            progress.start(name)
+        rows += fn()
+        if progress is not None:
+            progress.done(name)
     return rows
 
 
@@ -274,16 +290,18 @@ def run(args) -> int:
     for mod in ("torch", "transformers", "networkx"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"pipemem validate features needs {mod}: pip install 'pipemem[torch,modern]'")
+    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+
     t0 = time.perf_counter()
-    rows = run_all()
+    cases = case_list()
+    with quiet_profiler_chatter(), CaseProgress([n for n, _ in cases], "validate features") as bar:
+        rows = run_all(bar, cases)
     out = {"cases": [r.to_dict() for r in rows], "max_abs_rel_error": max_abs_rel_error(rows),
            "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{'case':58s} {'reference (library trace)':>26s} {'template':>12s} {'error':>9s}")
-    for r in rows:
-        err = "" if r.rel_error is None else f"{r.rel_error:+.2%}"
-        print(f"{r.name:58s} {r.measured_bytes:>26d} {r.estimated_bytes:>12d} {err:>9s}")
+    # measured = the library's own trace, estimated = the template
+    print_summary(rows, title="validate features: reference (library trace) vs template")
     print(f"({out['seconds']} s)")
     return 0
