@@ -247,6 +247,18 @@ def test_torchtitan_llama3_8b(tmp_path):
     assert p["convention"] == "torchtitan" and tc.dp_unknown and "dp" not in p
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_torchtitan_training_compile_is_read_not_called_ignored(tmp_path, on):
+    # older job configs' `[training] compile`: applied (the layers compiled), yet it was
+    # warned about as "not known to pipemem; ignored"
+    f = tmp_path / "t.toml"
+    assert "\ncompile = false\n" in TITAN_8B
+    f.write_text(TITAN_8B.replace("\ncompile = false\n", f"\ncompile = {str(on).lower()}\n"))
+    tc = read_torchtitan(str(f))
+    assert not any("compile" in w for w in tc.warnings), tc.warnings
+    assert tc.plan.get("compile") == ("layers" if on else None)
+
+
 def test_torchtitan_pipeline(tmp_path):
     text = TITAN_8B.replace('flavor = "8B"', 'flavor = "70B"').replace("local_batch_size = 1", "local_batch_size = 8")
     text = text.replace("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 4\n'
@@ -268,6 +280,7 @@ def test_torchtitan_pipeline(tmp_path):
     ('[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nmode = "sometimes"', "mode"),
     ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nmixed_precision_param = "int4"', "mixed_precision"),
     ('model = 3', "must be a table"),
+    ('{"model": {"name": "llama3", "flavor": "8B"}}', "looks like JSON: a torchtitan job config is TOML"),
 ])
 def test_torchtitan_bad_inputs(tmp_path, text, match):
     f = tmp_path / "bad.toml"

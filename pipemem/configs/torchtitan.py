@@ -58,7 +58,8 @@ _KEYS = {
     "training": {
         "local_batch_size": "plan", "batch_size": "plan", "global_batch_size": "plan", "seq_len": "plan",
         "dtype": "plan", "mixed_precision_param": "plan", "mixed_precision_reduce": "plan",
-        "disable_cuda_graphs": "plan", "max_norm": "none", "steps": "none", "gc_freq": "none", "gc_debug": "none",
+        "disable_cuda_graphs": "plan", "compile": "plan",   # older configs' torch.compile switch (_modern)
+        "max_norm": "none", "steps": "none", "gc_freq": "none", "gc_debug": "none",
         "warmup_steps": "none", "seed": "none", "deterministic": "none", "dataset": "none", "dataset_path": "none",
         "enable_cpu_offload": "CPU offloading of parameters, gradients and optimizer states is not modelled yet",
     },
@@ -119,6 +120,7 @@ def read_args(argv: list[str]) -> ToolConfig:
     except (ImportError, ValueError, AttributeError) as e:
         raise UserError(f"--from-torchtitan: {e}") from None
     tables = cfg.to_dict()
+    tables.update(_converter_tables(cfg.model_spec))
     ac = cfg.activation_checkpoint
     tables["activation_checkpoint"] = dict(tables.get("activation_checkpoint") or {})
     tables["activation_checkpoint"]["mode"] = ("none" if ac is None else
@@ -278,7 +280,11 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     if tr.get("disable_cuda_graphs") is not None:
         plan["grads"] = "set-to-none" if tr.get("disable_cuda_graphs") else "buffer"
 
-    mode = str(ac.get("mode", "selective")).lower()
+    if "model_spec" in cfg and "activation_checkpoint" not in cfg:
+        warnings.append(f"{TOOL}: no [activation_checkpoint] table: torchtitan 0.3's default SelectiveAC assumed "
+                        "(Trainer.Config.to_dict() of activation_checkpoint=None leaves the table out; write "
+                        "mode = \"none\" there)")
+    mode = str(ac.get("mode") or _ac_mode(ac, "model_spec" in cfg)).lower()
     if mode == "none":
         plan["recompute"] = "none"
     elif mode == "full":
@@ -374,6 +380,68 @@ def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
     return out
 
 
+def _ac_mode(ac: dict, v03: bool) -> str:
+    """The checkpointing policy of an [activation_checkpoint] table without `mode`. Older job
+    files defaulted to selective. torchtitan 0.3's Trainer.Config.to_dict() writes the chosen
+    policy's config without naming it: MemoryBudgetAC's has memory_budget, SelectiveAC's
+    force_recompute_mm_shapes_by_fqns, FullAC's only the base fields (preserve_rng_state,
+    determinism_check, debug)."""
+    if not v03 or not ac:
+        return "selective"
+    if "memory_budget" in ac or "visualize_memory_budget_pareto" in ac:
+        return "memory_budget"
+    if {"force_recompute_mm_shapes_by_fqns", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+            "selective_ac_option"} & set(ac):
+        return "selective"
+    return "full"
+
+
+def _converter_tables(spec) -> dict:
+    """torchtitan 0.3's model converters (`model_registry(..., converters=[...])`) rewrite the
+    model config tree: Float8LinearConverter puts Float8Linear.Config where Linear.Config was
+    (its torchao recipe inside), the MXFP8 / NVFP4 / float8 grouped-experts converters their
+    own configs. Returns the older tables `_modern` reads ([model] converters, [float8]
+    recipe_name) for Float8 linears; refuses the others by name."""
+    if spec is None or not hasattr(spec.model, "traverse"):
+        return {}
+    from torchtitan.config.configurable import Configurable
+    seen: dict = {}
+    for _fqn, c, _parent, _attr in spec.model.traverse(Configurable.Config, recurse=True):
+        seen.setdefault(type(c).__qualname__.split(".")[0], c)
+    out: dict = {}
+    for name, c in seen.items():
+        if name == "Float8Linear":
+            recipe = _float8_recipe(getattr(c, "_torchao_config", None))
+            if recipe is None:
+                raise UserError("--from-torchtitan: Float8Linear with a torchao recipe other than tensorwise or "
+                                "rowwise (e.g. rowwise_with_gw_hp) is not modelled")
+            out = {"model": {"converters": ["float8"]}, "float8": {"recipe_name": recipe}}
+        elif name.startswith(("Float8", "MXFP8", "NVFP4", "MX")):
+            raise UserError(f"--from-torchtitan: {name} (a torchtitan model converter) is not modelled; pipemem "
+                            "models torchao Float8 linears (tensorwise / rowwise)")
+    return out
+
+
+def _float8_recipe(config) -> str | None:
+    """'rowwise' / 'tensorwise' when torchao's Float8LinearConfig is that recipe's (emulated or not)."""
+    try:
+        from dataclasses import replace
+
+        from torchao.float8 import Float8LinearConfig
+    except ImportError:
+        return None
+    if config is None:
+        return "tensorwise"
+    try:
+        config = replace(config, emulate=False)
+    except (TypeError, ValueError):
+        pass
+    for recipe in ("rowwise", "tensorwise"):
+        if config == Float8LinearConfig.from_recipe_name(recipe):
+            return recipe
+    return "tensorwise" if config == Float8LinearConfig() else None
+
+
 def _enabled(value) -> bool:
     """A refused key only refuses when it asks for the thing (true, a positive number, a list)."""
     if isinstance(value, bool):
@@ -447,7 +515,13 @@ def _load(path: str) -> dict:
     except OSError as e:
         raise UserError(f"--from-torchtitan {path}: cannot read ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"--from-torchtitan {path}: not valid TOML ({e})") from None
+        hint = ""
+        try:
+            if p.suffix.lower() == ".json" or p.read_bytes().lstrip()[:1] == b"{":
+                hint = "; this looks like JSON: a torchtitan job config is TOML ([model], [training] ... tables)"
+        except OSError:
+            pass
+        raise UserError(f"--from-torchtitan {path}: not valid TOML ({e}){hint}") from None
 
 
 def _section(cfg: dict, name: str, path: str) -> dict:

@@ -35,7 +35,7 @@ EXAMPLE = """\
 examples:
   pipemem validate torchtitan                  # the CI subset
   pipemem validate torchtitan --full --json    # every case
-  pipemem validate torchtitan --cases fsdp2-tp2,pp2-1f1b
+  pipemem validate torchtitan --cases fsdp2-tp2,cp2
   pipemem validate torchtitan --list
 """
 
