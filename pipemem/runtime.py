@@ -96,13 +96,20 @@ class _Holders:
             for other, by in self.ties.pop(key, ()):
                 self.release(other, by)
 
+    def _held(self, holder: str) -> list:
+        """What `holder` holds, in release order (most variables hold one tensor or none)."""
+        held = self.by_holder.get(holder)
+        if not held:
+            return []
+        return list(held) if len(held) == 1 else sorted(held, key=_key_order)
+
     def release_all(self, holder: str) -> None:
-        for key in sorted(self.by_holder.get(holder, ()), key=_key_order):
+        for key in self._held(holder):
             self.release(key, holder)
 
     def replace(self, holder: str, keys) -> None:
         """A variable reassigned: it now holds `keys` and drops what it held before."""
-        old = sorted(self.by_holder.get(holder, ()), key=_key_order)
+        old = self._held(holder)
         for k in keys:
             self.hold(k, holder)
         for k in old:

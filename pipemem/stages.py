@@ -67,23 +67,52 @@ class StagePlan:
                         first_mb[s] = m
         return {(s, first_mb[s]): j for s, j in self.first_backward.items()}
 
+    def _rank_key(self, stage_ids) -> tuple:
+        """What a rank's static bytes and optimizer job depend on: per stage it holds, its
+        layer count, MoE layer count and first-backward gradients; whether it holds the
+        embedding and the head. Ranks alike (the middle ranks of most pipelines) share one
+        count."""
+        key = tuple(sorted(stage_ids))
+        memo = self.notes.get(("rank", key))
+        if memo is not None:
+            return memo
+        from .templates.static import moe_layers_in
+        last = self.plan.pp * self.plan.vpp - 1
+        fb = self.first_backward
+
+        def stage(s):
+            layers = self.stage_layers[s]
+            made = fb[s].B.net_bytes - self.stages[s].B.net_bytes if fb else 0
+            return len(layers), moe_layers_in(self.arch, layers), made
+        memo = self.notes[("rank", key)] = (tuple(sorted(stage(s) for s in key if s not in (0, last))),
+                                            key if (0 in key or last in key) else ())
+        return memo
+
     def rank_static(self, stage_ids) -> StaticBytes:
         """Params, grads and optimizer states of a rank holding these virtual stages (and the
         gradients its stages' first backwards create, with --grads set-to-none / ddp-bucket)."""
-        from .templates.static import static_bytes
         key = tuple(sorted(stage_ids))
-        st = self.notes.get(("static", key))
+        memo = ("static", self._rank_key(key))
+        st = self.notes.get(memo)
         if st is None:
+            from .templates.static import static_bytes
             st = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
             if self.first_backward:
                 st = replace(st, grads_in_step=sum(self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes
                                                    for s in key))
-            self.notes[("static", key)] = st
+            self.notes[memo] = st
         return st
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
-        from .templates.static import optimizer_elems, optimizer_step_scratch
         key = tuple(sorted(stage_ids))
+        memo = ("optimizer", self._rank_key(key))
+        job = self.notes.get(memo)
+        if job is None:
+            job = self.notes[memo] = self._rank_optimizer(key)
+        return job
+
+    def _rank_optimizer(self, key: tuple) -> JobMemory:
+        from .templates.static import optimizer_elems, optimizer_step_scratch
         elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
         scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
         if self.conv.grad_clip_copy:
@@ -91,9 +120,12 @@ class StagePlan:
             # update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter)
             scratch += self.rank_static(key).grads
         temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
-        return _optimizer_job(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
-                              largest * temp, self.rank_static(key), scratch, self.plan.optimizer_in_backward,
-                              self.plan.optimizer_offload)
+        if self.plan.optimizer_in_backward:     # the steps run inside the backward programs
+            return JobMemory(0, 0)
+        st = self.rank_static(key)
+        ws = scratch + optimizer_workspace(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
+                                           largest * temp, self.plan.optimizer_offload)
+        return _optimizer_job(ws, st.grads_in_step, st.optimizer_in_step)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
@@ -155,13 +187,49 @@ def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: ran
 
 def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
-    optimizer job depend on which stages a rank holds: `StagePlan.rank_static`."""
+    optimizer job depend on which stages a rank holds: `StagePlan.rank_static`. The same
+    plan asked again gets the same StagePlan, with the per-rank static bytes it has counted."""
+    key = _plan_key(plan)
+    if key is None:
+        return _build_stage_jobs(arch, plan)
+    key = (arch, key)
+    hit = _STAGE_PLANS.pop(key, None)
+    if hit is None:
+        hit = _build_stage_jobs(arch, plan)
+        if len(_STAGE_PLANS) >= _STAGE_PLANS_MAX:
+            del _STAGE_PLANS[next(iter(_STAGE_PLANS))]     # the least recently used
+    _STAGE_PLANS[key] = hit
+    return hit
+
+
+def _plan_key(plan: ParallelPlan):
+    """A hashable picture of every field of the plan (None if a field cannot be frozen)."""
+    def freeze(v):
+        if isinstance(v, dict):
+            return tuple(sorted((k, freeze(x)) for k, x in v.items()))
+        if isinstance(v, list):
+            return tuple(freeze(x) for x in v)
+        return v
+    key = tuple(freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+# (arch, plan key) -> StagePlan, most recently used last (ParallelPlan is not hashable)
+_STAGE_PLANS: dict = {}
+_STAGE_PLANS_MAX = 256
+
+
+def _build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     arch, plan, conv, sh = _resolve(arch, plan)
     from .templates.layers import first_backward_shard
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
-    sh_first = first_backward_shard(sh) if creates_grads else None
+    sh_first = first_backward_shard(sh, plan) if creates_grads else None
     stages: dict[int, StageJobs] = {}
     first: dict[int, StageJobs] = {}
     for s in range(n_stages):
@@ -238,7 +306,9 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory
     parts = _layer_parts(arch, sh, conv, _offload_stash(arch, sh, conv, runs), first, last)
-    fparts = ([(embedding_memory(arch, sh, conv, seq_len), 1)] if first else []) + _stage_prologue(sh, conv, runs) + \
+    tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
+    fparts = ([(embedding_memory(arch, sh, conv, seq_len, tied_head), 1)] if first else []) + \
+        _stage_prologue(sh, conv, runs) + \
         parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
     bparts = fparts[::-1]
 
@@ -285,36 +355,38 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
                      output_grad_bytes=0 if last else act)
 
 
+def optimizer_workspace(impl: str, optimizer: str, local_bytes: int, largest_bytes: int,
+                        offload: float = 0.0) -> int:
+    """What the optimizer implementation materialises while it steps: nothing for fused
+    kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam the denominator
+    sqrt(v)/c + eps as one temporary list the size of the local parameters (in the math
+    dtype), freed inside the step; for the for-loop path the same per parameter (sqrt, then
+    the division: two temporaries of the largest parameter). SGD and the quantized optimizers
+    (8/4-bit, one parameter's states at a time in their own kernels) keep no such temporary.
+    With --optimizer-offload the offloaded share steps on the CPU."""
+    if optimizer in ("sgd", "adam8bit", "adam4bit"):
+        return 0
+    return int({"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl] * (1.0 - offload))
+
+
 @lru_cache(maxsize=4096)
-def _optimizer_job(impl: str, optimizer: str, local_bytes: int, largest_bytes: int, st: StaticBytes,
-                   scratch: int = 0, in_backward: bool = False, offload: float = 0.0) -> JobMemory:
-    """The optimizer step as a small program. Its working memory is `scratch` (Megatron's fp32
-    copies of narrow grads, templates.static) plus what the implementation materialises:
-    nothing for fused kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam
-    the denominator sqrt(v)/c + eps as one temporary list the size of the local parameters
-    (in the math dtype), freed inside the step; for the for-loop path the same per parameter
-    (sqrt, then the division: two temporaries of the largest parameter). SGD and the quantized
-    optimizers (8/4-bit, one parameter's states at a time in their own kernels) keep no such
-    temporary. On the first step the optimizer creates its states before it updates
-    (`optimizer_in_step`); with zero_grad(set_to_none=True) the gradients the step created
-    are freed after it. With --optimizer-in-backward the steps run inside the backward
-    programs; with --optimizer-offload the offloaded share steps on the CPU."""
-    if in_backward:
-        return JobMemory(0, 0)
+def _optimizer_job(workspace: int, grads_in_step: int, optimizer_in_step: int) -> JobMemory:
+    """The optimizer step as a small program. Its working memory is `workspace` (Megatron's
+    fp32 copies of narrow grads, templates.static, and `optimizer_workspace`). On the first
+    step the optimizer creates its states before it updates (`optimizer_in_step` bytes); with
+    zero_grad(set_to_none=True) the gradients the step created (`grads_in_step` bytes) are
+    freed after it."""
     prog = Program("optimizer", type="optimizer")
-    ws = scratch
-    if optimizer not in ("sgd", "adam8bit", "adam4bit"):
-        ws += int({"fused": 0, "foreach": local_bytes, "for-loop": 2 * largest_bytes}[impl] * (1.0 - offload))
     prog.add_tensor(Tensor("opt_state", (1,), "fp32", "optimizer_state"))
-    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=st.grads_in_step))
+    prog.add_tensor(Tensor("grads", (), "uint8", "grad", bytes=grads_in_step))
     reads = ("opt_state", "grads")
-    if st.optimizer_in_step:
-        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=st.optimizer_in_step))
+    if optimizer_in_step:
+        prog.add_tensor(Tensor("new_state", (), "uint8", "optimizer_state", bytes=optimizer_in_step))
         prog.add_op(Op("init_state", (), ("new_state",)))
         reads += ("new_state",)
-    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=ws))
+    prog.add_op(Op("optimizer_step", reads, ("opt_state",), workspace_bytes=workspace))
     prog.add_op(Op("zero_grad", ("grads",), (), frees=("grads",)))
-    r = analyze_program(prog, live_on_entry=("grads",), keep=() if st.grads_in_step else ("grads",))
+    r = analyze_program(prog, live_on_entry=("grads",), keep=() if grads_in_step else ("grads",))
     return JobMemory(r.net_bytes, r.peak_bytes)
 
 
@@ -333,7 +405,8 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     opts = layer_options(arch, plan, idx, pos < k)
     pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
-    rows = sorted(_kept_rows(pp).values(), key=lambda r: -r["bytes"])
+    # largest first, ties by name: the same order every run (the kept storages are a set)
+    rows = sorted(_kept_rows(pp).values(), key=lambda r: (-r["bytes"], r["tensor"]))
     rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
                  "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
     rb = pp.results["B"]
@@ -421,6 +494,7 @@ def clear_caches() -> None:
     from .templates.static import clear_caches as clear_static
     clear_static()
     _stage_jobs.cache_clear()
+    _STAGE_PLANS.clear()
     _optimizer_job.cache_clear()
     _layer_runs.cache_clear()
 

@@ -113,7 +113,10 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """True when any backward is split into I (input grad) and W (weight grad)."""
-        return any(a[0] == "I" or a[0] == "W" for acts in self.ranks for a in acts)
+        hit = self.cache.get("split_backward")
+        if hit is None:
+            hit = self.cache["split_backward"] = any(a[0] == "I" or a[0] == "W" for acts in self.ranks for a in acts)
+        return hit
 
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_rank[stage]

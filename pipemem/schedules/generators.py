@@ -169,15 +169,21 @@ def _interleaved_rank(pp: int, m: int, vpp: int, r: int, warmup: int, group: int
     warmup = min(warmup, total)
     bkind = I if zero_bubble else B
 
+    make = tuple.__new__        # Action(kind, stage, mb) without the generated __new__'s call
+
     def in_order(kind, reverse_chunks):
+        # the k-th action's chunk changes every `group` actions: a block of one chunk's next
+        # microbatches at a time
         seen = [0] * vpp
         out = []
-        for k in range(total):
-            c = (k // group) % vpp
+        for b, k0 in enumerate(range(0, total, group)):
+            c = b % vpp
             if reverse_chunks:
                 c = vpp - 1 - c
-            out.append(Action(kind, c * pp + r, seen[c]))
-            seen[c] += 1
+            n = min(group, total - k0)
+            stage, first = c * pp + r, seen[c]
+            out += [make(Action, (kind, stage, i)) for i in range(first, first + n)]
+            seen[c] += n
         return out
 
     fwd = in_order(F, False)

@@ -104,8 +104,11 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         loss_chunks=_torchtitan_loss_chunks(plan) if conv.name == "torchtitan" else 1,
-        grad_dt=plan.main_grad_dtype or plan.dtype,
-        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
+        # In a backward that accumulates, only FSDP2's all-gather and reduce-scatter buffers
+        # (torchtitan: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
+        # shard matter once the backward creates the grads (first_backward_shard). Kept out of
+        # the shard otherwise, so plans that differ only in dp share every part's programs.
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 3 or plan.fsdp) and conv.name == "torchtitan" else 1,
         feat=features_of(plan))
 
 
@@ -118,11 +121,13 @@ def _torchtitan_loss_chunks(plan) -> int:
     return int((plan.extra or {}).get("loss_chunks", 8))
 
 
-def first_backward_shard(sh: Shard) -> Shard:
+def first_backward_shard(sh: Shard, plan) -> Shard:
     """The shard of a step's first backward when gradients were set to None: eager weight
-    grads become .grad (stolen, not accumulated) and every gradient is a new tensor."""
+    grads become .grad (stolen, not accumulated) and every gradient is a new tensor, in the
+    main-grad dtype, 1/(dp x cp) of the parameter under ZeRO-2 and FSDP."""
     from dataclasses import replace
-    return replace(sh, first_step=True, grads_created=True)
+    return replace(sh, first_step=True, grads_created=True, grad_dt=plan.main_grad_dtype or plan.dtype,
+                   grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -663,7 +668,10 @@ class _Gen:
                 act = self.gelu_new(fc1, name, (s, b, f))
             else:
                 act = self.act(name + ".act", (s, b, f))
-                self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+                # ReLU's backward reads its output (threshold_backward(grad, result, 0); Paddle's
+                # relu_grad reads Out), which fc2 saves anyway: fc1's output dies in the forward
+                self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
+                            save_i=(act,) if opt.activation == "relu" else (fc1,))
         return self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
 
     def gelu_new(self, u: str, name: str, shape: tuple) -> str:
@@ -1023,11 +1031,17 @@ def _torchtitan_op_sac():
     return pin
 
 
-def embedding_tape(arch, sh: Shard, conv: Convention, plan) -> tuple[Tape, str, str]:
+def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = False) -> tuple[Tape, str, str]:
     """Token ids -> vocab-parallel embedding (+ learned positions, dropout): the first stage's
-    extra work. Returns (tape, ids name, output name)."""
+    extra work. Returns (tape, ids name, output name). tied_head: the word embedding is the
+    output layer's weight on this stage; when the backward creates the gradients, the head's
+    backward (which runs first) has created its .grad and this one accumulates into it."""
     tape = Tape("emb.")
     g = _Gen(tape, sh, conv, "emb.")
+    if tied_head and tape.grad_create is not None and not tape.fsdp:
+        # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the
+        # tied shard is counted twice, 1/dp of the word embedding)
+        tape.existing_grads = frozenset({"emb.word.weight"})
     ids = g.act("input_ids", (sh.b, sh.s), "int64")
     tape.node("load_batch", (), (ids,))
     w = tape.param("emb.word.weight", (sh.vocab, sh.h), sh.dt)

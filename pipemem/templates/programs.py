@@ -56,20 +56,41 @@ class PartPrograms:
     grad_passes_through: tuple = (False, False)
 
 
-def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
-             keep_out_grad: bool = False) -> PartPrograms:
+@dataclass(frozen=True, slots=True)
+class _Programs:
+    """A part's four programs and the storages each backward program reads: what does not
+    depend on which boundary tensors the part owns (`_results` takes those)."""
+    F: object
+    B: object
+    I: object
+    W: object
+    x: str
+    y: str
+    out_grad_of: str
+    dx_name_i: str        # the tensor holding the input's grad at the end of I
+    tb: frozenset
+    ti: frozenset
+    tw: frozenset
+
+
+def _programs(tape, x: str, y: str, out_grad_of: str) -> _Programs:
     F = tape.forward("F")
     (B,) = tape.backward((out_grad_of,), name="B")
     I, W = tape.backward((out_grad_of,), name="I", split=True)
-    dx_name_i = tape.grad_name(x)
+    return _Programs(F, B, I, W, x, y, out_grad_of, tape.grad_name(x), frozenset(touched_storages(B)),
+                     frozenset(touched_storages(I)), frozenset(touched_storages(W)))
+
+
+def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False) -> PartPrograms:
+    F, B, I, W, x, out_grad_of = p.F, p.B, p.I, p.W, p.x, p.out_grad_of
+    dx_name_i = p.dx_name_i
     st = lambda prog, n: prog.tensors[n].storage if n in prog.tensors else n  # noqa: E731
     xs = st(F, x)
-    ys = st(F, y)
-    tb, ti, tw = touched_storages(B), touched_storages(I), touched_storages(W)
+    ys = st(F, p.y)
     # The input is alive on entry unless F creates it (the embedding loads its token ids).
     entry = set() if any(x in op.outputs for op in F.ops) else {xs}
     owned_x = {xs} if keep_input and entry else set()
-    rf = analyze_program(F, live_on_entry=entry, keep=(tb | ti) | {ys} | owned_x)
+    rf = analyze_program(F, live_on_entry=entry, keep=(p.tb | p.ti) | {ys} | owned_x)
     dy = st(B, "d." + out_grad_of)
     dy_i = st(I, "d." + out_grad_of)
     dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
@@ -77,13 +98,18 @@ def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
                          keep=dx_b | owned_x | ({dy} if keep_out_grad else set()))
     dx_i = {st(I, dx_name_i)} if dx_name_i in I.tensors else set()
     owned_i = owned_x | ({dy_i} if keep_out_grad else set())
-    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i}, keep=tw | dx_i | owned_i)
+    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i}, keep=p.tw | dx_i | owned_i)
     # The input grad may share storage with an output grad W still reads (a residual add
     # hands the same grad to both branches): it belongs to the previous part, W must not free it.
     rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i)
-    out = PartPrograms(F, B, I, W, x, y, {"F": rf, "B": rb, "I": ri, "W": rw})
+    out = PartPrograms(F, B, I, W, x, p.y, {"F": rf, "B": rb, "I": ri, "W": rw})
     out.grad_passes_through = (bool(dx_b) and dx_b == {dy}, bool(dx_i) and dx_i == {dy_i})
     return out
+
+
+def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
+             keep_out_grad: bool = False) -> PartPrograms:
+    return _results(_programs(tape, x, y, out_grad_of), keep_input, keep_out_grad)
 
 
 def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
@@ -94,14 +120,21 @@ def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
                       r["B"].peak_op_label, pp.grad_passes_through, rs)
 
 
+@lru_cache(maxsize=64)
+def _layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> _Programs:
+    """A stage's first, middle and last layers of one setting are the same programs analysed
+    with other boundary owners: generated once (a few in cache: a stage asks for them in a row)."""
+    tape, x, y = decoder_layer_tape(arch, sh, conv, opt)
+    return _programs(tape, x, y, y)
+
+
 def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
                    keep_out_grad: bool = False) -> PartPrograms:
-    tape, x, y = decoder_layer_tape(arch, sh, conv, opt)
-    return _analyze(tape, x, y, y, keep_input, keep_out_grad)
+    return _results(_layer_programs(arch, sh, conv, opt), keep_input, keep_out_grad)
 
 
-def embedding_programs(arch, sh: Shard, conv: Convention, plan) -> PartPrograms:
-    tape, ids, y = embedding_tape(arch, sh, conv, plan)
+def embedding_programs(arch, sh: Shard, conv: Convention, plan, tied_head: bool = False) -> PartPrograms:
+    tape, ids, y = embedding_tape(arch, sh, conv, plan, tied_head)
     return _analyze(tape, ids, y, y)
 
 
@@ -138,12 +171,14 @@ def layer_offload_count(arch, sh: Shard, conv: Convention, opt: LayerOptions) ->
 
 
 @lru_cache(maxsize=1024)
-def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int) -> PartMemory:
+def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int, tied_head: bool = False) -> PartMemory:
+    """tied_head: the stage also holds the output layer and it shares the word embedding (one
+    parameter, whose .grad the head's backward creates first: see `embedding_tape`)."""
     class _P:  # the embedding tape reads only seq_len from the plan
         pass
     p = _P()
     p.seq_len = seq_len
-    return _part_memory(embedding_programs(arch, sh, conv, p), 0, _act_bytes(sh))
+    return _part_memory(embedding_programs(arch, sh, conv, p, tied_head), 0, _act_bytes(sh))
 
 
 @lru_cache(maxsize=1024)
@@ -162,6 +197,7 @@ def causal_mask_memory(sh: Shard, keep: bool) -> PartMemory:
 def clear_caches() -> None:
     causal_mask_memory.cache_clear()
     layer_memory.cache_clear()
+    _layer_programs.cache_clear()
     layer_offload_count.cache_clear()
     embedding_memory.cache_clear()
     head_memory.cache_clear()

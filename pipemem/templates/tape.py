@@ -115,6 +115,9 @@ class Tape:
         # (dtype, shard) when this backward creates the .grad tensors (set to None before it)
         # instead of writing resident grad buffers; None = resident (static bytes).
         self.grad_create: tuple[str, int] | None = None
+        # Parameters whose .grad another part of the step has created already (a tied word
+        # embedding: the head's backward creates it): accumulated into, even with grad_create.
+        self.existing_grads: frozenset[str] = frozenset()
         # Selective (op-level) checkpointing: a callable node type -> keep its outputs, or None
         self.pin = None
         # Activation offloading: saved tensor -> its reloaded copy (pipemem.templates.offload);
@@ -418,6 +421,8 @@ class Tape:
                 continue
             if self.fsdp:
                 self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
+            elif p in self.existing_grads:
+                ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
             elif self.wgrad_final == "steal_grad" and len(names) > 1:
                 # the last cast's result becomes .grad: it writes the grad buffer itself
                 ops[-1] = Op("cast", (names[-2],) + (() if created else (g,)), (g,), module=n.module,
@@ -546,7 +551,7 @@ class Tape:
         nm = "g." + p
         if nm not in self.tensors:
             base = self.tensors[p]
-            if self.grad_create is None:
+            if self.grad_create is None or p in self.existing_grads:
                 self.tensors[nm] = Tensor(nm, base.shape, base.dtype, GRAD, persistent=True)
             else:
                 # a new .grad (the FSDP shard only): persistent, so allocated where an op first

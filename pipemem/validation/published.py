@@ -551,7 +551,7 @@ EXPLAINED: dict[str, list[str]] = {
     "colossal-lightning-gpt2xl-ddp-amp": [
         "DDP's gradient buckets are counted (--grads ddp-bucket, the hf convention's default with dp > 1: "
         "gradient_as_bucket_view=False keeps a second fp32 copy of all gradients, 1.56 B x 4 B = 5.8 GiB; "
-        "it was -21.7 % without them); the remaining -5 % is unexplained"],
+        "it was -21.7 % without them); the remaining -6 % is unexplained"],
     "colossal-lightning-gpt2xl-deepspeed-zero3": [
         "DeepSpeed fp16 runs the whole model in half; pipemem's --dtype fp16 is autocast over fp32 weights, so "
         "its checkpointed layer inputs are fp32 (48 x 40 x 1024 x 1600 x 4 B = 11.7 GiB vs 5.9 GiB in half) "
