@@ -1,5 +1,5 @@
 """`pipemem validate megatron` in CI: megatron-core's own step (traced on fake tensors) against
-`pipemem.estimate` for two cases; the full set runs as `pipemem validate megatron`."""
+`pipemem.estimate` for the CI cases; the full set runs as `pipemem validate megatron`."""
 
 import json
 import subprocess
@@ -40,11 +40,21 @@ def test_validate_megatron_ci_cases_agree():
 def test_patches_are_undone():
     import torch
     from pipemem.validation.megatron_trace import megatron_on_cpu
-    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize)
+    from megatron.core.fusions import fused_cross_entropy as fce
+    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize, fce.calculate_logits_max)
     with megatron_on_cpu():
         assert torch.cuda.current_device() == "cpu"
-    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize) == before
+        assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")   # the plain function
+    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize, fce.calculate_logits_max) == before
     assert "fused_weight_gradient_mlp_cuda" not in sys.modules
+
+
+def test_ce_fusion_cases_are_estimated_with_the_fused_loss():
+    fused = [c for c in CASES if c.ce_fusion]
+    assert {c.tp for c in fused} >= {1, 2}
+    for case in fused:
+        assert plan_kwargs(case)["loss"] == "fused"
+    assert all("loss" not in plan_kwargs(c) for c in CASES if not c.ce_fusion)
 
 
 def test_unknown_case_is_one_clear_error():

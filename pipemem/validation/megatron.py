@@ -68,6 +68,7 @@ class MegatronCase:
     grouped_gemm: bool = True
     pp_rank: int = 0
     dropout: float = 0.0
+    ce_fusion: bool = False       # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
 
     @property
     def world(self) -> int:
@@ -95,6 +96,8 @@ CASES = (
     MegatronCase("dense-tp2-sp-full-uniform", tp=2, dp=2, recompute="full"),
     MegatronCase("dense-tp2-sp-full-block1", tp=2, dp=2, recompute="full", recompute_method="block",
                  recompute_layers=1),
+    MegatronCase("dense-tp1-ce-fusion", tp=1, dp=2, sp=False, ce_fusion=True),
+    MegatronCase("dense-tp2-sp-ce-fusion", tp=2, dp=2, ce_fusion=True),
     MegatronCase("dense-tp2-sp-grad-bf16", tp=2, dp=2, main_grad_dtype="bf16"),
     MegatronCase("dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"),
     MegatronCase("gpt-tp2-sp", kind="gpt", tp=2, dp=2, kv_heads=8, ffn=1024, dropout=0.1),
@@ -105,8 +108,9 @@ CASES = (
     MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
     MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
 )
-# What CI runs (tests/test_validate_megatron.py): one dense TP+SP case and the MoE case.
-CI_CASES = ("dense-tp2-sp", "moe-ep2-shared")
+# What CI runs (tests/test_validate_megatron.py): one dense TP+SP case, its fused-CE twin and
+# the MoE case.
+CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared")
 
 
 def hf_config(case: MegatronCase) -> dict:
@@ -132,6 +136,8 @@ def plan_kwargs(case: MegatronCase) -> dict:
               pp=case.pp, dp=case.dp, ep=case.ep, sp=case.sp, dist_opt=case.dist_opt, dtype="bf16",
               main_grad_dtype=case.main_grad_dtype, recompute=case.recompute, flash_attn=True,
               convention="megatron", schedule="1F1B")
+    if case.ce_fusion:
+        kw["loss"] = "fused"      # what --from-megatron makes of --cross-entropy-loss-fusion (native impl)
     if case.recompute == "full" and case.recompute_method == "block":
         kw["recompute_layers"] = case.recompute_layers or 1
     elif case.recompute == "full" and (case.recompute_layers or 1) > 1:

@@ -39,6 +39,9 @@ with the GPU kernel's allocations and saved tensors, and nothing else:
     `gather_along_first_dim`) instead of megatron's global memory buffer;
   * megatron's @jit_fuser activations (bias-GeLU, SwiGLU) are one kernel each (torch.compile
     on a GPU): only their results are allocated;
+  * the native fused cross-entropy's @jit_fuser helpers (`--cross-entropy-loss-fusion`) run
+    as megatron's plain functions (its logits-sized tensors are the kernels'; see
+    `_plain_fused_cross_entropy`);
   * dropout is CUDA's fused `native_dropout` (a bool mask; `pipemem.traced.kernel_policy`);
   * apex's multi_tensor_scale (grad clipping, main -> model param copies) is in place;
   * MoE: TE's GroupedLinear (one output for all local experts, fused wgrad) for the experts;
@@ -167,6 +170,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     p.set(mutils.GlobalMemoryBuffer, "get_tensor", _fresh_tensor)
     p.set(attn, "apply_rotary_pos_emb", _fused_rope)
     _fused_activations(p)
+    _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
     _fake_item(p)
 
@@ -322,6 +326,21 @@ def _fused_activations(p: _Patches) -> None:
     p.set(swiglu, "swiglu_back", lambda g, y: torch.empty_like(y))
     p.set(swiglu, "bias_swiglu_back", lambda g, y, bias: torch.empty_like(y))
     p.set(swiglu, "weighted_swiglu_back", lambda g, y, weights: (torch.empty_like(y), torch.empty_like(weights)))
+
+
+def _plain_fused_cross_entropy(p: _Patches) -> None:
+    """`--cross-entropy-loss-fusion` (native impl): megatron's fusions/fused_cross_entropy.py
+    runs its own four @jit_fuser (torch.compile) helpers as plain functions, what megatron runs
+    after `disable_jit_fuser()` (torch.compile cannot run on fake tensors). Their large tensors
+    are the compiled kernels': the fp32 copy of the logits (max-subtract, exp and divide in
+    place: the saved softmax) and, in the backward, the softmax edited in place into the grad
+    and cast to a new bf16 logits grad; eagerly they also make a few per-token temporaries."""
+    from megatron.core.fusions import fused_cross_entropy as fce
+
+    for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss",
+                 "calculate_gradients"):
+        fn = getattr(fce, name)
+        p.set(fce, name, getattr(fn, "_torchdynamo_orig_callable", getattr(fn, "__wrapped__", fn)))
 
 
 class _Stream:
@@ -526,7 +545,8 @@ def _config(case: MegatronCase):
               activation_func=F.gelu if gpt else F.silu, add_bias_linear=gpt, bias_activation_fusion=True,
               hidden_dropout=case.dropout, attention_dropout=case.dropout, gradient_accumulation_fusion=True,
               apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True,
-              deallocate_pipeline_outputs=True, batch_p2p_comm=True)   # as Megatron-LM sets them
+              deallocate_pipeline_outputs=True, batch_p2p_comm=True,   # as Megatron-LM sets them
+              cross_entropy_loss_fusion=case.ce_fusion, cross_entropy_fusion_impl="native")
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
