@@ -10,7 +10,7 @@ the input grad dx (made by B or I) and dy (kinds and bytes: `schedules.actions.M
 the bytes are the stage's boundary sizes, pipemem.jobs). Replay then walks one list per rank.
 
 A lowering follows the runtime's references by *holders*: a tensor is freed when the last
-holder lets go (`_Holders`). One profile per runtime:
+holder lets go (see `_let_go` for how the holders are kept). One profile per runtime:
 
 * ``torch`` — torch.distributed.pipelining (2.13). Every non-first stage allocates one input
   buffer and every non-last stage one output-grad buffer per microbatch at the first step
@@ -45,12 +45,11 @@ holder lets go (`_Holders`). One profile per runtime:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
 from .errors import UserError
-from .schedules.actions import Action, Schedule
+from .schedules.actions import Action, Schedule, paused_gc
 
 RUNTIMES = ("torch", "megatron", "paddle")
 _DEFAULT_FOR_CONVENTION = {"megatron": "megatron", "paddle": "paddle", "torchtitan": "torch", "hf": "torch"}
@@ -60,65 +59,29 @@ def default_runtime(convention: str) -> str:
     return _DEFAULT_FOR_CONVENTION.get(convention, "torch")
 
 
-class _Holders:
-    """References to tensors keyed (what, stage, microbatch); emits a FREE action into `out`
-    when the last holder of a tensor lets go."""
+# The lowerings run once per rank over every action (10^5-10^6 of them for a large schedule),
+# so they keep the references in plain variables: a loop variable that references one tensor
+# or none is a variable holding its key (or None); a tensor with several holders has a bit
+# mask of them (`_let_go`); a tensor with one holder is a member of a set. Where each
+# reference goes is the loop's own order, so the FREE actions come out in the order the
+# runtime lets go. tests/test_runtime_lowering_speed.py checks every lowering against a
+# reference that keeps a set of holder names per tensor. Memory actions are made by
+# tuple.__new__, not Action(...): the same tuple without the call of the generated __new__.
 
-    _FREE = {"x": "FREE_X", "y": "FREE_Y", "dx": "FREE_DX", "dy": "FREE_DY"}
+_new = tuple.__new__
+_FREE = {"x": "FREE_X", "y": "FREE_Y", "dx": "FREE_DX", "dy": "FREE_DY"}
 
-    def __init__(self, out: list):
-        self.out = out
-        self.holders: dict = defaultdict(set)
-        self.by_holder: dict = defaultdict(set)
-        self.ties: dict = defaultdict(list)      # key -> [(other key, holder)] released when key is freed
 
-    def tie(self, key, holder: str, owner) -> None:
-        """`key` held by `holder` for as long as `owner` lives (a tensor's .grad)."""
-        if owner in self.holders:
-            self.ties[owner].append((key, holder))
+def _let_go(held: dict, key: tuple, bit: int, emit) -> None:
+    """The holder `bit` lets go of tensor `key` = (what, stage, microbatch), whose holders
+    are the bit mask held[key]: emit its FREE action when it was the last one."""
+    mask = held.get(key, 0)
+    if mask & bit:
+        if mask == bit:
+            del held[key]
+            emit(_new(Action, (_FREE[key[0]], key[1], key[2])))
         else:
-            self.release(key, holder)
-
-    def hold(self, key, holder: str) -> None:
-        self.holders[key].add(holder)
-        self.by_holder[holder].add(key)
-
-    def release(self, key, holder: str) -> None:
-        hs = self.holders.get(key)
-        if not hs or holder not in hs:
-            return
-        hs.discard(holder)
-        self.by_holder[holder].discard(key)
-        if not hs:
-            del self.holders[key]
-            what, s, m = key
-            self.out.append(Action(self._FREE[what], s, m))
-            for other, by in self.ties.pop(key, ()):
-                self.release(other, by)
-
-    def _held(self, holder: str) -> list:
-        """What `holder` holds, in release order (most variables hold one tensor or none)."""
-        held = self.by_holder.get(holder)
-        if not held:
-            return []
-        return list(held) if len(held) == 1 else sorted(held, key=_key_order)
-
-    def release_all(self, holder: str) -> None:
-        for key in self._held(holder):
-            self.release(key, holder)
-
-    def replace(self, holder: str, keys) -> None:
-        """A variable reassigned: it now holds `keys` and drops what it held before."""
-        old = self._held(holder)
-        for k in keys:
-            self.hold(k, holder)
-        for k in old:
-            if k not in keys:
-                self.release(k, holder)
-
-
-def _key_order(key):
-    return (key[2], key[1], key[0])
+            held[key] = mask ^ bit
 
 
 @dataclass(frozen=True)
@@ -136,7 +99,8 @@ def lower(schedule: Schedule, runtime: str) -> Schedule:
     cache = schedule.cache
     key = ("lowered", profile.name)
     if key not in cache:
-        ranks = [profile.lower_rank(schedule, r) for r in range(schedule.pp)]
+        with paused_gc():                # 10^5-10^6 new tuples, no cycles (see paused_gc)
+            ranks = [profile.lower_rank(schedule, r) for r in range(schedule.pp)]
         cache[key] = Schedule(schedule.name, schedule.pp, schedule.vpp, schedule.microbatches, ranks,
                               stage_rank=schedule.stage_rank, placement=schedule.placement,
                               notes=schedule.notes)
@@ -152,6 +116,13 @@ def get_runtime(name: str) -> RuntimeProfile:
 
 # ---------------------------------------------------------------- torch.distributed.pipelining
 
+# holders of a y or dx in the torch lowerings (bit masks, see _let_go): fwd_cache,
+# backward_state, a list of sends kept to the step's end (ScheduleGPipe's fwd_sends_to_wait,
+# the action runtime's send_ops), a local handover (set_local_fwd_input), Schedule1F1B's
+# variables fwd_sends, bwd_sends and send_work
+_FWD_CACHE, _BACKWARD_STATE, _SEND, _LOCAL, _FWD_SENDS, _BWD_SENDS, _SEND_WORK = 1, 2, 4, 8, 16, 32, 64
+
+
 def _torch_rank(schedule: Schedule, rank: int) -> list[Action]:
     S, M = schedule.num_stages, schedule.microbatches
     local = schedule.stages_of_rank(rank)
@@ -159,24 +130,17 @@ def _torch_rank(schedule: Schedule, rank: int) -> list[Action]:
     # _prepare_forward_infra then _prepare_backward_infra of every local stage, at the first step
     for s in local:
         if s:
-            out += [Action("RECV_F", s, m) for m in range(M)]
+            out += [_new(Action, ("RECV_F", s, m)) for m in range(M)]
     for s in local:
         if s < S - 1:
-            out += [Action("RECV_B", s, m) for m in range(M)]
-    h = _Holders(out)
-    for s in local:
-        for m in range(M):
-            if s:
-                h.hold(("x", s, m), "recv_info")
-            if s < S - 1:
-                h.hold(("dy", s, m), "grad_recv_info")
+            out += [_new(Action, ("RECV_B", s, m)) for m in range(M)]
     acts = schedule.ranks[rank]
     if schedule.vpp == 1 and _torch_class(schedule) == "gpipe":
-        _torch_gpipe(acts, h, S)
+        _torch_gpipe(acts, out, S)
     elif schedule.vpp == 1 and _torch_class(schedule) == "1f1b":
-        _torch_1f1b(acts, h, S, M)
+        _torch_1f1b(acts, out, S, M)
     else:
-        _torch_action_runtime(acts, h, S, set(local))
+        _torch_action_runtime(acts, out, S, M, set(local))
     return out
 
 
@@ -189,95 +153,129 @@ def _torch_class(schedule: Schedule) -> str:
     return "runtime"
 
 
-def _y_sends(s: int, m: int, S: int) -> list:
-    return [("y", s, m)] if s < S - 1 else []
-
-
-def _dx_sends(s: int, m: int) -> list:
-    return [("dx", s, m)] if s else []
-
-
-def _made_by_backward(h: _Holders, s: int, m: int) -> None:
-    if s:
-        h.hold(("dx", s, m), "bwd_cache")
-
-
-def _torch_gpipe(acts, h: _Holders, S: int) -> None:
-    """ScheduleGPipe._step_microbatches: every send kept in a local list to the end."""
+def _torch_gpipe(acts, out: list, S: int) -> None:
+    """ScheduleGPipe._step_microbatches: every send kept in a local list to the end. The
+    receive buffers persist (nothing here frees them); y is held by `fwd_cache` and, sent,
+    by `fwd_sends_to_wait`; dx (not on stage 0) by `bwd_sends_to_wait`."""
+    emit = out.append
+    held: dict = {}                          # ("y", s, m) -> _FWD_CACHE | _SEND
+    fwd_sends_to_wait: set = set()           # (m, s) of the ys sent
+    bwd_sends_to_wait: set = set()           # (m, s) of the dxs sent
     for a in acts:
         kind, s, m = a
-        h.out.append(a)
+        emit(a)
         if kind == "F":
-            h.hold(("y", s, m), "fwd_cache")
-            for k in _y_sends(s, m, S):
-                h.hold(k, "fwd_sends_to_wait")
+            y = ("y", s, m)
+            if s < S - 1:
+                held[y] = held.get(y, 0) | _FWD_CACHE | _SEND
+                fwd_sends_to_wait.add((m, s))
+            else:
+                held[y] = held.get(y, 0) | _FWD_CACHE
         else:
-            h.release(("y", s, m), "fwd_cache")
-            _made_by_backward(h, s, m)
-            for k in _dx_sends(s, m):
-                h.hold(k, "bwd_sends_to_wait")
-                h.release(k, "bwd_cache")
-    h.release_all("fwd_sends_to_wait")
-    h.release_all("bwd_sends_to_wait")
+            _let_go(held, ("y", s, m), _FWD_CACHE, emit)
+            if s:                            # made by the backward, held by its send from then on
+                bwd_sends_to_wait.add((m, s))
+    # the step ends: the lists go, in microbatch then stage order
+    for m, s in sorted(fwd_sends_to_wait):
+        _let_go(held, ("y", s, m), _SEND, emit)
+    for m, s in sorted(bwd_sends_to_wait):
+        emit(_new(Action, ("FREE_DX", s, m)))
 
 
-def _torch_1f1b(acts, h: _Holders, S: int, M: int) -> None:
+def _torch_1f1b(acts, out: list, S: int, M: int) -> None:
     """Schedule1F1B._step_microbatches: its local variables fwd_sends, bwd_sends and send_work
     hold the tensors of the sends they reference until reassigned (warm-up forwards but the
     last one set send_work; after the last forward every backward does)."""
+    emit = out.append
+    held: dict = {}                          # ("y" | "dx", s, m) -> bit mask of its holders
+    fwd_sends = bwd_sends = send_work = None    # the key each variable references, or None
     s0 = acts[0][1] if acts else 0
     warmup = min(M, S - s0)
     f = 0
     for a in acts:
         kind, s, m = a
-        h.out.append(a)
+        emit(a)
         if kind == "F":
-            h.hold(("y", s, m), "fwd_cache")
-            sends = _y_sends(s, m, S)
-            h.replace("fwd_sends", sends)
-            if f < warmup - 1:
-                h.replace("send_work", sends)
+            y = ("y", s, m)
+            held[y] = held.get(y, 0) | _FWD_CACHE
+            sends = y if s < S - 1 else None
+            if sends is not None:            # fwd_sends = the new send; the previous one goes
+                held[y] |= _FWD_SENDS
+            if fwd_sends is not None and fwd_sends != sends:
+                _let_go(held, fwd_sends, _FWD_SENDS, emit)
+            fwd_sends = sends
+            if f < warmup - 1:               # send_work = the same send
+                if sends is not None:
+                    held[y] |= _SEND_WORK
+                if send_work is not None and send_work != sends:
+                    _let_go(held, send_work, _SEND_WORK, emit)
+                send_work = sends
             f += 1
         else:
-            h.release(("y", s, m), "fwd_cache")
-            _made_by_backward(h, s, m)
-            sends = _dx_sends(s, m)
-            h.replace("bwd_sends", sends)
-            for k in sends:
-                h.release(k, "bwd_cache")
-            if f == M:
-                h.replace("send_work", sends)
-    for holder in ("fwd_sends", "bwd_sends", "send_work"):
-        h.release_all(holder)
+            _let_go(held, ("y", s, m), _FWD_CACHE, emit)
+            # dx (not on stage 0) goes from bwd_cache to its send: bwd_sends = the new send
+            sends = ("dx", s, m) if s else None
+            if sends is not None:
+                held[sends] = held.get(sends, 0) | _BWD_SENDS
+            if bwd_sends is not None and bwd_sends != sends:
+                _let_go(held, bwd_sends, _BWD_SENDS, emit)
+            bwd_sends = sends
+            if f == M:                       # send_work = the same send
+                if sends is not None:
+                    held[sends] |= _SEND_WORK
+                if send_work is not None and send_work != sends:
+                    _let_go(held, send_work, _SEND_WORK, emit)
+                send_work = sends
+    # the function returns
+    for key, bit in ((fwd_sends, _FWD_SENDS), (bwd_sends, _BWD_SENDS), (send_work, _SEND_WORK)):
+        if key is not None:
+            _let_go(held, key, bit, emit)
 
 
-def _torch_action_runtime(acts, h: _Holders, S: int, local: set[int]) -> None:
+def _torch_action_runtime(acts, out: list, S: int, M: int, local: set[int]) -> None:
     """_PipelineScheduleRuntime: every send's Work stays in send_ops until the step ends."""
+    emit = out.append
+    # the receive buffers (stage, microbatch) still referenced by the stages' recv_info /
+    # grad_recv_info: all of them, until a local handover replaces one
+    recv_info = {(s, m) for s in local if s for m in range(M)}
+    grad_recv_info = {(s, m) for s in local if s < S - 1 for m in range(M)}
+    held: dict = {}                          # ("y", s, m) -> bit mask of its holders
+    send_ops: set = set()                    # (m, s, "y" | "dx") of the sends
     for a in acts:
         kind, s, m = a
-        h.out.append(a)
+        emit(a)
         if kind == "F":
-            h.hold(("y", s, m), "fwd_cache")
-            if s + 1 in local:            # set_local_fwd_input: y replaces the next stage's buffer
-                h.release(("x", s + 1, m), "recv_info")
-                h.hold(("y", s, m), "local_recv_info")
+            y = ("y", s, m)
+            mask = held.get(y, 0) | _FWD_CACHE
+            if s + 1 in local:               # set_local_fwd_input: y replaces the next stage's buffer
+                if (s + 1, m) in recv_info:
+                    recv_info.discard((s + 1, m))
+                    emit(_new(Action, ("FREE_X", s + 1, m)))
+                mask |= _LOCAL
             elif s < S - 1:
-                h.hold(("y", s, m), "send_ops")
+                mask |= _SEND
+                send_ops.add((m, s, "y"))
+            held[y] = mask
         elif kind == "W":
-            h.release(("y", s, m), "backward_state")
+            _let_go(held, ("y", s, m), _BACKWARD_STATE, emit)
         else:
-            if kind == "I" and s < S - 1:     # backward_state keeps y to W (the loss, on the last stage)
-                h.hold(("y", s, m), "backward_state")
-            h.release(("y", s, m), "fwd_cache")
-            _made_by_backward(h, s, m)
-            if s and s - 1 in local:       # set_local_bwd_input: dx replaces the previous stage's grad buffer
-                h.hold(("dx", s, m), "local_grad_recv_info")
-                h.release(("dx", s, m), "bwd_cache")
-                h.release(("dy", s - 1, m), "grad_recv_info")
+            y = ("y", s, m)
+            if kind == "I" and s < S - 1:    # backward_state keeps y to W (the loss, on the last stage)
+                held[y] = held.get(y, 0) | _BACKWARD_STATE
+            _let_go(held, y, _FWD_CACHE, emit)
+            # dx (not on stage 0) goes from bwd_cache to where it is sent; it stays there
+            if s and s - 1 in local:         # set_local_bwd_input: dx replaces the previous stage's grad buffer
+                if (s - 1, m) in grad_recv_info:
+                    grad_recv_info.discard((s - 1, m))
+                    emit(_new(Action, ("FREE_DY", s - 1, m)))
             elif s:
-                h.hold(("dx", s, m), "send_ops")
-                h.release(("dx", s, m), "bwd_cache")
-    h.release_all("send_ops")
+                send_ops.add((m, s, "dx"))
+    # the step ends: send_ops goes, in microbatch then stage order
+    for m, s, what in sorted(send_ops):
+        if what == "y":
+            _let_go(held, ("y", s, m), _SEND, emit)
+        else:
+            emit(_new(Action, ("FREE_DX", s, m)))
 
 
 # ---------------------------------------------------------------- Megatron, Paddle
@@ -286,15 +284,17 @@ def _megatron_rank(schedule: Schedule, rank: int) -> list[Action]:
     acts = schedule.ranks[rank]
     if schedule.vpp == 1 and _is_1f1b_order(acts, schedule.pp - rank, schedule.microbatches):
         return _megatron_1f1b(acts, schedule, rank)
-    if schedule.vpp > 1 and _interleaved_warmup(acts) is not None:
-        return _megatron_interleaved(acts, schedule)
+    if schedule.vpp > 1:
+        w = _interleaved_warmup(acts)
+        if w is not None:
+            return _megatron_interleaved(acts, schedule, w)
     return _per_action_rank(schedule, rank)
 
 
 def _interleaved_warmup(acts) -> int | None:
     """w when the rank runs w forwards, then forward/backward pairs, then w backwards, all
     backwards fused: the order megatron-core's interleaved loop runs (pipemem's VPP schedule)."""
-    kinds = "".join(a[0] for a in acts)
+    kinds = "".join([a[0] for a in acts])
     n = kinds.count("F")
     lead = len(kinds) - len(kinds.lstrip("F"))
     for w in (lead - 1, lead):
@@ -303,7 +303,7 @@ def _interleaved_warmup(acts) -> int | None:
     return None
 
 
-def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
+def _megatron_interleaved(acts, schedule: Schedule, w: int | None = None) -> list[Action]:
     """forward_backward_pipelining_with_interleaving without p2p overlap (megatron-core's
     default), variable by variable: the input of the next forward (and, from the last warm-up
     step on, the output grad of the next backward) is received right after the current step
@@ -314,52 +314,67 @@ def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
     which go when it returns, and its dx lives in `input_tensor_grad` until the next backward
     returns."""
     S = schedule.num_stages
+    last = S - 1
     fwd = [a for a in acts if a[0] == "F"]
     bwd = [a for a in acts if a[0] != "F"]
     T = len(fwd)
-    w = _interleaved_warmup(acts)
+    if w is None:
+        w = _interleaved_warmup(acts)
     out: list[Action] = []
-    h = _Holders(out)
+    emit = out.append
+    # (stage, microbatch) of the tensors each queue references; x and dy have no other
+    # reference, so a backward's pop frees them (when they were received at all)
+    input_tensors: set = set()
+    output_tensor_grads: set = set()
+    input_tensor_grad = None                 # (stage, microbatch) of the dx it references, or None
 
     def recv_x(i):
-        if i < T and fwd[i][1]:
-            a = fwd[i]
-            out.append(Action("RECV_F", a[1], a[2]))
-            h.hold(("x", a[1], a[2]), "input_tensors")
+        if i < T:
+            _, st, m = fwd[i]
+            if st:
+                emit(_new(Action, ("RECV_F", st, m)))
+                input_tensors.add((st, m))
 
     def recv_dy(j):
-        if j < T and bwd[j][1] < S - 1:
-            a = bwd[j]
-            out.append(Action("RECV_B", a[1], a[2]))
-            h.hold(("dy", a[1], a[2]), "output_tensor_grads")
+        if j < T:
+            _, st, m = bwd[j]
+            if st < last:
+                emit(_new(Action, ("RECV_B", st, m)))
+                output_tensor_grads.add((st, m))
 
     def free_y(i):
-        a = fwd[i]
-        if a[1] < S - 1:
-            out.append(Action("FREE_Y", a[1], a[2]))
+        _, st, m = fwd[i]
+        if st < last:
+            emit(_new(Action, ("FREE_Y", st, m)))
 
     def backward(j):
-        kind, st, m = bwd[j]
-        out.append(bwd[j])
-        if st == S - 1:                      # the last stage's output (the loss) is done with
-            out.append(Action("FREE_Y", st, m))
-        h.release(("x", st, m), "input_tensors")          # backward_step_helper's locals go
-        h.release(("dy", st, m), "output_tensor_grads")
-        if st:
-            h.hold(("dx", st, m), "dx")
-        h.replace("input_tensor_grad", [("dx", st, m)] if st else [])
-        if st:
-            h.release(("dx", st, m), "dx")
+        nonlocal input_tensor_grad
+        a = bwd[j]
+        _, st, m = a
+        emit(a)
+        if st == last:                       # the last stage's output (the loss) is done with
+            emit(_new(Action, ("FREE_Y", st, m)))
+        key = (st, m)                        # backward_step_helper's locals go
+        if key in input_tensors:
+            input_tensors.discard(key)
+            emit(_new(Action, ("FREE_X", st, m)))
+        if key in output_tensor_grads:
+            output_tensor_grads.discard(key)
+            emit(_new(Action, ("FREE_DY", st, m)))
+        # input_tensor_grad = the new dx (none on stage 0): the previous dx goes
+        old, input_tensor_grad = input_tensor_grad, (key if st else None)
+        if old is not None and old != input_tensor_grad:
+            emit(_new(Action, ("FREE_DX",) + old))
 
     recv_x(0)
     for i in range(w):
-        out.append(fwd[i])
+        emit(fwd[i])
         recv_x(i + 1)
         if i == w - 1 and w < T:             # send_forward_backward_recv_forward_backward
             recv_dy(0)
         free_y(i)
     for k in range(T - w):
-        out.append(fwd[w + k])
+        emit(fwd[w + k])
         backward(k)
         recv_x(w + k + 1)
         recv_dy(k + 1)
@@ -369,126 +384,130 @@ def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
     for j in range(T - w, T):
         backward(j)
         recv_dy(j + 1)
-    h.release_all("input_tensor_grad")
+    if input_tensor_grad is not None:        # the function returns
+        emit(_new(Action, ("FREE_DX",) + input_tensor_grad))
     return out
-
-
-
 
 
 def _is_1f1b_order(acts, warmup: int, M: int) -> bool:
     """F0..F(w-1), then B/F pairs, then Bs: the order megatron-core's 1F1B loop runs."""
     w = min(warmup, M)
-    kinds = "".join(a[0] for a in acts)
+    kinds = "".join([a[0] for a in acts])
     return kinds == "F" * w + "BF" * (M - w) + "B" * w
 
 
 def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
     """forward_backward_pipelining_without_interleaving, variable by variable. Megatron's
     warm-up is pp - rank - 1 forwards; its first steady iteration runs the next forward, so the
-    compute order is the schedule's 1F1B order."""
+    compute order is the schedule's 1F1B order.
+
+    The tensors of microbatch i and what references them:
+    x_i (received by `recv_forward`) — `input_tensor` and the queue `input_tensors`; popped
+    before its backward, it goes when `input_tensor` is next reassigned: by the steady step's
+    `send_backward_recv_forward` (right after the next x is received), by `input_tensor =
+    None` after the last steady backward, by the next cool-down pop, or when the function
+    returns. dx_i — `x_i.grad` (`retain_grad`) and `input_tensor_grad`; x_i is gone by the
+    next backward, whose result reassigns `input_tensor_grad` and frees dx_i. dy_i —
+    `output_tensor_grad`, until the next dy is received. y_i — its data is freed right after
+    its send (`deallocate_output_tensor`); on the last stage the loss goes with its backward."""
     S, M = schedule.num_stages, schedule.microbatches
     s = rank
-    first, last = s == 0, s == S - 1
-    out: list[Action] = []
-    h = _Holders(out)
+    recv_x = s != 0                          # not the first stage: x received, dx made and sent
+    recv_dy = s != S - 1                     # not the last stage: y sent, dy received
     fwd = [a for a in acts if a[0] == "F"]
     bwd = [a for a in acts if a[0] != "F"]
     warm = min(schedule.pp - rank - 1, M)
     rest = M - warm
-    queue: list[int] = []                    # input_tensors (and output_tensors), in order
-
-    def x(i):
-        return [] if first else [("x", s, i)]
-
-    def recv_forward(i):                     # input_tensor = recv_forward(...)
-        if not first:
-            out.append(Action("RECV_F", s, i))
-        h.replace("input_tensor", x(i))
-
-    def forward(i):
-        out.append(fwd[i])
-        if not last:                         # send_forward, then deallocate_output_tensor
-            out.append(Action("FREE_Y", s, i))
-
-    def recv_backward(j):                    # output_tensor_grad = [send_forward_]recv_backward(...)
-        if not last:
-            out.append(Action("RECV_B", s, j))
-            h.replace("output_tensor_grad", [("dy", s, j)])
-
-    def pop():                               # input_tensor = input_tensors.pop(0)
-        i = queue.pop(0)
-        h.replace("input_tensor", x(i))
-        for k in x(i):
-            h.release(k, "input_tensors")
-
-    def backward(j):                         # input_tensor_grad = backward_step(...)
-        out.append(bwd[j])
-        if last:                             # the last stage's output (the loss) is done with
-            out.append(Action("FREE_Y", s, j))
-        if not first:                        # x.retain_grad(): x.grad references dx until x goes
-            h.hold(("dx", s, j), "x.grad")
-            h.tie(("dx", s, j), "x.grad", ("x", s, j))
-        h.replace("input_tensor_grad", [("dx", s, j)] if not first else [])
-
-    def keep(i):                             # input_tensors.append(input_tensor)
-        queue.append(i)
-        for k in x(i):
-            h.hold(k, "input_tensors")
+    out: list[Action] = []
+    emit = out.append
 
     for i in range(warm):
-        recv_forward(i)
-        forward(i)
-        keep(i)
-    if rest > 0:
-        recv_forward(warm)
+        if recv_x:                           # input_tensor = recv_forward(...)
+            emit(_new(Action, ("RECV_F", s, i)))
+        emit(fwd[i])
+        if recv_dy:                          # send_forward, then deallocate_output_tensor
+            emit(_new(Action, ("FREE_Y", s, i)))
+        # input_tensors.append(input_tensor): x_i stays queued
+    if rest > 0 and recv_x:
+        emit(_new(Action, ("RECV_F", s, warm)))
     for i in range(rest):
         k = i + warm
-        forward(k)
-        recv_backward(i)
-        keep(k)
-        pop()
-        backward(i)
-        if i == rest - 1:
-            h.replace("input_tensor", [])    # input_tensor = None; send_backward(...)
-        else:
-            recv_forward(k + 1)              # input_tensor = send_backward_recv_forward(...)
+        emit(fwd[k])
+        if recv_dy:
+            emit(_new(Action, ("FREE_Y", s, k)))
+            # output_tensor_grad = send_forward_recv_backward(...): the previous dy goes
+            emit(_new(Action, ("RECV_B", s, i)))
+            if i:
+                emit(_new(Action, ("FREE_DY", s, i - 1)))
+        # input_tensors.append(input_tensor); input_tensor = input_tensors.pop(0): x_i
+        emit(bwd[i])                         # input_tensor_grad = backward_step(...)
+        if not recv_dy:                      # the last stage's output (the loss) is done with
+            emit(_new(Action, ("FREE_Y", s, i)))
+        if recv_x:
+            if i:                            # input_tensor_grad reassigned; x_(i-1) went before
+                emit(_new(Action, ("FREE_DX", s, i - 1)))
+            if i < rest - 1:                 # input_tensor = send_backward_recv_forward(...)
+                emit(_new(Action, ("RECV_F", s, k + 1)))
+            emit(_new(Action, ("FREE_X", s, i)))    # (or input_tensor = None after the last)
     for j in range(rest, M):
-        pop()
-        recv_backward(j)
-        backward(j)
-    for holder in ("input_tensor", "output_tensor_grad", "input_tensor_grad"):
-        h.release_all(holder)                # the function returns
+        if recv_x and j > rest:              # input_tensor = input_tensors.pop(0): x_(j-1) goes
+            emit(_new(Action, ("FREE_X", s, j - 1)))
+        if recv_dy:                          # output_tensor_grad = recv_backward(...)
+            emit(_new(Action, ("RECV_B", s, j)))
+            if j:
+                emit(_new(Action, ("FREE_DY", s, j - 1)))
+        emit(bwd[j])                         # input_tensor_grad = backward_step(...)
+        if not recv_dy:
+            emit(_new(Action, ("FREE_Y", s, j)))
+        if recv_x and j:
+            emit(_new(Action, ("FREE_DX", s, j - 1)))
+    if M:                                    # the function returns: input_tensor (still x_(M-1)
+        if recv_x and warm:                  # when the loop ended in cool-down),
+            emit(_new(Action, ("FREE_X", s, M - 1)))
+        if recv_dy:                          # output_tensor_grad, input_tensor_grad
+            emit(_new(Action, ("FREE_DY", s, M - 1)))
+        if recv_x:
+            emit(_new(Action, ("FREE_DX", s, M - 1)))
     return out
 
 
 def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
     """Receive right before use, free y after its send, dx after its send, x and dy when the
     stage's backward of that microbatch is done (after W when the backward is split)."""
-    S = schedule.num_stages
+    last = schedule.num_stages - 1
+    acts = schedule.ranks[rank]
     out: list[Action] = []
-    split = {(a[1], a[2]) for a in schedule.ranks[rank] if a[0] == "W"}
-    for a in schedule.ranks[rank]:
+    emit = out.append
+    split = {(a[1], a[2]) for a in acts if a[0] == "W"}
+    for a in acts:
         kind, s, m = a
         if kind == "F":
             if s:
-                out.append(Action("RECV_F", s, m))
-            out.append(a)
-            if s < S - 1:
-                out.append(Action("FREE_Y", s, m))
-            continue
-        if kind in ("B", "I") and s < S - 1:
-            out.append(Action("RECV_B", s, m))
-        out.append(a)
-        if kind in ("B", "I") and s:
-            out.append(Action("FREE_DX", s, m))
-        if kind in ("B", "I") and s == S - 1:     # the last stage's output (loss) goes with its backward
-            out.append(Action("FREE_Y", s, m))
-        if kind == "W" or (kind == "B") or (kind == "I" and (s, m) not in split):
+                emit(_new(Action, ("RECV_F", s, m)))
+            emit(a)
+            if s < last:
+                emit(_new(Action, ("FREE_Y", s, m)))
+        elif kind == "B" or kind == "I":
+            if s < last:
+                emit(_new(Action, ("RECV_B", s, m)))
+            emit(a)
             if s:
-                out.append(Action("FREE_X", s, m))
-            if s < S - 1:
-                out.append(Action("FREE_DY", s, m))
+                emit(_new(Action, ("FREE_DX", s, m)))
+            if s == last:                    # the last stage's output (loss) goes with its backward
+                emit(_new(Action, ("FREE_Y", s, m)))
+            if kind == "B" or (s, m) not in split:    # a split backward's x and dy wait for its W
+                if s:
+                    emit(_new(Action, ("FREE_X", s, m)))
+                if s < last:
+                    emit(_new(Action, ("FREE_DY", s, m)))
+        elif kind == "W":
+            emit(a)
+            if s:
+                emit(_new(Action, ("FREE_X", s, m)))
+            if s < last:
+                emit(_new(Action, ("FREE_DY", s, m)))
+        else:                                # no memory action for any other kind
+            emit(a)
     return out
 
 
