@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import length_hint
 
 from ..errors import UserError
 from .actions import Schedule, paused_gc
@@ -47,8 +48,8 @@ class Simulation:
     bubble_ratio: float           # 1 - busy / (pp * makespan): idle share of all ranks over the whole step
     stage_bubble_ratio: float     # Qi et al.: (longest rank span - its work) / span, span from a rank's first start
     busy: list[float]             # per rank
-    start: list[list[float]]      # per rank, per action
-    end: list[list[float]]
+    start: list[list[float]] | None   # per rank, per action (None from simulate(timeline=False))
+    end: list[list[float]] | None
 
     def to_dict(self) -> dict:
         return {"makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
@@ -104,14 +105,24 @@ def _bad_action(schedule: Schedule, r: int, n: int):
     raise UserError(f"{where}: stage {s} is placed on rank {schedule.stage_rank[s]}, not rank {r}")
 
 
-def simulate(schedule: Schedule, times: TimeModel | None = None) -> Simulation:
+def simulate(schedule: Schedule, times: TimeModel | None = None, timeline: bool = True) -> Simulation:
     """Run every rank's list in order, each action as soon as its inputs and its rank are ready.
-    Raises UserError on a deadlock (an order that violates the data dependencies)."""
+    Raises UserError on a deadlock (an order that violates the data dependencies).
+    `timeline=False` skips the per-action start and end times (Simulation.start/end are None),
+    for callers that read only the makespan, the bubbles and `busy`."""
     with paused_gc():
-        return _simulate(schedule, times)
+        return _simulate(schedule, times, timeline)
 
 
-def _simulate(schedule: Schedule, times: TimeModel | None) -> Simulation:
+def _simulate(schedule: Schedule, times: TimeModel | None, timeline: bool = True) -> Simulation:
+    # Event-driven: a rank runs its list until an action needs an input not made yet, then
+    # parks on that input and is woken (FIFO) when it is made. This loop is the hot path of
+    # `pipemem schedule` and of the planner (10^5-10^6 actions), so it is kept flat: each rank
+    # walks an iterator of its own list, finish times live in per-stage rows indexed by
+    # microbatch (no s*M+i index arithmetic, whose large ints are allocated), and nothing is
+    # stored per action unless the timeline is asked for. The arithmetic (the order of the
+    # additions and comparisons, and the order of the wake-ups, which decides how `busy` is
+    # summed) is the reference's: tests/test_schedules_equivalence.py compares bit for bit.
     times = times or TimeModel()
     pp, S, M = schedule.pp, schedule.num_stages, schedule.microbatches
     tf, tb, ti, tw = times.per_stage(S)
@@ -120,88 +131,105 @@ def _simulate(schedule: Schedule, times: TimeModel | None) -> Simulation:
     # hop cost into stage s from s-1 (forward) and from s+1 (backward)
     hop_prev = [comm if s and stage_rank[s - 1] != stage_rank[s] else 0.0 for s in range(S)]
     hop_next = [comm if s + 1 < S and stage_rank[s + 1] != stage_rank[s] else 0.0 for s in range(S)]
-    n = S * M
-    # finish times: [0, n) forward of (s, i) at s*M+i; [n, 2n) its input grad (B or I)
-    fin = [-1.0] * (2 * n)
+    # finish time (-1.0: not yet; tested with `< 0.0`, a float-float compare) of the forward
+    # (fwd[s][i]) and of the input grad, B or I (bwd[s][i]), of stage s, microbatch i; nothing
+    # waits for a W, so it is not kept
+    fwd = [[-1.0] * M for _ in range(S)]
+    bwd = [[-1.0] * M for _ in range(S)]
+    # the ranks parked on each of them (None: none), in the order they parked
+    fwd_parked: list[list] = [[None] * M for _ in range(S)]
+    bwd_parked: list[list] = [[None] * M for _ in range(S)]
     ranks = schedule.ranks
-    ptr = [0] * pp
+    # each rank's place in its list: an iterator, stepped back onto the action it parks on
+    iters = [iter(a) for a in ranks]
     clock = [0.0] * pp
     busy = [0.0] * pp
-    starts = [[0.0] * len(a) for a in ranks]
-    ends = [[0.0] * len(a) for a in ranks]
-    waiting: dict[int, list[int]] = {}
+    # per rank, the (starts, ends) being recorded, or None; without a timeline only a rank's
+    # first segment is recorded: the span bubble needs its first start
+    record = [([], []) for _ in range(pp)]
+    starts, ends = [rec[0] for rec in record], [rec[1] for rec in record]
     ready = deque(range(pp))
     last = S - 1
     while ready:
         r = ready.popleft()
-        acts = ranks[r]
-        j = ptr[r]
-        t0 = t_rank = clock[r]
-        st, en = starts[r], ends[r]
-        na = len(acts)
+        todo = iters[r]
+        t_rank = clock[r]
+        rec = record[r]
+        st, en = rec if rec is not None else (None, None)
         spent = 0.0
-        while j < na:
-            kind, s, i = acts[j]
-            k = s * M + i
+        for kind, s, i in todo:
             if kind == "F":
-                key = k
                 t0 = t_rank
                 if s:
-                    d = fin[k - M]
-                    if d < 0:
-                        waiting.setdefault(k - M, []).append(r)
+                    d = fwd[s - 1][i]
+                    if d < 0.0:
+                        wait = fwd_parked[s - 1]
                         break
                     d += hop_prev[s]
                     if d > t0:
                         t0 = d
                 dur = tf[s]
+                made, parked = fwd[s], fwd_parked[s]
             elif kind == "W":
-                key = -1
-                d = fin[n + k]
-                if d < 0:
-                    waiting.setdefault(n + k, []).append(r)
+                d = bwd[s][i]
+                if d < 0.0:
+                    wait = bwd_parked[s]
                     break
                 t0 = d if d > t_rank else t_rank
                 dur = tw[s]
+                made = None
             else:                                   # B or I
-                key = n + k
-                d = fin[k]
-                if d < 0:
-                    waiting.setdefault(k, []).append(r)
+                d = fwd[s][i]
+                if d < 0.0:
+                    wait = fwd_parked[s]
                     break
                 t0 = d if d > t_rank else t_rank
                 if s != last:
-                    d = fin[key + M]
-                    if d < 0:
-                        waiting.setdefault(key + M, []).append(r)
+                    d = bwd[s + 1][i]
+                    if d < 0.0:
+                        wait = bwd_parked[s + 1]
                         break
                     d += hop_next[s]
                     if d > t0:
                         t0 = d
                 dur = tb[s] if kind == "B" else ti[s]
+                made, parked = bwd[s], bwd_parked[s]
             t_rank = t0 + dur
-            st[j] = t0
-            en[j] = t_rank
             spent += dur
-            j += 1
-            if key >= 0:
-                fin[key] = t_rank
-                if waiting:
-                    woken = waiting.pop(key, None)
-                    if woken:
-                        ready.extend(woken)
+            if st is not None:
+                st.append(t0)
+                en.append(t_rank)
+            if made is not None:
+                made[i] = t_rank
+                woken = parked[i]
+                if woken is not None:
+                    ready.extend(woken)
+        else:
+            kind = None                             # the rank ran to its end
+        if kind is not None:                        # park on the missing input
+            todo.__setstate__(len(ranks[r]) - length_hint(todo) - 1)   # run this action when woken
+            w = wait[i]
+            if w is None:
+                wait[i] = [r]
+            else:
+                w.append(r)
+        if not timeline and rec is not None and st:
+            record[r] = None
         busy[r] += spent
-        ptr[r] = j
         clock[r] = t_rank
+    ptr = [len(ranks[r]) - length_hint(iters[r]) for r in range(pp)]     # each rank's next action
     stuck = [r for r in range(pp) if ptr[r] < len(ranks[r])]
     if stuck:
         raise UserError(_deadlock_message(schedule, stuck, ptr))
     makespan = max(clock) if pp else 0.0
     total = sum(busy)
     bubble = 1.0 - total / (pp * makespan) if makespan > 0 else 0.0
-    spans = [(ends[r][-1] - starts[r][0]) if ranks[r] else 0.0 for r in range(pp)]
+    # a rank's span: from its first start to its last end (its clock)
+    spans = [(clock[r] - starts[r][0]) if ranks[r] else 0.0 for r in range(pp)]
     cost = max(spans) if spans else 0.0
     stage_bubble = (cost - max(busy)) / cost if cost > 0 else 0.0
+    if not timeline:
+        starts = ends = None
     return Simulation(makespan, bubble, stage_bubble, busy, starts, ends)
 
 
@@ -248,7 +276,8 @@ def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> s
             + (f"; also stuck: {others}" if others else ""))
 
 
-def check_schedule(schedule: Schedule, times: TimeModel | None = None) -> Simulation:
-    """Raise UserError naming the first violation; return the simulation of a valid schedule."""
+def check_schedule(schedule: Schedule, times: TimeModel | None = None, timeline: bool = True) -> Simulation:
+    """Raise UserError naming the first violation; return the simulation of a valid schedule
+    (`timeline` as in `simulate`)."""
     _structure(schedule)
-    return simulate(schedule, times)
+    return simulate(schedule, times, timeline)
