@@ -64,7 +64,7 @@ def default_runtime(convention: str) -> str:
 # or none is a variable holding its key (or None); a tensor with several holders has a bit
 # mask of them (`_let_go`); a tensor with one holder is a member of a set. Where each
 # reference goes is the loop's own order, so the FREE actions come out in the order the
-# runtime lets go. tests/test_runtime_lowering_speed.py checks every lowering against a
+# runtime lets go. tests/test_runtime_lowering_reference.py checks every lowering against a
 # reference that keeps a set of holder names per tensor. Memory actions are made by
 # tuple.__new__, not Action(...): the same tuple without the call of the generated __new__.
 

@@ -20,7 +20,7 @@ from pipemem.runtime import PROFILES, lower
 from pipemem.schedules import SCHEDULE_NAMES, default_vpp, get_schedule
 from pipemem.schedules.actions import Action, Schedule
 
-# ---------------------------------------------------------------- the reference (pipemem 089b6e7)
+# ---------------------------------------------------------------- the reference (pipemem 1cc8eb9, the lowering before the rewrite)
 
 class _Holders:
     """References to tensors keyed (what, stage, microbatch); emits a FREE action into `out`
