@@ -270,12 +270,29 @@ def _stage_prologue(sh, conv, runs) -> list[tuple]:
     return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
 
 
+def _megatron_last_layer_kept(runs: tuple) -> tuple:
+    """Megatron's fine-grained offloading does not offload a chunk's last layer when that
+    chunk's backward comes next (fine_grained_activation_offload.py `should_bulk_offload`, and
+    after the warm-up step `post_warmup_callback` turns it off for the first backward chunk's
+    last layer): on the last stage that is every microbatch, on earlier stages the first one.
+    The stage's last layer keeps everything (on earlier stages a bound: later microbatches do
+    offload it)."""
+    from .templates.offload import KEEP_ALL
+    if not runs:
+        return runs
+    *rest, (opt, n) = runs
+    out = list(rest) + ([(opt, n - 1)] if n > 1 else [])
+    return tuple(out) + ((replace(opt, offload_keep=KEEP_ALL), 1),)
+
+
 def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
     """torchtune's offloading (--activation-offload all) leaves the last tensors it offloaded
     on the GPU when the forward ends (its forward stash): the stage's last layers keep them,
     so they get runs of their own."""
-    if "*" not in sh.feat.offload:
+    if not sh.feat.offload:
         return runs
+    if "*" not in sh.feat.offload:
+        return _megatron_last_layer_kept(runs) if conv.name == "megatron" else runs
     from .templates.offload import FWD_STASH, stash_keeps
     from .templates.programs import layer_offload_count
     tail: list = []                          # the stage's last FWD_STASH layers, in order

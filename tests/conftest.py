@@ -2,6 +2,10 @@
 
 import os
 
+# Liger-Kernel's triton kernels run on CPU tensors through triton's interpreter
+# (tests/test_features_vs_libraries.py): set before anything imports triton
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,

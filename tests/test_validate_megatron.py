@@ -41,11 +41,16 @@ def test_patches_are_undone():
     import torch
     from pipemem.validation.megatron_trace import megatron_on_cpu
     from megatron.core.fusions import fused_cross_entropy as fce
-    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize, fce.calculate_logits_max)
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
+              torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
+              fgo.ChunkOffloadHandler.bulk_offload)
     with megatron_on_cpu():
         assert torch.cuda.current_device() == "cpu"
         assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")   # the plain function
-    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize, fce.calculate_logits_max) == before
+    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
+            torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
+            fgo.ChunkOffloadHandler.bulk_offload) == before
     assert "fused_weight_gradient_mlp_cuda" not in sys.modules
 
 
@@ -61,3 +66,23 @@ def test_unknown_case_is_one_clear_error():
     from pipemem.errors import UserError
     with pytest.raises(UserError, match="unknown case"):
         select("dense-tp2-sp,nope")
+
+
+@needs_megatron
+def test_fine_grained_offloading_runs_megatron_code():
+    """megatron's own offloading, traced: each offloaded layer's forward keeps q, k, the fused
+    qkv output (v's storage, freed by the forced release) and the attention output less; the
+    stage's last layer offloads nothing in the steady-state step (its backward comes next)."""
+    from dataclasses import replace
+
+    from pipemem.validation.megatron import trace_in_subprocess
+    case = next(c for c in CASES if c.name == "dense-tp1-offload-attn")
+    on, off = trace_in_subprocess(case), trace_in_subprocess(replace(case, offload=""))
+    s, b, h, heads, kv = case.seq_len, case.micro_batch, case.hidden, case.heads, case.kv_heads
+    d = h // heads
+    moved = 2 * s * b * (heads * d + kv * d + (heads + 2 * kv) * d + h)   # q, k, qkv, ctx (bf16)
+    last = str(case.layers - 1)
+    for layer in map(str, range(case.layers - 1)):
+        assert off["layer_kept_bytes"][layer] - on["layer_kept_bytes"][layer] == moved
+    assert on["layer_kept_bytes"][last] == off["layer_kept_bytes"][last]
+    assert on["static_bytes"] == off["static_bytes"]

@@ -376,7 +376,7 @@ def read(argv: list[str]) -> ToolConfig:
 
 # Megatron's names for the modules its fine-grained activation offloading can move
 # (--offload-modules) -> pipemem's (pipemem.features.OFFLOAD_MODULES)
-_OFFLOAD_MODULES = {"attn_norm": "attn_norm", "qkv_linear": "qkv", "core_attn": "core_attn",
+OFFLOAD_MODULES = {"attn_norm": "attn_norm", "qkv_linear": "qkv", "core_attn": "core_attn",
                     "attn_proj": "attn_proj", "mlp_norm": "mlp_norm", "expert_fc1": "expert_fc1",
                     "moe_act": "moe_act"}
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current", "mxfp8": "mxfp8"}
@@ -415,10 +415,10 @@ def _modern_flags(a, plan: dict) -> None:
         mods = [m.strip() for m in (a.str("offload-modules") or "").replace(",", " ").split() if m.strip()]
         if not mods:
             refuse("fine-grained-activation-offloading", "without --offload-modules: name the modules to offload")
-        bad = [m for m in mods if m not in _OFFLOAD_MODULES]
+        bad = [m for m in mods if m not in OFFLOAD_MODULES]
         if bad:
-            refuse("offload-modules", f"{bad[0]!r} is not modelled; known: {', '.join(_OFFLOAD_MODULES)}")
-        plan["activation_offload"] = ",".join(_OFFLOAD_MODULES[m] for m in mods)
+            refuse("offload-modules", f"{bad[0]!r} is not modelled; known: {', '.join(OFFLOAD_MODULES)}")
+        plan["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in mods)
     else:
         a.raw("offload-modules")
 

@@ -57,6 +57,10 @@ class Convention:
     # (Megatron's reentrant CheckpointFunction holds `outputs` while it runs
     # torch.autograd.backward(outputs, grads); torch.utils.checkpoint does not)
     checkpoint_keeps_outputs: bool = False
+    # Eager frameworks call each layer as `h = layer(h)`: the caller's reference keeps the
+    # layer's input alive until the layer returns. Paddle's static programs free it after its
+    # last use.
+    caller_holds_input: bool = True
 
 
 CONVENTIONS = {
@@ -65,7 +69,8 @@ CONVENTIONS = {
                            gqa_expand_eager=True, checkpoint_keeps_outputs=True),
     "paddle": Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
                          gather_once_per_block=False, fused_norm=True, ce_inplace=True, vocab_multiple=1,
-                         gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True),
+                         gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True,
+                         caller_holds_input=False),
     "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
                              gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
                              gqa_expand_eager=True, wgrad_fused=False),

@@ -263,7 +263,11 @@ class _Gen:
             xf = self.act(name + ".xf", tokens_shape, "fp32")
             self.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
         var = self.act(name + ".var", tok + (1,), "fp32")
-        self.t.node("pow_mean", (xf,), (var,), diff_inputs=(xf,), save_i=(xf,))
+        # its backward, eager: mean's grad expanded and divided ([tokens, h] fp32), then pow's
+        # `grad * (2 * x.pow(1))` -- x.pow(1), 2 * it -- before the product (the op's output):
+        # three [tokens, h] fp32 temporaries beside it
+        self.t.node("pow_mean", (xf,), (var,), diff_inputs=(xf,), save_i=(xf,),
+                    workspace_i=3 * _numel(tokens_shape) * 4)
         rs = self.act(name + ".rsqrt", tok + (1,), "fp32")
         self.t.node("rsqrt", (var,), (rs,), diff_inputs=(var,), save_i=(rs,))
         xn = self.act(name + ".xn", tokens_shape, "fp32")
@@ -370,7 +374,11 @@ class _Gen:
         # Compiled (torchtitan always compiles Float8), inductor fuses each cast into one kernel
         # writing the fp8 copy: only the fp8 operands themselves are transient
         c = 1 if f.compile else CAST_BYTES
-        ws_f = max(c * n_in, n_in + c * n_w)
+        # the casts run before the GEMM allocates its output (the op's workspace is counted
+        # alongside its outputs): the input's cast, the weight's next to the fp8 input, then
+        # both fp8 operands under the GEMM
+        out_b = n_out * dtype_bytes(t.dtype)
+        ws_f = max(c * n_in - out_b, n_in + c * n_w - out_b, n_in + n_w, 0)
         ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
         return x, x, (ws_f, ws_i)
 
@@ -655,7 +663,17 @@ class _Gen:
                 (fc1,) = self.column_linears(x, name, [(name + ".fc1", 2 * f, opt.mlp_bias)])
                 act = self.act(name + ".act", (s, b, f))
                 self.t.node("bias_swiglu", (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+            elif not sh.sp:
+                # `down(act(gate(x)) * up(x))` (HF, torchtitan): the activation runs before the
+                # up projection, and autograd's backward visits up before the activation
+                (gate,) = self.column_linears(x, name, [(name + ".gate_proj", f, opt.mlp_bias)])
+                g = self.act(name + ".silu", (s, b, f))
+                self.t.node("silu", (gate,), (g,), diff_inputs=(gate,), save_i=(gate,))
+                (up,) = self.column_linears(x, name, [(name + ".up_proj", f, opt.mlp_bias)])
+                act = self.act(name + ".act", (s, b, f))
+                self.t.node("mul", (g, up), (act,), diff_inputs=(g, up), save_i=(g, up))
             else:
+                # sequence parallel: one all-gather (or shard) feeds both projections
                 gate, up = self.column_linears(x, name, [(name + ".gate_proj", f, opt.mlp_bias),
                                                          (name + ".up_proj", f, opt.mlp_bias)])
                 g = self.act(name + ".silu", (s, b, f))
@@ -1013,7 +1031,9 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         min_cut_region(tape, 0)
     if sh.feat.offload:
         from .offload import mark_offloaded
-        mark_offloaded(tape, sh.feat, keep=opt.offload_keep)
+        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.name == "megatron", moe=opt.moe)
+    if conv.caller_holds_input:
+        tape.held_to_return = (x,)
     return tape, x, y
 
 

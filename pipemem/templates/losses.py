@@ -118,14 +118,15 @@ def _fused_linear(g, tape: Tape, hn: str, sh) -> str:
     w = tape.param("head.output.weight", (V, h), sh.dt)
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
-    eb = dtype_bytes(g.dtype_of(hn))
     wgrad_dt = "fp32" if sh.autocast else sh.dt
     dinput = g.act("flce.grad_input", (sh.s, sh.b, h), g.dtype_of(hn))
     dweight = g.act("flce.grad_weight", (V, h), wgrad_dt)
     loss = g.act("loss", (1,), "fp32")
-    # per chunk: a logits chunk (matmul output, CE grads written in place) and its input-grad
-    # matmul output, before both are added into the accumulators
-    ws = chunk * V * dtype_bytes(sh.dt) + chunk * h * eb
+    # Liger >= 0.8.3 on CUDA (ops/fused_linear_cross_entropy.py): one logits buffer of a chunk,
+    # reused by every chunk (its CE grads are written in place), the input-grad matmul writing
+    # straight into grad_input and the weight grad accumulated in place; the per-token loss
+    # [T] fp32 and target mask [T] bool live through the chunk loop
+    ws = chunk * V * dtype_bytes(sh.dt) + 5 * T
     tape.node("fused_linear_ce", (hn, w, labels), (loss, dinput, dweight), diff_inputs=(hn,), params=(w,),
               save_i=(dinput,), save_w=(dweight,), workspace_f=ws, wgrad_saved=dweight)
     # backward scales the saved input grad in place (Liger's element_mul_kernel)

@@ -166,8 +166,9 @@ def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_inpu
 @lru_cache(maxsize=4096)
 def layer_offload_count(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> int:
     """How many saved tensors the layer sends to the CPU under --activation-offload."""
+    from .offload import pack_count
     tape, _, _ = decoder_layer_tape(arch, sh, conv, opt)
-    return len(tape.offloaded)
+    return pack_count(tape)
 
 
 @lru_cache(maxsize=1024)

@@ -123,6 +123,15 @@ class Tape:
         # Activation offloading: saved tensor -> its reloaded copy (pipemem.templates.offload);
         # the backward reads the copies, which it allocates when it starts
         self.offloaded: dict[str, str] = {}
+        # torchtune's per-pack offloading (templates.offload.torchtune_packs): node index ->
+        # {saved tensor: reloaded copy}; node index -> tensors the forward stash lets go after
+        # it; (node index -> bytes of the previous layer's stash tail released there, bytes of
+        # the previous layer's last reloads alive when this layer's backward starts)
+        self.offload_packs: dict[int, dict[str, str]] = {}
+        self.offload_release: dict[int, tuple[str, ...]] = {}
+        self.offload_carry: tuple[dict[int, int], int] = ({}, 0)
+        # forward tensors the caller references until the part returns (the layer's input)
+        self.held_to_return: tuple[str, ...] = ()
         # torchtune's optimizer_in_bwd: each weight grad is stepped and freed as soon as it exists
         self.step_in_backward = False
         # Reentrant checkpointing (Megatron): a recomputed region's outputs are held until the
@@ -178,15 +187,33 @@ class Tape:
     def forward(self, name: str = "F") -> Program:
         prog = Program(name=name, type="forward")
         gather = self._fsdp_gather(prog, "fwd")
-        for n in self.nodes:
+        carried = self._carry_in(prog, "fwd", self.offload_carry[0])
+        for i, n in enumerate(self.nodes):
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
+            let_go = self.offload_release.get(i, ()) + carried.get(i, ())
+            if let_go:      # torchtune's forward stash drops its references
+                self._add(prog, Op("offload_stash_release", let_go, (), phase="offload"))
+        if self.held_to_return:
+            self._add(prog, Op("return", self.held_to_return, (), phase="forward"))
         if self.fsdp_reshard:
             self._fsdp_release(prog, gather)
         elif gather and gather + ".ag_out" in self.tensors:      # kept unsharded; the buffer goes
             state = gather + ".ag_out"
             self._add(prog, Op("fsdp_all_gather_done", (state,), (), frees=(state,), phase="fsdp"))
         return prog
+
+    def _carry_in(self, prog: Program, tag: str, at: dict[int, int]) -> dict[int, tuple[str, ...]]:
+        """Bytes the previous identical layer leaves alive into this program (torchtune's
+        offloading stash), allocated at its start; node index -> the placeholders it releases."""
+        out = {}
+        for i, nbytes in sorted(at.items()):
+            if nbytes:
+                nm = f"{self.prefix}offload.{tag}_carry{i}"
+                self.tensors[nm] = Tensor(nm, (), "uint8", ACT, bytes=nbytes)
+                self._add(prog, Op("offload_carry_in", (), (nm,), phase="offload"))
+                out[i] = (nm,)
+        return out
 
     def _fsdp_param_bytes(self) -> int:
         seen: dict[str, int] = {}
@@ -242,6 +269,10 @@ class Tape:
             gathered = self._fsdp_gather(i_prog, "bwd")
         for src, copy in self.offloaded.items():
             self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
+        # per-pack offloading: the reloads of the node that ran before (the previous layer's
+        # last, at first) are freed once the next reloading node has run
+        first = min(self.offload_packs) if self.offload_packs else -1
+        held = self._carry_in(i_prog, "bwd", {first: self.offload_carry[1]}).get(first, ())
         self._held_grads: list[tuple[str, str]] = []
         for t in out_grads:
             self._grad_tensor(i_prog, t)
@@ -255,11 +286,16 @@ class Tape:
         self._cur: dict[str, str] = {}
         w_storages: set[str] = set()
         cur = self._cur.get
-        for n in reversed(self.nodes):
+        for idx in range(len(self.nodes) - 1, -1, -1):
+            n = self.nodes[idx]
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
             ren: dict[str, str] = self.offloaded
+            reloads = self.offload_packs.get(idx, {})
+            if reloads:
+                self._add(i_prog, Op("h2d_reload", (), tuple(reloads.values()), module=n.module, phase="offload"))
+                ren = {**ren, **reloads}
             if n.region >= 0:
                 ren = {**self.offloaded, **self._region_renames(n.region)}
                 if n.region not in regions_done:
@@ -355,6 +391,10 @@ class Tape:
                     last.frees = tuple(dict.fromkeys((*last.frees, *saved)))
                 for op in w_block:
                     self._add(i_prog, op)
+            if reloads:
+                if held:
+                    self._add(i_prog, Op("offload_release", held, (), module=n.module, phase="offload"))
+                held = tuple(reloads.values())
             if self.keep_recompute_outputs and n.region >= 0 and n is self._region_first(n.region):
                 held = tuple(ren[o] for o in self._region_outputs(n.region) if o in ren)
                 if held:

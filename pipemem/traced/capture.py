@@ -16,6 +16,7 @@ Nothing here knows about training steps or HF models: see `step.py` and `hf.py`.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from dataclasses import dataclass
@@ -40,6 +41,22 @@ _FOREACH_ELEMENTWISE = frozenset({
 
 # Raw op record fields (lists are cheaper than objects on the hot path).
 _TYPE, _PHASE, _MODULE, _INPUTS, _OUTPUTS, _FREES = range(6)
+
+
+# Depth of `host_memory()` contexts: storages created inside one live in host memory.
+_HOST_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def host_memory():
+    """Storages created inside are host (CPU) memory: recorded with 0 device bytes. Fake
+    tensors here are all CPU tensors, so code that copies activations to the host (activation
+    offloading) marks its host buffers with this; the copy back is a new device storage."""
+    _HOST_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_DEPTH[0] -= 1
 
 
 def _valueless(t) -> bool:
@@ -197,7 +214,8 @@ class StorageRecorder(TorchDispatchMode):
         name = f"s{self._next}"
         self._next += 1
         self._ids[st] = name
-        self.storages[name] = _StorageInfo(st.nbytes(), tuple(t.shape), _dtype_name(t.dtype), phase, kind)
+        nbytes = 0 if _HOST_DEPTH[0] else st.nbytes()
+        self.storages[name] = _StorageInfo(nbytes, tuple(t.shape), _dtype_name(t.dtype), phase, kind)
         weakref.finalize(st, self._freed, name)
         return name
 

@@ -6,10 +6,18 @@ against traces made by each feature's own library, on fake tensors (no GPU):
   removes from the bytes the forward leaves for backward, whole model vs 2 x one template layer;
 * chunked CE: torchtune's `CEWithChunkedOutputLoss` behind torchtune's chunked output
   projection, eager and with its `compute_cross_entropy` compiled -- the head's kept bytes;
+* fused linear CE: Liger-Kernel's own `LigerFusedLinearCrossEntropyLoss` behind the final
+  norm, on real CPU tensors (its triton kernels run by triton's interpreter) with its CUDA code
+  path -- the head's kept bytes, forward peak and backward peak;
 * fp8: torchao's `convert_to_float8_training` (tensorwise) on an HF Llama -- layer 1's forward
   peak (where torchao's casts dominate) and its kept bytes;
 * optimizer in backward: torchtune's `register_optim_in_bwd_hooks` (one fused AdamW per
-  parameter), steady state -- layer 1's backward peak.
+  parameter), steady state -- layer 1's backward peak;
+* activation offloading: torchtune's `OffloadActivations` (its copy stream and stashes) around
+  the decoder, as torchtune's recipe wraps the model with the output layer left out --
+  the kept bytes it removes and a layer's forward and backward peaks. Its CUDA streams and
+  events are stand-ins that do nothing, and its host copies are recorded as host memory
+  (`traced.capture.host_memory`); every reference it holds is its own code's.
 
 torchtune 0.6's package imports a torchao module newer torchao releases moved, so its two
 source files are loaded by path (`_torchtune_file`). Reference = the traced library run,
@@ -19,6 +27,7 @@ estimate = the template. Seconds on 2 cores: about 60.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -121,6 +130,100 @@ def torchtune_optim_in_bwd_hooks():
     return None if mod is None else mod.register_optim_in_bwd_hooks
 
 
+class _Event:
+    """A CUDA event stand-in: everything it orders has already happened on the fake device."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    """A CUDA stream stand-in (ordering only: no memory effect on the fake device)."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _Event:
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def torchtune_offload_activations():
+    """torchtune's `OffloadActivations` class, run against fake CUDA streams, with its CPU
+    buffers recorded as host memory; None when torchtune is not installed."""
+    import logging
+    import torch
+
+    from ..traced.capture import host_memory
+
+    class NF4Tensor(torch.Tensor):     # torchao moved it; only an isinstance check reads it
+        pass
+
+    class TiedLinear:
+        pass
+    mod = _torchtune_file("training/_activation_offloading.py", {
+        "psutil": {}, "torchao.dtypes.nf4tensor": {"NF4Tensor": NF4Tensor},
+        "torchtune": {}, "torchtune.modules": {"TiedLinear": TiedLinear},
+        "torchtune.utils": {"get_logger": lambda *a, **k: logging.getLogger("torchtune")}})
+    if mod is None:
+        return None
+    compute = _Stream()
+
+    class _Cuda:
+        Stream = _Stream
+        default_stream = staticmethod(lambda *a: compute)
+        current_stream = staticmethod(lambda *a: compute)
+        stream = staticmethod(lambda s: contextlib.nullcontext())
+
+    class _Torch:
+        """torch as the module sees it: fake streams; `empty_like(..., device="cpu")` (its
+        host buffer) is host memory."""
+        cuda = _Cuda
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty_like(t, **kw):
+            if str(kw.get("device")) != "cpu":
+                return torch.empty_like(t, **kw)
+            kw.pop("pin_memory", None)
+            with host_memory():
+                return torch.empty_like(t, **kw)
+    mod.torch = _Torch()
+    return mod.OffloadActivations
+
+
+@contextlib.contextmanager
+def _device_copies():
+    """`t.to("cuda")` on a fake CPU tensor: a new device storage (the reload); record_stream
+    orders nothing here."""
+    import torch
+
+    from ..traced.hf import fake_tensor_quirks
+    to, record_stream = torch.Tensor.to, torch.Tensor.record_stream
+
+    def to_device(self, *args, **kwargs):
+        dev = args[0] if args else kwargs.get("device")
+        if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda"):
+            return torch.empty_like(self).copy_(self)
+        return to(self, *args, **kwargs)
+    torch.Tensor.to, torch.Tensor.record_stream = to_device, lambda self, stream: None
+    try:
+        with fake_tensor_quirks():
+            yield
+    finally:
+        torch.Tensor.to, torch.Tensor.record_stream = to, record_stream
+
+
 # ---------------------------------------------------------------- the comparisons
 
 COMPILE_CASES = {
@@ -203,6 +306,183 @@ def chunked_ce_cases(compiled: bool) -> list[CaseRow]:
     return rows
 
 
+# ---------------------------------------------------------------- Liger's fused linear CE
+
+def liger_flce_module():
+    """Liger-Kernel's ops.fused_linear_cross_entropy, its triton kernels run by triton's
+    interpreter on CPU tensors (TRITON_INTERPRET=1 must be set before triton decorates them),
+    or None when liger-kernel / triton are not installed or were imported without it."""
+    import os
+    if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
+        return None
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return None         # triton.language was decorated for a GPU (tests/conftest.py sets it)
+    try:
+        import liger_kernel.ops.fused_linear_cross_entropy as mod
+        from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+    except Exception:       # an incompatible triton / torch pair
+        return None
+    if type(liger_cross_entropy_kernel).__name__ != "InterpretedFunction":
+        return None         # imported earlier without the interpreter: its kernels need a GPU
+    return mod
+
+
+def _liger_gpu_forward(mod):
+    """`fused_linear_cross_entropy_forward` with its device queries answered as on an sm90 GPU
+    (on CPU tensors Liger takes its fallback: fresh logits per chunk, a [V, h] bf16 + fp32
+    temporary per chunk for the weight grad), nothing else changed: the persistent logits
+    buffer and the mm / addmm(out=) accumulation a CUDA run does."""
+    import inspect
+    src = inspect.getsource(mod)
+    for a, b in (('_input.device.type != "cuda"', '_input.device.type not in ("cuda", "cpu")'),
+                 ('grad_weight.device.type == "cuda"', 'grad_weight.device.type in ("cuda", "cpu")'),
+                 ("torch.cuda.get_device_capability(grad_weight.device)", "(9, 0)")):
+        if a not in src:
+            return None     # another Liger release: its CUDA tests are not these
+        src = src.replace(a, b)
+    ns = {"__name__": mod.__name__ + "_gpu_path", "__file__": mod.__file__}
+    exec(compile(src, mod.__file__, "exec"), ns)
+    return ns["fused_linear_cross_entropy_forward"]
+
+
+class _LaunchWithoutModes:
+    """A Liger kernel launched with the dispatch modes off (the interpreter's staging copies
+    are not device allocations). The interpreter leaves its arguments in reference cycles, which
+    would keep every logits chunk alive until Python's cyclic gc: collected after each launch,
+    as a compiled launch keeps no reference."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        import gc
+
+        from torch.utils._python_dispatch import _disable_current_modes
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            with _disable_current_modes():
+                out = launch(*args, **kwargs)
+                gc.collect()
+            return out
+        return run
+
+
+def _real_step_memory(model, args):
+    """trace_step(step="first", no optimizer, "cuda" policy) on real CPU tensors (the triton
+    interpreter needs values): forward kept, forward peak, backward peak above the step's start
+    (the parameter grads the backward creates included)."""
+    import torch
+
+    from ..ir import TensorKind
+    from ..traced import kernel_policy as policies
+    from ..traced.capture import ModuleScope, StorageRecorder
+    from ..traced.step import analyze_programs, run_step
+
+    params = list(model.parameters())
+    scope = ModuleScope(model)
+    rec = StorageRecorder(scope)
+    rec.register(params, TensorKind.PARAM)
+    rec.register([a for a in args if isinstance(a, torch.Tensor)], TensorKind.ACTIVATION)
+
+    def on_phase(phase):
+        if phase in ("forward", "backward"):
+            scope.reset()
+            rec.begin(phase)
+        if phase == "end":
+            rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
+    with scope, rec, policies.context("cuda"):
+        run_step(model, args, {}, lambda out: out, None, None, on_phase)
+    phases = {p.name: p for p in analyze_programs(rec.programs(), rec.entry_storages())}
+    f, b = phases["forward"], phases["backward"]
+    return f.net_bytes, f.peak_bytes, b.peak_bytes + f.net_bytes
+
+
+def _liger_head_trace():
+    mod = liger_flce_module()     # before transformers, which imports triton
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gpu_forward = _liger_gpu_forward(mod)
+    H, V = HEAD["hidden_size"], HEAD["vocab_size"]
+
+    class Head(torch.nn.Module):
+        """What Liger's HF patch runs for the last stage: final norm, then
+        LigerFusedLinearCrossEntropyLoss on the output weight (no lm_head call)."""
+
+        def __init__(self):
+            super().__init__()
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            self.norm = LlamaRMSNorm(H)
+            self.output = torch.nn.Linear(H, V, bias=False)
+            self.loss = LigerFusedLinearCrossEntropyLoss()
+
+        def forward(self, h, labels):
+            return self.loss(self.output.weight, self.norm(h).view(-1, H), labels.view(-1))
+
+    torch.manual_seed(0)
+    model = Head().to(torch.bfloat16)
+    h = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, V, (B, S))
+    saved = {"fused_linear_cross_entropy_forward": mod.fused_linear_cross_entropy_forward}
+    for ns in (mod.__dict__, gpu_forward.__globals__):
+        for name in ("liger_cross_entropy_kernel", "element_mul_kernel"):
+            saved[(id(ns), name)] = (ns, name, ns[name])
+            ns[name] = _LaunchWithoutModes(ns[name])
+    mod.fused_linear_cross_entropy_forward = gpu_forward
+    try:
+        kept, fwd_peak, bwd_peak = _real_step_memory(model, (h, labels))
+    finally:
+        mod.fused_linear_cross_entropy_forward = saved.pop("fused_linear_cross_entropy_forward")
+        for ns, name, kernel in saved.values():
+            ns[name] = kernel
+    # the traced step has the labels as an input; the template's head loads them
+    return kept, fwd_peak + labels.numel() * 8, bwd_peak
+
+
+def _liger_head_template():
+    from ..model import arch_from_hf_config
+    from ..plan import ParallelPlan, validate_plan
+    from ..templates.conventions import convention_for
+    from ..templates.layers import make_shard
+    from ..templates.programs import head_memory
+
+    arch = arch_from_hf_config(HEAD, "t")
+    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
+                                         convention="hf", loss="fused_linear"))
+    conv = convention_for(p)
+    sh = make_shard(arch, p, conv)
+    hm = head_memory(arch, sh, conv)
+    # a part leaves the parameter grads to the gradient component; the traced first step has
+    # each from its accumulate_grad on (the weight's is Liger's grad_weight, which the template
+    # frees there): add them to the backward's curve
+    import numpy as np
+
+    from ..liveness import compile_program
+    from ..templates.programs import head_programs
+    pp = head_programs(arch, sh, conv)
+    c = compile_program(pp.B)
+    grads = np.zeros(len(pp.B.ops), dtype=np.int64)
+    for i, name in enumerate(c.storage_names):
+        if name.startswith("g.") and c.first_op[i] >= 0:
+            grads[c.first_op[i]] += int(c.sizes[i])
+    # from the op after accumulate_grad: there the grad takes the place of the (stolen) buffer
+    b_peak = max(0, int((pp.results["B"].during + np.concatenate([[0], np.cumsum(grads)[:-1]])).max()))
+    n = hm.input_bytes    # the input on both sides, as _chunked_head_template
+    return hm.F.net_bytes + n, hm.F.peak_bytes + n, b_peak + hm.F.net_bytes + n
+
+
+def fused_linear_ce_cases() -> list[CaseRow]:
+    """Liger's LigerFusedLinearCrossEntropyLoss behind an HF final norm, its kernels run by
+    triton's interpreter, traced on real CPU tensors with Liger's CUDA code path."""
+    (t_kept, t_fwd, t_bwd), (m_kept, m_fwd, m_bwd) = _liger_head_trace(), _liger_head_template()
+    return [CaseRow("fused-linear-ce/liger: head kept", t_kept, m_kept),
+            CaseRow("fused-linear-ce/liger: head forward peak", t_fwd, m_fwd),
+            CaseRow("fused-linear-ce/liger: head backward peak", t_bwd, m_bwd)]
+
+
 def fp8_cases() -> list[CaseRow]:
     """torchao Float8 (tensorwise) on every linear but lm_head, as torchtitan converts."""
     from torchao.float8 import convert_to_float8_training
@@ -241,6 +521,55 @@ def optimizer_in_backward_cases() -> list[CaseRow]:
                     est.B.peak_bytes)]
 
 
+def _offload_trace(offload: bool):
+    """The 2-layer HF Llama's steady step, grads zeroed in place (resident, as the layer
+    templates count them), the decoder under torchtune's offloading context when `offload`."""
+    from ..traced.hf import Precision, build_model, hf_loss, make_config, step_inputs
+    from ..traced.step import trace_step
+
+    cls = torchtune_offload_activations() if offload else None
+
+    def prepare(model):
+        ctx, decoder = cls(use_pin_memory=False), model.model
+        forward = decoder.forward
+
+        def offloaded(*args, **kwargs):
+            with ctx:
+                return forward(*args, **kwargs)
+        decoder.forward = offloaded
+    cfg = make_config(LLAMA, "sdpa", 2)
+    return trace_step(lambda: build_model(cfg, Precision.parse("bf16", False).param_dtype),
+                      step_inputs(cfg, B, S), hf_loss, None, "cuda", prepare=prepare if offload else None,
+                      patches=_device_copies(), step="steady", set_to_none=False)
+
+
+def offload_cases() -> list[CaseRow]:
+    """torchtune's OffloadActivations. The layer template's programs start from the bytes the
+    previous (identical) layer leaves in the stash; the traced layer starts with them alive, so
+    the template's peaks are read above them."""
+    from ..model import arch_from_hf_config
+    from ..plan import ParallelPlan, validate_plan
+    from ..templates.conventions import convention_for
+    from ..templates.layers import decoder_layer_tape, layer_options, make_shard
+
+    off, base = _offload_trace(True), _offload_trace(False)
+    kw = dict(dtype="bf16", master_weights=False)
+    t_off = template_layer(LLAMA, 1, activation_offload=("*",), **kw)
+    t_base = template_layer(LLAMA, 1, **kw)
+    arch = arch_from_hf_config(LLAMA, "t")
+    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, convention="hf", activation_offload=("*",), **kw))
+    conv = convention_for(p)
+    tape, _, _ = decoder_layer_tape(arch, make_shard(arch, p, conv), conv, layer_options(arch, p, 1, False))
+    fwd_carry, bwd_carry = sum(tape.offload_carry[0].values()), tape.offload_carry[1]
+    return [CaseRow("offload-torchtune: forward kept removed (2 layers)",
+                    base.phase("forward").net_bytes - off.phase("forward").net_bytes,
+                    2 * (t_base.F.net_bytes - t_off.F.net_bytes)),
+            CaseRow("offload-torchtune: layer forward peak", layer_segment_peak(off, "forward"),
+                    t_off.F.peak_bytes - fwd_carry),
+            CaseRow("offload-torchtune: layer backward peak", layer_segment_peak(off, "backward"),
+                    t_off.B.peak_bytes - bwd_carry)]
+
+
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     """(name, run) of each case whose library is installed, in the order they run."""
     cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
@@ -248,10 +577,14 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if torchtune_chunked_loss() is not None:
         cases += [("chunked-ce/eager", lambda: chunked_ce_cases(False)),
                   ("chunked-ce/compiled", lambda: chunked_ce_cases(True))]
+    if liger_flce_module() is not None and _liger_gpu_forward(liger_flce_module()) is not None:
+        cases.append(("fused-linear-ce/liger", fused_linear_ce_cases))
     if importlib.util.find_spec("torchao") is not None:
         cases.append(("fp8/tensorwise", fp8_cases))
     if torchtune_optim_in_bwd_hooks() is not None:
         cases.append(("optimizer-in-backward", optimizer_in_backward_cases))
+    if importlib.util.find_spec("torchtune") is not None:
+        cases.append(("offload/torchtune", offload_cases))
     return cases
 
 
@@ -277,7 +610,7 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("features", help="compile, chunked CE, fp8, optimizer-in-backward vs their libraries' traces",
+    p = sub.add_parser("features", help="compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
                        description=__doc__.split("\n\n")[0], epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
@@ -285,8 +618,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    import os
+
     from ..errors import UserError
 
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # Liger's kernels, if triton is not imported yet
     for mod in ("torch", "transformers", "networkx"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"pipemem validate features needs {mod}: pip install 'pipemem[torch,modern]'")

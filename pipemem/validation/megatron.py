@@ -69,6 +69,7 @@ class MegatronCase:
     pp_rank: int = 0
     dropout: float = 0.0
     ce_fusion: bool = False       # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
+    offload: str = ""             # --fine-grained-activation-offloading --offload-modules (comma list)
 
     @property
     def world(self) -> int:
@@ -86,6 +87,9 @@ examples:
 """
 
 _PP = dict(layers=4, microbatches=4, dp=1)
+# activation offloading: [s, b, h] of 4M elements, so megatron's min_offloaded_tensor_size
+# (1024 x 1024 elements) lets the activations go, as in real runs
+_OFFLOAD = dict(layers=3, hidden=1024, ffn=2048, seq_len=4096, micro_batch=1, tp=1, dp=2, sp=False)
 CASES = (
     MegatronCase("dense-tp1", tp=1, dp=2, sp=False),
     MegatronCase("dense-tp2-sp", tp=2, dp=2),
@@ -107,6 +111,10 @@ CASES = (
     MegatronCase("pp2-first-tp2", tp=2, pp=2, pp_rank=0, **_PP),
     MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
     MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
+    MegatronCase("dense-tp1-offload-attn", offload="core_attn,attn_proj", **_OFFLOAD),
+    MegatronCase("dense-tp1-offload-qkv", offload="qkv_linear", **_OFFLOAD),
+    MegatronCase("pp2-first-offload-attn", offload="core_attn,attn_proj", pp=2, pp_rank=0,
+                 **dict(_OFFLOAD, layers=4, microbatches=4, dp=1)),
 )
 # What CI runs (tests/test_validate_megatron.py): one dense TP+SP case, its fused-CE twin and
 # the MoE case.
@@ -138,6 +146,9 @@ def plan_kwargs(case: MegatronCase) -> dict:
               convention="megatron", schedule="1F1B")
     if case.ce_fusion:
         kw["loss"] = "fused"      # what --from-megatron makes of --cross-entropy-loss-fusion (native impl)
+    if case.offload:              # what --from-megatron makes of --offload-modules
+        from ..configs.megatron import OFFLOAD_MODULES
+        kw["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in case.offload.split(","))
     if case.recompute == "full" and case.recompute_method == "block":
         kw["recompute_layers"] = case.recompute_layers or 1
     elif case.recompute == "full" and (case.recompute_layers or 1) > 1:

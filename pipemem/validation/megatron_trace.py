@@ -49,6 +49,18 @@ with the GPU kernel's allocations and saved tensors, and nothing else:
     `_moe_on_fake_tensors`);
   * Adam is the fused kernel (apex/TE FusedAdam: in place, no temporaries), as torch's
     `AdamW(fused=True)`.
+
+Fine-grained activation offloading (`--fine-grained-activation-offloading --offload-modules`,
+pipeline_parallel/fine_grained_activation_offload.py) runs megatron's own code: its
+saved-tensor hooks, groups, warm-up step and the rules that keep the stage's last layer on the
+GPU. Its CUDA machinery is inert here (streams, events, `record_stream`, nvtx; TE's
+`cpu_offload.CPUOffloadEnabled` flag, read only by TE modules, is a stub); `tensor_push`'s
+guard against fake tensors (torch.compile tracing) is dropped. Memory: the pinned host copy is
+made inside `capture.host_memory()` (0 device bytes; a non-contiguous source's `.contiguous()`
+stays a device temporary), the reload is megatron's own `torch.empty(device=dev)` + copy (a new
+device storage), and `forced_released_tensors` -- megatron's `untyped_storage().resize_(0)`,
+which frees device memory while Python still references the tensor -- is recorded as that
+storage's free at that point.
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ import warnings
 import torch
 
 from ..errors import UserError
+from ..traced.capture import StorageRecorder, host_memory
 from .megatron import MegatronCase
 
 
@@ -172,6 +185,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     _fused_activations(p)
     _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
+    _fine_grained_offload(p)
     _fake_item(p)
 
 
@@ -344,9 +358,16 @@ def _plain_fused_cross_entropy(p: _Patches) -> None:
 
 
 class _Stream:
-    """torch.cuda.Stream stand-in: megatron's MoE dispatcher creates a D2H side stream."""
+    """torch.cuda.Stream stand-in: megatron's MoE dispatcher creates a D2H side stream, its
+    activation offloading a D2H and an H2D stream."""
+
+    def __init__(self, *a, **k):
+        pass
 
     def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
         pass
 
     def record_event(self, event=None):
@@ -390,6 +411,70 @@ def _moe_on_fake_tensors(p: _Patches) -> None:
     p.set(td, "permute", _dropless_permute)
     from megatron.core.transformer.moe import moe_utils
     p.set(moe_utils, "te_general_gemm", _te_gemm)     # the router GEMM, straight to fp32
+
+
+class _Event:
+    """torch.cuda.Event stand-in (activation offloading's offload / reload events)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Recorder:
+    """The trace's StorageRecorder, for megatron's forced releases (set by `_trace`)."""
+    current = None
+
+
+def _fine_grained_offload(p: _Patches) -> None:
+    """megatron's fine-grained activation offloading on fake tensors (module docstring)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    p.set(torch.cuda, "Event", _Event)
+    p.set(torch.cuda.nvtx, "range_push", lambda *a, **k: None)
+    p.set(torch.cuda.nvtx, "range_pop", lambda *a, **k: None)
+    p.set(torch.Tensor, "record_stream", lambda self, stream: None)
+    p.set(te_ext, "cpu_offload", types.SimpleNamespace(CPUOffloadEnabled=False))
+    p.set(fgo.PipelineOffloadManager, "OFFLOAD_MGR", None)    # a fresh singleton per trace
+    handler = fgo.ChunkOffloadHandler
+    orig_offload, orig_reload = handler.offload, handler.reload
+
+    def offload(self, src_tensor, pin_memory=True, use_cpu_pool=True):
+        if not src_tensor.is_contiguous():
+            src_tensor = src_tensor.contiguous()          # a device temporary, as on the GPU
+        with host_memory():                               # the pinned host copy
+            return orig_offload(self, src_tensor, pin_memory=pin_memory, use_cpu_pool=use_cpu_pool)
+
+    def reload(self, state, non_blocking=None):
+        return orig_reload(self, state, non_blocking=False)   # is_pinned() would ask for a device
+
+    def tensor_push(self, tensor):                        # megatron's, less the FakeTensor assert
+        tag = (self._offloaded_group_index, self._tensor_count_current_group)
+        self._tensor_count_current_group += 1
+        self.offload_groups[self._offloaded_group_index - 1].push_tensor(tag, tensor)
+        return tag
+
+    def bulk_offload(self, forced_released_tensors):      # megatron's, resize_(0) recorded
+        if self.should_bulk_offload():
+            self._groups_to_reload.append(self._groups_to_offload[-1])
+            self.bulk_offload_group()
+            for t in forced_released_tensors:
+                if self.tensor_need_offloading_checker(t) and _Recorder.current is not None:
+                    _Recorder.current.release(t)
+
+    p.set(handler, "offload", offload)
+    p.set(handler, "reload", reload)
+    p.set(handler, "tensor_push", tensor_push)
+    p.set(handler, "bulk_offload", bulk_offload)
 
 
 def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
@@ -547,6 +632,8 @@ def _config(case: MegatronCase):
               apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True,
               deallocate_pipeline_outputs=True, batch_p2p_comm=True,   # as Megatron-LM sets them
               cross_entropy_loss_fusion=case.ce_fusion, cross_entropy_fusion_impl="native")
+    if case.offload:
+        kw.update(fine_grained_activation_offloading=True, offload_modules=case.offload.split(","))
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
@@ -586,6 +673,28 @@ def trace_case(case: MegatronCase) -> dict:
                 _DUMMY_WGRADS.clear()
 
 
+class _ReleasingRecorder(StorageRecorder):
+    """StorageRecorder + megatron's forced release (`untyped_storage().resize_(0)`): the
+    storage is recorded freed there; its Python references going later frees nothing more."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.released: set[str] = set()
+
+    def release(self, t: torch.Tensor) -> None:
+        name = self._ids.get(t.untyped_storage())
+        info = self.storages.get(name) if name is not None else None
+        if info is None or not info.alive or name in self.released:
+            return
+        self.released.add(name)
+        info.alive = False
+        self._free_here(name)
+
+    def _freed(self, name: str) -> None:
+        if name not in self.released:
+            super()._freed(name)
+
+
 def _trace(case: MegatronCase) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -600,11 +709,12 @@ def _trace(case: MegatronCase) -> dict:
 
     from ..liveness import analyze_sequence
     from ..traced import kernel_policy
-    from ..traced.capture import ModuleScope, StorageRecorder, find_layer_prefix, layer_index_fn
+    from ..traced.capture import ModuleScope, find_layer_prefix, layer_index_fn
 
     model_parallel_cuda_manual_seed(1234)
     cfg = _config(case)
-    rec = StorageRecorder()
+    rec = _ReleasingRecorder()
+    _Recorder.current = rec
     rec.begin("build")
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     with FakeTensorMode(), _CudaToCpu(), rec:
@@ -674,6 +784,7 @@ def _trace(case: MegatronCase) -> dict:
                     opt.step()
         finally:
             schedules.forward_step, schedules.backward_step = orig_fwd, orig_bwd
+            _Recorder.current = None
     programs = rec.programs()
     results = analyze_sequence(programs, live_on_entry=[])
     cur = 0
