@@ -110,3 +110,29 @@ def test_quantized_optimizer_states_match_torchao(optimizer, cls):
     est = pipemem.estimate(cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False,
                            optimizer=optimizer).ranks[0].static.optimizer
     assert abs(est - reference) <= 0.005 * reference, (est, reference)
+
+
+def test_quantized_optimizer_states_match_bitsandbytes():
+    # bitsandbytes' own AdamW8bit allocates its states (init_state: uint8 codes, an fp32 absmax
+    # per block of 256 and a 256-entry code map per state; parameters under 4096 elements get
+    # 32-bit states): pipemem's resident optimizer bytes for the same HF Llama must match them
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bnb = pytest.importorskip("bitsandbytes")
+    import pipemem
+
+    cfg = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "num_hidden_layers": 4, "intermediate_size": 1536, "vocab_size": 32000}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
+    opt = bnb.optim.AdamW8bit(model.parameters())
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            opt.init_state(group, p, gi, pi)
+    reference = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                    if torch.is_tensor(v))
+    # 8-bit: about half of what two bf16 states would take (4 B per parameter)
+    assert reference < 0.55 * sum(4 * p.numel() for p in model.parameters())
+    est = pipemem.estimate(cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False,
+                           optimizer="adam8bit").ranks[0].static.optimizer
+    assert abs(est - reference) <= 0.005 * reference, (est, reference)
