@@ -107,9 +107,13 @@ def test_memory_flags_not_modelled_are_refused_by_name(flag):
 def test_fp8_offload_and_loss_fusion_flags_map_to_the_plan():
     p = read("--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --cross-entropy-loss-fusion "
              "--cross-entropy-fusion-impl te --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+             "--use-precision-aware-optimizer "
              "--fine-grained-activation-offloading --offload-modules expert_fc1,qkv_linear").plan
     assert (p["fp8"], p["loss"], p["optimizer_offload"]) == ("mxfp8", "fused_te", 0.5)
     assert p["activation_offload"] == "expert_fc1,qkv"
+    # Megatron-LM asserts the precision-aware optimizer with CPU offload (its code path)
+    with pytest.raises(UserError, match="^Megatron: --optimizer-cpu-offload needs --use-precision-aware-optimizer"):
+        read("--bf16 --use-distributed-optimizer --optimizer-cpu-offload")
     with pytest.raises(UserError, match="^Megatron: --offload-modules 'mystery'"):
         read("--fine-grained-activation-offloading --offload-modules mystery")
 

@@ -42,15 +42,20 @@ def test_patches_are_undone():
     from pipemem.validation.megatron_trace import megatron_on_cpu
     from megatron.core.fusions import fused_cross_entropy as fce
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer as HDO
     before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
               torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
-              fgo.ChunkOffloadHandler.bulk_offload)
+              fgo.ChunkOffloadHandler.bulk_offload, HDO.__init__, HDO.step, HDO.zero_grad,
+              optimizer_config.is_te_min_version)
     with megatron_on_cpu():
         assert torch.cuda.current_device() == "cpu"
         assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")   # the plain function
     assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
             torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
-            fgo.ChunkOffloadHandler.bulk_offload) == before
+            fgo.ChunkOffloadHandler.bulk_offload, HDO.__init__, HDO.step, HDO.zero_grad,
+            optimizer_config.is_te_min_version) == before
+    assert "is_cuda" not in torch.Tensor.__dict__
     assert "fused_weight_gradient_mlp_cuda" not in sys.modules
 
 
@@ -86,3 +91,23 @@ def test_fine_grained_offloading_runs_megatron_code():
         assert off["layer_kept_bytes"][layer] - on["layer_kept_bytes"][layer] == moved
     assert on["layer_kept_bytes"][last] == off["layer_kept_bytes"][last]
     assert on["static_bytes"] == off["static_bytes"]
+
+
+@needs_megatron
+def test_optimizer_offload_runs_megatron_code():
+    """megatron's HybridDeviceOptimizer, traced at F = 0.5: the rank's optimizer shards (dist-opt
+    ranges, megatron's order: output layer, layer 1's fc2, fc1, qkv, proj, then the norms) are
+    offloaded whole while fewer than F x total elements are, so the first three go (76.9 %):
+    their fp32 masters and both Adam moments (12 bytes an element) leave the GPU; the step's
+    only device transient is the fp32 landing buffer of the largest offloaded shard's
+    non-blocking host-to-device copy into the bf16 params."""
+    from dataclasses import replace
+
+    from pipemem.validation.megatron import trace_in_subprocess
+    case = next(c for c in CASES if c.name == "dense-tp1")
+    on, off = trace_in_subprocess(replace(case, optimizer_offload=0.5)), trace_in_subprocess(case)
+    vocab = -(-case.vocab // 128) * 128
+    shards = [vocab * case.hidden, case.hidden * case.ffn, 2 * case.ffn * case.hidden]   # output, fc2, fc1
+    assert off["static_bytes"] - on["static_bytes"] == 12 * sum(shards)
+    step = {p["name"]: p for p in on["phases"]}["s2.optimizer"]
+    assert step["peak_bytes"] - step["start_bytes"] == 4 * max(shards)

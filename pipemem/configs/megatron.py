@@ -404,6 +404,9 @@ def _modern_flags(a, plan: dict) -> None:
             if a.bool(flag) if flag == "fp8-param-gather" else a.str(flag):
                 refuse(flag, "needs --fp8-format (FP8 training)")
     if a.bool("optimizer-cpu-offload"):
+        if not a.bool("use-precision-aware-optimizer"):
+            # Megatron-LM's argument check: its HybridDeviceOptimizer reuses that code path
+            refuse("optimizer-cpu-offload", "needs --use-precision-aware-optimizer (Megatron-LM refuses it without)")
         frac = a.raw("optimizer-offload-fraction")
         try:
             plan["optimizer_offload"] = float(frac) if frac else 1.0

@@ -74,9 +74,11 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
     extra = plan.extra or {}
-    if conv.name == "megatron" and extra.get("precision_aware_optimizer"):
+    if conv.name == "megatron" and extra.get("precision_aware_optimizer") and not plan.optimizer_offload:
         # --use-precision-aware-optimizer: TE's FusedAdam stores the master weights and each
-        # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype)
+        # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype). With
+        # --optimizer-cpu-offload megatron builds its HybridDeviceOptimizer with fp32 masters
+        # and states on both devices and passes neither dtype (optimizer/__init__.py)
         if master:
             master_bytes = dtype_bytes(extra.get("main_params_dtype", "fp32"))
         if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
@@ -218,8 +220,31 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
         other += megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
                                         plan.pp * plan.vpp - 1 in rank_stages)
-    return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=master + states, other=other),
+    optimizer = master + states + _offload_fp32_grads(arch, plan, conv, stage_layers, rank_stages)
+    return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=optimizer, other=other),
                       plan.grads, plan.step, states)
+
+
+def _offload_fp32_grads(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
+    """Megatron's HybridDeviceOptimizer (--optimizer-cpu-offload) with main grads narrower than
+    fp32: its GPU share's fp32 masters get `.grad = grad.float()` copies that its zero_grad never
+    clears (the distributed optimizer clears only the decoupled grads): resident, 4 bytes per
+    element of the rank's shard left on the GPU."""
+    if conv.name != "megatron" or not plan.optimizer_offload or not plan.master_weights:
+        return 0
+    if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
+        return 0
+    return int(_megatron_shard_elements(arch, plan, conv, stage_layers, rank_stages) * 4
+               * (1.0 - float(plan.optimizer_offload)))
+
+
+def _megatron_shard_elements(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
+    """Parameter elements of the rank's optimizer shard (all local ones without sharding)."""
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    if not (plan.dist_opt or plan.zero >= 1):
+        return dense + expert
+    edp = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
+    return -(-dense // (plan.dp * plan.cp)) + -(-expert // edp)
 
 
 @lru_cache(maxsize=65536)
@@ -306,11 +331,7 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0
-    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
-    sharded = plan.dist_opt or plan.zero >= 1
-    edp = max(1, (plan.dp * plan.cp * plan.tp) // (plan.ep * (plan.etp or 1)))
-    n = (-(-dense // (plan.dp * plan.cp)) + -(-expert // edp)) if sharded else dense + expert
-    return n * 4
+    return _megatron_shard_elements(arch, plan, conv, stage_layers, rank_stages) * 4
 
 
 def megatron_runtime_bytes(arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool) -> int:

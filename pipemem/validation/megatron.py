@@ -70,6 +70,7 @@ class MegatronCase:
     dropout: float = 0.0
     ce_fusion: bool = False       # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
     offload: str = ""             # --fine-grained-activation-offloading --offload-modules (comma list)
+    optimizer_offload: float | None = None   # --optimizer-cpu-offload --optimizer-offload-fraction F
 
     @property
     def world(self) -> int:
@@ -115,6 +116,15 @@ CASES = (
     MegatronCase("dense-tp1-offload-qkv", offload="qkv_linear", **_OFFLOAD),
     MegatronCase("pp2-first-offload-attn", offload="core_attn,attn_proj", pp=2, pp_rank=0,
                  **dict(_OFFLOAD, layers=4, microbatches=4, dp=1)),
+    # --optimizer-cpu-offload: megatron's HybridDeviceOptimizer offloads the rank's optimizer
+    # shards whole, in its order, while fewer than F x total elements are offloaded; 0.46 ends
+    # at a shard boundary of this rank (3 of 8 shards, 46.1 %), 1.0 is Megatron-LM's default
+    MegatronCase("dense-tp1-optimizer-offload", tp=1, dp=2, sp=False, optimizer_offload=1.0),
+    MegatronCase("dense-tp1-optimizer-offload-0.46", tp=1, dp=2, sp=False, optimizer_offload=0.46),
+    MegatronCase("dense-tp1-optimizer-offload-0.46-grad-bf16", tp=1, dp=2, sp=False, optimizer_offload=0.46,
+                 main_grad_dtype="bf16"),
+    MegatronCase("moe-ep2-optimizer-offload", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256,
+                 shared_ffn=256, optimizer_offload=1.0),
 )
 # What CI runs (tests/test_validate_megatron.py): one dense TP+SP case, its fused-CE twin and
 # the MoE case.
@@ -149,6 +159,9 @@ def plan_kwargs(case: MegatronCase) -> dict:
     if case.offload:              # what --from-megatron makes of --offload-modules
         from ..configs.megatron import OFFLOAD_MODULES
         kw["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in case.offload.split(","))
+    if case.optimizer_offload is not None:   # what --from-megatron makes of --optimizer-cpu-offload
+        kw["optimizer_offload"] = case.optimizer_offload   # (and of the --use-precision-aware-optimizer
+        kw["extra"] = {"precision_aware_optimizer": True}  # Megatron-LM asserts with it)
     if case.recompute == "full" and case.recompute_method == "block":
         kw["recompute_layers"] = case.recompute_layers or 1
     elif case.recompute == "full" and (case.recompute_layers or 1) > 1:

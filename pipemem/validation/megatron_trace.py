@@ -61,11 +61,23 @@ stays a device temporary), the reload is megatron's own `torch.empty(device=dev)
 device storage), and `forced_released_tensors` -- megatron's `untyped_storage().resize_(0)`,
 which frees device memory while Python still references the tensor -- is recorded as that
 storage's free at that point.
+
+Optimizer CPU offloading (`--optimizer-cpu-offload --optimizer-offload-fraction F`, with the
+`--use-precision-aware-optimizer` Megatron-LM asserts beside it) runs megatron's own
+HybridDeviceOptimizer (optimizer/cpu_offloading/hybrid_optimizer.py): its split of the rank's
+shards, the fp32 masters it makes, the CPU and GPU torch AdamW (`fused=True`, megatron's own
+defaults), the grad and param copies and its hooks. Host vs device is tracked inside its methods
+(`_HostTensors`: `.cpu()` / `.pin_memory()` / `pin_memory=` buffers and whatever is computed
+from them are host storages, `Tensor.is_cuda` tells them apart); a non-blocking copy between
+host and device that changes dtype makes the device temporary torch's CUDA copy kernel makes.
+The throwaway hybrid optimizer get_megatron_optimizer builds over the unsharded params is
+collected (`gc.collect()`) before the steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import types
 import warnings
@@ -186,6 +198,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
     _fine_grained_offload(p)
+    _hybrid_device_optimizer(p)
     _fake_item(p)
 
 
@@ -371,7 +384,7 @@ class _Stream:
         pass
 
     def record_event(self, event=None):
-        return self
+        return event if event is not None else _Event()
 
     def synchronize(self):
         pass
@@ -475,6 +488,107 @@ def _fine_grained_offload(p: _Patches) -> None:
     p.set(handler, "reload", reload)
     p.set(handler, "tensor_push", tensor_push)
     p.set(handler, "bulk_offload", bulk_offload)
+
+
+class _HostTensors(torch.overrides.TorchFunctionMode):
+    """Host vs device tensors inside megatron's HybridDeviceOptimizer (all fake tensors are CPU
+    tensors): `.cpu()` and `.pin_memory()` make a new host storage, so does a factory call with
+    `pin_memory=` (its `device="cpu"` buffers); anything computed from a host tensor is host
+    (the CPU optimizer's states, the fp32 master made from the host copy); `Tensor.is_cuda` is
+    False for host storages only. A non-blocking copy between host and device with a dtype
+    change converts on the GPU (torch's copy_kernel_cuda): a device temporary of the source
+    dtype (host -> device) or of the destination dtype (device -> host)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cpu:
+            return args[0] if _is_host(args[0]) else _host_copy(args[0])
+        if func is torch.Tensor.pin_memory:
+            return _host_copy(args[0])
+        if func is torch.Tensor.copy_:
+            return _copy(func, args, kwargs)
+        if "pin_memory" in kwargs:
+            kwargs.pop("pin_memory")
+            with host_memory():
+                return func(*args, **kwargs)
+        if any(_is_host(a) for a in _tensor_args(args, kwargs)):
+            with host_memory():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _tensor_args(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _is_host(t) -> bool:
+    rec = _Recorder.current
+    if rec is None or not isinstance(t, torch.Tensor):
+        return False
+    st = t.untyped_storage()
+    name = rec._ids.get(st)
+    return name is not None and rec.storages[name].nbytes == 0 and st.nbytes() > 0
+
+
+def _host_copy(t):
+    with host_memory():
+        return t.clone()
+
+
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    if non_blocking and dst.dtype != src.dtype and _is_host(dst) != _is_host(src):
+        if _is_host(src):        # H2D: the host data lands in a device buffer of its dtype, converted there
+            tmp = torch.empty_like(dst, dtype=src.dtype)
+            tmp.copy_(src)
+            src = tmp
+        else:                    # D2H: converted on the device first
+            src = src.to(dst.dtype)
+        out = dst.copy_(src)
+        del src
+        return out
+    if _is_host(dst) or _is_host(src):
+        with host_memory():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _host_tensors():
+    """`_HostTensors` plus `Tensor.is_cuda` (a getter no TorchFunctionMode sees)."""
+    torch.Tensor.is_cuda = property(lambda self: not _is_host(self))
+    try:
+        with _HostTensors():
+            yield
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def _hybrid_device_optimizer(p: _Patches) -> None:
+    """`--optimizer-cpu-offload` (optimizer/cpu_offloading/hybrid_optimizer.py): megatron's
+    HybridDeviceOptimizer builds, steps and zeroes under `_host_tensors` (its pinned host copies
+    of the offloaded shards, their fp32 masters, states and pinned grad buffers are host memory;
+    the fp32 masters and states of the rest are device memory); its streams and events are the
+    inert stand-ins; the Transformer Engine version check of the precision-aware config passes."""
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as hdo
+
+    # --use-precision-aware-optimizer asks for Transformer Engine >= 2.1 (store_param_remainders,
+    # which the hybrid optimizer does not read)
+    p.set(optimizer_config, "is_te_min_version", lambda *a, **k: True)
+    cls = hdo.HybridDeviceOptimizer
+    for name in ("__init__", "step", "zero_grad"):
+        orig = getattr(cls, name)
+
+        def wrapped(self, *a, _orig=orig, **k):
+            with _host_tensors():
+                return _orig(self, *a, **k)
+        p.set(cls, name, wrapped)
 
 
 def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
@@ -731,9 +845,22 @@ def _trace(case: MegatronCase) -> dict:
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=case.main_grad_dtype == "fp32",
                                                 overlap_grad_reduce=False, use_distributed_optimizer=case.dist_opt)
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
+        offload = {}
+        if case.optimizer_offload is not None:
+            # --optimizer-cpu-offload --optimizer-offload-fraction F; Megatron-LM asserts
+            # --use-precision-aware-optimizer with it (training/arguments.py), whose path the
+            # hybrid optimizer reuses (fp32 masters made by it, grads as `decoupled_grad`)
+            offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=case.optimizer_offload,
+                           use_precision_aware_optimizer=True)
         opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=case.dist_opt,
-                                  clip_grad=1.0)
+                                  clip_grad=1.0, **offload)
         opt = _with_fused_adam(lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False))
+        if offload:
+            # get_megatron_optimizer's first HybridDeviceOptimizer, over the unsharded params
+            # (optimizer/__init__.py), is replaced by the DistributedOptimizer's over its shards;
+            # its step hooks close over it (a reference cycle), so its device copies go at
+            # Python's next full collection -- here, not at a step that depends on gc timing
+            gc.collect()
         scope = ModuleScope(model)
         rec.scope = scope
         layer_of = layer_index_fn(find_layer_prefix(model))
