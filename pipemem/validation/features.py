@@ -521,7 +521,7 @@ def optimizer_in_backward_cases() -> list[CaseRow]:
                     est.B.peak_bytes)]
 
 
-def _offload_trace(offload: bool):
+def _offload_trace(offload: bool, config: dict | None = None):
     """The 2-layer HF Llama's steady step, grads zeroed in place (resident, as the layer
     templates count them), the decoder under torchtune's offloading context when `offload`."""
     from ..traced.hf import Precision, build_model, hf_loss, make_config, step_inputs
@@ -530,43 +530,50 @@ def _offload_trace(offload: bool):
     cls = torchtune_offload_activations() if offload else None
 
     def prepare(model):
-        ctx, decoder = cls(use_pin_memory=False), model.model
+        ctx, decoder = cls(use_pin_memory=False), model.base_model   # the decoder, not the LM head
         forward = decoder.forward
 
         def offloaded(*args, **kwargs):
             with ctx:
                 return forward(*args, **kwargs)
         decoder.forward = offloaded
-    cfg = make_config(LLAMA, "sdpa", 2)
+    cfg = make_config(config or LLAMA, "sdpa", 2)
     return trace_step(lambda: build_model(cfg, Precision.parse("bf16", False).param_dtype),
                       step_inputs(cfg, B, S), hf_loss, None, "cuda", prepare=prepare if offload else None,
                       patches=_device_copies(), step="steady", set_to_none=False)
 
 
-def offload_cases() -> list[CaseRow]:
+# a non-gated (GPT-2) layer: Conv1D weights saved as parameters, GELU's chain, Python locals
+# holding the attention output and the MLP's input -- the template is known to be low here
+# (docs/ACCURACY.md; estimates with --activation-offload all on such layers carry a warning)
+GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 8, "vocab_size": 512, "n_positions": 1024}
+
+
+def offload_cases(config: dict | None = None, tag: str = "llama") -> list[CaseRow]:
     """torchtune's OffloadActivations. The layer template's programs start from the bytes the
     previous (identical) layer leaves in the stash; the traced layer starts with them alive, so
     the template's peaks are read above them."""
+    config = config or LLAMA
     from ..model import arch_from_hf_config
     from ..plan import ParallelPlan, validate_plan
     from ..templates.conventions import convention_for
     from ..templates.layers import decoder_layer_tape, layer_options, make_shard
 
-    off, base = _offload_trace(True), _offload_trace(False)
+    off, base = _offload_trace(True, config), _offload_trace(False, config)
     kw = dict(dtype="bf16", master_weights=False)
-    t_off = template_layer(LLAMA, 1, activation_offload=("*",), **kw)
-    t_base = template_layer(LLAMA, 1, **kw)
-    arch = arch_from_hf_config(LLAMA, "t")
+    t_off = template_layer(config, 1, activation_offload=("*",), **kw)
+    t_base = template_layer(config, 1, **kw)
+    arch = arch_from_hf_config(config, "t")
     p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, convention="hf", activation_offload=("*",), **kw))
     conv = convention_for(p)
     tape, _, _ = decoder_layer_tape(arch, make_shard(arch, p, conv), conv, layer_options(arch, p, 1, False))
     fwd_carry, bwd_carry = sum(tape.offload_carry[0].values()), tape.offload_carry[1]
-    return [CaseRow("offload-torchtune: forward kept removed (2 layers)",
+    return [CaseRow(f"offload-torchtune/{tag}: forward kept removed (2 layers)",
                     base.phase("forward").net_bytes - off.phase("forward").net_bytes,
                     2 * (t_base.F.net_bytes - t_off.F.net_bytes)),
-            CaseRow("offload-torchtune: layer forward peak", layer_segment_peak(off, "forward"),
+            CaseRow(f"offload-torchtune/{tag}: layer forward peak", layer_segment_peak(off, "forward"),
                     t_off.F.peak_bytes - fwd_carry),
-            CaseRow("offload-torchtune: layer backward peak", layer_segment_peak(off, "backward"),
+            CaseRow(f"offload-torchtune/{tag}: layer backward peak", layer_segment_peak(off, "backward"),
                     t_off.B.peak_bytes - bwd_carry)]
 
 
@@ -584,7 +591,8 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if torchtune_optim_in_bwd_hooks() is not None:
         cases.append(("optimizer-in-backward", optimizer_in_backward_cases))
     if importlib.util.find_spec("torchtune") is not None:
-        cases.append(("offload/torchtune", offload_cases))
+        cases += [("offload/torchtune-llama", offload_cases),
+                  ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2"))]
     return cases
 
 
