@@ -54,6 +54,7 @@ class ArchSpec:
                                    # sandwich: norm -> block -> norm -> add (gemma2)
     parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
     fused_qkv: bool = False        # the HF module computes q, k, v with one linear (gpt2 c_attn, neox)
+    conv1d: bool = False           # HF Conv1D linears (gpt2): `addmm(b, x, W)` saves the parameter W itself
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     embd_dropout: float = 0.0
@@ -175,7 +176,7 @@ def _gpt2(r: _Reader) -> ArchSpec:
         act_fn=str(r.opt("activation_function", "gelu_new")),
         position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
         tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=bias, out_bias=bias, mlp_bias=bias,
-        fused_qkv=True,
+        fused_qkv=True, conv1d=True,
         attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
         embd_dropout=float(r.opt("embd_pdrop", 0.1)))
 

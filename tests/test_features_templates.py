@@ -34,6 +34,22 @@ def test_te_fp8_linears_keep_fp8_inputs():
     assert kept(fp8="delayed") < mx < kept()          # + the 1-per-32 block scales
 
 
+def test_te_fp8_with_sequence_parallel_keeps_the_rowwise_shard():
+    # TE under sequence parallelism (layernorm_linear.py / linear.py): per-tensor recipes
+    # quantize the shard rowwise only and keep that (1 B per shard element); MXFP8 quantizes both
+    # usages and keeps the columnwise copy (1 + 1/32 B)
+    def kept(**kw):
+        arch, p, conv, sh = _parts(convention="megatron", tp=2, sp=True, **kw)
+        return layer_memory(arch, sh, conv, layer_options(arch, p, 0, False)).F.net_bytes
+    T, h, f = S * B, CFG["hidden_size"], CFG["intermediate_size"]
+    # qkv and fc1 keep a 1 B fp8 shard [T/2, h] instead of the 2 B one (-T h in all), fc2 a 1 B
+    # columnwise [T, f/2] (-T f/2), proj an fp8 copy of attention's output [T, h/2] (+T h/2);
+    # keeping both usages of the shards (2 B) would save only T (f - h) / 2
+    assert kept() - kept(fp8="current") == T * (h + f) // 2
+    assert kept(fp8="delayed") == kept(fp8="current")
+    assert kept(fp8="current") < kept(fp8="mxfp8")
+
+
 def test_te_fp8_weight_copies_are_static():
     base = pipemem.estimate(CFG, seq_len=S, micro_batch=B).ranks[0].static
     fp8 = pipemem.estimate(CFG, seq_len=S, micro_batch=B, fp8="delayed").ranks[0].static

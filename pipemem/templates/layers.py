@@ -341,7 +341,8 @@ class _Gen:
         f = self.sh.feat
         return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router", "moe.shared_gate"))
 
-    def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int) -> tuple[str, str, tuple]:
+    def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int,
+                     rowwise_only: bool = False) -> tuple[str, str, tuple]:
         """(forward operand, tensor saved for the weight grad, (forward, backward) workspace).
 
         Transformer Engine (te_fp8; transformer_engine/pytorch/module/linear.py): the input is
@@ -360,6 +361,11 @@ class _Gen:
         if f.te_fp8:
             scale = 1 + 1 / 32 if f.fp8 == "mxfp8" else 1
             row = self.t.t(self.n(name + ".input_fp8_rowwise"), t.shape, "fp8")
+            if rowwise_only:
+                # sequence parallel, per-tensor recipes (layernorm_linear.py / linear.py: the
+                # shard is quantized rowwise only, and that is what is gathered and saved)
+                self.t.node("te_quantize", (x,), (row,))
+                return row, row, (0, int(2 * n_out))
             col = self.t.t(self.n(name + ".input_fp8_columnwise"), t.shape, "fp8")
             if scale != 1:
                 for nm in (row, col):
@@ -412,13 +418,18 @@ class _Gen:
             if conv.sp_save == "shard":
                 # Megatron / Paddle recompute_allgather: keep the shard, gather again for dW.
                 # TE fp8 (layernorm_linear.py): the shard is quantized and the fp8 data gathered;
-                # MXFP8 gathers the columnwise data, so only it is kept; per-tensor FP8 gathers
-                # the rowwise data and keeps both usages of the shard for backward
+                # MXFP8 quantizes both usages and gathers (and keeps) the columnwise data;
+                # per-tensor FP8 quantizes the shard rowwise only, keeps that, gathers it again
+                # in backward and makes the gathered tensor's transpose for the weight grad (a
+                # transient of 1 B per gathered element)
                 src, ws, gdt, keep = x, (0, 0), None, ()
                 if self.fp8_linear(nm) and self.sh.feat.te_fp8:
-                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h)
+                    mx = self.sh.feat.fp8 == "mxfp8"
+                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h, rowwise_only=not mx)
                     gdt = "fp8"
-                    src, keep = (col, ()) if self.sh.feat.fp8 == "mxfp8" else (row, (col,))
+                    src = col if mx else row
+                    if not mx:
+                        ws = (ws[0], ws[1] + _numel(full) // sh.tp)
                 xg = self.act(nm + ".allgather", full, gdt, kind=COMM)
                 xg2 = self.act(nm + ".allgather_bwd", full, gdt, kind=COMM)
                 fwd_in = row if gdt else x
@@ -563,7 +574,14 @@ class _Gen:
         out = self.row_linear(ctx, "attn.o_proj", a * d, opt.out_bias)
         if region:
             self.t.end_region()
+        self.held_by_caller(x)
         return out
+
+    def held_by_caller(self, x: str) -> None:
+        """`y = block(x)` in eager code: the caller's reference keeps the block's input alive
+        until the block returns (after its last node), whatever the block's last use of it."""
+        if self.conv.caller_holds_input and self.t.nodes:
+            self.t.held_until.setdefault(len(self.t.nodes) - 1, []).append(x)
 
     _uses_rope = True
 
@@ -690,7 +708,9 @@ class _Gen:
                 # relu_grad reads Out), which fc2 saves anyway: fc1's output dies in the forward
                 self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
                             save_i=(act,) if opt.activation == "relu" else (fc1,))
-        return self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
+        out = self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
+        self.held_by_caller(x)
+        return out
 
     def gelu_new(self, u: str, name: str, shape: tuple) -> str:
         """HF's NewGELUActivation, op by op: 0.5*u*(1+tanh(c*(u+0.044715*u^3))).
@@ -703,19 +723,21 @@ class _Gen:
 
         def new(tag, dtype=wide):
             return self.act(f"{name}.gelu.{tag}", shape, dtype)
+        # Python evaluates `0.5 * input` first: it lives through the whole chain, and autograd
+        # reaches its backward last (the lowest sequence number)
+        hx, g = new("half_x", None), new("out")
+        self.t.node("mul_scalar", (u,), (hx,), diff_inputs=(u,))
         base = u
         if self.sh.autocast:
             base = new("pow_in_fp32")
             self.t.node("autocast_cast", (u,), (base,), diff_inputs=(u,))
         p3, p2, a1, a2, th, t1 = (new(t) for t in ("pow", "scaled", "sum", "arg", "tanh", "one_plus"))
-        hx, g = new("half_x", None), new("out")
         self.t.node("pow", (base,), (p3,), diff_inputs=(base,), save_i=(base,))
         self.t.node("mul_scalar", (p3,), (p2,), diff_inputs=(p3,))
         self.t.node("add", (u, p2), (a1,), diff_inputs=(u, p2), grad_alias=True, promote_grads=True)
         self.t.node("mul_scalar", (a1,), (a2,), diff_inputs=(a1,))
         self.t.node("tanh", (a2,), (th,), diff_inputs=(a2,), save_i=(th,))
         self.t.node("add_scalar", (th,), (t1,), diff_inputs=(th,), grad_alias=True)
-        self.t.node("mul_scalar", (u,), (hx,), diff_inputs=(u,))
         self.t.node("mul", (hx, t1), (g,), diff_inputs=(hx, t1), save_i=(hx, t1), promote_grads=True)
         return g
 
@@ -1031,6 +1053,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         min_cut_region(tape, 0)
     if sh.feat.offload:
         from .offload import mark_offloaded
+        tape.weights_saved_as_params = arch.conv1d and conv.name == "hf"
         mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.name == "megatron", moe=opt.moe)
     if conv.caller_holds_input:
         tape.held_to_return = (x,)

@@ -134,6 +134,11 @@ def _node_packs(tape: Tape, n) -> list[str]:
     in the forward, their reloads s x head_dim elements each), SDPA its two RNG-state scalars."""
     weight = [n.params[0]] if n.type.startswith("linear") and n.params and n.params[0] in n.inputs else []
     extra = []
+    if n.type == "layernorm" and any(tape.tensors[x].kind is PARAM for x in n.save_i):
+        # native_layer_norm's backward node saves the bias too (a parameter: kept, but a pack)
+        nm = f"{n.outputs[0]}.bias_pack"
+        tape.tensors.setdefault(nm, Tensor(nm, (), "int64", BUFFER))
+        extra.append(nm)
     if n.type in ("rope", "flash_attn"):
         out = tape.tensors[n.outputs[0]]
         for tag in ("cos", "sin") if n.type == "rope" else ("rng_seed", "rng_offset"):
@@ -151,8 +156,10 @@ def _offloadable(tape: Tape, n, x: str) -> bool:
     t = tape.tensors[x]
     if t.nbytes < MIN_OFFLOAD_BYTES:
         return False
-    # a parameter saved directly is an nn.Parameter (kept); a linear's is a view of it (moved)
-    return t.kind is not PARAM or (n.type.startswith("linear") and x == n.params[0])
+    # a parameter saved directly is an nn.Parameter (kept); a linear's is a view of it (moved),
+    # unless the linear is HF's Conv1D, which saves the parameter itself
+    return t.kind is not PARAM or (n.type.startswith("linear") and x == n.params[0]
+                                   and not tape.weights_saved_as_params)
 
 
 def _holds_bytes(t) -> bool:
@@ -168,9 +175,9 @@ def torchtune_packs(tape: Tape, keep: int = 0) -> None:
     (the previous identical layer's stash tail, and this layer's reloads still alive when the
     next layer's backward starts). The last `keep` offloaded packs stay on the GPU."""
     packs = [(i, x) for i, n in enumerate(tape.nodes) for x in _node_packs(tape, n)]
-    moved = [k for k, (i, x) in enumerate(packs) if _offloadable(tape, tape.nodes[i], x)]
-    if keep:
-        moved = moved[:max(0, len(moved) - keep)]
+    offloadable = [k for k, (i, x) in enumerate(packs) if _offloadable(tape, tape.nodes[i], x)]
+    # the last `keep` are still in the stash when the forward ends: the backward uses them in place
+    moved = offloadable[:max(0, len(offloadable) - keep)] if keep else offloadable
     copies: dict[int, dict[str, str]] = {}
     for k in moved:
         i, x = packs[k]
@@ -178,23 +185,37 @@ def torchtune_packs(tape: Tape, keep: int = 0) -> None:
             t = tape.tensors[x]
             copies[i][x] = tape.t(f"{x}@h2d{k}", t.shape, t.dtype)
     release: dict[int, list[str]] = {}
+    release_before: dict[int, list[str]] = {}
     carry: dict[int, int] = {}
+    last = len(tape.nodes) - 1
     last_out = tape.nodes[-1].outputs[0] if tape.nodes else ""
+
+    def first_moved(j: int):
+        """The first offloadable pack from index j: the stash lets old packs go only when it
+        takes a new offloadable one (a parameter or a small tensor packed changes nothing)."""
+        return next((m for m in offloadable if m >= j), None)
+
     for k in moved:
         i, x = packs[k]
         t = tape.tensors[x]
         if not _holds_bytes(t):
             continue
-        j = k + FWD_STASH
-        if j < len(packs):
-            release.setdefault(packs[j][0], []).append(x)
+        j = first_moved(k + FWD_STASH)
+        if j is not None:
+            # autograd packs a node's saved inputs before the op runs, its saved outputs after
+            at_node, what = packs[j]
+            before = what not in tape.nodes[at_node].outputs
+            (release_before if before else release).setdefault(at_node, []).append(x)
         elif t.storage != tape.tensors[last_out].storage:
-            # the next layer's pack j - len(packs) lets it go: seen from that layer, the
-            # previous layer's tail is held until its own node packs_j runs
-            at = packs[min(j - len(packs), len(packs) - 1)][0]
+            # held to the layer's end; the next (identical) layer's offloadable pack lets it go:
+            # seen from that layer, the previous layer's tail is held until that node runs
+            release.setdefault(last, []).append(x)
+            j = first_moved(max(0, k + FWD_STASH - len(packs)))
+            at = packs[j][0] if j is not None else last
             carry[at] = carry.get(at, 0) + t.nbytes
     tape.offload_packs = copies
     tape.offload_release = {i: tuple(dict.fromkeys(v)) for i, v in release.items()}
+    tape.offload_release_before = {i: tuple(dict.fromkeys(v)) for i, v in release_before.items()}
     first = min(copies) if copies else -1
     tape.offload_carry = (carry, sum(tape.tensors[c].nbytes for c in copies.get(first, {}).values()))
 

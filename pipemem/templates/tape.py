@@ -129,9 +129,14 @@ class Tape:
         # the previous layer's last reloads alive when this layer's backward starts)
         self.offload_packs: dict[int, dict[str, str]] = {}
         self.offload_release: dict[int, tuple[str, ...]] = {}
+        self.offload_release_before: dict[int, tuple[str, ...]] = {}   # ... let go as it packs its inputs
         self.offload_carry: tuple[dict[int, int], int] = ({}, 0)
-        # forward tensors the caller references until the part returns (the layer's input)
+        # a linear saves its weight parameter itself (HF Conv1D), not a `weight.t()` view
+        self.weights_saved_as_params = False
+        # forward tensors the caller references until the part returns (the layer's input), and
+        # until a block returns (node index -> a block's input: attention's, the MLP's)
         self.held_to_return: tuple[str, ...] = ()
+        self.held_until: dict[int, list[str]] = {}
         # torchtune's optimizer_in_bwd: each weight grad is stepped and freed as soon as it exists
         self.step_in_backward = False
         # Reentrant checkpointing (Megatron): a recomputed region's outputs are held until the
@@ -189,11 +194,15 @@ class Tape:
         gather = self._fsdp_gather(prog, "fwd")
         carried = self._carry_in(prog, "fwd", self.offload_carry[0])
         for i, n in enumerate(self.nodes):
+            if i in self.offload_release_before:
+                self._add(prog, Op("offload_stash_release", self.offload_release_before[i], (), phase="offload"))
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
             let_go = self.offload_release.get(i, ()) + carried.get(i, ())
             if let_go:      # torchtune's forward stash drops its references
                 self._add(prog, Op("offload_stash_release", let_go, (), phase="offload"))
+            if i in self.held_until:
+                self._add(prog, Op("block_return", tuple(self.held_until[i]), (), phase="forward"))
         if self.held_to_return:
             self._add(prog, Op("return", self.held_to_return, (), phase="forward"))
         if self.fsdp_reshard:
