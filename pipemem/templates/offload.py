@@ -127,7 +127,8 @@ def stash_keeps(counts: list[int], stash: int = FWD_STASH) -> list[int]:
 
 def _node_packs(tape: Tape, n) -> list[str]:
     """The tensors one node's autograd function saves, in the order it packs them: a matmul
-    saves the weight it read (as `weight.t()`) before its input; a parameter saved directly
+    saves the weight it read (as `weight.t()`) before its input (HF Conv1D's addmm: after it);
+    a parameter saved directly
     (a norm's weight) is packed as itself. Packs the template's nodes do not list, because they
     hold no activation bytes, still move torchtune's stash window: HF's rotary multiplications
     save the model's shared cos and sin (one each per rotated tensor; their views cost nothing
@@ -149,6 +150,8 @@ def _node_packs(tape: Tape, n) -> list[str]:
                 else:
                     tape.tensors[nm] = Tensor(nm, (), "int64", BUFFER)
             extra.append(nm)
+    if tape.weights_saved_as_params:    # Conv1D's addmm packs mat1 (the input), then mat2 (W)
+        return list(dict.fromkeys((*n.save_i, *n.save_w, *weight, *extra)))
     return list(dict.fromkeys((*weight, *n.save_i, *n.save_w, *extra)))
 
 
