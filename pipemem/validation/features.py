@@ -19,9 +19,10 @@ against traces made by each feature's own library, on fake tensors (no GPU):
   events are stand-ins that do nothing, and its host copies are recorded as host memory
   (`traced.capture.host_memory`); every reference it holds is its own code's.
 
-torchtune 0.6's package imports a torchao module newer torchao releases moved, so its two
-source files are loaded by path (`_torchtune_file`). Reference = the traced library run,
-estimate = the template. Seconds on 2 cores: about 60.
+torchtune 0.6's package imports a torchao module newer torchao releases moved, so the three
+source files used are loaded by path (`_torchtune_file`; stubs stand for the torchtune helpers
+they import). Reference = the traced library run, estimate = the template. Seconds on 2 cores:
+about 25.
 """
 
 from __future__ import annotations
@@ -522,8 +523,9 @@ def optimizer_in_backward_cases() -> list[CaseRow]:
 
 
 def _offload_trace(offload: bool, config: dict | None = None):
-    """The 2-layer HF Llama's steady step, grads zeroed in place (resident, as the layer
-    templates count them), the decoder under torchtune's offloading context when `offload`."""
+    """A 2-layer HF model's steady step (LLAMA unless `config`), grads zeroed in place (resident,
+    as the layer templates count them), the decoder under torchtune's offloading context when
+    `offload`."""
     from ..traced.hf import Precision, build_model, hf_loss, make_config, step_inputs
     from ..traced.step import trace_step
 
