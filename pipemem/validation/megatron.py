@@ -126,8 +126,9 @@ CASES = (
     MegatronCase("moe-ep2-optimizer-offload", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256,
                  shared_ffn=256, optimizer_offload=1.0),
 )
-# What CI runs (tests/test_validate_megatron.py): one dense TP+SP case, its fused-CE twin and
-# the MoE case.
+# What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
+# fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-
+# offload cases for what megatron's own code does there.
 CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared")
 
 
