@@ -457,7 +457,11 @@ def _kept_rows(pp) -> dict[str, dict]:
         if t is None:
             continue
         if st == F.tensors[pp.output].storage:
-            why = "layer output: the next layer's input (its norm saves it)"
+            # by symmetry with this layer's own input: does the next layer's backward read it?
+            saved = pp.input in F.tensors and F.tensors[pp.input].storage in readers
+            why = ("layer output: the next layer's input (its norm saves it)" if saved else
+                   "layer output: the next layer's input, alive until that layer's forward is done "
+                   "(it keeps a copy or offloads it, not this tensor)")
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
         rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
