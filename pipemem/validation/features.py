@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from .compare import CaseRow, max_abs_rel_error
+from .cuda_stand_ins import Stream as _Stream
 
 S, B = 256, 2
 LLAMA = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -129,32 +130,6 @@ def torchtune_optim_in_bwd_hooks():
                                              "get_logger": lambda *a, **k: logging.getLogger("torchtune"),
                                              "get_torch_device_namespace": lambda: torch.cpu}})
     return None if mod is None else mod.register_optim_in_bwd_hooks
-
-
-class _Event:
-    """A CUDA event stand-in: everything it orders has already happened on the fake device."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Stream:
-    """A CUDA stream stand-in (ordering only: no memory effect on the fake device)."""
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None) -> _Event:
-        return _Event()
-
-    def synchronize(self) -> None:
-        pass
 
 
 def torchtune_offload_activations():

@@ -86,6 +86,8 @@ import torch
 
 from ..errors import UserError
 from ..traced.capture import StorageRecorder, host_memory
+from .cuda_stand_ins import Event as _Event
+from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
 
 
@@ -370,26 +372,6 @@ def _plain_fused_cross_entropy(p: _Patches) -> None:
         p.set(fce, name, getattr(fn, "_torchdynamo_orig_callable", getattr(fn, "__wrapped__", fn)))
 
 
-class _Stream:
-    """torch.cuda.Stream stand-in: megatron's MoE dispatcher creates a D2H side stream, its
-    activation offloading a D2H and an H2D stream."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event if event is not None else _Event()
-
-    def synchronize(self):
-        pass
-
-
 def _moe_on_fake_tensors(p: _Patches) -> None:
     """megatron's MoE runs on fake tensors with balanced dropless routing.
 
@@ -424,22 +406,6 @@ def _moe_on_fake_tensors(p: _Patches) -> None:
     p.set(td, "permute", _dropless_permute)
     from megatron.core.transformer.moe import moe_utils
     p.set(moe_utils, "te_general_gemm", _te_gemm)     # the router GEMM, straight to fp32
-
-
-class _Event:
-    """torch.cuda.Event stand-in (activation offloading's offload / reload events)."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
 
 
 class _Recorder:
