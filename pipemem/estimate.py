@@ -727,7 +727,7 @@ def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:
         if "global_batch" not in kw:
             change["microbatches"] = p.microbatches * p.micro_batch // half
         out.append((f"--micro-batch {half}", change))
-    if p.convention in ("hf", "torchtitan"):
+    if p.convention in ("hf", "torchtitan", "torchtune"):
         # what PyTorch trainers switch on when memory is tight (pipemem.features)
         if p.loss == "standard" and p.tp == 1:
             out.append(("--loss chunked", {"loss": "chunked"}))

@@ -52,7 +52,8 @@ from .errors import UserError
 from .schedules.actions import Action, Schedule, paused_gc
 
 RUNTIMES = ("torch", "megatron", "paddle")
-_DEFAULT_FOR_CONVENTION = {"megatron": "megatron", "paddle": "paddle", "torchtitan": "torch", "hf": "torch"}
+_DEFAULT_FOR_CONVENTION = {"megatron": "megatron", "paddle": "paddle", "torchtitan": "torch", "hf": "torch",
+                          "torchtune": "torch"}
 
 
 def default_runtime(convention: str) -> str:

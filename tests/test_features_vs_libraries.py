@@ -40,6 +40,30 @@ def test_chunked_cross_entropy_matches_torchtune(compiled):
         close(row, 0.01)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_torchtune_convention_matches_torchtunes_own_modules(dtype):
+    # torchtune 0.6.1's own Llama 3.2 decoder (4 query heads per K/V head) traced on fake
+    # tensors against --convention torchtune's layer: what it keeps, its forward and backward peaks
+    if F.torchtune_llama(F.TT_LLAMA, dtype) is None:
+        pytest.skip("torchtune not installed")
+    kept, fwd, bwd = F.torchtune_module_cases(dtype)
+    hf = F.template_layer(F.TT_LLAMA, 1, dtype=dtype, master_weights=False)
+    if dtype == "bf16":
+        # what is at stake: K/V expanded to every head and the fp32 scaled norm output are kept,
+        # which HF's modules (the hf convention) do not keep
+        assert kept.measured_bytes > hf.F.net_bytes + 2 * F.S * F.B * F.TT_LLAMA["hidden_size"] * 2
+    for row in (kept, fwd, bwd):
+        close(row, 0.001)
+
+
+def test_compile_on_torchtunes_own_layers():
+    if F.torchtune_llama(F.TT_LLAMA, "bf16") is None:
+        pytest.skip("torchtune not installed")
+    (row,) = F.torchtune_compile_case()
+    assert row.measured_bytes > 0
+    close(row, 0.01)
+
+
 def test_fused_linear_cross_entropy_matches_liger():
     # Liger-Kernel's own fused linear CE (triton kernels on the interpreter, CPU tensors) behind
     # the final norm: the saved input/weight grads are the kept bytes, one logits chunk the peak

@@ -40,6 +40,8 @@ SHARDINGS = {
     "torchtitan": (("ddp", {}), ("fsdp", {"fsdp": True})),
     # Hugging Face Trainer with DeepSpeed ZeRO 1-3.
     "hf": (("ddp", {}), ("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3})),
+    # torchtune's distributed recipes: FSDP2 full sharding.
+    "torchtune": (("fsdp", {"fsdp": True}),),
 }
 
 # Pipeline schedules each framework runs, by chunks per rank: (name, placement).
@@ -49,6 +51,7 @@ SCHEDULES = {
     "torchtitan": {"single": ("1F1B",), "multi": ("Interleaved1F1B", "InterleavedZeroBubble"),
                    "v": ("ZBVZeroBubble", "DualPipeV")},
     "hf": {"single": ("1F1B",), "multi": (), "v": ()},
+    "torchtune": {"single": (), "multi": (), "v": ()},
 }
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)

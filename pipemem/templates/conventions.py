@@ -30,6 +30,17 @@ torchtitan DTensor TP/SP + FSDP2: separate wq/wk/wv and w1/w3 linears, F.silu(w1
            Cross entropy: log_softmax over an fp32 copy, out of place. Grads in param dtype.
 hf         Hugging Face transformers modules, eager on CUDA (what traced mode records): separate
            projections, unfused SwiGLU, RMSNorm computed in fp32 by separate ops.
+torchtune  torchtune's own modules (torchtune.modules, read in 0.6.1 and held against them on fake
+           tensors by `pipemem validate features`), as its recipes run them: no autocast (the
+           model is in the training dtype). Like hf except: RMSNorm is
+           `F.rms_norm(x.float(), weight=scale).to(x.dtype)`; with a bf16 scale the dtypes differ,
+           so CUDA takes the composite path too (no `_fused_rms_norm`), which scales in fp32
+           before the cast and saves the fp32 input and the fp32 normalised tensor; an fp32
+           model takes the fused kernel. MultiHeadAttention expands grouped K/V to every head
+           (expand + flatten: copies) before SDPA or flex attention, which save the expanded
+           copies. The decoder returns `output(h).float()` when the output is not chunked, so a
+           compiled loss receives (and saves) fp32 logits. A layer holds its attention output in
+           a local (`attn_out`) until it returns.
 """
 
 from __future__ import annotations
@@ -61,6 +72,15 @@ class Convention:
     # layer's input alive until the layer returns. Paddle's static programs free it after its
     # last use.
     caller_holds_input: bool = True
+    # RMSNorm multiplies by its weight in fp32 and then casts (torchtune), not after the cast (HF Llama)
+    norm_weight_first: bool = False
+    # grouped K/V are expanded to every head (copies) before any attention kernel, flash included
+    gqa_expand_always: bool = False
+    # the model upcasts the whole (unchunked) logits to fp32 before the loss sees them
+    logits_fp32_in_model: bool = False
+    # the layer's forward keeps the attention block's output in a local until it returns
+    # (torchtune: `attn_out = self.attn(...); h = self.sa_scale(attn_out) + x`)
+    attn_out_held_to_return: bool = False
 
 
 CONVENTIONS = {
@@ -77,6 +97,11 @@ CONVENTIONS = {
     "hf": Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered", gather_once_per_block=True,
                      fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True,
                      wgrad_fused=False),
+    "torchtune": Convention("torchtune", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
+                            gather_once_per_block=True, fused_norm=False, ce_inplace=False, vocab_multiple=1,
+                            gqa_expand_eager=True, wgrad_fused=False, norm_weight_first=True,
+                            gqa_expand_always=True, logits_fp32_in_model=True,
+                            attn_out_held_to_return=True),
 }
 
 
@@ -92,19 +117,24 @@ def convention_for(plan) -> Convention:
     extra = plan.extra or {}
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
-    fused_norm = bool(extra.get("fused_norm", c.fused_norm))
+    # torchtune's fp32 model: input and scale share a dtype, so CUDA runs `_fused_rms_norm`
+    fused_norm = bool(extra.get("fused_norm", c.fused_norm or (c.name == "torchtune" and plan.dtype == "fp32")))
     fused_rope = bool(extra.get("fused_rope", c.fused_rope))
+    # torchtune before PR #2054 (2024-11-25) ran its own RMSNorm: cast, then scale
+    norm_weight_first = bool(extra.get("norm_weight_first", c.norm_weight_first))
     clip = bool(extra.get("grad_clip", True)) and c.grad_clip_copy
     full_vocab = bool(extra.get("full_vocab_loss", c.full_vocab_loss))
     # Megatron --no-gradient-accumulation-fusion: weight grads are eager temporaries added into
     # the main grad (extra["wgrad_fused"] = False)
     wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
-    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip, full_vocab, wgrad_fused) == \
+    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip, full_vocab, wgrad_fused,
+            norm_weight_first) == \
             (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy,
-             c.full_vocab_loss, c.wgrad_fused):
+             c.full_vocab_loss, c.wgrad_fused, c.norm_weight_first):
         return c
     return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused,
-                   fused_norm=fused_norm, fused_rope=fused_rope, grad_clip_copy=clip, full_vocab_loss=full_vocab)
+                   fused_norm=fused_norm, fused_rope=fused_rope, grad_clip_copy=clip, full_vocab_loss=full_vocab,
+                   norm_weight_first=norm_weight_first)
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

@@ -206,7 +206,7 @@ class _Gen:
         self.conv = conv
         self.p = prefix
         self.dt = sh.dt
-        self.norm_weight_first = False
+        self.norm_weight_first = conv.norm_weight_first
 
     def n(self, name: str) -> str:
         return f"{self.p}{name}"
@@ -599,6 +599,12 @@ class _Gen:
                     fwd_ops=(_op("slice", (x,), (h1,)), _op("scale", (x,), (h2,)), _op("concat", (h1, h2), (rot,)),
                              _op("rope_mul_add", (x, rot), (y,))))
 
+    def _repeat_kv(self, k: str, v: str, shape: tuple) -> tuple[str, str]:
+        ke, ve = self.act("attn.k_expand", shape), self.act("attn.v_expand", shape)
+        self.t.node("repeat_kv", (k,), (ke,), diff_inputs=(k,))
+        self.t.node("repeat_kv", (v,), (ve,), diff_inputs=(v,))
+        return ke, ve
+
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
         sh = self.sh
         a, kv, d, s, b = sh.heads, sh.kv, sh.d, sh.s, sh.b
@@ -614,6 +620,11 @@ class _Gen:
             self.t.node("cp_all_gather", (k,), (kg,), diff_inputs=(k,))
             self.t.node("cp_all_gather", (v,), (vg,), diff_inputs=(v,))
             k, v = kg, vg
+        if opt.flash and kv < a and self.conv.gqa_expand_always:
+            # torchtune: k/v expanded to every head (copies) before SDPA / flex attention; the
+            # kernel saves the expanded copies and its backward writes full-head dk, dv into them
+            k, v = self._repeat_kv(k, v, (s, b, a, d))
+            kv = a
         if opt.flash:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
@@ -627,11 +638,7 @@ class _Gen:
                         workspace_f=ws_f, workspace_i=ws_i)
             return ctx
         if kv < a and self.conv.gqa_expand_eager:
-            ke = self.act("attn.k_expand", (s, b, a, d))
-            ve = self.act("attn.v_expand", (s, b, a, d))
-            self.t.node("repeat_kv", (k,), (ke,), diff_inputs=(k,))
-            self.t.node("repeat_kv", (v,), (ve,), diff_inputs=(v,))
-            k, v = ke, ve
+            k, v = self._repeat_kv(k, v, (s, b, a, d))
         scores = self.act("attn.scores", (b, a, s, s))
         self.t.node("bmm_qk", (q, k), (scores,), diff_inputs=(q, k), save_i=(q, k))
         if self.conv.name == "hf":
@@ -1003,7 +1010,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     tape = Tape(prefix)
     g = _Gen(tape, sh, conv, prefix)
     g._uses_rope = arch.position == "rope"
-    g.norm_weight_first = opt.norm_weight_first
+    g.norm_weight_first = opt.norm_weight_first or conv.norm_weight_first
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
@@ -1055,8 +1062,10 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         from .offload import mark_offloaded
         tape.weights_saved_as_params = arch.conv1d and conv.name == "hf"
         mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.name == "megatron", moe=opt.moe)
-    if conv.caller_holds_input:
-        tape.held_to_return = (x,)
+    held = (x,) if conv.caller_holds_input else ()
+    if conv.attn_out_held_to_return:
+        held += (attn,)
+    tape.held_to_return = held
     return tape, x, y
 
 

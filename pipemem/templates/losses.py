@@ -59,6 +59,12 @@ def loss_from_hidden(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
         tape.tensors["d." + logits] = type(tape.tensors[logits])("d." + logits, tape.tensors[logits].shape,
                                                                  tape.tensors[logits].dtype, storage=logits)
         return loss
+    if g.conv.logits_fp32_in_model and sh.dt != "fp32":
+        # torchtune's decoder returns `output(h).float()` (eager, outside the compiled loss): the
+        # compiled CE receives, and saves, fp32 logits
+        lf = g.act("logits_fp32", tape.tensors[logits].shape, "fp32")
+        tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
+        logits = lf
     # standard CE compiled with its upcast
     return _compiled_ce(g, tape, logits, labels, (sh.s, sh.b), "")
 

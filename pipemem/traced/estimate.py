@@ -62,6 +62,10 @@ def _check_plan(plan: ParallelPlan) -> None:
 
 def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
     """Refuse, by name, the pipemem.features switches traced mode does not run (templates do)."""
+    if plan.convention == "torchtune":
+        raise UserError("--mode traced records Hugging Face's modules, not torchtune's; use --mode templates "
+                        "(--convention torchtune is held against torchtune's own modules by `pipemem validate "
+                        "features`)")
     unsupported = [name for name, on in (
         (f"--loss {plan.loss}", plan.loss != "standard"), (f"--fp8 {plan.fp8}", bool(plan.fp8)),
         ("--activation-offload", bool(plan.activation_offload)), ("--optimizer-offload", bool(plan.optimizer_offload)),

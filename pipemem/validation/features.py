@@ -13,6 +13,9 @@ against traces made by each feature's own library, on fake tensors (no GPU):
   peak (where torchao's casts dominate) and its kept bytes;
 * optimizer in backward: torchtune's `register_optim_in_bwd_hooks` (one fused AdamW per
   parameter), steady state -- layer 1's backward peak;
+* torchtune's own modules (`--convention torchtune`): torchtune's Llama 3.2 decoder built by its
+  `llama3_2` builder -- a layer's kept bytes, forward and backward peaks, bf16 and fp32 -- and
+  AOTAutograd's partitioner on its layers (`compile/torchtune-bf16`);
 * activation offloading: torchtune's `OffloadActivations` (its copy stream and stashes) around
   the decoder, as torchtune's recipe wraps the model with the output layer left out --
   the kept bytes it removes and a layer's forward and backward peaks. Its CUDA streams and
@@ -21,14 +24,15 @@ against traces made by each feature's own library, on fake tensors (no GPU):
 
 torchtune 0.6's package imports a torchao module newer torchao releases moved, so the three
 source files used are loaded by path (`_torchtune_file`; stubs stand for the torchtune helpers
-they import). Reference = the traced library run, estimate = the template. Seconds on 2 cores:
-about 25.
+they import) and its model code is imported under bare package modules (`_torchtune_packages`).
+Reference = the traced library run, estimate = the template. Seconds on 2 cores: about 28.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.machinery
 import importlib.util
 import json
 import sys
@@ -49,7 +53,7 @@ CHUNKS = 8
 
 # ---------------------------------------------------------------- shared helpers
 
-def template_layer(config: dict, layer: int = 0, **plan):
+def template_layer(config: dict, layer: int = 0, convention: str = "hf", **plan):
     from ..model import arch_from_hf_config
     from ..plan import ParallelPlan, validate_plan
     from ..templates.conventions import convention_for
@@ -58,7 +62,7 @@ def template_layer(config: dict, layer: int = 0, **plan):
 
     arch = arch_from_hf_config(config, "t")
     p = validate_plan(arch, ParallelPlan(seq_len=plan.pop("seq_len", S), micro_batch=plan.pop("micro_batch", B),
-                                         convention="hf", **plan))
+                                         convention=convention, **plan))
     conv = convention_for(p)
     return layer_memory(arch, make_shard(arch, p, conv), conv, layer_options(arch, p, layer, False))
 
@@ -75,6 +79,18 @@ def trace_hf(config: dict, dtype: str = "bf16", master: bool = False, prepare=No
     del torch
     return trace_step(lambda: build_model(cfg, prec.param_dtype), step_inputs(cfg, B, S), hf_loss, None, "cuda",
                       autocast_dtype=prec.autocast_dtype, prepare=prepare, patches=fake_tensor_quirks(), step=step)
+
+
+def layer_kept(step, layer: int = 1) -> int:
+    """Bytes a traced layer's forward allocates that are still alive when the forward ends."""
+    from ..liveness import analyze_sequence, compile_program
+
+    prog = step.programs[0]
+    alive = set(analyze_sequence(step.programs, live_on_entry=step.entry_storages)[0].live_after)
+    c = compile_program(prog)
+    ops = [i for i, x in enumerate(step.op_layers["forward"]) if x == layer]
+    return sum(int(c.sizes[sid]) for sid, name in enumerate(c.storage_names)
+               if ops[0] <= c.first_op[sid] <= ops[-1] and c.first_is_write[sid] and name in alive)
 
 
 def layer_segment_peak(step, phase: str, layer: int = 1) -> int:
@@ -114,6 +130,53 @@ def _torchtune_file(relative: str, stubs: dict | None = None):
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
+
+
+@contextlib.contextmanager
+def _torchtune_packages():
+    """Import torchtune's model code without its package `__init__`s (which import datasets,
+    tokenizers and a torchao module newer torchao releases moved): the packages on the way
+    are bare modules over torchtune's own directories; sys.modules is restored on exit."""
+    import torch
+
+    spec = importlib.util.find_spec("torchtune")
+    root = Path(list(spec.submodule_search_locations)[0])
+    before = {k: v for k, v in sys.modules.items() if k.startswith("torchtune") or k == "torchao.dtypes.nf4tensor"}
+    nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
+
+    class NF4Tensor(torch.Tensor):     # only isinstance checks and decorators read these
+        pass
+    nf4.__dict__.update(NF4Tensor=NF4Tensor, to_nf4=None, linear_nf4=None, implements=lambda *a, **k: (lambda f: f))
+    sys.modules["torchao.dtypes.nf4tensor"] = nf4
+    for rel in ("", "models", "models/llama3", "models/llama3_1", "models/llama3_2"):
+        name = ".".join(["torchtune", *rel.split("/")]) if rel else "torchtune"
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(root / rel)]
+        pkg.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        pkg.__spec__.submodule_search_locations = pkg.__path__
+        sys.modules[name] = pkg
+    try:
+        yield
+    finally:
+        for k in [k for k in sys.modules if k.startswith("torchtune") or k == "torchao.dtypes.nf4tensor"]:
+            del sys.modules[k]
+        sys.modules.update(before)
+
+
+def torchtune_llama(config: dict, dtype: str):
+    """torchtune's own Llama 3.2 decoder (`llama3_2` component builder) at `config`'s shape,
+    real tensors in `dtype` (small: the rope cache is built eagerly); None without torchtune."""
+    import torch
+
+    if importlib.util.find_spec("torchtune") is None:
+        return None
+    with _torchtune_packages():
+        from torchtune.models.llama3_2._component_builders import llama3_2
+        model = llama3_2(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
+                         num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+                         embed_dim=config["hidden_size"], max_seq_len=S, intermediate_dim=config["intermediate_size"],
+                         attn_dropout=0.0, norm_eps=1e-5, rope_base=500000, tie_word_embeddings=False)
+    return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 
 def torchtune_chunked_loss():
@@ -554,6 +617,52 @@ def offload_cases(config: dict | None = None, tag: str = "llama") -> list[CaseRo
                     t_off.B.peak_bytes - bwd_carry)]
 
 
+# grouped-query attention at 4 query heads per K/V head, where torchtune's expansion shows
+TT_LLAMA = dict(LLAMA, num_key_value_heads=2)
+
+
+def _torchtune_trace(dtype: str, compiled: bool = False):
+    """torchtune's own 2-layer decoder, steady step (grads zeroed in place, resident as the
+    layer templates count them), its fp32 logits into cross entropy as its recipe does."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..traced.compiled import compile_layers
+    from ..traced.step import trace_step
+
+    model = torchtune_llama(TT_LLAMA, dtype)
+    V = TT_LLAMA["vocab_size"]
+
+    def inputs(_model):
+        return (torch.randint(0, V, (B, S)),), {}
+
+    def loss(logits):
+        return F.cross_entropy(logits.reshape(-1, V), torch.zeros(B * S, dtype=torch.long))
+    return trace_step(model, inputs, loss, None, "cuda", step="steady", set_to_none=False,
+                      prepare=(lambda m: compile_layers(m, "layers")) if compiled else None)
+
+
+def torchtune_module_cases(dtype: str) -> list[CaseRow]:
+    """torchtune's own modules (RMSNorm on an fp32 copy, K/V expanded before SDPA, the
+    attention output held to the layer's end) against the torchtune convention's layer."""
+    st = _torchtune_trace(dtype)
+    t = template_layer(TT_LLAMA, 1, convention="torchtune", dtype=dtype)
+    return [CaseRow(f"torchtune-modules/{dtype}: layer kept", layer_kept(st), t.F.net_bytes),
+            CaseRow(f"torchtune-modules/{dtype}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
+            CaseRow(f"torchtune-modules/{dtype}: layer backward peak", layer_segment_peak(st, "backward"),
+                    t.B.peak_bytes)]
+
+
+def torchtune_compile_case() -> list[CaseRow]:
+    """The real partitioner on torchtune's own layers: what compiling removes from the forward's
+    kept bytes (2 layers), against the min-cut over the torchtune convention's tape."""
+    traced = (_torchtune_trace("bf16").phase("forward").net_bytes
+              - _torchtune_trace("bf16", compiled=True).phase("forward").net_bytes)
+    est = 2 * (template_layer(TT_LLAMA, convention="torchtune", dtype="bf16").F.net_bytes
+               - template_layer(TT_LLAMA, convention="torchtune", dtype="bf16", compile=True).F.net_bytes)
+    return [CaseRow("compile/torchtune-bf16: saved bytes removed", traced, est)]
+
+
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     """(name, run) of each case whose library is installed, in the order they run."""
     cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
@@ -568,7 +677,10 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if torchtune_optim_in_bwd_hooks() is not None:
         cases.append(("optimizer-in-backward", optimizer_in_backward_cases))
     if importlib.util.find_spec("torchtune") is not None:
-        cases += [("offload/torchtune-llama", offload_cases),
+        cases += [("torchtune-modules/bf16", lambda: torchtune_module_cases("bf16")),
+                  ("torchtune-modules/fp32", lambda: torchtune_module_cases("fp32")),
+                  ("compile/torchtune-bf16", torchtune_compile_case),
+                  ("offload/torchtune-llama", offload_cases),
                   ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2"))]
     return cases
 
