@@ -140,3 +140,36 @@ def test_bench_script_runs_on_a_subset(tmp_path):
     assert r["status"] == "compared"
     assert r["rel_error"] == pytest.approx((r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"])
     assert result["summary"]["by_status"]["compared"] == 2
+
+
+def test_paddlenlp_records_take_paddlenlps_kernel_defaults():
+    # the record's framework names PaddleNLP's auto-parallel script and states none of the kernel
+    # switches: they are PaddleNLP's defaults, read by the same code as --from-paddlenlp
+    from pipemem.configs.paddlenlp import default_switches
+
+    t = V.translate(RECORDS["paddle-pr62865-1F1B-rank0"])
+    assert t["plan"]["convention"] == "paddle"
+    assert t["plan"]["extra"] == default_switches(auto_parallel=True)
+    assert t["plan"]["extra"]["fused_norm"] is False and t["plan"]["extra"]["full_vocab_loss"] is True
+    assert any("PaddleNLP's defaults" in n for n in t["notes"])
+
+
+TORCHTUNE = {"id": "torchtune-x", "model": {"name": "Llama 3.2 3B", "layers": 28, "hidden": 3072, "heads": 24,
+                                             "kv_heads": 8, "ffn": 8192, "vocab": 128256, "tied_embeddings": True},
+             "seq_len": 4096, "micro_batch": 2, "dtype": "pure bf16 (no fp32 master)",
+             "framework": "torchtune full_finetune_single_device", "optimizer": "AdamW",
+             "flash_attention": "yes (SDPA)", "parallelism": {"world": 1}, "recompute": "none",
+             "measured": {"value": 60.0, "unit": "GiB", "metric": "Peak Memory Active"}, "completeness": "medium"}
+
+
+@pytest.mark.parametrize("source, legacy", [
+    ("torchtune README (added in commit 1814feb17, PR #2003, 2024-11-18)", True),
+    ("torchtune README (2025-02-01)", False), ("torchtune README", False)])
+def test_torchtune_records_use_torchtunes_modules_of_their_date(source, legacy):
+    t = V.translate(dict(TORCHTUNE, source=source))
+    assert t["plan"]["convention"] == "torchtune"
+    assert ((t["plan"].get("extra") or {}).get("norm_weight_first") is False) == legacy
+    # the legacy RMSNorm (cast, then scale) keeps the bf16 normalised tensor, the built-in one the fp32
+    est = V.evaluate(dict(TORCHTUNE, source=source))
+    other = V.evaluate(dict(TORCHTUNE, source="x (2025-02-01)" if legacy else "x (2024-01-01)"))
+    assert (est["estimated_bytes"] < other["estimated_bytes"]) == legacy

@@ -21,8 +21,9 @@ examples:
       --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
       --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
-  pipemem estimate --model llama3.2-3b --convention hf --dtype bf16 --no-master-weights --seq-len 4096 \
+  pipemem estimate --model llama3.2-3b --convention torchtune --dtype bf16 --seq-len 4096 \
       --micro-batch 2 --compile --loss chunked --recompute full --optimizer-in-backward --activation-offload all
+  pipemem estimate --gpu a100-80g --seq-len 4096 --from-torchtune recipes/configs/llama3_2/3B_full_single_device.yaml
   pipemem estimate --gpu h100-80g --from-torchtitan - -- --module llama3 --config llama3_8b \
       --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
@@ -63,6 +64,10 @@ def register(sub) -> None:
                      help="read a torchtitan job config: a TOML file (the tables of Trainer.Config.to_dict()), "
                           "or - and torchtitan 0.3's launch arguments after `--` (--module NAME --config FN "
                           "--parallelism.tensor_parallel_degree N ...; needs torchtitan installed)")
+    src.add_argument("--from-torchtune", metavar="FILE.yaml",
+                     help="read a torchtune recipe config (model builder, batch_size, dtype, optimizer, loss, "
+                          "compile, activation checkpointing / offloading, optimizer_in_bwd); distributed "
+                          "recipes shard with FSDP2 over --dp ranks")
     src.add_argument("--exact", action="store_true",
                      help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
                           "programs with Paddle's passes, one card per pipeline stage, and estimate those "
@@ -191,12 +196,13 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         tool_args = tool_args[1:]
     sources = [s for s, on in (("--model", args.model is not None), ("--from-megatron", args.from_megatron),
                                ("--from-paddlenlp", args.from_paddlenlp),
-                               ("--from-torchtitan", args.from_torchtitan is not None)) if on]
+                               ("--from-torchtitan", args.from_torchtitan is not None),
+                               ("--from-torchtune", args.from_torchtune is not None)) if on]
     if len(sources) > 1:
         raise UserError(f"give one model source, not {' and '.join(sources)}")
     if not sources:
         raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
-                        "--from-paddlenlp / --from-torchtitan")
+                        "--from-paddlenlp / --from-torchtitan / --from-torchtune")
     titan_args = args.from_torchtitan == "-"
     if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
@@ -226,9 +232,18 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     elif titan_args:
         from ..configs.torchtitan import read_args
         tool = read_args(tool_args)
+    elif args.from_torchtune is not None:
+        from ..configs.torchtune import read as read_torchtune
+        tool = read_torchtune(args.from_torchtune)
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
+    if tool.tool == "torchtune" and not tool.dp_unknown and plan.get("dp", 1) > 1:
+        raise UserError(f"--dp {plan['dp']}: {args.from_torchtune} is a single-device recipe config (one GPU); drop "
+                        "--dp, or use the model's distributed config (e.g. 3B_full.yaml)")
+    if tool.tool == "torchtune" and "seq_len" not in plan:
+        raise UserError(f"{args.from_torchtune}: tokenizer.max_seq_len is null (the samples' lengths set the "
+                        "sequence): give --seq-len N, the longest sample (or max_seq_len with packed: True)")
     if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
         plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
     if tool.model_name:
@@ -314,7 +329,7 @@ def run(args) -> int:
     if est.fits is False:
         est.suggest()    # a few one-step changes, each estimated by the engine
         tool = ("Megatron" if args.from_megatron else "PaddleNLP" if args.from_paddlenlp
-                else "torchtitan" if args.from_torchtitan else None)
+                else "torchtitan" if args.from_torchtitan else "torchtune" if args.from_torchtune else None)
         if tool and est.suggestions:
             est.warnings.append(f"the suggested changes are written as pipemem flags; make the same change in "
                                 f"the {tool} configuration")

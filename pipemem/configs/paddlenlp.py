@@ -111,6 +111,31 @@ def _sharding_group(a, sharding_degree: int, dp_degree: int) -> tuple[int | None
                              f"script name to choose")
 
 
+def kernel_switches(a) -> dict:
+    """PaddleNLP's own switches (plan.extra), with LlamaConfig's defaults (all off) where the
+    arguments `a` do not set them: which kernels run changes what the layer keeps
+    (pipemem.templates.conventions, paddle)."""
+    extra = {"fuse_qkv": bool(a.bool("fuse_attention_qkv"))}
+    # (fuse_attention_ffn only merges the gate and up GEMMs; the activation is Paddle's fused
+    # swiglu kernel either way, which keeps both halves and its output: the fused-fc1 picture.)
+    a.bool("fuse_attention_ffn")
+    extra["fused_norm"] = bool(a.bool("use_fused_rms_norm"))
+    extra["fused_rope"] = bool(a.bool("use_fused_rope"))
+    clip = a.str("max_grad_norm")
+    try:
+        extra["grad_clip"] = clip is None or float(clip) > 0     # PaddleNLP's default max_grad_norm is 1.0
+    except ValueError:
+        raise UserError(f"{TOOL} argument --max_grad_norm {clip!r}: expected a number") from None
+    if a.bool("enable_auto_parallel"):
+        extra["full_vocab_loss"] = True
+    return extra
+
+
+def default_switches(auto_parallel: bool) -> dict:
+    """The switches of a PaddleNLP run whose launch line sets none of them."""
+    return kernel_switches(parse(["--enable_auto_parallel", "1"] if auto_parallel else [], TOOL))
+
+
 def read(argv: list[str]) -> ToolConfig:
     a = parse(list(argv), TOOL)
     if not a.values:
@@ -213,23 +238,7 @@ def read(argv: list[str]) -> ToolConfig:
     if flash is not None:
         plan["flash_attn"] = flash
 
-    # PaddleNLP's own switches, with LlamaConfig's defaults (all off): which kernels run
-    # changes what the layer keeps (pipemem.templates.conventions, paddle).
-    extra = dict(plan.get("extra") or {})
-    extra["fuse_qkv"] = bool(a.bool("fuse_attention_qkv"))
-    # (fuse_attention_ffn only merges the gate and up GEMMs; the activation is Paddle's fused
-    # swiglu kernel either way, which keeps both halves and its output: the fused-fc1 picture.)
-    a.bool("fuse_attention_ffn")
-    extra["fused_norm"] = bool(a.bool("use_fused_rms_norm"))
-    extra["fused_rope"] = bool(a.bool("use_fused_rope"))
-    clip = a.str("max_grad_norm")
-    try:
-        extra["grad_clip"] = clip is None or float(clip) > 0     # PaddleNLP's default max_grad_norm is 1.0
-    except ValueError:
-        raise UserError(f"{TOOL} argument --max_grad_norm {clip!r}: expected a number") from None
-    if a.bool("enable_auto_parallel"):
-        extra["full_vocab_loss"] = True
-    plan["extra"] = extra
+    plan["extra"] = dict(plan.get("extra") or {}, **kernel_switches(a))
 
     sched = a.str("pipeline_schedule_mode")
     if sched:

@@ -1,0 +1,190 @@
+"""torchtune recipe config (YAML, e.g. `recipes/configs/llama3_2/3B_full_single_device.yaml`)
+-> pipemem preset and plan, under the torchtune convention (pipemem.templates.conventions).
+
+What torchtune's full-finetune recipes (0.6.1) do with each key that changes device memory:
+
+* `model._component_` names a builder (`torchtune.models.llama3_2.llama3_2_3b`): mapped to the
+  preset of the same shape (`BUILDERS`); LoRA / QLoRA builders are refused (adapters and NF4
+  weights are not modelled).
+* `batch_size` is the micro-batch; `gradient_accumulation_steps` repeats it before each
+  optimizer step (the step's grads live across them); `tokenizer.max_seq_len` is the sequence
+  length (null in most configs: the samples' lengths set it, so `--seq-len` must say it;
+  `dataset.packed: True` makes every sample exactly max_seq_len).
+* `dtype` bf16 or fp32: the model, its grads and optimizer states are in it (no fp32 master).
+* `optimizer._component_`: torch.optim.AdamW / Adam / SGD (`fused: True` -> the fused step,
+  else PyTorch's foreach path), bitsandbytes (Paged)AdamW8bit and torchao AdamW8bit /
+  AdamW4bit (8- / 4-bit states; bitsandbytes' paging is not modelled and is said so).
+* `optimizer_in_bwd`, `compile` (bool, or the per-component table of newer configs),
+  `enable_activation_checkpointing` (full, per layer), `enable_activation_offloading`,
+  `loss._component_` (CEWithChunkedOutputLoss -> chunked, `num_output_chunks` 8 by default).
+* distributed recipes (every config not named `*_single_device.yaml`, or with an `fsdp_*` key)
+  shard with FSDP2 over the data-parallel ranks, whose number the file does not hold: `--dp`
+  gives it.
+
+Every other key is either known to change nothing on the device (`_NO_DEVICE_MEMORY`), refused
+by name where pipemem would otherwise drop something that changes memory (QAT quantizers, FSDP
+CPU offload, tensor / context / replicated parallelism), or reported as unknown in a warning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+from .tool_config import ToolConfig
+
+TOOL = "torchtune"
+
+# torchtune model builders -> the preset with the same shapes (torchtune's builders use the
+# published HF shapes of each model)
+BUILDERS = {
+    "llama3_2_1b": "llama3.2-1b", "llama3_2_3b": "llama3.2-3b",
+    "llama3_8b": "llama3-8b", "llama3_1_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama3_1_70b": "llama3-70b",
+    "llama3_3_70b": "llama3-70b",
+    "llama3_1_405b": "llama3.1-405b", "llama2_7b": "llama2-7b", "llama2_13b": "llama2-13b",
+    "llama2_70b": "llama2-70b", "mistral_7b": "mistral-7b", "qwen2_5_7b_base": "qwen2.5-7b",
+    "qwen2_5_7b_instruct": "qwen2.5-7b", "qwen2_5_72b_instruct": "qwen2.5-72b",
+}
+
+# keys read below
+_READ = {"model", "tokenizer", "batch_size", "gradient_accumulation_steps", "dtype", "optimizer", "optimizer_in_bwd",
+         "loss", "compile", "enable_activation_checkpointing", "ac_mode", "enable_activation_offloading",
+         "fsdp_cpu_offload", "fsdp_reshard_after_forward", "tensor_parallel_dim", "context_parallel_dim",
+         "data_parallel_replicate_dim", "data_parallel_shard_dim", "quantizer"}
+# keys that change nothing on the device (logging, checkpoints, data, schedules of the LR...);
+# clip_grad_norm's foreach norms are a few scalars per parameter
+_NO_DEVICE_MEMORY = {
+    "output_dir", "checkpointer", "resume_from_checkpoint", "seed", "shuffle", "epochs", "max_steps_per_epoch",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "lr_scheduler",
+    "device", "clip_grad_norm", "save_adapter_weights_only", "custom_sharded_layers", "run_val_every_n_steps",
+    "dataset_val", "collate_fn", "dataset", "ac_option", "activation_offloading_use_streams",
+    "cudnn_deterministic_mode", "batch_size_val", "keep_last_n_checkpoints", "tensor_parallel_plan",
+}
+
+_OPTIMIZERS = {
+    "torch.optim.AdamW": ("adamw", None), "torch.optim.Adam": ("adam", None), "torch.optim.SGD": ("sgd", None),
+    "bitsandbytes.optim.AdamW8bit": ("adam8bit", None),
+    "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", "paged"),
+    "bitsandbytes.optim.PagedAdamW": ("adamw", "paged"),
+    "torchao.optim.AdamW8bit": ("adam8bit", None), "torchao.prototype.low_bit_optim.AdamW8bit": ("adam8bit", None),
+    "torchao.optim.AdamW4bit": ("adam4bit", None), "torchao.prototype.low_bit_optim.AdamW4bit": ("adam4bit", None),
+}
+_LOSSES = {"torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked", "torch.nn.CrossEntropyLoss": "standard"}
+
+
+def read(path: str) -> ToolConfig:
+    """A torchtune recipe config (YAML) -> preset name and plan keyword arguments."""
+    try:
+        import yaml
+    except ImportError:
+        raise UserError("--from-torchtune reads YAML: pip install pyyaml") from None
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--from-torchtune {path}: no such file")
+    try:
+        cfg = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"--from-torchtune {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise UserError(f"--from-torchtune {path}: not a torchtune recipe config (no `model:` section)")
+    # torchtune names its configs for the recipe: `*_single_device.yaml` for one GPU, the others
+    # (`8B_full.yaml`, `*_distributed.yaml`) for full_finetune_distributed
+    return from_dict(cfg, str(path), distributed="single_device" not in p.stem)
+
+
+def _component(cfg: dict, key: str, path: str) -> tuple[str, dict]:
+    sec = cfg.get(key)
+    if not isinstance(sec, dict) or not isinstance(sec.get("_component_"), str):
+        raise UserError(f"{path}: `{key}._component_` is missing")
+    return sec["_component_"], {k: v for k, v in sec.items() if k != "_component_"}
+
+
+def _pos_int(value, key: str, path: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{path}: {key}: {value!r} is not a positive integer")
+    return value
+
+
+def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
+    warnings = [f"{TOOL}: {key} is not known to pipemem; ignored" for key in cfg
+                if key not in _READ and key not in _NO_DEVICE_MEMORY]
+    plan: dict = {"convention": "torchtune"}
+
+    builder, model_kw = _component(cfg, "model", path)
+    name = builder.rsplit(".", 1)[-1]
+    if "lora" in name:
+        raise UserError(f"{path}: model {builder}: LoRA / QLoRA adapters (and NF4 base weights) are not modelled; "
+                        "pipemem models full fine-tuning")
+    if name not in BUILDERS:
+        raise UserError(f"{path}: model {builder} has no pipemem preset; give the model's HF config with --model "
+                        f"config.json and --convention torchtune (known: {', '.join(sorted(BUILDERS))})")
+    if model_kw:
+        warnings.append(f"{TOOL}: model arguments {', '.join(sorted(model_kw))} are not read (the preset's shape is used)")
+
+    plan["micro_batch"] = _pos_int(cfg.get("batch_size", 1), "batch_size", path)
+    gas = _pos_int(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path)
+    if gas > 1:
+        plan["microbatches"] = gas
+    seq = (cfg.get("tokenizer") or {}).get("max_seq_len")
+    if seq is not None:
+        plan["seq_len"] = _pos_int(seq, "tokenizer.max_seq_len", path)
+
+    dtype = str(cfg.get("dtype", "bf16")).lower()
+    if dtype not in ("bf16", "fp32"):
+        raise UserError(f"{path}: dtype {dtype}: torchtune trains in bf16 or fp32")
+    plan["dtype"] = dtype
+
+    opt, opt_kw = _component(cfg, "optimizer", path)
+    if opt not in _OPTIMIZERS:
+        raise UserError(f"{path}: optimizer {opt} is not modelled (known: {', '.join(sorted(_OPTIMIZERS))})")
+    plan["optimizer"], paged = _OPTIMIZERS[opt]
+    if paged:
+        warnings.append(f"{TOOL}: {opt} pages its states through unified memory; counted as resident device memory "
+                        "(paging not modelled)")
+    if plan["optimizer"] in ("adamw", "adam", "sgd") and not paged and opt.startswith("torch."):
+        plan["optimizer_impl"] = "fused" if opt_kw.get("fused") else "foreach"
+    if cfg.get("optimizer_in_bwd"):
+        plan["optimizer_in_backward"] = True
+
+    if "loss" in cfg:
+        loss, loss_kw = _component(cfg, "loss", path)
+        if loss not in _LOSSES:
+            raise UserError(f"{path}: loss {loss} is not modelled (known: {', '.join(sorted(_LOSSES))})")
+        if _LOSSES[loss] == "chunked":
+            plan["loss"] = "chunked"
+            plan["loss_chunks"] = _pos_int(loss_kw.get("num_output_chunks", 8), "loss.num_output_chunks", path)
+
+    comp = cfg.get("compile", False)
+    if isinstance(comp, dict):      # newer configs: compile: {model: true, loss: true, ...}
+        if comp.get("model"):
+            plan["compile"] = "all" if comp.get("loss", True) else "layers"
+    elif comp:
+        plan["compile"] = "all"     # the recipe compiles each layer and the loss
+
+    if cfg.get("enable_activation_checkpointing"):
+        mode = str(cfg.get("ac_mode") or "full").lower()
+        if mode != "full":
+            raise UserError(f"{path}: ac_mode {mode}: torchtune's selective checkpointing (every n-th layer) is not "
+                            "modelled; use enable_activation_checkpointing with the default full mode")
+        plan["recompute"] = "full"
+    if cfg.get("enable_activation_offloading"):
+        plan["activation_offload"] = "all"
+
+    if cfg.get("quantizer") is not None:
+        raise UserError(f"{path}: quantizer: quantization-aware training (fake-quantised linears) is not modelled")
+    if cfg.get("fsdp_cpu_offload"):
+        raise UserError(f"{path}: fsdp_cpu_offload: FSDP CPU offloading of parameters, gradients and optimizer "
+                        "states is not modelled")
+    for key, what in (("tensor_parallel_dim", "torchtune's tensor parallelism"),
+                      ("context_parallel_dim", "torchtune's context parallelism"),
+                      ("data_parallel_replicate_dim", "replicated (HSDP) data parallelism")):
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v <= 1):
+            raise UserError(f"{path}: {key}: {v}: {what} is not modelled")
+    dp_unknown = False
+    if distributed or any(k.startswith("fsdp_") or k.endswith("_parallel_dim") for k in cfg):
+        plan["fsdp"] = True
+        if cfg.get("fsdp_reshard_after_forward") is False:
+            plan["extra"] = {"fsdp_reshard_after_forward": False}
+        dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
+    return ToolConfig(BUILDERS[name], plan, warnings, TOOL, dp_unknown=dp_unknown)

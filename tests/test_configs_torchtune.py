@@ -1,0 +1,153 @@
+"""--from-torchtune: torchtune recipe configs (YAML) -> plan, and the torchtune convention's
+refusals. The configs are written here in torchtune's format; when torchtune is installed its
+own shipped configs are read too."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from pipemem.configs.torchtune import from_dict, read  # noqa: E402
+from pipemem.errors import UserError  # noqa: E402
+from pipemem.estimate import estimate  # noqa: E402
+
+SINGLE = """\
+model:
+  _component_: torchtune.models.llama3_2.llama3_2_3b
+tokenizer:
+  _component_: torchtune.models.llama3.llama3_tokenizer
+  max_seq_len: 4096
+dataset:
+  _component_: torchtune.datasets.alpaca_dataset
+  packed: True
+batch_size: 2
+optimizer:
+  _component_: torch.optim.AdamW
+  fused: True
+  lr: 2e-5
+loss:
+  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
+gradient_accumulation_steps: 1
+optimizer_in_bwd: False
+compile: True
+enable_activation_checkpointing: True
+enable_activation_offloading: False
+dtype: bf16
+log_peak_memory_stats: True
+"""
+
+
+def _write(tmp_path, text, name="3B_full_single_device.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_single_device_config_is_read_key_by_key(tmp_path):
+    tool = read(_write(tmp_path, SINGLE))
+    assert tool.model == "llama3.2-3b" and not tool.dp_unknown and tool.warnings == []
+    assert tool.plan == {"convention": "torchtune", "micro_batch": 2, "seq_len": 4096, "dtype": "bf16",
+                         "optimizer": "adamw", "optimizer_impl": "fused", "loss": "chunked", "loss_chunks": 8,
+                         "compile": "all", "recompute": "full"}
+    est = estimate(tool.model, **tool.plan)
+    assert est.ranks[0].peak_allocated_bytes > 0
+
+
+def test_options_that_change_memory(tmp_path):
+    text = (SINGLE.replace("fused: True", "lr: 1e-5").replace("optimizer_in_bwd: False", "optimizer_in_bwd: True")
+            .replace("enable_activation_offloading: False", "enable_activation_offloading: True")
+            .replace("compile: True", "compile:\n  model: True\n  loss: False"))
+    tool = read(_write(tmp_path, text))
+    assert tool.plan["optimizer_impl"] == "foreach"      # torch.optim.AdamW without fused=True
+    assert tool.plan["optimizer_in_backward"] and tool.plan["activation_offload"] == "all"
+    assert tool.plan["compile"] == "layers"
+    paged = read(_write(tmp_path, SINGLE.replace("torch.optim.AdamW", "bitsandbytes.optim.PagedAdamW8bit")))
+    assert paged.plan["optimizer"] == "adam8bit" and "optimizer_impl" not in paged.plan
+    assert any("paging not modelled" in w for w in paged.warnings)
+    unknown = read(_write(tmp_path, SINGLE + "my_new_switch: 3\n"))
+    assert any("my_new_switch" in w for w in unknown.warnings)
+
+
+def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
+    tool = read(_write(tmp_path, SINGLE, "3B_full.yaml"))
+    assert tool.plan["fsdp"] is True and tool.dp_unknown
+    one = estimate(tool.model, **dict(tool.plan, dp=1)).ranks[0].static.total
+    eight = estimate(tool.model, **dict(tool.plan, dp=8)).ranks[0].static.total
+    assert eight < one / 4            # params, grads and states sharded 8 ways
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("llama3_2_3b", "lora_llama3_2_3b"), "LoRA"),
+    (("llama3_2_3b", "qwen2_5_0_5b"), "no pipemem preset"),
+    (("dtype: bf16", "dtype: fp16"), "bf16 or fp32"),
+    (("torch.optim.AdamW", "torch.optim.Adagrad"), "not modelled"),
+    (("enable_activation_checkpointing: True", "enable_activation_checkpointing: True\nac_mode: selective"),
+     "selective"),
+    (("dtype: bf16", "dtype: bf16\nquantizer:\n  _component_: torchtune.training.quantization.Int8Quantizer"),
+     "quantization-aware"),
+    (("dtype: bf16", "dtype: bf16\nfsdp_cpu_offload: True"), "CPU offloading"),
+    (("batch_size: 2", "batch_size: 0"), "positive integer"),
+])
+def test_refusals_name_the_key(tmp_path, edit, words):
+    with pytest.raises(UserError, match=words):
+        read(_write(tmp_path, SINGLE.replace(*edit)))
+
+
+def test_cli_errors_exit_2_with_one_line(tmp_path):
+    null_seq = _write(tmp_path, SINGLE.replace("max_seq_len: 4096", "max_seq_len: null"), "null_single_device.yaml")
+    for args, words in ((["--from-torchtune", null_seq], "--seq-len"),
+                        (["--from-torchtune", _write(tmp_path, SINGLE), "--dp", "8"], "single-device"),
+                        (["--from-torchtune", str(tmp_path / "missing.yaml")], "no such file"),
+                        (["--from-torchtune", _write(tmp_path, "model: [", "bad.yaml")], "not valid YAML")):
+        r = subprocess.run([sys.executable, "-m", "pipemem", "estimate", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+    ok = subprocess.run([sys.executable, "-m", "pipemem", "estimate", "--gpu", "a100-80g", "--from-torchtune",
+                         null_seq, "--seq-len", "2048"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "FITS" in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize("plan, words", [
+    ({"tp": 2}, "--tp 2"), ({"pp": 2}, "--pp 2"), ({"dtype": "fp16"}, "fp16"),
+    ({"flash_attn": False}, "--no-flash-attn"), ({"dp": 4}, "--fsdp"),
+    ({"recompute": "selective"}, "--recompute selective"), ({"recompute": "full", "recompute_layers": 4},
+                                                            "--recompute-layers"),
+])
+def test_torchtune_convention_refuses_what_it_does_not_model(plan, words):
+    with pytest.raises(UserError, match=words):
+        estimate("llama3.2-3b", convention="torchtune", **plan)
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        estimate("qwen3-30b-a3b", convention="torchtune")
+
+
+def test_torchtune_trains_without_master_weights():
+    est = estimate("llama3.2-3b", convention="torchtune", dtype="bf16")
+    assert est.plan.master_weights is False and est.plan.main_grad_dtype == "bf16"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtune") is None, reason="torchtune not installed")
+def test_torchtunes_shipped_configs():
+    # the configs torchtune 0.6.1 installs: every full-finetune config of a model with a preset
+    # reads into a plan pipemem estimates, or is refused by name
+    root = Path(importlib.util.find_spec("torchtune").submodule_search_locations[0]).parent / "recipes" / "configs"
+    if not root.is_dir():
+        pytest.skip("torchtune's recipe configs are not installed")
+    read_ok = 0
+    for path in sorted(root.glob("*/*full*.yaml")):
+        try:
+            tool = read(str(path))
+        except UserError as e:
+            assert str(path) in str(e)
+            continue
+        plan = dict(tool.plan, seq_len=tool.plan.get("seq_len", 2048), **({"dp": 8} if tool.dp_unknown else {}))
+        assert estimate(tool.model, **plan).ranks[0].peak_allocated_bytes > 0
+        read_ok += 1
+    assert read_ok >= 10
+
+
+def test_from_dict_needs_a_model():
+    with pytest.raises(UserError, match="model._component_"):
+        from_dict({"model": {}}, "x.yaml")
