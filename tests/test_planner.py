@@ -351,3 +351,16 @@ def test_pinned_degrees_no_plan_can_have_are_one_line(pins, match, capsys):
                "--global-batch", "256", "--no-progress", *pins])
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+def test_torchtune_plans_recompute_every_layer_or_none():
+    # torchtune checkpoints every layer or none and shards with FSDP2 only: the planner's
+    # ladder offers it no selective or partial rungs, and every plan it returns is one
+    # torchtune can run (validated, and a torchtune estimate)
+    res = search_plans("llama3.2-3b", _target(8, "a100-40g"), 8192, 64,
+                       SpaceOptions(micro_batches=(1, 2, 4), convention="torchtune"))
+    assert res.plans
+    for p in res.plans:
+        assert p.kwargs["recompute"] in ("none", "full") and "recompute_layers" not in p.kwargs
+        assert p.kwargs.get("fsdp") and p.kwargs["tp"] == p.kwargs["pp"] == 1
+    assert any(p.kwargs["recompute"] == "full" for p in res.plans)   # what is at stake at seq 8192 on 40 GB

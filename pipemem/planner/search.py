@@ -48,7 +48,7 @@ from ..errors import UserError
 from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
-from .space import BUFFERED_GRADS, Base, SpaceOptions, enumerate_bases, schedules_for
+from .space import BUFFERED_GRADS, WHOLE_MODEL_RECOMPUTE, Base, SpaceOptions, enumerate_bases, schedules_for
 
 @dataclass(frozen=True)
 class Target:
@@ -416,6 +416,8 @@ class _Runner:
         ladder = probe.ladder
         if probe.fits("none", None):
             return probe.result("none", None)
+        if self.options.convention in WHOLE_MODEL_RECOMPUTE:
+            return probe.result("full", None) if probe.fits("full", None) else None
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
         sel_first = self._selective_cheaper(plan, sched, placement, 1)
         if sel_first and probe.fits("selective", None):

@@ -54,6 +54,10 @@ SCHEDULES = {
     "torchtune": {"single": (), "multi": (), "v": ()},
 }
 
+# conventions whose trainers recompute every layer or none (torchtune's
+# enable_activation_checkpointing): no selective or partial rungs on the recomputation ladder
+WHOLE_MODEL_RECOMPUTE = ("torchtune",)
+
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_MAX_VPP = 8
 
