@@ -364,3 +364,10 @@ def test_torchtune_plans_recompute_every_layer_or_none():
         assert p.kwargs["recompute"] in ("none", "full") and "recompute_layers" not in p.kwargs
         assert p.kwargs.get("fsdp") and p.kwargs["tp"] == p.kwargs["pp"] == 1
     assert any(p.kwargs["recompute"] == "full" for p in res.plans)   # what is at stake at seq 8192 on 40 GB
+
+
+def test_every_proposed_plan_is_counted_once(small_search):
+    # the summary line's counts add up: each proposal is invalid, ruled out by its static bytes,
+    # estimated and too large, or fits (a refused recomputation setting is not a plan)
+    s = small_search.stats
+    assert s.proposed == sum(s.invalid.values()) + s.pruned_static + s.no_fit + len(small_search.plans)

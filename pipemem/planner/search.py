@@ -97,6 +97,9 @@ class SearchStats:
     derived: int = 0                                    # settings whose peaks carried over (_Ladder)
     derivation_mismatch: int = 0                        # should stay 0 (_Probe.result)
     estimates: int = 0                                  # pipemem.estimate calls
+    # recomputation settings of a valid plan that pipemem.estimate refused (the plan itself is
+    # counted once, as fitting or not): not invalid plans
+    refused_settings: Counter = field(default_factory=Counter)
     seconds: float = 0.0
 
     def add(self, other: "SearchStats") -> None:
@@ -104,6 +107,7 @@ class SearchStats:
         for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.invalid.update(other.invalid)
+        self.refused_settings.update(other.refused_settings)
         for k, v in other.invalid_why.items():
             self.invalid_why.setdefault(k, v)
 
@@ -116,7 +120,8 @@ class SearchStats:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
                 "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
                 "settings_implied_too_large": self.implied, "settings_derived": self.derived,
-                "derivation_mismatch": self.derivation_mismatch, "seconds": self.seconds}
+                "derivation_mismatch": self.derivation_mismatch, "settings_refused": dict(self.refused_settings),
+                "seconds": self.seconds}
 
 
 @dataclass
@@ -479,7 +484,7 @@ class _Runner:
         try:
             return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
         except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
-            self.stats.refuse(str(e))
+            self.stats.refused_settings[_reason(str(e))] += 1
             return None
 
     @staticmethod

@@ -121,7 +121,9 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
     invalid = sum(s.invalid.values())
     con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
                    f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} fit "
-                   f"({s.estimates:,} estimates, "
+                   f"({s.estimates:,} estimates"
+                   + (f", {sum(s.refused_settings.values()):,} recomputation settings refused" if s.refused_settings
+                      else "") + ", "
                    f"{s.seconds:.1f} s)", style=DIM))
     if not res.plans:
         con.print(Text.assemble(("NO PLAN FITS", RED), f": no plan of the space fits {fmt_bytes(t.budget_bytes)} "
