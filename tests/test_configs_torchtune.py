@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
-from pipemem.configs.torchtune import from_dict, read  # noqa: E402
+from pipemem.configs.torchtune import BUILDERS, builder_config, from_dict, read  # noqa: E402
 from pipemem.errors import UserError  # noqa: E402
 from pipemem.estimate import estimate  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
 
 @pytest.mark.parametrize("edit, words", [
     (("llama3_2_3b", "lora_llama3_2_3b"), "LoRA"),
-    (("llama3_2_3b", "qwen2_5_0_5b"), "no pipemem preset"),
+    (("llama3_2.llama3_2_3b", "gemma.gemma_2b"), "not modelled under the torchtune convention"),
     (("dtype: bf16", "dtype: fp16"), "bf16 or fp32"),
     (("torch.optim.AdamW", "torch.optim.Adagrad"), "not modelled"),
     (("enable_activation_checkpointing: True", "enable_activation_checkpointing: True\nac_mode: selective"),
@@ -151,3 +151,36 @@ def test_torchtunes_shipped_configs():
 def test_from_dict_needs_a_model():
     with pytest.raises(UserError, match="model._component_"):
         from_dict({"model": {}}, "x.yaml")
+
+
+TORCHTUNE = importlib.util.find_spec("torchtune") is not None
+
+
+@pytest.mark.skipif(not TORCHTUNE, reason="torchtune not installed")
+def test_builders_read_from_torchtunes_source_match_the_presets():
+    # torchtune's builder source, read without importing torchtune, gives the shapes of the
+    # presets the reader maps the same builders to
+    from pipemem.estimate import resolve_model
+
+    families = sorted({"llama2", "llama3", "llama3_1", "llama3_2", "llama3_3", "mistral", "qwen2_5"}, key=len,
+                      reverse=True)
+    compared = 0
+    for name, preset in BUILDERS.items():
+        family = next(f for f in families if name.startswith(f + "_"))
+        cfg = builder_config(f"torchtune.models.{family}.{name}")
+        if cfg is None:       # e.g. llama2_7b: its FFN width is computed by the component builder
+            continue
+        _, _, want = resolve_model(preset)
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "vocab_size", "tie_word_embeddings"):
+            assert cfg[key] == want.get(key, False if key == "tie_word_embeddings" else None), (name, key)
+        compared += 1
+    assert compared >= 12
+
+
+@pytest.mark.skipif(not TORCHTUNE, reason="torchtune not installed")
+def test_a_builder_without_a_preset_is_read_from_torchtune(tmp_path):
+    tool = read(_write(tmp_path, SINGLE.replace("llama3_2.llama3_2_3b", "qwen2_5.qwen2_5_3b")))
+    assert isinstance(tool.model, dict) and tool.model["model_type"] == "qwen2"
+    assert tool.model["num_hidden_layers"] == 36 and tool.model["tie_word_embeddings"] is True
+    assert estimate(tool.model, **tool.plan).ranks[0].peak_allocated_bytes > 0

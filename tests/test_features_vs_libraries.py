@@ -40,14 +40,15 @@ def test_chunked_cross_entropy_matches_torchtune(compiled):
         close(row, 0.01)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_torchtune_convention_matches_torchtunes_own_modules(dtype):
-    # torchtune 0.6.1's own Llama 3.2 decoder (4 query heads per K/V head) traced on fake
+@pytest.mark.parametrize("dtype, family", [("bf16", "llama"), ("fp32", "llama"), ("bf16", "qwen2")])
+def test_torchtune_convention_matches_torchtunes_own_modules(dtype, family):
+    # torchtune 0.6.1's own Llama 3.2 / Qwen2 decoders (4 query heads per K/V head) traced on fake
     # tensors against --convention torchtune's layer: what it keeps, its forward and backward peaks
-    if F.torchtune_llama(F.TT_LLAMA, dtype) is None:
+    config = F.TT_QWEN2 if family == "qwen2" else F.TT_LLAMA
+    if F.torchtune_llama(config, dtype) is None:
         pytest.skip("torchtune not installed")
-    kept, fwd, bwd = F.torchtune_module_cases(dtype)
-    hf = F.template_layer(F.TT_LLAMA, 1, dtype=dtype, master_weights=False)
+    kept, fwd, bwd = F.torchtune_module_cases(dtype, config)
+    hf = F.template_layer(config, 1, dtype=dtype, master_weights=False)
     if dtype == "bf16":
         # what is at stake: K/V expanded to every head and the fp32 scaled norm output are kept,
         # which HF's modules (the hf convention) do not keep

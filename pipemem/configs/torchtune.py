@@ -4,8 +4,9 @@
 What torchtune's full-finetune recipes (0.6.1) do with each key that changes device memory:
 
 * `model._component_` names a builder (`torchtune.models.llama3_2.llama3_2_3b`): mapped to the
-  preset of the same shape (`BUILDERS`); LoRA / QLoRA builders are refused (adapters and NF4
-  weights are not modelled).
+  preset of the same shape (`BUILDERS`), or, with torchtune installed, read from the builder's
+  own source (`builder_config`: Llama 2/3.x, Qwen2/2.5 and Mistral builders); LoRA / QLoRA
+  builders are refused (adapters and NF4 weights are not modelled).
 * `batch_size` is the micro-batch; `gradient_accumulation_steps` repeats it before each
   optimizer step (the step's grads live across them); `tokenizer.max_seq_len` is the sequence
   length (null in most configs: the samples' lengths set it, so `--seq-len` must say it;
@@ -61,6 +62,95 @@ _NO_DEVICE_MEMORY = {
     "cudnn_deterministic_mode", "batch_size_val", "keep_last_n_checkpoints", "tensor_parallel_plan",
 }
 
+# torchtune component builders whose decoders the torchtune convention models (its
+# MultiHeadAttention, RMSNorm and SwiGLU FeedForward) -> the HF model type of the same layers
+_COMPONENTS = {"llama2": "llama", "llama3": "llama", "llama3_1": "llama", "llama3_2": "llama", "qwen2": "qwen2",
+               "mistral": "mistral"}
+
+
+def _literal(node):
+    import ast
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return None
+
+
+def _defaults(fn) -> dict:
+    """A function definition's literal parameter defaults."""
+    args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
+    out = {a.arg: _literal(d) for a, d in zip(args, fn.args.defaults)}
+    out.update({a.arg: _literal(d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def builder_config(builder: str, root: Path | None = None) -> dict | None:
+    """The HF-style config of a torchtune model builder (`torchtune.models.qwen2_5.qwen2_5_3b`),
+    read from torchtune's own source -- the literal arguments its builder passes to the
+    component builder, the component's defaults for the rest -- without importing torchtune
+    (its package imports datasets and tokenizers). None when torchtune is not installed or the
+    builder is not a plain call of a modelled component builder."""
+    import ast
+    import importlib.util
+
+    parts = builder.split(".")
+    if len(parts) != 4 or parts[:2] != ["torchtune", "models"]:
+        return None
+    if root is None:
+        spec = importlib.util.find_spec("torchtune")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(list(spec.submodule_search_locations)[0])
+    family, name = parts[2], parts[3]
+    for _ in range(3):                  # follow `llama3_3_70b = llama3_1_70b` style aliases
+        path = root / "models" / family / "_model_builders.py"
+        if not path.is_file():
+            return None
+        tree = ast.parse(path.read_text())
+        defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if name in defs:
+            break
+        alias = next((n.value.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+                      and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)), None)
+        source = next((n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+                       and any(a.name == alias for a in n.names)), None)
+        if alias is None or source is None:
+            return None
+        family, name = source.split(".")[2], alias
+    else:
+        return None
+    ret = next((n.value for n in ast.walk(defs[name]) if isinstance(n, ast.Return)), None)
+    if not isinstance(ret, ast.Call) or not isinstance(ret.func, ast.Name) or ret.func.id not in _COMPONENTS:
+        return None
+    component = ret.func.id
+    own = _defaults(defs[name])          # the builder's own parameters (`tie_word_embeddings=True`)
+    kwargs = {}
+    for k in ret.keywords:
+        v = own.get(k.value.id) if isinstance(k.value, ast.Name) else _literal(k.value)
+        if v is not None:
+            kwargs[k.arg] = v
+    comp_path = root / "models" / component / "_component_builders.py"
+    if comp_path.is_file():
+        comp = next((n for n in ast.parse(comp_path.read_text()).body
+                     if isinstance(n, ast.FunctionDef) and n.name == component), None)
+        if comp is not None:
+            for a, d in _defaults(comp).items():
+                kwargs.setdefault(a, d)
+    need = ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim", "intermediate_dim")
+    if any(not isinstance(kwargs.get(k), int) for k in need):
+        return None
+    cfg = {"model_type": _COMPONENTS[component], "vocab_size": kwargs["vocab_size"],
+           "num_hidden_layers": kwargs["num_layers"], "num_attention_heads": kwargs["num_heads"],
+           "num_key_value_heads": kwargs["num_kv_heads"], "hidden_size": kwargs["embed_dim"],
+           "intermediate_size": kwargs["intermediate_dim"],
+           "tie_word_embeddings": bool(kwargs.get("tie_word_embeddings") or False)}
+    if isinstance(kwargs.get("head_dim"), int):
+        cfg["head_dim"] = kwargs["head_dim"]
+    if isinstance(kwargs.get("max_seq_len"), int):
+        cfg["max_position_embeddings"] = kwargs["max_seq_len"]
+    return cfg
+
+
 _OPTIMIZERS = {
     "torch.optim.AdamW": ("adamw", None), "torch.optim.Adam": ("adam", None), "torch.optim.SGD": ("sgd", None),
     "bitsandbytes.optim.AdamW8bit": ("adam8bit", None),
@@ -115,9 +205,11 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
     if "lora" in name:
         raise UserError(f"{path}: model {builder}: LoRA / QLoRA adapters (and NF4 base weights) are not modelled; "
                         "pipemem models full fine-tuning")
-    if name not in BUILDERS:
-        raise UserError(f"{path}: model {builder} has no pipemem preset; give the model's HF config with --model "
-                        f"config.json and --convention torchtune (known: {', '.join(sorted(BUILDERS))})")
+    model = BUILDERS.get(name) or builder_config(builder)
+    if model is None:
+        raise UserError(f"{path}: model {builder} is not modelled under the torchtune convention (its builders of "
+                        f"{', '.join(sorted(_COMPONENTS))} decoders are, read from torchtune's source when it is "
+                        "installed); give the model's HF config with --model config.json and --convention hf")
     if model_kw:
         warnings.append(f"{TOOL}: model arguments {', '.join(sorted(model_kw))} are not read (the preset's shape is used)")
 
@@ -187,4 +279,5 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
         if cfg.get("fsdp_reshard_after_forward") is False:
             plan["extra"] = {"fsdp_reshard_after_forward": False}
         dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
-    return ToolConfig(BUILDERS[name], plan, warnings, TOOL, dp_unknown=dp_unknown)
+    return ToolConfig(model, plan, warnings, TOOL, model_name=name if isinstance(model, dict) else "",
+                      dp_unknown=dp_unknown)

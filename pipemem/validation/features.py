@@ -14,7 +14,8 @@ against traces made by each feature's own library, on fake tensors (no GPU):
 * optimizer in backward: torchtune's `register_optim_in_bwd_hooks` (one fused AdamW per
   parameter), steady state -- layer 1's backward peak;
 * torchtune's own modules (`--convention torchtune`): torchtune's Llama 3.2 decoder built by its
-  `llama3_2` builder -- a layer's kept bytes, forward and backward peaks, bf16 and fp32 -- and
+  `llama3_2` builder -- a layer's kept bytes, forward and backward peaks, bf16 and fp32 -- and its
+  Qwen2 decoder (`qwen2`: q/k/v biases) in bf16, and
   AOTAutograd's partitioner on its layers (`compile/torchtune-bf16`);
 * activation offloading: torchtune's `OffloadActivations` (its copy stream and stashes) around
   the decoder, as torchtune's recipe wraps the model with the output layer left out --
@@ -148,7 +149,7 @@ def _torchtune_packages():
         pass
     nf4.__dict__.update(NF4Tensor=NF4Tensor, to_nf4=None, linear_nf4=None, implements=lambda *a, **k: (lambda f: f))
     sys.modules["torchao.dtypes.nf4tensor"] = nf4
-    for rel in ("", "models", "models/llama3", "models/llama3_1", "models/llama3_2"):
+    for rel in ("", "models", "models/llama3", "models/llama3_1", "models/llama3_2", "models/qwen2"):
         name = ".".join(["torchtune", *rel.split("/")]) if rel else "torchtune"
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(root / rel)]
@@ -164,18 +165,24 @@ def _torchtune_packages():
 
 
 def torchtune_llama(config: dict, dtype: str):
-    """torchtune's own Llama 3.2 decoder (`llama3_2` component builder) at `config`'s shape,
-    real tensors in `dtype` (small: the rope cache is built eagerly); None without torchtune."""
+    """torchtune's own decoder at `config`'s shape -- its `llama3_2` component builder, or `qwen2`
+    (q/k/v biases) for a qwen2 config -- real tensors in `dtype` (small: the rope cache is built
+    eagerly); None without torchtune."""
     import torch
 
     if importlib.util.find_spec("torchtune") is None:
         return None
     with _torchtune_packages():
-        from torchtune.models.llama3_2._component_builders import llama3_2
-        model = llama3_2(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
-                         num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
-                         embed_dim=config["hidden_size"], max_seq_len=S, intermediate_dim=config["intermediate_size"],
-                         attn_dropout=0.0, norm_eps=1e-5, rope_base=500000, tie_word_embeddings=False)
+        if config.get("model_type") == "qwen2":
+            from torchtune.models.qwen2._component_builders import qwen2 as build
+            extra = {}
+        else:
+            from torchtune.models.llama3_2._component_builders import llama3_2 as build
+            extra = {"rope_base": 500000}
+        model = build(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
+                      num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+                      embed_dim=config["hidden_size"], max_seq_len=S, intermediate_dim=config["intermediate_size"],
+                      attn_dropout=0.0, norm_eps=1e-5, tie_word_embeddings=False, **extra)
     return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 
@@ -621,7 +628,10 @@ def offload_cases(config: dict | None = None, tag: str = "llama") -> list[CaseRo
 TT_LLAMA = dict(LLAMA, num_key_value_heads=2)
 
 
-def _torchtune_trace(dtype: str, compiled: bool = False):
+TT_QWEN2 = dict(TT_LLAMA, model_type="qwen2")
+
+
+def _torchtune_trace(dtype: str, compiled: bool = False, config: dict | None = None):
     """torchtune's own 2-layer decoder, steady step (grads zeroed in place, resident as the
     layer templates count them), its fp32 logits into cross entropy as its recipe does."""
     import torch
@@ -630,8 +640,9 @@ def _torchtune_trace(dtype: str, compiled: bool = False):
     from ..traced.compiled import compile_layers
     from ..traced.step import trace_step
 
-    model = torchtune_llama(TT_LLAMA, dtype)
-    V = TT_LLAMA["vocab_size"]
+    config = config or TT_LLAMA
+    model = torchtune_llama(config, dtype)
+    V = config["vocab_size"]
 
     def inputs(_model):
         return (torch.randint(0, V, (B, S)),), {}
@@ -642,14 +653,16 @@ def _torchtune_trace(dtype: str, compiled: bool = False):
                       prepare=(lambda m: compile_layers(m, "layers")) if compiled else None)
 
 
-def torchtune_module_cases(dtype: str) -> list[CaseRow]:
+def torchtune_module_cases(dtype: str, config: dict | None = None) -> list[CaseRow]:
     """torchtune's own modules (RMSNorm on an fp32 copy, K/V expanded before SDPA, the
     attention output held to the layer's end) against the torchtune convention's layer."""
-    st = _torchtune_trace(dtype)
-    t = template_layer(TT_LLAMA, 1, convention="torchtune", dtype=dtype)
-    return [CaseRow(f"torchtune-modules/{dtype}: layer kept", layer_kept(st), t.F.net_bytes),
-            CaseRow(f"torchtune-modules/{dtype}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
-            CaseRow(f"torchtune-modules/{dtype}: layer backward peak", layer_segment_peak(st, "backward"),
+    config = config or TT_LLAMA
+    st = _torchtune_trace(dtype, config=config)
+    t = template_layer(config, 1, convention="torchtune", dtype=dtype)
+    tag = f"{'qwen2-' if config.get('model_type') == 'qwen2' else ''}{dtype}"
+    return [CaseRow(f"torchtune-modules/{tag}: layer kept", layer_kept(st), t.F.net_bytes),
+            CaseRow(f"torchtune-modules/{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
+            CaseRow(f"torchtune-modules/{tag}: layer backward peak", layer_segment_peak(st, "backward"),
                     t.B.peak_bytes)]
 
 
@@ -679,6 +692,7 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if importlib.util.find_spec("torchtune") is not None:
         cases += [("torchtune-modules/bf16", lambda: torchtune_module_cases("bf16")),
                   ("torchtune-modules/fp32", lambda: torchtune_module_cases("fp32")),
+                  ("torchtune-modules/qwen2-bf16", lambda: torchtune_module_cases("bf16", TT_QWEN2)),
                   ("compile/torchtune-bf16", torchtune_compile_case),
                   ("offload/torchtune-llama", offload_cases),
                   ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2"))]
