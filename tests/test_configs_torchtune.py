@@ -75,6 +75,10 @@ def test_options_that_change_memory(tmp_path):
 def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
     tool = read(_write(tmp_path, SINGLE, "3B_full.yaml"))
     assert tool.plan["fsdp"] is True and tool.dp_unknown
+    assert any("custom_sharded_layers" in w for w in tool.warnings)   # the root FSDP unit is not modelled
+    given = read(_write(tmp_path, SINGLE + "data_parallel_shard_dim: 4\n"
+                        "custom_sharded_layers: ['tok_embeddings', 'output']\n", "8B_full.yaml"))
+    assert given.plan["dp"] == 4 and not given.dp_unknown and given.warnings == []
     one = estimate(tool.model, **dict(tool.plan, dp=1)).ranks[0].static.total
     eight = estimate(tool.model, **dict(tool.plan, dp=8)).ranks[0].static.total
     assert eight < one / 4            # params, grads and states sharded 8 ways

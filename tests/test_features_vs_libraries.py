@@ -45,7 +45,7 @@ def test_torchtune_convention_matches_torchtunes_own_modules(dtype, family):
     # torchtune 0.6.1's own Llama 3.2 / Qwen2 decoders (4 query heads per K/V head) traced on fake
     # tensors against --convention torchtune's layer: what it keeps, its forward and backward peaks
     config = F.TT_QWEN2 if family == "qwen2" else F.TT_LLAMA
-    if F.torchtune_llama(config, dtype) is None:
+    if F.torchtune_decoder(config, dtype) is None:
         pytest.skip("torchtune not installed")
     kept, fwd, bwd = F.torchtune_module_cases(dtype, config)
     hf = F.template_layer(config, 1, dtype=dtype, master_weights=False)
@@ -58,7 +58,7 @@ def test_torchtune_convention_matches_torchtunes_own_modules(dtype, family):
 
 
 def test_compile_on_torchtunes_own_layers():
-    if F.torchtune_llama(F.TT_LLAMA, "bf16") is None:
+    if F.torchtune_decoder(F.TT_LLAMA, "bf16") is None:
         pytest.skip("torchtune not installed")
     (row,) = F.torchtune_compile_case()
     assert row.measured_bytes > 0

@@ -238,7 +238,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
-    if tool.tool == "torchtune" and not tool.dp_unknown and plan.get("dp", 1) > 1:
+    if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
         raise UserError(f"--dp {plan['dp']}: {args.from_torchtune} is a single-device recipe config (one GPU); drop "
                         "--dp, or use the model's distributed config (e.g. 3B_full.yaml)")
     if tool.tool == "torchtune" and "seq_len" not in plan:

@@ -19,8 +19,9 @@ What torchtune's full-finetune recipes (0.6.1) do with each key that changes dev
   `enable_activation_checkpointing` (full, per layer), `enable_activation_offloading`,
   `loss._component_` (CEWithChunkedOutputLoss -> chunked, `num_output_chunks` 8 by default).
 * distributed recipes (every config not named `*_single_device.yaml`, or with an `fsdp_*` key)
-  shard with FSDP2 over the data-parallel ranks, whose number the file does not hold: `--dp`
-  gives it.
+  shard with FSDP2 over the data-parallel ranks: `data_parallel_shard_dim`, or, at its default
+  -1 (every rank), `--dp`. The embedding and output layer are modelled as FSDP units of their
+  own (`custom_sharded_layers`); without that key a warning says they are not.
 
 Every other key is either known to change nothing on the device (`_NO_DEVICE_MEMORY`), refused
 by name where pipemem would otherwise drop something that changes memory (QAT quantizers, FSDP
@@ -51,13 +52,13 @@ BUILDERS = {
 _READ = {"model", "tokenizer", "batch_size", "gradient_accumulation_steps", "dtype", "optimizer", "optimizer_in_bwd",
          "loss", "compile", "enable_activation_checkpointing", "ac_mode", "enable_activation_offloading",
          "fsdp_cpu_offload", "fsdp_reshard_after_forward", "tensor_parallel_dim", "context_parallel_dim",
-         "data_parallel_replicate_dim", "data_parallel_shard_dim", "quantizer"}
+         "data_parallel_replicate_dim", "data_parallel_shard_dim", "quantizer", "custom_sharded_layers"}
 # keys that change nothing on the device (logging, checkpoints, data, schedules of the LR...);
 # clip_grad_norm's foreach norms are a few scalars per parameter
 _NO_DEVICE_MEMORY = {
     "output_dir", "checkpointer", "resume_from_checkpoint", "seed", "shuffle", "epochs", "max_steps_per_epoch",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "lr_scheduler",
-    "device", "clip_grad_norm", "save_adapter_weights_only", "custom_sharded_layers", "run_val_every_n_steps",
+    "device", "clip_grad_norm", "save_adapter_weights_only", "run_val_every_n_steps",
     "dataset_val", "collate_fn", "dataset", "ac_option", "activation_offloading_use_streams",
     "cudnn_deterministic_mode", "batch_size_val", "keep_last_n_checkpoints", "tensor_parallel_plan",
 }
@@ -278,6 +279,19 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
         plan["fsdp"] = True
         if cfg.get("fsdp_reshard_after_forward") is False:
             plan["extra"] = {"fsdp_reshard_after_forward": False}
-        dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
+        shard = cfg.get("data_parallel_shard_dim", -1)
+        if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 1:
+            plan["dp"] = shard
+        elif shard != -1:
+            raise UserError(f"{path}: data_parallel_shard_dim: {shard!r}: expected -1 or a positive integer")
+        else:
+            dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
+        if not cfg.get("custom_sharded_layers"):
+            # pipemem gathers the embedding and the output layer as units of their own (what
+            # custom_sharded_layers: ['tok_embeddings', 'output'] makes them); without it they
+            # are in FSDP2's root unit, gathered for the whole forward
+            warnings.append(f"{TOOL}: no custom_sharded_layers: torchtune leaves tok_embeddings and output in "
+                            "FSDP2's root unit, which pipemem does not model (it gathers them per use: up to "
+                            "their unsharded bytes low during the forward)")
     return ToolConfig(model, plan, warnings, TOOL, model_name=name if isinstance(model, dict) else "",
                       dp_unknown=dp_unknown)

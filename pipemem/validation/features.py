@@ -164,7 +164,7 @@ def _torchtune_packages():
         sys.modules.update(before)
 
 
-def torchtune_llama(config: dict, dtype: str):
+def torchtune_decoder(config: dict, dtype: str):
     """torchtune's own decoder at `config`'s shape -- its `llama3_2` component builder, or `qwen2`
     (q/k/v biases) for a qwen2 config -- real tensors in `dtype` (small: the rope cache is built
     eagerly); None without torchtune."""
@@ -641,7 +641,7 @@ def _torchtune_trace(dtype: str, compiled: bool = False, config: dict | None = N
     from ..traced.step import trace_step
 
     config = config or TT_LLAMA
-    model = torchtune_llama(config, dtype)
+    model = torchtune_decoder(config, dtype)
     V = config["vocab_size"]
 
     def inputs(_model):

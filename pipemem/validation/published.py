@@ -368,10 +368,10 @@ def translate(rec: dict) -> dict:
     if paddlenlp:
         # the switches the record does not state take PaddleNLP's defaults, as --from-paddlenlp reads them
         from pipemem.configs.paddlenlp import default_switches
-        plan["extra"] = default_switches(auto_parallel="auto" in fw_text)
+        plan.setdefault("extra", {}).update(default_switches(auto_parallel="auto" in fw_text))
     legacy_norm = convention == "torchtune" and _torchtune_legacy_rmsnorm(rec)
     if legacy_norm:
-        plan["extra"] = {"norm_weight_first": False}
+        plan.setdefault("extra", {})["norm_weight_first"] = False
     shard = _text({"s": par.get("shard_mode"), "f": par.get("fsdp")}, "s", "f")
     if fsdp_dp is not None or (("fsdp" in shard) and "zero2" not in shard):
         # torchtitan's FSDP shards over the data- and context-parallel ranks together (its
@@ -766,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--ids: no record {', '.join(unknown)}")
     result = run(records, ids, a.traced, a.exact)
-    result["command"] = COMMAND.replace(" --traced", " --traced" if a.traced else "").replace(
-        " --exact", " --exact" if a.exact else "")
+    flags = "".join(f for f, on in ((" --traced", a.traced), (" --exact", a.exact)) if on)
+    result["command"] = f"python bench/validate_published.py{flags} --out docs/published_runs.md"
     text = json.dumps(result, indent=1, default=str) if a.json else markdown(result)
     if a.out:
         Path(a.out).write_text(text, encoding="utf-8")
