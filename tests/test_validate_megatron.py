@@ -111,3 +111,31 @@ def test_optimizer_offload_runs_megatron_code():
     assert off["static_bytes"] - on["static_bytes"] == 12 * sum(shards)
     step = {p["name"]: p for p in on["phases"]}["s2.optimizer"]
     assert step["peak_bytes"] - step["start_bytes"] == 4 * max(shards)
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_precision_aware_optimizer_runs_megatron_code():
+    """--use-precision-aware-optimizer: megatron's DistributedOptimizer hands its shards to
+    Transformer Engine's FusedAdam (a stand-in that allocates what TE's does) and makes no fp32
+    masters itself. Per shard element, against the fp32 masters and moments of the plain
+    distributed optimizer (12 bytes): bf16 moments with the 16-bit remainders megatron asks
+    for (store_param_remainders) keep 2 + 2 + 2, fp16 masters 2 + 4 + 4, so the first saves
+    three times what the second does; fp8 moments (data + transpose) cost what bf16 ones do.
+    (TE's fp32 scale per non-fp32 state of each parameter, 4 bytes a tensor, is left out of
+    both the relation and pipemem.) pipemem.estimate agrees with each trace."""
+    from pipemem.validation.megatron import compare, trace_in_subprocess
+    by_name = {c.name: c for c in CASES}
+    names = ("dense-tp1", "dense-tp1-precision-aware-bf16-states", "dense-tp1-precision-aware-fp16-main",
+             "dense-tp1-precision-aware-fp8-states")
+    traces = {n: trace_in_subprocess(by_name[n]) for n in names}
+    static = {n: t["static_bytes"] for n, t in traces.items()}
+    plain, bf16, fp16_main, fp8 = (static[n] for n in names)
+    assert plain - bf16 > 0
+    assert abs((plain - bf16) - 3 * (plain - fp16_main)) <= 1e-4 * (plain - bf16)
+    assert abs(fp8 - bf16) <= 1e-4 * bf16
+    for n in names[1:]:
+        for row in compare(by_name[n], traces[n]):
+            assert abs(row.rel_error) <= TOLERANCE, row
+            est, measured = row.extra["estimated_static_bytes"], row.extra["measured_static_bytes"]
+            assert abs(est - measured) <= 1e-4 * measured, row

@@ -9,7 +9,8 @@ Bytes per parameter, before sharding (FINDINGS §2):
   (FSDP2 MixedPrecisionPolicy, autocast): 4 + 4 + 8 = 16, no separate master.
 * fp32 training: 4 + 4 + 8 = 16.
 * megatron with --use-precision-aware-optimizer (plan.extra): master weights and Adam moments
-  in the dtypes named by main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype; the main grad
+  in the dtypes named by main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype (fp32 masters of
+  bf16 weights as 2-byte remainders, fp8 moments as data + transpose: 2 bytes); the main grad
   dtype is plan.main_grad_dtype (--grad-reduce-in-bf16: 2 bytes).
 
 Sharding over the data-parallel group (dp x cp for dense weights, the expert-data-parallel
@@ -80,10 +81,40 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         # --optimizer-cpu-offload megatron builds its HybridDeviceOptimizer with fp32 masters
         # and states on both devices and passes neither dtype (optimizer/__init__.py)
         if master:
-            master_bytes = dtype_bytes(extra.get("main_params_dtype", "fp32"))
+            master_bytes = _precision_aware_master_bytes(plan, extra)
         if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
-            states = dtype_bytes(extra.get("exp_avg_dtype", "fp32")) + dtype_bytes(extra.get("exp_avg_sq_dtype", "fp32"))
+            states = (_te_adam_state_bytes(extra.get("exp_avg_dtype", "fp32"))
+                      + _te_adam_state_bytes(extra.get("exp_avg_sq_dtype", "fp32")))
     return dt, grad, master_bytes, states
+
+
+def _precision_aware_master_bytes(plan, extra: dict) -> int:
+    """Bytes per element of the master weights under Megatron's precision-aware optimizer.
+
+    megatron-core (optimizer_config.py `use_precision_aware_optimizer_no_fp8_or_ds_fp8`,
+    distrib_optimizer.py) hands the masters to TE's FusedAdam unless the masters are fp32 and
+    an fp8 recipe other than delayed scaling is on; then megatron keeps its own fp32 shard.
+    FusedAdam with fp32 masters of bf16 parameters stores only the low 16 bits of each fp32
+    master (`store_param_remainders`, an int16 tensor: the high 16 bits are the bf16 weight);
+    megatron turns it on by default with TE >= 2.1 and Megatron-LM has no flag for it
+    (`extra["store_param_remainders"] = False` for trainers that turn it off)."""
+    main = extra.get("main_params_dtype", "fp32")
+    if main != "fp32":
+        return dtype_bytes(main)
+    if getattr(plan, "fp8", None) not in (None, "delayed"):
+        return 4                      # megatron's own fp32 shard; FusedAdam keeps no masters
+    if plan.dtype == "bf16" and extra.get("store_param_remainders", True):
+        return 2
+    return 4
+
+
+def _te_adam_state_bytes(dtype: str) -> int:
+    """Bytes per element of one of TE FusedAdam's moments. An fp8 moment is a Float8Tensor made
+    by a Float8Quantizer with both usages (fused_adam.py `_initialize_state`): on Hopper, whose
+    fp8 GEMMs take only the TN layout, TE allocates its uint8 data and a uint8 transpose
+    (csrc/quantizer.cpp `Float8Quantizer::create_tensor`); Blackwell keeps one buffer (1 B,
+    which pipemem does not distinguish: it over-counts there)."""
+    return 2 if dtype == "fp8" else dtype_bytes(dtype)
 
 
 def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, range],

@@ -71,6 +71,9 @@ class MegatronCase:
     ce_fusion: bool = False       # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
     offload: str = ""             # --fine-grained-activation-offloading --offload-modules (comma list)
     optimizer_offload: float | None = None   # --optimizer-cpu-offload --optimizer-offload-fraction F
+    # --use-precision-aware-optimizer: "main/exp_avg/exp_avg_sq", the --main-params-dtype,
+    # --exp-avg-dtype and --exp-avg-sq-dtype (e.g. "fp32/bf16/bf16")
+    precision_aware: str = ""
 
     @property
     def world(self) -> int:
@@ -125,6 +128,12 @@ CASES = (
                  main_grad_dtype="bf16"),
     MegatronCase("moe-ep2-optimizer-offload", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256,
                  shared_ffn=256, optimizer_offload=1.0),
+    # --use-precision-aware-optimizer (Transformer Engine's FusedAdam, see megatron_trace's
+    # _te_fused_adam): fp32 masters of bf16 weights kept as 16-bit remainders; fp16 masters;
+    # fp8 moments (uint8 data + transpose)
+    MegatronCase("dense-tp1-precision-aware-bf16-states", tp=1, dp=2, sp=False, precision_aware="fp32/bf16/bf16"),
+    MegatronCase("dense-tp1-precision-aware-fp16-main", tp=1, dp=2, sp=False, precision_aware="fp16/fp32/fp32"),
+    MegatronCase("dense-tp1-precision-aware-fp8-states", tp=1, dp=2, sp=False, precision_aware="fp32/fp8/fp8"),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
 # fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-
@@ -163,6 +172,13 @@ def plan_kwargs(case: MegatronCase) -> dict:
     if case.optimizer_offload is not None:   # what --from-megatron makes of --optimizer-cpu-offload
         kw["optimizer_offload"] = case.optimizer_offload   # (and of the --use-precision-aware-optimizer
         kw["extra"] = {"precision_aware_optimizer": True}  # Megatron-LM asserts with it)
+    if case.precision_aware:      # what --from-megatron makes of --use-precision-aware-optimizer
+        main, avg, avg_sq = case.precision_aware.split("/")
+        extra = {"precision_aware_optimizer": True}
+        for key, value in (("main_params_dtype", main), ("exp_avg_dtype", avg), ("exp_avg_sq_dtype", avg_sq)):
+            if value != "fp32":
+                extra[key] = value
+        kw["extra"] = extra
     if case.recompute == "full" and case.recompute_method == "block":
         kw["recompute_layers"] = case.recompute_layers or 1
     elif case.recompute == "full" and (case.recompute_layers or 1) > 1:

@@ -818,9 +818,13 @@ def _trace(case: MegatronCase) -> dict:
             # hybrid optimizer reuses (fp32 masters made by it, grads as `decoupled_grad`)
             offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=case.optimizer_offload,
                            use_precision_aware_optimizer=True)
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=case.dist_opt,
-                                  clip_grad=1.0, **offload)
-        opt = _with_fused_adam(lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False))
+        te_adam = _te_fused_adam() if case.precision_aware else contextlib.nullcontext()
+        with te_adam:
+            if case.precision_aware:
+                offload = _precision_aware_config(case.precision_aware)
+            opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=case.dist_opt,
+                                      clip_grad=1.0, **offload)
+            opt = _with_fused_adam(lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False))
         if offload:
             # get_megatron_optimizer's first HybridDeviceOptimizer, over the unsharded params
             # (optimizer/__init__.py), is replaced by the DistributedOptimizer's over its shards;
@@ -908,6 +912,104 @@ def _default_dtype(dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
+
+
+def _precision_aware_config(spec: str) -> dict:
+    """OptimizerConfig fields of `--use-precision-aware-optimizer --main-params-dtype M
+    --exp-avg-dtype A --exp-avg-sq-dtype S` ("M/A/S"; Megatron-LM maps fp8 to torch.uint8)."""
+    main, avg, avg_sq = (_TORCH_DTYPES[d] for d in spec.split("/"))
+    return dict(use_precision_aware_optimizer=True, main_params_dtype=main, exp_avg_dtype=avg,
+                exp_avg_sq_dtype=avg_sq)
+
+
+class _TEFusedAdam(torch.optim.Optimizer):
+    """Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py) as
+    megatron's precision-aware optimizer builds it, for what it allocates (TE does not run on
+    this CPU). Read from TE's code, not copied:
+
+    * states are made at the first step, per parameter: `exp_avg` and `exp_avg_sq` in their
+      dtypes; an fp8 (uint8) moment is a Float8Tensor from a Float8Quantizer with both
+      usages, i.e. uint8 data and, on Hopper (TN-only fp8 GEMMs), a uint8 transpose, plus an
+      fp32 scale-inverse (csrc/quantizer.cpp `Float8Quantizer::create_tensor`); every non-fp32
+      state also has an fp32 scale (`_scales`);
+    * with `master_weights` a `master_param` state: for bf16 parameters with
+      `store_param_remainders` (fp32 masters only) an int16 tensor of the low 16 bits,
+      otherwise a tensor in `master_weight_dtype`, filled from an fp32 copy of the parameter;
+    * the step is one multi-tensor kernel per group, in place: no temporaries; gradients are
+      read from `decoupled_grad` when `use_decoupled_grad`."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=None, capturable=False, master_weights=False,
+                 master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 use_decoupled_grad=False, store_param_remainders=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
+        self.dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
+        self.use_decoupled_grad = use_decoupled_grad
+        self.store_param_remainders = (store_param_remainders and master_weights
+                                       and master_weight_dtype == torch.float32)
+        self.scales = {}
+
+    def _new_state(self, p, name: str, remainders: bool = False):
+        dtype = self.dtypes[name]
+        if remainders:
+            return torch.zeros_like(p, dtype=torch.int16)
+        if dtype != torch.float32:
+            self.scales.setdefault(p, {})[name] = torch.ones(1, dtype=torch.float32)
+        if dtype == torch.uint8:
+            return (torch.empty_like(p, dtype=torch.uint8), torch.empty(p.shape[::-1], dtype=torch.uint8),
+                    torch.ones(1, dtype=torch.float32))
+        return torch.zeros_like(p, dtype=dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                if grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = self._new_state(p, "exp_avg")
+                    state["exp_avg_sq"] = self._new_state(p, "exp_avg_sq")
+                    if self.master_weights:
+                        remainders = self.store_param_remainders and p.dtype == torch.bfloat16
+                        master = self._new_state(p, "master_param", remainders)
+                        if not remainders:
+                            master.copy_(p.detach().float())    # TE fills it from an fp32 copy
+                        state["master_param"] = master
+        return None
+
+
+@contextlib.contextmanager
+def _te_fused_adam():
+    """megatron-core with Transformer Engine's FusedAdam: its config's import check finds the
+    stand-in module, get_megatron_optimizer takes `_TEFusedAdam` (USING_PYTORCH_OPTIMIZER off)
+    and the DistributedOptimizer accepts it, and the TE version checks pass (TE >= 2.1: store_param_remainders is passed)."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer import distrib_optimizer, optimizer_config
+    name = "transformer_engine.pytorch.optimizers"
+    stand_in = types.ModuleType(name)
+    stand_in.FusedAdam = _TEFusedAdam
+    had = sys.modules.get(name)
+    sys.modules[name] = stand_in
+    p = _Patches()
+    p.set(mopt, "Adam", _TEFusedAdam)
+    p.set(distrib_optimizer, "Adam", _TEFusedAdam)     # its isinstance check of the inner optimizer
+    p.set(mopt, "USING_PYTORCH_OPTIMIZER", False)
+    p.set(mopt, "is_te_min_version", lambda *a, **k: True)
+    p.set(optimizer_config, "is_te_min_version", lambda *a, **k: True)
+    try:
+        yield
+    finally:
+        p.undo()
+        if had is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = had
 
 
 def _with_fused_adam(build):
