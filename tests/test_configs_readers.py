@@ -467,6 +467,29 @@ def test_torchtitan_03_tables(tmp_path):
     assert plan["pp_layout"] == (15, 17)
 
 
+def test_torchtitan_always_reshards_the_output_unit_before_the_loss(tmp_path):
+    """torchtitan keeps its [norm, output] FSDP unit unsharded after the forward unless the policy
+    is "always" (distributed/fsdp.py); then the unit reshards when the model's forward returns,
+    before the loss runs (FSDP2's post-forward hook), and the forward peak at the loss drops by
+    the output layer's gathered weight and its all-gather buffer."""
+    from pipemem.estimate import estimate
+    text = (TITAN_03.replace("pipeline_parallel_degree = 2", "pipeline_parallel_degree = 1")
+            .replace("tensor_parallel_degree = 2", "tensor_parallel_degree = 1").replace("num_chunks = 8", "num_chunks = 1")
+            .replace('mode = "full"', 'mode = "none"'))
+    runs = {}
+    for policy in ("default", "always"):
+        f = tmp_path / f"{policy}.toml"
+        f.write_text(text.replace('fsdp_reshard_after_forward = "default"', f'fsdp_reshard_after_forward = "{policy}"'))
+        tc = read_torchtitan(str(f))
+        runs[policy] = (tc.plan, estimate(tc.model, **tc.plan).ranks[0].jobs["F"].peak_bytes)
+    assert runs["always"][0]["extra"].get("fsdp_reshard_head") is True
+    assert "fsdp_reshard_head" not in runs["default"][0]["extra"]
+    vocab, hidden = 128256, 4096
+    # the unit's unsharded bf16 weights (output layer and final norm) and FSDP2's all-gather
+    # output buffer of the same size
+    assert runs["default"][1] - runs["always"][1] == 2 * (vocab * hidden + hidden) * 2
+
+
 @pytest.mark.parametrize("edit,match", [
     (("enable_cpu_offload = false", "enable_cpu_offload = true"), "enable_cpu_offload"),
     (("enable_fsdp_symm_mem = false", "enable_fsdp_symm_mem = true"), "enable_fsdp_symm_mem"),

@@ -74,11 +74,14 @@ def test_options_that_change_memory(tmp_path):
 
 def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
     tool = read(_write(tmp_path, SINGLE, "3B_full.yaml"))
-    assert tool.plan["fsdp"] is True and tool.dp_unknown
-    assert any("custom_sharded_layers" in w for w in tool.warnings)   # the root FSDP unit is not modelled
+    assert tool.plan["fsdp"] is True and tool.dp_unknown and tool.warnings == []
+    assert "custom_sharded_layers" not in tool.plan.get("extra", {})   # FSDP2's root unit: modelled
     given = read(_write(tmp_path, SINGLE + "data_parallel_shard_dim: 4\n"
                         "custom_sharded_layers: ['tok_embeddings', 'output']\n", "8B_full.yaml"))
     assert given.plan["dp"] == 4 and not given.dp_unknown and given.warnings == []
+    assert given.plan["extra"] == {"custom_sharded_layers": ["output", "tok_embeddings"]}
+    with pytest.raises(UserError, match="names output but not tok_embeddings"):
+        read(_write(tmp_path, SINGLE + "custom_sharded_layers: ['output']\n", "8B_full.yaml"))
     one = estimate(tool.model, **dict(tool.plan, dp=1)).ranks[0].static.total
     eight = estimate(tool.model, **dict(tool.plan, dp=8)).ranks[0].static.total
     assert eight < one / 4            # params, grads and states sharded 8 ways

@@ -231,6 +231,10 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     # torchtitan: blocks reshard after forward unless "never", or "default" with pipeline parallelism
     if reshard == "never" or (reshard == "default" and pp > 1):
         extra["fsdp_reshard_after_forward"] = False
+    # ... and the [norm, output] unit only with "always" (distributed/fsdp.py: the last layers stay
+    # unsharded after the forward, which the backward needs first)
+    if reshard == "always":
+        extra["fsdp_reshard_head"] = True
 
     if pp > 1:
         csv = str(par.get("pipeline_parallel_schedule_csv", "") or "")

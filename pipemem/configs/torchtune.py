@@ -20,8 +20,10 @@ What torchtune's full-finetune recipes (0.6.1) do with each key that changes dev
   `loss._component_` (CEWithChunkedOutputLoss -> chunked, `num_output_chunks` 8 by default).
 * distributed recipes (every config not named `*_single_device.yaml`, or with an `fsdp_*` key)
   shard with FSDP2 over the data-parallel ranks: `data_parallel_shard_dim`, or, at its default
-  -1 (every rank), `--dp`. The embedding and output layer are modelled as FSDP units of their
-  own (`custom_sharded_layers`); without that key a warning says they are not.
+  -1 (every rank), `--dp`. `custom_sharded_layers` naming `tok_embeddings` and `output` makes
+  them FSDP units of their own; without them (torchtune's default) they and the final norm are
+  FSDP2's root unit, gathered again when the backward starts and held until it ends. Naming
+  only one of them is refused.
 
 Every other key is either known to change nothing on the device (`_NO_DEVICE_MEMORY`), refused
 by name where pipemem would otherwise drop something that changes memory (QAT quantizers, FSDP
@@ -277,8 +279,9 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
     dp_unknown = False
     if distributed or any(k.startswith("fsdp_") or k.endswith("_parallel_dim") for k in cfg):
         plan["fsdp"] = True
+        extra = {}
         if cfg.get("fsdp_reshard_after_forward") is False:
-            plan["extra"] = {"fsdp_reshard_after_forward": False}
+            extra["fsdp_reshard_after_forward"] = False
         shard = cfg.get("data_parallel_shard_dim", -1)
         if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 1:
             plan["dp"] = shard
@@ -286,12 +289,20 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
             raise UserError(f"{path}: data_parallel_shard_dim: {shard!r}: expected -1 or a positive integer")
         else:
             dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
-        if not cfg.get("custom_sharded_layers"):
-            # pipemem gathers the embedding and the output layer as units of their own (what
-            # custom_sharded_layers: ['tok_embeddings', 'output'] makes them); without it they
-            # are in FSDP2's root unit, gathered for the whole forward
-            warnings.append(f"{TOOL}: no custom_sharded_layers: torchtune leaves tok_embeddings and output in "
-                            "FSDP2's root unit, which pipemem does not model (it gathers them per use: up to "
-                            "their unsharded bytes low during the forward)")
+        # custom_sharded_layers: modules shard_model wraps apart from the decoder layers; without
+        # them the embedding, the final norm and the output layer are FSDP2's root unit (held
+        # unsharded from the backward's start to its end; templates/layers.py fsdp_root_unit)
+        custom = cfg.get("custom_sharded_layers") or []
+        if not isinstance(custom, list) or not all(isinstance(c, str) for c in custom):
+            raise UserError(f"{path}: custom_sharded_layers: {custom!r}: expected a list of module names")
+        ends = {"tok_embeddings", "output"} & set(custom)
+        if len(ends) == 1:
+            raise UserError(f"{path}: custom_sharded_layers names {ends.pop()} but not "
+                            f"{({'tok_embeddings', 'output'} - set(custom)).pop()}: a root unit holding only one "
+                            "of the embedding and the output layer is not modelled; name both or neither")
+        if ends:
+            extra["custom_sharded_layers"] = sorted(ends)
+        if extra:
+            plan["extra"] = extra
     return ToolConfig(model, plan, warnings, TOOL, model_name=name if isinstance(model, dict) else "",
                       dp_unknown=dp_unknown)

@@ -81,6 +81,11 @@ class Convention:
     # the layer's forward keeps the attention block's output in a local until it returns
     # (torchtune: `attn_out = self.attn(...); h = self.sa_scale(attn_out) + x`)
     attn_out_held_to_return: bool = False
+    # --fsdp is FSDP2's fully_shard (its all-gather and reduce-scatter buffers, tape.py), reducing
+    # in fp32 (torchtitan's MixedPrecisionPolicy reduce_dtype) or in the gradients' dtype
+    # (torchtune passes no mixed-precision policy)
+    fsdp2: bool = False
+    fsdp2_reduce_fp32: bool = False
 
 
 CONVENTIONS = {
@@ -93,7 +98,7 @@ CONVENTIONS = {
                          caller_holds_input=False),
     "torchtitan": Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
                              gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
-                             gqa_expand_eager=True, wgrad_fused=False),
+                             gqa_expand_eager=True, wgrad_fused=False, fsdp2=True, fsdp2_reduce_fp32=True),
     "hf": Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered", gather_once_per_block=True,
                      fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True,
                      wgrad_fused=False),
@@ -101,7 +106,7 @@ CONVENTIONS = {
                             gather_once_per_block=True, fused_norm=False, ce_inplace=False, vocab_multiple=1,
                             gqa_expand_eager=True, wgrad_fused=False, norm_weight_first=True,
                             gqa_expand_always=True, logits_fp32_in_model=True,
-                            attn_out_held_to_return=True),
+                            attn_out_held_to_return=True, fsdp2=True),
 }
 
 

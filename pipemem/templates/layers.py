@@ -67,6 +67,13 @@ class Shard:
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
     fsdp_reshard: bool = True   # FSDP2 reshard_after_forward
+    # torchtune without custom_sharded_layers: the embedding, final norm and output layer are
+    # FSDP2's root unit (gathered when the forward starts, never resharded before the backward
+    # ends, their grads reduce-scattered when it ends)
+    fsdp_root: bool = False
+    # the output layer's FSDP unit reshards after the forward (torchtitan: only with
+    # fsdp_reshard_after_forward = "always"; its default keeps [norm, output] gathered)
+    fsdp_head_reshard: bool = True
     loss_chunks: int = 1        # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
     grads_created: bool = False
     grad_dt: str = "fp32"
@@ -103,13 +110,34 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
+        fsdp_root=fsdp_root_unit(plan, conv),
+        fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)) and (
+            conv.name != "torchtitan" or bool((plan.extra or {}).get("fsdp_reshard_head", False))),
         loss_chunks=_torchtitan_loss_chunks(plan) if conv.name == "torchtitan" else 1,
         # In a backward that accumulates, only FSDP2's all-gather and reduce-scatter buffers
-        # (torchtitan: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
+        # (torchtitan, torchtune: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
         # shard matter once the backward creates the grads (first_backward_shard). Kept out of
         # the shard otherwise, so plans that differ only in dp share every part's programs.
-        grad_shard=plan.dp * plan.cp if (plan.zero >= 3 or plan.fsdp) and conv.name == "torchtitan" else 1,
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 3 or plan.fsdp) and conv.fsdp2 else 1,
         feat=features_of(plan))
+
+
+def root_unit_bytes(arch, sh: Shard) -> int:
+    """Unsharded bytes of FSDP2's root unit under torchtune: the word embedding, the final
+    norm's weight and, untied, the output layer."""
+    tied = bool(getattr(arch, "tied_embeddings", False))
+    return (sh.vocab * sh.h * (1 if tied else 2) + sh.h) * dtype_bytes(sh.dt)
+
+
+def fsdp_root_unit(plan, conv: Convention) -> bool:
+    """Whether the embedding and the output layer are in FSDP2's root unit: torchtune's
+    `shard_model` wraps each decoder layer and the modules `custom_sharded_layers` names
+    (plan.extra, as --from-torchtune reads it), then the whole model; what is left is the
+    root's. Both or neither: a list naming one of them is refused by the torchtune reader."""
+    if conv.name != "torchtune" or not (plan.fsdp or plan.zero >= 3):
+        return False
+    custom = set((plan.extra or {}).get("custom_sharded_layers") or ())
+    return not ({"tok_embeddings", "output"} & custom)
 
 
 def _torchtitan_loss_chunks(plan) -> int:
@@ -193,7 +221,8 @@ class _Gen:
         tape.fsdp = sh.fsdp
         tape.step_in_backward = sh.feat.opt_in_bwd
         tape.fsdp_reshard = sh.fsdp_reshard
-        tape.fsdp_ag_state = conv.name == "torchtitan"
+        tape.fsdp_ag_state = conv.fsdp2
+        tape.fsdp_reduce_dtype = "fp32" if conv.fsdp2_reduce_fp32 else sh.dt
         tape.fsdp_group = max(1, sh.grad_shard)
         tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
         if sh.grads_created:
@@ -1090,6 +1119,11 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
     backward (which runs first) has created its .grad and this one accumulates into it."""
     tape = Tape("emb.")
     g = _Gen(tape, sh, conv, "emb.")
+    if sh.fsdp_root:
+        # FSDP2's root unit, gathered here with the final norm and the output layer (tape.py)
+        tape.root_role = "first"
+        tape.root_bytes = root_unit_bytes(arch, sh)
+        tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)     # the head's grads
     if tied_head and tape.grad_create is not None and not tape.fsdp:
         # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the
         # tied shard is counted twice, 1/dp of the word embedding)
@@ -1167,6 +1201,13 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     Returns (tape, input name, loss name)."""
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
+    tape.fsdp_reshard = sh.fsdp_head_reshard
+    tape.fsdp_state_to_backward = tape.fsdp_ag_state and not sh.fsdp_head_reshard
+    if sh.fsdp_root:
+        # in FSDP2's root unit with the embedding (tape.py): resharded when the model's forward
+        # ends, gathered again for the backward, its grads reduced when the backward ends
+        tape.root_role = "last"
+        tape.root_bytes = root_unit_bytes(arch, sh)
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", norm_kind(arch), tok)
@@ -1176,6 +1217,7 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         from .losses import loss_from_hidden
         return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
+    tape.fsdp_unit_end = len(tape.nodes)      # the loss runs outside the output layer's FSDP unit
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     vocab = sh.vocab
@@ -1192,6 +1234,8 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     else:
         lf = g.act("logits_fp32", (sh.s, sh.b, vocab), "fp32")
         tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
+        if conv.logits_fp32_in_model:
+            tape.model_end = len(tape.nodes)      # torchtune's decoder returns output(h).float()
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace and conv.name == "paddle":
         # Paddle's cross_entropy_with_softmax, in place on the fp32 logits (the executor's

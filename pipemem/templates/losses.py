@@ -49,6 +49,7 @@ def loss_from_hidden(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
     if loss_kind == "chunked":
         return _chunked(g, tape, hn, sh, compiled)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
+    tape.fsdp_unit_end = len(tape.nodes)      # the loss runs outside the output layer's FSDP unit
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     if loss_kind == "fused_te":
@@ -100,6 +101,7 @@ def _chunked(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
         y = g.act(f"logits.chunk{i}", (n, sh.b, sh.vocab))
         tape.node("linear", (part, w), (y,), diff_inputs=(part,), params=(w,), save_w=(part,))
         logits.append(y)
+    tape.fsdp_unit_end = len(tape.nodes)      # the model returns the chunks' logits; the loss is outside
     losses = []
     for i, (y, n) in enumerate(zip(logits, sizes)):
         if compiled:

@@ -71,14 +71,23 @@ class _Programs:
     tb: frozenset
     ti: frozenset
     tw: frozenset
+    # tensors parts hand each other beyond the activations (FSDP2's root unit, tape.py): alive
+    # when the forward / backward starts (made by an earlier part), or left for a later one
+    f_entry: frozenset = frozenset()
+    f_keep: frozenset = frozenset()
+    b_entry: frozenset = frozenset()
+    b_keep: frozenset = frozenset()
 
 
 def _programs(tape, x: str, y: str, out_grad_of: str) -> _Programs:
     F = tape.forward("F")
     (B,) = tape.backward((out_grad_of,), name="B")
+    storages = lambda prog, names: frozenset(prog.tensors[n].storage for n in names)  # noqa: E731
+    b_keep = storages(B, tape.handed_on_b())
     I, W = tape.backward((out_grad_of,), name="I", split=True)
     return _Programs(F, B, I, W, x, y, out_grad_of, tape.grad_name(x), frozenset(touched_storages(B)),
-                     frozenset(touched_storages(I)), frozenset(touched_storages(W)))
+                     frozenset(touched_storages(I)), frozenset(touched_storages(W)),
+                     storages(F, tape.entry_f), storages(F, tape.handed_on_f), storages(B, tape.entry_b), b_keep)
 
 
 def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False) -> PartPrograms:
@@ -90,18 +99,18 @@ def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False
     # The input is alive on entry unless F creates it (the embedding loads its token ids).
     entry = set() if any(x in op.outputs for op in F.ops) else {xs}
     owned_x = {xs} if keep_input and entry else set()
-    rf = analyze_program(F, live_on_entry=entry, keep=(p.tb | p.ti) | {ys} | owned_x)
+    rf = analyze_program(F, live_on_entry=entry | p.f_entry, keep=(p.tb | p.ti) | {ys} | owned_x | p.f_keep)
     dy = st(B, "d." + out_grad_of)
     dy_i = st(I, "d." + out_grad_of)
     dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
-    rb = analyze_program(B, live_on_entry=rf.live_after | {dy},
-                         keep=dx_b | owned_x | ({dy} if keep_out_grad else set()))
+    rb = analyze_program(B, live_on_entry=rf.live_after | {dy} | p.b_entry,
+                         keep=dx_b | owned_x | ({dy} if keep_out_grad else set()) | p.b_keep)
     dx_i = {st(I, dx_name_i)} if dx_name_i in I.tensors else set()
     owned_i = owned_x | ({dy_i} if keep_out_grad else set())
-    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i}, keep=p.tw | dx_i | owned_i)
+    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i} | p.b_entry, keep=p.tw | dx_i | owned_i | p.b_keep)
     # The input grad may share storage with an output grad W still reads (a residual add
     # hands the same grad to both branches): it belongs to the previous part, W must not free it.
-    rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i)
+    rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i | p.b_keep)
     out = PartPrograms(F, B, I, W, x, p.y, {"F": rf, "B": rb, "I": ri, "W": rw})
     out.grad_passes_through = (bool(dx_b) and dx_b == {dy}, bool(dx_i) and dx_i == {dy_i})
     return out

@@ -112,6 +112,29 @@ class Tape:
         # FSDP2's all-gather buffers (torchtitan): the output buffer lives with the unit; group size
         self.fsdp_ag_state = False
         self.fsdp_group = 1
+        self.fsdp_reduce_dtype = "fp32"   # FSDP2's reduce-scatter dtype
+        # the forward's last unit, kept unsharded: no later copy-out in the forward frees its
+        # all-gather buffer, which stays until the backward's first copy-out (the unit's end here)
+        self.fsdp_state_to_backward = False
+        # nodes [0, fsdp_unit_end) run inside the tape's FSDP unit (None: all of them); the
+        # unit reshards after its forward, before the nodes outside it (the loss) run
+        self.fsdp_unit_end: int | None = None
+        # FSDP2's root unit (torchtune without custom_sharded_layers: the embedding, the final
+        # norm and the output layer; `root_role` "first" for the embedding's part, "last" for the
+        # head's). Its parts gather nothing of their own: the first gathers the whole unit
+        # (`root_bytes`) when the forward starts and hands it on; the last reshards it when the
+        # model's forward ends (`model_end`), gathers it again when its backward reaches the
+        # parameters and hands that on with its unsharded grads, which the first part releases
+        # after its own at the root's reduce-scatter, when the backward ends (torch 2.13's
+        # FSDP2 with torchtune's explicit reshard_after_forward=True)
+        self.root_role = ""
+        self.root_bytes = 0
+        self.root_grad_bytes = 0
+        self.model_end: int | None = None
+        self.entry_f: tuple[str, ...] = ()      # made by an earlier part, freed here
+        self.entry_b: tuple[str, ...] = ()
+        self.handed_on_f: tuple[str, ...] = ()  # made here, freed by a later part
+        self._handed_on_b: tuple[str, ...] = ()
         # (dtype, shard) when this backward creates the .grad tensors (set to None before it)
         # instead of writing resident grad buffers; None = resident (static bytes).
         self.grad_create: tuple[str, int] | None = None
@@ -192,6 +215,12 @@ class Tape:
     def forward(self, name: str = "F") -> Program:
         prog = Program(name=name, type="forward")
         gather = self._fsdp_gather(prog, "fwd")
+        root_ag = ""
+        if self.root_role == "first":
+            self.handed_on_f = (self._root_gather(prog, "fwd"),)
+            root_ag = "root.params_fwd.ag_out"
+        elif self.root_role == "last":
+            self.entry_f = (self._root_tensor(prog, "params_fwd", self.root_bytes),)
         carried = self._carry_in(prog, "fwd", self.offload_carry[0])
         for i, n in enumerate(self.nodes):
             if i in self.offload_release_before:
@@ -203,12 +232,21 @@ class Tape:
                 self._add(prog, Op("offload_stash_release", let_go, (), phase="offload"))
             if i in self.held_until:
                 self._add(prog, Op("block_return", tuple(self.held_until[i]), (), phase="forward"))
+            if self.fsdp_reshard and i + 1 == self.fsdp_unit_end:
+                self._fsdp_release(prog, gather)      # the unit's post-forward reshard
+            if self.root_role == "last" and self.fsdp_reshard and i + 1 == self._model_end():
+                self._add(prog, Op("fsdp_root_reshard", self.entry_f, (), frees=self.entry_f, phase="fsdp"))
         if self.held_to_return:
             self._add(prog, Op("return", self.held_to_return, (), phase="forward"))
+        if root_ag:
+            self._add(prog, Op("fsdp_all_gather_done", (root_ag,), (), frees=(root_ag,), phase="fsdp"))
+        if self.root_role == "last" and not self.fsdp_reshard:
+            self.handed_on_f = self.entry_f       # kept unsharded: the backward uses it
         if self.fsdp_reshard:
-            self._fsdp_release(prog, gather)
-        elif gather and gather + ".ag_out" in self.tensors:      # kept unsharded; the buffer goes
-            state = gather + ".ag_out"
+            if self.fsdp_unit_end is None:
+                self._fsdp_release(prog, gather)
+        elif gather and gather + ".ag_out" in self.tensors and not self.fsdp_state_to_backward:
+            state = gather + ".ag_out"      # kept unsharded; the buffer goes with the next unit's copy-out
             self._add(prog, Op("fsdp_all_gather_done", (state,), (), frees=(state,), phase="fsdp"))
         return prog
 
@@ -231,8 +269,33 @@ class Tape:
                 seen[t.storage] = max(seen.get(t.storage, 0), t.nbytes)
         return sum(seen.values())
 
+    def _model_end(self) -> int:
+        """Nodes [0, n) run inside the model's forward (the rest: the loss)."""
+        for end in (self.model_end, self.fsdp_unit_end):
+            if end is not None:
+                return end
+        return len(self.nodes)
+
+    def handed_on_b(self) -> tuple[str, ...]:
+        return self._handed_on_b
+
+    def _root_tensor(self, prog: Program, name: str, nbytes: int) -> str:
+        nm = "root." + name
+        self.tensors[nm] = Tensor(nm, (), "uint8", COMM, bytes=nbytes)
+        prog.tensors.setdefault(nm, self.tensors[nm])
+        return nm
+
+    def _root_gather(self, prog: Program, tag: str) -> str:
+        """FSDP2's all-gather of the root unit: its output buffer (freed when the next unit's
+        copy-out runs, here when this program ends) and the unsharded parameters."""
+        nm = self._root_tensor(prog, f"params_{tag}", self.root_bytes)
+        ag = self._root_tensor(prog, f"params_{tag}.ag_out", self.root_bytes)
+        self._add(prog, Op("fsdp_all_gather", (), (ag,), phase="fsdp"))
+        self._add(prog, Op("fsdp_all_gather_copy_out", (ag,), (nm,), phase="fsdp"))
+        return nm
+
     def _fsdp_gather(self, prog: Program, tag: str) -> str:
-        if not self.fsdp:
+        if not self.fsdp or self.root_role:
             return ""
         nm = f"{self.prefix}fsdp.params_{tag}"
         unit = self._fsdp_param_bytes()
@@ -256,7 +319,8 @@ class Tape:
         if gathered:
             state = gathered + ".ag_out"
             gathered_here = any(state in op.outputs for op in prog.ops)
-            frees = (gathered, state) if gathered_here else (gathered,)
+            carried = self.fsdp_state_to_backward and gathered.endswith("params_fwd") and state in self.tensors
+            frees = (gathered, state) if gathered_here or carried else (gathered,)
             for t in frees:
                 prog.tensors.setdefault(t, self.tensors[t])
             self._add(prog, Op("fsdp_reshard", frees, (), frees=frees, phase="fsdp"))
@@ -271,11 +335,28 @@ class Tape:
                 has_grad.update(n.diff_inputs)
         i_prog = Program(name=("I" if split else name), type="backward_b" if split else "backward")
         w_ops: list[Op] = []
-        if self.fsdp and not self.fsdp_reshard:     # still gathered since the forward
+        root_gathered = ""
+        self._handed_on_b = ()
+        if self.root_role == "first":
+            # the root unit (gathered again by the head's backward) and the head's unsharded
+            # grads: released when this backward ends
+            grads = self._root_tensor(i_prog, "head_grads", self.root_grad_bytes)
+            self.entry_b = (self._root_tensor(i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd",
+                                              self.root_bytes), grads)
+        elif self.root_role == "last" and not self.fsdp_reshard:
+            self.entry_b = ()
+            root_gathered = "root.params_fwd"     # never resharded; the first part frees it
+            self._root_tensor(i_prog, "params_fwd", self.root_bytes)
+        if self.root_role:
+            gathered = ""
+        elif self.fsdp and not self.fsdp_reshard:     # still gathered since the forward
             gathered = f"{self.prefix}fsdp.params_fwd"
             i_prog.tensors[gathered] = self.tensors[gathered]
         else:
-            gathered = self._fsdp_gather(i_prog, "bwd")
+            # FSDP2 all-gathers a unit for backward in its pre-backward hook, when the gradient
+            # of the unit's output arrives: after the backward of what runs outside the unit
+            # (the loss), just before the first node that reads the parameters or recomputes
+            gathered = None
         for src, copy in self.offloaded.items():
             self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
         # per-pack offloading: the reloads of the node that ran before (the previous layer's
@@ -300,6 +381,10 @@ class Tape:
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
+            if gathered is None and (n.params or n.region >= 0):
+                gathered = self._fsdp_gather(i_prog, "bwd")
+            if self.root_role == "last" and not root_gathered and (n.params or n.region >= 0):
+                root_gathered = self._root_gather(i_prog, "bwd")
             ren: dict[str, str] = self.offloaded
             reloads = self.offload_packs.get(idx, {})
             if reloads:
@@ -408,35 +493,63 @@ class Tape:
                 held = tuple(ren[o] for o in self._region_outputs(n.region) if o in ren)
                 if held:
                     self._add(i_prog, Op("checkpoint_backward_done", held, (), module=n.module, phase="backward"))
+        if gathered is None:
+            gathered = self._fsdp_gather(i_prog, "bwd")
         self._fsdp_release(i_prog, gathered)
+        if self.root_role == "last":
+            if root_gathered == "root.params_bwd":
+                self._add(i_prog, Op("fsdp_all_gather_done", (root_gathered + ".ag_out",), (),
+                                     frees=(root_gathered + ".ag_out",), phase="fsdp"))
+            self._handed_on_b = (root_gathered,) if root_gathered else ()
         if not split:
             self._fsdp_reduce_scatter(i_prog)
+            self._root_release(i_prog)
             return [i_prog]
         w_prog = Program(name="W", type="backward_w")
         for op in w_ops:
             self._add(w_prog, op)
         self._fsdp_reduce_scatter(w_prog)
+        self._root_release(w_prog)
         return [i_prog, w_prog]
+
+    def _root_release(self, prog: Program) -> None:
+        if self.root_role == "first" and self.entry_b:
+            for t in self.entry_b:
+                prog.tensors.setdefault(t, self.tensors[t])
+            self._add(prog, Op("fsdp_root_reduce_scatter", self.entry_b, (), frees=self.entry_b, phase="fsdp"))
 
     def _fsdp_reduce_scatter(self, prog: Program) -> None:
         if not self._held_grads:
             return
-        temps = tuple(t for t, _ in self._held_grads)
-        grads = tuple(g for _, g in self._held_grads)
+        # a parameter read by several nodes (torchtune's chunked output layer) has one grad
+        held = tuple(dict.fromkeys(self._held_grads))
+        temps = tuple(t for t, _ in held)
+        grads = tuple(g for _, g in held)
+        released = temps
+        if self.root_role == "last":
+            # the head's unsharded grads stay until the root's reduce-scatter when the backward
+            # ends (the first part frees bytes equal to them, `root_grad_bytes`); their shards
+            # and the reduce-scatter buffers are counted here, at the part's end
+            self._handed_on_b += temps
+            released = ()
         if not self.fsdp_ag_state:
             reads = temps if self.grad_create is not None else temps + grads
-            self._add(prog, Op("fsdp_reduce_scatter", reads, grads, frees=temps, phase="fsdp"))
+            self._add(prog, Op("fsdp_reduce_scatter", reads, grads, frees=released, phase="fsdp"))
             return
-        # FSDP2: the unsharded grads are copied (cast to the fp32 reduce dtype) into one
+        # FSDP2: the unsharded grads are copied (cast to the reduce dtype) into one
         # reduce-scatter input, whose output shard is added into the sharded grad (or becomes
         # it). The input stays until the next unit's reduce-scatter: stages.py counts it with
         # the next part (PartMemory.rs_state_bytes); here it is freed with the output.
         elems = sum(self.tensors[t].nbytes // dtype_bytes(self.tensors[t].dtype) for t in temps)
         shard = -(-elems // self.fsdp_group)
-        rs_in, rs_out = f"{self.prefix}fsdp.rs_in", f"{self.prefix}fsdp.rs_out"
-        self.tensors[rs_in] = Tensor(rs_in, (), "uint8", COMM, bytes=shard * self.fsdp_group * 4)
-        self.tensors[rs_out] = Tensor(rs_out, (), "uint8", COMM, bytes=shard * 4)
-        self._add(prog, Op("fsdp_reduce_scatter_copy_in", temps, (rs_in,), frees=temps, phase="fsdp"))
+        # (a root member's buffers are not the reduce-scatter state the next part sees: the
+        # root's reduce-scatter runs when the backward ends; PartMemory.rs_state_bytes)
+        tag = "fsdp.root_rs" if self.root_role == "last" else "fsdp.rs"
+        rs_in, rs_out = f"{self.prefix}{tag}_in", f"{self.prefix}{tag}_out"
+        width = dtype_bytes(self.fsdp_reduce_dtype)
+        self.tensors[rs_in] = Tensor(rs_in, (), "uint8", COMM, bytes=shard * self.fsdp_group * width)
+        self.tensors[rs_out] = Tensor(rs_out, (), "uint8", COMM, bytes=shard * width)
+        self._add(prog, Op("fsdp_reduce_scatter_copy_in", temps, (rs_in,), frees=released, phase="fsdp"))
         self._add(prog, Op("fsdp_reduce_scatter", (rs_in,), (rs_out,), phase="fsdp"))
         reads = (rs_out,) if self.grad_create is not None else (rs_out,) + grads
         self._add(prog, Op("fsdp_accumulate_grad", reads, grads, frees=(rs_out, rs_in), phase="fsdp"))

@@ -25,7 +25,7 @@ against traces made by each feature's own library, on fake tensors (no GPU):
 
 torchtune 0.6's package imports a torchao module newer torchao releases moved, so the three
 source files used are loaded by path (`_torchtune_file`; stubs stand for the torchtune helpers
-they import) and its model code is imported under bare package modules (`_torchtune_packages`).
+they import) and its model code is imported under bare package modules (`torchtune_packages`).
 Reference = the traced library run, estimate = the template. Seconds on 2 cores: about 28.
 """
 
@@ -134,7 +134,7 @@ def _torchtune_file(relative: str, stubs: dict | None = None):
 
 
 @contextlib.contextmanager
-def _torchtune_packages():
+def torchtune_packages():
     """Import torchtune's model code without its package `__init__`s (which import datasets,
     tokenizers and a torchao module newer torchao releases moved): the packages on the way
     are bare modules over torchtune's own directories; sys.modules is restored on exit."""
@@ -172,7 +172,7 @@ def torchtune_decoder(config: dict, dtype: str):
 
     if importlib.util.find_spec("torchtune") is None:
         return None
-    with _torchtune_packages():
+    with torchtune_packages():
         if config.get("model_type") == "qwen2":
             from torchtune.models.qwen2._component_builders import qwen2 as build
             extra = {}

@@ -1,0 +1,193 @@
+"""`pipemem validate torchtune`: the torchtune convention with --fsdp held against torchtune's
+own distributed full fine-tune step.
+
+Each case is a `full_finetune_distributed` configuration at a small shape (torchtune's Llama 3.2
+decoder, world 2 or 4, bf16): with or without `custom_sharded_layers`, chunked or plain cross
+entropy, tied embeddings, `fsdp_reshard_after_forward`, activation checkpointing. Measured:
+rank 0 of torchtune's own model, `shard_model` and step, traced on fake tensors with the fake
+process group (`torchtune_trace.py`, second step). Estimated: the same configuration through
+`pipemem.estimate(..., convention="torchtune", fsdp=True)`, with the plan `--from-torchtune`
+makes of those keys. `rel_error` = (estimated - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..errors import UserError
+from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error
+
+EXAMPLE = """\
+examples:
+  pipemem validate torchtune                  # the CI subset
+  pipemem validate torchtune --full --json    # every case
+  pipemem validate torchtune --cases fsdp2-root,fsdp2-custom
+  pipemem validate torchtune --list
+"""
+
+MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "ffn": 768}
+SEQ = 256
+TOLERANCE = 0.02
+# torchtune's Llama 3 configs shard these apart from the root (`custom_sharded_layers`)
+CUSTOM = ["tok_embeddings", "output"]
+
+
+def _case(name: str, world: int = 2, **extra) -> dict:
+    case = {"name": name, "world": world, "seq_len": SEQ, "micro_batch": 2, "model": dict(MODEL)}
+    case.update(extra)
+    return case
+
+
+def all_cases() -> list[dict]:
+    return [
+        _case("fsdp2-root"),
+        _case("fsdp2-custom", custom_sharded_layers=CUSTOM),
+        _case("fsdp2-root-chunked", loss_chunks=8),
+        _case("fsdp2-custom-chunked", custom_sharded_layers=CUSTOM, loss_chunks=8),
+        _case("fsdp2-root-tied", model=dict(MODEL, tied=True)),
+        _case("fsdp2-no-reshard", reshard_after_forward=False),
+        _case("fsdp4-root-chunked", world=4, loss_chunks=8),
+        _case("fsdp2-root-ac", activation_checkpointing=True, loss_chunks=8),
+        _case("fsdp2-custom-ac", activation_checkpointing=True, loss_chunks=8, custom_sharded_layers=CUSTOM),
+    ]
+
+
+CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
+
+
+def hf_config(case: dict) -> dict:
+    m = case["model"]
+    return {"model_type": "llama", "hidden_size": m["hidden"], "intermediate_size": m["ffn"],
+            "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
+            "num_hidden_layers": m["layers"], "vocab_size": m["vocab"],
+            "tie_word_embeddings": bool(m.get("tied", False)), "max_position_embeddings": case["seq_len"],
+            "rope_theta": 500000}
+
+
+def plan_kwargs(case: dict) -> dict:
+    """What `--from-torchtune` makes of the case's configuration keys."""
+    kw = dict(convention="torchtune", dtype="bf16", fsdp=True, dp=case["world"], seq_len=case["seq_len"],
+              micro_batch=case["micro_batch"])
+    extra = {}
+    if case.get("custom_sharded_layers"):
+        extra["custom_sharded_layers"] = sorted(case["custom_sharded_layers"])
+    if case.get("reshard_after_forward") is False:
+        extra["fsdp_reshard_after_forward"] = False
+    if extra:
+        kw["extra"] = extra
+    if case.get("loss_chunks", 1) > 1:
+        kw.update(loss="chunked", loss_chunks=case["loss_chunks"])
+    if case.get("activation_checkpointing"):
+        kw["recompute"] = "full"
+    return kw
+
+
+def trace_case(case: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "case.json"), os.path.join(d, "out.json")
+        with open(src, "w") as f:
+            json.dump(case, f)
+        proc = subprocess.run([sys.executable, "-m", "pipemem.validation.torchtune_trace", src, out],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+            raise RuntimeError(f"tracing torchtune for case {case['name']} failed:\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def compare_case(case: dict, trace: dict) -> CaseRow:
+    from ..estimate import estimate
+    est = estimate(hf_config(case), model_name="torchtune-llama3_2-small", **plan_kwargs(case))
+    r = est.ranks[0]
+    return CaseRow(f"{case['name']}/rank0", trace["peak_bytes"], r.peak_allocated_bytes,
+                   {"case": case["name"], "measured_static_bytes": trace["static_bytes"],
+                    "estimated_static_bytes": r.static.total, "measured_peak_at": trace["peak_at"],
+                    "estimated_peak_at": r.peak_at})
+
+
+def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+    rows = []
+    for c in cases:
+        t0 = time.perf_counter()
+        row = compare_case(c, trace_case(c, timeout))
+        row.extra["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+def available() -> str | None:
+    """None when torchtune's model and training code import here, else why not (one line)."""
+    try:
+        from .torchtune_trace import torchtune_training
+        with torchtune_training():
+            import torchtune.training._distributed  # noqa: F401
+    except Exception as e:   # noqa: BLE001 - any import failure means "not usable here"
+        return f"torchtune is not importable ({type(e).__name__}: {e}); pip install --no-deps torchtune==0.6.1"
+    return None
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def register(sub) -> None:
+    p = sub.add_parser("torchtune", help="torchtune's distributed full fine-tune step (fake tensors) vs the "
+                                         "estimate",
+                       description="Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+                                   "full_finetune_distributed step for rank 0 on fake tensors with the fake "
+                                   "process group, second step, and compare its peak with pipemem's "
+                                   "torchtune-convention estimate. Needs torchtune==0.6.1 "
+                                   "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
+                                   f"{TOLERANCE:.0%}.",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_case_options(p, "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
+                        "dp 4, activation checkpointing)", 600.0, "seconds per case")
+    p.set_defaults(func=run)
+
+
+def select(args) -> list[dict]:
+    known = {c["name"]: c for c in all_cases()}
+    if args.cases:
+        return [known[n] for n in case_names(args.cases, known, "torchtune")]
+    return list(known.values()) if args.full else [known[n] for n in CI_CASES]
+
+
+def run(args) -> int:
+    if args.list:
+        for c in all_cases():
+            print(c["name"])
+        return 0
+    if args.timeout <= 0:
+        raise UserError("--timeout: must be a positive number of seconds")
+    cases = select(args)
+    why = available()
+    if why:
+        raise UserError(f"validate torchtune: {why}")
+    from ..units import fmt_bytes
+
+    def progress(r):
+        if not args.json:
+            print(f"{r.name:28s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                  f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}", flush=True)
+
+    if not args.json:
+        print(f"{'case / rank':28s} {'traced':>12s} {'estimated':>12s} {'rel_error':>10s}  traced peak at")
+    try:
+        rows = run_cases(cases, args.timeout, progress)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"pipemem: validate torchtune: {e}", file=sys.stderr)
+        return 1
+    worst = max_abs_rel_error(rows) or 0.0
+    if args.json:
+        print(json.dumps({"target": "torchtune", "torchtune": "0.6.1", "kernel_policy": "cuda",
+                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst}, indent=1))
+    else:
+        print(f"max |rel_error| = {worst:.2%} over {len(rows)} cases (tolerance {TOLERANCE:.0%})")
+    return 0 if worst <= TOLERANCE else 1
