@@ -420,12 +420,6 @@ def _template_warnings(arch, plan) -> list[str]:
                    "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
                    "template frees and its forward stash moves differently: an offloaded layer's forward and backward "
                    "peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)")
-    if plan.convention == "torchtune" and (plan.fsdp or plan.zero >= 3) and plan.recompute == "full":
-        # docs/ACCURACY.md, "torchtune's distributed step": FSDP2's all-gather and reduce-scatter
-        # buffers around a recomputed layer's backward are not placed as FSDP2 places them
-        out.append("--fsdp with --recompute full under --convention torchtune: against torchtune's own step "
-                   "(pipemem validate torchtune) the backward peak is off by up to -3 % (custom_sharded_layers) "
-                   "/ +8 % (root unit) of the rank's peak; leave that much headroom")
     return out
 
 

@@ -332,15 +332,28 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     def walk(ps, kind):
         if kind not in ("B", "I"):
             return compose(getattr(p, kind).repeated(n) for p, n in ps)
-        # FSDP2 (torchtitan): a part's reduce-scatter input is alive while the next part of the
-        # backward runs (PartMemory.rs_state_bytes)
+        # FSDP2: a part's reduce-scatter input is alive while the next part of the backward runs
+        # (PartMemory.rs_state_bytes); and a unit's pre-backward frees its own all-gather buffer
+        # at the copy-out and prefetches the next unit's, whose buffer then lives through this
+        # unit's backward: the tape counts the unit's own buffer there, so the next one's size
+        # replaces it -- larger before the embedding's unit, none before a root unit that is
+        # already gathered (torchtune; validate torchtune)
         jobs, linger = [], 0
-        for p, n in ps:
+        for i, (p, n) in enumerate(ps):
             j, own = getattr(p, kind), p.rs_state_bytes
-            if linger or own:
-                jobs.append(JobMemory(j.net_bytes, j.peak_bytes + linger))
+            nxt = ps[i + 1][0] if i + 1 < len(ps) else None
+            prefetch = 0
+            if p.bwd_gather_bytes and nxt is not None:
+                prefetch = nxt.bwd_gather_bytes - p.bwd_gather_bytes
+            if linger or own or prefetch:
+                head = JobMemory(j.net_bytes, j.peak_bytes + linger)
                 if n > 1:
-                    jobs.append(JobMemory(j.net_bytes, j.peak_bytes + own).repeated(n - 1))
+                    jobs.append(head)
+                    if n > 2:
+                        jobs.append(JobMemory(j.net_bytes, j.peak_bytes + own).repeated(n - 2))
+                    jobs.append(JobMemory(j.net_bytes, j.peak_bytes + own + prefetch))
+                else:
+                    jobs.append(JobMemory(j.net_bytes, j.peak_bytes + linger + prefetch))
             else:
                 jobs.append(j.repeated(n))
             linger = own

@@ -1124,6 +1124,7 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
         tape.root_role = "first"
         tape.root_bytes = root_unit_bytes(arch, sh)
         tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)     # the head's grads
+        tape.root_grad_elem_bytes = dtype_bytes(sh.dt)
     if tied_head and tape.grad_create is not None and not tape.fsdp:
         # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the
         # tied shard is counted twice, 1/dp of the word embedding)

@@ -42,6 +42,7 @@ class PartMemory:
     # (B, I) hand the output grad's storage on as the input grad (a residual add)
     grad_passes_through: tuple = (False, False)
     rs_state_bytes: int = 0   # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
+    bwd_gather_bytes: int = 0  # FSDP2's all-gather output buffer of a backward that starts by gathering
 
 
 @dataclass(slots=True)
@@ -125,8 +126,12 @@ def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
     r = pp.results
     jm = lambda k: JobMemory(r[k].net_bytes, r[k].peak_bytes)  # noqa: E731
     rs = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("fsdp.rs_in"))
+    # the backward's all-gather output buffer, when the gather is the backward's first step (a
+    # layer: its pre-backward hook runs before anything of it; the head gathers after the loss)
+    ag = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("params_bwd.ag_out")) if (
+        pp.B.ops and pp.B.ops[0].type.startswith("fsdp_all_gather")) else 0
     return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
-                      r["B"].peak_op_label, pp.grad_passes_through, rs)
+                      r["B"].peak_op_label, pp.grad_passes_through, rs, ag)
 
 
 @lru_cache(maxsize=64)

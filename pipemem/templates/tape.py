@@ -130,6 +130,7 @@ class Tape:
         self.root_role = ""
         self.root_bytes = 0
         self.root_grad_bytes = 0
+        self.root_grad_elem_bytes = 2     # bytes per element of the head's unsharded grads
         self.model_end: int | None = None
         self.entry_f: tuple[str, ...] = ()      # made by an earlier part, freed here
         self.entry_b: tuple[str, ...] = ()
@@ -513,10 +514,19 @@ class Tape:
         return [i_prog, w_prog]
 
     def _root_release(self, prog: Program) -> None:
+        """The root's reduce-scatter when the backward ends: the unit and the head's unsharded
+        grads go; a backward that creates the grads makes the head's grad shards here (its
+        reduce-scatter buffers, at the backward's lowest point, are not counted)."""
         if self.root_role == "first" and self.entry_b:
             for t in self.entry_b:
                 prog.tensors.setdefault(t, self.tensors[t])
-            self._add(prog, Op("fsdp_root_reduce_scatter", self.entry_b, (), frees=self.entry_b, phase="fsdp"))
+            made: tuple[str, ...] = ()
+            if self.grad_create is not None:
+                dt, shard = self.grad_create
+                elems = self.root_grad_bytes // max(1, self.root_grad_elem_bytes)
+                made = (self._root_tensor(prog, "head_grad_shards", -(-elems // max(1, shard)) * dtype_bytes(dt)),)
+                self._handed_on_b += made
+            self._add(prog, Op("fsdp_root_reduce_scatter", self.entry_b, made, frees=self.entry_b, phase="fsdp"))
 
     def _fsdp_reduce_scatter(self, prog: Program) -> None:
         if not self._held_grads:
@@ -528,10 +538,10 @@ class Tape:
         released = temps
         if self.root_role == "last":
             # the head's unsharded grads stay until the root's reduce-scatter when the backward
-            # ends (the first part frees bytes equal to them, `root_grad_bytes`); their shards
-            # and the reduce-scatter buffers are counted here, at the part's end
+            # ends: the first part frees bytes equal to them (`root_grad_bytes`) and makes their
+            # shards there (`_root_release`)
             self._handed_on_b += temps
-            released = ()
+            return
         if not self.fsdp_ag_state:
             reads = temps if self.grad_create is not None else temps + grads
             self._add(prog, Op("fsdp_reduce_scatter", reads, grads, frees=released, phase="fsdp"))
