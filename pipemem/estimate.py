@@ -420,6 +420,20 @@ def _template_warnings(arch, plan) -> list[str]:
                    "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
                    "template frees and its forward stash moves differently: an offloaded layer's forward and backward "
                    "peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)")
+    if plan.convention == "hf" and plan.zero >= 1 and not plan.fsdp:
+        from .ir import dtype_bytes
+        from .units import fmt_bytes
+        # docs/ACCURACY.md, "DeepSpeed's own engine": what pipemem validate deepspeed found and the
+        # templates do not place (ZeRO-3 -10 / -12 % at a tiny model, which its reuse window holds whole)
+        bucket = fmt_bytes(500_000_000 * dtype_bytes(plan.dtype))
+        msg = (f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO; not counted: its reduce bucket "
+               f"(reduce_bucket_size elements in {plan.dtype}: {bucket} at DeepSpeed's default 5e8, small with HF's "
+               "'auto' = hidden^2)")
+        if plan.zero == 3:
+            held = fmt_bytes(min(arch.param_count(), 1_000_000_000) * dtype_bytes(plan.dtype) // max(1, plan.tp))
+            msg += (", and ZeRO-3's gathered parameters kept from the forward into the backward within "
+                    f"stage3_max_reuse_distance (default 1e9 elements: up to {held} more at the backward's start)")
+        out.append(msg + "; leave that much headroom")
     return out
 
 

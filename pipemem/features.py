@@ -22,7 +22,13 @@ words.
     fused         Megatron --cross-entropy-loss-fusion (native impl): same memory as the
                   unfused vocab-parallel CE (it upcasts and keeps the fp32 exp-logits);
     fused_te      ... with --cross-entropy-fusion-impl te: TE's CE in place on the bf16
-                  logits, no fp32 copy.
+                  logits, no fp32 copy;
+    shifted       the loss a training step writes itself on the model's logits, as transformers
+                  before 4.46 did for GPT-2 and Lightning / custom steps do:
+                  `F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, V), ...)` -- a
+                  shifted copy of the logits, no `.float()`: the log-softmax runs in the
+                  logits' dtype (half when the model is, as under DeepSpeed or pure bf16; fp32
+                  under autocast, whose fp32 op list holds log_softmax).
 * `fp8`: low-precision linears. Transformer Engine recipes (Megatron): `delayed`, `current`
   (per-tensor current scaling), `mxfp8` (block scaling); torchao Float8 (torchtitan, any
   PyTorch trainer): `tensorwise` (dynamic per-tensor), `rowwise`. `fp8_param_gather`: Megatron
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSSES = ("standard", "chunked", "fused_linear", "fused", "fused_te")
+LOSSES = ("standard", "chunked", "fused_linear", "fused", "fused_te", "shifted")
 FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
 TE_RECIPES = ("delayed", "current", "mxfp8")       # Transformer Engine (Megatron)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")       # torchao Float8Linear
@@ -120,7 +126,8 @@ def describe(plan) -> list[str]:
         out.append({"chunked": chunked,
                     "fused_linear": "fused linear cross-entropy (logits never whole)",
                     "fused": "Megatron fused cross-entropy (native)",
-                    "fused_te": "TE fused cross-entropy (no fp32 logits copy)"}[plan.loss])
+                    "fused_te": "TE fused cross-entropy (no fp32 logits copy)",
+                    "shifted": "the step's own cross-entropy on shifted logits (no .float())"}[plan.loss])
     if plan.fp8:
         out.append(f"fp8 linears ({plan.fp8}{', fp8 param gather' if plan.fp8_param_gather else ''})")
     if parse_offload(plan.activation_offload):

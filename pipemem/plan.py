@@ -137,6 +137,16 @@ class ParallelPlan:
     optimizer_in_backward: bool = False  # torchtune optimizer_in_bwd
     optimizer_state_dtype: str | None = None  # Adam moments' dtype (Megatron precision-aware optimizer)
 
+    @property
+    def deepspeed_mixed_precision(self) -> bool:
+        """--convention hf with --zero 1-3 (not --fsdp) is DeepSpeed's ZeRO (HF Trainer, accelerate,
+        Lightning): in fp16 / bf16 its engine converts the model itself to that dtype (no autocast)
+        and its ZeRO optimizer keeps fp32 master partitions with the optimizer states; gradients
+        are in the model's dtype (DeepSpeed's default grad_accum_dtype). Held against DeepSpeed's
+        own engine by `pipemem validate deepspeed`."""
+        return (self.convention == "hf" and self.zero >= 1 and not self.fsdp and self.master_weights
+                and self.dtype != "fp32")
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -444,13 +454,15 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         # torchtitan (FSDP2 reduce_dtype fp32) and HF autocast grads of fp32 parameters.
         # Pure low-precision training (--no-master-weights) keeps them in the param dtype.
         mgd = "fp32" if (dtype == "fp32" or master) else dtype
+        if master and conv == "hf" and zero >= 1 and not plan.fsdp:
+            mgd = dtype           # DeepSpeed: grads in the model's dtype (deepspeed_mixed_precision)
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
     impl = plan.optimizer_impl
     impl = DEFAULT_OPTIMIZER_IMPL[conv] if impl is None else _choice(
         str(impl).lower().replace("_", "-").replace("forloop", "for-loop"), OPTIMIZER_IMPLS, "--optimizer-impl")
 
     # Gradients between steps, and which step is reported.
-    grads = plan.grads if plan.grads is not None else default_grads(conv, plan.dp, zero)
+    grads = plan.grads if plan.grads is not None else default_grads(conv, plan.dp, zero, bool(plan.fsdp))
     grads = _choice(str(grads).lower().replace("_", "-"), GRADS, "--grads")
     if grads.startswith("ddp") and (zero or plan.dist_opt):
         raise UserError(f"--grads {grads} is DistributedDataParallel's; with --zero {zero}"
@@ -493,7 +505,7 @@ def _check_torchtune(arch, plan, dtype: str) -> None:
                         "model with FSDP2; add --fsdp")
 
 
-def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:
+def default_grads(convention: str, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
     """How a convention's trainer keeps gradients: Megatron and Paddle in a contiguous buffer;
     torchtitan 0.3 resident too (`Trainer.train_step` calls
     `zero_grad(set_to_none=training.disable_cuda_graphs)`, False by default: CUDA-graph
@@ -506,6 +518,11 @@ def default_grads(convention: str, dp: int = 1, zero: int = 0) -> str:
         return "set-to-none"     # its recipes call optimizer.zero_grad(set_to_none=True)
     if convention == "hf" and dp > 1 and zero == 0:
         return "ddp-bucket"
+    if convention == "hf" and zero == 3 and not fsdp:
+        # DeepSpeed's ZeRO-3 keeps the rank's grad partitions in one flat buffer for the whole run
+        # (stage3 `grad_partitions_flat_buffer`); ZeRO-1/2 make theirs in each backward and free
+        # them at the step (validate deepspeed)
+        return "buffer"
     return "set-to-none"
 
 
@@ -524,6 +541,10 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
     if loss in ("fused", "fused_te") and conv != "megatron":
         raise UserError(f"--loss {loss} is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
                         "--loss chunked (torchtune) or fused_linear (Liger)")
+    if loss == "shifted" and (conv != "hf" or plan.tp > 1):
+        raise UserError(f"--loss shifted is a loss a PyTorch training step writes on the whole logits: use it with "
+                        f"--convention hf and --tp 1 (got --convention {conv}"
+                        + (f", --tp {plan.tp}" if plan.tp > 1 else "") + ")")
     torchtitan_chunked = loss == "chunked" and conv == "torchtitan"     # its ChunkedLossWrapper: loss parallel
     if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")) and not torchtitan_chunked:
         raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "

@@ -65,6 +65,17 @@ def test_compile_on_torchtunes_own_layers():
     close(row, 0.01)
 
 
+def test_shifted_cross_entropy_matches_torch():
+    """--loss shifted: a step's own CE on shifted half logits, traced eagerly (torch's ops)."""
+    rows = F.shifted_ce_cases()
+    bf16_logits = F.S * F.B * F.HEAD["vocab_size"] * 2
+    # what is at stake: it keeps the bf16 log-probabilities (+ the norm's and output layer's saved
+    # inputs, a quarter of them here); the standard path's are fp32, twice the logits
+    assert 0.9 * bf16_logits < rows[1].measured_bytes < 1.5 * bf16_logits
+    for row in rows:
+        close(row, 0.01)
+
+
 def test_fused_linear_cross_entropy_matches_liger():
     # Liger-Kernel's own fused linear CE (triton kernels on the interpreter, CPU tensors) behind
     # the final norm: the saved input/weight grads are the kept bytes, one logits chunk the peak

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import UserError
+from ..features import LOSSES
 
 EXAMPLE = """\
 examples:
@@ -133,10 +134,12 @@ def register(sub) -> None:
     mod.add_argument("--compile", nargs="?", const="all", choices=("all", "layers"), default=None,
                      help="torch.compile each decoder layer and the loss (all, the default) or the layers only; "
                           "AOTAutograd's min-cut partitioner decides what is saved")
-    mod.add_argument("--loss", choices=("standard", "chunked", "fused_linear", "fused", "fused_te"),
+    mod.add_argument("--loss", choices=LOSSES,
                      help="cross-entropy: chunked (torchtune's chunked output; under --convention torchtitan its "
                           "ChunkedLossWrapper, 0.3's default head), fused_linear (Liger), fused / fused_te "
-                          "(Megatron --cross-entropy-loss-fusion, native / TE impl); default standard")
+                          "(Megatron --cross-entropy-loss-fusion, native / TE impl), shifted (--convention hf: a loss the "
+                          "step writes on the model's logits, shifted copy, no .float(): transformers < 4.46's "
+                          "GPT-2, Lightning / custom steps); default standard")
     mod.add_argument("--loss-chunks", type=int, metavar="N", help="chunks of --loss chunked (default 8)")
     mod.add_argument("--fp8", choices=("delayed", "current", "mxfp8", "tensorwise", "rowwise"),
                      help="fp8 linears: Transformer Engine recipes (megatron) or torchao Float8 (torchtitan, hf)")

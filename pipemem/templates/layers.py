@@ -59,7 +59,7 @@ class Shard:
     etp: int = 1
     ep: int = 1
     shared_ffn: int = 0  # local shared-expert width (after tp)
-    autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision)
+    autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision; not DeepSpeed's)
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
     fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
     feat: Features = NO_FEATURES  # compile, loss, fp8, offload (pipemem.features)
@@ -107,7 +107,8 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         experts=arch.experts // plan.ep if arch.experts else 0, top_k=arch.top_k,
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
-        autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32",
+        autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32"
+        and not plan.deepspeed_mixed_precision,
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         fsdp_root=fsdp_root_unit(plan, conv),
@@ -1230,6 +1231,9 @@ def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         full = g.act("logits_full", (sh.s, sh.b, vocab))
         tape.node("split_concat", (gathered,), (full,), diff_inputs=(gathered,))
         logits = full
+    if sh.feat.loss == "shifted":
+        from .losses import shifted_cross_entropy
+        return tape, x, shifted_cross_entropy(g, tape, logits, labels, vocab)
     if sh.dt == "fp32":
         lf = logits      # .float() / astype("float32") of an fp32 tensor is the tensor itself
     else:

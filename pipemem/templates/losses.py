@@ -20,6 +20,11 @@ CE) stays in `layers.head_tape`. Read from the frameworks' code:
   `2^ceil(log2(ceil(T / ceil(V / h))))` tokens it computes the logits chunk, the CE and its
   gradient in place, and accumulates the input grad [T, h] and the weight grad [V, h] (weight
   dtype), which it saves; the backward only scales them. Logits never exist beyond one chunk.
+* shifted (a loss the training step writes on the model's output, transformers < 4.46's GPT-2):
+  `logits[..., :-1, :].contiguous()` copies the logits, `F.cross_entropy` runs log-softmax on the
+  copy in its own dtype (under autocast, which lists log_softmax among its fp32 ops, on an fp32
+  cast of it) and saves the log-probabilities; the caller's `logits` stays referenced until the
+  loss returns (Lightning's `training_step` local, HF's output).
 * fused_te (Megatron `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`): TE's
   parallel cross-entropy works on the bf16 logits in place (their grads overwrite them), no
   fp32 copy. `fused` (the native impl, megatron-core fusions/fused_cross_entropy.py) upcasts
@@ -140,4 +145,23 @@ def _fused_linear(g, tape: Tape, hn: str, sh) -> str:
     # backward scales the saved input grad in place (Liger's element_mul_kernel)
     tape.tensors["d." + hn] = type(tape.tensors[hn])("d." + hn, tape.tensors[hn].shape, g.dtype_of(hn),
                                                      storage=dinput)
+    return loss
+
+
+def shifted_cross_entropy(g, tape: Tape, logits: str, labels: str, vocab: int) -> str:
+    """`F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, V), labels[..., 1:].view(-1))`
+    written by the training step (the one-token shift is not resolved: s, not s - 1)."""
+    sh = g.sh
+    shape = (sh.s, sh.b, vocab)
+    shifted = g.act("logits_shifted", shape, g.dtype_of(logits))
+    tape.node("shift_contiguous", (logits,), (shifted,), diff_inputs=(logits,))
+    x = shifted
+    if sh.autocast and g.dtype_of(shifted) != "fp32":
+        # autocast runs log_softmax in fp32: a cast copy, read once (log_softmax saves its output)
+        x = g.act("logits_autocast_fp32", shape, "fp32")
+        tape.node("autocast_cast", (shifted,), (x,), diff_inputs=(shifted,))
+    logp = g.act("log_softmax", shape, g.dtype_of(x))
+    tape.node("log_softmax", (x,), (logp,), diff_inputs=(x,), save_i=(logp,))
+    loss = g.act("loss", (sh.s, sh.b), "fp32")
+    tape.node("nll_loss", (logp, labels, logits), (loss,), diff_inputs=(logp,), save_i=(labels,))
     return loss

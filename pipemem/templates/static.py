@@ -7,6 +7,10 @@ Bytes per parameter, before sharding (FINDINGS §2):
   (--no-master-weights): 2 + 2 + 2x2 = 8.
 * torchtitan / hf mixed precision keep the fp32 parameters themselves as the master copy
   (FSDP2 MixedPrecisionPolicy, autocast): 4 + 4 + 8 = 16, no separate master.
+* hf with --zero 1-3 is DeepSpeed (ParallelPlan.deepspeed_mixed_precision): the model in the
+  training dtype (2), its grads in that dtype (2), fp32 master partitions (4) and optimizer
+  states (8), sharded as ZeRO shards them; the step casts the rank's grad partition to fp32
+  (`optimizer_step_scratch`).
 * fp32 training: 4 + 4 + 8 = 16.
 * megatron with --use-precision-aware-optimizer (plan.extra): master weights and Adam moments
   in the dtypes named by main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype (fp32 masters of
@@ -71,7 +75,7 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         per_state = state_dtype
     states = STATES[plan.optimizer] * per_state
     grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
-    if conv.name in ("torchtitan", "hf") and master:
+    if conv.name in ("torchtitan", "hf") and master and not getattr(plan, "deepspeed_mixed_precision", False):
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
     extra = plan.extra or {}
@@ -356,8 +360,14 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
     Adam fp32 copies of its grads: `main_param.grad = main_grad.float()` for every local
     parameter (Float16OptimizerWithFloat16Params) or for the rank's shard (DistributedOptimizer
     `_copy_model_grads_to_main_grads`); they live until the next step's zero_grad.
-    --use-precision-aware-optimizer reads the narrow grads directly."""
+    --use-precision-aware-optimizer reads the narrow grads directly.
+    DeepSpeed's ZeRO optimizer does the same for the rank's partition at the step (stage_1_and_2 /
+    stage3 `step`: the partition's grads flattened and cast to fp32, handed to the optimizer as
+    the fp32 master's grad, freed when it has stepped)."""
     extra = plan.extra or {}
+    if getattr(plan, "deepspeed_mixed_precision", False):
+        elems, _ = optimizer_elems(arch, plan, conv, stage_layers, rank_stages)
+        return elems * 4
     if conv.name != "megatron" or not plan.master_weights or extra.get("precision_aware_optimizer"):
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:

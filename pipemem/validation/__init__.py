@@ -11,4 +11,4 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `features.py`: compile, chunked CE, fp8 and optimizer-in-backward against their libraries' traces.
 """
 
-TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "features")
+TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "features")

@@ -352,6 +352,57 @@ def chunked_ce_cases(compiled: bool) -> list[CaseRow]:
     return rows
 
 
+def _shifted_head_trace():
+    """A training step's own loss on the model's bf16 logits (the ColossalAI Lightning GPT
+    benchmark's, transformers < 4.46's GPT-2): final norm, output layer, then a shifted
+    contiguous copy and torch's cross-entropy without `.float()`, traced eagerly."""
+    import torch
+
+    from ..traced.step import trace_step
+    H, V = HEAD["hidden_size"], HEAD["vocab_size"]
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+            self.norm = LlamaRMSNorm(H)
+            self.output = torch.nn.Linear(H, V, bias=False)
+
+        def forward(self, h, labels):
+            logits = self.output(self.norm(h))
+            shifted = logits[..., :-1, :].contiguous()
+            return torch.nn.functional.cross_entropy(shifted.view(-1, V), labels[..., 1:].reshape(-1))
+
+    def inputs(_m=None):
+        return ((torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (B, S))), {})
+    st = trace_step(Head().to(torch.bfloat16), inputs, None, None, "cuda", step="first")
+    f, b = st.phase("forward"), st.phase("backward")
+    return f.peak_bytes, f.net_bytes, b.peak_bytes + f.net_bytes
+
+
+def _shifted_head_template():
+    from ..model import arch_from_hf_config
+    from ..plan import ParallelPlan, validate_plan
+    from ..templates.conventions import convention_for
+    from ..templates.layers import make_shard
+    from ..templates.programs import head_memory
+
+    arch = arch_from_hf_config(HEAD, "t")
+    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
+                                         convention="hf", loss="shifted"))
+    conv = convention_for(p)
+    hm = head_memory(arch, make_shard(arch, p, conv), conv)
+    # the traced input is a static input of the step; the template part frees it (see above)
+    return hm.F.peak_bytes + hm.input_bytes, hm.F.net_bytes + hm.input_bytes, \
+        hm.B.peak_bytes + hm.F.net_bytes + hm.input_bytes
+
+
+def shifted_ce_cases() -> list[CaseRow]:
+    t, m = _shifted_head_trace(), _shifted_head_template()
+    return [CaseRow(f"shifted-ce/eager: head {what}", a, b)
+            for what, a, b in zip(("forward peak", "kept", "backward peak"), t, m)]
+
+
 # ---------------------------------------------------------------- Liger's fused linear CE
 
 def liger_flce_module():
@@ -683,6 +734,7 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if torchtune_chunked_loss() is not None:
         cases += [("chunked-ce/eager", lambda: chunked_ce_cases(False)),
                   ("chunked-ce/compiled", lambda: chunked_ce_cases(True))]
+    cases.append(("shifted-ce/eager", shifted_ce_cases))
     if liger_flce_module() is not None and _liger_gpu_forward(liger_flce_module()) is not None:
         cases.append(("fused-linear-ce/liger", fused_linear_ce_cases))
     if importlib.util.find_spec("torchao") is not None:

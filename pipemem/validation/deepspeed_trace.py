@@ -1,0 +1,398 @@
+"""DeepSpeed's ZeRO engine running a tiny Hugging Face Llama training step on the CPU, one rank of
+a real gloo process group, its allocations measured by PyTorch's profiler.
+
+Each rank (launched by `validate deepspeed` as `python -m pipemem.validation.deepspeed_trace
+CASE.json OUT.json` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, DS_ACCELERATOR=cpu):
+
+* joins the gloo process group (`torch.distributed`, env://) and `deepspeed.init_distributed`;
+* builds `transformers.LlamaForCausalLM` from a `LlamaConfig` (SDPA attention, fp32 as HF builds it;
+  under `deepspeed.zero.Init` for ZeRO-3, as HF's and Lightning's integrations do), with
+  `gradient_checkpointing_enable(use_reentrant=False)` when the case asks;
+* `deepspeed.initialize` with bf16 on, the case's `zero_optimization` block, DeepSpeed's AdamW
+  (`"torch_adam": true`: `torch.optim.AdamW`, the CPU has no FusedAdam without building its op);
+* runs the step twice (`engine(input_ids=..., labels=...).loss`, `engine.backward(loss)`,
+  `engine.step()`) on random token ids, labels = input ids (HF's loss inside the model).
+
+Measured: `torch.profiler.profile(profile_memory=True)` from before the model is built to the end of
+step 2. Its `[memory]` events are every allocation and free of PyTorch's CPU allocator (the CPU
+allocator frees at once: no cache), so their running sum is the bytes alive; `static_bytes` is that
+sum when step 2 starts, `peak_bytes` its largest value during step 2, `peak_at` the phase
+(forward / backward / step) and the innermost operator around the allocation that reached it.
+`check_gc_bytes` sums the storages of every tensor the garbage collector reaches at step 2's start
+(an independent count of `static_bytes`). `breakdown` lists the tensors the engine's optimizer
+holds after step 1, by attribute. `events` lists step 2's large allocations (>= `event_bytes`).
+
+`python -m pipemem.validation.deepspeed_trace --plain CASE.json OUT.json` runs the same model
+without DeepSpeed (bf16 parameters, torch.optim.AdamW, one process) for checking the measurement
+against an analytic count (`plain_expected`).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+PHASES = ("forward", "backward", "step")
+MARK = "pipemem_ds:"
+
+
+def llama_config(case: dict):
+    from transformers import LlamaConfig
+    m = case["model"]
+    return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"],
+                       num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                       num_key_value_heads=m["kv_heads"], max_position_embeddings=case["seq_len"],
+                       tie_word_embeddings=bool(m.get("tied", False)), rope_theta=500000.0,
+                       attn_implementation="sdpa")
+
+
+def ds_config(case: dict) -> dict:
+    zero = {"stage": case["zero"]}
+    zero.update(case.get("zero_config", {}))
+    return {"train_micro_batch_size_per_gpu": case["micro_batch"], "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+def _build(case: dict):
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(case))
+    if case.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _batch(case: dict):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, case["model"]["vocab"], (case["micro_batch"], case["seq_len"]), generator=g)
+    return ids, ids.clone()
+
+
+# ---- measurement ---------------------------------------------------------------------------------
+
+class Timeline:
+    """The profiler's allocator events (each with its pointer and the operator it ran in) in time
+    order, with the ranges of the marked phases."""
+
+    def __init__(self, prof):
+        res = prof.profiler.kineto_results
+        self.mem = []         # (ns, ptr, signed bytes, op)
+        stack = list(res.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if str(e.tag).endswith("Allocation"):
+                f = e.extra_fields
+                if f.device.type == "cpu":
+                    self.mem.append((e.start_time_ns, f.ptr, f.alloc_size, e.parent.name if e.parent else "",
+                                 e.start_tid))
+        self.mem.sort(key=lambda t: t[0])
+        self.marks = {e.name()[len(MARK):]: (e.start_ns(), e.end_ns()) for e in res.events()
+                      if e.name().startswith(MARK)}
+
+    def phase_of(self, ts: int) -> str:
+        for name in PHASES:
+            s, e = self.marks.get("step2." + name, (0, -1))
+            if s <= ts <= e:
+                return name
+        return "between"
+
+    def measure(self, event_bytes: int, reached: set | None = None) -> dict:
+        """Bytes alive when step 2 starts, step 2's peak and where, each phase's peak, step 2's large
+        allocations. The profiler sees the allocator only on threads it profiles: a tensor freed on
+        another thread (a gloo worker dropping the last reference of a collective's buffer) leaves
+        no event. Such a free shows as a new allocation at a pointer still alive (`missed_frees`:
+        the old one is taken as freed there), and, with `reached` (the storages the garbage
+        collector reaches when step 2 starts), as an allocation alive then that no tensor holds:
+        dropped there (`reconciled_bytes`, `reconciled`)."""
+        s1, e1 = self.marks["step1"]
+        s2, e2 = self.marks["step2"]
+        live, cur = {}, 0
+        static = end1 = None
+        peak, peak_ev = -1, None
+        phase_peaks, events, missed = {}, [], 0
+        static_live = {}
+        self.missed, self.reconciled = [], []
+        for ts, ptr, nbytes, op, tid in self.mem:
+            if static is None and ts >= s2:
+                if reached is not None:
+                    gone = [p for p in live if p not in reached]
+                    self.reconciled = sorted(((live[p][0], live[p][1], self.where(live[p][2])) for p in gone),
+                                             reverse=True)
+                    for p in gone:
+                        cur -= live.pop(p)[0]
+                static, static_live = cur, dict(live)
+            if end1 is None and ts > e1:
+                end1 = cur
+            if nbytes > 0:
+                if ptr in live:
+                    missed += 1
+                    self.missed.append((live[ptr][0], live[ptr][1], self.where(live[ptr][2]), live[ptr][3], tid,
+                                        self.where(ts)))
+                    cur -= live[ptr][0]
+                live[ptr] = (nbytes, op, ts, tid)
+            elif ptr in live:
+                live.pop(ptr)
+            else:
+                continue
+            cur += nbytes
+            if s2 <= ts <= e2:
+                ph = self.phase_of(ts)
+                phase_peaks[ph] = max(phase_peaks.get(ph, 0), cur)
+                if cur > peak:
+                    peak, peak_ev = cur, (ph, op)
+                if abs(nbytes) >= event_bytes:
+                    events.append({"phase": ph, "bytes": nbytes, "live_after": cur, "op": op})
+        if static is None:
+            static, static_live = cur, dict(live)
+        self.static_live, self.end_live = static_live, live
+        return {"static_bytes": static, "peak_bytes": max(peak, static),
+                "peak_at": f"{peak_ev[0]}: {peak_ev[1]}" if peak_ev else "", "peak_phase": peak_ev[0] if peak_ev else "",
+                "live_after_step1": end1, "live_after_step2": cur, "phase_peaks": phase_peaks,
+                "missed_frees": missed, "reconciled_bytes": sum(r[0] for r in self.reconciled),
+                "reconciled": [{"bytes": b, "op": op, "during": w} for b, op, w in self.reconciled[:6]],
+                "events": events}
+
+    def unreached_at_end(self, reached: set) -> int:
+        """Bytes the running count holds at the end that no tensor reached by gc holds (0 when
+        every free was seen)."""
+        return sum(b for p, (b, *_) in self.end_live.items() if p not in reached)
+
+    def where(self, ts: int) -> str:
+        inside = [(e - s, name) for name, (s, e) in self.marks.items() if s <= ts <= e]
+        return min(inside)[1] if inside else ""
+
+
+def gc_storages() -> dict:
+    """data_ptr -> bytes of the distinct storages of every tensor (and nn.Parameter) the garbage
+    collector reaches."""
+    import torch
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                st = obj.untyped_storage()
+                if st.nbytes():
+                    seen[st.data_ptr()] = st.nbytes()
+        except Exception:   # noqa: BLE001 - a half-built object: skip it
+            continue
+    return seen
+
+
+def _tensors_in(obj, depth=0):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x, depth + 1)
+    elif depth < 2 and type(obj).__module__.startswith("deepspeed.runtime.zero") and hasattr(obj, "__dict__") \
+            and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        for x in vars(obj).values():     # e.g. ZeRO-3's IPG bucket objects (their `.buffer`)
+            yield from _tensors_in(x, depth + 1)
+
+
+def breakdown(engine, n_params: int) -> list[dict]:
+    """The tensors DeepSpeed's ZeRO optimizer (and the engine's module) hold, by attribute: distinct
+    storages, attributed to the first attribute that names them (largest first)."""
+    import torch
+    opt = engine.optimizer
+    seen = set()
+    rows = []
+
+    def add(name, tensors):
+        by_dtype = {}
+        for t in tensors:
+            if t.device.type != "cpu" or t.is_meta:
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if not st.nbytes() or key in seen:
+                continue
+            seen.add(key)
+            by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + st.nbytes()
+        for dt, b in by_dtype.items():
+            rows.append({"what": name, "dtype": dt, "bytes": b, "bytes_per_param": round(b / n_params, 4)})
+
+    state_tensors = {}
+    base = getattr(opt, "optimizer", None)
+    if base is not None:
+        for st in base.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    state_tensors.setdefault(k, []).append(v)
+    attrs = {k: v for k, v in vars(opt).items() if k != "optimizer"}
+    # the flat buffers first (they own the storages the params view)
+    order = sorted(attrs, key=lambda k: (0 if "flat" in k else 1 if "partition" in k else 2, k))
+    for k in order:
+        ts = list(_tensors_in(attrs[k]))
+        if ts:
+            add(k.replace("_DeepSpeedZeroOptimizer_Stage3__", "__"), ts)
+    for k, ts in state_tensors.items():
+        add(f"optimizer.state[{k}]", ts)
+    add("module.parameters", [p.data for p in engine.module.parameters()])
+    add("module.parameters.ds_tensor", [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")])
+    add("module.parameters.grad", [p.grad for p in engine.module.parameters() if p.grad is not None])
+    add("module.buffers", list(engine.module.buffers()))
+    return sorted(rows, key=lambda r: -r["bytes"])
+
+
+def _gathered(engine) -> dict:
+    """ZeRO-3: the parameters whose full bf16 data is present (gathered or persistent) now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    avail = [p for p in engine.module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+    return {"params": len(avail), "of": sum(1 for _ in engine.module.parameters()),
+            "bytes": sum(p.ds_numel * p.element_size() for p in avail),
+            "persistent_bytes": sum(p.ds_numel * p.element_size() for p in avail if getattr(p, "ds_persist", False))}
+
+
+def zero_settings(engine) -> dict:
+    zc = engine._config.zero_config
+    keys = ("stage", "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+            "allgather_partitions", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+            "max_reuse_distance", "param_persistence_threshold", "model_persistence_threshold",
+            "stage3_gather_16bit_weights_on_model_save", "use_multi_rank_bucket_allreduce")
+    out = {}
+    for k in keys:
+        if hasattr(zc, k):
+            v = getattr(zc, k)
+            out[k] = v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+    return out
+
+
+# ---- the rank ------------------------------------------------------------------------------------
+
+def run_rank(case: dict) -> dict:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    config = ds_config(case)
+    out = {"rank": rank}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ids, labels = _batch(case)
+        with record_function(MARK + "build"):
+            if case["zero"] == 3:
+                with deepspeed.zero.Init(config_dict_or_path=config):
+                    model = _build(case)
+            else:
+                model = _build(case)
+        n_params = sum(int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        with record_function(MARK + "initialize"):
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                              config=config)
+        del model
+        for step in (1, 2):
+            if step == 2:
+                gc.collect()
+                gcs = gc_storages()
+                out["check_gc_bytes"] = sum(gcs.values())
+                out["breakdown"] = breakdown(engine, n_params)
+                out["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+            with record_function(f"{MARK}step{step}"):
+                with record_function(f"{MARK}step{step}.forward"):
+                    loss = engine(input_ids=ids, labels=labels).loss
+                if step == 2 and case["zero"] == 3:
+                    loss.register_hook(lambda g: out.__setitem__("gathered_at_backward_start", _gathered(engine)))
+                with record_function(f"{MARK}step{step}.backward"):
+                    engine.backward(loss)
+                with record_function(f"{MARK}step{step}.step"):
+                    engine.step()
+                out[f"loss{step}"] = float(loss)
+                out["loss_dtype"] = str(loss.dtype)
+                del loss
+        gc.collect()
+        end = gc_storages()
+    tl = Timeline(prof)
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
+    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(n_params=n_params, zero_settings=zero_settings(engine), optimizer=type(engine.optimizer).__name__,
+               basic_optimizer=type(engine.basic_optimizer).__name__, world=dist.get_world_size(),
+               deepspeed=deepspeed.__version__, torch=torch.__version__)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def run_plain(case: dict) -> dict:
+    """The measurement checked without DeepSpeed: bf16 model, torch.optim.AdamW (for-loop on the CPU),
+    zero_grad(set_to_none=True), one process."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.set_num_threads(1)
+    out = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ids, labels = _batch(case)
+        model = _build(case)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        for step in (1, 2):
+            if step == 2:
+                gc.collect()
+                gcs = gc_storages()
+                out["check_gc_bytes"] = sum(gcs.values())
+            with record_function(f"{MARK}step{step}"):
+                with record_function(f"{MARK}step{step}.forward"):
+                    loss = model(input_ids=ids, labels=labels).loss
+                with record_function(f"{MARK}step{step}.backward"):
+                    loss.backward()
+                with record_function(f"{MARK}step{step}.step"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                del loss
+        gc.collect()
+        end = gc_storages()
+    tl = Timeline(prof)
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
+    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out["plain_expected"] = plain_expected(model, opt, ids, labels)
+    return out
+
+
+def plain_expected(model, opt, ids, labels) -> dict:
+    """What the plain run holds at step 2's start, counted from the objects: parameters, buffers,
+    AdamW's states (two moments in the parameter dtype, one fp32 `step` scalar per parameter), the batch."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    batch = ids.numel() * ids.element_size() + labels.numel() * labels.element_size()
+    return {"params": params, "buffers": buffers, "optimizer_states": states, "batch": batch,
+            "total": params + buffers + states + batch}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    plain = argv and argv[0] == "--plain"
+    if plain:
+        argv = argv[1:]
+    with open(argv[0]) as f:
+        case = json.load(f)
+    out = {"case": case["name"], **(run_plain(case) if plain else run_rank(case))}
+    with open(argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    raise SystemExit(main())
