@@ -422,18 +422,18 @@ def _template_warnings(arch, plan) -> list[str]:
                    "peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)")
     if plan.convention == "hf" and plan.zero >= 1 and not plan.fsdp:
         from .ir import dtype_bytes
+        from .templates.static import DEEPSPEED_REDUCE_BUCKET
         from .units import fmt_bytes
-        # docs/ACCURACY.md, "DeepSpeed's own engine": what pipemem validate deepspeed found and the
-        # templates do not place (ZeRO-3 -10 / -12 % at a tiny model, which its reuse window holds whole)
-        bucket = fmt_bytes(500_000_000 * dtype_bytes(plan.dtype))
-        msg = (f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO; not counted: its reduce bucket "
-               f"(reduce_bucket_size elements in {plan.dtype}: {bucket} at DeepSpeed's default 5e8, small with HF's "
-               "'auto' = hidden^2)")
-        if plan.zero == 3:
-            held = fmt_bytes(min(arch.param_count(), 1_000_000_000) * dtype_bytes(plan.dtype) // max(1, plan.tp))
-            msg += (", and ZeRO-3's gathered parameters kept from the forward into the backward within "
-                    f"stage3_max_reuse_distance (default 1e9 elements: up to {held} more at the backward's start)")
-        out.append(msg + "; leave that much headroom")
+        # docs/ACCURACY.md, "DeepSpeed's own engine" (validate deepspeed): the bucket is counted at
+        # DeepSpeed's default unless plan.extra names reduce_bucket_size; the gather / prefetch
+        # buckets of ZeRO-3's parameter fetches are not counted
+        if "reduce_bucket_size" not in (plan.extra or {}):
+            b = dtype_bytes(plan.main_grad_dtype or plan.dtype)
+            out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: its reduce bucket is counted at "
+                       f"DeepSpeed's default reduce_bucket_size 5e8 ({fmt_bytes(DEEPSPEED_REDUCE_BUCKET * b)}); HF's "
+                       f"Trainer fills in hidden^2 for 'auto' ({fmt_bytes(arch.hidden ** 2 * b)}), Lightning 2e8"
+                       + ("; ZeRO-3's all-gather and prefetch buckets (transient) are not counted" if plan.zero == 3
+                          else ""))
     return out
 
 

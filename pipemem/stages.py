@@ -317,12 +317,33 @@ def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
     return tuple(out)
 
 
+def _zero3_kept(sh, runs: tuple) -> tuple:
+    """DeepSpeed ZeRO-3 keeps the stage's last `sh.zero3_kept_layers` layers gathered from their
+    forward into their backward (templates.layers.zero3_reuse): they get runs of their own."""
+    k = min(sh.zero3_kept_layers, sum(n for _, n in runs))
+    if not k:
+        return runs
+    out: list = []
+    left = sum(n for _, n in runs) - k             # layers before the kept tail
+    for opt, n in runs:
+        plain = min(n, max(0, left))
+        left -= plain
+        for o, m in ((opt, plain), (replace(opt, fsdp_keep=True), n - plain)):
+            if not m:
+                continue
+            if out and out[-1][0] == o:
+                out[-1] = (o, out[-1][1] + m)
+            else:
+                out.append((o, m))
+    return tuple(out)
+
+
 @lru_cache(maxsize=65536)
 def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
                 layers: range) -> StageJobs:
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory
-    parts = _layer_parts(arch, sh, conv, _offload_stash(arch, sh, conv, runs), first, last)
+    parts = _layer_parts(arch, sh, conv, _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), first, last)
     tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
     fparts = ([(embedding_memory(arch, sh, conv, seq_len, tied_head), 1)] if first else []) + \
         _stage_prologue(sh, conv, runs) + \
@@ -332,6 +353,14 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     def walk(ps, kind):
         if kind not in ("B", "I"):
             return compose(getattr(p, kind).repeated(n) for p, n in ps)
+        if sh.backward_bucket_bytes:
+            # DeepSpeed ZeRO-1/2's reduce bucket: allocated by the first gradient's reduce hook (the
+            # output layer's, at the head's backward end: the head's peak, the loss backward, is
+            # before it), freed when the backward ends; alive under every later part's peak
+            up = sh.backward_bucket_bytes
+            ps = [(p if (last and i == 0) else
+                   replace(p, **{kind: JobMemory(getattr(p, kind).net_bytes, getattr(p, kind).peak_bytes + up)}), n)
+                  for i, (p, n) in enumerate(ps)]
         # FSDP2: a part's reduce-scatter input is alive while the next part of the backward runs
         # (PartMemory.rs_state_bytes); and a unit's pre-backward frees its own all-gather buffer
         # at the copy-out and prefetches the next unit's, whose buffer then lives through this

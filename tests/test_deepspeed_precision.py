@@ -59,8 +59,50 @@ def test_deepspeed_layer_inputs_are_half():
     """What a checkpointed layer keeps is its input: in the model's dtype under DeepSpeed, fp32
     under autocast (the residual stream of fp32 parameters)."""
     kw = dict(convention="hf", dp=DP, dtype="bf16", seq_len=1024, micro_batch=2, recompute="full")
-    ds = pipemem.estimate(MODEL, zero=3, **kw).ranks[0].stage_jobs[0]["F"]["net_bytes"]
+    ds = pipemem.estimate(MODEL, zero=2, **kw).ranks[0].stage_jobs[0]["F"]["net_bytes"]
     fsdp = pipemem.estimate(MODEL, fsdp=True, **kw).ranks[0].stage_jobs[0]["F"]["net_bytes"]
     arch = arch_from_preset("")
     boundary = 1024 * 2 * arch.hidden            # tokens x hidden
     assert fsdp - ds >= 2 * boundary * arch.layers * 0.99     # 4 B vs 2 B per element, every layer
+
+
+def test_zero3_reuse_window_keeps_the_last_layers_gathered():
+    """DeepSpeed ZeRO-3 keeps a layer gathered from its forward into its backward when the
+    elements visited in between are within stage3_max_reuse_distance: the whole small model at
+    the default, none at 0; the layers kept grow with the window and shrink under checkpointing
+    (the recomputed forwards are visited too)."""
+    from pipemem.templates.layers import zero3_reuse
+    arch = arch_from_preset("")
+    conv = convention_for(validate_plan(arch, ParallelPlan(convention="hf", zero=3, dp=DP, seq_len=512)))
+
+    def kept(window, recompute="none"):
+        plan = validate_plan(arch, ParallelPlan(convention="hf", zero=3, dp=DP, seq_len=512, recompute=recompute,
+                                                extra={"stage3_max_reuse_distance": window}))
+        return zero3_reuse(arch, plan, conv)
+    assert kept(10 ** 9).layers == arch.layers and kept(10 ** 9).embedding
+    assert kept(0).layers == 0 and not kept(0).head and not kept(0).embedding
+    counts = [kept(w).layers for w in (10 ** 7, 10 ** 8, 3 * 10 ** 8)]
+    assert counts == sorted(counts) and 0 < counts[1] < arch.layers
+    assert kept(2 * 10 ** 8, "full").layers < kept(2 * 10 ** 8).layers
+    # what it keeps is counted: the backward starts with those parameters still gathered
+    kw = dict(convention="hf", zero=3, dp=DP, seq_len=512)
+    wide = pipemem.estimate(MODEL, extra={"stage3_max_reuse_distance": 10 ** 9}, **kw).ranks[0]
+    none = pipemem.estimate(MODEL, extra={"stage3_max_reuse_distance": 0}, **kw).ranks[0]
+    assert wide.peak_allocated_bytes > none.peak_allocated_bytes
+
+
+def test_reduce_bucket_is_counted_where_deepspeed_holds_it():
+    """ZeRO-1/2: reduce_bucket_size elements of grads alive through the backward (not at the
+    optimizer step); ZeRO-3: resident (static)."""
+    kw = dict(convention="hf", dp=DP, dtype="bf16", seq_len=512)
+    small, big = {"reduce_bucket_size": 1}, {"reduce_bucket_size": 10 ** 8}
+    # a small vocabulary: the layers' backward, not the loss's, is where the bucket shows
+    model = dict(MODEL, vocab_size=1024)
+    for zero in (1, 2):
+        runs = [pipemem.estimate(model, zero=zero, extra={"reduce_bucket_size": n}, micro_batch=4,
+                                 optimizer_impl="fused", **kw).ranks[0] for n in (10 ** 9, 10 ** 9 + 10 ** 8)]
+        assert runs[1].static == runs[0].static
+        assert runs[1].peak_allocated_bytes - runs[0].peak_allocated_bytes == 2 * 10 ** 8
+    a = pipemem.estimate(MODEL, zero=3, extra=small, **kw).ranks[0]
+    b = pipemem.estimate(MODEL, zero=3, extra=big, **kw).ranks[0]
+    assert b.static.other - a.static.other == 2 * (10 ** 8 - 1)

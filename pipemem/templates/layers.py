@@ -74,6 +74,11 @@ class Shard:
     # the output layer's FSDP unit reshards after the forward (torchtitan: only with
     # fsdp_reshard_after_forward = "always"; its default keeps [norm, output] gathered)
     fsdp_head_reshard: bool = True
+    # the embedding's unit reshards after the forward (DeepSpeed ZeRO-3 keeps it gathered when
+    # its next use is within stage3_max_reuse_distance)
+    fsdp_embed_reshard: bool = True
+    zero3_kept_layers: int = 0  # DeepSpeed ZeRO-3: a stage's last layers kept gathered into the backward
+    backward_bucket_bytes: int = 0  # DeepSpeed ZeRO-1/2's reduce bucket, alive through each backward
     loss_chunks: int = 1        # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
     grads_created: bool = False
     grad_dt: str = "fp32"
@@ -100,6 +105,8 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
     sp = bool(plan.sp) and tp > 1
     kv_local = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     etp = plan.etp or 1
+    from .static import deepspeed_bucket_bytes
+    reuse = zero3_reuse(arch, plan, conv)
     return Shard(
         s=s, s_sp=s // tp if sp else s, b=plan.micro_batch, h=arch.hidden, heads=arch.heads // tp, kv=kv_local,
         d=arch.head_dim, ffn=arch.ffn // tp if arch.ffn else 0, vocab=padded_vocab(arch.vocab, tp, conv) // tp,
@@ -113,7 +120,10 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         fsdp_root=fsdp_root_unit(plan, conv),
         fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)) and (
-            conv.name != "torchtitan" or bool((plan.extra or {}).get("fsdp_reshard_head", False))),
+            conv.name != "torchtitan" or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
+        and not reuse.head,
+        fsdp_embed_reshard=not reuse.embedding, zero3_kept_layers=reuse.layers,
+        backward_bucket_bytes=deepspeed_bucket_bytes(plan) if plan.zero in (1, 2) else 0,
         loss_chunks=_torchtitan_loss_chunks(plan) if conv.name == "torchtitan" else 1,
         # In a backward that accumulates, only FSDP2's all-gather and reduce-scatter buffers
         # (torchtitan, torchtune: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
@@ -121,6 +131,49 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         # the shard otherwise, so plans that differ only in dp share every part's programs.
         grad_shard=plan.dp * plan.cp if (plan.zero >= 3 or plan.fsdp) and conv.fsdp2 else 1,
         feat=features_of(plan))
+
+
+@dataclass(frozen=True, slots=True)
+class Zero3Reuse:
+    """What DeepSpeed's ZeRO-3 keeps gathered from the forward into the backward."""
+    layers: int = 0          # a stage's last decoder layers
+    head: bool = False
+    embedding: bool = False
+
+
+# DeepSpeed's default stage3_max_reuse_distance (elements); plan.extra["stage3_max_reuse_distance"]
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def zero3_reuse(arch, plan, conv: Convention) -> Zero3Reuse:
+    """DeepSpeed ZeRO-3 (hf convention, --zero 3, not --fsdp) releases a module's gathered
+    parameters after its forward only when they are not used again within
+    `stage3_max_reuse_distance` elements of the parameters the step's trace visits in between
+    (partitioned_param_coordinator.py `__params_to_release`). A decoder layer is used next in its
+    own backward: in between run the later layers' forwards, the head's forward and backward and
+    the later layers' backwards (twice each under activation checkpointing: the recomputed
+    forward fetches them again), so the last layers stay gathered -- all of them when the model
+    is small. The head is reused at once; the embedding by a tied head at the forward's end, else
+    by its own backward at the step's end. Within a pipeline stage counted as if it were the whole
+    model. Held against DeepSpeed's own engine by `pipemem validate deepspeed`."""
+    if conv.name != "hf" or plan.zero != 3 or plan.fsdp:
+        return Zero3Reuse()
+    from .static import layer_kind_counts, moe_layers_in
+    window = int((plan.extra or {}).get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
+    n = arch.layers
+    n_moe = moe_layers_in(arch, range(n))
+    total = sum(k * sum(layer_kind_counts(arch, moe, plan.tp, plan.etp or 1, plan.ep))
+                for moe, k in ((True, n_moe), (False, n - n_moe)) if k)
+    per_layer = total / max(1, n)
+    head = padded_vocab(arch.vocab, plan.tp, conv) // plan.tp * arch.hidden
+    visits = 2 if plan.recompute == "full" else 1     # backward visits of a later layer
+
+    def distance(later_layers: int) -> float:
+        return later_layers * per_layer * (1 + visits) + 2 * head
+    kept = sum(1 for i in range(n) if distance(n - 1 - i) < window)
+    tied = bool(getattr(arch, "tied_embeddings", False))
+    emb = n * per_layer if tied else distance(n) + head
+    return Zero3Reuse(layers=kept, head=2 * head < window, embedding=emb < window)
 
 
 def root_unit_bytes(arch, sh: Shard) -> int:
@@ -181,6 +234,9 @@ class LayerOptions:
     flash: bool
     recompute: str          # none | selective | core_attn | full_attn | full
     offload_keep: int = 0   # activation offload: the layer's last saved tensors left on the GPU
+    # DeepSpeed ZeRO-3: the parameters gathered for the layer's forward stay gathered into its
+    # backward (reused within stage3_max_reuse_distance: `zero3_kept_layers`)
+    fsdp_keep: bool = False
     # HF MoE router and shared expert (ArchSpec fields of the same names)
     router_norm_topk: bool = True
     router_weights_cast: bool = False
@@ -1039,6 +1095,8 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     """Tape of one decoder layer; returns (tape, input name, output name)."""
     tape = Tape(prefix)
     g = _Gen(tape, sh, conv, prefix)
+    if opt.fsdp_keep:
+        tape.fsdp_reshard = False
     g._uses_rope = arch.position == "rope"
     g.norm_weight_first = opt.norm_weight_first or conv.norm_weight_first
     tok = (sh.s_sp, sh.b, sh.h)
@@ -1120,6 +1178,7 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
     backward (which runs first) has created its .grad and this one accumulates into it."""
     tape = Tape("emb.")
     g = _Gen(tape, sh, conv, "emb.")
+    tape.fsdp_reshard = sh.fsdp_embed_reshard
     if sh.fsdp_root:
         # FSDP2's root unit, gathered here with the final norm and the output layer (tape.py)
         tape.root_role = "first"

@@ -162,7 +162,7 @@ def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, ranges: 
     dense = expert = 0
     for moe, n in ((True, n_moe), (False, n_layers - n_moe)):
         if n:
-            d, e = _layer_counts(arch, moe, tp, etp, ep)
+            d, e = layer_kind_counts(arch, moe, tp, etp, ep)
             dense += n * d
             expert += n * e
     if has_embedding:
@@ -173,7 +173,7 @@ def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, ranges: 
 
 
 @lru_cache(maxsize=8192)
-def _layer_counts(arch, moe: bool, tp: int, etp: int, ep: int) -> tuple[int, int]:
+def layer_kind_counts(arch, moe: bool, tp: int, etp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) elements of one MoE or dense layer (all layers of a kind have the same shapes)."""
     dense = expert = 0
     for shape, is_expert in layer_param_shapes(arch, _layer_of_kind(arch, moe), tp, etp, ep).values():
@@ -255,6 +255,8 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
         other += megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
                                         plan.pp * plan.vpp - 1 in rank_stages)
+    if plan.zero == 3:
+        other += deepspeed_bucket_bytes(plan)      # DeepSpeed ZeRO-3's resident reduce bucket
     optimizer = master + states + _offload_fp32_grads(arch, plan, conv, stage_layers, rank_stages)
     return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=optimizer, other=other),
                       plan.grads, plan.step, states)
@@ -304,7 +306,7 @@ def _sharded(dense: int, expert: int, per_param: tuple, dp_group: int, edp_group
 
 def clear_caches() -> None:
     _rank_counts.cache_clear()
-    _layer_counts.cache_clear()
+    layer_kind_counts.cache_clear()
     _sharded.cache_clear()
     _fp8_layer_linear.cache_clear()
 
@@ -351,6 +353,22 @@ def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages)
 def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
     shapes = layer_param_shapes(arch, index, tp, etp, ep)
     return sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+
+
+# DeepSpeed's default reduce_bucket_size (elements); plan.extra["reduce_bucket_size"] (HF's Trainer
+# fills in hidden^2 for "auto", Lightning's DeepSpeedStrategy 2e8)
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+def deepspeed_bucket_bytes(plan) -> int:
+    """DeepSpeed's reduce bucket under --convention hf --zero N: `reduce_bucket_size` elements in
+    the gradients' dtype (stage_1_and_2 / stage3 `ipg_buckets`). ZeRO-1/2 allocate it when the
+    backward starts and free it when it ends; ZeRO-3 holds it from initialize on (validate
+    deepspeed). 0 for every other plan."""
+    if plan.convention != "hf" or not 1 <= plan.zero <= 3 or plan.fsdp:
+        return 0
+    elems = int((plan.extra or {}).get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET))
+    return elems * dtype_bytes(plan.main_grad_dtype or plan.dtype)
 
 
 def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],

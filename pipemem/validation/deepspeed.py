@@ -71,9 +71,7 @@ def all_cases() -> list[dict]:
     ]
 
 
-# ZeRO-3's cases are off by -10 / -12 %: parameters gathered within stage3_max_reuse_distance stay
-# gathered from the forward into the backward, which is not modelled (the estimate warns)
-CI_CASES = ("zero1", "zero2-ckpt")
+CI_CASES = ("zero2-ckpt", "zero3")
 
 
 def hf_config(case: dict) -> dict:
@@ -103,13 +101,18 @@ def plan_kwargs(case: dict) -> dict:
     """The plan of the run: hf layers, bf16 with fp32 master weights, ZeRO-N over the world, DeepSpeed's
     AdamW as torch.optim.AdamW (the for-loop path on CPU tensors: one flat fp32 partition per group),
     the hf convention's gradients for DeepSpeed (made by each backward under ZeRO-1/2, ZeRO-3's
-    resident partition buffer). DeepSpeed's bucket settings (`zero_settings`) are not plan
-    fields: pipemem does not model them (the estimate warns; the ds-defaults cases show how much
-    they weigh)."""
+    resident partition buffer). Of DeepSpeed's settings (`zero_settings`), reduce_bucket_size and
+    stage3_max_reuse_distance reach the plan (`extra`, as the templates read them); prefetch and
+    all-gather buckets are transient and not modelled."""
     kw = dict(convention="hf", dtype="bf16", zero=case["zero"], dp=case["world"], seq_len=case["seq_len"],
               micro_batch=case["micro_batch"], optimizer="adamw", optimizer_impl="for-loop")
     if case.get("gradient_checkpointing"):
         kw["recompute"] = "full"
+    # the DeepSpeed settings the templates read: the reduce bucket and ZeRO-3's reuse window
+    z = zero_settings(case)
+    kw["extra"] = {"reduce_bucket_size": z["reduce_bucket_size"]}
+    if case["zero"] == 3:
+        kw["extra"]["stage3_max_reuse_distance"] = z["max_reuse_distance"]
     return kw
 
 

@@ -398,6 +398,10 @@ def translate(rec: dict) -> dict:
                    partial=(config, plan))
     if "loss" in assumed:
         plan["loss"] = assumed["loss"]
+    lightning_ds = convention == "hf" and "deepspeedstrategy" in fw_text.replace(" ", "")
+    if lightning_ds:
+        # Lightning's DeepSpeedStrategy passes its own reduce_bucket_size default (2e8), not DeepSpeed's 5e8
+        plan.setdefault("extra", {})["reduce_bucket_size"] = 200_000_000
     if "microbatches" in assumed:
         plan["microbatches"] = assumed["microbatches"]
     elif _int(rec.get("global_batch")) is not None and pp > 1:
@@ -415,6 +419,8 @@ def translate(rec: dict) -> dict:
                      "QKV, RMSNorm and rope; gradient clipping on" + ("; auto-parallel: full-vocabulary loss"
                                                                      if "auto" in fw_text else "")
                      + "), as --from-paddlenlp reads them")
+    if lightning_ds:
+        notes.append("DeepSpeed's reduce bucket at Lightning's DeepSpeedStrategy default (reduce_bucket_size 2e8)")
     if legacy_norm:
         notes.append("torchtune's own RMSNorm of the record's date (before torchtune PR #2054, 2024-11-25: "
                      "normalise in fp32, cast, then scale, as HF's)")
@@ -623,12 +629,11 @@ EXPLAINED: dict[str, list[str]] = {
         "it was -21.7 % without them); the remaining -6 % is unexplained"],
     "colossal-lightning-gpt2xl-deepspeed-zero3": [
         "the peak is the end of the forward at b 40: the fp16 logits, their shifted copy and the fp16 "
-        "log-softmax (3 x 3.8 GiB) over the checkpointed layer inputs (5.9 GiB in half) and the ZeRO-3 "
-        "states with their resident fp16 grad partition (6.5 GiB); it was +60 % with the model under "
-        "autocast (fp32 layer inputs) and HF's fp32 upcast in the loss, +38 % with DeepSpeed's half model "
-        "and fp32 master partitions alone (see 'alt'); the remaining -5.3 % (1.3 GiB) is what pipemem "
-        "validate deepspeed finds unmodelled: ZeRO-3 parameters kept gathered within "
-        "stage3_max_reuse_distance and the reduce bucket (Lightning's 2e8 elements, 0.37 GiB)"],
+        "log-softmax (3 x 3.8 GiB) over the checkpointed layer inputs (5.9 GiB in half), the ZeRO-3 states "
+        "with their resident fp16 grad partition, the reduce bucket and the last layers' parameters kept "
+        "gathered for the backward (stage3_max_reuse_distance), as validate deepspeed found them in "
+        "DeepSpeed's own engine; it was +60 % with the model under autocast (fp32 layer inputs) and HF's fp32 "
+        "upcast in the loss, +38 % with DeepSpeed's half model and fp32 master partitions alone"],
     "paddle-pr62865-1F1B-rank0": [
         "PaddleNLP's own programs for this run, built by Paddle 3.3.1's passes (`--exact`, see its note), agree with the template within 0.2 % per "
         "rank (it was -20 % before the record took PaddleNLP's kernel defaults: unfused QKV, RMSNorm and rope). "
