@@ -67,3 +67,51 @@ def case_names(text: str, known, target: str) -> list[str]:
         raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; see pipemem validate {target} --list")
     return names
 
+
+
+def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases, tolerance: float,
+                    json_header: dict, measured_label: str = "measured") -> int:
+    """The CLI of a validate target whose cases each give one row (torchtune, deepspeed): --list,
+    the selection (--cases / --full / the CI subset), the library check, a progress line per case,
+    the JSON or the summary line; exit 1 when a case is off by more than `tolerance`."""
+    import json
+    import subprocess
+    import sys
+
+    from ..errors import UserError
+    from ..units import fmt_bytes
+    if args.list:
+        for c in all_cases():
+            print(c["name"])
+        return 0
+    if args.timeout <= 0:
+        raise UserError("--timeout: must be a positive number of seconds")
+    known = {c["name"]: c for c in all_cases()}
+    if args.cases:
+        cases = [known[n] for n in case_names(args.cases, known, target)]
+    else:
+        cases = list(known.values()) if args.full else [known[n] for n in ci_cases]
+    why = available()
+    if why:
+        raise UserError(f"validate {target}: {why}")
+
+    def progress(r):
+        if not args.json:
+            print(f"{r.name:28s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                  f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}", flush=True)
+
+    if not args.json:
+        print(f"{'case / rank':28s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
+              f"{measured_label} peak at")
+    try:
+        rows = run_cases(cases, args.timeout, progress)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"pipemem: validate {target}: {e}", file=sys.stderr)
+        return 1
+    worst = max_abs_rel_error(rows) or 0.0
+    if args.json:
+        print(json.dumps({"target": target, **json_header, "cases": [r.to_dict() for r in rows],
+                          "max_abs_rel_error": worst}, indent=1))
+    else:
+        print(f"max |rel_error| = {worst:.2%} over {len(rows)} cases (tolerance {tolerance:.0%})")
+    return 0 if worst <= tolerance else 1

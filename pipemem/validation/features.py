@@ -324,7 +324,8 @@ def _chunked_head_trace(compiled: bool):
     return f.net_bytes, b.peak_bytes + f.net_bytes
 
 
-def _chunked_head_template(compiled: bool):
+def _head_memory(**plan):
+    """The template's head part (final norm, output layer, loss) of HEAD in pure bf16, hf convention."""
     from ..model import arch_from_hf_config
     from ..plan import ParallelPlan, validate_plan
     from ..templates.conventions import convention_for
@@ -333,9 +334,13 @@ def _chunked_head_template(compiled: bool):
 
     arch = arch_from_hf_config(HEAD, "t")
     p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
-                                         convention="hf", loss="chunked", loss_chunks=CHUNKS, compile=compiled))
+                                         convention="hf", **plan))
     conv = convention_for(p)
-    hm = head_memory(arch, make_shard(arch, p, conv), conv)
+    return head_memory(arch, make_shard(arch, p, conv), conv)
+
+
+def _chunked_head_template(compiled: bool):
+    hm = _head_memory(loss="chunked", loss_chunks=CHUNKS, compile=compiled)
     # the traced step keeps its input as a static input; the template part frees it after its
     # last use (the next part owns it): count it on both sides
     return hm.F.net_bytes + hm.input_bytes, hm.B.peak_bytes + hm.F.net_bytes + hm.input_bytes
@@ -381,17 +386,7 @@ def _shifted_head_trace():
 
 
 def _shifted_head_template():
-    from ..model import arch_from_hf_config
-    from ..plan import ParallelPlan, validate_plan
-    from ..templates.conventions import convention_for
-    from ..templates.layers import make_shard
-    from ..templates.programs import head_memory
-
-    arch = arch_from_hf_config(HEAD, "t")
-    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
-                                         convention="hf", loss="shifted"))
-    conv = convention_for(p)
-    hm = head_memory(arch, make_shard(arch, p, conv), conv)
+    hm = _head_memory(loss="shifted")
     # the traced input is a static input of the step; the template part frees it (see above)
     return hm.F.peak_bytes + hm.input_bytes, hm.F.net_bytes + hm.input_bytes, \
         hm.B.peak_bytes + hm.F.net_bytes + hm.input_bytes
