@@ -427,13 +427,16 @@ def _template_warnings(arch, plan) -> list[str]:
         # docs/ACCURACY.md, "DeepSpeed's own engine" (validate deepspeed): the bucket is counted at
         # DeepSpeed's default unless plan.extra names reduce_bucket_size; the gather / prefetch
         # buckets of ZeRO-3's parameter fetches are not counted
+        parts = []
         if "reduce_bucket_size" not in (plan.extra or {}):
             b = dtype_bytes(plan.main_grad_dtype or plan.dtype)
-            out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: its reduce bucket is counted at "
-                       f"DeepSpeed's default reduce_bucket_size 5e8 ({fmt_bytes(DEEPSPEED_REDUCE_BUCKET * b)}); HF's "
-                       f"Trainer fills in hidden^2 for 'auto' ({fmt_bytes(arch.hidden ** 2 * b)}), Lightning 2e8"
-                       + ("; ZeRO-3's all-gather and prefetch buckets (transient) are not counted" if plan.zero == 3
-                          else ""))
+            parts.append(f"its reduce bucket is counted at DeepSpeed's default reduce_bucket_size 5e8 "
+                         f"({fmt_bytes(DEEPSPEED_REDUCE_BUCKET * b)}); HF's Trainer fills in hidden^2 for 'auto' "
+                         f"({fmt_bytes(arch.hidden ** 2 * b)}), Lightning 2e8")
+        if plan.zero == 3:
+            parts.append("ZeRO-3's all-gather and prefetch buckets (transient) are not counted")
+        if parts:
+            out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: " + "; ".join(parts))
     return out
 
 
