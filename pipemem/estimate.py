@@ -435,6 +435,12 @@ def _template_warnings(arch, plan) -> list[str]:
                          f"({fmt_bytes(arch.hidden ** 2 * b)}), Lightning 2e8")
         if plan.zero == 3:
             parts.append("ZeRO-3's all-gather and prefetch buckets (transient) are not counted")
+        if plan.optimizer_offload:
+            # read from DeepSpeed's code, not measured: on its CPU accelerator (validate deepspeed)
+            # host and device memory are one allocator
+            parts.append("ZeRO-Offload is taken from DeepSpeed's code, not measured: the fp32 master, Adam "
+                         "states and the step's fp32 grad partition are off the GPU; its GPU staging buffers "
+                         "(ZeRO-1/2: one the size of the largest parameter) are not counted")
         if parts:
             out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: " + "; ".join(parts))
     return out

@@ -347,7 +347,9 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
     tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
     fparts = ([(embedding_memory(arch, sh, conv, seq_len, tied_head), 1)] if first else []) + \
         _stage_prologue(sh, conv, runs) + \
-        parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts), 1)] if last else [])
+        parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts,
+                               tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard), 1)]
+                 if last else [])
     bparts = fparts[::-1]
 
     def walk(ps, kind):

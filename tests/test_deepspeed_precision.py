@@ -14,7 +14,7 @@ from pipemem.templates.static import optimizer_step_scratch, rank_param_counts
 DP = 4
 
 
-# untied (a tied word embedding's grad shard is counted twice under ZeRO-3: docs/ACCURACY.md)
+# untied, so every parameter count below is the model's own (validate deepspeed's zero3-tied case holds the tied one)
 MODEL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
          "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 32000, "tie_word_embeddings": False}
 
@@ -106,3 +106,21 @@ def test_reduce_bucket_is_counted_where_deepspeed_holds_it():
     a = pipemem.estimate(MODEL, zero=3, extra=small, **kw).ranks[0]
     b = pipemem.estimate(MODEL, zero=3, extra=big, **kw).ranks[0]
     assert b.static.other - a.static.other == 2 * (10 ** 8 - 1)
+
+
+def test_zero3_tied_head_reads_the_embeddings_gathered_weight():
+    """A tied word embedding is one parameter: ZeRO-3 keeps it gathered from the embedding's forward
+    (the head reuses it within stage3_max_reuse_distance), so the head gathers nothing more for it.
+    Above the static state, the untied model's peak (the loss backward) holds exactly one gathered
+    [vocab, hidden] weight more: its output layer's (it was equal when the tied weight was gathered
+    twice). A window shorter than a layer keeps nothing gathered (every layer's weights released)."""
+    tied = dict(MODEL, tie_word_embeddings=True)
+    v, h = MODEL["vocab_size"], MODEL["hidden_size"]
+    kw = dict(convention="hf", zero=3, dp=DP, dtype="bf16", seq_len=512)
+    above = lambda r: r.peak_allocated_bytes - r.static.total  # noqa: E731
+    kept = pipemem.estimate(tied, **kw).ranks[0]
+    untied = pipemem.estimate(MODEL, **kw).ranks[0]
+    short = pipemem.estimate(tied, extra={"stage3_max_reuse_distance": 1}, **kw).ranks[0]
+    assert kept.peak_at == untied.peak_at
+    assert above(untied) - above(kept) == 2 * v * h
+    assert above(short) < above(kept)

@@ -68,3 +68,5 @@ def test_validate_deepspeed_ci_cases_agree():
     assert {r["case"] for r in d["cases"]} == set(CI_CASES)
     for r in d["cases"]:
         assert r["measured_bytes"] > 0 and abs(r["rel_error"]) <= TOLERANCE, r
+        # the settings the plan assumes (read from the config, else pipemem's defaults) are the engine's
+        assert r["settings_disagree"] == {}, r["settings_disagree"]

@@ -28,6 +28,7 @@ examples:
   pipemem estimate --gpu h100-80g --from-torchtitan - -- --module llama3 --config llama3_8b \
       --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
+  pipemem estimate --model llama3-8b --gpu a100-80g --dp 8 --seq-len 4096 --recompute full --deepspeed ds_config.json
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
       --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \
@@ -99,6 +100,11 @@ def register(sub) -> None:
     sh.add_argument("--fsdp", action="store_const", const=True, default=None, help="FSDP full sharding over dp")
     sh.add_argument("--dist-opt", action="store_const", const=True, default=None,
                     help="Megatron distributed optimizer (optimizer states and master weights sharded over dp)")
+    sh.add_argument("--deepspeed", metavar="FILE.json",
+                    help="read a DeepSpeed config (ds_config.json, as Hugging Face's Trainer --deepspeed or "
+                         "Lightning's DeepSpeedStrategy take it) for a --model: ZeRO stage, bf16 / fp16, micro-batch, "
+                         "reduce bucket, overlap_comm, stage3_max_reuse_distance, optimizer offload; \"auto\" values "
+                         "come from --dtype / --micro-batch / --dp")
     sh.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16 mixed precision)")
     _bool_flag(sh, "--master-weights", "fp32 master weights (default on; pure bf16 training keeps none)")
     sh.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
@@ -201,6 +207,9 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
                                ("--from-paddlenlp", args.from_paddlenlp),
                                ("--from-torchtitan", args.from_torchtitan is not None),
                                ("--from-torchtune", args.from_torchtune is not None)) if on]
+    if args.deepspeed is not None and sources != ["--model"]:
+        raise UserError("--deepspeed reads a DeepSpeed config, which names no model: give it with --model "
+                        "NAME|config.json (and no other model source)")
     if len(sources) > 1:
         raise UserError(f"give one model source, not {' and '.join(sources)}")
     if not sources:
@@ -224,6 +233,10 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         mode = "paddle"
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": mode,
             "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
+    if args.deepspeed is not None:
+        plan, warnings = _with_deepspeed(args.model, args.deepspeed, flags)
+        refuse_inert(flags, plan, opts)
+        return args.model, plan, opts, warnings
     if args.model is not None:
         refuse_inert(flags, flags, opts)
         return args.model, flags, opts, []
@@ -261,6 +274,29 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         plan = finish_plan(plan, int(layers))
     refuse_inert(flags, plan, opts)
     return tool.model, plan, opts, list(tool.warnings)
+
+
+# a DeepSpeed config's "auto" -> (its key, the pipemem flag that gives it)
+_NEEDED_FLAG = {"dtype": ("bf16.enabled / fp16.enabled", "--dtype bf16|fp16|fp32 (the Trainer's --bf16 / --fp16)"),
+                "micro_batch": ("train_micro_batch_size_per_gpu",
+                                "--micro-batch N (the Trainer's per_device_train_batch_size)")}
+
+
+def _with_deepspeed(model, path: str, flags: dict) -> tuple[dict, list[str]]:
+    """The DeepSpeed config's plan for `model`, completed by the flags; its "auto" values must
+    come from flags (Hugging Face's Trainer fills them from its own arguments)."""
+    from ..configs.deepspeed import read as read_deepspeed
+    from ..estimate import resolve_model
+    from ..model import arch_from_hf_config
+    name, _, cfg = resolve_model(model)
+    tool = read_deepspeed(path, hidden=arch_from_hf_config(cfg, name).hidden)
+    missing = [k for k in tool.needs if k not in flags]
+    if missing:
+        keys = " and ".join(_NEEDED_FLAG[k][0] for k in missing)
+        raise UserError(f"--deepspeed {path}: {keys} {'is' if len(missing) == 1 else 'are'} \"auto\" (the Trainer "
+                        f"fills {'it' if len(missing) == 1 else 'them'} in): give "
+                        f"{' and '.join(_NEEDED_FLAG[k][1] for k in missing)}")
+    return merge(tool, flags), list(tool.warnings)
 
 
 def refuse_inert(given: dict, plan: dict, opts: dict) -> None:

@@ -13,6 +13,7 @@ class ToolConfig:
     tool: str = ""
     model_name: str = ""          # display name when `model` is a dict
     dp_unknown: bool = False      # the world size is not in the tool's arguments: pipemem --dp gives it
+    needs: list[str] = field(default_factory=list)   # plan keys the tool leaves to its caller ("auto"): flags must give them
 
     def as_tuple(self):
         return self.model, self.plan, self.warnings

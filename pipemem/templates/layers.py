@@ -27,7 +27,7 @@ from ..features import NONE as NO_FEATURES
 from ..features import Features, features_of
 from ..ir import dtype_bytes
 from .conventions import CONVENTIONS, Convention, padded_vocab
-from .tape import COMM, BwdOp, Tape
+from .tape import COMM, PARAM, BwdOp, Tape
 
 MASK = "bool"
 CONVENTIONS_PADDLE = CONVENTIONS["paddle"]
@@ -1257,9 +1257,20 @@ def causal_mask_tape(sh: Shard, keep: bool) -> tuple[Tape, str, str]:
     return tape, x, y
 
 
-def head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
+def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) -> tuple[Tape, str, str]:
     """Final norm, vocab-parallel output linear, fp32 logits and cross entropy (last stage).
-    Returns (tape, input name, loss name)."""
+    Returns (tape, input name, loss name). tied_gathered: the output weight is the word
+    embedding and the stage's embedding keeps it gathered from its forward to its backward
+    (DeepSpeed ZeRO-3's reuse window, `zero3_reuse`): one parameter, which DeepSpeed gathers
+    once, so the head's gathers leave it out."""
+    tape, x, loss = _head_tape(arch, sh, conv)
+    if tied_gathered:
+        tape.fsdp_gathered_elsewhere = frozenset(
+            n for n, t in tape.tensors.items() if t.kind is PARAM and n.endswith("output.weight"))
+    return tape, x, loss
+
+
+def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
     tape.fsdp_reshard = sh.fsdp_head_reshard

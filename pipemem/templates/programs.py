@@ -152,7 +152,8 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan, tied_head: bool 
     return _analyze(tape, ids, y, y)
 
 
-def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartPrograms:
+def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False,
+                  tied_gathered: bool = False) -> PartPrograms:
     # torchtitan 0.3's ChunkedLossWrapper: its default head, and what `--loss chunked` means under
     # the torchtitan convention; the other losses (pipemem.templates.losses: torchtune's chunked
     # CE under hf, Liger's, Megatron's) and a compiled loss take the tape
@@ -160,7 +161,7 @@ def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False) -
             and not sh.feat.compile_loss):
         F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
         return PartPrograms(F, B, B, W, x, y, results)
-    tape, x, loss = head_tape(arch, sh, conv)
+    tape, x, loss = head_tape(arch, sh, conv, tied_gathered)
     return _analyze(tape, x, loss, loss, keep_input)
 
 
@@ -197,9 +198,12 @@ def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int, tied_head:
 
 
 @lru_cache(maxsize=1024)
-def head_memory(arch, sh: Shard, conv: Convention, keep_input: bool = False) -> PartMemory:
-    """`keep_input`: the head is the first part of its stage (a last stage without layers)."""
-    return _part_memory(head_programs(arch, sh, conv, keep_input), _act_bytes(sh), 0)
+def head_memory(arch, sh: Shard, conv: Convention, keep_input: bool = False,
+                tied_gathered: bool = False) -> PartMemory:
+    """`keep_input`: the head is the first part of its stage (a last stage without layers);
+    `tied_gathered`: its weight is the stage's word embedding, held gathered by the embedding's
+    part (`head_tape`)."""
+    return _part_memory(head_programs(arch, sh, conv, keep_input, tied_gathered), _act_bytes(sh), 0)
 
 
 @lru_cache(maxsize=1024)

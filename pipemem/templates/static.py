@@ -363,12 +363,18 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 def deepspeed_bucket_bytes(plan) -> int:
     """DeepSpeed's reduce bucket under --convention hf --zero N: `reduce_bucket_size` elements in
     the gradients' dtype (stage_1_and_2 / stage3 `ipg_buckets`). ZeRO-1/2 allocate it when the
-    backward starts and free it when it ends; ZeRO-3 holds it from initialize on (validate
-    deepspeed). 0 for every other plan."""
+    backward starts and free it when it ends, two of them with `overlap_comm` (a double buffer, so
+    the next bucket fills while the last one reduces); ZeRO-3 holds one from initialize on. Only
+    with `contiguous_gradients` (DeepSpeed's default): without it the grads are reduced where
+    they are (validate deepspeed). 0 for every other plan."""
     if plan.convention != "hf" or not 1 <= plan.zero <= 3 or plan.fsdp:
         return 0
-    elems = int((plan.extra or {}).get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET))
-    return elems * dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    extra = plan.extra or {}
+    if not extra.get("contiguous_gradients", True):
+        return 0
+    elems = int(extra.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET))
+    buffers = 2 if plan.zero in (1, 2) and extra.get("overlap_comm", False) else 1
+    return buffers * elems * dtype_bytes(plan.main_grad_dtype or plan.dtype)
 
 
 def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],
@@ -381,11 +387,12 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
     --use-precision-aware-optimizer reads the narrow grads directly.
     DeepSpeed's ZeRO optimizer does the same for the rank's partition at the step (stage_1_and_2 /
     stage3 `step`: the partition's grads flattened and cast to fp32, handed to the optimizer as
-    the fp32 master's grad, freed when it has stepped)."""
+    the fp32 master's grad, freed when it has stepped); with ZeRO-Offload that fp32 partition is
+    on the CPU with the master (stage_1_and_2 `self.device` is 'cpu' under cpu_offload)."""
     extra = plan.extra or {}
     if getattr(plan, "deepspeed_mixed_precision", False):
         elems, _ = optimizer_elems(arch, plan, conv, stage_layers, rank_stages)
-        return elems * 4
+        return int(elems * 4 * (1.0 - float(plan.optimizer_offload or 0.0)))
     if conv.name != "megatron" or not plan.master_weights or extra.get("precision_aware_optimizer"):
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:

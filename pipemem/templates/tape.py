@@ -113,6 +113,9 @@ class Tape:
         self.fsdp_ag_state = False
         self.fsdp_group = 1
         self.fsdp_reduce_dtype = "fp32"   # FSDP2's reduce-scatter dtype
+        # parameters another part of the stage holds gathered while this one runs (ZeRO-3's tied
+        # word embedding, kept from the embedding's forward to its backward): not gathered again
+        self.fsdp_gathered_elsewhere: frozenset[str] = frozenset()
         # the forward's last unit, kept unsharded: no later copy-out in the forward frees its
         # all-gather buffer, which stays until the backward's first copy-out (the unit's end here)
         self.fsdp_state_to_backward = False
@@ -266,7 +269,7 @@ class Tape:
     def _fsdp_param_bytes(self) -> int:
         seen: dict[str, int] = {}
         for t in self.tensors.values():
-            if t.kind is PARAM:
+            if t.kind is PARAM and t.name not in self.fsdp_gathered_elsewhere:
                 seen[t.storage] = max(seen.get(t.storage, 0), t.nbytes)
         return sum(seen.values())
 

@@ -70,10 +70,12 @@ def case_names(text: str, known, target: str) -> list[str]:
 
 
 def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases, tolerance: float,
-                    json_header: dict, measured_label: str = "measured") -> int:
-    """The CLI of a validate target whose cases each give one row (torchtune, deepspeed): --list,
-    the selection (--cases / --full / the CI subset), the library check, a progress line per case,
-    the JSON or the summary line; exit 1 when a case is off by more than `tolerance`."""
+                    json_header: dict, measured_label: str = "measured", name_width: int = 28,
+                    rows_are: str = "cases") -> int:
+    """The CLI of a validate target with named cases (torchtune, deepspeed, torchtitan): --list,
+    the selection (--cases / --full / the CI subset), the library check, a progress line per row
+    (`run_cases` reports a case's row, or its list of rows: one per rank), the JSON or the summary
+    line; exit 1 when a row is off by more than `tolerance`."""
     import json
     import subprocess
     import sys
@@ -95,13 +97,14 @@ def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases
     if why:
         raise UserError(f"validate {target}: {why}")
 
-    def progress(r):
-        if not args.json:
-            print(f"{r.name:28s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
-                  f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}", flush=True)
+    def progress(done):
+        for r in done if isinstance(done, list) else [done]:
+            if not args.json:
+                print(f"{r.name:{name_width}s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                      f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}", flush=True)
 
     if not args.json:
-        print(f"{'case / rank':28s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
+        print(f"{'case / rank':{name_width}s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
               f"{measured_label} peak at")
     try:
         rows = run_cases(cases, args.timeout, progress)
@@ -113,5 +116,5 @@ def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases
         print(json.dumps({"target": target, **json_header, "cases": [r.to_dict() for r in rows],
                           "max_abs_rel_error": worst}, indent=1))
     else:
-        print(f"max |rel_error| = {worst:.2%} over {len(rows)} cases (tolerance {tolerance:.0%})")
+        print(f"max |rel_error| = {worst:.2%} over {len(rows)} {rows_are} (tolerance {tolerance:.0%})")
     return 0 if worst <= tolerance else 1

@@ -50,8 +50,9 @@ def hf_auto(stage: int, hidden: int) -> dict:
     return out
 
 
-def _case(name: str, zero: int, world: int = 2, buckets: str = "hf-auto", **extra) -> dict:
-    case = {"name": name, "world": world, "zero": zero, "seq_len": SEQ, "micro_batch": 2, "model": dict(MODEL),
+def _case(name: str, zero: int, world: int = 2, buckets: str = "hf-auto", tied: bool = False, **extra) -> dict:
+    case = {"name": name, "world": world, "zero": zero, "seq_len": SEQ, "micro_batch": 2,
+            "model": dict(MODEL, tied=tied),
             "buckets": buckets, "zero_config": hf_auto(zero, MODEL["hidden"]) if buckets == "hf-auto" else {}}
     case.update(extra)
     return case
@@ -67,10 +68,18 @@ def all_cases() -> list[dict]:
         _case("zero2-world4", 2, world=4),
         _case("zero1-ds-defaults", 1, buckets="deepspeed"),
         _case("zero3-ds-defaults", 3, buckets="deepspeed"),
+        # a tied word embedding: one parameter, gathered once by ZeRO-3 for the embedding and the head
+        _case("zero3-tied", 3, tied=True),
+        _case("zero2-tied", 2, tied=True),
+        # ZeRO-1/2's overlap_comm double-buffers the reduce bucket (at DeepSpeed's 5e8 elements: 2 GB);
+        # without contiguous_gradients there is no bucket (ZeRO-3's resident one at 5e6 elements)
+        _case("zero2-overlap-ds", 2, buckets="deepspeed", zero_config={"overlap_comm": True}),
+        _case("zero3-noncontig", 3, buckets="custom",
+              zero_config={"contiguous_gradients": False, "reduce_bucket_size": 5_000_000}),
     ]
 
 
-CI_CASES = ("zero2-ckpt", "zero3")
+CI_CASES = ("zero2-ckpt", "zero3", "zero3-tied", "zero2-overlap-ds")
 
 
 def hf_config(case: dict) -> dict:
@@ -82,36 +91,35 @@ def hf_config(case: dict) -> dict:
             "rope_theta": 500000, "torch_dtype": "float32"}
 
 
-def zero_settings(case: dict) -> dict:
-    """The case's zero_optimization block with DeepSpeed 0.19's defaults filled in (what the engine
-    reports back: `deepspeed_trace.zero_settings`)."""
-    z = case["zero"]
-    out = {"contiguous_gradients": True, "overlap_comm": z == 3, "reduce_bucket_size": 500_000_000,
-           "allgather_bucket_size": 500_000_000}
-    if z == 3:
-        out.update(prefetch_bucket_size=50_000_000, param_persistence_threshold=100_000,
-                   max_live_parameters=1_000_000_000, max_reuse_distance=1_000_000_000)
-    for k, v in case.get("zero_config", {}).items():
-        out[k.replace("stage3_", "")] = v
+def assumed_settings(plan_kw: dict) -> dict:
+    """The DeepSpeed settings the plan stands for: the config's, read into `extra`, else pipemem's
+    defaults for them (DeepSpeed 0.19's). Set against what the engine reports back
+    (`deepspeed_trace.zero_settings`) in every row: a default pipemem assumes wrongly shows there."""
+    from ..templates.layers import ZERO3_MAX_REUSE_DISTANCE
+    from ..templates.static import DEEPSPEED_REDUCE_BUCKET
+    extra = plan_kw.get("extra") or {}
+    out = {"reduce_bucket_size": int(extra.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET)),
+           "contiguous_gradients": bool(extra.get("contiguous_gradients", True))}
+    if plan_kw["zero"] in (1, 2):
+        out["overlap_comm"] = bool(extra.get("overlap_comm", False))
+    else:
+        out["max_reuse_distance"] = int(extra.get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
     return out
 
 
 def plan_kwargs(case: dict) -> dict:
-    """The plan of the run: hf layers, bf16 with fp32 master weights, ZeRO-N over the world, DeepSpeed's
-    AdamW as torch.optim.AdamW (the for-loop path on CPU tensors: one flat fp32 partition per group),
-    the hf convention's gradients for DeepSpeed (made by each backward under ZeRO-1/2, ZeRO-3's
-    resident partition buffer). Of DeepSpeed's settings (`zero_settings`), reduce_bucket_size and
-    stage3_max_reuse_distance reach the plan (`extra`, as the templates read them); prefetch and
-    all-gather buckets are transient and not modelled."""
-    kw = dict(convention="hf", dtype="bf16", zero=case["zero"], dp=case["world"], seq_len=case["seq_len"],
-              micro_batch=case["micro_batch"], optimizer="adamw", optimizer_impl="for-loop")
+    """The plan of the run, read from the very DeepSpeed config the engine is given
+    (`deepspeed_trace.ds_config`) by `pipemem.configs.deepspeed` -- what `--deepspeed` reads -- so
+    the reader and pipemem's defaults for what the config leaves out (DeepSpeed's own) are held
+    against the engine too. Added: the world (dp), the sequence, gradient checkpointing (an HF
+    model's switch, not DeepSpeed's) and the for-loop step: torch.optim.AdamW (the config's
+    torch_adam) takes it on CPU tensors, the foreach path on CUDA ones."""
+    from ..configs.deepspeed import read
+    from .deepspeed_trace import ds_config
+    kw = dict(read(ds_config(case), hidden=case["model"]["hidden"]).plan)
+    kw.update(dp=case["world"], seq_len=case["seq_len"], optimizer_impl="for-loop")
     if case.get("gradient_checkpointing"):
         kw["recompute"] = "full"
-    # the DeepSpeed settings the templates read: the reduce bucket and ZeRO-3's reuse window
-    z = zero_settings(case)
-    kw["extra"] = {"reduce_bucket_size": z["reduce_bucket_size"]}
-    if case["zero"] == 3:
-        kw["extra"]["stage3_max_reuse_distance"] = z["max_reuse_distance"]
     return kw
 
 
@@ -171,6 +179,9 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
                     "estimated_peak_at": r.peak_at, "measured_phase_peaks": trace["phase_peaks"],
                     "rank_peaks": trace["rank_peaks"], "breakdown": trace["breakdown"],
                     "zero_settings": trace["zero_settings"], "optimizer": trace["optimizer"],
+                    "settings_disagree": {k: (v, trace["zero_settings"].get(k))
+                                          for k, v in assumed_settings(plan_kwargs(case)).items()
+                                          if trace["zero_settings"].get(k) != v},
                     "reconciled_bytes": trace["reconciled_bytes"]})
 
 

@@ -28,8 +28,7 @@ import sys
 import tempfile
 import time
 
-from ..errors import UserError
-from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error
+from .compare import CaseRow, add_case_options, run_named_cases
 
 EXAMPLE = """\
 examples:
@@ -152,7 +151,7 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
             r.extra["seconds"] = round(time.perf_counter() - t0, 1)
         rows.extend(case_rows)
         if progress:
-            progress(c["name"], case_rows)
+            progress(case_rows)
     return rows
 
 
@@ -172,44 +171,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def select(args) -> list[dict]:
-    known = {c["name"]: c for c in all_cases()}
-    if args.cases:
-        return [known[n] for n in case_names(args.cases, known, "torchtitan")]
-    return list(known.values()) if args.full else [known[n] for n in CI_CASES]
-
-
 def run(args) -> int:
-    if args.list:
-        for c in all_cases():
-            print(c["name"])
-        return 0
-    if args.timeout <= 0:
-        raise UserError("--timeout: must be a positive number of seconds")
-    cases = select(args)
     from .torchtitan_trace import available
-    why = available()
-    if why:
-        raise UserError(f"validate torchtitan: {why}")
-    from ..units import fmt_bytes
-
-    def progress(name, rows):
-        if not args.json:
-            for r in rows:
-                print(f"{r.name:32s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
-                      f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:40]}", flush=True)
-
-    if not args.json:
-        print(f"{'case / rank':32s} {'traced':>12s} {'estimated':>12s} {'rel_error':>10s}  traced peak at")
-    try:
-        rows = run_cases(cases, args.timeout, progress)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        print(f"pipemem: validate torchtitan: {e}", file=sys.stderr)
-        return 1
-    worst = max_abs_rel_error(rows) or 0.0
-    if args.json:
-        print(json.dumps({"target": "torchtitan", "torchtitan": "0.3.0", "kernel_policy": "cuda",
-                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst}, indent=1))
-    else:
-        print(f"max |rel_error| = {worst:.2%} over {len(rows)} ranks")
-    return 0 if worst <= TOLERANCE else 1
+    return run_named_cases(args, "torchtitan", all_cases, CI_CASES, available, run_cases, TOLERANCE,
+                           {"torchtitan": "0.3.0", "kernel_policy": "cuda"}, measured_label="traced", name_width=32,
+                           rows_are="ranks")
