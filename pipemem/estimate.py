@@ -439,8 +439,8 @@ def _template_warnings(arch, plan) -> list[str]:
             # read from DeepSpeed's code, not measured: on its CPU accelerator (validate deepspeed)
             # host and device memory are one allocator
             parts.append("ZeRO-Offload is taken from DeepSpeed's code, not measured: the fp32 master, Adam "
-                         "states and the step's fp32 grad partition are off the GPU; its GPU staging buffers "
-                         "(ZeRO-1/2: one the size of the largest parameter) are not counted")
+                         "states and the step's fp32 grad partition are off the GPU (ZeRO-3: its grad partition "
+                         "too), ZeRO-1/2's GPU staging buffer (the largest parameter's size) is counted")
         if parts:
             out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: " + "; ".join(parts))
     return out

@@ -63,6 +63,7 @@ def test_hf_zero3_auto_bucket_is_hidden_squared_and_dp_is_the_batch_quotient():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}, "bf16": {"enabled": True}},
      "offload_param"),
     ({"bf16": {"enabled": True}}, "stage 0"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "ratio"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}, "bf16": {"enabled": True}}, "ZeRO++"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "OneBitLamb"}}, "optimizer.type"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": "auto"}}, "pipeline"),

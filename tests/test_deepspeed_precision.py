@@ -124,3 +124,23 @@ def test_zero3_tied_head_reads_the_embeddings_gathered_weight():
     assert kept.peak_at == untied.peak_at
     assert above(untied) - above(kept) == 2 * v * h
     assert above(short) < above(kept)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_offload_moves_what_deepspeeds_code_places_on_the_cpu(zero):
+    """ZeRO-Offload (offload_optimizer, read from DeepSpeed 0.19's code; not measurable on its CPU
+    accelerator): the fp32 master, the Adam states and the step's fp32 grad partition are on the
+    CPU; ZeRO-3's flat grad partition too; ZeRO-1/2 add a GPU staging buffer of the largest
+    parameter (here the word embedding, vocab x hidden) in the model's dtype."""
+    arch, plan, conv, layers, n = _params({"zero": zero, "dtype": "bf16", "optimizer_offload": 1.0})
+    kw = dict(convention="hf", zero=zero, dp=DP, dtype="bf16", seq_len=512, extra={"reduce_bucket_size": 4096})
+    on = pipemem.estimate(MODEL, **kw).ranks[0].static
+    off = pipemem.estimate(MODEL, optimizer_offload=1.0, **kw).ranks[0].static
+    assert off.optimizer == 0 and on.optimizer > 0
+    assert optimizer_step_scratch(arch, plan, conv, layers, [0]) == 0
+    assert off.params == on.params
+    if zero == 3:
+        assert off.grads == 0 < on.grads and off.other == on.other
+    else:
+        assert off.grads == on.grads
+        assert off.other - on.other == MODEL["vocab_size"] * MODEL["hidden_size"] * 2

@@ -215,6 +215,10 @@ def _zero(z: dict, where: str, plan: dict, extra: dict, hidden: int | None, unkn
     opt_dev = _device(z.get("offload_optimizer"), "offload_optimizer", where)
     if z.get("cpu_offload") is True:       # DeepSpeed's older spelling of offload_optimizer: cpu
         opt_dev = "cpu"
+    ratio = (z.get("offload_optimizer") or {}).get("ratio", 1)
+    if opt_dev != "none" and ratio != 1:
+        raise UserError(f"--deepspeed {where}: zero_optimization.offload_optimizer.ratio {ratio!r} (ZeRO-3's partial "
+                        "optimizer offload) is not modelled; remove it to estimate the whole optimizer offloaded")
     if opt_dev != "none":
         plan["optimizer_offload"] = 1.0
 

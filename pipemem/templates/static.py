@@ -208,11 +208,8 @@ def _dp_groups(plan) -> tuple[int, int]:
     return dp_group, edp_group
 
 
-def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> tuple[int, int]:
-    """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
-    after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
-    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
-    dp_group, edp_group = _dp_groups(plan)
+def _rank_param_shapes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> list[tuple]:
+    """(shape, is_expert) of every parameter tensor kind the rank holds, after tp / ep sharding."""
     m = conv.vocab_multiple * plan.tp
     vocab = -(-arch.vocab // m) * m
     kinds = set()
@@ -227,6 +224,20 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
     if plan.pp * plan.vpp - 1 in rank_stages:
         shapes += [(s, False) for s in head_param_shapes(arch, vocab, plan.tp,
                                                          same_stage_as_embedding=0 in rank_stages).values()]
+    return shapes
+
+
+def largest_param_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
+    """Elements of the rank's largest parameter tensor, after tp / ep sharding (not dp's)."""
+    return max((_prod(s) for s, _ in _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)), default=0)
+
+
+def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> tuple[int, int]:
+    """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
+    after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
+    dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    dp_group, edp_group = _dp_groups(plan)
+    shapes = _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)
     on = plan.zero >= 1 or plan.dist_opt
 
     def shard(n: int, group: int) -> int:
@@ -257,6 +268,15 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
                                         plan.pp * plan.vpp - 1 in rank_stages)
     if plan.zero == 3:
         other += deepspeed_bucket_bytes(plan)      # DeepSpeed ZeRO-3's resident reduce bucket
+    if getattr(plan, "deepspeed_mixed_precision", False) and plan.optimizer_offload:
+        # DeepSpeed's ZeRO-Offload (offload_optimizer), from its code, not measured: ZeRO-3's flat
+        # grad partition buffer lives on the CPU with the master (stage3 `grad_partitions_flat_buffer`
+        # on `self.device`, the CPU); ZeRO-1/2 keep a GPU staging buffer of the largest parameter's
+        # size in the model's dtype for the copies to the CPU (`temp_grad_buffer_for_gpu_offload`)
+        if plan.zero == 3:
+            grads = 0
+        else:
+            other += largest_param_elems(arch, plan, conv, stage_layers, rank_stages) * dtype_bytes(plan.dtype)
     optimizer = master + states + _offload_fp32_grads(arch, plan, conv, stage_layers, rank_stages)
     return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=optimizer, other=other),
                       plan.grads, plan.step, states)
