@@ -78,6 +78,14 @@ def test_unmodelled_or_inconsistent_settings_are_refused(cfg, says):
         read(cfg, hidden=1024)
 
 
+def test_switched_off_blocks_are_not_refused():
+    t = read({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "tensor_parallel": {"autotp_size": 1},
+              "sequence_parallel_size": 1, "compression_training": {}}, hidden=64)
+    assert t.plan["zero"] == 2
+    with pytest.raises(UserError, match="AutoTP"):
+        read({"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}, hidden=64)
+
+
 def test_unknown_keys_are_named_in_a_warning():
     t = read({"zero_optimization": {"stage": 2, "shiny_new_knob": 1}, "bf16": {"enabled": True}, "mystery": {}},
              hidden=64)

@@ -129,8 +129,11 @@ def _load(path: str) -> dict:
 
 
 def _active(value) -> bool:
-    """A block counts as switched on unless it is empty or says enabled: false."""
+    """A block counts as switched on unless it is empty, says enabled: false, or sets AutoTP's
+    degree to 1 (`tensor_parallel.autotp_size`)."""
     if isinstance(value, dict):
+        if "autotp_size" in value:
+            return value["autotp_size"] not in (None, 0, 1)
         return bool(value) and value.get("enabled", True) not in (False, "false")
     return value not in (None, False, 0, 1, "none")
 
