@@ -29,6 +29,9 @@ examples:
       --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
   pipemem estimate --model llama3-8b --gpu a100-80g --dp 8 --seq-len 4096 --recompute full --deepspeed ds_config.json
+  pipemem estimate --gpu a100-80g --from-hf-trainer -- torchrun --nproc_per_node 8 run_clm.py \
+      --model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 4096 --per_device_train_batch_size 1 \
+      --bf16 --gradient_checkpointing --deepspeed ds_config.json
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
       --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \
@@ -70,6 +73,12 @@ def register(sub) -> None:
                      help="read a torchtune recipe config (model builder, batch_size, dtype, optimizer, loss, "
                           "compile, activation checkpointing / offloading, optimizer_in_bwd); distributed "
                           "recipes shard with FSDP2 over --dp ranks")
+    src.add_argument("--from-hf-trainer", action="store_true",
+                     help="read Hugging Face Trainer launch arguments given after `--` (run_clm.py-style: "
+                          "--model_name_or_path, --block_size, --per_device_train_batch_size, --bf16, "
+                          "--gradient_checkpointing, --optim, --deepspeed ds_config.json with its \"auto\" "
+                          "filled in as the Trainer does, --fsdp; a pasted torchrun / accelerate / deepspeed line "
+                          "gives the world size)")
     src.add_argument("--exact", action="store_true",
                      help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
                           "programs with Paddle's passes, one card per pipeline stage, and estimate those "
@@ -206,7 +215,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     sources = [s for s, on in (("--model", args.model is not None), ("--from-megatron", args.from_megatron),
                                ("--from-paddlenlp", args.from_paddlenlp),
                                ("--from-torchtitan", args.from_torchtitan is not None),
-                               ("--from-torchtune", args.from_torchtune is not None)) if on]
+                               ("--from-torchtune", args.from_torchtune is not None),
+                               ("--from-hf-trainer", args.from_hf_trainer)) if on]
     if args.deepspeed is not None and sources != ["--model"]:
         raise UserError("--deepspeed reads a DeepSpeed config, which names no model: give it with --model "
                         "NAME|config.json (and no other model source)")
@@ -214,11 +224,14 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         raise UserError(f"give one model source, not {' and '.join(sources)}")
     if not sources:
         raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
-                        "--from-paddlenlp / --from-torchtitan / --from-torchtune")
+                        "--from-paddlenlp / --from-torchtitan / --from-torchtune / --from-hf-trainer")
     titan_args = args.from_torchtitan == "-"
-    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args):
+    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or args.from_hf_trainer):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
-                        "only with --from-megatron, --from-paddlenlp or --from-torchtitan -")
+                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer or --from-torchtitan -")
+    if args.from_hf_trainer and not tool_args:
+        raise UserError("--from-hf-trainer: give the Trainer's launch arguments after `--`, e.g. -- "
+                        "--model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 2048 --bf16")
     if titan_args and not tool_args:
         raise UserError("--from-torchtitan -: give torchtitan's launch arguments after `--`, e.g. "
                         "-- --module llama3 --config llama3_8b --parallelism.tensor_parallel_degree 8")
@@ -251,12 +264,18 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     elif args.from_torchtune is not None:
         from ..configs.torchtune import read as read_torchtune
         tool = read_torchtune(args.from_torchtune)
+    elif args.from_hf_trainer:
+        from ..configs.hf_trainer import read as read_hf_trainer
+        tool = read_hf_trainer(tool_args)
     else:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
     if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
         raise UserError(f"--dp {plan['dp']}: {args.from_torchtune} is a single-device recipe config (one GPU); drop "
                         "--dp, or use the model's distributed config (e.g. 3B_full.yaml)")
+    if "seq_len" in tool.needs and "seq_len" not in plan:
+        raise UserError("Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
+                        "tokenizer's model_max_length): give --seq-len N")
     if tool.tool == "torchtune" and "seq_len" not in plan:
         raise UserError(f"{args.from_torchtune}: tokenizer.max_seq_len is null (the samples' lengths set the "
                         "sequence): give --seq-len N, the longest sample (or max_seq_len with packed: True)")
@@ -266,6 +285,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         opts["model_name"] = tool.model_name
     if args.from_paddlenlp:
         opts["model_flag"] = "PaddleNLP --model_name_or_path"
+    if args.from_hf_trainer:
+        opts["model_flag"] = "Trainer --model_name_or_path"
     if tool.tool == "torchtitan":
         from ..configs.torchtitan import finish_plan
         from ..estimate import resolve_model

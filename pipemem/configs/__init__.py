@@ -2,7 +2,7 @@
 
 Each reader takes what the user would pass to that tool (Megatron-LM `pretrain_gpt.py`
 arguments, PaddleNLP `run_pretrain*.py` arguments, a torchtitan job TOML, a torchtune recipe
-config, a DeepSpeed config) and returns a
+config, Hugging Face Trainer arguments, a DeepSpeed config) and returns a
 `ToolConfig`: the model (an HF-style config dict or a preset name), the plan keyword
 arguments (`ParallelPlan` field names) and warnings for the user. Arguments that do not
 change memory (learning rate, logging, paths) are accepted silently; arguments a reader

@@ -2,7 +2,7 @@
 
 Users copy the command line they run. We accept it whole: the launcher part
 (`torchrun --nproc_per_node 8 --nnodes 2`, `python -m paddle.distributed.launch --gpus
-0,1,2,3`) gives the world size, the script part gives the training arguments. Shell line
+0,1,2,3`, `accelerate launch --num_processes 8`, `deepspeed --num_gpus 8`) gives the world size, the script part gives the training arguments. Shell line
 continuations (a lone `\\`) are dropped.
 """
 
@@ -72,7 +72,8 @@ class Args:
         return [n for n in self.values if n not in known and n not in ignored and n not in self.used]
 
 
-_LAUNCHER_WORLD = ("nproc_per_node", "nproc-per-node", "nnodes", "gpus", "devices", "world_size", "world-size")
+_LAUNCHER_WORLD = ("nproc_per_node", "nproc-per-node", "nnodes", "gpus", "devices", "world_size", "world-size",
+                   "num_processes", "num-processes", "num_gpus", "num-gpus", "num_nodes", "num-nodes")
 
 
 def parse(tokens: list[str], tool: str) -> Args:
@@ -126,9 +127,11 @@ def _world_from_launcher(launcher: dict[str, list[str]], tool: str) -> int | Non
     gpus = one("gpus", "devices")
     if gpus is not None:
         return len([g for g in gpus.strip("'\"").split(",") if g.strip()])
-    per_node = one("nproc_per_node", "nproc-per-node")
-    nodes = one("nnodes")
-    world = one("world_size", "world-size")
+    # torchrun --nproc_per_node x --nnodes; the deepspeed launcher --num_gpus x --num_nodes;
+    # accelerate launch --num_processes (every process, all machines)
+    per_node = one("nproc_per_node", "nproc-per-node", "num_gpus", "num-gpus")
+    nodes = one("nnodes", "num_nodes", "num-nodes")
+    world = one("world_size", "world-size", "num_processes", "num-processes")
     try:
         if world is not None:
             return int(world)

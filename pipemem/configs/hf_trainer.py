@@ -1,0 +1,248 @@
+"""Hugging Face Trainer launch arguments (`TrainingArguments` plus the example scripts' model and
+data arguments, e.g. `torchrun --nproc_per_node 8 run_clm.py --model_name_or_path ... --bf16
+--deepspeed ds_config.json`) -> pipemem model and plan, under the hf convention.
+
+What the Trainer (transformers 4.4x-5.x) does with each argument that changes device memory:
+
+* `--model_name_or_path` (or `--config_name`): the model, a preset or known hub id (its shapes;
+  nothing is downloaded) or a local directory / config.json.
+* `--block_size` (run_clm), `--max_seq_length` / `--max_length` (SFT scripts): the sequence.
+  Without one the tokenizer sets it, so `--seq-len` must say it.
+* `--per_device_train_batch_size` (default 8) is the micro-batch; `--gradient_accumulation_steps`
+  runs that many before each optimizer step (the grads live across them).
+* `--bf16` / `--fp16`: autocast over the model's parameters; `--torch_dtype bfloat16|float16`
+  (run_clm) loads the parameters themselves in that dtype (no fp32 master).
+* `--gradient_checkpointing`: every decoder layer recomputed (`--recompute full`).
+* `--optim`: the optimizer class and kwargs `Trainer.get_optimizer_cls_and_kwargs` builds:
+  adamw_torch (torch.optim.AdamW: foreach on CUDA), adamw_torch_fused (the default of recent
+  transformers), torchao's adamw_torch_8bit / 4bit, bitsandbytes' 8-bit AdamW (paged ones said
+  so), sgd (its momentum buffer counted: above the Trainer's momentum-free default); the rest
+  (Adafactor, Lion, GaLore, LOMO, schedule-free...) is refused by name.
+* `--torch_compile`: the whole model compiled (`--compile all`).
+* `--use_liger_kernel`: Liger's fused linear cross-entropy (`--loss fused_linear`); its other
+  kernels (RMSNorm, SwiGLU, RoPE) save less than eager and are not modelled (the estimate is
+  above for them).
+* `--deepspeed ds_config.json`: DeepSpeed's engine (`pipemem.configs.deepspeed`), its "auto"
+  values filled in from these arguments as the Trainer does (`fill_deepspeed_autos`); a value
+  the config gives that contradicts them is an error, as the Trainer's own check makes it.
+* `--fsdp "full_shard auto_wrap"`: PyTorch FSDP full sharding (`--fsdp`); shard_grad_op,
+  hybrid_shard and offload are refused.
+* the launcher's process count (torchrun `--nproc_per_node x --nnodes`, accelerate
+  `--num_processes`, deepspeed `--num_gpus x --num_nodes`) is the data-parallel degree.
+
+Arguments known not to change device memory are accepted; the rest are named in one warning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
+from .argv import parse
+from .tool_config import ToolConfig
+
+TOOL = "Hugging Face Trainer"
+
+# OptimizerNames value -> (pipemem optimizer, implementation, note); None: refused
+OPTIMS = {
+    "adamw_torch": ("adamw", "foreach", ""),
+    "adamw_torch_fused": ("adamw", "fused", ""),
+    "adamw_apex_fused": ("adamw", "fused", ""),
+    "adamw_hf": ("adamw", "for-loop", ""),
+    "adamw_torch_8bit": ("adam8bit", "fused", ""),
+    "adamw_torch_4bit": ("adam4bit", "fused", ""),
+    "adamw_bnb_8bit": ("adam8bit", "fused", ""),
+    "adamw_8bit": ("adam8bit", "fused", ""),
+    "paged_adamw_8bit": ("adam8bit", "fused", "bitsandbytes' paged states (unified memory the driver may evict) "
+                                              "are counted as resident"),
+    "paged_adamw_32bit": ("adamw", "fused", "bitsandbytes' paged states (unified memory the driver may evict) "
+                                            "are counted as resident"),
+    "sgd": ("sgd", "foreach", "SGD's momentum buffer is counted; the Trainer's default momentum 0 keeps none "
+                              "(the estimate is above by one parameter-sized state)"),
+}
+# transformers' default `optim` since torch 2.8-era releases (TrainingArguments.optim)
+DEFAULT_OPTIM = "adamw_torch_fused"
+DEFAULT_MICRO_BATCH = 8          # TrainingArguments.per_device_train_batch_size
+
+_READ = {"model_name_or_path", "config_name", "block_size", "max_seq_length", "max_length", "per_device_train_batch_size",
+         "gradient_accumulation_steps", "bf16", "fp16", "torch_dtype", "dtype", "gradient_checkpointing", "optim",
+         "torch_compile", "use_liger_kernel", "deepspeed", "fsdp", "fsdp_config"}
+# gradient_checkpointing_kwargs: use_reentrant changes when, not what, is recomputed
+_NO_DEVICE_MEMORY = {
+    "output_dir", "overwrite_output_dir", "do_train", "do_eval", "do_predict", "num_train_epochs", "max_steps",
+    "lr_scheduler_type", "warmup_ratio", "warmup_steps", "logging_dir", "logging_steps", "logging_strategy",
+    "logging_first_step", "save_strategy", "save_steps", "save_total_limit", "save_only_model", "save_safetensors",
+    "eval_strategy", "evaluation_strategy", "eval_steps", "per_device_eval_batch_size", "eval_accumulation_steps",
+    "seed", "data_seed", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
+    "dataloader_persistent_workers", "dataloader_prefetch_factor", "report_to", "run_name", "push_to_hub",
+    "hub_model_id", "hub_token", "hub_strategy", "dataset_name", "dataset_config_name", "train_file",
+    "validation_file", "preprocessing_num_workers", "overwrite_cache", "validation_split_percentage",
+    "keep_linebreaks", "streaming", "tokenizer_name", "use_fast_tokenizer", "cache_dir", "trust_remote_code",
+    "low_cpu_mem_usage", "model_revision", "token", "use_auth_token", "max_train_samples", "max_eval_samples",
+    "tf32", "ddp_timeout", "ddp_backend", "ddp_find_unused_parameters", "remove_unused_columns", "label_names",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "disable_tqdm", "log_level",
+    "log_level_replica", "log_on_each_node", "bf16_full_eval", "fp16_full_eval", "group_by_length",
+    "length_column_name", "ignore_data_skip", "resume_from_checkpoint", "local_rank", "full_determinism",
+    "include_num_input_tokens_seen", "include_tokens_per_second", "prediction_loss_only", "skip_memory_metrics",
+    "save_on_each_node", "hub_private_repo", "lr_scheduler_kwargs", "optim_target_modules", "neftune_noise_alpha",
+    "packing", "dataset_text_field", "text_column", "model_type", "config_overrides", "auto_find_batch_size",
+    "max_grad_norm", "gradient_checkpointing_kwargs", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "torch_empty_cache_steps", "average_tokens_across_devices", "optim_args",
+}
+def read(argv: list[str]) -> ToolConfig:
+    args = parse(argv, TOOL)
+    model = args.str("model_name_or_path") or args.str("config_name")
+    if not model:
+        raise UserError("Trainer arguments: no --model_name_or_path (or --config_name): name the model to train")
+    if args.has("fsdp_config"):
+        raise UserError("Trainer argument --fsdp_config (FSDP's wrapping, offload and resharding settings) is not "
+                        "read; drop it to estimate full sharding with FSDP's defaults")
+    plan: dict = {"convention": "hf"}
+    warnings: list[str] = []
+    needs: list[str] = []
+    seq = next((args.int(k) for k in ("block_size", "max_seq_length", "max_length") if args.has(k)), None)
+    if seq is not None:
+        plan["seq_len"] = seq
+    else:
+        needs.append("seq_len")          # the tokenizer's model_max_length sets it
+    trainer = {"micro_batch": args.int("per_device_train_batch_size") or DEFAULT_MICRO_BATCH,
+               "accumulation": args.int("gradient_accumulation_steps") or 1,
+               "bf16": bool(args.bool("bf16")), "fp16": bool(args.bool("fp16")), "world": args.world_size}
+    if trainer["bf16"] and trainer["fp16"]:
+        raise UserError("Trainer arguments --bf16 and --fp16: give one (the Trainer refuses both)")
+    plan["micro_batch"] = trainer["micro_batch"]
+    if trainer["accumulation"] > 1:
+        plan["microbatches"] = trainer["accumulation"]
+    if args.world_size:
+        plan["dp"] = args.world_size
+    _precision(args, trainer, plan)
+    if args.bool("gradient_checkpointing"):
+        plan["recompute"] = "full"
+    if args.bool("torch_compile"):
+        plan["compile"] = "all"
+    if args.bool("use_liger_kernel"):
+        plan["loss"] = "fused_linear"
+        warnings.append("--use_liger_kernel: Liger's fused linear cross-entropy is modelled; its RMSNorm, SwiGLU and "
+                        "RoPE kernels (which save less than eager) are not, so the estimate is above for them")
+    ds, fsdp = args.str("deepspeed"), args.str("fsdp")
+    if ds and fsdp:
+        raise UserError("Trainer arguments --deepspeed and --fsdp: the Trainer runs one of them")
+    if fsdp:
+        _fsdp(fsdp, plan)
+    optim = args.str("optim") or DEFAULT_OPTIM
+    if ds:
+        cfg = fill_deepspeed_autos(_load_deepspeed(ds), trainer)
+        if "optimizer" not in cfg:        # DeepSpeed wraps the Trainer's own optimizer
+            _optim(optim, plan, warnings)
+        _with_deepspeed(cfg, model, plan, warnings)
+    else:
+        _optim(optim, plan, warnings)
+    unknown = args.unknown(_READ, _NO_DEVICE_MEMORY)
+    if unknown:
+        warnings.append(f"Trainer arguments not read (assumed not to change device memory): "
+                        f"{', '.join('--' + u for u in sorted(unknown))}")
+    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, dp_unknown="dp" not in plan, needs=needs)
+
+
+def _with_deepspeed(cfg: dict, model: str, plan: dict, warnings: list[str]) -> None:
+    """Under DeepSpeed the engine decides the precision, the micro-batch and the optimizer: the
+    config's plan (read by `configs.deepspeed`, "auto" sizes from the model's hidden size) takes
+    their place. The engine keeps fp32 master partitions whatever dtype the model was loaded in."""
+    from ..model import arch_from_hf_config
+    from ..presets import load_model_config
+    from .deepspeed import read as read_deepspeed
+    name, mcfg = load_model_config(model, "Trainer --model_name_or_path")
+    tool = read_deepspeed(cfg, hidden=arch_from_hf_config(mcfg, name).hidden)
+    if tool.needs:     # "auto" the Trainer had nothing to fill with (no --bf16 / --fp16 given: fp32)
+        raise UserError(f"--deepspeed: {', '.join(tool.needs)} left \"auto\" after the Trainer's fill-in")
+    plan.pop("master_weights", None)
+    plan.update(tool.plan)
+    warnings.extend(tool.warnings)
+
+
+def _precision(args, trainer: dict, plan: dict) -> None:
+    dt = args.str("torch_dtype") or args.str("dtype")
+    loaded = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+              "float32": "fp32", "fp32": "fp32", "auto": None, None: None}
+    if dt not in loaded:
+        raise UserError(f"Trainer argument --torch_dtype {dt!r}: expected bfloat16, float16, float32 or auto")
+    amp = "bf16" if trainer["bf16"] else "fp16" if trainer["fp16"] else None
+    if loaded[dt] in ("bf16", "fp16"):
+        plan["dtype"] = loaded[dt]
+        plan["master_weights"] = False          # the parameters themselves are half: no fp32 copy
+    else:
+        plan["dtype"] = amp or "fp32"
+
+
+def _fsdp(text: str, plan: dict) -> None:
+    opts = set(text.replace(",", " ").split())
+    bad = opts & {"shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "offload", "no_shard"}
+    if bad:
+        raise UserError(f"Trainer argument --fsdp {text!r}: {sorted(bad)[0]} is not modelled; pipemem models "
+                        "full_shard (--fsdp)")
+    if "full_shard" not in opts:
+        raise UserError(f"Trainer argument --fsdp {text!r}: expected full_shard (with auto_wrap)")
+    plan["fsdp"] = True
+
+
+def _optim(name: str, plan: dict, warnings: list[str]) -> None:
+    key = name.lower()
+    if key not in OPTIMS:
+        raise UserError(f"Trainer argument --optim {name}: not modelled; use one of {', '.join(sorted(OPTIMS))}")
+    optimizer, impl, note = OPTIMS[key]
+    plan["optimizer"], plan["optimizer_impl"] = optimizer, impl
+    if note:
+        warnings.append(f"--optim {name}: {note}")
+
+
+def _load_deepspeed(text: str) -> dict:
+    """--deepspeed takes a JSON file or the JSON itself (TrainingArguments accepts both)."""
+    if text.lstrip().startswith("{"):
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"Trainer argument --deepspeed: not valid JSON ({e}); fix it") from None
+    else:
+        p = Path(text).expanduser()
+        if not p.is_file():
+            raise UserError(f"Trainer argument --deepspeed {text}: no such file (give the DeepSpeed config file)")
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"Trainer argument --deepspeed {text}: not a readable JSON file ({e}); fix the file") from None
+    if not isinstance(cfg, dict):
+        raise UserError("Trainer argument --deepspeed: the config must be a JSON object of DeepSpeed settings")
+    return cfg
+
+
+def _auto(v) -> bool:
+    return isinstance(v, str) and v.lower() == "auto"
+
+
+def fill_deepspeed_autos(cfg: dict, trainer: dict) -> dict:
+    """The DeepSpeed config as the Trainer hands it to DeepSpeed: "auto" replaced by its own
+    values (transformers' HfTrainerDeepSpeedConfig.trainer_config_process: the micro-batch, the
+    accumulation steps, the batch over the world, bf16 / fp16), and a given value that
+    contradicts them refused (the Trainer's mismatch check). The hidden-size keys
+    (reduce_bucket_size...) are left to `configs.deepspeed`, which knows the model."""
+    cfg = json.loads(json.dumps(cfg))      # a copy, nested too
+
+    def fill(block: dict, key: str, value, what: str, label: str = "") -> None:
+        if value is None or key not in block:
+            return
+        if _auto(block[key]):
+            block[key] = value
+        elif block[key] != value:
+            raise UserError(f"--deepspeed: {label or key} = {json.dumps(block[key])} in the config, but the Trainer's "
+                            f"{what} gives {json.dumps(value)}; make them agree (the Trainer refuses the mismatch)")
+
+    world, mb, ga = trainer.get("world"), trainer["micro_batch"], trainer["accumulation"]
+    fill(cfg, "train_micro_batch_size_per_gpu", mb, "--per_device_train_batch_size")
+    fill(cfg, "gradient_accumulation_steps", ga, "--gradient_accumulation_steps")
+    fill(cfg, "train_batch_size", world * mb * ga if world else None,
+         "world size x --per_device_train_batch_size x --gradient_accumulation_steps")
+    for key in ("bf16", "fp16"):
+        if isinstance(cfg.get(key), dict):
+            fill(cfg[key], "enabled", trainer[key], f"--{key}", f"{key}.enabled")
+    return cfg
