@@ -163,3 +163,13 @@ def test_cli_reads_a_pasted_line_and_matches_the_api():
     out = subprocess.run([sys.executable, "-m", "pipemem", "estimate", "--from-hf-trainer", "--", "run_clm.py",
                           "--model_name_or_path", MODEL], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--seq-len" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_sgd_keeps_a_momentum_buffer_only_with_momentum():
+    """The Trainer's --optim sgd is torch.optim.SGD(lr) plus --optim_args: no momentum, no state
+    (validate hf-trainer measures both)."""
+    plain = read(_line("--optim", "sgd"))
+    moment = read(_line("--optim", "sgd", "--optim_args", "momentum=0.9,nesterov=True"))
+    assert plain.plan["extra"] == {"sgd_momentum": False} and moment.plan["extra"] == {"sgd_momentum": True}
+    st = [pipemem.estimate(t.model, **t.plan).ranks[0].static for t in (plain, moment)]
+    assert st[0].optimizer == 0 < st[1].optimizer == st[1].params     # one fp32 state per fp32 parameter

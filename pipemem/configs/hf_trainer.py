@@ -16,7 +16,7 @@ What the Trainer (transformers 4.4x-5.x) does with each argument that changes de
 * `--optim`: the optimizer class and kwargs `Trainer.get_optimizer_cls_and_kwargs` builds:
   adamw_torch (torch.optim.AdamW: foreach on CUDA), adamw_torch_fused (the default of recent
   transformers), torchao's adamw_torch_8bit / 4bit, bitsandbytes' 8-bit AdamW (paged ones said
-  so), sgd (its momentum buffer counted: above the Trainer's momentum-free default); the rest
+  so), sgd (a momentum buffer only with `--optim_args momentum=...`); the rest
   (Adafactor, Lion, GaLore, LOMO, schedule-free...) is refused by name.
 * `--torch_compile`: the whole model compiled (`--compile all`).
 * `--use_liger_kernel`: Liger's fused linear cross-entropy (`--loss fused_linear`); its other
@@ -58,8 +58,7 @@ OPTIMS = {
                                               "are counted as resident"),
     "paged_adamw_32bit": ("adamw", "fused", "bitsandbytes' paged states (unified memory the driver may evict) "
                                             "are counted as resident"),
-    "sgd": ("sgd", "foreach", "SGD's momentum buffer is counted; the Trainer's default momentum 0 keeps none "
-                              "(the estimate is above by one parameter-sized state)"),
+    "sgd": ("sgd", "foreach", ""),     # momentum from --optim_args (the Trainer's default: none, no state)
 }
 # transformers' default `optim` since torch 2.8-era releases (TrainingArguments.optim)
 DEFAULT_OPTIM = "adamw_torch_fused"
@@ -67,7 +66,7 @@ DEFAULT_MICRO_BATCH = 8          # TrainingArguments.per_device_train_batch_size
 
 _READ = {"model_name_or_path", "config_name", "block_size", "max_seq_length", "max_length", "per_device_train_batch_size",
          "gradient_accumulation_steps", "bf16", "fp16", "torch_dtype", "dtype", "gradient_checkpointing", "optim",
-         "torch_compile", "use_liger_kernel", "deepspeed", "fsdp", "fsdp_config"}
+         "torch_compile", "use_liger_kernel", "deepspeed", "fsdp", "fsdp_config", "optim_args"}
 # gradient_checkpointing_kwargs: use_reentrant changes when, not what, is recomputed
 _NO_DEVICE_MEMORY = {
     "output_dir", "overwrite_output_dir", "do_train", "do_eval", "do_predict", "num_train_epochs", "max_steps",
@@ -88,7 +87,7 @@ _NO_DEVICE_MEMORY = {
     "save_on_each_node", "hub_private_repo", "lr_scheduler_kwargs", "optim_target_modules", "neftune_noise_alpha",
     "packing", "dataset_text_field", "text_column", "model_type", "config_overrides", "auto_find_batch_size",
     "max_grad_norm", "gradient_checkpointing_kwargs", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "torch_empty_cache_steps", "average_tokens_across_devices", "optim_args",
+    "adam_epsilon", "torch_empty_cache_steps", "average_tokens_across_devices", "use_cpu", "no_cuda",
 }
 def read(argv: list[str]) -> ToolConfig:
     args = parse(argv, TOOL)
@@ -131,13 +130,14 @@ def read(argv: list[str]) -> ToolConfig:
     if fsdp:
         _fsdp(fsdp, plan)
     optim = args.str("optim") or DEFAULT_OPTIM
+    optim_args = args.str("optim_args") or ""
     if ds:
         cfg = fill_deepspeed_autos(_load_deepspeed(ds), trainer)
         if "optimizer" not in cfg:        # DeepSpeed wraps the Trainer's own optimizer
-            _optim(optim, plan, warnings)
+            _optim(optim, optim_args, plan, warnings)
         _with_deepspeed(cfg, model, plan, warnings)
     else:
-        _optim(optim, plan, warnings)
+        _optim(optim, optim_args, plan, warnings)
     unknown = args.unknown(_READ, _NO_DEVICE_MEMORY)
     if unknown:
         warnings.append(f"Trainer arguments not read (assumed not to change device memory): "
@@ -157,7 +157,10 @@ def _with_deepspeed(cfg: dict, model: str, plan: dict, warnings: list[str]) -> N
     if tool.needs:     # "auto" the Trainer had nothing to fill with (no --bf16 / --fp16 given: fp32)
         raise UserError(f"--deepspeed: {', '.join(tool.needs)} left \"auto\" after the Trainer's fill-in")
     plan.pop("master_weights", None)
+    extra = {**plan.get("extra", {}), **tool.plan.get("extra", {})}
     plan.update(tool.plan)
+    if extra:
+        plan["extra"] = extra
     warnings.extend(tool.warnings)
 
 
@@ -186,7 +189,7 @@ def _fsdp(text: str, plan: dict) -> None:
     plan["fsdp"] = True
 
 
-def _optim(name: str, plan: dict, warnings: list[str]) -> None:
+def _optim(name: str, optim_args: str, plan: dict, warnings: list[str]) -> None:
     key = name.lower()
     if key not in OPTIMS:
         raise UserError(f"Trainer argument --optim {name}: not modelled; use one of {', '.join(sorted(OPTIMS))}")
@@ -194,6 +197,15 @@ def _optim(name: str, plan: dict, warnings: list[str]) -> None:
     plan["optimizer"], plan["optimizer_impl"] = optimizer, impl
     if note:
         warnings.append(f"--optim {name}: {note}")
+    if optimizer == "sgd":
+        # the Trainer builds torch.optim.SGD(lr=...) plus --optim_args "momentum=0.9,...": without a
+        # momentum it keeps no state
+        kv = dict(p.split("=", 1) for p in optim_args.replace(" ", "").split(",") if "=" in p)
+        try:
+            momentum = float(kv.get("momentum", 0))
+        except ValueError:
+            raise UserError(f"Trainer argument --optim_args {optim_args!r}: momentum must be a number") from None
+        plan.setdefault("extra", {})["sgd_momentum"] = momentum > 0
 
 
 def _load_deepspeed(text: str) -> dict:

@@ -73,12 +73,15 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         per_state = STATE_DTYPE_BYTES[plan.optimizer_state_dtype]
     else:
         per_state = state_dtype
-    states = STATES[plan.optimizer] * per_state
+    extra = plan.extra or {}
+    n_states = STATES[plan.optimizer]
+    if plan.optimizer == "sgd" and not extra.get("sgd_momentum", True):
+        n_states = 0        # torch.optim.SGD without momentum keeps no momentum_buffer
+    states = n_states * per_state
     grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
     if conv.name in ("torchtitan", "hf") and master and not getattr(plan, "deepspeed_mixed_precision", False):
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
-    extra = plan.extra or {}
     if conv.name == "megatron" and extra.get("precision_aware_optimizer") and not plan.optimizer_offload:
         # --use-precision-aware-optimizer: TE's FusedAdam stores the master weights and each
         # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype). With

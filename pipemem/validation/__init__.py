@@ -9,6 +9,9 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `paddle_runs/`: the Paddle cases, executor measurements and the comparison worker.
 * `published.py`: the published measured runs (bench/validate_published.py).
 * `features.py`: compile, chunked CE, fp8 and optimizer-in-backward against their libraries' traces.
+* `allocations.py`: the CPU allocator's events from PyTorch's profiler as bytes over time (what the
+  targets that run a framework's own step on the CPU measure: deepspeed, hf_trainer).
 """
 
-TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "features")
+TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "hf_trainer",
+           "features")
