@@ -129,6 +129,9 @@ def read(argv: list[str]) -> ToolConfig:
         raise UserError("Trainer arguments --deepspeed and --fsdp: the Trainer runs one of them")
     if fsdp:
         _fsdp(fsdp, plan)
+        warnings.append("--fsdp: priced as PyTorch FSDP full sharding under autocast over fp32 shards; the "
+                        "Trainer's own FSDP (accelerate's wrapping and mixed-precision policy) is not measured "
+                        "(with --use_cpu it runs DDP, so validate hf-trainer cannot)")
     optim = args.str("optim") or DEFAULT_OPTIM
     optim_args = args.str("optim_args") or ""
     if ds:
