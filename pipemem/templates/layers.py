@@ -183,6 +183,20 @@ def root_unit_bytes(arch, sh: Shard) -> int:
     return (sh.vocab * sh.h * (1 if tied else 2) + sh.h) * dtype_bytes(sh.dt)
 
 
+def layer_unit_bytes(arch, sh: Shard) -> int:
+    """The all-gather output buffer of the stage's last decoder layer as an FSDP2 unit: its
+    parameters in the model's dtype, each rank's shard padded to a whole share."""
+    from ..model import layer_param_shapes
+    elems = 0
+    for shape, _ in layer_param_shapes(arch, arch.layers - 1, sh.tp, 1, 1).values():
+        n = 1
+        for d in shape:
+            n *= d
+        elems += n
+    group = max(1, sh.grad_shard)
+    return -(-elems * dtype_bytes(sh.dt) // group) * group
+
+
 def fsdp_root_unit(plan, conv: Convention) -> bool:
     """Whether the embedding and the output layer are in FSDP2's root unit: torchtune's
     `shard_model` wraps each decoder layer and the modules `custom_sharded_layers` names
@@ -1280,6 +1294,7 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         # ends, gathered again for the backward, its grads reduced when the backward ends
         tape.root_role = "last"
         tape.root_bytes = root_unit_bytes(arch, sh)
+        tape.root_bwd_prefetch_bytes = layer_unit_bytes(arch, sh)
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", norm_kind(arch), tok)

@@ -134,6 +134,7 @@ class Tape:
         self.root_bytes = 0
         self.root_grad_bytes = 0
         self.root_grad_elem_bytes = 2     # bytes per element of the head's unsharded grads
+        self.root_bwd_prefetch_bytes = 0  # the next unit's all-gather buffer the head's backward prefetches
         self.model_end: int | None = None
         self.entry_f: tuple[str, ...] = ()      # made by an earlier part, freed here
         self.entry_b: tuple[str, ...] = ()
@@ -290,12 +291,22 @@ class Tape:
         return nm
 
     def _root_gather(self, prog: Program, tag: str) -> str:
-        """FSDP2's all-gather of the root unit: its output buffer (freed when the next unit's
-        copy-out runs, here when this program ends) and the unsharded parameters."""
+        """FSDP2's all-gather of the root unit: its output buffer and the unsharded parameters.
+        In the forward the buffer is freed when the next unit's copy-out runs (here when this
+        program ends). In the backward the head's pre-backward hook waits for it and copies out,
+        which releases the buffer there, and prefetches the next unit's (the stage's last decoder
+        layer's, `root_bwd_prefetch_bytes`), alive through the rest of the head's backward; that
+        layer's backward gathers its own (validate torchtune, its chunked output)."""
         nm = self._root_tensor(prog, f"params_{tag}", self.root_bytes)
         ag = self._root_tensor(prog, f"params_{tag}.ag_out", self.root_bytes)
         self._add(prog, Op("fsdp_all_gather", (), (ag,), phase="fsdp"))
-        self._add(prog, Op("fsdp_all_gather_copy_out", (ag,), (nm,), phase="fsdp"))
+        if tag == "bwd":
+            self._add(prog, Op("fsdp_all_gather_copy_out", (ag,), (nm,), frees=(ag,), phase="fsdp"))
+            if self.root_bwd_prefetch_bytes:
+                pf = self._root_tensor(prog, "prefetch_next.ag_out", self.root_bwd_prefetch_bytes)
+                self._add(prog, Op("fsdp_all_gather", (), (pf,), phase="fsdp"))
+        else:
+            self._add(prog, Op("fsdp_all_gather_copy_out", (ag,), (nm,), phase="fsdp"))
         return nm
 
     def _fsdp_gather(self, prog: Program, tag: str) -> str:
@@ -368,6 +379,14 @@ class Tape:
         first = min(self.offload_packs) if self.offload_packs else -1
         held = self._carry_in(i_prog, "bwd", {first: self.offload_carry[1]}).get(first, ())
         self._held_grads: list[tuple[str, str]] = []
+        # parameters several nodes read (torchtune's chunked output layer): their weight grads
+        # meet in autograd's input buffer before the one AccumulateGrad (_wgrad_ops)
+        self._w_uses: dict[str, int] = {}
+        for node in self.nodes:
+            for p in node.params:
+                self._w_uses[p] = self._w_uses.get(p, 0) + 1
+        self._w_seen: dict[str, int] = {}
+        self._w_buf: dict[str, str] = {}
         for t in out_grads:
             self._grad_tensor(i_prog, t)
         written: set[str] = {"d." + t for t in out_grads}
@@ -501,9 +520,10 @@ class Tape:
             gathered = self._fsdp_gather(i_prog, "bwd")
         self._fsdp_release(i_prog, gathered)
         if self.root_role == "last":
-            if root_gathered == "root.params_bwd":
-                self._add(i_prog, Op("fsdp_all_gather_done", (root_gathered + ".ag_out",), (),
-                                     frees=(root_gathered + ".ag_out",), phase="fsdp"))
+            if root_gathered == "root.params_bwd" and self.root_bwd_prefetch_bytes:
+                # the prefetched buffer is the next layer's to count (its backward gathers it)
+                pf = "root.prefetch_next.ag_out"
+                self._add(i_prog, Op("fsdp_all_gather_handed_on", (pf,), (), frees=(pf,), phase="fsdp"))
             self._handed_on_b = (root_gathered,) if root_gathered else ()
         if not split:
             self._fsdp_reduce_scatter(i_prog)
@@ -586,7 +606,13 @@ class Tape:
                 names.append(nm)
             if n.wgrad_saved:
                 names = [r(n.wgrad_saved)]     # scaled in place, then handed to autograd as is
-            ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
+                ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
+            elif self._w_uses.get(p, 1) > 1:
+                if not self._buffer_contribution(n, p, shape, chain[0], reads, ops):
+                    continue            # more contributions to come before the AccumulateGrad
+                names[0] = self._w_buf[p]
+            else:
+                ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
             for a, b in zip(names, names[1:]):
                 ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
             if self.step_in_backward:
@@ -598,16 +624,33 @@ class Tape:
                 self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
             elif p in self.existing_grads:
                 ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
-            elif self.wgrad_final == "steal_grad" and len(names) > 1:
-                # the last cast's result becomes .grad: it writes the grad buffer itself
-                ops[-1] = Op("cast", (names[-2],) + (() if created else (g,)), (g,), module=n.module,
-                             phase="backward_w")
             elif self.wgrad_final == "steal_grad":
-                ops[-1] = Op(n.type + "_wgrad", reads + (() if created else (g,)), (g,), module=n.module,
+                # the last result (the cast's, or the GEMM's / the buffer's sum) becomes .grad: its op
+                # writes the grad buffer itself
+                last = ops[-1]
+                ops[-1] = Op(last.type, last.inputs + (() if created else (g,)), (g,), module=n.module,
                              phase="backward_w")
             else:
                 ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
         return ops
+
+    def _buffer_contribution(self, n: Node, p: str, shape, dtype: str, reads: tuple, ops: list) -> bool:
+        """One contribution to the weight grad of `p`, which several nodes read: the GEMM writes a
+        new dW, which autograd's input buffer adds to the sum so far out of place (the weight grad
+        is a transposed view, so it cannot take the add in place: the `add` torchtune's chunked
+        output shows, validate torchtune). True on the last contribution, when `_w_buf[p]` holds
+        the whole sum for the chain's casts and the AccumulateGrad."""
+        j = self._w_seen[p] = self._w_seen.get(p, 0) + 1
+        new = f"dw0.{p}" if j == 1 else f"dw0.{p}#{j}"
+        self.tensors[new] = Tensor(new, shape, dtype, TEMP)
+        ops.append(Op(n.type + "_wgrad", reads, (new,), module=n.module, phase="backward_w"))
+        if j > 1:
+            total = f"dw_sum.{p}#{j}"
+            self.tensors[total] = Tensor(total, shape, dtype, TEMP)
+            ops.append(Op("grad_buffer_add", (self._w_buf[p], new), (total,), module=n.module, phase="backward_w"))
+            new = total
+        self._w_buf[p] = new
+        return j == self._w_uses[p]
 
     def _grad_target(self, prog: Program, target: str, written: set[str], accs: list, alias_of: str = "") -> str:
         """Name an op should write for gradient `target`: the target itself the first time,

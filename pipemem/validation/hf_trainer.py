@@ -64,9 +64,8 @@ def _case(name: str, *args: str, launcher=(), deepspeed_config: dict | None = No
     return case
 
 
-# the deepspeed launcher / torchrun over 2 processes; gloo for the CPU
+# the deepspeed launcher over 2 processes; gloo for the CPU
 DS2 = ("deepspeed", "--num_gpus", "2")
-TORCHRUN2 = ("torchrun", "--nproc_per_node", "2")
 
 
 def all_cases() -> list[dict]:
@@ -78,9 +77,6 @@ def all_cases() -> list[dict]:
         _case("torch-dtype-bf16", "--torch_dtype", "bfloat16"),   # bf16 parameters, no autocast
         _case("bf16-sgd", "--bf16", "--optim", "sgd"),        # torch.optim.SGD, no momentum: no state
         _case("bf16-sgd-momentum", "--bf16", "--optim", "sgd", "--optim_args", "momentum=0.9"),
-        # DistributedDataParallel (accelerate's defaults: gradient_as_bucket_view off, 25 MB buckets)
-        _case("ddp2", "--bf16", "--ddp_backend", "gloo", launcher=TORCHRUN2),
-        _case("ddp2-ckpt", "--bf16", "--gradient_checkpointing", "--ddp_backend", "gloo", launcher=TORCHRUN2),
         # the Trainer's DeepSpeed integration: HF's example configs, "auto" filled in by the Trainer
         _case("deepspeed-zero2", "--bf16", "--ddp_backend", "gloo", launcher=DS2, deepspeed_config=HF_DS_ZERO2),
         _case("deepspeed-zero2-ckpt", "--bf16", "--gradient_checkpointing", "--ddp_backend", "gloo", launcher=DS2,
@@ -89,7 +85,7 @@ def all_cases() -> list[dict]:
     ]
 
 
-CI_CASES = ("bf16", "bf16-ckpt", "ddp2", "deepspeed-zero2")
+CI_CASES = ("bf16", "bf16-ckpt", "deepspeed-zero2")
 
 
 def argv_of(case: dict, model_dir: str) -> list[str]:
@@ -170,7 +166,7 @@ def compare_case(case: dict, trace: dict, model_dir: str) -> CaseRow:
                     "estimated_peak_at": r.peak_at, "optimizer": trace["optimizer"],
                     "optimizer_defaults": trace["optimizer_defaults"], "param_dtypes": trace["param_dtypes"],
                     "missed_frees": trace["missed_frees"], "reconciled_bytes": trace["reconciled_bytes"],
-                    "rank_peaks": trace["rank_peaks"], "cxx_held_bytes": trace["cxx_held_bytes"],
+                    "rank_peaks": trace["rank_peaks"],
                     "events": trace["events"][:40]})
 
 
@@ -211,7 +207,7 @@ def register(sub) -> None:
                                    f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_options(p, "every case (fp32, bf16 autocast, checkpointing, accumulation, bf16 parameters, SGD, "
-                        "DDP and the Trainer's DeepSpeed ZeRO-2 / ZeRO-3 over 2 processes)", 300.0, "seconds per case")
+                        "the Trainer's DeepSpeed ZeRO-2 / ZeRO-3 over 2 processes)", 300.0, "seconds per case")
     p.set_defaults(func=run)
 
 

@@ -49,15 +49,6 @@ def script_args(argv: list[str]) -> list[str]:
     return list(argv[at + 1:] if at is not None else argv)
 
 
-def _ddp_bucket_bytes(model) -> int:
-    """Bytes of DistributedDataParallel's gradient buckets (its logging data), 0 for another model."""
-    from torch.nn.parallel import DistributedDataParallel
-    if not isinstance(model, DistributedDataParallel):
-        return 0
-    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
-    return sum(int(x) for x in sizes.replace(",", " ").split())
-
-
 def _deepspeed_comm_ready() -> bool:
     import deepspeed.comm as ds_comm
     return bool(ds_comm.is_initialized())
@@ -141,13 +132,8 @@ def run_case(case: dict) -> dict:
         out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     gcs = out.pop("gc_at_step2")
     tl = Timeline(prof)
-    # DistributedDataParallel's Reducer holds its gradient buckets in C++, out of the garbage
-    # collector's reach, so the gc check cannot repair frees missed on gloo threads there: the
-    # running count is taken as it is, and must equal what gc reaches plus the buckets
-    buckets = _ddp_bucket_bytes(trainer.model_wrapped)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), None if buckets else set(gcs)))
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
     out["check_gc_bytes"] = sum(gcs.values())
-    out["cxx_held_bytes"] = buckets
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
     out["torch"] = torch.__version__
     import transformers
