@@ -10,7 +10,8 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `published.py`: the published measured runs (bench/validate_published.py).
 * `features.py`: compile, chunked CE, fp8 and optimizer-in-backward against their libraries' traces.
 * `allocations.py`: the CPU allocator's events from PyTorch's profiler as bytes over time (what the
-  targets that run a framework's own step on the CPU measure: deepspeed, hf_trainer).
+  targets that run a framework's own step on the CPU measure: deepspeed, hf_trainer);
+  `rank_processes.py`: one measuring process per rank, as a launcher starts them.
 """
 
 TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "hf_trainer",

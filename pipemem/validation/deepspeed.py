@@ -15,12 +15,9 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from .compare import CaseRow, add_case_options, run_named_cases
@@ -123,46 +120,12 @@ def plan_kwargs(case: dict) -> dict:
     return kw
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trace_case(case: dict, timeout: float) -> dict:
     """Run the case's `world` ranks (one process each, a gloo group on 127.0.0.1); rank 0's
     measurement, with every rank's peak."""
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "case.json")
-        with open(src, "w") as f:
-            json.dump(case, f)
-        port, world = _free_port(), case["world"]
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, "-m", "pipemem.validation.deepspeed_trace", src,
-                                           os.path.join(d, f"rank{r}.json")], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        errs = []
-        try:
-            for p in procs:
-                errs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            r = bad[0][0]
-            tail = "\n".join((errs[r] if r < len(errs) else "").strip().splitlines()[-8:])
-            raise RuntimeError(f"DeepSpeed rank {r} of case {case['name']} failed (exit {bad[0][1]}):\n{tail}")
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(d, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
+    from .rank_processes import run_ranks
+    ranks = run_ranks("pipemem.validation.deepspeed_trace", case, case["world"], timeout,
+                      {"DS_ACCELERATOR": "cpu"}, f"DeepSpeed case {case['name']}")
     out = ranks[0]
     out["rank_peaks"] = [x["peak_bytes"] for x in ranks]
     out["rank_static"] = [x["static_bytes"] for x in ranks]

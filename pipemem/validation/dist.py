@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from typing import Callable
 
 from ..errors import UserError
 from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error, rel_error
+from .rank_processes import free_port
 
 EXAMPLE = """\
 examples:
@@ -104,12 +104,6 @@ CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "tp2-llama-regat
 
 # ---- real runs -------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Launch:
     """`world` worker processes running `cases` over gloo on 127.0.0.1; `collect()` waits for
     them and returns {(case name, rank): measurement}. Every process is killed on timeout,
@@ -123,7 +117,7 @@ class Launch:
             json.dump(cases, f)
         self.out = os.path.join(self.tmp.name, "out")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
                    PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
         self.procs, self.logs = [], []

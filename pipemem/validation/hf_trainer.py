@@ -98,51 +98,15 @@ def argv_of(case: dict, model_dir: str) -> list[str]:
     return [model_dir if a == MODEL_DIR else ds if a == DS_CONFIG else a for a in case["argv"]]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trace_case(case: dict, model_dir: str, timeout: float) -> dict:
     """Run the case's processes (the launcher's count; one without a launcher) as the launcher would,
     on a gloo group at 127.0.0.1; rank 0's measurement, with every rank's peak."""
     from ..configs.argv import parse
+    from .rank_processes import run_ranks
     argv = argv_of(case, model_dir)
-    world = parse(argv, "Trainer").world_size or 1
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "case.json")
-        with open(src, "w") as f:
-            json.dump(dict(case, argv=argv), f)
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-            if world > 1:
-                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, "-m", "pipemem.validation.hf_trainer_trace", src,
-                                           os.path.join(d, f"rank{r}.json")], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
-        deadline, errs = time.monotonic() + timeout, []
-        try:
-            for p in procs:
-                errs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            tail = "\n".join((errs[bad[0]] if bad[0] < len(errs) else "").strip().splitlines()[-8:])
-            raise RuntimeError(f"the Trainer run of case {case['name']} failed on rank {bad[0]} "
-                               f"(exit {procs[bad[0]].returncode}):\n{tail}")
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(d, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
+    ranks = run_ranks("pipemem.validation.hf_trainer_trace", dict(case, argv=argv),
+                      parse(argv, "Trainer").world_size or 1, timeout,
+                      {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}, f"the Trainer run of case {case['name']}")
     out = ranks[0]
     out["rank_peaks"] = [x["peak_bytes"] for x in ranks]
     return out
