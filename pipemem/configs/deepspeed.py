@@ -84,7 +84,8 @@ def read(source: str | Mapping, hidden: int | None = None) -> ToolConfig:
     if isinstance(source, Mapping):
         cfg, where = dict(source), "config"
     else:
-        cfg, where = _load(source), Path(source).name
+        cfg = load(source)
+        where = "config" if source.lstrip().startswith("{") else Path(source).name
     plan: dict = {"convention": "hf"}
     extra: dict = {}
     warnings: list[str] = []
@@ -115,16 +116,24 @@ def read(source: str | Mapping, hidden: int | None = None) -> ToolConfig:
     return ToolConfig(model="", plan=plan, warnings=warnings, tool=TOOL, dp_unknown="dp" not in plan, needs=needs)
 
 
-def _load(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--deepspeed {path}: no such file (give the DeepSpeed JSON config, e.g. ds_config.json)")
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--deepspeed {path}: not a readable JSON file ({e}); fix the file") from None
+def load(text: str) -> dict:
+    """A DeepSpeed config from its file, or the JSON itself (Hugging Face's TrainingArguments
+    accepts both for --deepspeed)."""
+    if text.lstrip().startswith("{"):
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--deepspeed: not valid JSON ({e}); fix it") from None
+    else:
+        p = Path(text).expanduser()
+        if not p.is_file():
+            raise UserError(f"--deepspeed {text}: no such file (give the DeepSpeed JSON config, e.g. ds_config.json)")
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"--deepspeed {text}: not a readable JSON file ({e}); fix the file") from None
     if not isinstance(cfg, dict):
-        raise UserError(f"--deepspeed {path}: the config must be a JSON object of DeepSpeed settings")
+        raise UserError("--deepspeed: the config must be a JSON object of DeepSpeed settings")
     return cfg
 
 

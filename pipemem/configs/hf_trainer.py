@@ -36,7 +36,6 @@ Arguments known not to change device memory are accepted; the rest are named in 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..errors import UserError
 from .argv import parse
@@ -135,7 +134,8 @@ def read(argv: list[str]) -> ToolConfig:
     optim = args.str("optim") or DEFAULT_OPTIM
     optim_args = args.str("optim_args") or ""
     if ds:
-        cfg = fill_deepspeed_autos(_load_deepspeed(ds), trainer)
+        from .deepspeed import load as load_deepspeed
+        cfg = fill_deepspeed_autos(load_deepspeed(ds), trainer)
         if "optimizer" not in cfg:        # DeepSpeed wraps the Trainer's own optimizer
             _optim(optim, optim_args, plan, warnings)
         _with_deepspeed(cfg, model, plan, warnings)
@@ -209,26 +209,6 @@ def _optim(name: str, optim_args: str, plan: dict, warnings: list[str]) -> None:
         except ValueError:
             raise UserError(f"Trainer argument --optim_args {optim_args!r}: momentum must be a number") from None
         plan.setdefault("extra", {})["sgd_momentum"] = momentum > 0
-
-
-def _load_deepspeed(text: str) -> dict:
-    """--deepspeed takes a JSON file or the JSON itself (TrainingArguments accepts both)."""
-    if text.lstrip().startswith("{"):
-        try:
-            cfg = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"Trainer argument --deepspeed: not valid JSON ({e}); fix it") from None
-    else:
-        p = Path(text).expanduser()
-        if not p.is_file():
-            raise UserError(f"Trainer argument --deepspeed {text}: no such file (give the DeepSpeed config file)")
-        try:
-            cfg = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"Trainer argument --deepspeed {text}: not a readable JSON file ({e}); fix the file") from None
-    if not isinstance(cfg, dict):
-        raise UserError("Trainer argument --deepspeed: the config must be a JSON object of DeepSpeed settings")
-    return cfg
 
 
 def _auto(v) -> bool:
