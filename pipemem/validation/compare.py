@@ -69,6 +69,22 @@ def case_names(text: str, known, target: str) -> list[str]:
 
 
 
+def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
+    """`one(case)` (a CaseRow, or a list of them: one per rank) for each case in turn, each row
+    with the case's wall time (`seconds`); `progress` gets what each case returned."""
+    import time
+    rows = []
+    for c in cases:
+        t0 = time.perf_counter()
+        got = one(c)
+        for r in got if isinstance(got, list) else [got]:
+            r.extra["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(r)
+        if progress:
+            progress(got)
+    return rows
+
+
 def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases, tolerance: float,
                     json_header: dict, measured_label: str = "measured", name_width: int = 28,
                     rows_are: str = "cases") -> int:

@@ -19,9 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from .compare import CaseRow, add_case_options, run_named_cases
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -135,18 +134,10 @@ def compare_case(case: dict, trace: dict, model_dir: str) -> CaseRow:
 
 
 def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[CaseRow]:
-    rows = []
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(CONFIG, f)
-        for c in cases:
-            t0 = time.perf_counter()
-            row = compare_case(c, trace_case(c, model_dir, timeout), model_dir)
-            row.extra["seconds"] = round(time.perf_counter() - t0, 1)
-            rows.append(row)
-            if progress:
-                progress(row)
-    return rows
+        return timed_rows(cases, lambda c: compare_case(c, trace_case(c, model_dir, timeout), model_dir), progress)
 
 
 def available() -> str | None:

@@ -26,9 +26,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from .compare import CaseRow, add_case_options, run_named_cases
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -142,17 +141,7 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
 
 
 def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
-    rows = []
-    for c in cases:
-        t0 = time.perf_counter()
-        traces = trace_case(c, timeout)
-        case_rows = compare_case(c, traces)
-        for r in case_rows:
-            r.extra["seconds"] = round(time.perf_counter() - t0, 1)
-        rows.extend(case_rows)
-        if progress:
-            progress(case_rows)
-    return rows
+    return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------

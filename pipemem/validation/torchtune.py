@@ -18,9 +18,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from .compare import CaseRow, add_case_options, run_named_cases
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -112,15 +111,7 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
 
 
 def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
-    rows = []
-    for c in cases:
-        t0 = time.perf_counter()
-        row = compare_case(c, trace_case(c, timeout))
-        row.extra["seconds"] = round(time.perf_counter() - t0, 1)
-        rows.append(row)
-        if progress:
-            progress(row)
-    return rows
+    return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
 def available() -> str | None:
