@@ -20,7 +20,16 @@ from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
 MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress",
+           "cuda_context_mib", "nccl_mib")
+# The verdict says FITS only with this share of the GPU left over the rank's device total
+# (reserved + outside the allocator): the reserved model's error on real runs and the spread of
+# NCCL's and the CUDA context's sizes across versions (docs/ACCURACY.md) live in this band.
+NEAR_LIMIT = 0.05
+# Where reserved memory is not modelled (a mode or runtime without an allocation stream), the
+# caching allocator's rounding and fragmentation are unknown: Megatron's report_memory logs show
+# max reserved 3-27 % above max allocated on the same line. FITS then needs this much left.
+NEAR_LIMIT_UNMODELLED = 0.15
 
 
 @dataclass
@@ -49,6 +58,16 @@ class RankEstimate:
     stage_jobs: list[dict] = None
     timeline: list[TimelinePoint] = None
     source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
+    # the caching allocator's peak reserved bytes (None: not modelled for this mode / runtime)
+    peak_reserved_bytes: int | None = None
+    outside: Any = None    # pipemem.outside_allocator.OutsideAllocator: context, NCCL, cuBLAS workspace
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """What the rank takes from the GPU at its peak: the caching allocator's reserved bytes
+        (its allocated peak where reserved is not modelled) plus the memory outside them."""
+        held = self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_allocated_bytes
+        return held + (self.outside.total_bytes if self.outside is not None else 0)
 
     def _peak_point(self) -> tuple[int, TimelinePoint] | None:
         """(index, point) of the first action at the rank's peak: read from the replay at its
@@ -107,11 +126,16 @@ class RankEstimate:
         return self.peak_at == "optimizer"
 
     def headroom(self, gpu_bytes: int | None) -> int | None:
-        return None if gpu_bytes is None else gpu_bytes - self.peak_allocated_bytes
+        """The GPU's memory left at the rank's peak: capacity minus `device_peak_bytes`."""
+        return None if gpu_bytes is None else gpu_bytes - self.device_peak_bytes
+
+    def verdict(self, gpu_bytes: int | None) -> str | None:
+        return judge(self.device_peak_bytes, gpu_bytes, self.peak_reserved_bytes is not None)
 
     def to_dict(self, gpu_bytes: int | None) -> dict:
         jobs = {k: (v.to_dict() if v is not None else None) for k, v in self.jobs.items()}
         head = self.headroom(gpu_bytes)
+        verdict = self.verdict(gpu_bytes)
         return {
             "pp_rank": self.pp_rank,
             "stages": list(self.stages),
@@ -123,11 +147,25 @@ class RankEstimate:
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_at": self.peak_at,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "outside_allocator": self.outside.to_dict() if self.outside is not None else None,
+            "device_peak_bytes": self.device_peak_bytes,
             "headroom_bytes": head,
-            "fits": None if head is None else head >= 0,
+            "verdict": verdict,
+            "fits": None if verdict is None else verdict == "fits",
             "jobs": jobs,
             "stage_jobs": [dict(row, layers=list(row.get("layers", ()))) for row in self.stage_jobs],
         }
+
+
+def judge(device_bytes: int, gpu_bytes: int | None, reserved_modelled: bool) -> str | None:
+    """"fits", "tight" (within NEAR_LIMIT of the GPU: it may OOM) or "oom"; None without a GPU."""
+    if gpu_bytes is None:
+        return None
+    if device_bytes > gpu_bytes:
+        return "oom"
+    margin = NEAR_LIMIT if reserved_modelled else NEAR_LIMIT_UNMODELLED
+    return "fits" if device_bytes <= gpu_bytes * (1 - margin) else "tight"
 
 
 def _lazy(name: str, build):
@@ -198,13 +236,35 @@ class Estimate:
         return max(self.ranks, key=lambda r: r.peak_allocated_bytes)
 
     @property
+    def max_device_peak_bytes(self) -> int:
+        return max(r.device_peak_bytes for r in self.ranks)
+
+    @property
+    def device_worst_rank(self) -> RankEstimate:
+        """The rank closest to an OOM: the largest reserved + outside-the-allocator peak."""
+        return max(self.ranks, key=lambda r: r.device_peak_bytes)
+
+    @property
     def headroom_bytes(self) -> int | None:
-        return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes - self.max_peak_allocated_bytes
+        return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes - self.max_device_peak_bytes
+
+    @property
+    def verdict(self) -> str | None:
+        """"fits", "tight" or "oom" for the rank closest to the GPU's capacity (`judge`)."""
+        if self.gpu_memory_bytes is None:
+            return None
+        order = {"oom": 2, "tight": 1, "fits": 0}
+        return max((r.verdict(self.gpu_memory_bytes) for r in self.ranks), key=order.__getitem__)
+
+    @property
+    def reserved_modelled(self) -> bool:
+        return all(r.peak_reserved_bytes is not None for r in self.ranks)
 
     @property
     def fits(self) -> bool | None:
-        h = self.headroom_bytes
-        return None if h is None else h >= 0
+        """True only for a FITS verdict: a plan near the limit ("tight") is not called fitting."""
+        v = self.verdict
+        return None if v is None else v == "fits"
 
     def to_dict(self) -> dict:
         from .version import __version__
@@ -229,8 +289,10 @@ class Estimate:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "ranks": [r.to_dict(self.gpu_memory_bytes) for r in self.ranks],
             "max_peak_allocated_bytes": self.max_peak_allocated_bytes,
+            "max_device_peak_bytes": self.max_device_peak_bytes,
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
+            "verdict": self.verdict,
             "fits": self.fits,
             "features": _features(self.plan),
             "suggestions": list(self.suggestions),
@@ -368,10 +430,26 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         est = _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts)
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
+    _add_outside_allocator(est, opts)
     est.inputs = (model, dict(kwargs))
     if config.get("_pipemem_note"):
         est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
+
+
+def _add_outside_allocator(est: Estimate, opts: dict) -> None:
+    """Each rank's memory beside the caching allocator (pipemem.outside_allocator)."""
+    from .outside_allocator import check_override, outside_allocator
+
+    context = check_override("--cuda-context-mib", opts.get("cuda_context_mib"))
+    nccl = check_override("--nccl-mib", opts.get("nccl_mib"))
+    cc = None   # --gpu-memory alone: unknown hardware, priced as the larger case
+    if opts.get("gpu") is not None:
+        from .presets import gpu_info
+
+        cc = gpu_info(opts["gpu"]).get("compute_capability")
+    for r in est.ranks:
+        r.outside = outside_allocator(est.plan, bool(est.arch.tied_embeddings), r.pp_rank, cc, context, nccl)
 
 
 def _with_schedule(arch, plan, vpp_given: bool):
@@ -692,9 +770,10 @@ def _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts) -> Est
 
 def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[dict]:
     """For a plan that does not fit: re-run the engine on a few one-step changes (on the same
-    number of GPUs) that could lower the *peak*, and return those that fit, or else the one
-    that lowers the peak most; a change that does not lower the peak is never returned:
-    [{"flags": "--recompute full", "max_peak_allocated_bytes": ..., "fits": bool}].
+    number of GPUs) that could lower the *peak* (the device peak: reserved + outside the
+    allocator), and return those that fit, or else the one that lowers it most; a change that
+    does not lower it is never returned: [{"flags": "--recompute full",
+    "max_peak_allocated_bytes": ..., "max_device_peak_bytes": ..., "fits": bool}].
     When the worst rank peaks in the optimizer step only optimizer levers are tried (sharding
     its states, a fused or per-parameter step, fewer dp ranks for more tp/pp): recompute or a
     smaller micro-batch cannot lower that peak. Stops trying after `budget_s` seconds."""
@@ -710,7 +789,7 @@ def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[
     if p.dp % 2 == 0:   # same GPUs: trade data parallelism for model parallelism
         cands.append((f"--tp {p.tp * 2} --dp {p.dp // 2}", {"tp": p.tp * 2, "dp": p.dp // 2}))
         cands.append((f"--pp {p.pp * 2} --dp {p.dp // 2}", {"pp": p.pp * 2, "dp": p.dp // 2, "pp_layout": None}))
-    now = est.max_peak_allocated_bytes
+    now = est.max_device_peak_bytes
     tried = []
     start = time.perf_counter()
     slowest = 0.0
@@ -727,13 +806,13 @@ def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[
             continue    # not a valid plan for this model (e.g. tp would not divide the heads)
         finally:
             slowest = max(slowest, time.perf_counter() - t0)
-        if e.max_peak_allocated_bytes < now:
+        if e.max_device_peak_bytes < now:
             tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes,
-                          "fits": bool(e.fits)})
+                          "max_device_peak_bytes": e.max_device_peak_bytes, "fits": bool(e.fits)})
     fitting = [t for t in tried if t["fits"]]
     if fitting:
         return fitting[:limit]
-    return sorted(tried, key=lambda t: t["max_peak_allocated_bytes"])[:1]
+    return sorted(tried, key=lambda t: t["max_device_peak_bytes"])[:1]
 
 
 def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:

@@ -173,6 +173,12 @@ def register(sub) -> None:
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
+    out.add_argument("--cuda-context-mib", type=float, metavar="MIB",
+                     help="the CUDA context's size per GPU (default 512 MiB: the driver and the kernels a training "
+                          "step loads); counted beside reserved memory in the verdict")
+    out.add_argument("--nccl-mib", type=float, metavar="MIB",
+                     help="NCCL's buffers per communicator the plan uses (default from NCCL's measured sizes: "
+                          "544-688 MB, plus NVLS buffers on intra-node groups of H100-class GPUs)")
     out.add_argument("--mode", choices=MODES, help="templates (default; any plan), traced (the PyTorch step on fake "
                                                    "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch) "
                                                    "or paddle (PaddleNLP's own programs: see --exact)")
@@ -245,7 +251,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
             raise UserError(f"--exact builds Paddle's programs (mode paddle); drop --mode {mode}")
         mode = "paddle"
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": mode,
-            "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime}
+            "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime,
+            "cuda_context_mib": args.cuda_context_mib, "nccl_mib": args.nccl_mib}
     if args.deepspeed is not None:
         plan, warnings = _with_deepspeed(args.model, args.deepspeed, flags)
         refuse_inert(flags, plan, opts)

@@ -18,8 +18,9 @@ examples:
   pipemem plan --model llama3-70b --gpus 64 --gpu h100-80g --seq-len 4096 --global-batch 512 \\
       --convention torchtitan --zero-bubble --schedule-csv zb.csv
 
-A plan fits when every pipeline rank's allocated peak (pipemem estimate) plus --reserve is
-within the GPU. Plans are ranked by an estimated step time: the schedule simulated with F/B/W
+A plan is listed when `pipemem estimate` calls it FITS: every pipeline rank's device peak (the
+caching allocator's reserved bytes plus the CUDA context, NCCL's buffers and the cuBLAS
+workspace) leaves the verdict's margin of the GPU free, and --reserve more if given. Plans are ranked by an estimated step time: the schedule simulated with F/B/W
 durations proportional to their FLOPs, plus communication at NVLink or network speed
 (docs/PLANNER.md). Each plan's flags paste into `pipemem estimate` and give the same bytes.
 --tp/--pp/--cp/--dp/--vpp/--ep pin a degree; the others are searched.
@@ -65,8 +66,9 @@ def register(sub) -> None:
     w.add_argument("--seq-len", type=int, required=True, metavar="N", help="sequence length")
     w.add_argument("--global-batch", type=int, required=True, metavar="N", help="sequences per step")
     w.add_argument("--reserve", type=float, metavar="GIB",
-                   help="memory kept free above the allocated peak (default 1 GiB + 5%% of the GPU: CUDA "
-                        "context, NCCL, allocator fragmentation)")
+                   help="memory kept free beyond what pipemem estimate's FITS verdict already leaves (default 0)")
+    w.add_argument("--cuda-context-mib", type=float, metavar="MIB", help="as for pipemem estimate")
+    w.add_argument("--nccl-mib", type=float, metavar="MIB", help="as for pipemem estimate")
     s = p.add_argument_group("search space")
     s.add_argument("--convention", choices=CONVENTIONS, default="megatron",
                    help="framework whose rules, layers, sharding and schedules are used (default megatron)")
@@ -124,7 +126,8 @@ def build_inputs(args):
     """Flags -> (Target, SpaceOptions, extra plan fields)."""
     from ..estimate import gpu_capacity
     from ..planner import SpaceOptions, Target
-    from ..planner.hardware import default_reserve_bytes, speeds_for
+    from ..outside_allocator import check_override
+    from ..planner.hardware import speeds_for
     from ..planner.space import check_schedule_names
 
     _positive(args, ("gpus", "gpus_per_node", "seq_len", "global_batch", "tp", "pp", "cp", "dp", "vpp", "ep",
@@ -135,10 +138,12 @@ def build_inputs(args):
     if args.reserve is not None and not 0 <= args.reserve * (1 << 30) < capacity:
         raise UserError(f"--reserve {args.reserve:g}: give GiB between 0 and the GPU's "
                         f"{capacity / (1 << 30):.1f} GiB")
-    reserve = int(args.reserve * (1 << 30)) if args.reserve is not None else default_reserve_bytes(capacity)
+    reserve = int(args.reserve * (1 << 30)) if args.reserve is not None else 0
     speeds = speeds_for(key if args.gpu else None, args.tflops, args.intra_node_gbps, args.inter_node_gbps)
     target = Target(args.gpus, capacity, reserve, speeds, gpu=key if args.gpu else None,
-                    gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node)
+                    gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                    cuda_context_mib=check_override("--cuda-context-mib", args.cuda_context_mib),
+                    nccl_mib=check_override("--nccl-mib", args.nccl_mib))
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "dp", "vpp", "ep", "etp") if getattr(args, k)}
     shardings = _names(args.shardings)       # checked against the convention's by the search
     schedules = _names(args.schedules)

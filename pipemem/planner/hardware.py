@@ -45,11 +45,3 @@ def speeds_for(gpu_key: str | None, tflops: float | None = None, intra: float | 
             raise UserError(f"{flag} {v}: must be a positive number")
     return Speeds(tflops or base.tflops, intra or base.intra_gbps, inter or base.inter_gbps,
                   base.source if (tflops, intra, inter) == (None, None, None) else "given on the command line")
-
-
-def default_reserve_bytes(capacity: int) -> int:
-    """Memory kept free beyond pipemem's allocated peak, by default: 1 GiB for what the
-    allocated peak does not count (CUDA context, cuBLAS workspaces, NCCL buffers; gpus.json's
-    note puts the context alone near 0.5 GiB) plus 5 % of the GPU for the caching allocator's
-    rounding and fragmentation (reserved above allocated)."""
-    return (1 << 30) + capacity // 20

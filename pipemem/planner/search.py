@@ -52,19 +52,46 @@ from .space import BUFFERED_GRADS, WHOLE_MODEL_RECOMPUTE, Base, SpaceOptions, en
 
 @dataclass(frozen=True)
 class Target:
-    """Where the plans must run."""
+    """Where the plans must run. A plan is listed only when `pipemem estimate` calls it FITS
+    on this GPU (its device peak: reserved + outside the allocator, within the verdict's
+    margin) with `reserve_bytes` more kept free."""
 
     gpus: int
     capacity_bytes: int
-    reserve_bytes: int
+    reserve_bytes: int                # kept free beyond the verdict's own margin (--reserve)
     speeds: Speeds
     gpu: str | None = None            # preset key, or None with gpu_memory
     gpu_memory: float | None = None   # GiB, when given instead of a preset
     gpus_per_node: int = 8
+    cuda_context_mib: float | None = None   # estimate()'s overrides of the outside-allocator sizes
+    nccl_mib: float | None = None
 
     @property
     def budget_bytes(self) -> int:
-        return self.capacity_bytes - self.reserve_bytes
+        """The most a rank's device peak may reach: the verdict's FITS line less the reserve."""
+        from ..estimate import NEAR_LIMIT
+
+        return int(self.capacity_bytes * (1 - NEAR_LIMIT)) - self.reserve_bytes
+
+    def budget_for(self, plan, tied_embeddings: bool) -> int:
+        """The most a rank's *allocated* peak may reach under `plan`: the budget less the
+        memory outside the allocator of the plan's costliest rank. Reserved is at least
+        allocated, so a plan over this cannot fit: the search prunes on it, and the listed
+        plans are judged on their full device peak (`_Probe.result`)."""
+        key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, tied_embeddings)
+        outside = _OUTSIDE.get((self, key))
+        if outside is None:
+            from ..outside_allocator import outside_allocator
+            from ..presets import gpu_info
+
+            cc = gpu_info(self.gpu).get("compute_capability") if self.gpu is not None else None
+            outside = _OUTSIDE[(self, key)] = max(
+                outside_allocator(plan, tied_embeddings, r, cc, self.cuda_context_mib, self.nccl_mib).total_bytes
+                for r in {0, plan.pp - 1})
+        return self.budget_bytes - outside
+
+
+_OUTSIDE: dict = {}    # (target, the plan's group sizes) -> the costliest rank's outside-allocator bytes
 
 
 @dataclass
@@ -73,9 +100,10 @@ class PlanResult:
     flags: str              # the same plan as `pipemem estimate` flags
     peak_bytes: int         # highest allocated peak over the pipeline ranks
     rank_peaks: list[int]
-    headroom_bytes: int     # GPU capacity - peak (the reserve is part of it)
+    headroom_bytes: int     # GPU capacity - the highest device peak (reserved + outside the allocator)
     schedule: str | None
     cost: Cost
+    device_peak_bytes: int = 0   # the highest reserved + outside-the-allocator peak over the ranks
 
     def to_dict(self) -> dict:
         kw = dict(self.kwargs)
@@ -83,7 +111,8 @@ class PlanResult:
             kw["pp_layout"] = list(kw["pp_layout"])
         return {"flags": self.flags, "plan": kw, "schedule": self.schedule,
                 "max_peak_allocated_bytes": self.peak_bytes, "rank_peak_allocated_bytes": list(self.rank_peaks),
-                "headroom_bytes": self.headroom_bytes, **self.cost.to_dict()}
+                "max_device_peak_bytes": self.device_peak_bytes, "headroom_bytes": self.headroom_bytes,
+                **self.cost.to_dict()}
 
 
 @dataclass
@@ -177,6 +206,10 @@ def flags_string(model_flag: str, target: Target, kwargs: dict) -> str:
         parts += ["--gpu", target.gpu]
     else:
         parts += ["--gpu-memory", f"{target.gpu_memory:g}"]
+    if target.cuda_context_mib is not None:
+        parts += ["--cuda-context-mib", f"{target.cuda_context_mib:g}"]
+    if target.nccl_mib is not None:
+        parts += ["--nccl-mib", f"{target.nccl_mib:g}"]
     for k in FLAG_ORDER:
         v = kwargs.get(k)
         if v is None:
@@ -337,6 +370,8 @@ class _Runner:
         self.results: list[PlanResult] = []
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
+        self.gpu_opts.update({k: v for k, v in (("cuda_context_mib", target.cuda_context_mib),
+                                                ("nccl_mib", target.nccl_mib)) if v is not None})
         self._busiest: dict = {}
         self.prune = True
 
@@ -370,7 +405,7 @@ class _Runner:
                     placement = tuple(tuple(schedule.stages_of_rank(r)) for r in range(plan.pp))
                     if base.sharding not in statics:
                         statics[base.sharding] = self._static(plan, placement)
-                    if self.prune and max(statics[base.sharding]) > self.target.budget_bytes:
+                    if self.prune and max(statics[base.sharding]) > self.target.budget_for(plan, self.arch.tied_embeddings):
                         self.stats.pruned_static += 1
                         continue
                     # (paddle's optimizer step copies the clipped gradients: sharding them changes it)
@@ -436,7 +471,8 @@ class _Runner:
         layers = max(plan.pp_layout)
         lo, hi = max(1, ladder.min_layers, probe.smaller_min), layers
         lo = min(lo, hi)
-        guess = _interpolate(probe.peak("none", None), probe.peak("full", None), self.target.budget_bytes, layers)
+        guess = _interpolate(probe.peak("none", None), probe.peak("full", None),
+                             self.target.budget_for(probe.plan, self.arch.tied_embeddings), layers)
         pivots = [guess] if guess is not None else []
         while lo < hi:
             mid = pivots.pop(0) if pivots and lo <= pivots[0] < hi else (lo + hi) // 2
@@ -499,8 +535,10 @@ class _Runner:
         peak = est.max_peak_allocated_bytes
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
-                          headroom_bytes=self.target.capacity_bytes - peak, schedule=est.schedule if sched else None,
-                          cost=self._cost(plan, sched, placement, recompute, layers))
+                          headroom_bytes=self.target.capacity_bytes - est.max_device_peak_bytes,
+                          schedule=est.schedule if sched else None,
+                          cost=self._cost(plan, sched, placement, recompute, layers),
+                          device_peak_bytes=est.max_device_peak_bytes)
 
     def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
@@ -583,7 +621,7 @@ class _Probe:
 
     def fits(self, recompute: str, layers: int | None) -> bool:
         key = (recompute, layers)
-        budget = self.r.target.budget_bytes
+        budget = self.r.target.budget_for(self.plan, self.r.arch.tied_embeddings)
         if key not in self.peaks:
             if self.ladder.failed(*key) or key in self.smaller_failed:
                 self.r.stats.implied += 1
@@ -602,7 +640,10 @@ class _Probe:
                 self.ests[key] = est
                 self.peaks[key] = [x.peak_allocated_bytes for x in est.ranks]
             self.ladder.record(key, self.peaks[key], self.statics)
-        ok = max(self.peaks[key]) <= budget
+        est = self.ests.get(key)
+        # estimated: the verdict itself; derived by the ladder: the allocated bound (result()
+        # estimates it and applies the verdict before listing)
+        ok = _listable(est, self.r.target) if est is not None else max(self.peaks[key]) <= budget
         if not ok:
             self.ladder.fail(*key)
             self.failed_here.add(key)
@@ -618,9 +659,14 @@ class _Probe:
                 self.r.stats.derivation_mismatch += 1
                 return self.r._ladder(_Probe(self.r, self.kw, self.plan, self.sched, self.placement,
                                              self.statics, _Ladder()), self.plan, self.sched, self.placement)
-        if est.max_peak_allocated_bytes > self.r.target.budget_bytes:
+        if not _listable(est, self.r.target):
             return None
         return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
+
+
+def _listable(est, target: Target) -> bool:
+    """A plan is listed only when the estimate itself calls it FITS with the reserve kept free."""
+    return bool(est.fits) and est.max_device_peak_bytes <= target.budget_bytes
 
 
 def _interpolate(peak_none: int | None, peak_full: int, budget: int, layers: int) -> int | None:

@@ -40,7 +40,7 @@ class ZeroBubble:
     bubble: float              # idle share of all ranks over the makespan (the planner's bubble)
     makespan_ratio: float      # its makespan / the plan's own schedule's makespan
     peak_bytes: int            # pipemem estimate of the plan with that schedule
-    fits: bool                 # peak + reserve <= the GPU
+    fits: bool                 # pipemem estimate's verdict is FITS (and the --reserve is left)
     schedule: object           # pipemem.schedules.Schedule
     csv_text: str
     probes: int                # scheduler runs of the bisection
@@ -139,4 +139,4 @@ def smallest_zero_bubble_memory(search, result, resolution: int = 1 << 20, csv_p
     return ZeroBubble(flags=flags, memory_bytes=memory, zero_bubble=sim.stage_bubble_ratio <= ZERO,
                       stage_bubble=sim.stage_bubble_ratio, bubble=sim.bubble_ratio,
                       makespan_ratio=sim.makespan / own_makespan if own_makespan else 1.0, peak_bytes=peak,
-                      fits=peak <= search.target.budget_bytes, schedule=sched, csv_text=text, probes=probes)
+                      fits=bool(est.fits) and est.max_device_peak_bytes <= search.target.budget_bytes, schedule=sched, csv_text=text, probes=probes)

@@ -117,7 +117,8 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
     t, s = res.target, res.stats
     gpu = t.gpu or f"{t.gpu_memory:g} GiB GPU"
     con.print(Text(f"{res.model} on {t.gpus} x {gpu} ({fmt_bytes(t.capacity_bytes)}, {t.gpus_per_node} per node), "
-                   f"reserve {fmt_bytes(t.reserve_bytes)}", style="bold"))
+                   f"fit judged as pipemem estimate's verdict (reserved + outside the allocator, FITS)"
+                   + (f" with {fmt_bytes(t.reserve_bytes)} more kept free" if t.reserve_bytes else ""), style="bold"))
     invalid = sum(s.invalid.values())
     con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
                    f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} fit "
@@ -127,7 +128,8 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                    f"{s.seconds:.1f} s)", style=DIM))
     if not res.plans:
         con.print(Text.assemble(("NO PLAN FITS", RED), f": no plan of the space fits {fmt_bytes(t.budget_bytes)} "
-                                "(GPU minus reserve); try more GPUs, a smaller micro-batch or --reserve"))
+                                "(the GPU less the verdict's margin and any --reserve) once reserved memory and the "
+                                "CUDA context, NCCL and cuBLAS are counted; try more GPUs or a smaller micro-batch"))
         return
     index = {id(p): i + 1 for i, p in enumerate(res.plans)}
     _print_plans(con, [(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
@@ -146,8 +148,8 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                      f"Pareto set of all plans: peak memory vs estimated step time{more}")
     best = res.plans[0]
     con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
-    con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus peak "
-                   "(the reserve is part of it); bubble: idle share of the pipeline ranks in the schedule simulated "
+    con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
+                   "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace); bubble: idle share of the pipeline ranks in the schedule simulated "
                    "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
                    "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
                    style=DIM))
@@ -164,7 +166,7 @@ def render_zero_bubble(con, zb, target, csv_path) -> None:
                             f"pipeline plan once static bytes + activations may reach {fmt_bytes(zb.memory_bytes)} "
                             f"per GPU ({zb.probes} scheduler runs). The step's peak with that schedule (pipemem "
                             f"estimate, optimizer step included) is {fmt_bytes(zb.peak_bytes)}: ", verdict,
-                            f" with the {fmt_bytes(target.reserve_bytes)} reserve. Bubble {zb.bubble:.1%}, makespan "
+                            " as pipemem estimate judges it. Bubble {zb.bubble:.1%}, makespan "
                             f"{zb.makespan_ratio:.3f}x the plan's own schedule."))
     if csv_path:
         con.print(Text(f"schedule written to {csv_path}; check it: pipemem estimate {zb.flags}", style=DIM))

@@ -17,7 +17,6 @@ from typing import Any, Mapping
 from ..units import fmt_bytes
 
 RED, GREEN, YELLOW, DIM = "bold red", "bold green", "yellow", "dim"
-NEAR_FULL = 0.90   # a rank above this share of the GPU is shown in yellow
 
 
 def terminal_width(file=None) -> int:
@@ -136,8 +135,9 @@ FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step
             "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
             "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
             "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
-            "torch.cuda.max_memory_allocated counts them; the allocator's reserve, the CUDA context and NCCL "
-            "buffers come on top.")
+            "torch.cuda.max_memory_allocated counts them. headroom = GPU minus the rank's device peak: the "
+            "caching allocator's reserved bytes plus the CUDA context, NCCL's buffers and the cuBLAS workspace "
+            "(the verdict line itemizes them).")
 
 
 def row_cells(est, r) -> dict:
@@ -150,11 +150,7 @@ def row_cells(est, r) -> dict:
         act_txt += " (step)"
     elif r.inflight:
         act_txt += f" ({_inflight_text(r, est.plan.vpp)})"
-    style = ""
-    if head is not None and head < 0:
-        style = RED
-    elif gpu and r.peak_allocated_bytes > NEAR_FULL * gpu:
-        style = YELLOW
+    style = {"oom": RED, "tight": YELLOW}.get(r.verdict(gpu), "")
     return {"rank": str(r.pp_rank), "layers": _layers_text(r), "params": fmt_bytes(r.static.params),
             "grads": _grads_text(r.static), "optimizer": fmt_bytes(r.static.optimizer),
             "activations": act_txt, "transient": fmt_bytes(r.transient_bytes),
@@ -312,30 +308,63 @@ def describe_action(peak_at: Any) -> str:
     return text
 
 
+def device_text(r) -> str:
+    """The rank's device peak, itemized: reserved (or allocated, where reserved is not
+    modelled) plus what lives outside the caching allocator."""
+    held = (f"{fmt_bytes(r.peak_reserved_bytes)} reserved" if r.peak_reserved_bytes is not None
+            else f"{fmt_bytes(r.peak_allocated_bytes)} allocated (reserved not modelled)")
+    o = r.outside
+    if o is None:
+        return held
+    groups = ", ".join(f"{c.name} {c.ranks}" for c in o.communicators)
+    nccl = f"NCCL {fmt_bytes(o.nccl_bytes)} for {len(o.communicators)} groups ({groups})" if o.communicators \
+        else "no NCCL groups"
+    return (f"{held} + {fmt_bytes(o.total_bytes)} outside the allocator (CUDA context "
+            f"{fmt_bytes(o.cuda_context_bytes)}, {nccl}, cuBLAS workspace {fmt_bytes(o.cublas_workspace_bytes)}) "
+            f"= {fmt_bytes(r.device_peak_bytes)}")
+
+
 def verdict(est, markup: bool = False):
-    """One line: fits or OOM, where, by how much."""
+    """One line: FITS, TIGHT (near the limit: it may OOM) or OOM, where, by how much. Judged on
+    the device peak (reserved + outside the allocator), never on allocated bytes alone."""
     from rich.text import Text
 
-    worst = est.worst_rank
+    from ..estimate import NEAR_LIMIT, NEAR_LIMIT_UNMODELLED
+
+    worst = est.device_worst_rank
     gpu = est.gpu_memory_bytes
-    where = f"rank {worst.pp_rank} at {fmt_bytes(worst.peak_allocated_bytes)} during {describe_action(worst.peak_at)}"
+    where = f"rank {worst.pp_rank} at {fmt_bytes(worst.peak_allocated_bytes)} allocated during " \
+            f"{describe_action(worst.peak_at)}"
     if worst.peak_is_optimizer:
         where += (f" ({fmt_bytes(worst.transient_bytes)} of optimizer scratch on "
                   f"{fmt_bytes(worst.static.total + worst.grads_at_peak_bytes)} of "
                   f"params, grads and optimizer states{_resident(worst)})")
+    device = device_text(worst)
+    v = est.verdict
     if gpu is None:
-        line = Text.assemble(("PEAK", "bold"), f": {where}; pass --gpu NAME or --gpu-memory GIB to check the fit.")
-    elif est.fits:
-        share = worst.peak_allocated_bytes / gpu
-        line = Text.assemble(("FITS", GREEN), f" on {est.gpu_name}: worst is {where}; {share:.0%} of "
-                             f"{fmt_bytes(gpu)}, {fmt_bytes(gpu - worst.peak_allocated_bytes)} headroom.")
+        line = Text.assemble(("PEAK", "bold"), f": {where}; on the device {device}; pass --gpu NAME or "
+                             "--gpu-memory GIB to check the fit.")
+    elif v == "fits":
+        share = worst.device_peak_bytes / gpu
+        line = Text.assemble(("FITS", GREEN), f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
+                             f"{fmt_bytes(gpu)}, {fmt_bytes(gpu - worst.device_peak_bytes)} headroom.")
+    elif v == "tight":
+        share = worst.device_peak_bytes / gpu
+        margin = NEAR_LIMIT if est.reserved_modelled else NEAR_LIMIT_UNMODELLED
+        why = ("the reserved estimate and the sizes of NCCL's buffers and the CUDA context vary by a few percent "
+               "between runs and versions" if est.reserved_modelled else
+               "reserved memory is not modelled here, and the caching allocator's rounding and fragmentation "
+               "add 3-27 % over allocated in Megatron's memory logs")
+        line = Text.assemble(("TIGHT", YELLOW), f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
+                             f"{fmt_bytes(gpu)}: within {margin:.0%} of the limit, it may OOM ({why})."
+                             f"{_advice(est, worst)}")
     else:
-        over = [r.pp_rank for r in est.ranks if r.peak_allocated_bytes > gpu]
+        over = [r.pp_rank for r in est.ranks if r.device_peak_bytes > gpu]
         rank_word = "rank" if len(over) == 1 else "ranks"
         verb = "exceeds" if len(over) == 1 else "exceed"
         line = Text.assemble(("OOM", RED), f" on {est.gpu_name}: {rank_word} {_ranges(over)} {verb} "
-                             f"{fmt_bytes(gpu)}; worst is {where}; "
-                             f"{fmt_bytes(worst.peak_allocated_bytes - gpu)} over.{_advice(est, worst)}")
+                             f"{fmt_bytes(gpu)}; worst is {where}; {device}, "
+                             f"{fmt_bytes(worst.device_peak_bytes - gpu)} over.{_advice(est, worst)}")
     return line if markup else line.plain
 
 
@@ -368,17 +397,21 @@ def _advice(est, worst) -> str:
     sug = getattr(est, "suggestions", None) or []
     fit = [x for x in sug if x["fits"]]
     if fit:
-        return " Fits with " + " or ".join(f"{x['flags']} ({fmt_bytes(x['max_peak_allocated_bytes'])})"
+        return " Fits with " + " or ".join(f"{x['flags']} ({fmt_bytes(_device_peak(x))} on the device)"
                                            for x in fit) + "."
     if sug:
         x = sug[0]
         return (f" No single change tried fits; the one that lowers the peak most: {x['flags']} "
-                f"({fmt_bytes(x['max_peak_allocated_bytes'])}).")
+                f"({fmt_bytes(_device_peak(x))} on the device).")
     if getattr(est, "suggestions_tried", False):
         return " No single change on these GPUs lowers the peak; more GPUs are needed" + (
             " (e.g. --dp N with --zero 1 / --fsdp / --dist-opt to shard the optimizer states)."
             if worst.peak_is_optimizer else " (more --tp or --pp).")
     return _hint(est, worst)
+
+
+def _device_peak(suggestion: dict) -> int:
+    return suggestion.get("max_device_peak_bytes", suggestion["max_peak_allocated_bytes"])
 
 
 def _resident(r) -> str:
