@@ -43,6 +43,7 @@ from functools import lru_cache
 import numpy as np
 
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
+OUTSIDE = -1                       # counted in the walk, not an allocator block (see stage_stream)
 X, Y, DY, DX = 0, 1, 2, 3          # boundary slots of a (stage, microbatch)
 _SLOTS = 4
 DDP_BUCKET_BYTES = 25 * 1024 * 1024   # torch DistributedDataParallel bucket_cap_mb default
@@ -77,8 +78,30 @@ class Events:
     def allocated_peak(self) -> int:
         return self.walk()[1]
 
-    def shifted(self, base: int) -> "Events":
-        return Events(self.sign, self.size, self.handle + base, self.stream)
+    def problems(self, limit: int = 3) -> list[str]:
+        """Frees of a handle not live or of another size, allocations of a live handle (a
+        well-formed stream has none; tests check it)."""
+        live: dict = {}
+        out = []
+        for i, (s, b, h, st) in enumerate(zip(self.sign.tolist(), self.size.tolist(), self.handle.tolist(),
+                                              self.stream.tolist())):
+            if st == OUTSIDE:
+                continue
+            if s > 0:
+                if h in live:
+                    out.append(f"event {i}: handle {h} allocated again")
+                live[h] = b
+            elif live.pop(h, None) != b:
+                out.append(f"event {i}: free of {b} B under handle {h}, not live at that size")
+            if len(out) >= limit:
+                break
+        return out
+
+    def as_tuples(self) -> list[tuple[int, int, int]]:
+        """(signed bytes, stream, handle) per event: pipemem.allocator.simulate's input."""
+        keep = self.stream != OUTSIDE
+        return list(zip((self.sign * self.size)[keep].tolist(), self.stream[keep].tolist(),
+                        self.handle[keep].tolist()))
 
 
 def _events(rows: list[tuple[int, int, int, int]]) -> Events:
@@ -333,7 +356,7 @@ def _sig(sj) -> tuple:
 @lru_cache(maxsize=4096)
 def _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, expected) -> StageStream:
     if conv.name == "paddle":
-        raise StreamNotModelled("the paddle convention (Paddle's auto-growth allocator is not PyTorch's)")
+        raise StreamNotModelled("the paddle convention: Paddle's auto-growth allocator is not PyTorch's")
     segs, total = _segments(arch, sh, conv, runs, first, last, seq_len)
     if not total and not (first and last):
         raise StreamNotModelled("a pipeline stage without layers")
@@ -360,11 +383,13 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, expected) -
         via = segs[-1][0].grad_passes_through[1 if kinds[0] == "I" else 0] if (not last and total) else False
         for kind in kinds:
             krows: list = []
+            extra = None
             if via and kind in ("B", "I"):
-                # the runtime keeps dy, so autograd writes the input grad to a new buffer (stages._stage_jobs)
-                b.sizes[DX] = act
-                b.dx_slot = False
-                krows.append((1, act, DX, COMPUTE))
+                # the runtime keeps dy, so autograd writes the last layer's input grad to a new
+                # buffer (stages._stage_jobs counts it from the start): the grad the layer
+                # before receives, instead of dy
+                extra = b.new(act)
+                krows.append((1, act, extra, COMPUTE))
             for k in range(len(inst) - 1, -1, -1):
                 j, c = seg_of[k]
                 held = [(x, st_, b.new(x)) for x, st_ in _backward_extras(bsegs, len(segs) - 1 - j, c, kind, sh, last)]
@@ -372,7 +397,21 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, expected) -
                 pp = inst[k][0]
                 _walk_program(b, k, getattr(pp, kind), pp.results[kind], kind, krows, created)
                 krows += [(-1, x, h, st_) for x, st_, h in held]
+                if extra is not None and k == len(inst) - 1:
+                    b.dx[k] = extra
             out.append(krows)
+        # the stage's input grad is slot DX (the runtime frees it) however it was made
+        dx0 = b.dx.get(0)
+        if not last or not first:
+            made = {r[2] for krows in out for r in krows if r[0] > 0}
+            if DX not in made and dx0 is not None and dx0 >= _SLOTS and dx0 in made:
+                out = [[(s_, x, DX if h == dx0 else h, st_) for s_, x, h, st_ in krows] for krows in out]
+                created = [DX if h == dx0 else h for h in created]
+        if last:
+            # the loss's seed gradient: the walk frees it at the backward's end, though no job
+            # allocated it (a few KiB): kept in the walk, outside the allocator (stream -1)
+            out = [[(s_, x, h, OUTSIDE if (h == DY and s_ < 0) else st_) for s_, x, h, st_ in krows]
+                   for krows in out]
         live = _live([r for krows in out for r in krows])
         return out, tuple((h, live[h]) for h in created if h in live), b.next
 
@@ -393,7 +432,9 @@ def _check_handles(ss: StageStream) -> None:
     for seq in ((ss.F, ss.B), (ss.F, ss.I, ss.W)):
         live: dict = {}
         for ev in seq:
-            for s, b, h in zip(ev.sign.tolist(), ev.size.tolist(), ev.handle.tolist()):
+            for s, b, h, st in zip(ev.sign.tolist(), ev.size.tolist(), ev.handle.tolist(), ev.stream.tolist()):
+                if st == OUTSIDE:
+                    continue
                 if s > 0:
                     live[h] = b
                 elif h in (X, DY) and h not in live:

@@ -20,7 +20,8 @@ from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
 MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
-OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress")
+OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress",
+           "alloc_conf")
 
 
 @dataclass
@@ -49,6 +50,19 @@ class RankEstimate:
     stage_jobs: list[dict] = None
     timeline: list[TimelinePoint] = None
     source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
+    # () -> peak reserved bytes or None: the rank's allocation stream through the allocator
+    # model (pipemem.reserved), run when first read
+    reserved_source: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """The most the CUDA caching allocator reserves on this rank (torch.cuda.max_memory_reserved):
+        the allocated stream replayed through pipemem.allocator; None where not modelled (a
+        warning says why)."""
+        d = self.__dict__
+        if "_peak_reserved" not in d:
+            d["_peak_reserved"] = self.reserved_source() if self.reserved_source is not None else None
+        return d["_peak_reserved"]
 
     def _peak_point(self) -> tuple[int, TimelinePoint] | None:
         """(index, point) of the first action at the rank's peak: read from the replay at its
@@ -122,6 +136,7 @@ class RankEstimate:
             "grads_at_peak_bytes": self.grads_at_peak_bytes,
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_at": self.peak_at,
             "headroom_bytes": head,
             "fits": None if head is None else head >= 0,
@@ -188,10 +203,18 @@ class Estimate:
     suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
     suggestions_tried: bool = False                           # suggest() ran (an empty list means none helps)
     runtime: str | None = None     # the pipeline runtime profile replayed (pipemem.runtime)
+    alloc_conf: str | None = None  # the allocator settings reserved is modelled under (PYTORCH_CUDA_ALLOC_CONF)
+    reserved_inputs: Any = field(default=None, repr=False)    # (StagePlan, Schedule) a templates estimate replayed
 
     @property
     def max_peak_allocated_bytes(self) -> int:
         return max(r.peak_allocated_bytes for r in self.ranks)
+
+    @property
+    def max_peak_reserved_bytes(self) -> int | None:
+        """The largest rank's peak reserved; None where reserved is not modelled."""
+        vals = [r.peak_reserved_bytes for r in self.ranks]
+        return None if any(v is None for v in vals) else max(vals)
 
     @property
     def worst_rank(self) -> RankEstimate:
@@ -213,6 +236,7 @@ class Estimate:
         if plan.get("pp_layout") is not None:
             plan["pp_layout"] = list(plan["pp_layout"])
         a = self.arch
+        ranks = [r.to_dict(self.gpu_memory_bytes) for r in self.ranks]   # first: it may add a warning
         return {
             "pipemem_version": __version__,
             "model": {"name": self.model_name, "source": self.model_source, "model_type": a.model_type,
@@ -227,8 +251,10 @@ class Estimate:
             "runtime": self.runtime,
             "gpu": self.gpu_name,
             "gpu_memory_bytes": self.gpu_memory_bytes,
-            "ranks": [r.to_dict(self.gpu_memory_bytes) for r in self.ranks],
+            "ranks": ranks,
             "max_peak_allocated_bytes": self.max_peak_allocated_bytes,
+            "max_peak_reserved_bytes": self.max_peak_reserved_bytes,
+            "alloc_conf": self.alloc_conf,
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
@@ -345,6 +371,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     if policy not in KERNEL_POLICIES:
         raise UserError(f"--kernel-policy {policy!r}: expected one of {', '.join(KERNEL_POLICIES)}")
     gpu_name, gpu_bytes = gpu_capacity(opts.get("gpu"), opts.get("gpu_memory"))
+    from .reserved import alloc_config
+    alloc_conf = alloc_config(opts.get("alloc_conf"))     # a bad key or value: UserError, before any work
     name, source, config = resolve_model(model, opts.get("model_name") or "", opts.get("model_flag") or "--model")
 
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
@@ -369,6 +397,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
+    from .reserved import attach_reserved
+    attach_reserved(est, alloc_conf)
     if config.get("_pipemem_note"):
         est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
@@ -407,7 +437,8 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
     explain = layer_explain(arch, plan) if opts.get("explain") else None
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="templates",
                     schedule=schedule.name, ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
-                    explain=explain, world_size=_world(plan), runtime=runtime, warnings=_template_warnings(arch, plan))
+                    explain=explain, world_size=_world(plan), runtime=runtime, warnings=_template_warnings(arch, plan),
+                    reserved_inputs=(stage_plan, schedule))
 
 
 def _template_warnings(arch, plan) -> list[str]:
