@@ -22,10 +22,9 @@ Handles: every allocation gets an integer; a job's handles are local to its (sta
 microbatch) and offset per microbatch, so a microbatch's backward frees what its forward
 saved. Slots 0-3 of each (stage, microbatch) are the stage boundary the runtime owns
 (x, y, dy, dx). Streams: FSDP2's all-gather buffers are allocated on its all-gather stream
-and its reduce-scatter buffers on the reduce-scatter stream (torch
-distributed/fsdp/_fully_shard/_fsdp_collectives.py, 2.4-2.11: `foreach_all_gather` and
-`foreach_reduce` allocate under `torch.cuda.stream(...)`); everything else on the compute
-stream (pipeline receive buffers and DDP buckets are allocated with `torch.empty` on the
+and its reduce-scatter output on the reduce-scatter stream (torch
+distributed/fsdp/_fully_shard/_fsdp_collectives.py: `foreach_all_gather` and `foreach_reduce`
+allocate them under `torch.cuda.stream(...)`); everything else on the compute stream (pipeline receive buffers and DDP buckets are allocated with `torch.empty` on the
 current stream).
 
 Cost: one event list per stage and job kind (cached per distinct stage); a rank's stream is
@@ -47,8 +46,11 @@ OUTSIDE = -1                       # counted in the walk, not an allocator block
 X, Y, DY, DX = 0, 1, 2, 3          # boundary slots of a (stage, microbatch)
 _SLOTS = 4
 DDP_BUCKET_BYTES = 25 * 1024 * 1024   # torch DistributedDataParallel bucket_cap_mb default
+# FSDP2 (torch distributed/fsdp/_fully_shard/_fsdp_collectives.py, 2.13): foreach_all_gather makes
+# the all-gather input and output under `stream(all_gather_copy_in_stream)`; foreach_reduce makes
+# the reduce-scatter input on the current stream, its output under `stream(reduce_scatter_stream)`
 _STREAM_OF_OP = {"fsdp_all_gather_copy_in": ALL_GATHER, "fsdp_all_gather": ALL_GATHER,
-                 "fsdp_reduce_scatter_copy_in": REDUCE_SCATTER, "fsdp_reduce_scatter": REDUCE_SCATTER}
+                 "fsdp_reduce_scatter": REDUCE_SCATTER}
 MAX_EVENTS = 4_000_000             # per rank: beyond it reserved is not modelled (said, not guessed)
 
 
@@ -333,7 +335,7 @@ def _backward_extras(bsegs, i: int, copy: int, kind: str, sh, last: bool) -> lis
         rs, pf = linger, prefetch
     if pf < 0:
         raise StreamNotModelled("FSDP2's prefetch of a smaller all-gather buffer")
-    out += [(rs, REDUCE_SCATTER), (pf, ALL_GATHER)]
+    out += [(rs, COMPUTE), (pf, ALL_GATHER)]    # a reduce-scatter input, an all-gather output
     return [(b, st) for b, st in out if b]
 
 
