@@ -344,7 +344,10 @@ def stage_stream(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: 
     """Event templates of one stage's F / B / I / W (cached per distinct stage), checked against
     `expected` (the stage's StageJobs): a template whose walk is not its job's {net, peak}
     raises StreamNotModelled."""
-    return _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, _sig(expected))
+    try:
+        return _stage_stream(arch, sh, conv, runs, first, last, seq_len, _sig(expected))
+    except StreamNotModelled as e:
+        raise StreamNotModelled(f"stage {stage}: {e}") from None
 
 
 def _sig(sj) -> tuple:
@@ -356,9 +359,7 @@ def _sig(sj) -> tuple:
 
 
 @lru_cache(maxsize=4096)
-def _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, expected) -> StageStream:
-    if conv.name == "paddle":
-        raise StreamNotModelled("the paddle convention: Paddle's auto-growth allocator is not PyTorch's")
+def _stage_stream(arch, sh, conv, runs, first, last, seq_len, expected) -> StageStream:
     segs, total = _segments(arch, sh, conv, runs, first, last, seq_len)
     if not total and not (first and last):
         raise StreamNotModelled("a pipeline stage without layers")
@@ -424,7 +425,7 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, stage, expected) -
     got = (ss.F.walk(), ss.B.walk(), ss.I.walk(), ss.W.walk())
     for kind, g, e in zip("FBIW", got, expected):
         if e is not None and g != e:
-            raise StreamNotModelled(f"stage {stage} {kind}: its allocation stream walks to {g}, its job is {e}")
+            raise StreamNotModelled(f"its {kind} job's allocation stream walks to {g}, the job is {e}")
     _check_handles(ss)
     return ss
 
@@ -530,6 +531,8 @@ def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
     arch, plan, conv = stage_plan.arch, stage_plan.plan, stage_plan.conv
     sh = stage_plan.notes["shard"]
     n = plan.pp * plan.vpp
+    if conv.name == "paddle":
+        raise StreamNotModelled("the paddle convention: Paddle's auto-growth allocator is not PyTorch's")
     normal, first = {}, {}
     for s in stage_ids:
         args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, stage_plan.stage_layers[s]),
