@@ -24,8 +24,9 @@ saved. Slots 0-3 of each (stage, microbatch) are the stage boundary the runtime 
 (x, y, dy, dx). Streams: FSDP2's all-gather buffers are allocated on its all-gather stream
 and its reduce-scatter output on the reduce-scatter stream (torch
 distributed/fsdp/_fully_shard/_fsdp_collectives.py: `foreach_all_gather` and `foreach_reduce`
-allocate them under `torch.cuda.stream(...)`); everything else on the compute stream (pipeline receive buffers and DDP buckets are allocated with `torch.empty` on the
-current stream).
+allocate them under `torch.cuda.stream(...)`); everything else on the compute stream
+(pipeline receive buffers and DDP buckets are allocated with `torch.empty` on the current
+stream).
 
 Cost: one event list per stage and job kind (cached per distinct stage); a rank's stream is
 a concatenation of those with offset handles (numpy), a few ms for the largest plans.
@@ -36,22 +37,25 @@ as not modelled rather than a number from a different memory curve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
-OUTSIDE = -1                       # counted in the walk, not an allocator block (see stage_stream)
-X, Y, DY, DX = 0, 1, 2, 3          # boundary slots of a (stage, microbatch)
+OUTSIDE = -1  # counted in the walk, not an allocator block (see stage_stream)
+X, Y, DY, DX = 0, 1, 2, 3  # boundary slots of a (stage, microbatch)
 _SLOTS = 4
-DDP_BUCKET_BYTES = 25 * 1024 * 1024   # torch DistributedDataParallel bucket_cap_mb default
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # torch DistributedDataParallel bucket_cap_mb default
 # FSDP2 (torch distributed/fsdp/_fully_shard/_fsdp_collectives.py, 2.13): foreach_all_gather makes
 # the all-gather input and output under `stream(all_gather_copy_in_stream)`; foreach_reduce makes
 # the reduce-scatter input on the current stream, its output under `stream(reduce_scatter_stream)`
-_STREAM_OF_OP = {"fsdp_all_gather_copy_in": ALL_GATHER, "fsdp_all_gather": ALL_GATHER,
-                 "fsdp_reduce_scatter": REDUCE_SCATTER}
-MAX_EVENTS = 4_000_000             # per rank: beyond it reserved is not modelled (said, not guessed)
+_STREAM_OF_OP = {
+    "fsdp_all_gather_copy_in": ALL_GATHER,
+    "fsdp_all_gather": ALL_GATHER,
+    "fsdp_reduce_scatter": REDUCE_SCATTER,
+}
+MAX_EVENTS = 4_000_000  # per rank: beyond it reserved is not modelled (said, not guessed)
 
 
 class StreamNotModelled(Exception):
@@ -85,8 +89,9 @@ class Events:
         well-formed stream has none; tests check it)."""
         live: dict = {}
         out = []
-        for i, (s, b, h, st) in enumerate(zip(self.sign.tolist(), self.size.tolist(), self.handle.tolist(),
-                                              self.stream.tolist())):
+        for i, (s, b, h, st) in enumerate(
+            zip(self.sign.tolist(), self.size.tolist(), self.handle.tolist(), self.stream.tolist())
+        ):
             if st == OUTSIDE:
                 continue
             if s > 0:
@@ -102,8 +107,11 @@ class Events:
     def as_tuples(self) -> list[tuple[int, int, int]]:
         """(signed bytes, stream, handle) per event: pipemem.allocator.simulate's input."""
         keep = self.stream != OUTSIDE
-        return list(zip((self.sign * self.size)[keep].tolist(), self.stream[keep].tolist(),
-                        self.handle[keep].tolist()))
+        return list(
+            zip(
+                (self.sign * self.size)[keep].tolist(), self.stream[keep].tolist(), self.handle[keep].tolist()
+            )
+        )
 
 
 def _events(rows: list[tuple[int, int, int, int]]) -> Events:
@@ -115,12 +123,14 @@ def concat(parts: list[Events]) -> Events:
     parts = [p for p in parts if len(p)]
     if not parts:
         return _events([])
-    return Events(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("sign", "size", "handle", "stream")))
+    return Events(
+        *(np.concatenate([getattr(p, f) for p in parts]) for f in ("sign", "size", "handle", "stream"))
+    )
 
 
 # ---------------------------------------------------------------- one program
 
-_PROGRAM_EVENTS: dict = {}    # id(ProgramMemory) -> (it, rows)
+_PROGRAM_EVENTS: dict = {}  # id(ProgramMemory) -> (it, rows)
 
 
 def _program_rows(program, result) -> list[tuple[int, int, str | None, int]]:
@@ -129,6 +139,7 @@ def _program_rows(program, result) -> list[tuple[int, int, str | None, int]]:
     if hit is not None and hit[0] is result:
         return hit[1]
     from .liveness import compile_program, program_events
+
     sign, size, sid, op = program_events(program, result)
     c = compile_program(program)
     names = c.storage_names
@@ -147,10 +158,12 @@ def _program_rows(program, result) -> list[tuple[int, int, str | None, int]]:
 
 def _grad_storages(program) -> frozenset:
     from .ir import TensorKind
+
     return frozenset(t.storage for t in program.tensors.values() if t.kind is TensorKind.GRAD)
 
 
 # ---------------------------------------------------------------- one stage
+
 
 @dataclass(frozen=True, slots=True)
 class StageStream:
@@ -160,7 +173,7 @@ class StageStream:
     B: Events
     I: Events
     W: Events
-    width: int                     # handles one (stage, microbatch) uses
+    width: int  # handles one (stage, microbatch) uses
     # (handle, bytes) gradients the backward (B; I then W) creates and leaves for the optimizer
     # step to free (the step's first backward under --grads set-to-none / ddp-bucket)
     created_grads: tuple = ()
@@ -177,20 +190,25 @@ class _Namer:
     are the stage boundary slots the runtime owns."""
 
     def __init__(self, inst: list):
-        self.inst = inst          # per instance (PartPrograms, x storage, y storage, dy storage)
+        self.inst = inst  # per instance (PartPrograms, x storage, y storage, dy storage)
         self.next = _SLOTS
         self.own: dict = {}
-        self.shared: dict = {}    # storages parts hand each other by name (FSDP2's root unit)
-        self.dx: dict = {}        # instance -> handle of its input grad
+        self.shared: dict = {}  # storages parts hand each other by name (FSDP2's root unit)
+        self.dx: dict = {}  # instance -> handle of its input grad
         self.sizes: dict = {}
-        self.y_slot = False       # the last instance's output is the stage output y (slot Y)
-        self.dx_slot = False      # the first instance's input grad is the stage's dx (slot DX)
+        self.y_slot = False  # the last instance's output is the stage output y (slot Y)
+        self.dx_slot = False  # the first instance's input grad is the stage's dx (slot DX)
         self.ws = -1
 
     def copy(self) -> "_Namer":
         n = _Namer(self.inst)
-        n.next, n.own, n.shared, n.dx, n.sizes = self.next, dict(self.own), dict(self.shared), dict(self.dx), \
-            dict(self.sizes)
+        n.next, n.own, n.shared, n.dx, n.sizes = (
+            self.next,
+            dict(self.own),
+            dict(self.shared),
+            dict(self.dx),
+            dict(self.sizes),
+        )
         return n
 
     def new(self, size: int) -> int:
@@ -241,7 +259,7 @@ def _walk_program(nm: _Namer, k: int, prog, res, kind: str, rows: list, created:
         dx_names = frozenset({prog.tensors[d].storage}) if d in prog.tensors else frozenset()
     grads = _grad_storages(prog) if created is not None else frozenset()
     for s, b, name, stream in _program_rows(prog, res):
-        if name is None:            # a workspace: allocated and freed by the same op
+        if name is None:  # a workspace: allocated and freed by the same op
             if s > 0:
                 nm.ws = nm.new(b)
             rows.append((s, b, nm.ws, stream))
@@ -253,7 +271,7 @@ def _walk_program(nm: _Namer, k: int, prog, res, kind: str, rows: list, created:
         else:
             h = nm.resolve(k, name)
         rows.append((s, b, h, stream))
-    for name in dx_names:            # an input grad that is the output grad handed on (a residual add)
+    for name in dx_names:  # an input grad that is the output grad handed on (a residual add)
         if k not in nm.dx:
             try:
                 nm.dx[k] = nm.resolve(k, name)
@@ -263,6 +281,7 @@ def _walk_program(nm: _Namer, k: int, prog, res, kind: str, rows: list, created:
 
 def _grad_storages(program) -> frozenset:
     from .ir import TensorKind
+
     return frozenset(t.storage for t in program.tensors.values() if t.kind is TensorKind.GRAD)
 
 
@@ -279,35 +298,58 @@ def _live(rows) -> dict:
 def _segments(arch, sh, conv, runs, first, last, seq_len):
     """The stage's parts as `stages._stage_jobs` strings them, in forward order:
     (PartPrograms, PartMemory, copies)."""
-    from .stages import _offload_stash, _stage_prologue, _zero3_kept
-    from .templates.programs import (embedding_memory, embedding_programs, head_memory, head_programs,
-                                     layer_memory, layer_programs)
-    if _stage_prologue(sh, conv, runs):
+    from .stages import stage_layer_runs
+    from .templates.programs import (
+        embedding_memory,
+        embedding_programs,
+        head_memory,
+        head_programs,
+        layer_memory,
+        layer_programs,
+    )
+
+    runs, prologue = stage_layer_runs(arch, sh, conv, runs)
+    if prologue:
         raise StreamNotModelled("Paddle's per-stage causal mask")
-    runs = _zero3_kept(sh, _offload_stash(arch, sh, conv, runs))
     total = sum(n for _, n in runs)
     tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
     segs = []
     if first:
-        class _P:   # the embedding tape reads only seq_len from the plan (templates.programs)
+
+        class _P:  # the embedding tape reads only seq_len from the plan (templates.programs)
             pass
+
         p = _P()
         p.seq_len = seq_len
-        segs.append((embedding_programs(arch, sh, conv, p, tied_head),
-                     embedding_memory(arch, sh, conv, seq_len, tied_head), 1))
+        segs.append(
+            (
+                embedding_programs(arch, sh, conv, p, tied_head),
+                embedding_memory(arch, sh, conv, seq_len, tied_head),
+                1,
+            )
+        )
     pos = 0
-    for opt, n in runs:      # the same cuts as stages._layer_parts
-        cuts = ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),)
+    for opt, n in runs:  # the same cuts as stages._layer_parts
+        cuts = (
+            ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),)
+        )
         for a, b in cuts:
             if b <= a:
                 continue
             keep_in, keep_dy = not first and a == 0, not last and b == total
-            segs.append((layer_programs(arch, sh, conv, opt, keep_in, keep_dy),
-                         layer_memory(arch, sh, conv, opt, keep_in, keep_dy), b - a))
+            segs.append(
+                (
+                    layer_programs(arch, sh, conv, opt, keep_in, keep_dy),
+                    layer_memory(arch, sh, conv, opt, keep_in, keep_dy),
+                    b - a,
+                )
+            )
         pos += n
     if last:
-        kw = dict(keep_input=not first and not total,
-                  tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard)
+        kw = dict(
+            keep_input=not first and not total,
+            tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard,
+        )
         segs.append((head_programs(arch, sh, conv, **kw), head_memory(arch, sh, conv, **kw), 1))
     return segs, total
 
@@ -335,12 +377,13 @@ def _backward_extras(bsegs, i: int, copy: int, kind: str, sh, last: bool) -> lis
         rs, pf = linger, prefetch
     if pf < 0:
         raise StreamNotModelled("FSDP2's prefetch of a smaller all-gather buffer")
-    out += [(rs, COMPUTE), (pf, ALL_GATHER)]    # a reduce-scatter input, an all-gather output
+    out += [(rs, COMPUTE), (pf, ALL_GATHER)]  # a reduce-scatter input, an all-gather output
     return [(b, st) for b, st in out if b]
 
 
-def stage_stream(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
-                 expected) -> StageStream:
+def stage_stream(
+    arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int, expected
+) -> StageStream:
     """Event templates of one stage's F / B / I / W (cached per distinct stage), checked against
     `expected` (the stage's StageJobs): a template whose walk is not its job's {net, peak}
     raises StreamNotModelled."""
@@ -395,7 +438,10 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, expected) -> Stage
                 krows.append((1, act, extra, COMPUTE))
             for k in range(len(inst) - 1, -1, -1):
                 j, c = seg_of[k]
-                held = [(x, st_, b.new(x)) for x, st_ in _backward_extras(bsegs, len(segs) - 1 - j, c, kind, sh, last)]
+                held = [
+                    (x, st_, b.new(x))
+                    for x, st_ in _backward_extras(bsegs, len(segs) - 1 - j, c, kind, sh, last)
+                ]
                 krows += [(1, x, h, st_) for x, st_, h in held]
                 pp = inst[k][0]
                 _walk_program(b, k, getattr(pp, kind), pp.results[kind], kind, krows, created)
@@ -413,15 +459,24 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, expected) -> Stage
         if last:
             # the loss's seed gradient: the walk frees it at the backward's end, though no job
             # allocated it (a few KiB): kept in the walk, outside the allocator (stream -1)
-            out = [[(s_, x, h, OUTSIDE if (h == DY and s_ < 0) else st_) for s_, x, h, st_ in krows]
-                   for krows in out]
+            out = [
+                [(s_, x, h, OUTSIDE if (h == DY and s_ < 0) else st_) for s_, x, h, st_ in krows]
+                for krows in out
+            ]
         live = _live([r for krows in out for r in krows])
         return out, tuple((h, live[h]) for h in created if h in live), b.next
 
     (b_rows,), grads, nb = backward(("B",))
     (i_rows, w_rows), grads_iw, niw = backward(("I", "W"))
-    ss = StageStream(F=F, B=_events(b_rows), I=_events(i_rows), W=_events(w_rows), width=max(nb, niw),
-                     created_grads=grads, created_grads_iw=grads_iw)
+    ss = StageStream(
+        F=F,
+        B=_events(b_rows),
+        I=_events(i_rows),
+        W=_events(w_rows),
+        width=max(nb, niw),
+        created_grads=grads,
+        created_grads_iw=grads_iw,
+    )
     got = (ss.F.walk(), ss.B.walk(), ss.I.walk(), ss.W.walk())
     for kind, g, e in zip("FBIW", got, expected):
         if e is not None and g != e:
@@ -435,44 +490,28 @@ def _check_handles(ss: StageStream) -> None:
     for seq in ((ss.F, ss.B), (ss.F, ss.I, ss.W)):
         live: dict = {}
         for ev in seq:
-            for s, b, h, st in zip(ev.sign.tolist(), ev.size.tolist(), ev.handle.tolist(), ev.stream.tolist()):
+            for s, b, h, st in zip(
+                ev.sign.tolist(), ev.size.tolist(), ev.handle.tolist(), ev.stream.tolist()
+            ):
                 if st == OUTSIDE:
                     continue
                 if s > 0:
                     live[h] = b
                 elif h in (X, DY) and h not in live:
-                    continue          # the runtime's receive buffers, allocated outside the job
+                    continue  # the runtime's receive buffers, allocated outside the job
                 elif live.pop(h, None) != b:
                     raise StreamNotModelled(f"a job frees {b} B under a handle holding {live.get(h)}")
 
 
 # ---------------------------------------------------------------- static state
 
+
 def _param_elems(stage_plan, rank_stages) -> list[int]:
-    """Elements of every parameter tensor the rank holds (after tp / ep sharding), in
-    module order: embedding, layers, head."""
-    from .model import embedding_param_shapes, head_param_shapes, layer_param_shapes
-    from .templates.static import _layer_of_kind
-    arch, plan, conv = stage_plan.arch, stage_plan.plan, stage_plan.conv
-    m = conv.vocab_multiple * plan.tp
-    vocab = -(-arch.vocab // m) * m
-    last = plan.pp * plan.vpp - 1
-    prod = lambda shape: int(np.prod(shape, dtype=np.int64)) if len(shape) else 1  # noqa: E731
-    per_kind: dict = {}
-    out: list[int] = []
-    for s in sorted(rank_stages):
-        if s == 0:
-            out += [prod(x) for x in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
-        for i in stage_plan.stage_layers[s]:
-            moe = arch.is_moe_layer(i)
-            if moe not in per_kind:
-                shapes = layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
-                per_kind[moe] = [prod(x) for x, _ in shapes.values()]
-            out += per_kind[moe]
-        if s == last:
-            out += [prod(x) for x in head_param_shapes(arch, vocab, plan.tp,
-                                                         same_stage_as_embedding=0 in rank_stages).values()]
-    return out
+    from .templates.static import rank_param_tensor_elems
+
+    return rank_param_tensor_elems(
+        stage_plan.arch, stage_plan.plan, stage_plan.conv, stage_plan.stage_layers, rank_stages
+    )
 
 
 def _split(total: int, weights: np.ndarray, parts: int = 1) -> list[int]:
@@ -501,14 +540,14 @@ def static_sizes(stage_plan, rank_stages, static) -> list[int]:
     grads_mode = str(plan.grads or "").lower()
     sizes = [static.params] if flat_params else _split(static.params, w)
     if conv.name == "megatron":
-        sizes += [static.grads] if static.grads else []      # the contiguous grad buffer
+        sizes += [static.grads] if static.grads else []  # the contiguous grad buffer
     elif grads_mode.startswith("ddp-bucket"):
         sizes += _buckets(static.grads, DDP_BUCKET_BYTES)
     else:
         sizes += _split(static.grads, w)
     if conv.name == "hf" and plan.zero in (1, 2):
         states = 3 if plan.master_weights else 2
-        sizes += _split(static.optimizer, np.ones(states, dtype=np.int64))   # DeepSpeed's flat partitions
+        sizes += _split(static.optimizer, np.ones(states, dtype=np.int64))  # DeepSpeed's flat partitions
     else:
         per = (1 if plan.master_weights else 0) + (1 if plan.optimizer == "sgd" else 2)
         sizes += _split(static.optimizer, w, max(1, per))
@@ -518,16 +557,22 @@ def static_sizes(stage_plan, rank_stages, static) -> list[int]:
 
 # ---------------------------------------------------------------- a rank
 
-_MEMORY_SLOT = {"RECV_F": (X, 1, "input_bytes"), "FREE_X": (X, -1, "input_bytes"),
-                "FREE_Y": (Y, -1, "output_bytes"), "RECV_B": (DY, 1, "output_grad_bytes"),
-                "FREE_DY": (DY, -1, "output_grad_bytes"), "FREE_DX": (DX, -1, "input_grad_bytes")}
+_MEMORY_SLOT = {
+    "RECV_F": (X, 1, "input_bytes"),
+    "FREE_X": (X, -1, "input_bytes"),
+    "FREE_Y": (Y, -1, "output_bytes"),
+    "RECV_B": (DY, 1, "output_grad_bytes"),
+    "FREE_DY": (DY, -1, "output_grad_bytes"),
+    "FREE_DX": (DX, -1, "input_grad_bytes"),
+}
 
 
 def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
     """({stage: StageStream}, {stage: StageStream of the step's first backward}) for the stages a
     rank holds."""
-    from .stages import _layer_runs
+    from .stages import stage_runs
     from .templates.layers import first_backward_shard
+
     arch, plan, conv = stage_plan.arch, stage_plan.plan, stage_plan.conv
     sh = stage_plan.notes["shard"]
     n = plan.pp * plan.vpp
@@ -535,18 +580,21 @@ def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
         raise StreamNotModelled("the paddle convention: Paddle's auto-growth allocator is not PyTorch's")
     normal, first = {}, {}
     for s in stage_ids:
-        args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, stage_plan.stage_layers[s]),
-                s == 0, s == n - 1, plan.seq_len, s)
+        args = (stage_runs(arch, plan, stage_plan.stage_layers[s]), s == 0, s == n - 1, plan.seq_len, s)
         normal[s] = stage_stream(arch, sh, conv, *args, stage_plan.stages[s])
         if s in stage_plan.first_backward:
             f = stage_stream(arch, first_backward_shard(sh, plan), conv, *args, stage_plan.first_backward[s])
-            if not (np.array_equal(f.F.size, normal[s].F.size) and np.array_equal(f.F.handle, normal[s].F.handle)):
+            if not (
+                np.array_equal(f.F.size, normal[s].F.size) and np.array_equal(f.F.handle, normal[s].F.handle)
+            ):
                 raise StreamNotModelled("the first backward's forward differs from the stage's forward")
             first[s] = f
     return normal, first
 
 
-def rank_stream(stage_plan, lowered, rank: int, static, optimizer, stage_jobs: dict, first_mb: dict) -> Events:
+def rank_stream(
+    stage_plan, lowered, rank: int, static, optimizer, stage_jobs: dict, first_mb: dict
+) -> Events:
     """Rank `rank`'s allocation stream: its static state, then its lowered actions (`lowered`:
     runtime.lower's schedule), then the optimizer step. `stage_jobs`: {stage: StageJobs} (the
     boundary bytes); `first_mb`: {stage: microbatch} whose backward is the step's first (it
@@ -556,8 +604,14 @@ def rank_stream(stage_plan, lowered, rank: int, static, optimizer, stage_jobs: d
     normal, first = stage_streams(stage_plan, stage_ids)
     statics = static_sizes(stage_plan, stage_ids, static)
     n0 = len(statics)
-    parts = [Events(np.ones(n0, np.int64), np.asarray(statics, np.int64), np.arange(n0, dtype=np.int64),
-                    np.zeros(n0, np.int64))]
+    parts = [
+        Events(
+            np.ones(n0, np.int64),
+            np.asarray(statics, np.int64),
+            np.arange(n0, dtype=np.int64),
+            np.zeros(n0, np.int64),
+        )
+    ]
     width = max([ss.width for ss in normal.values()] + [ss.width for ss in first.values()] + [_SLOTS])
     local = {s: i for i, s in enumerate(stage_ids)}
     M = lowered.microbatches
@@ -600,11 +654,14 @@ def _optimizer_events(job, static, created: list, base: int) -> Events:
         rows += [(1, ws, base + 1, COMPUTE), (-1, ws, base + 1, COMPUTE)]
     if static.grads_in_step and job.net_bytes == static.optimizer_in_step - static.grads_in_step:
         if sum(b for _, b in created) != static.grads_in_step:
-            raise StreamNotModelled(f"the first backward creates {sum(b for _, b in created)} B of gradients, "
-                                    f"the step frees {static.grads_in_step} B")
+            raise StreamNotModelled(
+                f"the first backward creates {sum(b for _, b in created)} B of gradients, "
+                f"the step frees {static.grads_in_step} B"
+            )
         rows += [(-1, b, h, COMPUTE) for h, b in created]
     ev = _events(rows)
     if ev.walk() != (job.net_bytes, job.peak_bytes):
-        raise StreamNotModelled(f"the optimizer step walks to {ev.walk()}, its job is "
-                                f"{(job.net_bytes, job.peak_bytes)}")
+        raise StreamNotModelled(
+            f"the optimizer step walks to {ev.walk()}, its job is {(job.net_bytes, job.peak_bytes)}"
+        )
     return ev

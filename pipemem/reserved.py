@@ -21,16 +21,22 @@ from .errors import UserError
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
-NOT_MODELLED_MODES = {"traced": "traced programs", "paddle": "Paddle programs (Paddle's allocator is its own)"}
+NOT_MODELLED_MODES = {
+    "traced": "traced programs",
+    "paddle": "Paddle programs (Paddle's allocator is its own)",
+}
 
 
 def alloc_config(text):
     """PYTORCH_CUDA_ALLOC_CONF text (None or "" = PyTorch's defaults) -> the allocator's config;
     a bad key or value raises UserError naming --alloc-conf."""
     from .allocator import AllocatorConfig
+
     if text is not None and not isinstance(text, str):
-        raise UserError(f"--alloc-conf {text!r}: give the PYTORCH_CUDA_ALLOC_CONF text, e.g. "
-                        "expandable_segments:True,max_split_size_mb:256")
+        raise UserError(
+            f"--alloc-conf {text!r}: give the PYTORCH_CUDA_ALLOC_CONF text, e.g. "
+            "expandable_segments:True,max_split_size_mb:256"
+        )
     try:
         return AllocatorConfig.parse(text or "")
     except UserError as e:
@@ -44,11 +50,14 @@ def attach_reserved(est, conf) -> None:
     est.alloc_conf = text
     if est.mode != "templates" or est.reserved_inputs is None:
         what = NOT_MODELLED_MODES.get(est.mode, f"--mode {est.mode}")
-        est.warnings.append(f"reserved memory (the caching allocator's segments) is not modelled for {what}: "
-                            "peak_reserved_bytes is null; the allocated numbers stand")
+        est.warnings.append(
+            f"reserved memory (the caching allocator's segments) is not modelled for {what}: "
+            "peak_reserved_bytes is null; the allocated numbers stand"
+        )
         return
     stage_plan, schedule = est.reserved_inputs
     from .runtime import lower
+
     lowered = lower(schedule, est.runtime)
     first_mb = {s: m for s, m in stage_plan.first_backward_overrides(schedule)}
     said = []
@@ -67,9 +76,12 @@ def attach_reserved(est, conf) -> None:
                 _CACHE[key] = (stage_plan, lowered, value, why)
             if why and not said:
                 said.append(why)
-                est.warnings.append(f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "
-                                    "is null; the allocated numbers stand")
+                est.warnings.append(
+                    f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "
+                    "is null; the allocated numbers stand"
+                )
             return value
+
         return run
 
     for r in est.ranks:
@@ -79,6 +91,7 @@ def attach_reserved(est, conf) -> None:
 def _peak_reserved(stage_plan, lowered, r, conf, first_mb) -> tuple[int | None, str]:
     from .alloc_stream import StreamNotModelled, rank_stream
     from .allocator import simulate
+
     try:
         ev = rank_stream(stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb)
     except StreamNotModelled as e:
