@@ -665,3 +665,9 @@ def _optimizer_events(job, static, created: list, base: int) -> Events:
             f"the optimizer step walks to {ev.walk()}, its job is {(job.net_bytes, job.peak_bytes)}"
         )
     return ev
+
+
+def clear_caches() -> None:
+    """Forget the cached event lists (tests, benchmarks)."""
+    _PROGRAM_EVENTS.clear()
+    _stage_stream.cache_clear()
