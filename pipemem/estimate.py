@@ -21,7 +21,7 @@ MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
 # keyword arguments of estimate() that are not plan fields
 OPTIONS = ("gpu", "gpu_memory", "mode", "kernel_policy", "explain", "model_name", "model_flag", "runtime", "progress",
-           "cuda_context_mib", "nccl_mib")
+           "cuda_context_mib", "nccl_mib", "alloc_conf")
 # The verdict says FITS only with this share of the GPU left over the rank's device total
 # (reserved + outside the allocator): the reserved model's error on real runs and the spread of
 # NCCL's and the CUDA context's sizes across versions (docs/ACCURACY.md) live in this band.
@@ -58,8 +58,19 @@ class RankEstimate:
     stage_jobs: list[dict] = None
     timeline: list[TimelinePoint] = None
     source: Any = field(default=None, repr=False, compare=False)   # (RankReplay, stage jobs, optimizer job)
-    # the caching allocator's peak reserved bytes (None: not modelled for this mode / runtime)
-    peak_reserved_bytes: int | None = None
+    # () -> peak reserved bytes or None: the rank's allocation stream through the allocator
+    # model (pipemem.reserved), run when first read
+    reserved_source: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """The most the CUDA caching allocator reserves on this rank (torch.cuda.max_memory_reserved):
+        the allocated stream replayed through pipemem.allocator; None where not modelled (a
+        warning says why)."""
+        d = self.__dict__
+        if "_peak_reserved" not in d:
+            d["_peak_reserved"] = self.reserved_source() if self.reserved_source is not None else None
+        return d["_peak_reserved"]
     outside: Any = None    # pipemem.outside_allocator.OutsideAllocator: context, NCCL, cuBLAS workspace
 
     @property
@@ -146,8 +157,8 @@ class RankEstimate:
             "grads_at_peak_bytes": self.grads_at_peak_bytes,
             "transient_bytes": self.transient_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
-            "peak_at": self.peak_at,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_at": self.peak_at,
             "outside_allocator": self.outside.to_dict() if self.outside is not None else None,
             "device_peak_bytes": self.device_peak_bytes,
             "headroom_bytes": head,
@@ -226,10 +237,18 @@ class Estimate:
     suggestions: list[dict] = field(default_factory=list)     # suggest_fixes() results, when asked for
     suggestions_tried: bool = False                           # suggest() ran (an empty list means none helps)
     runtime: str | None = None     # the pipeline runtime profile replayed (pipemem.runtime)
+    alloc_conf: str | None = None  # the allocator settings reserved is modelled under (PYTORCH_CUDA_ALLOC_CONF)
+    reserved_inputs: Any = field(default=None, repr=False)    # (StagePlan, Schedule) a templates estimate replayed
 
     @property
     def max_peak_allocated_bytes(self) -> int:
         return max(r.peak_allocated_bytes for r in self.ranks)
+
+    @property
+    def max_peak_reserved_bytes(self) -> int | None:
+        """The largest rank's peak reserved; None where reserved is not modelled."""
+        vals = [r.peak_reserved_bytes for r in self.ranks]
+        return None if any(v is None for v in vals) else max(vals)
 
     @property
     def worst_rank(self) -> RankEstimate:
@@ -273,6 +292,7 @@ class Estimate:
         if plan.get("pp_layout") is not None:
             plan["pp_layout"] = list(plan["pp_layout"])
         a = self.arch
+        ranks = [r.to_dict(self.gpu_memory_bytes) for r in self.ranks]   # first: it may add a warning
         return {
             "pipemem_version": __version__,
             "model": {"name": self.model_name, "source": self.model_source, "model_type": a.model_type,
@@ -287,9 +307,11 @@ class Estimate:
             "runtime": self.runtime,
             "gpu": self.gpu_name,
             "gpu_memory_bytes": self.gpu_memory_bytes,
-            "ranks": [r.to_dict(self.gpu_memory_bytes) for r in self.ranks],
+            "ranks": ranks,
             "max_peak_allocated_bytes": self.max_peak_allocated_bytes,
             "max_device_peak_bytes": self.max_device_peak_bytes,
+            "max_peak_reserved_bytes": self.max_peak_reserved_bytes,
+            "alloc_conf": self.alloc_conf,
             "worst_rank": self.worst_rank.pp_rank,
             "headroom_bytes": self.headroom_bytes,
             "verdict": self.verdict,
@@ -407,6 +429,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     if policy not in KERNEL_POLICIES:
         raise UserError(f"--kernel-policy {policy!r}: expected one of {', '.join(KERNEL_POLICIES)}")
     gpu_name, gpu_bytes = gpu_capacity(opts.get("gpu"), opts.get("gpu_memory"))
+    from .reserved import alloc_config
+    alloc_conf = alloc_config(opts.get("alloc_conf"))     # a bad key or value: UserError, before any work
     name, source, config = resolve_model(model, opts.get("model_name") or "", opts.get("model_flag") or "--model")
 
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
@@ -432,6 +456,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     _add_outside_allocator(est, opts)
     est.inputs = (model, dict(kwargs))
+    from .reserved import attach_reserved
+    attach_reserved(est, alloc_conf)
     if config.get("_pipemem_note"):
         est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
@@ -485,7 +511,8 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
     explain = layer_explain(arch, plan) if opts.get("explain") else None
     return Estimate(model_name=name, model_source=source, arch=arch, plan=plan, mode="templates",
                     schedule=schedule.name, ranks=ranks, gpu_name=gpu_name, gpu_memory_bytes=gpu_bytes,
-                    explain=explain, world_size=_world(plan), runtime=runtime, warnings=_template_warnings(arch, plan))
+                    explain=explain, world_size=_world(plan), runtime=runtime, warnings=_template_warnings(arch, plan),
+                    reserved_inputs=(stage_plan, schedule))
 
 
 def _template_warnings(arch, plan) -> list[str]:

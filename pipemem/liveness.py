@@ -186,6 +186,9 @@ class ProgramMemory:
     retained: frozenset[str]     # storages this program keeps for later programs
     during: np.ndarray = field(repr=False)  # bytes while op i runs
     after: np.ndarray = field(repr=False)   # bytes after op i
+    # the walk's boundary, kept so the allocation stream can be read back (program_events)
+    entry: tuple = field(repr=False, default=())
+    keep: tuple = field(repr=False, default=())
 
     def to_dict(self) -> dict:
         return {"name": self.name, "net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes,
@@ -206,6 +209,7 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
     entry = np.zeros(len(c.storage_names), dtype=bool)
     _mark(entry, c, live_on_entry)
     kept = c.persistent.copy()
+    keep = tuple(keep)
     _mark(kept, c, keep)
 
     sizes = c.sizes if granularity <= 1 else -(-c.sizes // granularity) * granularity
@@ -233,7 +237,30 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
         peak_op_label=program.ops[peak_op].label if peak_op >= 0 else "",
         live_after=frozenset(live_after),
         retained=frozenset(names[i] for i in np.flatnonzero(c.touched & kept & ~c.persistent)),
-        during=during, after=after)
+        during=during, after=after, entry=tuple(live_on_entry), keep=keep)
+
+
+def program_events(program: Program, result: ProgramMemory) -> tuple[np.ndarray, ...]:
+    """The allocations and frees behind `result` (an `analyze_program` of `program`), in the
+    order the walk counts them: per op, the storages it allocates, its workspace (allocated and
+    freed), then the storages whose last touch it is. Returns (sign +1/-1, bytes, storage id,
+    op index) arrays; a workspace has storage id -1. The walk's `during[i]` is the running sum
+    just after op i's workspace is allocated, so the peaks agree to the byte."""
+    c = compile_program(program)
+    entry = np.zeros(len(c.storage_names), dtype=bool)
+    _mark(entry, c, result.entry)
+    kept = c.persistent.copy()
+    _mark(kept, c, result.keep)
+    alloc = np.flatnonzero(c.first_is_write & ~entry)
+    free = np.flatnonzero(c.touched & ~kept)
+    ws = np.flatnonzero(c.workspace)
+    key = np.concatenate([c.first_op[alloc] * 4, ws * 4 + 1, ws * 4 + 2, c.last_op[free] * 4 + 3])
+    sign = np.concatenate([np.ones(alloc.size, np.int64), np.ones(ws.size, np.int64),
+                           -np.ones(ws.size, np.int64), -np.ones(free.size, np.int64)])
+    size = np.concatenate([c.sizes[alloc], c.workspace[ws], c.workspace[ws], c.sizes[free]])
+    sid = np.concatenate([alloc, -np.ones(2 * ws.size, np.int64), free])
+    order = np.argsort(key, kind="stable")
+    return sign[order], size[order], sid[order], key[order] // 4
 
 
 def _mark(mask: np.ndarray, c: CompiledProgram, names: Iterable[str]) -> None:

@@ -270,6 +270,18 @@ def _stage_prologue(sh, conv, runs) -> list[tuple]:
     return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
 
 
+def stage_runs(arch, plan: ParallelPlan, layers: range) -> tuple:
+    """((LayerOptions, count), ...) of a stage's layers as its jobs run them."""
+    return _layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layers)
+
+
+def stage_layer_runs(arch, sh, conv, runs: tuple) -> tuple:
+    """The stage's layer runs as `_stage_jobs` strings them (offloading's and ZeRO-3's kept layers
+    split off), and whether a per-stage prologue part runs first (pipemem.alloc_stream follows
+    the same parts)."""
+    return _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), bool(_stage_prologue(sh, conv, runs))
+
+
 def _megatron_last_layer_kept(runs: tuple) -> tuple:
     """Megatron's fine-grained offloading does not offload a chunk's last layer when that
     chunk's backward comes next (fine_grained_activation_offload.py `should_bulk_offload`, and

@@ -150,7 +150,8 @@ def test_from_paddlenlp_seed_launch_line():
 
     rc, out, err = cli("estimate", "--gpu", "gtx1080ti", "--json", "--from-paddlenlp", "--", *seed_tokens())
     assert rc == 0, err
-    assert err == ""                               # every argument known: no warning
+    # every argument known: no warning but that Paddle's allocator is not modelled (the verdict reads reserved)
+    assert [line for line in err.splitlines() if "reserved memory is not modelled" not in line] == []
     d = json.loads(out)
     p = d["plan"]
     assert (p["pp"], p["tp"], p["dp"], p["layers"], p["microbatches"]) == (4, 1, 1, 4, 8)

@@ -183,6 +183,9 @@ def register(sub) -> None:
                                                    "tensors: one rank, --pp stages, or a --tp / --fsdp rank; needs torch) "
                                                    "or paddle (PaddleNLP's own programs: see --exact)")
     out.add_argument("--kernel-policy", choices=KERNEL_POLICIES, help="traced mode: whose kernels' saves (default cuda)")
+    out.add_argument("--alloc-conf", metavar="CONF",
+                     help="the caching allocator's settings for the reserved column, PYTORCH_CUDA_ALLOC_CONF syntax "
+                          "(e.g. expandable_segments:True,max_split_size_mb:256; default PyTorch's)")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE", help="write the per-rank timeline to FILE.png or FILE.html")
     out.add_argument("--explain", action="store_true", help="list what one layer keeps for backward and why")
@@ -252,7 +255,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         mode = "paddle"
     opts = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "mode": mode,
             "kernel_policy": args.kernel_policy, "explain": args.explain, "runtime": args.runtime,
-            "cuda_context_mib": args.cuda_context_mib, "nccl_mib": args.nccl_mib}
+            "cuda_context_mib": args.cuda_context_mib, "nccl_mib": args.nccl_mib,
+            "alloc_conf": getattr(args, "alloc_conf", None)}
     if args.deepspeed is not None:
         plan, warnings = _with_deepspeed(args.model, args.deepspeed, flags)
         refuse_inert(flags, plan, opts)
@@ -393,6 +397,7 @@ def run(args) -> int:
         _check_plot_path(args.plot)
     est = estimate(model, **plan, **{k: v for k, v in opts.items() if v is not None})
     est.warnings = warnings + list(est.warnings)
+    est.max_peak_reserved_bytes     # the allocator model runs now, so its warning (if any) is printed below
     if est.fits is False:
         est.suggest()    # a few one-step changes, each estimated by the engine
         tool = ("Megatron" if args.from_megatron else "PaddleNLP" if args.from_paddlenlp

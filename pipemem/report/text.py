@@ -135,9 +135,10 @@ FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step
             "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
             "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
             "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
-            "torch.cuda.max_memory_allocated counts them. headroom = GPU minus the rank's device peak: the "
-            "caching allocator's reserved bytes plus the CUDA context, NCCL's buffers and the cuBLAS workspace "
-            "(the verdict line itemizes them).")
+            "torch.cuda.max_memory_allocated counts them; reserved = what PyTorch's caching allocator holds at "
+            "most for that allocation stream (torch.cuda.max_memory_reserved, modelled; --alloc-conf sets its "
+            "settings). headroom = GPU minus the rank's device peak: reserved plus the CUDA context, NCCL's "
+            "buffers and the cuBLAS workspace (the verdict line itemizes them).")
 
 
 def row_cells(est, r) -> dict:
@@ -154,13 +155,19 @@ def row_cells(est, r) -> dict:
     return {"rank": str(r.pp_rank), "layers": _layers_text(r), "params": fmt_bytes(r.static.params),
             "grads": _grads_text(r.static), "optimizer": fmt_bytes(r.static.optimizer),
             "activations": act_txt, "transient": fmt_bytes(r.transient_bytes),
-            "peak": fmt_bytes(r.peak_allocated_bytes), "headroom": head_txt, "peak at": str(r.peak_at),
-            "_style": style}
+            "peak": fmt_bytes(r.peak_allocated_bytes), "reserved": _reserved_text(r), "headroom": head_txt,
+            "peak at": str(r.peak_at), "_style": style}
+
+
+def _reserved_text(r) -> str:
+    """The allocator's peak reserved (pipemem.reserved), '-' where not modelled."""
+    v = r.peak_reserved_bytes
+    return "-" if v is None else fmt_bytes(v)
 
 
 _COLUMNS = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads", "right"),
             ("optimizer", "right"), ("activations", "right"), ("transient", "right"), ("peak", "right"),
-            ("headroom", "right"), ("peak at", "left")]
+            ("reserved", "right"), ("headroom", "right"), ("peak at", "left")]
 
 
 def _table(est, rows):
@@ -176,7 +183,7 @@ def _table(est, rows):
     for c in rows:
         cells = [c[name] for name, _ in _COLUMNS]
         cells[7] = Text(c["peak"], style=c["_style"] or "bold")
-        cells[8] = Text(c["headroom"], style=c["_style"])
+        cells[9] = Text(c["headroom"], style=c["_style"])
         t.add_row(*cells)
     return t
 
@@ -196,7 +203,7 @@ def _stacked(rows, width: int):
 
     out = Text()
     for c in rows:
-        head = [f"rank {c['rank']}", f"layers {c['layers']}", f"peak {c['peak']}",
+        head = [f"rank {c['rank']}", f"layers {c['layers']}", f"peak {c['peak']}", f"reserved {c['reserved']}",
                 c["headroom"] if c["headroom"].startswith("OOM") else f"headroom {c['headroom']}",
                 f"at {c['peak at']}"]
         body = [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}",

@@ -55,6 +55,9 @@ class PartPrograms:
     output: str
     results: dict
     grad_passes_through: tuple = (False, False)
+    # storages holding the input's grad at the end of B and of I (what the previous part's
+    # backward receives as its output grad: pipemem.alloc_stream follows it across parts)
+    dx_storages: tuple = (frozenset(), frozenset())
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,7 @@ def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False
     rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i | p.b_keep)
     out = PartPrograms(F, B, I, W, x, p.y, {"F": rf, "B": rb, "I": ri, "W": rw})
     out.grad_passes_through = (bool(dx_b) and dx_b == {dy}, bool(dx_i) and dx_i == {dy_i})
+    out.dx_storages = (frozenset(dx_b), frozenset(dx_i))
     return out
 
 

@@ -230,6 +230,30 @@ def _rank_param_shapes(arch, plan, conv: Convention, stage_layers: dict[int, ran
     return shapes
 
 
+def rank_param_tensor_elems(arch, plan, conv: Convention, stage_layers: dict[int, range],
+                            rank_stages) -> list[int]:
+    """Elements of every parameter tensor the rank holds, one entry per tensor (after tp / ep
+    sharding, not dp's), in module order: embedding, layers, head."""
+    m = conv.vocab_multiple * plan.tp
+    vocab = -(-arch.vocab // m) * m
+    last = plan.pp * plan.vpp - 1
+    per_kind: dict = {}
+    out: list[int] = []
+    for s in sorted(rank_stages):
+        if s == 0:
+            out += [_prod(x) for x in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
+        for i in stage_layers[s]:
+            moe = arch.is_moe_layer(i)
+            if moe not in per_kind:
+                shapes = layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
+                per_kind[moe] = [_prod(x) for x, _ in shapes.values()]
+            out += per_kind[moe]
+        if s == last:
+            out += [_prod(x) for x in head_param_shapes(arch, vocab, plan.tp,
+                                                        same_stage_as_embedding=0 in rank_stages).values()]
+    return out
+
+
 def largest_param_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
     """Elements of the rank's largest parameter tensor, after tp / ep sharding (not dp's)."""
     return max((_prod(s) for s, _ in _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)), default=0)

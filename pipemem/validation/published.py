@@ -12,10 +12,14 @@ an HF-style config dict and a pipemem plan (`translate`), estimated in template 
 compared with the measurement in the same unit and, where the source names it, the same rank.
 
 Rules (no tuning: the estimator is run as shipped, nothing is scaled to fit):
-* pipemem estimates allocated bytes (torch.cuda.max_memory_allocated). Records measured as
-  allocated (or torch's "active" bytes, which count the same live blocks) are *compared*;
-  reserved / nvidia-smi / unstated metrics are listed with the gap shown separately, since
-  they add allocator cache, CUDA context and workspaces the estimate does not claim.
+* pipemem estimates allocated bytes (torch.cuda.max_memory_allocated) and, for PyTorch plans,
+  reserved bytes (torch.cuda.max_memory_reserved: each rank's allocation stream through the
+  caching allocator model). Records measured as allocated (or torch's "active" bytes, which
+  count the same live blocks) are *compared* with the allocated estimate, records measured
+  as reserved with the reserved estimate (the two medians are kept apart), and a max reserved
+  given beside the max allocated is checked against the reserved estimate too; nvidia-smi /
+  unstated metrics (and reserved where it is not modelled) are listed with the gap shown
+  separately, since they add CUDA context and workspaces the estimate does not claim.
 * Runs that switch on what modern trainers use when memory is tight -- torch.compile, fp8
   linears, chunked cross-entropy, activation offloading, optimizer step in backward, 8-bit
   optimizers -- are estimated with those features as plan options (`modern_features`, read
@@ -541,17 +545,28 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
     else:
         got = est["max_peak_allocated_bytes"]
         where = "max over ranks" if len(ranks) > 1 else "one rank"
-    rel = rel_error(got, t["measured_bytes"])
+    reserved = _reserved_estimate(est, t["rank"])
     notes = list(t["notes"])
+    _check_also_reserved(rec, t, reserved, row, notes)
     if t["metric"] in ("allocated", "active"):
         status = "compared"
         if t["metric"] == "active":
             notes.insert(0, "active bytes (allocated blocks in use) compared with allocated")
+    elif t["metric"] == "reserved" and reserved is not None:
+        # the reserved estimate (the allocation stream through the caching allocator model) on the
+        # reserved measurement; the allocated estimate is in the note
+        status = "compared"
+        notes.insert(0, f"reserved compared with the modelled reserved; the allocated estimate is {got / GiB:.2f} GiB "
+                        f"({rel_error(got, t['measured_bytes']):+.1%})")
+        row["allocated_bytes"] = int(got)
+        got = reserved
     else:
         status = "gap"
         notes.insert(0, {"reserved": "reserved (allocator cache included): estimated allocated should be below",
                          "nvidia-smi": "nvidia-smi (adds CUDA context, cuBLAS/NCCL workspaces, allocator cache)",
                          }.get(t["metric"], "metric not stated by the source"))
+        if t["metric"] == "reserved":
+            notes.insert(1, "reserved not modelled for this plan (see the estimate's warnings)")
     notes.extend(EXPLAINED.get(rec["id"], []))
     if rec["id"] in ALTERNATES:
         change, label = ALTERNATES[rec["id"]]
@@ -570,8 +585,34 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
         notes.append(f"traced (HF module on fake tensors, steady-state step): {first / GiB:.2f} GiB "
                      f"({rel_error(first, t['measured_bytes']):+.1%})")
         row["traced_first_step_bytes"] = int(first)
-    row.update(status=status, where=where, note="; ".join(notes))
+    row.update(status=status, where=where, note="; ".join(notes), estimate_metric=(
+        "reserved" if status == "compared" and t["metric"] == "reserved" else "allocated"))
     return _row(row, t["measured_bytes"], int(got))
+
+
+def _reserved_estimate(est: dict, rank: int | None) -> int | None:
+    """The estimate's peak reserved for the record's rank (or the max over ranks); None where
+    reserved is not modelled (Paddle, traced programs)."""
+    if rank is not None:
+        return est["ranks"][rank].get("peak_reserved_bytes")
+    return est.get("max_peak_reserved_bytes")
+
+
+def _check_also_reserved(rec: dict, t: dict, reserved: int | None, row: dict, notes: list) -> None:
+    """A record measured as allocated that also gives the max reserved of the same run (Megatron's
+    report_memory, Paddle's max_memory_reserved): the reserved estimate is set against it too."""
+    also = (rec.get("measured") or {}).get("also") or {}
+    value = next((v for k, v in also.items() if "reserved" in k.lower() and isinstance(v, (int, float))), None)
+    if value is None or t["metric"] not in ("allocated", "active") or not t.get("measured_value"):
+        return
+    measured = value * t["measured_bytes"] / t["measured_value"]      # the record's own unit
+    row["reserved_measured_bytes"] = int(measured)
+    if reserved is None:
+        notes.append(f"max reserved {measured / GiB:.2f} GiB measured too; reserved is not modelled for this plan")
+        return
+    rel = rel_error(reserved, measured)
+    row.update(reserved_estimated_bytes=int(reserved), reserved_rel_error=rel)
+    notes.append(f"max reserved {measured / GiB:.2f} GiB measured too: modelled {reserved / GiB:.2f} GiB ({rel:+.1%})")
 
 
 _EXACT_CACHE: dict[str, object] = {}
@@ -680,9 +721,13 @@ ALTERNATES = {
 def run(records: list[dict], ids: set[str] | None = None, traced: bool = False, exact: bool = False) -> dict:
     t0 = time.perf_counter()
     rows = [evaluate(r, traced, exact) for r in records if ids is None or r["id"] in ids]
-    comp = [r for r in rows if r["status"] == "compared"]
+    comp = [r for r in rows if r["status"] == "compared" and r.get("estimate_metric") != "reserved"]
     errs = [abs(r["rel_error"]) for r in comp]
     high = [abs(r["rel_error"]) for r in comp if r["completeness"] == "high"]
+    # reserved: records measured as reserved (compared on the reserved estimate) and records that
+    # give max reserved beside max allocated
+    res = [abs(r["rel_error"]) for r in rows if r["status"] == "compared" and r.get("estimate_metric") == "reserved"]
+    res += [abs(r["reserved_rel_error"]) for r in rows if r.get("reserved_rel_error") is not None]
     skipped: dict[str, int] = {}
     for r in rows:
         if r["status"] == "skipped":
@@ -690,6 +735,8 @@ def run(records: list[dict], ids: set[str] | None = None, traced: bool = False, 
     summary = {"records": len(rows), "by_status": {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER},
                "median_abs_rel_error_compared": statistics.median(errs) if errs else None,
                "median_abs_rel_error_compared_high_completeness": statistics.median(high) if high else None,
+               "reserved_compared": len(res),
+               "median_abs_rel_error_reserved": statistics.median(res) if res else None,
                "skipped_by_reason": skipped, "seconds": round(time.perf_counter() - t0, 2)}
     return {"command": COMMAND, "rows": rows, "summary": summary}
 
@@ -724,9 +771,13 @@ def markdown(result: dict) -> str:
              "batch, precision, optimizer, recompute, framework -> plan and `--convention`) and estimated as "
              "shipped: nothing is tuned or scaled. pipemem estimates *allocated* bytes "
              "(`torch.cuda.max_memory_allocated`). Status:", "",
-             "* **compared**: measured as allocated (or torch's active bytes); counted in the summary.",
-             "* **gap**: measured as reserved, nvidia-smi or an unstated metric; these add allocator cache, "
-             "CUDA context and workspaces, so the difference is a gap, not an error (allocated <= reserved).",
+             "* **compared**: measured as allocated (or torch's active bytes), compared with the allocated "
+             "estimate; or measured as reserved (`torch.cuda.max_memory_reserved`), compared with the reserved "
+             "estimate (each rank's allocation stream through pipemem's model of PyTorch's caching "
+             "allocator). The summary gives the two medians separately.",
+             "* **gap**: measured as nvidia-smi or an unstated metric, or as reserved where reserved is not "
+             "modelled (Paddle); these add allocator cache, CUDA context and workspaces, so the difference is "
+             "a gap, not an error (allocated <= reserved).",
              "* **skipped**: pipemem cannot express the run (llm.c's static buffers, ZeRO-Infinity, Paddle's "
              "recompute offload) or the record lacks an essential; the reason is given.", "",
              "Runs with torch.compile, fp8 linears, chunked cross-entropy, activation offloading, the "
@@ -736,7 +787,7 @@ def markdown(result: dict) -> str:
              "2^20; Paddle's 'MB' is bytes/2^20). Where the record names a rank (a pipeline stage) that "
              "rank's estimate is compared, otherwise the maximum over ranks. Notes give assumptions and, for "
              "large disagreements, the reason found (or 'unexplained').", ""]
-    lines += ["| id | framework | plan | measured (metric) | measured GiB | estimated (allocated) | rel. error | "
+    lines += ["| id | framework | plan | measured (metric) | measured GiB | estimated (same metric) | rel. error | "
               "status | note |", "|---|---|---|---|---|---|---|---|---|"]
     key = {s_: i for i, s_ in enumerate(STATUS_ORDER)}
     for r in sorted(result["rows"], key=lambda r: key[r["status"]]):
@@ -753,6 +804,10 @@ def markdown(result: dict) -> str:
                      f"{s['median_abs_rel_error_compared']:.1%}"
                      + (f"; high-completeness records only: {s['median_abs_rel_error_compared_high_completeness']:.1%}"
                         if s["median_abs_rel_error_compared_high_completeness"] is not None else ""))
+    if s.get("median_abs_rel_error_reserved") is not None:
+        lines.append(f"* median |error| of the reserved estimate over the {s['reserved_compared']} reserved "
+                     f"measurements (records measured as reserved, and max reserved given beside max allocated): "
+                     f"{s['median_abs_rel_error_reserved']:.1%}")
     gaps = [r for r in result["rows"] if r["status"] == "gap" and r["metric"] in ("reserved", "nvidia-smi")]
     if gaps:
         below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in gaps)

@@ -1,0 +1,110 @@
+"""Reserved memory per rank: each rank's allocation stream (pipemem.alloc_stream) replayed
+through the CUDA caching allocator model (pipemem.allocator) under the plan's allocator
+settings (`--alloc-conf`, PYTORCH_CUDA_ALLOC_CONF syntax).
+
+`attach_reserved(est, conf)` gives every `RankEstimate` of a templates estimate a
+`reserved_source`: the stream is built and replayed when `peak_reserved_bytes` is first read
+(a plan search that never reads it pays nothing), and the result is cached per (stage plan,
+schedule, runtime, rank, settings): the same plan asked again reads it back. Where the
+stream is not modelled (traced and Paddle programs, the paddle convention, a stage
+adjustment the stream cannot express) the rank's `peak_reserved_bytes` is None and the
+estimate says why in a warning, once.
+
+The allocator runs without a capacity: the reserved peak is what the allocator would ask the
+device for if it had room (no release-and-retry near the capacity; the verdict compares it
+with the GPU).
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+
+_CACHE: dict = {}
+_CACHE_MAX = 4096
+NOT_MODELLED_MODES = {
+    "traced": "traced programs",
+    "paddle": "Paddle programs (Paddle's allocator is its own)",
+}
+
+
+def alloc_config(text):
+    """PYTORCH_CUDA_ALLOC_CONF text (None or "" = PyTorch's defaults) -> the allocator's config;
+    a bad key or value raises UserError naming --alloc-conf."""
+    from .allocator import AllocatorConfig
+
+    if text is not None and not isinstance(text, str):
+        raise UserError(
+            f"--alloc-conf {text!r}: give the PYTORCH_CUDA_ALLOC_CONF text, e.g. "
+            "expandable_segments:True,max_split_size_mb:256"
+        )
+    try:
+        return AllocatorConfig.parse(text or "")
+    except UserError as e:
+        msg = str(e)
+        raise UserError(msg if "--alloc-conf" in msg else f"--alloc-conf: {msg}") from None
+
+
+def attach_reserved(est, conf) -> None:
+    """Give each rank of `est` its reserved source (see the module docstring)."""
+    text = _conf_text(conf)
+    est.alloc_conf = text
+    if est.mode != "templates" or est.reserved_inputs is None:
+        what = NOT_MODELLED_MODES.get(est.mode, f"--mode {est.mode}")
+        est.warnings.append(
+            f"reserved memory (the caching allocator's segments) is not modelled for {what}: "
+            "peak_reserved_bytes is null; the allocated numbers stand"
+        )
+        return
+    stage_plan, schedule = est.reserved_inputs
+    from .runtime import lower
+
+    lowered = lower(schedule, est.runtime)
+    first_mb = {s: m for s, m in stage_plan.first_backward_overrides(schedule)}
+    said = []
+
+    def source(r):
+        key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
+
+        def run():
+            hit = _CACHE.get(key)
+            if hit is not None and hit[0] is stage_plan and hit[1] is lowered:
+                value, why = hit[2], hit[3]
+            else:
+                value, why = _peak_reserved(stage_plan, lowered, r, conf, first_mb)
+                if len(_CACHE) >= _CACHE_MAX:
+                    del _CACHE[next(iter(_CACHE))]
+                _CACHE[key] = (stage_plan, lowered, value, why)
+            if why and not said:
+                said.append(why)
+                est.warnings.append(
+                    f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "
+                    "is null; the allocated numbers stand"
+                )
+            return value
+
+        return run
+
+    for r in est.ranks:
+        r.reserved_source = source(r)
+
+
+def _peak_reserved(stage_plan, lowered, r, conf, first_mb) -> tuple[int | None, str]:
+    from .alloc_stream import StreamNotModelled, rank_stream
+    from .allocator import simulate
+
+    try:
+        ev = rank_stream(stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb)
+    except StreamNotModelled as e:
+        return None, str(e)
+    return int(simulate(ev.as_tuples(), conf).peak_reserved_bytes), ""
+
+
+def _conf_text(conf) -> str:
+    text = getattr(conf, "text", None)
+    if isinstance(text, str):
+        return text
+    return str(conf)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
