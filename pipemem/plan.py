@@ -369,10 +369,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
             raise UserError(f"--pp-layout {','.join(map(str, layout))}: entries must be >= 0 and sum to the "
                             f"{layers} layers of {name}")
     else:
-        if layers % stages:
+        from .schedules.layout import layer_layout
+
+        layout = layer_layout(layers, stages)
+        if layout is None:
             raise UserError(f"--pp {pp} x --vpp {vpp} = {stages} stages does not divide the {layers} layers of "
                             f"{name}: use a divisor of {layers} ({_divisors(layers)}) or give --pp-layout")
-        layout = (layers // stages,) * stages
     rl = plan.recompute_layers
     if rl is not None:
         if recompute == "none":

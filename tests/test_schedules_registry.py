@@ -135,3 +135,21 @@ def test_vshape_1f1b_estimates(capsys):
     import pipemem
     e = pipemem.estimate("llama3-8b", pp=4, microbatches=8, schedule="VShape1F1B", layers=16)
     assert e.plan.vpp == 2 and [list(r.stages) for r in e.ranks] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_layer_layout_even_and_balanced():
+    from pipemem.planner.space import balanced_layout
+    from pipemem.schedules.layout import layer_layout
+
+    assert layer_layout(32, 8) == (4,) * 8 and layer_layout(30, 8) is None
+    # 126 = 16 x 7 + 14: the 14 extra layers go to stages 14 .. 1; the first and last stay at 7
+    assert layer_layout(126, 16, balanced=True) == (7,) + (8,) * 14 + (7,)
+    # a remainder of stages-1 reaches the last stage before the first
+    assert layer_layout(23, 4, balanced=True) == (5, 6, 6, 6)
+    assert balanced_layout(126, 16) == layer_layout(126, 16, balanced=True) and balanced_layout(32, 8) is None
+    for layers in range(1, 40):
+        for stages in range(1, layers + 1):
+            got = layer_layout(layers, stages, balanced=True)
+            assert sum(got) == layers and max(got) - min(got) <= 1
+    with pytest.raises(UserError, match="stages"):
+        layer_layout(4, 5)

@@ -110,20 +110,12 @@ def divisors(n: int) -> list[int]:
 
 def balanced_layout(layers: int, stages: int) -> tuple[int, ...] | None:
     """Layers per virtual stage when `stages` does not divide `layers` (None when it does):
-    every stage gets floor(layers/stages), and the remainder goes one each to the stages from
-    the second-last backwards to the second, then the last, then the first. The first stage
-    holds the embedding and the most in-flight microbatches, the last the head and the loss,
-    so they are the ones left lighter (Llama 3 405B on 16 stages: 7, 8 x 14, 7)."""
+    schedules.layout.layer_layout's balanced split."""
+    from ..schedules.layout import layer_layout
+
     if stages > layers:
         raise UserError(f"{stages} pipeline stages exceed the {layers} layers")
-    q, r = divmod(layers, stages)
-    if r == 0:
-        return None
-    order = list(range(stages - 2, 0, -1)) + ([stages - 1] if stages > 1 else []) + [0]
-    out = [q] * stages
-    for s in order[:r]:
-        out[s] += 1
-    return tuple(out)
+    return None if layers % stages == 0 else layer_layout(layers, stages, balanced=True)
 
 
 def schedules_for(convention: str, pp: int, vpp: int, chosen: tuple[str, ...] | None) -> list[tuple[str, str]]:
