@@ -82,7 +82,8 @@ def stage_rank_map(placement, pp: int, vpp: int) -> list[int]:
     if callable(placement):
         out = list(placement(pp, vpp))
         if len(out) != pp * vpp or sorted(out) != sorted(r for r in range(pp) for _ in range(vpp)):
-            raise UserError(f"placement of {pp} ranks x {vpp} chunks: {out} does not give each rank {vpp} stages")
+            raise UserError(f"placement of {pp} ranks x {vpp} chunks: {out} does not give each rank "
+                            f"{vpp} stages")
         return out
     return v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
 

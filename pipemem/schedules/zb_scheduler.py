@@ -235,9 +235,11 @@ def _auto_placement(pp: int, vpp: int) -> list[int]:
 
 
 SPECS = (
-    ScheduleSpec("ZBVPP", zb_vpp, placement="v", chunks="two", searched=True, split_backward=True, paddle="ZBVPP",
+    ScheduleSpec("ZBVPP", zb_vpp, placement="v", chunks="two", searched=True, split_backward=True,
+                 paddle="ZBVPP",
                  paper="Paddle's memory-limited zero-bubble V"),
-    ScheduleSpec("ZBAuto", zb_auto, placement=_auto_placement, chunks="any", searched=True, split_backward=True,
+    ScheduleSpec("ZBAuto", zb_auto, placement=_auto_placement, chunks="any", searched=True,
+                 split_backward=True,
                  aliases=("auto", "memorylimited"), shown="auto",
                  paper="memory-limited zero-bubble search (`--memory-limit`)"),
 )
