@@ -1,7 +1,7 @@
 """The schedule registry: every named schedule's `ScheduleSpec`, and the questions asked of a name.
 
 Each module in SCHEDULE_MODULES lists its schedules in `SPECS`; adding a schedule is one module
-(generator + spec) and one line here, or one spec in an existing module. Everything that needs to
+(generator + spec) and its name in SCHEDULE_MODULES, or one spec in an existing module. Everything that needs to
 know about schedules asks this module: `get_schedule` (the generator), the plan's validation
 (searched or not, meaningful at pp 1), the estimate (default chunks per rank), the runtime
 lowering (which PyTorch runtime runs it), the planner (which fit a vpp, their placement),
@@ -16,17 +16,10 @@ from ..errors import UserError
 from . import generators, v_shape_1f1b, zb_scheduler
 from .spec import ScheduleSpec, name_key
 
-SCHEDULE_MODULES = (generators, zb_scheduler, v_shape_1f1b)
+# the modules that register schedules, in the order of the tables (the searches last)
+SCHEDULE_MODULES = (generators, v_shape_1f1b, zb_scheduler)
 
-
-def _collect() -> tuple[ScheduleSpec, ...]:
-    # the order of the tables: the built-in generators, the new ones, the searches last
-    specs = generators.SPECS + v_shape_1f1b.SPECS + zb_scheduler.SPECS
-    assert {id(s) for s in specs} == {id(s) for m in SCHEDULE_MODULES for s in m.SPECS}
-    return specs
-
-
-SPECS: tuple[ScheduleSpec, ...] = _collect()
+SPECS: tuple[ScheduleSpec, ...] = tuple(spec for module in SCHEDULE_MODULES for spec in module.SPECS)
 SCHEDULE_NAMES: tuple[str, ...] = tuple(n for s in SPECS for n in s.names)
 
 
