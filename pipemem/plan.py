@@ -72,11 +72,11 @@ BOOL_FIELDS = ("sp", "fsdp", "dist_opt", "master_weights", "recompute_allgather"
 MAX_WORLD = 1 << 20              # 1,048,576 GPUs in one job
 MAX_TOKENS = 1 << 32             # tokens per microbatch (seq_len x micro_batch)
 # Schedule actions per step are pp x vpp x microbatches (stage, microbatch) pairs; a replay
-# costs a few microseconds each, the memory-limited schedulers (auto, ZBVPP) search and cost
-# ~0.3 ms each. These keep one estimate within a few seconds on one core.
+# costs a few microseconds each, the schedules that search for their order (auto, ZBVPP:
+# `ScheduleSpec.searched`) cost ~0.3 ms each. These keep one estimate within a few seconds on
+# one core.
 MAX_STAGE_MICROBATCHES = 1 << 17
 MAX_SEARCHED_STAGE_MICROBATCHES = 1 << 12
-SEARCHED_SCHEDULES = ("ZBAuto", "ZBVPP")
 # An upper bound of a rank's bytes must stay below this (int64 byte counts, with margin).
 MAX_BYTES = 1 << 62
 MAX_GPU_GIB = 1 << 20            # 1 PiB of device memory
@@ -235,17 +235,18 @@ _BOUND_WHY = {
 
 
 def _runs_at_pp1(schedule: str) -> bool:
-    """A schedule name that still means something with one pipeline stage: 1F1B (what one
-    stage runs anyway) or an explicit action list."""
-    key = schedule.strip().lower().replace("-", "").replace("_", "")
-    return key in ("1f1b", "pipedreamflush") or key.startswith(("csv:", "torch:"))
+    """A schedule name that still means something with one pipeline stage (the registry's)."""
+    from .schedules.registry import runs_at_pp1
+    return runs_at_pp1(schedule)
 
 
 def check_schedule_size(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
     """A schedule of pp x vpp x microbatches (stage, microbatch) pairs within what one estimate
     replays in seconds (MAX_STAGE_MICROBATCHES; the searching schedulers, less)."""
+    from .schedules.registry import is_searched
+
     units = pp * vpp * microbatches
-    searched = schedule in SEARCHED_SCHEDULES
+    searched = is_searched(schedule)
     bound = MAX_SEARCHED_STAGE_MICROBATCHES if searched else MAX_STAGE_MICROBATCHES
     if units > bound:
         what = f"{schedule} searches for its order, so " if searched else ""
@@ -368,10 +369,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
             raise UserError(f"--pp-layout {','.join(map(str, layout))}: entries must be >= 0 and sum to the "
                             f"{layers} layers of {name}")
     else:
-        if layers % stages:
+        from .schedules.layout import layer_layout
+
+        layout = layer_layout(layers, stages)
+        if layout is None:
             raise UserError(f"--pp {pp} x --vpp {vpp} = {stages} stages does not divide the {layers} layers of "
                             f"{name}: use a divisor of {layers} ({_divisors(layers)}) or give --pp-layout")
-        layout = (layers // stages,) * stages
     rl = plan.recompute_layers
     if rl is not None:
         if recompute == "none":

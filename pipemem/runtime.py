@@ -146,12 +146,9 @@ def _torch_rank(schedule: Schedule, rank: int) -> list[Action]:
 
 
 def _torch_class(schedule: Schedule) -> str:
-    name = schedule.name.lower().removeprefix("torch:")
-    if name in ("gpipe", "fthenb"):
-        return "gpipe"
-    if name in ("1f1b", "pipedreamflush"):
-        return "1f1b"
-    return "runtime"
+    """'gpipe', '1f1b' or 'actions': the runtime PyTorch runs the schedule's order with."""
+    from .schedules.registry import torch_runtime
+    return torch_runtime(schedule.name)
 
 
 def _torch_gpipe(acts, out: list, S: int) -> None:

@@ -10,11 +10,13 @@ from collections import deque
 import pytest
 
 from pipemem.errors import UserError
-from pipemem.schedules import SCHEDULE_NAMES, Schedule, get_schedule
-from pipemem.schedules import _GENERATORS
+from pipemem.schedules import SCHEDULE_NAMES, SPECS, Schedule, get_schedule
 from pipemem.schedules import generators as gen
 from pipemem.schedules.actions import Action
 from pipemem.schedules.check import TimeModel, Simulation, _deadlock_message, check_schedule, simulate
+
+# every generated (not searched) schedule name
+_GENERATORS = tuple(n for spec in SPECS if not spec.searched for n in spec.names)
 
 
 # ---------------------------------------------------------------- references (the earlier code)

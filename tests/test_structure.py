@@ -77,3 +77,42 @@ def test_no_private_names_across_modules():
     bad = [(src, dst, n) for src, dst, n in _imports(_modules())
            if n and n.startswith("_") and not n.startswith("__") and dst != src]
     assert bad == []
+
+
+# The import layers, lowest first: a module imports only from its own layer or below (function-
+# level imports count). The schedules package is data over the job types (jobs.py): the plan's
+# validation reads its registry, and nothing in it reads a replay, a runtime or an estimate.
+LAYERS = (
+    ("errors", "version", "units"),
+    ("ir", "jobs", "model", "presets", "features", "torch_tp"),
+    ("liveness", "schedules"),
+    ("plan",),
+    ("templates", "traced", "paddle", "pipeline_estimator", "examples"),
+    ("configs", "stages"),
+    ("replay", "runtime"),
+    ("estimate", "report", "pipemem"),      # pipemem: the package's public API (__init__.py)
+    ("planner", "validation"),
+    ("cli", "__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module}: add its package to LAYERS in tests/test_structure.py")
+
+
+def test_imports_only_run_down_the_layers():
+    up = sorted({(src, dst) for src, dst, _ in _imports(_modules()) if _layer(dst) > _layer(src)})
+    assert up == []
+
+
+def test_schedules_import_nothing_above_the_jobs():
+    """The schedules package (generators, the registry, the zero-bubble search) stands on errors
+    and jobs alone: no replay, runtime, plan or estimate."""
+    bad = sorted({dst for src, dst, _ in _imports(_modules())
+                  if src.startswith("pipemem.schedules") and not dst.startswith("pipemem.schedules")
+                  and dst not in ("pipemem.errors", "pipemem.jobs")})
+    assert bad == []

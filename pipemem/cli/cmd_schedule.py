@@ -15,7 +15,7 @@ examples:
   pipemem schedule csv:zb.csv
 """
 
-NOTATION = """\
+NOTATION_TEXT = """\
 notation:
   F3 forward of microbatch 3; B3 its backward; I3 / W3 the two halves of a split backward
   (input grad, then weight grad). With 2 chunks per rank (--vpp 2) UPPER case is the rank's
@@ -28,39 +28,28 @@ notation:
   Time: T_F = T_I = T_W = 1 unless --times.
 
 names (case-insensitive; '-' and '_' ignored):
-  pipemem           PyTorch (torch.distributed.pipelining)   Paddle      paper / Megatron
-  GPipe, FThenB     ScheduleGPipe                            FThenB      GPipe (Huang et al. 2019)
-  1F1B              Schedule1F1B                             1F1B        PipeDream-flush, Megatron 1F1B
-  Eager1F1B         -                                        Eager1F1B   -
-  Interleaved1F1B   ScheduleInterleaved1F1B                  -           interleaved 1F1B (Narayanan 2021)
-  VPP               -                                        VPP         Megatron's interleaved (virtual pipeline)
-  LoopedBFS         ScheduleLoopedBFS                        -           breadth-first (Lamy-Poirier 2022)
-  ZBH1              -                                        ZBH1        ZB-H1 in Paddle's order: only the first
-                                                                         r backwards of rank r split
-  ZB1P              -                                        -           ZB-H1 as the paper draws it (Qi et al.
-                                                                         2024, "ZB-1p"): every backward split
-  ZBH2              -                                        -           ZB-H2 (Qi et al. 2024)
-  InterleavedZeroBubble  ScheduleInterleavedZeroBubble       -           ZB-1p over looped chunks
-  ZBVZeroBubble, ZBV     ScheduleZBVZeroBubble               -           ZB-V (Qi et al. 2024)
-  DualPipeV         ScheduleDualPipeV                        -           DualPipeV (DeepSeek-V3's DualPipe, halved)
-  VHalf, VMin       -                                        -           V-Half, V-Min (Qi et al. 2024b)
-  ZBVPP             -                                        ZBVPP       Paddle's memory-limited zero-bubble V
-  auto (ZBAuto)     -                                        -           memory-limited zero-bubble search (--memory-limit)
+"""
+IMPORTED_ROWS = """\
   csv:FILE          _load_csv (PyTorch's CSV of actions)
   torch:NAME        PyTorch's own generator, run (needs torch)
 """
 
 
+def notation() -> str:
+    """The help's notation and name table (one row per registered schedule)."""
+    from ..schedules.registry import notation_rows
+    return NOTATION_TEXT + "\n".join(notation_rows()) + "\n" + IMPORTED_ROWS
+
+
 def register(sub) -> None:
+    from ..schedules.registry import names_help
+
     p = sub.add_parser(
         "schedule", help="per-rank actions, bubble and peak of a pipeline schedule",
         description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
                     "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE + "\n" + NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", help="schedule name (table below): GPipe/FThenB, 1F1B, Eager1F1B, Interleaved1F1B, VPP, "
-                                "LoopedBFS, InterleavedZeroBubble, ZBH1 (Paddle's order), ZB1P (the paper's "
-                                "ZB-H1), ZBH2, ZBVZeroBubble/ZBV, DualPipeV, VHalf, VMin, ZBVPP, auto "
-                                "(memory-limited), csv:FILE or torch:NAME")
+        epilog=EXAMPLE + "\n" + notation(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help=f"schedule name (table below): {names_help()}")
     p.add_argument("--pp", type=int, help="pipeline ranks (required unless NAME is csv:FILE)")
     p.add_argument("--microbatches", type=int, help="microbatches per step (required unless NAME is csv:FILE)")
     p.add_argument("--vpp", type=int, default=None,
@@ -133,10 +122,11 @@ def run(args) -> int:
 def _run(args) -> int:
     from ..plan import LIMITS, check_schedule_size
     from ..replay import replay
-    from ..schedules import canonical_name, default_vpp, get_schedule
+    from ..schedules import canonical_name, default_vpp, get_schedule, spec_of
+    from ..schedules.registry import is_imported
     from ..schedules.actions import KINDS
     from ..schedules.check import check_schedule, simulate
-    from ..schedules.unit_jobs import DEFAULT_W_RATIO, integer_unit_jobs, unit_jobs
+    from ..schedules.unit_jobs import DEFAULT_W_RATIO, integer_unit_jobs
 
     from_csv = args.name.lower().startswith("csv:")
     if not from_csv and (args.pp is None or args.microbatches is None):
@@ -151,25 +141,18 @@ def _run(args) -> int:
         raise UserError(f"--memory-limit {args.memory_limit}: give a positive number of microbatches, e.g. 4")
     times = _parse_times(args.times)
     name = args.name
-    if args.memory_limit is not None:
-        if name.lower().startswith(("csv:", "torch:")) or canonical_name(name) not in ("ZBAuto", "ZBVPP"):
-            raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
+    imported = is_imported(name)
+    spec = None if imported else spec_of(name)
+    if args.memory_limit is not None and (spec is None or not spec.searched):
+        raise UserError(f"--memory-limit runs the memory-limited scheduler: use NAME auto instead of {name}")
     vpp = args.vpp if args.vpp is not None else default_vpp(name)
-    if not from_csv and not name.lower().startswith("torch:"):
+    if not imported:
         check_schedule_size(canonical_name(name), args.pp, vpp, args.microbatches)
     w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
-    canon = None if name.lower().startswith(("csv:", "torch:")) else canonical_name(name)
-    if canon in ("ZBAuto", "ZBVPP"):
-        from fractions import Fraction
-        from ..schedules.zb_scheduler import memory_limited_schedule
-        w_exact = Fraction(w).limit_denominator(10**6)
-        jobs = unit_jobs(args.pp * vpp, vpp, w_exact, (times.F, times.I, times.W))
-        limit = args.memory_limit
-        if canon == "ZBVPP":
-            if vpp != 2:
-                raise UserError(f"ZBVPP runs 2 chunks per rank: pass --vpp 2 (got {vpp})")
-            limit = args.pp if limit is None else limit      # ZB-V's memory: p microbatches
-        sched = memory_limited_schedule(args.pp, args.microbatches, jobs, times, limit, vpp=vpp, name=canon)
+    canon = None if imported else canonical_name(name)
+    if spec is not None and spec.searched:
+        sched = get_schedule(name, args.pp, args.microbatches, vpp, memory_limit=args.memory_limit, w_ratio=w,
+                             times=times)
     else:
         sched = get_schedule(name, args.pp or 0, args.microbatches or 0, vpp)
     # A file's or PyTorch's order is checked action by action; the built-in generators' orders

@@ -44,14 +44,14 @@ SHARDINGS = {
     "torchtune": (("fsdp", {"fsdp": True}),),
 }
 
-# Pipeline schedules each framework runs, by chunks per rank: (name, placement).
+# Pipeline schedules each framework runs; which fit a plan's chunks per rank, and their
+# placement, is the schedule registry's (pipemem.schedules.registry).
 SCHEDULES = {
-    "megatron": {"single": ("1F1B",), "multi": ("VPP",), "v": ()},
-    "paddle": {"single": ("1F1B", "ZBH1"), "multi": ("VPP",), "v": ()},
-    "torchtitan": {"single": ("1F1B",), "multi": ("Interleaved1F1B", "InterleavedZeroBubble"),
-                   "v": ("ZBVZeroBubble", "DualPipeV")},
-    "hf": {"single": ("1F1B",), "multi": (), "v": ()},
-    "torchtune": {"single": (), "multi": (), "v": ()},
+    "megatron": ("1F1B", "VPP"),
+    "paddle": ("1F1B", "ZBH1", "VPP"),
+    "torchtitan": ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+    "hf": ("1F1B",),
+    "torchtune": (),
 }
 
 # conventions whose trainers recompute every layer or none (torchtune's
@@ -110,49 +110,28 @@ def divisors(n: int) -> list[int]:
 
 def balanced_layout(layers: int, stages: int) -> tuple[int, ...] | None:
     """Layers per virtual stage when `stages` does not divide `layers` (None when it does):
-    every stage gets floor(layers/stages), and the remainder goes one each to the stages from
-    the second-last backwards to the second, then the last, then the first. The first stage
-    holds the embedding and the most in-flight microbatches, the last the head and the loss,
-    so they are the ones left lighter (Llama 3 405B on 16 stages: 7, 8 x 14, 7)."""
+    schedules.layout.layer_layout's balanced split."""
+    from ..schedules.layout import layer_layout
+
     if stages > layers:
         raise UserError(f"{stages} pipeline stages exceed the {layers} layers")
-    q, r = divmod(layers, stages)
-    if r == 0:
-        return None
-    order = list(range(stages - 2, 0, -1)) + ([stages - 1] if stages > 1 else []) + [0]
-    out = [q] * stages
-    for s in order[:r]:
-        out[s] += 1
-    return tuple(out)
+    return None if layers % stages == 0 else layer_layout(layers, stages, balanced=True)
 
 
 def schedules_for(convention: str, pp: int, vpp: int, chosen: tuple[str, ...] | None) -> list[tuple[str, str]]:
-    """(schedule name, placement) pairs to try for a pipeline of pp ranks with vpp chunks each.
-    Placement 'loop' (interleaved stages) or 'v' (V-shaped, two chunks); pp 1 runs none."""
-    from ..schedules import canonical_name, default_vpp
+    """(schedule name, placement) pairs to try for a pipeline of pp ranks with vpp chunks each:
+    the convention's schedules (or the chosen ones) that run vpp chunks per rank. Placement
+    'loop' (interleaved stages) or 'v' (V-shaped, two chunks); pp 1 runs none."""
+    from ..schedules import canonical_name, spec_of
 
     if pp == 1:
         return [(None, "loop")] if vpp == 1 else []
-    if chosen is None:
-        table = SCHEDULES[convention]
-        names = table["single"] if vpp == 1 else table["multi"] + (table["v"] if vpp == 2 else ())
-        return [(n, "v" if n in table["v"] else "loop") for n in names]
-    out = []
-    for name in chosen:
-        canon = canonical_name(name)
-        v_shaped = default_vpp(canon) == 2
-        multi = canon in _MULTI_CHUNK or v_shaped
-        if (vpp == 1 and not multi) or (vpp > 1 and multi and (not v_shaped or vpp == 2)):
-            out.append((canon, "v" if v_shaped else "loop"))
-    return out
-
-
-# schedules that run several chunks per rank on looped placement
-_MULTI_CHUNK = ("Interleaved1F1B", "VPP", "LoopedBFS", "InterleavedZeroBubble", "ZBAuto")
+    names = SCHEDULES[convention] if chosen is None else [canonical_name(n) for n in chosen]
+    return [(n, "v" if spec_of(n).v_shaped else "loop") for n in names if spec_of(n).fits(vpp)]
 
 
 def check_schedule_names(names: tuple[str, ...]) -> tuple[str, ...]:
-    from ..schedules import canonical_name
+    from ..schedules import canonical_name, spec_of
 
     out = []
     for n in names:
@@ -160,7 +139,7 @@ def check_schedule_names(names: tuple[str, ...]) -> tuple[str, ...]:
             raise UserError(f"--schedules {n}: the planner generates its schedules; give names such as 1F1B, VPP, "
                             "ZBH1, Interleaved1F1B, ZBVZeroBubble")
         canon = canonical_name(n)
-        if canon in ("ZBVPP", "ZBAuto"):
+        if spec_of(canon).searched:
             raise UserError(f"--schedules {n}: the memory-limited scheduler is run by --zero-bubble, not enumerated")
         out.append(canon)
     return tuple(dict.fromkeys(out))

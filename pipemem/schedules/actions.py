@@ -76,6 +76,18 @@ def v_stage_map(pp: int, vpp: int) -> list[int]:
     return out
 
 
+def stage_rank_map(placement, pp: int, vpp: int) -> list[int]:
+    """The one stage -> rank map: "loop", "v", or a function (pp, vpp) -> list (a schedule's
+    own placement, `ScheduleSpec.placement`)."""
+    if callable(placement):
+        out = list(placement(pp, vpp))
+        if len(out) != pp * vpp or sorted(out) != sorted(r for r in range(pp) for _ in range(vpp)):
+            raise UserError(f"placement of {pp} ranks x {vpp} chunks: {out} does not give each rank "
+                            f"{vpp} stages")
+        return out
+    return v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
+
+
 class Schedule:
     """Per-rank ordered actions plus the stage placement they assume.
 
@@ -94,7 +106,7 @@ class Schedule:
         self.microbatches = microbatches
         self.ranks = ranks
         if stage_rank is None:
-            stage_rank = v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
+            stage_rank = stage_rank_map(placement, pp, vpp)
         self.stage_rank = list(stage_rank)
         self.placement = placement
         self.notes = notes

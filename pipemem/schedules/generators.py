@@ -14,6 +14,7 @@ from itertools import chain, repeat
 
 from ..errors import UserError
 from .actions import Action, Schedule
+from .spec import ScheduleSpec as S
 
 F, B, I, W = "F", "B", "I", "W"
 
@@ -412,3 +413,36 @@ def v_min(pp: int, m: int, vpp: int = 2, name: str = "VMin") -> Schedule:
     gap = 2 if pp % 3 == 0 else 0
     offsets = [[r, 2 * pp - r - 1, 2 * pp + gap + r, 4 * pp + gap - r - 1] for r in range(pp)]
     return _v_block_schedule(pp, m, offsets, name)
+
+
+# ---------------------------------------------------------------- registration (schedules.registry)
+
+SPECS = (
+    S("GPipe", gpipe, synonyms=("FThenB",), torch="ScheduleGPipe", paddle="FThenB",
+      paper="GPipe (Huang et al. 2019)", torch_runtime="gpipe", candidate=4),
+    S("1F1B", one_f_one_b, aliases=("pipedreamflush",), torch="Schedule1F1B", paddle="1F1B",
+      paper="PipeDream-flush, Megatron's 1F1B", torch_runtime="1f1b", runs_at_pp1=True, candidate=0),
+    S("Eager1F1B", eager_1f1b, paddle="Eager1F1B",
+      paper="1F1B with 2(p-r)-1 warm-up forwards (sends overlap the next forward)"),
+    S("Interleaved1F1B", interleaved_1f1b, chunks="several", aliases=("interleaved",),
+      torch="ScheduleInterleaved1F1B", paper="interleaved 1F1B (Narayanan et al. 2021)", candidate=0),
+    S("VPP", megatron_vpp, chunks="several", paddle="VPP",
+      paper="Megatron's interleaved (virtual pipeline) schedule"),
+    S("LoopedBFS", looped_bfs, chunks="several", torch="ScheduleLoopedBFS",
+      paper="breadth-first (Lamy-Poirier 2022)", candidate=2),
+    S("InterleavedZeroBubble", interleaved_zero_bubble, chunks="several", split_backward=True,
+      torch="ScheduleInterleavedZeroBubble", paper="ZB-1p over looped chunks", candidate=1),
+    S("ZBH1", zb_h1, split_backward=True, paddle="ZBH1",
+      paper="ZB-H1 in Paddle's order: only the first r backwards of rank r are split", candidate=1),
+    S("ZB1P", zb_1p, split_backward=True,
+      paper="ZB-H1 as the paper (Qi et al. 2024) draws it, \"ZB-1p\": every backward split", candidate=2),
+    S("ZBH2", zb_h2, split_backward=True, aliases=("zb2p",), paper="ZB-H2 (Qi et al. 2024)", candidate=3),
+    S("ZBVZeroBubble", zb_v, placement="v", chunks="two", split_backward=True, synonyms=("ZBV",),
+      torch="ScheduleZBVZeroBubble", paper="ZB-V (Qi et al. 2024)", candidate=0),
+    S("DualPipeV", dualpipe_v, placement="v", chunks="two", split_backward=True, torch="ScheduleDualPipeV",
+      paper="DualPipeV (DeepSeek-V3's DualPipe, halved)", candidate=3),
+    S("VHalf", v_half, placement="v", chunks="two", split_backward=True,
+      paper="V-Half (Qi et al. 2024b): about half of 1F1B's activations", candidate=1),
+    S("VMin", v_min, placement="v", chunks="two", split_backward=True,
+      paper="V-Min (Qi et al. 2024b): about a third of 1F1B's activations", candidate=2),
+)

@@ -16,7 +16,7 @@ import math
 from fractions import Fraction
 
 from ..errors import UserError
-from ..jobs import JobMemory, StageJobs
+from ..jobs import StageJobs
 from .actions import Action
 from .check import TimeModel
 
@@ -226,8 +226,22 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
 
 
 
-def scaled_jobs(nums) -> dict[int, StageJobs]:
-    """The integer job numbers back as StageJobs (what replay takes)."""
-    def jm(pair):
-        return None if pair is None else JobMemory(*pair)
-    return {s: StageJobs(s, F=jm(f), B=jm(b), I=jm(i), W=jm(w)) for s, (f, i, w, b) in enumerate(nums)}
+_KIND_SLOT = {"F": 0, "I": 1, "W": 2, "B": 3}
+
+
+def activation_peaks(ranks: list[list[Action]], nums) -> list:
+    """Per rank, the most memory held while its actions run, from zero, on the job numbers
+    (`job_numbers`): before each action the running sum of the nets, plus that action's peak.
+    The same walk as pipemem.replay's without static bytes (which the scheduler's jobs leave
+    out), kept here so the schedules package needs nothing above it."""
+    slot = _KIND_SLOT
+    out = []
+    for acts in ranks:
+        cur, best = 0, None
+        for kind, stage, _ in acts:
+            net, peak = nums[stage][slot[kind]]
+            if best is None or cur + peak > best:
+                best = cur + peak
+            cur += net
+        out.append(0 if best is None else best)
+    return out

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .actions import Action, Schedule
+from .registry import SPECS
 
-TORCH_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-               "DualPipeV")
-_V_STYLE = {"zbvzerobubble", "dualpipev"}
+# PyTorch's schedules by the name its get_schedule_class takes (the class name without
+# "Schedule"), with the registered spec that generates the same order
+_TORCH = {spec.torch.removeprefix("Schedule"): spec for spec in SPECS if spec.torch}
+TORCH_NAMES = tuple(_TORCH)
 
 
 def torch_actions(acts) -> list[Action]:
@@ -39,7 +41,8 @@ def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None
     canon = {n.lower(): n for n in TORCH_NAMES}.get(name.lower())
     if canon is None:
         raise UserError(f"torch:{name}: unknown PyTorch schedule; choose one of {', '.join(TORCH_NAMES)}")
-    single = canon in ("GPipe", "1F1B")
+    spec = _TORCH[canon]
+    single = spec.chunks == "one"
     if single and vpp not in (None, 1):
         raise UserError(f"torch:{canon} runs one chunk per rank: drop --vpp (got {vpp})")
     try:
@@ -56,5 +59,5 @@ def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None
     if canon == "1F1B" and fix_1f1b and any(a.kind == "F" and a.microbatch == microbatches for a in ranks[-1]):
         # the last rank's forwards are numbered 1..m in pipeline_order; the runtime runs 0..m-1
         ranks[-1] = [Action("F", a.stage, a.microbatch - 1) if a.kind == "F" else a for a in ranks[-1]]
-    placement = "v" if canon.lower() in _V_STYLE else "loop"
+    placement = "v" if spec.v_shaped else "loop"
     return Schedule(f"torch:{canon}", pp, per_rank, microbatches, ranks, placement=placement)

@@ -10,7 +10,11 @@ Heuristic plus search:
    threshold) and the named schedules for the same placement are candidates too; the fastest
    that fits wins (ties: lower peak).
 When nothing fits, `smallest_feasible_limit` binary-searches the limit. Every candidate's
-memory is checked by replaying it (pipemem.replay); the scheduler sits after replay in the flow.
+memory is checked by walking its actions over the integer jobs (`list_scheduler.activation_peaks`,
+the walk pipemem.replay does, without static bytes): the schedules package imports nothing
+above it.
+
+Registered here (SPECS): ZBAuto (`auto`) and Paddle's ZBVPP.
 """
 
 from __future__ import annotations
@@ -19,34 +23,36 @@ from fractions import Fraction
 
 from ..errors import UserError
 from ..jobs import StageJobs
-from ..replay import replay
-from . import generators as g
-from .actions import Schedule, loop_stage_map, v_stage_map
+from . import generators
+from .actions import Schedule, stage_rank_map
 from .check import TimeModel, simulate
-from .list_scheduler import job_numbers, list_schedule, scaled_jobs, stage_times
+from .list_scheduler import activation_peaks, job_numbers, list_schedule, stage_times
+from .spec import ScheduleSpec
 from .unit_jobs import DEFAULT_W_RATIO, unit_jobs
 
 
 def _peaks(ranks, stage_rank, nums) -> list:
-    """Per-rank activation peak of candidate action lists: the replay of them (pipemem.replay,
-    the one walk of memory over time) on the integer jobs."""
-    pp = len(ranks)
-    sched = Schedule("candidate", pp, len(stage_rank) // pp, 1, ranks, stage_rank=stage_rank)
-    return [r.peak_allocated_bytes for r in replay(sched, scaled_jobs(nums), None, simulate_time=False).ranks]
+    """Per-rank activation peak of candidate action lists on the integer jobs."""
+    return activation_peaks(ranks, nums)
 
 
-def _named_candidates(pp, m, vpp, placement, split):
+def _named_candidates(pp, m, vpp, placement, split, named=None):
+    """The named orders for this placement the search also tries (`ScheduleSpec.candidate`, in
+    that order): one chunk per rank, V-shaped with two, or looped with several; with fused
+    backwards only (`split` False) those that do not split them. `named`: the specs to take
+    them from (schedules.registry passes every registered one; default the built-ins)."""
     if vpp == 1:
-        fns = [g.one_f_one_b, g.zb_h1, g.zb_1p, g.zb_h2, g.gpipe] if split else [g.one_f_one_b, g.gpipe]
+        group = [s for s in (named or generators.SPECS) if s.chunks == "one"]
     elif placement == "v" and vpp == 2:
-        fns = [g.zb_v, g.v_half, g.v_min, g.dualpipe_v] if split else []
+        group = [s for s in (named or generators.SPECS) if s.chunks == "two" and s.placement == "v"]
     else:
-        fns = [g.interleaved_1f1b, g.interleaved_zero_bubble, g.looped_bfs] if split else \
-            [g.interleaved_1f1b, g.looped_bfs]
+        group = [s for s in (named or generators.SPECS) if s.chunks == "several"]
+    group = sorted((s for s in group if s.candidate is not None and (split or not s.split_backward)),
+                   key=lambda s: s.candidate)
     out = []
-    for fn in fns:
+    for spec in group:
         try:
-            out.append(fn(pp, m, vpp))
+            out.append(spec.build(pp, m, vpp))
         except UserError:
             pass
     return out
@@ -55,19 +61,20 @@ def _named_candidates(pp, m, vpp, placement, split):
 def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJobs] | None = None,
                             times: TimeModel | None = None, memory_limit=None, vpp: int = 1,
                             placement: str | None = None, w_ratio=DEFAULT_W_RATIO, split: bool = True,
-                            name: str = "ZBAuto", search: bool = True) -> Schedule:
+                            name: str = "ZBAuto", search: bool = True,
+                            named: tuple[ScheduleSpec, ...] | None = None) -> Schedule:
     """Fastest schedule found whose per-rank activation memory stays within `memory_limit`
     (a number, or one per rank, in the jobs' units; None = unlimited). Without `jobs`, unit jobs
     (microbatch units, w = `w_ratio`) are used. Raises UserError with the smallest feasible
     limit when nothing fits."""
     if pp < 1 or microbatches < 1 or vpp < 1:
         raise UserError("memory-limited schedule: --pp, --microbatches and --vpp must be at least 1")
-    placement = placement or ("v" if vpp == 2 else "loop")
+    placement = placement or _default_placement(vpp)
     if placement not in ("v", "loop"):
         raise UserError(f"memory-limited schedule: placement {placement!r}: use 'loop' or 'v'")
     if placement == "v" and vpp % 2:
         raise UserError("memory-limited schedule: V placement needs an even --vpp (2)")
-    stage_rank = v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
+    stage_rank = stage_rank_map(placement, pp, vpp)
     S = pp * vpp
     if jobs is None:
         jobs = unit_jobs(S, vpp, w_ratio)
@@ -100,7 +107,7 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
             continue
         best = _better(best, ranks, "greedy", stage_rank, nums, limits, tm, pp, vpp, microbatches, placement)
     if search:
-        for cand in _named_candidates(pp, microbatches, vpp, placement, split):
+        for cand in _named_candidates(pp, microbatches, vpp, placement, split, named):
             if cand.stage_rank != stage_rank:
                 continue
             best = _better(best, cand.ranks, cand.name, stage_rank, nums, limits, tm, pp, vpp, microbatches,
@@ -112,6 +119,11 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
     _, ranks, origin = best
     notes = f"memory limit {_fmt(memory_limit)}; best of greedy policies and named schedules: {origin}"
     return Schedule(name, pp, vpp, microbatches, ranks, stage_rank=stage_rank, placement=placement, notes=notes)
+
+
+def _default_placement(vpp: int) -> str:
+    """The scheduler's placement when none is given: V with two chunks per rank, else looped."""
+    return "v" if vpp == 2 else "loop"
 
 
 def _fmt(x) -> str:
@@ -147,8 +159,8 @@ def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJob
                             w_ratio=DEFAULT_W_RATIO, split: bool = True, rel_tol: float = 1e-3):
     """Smallest per-rank limit (same for every rank) under which the greedy finds a schedule,
     by binary search between the memory of one microbatch at a time and the unlimited peak."""
-    placement = placement or ("v" if vpp == 2 else "loop")
-    stage_rank = v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
+    placement = placement or _default_placement(vpp)
+    stage_rank = stage_rank_map(placement, pp, vpp)
     S = pp * vpp
     if jobs is None:
         jobs = unit_jobs(S, vpp, w_ratio)
@@ -186,3 +198,48 @@ def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJob
         if lo < cand <= hi + 1e-12 and ok(cand):
             return cand
     return hi
+
+
+# ---------------------------------------------------------------- registration (schedules.registry)
+
+def _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named, placement=None):
+    """The search with unit jobs (microbatch units, w = `w_ratio`), timed by `times` when given
+    (`pipemem schedule --times`), else by the unit jobs' own durations."""
+    w = DEFAULT_W_RATIO if w_ratio is None else w_ratio
+    if times is None:
+        return memory_limited_schedule(pp, m, memory_limit=memory_limit, vpp=vpp, placement=placement,
+                                       w_ratio=w, name=name, named=named)
+    jobs = unit_jobs(pp * vpp, vpp, Fraction(w).limit_denominator(10**6), (times.F, times.I, times.W))
+    return memory_limited_schedule(pp, m, jobs, times, memory_limit, vpp=vpp, placement=placement, name=name,
+                                   named=named)
+
+
+def zb_auto(pp: int, m: int, vpp: int = 1, name: str = "ZBAuto", memory_limit=None, w_ratio=None,
+            times: TimeModel | None = None, named=None) -> Schedule:
+    """The memory-limited zero-bubble search (`auto`): any chunks per rank, V placement at two."""
+    return _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named)
+
+
+def zb_vpp(pp: int, m: int, vpp: int = 2, name: str = "ZBVPP", memory_limit=None, w_ratio=None,
+           times: TimeModel | None = None, named=None) -> Schedule:
+    """Paddle's ZBVPP: the search on V placement with ZB-V's memory (p microbatches) unless a
+    limit is given."""
+    if vpp != 2:
+        raise UserError(f"ZBVPP runs 2 chunks per rank: pass --vpp 2 (got {vpp})")
+    limit = pp if memory_limit is None else memory_limit
+    return _searched(pp, m, 2, name, limit, w_ratio, times, named, placement="v")
+
+
+def _auto_placement(pp: int, vpp: int) -> list[int]:
+    return stage_rank_map(_default_placement(vpp), pp, vpp)
+
+
+SPECS = (
+    ScheduleSpec("ZBVPP", zb_vpp, placement="v", chunks="two", searched=True, split_backward=True,
+                 paddle="ZBVPP",
+                 paper="Paddle's memory-limited zero-bubble V"),
+    ScheduleSpec("ZBAuto", zb_auto, placement=_auto_placement, chunks="any", searched=True,
+                 split_backward=True,
+                 aliases=("auto", "memorylimited"), shown="auto",
+                 paper="memory-limited zero-bubble search (`--memory-limit`)"),
+)
