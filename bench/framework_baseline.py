@@ -64,6 +64,16 @@ VARIANTS = [
     {"dp": 2, "fsdp": True, "extra": {"fsdp_reshard_head": True}},
     {"extra": {"precision_aware_optimizer": True}, "optimizer_state_dtype": "bf16"},
     {"tp": 2, "extra": {"fuse_qkv": True, "fuse_gate_up": True}},
+    {"tp": 2, "extra": {"wgrad_fused": False, "grad_clip": False}},
+    {"activation_offload": "core_attn,mlp"},
+    {"optimizer_offload": 0.5, "dp": 2, "dist_opt": True},
+    {"optimizer_offload": 1.0, "dp": 2, "zero": 1},
+    {"fp8": "delayed", "fp8_param_gather": True},
+    {"fp8": "rowwise", "dp": 2, "fsdp": True, "fp8_param_gather": True},
+    {"pp": 2, "microbatches": 4, "runtime": "torch"},
+    {"pp": 2, "microbatches": 4, "runtime": "megatron"},
+    {"pp": 2, "microbatches": 4, "schedule": "ZBVZeroBubble"},
+    {"dp": 2, "grads": "set-to-none", "step": "first", "optimizer_impl": "foreach"},
 ]
 
 # (model, base kwargs): a dense Llama, GPT-2's Conv1D / GeLU layers, two MoE models
