@@ -104,6 +104,8 @@ def cases() -> list[dict]:
         for moe_model, moe in MODELS[2:]:
             for v in MOE_VARIANTS:
                 out.append({"model": moe_model, "kwargs": {**moe, "convention": conv, **v}})
+    for conv in ("HF", "Torchtitan", "deepspeed", "nemo"):      # case, and names that are no convention
+        out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "dp": 2}})
     out.append({"model": "llama3-8b", "kwargs": {"convention": "megatron", "tp": 8, "pp": 4, "vpp": 2,
                                                    "dp": 2, "global_batch": 32, "dist_opt": True,
                                                    "gpu": "h100-80g"}})

@@ -24,7 +24,7 @@ NAMES: tuple[str, ...] = tuple(ALL)
 
 def get(name: str) -> Framework:
     """The framework of a --convention name (case-insensitive); UserError naming the choices."""
-    fw = ALL.get(name) or ALL.get(str(name).lower())
+    fw = ALL.get(str(name).lower())
     if fw is None:
         raise UserError(f"--convention {name!r}: use one of {', '.join(NAMES)}")
     return fw
