@@ -18,6 +18,8 @@ it imports none of them, and what its methods need comes in as arguments.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .convention import Convention
 
 # (label, estimate keyword arguments) of the model-state shardings a framework offers
@@ -110,6 +112,10 @@ class Framework:
 
     # -- configuration readers -------------------------------------------------------------------
     readers: tuple[str, ...] = ()         # pipemem.configs modules reading this framework's config
+
+    def __init__(self) -> None:
+        # the convention knows its framework: template code holding a Convention asks it
+        self.convention = replace(type(self).convention, framework=self)
 
     def __repr__(self) -> str:
         return f"<framework {self.name}>"

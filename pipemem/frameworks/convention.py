@@ -7,7 +7,8 @@ pipemem.templates.conventions re-exports this class and applies the per-plan swi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +50,6 @@ class Convention:
     fsdp2: bool = False
     fsdp2_reduce_fp32: bool = False
 
-    @property
-    def framework(self):
-        """The `pipemem.frameworks.Framework` this convention belongs to (its other rules)."""
-        from . import get
-        return get(self.name)
+    # the `pipemem.frameworks.Framework` this convention belongs to (its other rules); set by the
+    # framework object, carried along by dataclasses.replace, not part of equality or hashing
+    framework: Any = field(default=None, compare=False, repr=False)
