@@ -106,6 +106,13 @@ def cases() -> list[dict]:
                 out.append({"model": moe_model, "kwargs": {**moe, "convention": conv, **v}})
     for conv in ("HF", "Torchtitan", "deepspeed", "nemo"):      # case, and names that are no convention
         out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "dp": 2}})
+        out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "pp": 2, "vpp": 2,
+                                                      "microbatches": 4}})
+    # refusals of the other modes, before anything is traced or built
+    for conv, mode in (("torchtune", "traced"), ("Torchtune", "traced"), ("hf", "paddle"), ("megatron", "paddle"),
+                       ("nemo", "traced")):
+        out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "mode": mode,
+                                                      "dp": 2, "tp": 1}})
     out.append({"model": "llama3-8b", "kwargs": {"convention": "megatron", "tp": 8, "pp": 4, "vpp": 2,
                                                    "dp": 2, "global_batch": 32, "dist_opt": True,
                                                    "gpu": "h100-80g"}})

@@ -488,8 +488,10 @@ def default_grads(convention: str, dp: int = 1, zero: int = 0, fsdp: bool = Fals
     (pipemem.frameworks, `Framework.default_grads`): Megatron, Paddle and torchtitan in a
     resident buffer; torchtune and HF-style loops with PyTorch's zero_grad(set_to_none=True),
     HF's wrapped in DistributedDataParallel (default buckets) when they data-parallelise without
-    sharding, DeepSpeed's ZeRO-3 in its flat partition buffer."""
-    return frameworks.get(convention).default_grads(dp, zero, fsdp)
+    sharding, DeepSpeed's ZeRO-3 in its flat partition buffer. A name that is no convention
+    (an unvalidated plan's) gets PyTorch's default, set-to-none."""
+    fw = frameworks.ALL.get(convention)
+    return fw.default_grads(dp, zero, fsdp) if fw is not None else "set-to-none"
 
 
 def _canon_opt(o: str) -> str:
