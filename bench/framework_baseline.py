@@ -109,8 +109,8 @@ def cases() -> list[dict]:
         out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "pp": 2, "vpp": 2,
                                                       "microbatches": 4}})
     # refusals of the other modes, before anything is traced or built
-    for conv, mode in (("torchtune", "traced"), ("Torchtune", "traced"), ("hf", "paddle"), ("megatron", "paddle"),
-                       ("nemo", "traced")):
+    for conv, mode in (("torchtune", "traced"), ("Torchtune", "traced"), ("hf", "paddle"),
+                       ("megatron", "paddle"), ("nemo", "traced")):
         out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "mode": mode,
                                                       "dp": 2, "tp": 1}})
     out.append({"model": "llama3-8b", "kwargs": {"convention": "megatron", "tp": 8, "pp": 4, "vpp": 2,
@@ -164,19 +164,23 @@ def run_case(case: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the committed file instead of writing it")
     args = ap.parse_args()
     rows = [{**c, "result": json.loads(json.dumps(run_case(c)))} for c in cases()]
     rows += [{**c, "result": json.loads(json.dumps(run_search(c)))} for c in plan_searches()]
     if args.check:
         old = json.loads(OUT.read_text())
-        bad = [r["model"] + " " + json.dumps(r.get("kwargs") or r["search"]) for r, o in zip(rows, old) if r != o]
+        bad = [r["model"] + " " + json.dumps(r.get("kwargs") or r["search"])
+               for r, o in zip(rows, old) if r != o]
         print(f"{len(rows)} plans, {len(bad)} differ")
         for b in bad[:20]:
             print("  ", b)
         return 1 if bad or len(rows) != len(old) else 0
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(rows, indent=None, sort_keys=True, separators=(",", ":")) + "\n")
+    # one plan a line: a change shows as the lines of the plans it moved
+    lines = (json.dumps(r, sort_keys=True, separators=(",", ":")) for r in rows)
+    OUT.write_text("[\n" + ",\n".join(lines) + "\n]\n")
     ok = sum("error" not in r["result"] for r in rows)
     print(f"wrote {OUT}: {len(rows)} plans, {ok} estimated, {len(rows) - ok} refused")
     return 0

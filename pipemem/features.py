@@ -128,7 +128,8 @@ def describe(plan) -> list[str]:
         out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
     if plan.loss != "standard":
         chunked = (f"torchtitan's ChunkedLossWrapper ({plan.loss_chunks} chunks: output layer, loss and backward "
-                   "per chunk)" if _own_chunked_loss(plan) else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
+                   "per chunk)" if _own_chunked_loss(plan)
+                   else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
         out.append({"chunked": chunked,
                     "fused_linear": "fused linear cross-entropy (logits never whole)",
                     "fused": "Megatron fused cross-entropy (native)",

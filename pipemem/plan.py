@@ -144,7 +144,8 @@ class ParallelPlan:
         are in the model's dtype (DeepSpeed's default grad_accum_dtype). Held against DeepSpeed's
         own engine by `pipemem validate deepspeed`."""
         fw = frameworks.ALL.get(self.convention)
-        return (fw is not None and fw.zero_is_deepspeed and self.zero >= 1 and not self.fsdp and self.master_weights
+        return (fw is not None and fw.zero_is_deepspeed and self.zero >= 1 and not self.fsdp
+                and self.master_weights
                 and self.dtype != "fp32")
 
     @classmethod
@@ -515,7 +516,7 @@ def _validate_features(plan: ParallelPlan, fw, opt: str, microbatches: int) -> d
         raise UserError(f"--loss shifted is a loss a PyTorch training step writes on the whole logits: use it with "
                         f"--convention hf and --tp 1 (got --convention {conv}"
                         + (f", --tp {plan.tp}" if plan.tp > 1 else "") + ")")
-    own_chunked = loss == "chunked" and fw.chunked_loss_wrapper     # torchtitan's ChunkedLossWrapper: loss parallel
+    own_chunked = loss == "chunked" and fw.chunked_loss_wrapper     # torchtitan's ChunkedLossWrapper
     if loss in ("chunked", "fused_linear") and (plan.tp > 1 or not fw.torch_modules) and not own_chunked:
         raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "
                         "with --tp 1 and --convention hf or torchtitan (Megatron: --loss fused or fused_te)")

@@ -18,7 +18,8 @@ DATA = json.loads((ROOT / "tests" / "data" / "framework_baseline.json").read_tex
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("framework_baseline", ROOT / "bench" / "framework_baseline.py")
+    path = ROOT / "bench" / "framework_baseline.py"
+    spec = importlib.util.spec_from_file_location("framework_baseline", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -18,9 +18,9 @@ from .convention import Convention
 class HF(Framework):
     name = "hf"
     title = "Hugging Face transformers modules (Trainer, accelerate, Lightning; DeepSpeed ZeRO)"
-    convention = Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered", gather_once_per_block=True,
-                            fused_norm=False, ce_inplace=False, vocab_multiple=1, gqa_expand_eager=True,
-                            wgrad_fused=False)
+    convention = Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
+                            gather_once_per_block=True, fused_norm=False, ce_inplace=False, vocab_multiple=1,
+                            gqa_expand_eager=True, wgrad_fused=False)
 
     unsharded_modules = True               # HF modules as written: one rank holds whole layers
     zero_is_deepspeed = True

@@ -51,7 +51,8 @@ class Megatron(Framework):
 
     # plain DDP, the distributed optimizer (ZeRO-1), Megatron-FSDP's optim_grads (ZeRO-2) and
     # optim_grads_params (ZeRO-3) strategies
-    shardings = (("ddp", {}), ("dist-opt", {"dist_opt": True}), ("zero2", {"zero": 2}), ("fsdp", {"fsdp": True}))
+    shardings = (("ddp", {}), ("dist-opt", {"dist_opt": True}), ("zero2", {"zero": 2}),
+                 ("fsdp", {"fsdp": True}))
     schedules = {"single": ("1F1B",), "multi": ("VPP",), "v": ()}
 
     readers = ("pipemem.configs.megatron",)

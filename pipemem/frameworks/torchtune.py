@@ -45,18 +45,20 @@ class Torchtune(Framework):
             raise UserError("--no-flash-attn with --convention torchtune: torchtune's attention always calls "
                             "SDPA or flex attention (fused kernels); drop --no-flash-attn")
         if plan.pp > 1:
-            raise UserError(f"--pp {plan.pp} with --convention torchtune: torchtune's recipes do not pipeline; "
-                            "use --convention torchtitan for pipeline parallelism")
+            raise UserError(f"--pp {plan.pp} with --convention torchtune: torchtune's recipes do not "
+                            "pipeline; use --convention torchtitan for pipeline parallelism")
         if plan.recompute not in ("none", "full") or plan.recompute_layers is not None:
-            flag = "--recompute-layers" if plan.recompute_layers is not None else f"--recompute {plan.recompute}"
+            flag = ("--recompute-layers" if plan.recompute_layers is not None
+                    else f"--recompute {plan.recompute}")
             raise UserError(f"{flag} with --convention torchtune: torchtune checkpoints every layer whole "
                             "(enable_activation_checkpointing); use --recompute full or none")
         if arch.experts or arch.conv1d:
             what = "mixture-of-experts layers" if arch.experts else "GPT-2's Conv1D layers"
-            raise UserError(f"--convention torchtune: {what} are not modelled for torchtune; use --convention hf")
+            raise UserError(f"--convention torchtune: {what} are not modelled for torchtune; "
+                            "use --convention hf")
         if plan.dp > 1 and not (plan.fsdp or plan.zero == 3):
-            raise UserError(f"--dp {plan.dp} with --convention torchtune: torchtune's distributed recipes shard "
-                            "the model with FSDP2; add --fsdp")
+            raise UserError(f"--dp {plan.dp} with --convention torchtune: torchtune's distributed "
+                            "recipes shard the model with FSDP2; add --fsdp")
 
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         return "set-to-none"               # its recipes call optimizer.zero_grad(set_to_none=True)

@@ -27,7 +27,8 @@ def convention_for(plan) -> Convention:
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
     # torchtune's fp32 model: input and scale share a dtype, so CUDA runs `_fused_rms_norm`
-    fused_norm = bool(extra.get("fused_norm", c.fused_norm or (fw.fused_norm_in_fp32 and plan.dtype == "fp32")))
+    fused_norm = bool(extra.get("fused_norm",
+                                c.fused_norm or (fw.fused_norm_in_fp32 and plan.dtype == "fp32")))
     fused_rope = bool(extra.get("fused_rope", c.fused_rope))
     # torchtune before PR #2054 (2024-11-25) ran its own RMSNorm: cast, then scale
     norm_weight_first = bool(extra.get("norm_weight_first", c.norm_weight_first))

@@ -1155,7 +1155,8 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     if sh.feat.offload:
         from .offload import mark_offloaded
         tape.weights_saved_as_params = arch.conv1d and conv.framework.conv1d_weight_saved
-        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec, moe=opt.moe)
+        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec,
+                       moe=opt.moe)
     held = (x,) if conv.caller_holds_input else ()
     if conv.attn_out_held_to_return:
         held += (attn,)

@@ -423,7 +423,8 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
     if getattr(plan, "deepspeed_mixed_precision", False):
         elems, _ = optimizer_elems(arch, plan, conv, stage_layers, rank_stages)
         return int(elems * 4 * (1.0 - float(plan.optimizer_offload or 0.0)))
-    if not conv.framework.fp32_grad_copies or not plan.master_weights or extra.get("precision_aware_optimizer"):
+    if (not conv.framework.fp32_grad_copies or not plan.master_weights
+            or extra.get("precision_aware_optimizer")):
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0
