@@ -145,8 +145,7 @@ class ParallelPlan:
         own engine by `pipemem validate deepspeed`."""
         fw = frameworks.ALL.get(self.convention)
         return (fw is not None and fw.zero_is_deepspeed and self.zero >= 1 and not self.fsdp
-                and self.master_weights
-                and self.dtype != "fp32")
+                and self.master_weights and self.dtype != "fp32")
 
     @classmethod
     def field_names(cls) -> list[str]:
