@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping
 
+from . import frameworks
 from .errors import UserError
 from .jobs import JobMemory, StaticBytes
 from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
@@ -367,7 +368,10 @@ def split_kwargs(kwargs: dict) -> tuple[dict, dict]:
 
 def default_schedule(plan: ParallelPlan) -> str:
     if plan.vpp > 1:
-        return "Interleaved1F1B" if plan.convention == "torchtitan" else "VPP"
+        # the plan may not be validated yet: its convention as given (a name in another case
+        # gets the default)
+        fw = frameworks.ALL.get(plan.convention)
+        return fw.default_interleaved_schedule if fw is not None else "VPP"
     return "1F1B"
 
 
@@ -525,7 +529,7 @@ def _template_warnings(arch, plan) -> list[str]:
                    "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
                    "template frees and its forward stash moves differently: an offloaded layer's forward and backward "
                    "peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)")
-    if plan.convention == "hf" and plan.zero >= 1 and not plan.fsdp:
+    if frameworks.get(plan.convention).zero_is_deepspeed and plan.zero >= 1 and not plan.fsdp:
         from .ir import dtype_bytes
         from .templates.static import DEEPSPEED_REDUCE_BUCKET
         from .units import fmt_bytes
@@ -763,7 +767,8 @@ def _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts) -> Est
     from .plan import validate_plan
     from .replay import replay
 
-    if plan.convention != "paddle":
+    fw = frameworks.ALL.get(plan.convention)
+    if fw is None or not fw.paddle_programs:
         raise UserError("--exact (mode paddle) builds PaddleNLP's programs: use --from-paddlenlp or "
                         "--convention paddle")
     plan = validate_plan(arch, replace(plan, schedule=plan.schedule or default_schedule(plan)))
@@ -856,7 +861,7 @@ def _activation_levers(p: ParallelPlan, kw: dict) -> list[tuple[str, dict]]:
         if "global_batch" not in kw:
             change["microbatches"] = p.microbatches * p.micro_batch // half
         out.append((f"--micro-batch {half}", change))
-    if p.convention in ("hf", "torchtitan", "torchtune"):
+    if frameworks.get(p.convention).torch_modules:
         # what PyTorch trainers switch on when memory is tight (pipemem.features)
         if p.loss == "standard" and p.tp == 1:
             out.append(("--loss chunked", {"loss": "chunked"}))
@@ -871,11 +876,7 @@ def _sharding_levers(p: ParallelPlan) -> list[tuple[str, dict]]:
     """Shard the optimizer states (and more) over the data-parallel ranks."""
     if p.dp * p.cp == 1 or p.zero >= 3 or p.fsdp:
         return []
-    if p.convention == "megatron":
-        return [] if p.dist_opt else [("--dist-opt", {"dist_opt": True})]
-    if p.convention == "torchtitan":
-        return [("--fsdp", {"fsdp": True, "zero": None})]
-    return [(f"--zero {z}", {"zero": z}) for z in (1, 3) if z > p.zero]
+    return frameworks.get(p.convention).sharding_levers(p)
 
 
 def _optimizer_levers(p: ParallelPlan) -> list[tuple[str, dict]]:

@@ -114,6 +114,12 @@ def _features(*key) -> Features:
     return f
 
 
+def _own_chunked_loss(plan) -> bool:
+    from .frameworks import ALL
+    fw = ALL.get(plan.convention)
+    return fw is not None and fw.chunked_loss_wrapper
+
+
 def describe(plan) -> list[str]:
     """One phrase per switched-on feature, for reports and verdicts."""
     out = []
@@ -122,7 +128,8 @@ def describe(plan) -> list[str]:
         out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
     if plan.loss != "standard":
         chunked = (f"torchtitan's ChunkedLossWrapper ({plan.loss_chunks} chunks: output layer, loss and backward "
-                   "per chunk)" if plan.convention == "torchtitan" else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
+                   "per chunk)" if _own_chunked_loss(plan)
+                   else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
         out.append({"chunked": chunked,
                     "fused_linear": "fused linear cross-entropy (logits never whole)",
                     "fused": "Megatron fused cross-entropy (native)",

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from . import frameworks
 from .errors import UserError
 
-CONVENTIONS = ("megatron", "paddle", "torchtitan", "hf", "torchtune")
+CONVENTIONS = frameworks.NAMES
 RECOMPUTE = ("none", "selective", "full", "full_attn", "core_attn")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit")
@@ -31,13 +32,11 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adam8bit", "adam4bit")
 # [optimizer] implementation): fused kernels need no scratch, foreach materialises one
 # temporary the size of the local parameters, for-loop one parameter's at a time.
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
-# Each framework's default: Megatron (TE/Apex FusedAdam) and Paddle (in-place adamw kernels)
-# fuse; torchtitan's `implementation` defaults to "fused"; HF modules trained with a plain
-# torch.optim.AdamW (what traced mode records) take the foreach path on GPUs; torchtune's
-# recipe configs pass `fused: True` to torch.optim.AdamW (30 of the 33 full-finetune configs
-# shipped with 0.6.1 that name it).
-DEFAULT_OPTIMIZER_IMPL = {"megatron": "fused", "paddle": "fused", "torchtitan": "fused", "hf": "foreach",
-                          "torchtune": "fused"}
+# Each framework's default (pipemem.frameworks, `default_optimizer_impl`): Megatron (TE/Apex
+# FusedAdam) and Paddle (in-place adamw kernels) fuse; torchtitan's `implementation` defaults to
+# "fused"; HF modules trained with a plain torch.optim.AdamW (what traced mode records) take the
+# foreach path on GPUs; torchtune's recipe configs pass `fused: True` to torch.optim.AdamW.
+DEFAULT_OPTIMIZER_IMPL = {name: fw.default_optimizer_impl for name, fw in frameworks.ALL.items()}
 # How the trainer keeps gradients between steps (what is resident when a step starts):
 #   buffer           resident all step: Megatron's / Paddle's contiguous main-grad buffer, or
 #                    PyTorch's zero_grad(set_to_none=False)
@@ -144,8 +143,9 @@ class ParallelPlan:
         and its ZeRO optimizer keeps fp32 master partitions with the optimizer states; gradients
         are in the model's dtype (DeepSpeed's default grad_accum_dtype). Held against DeepSpeed's
         own engine by `pipemem validate deepspeed`."""
-        return (self.convention == "hf" and self.zero >= 1 and not self.fsdp and self.master_weights
-                and self.dtype != "fp32")
+        fw = frameworks.ALL.get(self.convention)
+        return (fw is not None and fw.zero_is_deepspeed and self.zero >= 1 and not self.fsdp
+                and self.master_weights and self.dtype != "fp32")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -296,7 +296,8 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         raise TypeError("validate_plan expects a ParallelPlan")
     check_ranges(plan)
     check_arch(arch)
-    conv = _choice(str(plan.convention).lower(), CONVENTIONS, "--convention")
+    fw = frameworks.get(str(plan.convention).lower())
+    conv = fw.name
     dtype = _choice(str(plan.dtype).lower(), DTYPES, "--dtype")
     recompute = _choice(str(plan.recompute).lower(), RECOMPUTE, "--recompute")
     opt = _choice(str(plan.optimizer).lower().replace("-", "").replace("_", ""),
@@ -308,13 +309,12 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
 
     # The hf convention is HF modules as written (one rank holds whole layers): data parallel,
     # ZeRO/FSDP and pipeline stages compose with it, tensor/context/expert parallelism do not.
-    if conv in ("hf", "torchtune"):
+    if fw.unsharded_modules:
         for flag in ("tp", "cp", "ep"):
             if getattr(plan, flag) > 1:
                 raise UserError(f"--{flag} {getattr(plan, flag)} with --convention {conv}: {conv} modules are modelled "
                                 "unsharded; use --convention torchtitan (DTensor) or megatron for model parallelism")
-    if conv == "torchtune":
-        _check_torchtune(arch, plan, dtype)
+    fw.check_plan(arch, plan, dtype)
 
     # Tensor parallel vs heads.
     tp = plan.tp
@@ -326,7 +326,7 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
                        if arch.heads % t == 0 and (arch.kv_heads % t == 0 or t % arch.kv_heads == 0))
         raise UserError(f"--tp {tp} and {arch.kv_heads} KV heads of {name}: tp must divide the KV heads or be a "
                         f"multiple of them (then KV heads are replicated); use one of {ok}")
-    if conv == "megatron" and arch.kv_heads % tp:
+    if fw.tp_must_divide_kv_heads and arch.kv_heads % tp:
         # megatron-core with tp > KV heads all-gathers the whole QKV projection on every rank and
         # slices it (attention.py get_query_key_value_tensors): not what the templates build.
         ok = ", ".join(str(t) for t in range(1, arch.kv_heads + 1) if arch.kv_heads % t == 0 and arch.heads % t == 0)
@@ -407,7 +407,7 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         raise UserError(f"--schedule {plan.schedule} does nothing at --pp 1 (one pipeline stage runs no pipeline "
                         "schedule): drop --schedule, or set --pp")
     check_schedule_size(plan.schedule or "1F1B", pp, vpp, microbatches)
-    if vpp > 1 and conv == "megatron" and microbatches % pp:
+    if vpp > 1 and fw.interleaved_needs_pp_multiple and microbatches % pp:
         raise UserError(f"--microbatches {microbatches} must be a multiple of --pp {pp} with --vpp {vpp} "
                         "(Megatron's interleaved schedule)")
 
@@ -444,40 +444,40 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     if plan.dist_opt and zero >= 2:
         raise UserError("--dist-opt is Megatron's ZeRO-1 (sharded optimizer states); it cannot be combined with "
                         f"--zero {zero}; use one of them")
-    if plan.dist_opt and conv != "megatron":
+    if plan.dist_opt and not fw.has_dist_opt:
         raise UserError(f"--dist-opt is a Megatron option; with --convention {conv} use --zero 1")
 
     # Precision. (recompute_allgather changes Paddle's programs and torchtitan's, whose linears
     # then use pipemem.torch_tp.RegatherColwiseParallel; Megatron always gathers again in backward.)
     # torchtune has no mixed precision: the model, its grads and optimizer states are in `dtype`
-    master = plan.master_weights and dtype != "fp32" and conv != "torchtune"
+    master = plan.master_weights and dtype != "fp32" and fw.mixed_precision
     mgd = plan.main_grad_dtype
     if mgd is None:
         # Mixed precision keeps fp32 gradients everywhere: Megatron/Paddle fp32 main grads,
         # torchtitan (FSDP2 reduce_dtype fp32) and HF autocast grads of fp32 parameters.
         # Pure low-precision training (--no-master-weights) keeps them in the param dtype.
         mgd = "fp32" if (dtype == "fp32" or master) else dtype
-        if master and conv == "hf" and zero >= 1 and not plan.fsdp:
+        if master and fw.zero_is_deepspeed and zero >= 1 and not plan.fsdp:
             mgd = dtype           # DeepSpeed: grads in the model's dtype (deepspeed_mixed_precision)
     mgd = _choice(str(mgd).lower(), DTYPES, "--main-grad-dtype")
     impl = plan.optimizer_impl
-    impl = DEFAULT_OPTIMIZER_IMPL[conv] if impl is None else _choice(
+    impl = fw.default_optimizer_impl if impl is None else _choice(
         str(impl).lower().replace("_", "-").replace("forloop", "for-loop"), OPTIMIZER_IMPLS, "--optimizer-impl")
 
     # Gradients between steps, and which step is reported.
-    grads = plan.grads if plan.grads is not None else default_grads(conv, plan.dp, zero, bool(plan.fsdp))
+    grads = plan.grads if plan.grads is not None else fw.default_grads(plan.dp, zero, bool(plan.fsdp))
     grads = _choice(str(grads).lower().replace("_", "-"), GRADS, "--grads")
     if grads.startswith("ddp") and (zero or plan.dist_opt):
         raise UserError(f"--grads {grads} is DistributedDataParallel's; with --zero {zero}"
                         f"{' / --dist-opt' if plan.dist_opt else ''} the sharding runtime owns the gradients: "
                         "use --grads buffer or set-to-none")
-    if grads.startswith("ddp") and conv in ("megatron", "paddle"):
+    if grads.startswith("ddp") and fw.contiguous_grad_buffer:
         raise UserError(f"--grads {grads} is PyTorch DDP's; --convention {conv} keeps a contiguous grad buffer "
                         "(--grads buffer)")
     step = _choice(str(plan.step).lower(), STEPS, "--step")
 
 
-    modern = _validate_features(plan, conv, _canon_opt(opt), microbatches)
+    modern = _validate_features(plan, fw, _canon_opt(opt), microbatches)
     out = replace(plan, convention=conv, dtype=dtype, recompute=recompute, optimizer=_canon_opt(opt), sp=sp,
                   etp=etp, zero=zero, microbatches=microbatches, main_grad_dtype=mgd, master_weights=master,
                   optimizer_impl=impl, layers=layers, pp_layout=layout, recompute_layers=rl, grads=grads, step=step,
@@ -486,70 +486,40 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     return out
 
 
-def _check_torchtune(arch, plan, dtype: str) -> None:
-    """What the torchtune convention models: its dense decoders as its recipes run them."""
-    if dtype == "fp16":
-        raise UserError("--dtype fp16 with --convention torchtune: torchtune trains in bf16 or fp32; use --dtype bf16")
-    if not plan.flash_attn:
-        raise UserError("--no-flash-attn with --convention torchtune: torchtune's attention always calls SDPA or "
-                        "flex attention (fused kernels); drop --no-flash-attn")
-    if plan.pp > 1:
-        raise UserError(f"--pp {plan.pp} with --convention torchtune: torchtune's recipes do not pipeline; "
-                        "use --convention torchtitan for pipeline parallelism")
-    if plan.recompute not in ("none", "full") or plan.recompute_layers is not None:
-        flag = "--recompute-layers" if plan.recompute_layers is not None else f"--recompute {plan.recompute}"
-        raise UserError(f"{flag} with --convention torchtune: torchtune checkpoints every layer whole "
-                        "(enable_activation_checkpointing); use --recompute full or none")
-    if arch.experts or arch.conv1d:
-        what = "mixture-of-experts layers" if arch.experts else "GPT-2's Conv1D layers"
-        raise UserError(f"--convention torchtune: {what} are not modelled for torchtune; use --convention hf")
-    if plan.dp > 1 and not (plan.fsdp or plan.zero == 3):
-        raise UserError(f"--dp {plan.dp} with --convention torchtune: torchtune's distributed recipes shard the "
-                        "model with FSDP2; add --fsdp")
-
-
 def default_grads(convention: str, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
-    """How a convention's trainer keeps gradients: Megatron and Paddle in a contiguous buffer;
-    torchtitan 0.3 resident too (`Trainer.train_step` calls
-    `zero_grad(set_to_none=training.disable_cuda_graphs)`, False by default: CUDA-graph
-    replay needs fixed gradient addresses); HF-style loops with PyTorch's
-    zero_grad(set_to_none=True), wrapped in DistributedDataParallel (default buckets) when they
-    data-parallelise without sharding (HF Trainer / accelerate, Lightning)."""
-    if convention in ("megatron", "paddle", "torchtitan"):
-        return "buffer"
-    if convention == "torchtune":
-        return "set-to-none"     # its recipes call optimizer.zero_grad(set_to_none=True)
-    if convention == "hf" and dp > 1 and zero == 0:
-        return "ddp-bucket"
-    if convention == "hf" and zero == 3 and not fsdp:
-        # DeepSpeed's ZeRO-3 keeps the rank's grad partitions in one flat buffer for the whole run
-        # (stage3 `grad_partitions_flat_buffer`); ZeRO-1/2 make theirs in each backward and free
-        # them at the step (validate deepspeed)
-        return "buffer"
-    return "set-to-none"
+    """How a convention's trainer keeps gradients between steps (GRADS), by its framework
+    (pipemem.frameworks, `Framework.default_grads`): Megatron, Paddle and torchtitan in a
+    resident buffer; torchtune and HF-style loops with PyTorch's zero_grad(set_to_none=True),
+    HF's wrapped in DistributedDataParallel (default buckets) when they data-parallelise without
+    sharding, DeepSpeed's ZeRO-3 in its flat partition buffer. A name that is no convention
+    (an unvalidated plan's) gets PyTorch's default, set-to-none."""
+    fw = frameworks.ALL.get(convention)
+    return fw.default_grads(dp, zero, fsdp) if fw is not None else "set-to-none"
 
 
 def _canon_opt(o: str) -> str:
     return {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adam8bit": "adam8bit", "adam4bit": "adam4bit"}[o]
 
 
-def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: int) -> dict:
-    """Check the modern-trainer switches (pipemem.features) and return them canonicalised."""
+def _validate_features(plan: ParallelPlan, fw, opt: str, microbatches: int) -> dict:
+    """Check the modern-trainer switches (pipemem.features) under framework `fw` and return them
+    canonicalised."""
+    conv = fw.name
     from .features import FP8_RECIPES, LOSSES, OFFLOAD_MODULES, STATE_DTYPES, TE_RECIPES, parse_offload
 
     loss = _choice(str(plan.loss).lower().replace("-", "_"), LOSSES, "--loss")
     chunks = plan.loss_chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise UserError(f"--loss-chunks {chunks!r}: must be a positive integer (torchtune uses 8)")
-    if loss in ("fused", "fused_te") and conv != "megatron":
+    if loss in ("fused", "fused_te") and not fw.fused_ce_loss:
         raise UserError(f"--loss {loss} is Megatron's --cross-entropy-loss-fusion; with --convention {conv} use "
                         "--loss chunked (torchtune) or fused_linear (Liger)")
-    if loss == "shifted" and (conv != "hf" or plan.tp > 1):
+    if loss == "shifted" and (not fw.whole_logits_loss or plan.tp > 1):
         raise UserError(f"--loss shifted is a loss a PyTorch training step writes on the whole logits: use it with "
                         f"--convention hf and --tp 1 (got --convention {conv}"
                         + (f", --tp {plan.tp}" if plan.tp > 1 else "") + ")")
-    torchtitan_chunked = loss == "chunked" and conv == "torchtitan"     # its ChunkedLossWrapper: loss parallel
-    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or conv in ("megatron", "paddle")) and not torchtitan_chunked:
+    own_chunked = loss == "chunked" and fw.chunked_loss_wrapper     # torchtitan's ChunkedLossWrapper
+    if loss in ("chunked", "fused_linear") and (plan.tp > 1 or not fw.torch_modules) and not own_chunked:
         raise UserError(f"--loss {loss} (torchtune / Liger) runs on unsharded logits in PyTorch trainers: use it "
                         "with --tp 1 and --convention hf or torchtitan (Megatron: --loss fused or fused_te)")
     fp8 = plan.fp8
@@ -557,13 +527,13 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
         fp8 = None
     if fp8 is not None:
         fp8 = _choice(str(fp8).lower(), FP8_RECIPES, "--fp8")
-        if conv == "paddle":
+        if fw.fp8 is None:
             raise UserError("--fp8 with --convention paddle: PaddleNLP's fp8 linears are not modelled; "
                             "drop --fp8 or use --convention megatron / torchtitan")
-        if fp8 in TE_RECIPES and conv != "megatron":
+        if fp8 in TE_RECIPES and fw.fp8 != "te":
             raise UserError(f"--fp8 {fp8} is a Transformer Engine recipe (Megatron); with --convention {conv} use "
                             "--fp8 tensorwise or rowwise (torchao Float8)")
-        if fp8 not in TE_RECIPES and conv == "megatron":
+        if fp8 not in TE_RECIPES and fw.fp8 == "te":
             raise UserError(f"--fp8 {fp8} is torchao's Float8 (torchtitan / PyTorch trainers); Megatron runs "
                             "Transformer Engine: use --fp8 delayed, current or mxfp8")
         if plan.dtype == "fp32":
@@ -575,7 +545,7 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
     if bad:
         raise UserError(f"--activation-offload {plan.activation_offload!r}: unknown module {bad[0]!r}; use all or "
                         f"a comma list of {', '.join(OFFLOAD_MODULES)}")
-    if mods and conv == "paddle":
+    if mods and not fw.activation_offload:
         raise UserError("--activation-offload with --convention paddle is not modelled (Paddle's recompute "
                         "offload keeps checkpoints on the CPU); use --convention megatron, torchtitan or hf")
     frac = plan.optimizer_offload
@@ -589,7 +559,7 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
                             "microbatch, or drop it")
         if frac:
             raise UserError("--optimizer-in-backward with --optimizer-offload: no framework runs both; drop one")
-        if conv not in ("hf", "torchtitan", "torchtune"):
+        if not fw.torch_modules:
             raise UserError(f"--optimizer-in-backward is torchtune's optimizer_in_bwd (PyTorch modules); with "
                             f"--convention {conv} the weight-grad GEMMs accumulate into persistent grad buffers")
     sdt = plan.optimizer_state_dtype
@@ -605,7 +575,7 @@ def _validate_features(plan: ParallelPlan, conv: str, opt: str, microbatches: in
     elif comp != "layers":
         raise UserError(f"--compile {plan.compile!r}: use all (layers and loss, as torchtune and torchtitan 0.3 "
                         "compile them) or layers (decoder layers only, torchtitan before the loss component)")
-    if comp and conv == "paddle":
+    if comp and not fw.torch_compile:
         raise UserError("--compile is torch.compile; with --convention paddle it does not apply")
     return {"loss": loss, "fp8": fp8, "activation_offload": ("all" if mods == {"*"} else
                                                              ",".join(sorted(mods)) if mods else None),

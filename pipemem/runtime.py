@@ -48,16 +48,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import frameworks
 from .errors import UserError
 from .schedules.actions import Action, Schedule, paused_gc
 
 RUNTIMES = ("torch", "megatron", "paddle")
-_DEFAULT_FOR_CONVENTION = {"megatron": "megatron", "paddle": "paddle", "torchtitan": "torch", "hf": "torch",
-                          "torchtune": "torch"}
 
 
 def default_runtime(convention: str) -> str:
-    return _DEFAULT_FOR_CONVENTION.get(convention, "torch")
+    """The runtime a convention's framework pipelines with (`Framework.runtime`); torch's otherwise."""
+    fw = frameworks.ALL.get(convention)
+    return fw.runtime if fw is not None else "torch"
 
 
 # The lowerings run once per rank over every action (10^5-10^6 of them for a large schedule),

@@ -264,7 +264,7 @@ def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
 def _stage_prologue(sh, conv, runs) -> list[tuple]:
     """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
     attention is not flash (kept for backward when layers are recomputed)."""
-    if conv.name != "paddle" or not runs or runs[0][0].flash:
+    if not conv.framework.stage_causal_mask or not runs or runs[0][0].flash:
         return []
     from .templates.programs import causal_mask_memory
     return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
@@ -304,7 +304,7 @@ def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
     if not sh.feat.offload:
         return runs
     if "*" not in sh.feat.offload:
-        return _megatron_last_layer_kept(runs) if conv.name == "megatron" else runs
+        return _megatron_last_layer_kept(runs) if conv.framework.offload_keeps_last_layer else runs
     from .templates.offload import FWD_STASH, stash_keeps
     from .templates.programs import layer_offload_count
     tail: list = []                          # the stage's last FWD_STASH layers, in order
@@ -417,7 +417,7 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
         # the net change, not to the peak (held against the programs Paddle builds,
         # bench/paddlenlp_templates.py).
         via_b, via_i = parts[-1][0].grad_passes_through
-        extra = [(act, 0)] if conv.name == "paddle" else []
+        extra = [(act, 0)] if conv.framework.static_backward_frees_dy else []
         if via_b:
             B = compose([B] + extra) if extra else compose([(act, act), B])
         if via_i:

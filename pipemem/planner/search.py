@@ -44,11 +44,12 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from .. import frameworks
 from ..errors import UserError
 from ..plan import ParallelPlan, validate_plan
 from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
-from .space import BUFFERED_GRADS, WHOLE_MODEL_RECOMPUTE, Base, SpaceOptions, enumerate_bases, schedules_for
+from .space import Base, SpaceOptions, enumerate_bases, schedules_for
 
 @dataclass(frozen=True)
 class Target:
@@ -382,6 +383,7 @@ class _Runner:
         ZeRO-3/FSDP) run the same stage jobs from different static bytes, so a setting that does
         not fit with more sharding does not fit with less (`_Ladder.failed`)."""
         conv = self.options.convention
+        fw = frameworks.get(conv)
         b0 = bases[0]
         bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
         for sched, _ in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
@@ -409,8 +411,9 @@ class _Runner:
                         self.stats.pruned_static += 1
                         continue
                     # (paddle's optimizer step copies the clipped gradients: sharding them changes it)
-                    same = SAME_JOBS if conv != "paddle" else tuple(x for x in SAME_JOBS if x != "zero2")
-                    shared = ladder if (base.sharding in same and conv in BUFFERED_GRADS and self.prune) \
+                    same = SAME_JOBS if not fw.convention.grad_clip_copy else \
+                        tuple(x for x in SAME_JOBS if x != "zero2")
+                    shared = ladder if (base.sharding in same and fw.contiguous_grad_buffer and self.prune) \
                         else _Ladder()
                     # what a smaller micro-batch showed carries over while the pipeline stays full
                     full_pipe = plan.microbatches >= 2 * plan.pp
@@ -456,7 +459,7 @@ class _Runner:
         ladder = probe.ladder
         if probe.fits("none", None):
             return probe.result("none", None)
-        if self.options.convention in WHOLE_MODEL_RECOMPUTE:
+        if frameworks.get(self.options.convention).recompute_whole_model:
             return probe.result("full", None) if probe.fits("full", None) else None
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
         sel_first = self._selective_cheaper(plan, sched, placement, 1)

@@ -27,43 +27,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import frameworks
 from ..errors import UserError
 
-# Model-state sharding per convention: (label, estimate keyword arguments).
-SHARDINGS = {
-    # Megatron-Core: plain DDP, the distributed optimizer (ZeRO-1), Megatron-FSDP's
-    # optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3) strategies.
-    "megatron": (("ddp", {}), ("dist-opt", {"dist_opt": True}), ("zero2", {"zero": 2}), ("fsdp", {"fsdp": True})),
-    # PaddleNLP sharding stages 1-3.
-    "paddle": (("ddp", {}), ("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3})),
-    # torchtitan: data parallel replicate (DDP) or FSDP2 full sharding.
-    "torchtitan": (("ddp", {}), ("fsdp", {"fsdp": True})),
-    # Hugging Face Trainer with DeepSpeed ZeRO 1-3.
-    "hf": (("ddp", {}), ("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3})),
-    # torchtune's distributed recipes: FSDP2 full sharding.
-    "torchtune": (("fsdp", {"fsdp": True}),),
-}
-
-# Pipeline schedules each framework runs; which fit a plan's chunks per rank, and their
-# placement, is the schedule registry's (pipemem.schedules.registry).
-SCHEDULES = {
-    "megatron": ("1F1B", "VPP"),
-    "paddle": ("1F1B", "ZBH1", "VPP"),
-    "torchtitan": ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
-    "hf": ("1F1B",),
-    "torchtune": (),
-}
-
-# conventions whose trainers recompute every layer or none (torchtune's
-# enable_activation_checkpointing): no selective or partial rungs on the recomputation ladder
-WHOLE_MODEL_RECOMPUTE = ("torchtune",)
+# Model-state sharding per convention: (label, estimate keyword arguments), and the pipeline
+# schedules each framework runs, by chunks per rank: each framework's own (pipemem.frameworks,
+# `Framework.shardings` / `.schedules`).
+SHARDINGS = {name: fw.shardings for name, fw in frameworks.ALL.items()}
+SCHEDULES = {name: fw.schedules for name, fw in frameworks.ALL.items()}
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_MAX_VPP = 8
-
-# conventions whose gradients live in one resident buffer for every sharding level
-# (pipemem.plan.default_grads): ddp, ZeRO-1/2 and the distributed optimizer run the same jobs
-BUFFERED_GRADS = ("megatron", "paddle")
 
 
 @dataclass(frozen=True)
@@ -158,7 +132,8 @@ def enumerate_bases(arch, gpus: int, opts: SpaceOptions):
     layers = arch.layers
     # ddp is dominated only where its stage jobs equal ZeRO-1's: gradients in a resident buffer
     # whatever the sharding (Megatron, Paddle; HF's DDP buckets differ from DeepSpeed's ZeRO)
-    zero1 = opts.convention in BUFFERED_GRADS and any(lbl in known for lbl in ("dist-opt", "zero1"))
+    zero1 = (frameworks.get(opts.convention).contiguous_grad_buffer
+             and any(lbl in known for lbl in ("dist-opt", "zero1")))
     for tp in divisors(gpus):
         if not opts.tp_across_nodes and tp > opts.gpus_per_node:
             continue

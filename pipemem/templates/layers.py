@@ -114,17 +114,17 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         experts=arch.experts // plan.ep if arch.experts else 0, top_k=arch.top_k,
         expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
-        autocast=conv.name == "hf" and plan.master_weights and plan.dtype != "fp32"
+        autocast=conv.framework.autocast and plan.master_weights and plan.dtype != "fp32"
         and not plan.deepspeed_mixed_precision,
         first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         fsdp_root=fsdp_root_unit(plan, conv),
         fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)) and (
-            conv.name != "torchtitan" or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
+            conv.framework.fsdp_reshards_head or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
         and not reuse.head,
         fsdp_embed_reshard=not reuse.embedding, zero3_kept_layers=reuse.layers,
         backward_bucket_bytes=deepspeed_bucket_bytes(plan) if plan.zero in (1, 2) else 0,
-        loss_chunks=_torchtitan_loss_chunks(plan) if conv.name == "torchtitan" else 1,
+        loss_chunks=conv.framework.loss_chunks(plan),
         # In a backward that accumulates, only FSDP2's all-gather and reduce-scatter buffers
         # (torchtitan, torchtune: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
         # shard matter once the backward creates the grads (first_backward_shard). Kept out of
@@ -156,7 +156,7 @@ def zero3_reuse(arch, plan, conv: Convention) -> Zero3Reuse:
     is small. The head is reused at once; the embedding by a tied head at the forward's end, else
     by its own backward at the step's end. Within a pipeline stage counted as if it were the whole
     model. Held against DeepSpeed's own engine by `pipemem validate deepspeed`."""
-    if conv.name != "hf" or plan.zero != 3 or plan.fsdp:
+    if not conv.framework.zero_is_deepspeed or plan.zero != 3 or plan.fsdp:
         return Zero3Reuse()
     from .static import layer_kind_counts, moe_layers_in
     window = int((plan.extra or {}).get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
@@ -202,19 +202,10 @@ def fsdp_root_unit(plan, conv: Convention) -> bool:
     `shard_model` wraps each decoder layer and the modules `custom_sharded_layers` names
     (plan.extra, as --from-torchtune reads it), then the whole model; what is left is the
     root's. Both or neither: a list naming one of them is refused by the torchtune reader."""
-    if conv.name != "torchtune" or not (plan.fsdp or plan.zero >= 3):
+    if not conv.framework.fsdp_root_holds_ends or not (plan.fsdp or plan.zero >= 3):
         return False
     custom = set((plan.extra or {}).get("custom_sharded_layers") or ())
     return not ({"tok_embeddings", "output"} & custom)
-
-
-def _torchtitan_loss_chunks(plan) -> int:
-    """Sequence chunks of torchtitan's ChunkedLossWrapper: `--loss chunked --loss-chunks N` names
-    it (under torchtitan, chunked means its wrapper), otherwise 0.3's default (8 chunks) or what
-    the trainer's TOML says (`[loss] num_chunks`, read into plan.extra; 1 = one plain CE)."""
-    if plan.loss == "chunked":
-        return int(plan.loss_chunks)
-    return int((plan.extra or {}).get("loss_chunks", 8))
 
 
 def first_backward_shard(sh: Shard, plan) -> Shard:
@@ -630,14 +621,14 @@ class _Gen:
         region = opt.recompute == "full_attn"
         if region:
             self.t.begin_region()
-        if conv.fused_qkv or (conv.name == "hf" and opt.native_fused_qkv):
+        if conv.fused_qkv or (conv.framework.model_fused_qkv and opt.native_fused_qkv):
             (qkv,) = self.column_linears(x, "attn", [("attn.qkv", (a + 2 * kv) * d, opt.qkv_bias)])
             q = self.act("attn.q", (s, b, a, d), storage=qkv)
             k = self.act("attn.k", (s, b, kv, d), storage=qkv)
             v = self.act("attn.v", (s, b, kv, d), storage=qkv)
             self.t.node("split_qkv", (qkv,), (q, k, v), diff_inputs=(qkv,))
         else:
-            if conv.name == "torchtitan":      # torchtitan 0.3 computes them as one wqkv matmul
+            if conv.framework.qkv_one_matmul:      # torchtitan 0.3 computes them as one wqkv matmul
                 self.t.share_pin(3)
             q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
                                                          ("attn.k_proj", kv * d, opt.qkv_bias),
@@ -711,7 +702,7 @@ class _Gen:
         eb = dtype_bytes(self.dt)
         ctx = self.act("attn.ctx", (s, b, a, d))
         q, k, v = (self.to_compute(q, "attn.q"), self.to_compute(k, "attn.k"), self.to_compute(v, "attn.v"))
-        ring = sh.cp > 1 and self.conv.name != "torchtitan"
+        ring = sh.cp > 1 and self.conv.framework.cp_attention == "ring"
         if sh.cp > 1 and not ring:
             # torchtitan 0.3's context parallel for its (flex) attention: K and V all-gathered
             # over the cp ranks, the whole-sequence copies saved; their grads reduce-scattered
@@ -741,7 +732,8 @@ class _Gen:
             k, v = self._repeat_kv(k, v, (s, b, a, d))
         scores = self.act("attn.scores", (b, a, s, s))
         self.t.node("bmm_qk", (q, k), (scores,), diff_inputs=(q, k), save_i=(q, k))
-        if self.conv.name == "hf":
+        softmax = self.conv.framework.eager_softmax
+        if softmax == "fp32_softmax_cast":
             # HF eager: (q k^T) * scale + mask, softmax(dtype=fp32) (saves its fp32 output), .to(dtype)
             scaled = self.act("attn.scaled", (b, a, s, s))
             self.t.node("mul_scale", (scores,), (scaled,), diff_inputs=(scores,))
@@ -751,7 +743,7 @@ class _Gen:
             self.t.node("softmax", (masked,), (p32,), diff_inputs=(masked,), save_i=(p32,))
             probs = self.act("attn.probs", (b, a, s, s))
             self.t.node("to_dtype", (p32,), (probs,), diff_inputs=(p32,))
-        elif self.conv.name == "paddle":
+        elif softmax == "inplace_mask_softmax":
             # PaddleNLP (non-flash): scores + mask, softmax in fp32. Paddle's in-place pass runs
             # the add and the softmax in the scores' buffer when they die there; under AMP the
             # fp32 softmax output (kept by softmax_grad) is cast to a low-precision copy (kept
@@ -807,7 +799,7 @@ class _Gen:
                 self.t.node("mul", (g, up), (act,), diff_inputs=(g, up), save_i=(g, up))
         else:
             (fc1,) = self.column_linears(x, name, [(name + ".fc1", f, opt.mlp_bias)])
-            if conv.name == "hf" and opt.act_fn == "gelu_new":
+            if conv.framework.gelu_new_op_by_op and opt.act_fn == "gelu_new":
                 act = self.gelu_new(fc1, name, (s, b, f))
             else:
                 act = self.act(name + ".act", (s, b, f))
@@ -1115,7 +1107,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
     g.norm_weight_first = opt.norm_weight_first or conv.norm_weight_first
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
-    g.sac = opt.recompute == "selective" and conv.name == "torchtitan"
+    g.sac = opt.recompute == "selective" and conv.framework.op_level_sac
     if g.sac:
         tape.pin = _torchtitan_op_sac()
     # torch.compile of a layer without activation checkpointing: the partitioner picks what to
@@ -1142,7 +1134,7 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
     if opt.moe:
-        m = {"hf": g.moe_hf, "megatron": g.moe_megatron}.get(conv.name, g.moe)(h2, opt)
+        m = getattr(g, conv.framework.moe_program)(h2, opt)
     else:
         m = g.mlp(h2, opt)
     if opt.hidden_dropout:
@@ -1162,8 +1154,9 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         min_cut_region(tape, 0)
     if sh.feat.offload:
         from .offload import mark_offloaded
-        tape.weights_saved_as_params = arch.conv1d and conv.name == "hf"
-        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.name == "megatron", moe=opt.moe)
+        tape.weights_saved_as_params = arch.conv1d and conv.framework.conv1d_weight_saved
+        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec,
+                       moe=opt.moe)
     held = (x,) if conv.caller_holds_input else ()
     if conv.attn_out_held_to_return:
         held += (attn,)
@@ -1209,7 +1202,7 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
     full = (sh.s, sh.b, sh.h)
     tok = (sh.s_sp, sh.b, sh.h)
     partial = g.act("lookup", full, sh.res_dt)
-    if sh.tp > 1 and conv.name == "megatron":
+    if sh.tp > 1 and conv.framework.vocab_parallel_embedding_mask:
         # VocabParallelEmbedding: ids outside the shard are masked (a bool mask) and shifted (an
         # int64 copy, what the lookup saves); the output rows of masked ids are zeroed (the
         # mask is kept for that index_put's backward)
@@ -1299,7 +1292,7 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", norm_kind(arch), tok)
     # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
-    compiled_loss = sh.feat.compile_loss and conv.name != "megatron"
+    compiled_loss = sh.feat.compile_loss and conv.framework.compile_covers_loss
     if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
         from .losses import loss_from_hidden
         return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
@@ -1327,7 +1320,7 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         if conv.logits_fp32_in_model:
             tape.model_end = len(tape.nodes)      # torchtune's decoder returns output(h).float()
     loss = g.act("loss", (sh.s, sh.b), "fp32")
-    if conv.ce_inplace and conv.name == "paddle":
+    if conv.ce_inplace and conv.framework.ce_with_softmax_inplace:
         # Paddle's cross_entropy_with_softmax, in place on the fp32 logits (the executor's
         # in-place pass), saving the softmax; its grad is a new logits grad.
         soft = g.act("softmax", (sh.s, sh.b, vocab), "fp32", storage=lf)

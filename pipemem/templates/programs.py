@@ -161,7 +161,7 @@ def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False,
     # torchtitan 0.3's ChunkedLossWrapper: its default head, and what `--loss chunked` means under
     # the torchtitan convention; the other losses (pipemem.templates.losses: torchtune's chunked
     # CE under hf, Liger's, Megatron's) and a compiled loss take the tape
-    if (conv.name == "torchtitan" and sh.loss_chunks > 1 and sh.feat.loss in ("standard", "chunked")
+    if (conv.framework.chunked_loss_wrapper and sh.loss_chunks > 1 and sh.feat.loss in ("standard", "chunked")
             and not sh.feat.compile_loss):
         F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
         return PartPrograms(F, B, B, W, x, y, results)

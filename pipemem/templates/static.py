@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
 from .conventions import Convention
@@ -79,10 +80,11 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         n_states = 0        # torch.optim.SGD without momentum keeps no momentum_buffer
     states = n_states * per_state
     grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
-    if conv.name in ("torchtitan", "hf") and master and not getattr(plan, "deepspeed_mixed_precision", False):
+    fw = conv.framework
+    if fw.fp32_params_are_master and master and not getattr(plan, "deepspeed_mixed_precision", False):
         return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
-    if conv.name == "megatron" and extra.get("precision_aware_optimizer") and not plan.optimizer_offload:
+    if fw.precision_aware_optimizer and extra.get("precision_aware_optimizer") and not plan.optimizer_offload:
         # --use-precision-aware-optimizer: TE's FusedAdam stores the master weights and each
         # Adam moment in the dtypes given (--main-params-dtype, --exp-avg(-sq)-dtype). With
         # --optimizer-cpu-offload megatron builds its HybridDeviceOptimizer with fp32 masters
@@ -287,7 +289,7 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     if plan.fp8_param_gather and linear:
         params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
     other = int(linear * per)
-    if conv.name == "megatron":
+    if conv.framework.te_runtime_buffers:
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
@@ -314,7 +316,7 @@ def _offload_fp32_grads(arch, plan, conv: Convention, stage_layers: dict[int, ra
     fp32: its GPU share's fp32 masters get `.grad = grad.float()` copies that its zero_grad never
     clears (the distributed optimizer clears only the decoupled grads): resident, 4 bytes per
     element of the rank's shard left on the GPU."""
-    if conv.name != "megatron" or not plan.optimizer_offload or not plan.master_weights:
+    if not conv.framework.fp32_grad_copies or not plan.optimizer_offload or not plan.master_weights:
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0
@@ -382,7 +384,7 @@ def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages)
     and only the transpose is extra. MXFP8 adds a 1-byte scale per 32 elements to each.
     torchao Float8 casts weights per use (transients in the programs): (0, 0)."""
     fp8 = getattr(plan, "fp8", None)
-    if conv.name != "megatron" or not fp8:
+    if not conv.framework.te_fp8_weight_caches or not fp8:
         return 0, 0.0
     per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
     n = 0
@@ -407,6 +409,11 @@ def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
 
+def _deepspeed_zero(plan) -> bool:
+    fw = ALL.get(plan.convention)
+    return fw is not None and fw.zero_is_deepspeed
+
+
 def deepspeed_bucket_bytes(plan) -> int:
     """DeepSpeed's reduce bucket under --convention hf --zero N: `reduce_bucket_size` elements in
     the gradients' dtype (stage_1_and_2 / stage3 `ipg_buckets`). ZeRO-1/2 allocate it when the
@@ -414,7 +421,7 @@ def deepspeed_bucket_bytes(plan) -> int:
     the next bucket fills while the last one reduces); ZeRO-3 holds one from initialize on. Only
     with `contiguous_gradients` (DeepSpeed's default): without it the grads are reduced where
     they are (validate deepspeed). 0 for every other plan."""
-    if plan.convention != "hf" or not 1 <= plan.zero <= 3 or plan.fsdp:
+    if not _deepspeed_zero(plan) or not 1 <= plan.zero <= 3 or plan.fsdp:
         return 0
     extra = plan.extra or {}
     if not extra.get("contiguous_gradients", True):
@@ -440,7 +447,8 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
     if getattr(plan, "deepspeed_mixed_precision", False):
         elems, _ = optimizer_elems(arch, plan, conv, stage_layers, rank_stages)
         return int(elems * 4 * (1.0 - float(plan.optimizer_offload or 0.0)))
-    if conv.name != "megatron" or not plan.master_weights or extra.get("precision_aware_optimizer"):
+    if (not conv.framework.fp32_grad_copies or not plan.master_weights
+            or extra.get("precision_aware_optimizer")):
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import frameworks
 from ..errors import UserError
 from ..jobs import JobMemory, StageJobs, StaticBytes
 from ..plan import ParallelPlan
@@ -62,7 +63,8 @@ def _check_plan(plan: ParallelPlan) -> None:
 
 def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
     """Refuse, by name, the pipemem.features switches traced mode does not run (templates do)."""
-    if plan.convention == "torchtune":
+    fw = frameworks.ALL.get(plan.convention)
+    if fw is not None and not fw.traced_mode:
         raise UserError("--mode traced records Hugging Face's modules, not torchtune's; use --mode templates "
                         "(--convention torchtune is held against torchtune's own modules by `pipemem validate "
                         "features`)")

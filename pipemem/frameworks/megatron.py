@@ -1,0 +1,61 @@
+"""Megatron-LM / Megatron-Core with Transformer Engine (read in megatron-core 0.16.1).
+
+Layers: fused QKV and fused gate/up (fc1) linears, fused bias-SwiGLU / bias-GeLU (saves the
+fc1 output only), fused norms (save input + statistics), fused rope. Sequence-parallel column
+linears save the *sharded* input and all-gather it again in backward. fp32 main grads in one
+contiguous buffer; vocab padded to 128*tp. Vocab-parallel cross entropy works in place on an
+fp32 copy of the logits. Held against megatron-core's own step by `pipemem validate megatron`.
+"""
+
+from __future__ import annotations
+
+from .base import Framework
+from .convention import Convention
+
+
+class Megatron(Framework):
+    name = "megatron"
+    title = "Megatron-LM / Megatron-Core with Transformer Engine"
+    convention = Convention("megatron", fused_qkv=True, fused_gate_up=True, sp_save="shard",
+                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
+                            gqa_expand_eager=True, checkpoint_keeps_outputs=True)
+
+    # megatron-core with tp > KV heads all-gathers the whole QKV projection on every rank and
+    # slices it (attention.py get_query_key_value_tensors): not what the templates build
+    tp_must_divide_kv_heads = True
+    interleaved_needs_pp_multiple = True   # its interleaved schedule's rule
+    has_dist_opt = True
+    contiguous_grad_buffer = True
+    default_optimizer_impl = "fused"       # TE / Apex FusedAdam
+    fused_ce_loss = True                   # --cross-entropy-loss-fusion (native or TE)
+    fp8 = "te"
+
+    def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
+        return "buffer"                    # the DDP wrapper's contiguous main-grad buffer
+
+    precision_aware_optimizer = True
+    te_runtime_buffers = True
+    fp32_grad_copies = True
+    te_fp8_weight_caches = True
+
+    moe_program = "moe_megatron"
+    te_offload_spec = True
+    vocab_parallel_embedding_mask = True
+    compile_covers_loss = False
+    offload_keeps_last_layer = True
+
+    runtime = "megatron"
+
+    def sharding_levers(self, plan) -> list[tuple[str, dict]]:
+        return [] if plan.dist_opt else [("--dist-opt", {"dist_opt": True})]
+
+    # plain DDP, the distributed optimizer (ZeRO-1), Megatron-FSDP's optim_grads (ZeRO-2) and
+    # optim_grads_params (ZeRO-3) strategies
+    shardings = (("ddp", {}), ("dist-opt", {"dist_opt": True}), ("zero2", {"zero": 2}),
+                 ("fsdp", {"fsdp": True}))
+    schedules = ("1F1B", "VPP")
+
+    readers = ("pipemem.configs.megatron",)
+
+
+FRAMEWORK = Megatron()

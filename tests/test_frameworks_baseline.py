@@ -1,0 +1,53 @@
+"""The framework rules give the same bytes as before they moved into pipemem/frameworks/:
+tests/data/framework_baseline.json holds `pipemem.estimate` over ~290 plans (every convention
+x pipeline / tensor / sequence / sharding / recompute / precision / optimizer / feature
+variants x dense, Conv1D and MoE models: per-rank bytes, warnings, the resolved plan, the
+suggestion levers, or the refusal's message) and one small `pipemem plan` search per
+convention, written by bench/framework_baseline.py with the code before the move."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = json.loads((ROOT / "tests" / "data" / "framework_baseline.json").read_text())
+
+
+def _bench():
+    path = ROOT / "bench" / "framework_baseline.py"
+    spec = importlib.util.spec_from_file_location("framework_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BENCH = _bench()
+
+
+def test_the_sample_is_the_one_the_script_makes():
+    """The committed file covers exactly the plans the script lists (none dropped or added)."""
+    listed = [{"model": c["model"], "kwargs": c["kwargs"]} for c in BENCH.cases()] + BENCH.plan_searches()
+    stored = [{k: v for k, v in row.items() if k != "result"} for row in DATA]
+    assert json.loads(json.dumps(listed)) == stored
+    assert {r["kwargs"]["convention"] for r in DATA if "kwargs" in r} >= set(BENCH.CONVENTIONS)
+
+
+@pytest.mark.parametrize("conv", ("megatron", "paddle", "torchtitan", "hf", "torchtune", "other"))
+def test_estimates_are_unchanged(conv):
+    """`other`: names in another case, names that are no convention, the other modes' refusals."""
+    rows = [r for r in DATA if "kwargs" in r and (r["kwargs"]["convention"] == conv or conv == "other" and (
+        r["kwargs"]["convention"] not in BENCH.CONVENTIONS or "mode" in r["kwargs"]))]
+    assert rows
+    for row in rows:
+        got = json.loads(json.dumps(BENCH.run_case(row)))
+        assert got == row["result"], f"{row['model']} {row['kwargs']}"
+
+
+@pytest.mark.parametrize("conv", ("megatron", "paddle", "torchtitan", "hf", "torchtune"))
+def test_plan_searches_are_unchanged(conv):
+    row = next(r for r in DATA if r.get("search") == conv)
+    assert json.loads(json.dumps(BENCH.run_search(row))) == row["result"]
