@@ -130,11 +130,11 @@ def plan_searches() -> list[dict]:
 
 def run_search(case: dict) -> dict:
     from pipemem.planner import SpaceOptions, Target, search_plans
-    from pipemem.planner.hardware import default_reserve_bytes, speeds_for
+    from pipemem.planner.hardware import speeds_for
     from pipemem.presets import gpu_info
 
     cap = gpu_info(case["gpu"])["bytes"]
-    target = Target(case["gpus"], cap, default_reserve_bytes(cap), speeds_for(case["gpu"]), gpu=case["gpu"],
+    target = Target(case["gpus"], cap, 0, speeds_for(case["gpu"]), gpu=case["gpu"],
                     gpus_per_node=8)
     res = search_plans(case["model"], target, case["seq_len"], case["global_batch"],
                        SpaceOptions(convention=case["search"], micro_batches=(1, 2), max_vpp=2))

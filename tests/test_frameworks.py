@@ -46,7 +46,8 @@ def test_defaults_are_valid_choices():
             assert default_grads(fw.name, dp, zero, fsdp) == fw.default_grads(dp, zero, fsdp)
         assert fw.runtime in ("torch", "megatron", "paddle")
         assert fw.shardings and all(isinstance(kw, dict) for _, kw in fw.shardings)
-        assert set(fw.schedules) == {"single", "multi", "v"}
+        from pipemem.schedules import canonical_name
+        assert all(canonical_name(n) == n for n in fw.schedules)   # registry names
         assert fw.readers and all(r.startswith("pipemem.configs.") for r in fw.readers)
 
 

@@ -36,6 +36,21 @@ def test_the_sample_is_the_one_the_script_makes():
     assert {r["kwargs"]["convention"] for r in DATA if "kwargs" in r} >= set(BENCH.CONVENTIONS)
 
 
+# Judged since on the device peak (reserved + outside the allocator; tests/test_verdict.py): their
+# values moved on purpose, everything else the baseline holds must not.
+REJUDGED = ("headroom_bytes", "fits")
+
+
+def _as_stored(got, want):
+    """`got` with only the keys the baseline stored (fields added since are not compared), less
+    the re-judged ones."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        return {k: _as_stored(got.get(k), v) for k, v in want.items() if k not in REJUDGED}
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [_as_stored(g, w) for g, w in zip(got, want)]
+    return got
+
+
 @pytest.mark.parametrize("conv", ("megatron", "paddle", "torchtitan", "hf", "torchtune", "other"))
 def test_estimates_are_unchanged(conv):
     """`other`: names in another case, names that are no convention, the other modes' refusals."""
@@ -43,8 +58,8 @@ def test_estimates_are_unchanged(conv):
         r["kwargs"]["convention"] not in BENCH.CONVENTIONS or "mode" in r["kwargs"]))]
     assert rows
     for row in rows:
-        got = json.loads(json.dumps(BENCH.run_case(row)))
-        assert got == row["result"], f"{row['model']} {row['kwargs']}"
+        got = _as_stored(json.loads(json.dumps(BENCH.run_case(row))), row["result"])
+        assert got == _as_stored(row["result"], row["result"]), f"{row['model']} {row['kwargs']}"
 
 
 @pytest.mark.parametrize("conv", ("megatron", "paddle", "torchtitan", "hf", "torchtune"))
