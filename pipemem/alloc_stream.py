@@ -648,21 +648,30 @@ def rank_stream(
         if ss is not normal[s]:
             grads = ss.created_grads if kind == "B" else ss.created_grads_iw if kind == "W" else ()
             created += [(base + h, b) for h, b in grads]
-    parts.append(_optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width))
+    weights = np.asarray(_param_elems(stage_plan, stage_ids), dtype=np.int64)
+    per_param = (stage_plan.plan.optimizer_impl or "fused") != "for-loop"
+    parts.append(_optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width,
+                                   weights, per_param))
     return concat(parts)
 
 
-def _optimizer_events(job, static, created: list, base: int) -> Events:
-    """The optimizer step (stages._optimizer_job): states the first step creates, its scratch,
-    then zero_grad(set_to_none) frees the gradients the step's first backwards created."""
+def _optimizer_events(job, static, created: list, base: int, weights, per_param: bool = True) -> Events:
+    """The optimizer step (stages._optimizer_job): states the first step creates (two per
+    parameter), its scratch (torch's foreach step makes one temporary per parameter, the
+    for-loop step two of the largest one at a time: one block), then zero_grad(set_to_none)
+    frees the gradients the step's first backwards created."""
     if job is None:
         return _events([])
     rows = []
-    if static.optimizer_in_step:
-        rows.append((1, static.optimizer_in_step, base, COMPUTE))
+    h = base
+    for b in _split(static.optimizer_in_step, weights, 2):
+        rows.append((1, b, h, COMPUTE))
+        h += 1
     ws = job.peak_bytes - static.optimizer_in_step
     if ws > 0:
-        rows += [(1, ws, base + 1, COMPUTE), (-1, ws, base + 1, COMPUTE)]
+        temps = _split(ws, weights) if per_param else [ws]
+        rows += [(1, b, h + i, COMPUTE) for i, b in enumerate(temps)]
+        rows += [(-1, b, h + i, COMPUTE) for i, b in enumerate(temps)]
     if static.grads_in_step and job.net_bytes == static.optimizer_in_step - static.grads_in_step:
         if sum(b for _, b in created) != static.grads_in_step:
             raise StreamNotModelled(
