@@ -36,6 +36,9 @@ PLANS = [
     ("llama3-8b", dict(pp=4, microbatches=8, layers=8, convention="torchtitan", activation_offload="all")),
     ("mixtral-8x7b", dict(pp=4, microbatches=8, ep=2, dp=2, layers=8, convention="megatron")),
     ("llama3-8b", dict(dp=2, microbatches=2, layers=2, convention="hf", grads="ddp-bucket")),
+    ("llama3-8b", dict(dp=4, microbatches=4, layers=4, convention="torchtune", fsdp=True)),
+    ("llama3-8b", dict(cp=2, dp=2, microbatches=4, layers=4, convention="megatron", fp8="delayed")),
+    ("llama3-8b", dict(microbatches=4, layers=4, convention="torchtitan", compile="all", loss="chunked")),
 ]
 
 
