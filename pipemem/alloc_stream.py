@@ -405,7 +405,15 @@ def _backward_extras(bsegs, i: int, copy: int, kind: str, sh, last: bool) -> lis
 
 
 def stage_stream(
-    arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int, expected,
+    arch,
+    sh,
+    conv,
+    runs: tuple,
+    first: bool,
+    last: bool,
+    seq_len: int,
+    stage: int,
+    expected,
     check_forward: bool = True,
 ) -> StageStream:
     """Event templates of one stage's F / B / I / W (cached per distinct stage), checked against
@@ -612,7 +620,12 @@ def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
         normal[s] = stage_stream(arch, sh, conv, *args, stage_plan.stages[s])
         if s in stage_plan.first_backward:
             f = stage_stream(
-                arch, first_backward_shard(sh, plan), conv, *args, stage_plan.first_backward[s], check_forward=False
+                arch,
+                first_backward_shard(sh, plan),
+                conv,
+                *args,
+                stage_plan.first_backward[s],
+                check_forward=False,
             )
             if not (
                 np.array_equal(f.F.size, normal[s].F.size) and np.array_equal(f.F.handle, normal[s].F.handle)
@@ -673,8 +686,9 @@ def rank_stream(
             created += [(base + h, b) for h, b in grads]
     weights = np.asarray(_param_elems(stage_plan, stage_ids), dtype=np.int64)
     per_param = (stage_plan.plan.optimizer_impl or "fused") != "for-loop"
-    parts.append(_optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width,
-                                   weights, per_param))
+    parts.append(
+        _optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width, weights, per_param)
+    )
     return concat(parts)
 
 
