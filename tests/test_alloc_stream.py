@@ -193,3 +193,14 @@ def test_cli_reserved_column_and_json():
     d = json.loads(p.stdout)
     assert d["alloc_conf"] == "expandable_segments:True"
     assert all(r["peak_reserved_bytes"] >= r["peak_allocated_bytes"] for r in d["ranks"])
+
+
+def test_alloc_conf_reaches_the_allocator():
+    """The settings change what the same stream reserves (the allocated peak stays): expandable
+    segments grow one segment per stream instead of caching a 2 GiB block per logits tensor."""
+    kw = dict(microbatches=2, layers=4, convention="hf", zero=2, dp=4)
+    default = pipemem.estimate("llama3-8b", **kw)
+    expand = pipemem.estimate("llama3-8b", alloc_conf="expandable_segments:True", **kw)
+    assert expand.max_peak_allocated_bytes == default.max_peak_allocated_bytes
+    assert expand.max_peak_reserved_bytes != default.max_peak_reserved_bytes
+    assert expand.max_peak_reserved_bytes % (2 << 20) == 0            # mapped in 2 MiB pages
