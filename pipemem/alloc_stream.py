@@ -55,7 +55,9 @@ _STREAM_OF_OP = {
     "fsdp_all_gather": ALL_GATHER,
     "fsdp_reduce_scatter": REDUCE_SCATTER,
 }
-MAX_EVENTS = 4_000_000  # per rank: beyond it reserved is not modelled (said, not guessed)
+# Allocations and frees the allocator model replays per rank (about 3 us each in Python): beyond
+# it reserved is not modelled (said, not guessed), so an estimate never waits more than ~1 s per rank
+MAX_EVENTS = 400_000
 
 
 class StreamNotModelled(Exception):
@@ -442,6 +444,14 @@ def _stage_stream(arch, sh, conv, runs, first, last, seq_len, expected) -> Stage
     segs, total = _segments(arch, sh, conv, runs, first, last, seq_len)
     if not total and not (first and last):
         raise StreamNotModelled("a pipeline stage without layers")
+    per_mb = sum(
+        n * sum(len(_program_rows(getattr(pp, k), pp.results[k])) for k in "FB") for pp, _, n in segs
+    )
+    if per_mb > MAX_EVENTS:
+        raise StreamNotModelled(
+            f"{per_mb:,} allocations and frees per microbatch on one stage, more than the allocator model "
+            f"replays in reasonable time ({MAX_EVENTS:,} per rank)"
+        )
     inst, seg_of = [], []
     for j, (pp, _, n) in enumerate(segs):
         st = lambda prog, nm_: prog.tensors[nm_].storage if nm_ in prog.tensors else nm_  # noqa: E731
@@ -680,7 +690,10 @@ def rank_stream(
         parts.append(Events(ev.sign, ev.size, ev.handle + base, ev.stream))
         total += len(ev)
         if total > MAX_EVENTS:
-            raise StreamNotModelled(f"more than {MAX_EVENTS:,} allocations on one rank")
+            raise StreamNotModelled(
+                f"more than {MAX_EVENTS:,} allocations and frees on rank {rank}, more than the allocator "
+                "model replays in reasonable time"
+            )
         if ss is not normal[s]:
             grads = ss.created_grads if kind == "B" else ss.created_grads_iw if kind == "W" else ()
             created += [(base + h, b) for h, b in grads]

@@ -204,3 +204,15 @@ def test_alloc_conf_reaches_the_allocator():
     assert expand.max_peak_allocated_bytes == default.max_peak_allocated_bytes
     assert expand.max_peak_reserved_bytes != default.max_peak_reserved_bytes
     assert expand.max_peak_reserved_bytes % (2 << 20) == 0            # mapped in 2 MiB pages
+
+
+def test_huge_streams_are_refused_quickly():
+    """A stage of 16,384 layers is ~10^6 allocations per microbatch: reserved is not modelled (said),
+    and the estimate does not wait for the allocator model."""
+    import time
+
+    t = time.perf_counter()
+    e = pipemem.estimate("llama3-8b", layers=16384)
+    assert e.max_peak_reserved_bytes is None
+    assert any("reserved memory is not modelled" in w and "allocations" in w for w in e.warnings)
+    assert time.perf_counter() - t < 30
