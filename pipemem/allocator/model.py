@@ -272,10 +272,91 @@ class CachingAllocator:
                 out[k]["allocated"] += b.size
         return out
 
+    def adopt_segment(self, address: int, size: int, stream: int, live: list) -> list[int]:
+        """Put a cudaMalloc segment that existed before the model started (a trace that begins
+        mid-run) into the state: `live` lists (address, block_size, requested) of the blocks
+        allocated in it, in address order; the gaps between them are cached free blocks.
+        Returns a handle per live block. Counts toward reserved without a segment event."""
+        pool = SMALL if size == K_SMALL_BUFFER else LARGE
+        self._segments[address] = [size, stream, pool]
+        self.reserved_bytes += size
+        pieces, at = [], address
+        for ptr, bsize, req in live:
+            if ptr > at:
+                pieces.append((at, ptr - at, False))
+            pieces.append((ptr, bsize, req))
+            at = ptr + bsize
+        if at < address + size:
+            pieces.append((at, address + size - at, False))
+        return self._chain(pieces, stream, pool, None)
+
+    def adopt_expandable(self, stream: int, small: bool, runs: list) -> list[int]:
+        """Put an expandable range that was mapped before the model started into the state:
+        `runs` lists (address, size, live) of its mapped stretches in address order, `live`
+        as for adopt_segment. The range starts at the first run; what lies between and after
+        the runs is unmapped address space. Returns a handle per live block."""
+        pool = SMALL if small else LARGE
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        base = runs[0][0]
+        space = (self.capacity + self.capacity // 8) if self.capacity else 1 << 40
+        space = max(-(-space // page) * page, runs[-1][0] + runs[-1][1] - base)
+        rng = _Expandable(base, space, page, stream, pool)
+        self._ranges.append(rng)
+        pieces, at = [], base
+        for addr, size, live in runs:
+            if addr > at:
+                pieces.append((at, addr - at, None))          # unmapped
+            at = addr
+            for ptr, bsize, req in live:
+                if ptr > at:
+                    pieces.append((at, ptr - at, False))
+                pieces.append((ptr, bsize, req))
+                at = ptr + bsize
+            if at < addr + size:
+                pieces.append((at, addr + size - at, False))
+            at = addr + size
+            self.reserved_bytes += size
+        if at < base + space:
+            pieces.append((at, base + space - at, None))
+        return self._chain(pieces, stream, pool, rng)
+
+    def _chain(self, pieces, stream, pool, rng):
+        """Link (address, size, state) pieces into one segment's block list: state False a
+        cached free block, None unmapped space, an int the requested size of a live block."""
+        prev, handles, made = None, [], []
+        for ptr, bsize, state in pieces:
+            b = _Block(ptr, bsize, stream, pool, rng, mapped=state is not None)
+            b.prev = prev
+            if prev is not None:
+                prev.next = b
+            prev = b
+            made.append((b, state))
+            if state is not None and state is not False:
+                b.allocated = True
+                b.requested = state
+                self.allocated_bytes += bsize
+                h = self._next_handle
+                self._next_handle += 1
+                self._live[h] = b
+                handles.append(h)
+        for b, state in made:
+            if state is None:
+                self._insert_unmapped(b)
+            elif state is False:
+                self._insert(b)
+        self.reset_peaks()
+        return handles
+
     # -- the steps of malloc --------------------------------------------------------------
 
-    def _get_free_block(self, size, stream, pool):
-        if self._gc:
+    def would_reuse(self, nbytes: int, stream: int = 0) -> bool:
+        """Whether a request of `nbytes` on `stream` would be served from the cache now
+        (get_free_block succeeds), without changing anything."""
+        size = round_size(nbytes, self.config)
+        return self._get_free_block(size, stream, SMALL if size <= K_SMALL_SIZE else LARGE, take=False) is not None
+
+    def _get_free_block(self, size, stream, pool, take=True):
+        if self._gc and take:
             self._gc_calls[pool] += 1
         keys = self._keys[pool]
         i = bisect_left(keys, (stream, size, -1))
@@ -305,8 +386,9 @@ class CachingAllocator:
             return None
         if size >= mss and block.size >= size + self._nsr:
             return None
-        del keys[i]
-        del self._free[pool][block.ptr]
+        if take:
+            del keys[i]
+            del self._free[pool][block.ptr]
         return block
 
     def _new_block(self, size, stream, pool):
