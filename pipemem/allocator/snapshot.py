@@ -172,6 +172,7 @@ class _StartState:
     segments: dict = field(default_factory=dict)       # address -> (size, stream, expandable)
     live: dict = field(default_factory=dict)           # address -> (block_size or None, requested, stream)
     runs: list = field(default_factory=list)           # mapped expandable stretches [start, end, stream, small]
+    alloc_at: list = field(default_factory=list)       # (address, trace index) of every alloc, sorted
 
 
 def _start_state(snap: dict, device: int) -> _StartState:
@@ -200,22 +201,24 @@ def _start_state(snap: dict, device: int) -> _StartState:
             runs.append([e["addr"], e["addr"] + e["size"], e.get("stream", 0), small])
     st.runs = _merge(runs)
     live_in_trace = set()
-    for e in trace:
+    for n, e in enumerate(trace):
         a = e["action"]
         if a == "alloc":
             live_in_trace.add(e["addr"])
+            st.alloc_at.append((e["addr"], n))
         elif a == "free_requested":
             if e["addr"] in live_in_trace:
                 live_in_trace.discard(e["addr"])
-            else:
-                st.live[e["addr"]] = (None, e["size"], e.get("stream", 0))
+            elif e["addr"] not in st.live:
+                st.live[e["addr"]] = (None, e["size"], e.get("stream", 0), n)
+    st.alloc_at.sort()
     for s in snap.get("segments") or []:
         if s.get("device", 0) != device:
             continue
         for b in s.get("blocks") or []:
             if b.get("state") in ("active_allocated", "active_pending_free") \
                     and b.get("address") not in live_in_trace and b.get("address") not in st.live:
-                st.live[b["address"]] = (b["size"], b.get("requested_size", b["size"]), s.get("stream", 0))
+                st.live[b["address"]] = (b["size"], b.get("requested_size", b["size"]), s.get("stream", 0), None)
     return st
 
 
@@ -296,9 +299,10 @@ def _start(snap, device, cfg, capacity, notes):
     def live_blocks(lo, hi, small):
         blocks = sorted(inside[lo])
         out = []
-        for j, (addr, (bsize, req, _)) in enumerate(blocks):
+        for j, (addr, (bsize, req, _, freed_at)) in enumerate(blocks):
             end = blocks[j + 1][0] if j + 1 < len(blocks) else hi
             if bsize is None:
+                end = min(end, _next_start(st.alloc_at, addr + round_size(req, cfg), freed_at, end))
                 bsize = _block_size(req, end - addr, small, cfg)
             out.append((addr, min(bsize, end - addr), req))
         return out
@@ -316,6 +320,21 @@ def _start(snap, device, cfg, capacity, notes):
         for (addr, _, _), h in zip([b for r in runs for b in r[2]], hs):
             handles[addr] = h
     return a, handles
+
+
+def _next_start(alloc_at, lo, before, default):
+    """The lowest address >= lo where the trace allocates a block before index `before`: a
+    block boundary while the block at lo's left was live."""
+    import bisect
+    k = bisect.bisect_left(alloc_at, (lo, -1))
+    best = default
+    for addr, n in alloc_at[k:k + 64]:
+        if addr >= best:
+            break
+        if n < before:
+            best = addr
+            break
+    return best
 
 
 def _block_size(requested: int, gap: int, small: bool, cfg: AllocatorConfig) -> int:
