@@ -167,7 +167,7 @@ class CachingAllocator:
         self._segments: dict[int, list] = {}        # cudaMalloc segments: ptr -> [size, stream, pool]
         self._ranges: list[_Expandable] = []
         self._next_handle = 1
-        self._next_addr = 1 << 44
+        self._next_addr = 1 << 56        # above any real device address
         self._address_source = address_source
         self.reserved_bytes = 0
         self.allocated_bytes = 0

@@ -281,8 +281,27 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
                     list(a.segment_events), len(a.segments()), a.num_ooms, at_peak, notes)
 
 
+def _driver_addresses(snap, device):
+    """cudaMalloc's addresses as the trace shows them: the model's k-th segment event, when the
+    recorded k-th is a segment_alloc of the same size, gets that segment's address (addresses
+    are the driver's choice; they decide ties between free blocks of equal size)."""
+    seg = [e for e in _trace(snap, device) if e["action"] in SEG_GROW or e["action"] in SEG_SHRINK]
+    box = {}
+
+    def source(size):
+        a = box["a"]
+        k = len(a.segment_events)
+        if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size \
+                and seg[k]["addr"] not in a._segments:
+            return seg[k]["addr"]
+        return None
+    return source, box
+
+
 def _start(snap, device, cfg, capacity, notes):
-    a = CachingAllocator(cfg, capacity_bytes=capacity)
+    source, box = _driver_addresses(snap, device)
+    a = CachingAllocator(cfg, capacity_bytes=capacity, address_source=source)
+    box["a"] = a
     st = _start_state(snap, device)
     handles = {}
     import bisect
