@@ -191,6 +191,8 @@ class CachingAllocator:
         if block is None:
             block = self._new_block(size, stream, pool)
         block = self._hand_out(block, size, nbytes)
+        if self.reserved_bytes == self.peak_reserved_bytes and self.allocated_bytes > self.allocated_at_peak_reserved:
+            self.allocated_at_peak_reserved = self.allocated_bytes   # the most allocated at the peak level
         h = self._next_handle
         self._next_handle = h + 1
         self._live[h] = block

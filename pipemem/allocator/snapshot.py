@@ -277,7 +277,9 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
         b, h2 = _start(snap, device, cfg, capacity_bytes if what_if else None, [])
         _run(b, ops, h2, what_if, stop=peak_at)
         at_peak = _where(b)
-    return Modelled(a.peak_reserved_bytes, a.reserved_bytes, a.allocated_at_peak_reserved, a.peak_allocated_bytes,
+    # allocated when reserved first reached its peak (the request that made it included)
+    alloc_at_peak = at_peak.get("allocated_bytes", a.allocated_at_peak_reserved)
+    return Modelled(a.peak_reserved_bytes, a.reserved_bytes, alloc_at_peak, a.peak_allocated_bytes,
                     list(a.segment_events), len(a.segments()), a.num_ooms, at_peak, notes)
 
 
