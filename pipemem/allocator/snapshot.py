@@ -175,7 +175,20 @@ class _StartState:
     alloc_at: list = field(default_factory=list)       # (address, trace index) of every alloc, sorted
 
 
+_STATE_CACHE: list = []      # [(snap, device, state)]: recorded() and replay_device() share it
+
+
 def _start_state(snap: dict, device: int) -> _StartState:
+    for s, d, st in _STATE_CACHE:
+        if s is snap and d == device:
+            return st
+    st = _compute_start_state(snap, device)
+    _STATE_CACHE.insert(0, (snap, device, st))
+    del _STATE_CACHE[4:]
+    return st
+
+
+def _compute_start_state(snap: dict, device: int) -> _StartState:
     trace = _trace(snap, device)
     st = _StartState()
     runs = []          # mapped stretches of expandable segments: [start, end, stream, small]
@@ -384,8 +397,8 @@ def _ops(snap, device, what_if):
             continue
         if a not in ("alloc", "free_requested", "free_completed", "oom"):
             continue
-        shrinks = any(x["action"] in SEG_SHRINK for x in buf)
-        grows = any(x["action"] in SEG_GROW for x in buf)
+        shrinks = bool(buf) and any(x["action"] in SEG_SHRINK for x in buf)
+        grows = shrinks and any(x["action"] in SEG_GROW for x in buf)
         limit = None
         if shrinks and a == "alloc" and grows:
             limit = level            # a failed cudaMalloc: the device had room for this much
