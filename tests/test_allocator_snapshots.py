@@ -99,3 +99,16 @@ def test_unknown_alloc_conf_key_exit_2(capsys):
 def test_loader_never_calls_find_class():
     with pytest.raises(UserError):
         S.loads(pickle.dumps(Path("/x")), "p")
+
+
+def test_readme_snapshot_example_runs(capsys):
+    import re
+    import shlex
+    text = (ROOT / "README.md").read_text()
+    cmds = re.findall(r"^pipemem snapshot .+$", text, flags=re.M)
+    assert cmds
+    for cmd in cmds:
+        argv = shlex.split(cmd)[1:]
+        argv = [str(ROOT / a) if a.startswith("bench/") else a for a in argv]
+        assert main(argv) == 0
+        assert "what if expandable_segments:True" in capsys.readouterr().out

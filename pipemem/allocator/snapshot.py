@@ -275,19 +275,20 @@ class Modelled:
 
 
 def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None,
-                  capacity_bytes: int | None = None) -> Modelled:
+                  capacity_bytes: int | None = None, driver_addresses: bool = True) -> Modelled:
     """Replay one device's trace. `config` None: the snapshot's own settings, with the device
     limits the trace shows at each release-and-retry (see the module doc). A `config` given
     (a what-if) replays the same requests under it, with `capacity_bytes` as the device's room
-    for the allocator (None: unlimited) and the program's own empty_cache calls kept."""
+    for the allocator (None: unlimited) and the program's own empty_cache calls kept.
+    driver_addresses False: new segments get the model's own addresses, not the trace's."""
     what_if = config is not None
     cfg = config if what_if else snapshot_config(snap)
     ops, notes = _ops(snap, device, what_if)
-    a, handles = _start(snap, device, cfg, capacity_bytes if what_if else None, notes)
+    a, handles = _start(snap, device, cfg, capacity_bytes if what_if else None, notes, driver_addresses)
     peak_at = _run(a, ops, handles, what_if, stop=None)
     at_peak = {}
     if peak_at is not None:
-        b, h2 = _start(snap, device, cfg, capacity_bytes if what_if else None, [])
+        b, h2 = _start(snap, device, cfg, capacity_bytes if what_if else None, [], driver_addresses)
         _run(b, ops, h2, what_if, stop=peak_at)
         at_peak = _where(b)
     # allocated when reserved first reached its peak (the request that made it included)
@@ -313,9 +314,9 @@ def _driver_addresses(snap, device):
     return source, box
 
 
-def _start(snap, device, cfg, capacity, notes):
+def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
     source, box = _driver_addresses(snap, device)
-    a = CachingAllocator(cfg, capacity_bytes=capacity, address_source=source)
+    a = CachingAllocator(cfg, capacity_bytes=capacity, address_source=source if driver_addresses else None)
     box["a"] = a
     st = _start_state(snap, device)
     handles = {}
