@@ -2,8 +2,8 @@
 
 A synthetic training-like stream: per layer forward a few activations of MiB size kept for
 backward plus short-lived temporaries (some below 1 MiB), the backward freeing them in reverse,
-repeated over microbatches. Prints the median over several runs of the cost per event (wall and CPU time: on a shared
-machine the CPU time is the steadier number).
+repeated over microbatches. Prints the median over several runs of the cost per event (wall
+and CPU time: on a shared machine the CPU time is the steadier number).
 
     PYTHONPATH=. python bench/allocator_speed.py [--events N] [--runs R]
 """
@@ -71,7 +71,8 @@ def main() -> None:
         w, c = statistics.median(wall), statistics.median(cpu)
         print(f"{conf or 'defaults':26s} {len(ev):>7d} events  median wall {w * 1e3:7.1f} ms "
               f"({w / len(ev) * 1e6:5.2f} us/event), cpu {c / len(ev) * 1e6:5.2f} us/event  "
-              f"(peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB, {len(r.segment_events)} segment events)")
+              f"(peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB, "
+              f"{len(r.segment_events)} segment events)")
 
 
 if __name__ == "__main__":

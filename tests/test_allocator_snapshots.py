@@ -5,8 +5,6 @@ the recorded segment events exactly and the peak within 1 %, mid-run traces the 
 import gzip
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

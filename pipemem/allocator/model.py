@@ -191,7 +191,8 @@ class CachingAllocator:
         if block is None:
             block = self._new_block(size, stream, pool)
         block = self._hand_out(block, size, nbytes)
-        if self.reserved_bytes == self.peak_reserved_bytes and self.allocated_bytes > self.allocated_at_peak_reserved:
+        if self.reserved_bytes == self.peak_reserved_bytes and \
+                self.allocated_bytes > self.allocated_at_peak_reserved:
             self.allocated_at_peak_reserved = self.allocated_bytes   # the most allocated at the peak level
         h = self._next_handle
         self._next_handle = h + 1
@@ -355,7 +356,8 @@ class CachingAllocator:
         """Whether a request of `nbytes` on `stream` would be served from the cache now
         (get_free_block succeeds), without changing anything."""
         size = round_size(nbytes, self.config)
-        return self._get_free_block(size, stream, SMALL if size <= K_SMALL_SIZE else LARGE, take=False) is not None
+        pool = SMALL if size <= K_SMALL_SIZE else LARGE
+        return self._get_free_block(size, stream, pool, take=False) is not None
 
     def _get_free_block(self, size, stream, pool, take=True):
         if self._gc and take:
@@ -656,7 +658,8 @@ class CachingAllocator:
         self._remove(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng, mapped=False)
+            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng,
+                          mapped=False)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest

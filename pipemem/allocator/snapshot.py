@@ -171,7 +171,8 @@ def _trace(snap: dict, device: int) -> list:
 class _StartState:
     segments: dict = field(default_factory=dict)       # address -> (size, stream, expandable)
     live: dict = field(default_factory=dict)           # address -> (block_size or None, requested, stream)
-    runs: list = field(default_factory=list)           # mapped expandable stretches [start, end, stream, small]
+    runs: list = field(default_factory=list)           # mapped expandable stretches:
+    #                                                    [start, end, stream, small]
     alloc_at: list = field(default_factory=list)       # (address, trace index) of every alloc, sorted
 
 
@@ -231,7 +232,8 @@ def _compute_start_state(snap: dict, device: int) -> _StartState:
         for b in s.get("blocks") or []:
             if b.get("state") in ("active_allocated", "active_pending_free") \
                     and b.get("address") not in live_in_trace and b.get("address") not in st.live:
-                st.live[b["address"]] = (b["size"], b.get("requested_size", b["size"]), s.get("stream", 0), None)
+                st.live[b["address"]] = (b["size"], b.get("requested_size", b["size"]),
+                                         s.get("stream", 0), None)
     return st
 
 
@@ -471,7 +473,8 @@ def _where(a: CachingAllocator) -> dict:
     out = {}
     for name, pool in (("large", 0), ("small", 1)):
         sizes = [k[1] for k in a._keys[pool]]
-        out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes), "largest_free_block": max(sizes, default=0)}
+        out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
+                     "largest_free_block": max(sizes, default=0)}
     out["pending_free_bytes"] = sum(b.size for b in a._pending.values())
     out["reserved_bytes"] = a.reserved_bytes
     out["allocated_bytes"] = a.allocated_bytes

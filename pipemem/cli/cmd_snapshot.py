@@ -12,7 +12,7 @@ EXAMPLES = """examples:
   pipemem snapshot snap.pickle
   pipemem snapshot snap.pickle --alloc-conf expandable_segments:True     # what if?
   pipemem snapshot snap.pickle --alloc-conf max_split_size_mb:256 --json
-  pipemem snapshot bench/data/allocator_snapshots/shreyansh26__MLSys-Experiments__model_memory_usage_profile_grad.json.gz
+  pipemem snapshot bench/data/allocator_snapshots/MercuryB1__SQAttn__cuda_memory_snapshot.json.gz
 
 The file is read without running anything in it: a pickle that needs any class or function
 is refused. The JSON form (.json, .json.gz) with the same keys is read too."""
@@ -113,8 +113,9 @@ def _print(out: dict) -> None:
         print(f"  at the modelled peak: {fmt_bytes(m['allocated_at_peak_bytes'])} allocated, "
               f"{fmt_bytes(frag)} reserved but unallocated")
         if at:
-            print(f"    cached in the large pool {fmt_bytes(at['large']['free_bytes'])} in "
-                  f"{at['large']['free_blocks']} blocks (largest {fmt_bytes(at['large']['largest_free_block'])}), "
+            big = at["large"]
+            print(f"    cached in the large pool {fmt_bytes(big['free_bytes'])} in "
+                  f"{big['free_blocks']} blocks (largest {fmt_bytes(big['largest_free_block'])}), "
                   f"small pool {fmt_bytes(at['small']['free_bytes'])} in {at['small']['free_blocks']} blocks"
                   + (f", waiting on other streams {fmt_bytes(at['pending_free_bytes'])}"
                      if at["pending_free_bytes"] else ""))
