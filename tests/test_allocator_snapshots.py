@@ -23,6 +23,7 @@ def test_every_bundled_snapshot_reproduces():
     rows = [r for f in FILES for r in V.compare_file(f)]
     bad = [(r.name, r.rel_error, r.extra["segment_events"]) for r in rows if not r.extra["ok"]]
     assert not bad
+    assert all(r.extra["final_segments"] == "same" for r in rows)
     assert sum(r.extra["start"] == "empty" for r in rows) >= 10
 
 

@@ -136,6 +136,7 @@ class Recorded:
     n_final_segments: int
     ooms: int
     from_empty: bool
+    final_segments: list          # sorted (size, allocated bytes) of each final segment
     expandable: bool
     n_events: int
 
@@ -158,8 +159,12 @@ def recorded(snap: dict, device: int) -> Recorded:
     state = _start_state(snap, device)
     from_empty = start == 0 and not state.live and not state.segments and not state.runs
     expandable = any(s.get("is_expandable") for s in segs) or any(a == "segment_map" for a, _ in events)
-    return Recorded(start, start + peak, final, events, len(segs),
-                    sum(1 for e in trace if e["action"] == "oom"), from_empty, expandable, len(trace))
+    held = ("active_allocated", "active_pending_free")
+    final_segs = sorted((s["total_size"], sum(b["size"] for b in s.get("blocks") or []
+                                              if b.get("state") in held)) for s in segs)
+    ooms = sum(1 for e in trace if e["action"] == "oom")
+    return Recorded(start, start + peak, final, events, len(segs), ooms, from_empty, final_segs, expandable,
+                    len(trace))
 
 
 def _trace(snap: dict, device: int) -> list:
@@ -274,6 +279,7 @@ class Modelled:
     ooms: int
     at_peak: dict
     notes: list
+    final_segments: list = field(default_factory=list)   # sorted (size, allocated bytes)
 
 
 def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None,
@@ -296,7 +302,8 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
     # allocated when reserved first reached its peak (the request that made it included)
     alloc_at_peak = at_peak.get("allocated_bytes", a.allocated_at_peak_reserved)
     return Modelled(a.peak_reserved_bytes, a.reserved_bytes, alloc_at_peak, a.peak_allocated_bytes,
-                    list(a.segment_events), len(a.segments()), a.num_ooms, at_peak, notes)
+                    list(a.segment_events), len(a.segments()), a.num_ooms, at_peak, notes,
+                    sorted((s["size"], s["allocated"]) for s in a.segments()))
 
 
 def _driver_addresses(snap, device):

@@ -6,7 +6,8 @@ through `pipemem.allocator` with its own allocator settings, the same call `pipe
 makes. Measured: the peak reserved bytes the trace's segment events show; estimated: the
 model's. A trace that starts from an empty allocator must reproduce the recorded segment events
 (same actions and sizes, same order) and the peak within 1 %; a trace that starts mid-run
-(state reconstructed from the final segments) within 2 %. Exit 1 otherwise.
+(state reconstructed from the final segments) within 2 %. Exit 1 otherwise. Also shown: whether
+the final segments agree (each segment's size and the bytes allocated in it at the end).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def compare_file(path: Path) -> list:
         rec = S.recorded(snap, dev)
         mod = S.replay_device(snap, dev)
         match = rec.segment_events == mod.segment_events
+        same_final = rec.final_segments == mod.final_segments
         tol = TOL_FROM_EMPTY if rec.from_empty else TOL_MID_RUN
         row = CaseRow(f"{name}:{dev}", rec.peak_reserved_bytes, mod.peak_reserved_bytes,
                       {"start": "empty" if rec.from_empty else "mid-run",
                        "segment_events": f"{len(mod.segment_events)}/{len(rec.segment_events)}",
-                       "events_match": "yes" if match else "NO", "tolerance": tol})
+                       "events_match": "yes" if match else "NO",
+                       "final_segments": "same" if same_final else "differ", "tolerance": tol})
         err = row.rel_error
         row.extra["source"] = path.name
         row.extra["ok"] = (err is not None and abs(err) <= tol) and (match or not rec.from_empty)
@@ -92,7 +95,8 @@ def run(args) -> int:
     else:
         print_summary(rows, title="validate allocator: peak reserved, recorded vs modelled",
                       columns=(("start", "start"), ("segment_events", "seg events model/rec"),
-                               ("events_match", "same events")), what="device traces")
+                               ("events_match", "same events"), ("final_segments", "final segments")),
+                      what="device traces")
         print(f"{len(rows) - len(bad)} of {len(rows)} device traces within tolerance "
               f"(from empty: identical segment events and {TOL_FROM_EMPTY:.0%}; mid-run: {TOL_MID_RUN:.0%})")
     return 1 if bad else 0
