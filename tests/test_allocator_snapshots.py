@@ -111,3 +111,30 @@ def test_readme_snapshot_example_runs(capsys):
         argv = [str(ROOT / a) if a.startswith("bench/") else a for a in argv]
         assert main(argv) == 0
         assert "what if expandable_segments:True" in capsys.readouterr().out
+
+
+def _oom_snapshot():
+    MiB = 1 << 20
+    X, Y = 1 << 40, (1 << 40) + (1 << 30)
+    ev = [("segment_alloc", X, 40 * MiB), ("alloc", X, 40 * MiB), ("segment_alloc", Y, 40 * MiB),
+          ("alloc", Y, 40 * MiB), ("free_requested", X, 40 * MiB), ("free_completed", X, 40 * MiB),
+          # a 70 MiB request: cudaMalloc fails (80 + 70 > 100), the cache is released, still no room
+          ("segment_free", X, 40 * MiB), ("oom", 60 * MiB, 70 * MiB)]
+    trace = [{"action": a, "addr": ad, "size": sz, "stream": 0} for a, ad, sz in ev]
+    segs = [{"device": 0, "address": Y, "total_size": 40 * MiB, "stream": 0, "segment_type": "large",
+             "is_expandable": False, "blocks": [{"address": Y, "size": 40 * MiB, "requested_size": 40 * MiB,
+                                                 "state": "active_allocated"}]}]
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": None}
+
+
+def test_recorded_oom_replays_and_what_if_uses_its_capacity(tmp_path, capsys):
+    snap = _oom_snapshot()
+    rec = S.recorded(snap, 0)
+    assert rec.from_empty and rec.ooms == 1 and rec.peak_reserved_bytes == 80 << 20
+    assert S.oom_capacity(snap, 0) == 100 << 20        # 40 MiB reserved at the OOM + 60 MiB free
+    mod = S.replay_device(snap, 0)
+    assert mod.segment_events == rec.segment_events
+    path = _write(tmp_path, "oom.json", json.dumps(snap).encode())
+    assert main(["snapshot", path, "--alloc-conf", "max_split_size_mb:30", "--json"]) == 0
+    w = json.loads(capsys.readouterr().out)["devices"][0]["what_if"]
+    assert w["capacity_bytes"] == 100 << 20 and w["oom"] is True
