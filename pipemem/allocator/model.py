@@ -182,8 +182,6 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Allocate `nbytes` on `stream`; returns a handle for free()."""
-        if self._pending:
-            self._process_events()
         size = (-(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK) \
             if self._plain_rounding else round_size(nbytes, self.config)
         pool = SMALL if size <= K_SMALL_SIZE else LARGE
@@ -511,14 +509,30 @@ class CachingAllocator:
         return src.size
 
     def _free_block(self, block):
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        self._insert(block)
-
-    def _process_events(self):
-        # process_events: nothing to query in a model; outstanding frees complete when the
-        # caller says so (complete_frees / free_completed) or at release_cached_blocks.
-        pass
+        # free_block: merge with each free neighbour (previous first). A neighbour is free,
+        # without outstanding events and mapped alike exactly when it sits in the free pool.
+        pool = block.pool
+        free, keys = self._free[pool], self._keys[pool]
+        prev = block.prev
+        if prev is not None and free.get(prev.ptr) is prev:
+            del keys[bisect_left(keys, (prev.stream, prev.size, prev.ptr))]
+            del free[prev.ptr]
+            block.ptr = prev.ptr
+            block.size += prev.size
+            block.prev = prev = prev.prev
+            if prev is not None:
+                prev.next = block
+        nxt = block.next
+        if nxt is not None and free.get(nxt.ptr) is nxt:
+            del keys[bisect_left(keys, (nxt.stream, nxt.size, nxt.ptr))]
+            del free[nxt.ptr]
+            block.size += nxt.size
+            block.next = nxt = nxt.next
+            if nxt is not None:
+                nxt.prev = block
+        insort(keys, (block.stream, block.size, block.ptr))
+        free[block.ptr] = block
+        block.gc_base = self._gc_calls[pool]
 
     # -- releasing -------------------------------------------------------------------------
 
