@@ -406,7 +406,6 @@ class CachingAllocator:
             block = self._alloc_block(size, alloc, stream, pool)
         if block is None:
             self.num_ooms += 1
-            self.segment_events.append(("oom", alloc))
             raise AllocatorOOM(size, self.reserved_bytes, self.allocated_bytes, self.capacity)
         return block
 
