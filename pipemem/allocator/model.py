@@ -1,5 +1,8 @@
 """A model of PyTorch's CUDA caching allocator, rule by rule as c10/cuda/CUDACachingAllocator.cpp
-does it (torch 2.6; the rules below hold unchanged from 2.1 to 2.11 unless said).
+does it (torch 2.6; the rules below hold unchanged from 2.1 to 2.11 unless said: later versions
+move the same code into a device-generic `CachingDeviceAllocatorImpl` and the settings into
+`AcceleratorAllocatorConfig`, with the same malloc order, split rule, oversize rules, release
+order, garbage collection and expandable-segment mapping).
 
 Sizes and pools
   * round_size: a request below kMinBlockSize (512 B) becomes 512 B; otherwise it is rounded up
@@ -11,7 +14,8 @@ Sizes and pools
     kLargeBuffer (20 MiB) for a size below kMinLargeAlloc (10 MiB); else the size rounded up
     to kRoundLarge (2 MiB).
 Reuse
-  * get_free_block: best fit over the pool's free blocks ordered by (stream, size, address):
+  * get_free_block: best fit over the pool's free blocks ordered by (stream, size, address)
+    (BlockComparatorSize; a search key of address 0, `lower_bound`):
     the smallest block of the request's stream that is at least the size, the lowest address
     among equal sizes. A block of max_split_size or more is not handed to a request below
     max_split_size; a request of max_split_size or more takes an oversize block only when it

@@ -21,8 +21,8 @@ is refused. The JSON form (.json, .json.gz) with the same keys is read too."""
 def register(sub) -> None:
     p = sub.add_parser(
         "snapshot", help="replay a torch.cuda.memory._dump_snapshot file through the allocator model",
-        description="Replay the allocations and frees a CUDA memory snapshot recorded through pipemem's "
-                    "model of PyTorch's caching allocator, with the snapshot's own allocator settings, and "
+        description="Replay the allocations and frees that a CUDA memory snapshot recorded through "
+                    "pipemem's model of PyTorch's caching allocator, with the snapshot's own settings, and "
                     "show per device the recorded and the modelled peak reserved, segment events, final "
                     "segments and fragmentation (reserved minus allocated at the reserved peak). With "
                     "--alloc-conf, replay the same requests under other settings: the peak reserved they "
