@@ -138,3 +138,15 @@ def test_recorded_oom_replays_and_what_if_uses_its_capacity(tmp_path, capsys):
     assert main(["snapshot", path, "--alloc-conf", "max_split_size_mb:30", "--json"]) == 0
     w = json.loads(capsys.readouterr().out)["devices"][0]["what_if"]
     assert w["capacity_bytes"] == 100 << 20 and w["oom"] is True
+
+
+def test_what_if_under_the_recorded_settings_gives_the_recorded_peak():
+    """A what-if replay under the snapshot's own settings is the faithful replay again."""
+    for f in FILES:
+        if not any(k in f.name for k in ("MercuryB1", "memory_2.7b_forward", "ctx256_forward_", "Maphsge4")):
+            continue
+        snap = S.load(str(f))
+        for d in S.devices(snap):
+            cfg = S.snapshot_config(snap)
+            same = S.replay_device(snap, d, config=cfg, capacity_bytes=S.oom_capacity(snap, d))
+            assert same.peak_reserved_bytes == S.recorded(snap, d).peak_reserved_bytes, f.name

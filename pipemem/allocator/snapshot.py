@@ -22,7 +22,10 @@ snapshot's own settings, in order; the model makes its own segment events.
   cudaMalloc failed: the device had room only for what the trace then reserved, and the
   model gets that limit for that request, so it runs its own release-and-retry. Otherwise
   the program called `torch.cuda.empty_cache()`, and the model does too.
-* A recorded `oom` is a request that failed after the release.
+* A recorded `oom` is a request that failed after the release; its `addr` field is the free
+  device memory the driver reported, so the allocator's room was what it then reserved plus that
+  (`oom_capacity`). A what-if replay runs under that room; without a recorded OOM the room is
+  unknown (unlimited), and the cache is released where the program's allocator released it.
 """
 
 from __future__ import annotations
@@ -416,7 +419,7 @@ def _ops(snap, device, what_if):
             ops.append(("empty_cache",))
         buf = []
         if a == "alloc":
-            ops.append(("alloc", e["addr"], e["size"], e.get("stream", 0), None if what_if else limit))
+            ops.append(("alloc", e["addr"], e["size"], e.get("stream", 0), limit))
         elif a == "free_requested":
             ops.append(("free_req", e["addr"]))
         elif a == "free_completed":
@@ -437,6 +440,12 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
         kind = op[0]
         if kind == "alloc":
             _, addr, size, stream, limit = op
+            if limit is not None and what_if:
+                # the program's allocator released its cache here; under other settings, with
+                # the device's room known the model decides itself, otherwise it releases too
+                if a.capacity is None or a.would_reuse(size, stream):
+                    a.empty_cache()
+                limit = None
             if limit is not None and a.would_reuse(size, stream):
                 a.empty_cache()          # the cache was released before a request it could serve
                 limit = None
