@@ -150,3 +150,22 @@ def test_what_if_under_the_recorded_settings_gives_the_recorded_peak():
             cfg = S.snapshot_config(snap)
             same = S.replay_device(snap, d, config=cfg, capacity_bytes=S.oom_capacity(snap, d))
             assert same.peak_reserved_bytes == S.recorded(snap, d).peak_reserved_bytes, f.name
+
+
+@pytest.mark.parametrize("snap", [
+    {"segments": [], "device_traces": [[{"action": "alloc", "addr": "x", "size": 5}]]},
+    {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]},
+    {"segments": [{"address": 1, "total_size": 2, "blocks": [{"address": 1}]}], "device_traces": []},
+    {"segments": [{"address": 1.5, "total_size": 2}], "device_traces": []},
+    [1, 2],
+])
+def test_malformed_snapshot_content_is_refused(snap):
+    with pytest.raises(UserError) as e:
+        S.loads(json.dumps(snap).encode(), "s")
+    assert "\n" not in str(e.value)
+
+
+def test_events_torch_adds_are_ignored():
+    snap = {"segments": [], "device_traces": [[{"action": "user_defined", "user_metadata": "x"},
+                                               {"action": "snapshot", "addr": None}]]}
+    assert S.recorded(S.loads(json.dumps(snap).encode()), 0).peak_reserved_bytes == 0

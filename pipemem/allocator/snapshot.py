@@ -45,6 +45,7 @@ from .model import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, Cac
 SEG_GROW = ("segment_alloc", "segment_map")
 SEG_SHRINK = ("segment_free", "segment_unmap")
 MAX_FILE_BYTES = 4 << 30
+_SIZED = ("alloc", "free_requested", "free_completed", "oom") + SEG_GROW + SEG_SHRINK
 
 
 class _RefuseGlobals(pickle.Unpickler):
@@ -106,13 +107,21 @@ def _check(snap, name: str) -> dict:
         if not isinstance(t, list) or any(not isinstance(e, dict) for e in t):
             raise UserError(f"snapshot {name}: each device trace must be a list of event dicts")
         for e in t:
-            if not isinstance(e.get("action"), str) or not isinstance(e.get("size", 0), int) \
-                    or not isinstance(e.get("addr", 0), int):
-                raise UserError(f"snapshot {name}: a trace event without action/addr/size")
+            a = e.get("action")
+            if not isinstance(a, str):
+                raise UserError(f"snapshot {name}: a trace event without an action")
+            if a in _SIZED and (type(e.get("size")) is not int or type(e.get("addr")) is not int
+                                or e["size"] < 0 or type(e.get("stream", 0)) is not int):
+                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream")
     for s in snap.get("segments") or []:
-        if not isinstance(s, dict) or not isinstance(s.get("address"), int) \
-                or not isinstance(s.get("total_size"), int) or not isinstance(s.get("blocks", []), list):
-            raise UserError(f"snapshot {name}: a segment without address/total_size/blocks")
+        if not isinstance(s, dict) or type(s.get("address")) is not int \
+                or type(s.get("total_size")) is not int or not isinstance(s.get("blocks", []), list) \
+                or type(s.get("device", 0)) is not int or type(s.get("stream", 0)) is not int:
+            raise UserError(f"snapshot {name}: a segment without an integer address/total_size/device/"
+                            "stream, or without a blocks list")
+        for b in s.get("blocks") or []:
+            if not isinstance(b, dict) or type(b.get("address")) is not int or type(b.get("size")) is not int:
+                raise UserError(f"snapshot {name}: a block without an integer address/size")
     return snap
 
 
