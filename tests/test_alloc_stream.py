@@ -36,6 +36,9 @@ PLANS = [
     ("llama3-8b", dict(pp=4, microbatches=8, layers=8, convention="torchtitan", activation_offload="all")),
     ("mixtral-8x7b", dict(pp=4, microbatches=8, ep=2, dp=2, layers=8, convention="megatron")),
     ("llama3-8b", dict(dp=2, microbatches=2, layers=2, convention="hf", grads="ddp-bucket")),
+    ("llama3-8b", dict(dp=4, microbatches=4, layers=4, convention="torchtune", fsdp=True)),
+    ("llama3-8b", dict(cp=2, dp=2, microbatches=4, layers=4, convention="megatron", fp8="delayed")),
+    ("llama3-8b", dict(microbatches=4, layers=4, convention="torchtitan", compile="all", loss="chunked")),
 ]
 
 
@@ -190,3 +193,26 @@ def test_cli_reserved_column_and_json():
     d = json.loads(p.stdout)
     assert d["alloc_conf"] == "expandable_segments:True"
     assert all(r["peak_reserved_bytes"] >= r["peak_allocated_bytes"] for r in d["ranks"])
+
+
+def test_alloc_conf_reaches_the_allocator():
+    """The settings change what the same stream reserves (the allocated peak stays): expandable
+    segments grow one segment per stream instead of caching a 2 GiB block per logits tensor."""
+    kw = dict(microbatches=2, layers=4, convention="hf", zero=2, dp=4)
+    default = pipemem.estimate("llama3-8b", **kw)
+    expand = pipemem.estimate("llama3-8b", alloc_conf="expandable_segments:True", **kw)
+    assert expand.max_peak_allocated_bytes == default.max_peak_allocated_bytes
+    assert expand.max_peak_reserved_bytes != default.max_peak_reserved_bytes
+    assert expand.max_peak_reserved_bytes % (2 << 20) == 0            # mapped in 2 MiB pages
+
+
+def test_huge_streams_are_refused_quickly():
+    """A stage of 16,384 layers is ~10^6 allocations per microbatch: reserved is not modelled (said),
+    and the estimate does not wait for the allocator model."""
+    import time
+
+    t = time.perf_counter()
+    e = pipemem.estimate("llama3-8b", layers=16384)
+    assert e.max_peak_reserved_bytes is None
+    assert any("reserved memory is not modelled" in w and "allocations" in w for w in e.warnings)
+    assert time.perf_counter() - t < 30

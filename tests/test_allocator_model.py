@@ -3,7 +3,8 @@ c10/cuda/CUDACachingAllocator.cpp (not from the model's own output)."""
 
 import pytest
 
-from pipemem.allocator import AllocatorConfig, AllocatorOOM, CachingAllocator, allocation_size, round_size, simulate
+from pipemem.allocator import (AllocatorConfig, AllocatorOOM, CachingAllocator, allocation_size, round_size,
+                               simulate)
 from pipemem.errors import UserError
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -176,3 +177,67 @@ def test_divisions_list():
     assert cfg.roundup_power2_divisions[:8] == (1,) * 8
     assert cfg.roundup_power2_divisions[9] == 2
     assert cfg.roundup_power2_divisions[10:] == (8,) * 6
+
+
+def test_garbage_collection_releases_old_cached_segments():
+    cfg = AllocatorConfig.parse("garbage_collection_threshold:0.5")
+    a = CachingAllocator(cfg, capacity_bytes=100 * MiB, memory_fraction=1.0)
+    h1, h2 = a.malloc(30 * MiB), a.malloc(30 * MiB)
+    a.free(h1)
+    a.free(h2)                        # 60 MiB cached, above 0.5 x 100 MiB
+    a.malloc(40 * MiB)                # no cached block fits: collect, then cudaMalloc
+    # both cached blocks are as old as the average (one get_free_block call): both released
+    assert _events(a)[2:] == [("segment_free", 30 * MiB)] * 2 + [("segment_alloc", 40 * MiB)]
+    b = CachingAllocator(cfg, capacity_bytes=100 * MiB)          # no memory fraction: no collection
+    h1, h2 = b.malloc(30 * MiB), b.malloc(30 * MiB)
+    b.free(h1)
+    b.free(h2)
+    b.malloc(40 * MiB)
+    assert _events(b)[2:] == [("segment_alloc", 40 * MiB)]
+
+
+def _check_invariants(a):
+    live = list(a._live.values()) + list(a._pending.values())
+    assert a.allocated_bytes == sum(b.size for b in a._live.values())
+    segs = a.segments()
+    assert a.reserved_bytes == sum(s["size"] for s in segs)
+    for pool in (0, 1):
+        assert len(a._keys[pool]) == len(a._free[pool])
+        for b in a._free[pool].values():
+            for n in (b.prev, b.next):      # two free mapped neighbours are always merged
+                assert n is None or n.allocated or n.events or not n.mapped or n in live or \
+                    n.ptr not in a._free[pool]
+            if b.next is not None:
+                assert b.ptr + b.size == b.next.ptr
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
+                                  "roundup_power2_divisions:4", "expandable_segments:True,max_split_size_mb:64"])
+def test_random_streams_keep_the_books(conf):
+    import random
+    rnd = random.Random(7)
+    a = CachingAllocator(AllocatorConfig.parse(conf), capacity_bytes=2 << 30)
+    live = []
+    for step in range(3000):
+        if live and rnd.random() < 0.48:
+            h = live.pop(rnd.randrange(len(live)))
+            if rnd.random() < 0.1:
+                a.record_stream(h, 9)
+            a.free(h)
+        else:
+            size = rnd.choice([1, 700, 64 * KiB, 1 * MiB, MiB + 1, 5 * MiB, 12 * MiB, 70 * MiB, 300 * MiB])
+            try:
+                live.append(a.malloc(size + rnd.randrange(4096), rnd.choice([0, 0, 0, 3])))
+            except AllocatorOOM:
+                pass
+        if step % 500 == 0:
+            a.complete_frees()
+        if step % 1000 == 999:
+            a.empty_cache()
+        if step % 97 == 0:
+            _check_invariants(a)
+    assert a.peak_reserved_bytes <= 2 << 30
+    for h in live:
+        a.free(h)
+    a.empty_cache()
+    assert a.reserved_bytes == 0 and a.allocated_bytes == 0

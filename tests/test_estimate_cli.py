@@ -150,9 +150,10 @@ def test_from_paddlenlp_seed_launch_line():
 
     rc, out, err = cli("estimate", "--gpu", "gtx1080ti", "--json", "--from-paddlenlp", "--", *seed_tokens())
     assert rc == 0, err
-    # every argument known: no warning but that Paddle's allocator is not modelled (the verdict reads reserved)
+    # every argument known: no warning but that the caching allocator's reserved is not modelled for Paddle
     assert [line for line in err.splitlines() if "reserved memory is not modelled" not in line] == []
     d = json.loads(out)
+    assert all(r["peak_reserved_bytes"] is None for r in d["ranks"])
     p = d["plan"]
     assert (p["pp"], p["tp"], p["dp"], p["layers"], p["microbatches"]) == (4, 1, 1, 4, 8)
     assert (p["dtype"], p["recompute"], p["convention"], p["flash_attn"]) == ("fp32", "full", "paddle", False)

@@ -30,7 +30,8 @@ class SimResult:
     oom_at: int | None = None        # index of the event that ran out of memory, if any
 
 
-def simulate(events, config: AllocatorConfig | str | None = None, capacity_bytes: int | None = None) -> SimResult:
+def simulate(events, config: AllocatorConfig | str | None = None,
+             capacity_bytes: int | None = None) -> SimResult:
     """Replay `events` through a fresh allocator.
 
     Each event is a tuple `(size, stream, id)`: size > 0 allocates `size` bytes on `stream`

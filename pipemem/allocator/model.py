@@ -1,5 +1,8 @@
 """A model of PyTorch's CUDA caching allocator, rule by rule as c10/cuda/CUDACachingAllocator.cpp
-does it (torch 2.6; the rules below hold unchanged from 2.1 to 2.11 unless said).
+does it (torch 2.6; the rules below hold unchanged from 2.1 to 2.11 unless said: later versions
+move the same code into a device-generic `CachingDeviceAllocatorImpl` and the settings into
+`AcceleratorAllocatorConfig`, with the same malloc order, split rule, oversize rules, release
+order, garbage collection and expandable-segment mapping).
 
 Sizes and pools
   * round_size: a request below kMinBlockSize (512 B) becomes 512 B; otherwise it is rounded up
@@ -11,7 +14,8 @@ Sizes and pools
     kLargeBuffer (20 MiB) for a size below kMinLargeAlloc (10 MiB); else the size rounded up
     to kRoundLarge (2 MiB).
 Reuse
-  * get_free_block: best fit over the pool's free blocks ordered by (stream, size, address):
+  * get_free_block: best fit over the pool's free blocks ordered by (stream, size, address)
+    (BlockComparatorSize; a search key of address 0, `lower_bound`):
     the smallest block of the request's stream that is at least the size, the lowest address
     among equal sizes. A block of max_split_size or more is not handed to a request below
     max_split_size; a request of max_split_size or more takes an oversize block only when it
@@ -167,7 +171,7 @@ class CachingAllocator:
         self._segments: dict[int, list] = {}        # cudaMalloc segments: ptr -> [size, stream, pool]
         self._ranges: list[_Expandable] = []
         self._next_handle = 1
-        self._next_addr = 1 << 44
+        self._next_addr = 1 << 56        # above any real device address
         self._address_source = address_source
         self.reserved_bytes = 0
         self.allocated_bytes = 0
@@ -182,8 +186,6 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Allocate `nbytes` on `stream`; returns a handle for free()."""
-        if self._pending:
-            self._process_events()
         size = (-(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK) \
             if self._plain_rounding else round_size(nbytes, self.config)
         pool = SMALL if size <= K_SMALL_SIZE else LARGE
@@ -191,6 +193,9 @@ class CachingAllocator:
         if block is None:
             block = self._new_block(size, stream, pool)
         block = self._hand_out(block, size, nbytes)
+        if self.reserved_bytes == self.peak_reserved_bytes and \
+                self.allocated_bytes > self.allocated_at_peak_reserved:
+            self.allocated_at_peak_reserved = self.allocated_bytes   # the most allocated at the peak level
         h = self._next_handle
         self._next_handle = h + 1
         self._live[h] = block
@@ -272,10 +277,92 @@ class CachingAllocator:
                 out[k]["allocated"] += b.size
         return out
 
+    def adopt_segment(self, address: int, size: int, stream: int, live: list) -> list[int]:
+        """Put a cudaMalloc segment that existed before the model started (a trace that begins
+        mid-run) into the state: `live` lists (address, block_size, requested) of the blocks
+        allocated in it, in address order; the gaps between them are cached free blocks.
+        Returns a handle per live block. Counts toward reserved without a segment event."""
+        pool = SMALL if size == K_SMALL_BUFFER else LARGE
+        self._segments[address] = [size, stream, pool]
+        self.reserved_bytes += size
+        pieces, at = [], address
+        for ptr, bsize, req in live:
+            if ptr > at:
+                pieces.append((at, ptr - at, False))
+            pieces.append((ptr, bsize, req))
+            at = ptr + bsize
+        if at < address + size:
+            pieces.append((at, address + size - at, False))
+        return self._chain(pieces, stream, pool, None)
+
+    def adopt_expandable(self, stream: int, small: bool, runs: list) -> list[int]:
+        """Put an expandable range that was mapped before the model started into the state:
+        `runs` lists (address, size, live) of its mapped stretches in address order, `live`
+        as for adopt_segment. The range starts at the first run; what lies between and after
+        the runs is unmapped address space. Returns a handle per live block."""
+        pool = SMALL if small else LARGE
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        base = runs[0][0]
+        space = (self.capacity + self.capacity // 8) if self.capacity else 1 << 40
+        space = max(-(-space // page) * page, runs[-1][0] + runs[-1][1] - base)
+        rng = _Expandable(base, space, page, stream, pool)
+        self._ranges.append(rng)
+        pieces, at = [], base
+        for addr, size, live in runs:
+            if addr > at:
+                pieces.append((at, addr - at, None))          # unmapped
+            at = addr
+            for ptr, bsize, req in live:
+                if ptr > at:
+                    pieces.append((at, ptr - at, False))
+                pieces.append((ptr, bsize, req))
+                at = ptr + bsize
+            if at < addr + size:
+                pieces.append((at, addr + size - at, False))
+            at = addr + size
+            self.reserved_bytes += size
+        if at < base + space:
+            pieces.append((at, base + space - at, None))
+        return self._chain(pieces, stream, pool, rng)
+
+    def _chain(self, pieces, stream, pool, rng):
+        """Link (address, size, state) pieces into one segment's block list: state False a
+        cached free block, None unmapped space, an int the requested size of a live block."""
+        prev, handles, made = None, [], []
+        for ptr, bsize, state in pieces:
+            b = _Block(ptr, bsize, stream, pool, rng, mapped=state is not None)
+            b.prev = prev
+            if prev is not None:
+                prev.next = b
+            prev = b
+            made.append((b, state))
+            if state is not None and state is not False:
+                b.allocated = True
+                b.requested = state
+                self.allocated_bytes += bsize
+                h = self._next_handle
+                self._next_handle += 1
+                self._live[h] = b
+                handles.append(h)
+        for b, state in made:
+            if state is None:
+                self._insert_unmapped(b)
+            elif state is False:
+                self._insert(b)
+        self.reset_peaks()
+        return handles
+
     # -- the steps of malloc --------------------------------------------------------------
 
-    def _get_free_block(self, size, stream, pool):
-        if self._gc:
+    def would_reuse(self, nbytes: int, stream: int = 0) -> bool:
+        """Whether a request of `nbytes` on `stream` would be served from the cache now
+        (get_free_block succeeds), without changing anything."""
+        size = round_size(nbytes, self.config)
+        pool = SMALL if size <= K_SMALL_SIZE else LARGE
+        return self._get_free_block(size, stream, pool, take=False) is not None
+
+    def _get_free_block(self, size, stream, pool, take=True):
+        if self._gc and take:
             self._gc_calls[pool] += 1
         keys = self._keys[pool]
         i = bisect_left(keys, (stream, size, -1))
@@ -305,8 +392,9 @@ class CachingAllocator:
             return None
         if size >= mss and block.size >= size + self._nsr:
             return None
-        del keys[i]
-        del self._free[pool][block.ptr]
+        if take:
+            del keys[i]
+            del self._free[pool][block.ptr]
         return block
 
     def _new_block(self, size, stream, pool):
@@ -322,7 +410,6 @@ class CachingAllocator:
             block = self._alloc_block(size, alloc, stream, pool)
         if block is None:
             self.num_ooms += 1
-            self.segment_events.append(("oom", alloc))
             raise AllocatorOOM(size, self.reserved_bytes, self.allocated_bytes, self.capacity)
         return block
 
@@ -425,14 +512,30 @@ class CachingAllocator:
         return src.size
 
     def _free_block(self, block):
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        self._insert(block)
-
-    def _process_events(self):
-        # process_events: nothing to query in a model; outstanding frees complete when the
-        # caller says so (complete_frees / free_completed) or at release_cached_blocks.
-        pass
+        # free_block: merge with each free neighbour (previous first). A neighbour is free,
+        # without outstanding events and mapped alike exactly when it sits in the free pool.
+        pool = block.pool
+        free, keys = self._free[pool], self._keys[pool]
+        prev = block.prev
+        if prev is not None and free.get(prev.ptr) is prev:
+            del keys[bisect_left(keys, (prev.stream, prev.size, prev.ptr))]
+            del free[prev.ptr]
+            block.ptr = prev.ptr
+            block.size += prev.size
+            block.prev = prev = prev.prev
+            if prev is not None:
+                prev.next = block
+        nxt = block.next
+        if nxt is not None and free.get(nxt.ptr) is nxt:
+            del keys[bisect_left(keys, (nxt.stream, nxt.size, nxt.ptr))]
+            del free[nxt.ptr]
+            block.size += nxt.size
+            block.next = nxt = nxt.next
+            if nxt is not None:
+                nxt.prev = block
+        insort(keys, (block.stream, block.size, block.ptr))
+        free[block.ptr] = block
+        block.gc_base = self._gc_calls[pool]
 
     # -- releasing -------------------------------------------------------------------------
 
@@ -572,7 +675,8 @@ class CachingAllocator:
         self._remove(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng, mapped=False)
+            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng,
+                          mapped=False)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest

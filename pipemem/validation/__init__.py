@@ -12,7 +12,8 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `allocations.py`: the CPU allocator's events from PyTorch's profiler as bytes over time (what the
   targets that run a framework's own step on the CPU measure: deepspeed, hf_trainer);
   `rank_processes.py`: one measuring process per rank, as a launcher starts them.
+* `allocator.py`: the caching-allocator model against recorded GPU memory snapshots.
 """
 
 TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "hf_trainer",
-           "features")
+           "features", "allocator")

@@ -1,0 +1,171 @@
+"""Every bundled GPU memory snapshot replays through the allocator model: from-empty traces give
+the recorded segment events exactly and the peak within 1 %, mid-run traces the peak within 2 %
+(`pipemem validate allocator`); and bad snapshot input is refused in one line."""
+
+import gzip
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from pipemem.allocator import snapshot as S
+from pipemem.cli.main import main
+from pipemem.errors import UserError
+from pipemem.validation import allocator as V
+
+FILES = V.snapshot_files(V.DATA)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_bundled_snapshot_reproduces():
+    assert len(FILES) >= 80
+    rows = [r for f in FILES for r in V.compare_file(f)]
+    bad = [(r.name, r.rel_error, r.extra["segment_events"]) for r in rows if not r.extra["ok"]]
+    assert not bad
+    assert all(r.extra["final_segments"] == "same" for r in rows)
+    assert sum(r.extra["start"] == "empty" for r in rows) >= 10
+
+
+def test_validate_allocator_json(capsys, tmp_path):
+    for f in FILES[:2]:
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    rc = main(["validate", "allocator", "--json", "--dir", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["truth"] == "measured" and out["cases"]
+    assert {"name", "measured_bytes", "estimated_bytes", "rel_error"} <= set(out["cases"][0])
+
+
+def test_snapshot_cli_json_and_what_if(capsys):
+    f = next(p for p in FILES if "profile_grad" in p.name)
+    assert main(["snapshot", str(f), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    dev = out["devices"][0]
+    assert dev["modelled"]["segment_events"] == dev["recorded"]["segment_events"]
+    assert main(["snapshot", str(f), "--alloc-conf", "expandable_segments:True", "--json"]) == 0
+    w = json.loads(capsys.readouterr().out)["devices"][0]["what_if"]
+    assert all(a == "segment_map" for a, _ in w["segment_events"])
+
+
+def _write(tmp_path, name, data: bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return str(p)
+
+
+def test_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path, capsys):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (__import__("os").system, (f"touch {marker}",))
+    path = _write(tmp_path, "evil.pickle", pickle.dumps({"segments": [], "device_traces": [Evil()]}))
+    assert main(["snapshot", path]) == 2
+    err = capsys.readouterr().err
+    assert "refused" in err and "system" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+def test_plain_pickle_reads(tmp_path):
+    snap = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1 << 30, "size": 100, "stream": 0},
+                                               {"action": "segment_alloc", "addr": 1 << 30, "size": 2 << 20,
+                                                "stream": 0}]]}
+    path = _write(tmp_path, "s.pickle", pickle.dumps(snap))
+    assert S.load(path)["device_traces"][0][0]["size"] == 100
+
+
+@pytest.mark.parametrize("data", [
+    gzip.compress(b'{"segments": [], "device_traces": []}')[:-12],     # truncated gzip
+    b"\x1f\x8b\x08\x00garbage",
+    pickle.dumps({"segments": [], "device_traces": []})[:-5],          # truncated pickle
+    b'{"segments": [',                                                  # truncated JSON
+    b"hello",
+    b'{"segments": "x", "device_traces": []}',
+])
+def test_corrupt_snapshots_exit_2(tmp_path, capsys, data):
+    path = _write(tmp_path, "bad.json.gz", data)
+    assert main(["snapshot", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipemem: error: snapshot") and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_alloc_conf_key_exit_2(capsys):
+    assert main(["snapshot", str(FILES[0]), "--alloc-conf", "expandable:True"]) == 2
+    err = capsys.readouterr().err
+    assert "--alloc-conf" in err and "expandable" in err
+
+
+def test_loader_never_calls_find_class():
+    with pytest.raises(UserError):
+        S.loads(pickle.dumps(Path("/x")), "p")
+
+
+def test_readme_snapshot_example_runs(capsys):
+    import re
+    import shlex
+    text = (ROOT / "README.md").read_text()
+    cmds = re.findall(r"^pipemem snapshot .+$", text, flags=re.M)
+    assert cmds
+    for cmd in cmds:
+        argv = shlex.split(cmd)[1:]
+        argv = [str(ROOT / a) if a.startswith("bench/") else a for a in argv]
+        assert main(argv) == 0
+        assert "what if expandable_segments:True" in capsys.readouterr().out
+
+
+def _oom_snapshot():
+    MiB = 1 << 20
+    X, Y = 1 << 40, (1 << 40) + (1 << 30)
+    ev = [("segment_alloc", X, 40 * MiB), ("alloc", X, 40 * MiB), ("segment_alloc", Y, 40 * MiB),
+          ("alloc", Y, 40 * MiB), ("free_requested", X, 40 * MiB), ("free_completed", X, 40 * MiB),
+          # a 70 MiB request: cudaMalloc fails (80 + 70 > 100), the cache is released, still no room
+          ("segment_free", X, 40 * MiB), ("oom", 60 * MiB, 70 * MiB)]
+    trace = [{"action": a, "addr": ad, "size": sz, "stream": 0} for a, ad, sz in ev]
+    segs = [{"device": 0, "address": Y, "total_size": 40 * MiB, "stream": 0, "segment_type": "large",
+             "is_expandable": False, "blocks": [{"address": Y, "size": 40 * MiB, "requested_size": 40 * MiB,
+                                                 "state": "active_allocated"}]}]
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": None}
+
+
+def test_recorded_oom_replays_and_what_if_uses_its_capacity(tmp_path, capsys):
+    snap = _oom_snapshot()
+    rec = S.recorded(snap, 0)
+    assert rec.from_empty and rec.ooms == 1 and rec.peak_reserved_bytes == 80 << 20
+    assert S.oom_capacity(snap, 0) == 100 << 20        # 40 MiB reserved at the OOM + 60 MiB free
+    mod = S.replay_device(snap, 0)
+    assert mod.segment_events == rec.segment_events
+    path = _write(tmp_path, "oom.json", json.dumps(snap).encode())
+    assert main(["snapshot", path, "--alloc-conf", "max_split_size_mb:30", "--json"]) == 0
+    w = json.loads(capsys.readouterr().out)["devices"][0]["what_if"]
+    assert w["capacity_bytes"] == 100 << 20 and w["oom"] is True
+
+
+def test_what_if_under_the_recorded_settings_gives_the_recorded_peak():
+    """A what-if replay under the snapshot's own settings is the faithful replay again."""
+    for f in FILES:
+        if not any(k in f.name for k in ("MercuryB1", "memory_2.7b_forward", "ctx256_forward_", "Maphsge4")):
+            continue
+        snap = S.load(str(f))
+        for d in S.devices(snap):
+            cfg = S.snapshot_config(snap)
+            same = S.replay_device(snap, d, config=cfg, capacity_bytes=S.oom_capacity(snap, d))
+            assert same.peak_reserved_bytes == S.recorded(snap, d).peak_reserved_bytes, f.name
+
+
+@pytest.mark.parametrize("snap", [
+    {"segments": [], "device_traces": [[{"action": "alloc", "addr": "x", "size": 5}]]},
+    {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]},
+    {"segments": [{"address": 1, "total_size": 2, "blocks": [{"address": 1}]}], "device_traces": []},
+    {"segments": [{"address": 1.5, "total_size": 2}], "device_traces": []},
+    [1, 2],
+])
+def test_malformed_snapshot_content_is_refused(snap):
+    with pytest.raises(UserError) as e:
+        S.loads(json.dumps(snap).encode(), "s")
+    assert "\n" not in str(e.value)
+
+
+def test_events_torch_adds_are_ignored():
+    snap = {"segments": [], "device_traces": [[{"action": "user_defined", "user_metadata": "x"},
+                                               {"action": "snapshot", "addr": None}]]}
+    assert S.recorded(S.loads(json.dumps(snap).encode()), 0).peak_reserved_bytes == 0
