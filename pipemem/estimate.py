@@ -838,6 +838,10 @@ def suggest_fixes(est: Estimate, limit: int = 2, budget_s: float = 3.0) -> list[
             continue    # not a valid plan for this model (e.g. tp would not divide the heads)
         finally:
             slowest = max(slowest, time.perf_counter() - t0)
+        # allocated + outside the allocator bounds the device peak from below: a change that
+        # does not lower the bound cannot lower the peak, and needs no allocator model run
+        if max(r.peak_allocated_bytes + r.outside.total_bytes for r in e.ranks) >= now:
+            continue
         if e.max_device_peak_bytes < now:
             tried.append({"flags": flags, "max_peak_allocated_bytes": e.max_peak_allocated_bytes,
                           "max_device_peak_bytes": e.max_device_peak_bytes, "fits": bool(e.fits)})

@@ -18,9 +18,11 @@ examples:
   pipemem plan --model llama3-70b --gpus 64 --gpu h100-80g --seq-len 4096 --global-batch 512 \\
       --convention torchtitan --zero-bubble --schedule-csv zb.csv
 
-A plan is listed when `pipemem estimate` calls it FITS: every pipeline rank's device peak (the
-caching allocator's reserved bytes plus the CUDA context, NCCL's buffers and the cuBLAS
-workspace) leaves the verdict's margin of the GPU free, and --reserve more if given. Plans are ranked by an estimated step time: the schedule simulated with F/B/W
+The search screens every plan on its allocated peak plus the memory outside the caching
+allocator (CUDA context, NCCL's buffers, cuBLAS workspace): a lower bound of what it takes from
+the GPU. The plans shown (the --top fastest and the Pareto sets) are then judged by `pipemem
+estimate`'s own verdict, reserved memory included: only FITS plans are shown, with --reserve
+more left free if given. In --json, plans beyond those carry "verdict": null (screened only). Plans are ranked by an estimated step time: the schedule simulated with F/B/W
 durations proportional to their FLOPs, plus communication at NVLink or network speed
 (docs/PLANNER.md). Each plan's flags paste into `pipemem estimate` and give the same bytes.
 --tp/--pp/--cp/--dp/--vpp/--ep pin a degree; the others are searched.
@@ -167,6 +169,8 @@ def run(args) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     res = search_plans(args.model, target, args.seq_len, args.global_batch, options, extra=extra,
                        model_flag=args.model, progress=progress, jobs=jobs)
+    # the plans shown are judged by pipemem estimate's own verdict (reserved included)
+    res.verify(args.top)
     if not res.plans and options.fixed:
         _explain_pinned(res, target, options)
     zb = None

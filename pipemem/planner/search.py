@@ -104,7 +104,10 @@ class PlanResult:
     headroom_bytes: int     # GPU capacity - the highest device peak (reserved + outside the allocator)
     schedule: str | None
     cost: Cost
-    device_peak_bytes: int = 0   # the highest reserved + outside-the-allocator peak over the ranks
+    # the highest device peak over the ranks (reserved + outside the allocator) once the plan is
+    # judged (`PlanSearch.verify`); until then allocated + outside, the screen's lower bound
+    device_peak_bytes: int = 0
+    verdict: str | None = None   # "fits" once judged by pipemem estimate's verdict; None: screened only
 
     def to_dict(self) -> dict:
         kw = dict(self.kwargs)
@@ -113,7 +116,7 @@ class PlanResult:
         return {"flags": self.flags, "plan": kw, "schedule": self.schedule,
                 "max_peak_allocated_bytes": self.peak_bytes, "rank_peak_allocated_bytes": list(self.rank_peaks),
                 "max_device_peak_bytes": self.device_peak_bytes, "headroom_bytes": self.headroom_bytes,
-                **self.cost.to_dict()}
+                "verdict": self.verdict, **self.cost.to_dict()}
 
 
 @dataclass
@@ -126,6 +129,7 @@ class SearchStats:
     implied: int = 0                                    # settings known not to fit without an estimate
     derived: int = 0                                    # settings whose peaks carried over (_Ladder)
     derivation_mismatch: int = 0                        # should stay 0 (_Probe.result)
+    dropped_on_reserved: int = 0                        # screened in, then not FITS by the verdict (verify)
     estimates: int = 0                                  # pipemem.estimate calls
     # recomputation settings of a valid plan that pipemem.estimate refused (the plan itself is
     # counted once, as fitting or not): not invalid plans
@@ -134,7 +138,8 @@ class SearchStats:
 
     def add(self, other: "SearchStats") -> None:
         """Count `other`'s plans too (one group's search, possibly in another process)."""
-        for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates"):
+        for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates",
+                  "dropped_on_reserved"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.invalid.update(other.invalid)
         self.refused_settings.update(other.refused_settings)
@@ -150,7 +155,7 @@ class SearchStats:
         return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
                 "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
                 "settings_implied_too_large": self.implied, "settings_derived": self.derived,
-                "derivation_mismatch": self.derivation_mismatch, "settings_refused": dict(self.refused_settings),
+                "derivation_mismatch": self.derivation_mismatch, "dropped_on_reserved": self.dropped_on_reserved, "settings_refused": dict(self.refused_settings),
                 "seconds": self.seconds}
 
 
@@ -165,6 +170,31 @@ class PlanSearch:
     stats: SearchStats
     config: dict = field(default_factory=dict, repr=False)   # the model's HF config
     gpu_opts: dict = field(default_factory=dict)              # estimate()'s gpu / gpu_memory
+
+    def verify(self, top: int) -> int:
+        """Judge the plans a user is shown (the `top` fastest and the Pareto sets' first `top`)
+        by `pipemem estimate`'s own verdict, reserved memory included, and drop those it does
+        not call FITS; returns how many were dropped. The search itself screens every plan on
+        allocated + outside-the-allocator bytes (a lower bound of the device peak): the
+        allocator model costs up to a second per plan, too much for thousands of them."""
+        from ..estimate import estimate
+
+        dropped = 0
+        while True:
+            shown = self.plans[:top] + self.pareto[:top] + self.pareto_step_time[-top:]
+            todo = {id(p): p for p in shown if p.verdict is None}
+            if not todo:
+                return dropped
+            for p in todo.values():
+                est = estimate(self.config, model_name=self.model, **self.gpu_opts, **p.kwargs)
+                if _listable(est, self.target):
+                    p.verdict = "fits"
+                    p.device_peak_bytes = est.max_device_peak_bytes
+                    p.headroom_bytes = self.target.capacity_bytes - p.device_peak_bytes
+                else:
+                    self.plans.remove(p)
+                    dropped += 1
+                    self.stats.dropped_on_reserved += 1
 
     @property
     def pareto(self) -> list[PlanResult]:
@@ -536,12 +566,13 @@ class _Runner:
     def _result(self, kw, plan, sched, placement, recompute, layers, est) -> PlanResult:
         call = self._call(kw, recompute, layers)
         peak = est.max_peak_allocated_bytes
+        screened = _screen_bytes(est)
         return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
                           rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
-                          headroom_bytes=self.target.capacity_bytes - est.max_device_peak_bytes,
+                          headroom_bytes=self.target.capacity_bytes - screened,
                           schedule=est.schedule if sched else None,
                           cost=self._cost(plan, sched, placement, recompute, layers),
-                          device_peak_bytes=est.max_device_peak_bytes)
+                          device_peak_bytes=screened)
 
     def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
@@ -644,9 +675,9 @@ class _Probe:
                 self.peaks[key] = [x.peak_allocated_bytes for x in est.ranks]
             self.ladder.record(key, self.peaks[key], self.statics)
         est = self.ests.get(key)
-        # estimated: the verdict itself; derived by the ladder: the allocated bound (result()
-        # estimates it and applies the verdict before listing)
-        ok = _listable(est, self.r.target) if est is not None else max(self.peaks[key]) <= budget
+        # estimated: allocated + outside the allocator per rank; derived by the ladder: the
+        # allocated bound (result() estimates it and screens it before listing)
+        ok = _screen_bytes(est) <= self.r.target.budget_bytes if est is not None else max(self.peaks[key]) <= budget
         if not ok:
             self.ladder.fail(*key)
             self.failed_here.add(key)
@@ -662,13 +693,19 @@ class _Probe:
                 self.r.stats.derivation_mismatch += 1
                 return self.r._ladder(_Probe(self.r, self.kw, self.plan, self.sched, self.placement,
                                              self.statics, _Ladder()), self.plan, self.sched, self.placement)
-        if not _listable(est, self.r.target):
+        if _screen_bytes(est) > self.r.target.budget_bytes:
             return None
         return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
 
 
+def _screen_bytes(est) -> int:
+    """The highest allocated + outside-the-allocator peak over the ranks: a lower bound of the
+    device peak (reserved is at least allocated) that costs no allocator model."""
+    return max(r.peak_allocated_bytes + (r.outside.total_bytes if r.outside is not None else 0) for r in est.ranks)
+
+
 def _listable(est, target: Target) -> bool:
-    """A plan is listed only when the estimate itself calls it FITS with the reserve kept free."""
+    """A shown plan is one the estimate itself calls FITS, with the reserve kept free."""
     return bool(est.fits) and est.max_device_peak_bytes <= target.budget_bytes
 
 

@@ -121,7 +121,10 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                    + (f" with {fmt_bytes(t.reserve_bytes)} more kept free" if t.reserve_bytes else ""), style="bold"))
     invalid = sum(s.invalid.values())
     con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
-                   f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} fit "
+                   f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} within the GPU on allocated + "
+                   f"outside-the-allocator bytes, of which the shown are judged FITS on reserved memory"
+                   + (f" ({s.dropped_on_reserved:,} dropped: not FITS once reserved is counted)"
+                      if s.dropped_on_reserved else "") + " "
                    f"({s.estimates:,} estimates"
                    + (f", {sum(s.refused_settings.values()):,} recomputation settings refused" if s.refused_settings
                       else "") + ", "
