@@ -582,16 +582,18 @@ def static_sizes(stage_plan, rank_stages, static) -> list[int]:
     """The rank's static bytes as the framework allocates them (module docstring)."""
     plan, conv = stage_plan.plan, stage_plan.conv
     w = np.asarray(_param_elems(stage_plan, rank_stages), dtype=np.int64)
-    flat_params = (conv.name == "megatron" and plan.dist_opt) or (conv.name == "hf" and plan.zero in (1, 2))
+    fw = conv.framework
+    deepspeed_flat = fw.zero_is_deepspeed and plan.zero in (1, 2)   # DeepSpeed ZeRO-1/2's flat buffers
+    flat_params = (fw.has_dist_opt and plan.dist_opt) or deepspeed_flat
     grads_mode = str(plan.grads or "").lower()
     sizes = [static.params] if flat_params else _split(static.params, w)
-    if conv.name == "megatron":
+    if fw.contiguous_grad_buffer:
         sizes += [static.grads] if static.grads else []  # the contiguous grad buffer
     elif grads_mode.startswith("ddp-bucket"):
         sizes += _buckets(static.grads, DDP_BUCKET_BYTES)
     else:
         sizes += _split(static.grads, w)
-    if conv.name == "hf" and plan.zero in (1, 2):
+    if deepspeed_flat:
         states = 3 if plan.master_weights else 2
         sizes += _split(static.optimizer, np.ones(states, dtype=np.int64))  # DeepSpeed's flat partitions
     else:
@@ -622,8 +624,8 @@ def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
     arch, plan, conv = stage_plan.arch, stage_plan.plan, stage_plan.conv
     sh = stage_plan.notes["shard"]
     n = plan.pp * plan.vpp
-    if conv.name == "paddle":
-        raise StreamNotModelled("the paddle convention: Paddle's auto-growth allocator is not PyTorch's")
+    if not conv.framework.pytorch_allocator:
+        raise StreamNotModelled(f"the {conv.name} convention: {conv.framework.allocator_note}")
     normal, first = {}, {}
     for s in stage_ids:
         args = (stage_runs(arch, plan, stage_plan.stage_layers[s]), s == 0, s == n - 1, plan.seq_len, s)

@@ -21,10 +21,7 @@ from .errors import UserError
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
-NOT_MODELLED_MODES = {
-    "traced": "traced programs",
-    "paddle": "Paddle programs (Paddle's allocator is its own)",
-}
+NOT_MODELLED_MODES = dict(traced="traced programs", paddle="Paddle programs (Paddle's allocator is its own)")
 
 
 def alloc_config(text):

@@ -84,12 +84,14 @@ def test_no_private_names_across_modules():
 # validation reads its registry, and nothing in it reads a replay, a runtime or an estimate.
 LAYERS = (
     ("errors", "version", "units"),
-    ("ir", "jobs", "model", "presets", "features", "torch_tp"),
+    ("ir", "jobs", "model", "presets", "features", "torch_tp", "allocator", "outside_allocator",
+     "frameworks"),
     ("liveness", "schedules"),
     ("plan",),
     ("templates", "traced", "paddle", "pipeline_estimator", "examples"),
     ("configs", "stages"),
     ("replay", "runtime"),
+    ("alloc_stream", "reserved"),
     ("estimate", "report", "pipemem"),      # pipemem: the package's public API (__init__.py)
     ("planner", "validation"),
     ("cli", "__main__"),

@@ -39,6 +39,8 @@ class Framework:
     mixed_precision = True                # fp32 master weights under bf16 / fp16
     zero_is_deepspeed = False             # --zero 1-3 (not --fsdp) is DeepSpeed's ZeRO engine
     contiguous_grad_buffer = False        # one resident grad buffer; no DDP buckets
+    pytorch_allocator = True              # its tensors live in PyTorch's CUDA caching allocator
+    allocator_note = ""                   # where not: whose allocator, said when reserved is not modelled
     default_optimizer_impl = "fused"      # plan.OPTIMIZER_IMPLS
     fused_ce_loss = False                 # --loss fused / fused_te (Megatron's CE fusion)
     whole_logits_loss = False             # --loss shifted (a step's own CE on whole logits)

@@ -50,6 +50,8 @@ class Paddle(Framework):
 
     # PaddleNLP sharding stages 1-3
     shardings = (("ddp", {}), ("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3}))
+    pytorch_allocator = False
+    allocator_note = "Paddle's auto-growth allocator is not PyTorch's"
     schedules = ("1F1B", "ZBH1", "VPP")
 
     readers = ("pipemem.configs.paddlenlp",)
