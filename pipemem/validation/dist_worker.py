@@ -87,20 +87,10 @@ def repair_missed_frees(events, waits=()):
     return out, missed
 
 
-def peak_from_profile(prof, baseline: int) -> dict:
-    """baseline + the highest running sum of the step's allocation events."""
-    events, waits, mark = allocation_events(prof)
-    events, missed = repair_missed_frees(events, waits)
-    t0 = mark[0] if mark else (events[0][0] if events else 0)
-    debug = os.environ.get("PIPEMEM_DIST_DEBUG")
-    if debug:    # the whole allocation timeline, to compare with a trace op by op
-        with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
-            c = baseline
-            for t, sz, ptr, op in events:
-                c += sz
-                f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
-    # what the profile saw allocated before the step mark (a runtime built inside it, e.g.
-    # DDP's buckets) and still alive is held when the step starts: it counts, its transients not
+def _running_peak(events, t0: int) -> tuple[int, int, int]:
+    """(peak, its time, end) of the running sum of `events` from `t0`: what was allocated before
+    `t0` and is still alive (a runtime built inside the profile, e.g. DDP's buckets) is held when
+    the step starts; its transients are not counted."""
     cur = sum(sz for t, sz, _ptr, _op in events if t < t0)
     peak, peak_t = cur, t0
     for t, sz, _ptr, _op in events:
@@ -109,7 +99,28 @@ def peak_from_profile(prof, baseline: int) -> dict:
         cur += sz
         if cur > peak:
             peak, peak_t = cur, t
-    return {"measured_bytes": int(baseline + peak), "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
+    return peak, peak_t, cur
+
+
+def peak_from_profile(prof, baseline: int) -> dict:
+    """baseline + the highest running sum of the step's allocation events, with the frees missed
+    on gloo's threads repaired (`measured_bytes`) and as recorded (`raw_measured_bytes`: an upper
+    bound, since a missing free can only raise a running sum). The repair lowers the peak by at
+    most the bytes it frees (`missed_free_bytes`)."""
+    raw_events, waits, mark = allocation_events(prof)
+    events, missed = repair_missed_frees(raw_events, waits)
+    t0 = mark[0] if mark else (events[0][0] if events else 0)
+    debug = os.environ.get("PIPEMEM_DIST_DEBUG")
+    if debug:    # the whole allocation timeline, to compare with a trace op by op
+        with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
+            c = baseline
+            for t, sz, ptr, op in events:
+                c += sz
+                f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
+    peak, peak_t, cur = _running_peak(events, t0)
+    raw_peak = _running_peak(raw_events, t0)[0]
+    return {"measured_bytes": int(baseline + peak), "raw_measured_bytes": int(baseline + raw_peak),
+            "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
             "missed_free_bytes": int(missed), "n_alloc_events": len(events), "peak_at_ms": (peak_t - t0) / 1e6}
 
 
