@@ -8,7 +8,7 @@ quantity (net change, peak above its start) three numbers are put side by side:
 pipemem's liveness over the captured program, Paddle's own
 `paddle.distributed.passes.pass_utils.PipelineMemoryEstimator` on the same sub-programs,
 and a measurement: the sub-programs run in sequence as jobs of one Paddle executor plan on
-the CPU, reading the host allocator's statistics between jobs (pipemem/paddle/measure.py).
+the CPU, reading the host allocator's statistics between jobs (pipemem/validation/paddle_runs/measure.py).
 
 The paddlenlp-* cases are PaddleNLP's own auto-parallel Llama programs, built for every card
 of a plan by Paddle's own passes (1F1B, FThenB, VPP; pp, mp, sharding), measured job
@@ -24,7 +24,7 @@ Paddle's legacy executor with Paddle's estimator beside pipemem
 The -pir cases are the same models built as PIR programs (Paddle 3's default IR). PIR
 programs cannot be measured per sub-program (no py_func op in PIR), so each is compared
 over the whole step: its peak, its net change, and the bytes it allocates with garbage
-collection off (pipemem/paddle/pir_measure.py); Paddle's estimator cannot read PIR
+collection off (pipemem/validation/paddle_runs/pir_measure.py); Paddle's estimator cannot read PIR
 programs (n/a).
 
 Paddle runs in a subprocess (`python -m pipemem.validation.paddle_runs.worker`), one per IR: it must be
