@@ -4,8 +4,8 @@ Each case builds a tiny HF causal LM, runs the default training step for real on
 twice, the second under `torch.profiler.profile(profile_memory=True)` (the steady state
 users measure: optimizer states exist, gradients were set to None), and sums the allocation
 events in time order (read from `prof.profiler.kineto_results.experimental_event_tree()`,
-FINDINGS.md §4). Measured peak = bytes of parameters, buffers, inputs and optimizer states
-+ the highest running sum;
+an allocation event per block the CPU allocator hands out or takes back). Measured peak =
+bytes of parameters, buffers, inputs and optimizer states + the highest running sum;
 net after forward = the running sum when the backward starts. The estimate is the traced step
 with `--kernel-policy cpu` (the kernels the real run uses). Seconds per case on 2 cores.
 """

@@ -14,7 +14,7 @@ Runs (pipemem/validation/distributed/models.py; tiny HF Llama decoder layers, fp
 
 Each rank is a process (`python -m pipemem.validation.dist_worker`, MASTER_ADDR=127.0.0.1, a
 free port) that starts `torch.profiler.profile(profile_memory=True)` before it builds its
-model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
+model and sums the allocation events in time order: measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
 Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",

@@ -6,7 +6,7 @@ with RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT in the environment.
 JSON list of case dicts (see `dist.py`); every rank runs every case in order and writes one
 JSON line per case to OUT.<rank>.
 
-Ground truth (FINDINGS.md §4): measured = the bytes alive before the step (every CPU storage
+Ground truth: measured = the bytes alive before the step (every CPU storage
 Python can reach: params, buffers, inputs) + the highest running sum of the step's
 `torch.profiler` allocation events (optimizer states, pipelining buffers, activations, gloo's
 copies). `measured_step` explains the two repairs that gloo's worker threads make necessary.
@@ -148,7 +148,7 @@ def live_tensor_bytes() -> int:
 def measured_step(result: dict, setup=None):
     """Measure the step run inside: the bytes alive before it (`live_tensor_bytes`, after a
     pause that lets gloo workers drop finished Works) plus the peak of its allocation events
-    (`torch.profiler`, FINDINGS.md §4). Fills `result`. `setup()` runs inside the profile but
+    (`torch.profiler`). Fills `result`. `setup()` runs inside the profile but
     before the step (it yields its result): what it leaves allocated, e.g. DDP's buckets that
     C++ holds out of Python's reach, counts as held when the step starts."""
     from torch.autograd.profiler import record_function
