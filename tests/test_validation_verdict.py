@@ -62,11 +62,14 @@ def test_report_carries_truth_tolerance_and_verdict():
 
 def test_dist_rows_show_the_repair_and_fail_beyond_its_bound():
     from pipemem.validation.dist import REPAIR_BOUND, check_repair
-    small = CaseRow("r0", 1000, 1000, {"raw_measured_bytes": 1000 + int(REPAIR_BOUND * 1000)})
-    large = CaseRow("r1", 1000, 1000, {"raw_measured_bytes": 1000 + int(REPAIR_BOUND * 1000) + 1})
+    # the unproven part of the repair (proven - repaired) is what the bound limits
+    top = 1000 + int(REPAIR_BOUND * 1000)
+    small = CaseRow("r0", 1000, 1000, {"raw_measured_bytes": 2000, "proven_measured_bytes": top})
+    large = CaseRow("r1", 1000, 1000, {"raw_measured_bytes": 2000, "proven_measured_bytes": top + 1})
     for r in (small, large):
         check_repair(r)
-    assert small.extra["repair_rel"] == pytest.approx(REPAIR_BOUND) and "unreliable" not in small.extra
+    assert small.extra["assumed_repair_rel"] == pytest.approx(REPAIR_BOUND) and "unreliable" not in small.extra
+    assert small.extra["repair_rel"] == pytest.approx(1.0)
     assert "unreliable" in large.extra and beyond_tolerance([small, large], 0.01) == ["r1"]
 
 
@@ -76,7 +79,9 @@ def test_dist_raw_peak_is_the_recorded_one_and_the_repair_lowers_it_by_at_most_t
     # two blocks at one address with no free between (the free was on another thread), a wait at t=15
     events = [(10, 100, 1, "a"), (20, 50, 2, "b"), (30, 100, 1, "c"), (40, -100, 1, "d"), (50, -50, 2, "e")]
     repaired, missed = repair_missed_frees(events, waits=[15])
+    proven = _running_peak(repair_missed_frees(events, waits=[15], at_reuse=True)[0], 0)[0]
     raw_peak = _running_peak(events, 0)[0]
     peak = _running_peak(repaired, 0)[0]
     assert (raw_peak, missed) == (250, 100)
-    assert peak == 150 and raw_peak - missed <= peak <= raw_peak
+    assert peak == 150 and raw_peak - missed <= peak <= proven <= raw_peak
+    assert proven == 150        # freed at t=30, when its address is handed out again

@@ -57,12 +57,14 @@ def allocation_events(prof):
     return events, waits, mark
 
 
-def repair_missed_frees(events, waits=()):
+def repair_missed_frees(events, waits=(), at_reuse: bool = False):
     """The profiler records a free only on a thread that profiles. A block whose last reference
     dies on a gloo worker thread (a collective's input, output or internal copy, held by its
     Work until the worker lets go) is freed without an event. Such a block is freed at the end
     of the first collective wait after its allocation (the Work has completed) or, if earlier,
     when its address is allocated again (the allocator cannot hand out a block in use).
+    With `at_reuse` each free goes where the address is allocated again, the latest it can have
+    happened: what the events prove, an upper bound of the true running sum.
     Returns the events with those frees inserted, and the bytes repaired."""
     import bisect
     live: dict[int, tuple[int, int]] = {}
@@ -70,7 +72,7 @@ def repair_missed_frees(events, waits=()):
 
     def repair(ptr: int, size: int, t_alloc: int, t_reuse: int) -> None:
         i = bisect.bisect_right(waits, t_alloc)
-        t = min(waits[i], t_reuse) if i < len(waits) else t_reuse
+        t = min(waits[i], t_reuse) if i < len(waits) and not at_reuse else t_reuse
         inserted.append((t, -size, ptr, "<free on another thread>"))
 
     for t, size, ptr, _op in events:
@@ -104,9 +106,10 @@ def _running_peak(events, t0: int) -> tuple[int, int, int]:
 
 def peak_from_profile(prof, baseline: int) -> dict:
     """baseline + the highest running sum of the step's allocation events, with the frees missed
-    on gloo's threads repaired (`measured_bytes`) and as recorded (`raw_measured_bytes`: an upper
-    bound, since a missing free can only raise a running sum). The repair lowers the peak by at
-    most the bytes it frees (`missed_free_bytes`)."""
+    on gloo's threads repaired (`measured_bytes`), as recorded (`raw_measured_bytes`: an upper
+    bound, since a missing free can only raise a running sum) and with each missed free only
+    where its address is reused (`proven_measured_bytes`: what the events prove). The repair
+    lowers the peak by at most the bytes it frees (`missed_free_bytes`)."""
     raw_events, waits, mark = allocation_events(prof)
     events, missed = repair_missed_frees(raw_events, waits)
     t0 = mark[0] if mark else (events[0][0] if events else 0)
@@ -119,7 +122,9 @@ def peak_from_profile(prof, baseline: int) -> dict:
                 f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
     peak, peak_t, cur = _running_peak(events, t0)
     raw_peak = _running_peak(raw_events, t0)[0]
+    proven_peak = _running_peak(repair_missed_frees(raw_events, waits, at_reuse=True)[0], t0)[0]
     return {"measured_bytes": int(baseline + peak), "raw_measured_bytes": int(baseline + raw_peak),
+            "proven_measured_bytes": int(baseline + proven_peak),
             "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
             "missed_free_bytes": int(missed), "n_alloc_events": len(events), "peak_at_ms": (peak_t - t0) / 1e6}
 
