@@ -1,4 +1,4 @@
-"""Build PaddleNLP's legacy-IR auto-parallel Llama job programs of one card (Paddle 2.6, legacy IR).
+"""Build PaddleNLP's legacy-IR auto-parallel Llama job programs of one card (Paddle 2.6).
 
 `python -m pipemem.validation.paddle_runs.paddlenlp_legacy_build SPEC.json CARD OUT_DIR` runs in
 an interpreter with paddlepaddle 2.6.x and paddlenlp 2.8.1 (``$PIPEMEM_PADDLE26_PYTHON``):
