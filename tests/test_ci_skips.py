@@ -28,9 +28,9 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     if ci is not None:
         env["CI"] = ci
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-rs", "-p", "no:cacheprovider",
-                           str(tmp_path / "test_sample.py")], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=120)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-rs", "-p", "no:cacheprovider",
+            str(tmp_path / "test_sample.py")]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
 
 
 def test_skips_for_missing_installs_fail_under_ci(tmp_path):

@@ -45,7 +45,8 @@ def test_a_row_tolerance_a_known_gap_and_an_unreliable_measurement():
 def test_a_measured_zero_against_a_nonzero_estimate_fails():
     assert beyond_tolerance([CaseRow("z", 0, 8)], 0.5) == ["z"]
     assert beyond_tolerance([CaseRow("zz", 0, 0)], 0.0) == []
-    assert beyond_tolerance([{"name": "d", "measured_bytes": 0, "estimated_bytes": 8, "rel_error": None}], 0.5) == ["d"]
+    as_dict = {"name": "d", "measured_bytes": 0, "estimated_bytes": 8, "rel_error": None}
+    assert beyond_tolerance([as_dict], 0.5) == ["d"]
 
 
 def test_report_carries_truth_tolerance_and_verdict():

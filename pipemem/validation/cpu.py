@@ -181,7 +181,8 @@ def register(sub) -> None:
                        description="Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
                                    "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
                                    "bytes with the profiler, and compare with traced mode "
-                                   f"(--kernel-policy cpu). Exit 1 if any case is off by more than {TOLERANCE:.1%}.",
+                                   "(--kernel-policy cpu). Exit 1 if any case is off by more than "
+                                   f"{TOLERANCE:.1%}.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all); "

@@ -379,8 +379,8 @@ def run(args) -> int:
     print_summary(rows, columns=(("raw_measured_bytes", "raw measured"), ("proven_measured_bytes", "proven"),
                                  ("repeats", "runs"), ("peak_at", "peak at")),
                   what="rank measurements", target="dist", truth=TRUTH, tolerance=TOLERANCE)
-    print(f"measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured = "
-          f"the same run as recorded; proven = those frees only where address reuse proves them; a repair "
+    print("measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured "
+          "= the same run as recorded; proven = those frees only where address reuse proves them; a repair "
           f"beyond the proven one by over {REPAIR_BOUND:.0%} of the peak fails the row")
     if savings:
         print()

@@ -664,8 +664,9 @@ class _Flash(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # the kernel's own buffers: the same assumption the templates make, from one place
         # (traced/kernel_workspace.py) -- rows that depend on it say so (kernel_workspace.ASSUMED)
+        buffers = flash_attention_backward_workspace(s, b, a, k.shape[2], d, q.element_size())
         workspace = [torch.empty(shape, dtype=q.dtype if eb == q.element_size() else torch.float32)
-                     for _, shape, eb in flash_attention_backward_workspace(s, b, a, k.shape[2], d, q.element_size())]
+                     for _, shape, eb in buffers]
         del workspace
         return dq, dk, dv
 

@@ -16,10 +16,10 @@ by job on Paddle's executor and estimated by `pipemem.estimate(mode="paddle")`
 (pipemem/validation/paddle_runs/paddlenlp_cases.py); they need the paddlenlp interpreter
 ($PIPEMEM_PADDLENLP_PYTHON).
 
-The paddlenlp-legacy-* cases are the same PaddleNLP runs as Paddle's pipeline-memory-estimator pull request ran them: legacy IR,
-built by paddlepaddle 2.6's pipeline passes ($PIPEMEM_PADDLE26_PYTHON), compared on this
-Paddle's legacy executor with Paddle's estimator beside pipemem
-(pipemem/validation/paddle_runs/paddlenlp_legacy.py).
+The paddlenlp-legacy-* cases are the same PaddleNLP runs as Paddle's pipeline-memory-estimator
+pull request ran them: legacy IR, built by paddlepaddle 2.6's pipeline passes
+($PIPEMEM_PADDLE26_PYTHON), compared on this Paddle's legacy executor with Paddle's estimator
+beside pipemem (pipemem/validation/paddle_runs/paddlenlp_legacy.py).
 
 The -pir cases are the same models built as PIR programs (Paddle 3's default IR). PIR
 programs cannot be measured per sub-program (no py_func op in PIR), so each is compared

@@ -718,8 +718,8 @@ def markdown(result: dict) -> str:
              "(real training runs with their configs and measured peak memory). Regenerate with:", "",
              f"    {result['command']}", "",
              "Truth: measured -- real GPU runs, each number measured by the people who ran them with "
-             "the metric its row names; the records and their sources are in `bench/data/published_runs.jsonl` "
-             "(fields: `bench/data/README.md`).", "",
+             "the metric its row names; the records and their sources are in "
+             "`bench/data/published_runs.jsonl` (fields: `bench/data/README.md`).", "",
              f"({s['seconds']:.0f} s here; template mode, plus traced mode for single-GPU compared records "
              "when `--traced` is given, and PaddleNLP's own programs for the Paddle records with `--exact`, "
              "with $PIPEMEM_PADDLENLP_PYTHON naming a Python that has paddlenlp 2.8.1.)", "",
@@ -771,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", help="write the markdown table (or JSON with --json) to this file")
-    ap.add_argument("--records", type=Path, help="records, one JSON object a line (default: bench/data/published_runs.jsonl)")
+    ap.add_argument("--records", type=Path,
+                    help="records, one JSON object a line (default: bench/data/published_runs.jsonl)")
     ap.add_argument("--ids", help="comma-separated record ids (default: all)")
     ap.add_argument("--traced", action="store_true",
                     help="also trace the single-GPU compared records (needs torch + transformers; ~10 s each)")
