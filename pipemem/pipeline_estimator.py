@@ -1,10 +1,11 @@
-"""The seed's API (Paddle's `PipelineMemoryEstimator`, shared/seeds/) over pipemem IR programs.
+"""Paddle's `PipelineMemoryEstimator` API (as proposed in Paddle's pipeline-memory-estimator pull
+request) over pipemem IR programs.
 
-Same calls, without the seed's defects (FINDINGS.md §1a):
-* storages carried in from *any* earlier program are alive on entry (the seed only looks at
+Same calls, without that first version's defects:
+* storages carried in from *any* earlier program are alive on entry (Paddle's version only looks at
   the adjacent previous program);
 * estimating does not mutate stored state, so the same call gives the same answer twice;
-* unknown dimensions are an error (the seed counts -1 as 1), bool is 1 byte (the seed: 4);
+* unknown dimensions are an error (Paddle's version counts -1 as 1), bool is 1 byte (it: 4);
 * views and in-place results share their base's storage; op workspaces count.
 """
 
@@ -40,7 +41,7 @@ class PipelineMemoryEstimator:
 
     def estimate_memory(self, program: Program, program_type: str, dist_context=None) -> tuple[int, int]:
         """(net change, peak above the start) of `program` run as `program_type`.
-        `dist_context` is accepted for signature compatibility with the seed; shapes in the
+        `dist_context` is accepted for signature compatibility with Paddle's version; shapes in the
         IR are already the local (per-rank) ones."""
         if program_type not in self.type_to_skip_gc_vars:
             raise UserError(f"call set_program_skip_gc_vars before estimating a {program_type!r} program")
@@ -59,5 +60,5 @@ class PipelineMemoryEstimator:
         return self.type_to_program[program_type].param_bytes()
 
     def get_increase_memory(self, program_type: str) -> int:
-        """Bytes this type keeps for later types (the seed's `_get_increase_memory`)."""
+        """Bytes this type keeps for later types (Paddle's `_get_increase_memory`)."""
         return sum(self.type_to_skip_gc_vars[program_type].values())

@@ -1,7 +1,6 @@
 """Other tools' configurations -> pipemem model + plan, read the way each tool reads them."""
 
 import shlex
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,8 @@ from pipemem.errors import UserError
 from pipemem.model import arch_from_hf_config
 from pipemem.presets import load_model_config
 
-SEED = Path("/work/shared/seeds/paddle-pr-pipeline-memory-estimator.txt")
+# The launch line of PaddleNLP's auto-parallel Llama pretraining with a 1F1B pipeline, as Paddle's
+# pipeline-memory-estimator pull request runs it (run_pretrain_auto_static.py, 4 layers, pp 4).
 SEED_LINE = """python -u -m paddle.distributed.launch \\
     --gpus "0,1,2,3" \\
     --log_dir "output/$task_name""_log" \\
@@ -61,14 +61,6 @@ SEED_LINE = """python -u -m paddle.distributed.launch \\
 
 def seed_tokens() -> list[str]:
     return shlex.split(SEED_LINE)
-
-
-def test_seed_line_is_the_one_in_the_seed_file():
-    if not SEED.exists():
-        pytest.skip("shared seeds not present")
-    text = SEED.read_text()
-    body = text[text.index("python -u -m paddle.distributed.launch"):text.index("想要复现")]
-    assert shlex.split(body) == seed_tokens()
 
 
 def test_paddlenlp_seed_line():

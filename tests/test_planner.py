@@ -352,7 +352,8 @@ def test_cli_bad_input_is_one_line(argv, needle):
 
 
 def test_torchtitan_8b_fsdp_published_plan_fits():
-    """torchtitan's Llama 3.1 8B benchmark (shared/validation: torchtitan-T1-FSDP): FSDP over 8 H100
+    """torchtitan's Llama 3.1 8B benchmark (bench/data/published_runs.jsonl: torchtitan-T1-FSDP): FSDP
+    over 8 H100
     (96 GB class), seq 8192, local batch 2, selective activation checkpointing; it ran."""
     res = search_plans("llama3-8b", _target(8, "h100-94g"), 8192, 16,
                        SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}))

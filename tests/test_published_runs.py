@@ -1,7 +1,6 @@
 """bench/validate_published.py: published-run records -> pipemem plans, checked field by field.
 
-The records below are copies of seven lines of shared/validation/published_public.jsonl (their
-`quote`, `source` and `arch_source` text dropped), so the test runs without the shared folder.
+The records are seven of bench/data/published_runs.jsonl, the file the bench script reads.
 Every expectation is read off the record's own fields (parallelism, batch, precision text,
 framework), never from pipemem's output.
 """
@@ -19,15 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 import pipemem.validation.published as V  # noqa: E402
 
-RECORDS_JSONL = r"""{"id": "torchtitan-T1-FSDP", "model": {"name": "Llama 3.1 8B (torchtitan flavor 8B)", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "tied_embeddings": false, "norm": "RMSNorm", "act": "SwiGLU"}, "seq_len": 8192, "micro_batch": 2, "global_batch": 16, "grad_accum": 1, "dtype": "bf16", "framework": "torchtitan (FSDP2 / DTensor)", "mixed_precision": "bf16 compute; FSDP2 MixedPrecisionPolicy param=bf16, reduce=fp32 (config defaults mixed_precision_param=bfloat16, mixed_precision_reduce=float32); sharded fp32 master params", "optimizer": "AdamW (fp32 states, sharded by FSDP)", "flash_attention": "yes (F.scaled_dot_product_attention, is_causal=True)", "parallelism": {"world": 8, "dp_shard_fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_equiv": "FSDP2 full shard (ZeRO-3-like)"}, "recompute": "selective AC (benchmark text: 'Selective activation checkpointing'; default config selective_ac_option='op')", "torch_compile": false, "schedule": "n/a", "hardware": "H100 SXM-class, 96GB HBM2e, 500W limit (Grand Teton), 8 GPUs/host", "measured": {"value": 82.4, "unit": "GiB", "metric": "torch.cuda.memory_stats()['reserved_bytes.all.peak'] (torchtitan logs max_reserved GiB); footnote: 'Different PP ranks can have different peak memory usages. We take the maximum across all GPUs.'", "rank": "max over all GPUs"}, "source_estimate": null, "completeness": "high", "missing": ["seq_len not restated in benchmark file (taken from train_configs/llama3_8b.toml @9dec370: seq_len = 8192)"]}
-{"id": "megatron-vuiseng9-gpt2xl-1gpu", "model": {"name": "GPT2-XL (Megatron GPT)", "layers": 48, "hidden": 1600, "heads": 25, "ffn": 6400, "vocab": "GPT-2 BPE (padded by Megatron)", "params_B": 1.56}, "seq_len": 1024, "micro_batch": 1, "global_batch": 1, "grad_accum": 1, "dtype": "bf16 likely (theoretical uses 18 B/param: 26699.47 MB / 1.5554B params)", "framework": "Megatron-LM main f4fa7d6b era, NGC pytorch:25.06", "optimizer": "Adam (non-distributed)", "flash_attention": "not stated", "parallelism": {"world": 1}, "recompute": "not stated", "schedule": "n/a", "hardware": "H100 80GB HBM3", "measured": {"value": 33321, "unit": "MiB", "metric": "nvidia-smi used memory (gpustat line '33321 / 81559 MB')", "rank": "GPU 0"}, "source_estimate": {"value": 29485.06, "unit": "MB", "what": "Megatron 'Theoretical memory footprints: weight and optimizer=26699.47 MB, activation=2785.59 MB, total=29485.06 MB' (activation 'without SP')"}, "completeness": "low", "missing": ["nvidia-smi includes CUDA context + allocator cache", "exact launch args (Makefile target gpt2-xl-1gpu-bs1)"]}
-{"id": "megatron-fgo-qwen3-30b-a3b-pp1vpp1-seq8192-full", "model": {"name": "Qwen3-30B-A3B ('Same as Qwen-30B model structure')", "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "ffn_dense": 6144, "moe_ffn": 768, "experts": 128, "topk": 8, "vocab": "151936 (standard Qwen3; not restated)"}, "seq_len": 8192, "micro_batch": 1, "global_batch": 256, "grad_accum": "not derivable (world size not stated)", "dtype": "bf16 presumably (not restated for this table)", "framework": "Megatron-LM mcore (2025-10)", "optimizer": "Adam (distributed optimizer presumably)", "flash_attention": "TE fused attention presumably", "parallelism": {"tp": 1, "pp": 1, "vpp": 1, "ep": 8, "cp": 1, "world": "not stated"}, "recompute": "full", "offload": "none", "schedule": "1F1B", "hardware": "H100 (80GB)", "measured": {"value": 59566, "unit": "MB", "metric": "'Memory (MB)' column (presumably Megatron report_memory max allocated; not stated)", "rank": "not stated"}, "source_estimate": null, "completeness": "medium", "missing": ["world size / DP", "metric definition", "dtype"]}
-{"id": "paddle-pr62865-1F1B-rank0", "model": {"name": "PaddleNLP Llama2 (facebook/llama-7b dims, hidden_layer=4)", "layers": 4, "hidden": 4096, "heads": 32, "kv_heads": 32, "ffn": 11008, "vocab": 32000}, "seq_len": "not stated (sibling PR #63402 script uses --max_seq_length 2048)", "micro_batch": 1, "global_batch": "not stated", "grad_accum": "not stated (#63402 script: 8)", "dtype": "not stated (#63402 script: --fp16 0 ... i.e. possibly fp32)", "framework": "Paddle static-graph auto-parallel (PaddleNLP run_pretrain_auto_static.py)", "optimizer": "AdamW (PaddleNLP default)", "flash_attention": "not stated (#63402 script: --use_flash_attention 0)", "parallelism": {"world": 4, "pp": 4, "dp": 1, "tp": 1}, "recompute": "not stated", "schedule": "1F1B", "hardware": "4x RTX 3090 24GB", "measured": {"value": 12605.69, "unit": "MB", "metric": "max_memory_allocated (Paddle)", "rank": "card 0 = PP stage 0", "also": {"max_memory_reserved": 13405.76}}, "source_estimate": null, "completeness": "low", "missing": ["seq_len", "precision", "global batch / #microbatches", "exact model dims"]}
-{"id": "llmc-pr309-gpt2-124M-b32-z0", "model": {"layers": 12, "hidden": 768, "heads": 12, "ffn": 3072, "vocab": "50257 (llm.c pads to 50304)", "name": "gpt2-124M"}, "seq_len": "1024 (llm.c default T)", "micro_batch": 32, "global_batch": 128, "grad_accum": 1, "dtype": "bf16 activations/params + fp32 master copy of params (log: 'allocated 118 MiB for master copy of params')", "framework": "llm.c train_gpt2cu (CUDA/C, static buffers, no autograd)", "optimizer": "AdamW (fp32 m, v)", "flash_attention": "cuDNN attention (USE_CUDNN=1)", "parallelism": {"world": 4, "dp": 4, "zero": 0}, "recompute": "llm.c default at the time (not stated)", "schedule": "n/a", "hardware": "4 GPUs (karpathy's box; type not stated, A100/H100 class)", "measured": {"value": 16661, "unit": "MiB", "metric": "'MiB/GPU' printed by llm.c (device memory in use)", "rank": "per GPU"}, "source_estimate": null, "completeness": "medium", "missing": ["GPU type", "llm.c memory layout differs from PyTorch (static activation buffers)"], "breakdown_printed": null}
-{"id": "torchtitan-T1-FSDP_torch.compile_Float8", "model": {"name": "Llama 3.1 8B (torchtitan flavor 8B)", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "tied_embeddings": false, "norm": "RMSNorm", "act": "SwiGLU"}, "seq_len": 8192, "micro_batch": 2, "global_batch": 16, "grad_accum": 1, "dtype": "bf16 + Float8 linears (torchao, dynamic scaling)", "framework": "torchtitan (FSDP2 / DTensor)", "mixed_precision": "bf16 compute; FSDP2 MixedPrecisionPolicy param=bf16, reduce=fp32 (config defaults mixed_precision_param=bfloat16, mixed_precision_reduce=float32); sharded fp32 master params", "optimizer": "AdamW (fp32 states, sharded by FSDP)", "flash_attention": "yes (F.scaled_dot_product_attention, is_causal=True)", "parallelism": {"world": 8, "dp_shard_fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_equiv": "FSDP2 full shard (ZeRO-3-like)"}, "recompute": "selective AC (benchmark text: 'Selective activation checkpointing'; default config selective_ac_option='op')", "torch_compile": true, "schedule": "n/a", "hardware": "H100 SXM-class, 96GB HBM2e, 500W limit (Grand Teton), 8 GPUs/host", "measured": {"value": 76.8, "unit": "GiB", "metric": "torch.cuda.memory_stats()['reserved_bytes.all.peak'] (torchtitan logs max_reserved GiB); footnote: 'Different PP ranks can have different peak memory usages. We take the maximum across all GPUs.'", "rank": "max over all GPUs"}, "source_estimate": null, "completeness": "high", "missing": ["seq_len not restated in benchmark file (taken from train_configs/llama3_8b.toml @9dec370: seq_len = 8192)"]}
-{"id": "colossal-lightning-gpt2xl-ddp-amp", "model": {"name": "GPT2-XL (HF GPT2LMHeadModel)", "layers": 48, "hidden": 1600, "heads": 25, "kv_heads": 25, "ffn": 6400, "vocab": 50257, "tied_embeddings": true}, "seq_len": 1024, "micro_batch": 6, "global_batch": 24, "grad_accum": 1, "dtype": "fp16 AMP (PyTorch Lightning precision=16; fp32 weights + fp32 Adam)", "framework": "PyTorch Lightning DDP (static_graph=True)", "optimizer": "torch.optim.Adam", "flash_attention": "no (HF GPT2 eager attention, 2022)", "parallelism": {"world": 4, "dp": 4, "zero": 0}, "recompute": "HF gradient_checkpointing_enable() (default checkpoint=True unless --no_activation_ckpt)", "schedule": "n/a", "hardware": "4x A100 40GB", "measured": {"value": 37905.422, "unit": "MB (MiB: /1024**2)", "metric": "torch.cuda.max_memory_allocated() at on_fit_end", "rank": "rank 0"}, "source_estimate": null, "completeness": "high", "missing": ["exact library versions"]}
-"""
-RECORDS = {r["id"]: r for r in map(json.loads, RECORDS_JSONL.strip().splitlines())}
+IDS = ("torchtitan-T1-FSDP", "megatron-vuiseng9-gpt2xl-1gpu", "megatron-fgo-qwen3-30b-a3b-pp1vpp1-seq8192-full",
+       "paddle-pr62865-1F1B-rank0", "llmc-pr309-gpt2-124M-b32-z0", "torchtitan-T1-FSDP_torch.compile_Float8",
+       "colossal-lightning-gpt2xl-ddp-amp")
+ALL = {r["id"]: r for r in V.load_records()}
+RECORDS = {i: ALL[i] for i in IDS}
 
 
 def test_torchtitan_fsdp_record_gives_fsdp_plan():
@@ -119,12 +114,22 @@ def test_units_and_metrics():
     assert V.metric_of({"metric": hedged}) == "unknown"
 
 
-def test_bench_script_runs_on_a_subset(tmp_path):
-    path = tmp_path / "records.jsonl"
-    path.write_text(RECORDS_JSONL.strip() + "\n", encoding="utf-8")
+def test_records_file_is_well_formed():
+    # one object a line, unique ids, each naming its source, the quote, and a value with its unit and metric
+    lines = (ROOT / "bench" / "data" / "published_runs.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert len(records) == len(ALL) == len(lines)
+    for r in records:
+        assert r["source"] and r["quote"] and isinstance(r["missing"], list), r["id"]
+        m = r["measured"]
+        assert m["value"] > 0 and m["unit"] and m["metric"], r["id"]
+
+
+def test_bench_script_runs_on_a_subset():
+    # the script's default records are the project's own file (nothing outside the checkout)
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "validate_published.py"), "--json",
-                          "--records", str(path)], capture_output=True, text=True, timeout=60)
+                          "--ids", ",".join(IDS)], capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
     assert elapsed < 20
@@ -182,3 +187,22 @@ def test_torchtune_records_use_torchtunes_modules_of_their_date(source, legacy):
     est = V.evaluate(dict(TORCHTUNE, source=source))
     other = V.evaluate(dict(TORCHTUNE, source="x (2025-02-01)" if legacy else "x (2024-01-01)"))
     assert (est["estimated_bytes"] < other["estimated_bytes"]) == legacy
+
+
+def test_committed_table_is_what_the_records_give_now():
+    # docs/published_runs.md is generated (its first lines name the command); the estimate column
+    # and the status are template mode's, which this re-runs (~15 s): a change to the estimator
+    # that moves a published row shows here until the table is regenerated
+    import re
+    table = (ROOT / "docs" / "published_runs.md").read_text(encoding="utf-8")
+    committed = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 9 and cells[0] in ALL:
+            committed[cells[0]] = (cells[5], cells[7])
+    assert set(committed) == set(ALL)
+    result = V.run(list(ALL.values()), None, False, False)
+    gib = lambda b: "" if b is None else f"{b / 2**30:.2f} GiB"   # noqa: E731 -- the table's format
+    now = {r["id"]: (gib(r["estimated_bytes"]), r["status"]) for r in result["rows"]}
+    drift = {i: (committed[i], now[i]) for i in ALL if committed[i] != now[i]}
+    assert not drift, f"regenerate docs/published_runs.md ({re.sub(' +', ' ', V.COMMAND)}): {drift}"

@@ -29,3 +29,17 @@ def test_design_doc_is_linked_and_readme_maps_schedule_names():
 
     for name in SCHEDULE_NAMES:
         assert f"`{'auto' if name == 'ZBAuto' else name}`" in text, name
+
+
+def test_paths_named_in_the_docs_exist():
+    # a repository path named in any user doc (README, docs/, bench/data) is there; the one
+    # exception is validation/cuda/, where `pipemem validate cuda` writes its results
+    docs = [ROOT / "README.md", ROOT / "bench" / "data" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        assert "../shared" not in text and "/work/" not in text, doc.name
+        for path in set(re.findall(r"(?<![\w/.])((?:pipemem|bench|tests|docs|\.ci)/[\w./-]*\w)", text)):
+            if not (ROOT / path).exists() and not any((ROOT / path).parent.glob((ROOT / path).name + "*")):
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing

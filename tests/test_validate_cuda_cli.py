@@ -247,13 +247,20 @@ def test_run_writes_one_file_and_prints_the_table(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(cuda, "environment", lambda: env)
     monkeypatch.setattr(cuda, "measure_case", fake_measure)
     out = tmp_path / "run.json"
-    assert main(["validate", "cuda", "--case", "mixtral", "--case", "pp2-1F1B", "--out", str(out)]) == 0
+    # the fake measurements (1 GiB on every rank) are not the estimates: the verdict fails, exit 1
+    assert main(["validate", "cuda", "--case", "mixtral", "--case", "pp2-1F1B", "--out", str(out)]) == 1
     assert [d for _, d in measured] == ["cuda", "cuda"]
     doc = json.loads(out.read_text())
+    assert doc["truth"] == "measured" and doc["tolerance"] == cuda.TOLERANCE and doc["passed"] is False
+    headline = [r for c in doc["cases"] for r in c["rows"] if r["mode"] == c["estimate_mode"]]
+    assert sorted(doc["beyond_tolerance"]) == sorted(r["name"] for r in headline
+                                                     if abs(r["rel_error"]) > cuda.TOLERANCE)
+    assert doc["beyond_tolerance"]
     assert doc["gpu"]["name"] == "Test GPU" and [c["name"] for c in doc["cases"]] == [n for n, _ in measured]
     for c in doc["cases"]:
         assert set(c["estimates"]) == {"traced", "templates"}
         assert all(set(r["estimated_bytes"]) == {"traced", "templates"} for r in c["ranks"])
     text = capsys.readouterr().out
     assert "Test GPU" in text and f"wrote {out}" in text
+    assert "truth measured" in text and "FAIL" in text
     assert sum(line.startswith("llama-h2048") for line in text.splitlines()) == 2   # one row per pp rank

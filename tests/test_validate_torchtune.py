@@ -43,6 +43,7 @@ def test_validate_torchtune_ci_cases_agree():
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
     assert {r["case"] for r in d["cases"]} == set(CI_CASES)
+    assert (d["truth"], d["tolerance"], d["passed"]) == ("traced", TOLERANCE, True)
     for r in d["cases"]:
         assert r["measured_bytes"] > 0 and abs(r["rel_error"]) <= TOLERANCE, r
 

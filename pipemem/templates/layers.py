@@ -11,7 +11,8 @@ programs. What each node saves follows the PyTorch / Megatron autograd functions
 * dropout (native_dropout on CUDA): a bool mask; residual add: nothing;
 * eager attention: q, k for QK^T, the softmax output, the dropout mask and output, v;
 * flash attention: q, k, v, out and the fp32 logsumexp; backward allocates an fp32 dq
-  accumulator and, with GQA, full-head dk/dv before reducing them (kernel workspace);
+  accumulator and, with GQA, full-head dk/dv before reducing them (kernel workspace, assumed
+  from flash-attention's source: traced/kernel_workspace.py);
 * collectives write comm_buffer tensors; Megatron's sequence-parallel linear keeps the
   sharded input and all-gathers it again in backward (the others: see conventions.py).
 
@@ -26,6 +27,7 @@ from functools import lru_cache
 from ..features import NONE as NO_FEATURES
 from ..features import Features, features_of
 from ..ir import dtype_bytes
+from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
 from .conventions import CONVENTIONS, Convention, padded_vocab
 from .tape import COMM, PARAM, BwdOp, Tape
 
@@ -720,9 +722,9 @@ class _Gen:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
             ws_f = 2 * kv_bytes if ring else 0            # ring: KV chunk in flight, double-buffered
-            ws_i = s * b * a * d * 4 + b * a * s * 4      # fp32 dq accumulator + softmax_d
-            if kv < a:
-                ws_i += 2 * s * b * a * d * eb            # full-head dk, dv before the GQA sum
+            # fp32 dq accumulator + softmax_d, with GQA full-head dk, dv before the group sum:
+            # assumed from flash-attention's source (traced/kernel_workspace.py), not traced
+            ws_i = flash_attention_backward_workspace_bytes(s, b, a, kv, d, eb)
             if ring:
                 ws_i += 4 * kv_bytes                      # KV and dKV chunks in flight
             self.t.node("flash_attn", (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse),

@@ -48,6 +48,10 @@ so by default it saves what CPU kernels save. Two policies:
      whose autograd node saves the input, the fp32 rstd [rows, 1] and the weight (the CPU
      build decomposes it into fp32 ops that save an fp32 copy and the normalised fp32
      tensor). Traced as that kernel: output and rstd allocated, input/rstd/weight saved.
+
+What a kernel allocates *inside* itself (flash attention's backward workspace...) no trace can
+see; those bytes are assumed from the kernels' sources in one place, `kernel_workspace.py`,
+shared by the templates and the traced stand-ins of validation/megatron_trace.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 
 * `pipemem validate <target>`: each target is a module here (cpu.py, dist.py, paddle.py,
   cuda.py) defining `register(subparsers)` and `run(args) -> int`; `cmd_validate` finds them
-  through TARGETS. Every target estimates through `pipemem.estimate` and reports
-  `compare.CaseRow`s (one `rel_error`).
+  through TARGETS. Every target estimates through `pipemem.estimate`, reports
+  `compare.CaseRow`s (one `rel_error`), states its `TRUTH` (measured: a real run; traced: the
+  framework's code on fake tensors) and `TOLERANCE`, and exits 1 beyond it (`compare.report`,
+  `compare.exit_code`).
 * `distributed/`: the models and launch helpers of the gloo runs (`validate dist`).
 * `paddle_runs/`: the Paddle cases, executor measurements and the comparison worker.
 * `published.py`: the published measured runs (bench/validate_published.py).

@@ -4,8 +4,8 @@ Each case builds a tiny HF causal LM, runs the default training step for real on
 twice, the second under `torch.profiler.profile(profile_memory=True)` (the steady state
 users measure: optimizer states exist, gradients were set to None), and sums the allocation
 events in time order (read from `prof.profiler.kineto_results.experimental_event_tree()`,
-FINDINGS.md §4). Measured peak = bytes of parameters, buffers, inputs and optimizer states
-+ the highest running sum;
+an allocation event per block the CPU allocator hands out or takes back). Measured peak =
+bytes of parameters, buffers, inputs and optimizer states + the highest running sum;
 net after forward = the running sum when the backward starts. The estimate is the traced step
 with `--kernel-policy cpu` (the kernels the real run uses). Seconds per case on 2 cores.
 """
@@ -17,7 +17,12 @@ import json
 import time
 from dataclasses import dataclass
 
-from .compare import CaseRow, max_abs_rel_error
+from .compare import CaseRow, exit_code, report
+
+TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+# A real step measured by the profiler against a trace with the kernels it runs: the same
+# tensors, so a row may differ only by a few scalars (0.1 %).
+TOLERANCE = 1e-3
 
 EXAMPLE = """\
 examples:
@@ -176,7 +181,8 @@ def register(sub) -> None:
                        description="Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
                                    "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
                                    "bytes with the profiler, and compare with traced mode "
-                                   "(--kernel-policy cpu). Exit 1 if any case is off by more than 0.1%.",
+                                   "(--kernel-policy cpu). Exit 1 if any case is off by more than "
+                                   f"{TOLERANCE:.1%}.",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
@@ -199,11 +205,10 @@ def run(args) -> int:
 
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cpu") as bar:
         rows = run_cases(cases, bar)
-    worst = max_abs_rel_error(rows) or 0.0
     if args.json:
-        print(json.dumps({"target": "cpu", "kernel_policy": "cpu", "cases": [r.to_dict() for r in rows],
-                          "max_abs_rel_error": worst}, indent=1))
+        print(json.dumps(report("cpu", TRUTH, TOLERANCE, rows, kernel_policy="cpu"), indent=1))
     else:
         print_summary(rows, columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
-                      signed=lambda name: name.endswith("net_after_forward"))
-    return 0 if worst <= 1e-3 else 1
+                      signed=lambda name: name.endswith("net_after_forward"), target="cpu", truth=TRUTH,
+                      tolerance=TOLERANCE)
+    return exit_code(rows, TOLERANCE)

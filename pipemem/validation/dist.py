@@ -14,7 +14,7 @@ Runs (pipemem/validation/distributed/models.py; tiny HF Llama decoder layers, fp
 
 Each rank is a process (`python -m pipemem.validation.dist_worker`, MASTER_ADDR=127.0.0.1, a
 free port) that starts `torch.profiler.profile(profile_memory=True)` before it builds its
-model and sums the allocation events in time order (FINDINGS.md §4): measured = the highest
+model and sums the allocation events in time order: measured = the highest
 running sum during the step (params, buffers, inputs and runtime buffers included).
 
 Estimates: every number is `pipemem.estimate(config, mode="traced", kernel_policy="cpu",
@@ -38,7 +38,7 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from .compare import CaseRow, add_case_options, case_names, max_abs_rel_error, rel_error
+from .compare import CaseRow, add_case_options, case_names, exit_code, rel_error, report
 from .rank_processes import free_port
 
 EXAMPLE = """\
@@ -64,6 +64,21 @@ def _pp_case(schedule: str, vpp: int, pp: int, m: int) -> dict:
     return {"name": f"pp{pp}-{schedule}-m{m}", "kind": "pp", "schedule": schedule, "pp": pp, "vpp": vpp,
             "microbatches": m, "micro_batch": 1, "seq_len": SEQ, "model": LLAMA, "world": pp}
 
+
+# A rank measures its peak from the profiler's allocation events. The profiler misses a free made
+# on a gloo worker thread; dist_worker.repair_missed_frees puts each such free back at the first
+# collective wait after the block's allocation, or where its address is allocated again if earlier
+# (the allocator cannot hand out a block in use). Each row reports the peak as recorded
+# (`raw_measured_bytes`, an upper bound), with the missed frees where reuse proves them
+# (`proven_measured_bytes`) and repaired (`measured_bytes`, at least the raw peak minus
+# `missed_free_bytes`). The part of the repair the events do not prove (proven minus repaired:
+# frees moved from the address's reuse back to the collective's wait) may lower a peak by at most
+# this; beyond it the row is not a pass (under a load of 4-5 on 2 cores the TP ranks' whole
+# repairs, raw minus repaired, were 1.8 % and 4.5 %, the pipelines' and FSDP's 0).
+REPAIR_BOUND = 0.05
+TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+# Real runs measured by the profiler against traces with the kernels they run: within 1 %.
+TOLERANCE = 0.01
 
 # gloo threads race on the TP collectives' frees (docs/ACCURACY.md): more repeats, whose
 # smallest peak is the program-order one; 3 still left one rank +0.9 % once.
@@ -267,13 +282,33 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
         for c in group:
             for r, est in sorted(estimates[c["name"]].items()):
                 meas = measured[c["name"], r]
-                rows.append(CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
+                row = CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
                     "case": c["name"], "rank": r, "peak_at": est["peak_at"], "static_bytes": est["static_bytes"],
                     "measured_baseline_bytes": meas.get("baseline_bytes"),
-                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats"),
+                    "raw_measured_bytes": meas.get("raw_measured_bytes"),
+                    "proven_measured_bytes": meas.get("proven_measured_bytes"),
+                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats") or 1,
                     "missed_free_bytes": meas.get("missed_free_bytes", 0),
-                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")}))
+                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")})
+                check_repair(row)
+                rows.append(row)
     return rows
+
+
+def check_repair(row: CaseRow) -> None:
+    """Marks the row `unreliable` when the unproven part of the repair of missed frees lowered its
+    measured peak by more than REPAIR_BOUND: a measurement resting that much on where the repair
+    put frees the profiler did not see is not counted as a pass."""
+    raw, proven = row.extra.get("raw_measured_bytes"), row.extra.get("proven_measured_bytes")
+    if raw is None or not row.measured_bytes:
+        return
+    row.extra["repair_rel"] = (raw - row.measured_bytes) / row.measured_bytes
+    assumed = (proven if proven is not None else raw) - row.measured_bytes
+    row.extra["assumed_repair_rel"] = assumed / row.measured_bytes
+    if assumed > REPAIR_BOUND * row.measured_bytes:
+        row.extra["unreliable"] = (f"the repair of frees missed on gloo's threads lowered the peak by "
+                                   f"{row.extra['assumed_repair_rel']:.2%} more than address reuse proves "
+                                   f"(bound {REPAIR_BOUND:.0%})")
 
 
 def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
@@ -334,18 +369,21 @@ def run(args) -> int:
         print(f"pipemem: validate dist: {e}", file=sys.stderr)
         return 1
     add_savings(rows, cases)
-    worst = max_abs_rel_error(rows)
     savings = [r for r in rows if "saving_measured_bytes" in r.extra]
     worst_saving = max((abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
                        default=None)
     if args.json:
-        print(json.dumps({"target": "dist", "backend": "gloo", "kernel_policy": "cpu",
-                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst,
-                          "max_abs_saving_rel_error": worst_saving}, indent=1))
-        return 0
-    print_summary(rows, columns=(("peak_at", "peak at"),), what="rank measurements")
+        print(json.dumps(report("dist", TRUTH, TOLERANCE, rows, backend="gloo", kernel_policy="cpu",
+                                repair_bound=REPAIR_BOUND, max_abs_saving_rel_error=worst_saving), indent=1))
+        return exit_code(rows, TOLERANCE)
+    print_summary(rows, columns=(("raw_measured_bytes", "raw measured"), ("proven_measured_bytes", "proven"),
+                                 ("repeats", "runs"), ("peak_at", "peak at")),
+                  what="rank measurements", target="dist", truth=TRUTH, tolerance=TOLERANCE)
+    print("measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured "
+          "= the same run as recorded; proven = those frees only where address reuse proves them; a repair "
+          f"beyond the proven one by over {REPAIR_BOUND:.0%} of the peak fails the row")
     if savings:
         print()
         print_summary([CaseRow(r.name, r.extra["saving_measured_bytes"], r.extra["saving_estimated_bytes"])
                        for r in savings], title="saving (vs the case without)", what="rank savings")
-    return 0
+    return exit_code(rows, TOLERANCE)

@@ -6,7 +6,7 @@ with RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT in the environment.
 JSON list of case dicts (see `dist.py`); every rank runs every case in order and writes one
 JSON line per case to OUT.<rank>.
 
-Ground truth (FINDINGS.md §4): measured = the bytes alive before the step (every CPU storage
+Ground truth: measured = the bytes alive before the step (every CPU storage
 Python can reach: params, buffers, inputs) + the highest running sum of the step's
 `torch.profiler` allocation events (optimizer states, pipelining buffers, activations, gloo's
 copies). `measured_step` explains the two repairs that gloo's worker threads make necessary.
@@ -57,12 +57,14 @@ def allocation_events(prof):
     return events, waits, mark
 
 
-def repair_missed_frees(events, waits=()):
+def repair_missed_frees(events, waits=(), at_reuse: bool = False):
     """The profiler records a free only on a thread that profiles. A block whose last reference
     dies on a gloo worker thread (a collective's input, output or internal copy, held by its
     Work until the worker lets go) is freed without an event. Such a block is freed at the end
     of the first collective wait after its allocation (the Work has completed) or, if earlier,
     when its address is allocated again (the allocator cannot hand out a block in use).
+    With `at_reuse` each free goes where the address is allocated again, the latest it can have
+    happened: what the events prove, an upper bound of the true running sum.
     Returns the events with those frees inserted, and the bytes repaired."""
     import bisect
     live: dict[int, tuple[int, int]] = {}
@@ -70,7 +72,7 @@ def repair_missed_frees(events, waits=()):
 
     def repair(ptr: int, size: int, t_alloc: int, t_reuse: int) -> None:
         i = bisect.bisect_right(waits, t_alloc)
-        t = min(waits[i], t_reuse) if i < len(waits) else t_reuse
+        t = min(waits[i], t_reuse) if i < len(waits) and not at_reuse else t_reuse
         inserted.append((t, -size, ptr, "<free on another thread>"))
 
     for t, size, ptr, _op in events:
@@ -87,20 +89,10 @@ def repair_missed_frees(events, waits=()):
     return out, missed
 
 
-def peak_from_profile(prof, baseline: int) -> dict:
-    """baseline + the highest running sum of the step's allocation events."""
-    events, waits, mark = allocation_events(prof)
-    events, missed = repair_missed_frees(events, waits)
-    t0 = mark[0] if mark else (events[0][0] if events else 0)
-    debug = os.environ.get("PIPEMEM_DIST_DEBUG")
-    if debug:    # the whole allocation timeline, to compare with a trace op by op
-        with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
-            c = baseline
-            for t, sz, ptr, op in events:
-                c += sz
-                f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
-    # what the profile saw allocated before the step mark (a runtime built inside it, e.g.
-    # DDP's buckets) and still alive is held when the step starts: it counts, its transients not
+def _running_peak(events, t0: int) -> tuple[int, int, int]:
+    """(peak, its time, end) of the running sum of `events` from `t0`: what was allocated before
+    `t0` and is still alive (a runtime built inside the profile, e.g. DDP's buckets) is held when
+    the step starts; its transients are not counted."""
     cur = sum(sz for t, sz, _ptr, _op in events if t < t0)
     peak, peak_t = cur, t0
     for t, sz, _ptr, _op in events:
@@ -109,7 +101,31 @@ def peak_from_profile(prof, baseline: int) -> dict:
         cur += sz
         if cur > peak:
             peak, peak_t = cur, t
-    return {"measured_bytes": int(baseline + peak), "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
+    return peak, peak_t, cur
+
+
+def peak_from_profile(prof, baseline: int) -> dict:
+    """baseline + the highest running sum of the step's allocation events, with the frees missed
+    on gloo's threads repaired (`measured_bytes`), as recorded (`raw_measured_bytes`: an upper
+    bound, since a missing free can only raise a running sum) and with each missed free only
+    where its address is reused (`proven_measured_bytes`: what the events prove). The repair
+    lowers the peak by at most the bytes it frees (`missed_free_bytes`)."""
+    raw_events, waits, mark = allocation_events(prof)
+    events, missed = repair_missed_frees(raw_events, waits)
+    t0 = mark[0] if mark else (events[0][0] if events else 0)
+    debug = os.environ.get("PIPEMEM_DIST_DEBUG")
+    if debug:    # the whole allocation timeline, to compare with a trace op by op
+        with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
+            c = baseline
+            for t, sz, ptr, op in events:
+                c += sz
+                f.write(f"{(t - t0) / 1e6:.3f}\t{sz}\t{c}\t{op}\t{ptr}\n")
+    peak, peak_t, cur = _running_peak(events, t0)
+    raw_peak = _running_peak(raw_events, t0)[0]
+    proven_peak = _running_peak(repair_missed_frees(raw_events, waits, at_reuse=True)[0], t0)[0]
+    return {"measured_bytes": int(baseline + peak), "raw_measured_bytes": int(baseline + raw_peak),
+            "proven_measured_bytes": int(baseline + proven_peak),
+            "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
             "missed_free_bytes": int(missed), "n_alloc_events": len(events), "peak_at_ms": (peak_t - t0) / 1e6}
 
 
@@ -137,7 +153,7 @@ def live_tensor_bytes() -> int:
 def measured_step(result: dict, setup=None):
     """Measure the step run inside: the bytes alive before it (`live_tensor_bytes`, after a
     pause that lets gloo workers drop finished Works) plus the peak of its allocation events
-    (`torch.profiler`, FINDINGS.md §4). Fills `result`. `setup()` runs inside the profile but
+    (`torch.profiler`). Fills `result`. `setup()` runs inside the profile but
     before the step (it yields its result): what it leaves allocated, e.g. DDP's buckets that
     C++ holds out of Python's reach, counts as held when the step starts."""
     from torch.autograd.profiler import record_function

@@ -42,8 +42,19 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from .compare import CaseRow, max_abs_rel_error
+from .compare import CaseRow, exit_code, report
 from .cuda_stand_ins import Stream as _Stream
+
+TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+# A library's code traced on fake tensors against the template of the same layer: the same
+# tensors, so a row may differ by a few scalars and rounding of kept views (1 %).
+TOLERANCE = 0.01
+# Disagreements found and not modelled: shown with their reason, outside the verdict
+# (docs/ACCURACY.md, "Modern-trainer features"); estimates that meet them carry a warning.
+_GPT2_OFFLOAD = ("template low, not modelled: offloaded GPT-2 (non-gated MLP) layers hold tensors the "
+                 "template frees; estimates of such layers warn")
+KNOWN_GAPS = {"offload-torchtune/gpt2: layer forward peak": _GPT2_OFFLOAD,
+              "offload-torchtune/gpt2: layer backward peak": _GPT2_OFFLOAD}
 
 S, B = 256, 2
 LLAMA = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -755,6 +766,9 @@ def run_all(progress=None, cases=None) -> list[CaseRow]:
         rows += fn()
         if progress is not None:
             progress.done(name)
+    for r in rows:
+        if r.name in KNOWN_GAPS:
+            r.extra["known_gap"] = KNOWN_GAPS[r.name]
     return rows
 
 
@@ -790,12 +804,12 @@ def run(args) -> int:
     cases = case_list()
     with quiet_profiler_chatter(), CaseProgress([n for n, _ in cases], "validate features") as bar:
         rows = run_all(bar, cases)
-    out = {"cases": [r.to_dict() for r in rows], "max_abs_rel_error": max_abs_rel_error(rows),
-           "seconds": round(time.perf_counter() - t0, 1)}
+    seconds = round(time.perf_counter() - t0, 1)
     if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    # measured = the library's own trace, estimated = the template
-    print_summary(rows, title="validate features: reference (library trace) vs template")
-    print(f"({out['seconds']} s)")
-    return 0
+        print(json.dumps(report("features", TRUTH, TOLERANCE, rows, seconds=seconds), indent=1))
+    else:
+        # measured = the library's own code traced, estimated = the template
+        print_summary(rows, title="reference (library trace) vs template", target="features", truth=TRUTH,
+                      tolerance=TOLERANCE)
+        print(f"({seconds} s)")
+    return exit_code(rows, TOLERANCE)

@@ -31,8 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from .compare import CaseRow, max_abs_rel_error
+from ..traced.kernel_workspace import ASSUMED
+from .compare import CaseRow, exit_code, report
 
+TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+# megatron-core's step traced on fake tensors against the same flags' estimate: the same kernel
+# policy on both sides, so a row may differ only by what the convention leaves out (0.5 %).
 TOLERANCE = 0.005
 
 
@@ -210,8 +214,11 @@ def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
     est = estimate_case(case)
     common = {"rank": case.pp_rank, "measured_static_bytes": trace["static_bytes"],
               "estimated_static_bytes": est["static_bytes"]}
+    # every case's core attention is the flash stand-in, whose backward allocates the workspace
+    # the templates assume (traced/kernel_workspace.py): the peak rows rest on it, unchecked
     return [CaseRow(f"{case.name}/peak", trace["peak_bytes"], est["peak_bytes"],
-                    dict(common, measured_at=trace["peak_at"], estimated_at=est["peak_at"])),
+                    dict(common, measured_at=trace["peak_at"], estimated_at=est["peak_at"],
+                         kernel_workspace=ASSUMED)),
             CaseRow(f"{case.name}/layer_kept", trace["layer_kept_bytes"].get("0"), est["layer_kept_bytes"],
                     dict(common))]
 
@@ -271,16 +278,15 @@ def run(args) -> int:
     cases = select(getattr(args, "cases", ""))
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate megatron") as bar:
         rows = run_cases(cases, jobs=getattr(args, "jobs", 2), progress=bar)
-    worst = max_abs_rel_error(rows) or 0.0
-    ok = worst <= TOLERANCE
     if args.json:
-        print(json.dumps({"target": "megatron", "megatron_core": _version(), "tolerance": TOLERANCE,
-                          "cases": [r.to_dict() for r in rows], "max_abs_rel_error": worst, "passed": ok}, indent=1))
+        print(json.dumps(report("megatron", TRUTH, TOLERANCE, rows, megatron_core=_version()), indent=1))
     else:
         print_summary(rows, columns=(("measured_static_bytes", "static (traced)"),
-                                     ("estimated_static_bytes", "static (pipemem)")), what="rows")
-        print(f"tolerance {TOLERANCE:.1%}; megatron-core {_version()}")
-    return 0 if ok else 1
+                                     ("estimated_static_bytes", "static (pipemem)"),
+                                     ("kernel_workspace", "note")), what="rows",
+                      target="megatron", truth=TRUTH, tolerance=TOLERANCE)
+        print(f"megatron-core {_version()}")
+    return exit_code(rows, TOLERANCE)
 
 
 def _version() -> str:

@@ -28,7 +28,8 @@ with the GPU kernel's allocations and saved tensors, and nothing else:
     output [s, b, heads*d] + fp32 logsumexp [b, heads, s]; saves q, k, v, output, logsumexp;
     backward allocates dq, dk, dv and the kernel's workspace (fp32 dq accumulator, softmax
     row sums, with GQA full-head dk/dv before the group sum) -- the same workspace the
-    templates assume, not measured here;
+    templates assume, from one place (traced/kernel_workspace.py), so not checked here: the
+    rows that depend on it say "kernel workspace assumed, not checked";
   * rotary embedding (`--apply-rope-fusion`, TE's fused rope): a new output; saves nothing
     but the frequencies;
   * weight-gradient accumulation fusion (apex `fused_weight_gradient_mlp_cuda`, Megatron-LM's
@@ -86,6 +87,7 @@ import torch
 
 from ..errors import UserError
 from ..traced.capture import StorageRecorder, host_memory
+from ..traced.kernel_workspace import flash_attention_backward_workspace
 from .cuda_stand_ins import Event as _Event
 from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
@@ -660,9 +662,11 @@ class _Flash(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         s, b, a, d = q.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        workspace = [torch.empty((s, b, a, d), dtype=torch.float32), torch.empty((b, a, s), dtype=torch.float32)]
-        if k.shape[2] < a:     # GQA: full-head dk, dv, then summed per group
-            workspace += [torch.empty_like(q), torch.empty_like(q)]
+        # the kernel's own buffers: the same assumption the templates make, from one place
+        # (traced/kernel_workspace.py) -- rows that depend on it say so (kernel_workspace.ASSUMED)
+        buffers = flash_attention_backward_workspace(s, b, a, k.shape[2], d, q.element_size())
+        workspace = [torch.empty(shape, dtype=q.dtype if eb == q.element_size() else torch.float32)
+                     for _, shape, eb in buffers]
         del workspace
         return dq, dk, dv
 

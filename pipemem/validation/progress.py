@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Sequence
 
-from .compare import CaseRow, max_abs_rel_error
+from .compare import CaseRow, header_line, max_abs_rel_error, verdict_line
 
 CHATTER_PREFIXES = (b"USDT:",)
 
@@ -178,11 +178,14 @@ def _get(row, key):
 
 
 def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = (), file=None,
-                  signed: Callable[[object], bool] | None = None, what: str = "cases") -> float | None:
+                  signed: Callable[[object], bool] | None = None, what: str = "cases",
+                  truth: str | None = None, tolerance: float | None = None, target: str = "") -> float | None:
     """The closing table of a validate target: case, measured, estimated, rel_error, then the
     target's own `columns` ((key, header) pairs; byte counts formatted), and one line with the
-    worst |rel_error|. `signed(name)`: whether that row's bytes are a change (+/-). Returns
-    that worst error (None when no row has one)."""
+    worst |rel_error|. `signed(name)`: whether that row's bytes are a change (+/-). With `truth`
+    and `tolerance` (compare.TRUTHS) the table's title says what "measured" is and the
+    tolerance, and a last line the verdict (compare.verdict_line). Returns that worst error
+    (None when no row has one)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -191,6 +194,9 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
     from ..units import fmt_bytes
 
     file = file or sys.stdout
+    if truth is not None:
+        head = header_line(target, truth, tolerance)
+        title = f"{head}\n{title}" if title else head
     t = Table(title=title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
               show_edge=False, pad_edge=False)
     t.add_column("case", no_wrap=True, overflow="fold")
@@ -209,7 +215,7 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
     for r in rows:
         err = _get(r, "rel_error")
         cells = [str(_get(r, "name")), b(r, _get(r, "measured_bytes")), b(r, _get(r, "estimated_bytes")),
-                 "n/a" if err is None else f"{err * 100:+.2f}%"]
+                 ("n/a" if err is None else f"{err * 100:+.2f}%") + (" gap" if _get(r, "known_gap") else "")]
         for key, _ in columns:
             v = _get(r, key)
             cells.append(b(r, v) if key.endswith("bytes") else ("-" if v is None else
@@ -221,4 +227,6 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
     worst = max_abs_rel_error(rows)
     count = sum(1 for r in rows if _get(r, "rel_error") is not None)
     con.print(f"max |rel_error| = {'n/a' if worst is None else f'{worst * 100:.3f}%'} over {count} {what}")
+    if truth is not None:
+        con.print(verdict_line(rows, tolerance), markup=False)
     return worst

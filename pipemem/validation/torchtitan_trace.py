@@ -10,7 +10,7 @@ tensors. The second step is recorded with pipemem's DTensor/FSDP recorder
 (`pipemem.traced.dist_capture.DistStorageRecorder`, restarted after the first step so optimizer states,
 resident grads and FSDP's buffers count as what the step starts with) and walked with liveness.
 
-Patches, each only what a CPU-only build needs (the probe in FINDINGS' framework-traces):
+Patches, each only what a CPU-only build needs:
 torchtitan's device type is "cpu"; modules torchtitan imports at load time for what the
 step never runs (triton kernels, TensorBoard, HF datasets) are stubbed while it is imported
 when they are missing (`_STUBBED`);

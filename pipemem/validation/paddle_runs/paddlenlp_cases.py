@@ -1,6 +1,6 @@
 """`pipemem validate paddle` on PaddleNLP's own programs: every card of a plan, per job.
 
-Each case is a PaddleNLP auto-parallel Llama run at a scale the CPU executes (the seed's
+Each case is a PaddleNLP auto-parallel Llama run at a scale the CPU executes (the estimator PR's
 model shape scaled down: 4 layers, hidden 64). For every card of the plan a measurement
 worker (`paddlenlp_measure`, in the paddlenlp interpreter) builds the card's job programs
 with Paddle's own passes, stores the captured document where `pipemem estimate --exact`
@@ -10,7 +10,7 @@ programs, through the product's path. Rows per card: the forward's net change an
 the backward's peak (input-grad and weight-grad peaks with a zero-bubble split) and the
 optimizer's peak, each relative to the step's start; a step is the compute job with its
 micro-batch's transfer jobs (recv_forward + forward, backward + send_backward), as the
-legacy-IR pipeline of the seed's era ran it in one program and as pipemem reports it.
+legacy-IR pipeline of the era of Paddle's estimator PR ran it in one program and as pipemem reports it.
 
 Paddle's `PipelineMemoryEstimator` reads legacy programs only (``op.desc``); Paddle 3.3.1's
 pipeline passes split PIR programs only (legacy: NotImplementedError), so it has no

@@ -1,6 +1,6 @@
-"""`validate paddle --ir paddlenlp-legacy`: PaddleNLP's legacy-IR pipeline job programs (the seed's era).
+"""`validate paddle --ir paddlenlp-legacy`: PaddleNLP's legacy-IR pipeline job programs (Paddle 2.6).
 
-The seed measured Paddle's `PipelineMemoryEstimator` on PaddleNLP's `run_pretrain_auto_static.py`
+Paddle's estimator PR measured Paddle's `PipelineMemoryEstimator` on PaddleNLP's `run_pretrain_auto_static.py`
 with paddle 2.6-era legacy IR, where the `pipeline_scheduler_{FThenB,1F1B}` passes split each
 card's program into forward / backward / optimizer jobs. Paddle 3.3.1 no longer splits legacy
 programs, so the programs are built where they still are built: paddlepaddle 2.6.2 +
@@ -231,7 +231,7 @@ def paddle_estimates(sub_programs: dict) -> tuple[dict, dict]:
     """({type: (net, peak)}, {type: error}) from Paddle's own PipelineMemoryEstimator (the
     shim of `compare.py`), one type at a time in run order: a type it fails on has an error
     line instead of numbers (on the optimizer: the conditional block's scope variable, which
-    it sizes like a tensor; the seed ran it on forward and backward only)."""
+    it sizes like a tensor; the estimator PR ran it on forward and backward only)."""
     from paddle.distributed.passes.pass_utils import PipelineMemoryEstimator
 
     from .compare import PADDLE_TYPE_KEYS, SerialDistContext
@@ -283,7 +283,7 @@ def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[d
 
 PYTHON_ENV = "PIPEMEM_PADDLE26_PYTHON"
 TINY = {"hidden": 64, "ffn": 128, "heads": 4, "vocab": 128, "layers": 4, "seq": 16}
-# The seed's three runs (run_pretrain_auto_static.py: 1F1B, no flash attention, fp32), at the
+# The estimator PR's three runs (run_pretrain_auto_static.py: 1F1B, no flash attention, fp32), at the
 # tiny shape of the other paddlenlp cases, gradient accumulation 4; plus FThenB.
 CASES = {
     "paddlenlp-legacy-pp4": dict(TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B",
@@ -299,7 +299,7 @@ CASES = {
                                            accumulate_steps=4, schedule="1F1B", recompute=False),
 }
 CASE_NAMES = tuple(CASES)
-# The seed's three runs at their full size (llama-7b's shape, 4 layers): built and estimated
+# The estimator PR's three runs at their full size (llama-7b's shape, 4 layers): built and estimated
 # only (bench/paddlenlp_legacy_seed_shapes.py), the CPU does not run them.
 LLAMA_7B_4L = {"hidden": 4096, "ffn": 11008, "heads": 32, "vocab": 32000, "layers": 4, "seq": 2048}
 SEED_RUNS = {

@@ -1,8 +1,8 @@
-"""Build PaddleNLP's legacy-IR auto-parallel Llama job programs of one card (the seed's era).
+"""Build PaddleNLP's legacy-IR auto-parallel Llama job programs of one card (Paddle 2.6).
 
 `python -m pipemem.validation.paddle_runs.paddlenlp_legacy_build SPEC.json CARD OUT_DIR` runs in
 an interpreter with paddlepaddle 2.6.x and paddlenlp 2.8.1 (``$PIPEMEM_PADDLE26_PYTHON``):
-the pairing the seed's `run_pretrain_auto_static.py` ran, on legacy IR, where Paddle's
+the pairing the estimator PR's `run_pretrain_auto_static.py` ran, on legacy IR, where Paddle's
 `pipeline_scheduler_{FThenB,1F1B}` passes split the card's program into forward / backward /
 optimizer jobs (3.x refuses: "Not support for old IR"). It writes, for the card:
 
