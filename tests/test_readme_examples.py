@@ -1,7 +1,7 @@
 """The README's examples print what they show: every `$ pipemem ...` line of a ```console block
 is run (the CLI in this process, output to a pipe; 120 columns unless the line sets COLUMNS) and
-its output compared with the block's text, whitespace folded. Regenerate an example by running
-its command with COLUMNS=120 (or the COLUMNS it names)."""
+its output compared with the block's text, whitespace folded. Regenerate them all with
+`python bench/update_readme_examples.py` (and review the diff)."""
 
 import re
 import shlex
