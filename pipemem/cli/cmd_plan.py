@@ -21,8 +21,9 @@ examples:
 The search screens every plan on its allocated peak plus the memory outside the caching
 allocator (CUDA context, NCCL's buffers, cuBLAS workspace): a lower bound of what it takes from
 the GPU. The plans shown (the --top fastest and the Pareto sets) are then judged by `pipemem
-estimate`'s own verdict, reserved memory included: only FITS plans are shown, with --reserve
-more left free if given. In --json, plans beyond those carry "verdict": null (screened only). Plans are ranked by an estimated step time: the schedule simulated with F/B/W
+estimate`'s own verdict, reserved memory included, for up to 20 s: a plan it does not call FITS
+(with --reserve more left free, if given) is dropped, and plans it did not reach are marked
+"screened" ("verdict": null in --json). Plans are ranked by an estimated step time: the schedule simulated with F/B/W
 durations proportional to their FLOPs, plus communication at NVLink or network speed
 (docs/PLANNER.md). Each plan's flags paste into `pipemem estimate` and give the same bytes.
 --tp/--pp/--cp/--dp/--vpp/--ep pin a degree; the others are searched.

@@ -171,21 +171,28 @@ class PlanSearch:
     config: dict = field(default_factory=dict, repr=False)   # the model's HF config
     gpu_opts: dict = field(default_factory=dict)              # estimate()'s gpu / gpu_memory
 
-    def verify(self, top: int) -> int:
-        """Judge the plans a user is shown (the `top` fastest and the Pareto sets' first `top`)
-        by `pipemem estimate`'s own verdict, reserved memory included, and drop those it does
-        not call FITS; returns how many were dropped. The search itself screens every plan on
-        allocated + outside-the-allocator bytes (a lower bound of the device peak): the
-        allocator model costs up to a second per plan, too much for thousands of them."""
+    def verify(self, top: int, budget_s: float = 20.0) -> int:
+        """Judge the plans a user is shown (the `top` fastest, then the Pareto sets' first
+        `top`) by `pipemem estimate`'s own verdict, reserved memory included, and drop those it
+        does not call FITS; returns how many were dropped. The search screens every plan on
+        allocated + outside-the-allocator bytes (a lower bound of the device peak) because the
+        allocator model costs up to seconds per plan (its events grow with the microbatches):
+        judging stops after `budget_s` seconds, and the plans left unjudged keep
+        `verdict=None` ("screened" in the table)."""
+        import time
+
         from ..estimate import estimate
 
+        start = time.perf_counter()
         dropped = 0
-        while True:
+        while time.perf_counter() - start < budget_s:
             shown = self.plans[:top] + self.pareto[:top] + self.pareto_step_time[-top:]
             todo = {id(p): p for p in shown if p.verdict is None}
             if not todo:
-                return dropped
+                break
             for p in todo.values():
+                if time.perf_counter() - start >= budget_s:
+                    break
                 est = estimate(self.config, model_name=self.model, **self.gpu_opts, **p.kwargs)
                 if _listable(est, self.target):
                     p.verdict = "fits"
@@ -195,6 +202,7 @@ class PlanSearch:
                     self.plans.remove(p)
                     dropped += 1
                     self.stats.dropped_on_reserved += 1
+        return dropped
 
     @property
     def pareto(self) -> list[PlanResult]:

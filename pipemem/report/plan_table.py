@@ -50,12 +50,13 @@ def _comm_text(cost) -> str:
     return f"{gb:,.1f}" + (f" ({','.join(cross)} x-node)" if cross else "")
 
 
-_PLAN_COLUMNS = (("#", "right"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
+_PLAN_COLUMNS = (("#", "right"), ("verdict", "left"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
                  ("comm GB/step", "right"), ("step s", "right"), ("plan", "left"))
 
 
 def _cells(i, p) -> list[str]:
-    return [str(i), fmt_bytes(p.peak_bytes), fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
+    return [str(i), "FITS" if p.verdict == "fits" else "screened", fmt_bytes(p.peak_bytes),
+            fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
             _comm_text(p.cost), f"{p.cost.step_s:.2f}", short_plan(p.kwargs)]
 
 
@@ -85,11 +86,11 @@ def _stacked(plans, title: str, width: int):
     out.append("\n".join(textwrap.wrap(title, width, break_long_words=False)) + "\n", style="bold")
     for i, p in plans:
         c = _cells(i, p)
-        items = [f"#{c[0]}", f"peak {c[1]}", f"headroom {c[2]}", f"bubble {c[3]}", f"comm {c[4]} GB/step",
-                 f"step {c[5]} s"]
+        items = [f"#{c[0]}", c[1], f"peak {c[2]}", f"headroom {c[3]}", f"bubble {c[4]}", f"comm {c[5]} GB/step",
+                 f"step {c[6]} s"]
         for line in wrap_items(items, width):
             out.append(line + "\n")
-        for line in textwrap.wrap(c[6], max(width - 2, 10), break_long_words=False, break_on_hyphens=False):
+        for line in textwrap.wrap(c[7], max(width - 2, 10), break_long_words=False, break_on_hyphens=False):
             out.append("  " + line + "\n", style=DIM)
     return out
 
@@ -122,7 +123,8 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
     invalid = sum(s.invalid.values())
     con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
                    f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} within the GPU on allocated + "
-                   f"outside-the-allocator bytes, of which the shown are judged FITS on reserved memory"
+                   f"outside-the-allocator bytes, {sum(p.verdict == 'fits' for p in res.plans):,} of them judged FITS with "
+                   f"reserved memory"
                    + (f" ({s.dropped_on_reserved:,} dropped: not FITS once reserved is counted)"
                       if s.dropped_on_reserved else "") + " "
                    f"({s.estimates:,} estimates"
@@ -136,7 +138,7 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
         return
     index = {id(p): i + 1 for i, p in enumerate(res.plans)}
     _print_plans(con, [(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
-                 f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} fitting plans (estimated step time)")
+                 f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} plans within the GPU (estimated step time)")
     pareto = res.pareto
     if pareto:
         shown = pareto[:top]
@@ -151,8 +153,12 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
                      f"Pareto set of all plans: peak memory vs estimated step time{more}")
     best = res.plans[0]
     con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
-    con.print(Text("peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
-                   "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace); bubble: idle share of the pipeline ranks in the schedule simulated "
+    con.print(Text("verdict: FITS = pipemem estimate's verdict, reserved memory included; screened = allocated + "
+                   "outside-the-allocator bytes within the GPU, reserved not yet judged (the judging stops after "
+                   "20 s: run pipemem estimate with the plan's flags); "
+                   "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
+                   "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
+                   "allocated in place of reserved); bubble: idle share of the pipeline ranks in the schedule simulated "
                    "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
                    "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
                    style=DIM))
