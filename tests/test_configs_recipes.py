@@ -100,3 +100,76 @@ def test_paddlenlp_argument_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(UserError, match="cannot read argument file"):
         read_paddlenlp(["run_pretrain.py", str(bad)])
+
+
+# PyTorch/torchtitan torchtitan/models/llama3/train_configs/llama3_405b.toml (the job file before
+# torchtitan 0.3 moved its configs into config_registry.py functions), set to the 3D layout of
+# torchtitan's benchmarks/llama3_h100_202412_torchtitan.md Table 5 (FSDP 8, TP 8, PP 8, local
+# batch 32, 1F1B); async TP off (pipemem refuses it: not modelled).
+TITAN_405B = DATA / "torchtitan" / "llama3_405b.toml"
+
+
+def _titan_405b_pp8(tmp_path, extra: str = "") -> str:
+    text = TITAN_405B.read_text()
+    for old, new in (("batch_size = 2", "batch_size = 32"), ("data_parallel_shard_degree = -1",
+                                                              "data_parallel_shard_degree = 8"),
+                     ("enable_async_tensor_parallel = true", "enable_async_tensor_parallel = false"),
+                     ("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 8\npipeline_parallel_schedule = "1F1B"'
+                      + extra)):
+        assert old in text
+        text = text.replace(old, new)
+    f = tmp_path / "llama3_405b_pp8.toml"
+    f.write_text(text)
+    return str(f)
+
+
+@pytest.mark.parametrize("layers,stages,first,last", [(126, 8, 1, 1), (126, 8, 0, 0), (32, 4, 1, 1), (61, 16, 2, 1)])
+def test_torchtitan_stage_split_is_torchtitans(layers, stages, first, last):
+    from pipemem.configs.torchtitan import stage_split
+    pp = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
+    fqns = pp._generate_llm_fqn_per_model_part(stages, layers, input_weight=first, output_weight=last)
+    theirs = tuple(sum(m.startswith("layers.") for m in s) for s in fqns)
+    assert stage_split(layers, stages, first, last) == theirs and sum(theirs) == layers
+
+
+def test_torchtitan_405b_126_layers_over_8_stages(tmp_path, capsys):
+    import json
+    rc = main(["estimate", "--json", "--gpu", "h100-80g", "--from-torchtitan", _titan_405b_pp8(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert sum(out["plan"]["pp_layout"]) == 126 and len(out["plan"]["pp_layout"]) == 8
+    # torchtitan's published peak for this layout is 82.5 GiB reserved (allocator cache included)
+    assert out["max_peak_allocated_bytes"] < 82.5 * 2**30
+
+
+def test_torchtitan_fsdp_under_pp_holds_gathered_parameters_once_per_stage(tmp_path):
+    """reshard_after_forward=False under torch's pipelining (torchtitan's default with pp): the
+    stage's parameters and unsharded gradients are held once for the step, not per microbatch."""
+    from pipemem.configs import read_torchtitan
+    from pipemem.configs.torchtitan import finish_plan
+
+    tc = read_torchtitan(_titan_405b_pp8(tmp_path))
+    plan = finish_plan(dict(tc.plan), 126)
+    assert plan["extra"]["fsdp_reshard_after_forward"] is False
+    held = pipemem.estimate(tc.model, **plan)
+    always = pipemem.estimate(tc.model, **{**plan, "extra": {**plan["extra"], "fsdp_reshard_after_forward": True}})
+    for r_held, r_always in zip(held.ranks, always.ranks):
+        local = r_held.static.params // 4 * 8          # fp32 shards over dp 8 -> the stage's parameters
+        gathered = local * (2 + 4)                       # bf16 gathered copy + fp32 unsharded gradients
+        assert r_held.static.other - r_always.static.other == gathered
+    # in flight: the more microbatches a rank holds, the more activations, never more parameters
+    r0 = held.ranks[0]
+    fewer = pipemem.estimate(tc.model, **{**plan, "microbatches": 8}).ranks[0]
+    fewer_always = pipemem.estimate(tc.model, **{**plan, "microbatches": 8, "extra": {
+        **plan["extra"], "fsdp_reshard_after_forward": True}}).ranks[0]
+    assert r0.static.other - always.ranks[0].static.other == fewer.static.other - fewer_always.static.other
+    assert r0.activations_at_peak_bytes - fewer.activations_at_peak_bytes < r0.static.params
+
+
+def test_torchtitan_03_float8_recipe_reads_without_a_float8_gpu():
+    """torchtitan 0.3.0's llama3_debugmodel_float8 (torchtitan/models/llama3/config_registry.py):
+    its Float8 converter checks the building process's GPU; pipemem reads it on any machine."""
+    pytest.importorskip("torchtitan")
+    from pipemem.configs.torchtitan import read_args
+    tc = read_args(["--module", "llama3", "--config", "llama3_debugmodel_float8"])
+    assert tc.plan["fp8"] == "rowwise" and tc.plan["fsdp"] is True

@@ -249,6 +249,19 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
     return shard(dense, dp_group) + shard(expert, edp_group), largest
 
 
+def pipelined_fsdp(plan, conv: Convention) -> bool:
+    """FSDP2 under torch's pipelining with reshard_after_forward=False (torchtitan's default with
+    pp): the stage (torch 2.13, pipelining/stage.py backward_maybe_with_nosync) turns off
+    reshard-after-backward and gradient sync for every microbatch's backward and runs FSDP's
+    post-backward once, at the end (perform_reduce_grad). A stage's parameters stay gathered
+    from its first forward to that point, and its unsharded gradients accumulate (in the reduce
+    dtype: FSDPParam.to_accumulated_grad_if_needed) until then: once per stage, not per
+    microbatch. The programs then run on gathered parameters (no per-part all-gather) and
+    the gathered copy is static (`static_bytes`' other)."""
+    return (conv.fsdp2 and (plan.zero >= 3 or bool(plan.fsdp)) and plan.pp * plan.vpp > 1
+            and not bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)))
+
+
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
     dp_group, edp_group = _dp_groups(plan)
@@ -263,6 +276,10 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     if plan.fp8_param_gather and linear:
         params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
     other = int(linear * per)
+    if pipelined_fsdp(plan, conv):
+        # the stages' gathered parameters and their unsharded gradients (in the reduce dtype),
+        # held from the first forward / backward to the step's end: counted as static
+        other += (dense + expert) * (dtype_bytes(plan.dtype) + dtype_bytes(plan.main_grad_dtype or plan.dtype))
     if conv.name == "megatron":
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
