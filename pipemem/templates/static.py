@@ -272,9 +272,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
     on_gpu = 1.0 - float(plan.optimizer_offload or 0.0)
     master, states = int(master * on_gpu), int(states * on_gpu)
-    linear, per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    (dense_linear, expert_linear), per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    linear = dense_linear + expert_linear
     if plan.fp8_param_gather and linear:
-        params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
+        # fp8 primary weights: 1 byte each (norms, embeddings stay), sharded as the parameters are
+        # (Megatron-FSDP optim_grads_params keeps only its shard of them)
+        held, _, _, _ = _sharded(dense_linear, expert_linear, (1, 0, 0, 0), dp_group, edp_group, plan.zero, False)
+        params -= held * (per_param[0] - 1)
     other = int(linear * per)
     if pipelined_fsdp(plan, conv):
         # the stages' gathered parameters and their unsharded gradients (in the reduce dtype),
@@ -366,8 +370,8 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
 
 
-def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[int, float]:
-    """(elements of the rank's decoder-layer linear weights that Transformer Engine runs in
+def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[tuple[int, int], float]:
+    """((dense, expert) elements of the rank's decoder-layer linear weights that Transformer Engine runs in
     fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
     each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
     input-grad GEMM) for the whole step (`_fp8_workspaces`, cached across microbatches by
@@ -376,23 +380,27 @@ def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages)
     torchao Float8 casts weights per use (transients in the programs): (0, 0)."""
     fp8 = getattr(plan, "fp8", None)
     if conv.name != "megatron" or not fp8:
-        return 0, 0.0
+        return (0, 0), 0.0
     per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
-    n = 0
+    n = [0, 0]
     dense_idx = set(arch.dense_layers) if arch.is_moe else set()
     for st in rank_stages:
         layers = stage_layers[st]
         dense = sum(1 for i in dense_idx if i in layers) if arch.is_moe else len(layers)
         for moe, count in ((False, dense), (True, len(layers) - dense)):
             if count:
-                n += count * _fp8_layer_linear(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
-    return n, per
+                d, e = _fp8_layer_linear(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
+                n[0] += count * d
+                n[1] += count * e
+    return (n[0], n[1]), per
 
 
 @lru_cache(maxsize=4096)
-def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
-    shapes = layer_param_shapes(arch, index, tp, etp, ep)
-    return sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) elements of one layer's fp8 linear weights."""
+    shapes = layer_param_shapes(arch, index, tp, etp, ep).items()
+    fp8 = [(_prod(shp), e) for name, (shp, e) in shapes if name in FP8_LINEAR_WEIGHTS]
+    return sum(n for n, e in fp8 if not e), sum(n for n, e in fp8 if e)
 
 
 # DeepSpeed's default reduce_bucket_size (elements); plan.extra["reduce_bucket_size"] (HF's Trainer
