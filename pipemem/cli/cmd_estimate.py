@@ -69,10 +69,12 @@ def register(sub) -> None:
                      help="read a torchtitan job config: a TOML file (the tables of Trainer.Config.to_dict()), "
                           "or - and torchtitan 0.3's launch arguments after `--` (--module NAME --config FN "
                           "--parallelism.tensor_parallel_degree N ...; needs torchtitan installed)")
-    src.add_argument("--from-torchtune", metavar="FILE.yaml",
+    src.add_argument("--from-torchtune", metavar="FILE.yaml|-",
                      help="read a torchtune recipe config (model builder, batch_size, dtype, optimizer, loss, "
                           "compile, activation checkpointing / offloading, optimizer_in_bwd); distributed "
-                          "recipes shard with FSDP2 over --dp ranks")
+                          "recipes shard with FSDP2 over --dp ranks; or - and the `tune run [--nproc_per_node N] "
+                          "RECIPE --config FILE [key=value ...]` line after `--` (the recipe decides single "
+                          "device or distributed)")
     src.add_argument("--from-hf-trainer", action="store_true",
                      help="read Hugging Face Trainer launch arguments given after `--` (run_clm.py-style: "
                           "--model_name_or_path, --block_size, --per_device_train_batch_size, --bf16, "
@@ -226,9 +228,15 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
                         "--from-paddlenlp / --from-torchtitan / --from-torchtune / --from-hf-trainer")
     titan_args = args.from_torchtitan == "-"
-    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or args.from_hf_trainer):
+    tune_args = args.from_torchtune == "-"
+    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or tune_args
+                          or args.from_hf_trainer):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
-                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer or --from-torchtitan -")
+                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer, --from-torchtitan - or "
+                        "--from-torchtune -")
+    if tune_args and not tool_args:
+        raise UserError("--from-torchtune -: give the `tune run` line after `--`, e.g. -- tune run "
+                        "--nproc_per_node 8 full_finetune_distributed --config ./my_8b.yaml")
     if args.from_hf_trainer and not tool_args:
         raise UserError("--from-hf-trainer: give the Trainer's launch arguments after `--`, e.g. -- "
                         "--model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 2048 --bf16")
@@ -261,6 +269,9 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     elif titan_args:
         from ..configs.torchtitan import read_args
         tool = read_args(tool_args)
+    elif tune_args:
+        from ..configs.torchtune import read_tune_run
+        tool = read_tune_run(tool_args)
     elif args.from_torchtune is not None:
         from ..configs.torchtune import read as read_torchtune
         tool = read_torchtune(args.from_torchtune)
@@ -271,13 +282,14 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         tool = read_torchtitan(args.from_torchtitan)
     plan = merge(tool, flags)
     if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
-        raise UserError(f"--dp {plan['dp']}: {args.from_torchtune} is a single-device recipe config (one GPU); drop "
-                        "--dp, or use the model's distributed config (e.g. 3B_full.yaml)")
+        raise UserError(f"--dp {plan['dp']}: {'the recipe' if tune_args else args.from_torchtune} is a single-device "
+                        "recipe config (one GPU); drop --dp, or use the model's distributed config (e.g. 3B_full.yaml)")
     if "seq_len" in tool.needs and "seq_len" not in plan:
         raise UserError("Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
                         "tokenizer's model_max_length): give --seq-len N")
     if tool.tool == "torchtune" and "seq_len" not in plan:
-        raise UserError(f"{args.from_torchtune}: tokenizer.max_seq_len is null (the samples' lengths set the "
+        raise UserError(f"{'the config' if tune_args else args.from_torchtune}: tokenizer.max_seq_len is null (the "
+                        "samples' lengths set the "
                         "sequence): give --seq-len N, the longest sample (or max_seq_len with packed: True)")
     if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
         plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
