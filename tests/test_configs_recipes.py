@@ -173,3 +173,48 @@ def test_torchtitan_03_float8_recipe_reads_without_a_float8_gpu():
     from pipemem.configs.torchtitan import read_args
     tc = read_args(["--module", "llama3", "--config", "llama3_debugmodel_float8"])
     assert tc.plan["fp8"] == "rowwise" and tc.plan["fsdp"] is True
+
+
+# huggingface/accelerate examples/config_yaml_templates/{fsdp,deepspeed,multi_gpu}.yaml and
+# examples/deepspeed_config_templates/zero_stage1_config.json (the path deepspeed.yaml names)
+ACC = DATA / "accelerate" / "config_yaml_templates"
+RUN_CLM = ["run_clm.py", "--model_name_or_path", "meta-llama/Meta-Llama-3-8B", "--block_size", "2048",
+           "--per_device_train_batch_size", "1", "--gradient_checkpointing"]
+
+
+def _hf(line):
+    from pipemem.configs.hf_trainer import read
+    return read(line)
+
+
+def test_accelerate_fsdp_config_file_equals_the_trainers_fsdp():
+    acc = _hf(["accelerate", "launch", "--config_file", str(ACC / "fsdp.yaml")] + RUN_CLM)
+    flags = _hf(["accelerate", "launch", "--use_fsdp", "--num_processes", "2", "--mixed_precision", "bf16"] + RUN_CLM)
+    trainer = _hf(["torchrun", "--nproc_per_node", "2"] + RUN_CLM + ["--bf16", "--fsdp", "full_shard auto_wrap"])
+    assert acc.plan == flags.plan == trainer.plan
+    assert acc.plan["fsdp"] is True and acc.plan["dp"] == 2 and acc.plan["dtype"] == "bf16"
+
+
+def test_accelerate_multi_gpu_and_deepspeed_config_files():
+    ddp = _hf(["accelerate", "launch", "--config_file", str(ACC / "multi_gpu.yaml")] + RUN_CLM)
+    assert ddp.plan["dp"] == 2 and ddp.plan["dtype"] == "bf16" and "fsdp" not in ddp.plan
+    # the ZeRO-1 template enables fp16, so the Trainer needs --fp16 (it refuses the mismatch)
+    ds = _hf(["accelerate", "launch", "--config_file", str(ACC / "deepspeed.yaml")] + RUN_CLM + ["--fp16"])
+    direct = _hf(["torchrun", "--nproc_per_node", "2"] + RUN_CLM + [
+        "--fp16", "--deepspeed", str(DATA / "accelerate" / "deepspeed_config_templates" / "zero_stage1_config.json")])
+    assert ds.plan == direct.plan and ds.plan["zero"] == 1 and ds.plan["dp"] == 2
+    with pytest.raises(UserError, match="fp16.enabled"):
+        _hf(["accelerate", "launch", "--config_file", str(ACC / "deepspeed.yaml")] + RUN_CLM)
+
+
+def test_accelerate_fsdp2_and_refusals(tmp_path):
+    two = _hf(["accelerate", "launch", "--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false",
+               "--num_processes", "4"] + RUN_CLM)
+    assert two.plan["fsdp"] is True and two.plan["extra"]["fsdp_reshard_after_forward"] is False
+    for extra, match in ((["--fsdp_offload_params", "true"], "offload"),
+                         (["--fsdp_sharding_strategy", "SHARD_GRAD_OP"], "SHARD_GRAD_OP"),
+                         (["--mixed_precision", "fp8"], "fp8")):
+        with pytest.raises(UserError, match=match):
+            _hf(["accelerate", "launch", "--use_fsdp", "--num_processes", "4"] + extra + RUN_CLM)
+    with pytest.raises(UserError, match="not found"):
+        _hf(["accelerate", "launch", "--config_file", str(tmp_path / "none.yaml")] + RUN_CLM)

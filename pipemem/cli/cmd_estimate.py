@@ -80,7 +80,8 @@ def register(sub) -> None:
                           "--model_name_or_path, --block_size, --per_device_train_batch_size, --bf16, "
                           "--gradient_checkpointing, --optim, --deepspeed ds_config.json with its \"auto\" "
                           "filled in as the Trainer does, --fsdp; a pasted torchrun / accelerate / deepspeed line "
-                          "gives the world size)")
+                          "gives the world size; accelerate launch's --use_fsdp / --use_deepspeed / "
+                          "--mixed_precision / --config_file FILE.yaml are read)")
     src.add_argument("--exact", action="store_true",
                      help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
                           "programs with Paddle's passes, one card per pipeline stage, and estimate those "
