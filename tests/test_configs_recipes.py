@@ -218,3 +218,58 @@ def test_accelerate_fsdp2_and_refusals(tmp_path):
             _hf(["accelerate", "launch", "--use_fsdp", "--num_processes", "4"] + extra + RUN_CLM)
     with pytest.raises(UserError, match="not found"):
         _hf(["accelerate", "launch", "--config_file", str(tmp_path / "none.yaml")] + RUN_CLM)
+
+
+def _cli_peaks(argv, capsys):
+    import json
+    assert main(["estimate", "--json"] + argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    return [r["peak_allocated_bytes"] for r in out["ranks"]], out["model"]
+
+
+def _api_peaks(model, plan):
+    return [r.peak_allocated_bytes for r in pipemem.estimate(model, **plan).ranks]
+
+
+def _megatron_line():
+    import shlex
+    text = (DATA / "megatron" / "llama3_8b_h100_fp8.txt").read_text()
+    return shlex.split(" ".join(line for line in text.splitlines() if not line.startswith("#")))
+
+
+@pytest.mark.parametrize("tool,source,cli", [
+    ("megatron", "megatron", ["--from-megatron", "--"]),
+    ("paddlenlp", LAUNCH + [PADDLENLP_JSON], ["--from-paddlenlp", "--"]),
+    ("torchtitan", "titan-405b-pp8", ["--from-torchtitan"]),
+    ("torchtune", str(DATA / "torchtune" / "3B_full.yaml"), ["--from-torchtune"]),
+    ("hf-trainer", ["accelerate", "launch", "--config_file", str(ACC / "fsdp.yaml")] + RUN_CLM, ["--from-hf-trainer", "--"]),
+])
+def test_read_config_equals_the_cli(tool, source, cli, capsys, tmp_path):
+    """pipemem.read_config(tool, source) + pipemem.estimate(model, **plan) = `pipemem estimate --from-<tool>`."""
+    if source == "megatron":
+        source = _megatron_line()
+    if source == "titan-405b-pp8":
+        source = _titan_405b_pp8(tmp_path)
+    argv = cli + (source if isinstance(source, list) else [source])
+    flags = {"dp": 4, "seq_len": 2048} if tool == "torchtune" else {}
+    if tool == "torchtune":
+        argv = ["--dp", "4", "--seq-len", "2048"] + argv
+    model, plan = pipemem.read_config(tool, source, **flags)
+    cli_peaks, _ = _cli_peaks(argv, capsys)
+    assert _api_peaks(model, plan) == cli_peaks
+
+
+def test_read_config_deepspeed_needs_a_model_and_equals_the_cli(capsys):
+    ds = str(DATA / "accelerate" / "deepspeed_config_templates" / "zero_stage1_config.json")
+    with pytest.raises(UserError, match="model="):
+        pipemem.read_config("deepspeed", ds)
+    model, plan = pipemem.read_config("deepspeed", ds, model="llama3.2-1b", dtype="fp16", micro_batch=1, dp=4,
+                                      seq_len=2048)
+    cli_peaks, _ = _cli_peaks(["--model", "llama3.2-1b", "--deepspeed", ds, "--dtype", "fp16", "--micro-batch", "1",
+                               "--dp", "4", "--seq-len", "2048"], capsys)
+    assert plan["zero"] == 1 and _api_peaks(model, plan) == cli_peaks
+
+
+def test_read_config_refuses_unknown_tools():
+    with pytest.raises(UserError, match="unknown tool"):
+        pipemem.read_config("colossalai", [])

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..configs.resolve import merge
 from ..errors import UserError
 from ..features import LOSSES
 
@@ -210,7 +211,7 @@ def parse_layout(text: str) -> tuple[int, ...]:
 
 def collect(args) -> tuple[object, dict, dict, list[str]]:
     """Flags (+ another tool's configuration) -> (model, plan kwargs, options, warnings)."""
-    from ..configs import read_megatron, read_paddlenlp, read_torchtitan
+    from ..configs import read_torchtitan
 
     tool_args = list(args.tool_args or [])
     if tool_args and tool_args[0] == "--":
@@ -263,51 +264,27 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         refuse_inert(flags, flags, opts)
         return args.model, flags, opts, []
 
+    from ..configs.resolve import finish, read_tool
     if args.from_megatron:
-        tool = read_megatron(tool_args)
+        tool = read_tool("megatron", tool_args)
     elif args.from_paddlenlp:
-        tool = read_paddlenlp(tool_args)
+        tool = read_tool("paddlenlp", tool_args)
     elif titan_args:
-        from ..configs.torchtitan import read_args
-        tool = read_args(tool_args)
+        tool = read_tool("torchtitan", tool_args)
     elif tune_args:
-        from ..configs.torchtune import read_tune_run
-        tool = read_tune_run(tool_args)
+        tool = read_tool("torchtune", tool_args)
     elif args.from_torchtune is not None:
         from ..configs.torchtune import read as read_torchtune
         tool = read_torchtune(args.from_torchtune)
     elif args.from_hf_trainer:
-        from ..configs.hf_trainer import read as read_hf_trainer
-        tool = read_hf_trainer(tool_args)
+        tool = read_tool("hf-trainer", tool_args)
     else:
         tool = read_torchtitan(args.from_torchtitan)
-    plan = merge(tool, flags)
-    if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
-        raise UserError(f"--dp {plan['dp']}: {'the recipe' if tune_args else args.from_torchtune} is a single-device "
-                        "recipe config (one GPU); drop --dp, or use the model's distributed config (e.g. 3B_full.yaml)")
-    if "seq_len" in tool.needs and "seq_len" not in plan:
-        raise UserError("Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
-                        "tokenizer's model_max_length): give --seq-len N")
-    if tool.tool == "torchtune" and "seq_len" not in plan:
-        raise UserError(f"{'the config' if tune_args else args.from_torchtune}: tokenizer.max_seq_len is null (the "
-                        "samples' lengths set the "
-                        "sequence): give --seq-len N, the longest sample (or max_seq_len with packed: True)")
-    if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
-        plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
-    if tool.model_name:
-        opts["model_name"] = tool.model_name
-    if args.from_paddlenlp:
-        opts["model_flag"] = "PaddleNLP --model_name_or_path"
-    if args.from_hf_trainer:
-        opts["model_flag"] = "Trainer --model_name_or_path"
-    if tool.tool == "torchtitan":
-        from ..configs.torchtitan import finish_plan
-        from ..estimate import resolve_model
-        _, _, cfg = resolve_model(tool.model)
-        layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
-        plan = finish_plan(plan, int(layers))
+    model, plan, tool_opts, warnings = finish(tool, flags, "the recipe" if tune_args else args.from_torchtune or "")
+    opts.update(tool_opts)
     refuse_inert(flags, plan, opts)
-    return tool.model, plan, opts, list(tool.warnings)
+    return model, plan, opts, warnings
+
 
 
 # a DeepSpeed config's "auto" -> (its key, the pipemem flag that gives it)
@@ -357,38 +334,6 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
                         "drop it, or use --mode templates")
     if opts.get("kernel_policy") and (opts.get("mode") or "templates") != "traced":
         raise UserError("--kernel-policy applies to --mode traced only: drop it, or add --mode traced")
-
-
-def merge(tool, flags: dict) -> dict:
-    """The tool's plan, completed by pipemem flags; a flag that disagrees with the tool is an error."""
-    plan = dict(tool.plan)
-    for k, v in flags.items():
-        if k in plan and not k.startswith("_") and plan[k] != v and _norm(plan[k]) != _norm(v):
-            flag = "--" + k.replace("_", "-")
-            raise UserError(f"{flag} {_show(v)} contradicts the {tool.tool} configuration ({k} = {_show(plan[k])}); "
-                            f"drop {flag} or change the configuration")
-        plan[k] = v
-    if tool.dp_unknown and "dp" not in plan:
-        plan["dp"] = 1
-        tool.warnings.append(f"{tool.tool}: the world size is not in the configuration; assuming --dp 1 "
-                             "(pass --dp N, the data-parallel degree)")
-    return plan
-
-
-def _norm(v):
-    if isinstance(v, str):
-        return v.replace("-", "").replace("_", "").lower()
-    if isinstance(v, list):
-        return tuple(v)
-    return v
-
-
-def _show(v) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, (tuple, list)):
-        return ",".join(str(x) for x in v)
-    return str(v)
 
 
 def run(args) -> int:
