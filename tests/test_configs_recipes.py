@@ -273,3 +273,31 @@ def test_read_config_deepspeed_needs_a_model_and_equals_the_cli(capsys):
 def test_read_config_refuses_unknown_tools():
     with pytest.raises(UserError, match="unknown tool"):
         pipemem.read_config("colossalai", [])
+
+
+def test_schedule_at_pp_1_is_refused(capsys):
+    assert main(["estimate", "--model", "llama3.2-1b", "--schedule", "1F1B"]) == 2
+    err = capsys.readouterr().err
+    assert "--schedule 1F1B does nothing at --pp 1" in err and "Traceback" not in err
+
+
+def test_compile_without_networkx_is_one_line(monkeypatch, capsys):
+    import sys
+    from pipemem.templates import compiled
+    monkeypatch.setitem(sys.modules, "networkx", None)     # `import networkx` raises ImportError
+    with pytest.raises(UserError, match="pip install networkx"):
+        compiled.min_cut_region(None, 0)
+    # a plan no other test estimates, so no cached partition hides the import
+    assert main(["estimate", "--model", "llama3.2-1b", "--compile", "--seq-len", "1234", "--layers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "networkx" in err and "Traceback" not in err
+
+
+def test_plan_line_names_the_master_weights_dtype():
+    """Megatron --use-precision-aware-optimizer --main-params-dtype fp16: fp16 masters, said so."""
+    from pipemem.report.text import describe_precision
+    line = _megatron_line() + ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"]
+    model, plan = pipemem.read_config("megatron", line)
+    assert plan["extra"]["main_params_dtype"] == "fp16"
+    text = describe_precision(pipemem.estimate(model, **plan).plan)
+    assert "fp16 master" in text and "fp32 grads + master" not in text

@@ -321,6 +321,9 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
     if given.get("recompute_allgather") and tp == 1:
         raise UserError("--recompute-allgather does nothing at --tp 1 (there is no sequence-parallel all-gather): "
                         "drop it, or set --tp")
+    if "schedule" in given and pp == 1:
+        raise UserError(f"--schedule {given['schedule']} does nothing at --pp 1 (a pipeline schedule orders the "
+                        "stages' microbatches): drop --schedule, or set --pp")
     if "pp_layout" in given and pp * vpp == 1:
         raise UserError("--pp-layout does nothing with one pipeline stage: drop it, or set --pp")
     if "master_weights" in given and plan.get("dtype") == "fp32":

@@ -59,7 +59,10 @@ def describe_precision(plan) -> str:
     param = name.get(p_b, f"{p_b}-byte")
     grad = plan.main_grad_dtype or plan.dtype
     per_state = st_b // max(1, STATES.get(plan.optimizer, 1))
-    kept = [("params", param), ("grads", grad)] + ([("master", "fp32")] if master_b else []) + \
+    # Megatron's precision-aware optimizer keeps the masters in --main-params-dtype (fp32 ones of bf16
+    # weights as 16-bit remainders: still fp32 masters)
+    master = (plan.extra or {}).get("main_params_dtype") or "fp32"
+    kept = [("params", param), ("grads", grad)] + ([("master", master)] if master_b else []) + \
         [("optimizer states", name.get(per_state, f"{per_state}-byte"))]
     groups: list[tuple[str, list[str]]] = []
     for what, dt in kept:
