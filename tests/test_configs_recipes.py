@@ -301,3 +301,37 @@ def test_plan_line_names_the_master_weights_dtype():
     assert plan["extra"]["main_params_dtype"] == "fp16"
     text = describe_precision(pipemem.estimate(model, **plan).plan)
     assert "fp16 master" in text and "fp32 grads + master" not in text
+
+
+@pytest.mark.parametrize("plan", [
+    dict(convention="hf", recompute="full", seq_len=4096, optimizer_impl="fused"),            # set-to-none grads
+    dict(convention="hf", recompute="none", seq_len=1024, optimizer_impl="fused", pp=4, microbatches=8),
+    dict(convention="torchtune", recompute="full", seq_len=2048, fsdp=True, dp=8),
+])
+def test_report_row_adds_up_with_the_grads_the_backward_made(plan):
+    """peak = static + grads made by the peak + activations + transient, each term >= 0; under full
+    recompute a backward peak holds few activations (layer inputs) and the gradients it made are
+    gradients, not activations."""
+    est = pipemem.estimate("llama3-8b", **plan)
+    for r in est.ranks:
+        assert r.static.grads_in_step > 0
+        assert 0 <= r.grads_at_peak_bytes <= r.static.grads_in_step
+        assert min(r.activations_at_peak_bytes, r.transient_bytes) >= 0
+        assert (r.static.total + r.grads_at_peak_bytes + r.activations_at_peak_bytes + r.transient_bytes
+                == r.peak_allocated_bytes)
+    if plan["recompute"] == "full" and plan["convention"] == "hf":
+        r = est.ranks[0]
+        assert r.peak_at.startswith("B") and r.activations_at_peak_bytes < r.grads_at_peak_bytes
+
+
+def test_report_shows_other_static_bytes(capsys):
+    import shlex
+    text = (DATA / "megatron" / "llama3_8b_fsdp_h100_fp8.txt").read_text()
+    line = shlex.split(" ".join(x for x in text.splitlines() if not x.startswith("#")))
+    assert main(["estimate", "--wide", "--from-megatron", "--"] + line) == 0
+    out = capsys.readouterr().out
+    header = next(x for x in out.splitlines() if x.startswith("rank"))
+    assert "other" in header.split()
+    model, plan = pipemem.read_config("megatron", line)
+    from pipemem.units import fmt_bytes
+    assert fmt_bytes(pipemem.estimate(model, **plan).ranks[0].static.other) in out
