@@ -14,7 +14,8 @@ from pipemem.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 # PaddlePaddle/PaddleNLP llm/config/llama/pretrain_argument.json (2.8 line; the README launches it as
-# `python -u -m paddle.distributed.launch --gpus "0,...,7" run_pretrain.py ./config/llama/pretrain_argument.json`)
+# `python -u -m paddle.distributed.launch --gpus "0,...,7" run_pretrain.py
+# ./config/llama/pretrain_argument.json`)
 PADDLENLP_JSON = str(DATA / "paddlenlp" / "pretrain_argument.json")
 # PaddlePaddle/PaddleFormers examples/config/sft/full_tp_pp.yaml (launched `paddleformers-cli train FILE`)
 PADDLEFORMERS_YAML = str(DATA / "paddleformers" / "full_tp_pp.yaml")
@@ -48,18 +49,21 @@ def test_paddlenlp_default_sharding_degree_equals_the_explicit_one():
 def test_paddlenlp_sharding_without_world_takes_dp_from_the_flag(capsys):
     tc = read_paddlenlp([PADDLENLP_JSON])
     assert tc.dp_unknown and "dp" not in tc.plan and tc.plan["zero"] == 2
-    assert "zero_group" not in tc.plan["extra"]        # over every data-parallel rank --dp gives
+    assert "zero_group" not in tc.plan["extra"]  # over every data-parallel rank --dp gives
     rc = main(["estimate", "--json", "--dp", "4", "--layers", "2", "--from-paddlenlp", "--", PADDLENLP_JSON])
     flag = capsys.readouterr().out
     rc2 = main(["estimate", "--json", "--layers", "2", "--from-paddlenlp", "--"] + LAUNCH + [PADDLENLP_JSON])
     launched = capsys.readouterr().out
     import json
+
     assert rc == rc2 == 0
     assert json.loads(flag)["max_peak_allocated_bytes"] == json.loads(launched)["max_peak_allocated_bytes"]
 
 
 def test_paddleformers_yaml_names_are_honoured():
-    tc = read_paddlenlp(["CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7", "paddleformers-cli", "train", PADDLEFORMERS_YAML])
+    tc = read_paddlenlp(
+        ["CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7", "paddleformers-cli", "train", PADDLEFORMERS_YAML]
+    )
     p = tc.plan
     assert tc.model == "Qwen/Qwen3-0.6B-Base"
     assert (p["tp"], p["pp"], p["seq_len"], p["sp"], p["flash_attn"]) == (2, 2, 8192, True, True)
@@ -69,25 +73,63 @@ def test_paddleformers_yaml_names_are_honoured():
 
 
 def test_paddleformers_names_equal_paddlenlp_names():
-    formers = read_paddlenlp(["--model_name_or_path", "llama3-8b", "--tensor_model_parallel_size", "4",
-                              "--pipeline_model_parallel_size", "2", "--max_seq_len", "2048", "--sharding", "",
-                              "--world_size", "16", "--bf16", "true", "--recompute_granularity", "full"])
-    nlp = read_paddlenlp(["--model_name_or_path", "llama3-8b", "--tensor_parallel_degree", "4",
-                          "--pipeline_parallel_degree", "2", "--max_seq_length", "2048", "--world_size", "16",
-                          "--bf16", "true", "--recompute", "true", "--recompute_granularity", "full"])
+    formers = read_paddlenlp(
+        [
+            "--model_name_or_path",
+            "llama3-8b",
+            "--tensor_model_parallel_size",
+            "4",
+            "--pipeline_model_parallel_size",
+            "2",
+            "--max_seq_len",
+            "2048",
+            "--sharding",
+            "",
+            "--world_size",
+            "16",
+            "--bf16",
+            "true",
+            "--recompute_granularity",
+            "full",
+        ]
+    )
+    nlp = read_paddlenlp(
+        [
+            "--model_name_or_path",
+            "llama3-8b",
+            "--tensor_parallel_degree",
+            "4",
+            "--pipeline_parallel_degree",
+            "2",
+            "--max_seq_length",
+            "2048",
+            "--world_size",
+            "16",
+            "--bf16",
+            "true",
+            "--recompute",
+            "true",
+            "--recompute_granularity",
+            "full",
+        ]
+    )
     assert formers.plan == nlp.plan and formers.plan["tp"] == 4 and formers.plan["dp"] == 2
     # PaddleFormers shards stage1 by default over every data-parallel rank
-    default = read_paddlenlp(["--model_name_or_path", "llama3-8b", "--tensor_model_parallel_size", "4",
-                              "--world_size", "16"])
+    default = read_paddlenlp(
+        ["--model_name_or_path", "llama3-8b", "--tensor_model_parallel_size", "4", "--world_size", "16"]
+    )
     assert default.plan["zero"] == 1 and default.plan["dp"] == 4
 
 
-@pytest.mark.parametrize("extra,match", [
-    (["--fine_tuning", "lora"], "fine_tuning lora"),
-    (["--stage", "DPO"], "stage DPO"),
-    (["--tensor_parallel_degree", "2", "--tensor_model_parallel_size", "4"], "contradicts"),
-    (["--sharding_parallel_size", "0"], ">= 1"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--fine_tuning", "lora"], "fine_tuning lora"),
+        (["--stage", "DPO"], "stage DPO"),
+        (["--tensor_parallel_degree", "2", "--tensor_model_parallel_size", "4"], "contradicts"),
+        (["--sharding_parallel_size", "0"], ">= 1"),
+    ],
+)
 def test_paddleformers_refusals(extra, match):
     with pytest.raises(UserError, match=match):
         read_paddlenlp(["--model_name_or_path", "llama3-8b", "--max_seq_len", "1024"] + extra)
@@ -111,11 +153,15 @@ TITAN_405B = DATA / "torchtitan" / "llama3_405b.toml"
 
 def _titan_405b_pp8(tmp_path, extra: str = "") -> str:
     text = TITAN_405B.read_text()
-    for old, new in (("batch_size = 2", "batch_size = 32"), ("data_parallel_shard_degree = -1",
-                                                              "data_parallel_shard_degree = 8"),
-                     ("enable_async_tensor_parallel = true", "enable_async_tensor_parallel = false"),
-                     ("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 8\npipeline_parallel_schedule = "1F1B"'
-                      + extra)):
+    for old, new in (
+        ("batch_size = 2", "batch_size = 32"),
+        ("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8"),
+        ("enable_async_tensor_parallel = true", "enable_async_tensor_parallel = false"),
+        (
+            "pipeline_parallel_degree = 1",
+            'pipeline_parallel_degree = 8\npipeline_parallel_schedule = "1F1B"' + extra,
+        ),
+    ):
         assert old in text
         text = text.replace(old, new)
     f = tmp_path / "llama3_405b_pp8.toml"
@@ -123,9 +169,12 @@ def _titan_405b_pp8(tmp_path, extra: str = "") -> str:
     return str(f)
 
 
-@pytest.mark.parametrize("layers,stages,first,last", [(126, 8, 1, 1), (126, 8, 0, 0), (32, 4, 1, 1), (61, 16, 2, 1)])
+@pytest.mark.parametrize(
+    "layers,stages,first,last", [(126, 8, 1, 1), (126, 8, 0, 0), (32, 4, 1, 1), (61, 16, 2, 1)]
+)
 def test_torchtitan_stage_split_is_torchtitans(layers, stages, first, last):
     from pipemem.configs.torchtitan import stage_split
+
     pp = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
     fqns = pp._generate_llm_fqn_per_model_part(stages, layers, input_weight=first, output_weight=last)
     theirs = tuple(sum(m.startswith("layers.") for m in s) for s in fqns)
@@ -134,6 +183,7 @@ def test_torchtitan_stage_split_is_torchtitans(layers, stages, first, last):
 
 def test_torchtitan_405b_126_layers_over_8_stages(tmp_path, capsys):
     import json
+
     rc = main(["estimate", "--json", "--gpu", "h100-80g", "--from-torchtitan", _titan_405b_pp8(tmp_path)])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
@@ -152,16 +202,20 @@ def test_torchtitan_fsdp_under_pp_holds_gathered_parameters_once_per_stage(tmp_p
     plan = finish_plan(dict(tc.plan), 126)
     assert plan["extra"]["fsdp_reshard_after_forward"] is False
     held = pipemem.estimate(tc.model, **plan)
-    always = pipemem.estimate(tc.model, **{**plan, "extra": {**plan["extra"], "fsdp_reshard_after_forward": True}})
+    always = pipemem.estimate(
+        tc.model, **{**plan, "extra": {**plan["extra"], "fsdp_reshard_after_forward": True}}
+    )
     for r_held, r_always in zip(held.ranks, always.ranks):
-        local = r_held.static.params // 4 * 8          # fp32 shards over dp 8 -> the stage's parameters
-        gathered = local * (2 + 4)                       # bf16 gathered copy + fp32 unsharded gradients
+        local = r_held.static.params // 4 * 8  # fp32 shards over dp 8 -> the stage's parameters
+        gathered = local * (2 + 4)  # bf16 gathered copy + fp32 unsharded gradients
         assert r_held.static.other - r_always.static.other == gathered
     # in flight: the more microbatches a rank holds, the more activations, never more parameters
     r0 = held.ranks[0]
     fewer = pipemem.estimate(tc.model, **{**plan, "microbatches": 8}).ranks[0]
-    fewer_always = pipemem.estimate(tc.model, **{**plan, "microbatches": 8, "extra": {
-        **plan["extra"], "fsdp_reshard_after_forward": True}}).ranks[0]
+    fewer_always = pipemem.estimate(
+        tc.model,
+        **{**plan, "microbatches": 8, "extra": {**plan["extra"], "fsdp_reshard_after_forward": True}},
+    ).ranks[0]
     assert r0.static.other - always.ranks[0].static.other == fewer.static.other - fewer_always.static.other
     assert r0.activations_at_peak_bytes - fewer.activations_at_peak_bytes < r0.static.params
 
@@ -171,6 +225,7 @@ def test_torchtitan_03_float8_recipe_reads_without_a_float8_gpu():
     its Float8 converter checks the building process's GPU; pipemem reads it on any machine."""
     pytest.importorskip("torchtitan")
     from pipemem.configs.torchtitan import read_args
+
     tc = read_args(["--module", "llama3", "--config", "llama3_debugmodel_float8"])
     assert tc.plan["fp8"] == "rowwise" and tc.plan["fsdp"] is True
 
@@ -178,19 +233,32 @@ def test_torchtitan_03_float8_recipe_reads_without_a_float8_gpu():
 # huggingface/accelerate examples/config_yaml_templates/{fsdp,deepspeed,multi_gpu}.yaml and
 # examples/deepspeed_config_templates/zero_stage1_config.json (the path deepspeed.yaml names)
 ACC = DATA / "accelerate" / "config_yaml_templates"
-RUN_CLM = ["run_clm.py", "--model_name_or_path", "meta-llama/Meta-Llama-3-8B", "--block_size", "2048",
-           "--per_device_train_batch_size", "1", "--gradient_checkpointing"]
+RUN_CLM = [
+    "run_clm.py",
+    "--model_name_or_path",
+    "meta-llama/Meta-Llama-3-8B",
+    "--block_size",
+    "2048",
+    "--per_device_train_batch_size",
+    "1",
+    "--gradient_checkpointing",
+]
 
 
 def _hf(line):
     from pipemem.configs.hf_trainer import read
+
     return read(line)
 
 
 def test_accelerate_fsdp_config_file_equals_the_trainers_fsdp():
     acc = _hf(["accelerate", "launch", "--config_file", str(ACC / "fsdp.yaml")] + RUN_CLM)
-    flags = _hf(["accelerate", "launch", "--use_fsdp", "--num_processes", "2", "--mixed_precision", "bf16"] + RUN_CLM)
-    trainer = _hf(["torchrun", "--nproc_per_node", "2"] + RUN_CLM + ["--bf16", "--fsdp", "full_shard auto_wrap"])
+    flags = _hf(
+        ["accelerate", "launch", "--use_fsdp", "--num_processes", "2", "--mixed_precision", "bf16"] + RUN_CLM
+    )
+    trainer = _hf(
+        ["torchrun", "--nproc_per_node", "2"] + RUN_CLM + ["--bf16", "--fsdp", "full_shard auto_wrap"]
+    )
     assert acc.plan == flags.plan == trainer.plan
     assert acc.plan["fsdp"] is True and acc.plan["dp"] == 2 and acc.plan["dtype"] == "bf16"
 
@@ -200,20 +268,41 @@ def test_accelerate_multi_gpu_and_deepspeed_config_files():
     assert ddp.plan["dp"] == 2 and ddp.plan["dtype"] == "bf16" and "fsdp" not in ddp.plan
     # the ZeRO-1 template enables fp16, so the Trainer needs --fp16 (it refuses the mismatch)
     ds = _hf(["accelerate", "launch", "--config_file", str(ACC / "deepspeed.yaml")] + RUN_CLM + ["--fp16"])
-    direct = _hf(["torchrun", "--nproc_per_node", "2"] + RUN_CLM + [
-        "--fp16", "--deepspeed", str(DATA / "accelerate" / "deepspeed_config_templates" / "zero_stage1_config.json")])
+    direct = _hf(
+        ["torchrun", "--nproc_per_node", "2"]
+        + RUN_CLM
+        + [
+            "--fp16",
+            "--deepspeed",
+            str(DATA / "accelerate" / "deepspeed_config_templates" / "zero_stage1_config.json"),
+        ]
+    )
     assert ds.plan == direct.plan and ds.plan["zero"] == 1 and ds.plan["dp"] == 2
     with pytest.raises(UserError, match="fp16.enabled"):
         _hf(["accelerate", "launch", "--config_file", str(ACC / "deepspeed.yaml")] + RUN_CLM)
 
 
 def test_accelerate_fsdp2_and_refusals(tmp_path):
-    two = _hf(["accelerate", "launch", "--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false",
-               "--num_processes", "4"] + RUN_CLM)
+    two = _hf(
+        [
+            "accelerate",
+            "launch",
+            "--use_fsdp",
+            "--fsdp_version",
+            "2",
+            "--fsdp_reshard_after_forward",
+            "false",
+            "--num_processes",
+            "4",
+        ]
+        + RUN_CLM
+    )
     assert two.plan["fsdp"] is True and two.plan["extra"]["fsdp_reshard_after_forward"] is False
-    for extra, match in ((["--fsdp_offload_params", "true"], "offload"),
-                         (["--fsdp_sharding_strategy", "SHARD_GRAD_OP"], "SHARD_GRAD_OP"),
-                         (["--mixed_precision", "fp8"], "fp8")):
+    for extra, match in (
+        (["--fsdp_offload_params", "true"], "offload"),
+        (["--fsdp_sharding_strategy", "SHARD_GRAD_OP"], "SHARD_GRAD_OP"),
+        (["--mixed_precision", "fp8"], "fp8"),
+    ):
         with pytest.raises(UserError, match=match):
             _hf(["accelerate", "launch", "--use_fsdp", "--num_processes", "4"] + extra + RUN_CLM)
     with pytest.raises(UserError, match="not found"):
@@ -222,6 +311,7 @@ def test_accelerate_fsdp2_and_refusals(tmp_path):
 
 def _cli_peaks(argv, capsys):
     import json
+
     assert main(["estimate", "--json"] + argv) == 0
     out = json.loads(capsys.readouterr().out)
     return [r["peak_allocated_bytes"] for r in out["ranks"]], out["model"]
@@ -233,19 +323,28 @@ def _api_peaks(model, plan):
 
 def _megatron_line():
     import shlex
+
     text = (DATA / "megatron" / "llama3_8b_h100_fp8.txt").read_text()
     return shlex.split(" ".join(line for line in text.splitlines() if not line.startswith("#")))
 
 
-@pytest.mark.parametrize("tool,source,cli", [
-    ("megatron", "megatron", ["--from-megatron", "--"]),
-    ("paddlenlp", LAUNCH + [PADDLENLP_JSON], ["--from-paddlenlp", "--"]),
-    ("torchtitan", "titan-405b-pp8", ["--from-torchtitan"]),
-    ("torchtune", str(DATA / "torchtune" / "3B_full.yaml"), ["--from-torchtune"]),
-    ("hf-trainer", ["accelerate", "launch", "--config_file", str(ACC / "fsdp.yaml")] + RUN_CLM, ["--from-hf-trainer", "--"]),
-])
+@pytest.mark.parametrize(
+    "tool,source,cli",
+    [
+        ("megatron", "megatron", ["--from-megatron", "--"]),
+        ("paddlenlp", LAUNCH + [PADDLENLP_JSON], ["--from-paddlenlp", "--"]),
+        ("torchtitan", "titan-405b-pp8", ["--from-torchtitan"]),
+        ("torchtune", str(DATA / "torchtune" / "3B_full.yaml"), ["--from-torchtune"]),
+        (
+            "hf-trainer",
+            ["accelerate", "launch", "--config_file", str(ACC / "fsdp.yaml")] + RUN_CLM,
+            ["--from-hf-trainer", "--"],
+        ),
+    ],
+)
 def test_read_config_equals_the_cli(tool, source, cli, capsys, tmp_path):
-    """pipemem.read_config(tool, source) + pipemem.estimate(model, **plan) = `pipemem estimate --from-<tool>`."""
+    """pipemem.read_config(tool, source) + pipemem.estimate(model, **plan) =
+    `pipemem estimate --from-<tool>`."""
     if source == "megatron":
         source = _megatron_line()
     if source == "titan-405b-pp8":
@@ -263,10 +362,26 @@ def test_read_config_deepspeed_needs_a_model_and_equals_the_cli(capsys):
     ds = str(DATA / "accelerate" / "deepspeed_config_templates" / "zero_stage1_config.json")
     with pytest.raises(UserError, match="model="):
         pipemem.read_config("deepspeed", ds)
-    model, plan = pipemem.read_config("deepspeed", ds, model="llama3.2-1b", dtype="fp16", micro_batch=1, dp=4,
-                                      seq_len=2048)
-    cli_peaks, _ = _cli_peaks(["--model", "llama3.2-1b", "--deepspeed", ds, "--dtype", "fp16", "--micro-batch", "1",
-                               "--dp", "4", "--seq-len", "2048"], capsys)
+    model, plan = pipemem.read_config(
+        "deepspeed", ds, model="llama3.2-1b", dtype="fp16", micro_batch=1, dp=4, seq_len=2048
+    )
+    cli_peaks, _ = _cli_peaks(
+        [
+            "--model",
+            "llama3.2-1b",
+            "--deepspeed",
+            ds,
+            "--dtype",
+            "fp16",
+            "--micro-batch",
+            "1",
+            "--dp",
+            "4",
+            "--seq-len",
+            "2048",
+        ],
+        capsys,
+    )
     assert plan["zero"] == 1 and _api_peaks(model, plan) == cli_peaks
 
 
@@ -284,11 +399,14 @@ def test_schedule_at_pp_1_is_refused(capsys):
 def test_compile_without_networkx_is_one_line(monkeypatch, capsys):
     import sys
     from pipemem.templates import compiled
-    monkeypatch.setitem(sys.modules, "networkx", None)     # `import networkx` raises ImportError
+
+    monkeypatch.setitem(sys.modules, "networkx", None)  # `import networkx` raises ImportError
     with pytest.raises(UserError, match="pip install networkx"):
         compiled.min_cut_region(None, 0)
     # a plan no other test estimates, so no cached partition hides the import
-    assert main(["estimate", "--model", "llama3.2-1b", "--compile", "--seq-len", "1234", "--layers", "1"]) == 2
+    assert (
+        main(["estimate", "--model", "llama3.2-1b", "--compile", "--seq-len", "1234", "--layers", "1"]) == 2
+    )
     err = capsys.readouterr().err
     assert "networkx" in err and "Traceback" not in err
 
@@ -296,6 +414,7 @@ def test_compile_without_networkx_is_one_line(monkeypatch, capsys):
 def test_plan_line_names_the_master_weights_dtype():
     """Megatron --use-precision-aware-optimizer --main-params-dtype fp16: fp16 masters, said so."""
     from pipemem.report.text import describe_precision
+
     line = _megatron_line() + ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"]
     model, plan = pipemem.read_config("megatron", line)
     assert plan["extra"]["main_params_dtype"] == "fp16"
@@ -303,11 +422,14 @@ def test_plan_line_names_the_master_weights_dtype():
     assert "fp16 master" in text and "fp32 grads + master" not in text
 
 
-@pytest.mark.parametrize("plan", [
-    dict(convention="hf", recompute="full", seq_len=4096, optimizer_impl="fused"),            # set-to-none grads
-    dict(convention="hf", recompute="none", seq_len=1024, optimizer_impl="fused", pp=4, microbatches=8),
-    dict(convention="torchtune", recompute="full", seq_len=2048, fsdp=True, dp=8),
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        dict(convention="hf", recompute="full", seq_len=4096, optimizer_impl="fused"),  # set-to-none grads
+        dict(convention="hf", recompute="none", seq_len=1024, optimizer_impl="fused", pp=4, microbatches=8),
+        dict(convention="torchtune", recompute="full", seq_len=2048, fsdp=True, dp=8),
+    ],
+)
 def test_report_row_adds_up_with_the_grads_the_backward_made(plan):
     """peak = static + grads made by the peak + activations + transient, each term >= 0; under full
     recompute a backward peak holds few activations (layer inputs) and the gradients it made are
@@ -317,8 +439,10 @@ def test_report_row_adds_up_with_the_grads_the_backward_made(plan):
         assert r.static.grads_in_step > 0
         assert 0 <= r.grads_at_peak_bytes <= r.static.grads_in_step
         assert min(r.activations_at_peak_bytes, r.transient_bytes) >= 0
-        assert (r.static.total + r.grads_at_peak_bytes + r.activations_at_peak_bytes + r.transient_bytes
-                == r.peak_allocated_bytes)
+        assert (
+            r.static.total + r.grads_at_peak_bytes + r.activations_at_peak_bytes + r.transient_bytes
+            == r.peak_allocated_bytes
+        )
     if plan["recompute"] == "full" and plan["convention"] == "hf":
         r = est.ranks[0]
         assert r.peak_at.startswith("B") and r.activations_at_peak_bytes < r.grads_at_peak_bytes
@@ -326,6 +450,7 @@ def test_report_row_adds_up_with_the_grads_the_backward_made(plan):
 
 def test_report_shows_other_static_bytes(capsys):
     import shlex
+
     text = (DATA / "megatron" / "llama3_8b_fsdp_h100_fp8.txt").read_text()
     line = shlex.split(" ".join(x for x in text.splitlines() if not x.startswith("#")))
     assert main(["estimate", "--wide", "--from-megatron", "--"] + line) == 0
@@ -334,4 +459,5 @@ def test_report_shows_other_static_bytes(capsys):
     assert "other" in header.split()
     model, plan = pipemem.read_config("megatron", line)
     from pipemem.units import fmt_bytes
+
     assert fmt_bytes(pipemem.estimate(model, **plan).ranks[0].static.other) in out

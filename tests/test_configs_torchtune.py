@@ -200,7 +200,8 @@ def test_a_builder_without_a_preset_is_read_from_torchtune(tmp_path):
 TUNE_DATA = Path(__file__).parent / "data" / "torchtune"
 
 
-@pytest.mark.parametrize("shipped,distributed", [("3B_full.yaml", True), ("3B_full_single_device.yaml", False)])
+@pytest.mark.parametrize("shipped,distributed",
+                         [("3B_full.yaml", True), ("3B_full_single_device.yaml", False)])
 def test_recipe_is_read_from_the_config_not_its_file_name(tmp_path, shipped, distributed):
     """`tune cp llama3_2/3B_full my_3b.yaml`: the copy keeps torchtune's header, which names the
     recipe (full_finetune_distributed / full_finetune_single_device), whatever the file is called."""
@@ -228,6 +229,7 @@ def test_tune_run_line_decides_and_gives_the_world(tmp_path, capsys):
     via_line = json.loads(capsys.readouterr().out)["max_peak_allocated_bytes"]
     assert via_line == estimate(tool.model, **tool.plan).max_peak_allocated_bytes
     with pytest.raises(UserError, match="runs on one device"):
-        read_tune_run(["tune", "run", "--nproc_per_node", "4", "full_finetune_single_device", "--config", str(mine)])
+        read_tune_run(["tune", "run", "--nproc_per_node", "4", "full_finetune_single_device", "--config",
+                       str(mine)])
     with pytest.raises(UserError, match="recipe lora_finetune_distributed: not modelled"):
         read_tune_run(["tune", "run", "lora_finetune_distributed", "--config", str(mine)])

@@ -73,8 +73,9 @@ def register(sub) -> None:
     src.add_argument("--from-torchtune", metavar="FILE.yaml|-",
                      help="read a torchtune recipe config (model builder, batch_size, dtype, optimizer, loss, "
                           "compile, activation checkpointing / offloading, optimizer_in_bwd); distributed "
-                          "recipes shard with FSDP2 over --dp ranks; or - and the `tune run [--nproc_per_node N] "
-                          "RECIPE --config FILE [key=value ...]` line after `--` (the recipe decides single "
+                          "recipes shard with FSDP2 over --dp ranks; or - and the `tune run "
+                          "[--nproc_per_node N] RECIPE --config FILE [key=value ...]` line after `--` (the "
+                          "recipe decides single "
                           "device or distributed)")
     src.add_argument("--from-hf-trainer", action="store_true",
                      help="read Hugging Face Trainer launch arguments given after `--` (run_clm.py-style: "
@@ -234,8 +235,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or tune_args
                           or args.from_hf_trainer):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
-                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer, --from-torchtitan - or "
-                        "--from-torchtune -")
+                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer, --from-torchtitan - "
+                        "or --from-torchtune -")
     if tune_args and not tool_args:
         raise UserError("--from-torchtune -: give the `tune run` line after `--`, e.g. -- tune run "
                         "--nproc_per_node 8 full_finetune_distributed --config ./my_8b.yaml")
@@ -280,7 +281,8 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         tool = read_tool("hf-trainer", tool_args)
     else:
         tool = read_torchtitan(args.from_torchtitan)
-    model, plan, tool_opts, warnings = finish(tool, flags, "the recipe" if tune_args else args.from_torchtune or "")
+    source_name = "the recipe" if tune_args else args.from_torchtune or ""
+    model, plan, tool_opts, warnings = finish(tool, flags, source_name)
     opts.update(tool_opts)
     refuse_inert(flags, plan, opts)
     return model, plan, opts, warnings
@@ -322,8 +324,8 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
         raise UserError("--recompute-allgather does nothing at --tp 1 (there is no sequence-parallel all-gather): "
                         "drop it, or set --tp")
     if "schedule" in given and pp == 1:
-        raise UserError(f"--schedule {given['schedule']} does nothing at --pp 1 (a pipeline schedule orders the "
-                        "stages' microbatches): drop --schedule, or set --pp")
+        raise UserError(f"--schedule {given['schedule']} does nothing at --pp 1 (a pipeline schedule orders "
+                        "the stages' microbatches): drop --schedule, or set --pp")
     if "pp_layout" in given and pp * vpp == 1:
         raise UserError("--pp-layout does nothing with one pipeline stage: drop it, or set --pp")
     if "master_weights" in given and plan.get("dtype") == "fp32":

@@ -39,11 +39,14 @@ def load_config_file(path: str) -> dict:
         raise UserError(f"accelerate --config_file {path}: not found")
     try:
         import yaml
+
         data = yaml.safe_load(f.read_text())
-    except Exception as e:      # yaml.YAMLError, a decode error: one line naming the file
+    except Exception as e:  # yaml.YAMLError, a decode error: one line naming the file
         raise UserError(f"accelerate --config_file {path}: cannot read ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise UserError(f"accelerate --config_file {path}: expected a mapping (distributed_type, num_processes, ...)")
+        raise UserError(
+            f"accelerate --config_file {path}: expected a mapping (distributed_type, num_processes, ...)"
+        )
     return data
 
 
@@ -52,6 +55,7 @@ def settings(launcher: dict[str, list[str]]) -> dict:
     config file's keys, the flags over them (accelerate's precedence). Returns {} for another
     launcher. Keys: type (ddp / fsdp / deepspeed / single / None), world, mixed_precision, fsdp
     (its settings), deepspeed (a config file path or dict), base (the config file's folder)."""
+
     def flag(*names):
         for n in names:
             for spelling in (n, n.replace("_", "-")):
@@ -68,8 +72,10 @@ def settings(launcher: dict[str, list[str]]) -> dict:
     kind = str(cfg.get("distributed_type", "") or "").upper()
     out["type"] = _TYPES.get(kind) if kind else None
     if kind and kind not in _TYPES:
-        raise UserError(f"accelerate distributed_type {kind}: not modelled; pipemem models MULTI_GPU (DDP), FSDP and "
-                        "DEEPSPEED")
+        raise UserError(
+            f"accelerate distributed_type {kind}: not modelled; pipemem models MULTI_GPU (DDP), FSDP and "
+            "DEEPSPEED"
+        )
     for name, kind_ in (("use_fsdp", "fsdp"), ("use_deepspeed", "deepspeed"), ("multi_gpu", "ddp")):
         if _true(flag(name)):
             out["type"] = kind_
@@ -82,7 +88,9 @@ def settings(launcher: dict[str, list[str]]) -> dict:
     mp = flag("mixed_precision") or cfg.get("mixed_precision")
     mp = None if mp is None else str(mp).lower()
     if mp not in (None, "no", "bf16", "fp16"):
-        raise UserError(f"accelerate mixed_precision {mp}: not modelled for the Trainer; use no, bf16 or fp16")
+        raise UserError(
+            f"accelerate mixed_precision {mp}: not modelled for the Trainer; use no, bf16 or fp16"
+        )
     out["mixed_precision"] = None if mp in (None, "no") else mp
     fsdp = dict(cfg.get("fsdp_config") or {})
     for key in _FSDP_FLAGS:
@@ -99,10 +107,23 @@ def settings(launcher: dict[str, list[str]]) -> dict:
     return out
 
 
-_FSDP_FLAGS = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-               "fsdp_activation_checkpointing")
+_FSDP_FLAGS = (
+    "fsdp_version",
+    "fsdp_sharding_strategy",
+    "fsdp_reshard_after_forward",
+    "fsdp_offload_params",
+    "fsdp_activation_checkpointing",
+)
 _DS_FLAGS = ("deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device")
-_FLAGS = {"config_file", "use_fsdp", "use_deepspeed", "multi_gpu", "mixed_precision", *_FSDP_FLAGS, *_DS_FLAGS}
+_FLAGS = {
+    "config_file",
+    "use_fsdp",
+    "use_deepspeed",
+    "multi_gpu",
+    "mixed_precision",
+    *_FSDP_FLAGS,
+    *_DS_FLAGS,
+}
 
 
 def _true(v) -> bool:
@@ -112,8 +133,10 @@ def _true(v) -> bool:
 def apply_fsdp(fsdp: dict, plan: dict) -> None:
     """accelerate's FSDP settings -> the plan (FSDP1 and FSDP2 under the Trainer)."""
     if _true(fsdp.get("fsdp_offload_params", False)):
-        raise UserError("accelerate fsdp_offload_params: FSDP's CPU offload of parameters and gradients is not "
-                        "modelled; set it false")
+        raise UserError(
+            "accelerate fsdp_offload_params: FSDP's CPU offload of parameters and gradients is not "
+            "modelled; set it false"
+        )
     version = str(fsdp.get("fsdp_version", 1))
     if version not in ("1", "2"):
         raise UserError(f"accelerate fsdp_version {version}: expected 1 or 2")
@@ -121,9 +144,11 @@ def apply_fsdp(fsdp: dict, plan: dict) -> None:
     if version == "1":
         strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
         if strategy not in _FULL_SHARD:
-            raise UserError(f"accelerate fsdp_sharding_strategy {strategy}: not modelled; pipemem models FULL_SHARD")
+            raise UserError(
+                f"accelerate fsdp_sharding_strategy {strategy}: not modelled; pipemem models FULL_SHARD"
+            )
     elif not _true(fsdp.get("fsdp_reshard_after_forward", True)):
-        extra["fsdp_reshard_after_forward"] = False     # FSDP2: the unit stays gathered into its backward
+        extra["fsdp_reshard_after_forward"] = False  # FSDP2: the unit stays gathered into its backward
     plan["fsdp"] = True
     if extra:
         plan["extra"] = extra
@@ -142,9 +167,17 @@ def deepspeed_source(ds: dict, base: str | None):
             p = Path(base) / p
         return str(p)
     zero = {"stage": int(ds.get("zero_stage", 2))}
-    for key, name in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_param")):
+    for key, name in (
+        ("offload_optimizer_device", "offload_optimizer"),
+        ("offload_param_device", "offload_param"),
+    ):
         device = str(ds.get(key, "none") or "none").lower()
         if device != "none":
             zero[name] = {"device": device}
-    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    return {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+    }

@@ -145,7 +145,8 @@ def read(argv: list[str]) -> ToolConfig:
     elif fsdp:
         _fsdp(fsdp, plan)
     if fsdp:
-        warnings.append(f"{'accelerate FSDP' if fsdp == 'accelerate' else '--fsdp'}: priced as PyTorch FSDP full sharding under autocast over fp32 shards; the "
+        warnings.append(f"{'accelerate FSDP' if fsdp == 'accelerate' else '--fsdp'}: priced as PyTorch FSDP "
+                        "full sharding under autocast over fp32 shards; the "
                         "Trainer's own FSDP (accelerate's wrapping and mixed-precision policy) is not measured "
                         "(with --use_cpu it runs DDP, so validate hf-trainer cannot)")
     optim = args.str("optim") or DEFAULT_OPTIM

@@ -63,10 +63,11 @@ IGNORED = {
     "use_fused_dropout_add", "tokenizer", "fp16_full_eval", "ignore_data_skip", "dataset_world_size",
     "enable_linear_fused_grad_add", "sharding_comm_buffer_size_MB", "pipeline_parallel_config",
     # PaddleFormers' names for the same kinds of arguments (data, checkpoints, logging)
-    "train_dataset_type", "eval_dataset_type", "train_dataset_path", "eval_dataset_path", "train_dataset_prob",
-    "eval_dataset_prob", "mix_strategy", "template_backend", "template", "num_samples_each_epoch",
-    "save_checkpoint_format", "load_checkpoint_format", "save_safetensors", "convert_from_hf", "save_to_hf",
-    "overlap_p2p_comm", "batch_p2p_comm", "moe_router_bias_update_rate", "evaluation_strategy", "random_shuffle",
+    "train_dataset_type", "eval_dataset_type", "train_dataset_path", "eval_dataset_path",
+    "train_dataset_prob", "eval_dataset_prob", "mix_strategy", "template_backend", "template",
+    "num_samples_each_epoch", "save_checkpoint_format", "load_checkpoint_format", "save_safetensors",
+    "convert_from_hf", "save_to_hf", "overlap_p2p_comm", "batch_p2p_comm", "moe_router_bias_update_rate",
+    "evaluation_strategy", "random_shuffle",
 }
 
 # PaddleFormers' argument names -> PaddleNLP's (the reader below speaks PaddleNLP's)
@@ -235,7 +236,8 @@ def _paddleformers_names(a, warnings: list[str]) -> bool:
         if new in a.values:
             found = True
             if old in a.values and a.values[old] != a.values[new]:
-                raise UserError(f"{TOOL}: --{new} {' '.join(a.values[new])} (PaddleFormers) contradicts --{old} "
+                raise UserError(f"{TOOL}: --{new} {' '.join(a.values[new])} (PaddleFormers) contradicts "
+                                f"--{old} "
                                 f"{' '.join(a.values[old])} (PaddleNLP's name): give one")
             a.values[old] = a.values.pop(new)
     return found or any(k in a.values for k in PADDLEFORMERS_KNOWN)
@@ -260,13 +262,15 @@ def _paddleformers_recompute(a, plan: dict) -> None:
         if use or a.bool("recompute"):
             plan["recompute"] = "full"
         elif method or num:
-            raise UserError(f"{TOOL}: --recompute_method / --recompute_num_layers need --recompute_granularity")
+            raise UserError(f"{TOOL}: --recompute_method / --recompute_num_layers need "
+                            "--recompute_granularity")
         return
     if gran == "selective":
         plan["recompute"] = "selective"
         return
     if gran not in ("full", "full_attn", "core_attn"):
-        raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, selective, full_attn or core_attn")
+        raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, selective, full_attn or "
+                        "core_attn")
     plan["recompute"] = gran
     if method == "block" and num is not None:
         plan["recompute_layers"] = num
@@ -412,7 +416,8 @@ def read(argv: list[str]) -> ToolConfig:
         plan["recompute"] = "none"
 
     flash = a.bool("use_flash_attention")
-    impl = next((a.str(k) for k in ("_attn_implementation", "attn_impl", "attn_implementation") if a.has(k)), None)
+    impl_keys = ("_attn_implementation", "attn_impl", "attn_implementation")
+    impl = next((a.str(k) for k in impl_keys if a.has(k)), None)
     if impl is not None:
         # PaddleFormers: flashmask / flash_attention run flash kernels (sdpa too, on a GPU); eager does not
         flash = impl.lower() != "eager"

@@ -10,13 +10,15 @@ from ..errors import UserError
 from .tool_config import ToolConfig
 
 # tool name -> what its source is (for messages)
-TOOLS = {"megatron": "Megatron-LM pretrain_gpt.py arguments (an argv list or one string)",
-         "paddlenlp": "PaddleNLP / PaddleFormers run_pretrain.py arguments, or their JSON / YAML file",
-         "torchtitan": "a torchtitan job TOML path, or torchtitan 0.3 launch arguments (--module ... --config ...)",
-         "torchtune": "a torchtune recipe config path, or a `tune run ... --config FILE` line",
-         "hf-trainer": "Hugging Face Trainer launch arguments (run_clm.py --model_name_or_path ...)",
-         "deepspeed": "a DeepSpeed config (path, JSON text or dict); its plan needs a model: read_config("
-                      "'deepspeed', cfg, model=...)"}
+TOOLS = {
+    "megatron": "Megatron-LM pretrain_gpt.py arguments (an argv list or one string)",
+    "paddlenlp": "PaddleNLP / PaddleFormers run_pretrain.py arguments, or their JSON / YAML file",
+    "torchtitan": "a torchtitan job TOML path, or torchtitan 0.3 launch arguments (--module, --config ...)",
+    "torchtune": "a torchtune recipe config path, or a `tune run ... --config FILE` line",
+    "hf-trainer": "Hugging Face Trainer launch arguments (run_clm.py --model_name_or_path ...)",
+    "deepspeed": "a DeepSpeed config (path, JSON text or dict); its plan needs a model: read_config("
+    "'deepspeed', cfg, model=...)",
+}
 
 
 class ReadConfig(tuple):
@@ -33,6 +35,7 @@ class ReadConfig(tuple):
 def _argv(source) -> list[str]:
     if isinstance(source, str):
         import shlex
+
         return shlex.split(source)
     return [str(t) for t in source]
 
@@ -42,25 +45,31 @@ def read_tool(tool: str, source, hidden: int | None = None) -> ToolConfig:
     key = tool.lower().replace("_", "-")
     if key == "megatron":
         from .megatron import read
+
         return read(_argv(source))
     if key == "paddlenlp":
         from .paddlenlp import read
+
         return read(_argv(source))
     if key == "torchtitan":
         from .torchtitan import read, read_args
+
         if isinstance(source, str) and source.strip().lower().endswith(".toml"):
             return read(source)
         return read_args(_argv(source))
     if key == "torchtune":
         from .torchtune import read, read_tune_run
+
         if isinstance(source, str) and source.strip().lower().endswith((".yaml", ".yml")):
             return read(source)
         return read_tune_run(_argv(source))
     if key == "hf-trainer":
         from .hf_trainer import read
+
         return read(_argv(source))
     if key == "deepspeed":
         from .deepspeed import read
+
         return read(source, hidden)
     raise UserError(f"read_config: unknown tool {tool!r}; one of {', '.join(TOOLS)}")
 
@@ -71,16 +80,22 @@ def finish(tool: ToolConfig, flags: dict, source_name: str = "") -> tuple[object
     plan = merge(tool, flags)
     name = source_name or "the configuration"
     if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
-        raise UserError(f"--dp {plan['dp']}: {name} is a single-device recipe config (one GPU); drop --dp, or use "
-                        "the model's distributed config (e.g. 3B_full.yaml)")
+        raise UserError(
+            f"--dp {plan['dp']}: {name} is a single-device recipe config (one GPU); drop --dp, or use "
+            "the model's distributed config (e.g. 3B_full.yaml)"
+        )
     if "seq_len" in tool.needs and "seq_len" not in plan:
-        raise UserError("Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
-                        "tokenizer's model_max_length): give --seq-len N")
+        raise UserError(
+            "Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
+            "tokenizer's model_max_length): give --seq-len N"
+        )
     if tool.tool == "torchtune" and "seq_len" not in plan:
-        raise UserError(f"{name}: tokenizer.max_seq_len is null (the samples' lengths set the sequence): give "
-                        "--seq-len N, the longest sample (or max_seq_len with packed: True)")
+        raise UserError(
+            f"{name}: tokenizer.max_seq_len is null (the samples' lengths set the sequence): give "
+            "--seq-len N, the longest sample (or max_seq_len with packed: True)"
+        )
     if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
-        plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
+        plan.pop("schedule")  # the tool ignores its pipeline schedule setting without pipeline stages
     opts: dict = {}
     if tool.model_name:
         opts["model_name"] = tool.model_name
@@ -90,6 +105,7 @@ def finish(tool: ToolConfig, flags: dict, source_name: str = "") -> tuple[object
         opts["model_flag"] = "Trainer --model_name_or_path"
     if tool.tool == "torchtitan":
         from .torchtitan import finish_plan
+
         _, cfg = _model_config(tool.model)
         layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
         plan = finish_plan(plan, int(layers))
@@ -105,14 +121,19 @@ def read_config(tool: str, source, model=None, **flags) -> ReadConfig:
     model: give `model=`. The reader's notes are in `.warnings`."""
     if tool.lower() == "deepspeed":
         if model is None:
-            raise UserError("read_config('deepspeed', ...): a DeepSpeed config names no model; give model=NAME")
+            raise UserError(
+                "read_config('deepspeed', ...): a DeepSpeed config names no model; give model=NAME"
+            )
         from ..model import arch_from_hf_config
+
         name, cfg = _model_config(model)
         tc = read_tool(tool, source, hidden=arch_from_hf_config(cfg, name).hidden)
         missing = [k for k in tc.needs if k not in flags]
         if missing:
-            raise UserError(f"read_config('deepspeed', ...): {', '.join(missing)} \"auto\" in the config: give "
-                            f"{', '.join(k + '=...' for k in missing)}")
+            raise UserError(
+                f"read_config('deepspeed', ...): {', '.join(missing)} \"auto\" in the config: give "
+                f"{', '.join(k + '=...' for k in missing)}"
+            )
         tc.model = model
     elif model is not None:
         raise UserError(f"read_config({tool!r}, ...): the configuration names its model; drop model=")
@@ -127,6 +148,7 @@ def _model_config(model) -> tuple[str, dict]:
     if isinstance(model, dict):
         return str(model.get("model_type") or "model"), model
     from ..presets import load_model_config
+
     return load_model_config(model)
 
 
@@ -136,13 +158,17 @@ def merge(tool: ToolConfig, flags: dict) -> dict:
     for k, v in flags.items():
         if k in plan and not k.startswith("_") and plan[k] != v and _norm(plan[k]) != _norm(v):
             flag = "--" + k.replace("_", "-")
-            raise UserError(f"{flag} {_show(v)} contradicts the {tool.tool} configuration ({k} = {_show(plan[k])}); "
-                            f"drop {flag} or change the configuration")
+            raise UserError(
+                f"{flag} {_show(v)} contradicts the {tool.tool} configuration ({k} = {_show(plan[k])}); "
+                f"drop {flag} or change the configuration"
+            )
         plan[k] = v
     if tool.dp_unknown and "dp" not in plan:
         plan["dp"] = 1
-        tool.warnings.append(f"{tool.tool}: the world size is not in the configuration; assuming --dp 1 "
-                             "(pass --dp N, the data-parallel degree)")
+        tool.warnings.append(
+            f"{tool.tool}: the world size is not in the configuration; assuming --dp 1 "
+            "(pass --dp N, the data-parallel degree)"
+        )
     return plan
 
 

@@ -113,7 +113,8 @@ def read_args(argv: list[str]) -> ToolConfig:
         raise UserError(f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
                         "pip install 'pipemem[torchtitan]', or give a job TOML") from None
     try:
-        with import_stubs(), _target_gpu_capability():     # config_registry modules import torchtitan's models
+        # config_registry modules import torchtitan's models
+        with import_stubs(), _target_gpu_capability():
             cfg = ConfigManager().parse_args(list(argv))
     except SystemExit:
         raise UserError("--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
@@ -508,7 +509,8 @@ def finish_plan(plan: dict, layers: int) -> dict:
         # first + last) / layers_per_stage) stages, a multiple of pp
         stages = -(-(layers + first + last) // lps)
         if stages % pp:
-            raise UserError(f"{TOOL}: pipeline_parallel_layers_per_stage {lps} gives {stages} stages for {layers} "
+            raise UserError(f"{TOOL}: pipeline_parallel_layers_per_stage {lps} gives {stages} stages for "
+                            f"{layers} "
                             f"layers (+ {first} + {last} for the embedding / output), not a multiple of "
                             f"pipeline_parallel_degree {pp} (torchtitan refuses it)")
         plan["vpp"] = stages // pp

@@ -185,8 +185,8 @@ def recipe_in_comments(text: str) -> str | None:
 
 def _recipe_distributed(recipe: str, where: str) -> bool:
     if recipe not in RECIPES:
-        raise UserError(f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full fine-tuning "
-                        f"recipes ({', '.join(RECIPES)})")
+        raise UserError(f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full "
+                        f"fine-tuning recipes ({', '.join(RECIPES)})")
     return RECIPES[recipe]
 
 
@@ -200,7 +200,8 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
         raise UserError("--from-torchtune reads YAML: pip install pyyaml") from None
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--from-torchtune {path}: no such file (give the config file, e.g. one `tune cp` wrote)")
+        raise UserError(f"--from-torchtune {path}: no such file (give the config file, e.g. one `tune cp` "
+                        "wrote)")
     text = p.read_text()
     try:
         cfg = yaml.safe_load(text)
@@ -219,7 +220,8 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
     else:
         distributed = "single_device" not in p.stem
         notes.append(f"{TOOL}: {p.name} names no recipe (its `tune run` line); taken as "
-                     f"{'full_finetune_distributed' if distributed else 'full_finetune_single_device'} from the "
+                     f"{'full_finetune_distributed' if distributed else 'full_finetune_single_device'} "
+                     "from the "
                      "file name: paste the `tune run` line to say which")
     tool = from_dict(cfg, str(path), distributed=distributed)
     tool.warnings[:0] = notes
@@ -228,8 +230,8 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
 
 def _distributed_keys(cfg: dict) -> bool:
     """Keys only full_finetune_distributed reads (FSDP settings, the device mesh's dimensions)."""
-    return any(k.startswith("fsdp_") or k.endswith(("_parallel_dim", "_shard_dim")) or k == "custom_sharded_layers"
-               for k in cfg)
+    return any(k.startswith("fsdp_") or k.endswith(("_parallel_dim", "_shard_dim"))
+               or k == "custom_sharded_layers" for k in cfg)
 
 
 def _override(cfg: dict, item: str, path: str) -> None:

@@ -134,8 +134,9 @@ def _inflight_text(r, vpp: int) -> str:
     return f"{r.inflight / max(vpp, 1):g} mb"
 
 
-FOOTNOTE = ("peak = params + grads (resident, and '+ made': those the step's backward has created by the peak) + "
-            "optimizer + other static (runtime buffers, cached weight copies, gathered parameters) + activations "
+FOOTNOTE = ("peak = params + grads (resident, and '+ made': those the step's backward has created by the "
+            "peak) + optimizer + other static (runtime buffers, cached weight copies, gathered parameters) + "
+            "activations "
             "held around the action at the peak "
             "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
             "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
@@ -193,8 +194,8 @@ def _table(est, rows):
         header = "activations\n(in flight)" if name == "activations" else name
         t.add_column(header, justify=justify, no_wrap=True, overflow="fold")
     for c in rows:
-        cells = [c[name] if name not in ("peak", "headroom") else
-                 Text(c[name], style=(c["_style"] or "bold") if name == "peak" else c["_style"]) for name, _ in cols]
+        styles = {"peak": c["_style"] or "bold", "headroom": c["_style"]}
+        cells = [Text(c[name], style=styles[name]) if name in styles else c[name] for name, _ in cols]
         t.add_row(*cells)
     return t
 

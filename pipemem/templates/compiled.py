@@ -48,8 +48,8 @@ def min_cut_region(tape: Tape, region: int) -> dict[str, int]:
         import networkx as nx
     except ImportError:
         from ..errors import UserError
-        raise UserError("--compile needs networkx for the compiled layers' min-cut partition: pip install networkx "
-                        "(or pipemem[modern])") from None
+        raise UserError("--compile needs networkx for the compiled layers' min-cut partition: pip install "
+                        "networkx (or pipemem[modern])") from None
 
     nodes = [n for n in tape.nodes if n.region == region]
     produced = {o: n for n in nodes for o in n.outputs}

@@ -277,13 +277,14 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     if plan.fp8_param_gather and linear:
         # fp8 primary weights: 1 byte each (norms, embeddings stay), sharded as the parameters are
         # (Megatron-FSDP optim_grads_params keeps only its shard of them)
-        held, _, _, _ = _sharded(dense_linear, expert_linear, (1, 0, 0, 0), dp_group, edp_group, plan.zero, False)
+        held = _sharded(dense_linear, expert_linear, (1, 0, 0, 0), dp_group, edp_group, plan.zero, False)[0]
         params -= held * (per_param[0] - 1)
     other = int(linear * per)
     if pipelined_fsdp(plan, conv):
         # the stages' gathered parameters and their unsharded gradients (in the reduce dtype),
         # held from the first forward / backward to the step's end: counted as static
-        other += (dense + expert) * (dtype_bytes(plan.dtype) + dtype_bytes(plan.main_grad_dtype or plan.dtype))
+        grad_dt = plan.main_grad_dtype or plan.dtype
+        other += (dense + expert) * (dtype_bytes(plan.dtype) + dtype_bytes(grad_dt))
     if conv.name == "megatron":
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
@@ -370,7 +371,8 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
 
 
-def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[tuple[int, int], float]:
+def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers,
+                        rank_stages) -> tuple[tuple[int, int], float]:
     """((dense, expert) elements of the rank's decoder-layer linear weights that Transformer Engine runs in
     fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
     each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
