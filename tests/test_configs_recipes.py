@@ -34,6 +34,12 @@ def test_paddlenlp_json_file_is_read_as_its_arguments():
     assert over.plan["seq_len"] == 2048
 
 
+def test_paddlenlp_yaml_file_equals_the_json_file():
+    """PaddleNLP's llm/config/llama/pretrain_argument.yaml (the same arguments as the JSON)."""
+    yaml_plan = read_paddlenlp(LAUNCH + [str(DATA / "paddlenlp" / "pretrain_argument.yaml")]).plan
+    assert yaml_plan == read_paddlenlp(LAUNCH + [PADDLENLP_JSON]).plan
+
+
 def test_paddlenlp_default_sharding_degree_equals_the_explicit_one():
     explicit = read_paddlenlp(LAUNCH + [PADDLENLP_JSON, "--sharding_parallel_degree", "4"])
     implicit = read_paddlenlp(LAUNCH + [PADDLENLP_JSON])
