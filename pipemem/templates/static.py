@@ -250,16 +250,17 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
 
 
 def pipelined_fsdp(plan, conv: Convention) -> bool:
-    """FSDP2 under torch's pipelining with reshard_after_forward=False (torchtitan's default with
-    pp): the stage (torch 2.13, pipelining/stage.py backward_maybe_with_nosync) turns off
-    reshard-after-backward and gradient sync for every microbatch's backward and runs FSDP's
-    post-backward once, at the end (perform_reduce_grad). A stage's parameters stay gathered
-    from its first forward to that point, and its unsharded gradients accumulate (in the reduce
-    dtype: FSDPParam.to_accumulated_grad_if_needed) until then: once per stage, not per
-    microbatch. The programs then run on gathered parameters (no per-part all-gather) and
-    the gathered copy is static (`static_bytes`' other)."""
-    return (conv.fsdp2 and (plan.zero >= 3 or bool(plan.fsdp)) and plan.pp * plan.vpp > 1
-            and not bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)))
+    """FSDP2 under torch's pipelining (torchtitan with pp): the stage (torch 2.13,
+    pipelining/stage.py backward_maybe_with_nosync) turns off reshard-after-backward and
+    gradient sync (recursively) for every microbatch's backward and runs FSDP's post-backward
+    once, at the end (perform_reduce_grad). A stage's unsharded gradients accumulate (in the
+    reduce dtype: FSDPParam.to_accumulated_grad_if_needed) until then, and its parameters stay
+    gathered: from the first forward with reshard_after_forward=False (torchtitan's default with
+    pp), from each backward on with "always" (a unit gathered for its backward is not resharded
+    after it, so every backward ends with the whole stage gathered). Once per stage, not per
+    microbatch: the programs run on gathered parameters (no per-part all-gather) and both copies
+    are static (`static_bytes`' other; above the truth only in forwards under "always")."""
+    return conv.fsdp2 and (plan.zero >= 3 or bool(plan.fsdp)) and plan.pp * plan.vpp > 1
 
 
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
