@@ -13,6 +13,8 @@ from .pipeline_estimator import PipelineMemoryEstimator  # noqa: E402
 # Eager on purpose: importing the submodule `pipemem.estimate` (the CLI does) would otherwise
 # bind the package attribute to the module. It imports no torch.
 from .estimate import Estimate, estimate  # noqa: E402
+from .configs.resolve import read_config  # noqa: E402
 
 __all__ = ["UserError", "Op", "Program", "Tensor", "TensorKind", "load_programs", "save_programs",
-           "analyze_program", "analyze_sequence", "PipelineMemoryEstimator", "Estimate", "estimate"]
+           "analyze_program", "analyze_sequence", "PipelineMemoryEstimator", "Estimate", "estimate",
+           "read_config"]

@@ -72,6 +72,7 @@ class RankEstimate:
         if "_peak_reserved" not in d:
             d["_peak_reserved"] = self.reserved_source() if self.reserved_source is not None else None
         return d["_peak_reserved"]
+
     outside: Any = None    # pipemem.outside_allocator.OutsideAllocator: context, NCCL, cuBLAS workspace
 
     @property
@@ -80,6 +81,8 @@ class RankEstimate:
         (its allocated peak where reserved is not modelled) plus the memory outside them."""
         held = self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_allocated_bytes
         return held + (self.outside.total_bytes if self.outside is not None else 0)
+    # stage -> gradient bytes its first backward creates (set-to-none / DDP grads; templates mode)
+    grads_made: dict = field(default=None, repr=False, compare=False)
 
     def _peak_point(self) -> tuple[int, TimelinePoint] | None:
         """(index, point) of the first action at the rank's peak: read from the replay at its
@@ -101,16 +104,57 @@ class RankEstimate:
         return {int(lab.split("@s")[1]) for lab in (p.label for p in self.timeline[:i])
                 if lab[:1] in "BW" and "@s" in lab}
 
+    def _grads_made_split(self, i: int, label: str) -> tuple[int, int]:
+        """(gradient bytes the stages' first backwards made before action i, bytes action i's
+        own first backward makes), from `grads_made`."""
+        import re
+        if self.__dict__.get("_timeline") is None and self.source is not None:
+            acts = [(a[0], a[1]) for a in self.source[0]._actions[:i]]
+        else:
+            acts = [(m.group(1), int(m.group(2))) for m in
+                    (re.match(r"([A-Z]+)\d+@s(\d+)$", p.label) for p in self.timeline[:i]) if m]
+        done = {s for kind, s in acts if kind in ("B", "I", "W")}
+        before = sum(b for s, b in self.grads_made.items() if s in done)
+        m = re.match(r"([BI])\d+@s(\d+)$", label)
+        own = self.grads_made.get(int(m.group(2)), 0) if m and int(m.group(2)) not in done else 0
+        return before, own
+
+    def _peak_split(self) -> tuple[int, int]:
+        """(gradients the step made that are resident at the peak, activations held around
+        the action at the peak): the row's two middle terms, computed once."""
+        cached = self.__dict__.get("_split")
+        if cached is not None:
+            return cached
+        found = self._peak_point()
+        if found is None:
+            out = (0, self.activation_hwm_bytes)
+        elif self.grads_made is None or not self.static.grads_in_step:
+            p = found[1]
+            grads = 0
+            if self.static.grads_in_step and self._stages_backward_before(found[0]) >= set(self.stages):
+                grads = self.static.grads_in_step
+            held = max(p.before, p.after) - self.static.total - grads
+            out = (grads, max(0, min(held, self.activation_hwm_bytes)))
+        else:
+            # the backward that makes gradients frees activations: what it holds after is what it
+            # held minus the freed ones plus the made gradients, which are counted as gradients
+            i, p = found
+            before, own = self._grads_made_split(i, p.label)
+            st = self.static.total
+            held = max(p.before - st - before, p.after - st - before - own)
+            acts = max(0, min(held, self.activation_hwm_bytes))
+            grads = before + min(own, max(0, p.peak - st - before - acts))
+            out = (grads, acts)
+        self.__dict__["_split"] = out
+        return out
+
     @property
     def grads_at_peak_bytes(self) -> int:
         """Gradients the step created (set-to-none / DDP grads, `static.grads_in_step`) that are
-        resident when the action at the peak starts: all of them once every stage of the rank
-        has run a backward; before that they are counted with what the backward holds."""
-        found = self._peak_point()
-        if found is None or not self.static.grads_in_step:
-            return 0
-        done = self._stages_backward_before(found[0])
-        return self.static.grads_in_step if done >= set(self.stages) else 0
+        resident at the peak: those the rank's stages' first backwards made before the action at
+        the peak, and what that action has made of its own by the peak (templates mode); in
+        traced mode all of them once every stage of the rank has run a backward."""
+        return self._peak_split()[0]
 
     @property
     def activations_at_peak_bytes(self) -> int:
@@ -118,12 +162,7 @@ class RankEstimate:
         and after it (a forward adds its microbatch's, a backward frees them), neither the
         static state nor the gradients the step created counted. At an optimizer-step peak,
         what is still resident then (usually 0). Without a timeline, the high-water mark."""
-        found = self._peak_point()
-        if found is None:
-            return self.activation_hwm_bytes
-        p = found[1]
-        held = max(p.before, p.after) - self.static.total - self.grads_at_peak_bytes
-        return max(0, min(held, self.activation_hwm_bytes))
+        return self._peak_split()[1]
 
     @property
     def transient_bytes(self) -> int:
@@ -602,6 +641,9 @@ def per_rank(stages: dict, schedule, runtime: str, statics: list[StaticBytes], o
     if overrides:
         jobs.update(overrides)
     result = replay(lower(schedule, profile.name), jobs, statics, optimizer_jobs=optimizers, simulate_time=False)
+    # gradient bytes each stage's first backward makes (the override's B over the steady one)
+    made = {s: int(j.B.net_bytes - stages[s].B.net_bytes) for (s, _mb), j in (overrides or {}).items()
+            if isinstance(s, int) and s in stages and hasattr(j, "B")} if overrides else None
     out = []
     for r in result.ranks:
         stage_ids = schedule.stages_of_rank(r.pp_rank)
@@ -609,7 +651,8 @@ def per_rank(stages: dict, schedule, runtime: str, statics: list[StaticBytes], o
         out.append(RankEstimate(
             pp_rank=r.pp_rank, static=statics[r.pp_rank], peak_allocated_bytes=int(r.peak_allocated_bytes),
             peak_at=str(r.peak_at), activation_hwm_bytes=int(r.activation_hwm_bytes), inflight=int(r.max_inflight),
-            stages=list(stage_ids), source=(r, held, optimizers[r.pp_rank] if optimizers else None)))
+            stages=list(stage_ids), source=(r, held, optimizers[r.pp_rank] if optimizers else None),
+            grads_made=None if made is None else {s: made.get(s, 0) for s in stage_ids}))
     return out
 
 

@@ -223,3 +223,17 @@ def test_interleaved_microbatch_group_other_than_pp_is_refused():
     assert read(vpp + "--microbatch-group-size-per-virtual-pipeline-stage 2").plan["vpp"] == 2
     with pytest.raises(UserError, match="^Megatron: --microbatch-group-size-per-virtual-pipeline-stage 4"):
         read(vpp + "--microbatch-group-size-per-virtual-pipeline-stage 4")
+
+
+def test_megatron_fsdp_fp8_param_gather_keeps_a_shard_of_the_fp8_weights():
+    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: Megatron-FSDP optim_grads_params with
+    --fp8-param-gather. Each rank keeps 1/dp of the fp8 linear weights (1 byte) and 1/dp of the other
+    parameters in bf16: the parameter bytes are positive and below the bf16 shard's."""
+    tc = read_megatron(script_argv("llama3_8b_fsdp_h100_fp8.txt"))
+    p = tc.plan
+    assert p["zero"] == 3 and p["dp"] == 8 and p["fp8_param_gather"] is True
+    fp8 = pipemem.estimate(tc.model, **p).ranks[0].static.params
+    bf16 = pipemem.estimate(tc.model, **{**p, "fp8_param_gather": False}).ranks[0].static.params
+    h, ffn, layers, kv = 4096, 14336, 32, 8 * 128     # the script's --hidden-size, --ffn-hidden-size ...
+    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn)      # qkv, proj, fc1 (gate + up), fc2
+    assert 0 < fp8 < bf16 and bf16 - fp8 == -(-linear // 8) * (2 - 1)

@@ -49,7 +49,8 @@ def _write(tmp_path, text, name="3B_full_single_device.yaml"):
 
 def test_single_device_config_is_read_key_by_key(tmp_path):
     tool = read(_write(tmp_path, SINGLE))
-    assert tool.model == "llama3.2-3b" and not tool.dp_unknown and tool.warnings == []
+    assert tool.model == "llama3.2-3b" and not tool.dp_unknown
+    assert [w for w in tool.warnings if "names no recipe" not in w] == []
     assert tool.plan == {"convention": "torchtune", "micro_batch": 2, "seq_len": 4096, "dtype": "bf16",
                          "optimizer": "adamw", "optimizer_impl": "fused", "loss": "chunked", "loss_chunks": 8,
                          "compile": "all", "recompute": "full"}
@@ -74,7 +75,9 @@ def test_options_that_change_memory(tmp_path):
 
 def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
     tool = read(_write(tmp_path, SINGLE, "3B_full.yaml"))
-    assert tool.plan["fsdp"] is True and tool.dp_unknown and tool.warnings == []
+    # no recipe named in the file: taken from its name, with a note
+    assert tool.plan["fsdp"] is True and tool.dp_unknown and len(tool.warnings) == 1
+    assert "names no recipe" in tool.warnings[0] and "full_finetune_distributed" in tool.warnings[0]
     assert "custom_sharded_layers" not in tool.plan.get("extra", {})   # FSDP2's root unit: modelled
     given = read(_write(tmp_path, SINGLE + "data_parallel_shard_dim: 4\n"
                         "custom_sharded_layers: ['tok_embeddings', 'output']\n", "8B_full.yaml"))
@@ -191,3 +194,42 @@ def test_a_builder_without_a_preset_is_read_from_torchtune(tmp_path):
     assert isinstance(tool.model, dict) and tool.model["model_type"] == "qwen2"
     assert tool.model["num_hidden_layers"] == 36 and tool.model["tie_word_embeddings"] is True
     assert estimate(tool.model, **tool.plan).ranks[0].peak_allocated_bytes > 0
+
+
+# torchtune 0.6.1 recipes/configs/llama3_2/3B_full.yaml and 3B_full_single_device.yaml, as installed
+TUNE_DATA = Path(__file__).parent / "data" / "torchtune"
+
+
+@pytest.mark.parametrize("shipped,distributed",
+                         [("3B_full.yaml", True), ("3B_full_single_device.yaml", False)])
+def test_recipe_is_read_from_the_config_not_its_file_name(tmp_path, shipped, distributed):
+    """`tune cp llama3_2/3B_full my_3b.yaml`: the copy keeps torchtune's header, which names the
+    recipe (full_finetune_distributed / full_finetune_single_device), whatever the file is called."""
+    mine = tmp_path / "my_3b.yaml"
+    mine.write_text((TUNE_DATA / shipped).read_text())
+    tool = read(str(mine))
+    assert bool(tool.plan.get("fsdp")) is distributed
+    assert not [w for w in tool.warnings if "names no recipe" in w]
+    assert tool.plan == read(str(TUNE_DATA / shipped)).plan
+
+
+def test_tune_run_line_decides_and_gives_the_world(tmp_path, capsys):
+    """The launch line of 3B_full.yaml's header, with the config copied and overrides."""
+    mine = tmp_path / "my_8b.yaml"
+    mine.write_text((TUNE_DATA / "3B_full.yaml").read_text())
+    line = ["tune", "run", "--nproc_per_node", "4", "full_finetune_distributed", "--config", str(mine),
+            "batch_size=2", "tokenizer.max_seq_len=2048"]
+    from pipemem.configs.torchtune import read_tune_run
+    tool = read_tune_run(line)
+    assert tool.plan["fsdp"] is True and tool.plan["dp"] == 4 and tool.plan["micro_batch"] == 2
+    assert tool.plan["seq_len"] == 2048 and not tool.dp_unknown
+    import json
+    from pipemem.cli.main import main
+    assert main(["estimate", "--json", "--from-torchtune", "-", "--"] + line) == 0
+    via_line = json.loads(capsys.readouterr().out)["max_peak_allocated_bytes"]
+    assert via_line == estimate(tool.model, **tool.plan).max_peak_allocated_bytes
+    with pytest.raises(UserError, match="runs on one device"):
+        read_tune_run(["tune", "run", "--nproc_per_node", "4", "full_finetune_single_device", "--config",
+                       str(mine)])
+    with pytest.raises(UserError, match="recipe lora_finetune_distributed: not modelled"):
+        read_tune_run(["tune", "run", "lora_finetune_distributed", "--config", str(mine)])

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..configs.resolve import merge
 from ..errors import UserError
 from ..features import LOSSES
 
@@ -69,16 +70,20 @@ def register(sub) -> None:
                      help="read a torchtitan job config: a TOML file (the tables of Trainer.Config.to_dict()), "
                           "or - and torchtitan 0.3's launch arguments after `--` (--module NAME --config FN "
                           "--parallelism.tensor_parallel_degree N ...; needs torchtitan installed)")
-    src.add_argument("--from-torchtune", metavar="FILE.yaml",
+    src.add_argument("--from-torchtune", metavar="FILE.yaml|-",
                      help="read a torchtune recipe config (model builder, batch_size, dtype, optimizer, loss, "
                           "compile, activation checkpointing / offloading, optimizer_in_bwd); distributed "
-                          "recipes shard with FSDP2 over --dp ranks")
+                          "recipes shard with FSDP2 over --dp ranks; or - and the `tune run "
+                          "[--nproc_per_node N] RECIPE --config FILE [key=value ...]` line after `--` (the "
+                          "recipe decides single "
+                          "device or distributed)")
     src.add_argument("--from-hf-trainer", action="store_true",
                      help="read Hugging Face Trainer launch arguments given after `--` (run_clm.py-style: "
                           "--model_name_or_path, --block_size, --per_device_train_batch_size, --bf16, "
                           "--gradient_checkpointing, --optim, --deepspeed ds_config.json with its \"auto\" "
                           "filled in as the Trainer does, --fsdp; a pasted torchrun / accelerate / deepspeed line "
-                          "gives the world size)")
+                          "gives the world size; accelerate launch's --use_fsdp / --use_deepspeed / "
+                          "--mixed_precision / --config_file FILE.yaml are read)")
     src.add_argument("--exact", action="store_true",
                      help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
                           "programs with Paddle's passes, one card per pipeline stage, and estimate those "
@@ -216,7 +221,7 @@ def parse_layout(text: str) -> tuple[int, ...]:
 
 def collect(args) -> tuple[object, dict, dict, list[str]]:
     """Flags (+ another tool's configuration) -> (model, plan kwargs, options, warnings)."""
-    from ..configs import read_megatron, read_paddlenlp, read_torchtitan
+    from ..configs import read_torchtitan
 
     tool_args = list(args.tool_args or [])
     if tool_args and tool_args[0] == "--":
@@ -235,9 +240,15 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         raise UserError("no model: give --model NAME|config.json (see `pipemem presets`), or --from-megatron / "
                         "--from-paddlenlp / --from-torchtitan / --from-torchtune / --from-hf-trainer")
     titan_args = args.from_torchtitan == "-"
-    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or args.from_hf_trainer):
+    tune_args = args.from_torchtune == "-"
+    if tool_args and not (args.from_megatron or args.from_paddlenlp or titan_args or tune_args
+                          or args.from_hf_trainer):
         raise UserError(f"unexpected arguments {' '.join(tool_args[:3])}...: arguments after `--` are read "
-                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer or --from-torchtitan -")
+                        "only with --from-megatron, --from-paddlenlp, --from-hf-trainer, --from-torchtitan - "
+                        "or --from-torchtune -")
+    if tune_args and not tool_args:
+        raise UserError("--from-torchtune -: give the `tune run` line after `--`, e.g. -- tune run "
+                        "--nproc_per_node 8 full_finetune_distributed --config ./my_8b.yaml")
     if args.from_hf_trainer and not tool_args:
         raise UserError("--from-hf-trainer: give the Trainer's launch arguments after `--`, e.g. -- "
                         "--model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 2048 --bf16")
@@ -265,47 +276,28 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         refuse_inert(flags, flags, opts)
         return args.model, flags, opts, []
 
+    from ..configs.resolve import finish, read_tool
     if args.from_megatron:
-        tool = read_megatron(tool_args)
+        tool = read_tool("megatron", tool_args)
     elif args.from_paddlenlp:
-        tool = read_paddlenlp(tool_args)
+        tool = read_tool("paddlenlp", tool_args)
     elif titan_args:
-        from ..configs.torchtitan import read_args
-        tool = read_args(tool_args)
+        tool = read_tool("torchtitan", tool_args)
+    elif tune_args:
+        tool = read_tool("torchtune", tool_args)
     elif args.from_torchtune is not None:
         from ..configs.torchtune import read as read_torchtune
         tool = read_torchtune(args.from_torchtune)
     elif args.from_hf_trainer:
-        from ..configs.hf_trainer import read as read_hf_trainer
-        tool = read_hf_trainer(tool_args)
+        tool = read_tool("hf-trainer", tool_args)
     else:
         tool = read_torchtitan(args.from_torchtitan)
-    plan = merge(tool, flags)
-    if tool.tool == "torchtune" and not tool.plan.get("fsdp") and plan.get("dp", 1) > 1:
-        raise UserError(f"--dp {plan['dp']}: {args.from_torchtune} is a single-device recipe config (one GPU); drop "
-                        "--dp, or use the model's distributed config (e.g. 3B_full.yaml)")
-    if "seq_len" in tool.needs and "seq_len" not in plan:
-        raise UserError("Trainer arguments give no sequence length (--block_size / --max_seq_length; else the "
-                        "tokenizer's model_max_length): give --seq-len N")
-    if tool.tool == "torchtune" and "seq_len" not in plan:
-        raise UserError(f"{args.from_torchtune}: tokenizer.max_seq_len is null (the samples' lengths set the "
-                        "sequence): give --seq-len N, the longest sample (or max_seq_len with packed: True)")
-    if plan.get("pp", 1) == 1 and "schedule" in tool.plan and "schedule" not in flags:
-        plan.pop("schedule")   # the tool ignores its pipeline schedule setting without pipeline stages
-    if tool.model_name:
-        opts["model_name"] = tool.model_name
-    if args.from_paddlenlp:
-        opts["model_flag"] = "PaddleNLP --model_name_or_path"
-    if args.from_hf_trainer:
-        opts["model_flag"] = "Trainer --model_name_or_path"
-    if tool.tool == "torchtitan":
-        from ..configs.torchtitan import finish_plan
-        from ..estimate import resolve_model
-        _, _, cfg = resolve_model(tool.model)
-        layers = plan.get("layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer") or 1
-        plan = finish_plan(plan, int(layers))
+    source_name = "the recipe" if tune_args else args.from_torchtune or ""
+    model, plan, tool_opts, warnings = finish(tool, flags, source_name)
+    opts.update(tool_opts)
     refuse_inert(flags, plan, opts)
-    return tool.model, plan, opts, list(tool.warnings)
+    return model, plan, opts, warnings
+
 
 
 # a DeepSpeed config's "auto" -> (its key, the pipemem flag that gives it)
@@ -342,6 +334,9 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
     if given.get("recompute_allgather") and tp == 1:
         raise UserError("--recompute-allgather does nothing at --tp 1 (there is no sequence-parallel all-gather): "
                         "drop it, or set --tp")
+    if "schedule" in given and pp == 1:
+        raise UserError(f"--schedule {given['schedule']} does nothing at --pp 1 (a pipeline schedule orders "
+                        "the stages' microbatches): drop --schedule, or set --pp")
     if "pp_layout" in given and pp * vpp == 1:
         raise UserError("--pp-layout does nothing with one pipeline stage: drop it, or set --pp")
     if "master_weights" in given and plan.get("dtype") == "fp32":
@@ -355,38 +350,6 @@ def refuse_inert(given: dict, plan: dict, opts: dict) -> None:
                         "drop it, or use --mode templates")
     if opts.get("kernel_policy") and (opts.get("mode") or "templates") != "traced":
         raise UserError("--kernel-policy applies to --mode traced only: drop it, or add --mode traced")
-
-
-def merge(tool, flags: dict) -> dict:
-    """The tool's plan, completed by pipemem flags; a flag that disagrees with the tool is an error."""
-    plan = dict(tool.plan)
-    for k, v in flags.items():
-        if k in plan and not k.startswith("_") and plan[k] != v and _norm(plan[k]) != _norm(v):
-            flag = "--" + k.replace("_", "-")
-            raise UserError(f"{flag} {_show(v)} contradicts the {tool.tool} configuration ({k} = {_show(plan[k])}); "
-                            f"drop {flag} or change the configuration")
-        plan[k] = v
-    if tool.dp_unknown and "dp" not in plan:
-        plan["dp"] = 1
-        tool.warnings.append(f"{tool.tool}: the world size is not in the configuration; assuming --dp 1 "
-                             "(pass --dp N, the data-parallel degree)")
-    return plan
-
-
-def _norm(v):
-    if isinstance(v, str):
-        return v.replace("-", "").replace("_", "").lower()
-    if isinstance(v, list):
-        return tuple(v)
-    return v
-
-
-def _show(v) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, (tuple, list)):
-        return ",".join(str(x) for x in v)
-    return str(v)
 
 
 def run(args) -> int:

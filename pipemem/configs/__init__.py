@@ -11,9 +11,11 @@ does not know are collected into one warning; contradictory ones raise `UserErro
 
 from __future__ import annotations
 
+from .resolve import read_config
 from .tool_config import ToolConfig
 
-__all__ = ["ToolConfig", "read_deepspeed", "read_megatron", "read_paddlenlp", "read_torchtitan"]
+__all__ = ["ToolConfig", "read_config", "read_deepspeed", "read_megatron", "read_paddlenlp",
+           "read_torchtitan"]
 
 
 def read_deepspeed(source, hidden: int | None = None) -> ToolConfig:

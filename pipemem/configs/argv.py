@@ -25,6 +25,7 @@ class Args:
     values: dict[str, list[str]] = field(default_factory=dict)
     world_size: int | None = None      # from the launcher part, when present
     script: str | None = None          # the training script's file name, when pasted
+    launcher: dict[str, list[str]] = field(default_factory=dict)   # the launcher's own options
     used: set[str] = field(default_factory=set)
 
     def has(self, name: str) -> bool:
@@ -90,6 +91,7 @@ def parse(tokens: list[str], tool: str) -> Args:
         tokens = tokens[script_at + 1:]
     args = Args(tool=tool, values=_pairs(tokens, tool, strict=True))
     args.world_size = _world_from_launcher(launcher, tool)
+    args.launcher = launcher
     if script_at is not None:
         args.script = PurePath(tokens_script).name
     return args

@@ -29,6 +29,8 @@ What the Trainer (transformers 4.4x-5.x) does with each argument that changes de
   hybrid_shard and offload are refused.
 * the launcher's process count (torchrun `--nproc_per_node x --nnodes`, accelerate
   `--num_processes`, deepspeed `--num_gpus x --num_nodes`) is the data-parallel degree.
+* `accelerate launch --use_fsdp / --use_deepspeed / --mixed_precision / --config_file FILE`:
+  read by `configs.accelerate` (FSDP1 / FSDP2 settings, its DeepSpeed config, the world size).
 
 Arguments known not to change device memory are accepted; the rest are named in one warning.
 """
@@ -104,16 +106,21 @@ def read(argv: list[str]) -> ToolConfig:
         plan["seq_len"] = seq
     else:
         needs.append("seq_len")          # the tokenizer's model_max_length sets it
+    from .accelerate import apply_fsdp, deepspeed_source, settings
+    acc = settings(args.launcher)          # accelerate launch's flags and --config_file
+    world = args.world_size or acc.get("world")
     trainer = {"micro_batch": args.int("per_device_train_batch_size") or DEFAULT_MICRO_BATCH,
                "accumulation": args.int("gradient_accumulation_steps") or 1,
-               "bf16": bool(args.bool("bf16")), "fp16": bool(args.bool("fp16")), "world": args.world_size}
+               "bf16": bool(args.bool("bf16")), "fp16": bool(args.bool("fp16")), "world": world}
     if trainer["bf16"] and trainer["fp16"]:
         raise UserError("Trainer arguments --bf16 and --fp16: give one (the Trainer refuses both)")
+    if acc.get("mixed_precision") and not (trainer["bf16"] or trainer["fp16"]):
+        trainer[acc["mixed_precision"]] = True      # the launcher's ACCELERATE_MIXED_PRECISION
     plan["micro_batch"] = trainer["micro_batch"]
     if trainer["accumulation"] > 1:
         plan["microbatches"] = trainer["accumulation"]
-    if args.world_size:
-        plan["dp"] = args.world_size
+    if world:
+        plan["dp"] = world
     _precision(args, trainer, plan)
     if args.bool("gradient_checkpointing"):
         plan["recompute"] = "full"
@@ -126,16 +133,27 @@ def read(argv: list[str]) -> ToolConfig:
     ds, fsdp = args.str("deepspeed"), args.str("fsdp")
     if ds and fsdp:
         raise UserError("Trainer arguments --deepspeed and --fsdp: the Trainer runs one of them")
-    if fsdp:
+    if acc.get("type") == "deepspeed" and not ds:
+        if fsdp:
+            raise UserError("accelerate launches DeepSpeed but the Trainer arguments give --fsdp: choose one")
+        ds = deepspeed_source(acc["deepspeed"], acc.get("base"))
+    if acc.get("type") == "fsdp" and not fsdp:
+        if ds:
+            raise UserError("accelerate launches FSDP but the Trainer arguments give --deepspeed: choose one")
+        apply_fsdp(acc["fsdp"], plan)
+        fsdp = "accelerate"
+    elif fsdp:
         _fsdp(fsdp, plan)
-        warnings.append("--fsdp: priced as PyTorch FSDP full sharding under autocast over fp32 shards; the "
+    if fsdp:
+        warnings.append(f"{'accelerate FSDP' if fsdp == 'accelerate' else '--fsdp'}: priced as PyTorch FSDP "
+                        "full sharding under autocast over fp32 shards; the "
                         "Trainer's own FSDP (accelerate's wrapping and mixed-precision policy) is not measured "
                         "(with --use_cpu it runs DDP, so validate hf-trainer cannot)")
     optim = args.str("optim") or DEFAULT_OPTIM
     optim_args = args.str("optim_args") or ""
     if ds:
         from .deepspeed import load as load_deepspeed
-        cfg = fill_deepspeed_autos(load_deepspeed(ds), trainer)
+        cfg = fill_deepspeed_autos(load_deepspeed(ds) if isinstance(ds, str) else ds, trainer)
         if "optimizer" not in cfg:        # DeepSpeed wraps the Trainer's own optimizer
             _optim(optim, optim_args, plan, warnings)
         _with_deepspeed(cfg, model, plan, warnings)

@@ -1,15 +1,31 @@
-"""PaddleNLP `run_pretrain*.py` arguments (llm/ and auto-parallel trainers) -> pipemem plan.
+"""PaddleNLP `run_pretrain*.py` arguments (llm/ and auto-parallel trainers) and PaddleFormers'
+training configs -> pipemem plan.
 
-Degrees follow PaddleNLP's TrainingArguments: world = dp * sharding * tp * pp * sep, and
-`gradient_accumulation_steps` is the number of microbatches per pipeline when pp > 1.
+Degrees follow PaddleNLP's TrainingArguments (paddlenlp 2.8.1, paddlenlp/trainer/training_args.py):
+world = dp * sharding * tp * pp * sep; a degree left at its default -1 means 1, except
+`sharding_parallel_degree`, whose -1 with `--sharding stageN` means every rank left after
+tp * pp * sep (world // (tp * pp * sep)): all data-parallel ranks shard. `gradient_accumulation_steps`
+is the number of microbatches per pipeline when pp > 1.
 Precision: `--bf16 1` or `--fp16 1` turn on AMP; with neither, training is fp32 whatever
 `--fp16_opt_level` says (the level only applies once AMP is on).
+
+A JSON (or YAML) file of arguments in the script's place of arguments (`run_pretrain.py
+./config/llama/pretrain_argument.json`, PaddleNLP's PdArgumentParser.read_json: each key becomes
+`--key value`, and arguments after the file override it), and `paddleformers-cli train FILE.yaml`
+are read the same way.
+
+PaddleFormers (paddleformers 1.2.0, paddleformers/trainer/training_args.py) renamed the degrees
+(`tensor_model_parallel_size`, `pipeline_model_parallel_size`, `sharding_parallel_size`,
+`sep_parallel_size`, `context_parallel_size`, `expert_model_parallel_size`), reads the sequence
+length as `max_seq_len` (cli/hparams/data_args.py) and recompute Megatron's way
+(`recompute_granularity` / `recompute_method` / `recompute_num_layers`); its `sharding` defaults to
+stage1 (PaddleNLP's to no sharding).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from ..errors import UserError
 from .tool_config import ToolConfig
@@ -46,7 +62,28 @@ IGNORED = {
     "sequence_parallel_config", "auto_parallel_resume_form_hybrid_parallel", "max_position_embeddings",
     "use_fused_dropout_add", "tokenizer", "fp16_full_eval", "ignore_data_skip", "dataset_world_size",
     "enable_linear_fused_grad_add", "sharding_comm_buffer_size_MB", "pipeline_parallel_config",
+    # PaddleFormers' names for the same kinds of arguments (data, checkpoints, logging)
+    "train_dataset_type", "eval_dataset_type", "train_dataset_path", "eval_dataset_path",
+    "train_dataset_prob", "eval_dataset_prob", "mix_strategy", "template_backend", "template",
+    "num_samples_each_epoch", "save_checkpoint_format", "load_checkpoint_format", "save_safetensors",
+    "convert_from_hf", "save_to_hf", "overlap_p2p_comm", "batch_p2p_comm", "moe_router_bias_update_rate",
+    "evaluation_strategy", "random_shuffle",
 }
+
+# PaddleFormers' argument names -> PaddleNLP's (the reader below speaks PaddleNLP's)
+PADDLEFORMERS_NAMES = {
+    "tensor_model_parallel_size": "tensor_parallel_degree",
+    "pipeline_model_parallel_size": "pipeline_parallel_degree",
+    "sharding_parallel_size": "sharding_parallel_degree",
+    "sep_parallel_size": "sep_parallel_degree",
+    "context_parallel_size": "context_parallel_degree",
+    "expert_model_parallel_size": "expert_parallel_degree",
+    "max_seq_len": "max_seq_length",
+}
+# PaddleFormers-only arguments read here (besides the renamed ones)
+PADDLEFORMERS_KNOWN = {"recompute_method", "recompute_num_layers", "packing", "stage", "fine_tuning",
+                       "_attn_implementation", "attn_impl", "attn_implementation", "lora", "use_recompute"}
+CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 
 _SCHEDULES = {"1f1b": "1F1B", "fthenb": "FThenB", "vpp": "VPP", "eager1f1b": "Eager1F1B",
               "zbh1": "ZBH1", "zbvpp": "ZBVPP", "zbv": "ZBVZeroBubble"}
@@ -136,13 +173,139 @@ def default_switches(auto_parallel: bool) -> dict:
     return kernel_switches(parse(["--enable_auto_parallel", "1"] if auto_parallel else [], TOOL))
 
 
+def _file_arguments(path: str) -> list[str]:
+    """A JSON / YAML file of arguments -> `--key value` tokens, as PaddleNLP's
+    PdArgumentParser.read_json writes them (a list gives several values; a null keeps the default)."""
+    import json
+
+    f = Path(path).expanduser()
+    if not f.is_file():
+        raise UserError(f"{TOOL}: argument file {path} not found; give the path of the JSON / YAML file the "
+                        "training script reads")
+    try:
+        if f.suffix.lower() == ".json":
+            data = json.loads(f.read_text())
+        else:
+            import yaml
+            data = yaml.safe_load(f.read_text())
+    except Exception as e:    # json.JSONDecodeError, yaml.YAMLError: one line naming the file
+        raise UserError(f"{TOOL}: cannot read argument file {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{TOOL}: argument file {path}: expected a mapping of argument names to values")
+    out: list[str] = []
+    for key, value in data.items():
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        out += ["--" + str(key)] + [json.dumps(v) if isinstance(v, dict) else str(v) for v in values]
+    return out
+
+
+def expand_argument_file(tokens: list[str]) -> tuple[list[str], str | None, int | None]:
+    """(tokens with an argument file replaced by its arguments, the script name when the line is
+    `paddleformers-cli train FILE`, the world size from a CUDA_VISIBLE_DEVICES=... prefix).
+    The file is the first argument of the script (`run_pretrain.py FILE.json [--overrides]`), of
+    `paddleformers-cli train`, or the first token; later arguments override the file's."""
+    tokens = [t for t in tokens if t.strip() not in ("\\", "")]
+    if tokens and tokens[0] == "--":
+        tokens = tokens[1:]
+    world = None
+    while tokens and "=" in tokens[0] and not tokens[0].startswith("-"):
+        name, _, value = tokens.pop(0).partition("=")
+        if name == "CUDA_VISIBLE_DEVICES":
+            world = len([d for d in value.strip("'\"").split(",") if d.strip()])
+    script = None
+    if tokens and PurePath(tokens[0]).name == "paddleformers-cli":
+        if len(tokens) < 2 or tokens[1] != "train":
+            raise UserError(f"{TOOL}: `paddleformers-cli {' '.join(tokens[1:2])}` is not a training command; "
+                            "paste `paddleformers-cli train FILE.yaml`")
+        script, tokens = "paddleformers-cli", tokens[2:]
+    for i, tok in enumerate(tokens):
+        if not tok.lower().endswith(CONFIG_SUFFIXES) or tok.startswith("-"):
+            continue
+        if i == 0 or tokens[i - 1].endswith(".py"):
+            return tokens[:i] + _file_arguments(tok) + tokens[i + 1:], script, world
+        break
+    return tokens, script, world
+
+
+def _paddleformers_names(a, warnings: list[str]) -> bool:
+    """Rename PaddleFormers' arguments in `a` to PaddleNLP's; True when any was PaddleFormers'."""
+    found = False
+    for new, old in PADDLEFORMERS_NAMES.items():
+        if new in a.values:
+            found = True
+            if old in a.values and a.values[old] != a.values[new]:
+                raise UserError(f"{TOOL}: --{new} {' '.join(a.values[new])} (PaddleFormers) contradicts "
+                                f"--{old} "
+                                f"{' '.join(a.values[old])} (PaddleNLP's name): give one")
+            a.values[old] = a.values.pop(new)
+    return found or any(k in a.values for k in PADDLEFORMERS_KNOWN)
+
+
+def _degree(a, name: str) -> int | None:
+    """A parallel degree; PaddleNLP's default -1 (and an absent argument) is None."""
+    if (a.str(name) or "").strip() == "-1":
+        return None
+    return a.int(name)
+
+
+def _paddleformers_recompute(a, plan: dict) -> None:
+    """PaddleFormers' recompute arguments, Megatron's way: a granularity turns it on; full with
+    `recompute_method block` recomputes `recompute_num_layers` layers of each stage, `uniform`
+    every layer (in groups of recompute_num_layers)."""
+    use = a.bool("use_recompute")
+    gran = (a.str("recompute_granularity") or "").lower()
+    method = (a.str("recompute_method") or "").lower()
+    num = a.int("recompute_num_layers")
+    if not gran:
+        if use or a.bool("recompute"):
+            plan["recompute"] = "full"
+        elif method or num:
+            raise UserError(f"{TOOL}: --recompute_method / --recompute_num_layers need "
+                            "--recompute_granularity")
+        return
+    if gran == "selective":
+        plan["recompute"] = "selective"
+        return
+    if gran not in ("full", "full_attn", "core_attn"):
+        raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, selective, full_attn or "
+                        "core_attn")
+    plan["recompute"] = gran
+    if method == "block" and num is not None:
+        plan["recompute_layers"] = num
+    elif method not in ("", "uniform", "block"):
+        raise UserError(f"{TOOL}: --recompute_method {method!r}: expected uniform or block")
+
+
+def _refuse_unmodelled_finetuning(a) -> None:
+    """PaddleFormers' fine-tuning kinds pipemem does not model (adapters, preference training)."""
+    kind = (a.str("fine_tuning") or "full").lower()
+    if kind != "full" or a.bool("lora"):
+        raise UserError(f"{TOOL}: fine_tuning {kind if kind != 'full' else 'lora'} (adapters): not modelled; "
+                        "pipemem estimates full fine-tuning only (fine_tuning: full)")
+    stage = (a.str("stage") or "sft").lower()
+    if stage not in ("sft", "pt", "pretrain"):
+        raise UserError(f"{TOOL}: stage {a.str('stage')}: not modelled (a {a.str('stage')} step holds more "
+                        "than one model); pipemem estimates SFT / pre-training steps")
+
+
 def read(argv: list[str]) -> ToolConfig:
-    a = parse(list(argv), TOOL)
+    tokens, cli_script, cli_world = expand_argument_file(list(argv))
+    a = parse(tokens, TOOL)
+    if cli_script:
+        a.script = cli_script
+    if a.world_size is None:
+        a.world_size = cli_world
     if not a.values:
         raise UserError("--from-paddlenlp: no arguments after `--`; paste the run_pretrain.py arguments, e.g. "
                         "pipemem estimate --from-paddlenlp -- --model_name_or_path facebook/llama-7b ...")
     warnings: list[str] = []
     plan: dict = {"convention": "paddle"}
+    formers = _paddleformers_names(a, warnings) or cli_script == "paddleformers-cli"
+    if formers:
+        _refuse_unmodelled_finetuning(a)
+        a.bool("packing")
 
     model = a.str("model_name_or_path")
     if not model:
@@ -159,12 +322,26 @@ def read(argv: list[str]) -> ToolConfig:
     if mb is not None:
         plan["micro_batch"] = mb
 
-    tp = a.int("tensor_parallel_degree") or 1
-    pp = a.int("pipeline_parallel_degree") or 1
-    sharding_degree = a.int("sharding_parallel_degree") or 1
-    sep = a.int("sep_parallel_degree") or a.int("context_parallel_degree") or 1
-    dp_degree = a.int("data_parallel_degree")
+    tp = _degree(a, "tensor_parallel_degree") or 1
+    pp = _degree(a, "pipeline_parallel_degree") or 1
+    sep = _degree(a, "sep_parallel_degree") or _degree(a, "context_parallel_degree") or 1
+    dp_degree = _degree(a, "data_parallel_degree")
     world = a.int("world_size") or a.world_size
+    # PaddleFormers shards stage1 unless told otherwise; PaddleNLP does not shard
+    stage = (a.str("sharding") if a.has("sharding") else ("stage1" if formers else "")) or ""
+    stage = stage.lower()
+    sharding_degree = _degree(a, "sharding_parallel_degree")
+    dp_unknown = False
+    if sharding_degree is None and stage and dp_degree is None:
+        # -1: every rank left after tp * pp * sep shards (TrainingArguments.__post_init__)
+        if world is not None:
+            if world % (tp * pp * sep):
+                raise UserError(f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sep degrees = "
+                                f"{tp * pp * sep}")
+            sharding_degree, dp_degree = world // (tp * pp * sep), 1
+        else:
+            sharding_degree, dp_degree, dp_unknown = 1, 1, True
+    sharding_degree = sharding_degree or 1
     if dp_degree is None:
         if world is not None:
             model_par = tp * pp * sharding_degree * sep
@@ -174,7 +351,9 @@ def read(argv: list[str]) -> ToolConfig:
             dp_degree = world // model_par
         else:
             dp_degree = 1
-    plan.update(tp=tp, pp=pp, cp=sep, dp=dp_degree * sharding_degree)
+    plan.update(tp=tp, pp=pp, cp=sep)
+    if not dp_unknown:      # else pipemem's --dp gives the data-parallel (= sharding) degree
+        plan["dp"] = dp_degree * sharding_degree
     ep = a.int("expert_parallel_degree")
     if ep is not None:
         plan["ep"] = ep
@@ -182,13 +361,13 @@ def read(argv: list[str]) -> ToolConfig:
     if vpp is not None:
         plan["vpp"] = vpp
 
-    stage = (a.str("sharding") or "").lower()
-    if sharding_degree > 1 and stage:
+    if (sharding_degree > 1 or dp_unknown) and stage:
         levels = {int(s[-1]) for s in stage.split() if s.startswith("stage") and s[-1:].isdigit()}
         if not levels:
             raise UserError(f"{TOOL}: --sharding {stage!r}: expected stage1, stage2 or stage3")
         plan["zero"] = max(levels)
-        group, note = _sharding_group(a, sharding_degree, dp_degree)
+        # with the world unknown, the states shard over every data-parallel rank pipemem's --dp gives
+        group, note = (None, "") if dp_unknown else _sharding_group(a, sharding_degree, dp_degree)
         if group is not None:
             plan["extra"] = {"zero_group": group}
         if note:
@@ -221,9 +400,11 @@ def read(argv: list[str]) -> ToolConfig:
         plan["master_weights"] = False
     a.str("fp16_opt_level")
 
-    rec = a.bool("recompute")
+    rec = None if formers else a.bool("recompute")
     gran = (a.str("recompute_granularity") or "full").lower()
-    if rec:
+    if formers:
+        _paddleformers_recompute(a, plan)
+    elif rec:
         if gran not in ("full", "full_attn", "core_attn"):
             raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, full_attn or core_attn")
         plan["recompute"] = gran
@@ -235,6 +416,11 @@ def read(argv: list[str]) -> ToolConfig:
         plan["recompute"] = "none"
 
     flash = a.bool("use_flash_attention")
+    impl_keys = ("_attn_implementation", "attn_impl", "attn_implementation")
+    impl = next((a.str(k) for k in impl_keys if a.has(k)), None)
+    if impl is not None:
+        # PaddleFormers: flashmask / flash_attention run flash kernels (sdpa too, on a GPU); eager does not
+        flash = impl.lower() != "eager"
     if flash is not None:
         plan["flash_attn"] = flash
 
@@ -247,7 +433,7 @@ def read(argv: list[str]) -> ToolConfig:
 
     accum = a.int("gradient_accumulation_steps")
     gbs = a.int("global_batch_size")
-    if accum is not None and gbs is not None:
+    if accum is not None and gbs is not None and not dp_unknown:
         expected = accum * (mb or 1) * plan["dp"]
         if gbs != expected:
             raise UserError(f"{TOOL}: --global_batch_size {gbs} contradicts gradient_accumulation_steps "
@@ -268,5 +454,5 @@ def read(argv: list[str]) -> ToolConfig:
     unknown = a.unknown(KNOWN, IGNORED)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
-    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
+    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, dp_unknown=dp_unknown,
                       model_name=model_id if model != model_id else "")

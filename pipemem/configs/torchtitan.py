@@ -18,6 +18,7 @@ column-parallel linears are `pipemem.torch_tp.RegatherColwiseParallel`) is
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
@@ -112,7 +113,8 @@ def read_args(argv: list[str]) -> ToolConfig:
         raise UserError(f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
                         "pip install 'pipemem[torchtitan]', or give a job TOML") from None
     try:
-        with import_stubs():     # config_registry modules import torchtitan's models
+        # config_registry modules import torchtitan's models
+        with import_stubs(), _target_gpu_capability():
             cfg = ConfigManager().parse_args(list(argv))
     except SystemExit:
         raise UserError("--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
@@ -129,6 +131,30 @@ def read_args(argv: list[str]) -> ToolConfig:
     name = cfg.model_spec.name if cfg.model_spec is not None else "model"
     flavor = cfg.model_spec.flavor if cfg.model_spec is not None else ""
     return from_tables(tables, f"torchtitan {name} {flavor}", model=_model_from_spec(cfg.model_spec))
+
+
+@contextmanager
+def _target_gpu_capability():
+    """torchtitan's Float8 / MX / NVFP4 converters check the GPU of the process that builds them
+    (components/quantization/*.py: has_cuda_capability(8, 9)...) and refuse on an older or absent
+    one. pipemem only reads their settings for the GPUs the job will run on, so the check is
+    answered "capable" while the configuration is built."""
+    import importlib
+
+    patched = []
+    for name in ("float8", "mx", "nvfp4"):
+        try:
+            mod = importlib.import_module(f"torchtitan.components.quantization.{name}")
+        except Exception:       # a converter module that does not import here is not used
+            continue
+        if hasattr(mod, "has_cuda_capability"):
+            patched.append((mod, mod.has_cuda_capability))
+            mod.has_cuda_capability = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        for mod, fn in patched:
+            mod.has_cuda_capability = fn
 
 
 def _model_from_spec(spec) -> dict:
@@ -248,10 +274,7 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         plan["microbatches"] = local // mbs
         lps = _pos_int(par, "pipeline_parallel_layers_per_stage", path, "parallelism")
         if lps is not None:
-            layers = model["num_hidden_layers"] if isinstance(model, dict) else None
             plan["_layers_per_stage"] = lps
-            if layers is not None:
-                plan["vpp"] = max(1, layers // (pp * lps))
         elif not csv and sched.replace("_", "").lower() in _MULTI_STAGE:
             plan["vpp"] = 2
             warnings.append(f"{TOOL}: {sched} without pipeline_parallel_layers_per_stage: "
@@ -259,7 +282,9 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         # torchtitan gives the first and last stages fewer layers (embedding / output) by default
         for key, side in (("pipeline_parallel_first_stage_less_layers", "_first_less"),
                           ("pipeline_parallel_last_stage_less_layers", "_last_less")):
-            v = par.get(key, 1 if "model_spec" in cfg else 0)
+            # 1 by default since torchtitan renamed [training] batch_size to local_batch_size;
+            # job files older than that split the layers evenly
+            v = par.get(key, 0 if "batch_size" in tr and "local_batch_size" not in tr else 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UserError(f"{path}: [parallelism] {key} = {v!r}: expected a non-negative integer")
             if v:
@@ -477,21 +502,21 @@ def finish_plan(plan: dict, layers: int) -> dict:
     """Resolve what needs the final dp / layer count (called once pipemem flags are merged)."""
     plan = dict(plan)
     lps = plan.pop("_layers_per_stage", None)
-    if lps is not None and "vpp" not in plan:
-        plan["vpp"] = max(1, layers // (plan.get("pp", 1) * lps))
     first, last = plan.pop("_first_less", 0), plan.pop("_last_less", 0)
-    pp, vpp = plan.get("pp", 1), plan.get("vpp", 1)
-    if (first or last) and pp > 1 and "pp_layout" not in plan:
-        # torchtitan's split: the first / last stage count the embedding / output as layers
-        stages = pp * vpp
-        total = layers + first + last
-        if total % stages == 0:
-            per = total // stages
-            layout = [per] * stages
-            layout[0] -= first
-            layout[-1] -= last
-            if min(layout) >= 0:
-                plan["pp_layout"] = tuple(layout)
+    pp = plan.get("pp", 1)
+    if lps is not None and pp > 1:
+        # torchtitan (distributed/pipeline_parallel.py _get_pipeline_metadata): ceil((layers +
+        # first + last) / layers_per_stage) stages, a multiple of pp
+        stages = -(-(layers + first + last) // lps)
+        if stages % pp:
+            raise UserError(f"{TOOL}: pipeline_parallel_layers_per_stage {lps} gives {stages} stages for "
+                            f"{layers} "
+                            f"layers (+ {first} + {last} for the embedding / output), not a multiple of "
+                            f"pipeline_parallel_degree {pp} (torchtitan refuses it)")
+        plan["vpp"] = stages // pp
+    vpp = plan.get("vpp", 1)
+    if pp > 1 and "pp_layout" not in plan:
+        plan["pp_layout"] = stage_split(layers, pp * vpp, first, last)
     nth = plan.pop("_every_nth_layer", None)
     if nth:
         per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))
@@ -500,6 +525,23 @@ def finish_plan(plan: dict, layers: int) -> dict:
         else:   # fewer layers per stage than the checkpoint period: nothing is checkpointed
             plan["recompute"] = "none"
     return plan
+
+
+def stage_split(layers: int, stages: int, first: int, last: int) -> tuple[int, ...]:
+    """Decoder layers per stage as torchtitan splits them (distributed/pipeline_parallel.py,
+    _generate_llm_fqn_per_model_part, torchtitan 0.3.0): the embedding counts as `first` layers
+    of stage 0 and the output as `last` of the last stage; the effective layers are split
+    evenly, the first (effective % stages) stages taking one more."""
+    total = layers + first + last
+    per, extra = divmod(total, stages)
+    if per == 0 or first > per or last > per:
+        raise UserError(f"{TOOL}: {stages} pipeline stages for {layers} layers (+ {first} / {last} for the "
+                        f"embedding / output): torchtitan refuses this split (each stage needs a layer, and "
+                        f"the embedding / output weights at most {per}); use fewer stages")
+    split = [per + (1 if i < extra else 0) for i in range(stages)]
+    split[0] -= first
+    split[-1] -= last
+    return tuple(split) if stages > 1 else (layers,)
 
 
 def _load(path: str) -> dict:

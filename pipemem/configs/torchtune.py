@@ -32,6 +32,7 @@ CPU offload, tensor / context / replicated parallelism), or reported as unknown 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import UserError
@@ -165,24 +166,144 @@ _OPTIMIZERS = {
 _LOSSES = {"torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked", "torch.nn.CrossEntropyLoss": "standard"}
 
 
-def read(path: str) -> ToolConfig:
-    """A torchtune recipe config (YAML) -> preset name and plan keyword arguments."""
+# torchtune's recipes (recipes/*.py, `tune run NAME`): the full fine-tuning ones pipemem models
+RECIPES = {"full_finetune_single_device": False, "full_finetune_distributed": True}
+_RECIPE_WORD = re.compile(r"\b([a-z0-9_]+_(?:single_device|distributed))(?:\.py)?\b")
+
+
+def recipe_in_comments(text: str) -> str | None:
+    """The recipe a config's comments name (torchtune's configs start with "Config for ... in
+    full_finetune_distributed.py" and a `tune run [--nproc_per_node N] RECIPE --config ...` line,
+    which `tune cp` copies with the file)."""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            m = _RECIPE_WORD.search(line)
+            if m:
+                return m.group(1)
+    return None
+
+
+def _recipe_distributed(recipe: str, where: str) -> bool:
+    if recipe not in RECIPES:
+        raise UserError(f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full "
+                        f"fine-tuning recipes ({', '.join(RECIPES)})")
+    return RECIPES[recipe]
+
+
+def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) -> ToolConfig:
+    """A torchtune recipe config (YAML) -> preset name and plan keyword arguments. Single device or
+    distributed is the recipe's: `recipe` (from a `tune run` line), else the one the config's
+    comments name, else an `fsdp_*` / `*_parallel_dim` key, else the file name (a note says so)."""
     try:
         import yaml
     except ImportError:
         raise UserError("--from-torchtune reads YAML: pip install pyyaml") from None
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--from-torchtune {path}: no such file")
+        raise UserError(f"--from-torchtune {path}: no such file (give the config file, e.g. one `tune cp` "
+                        "wrote)")
+    text = p.read_text()
     try:
-        cfg = yaml.safe_load(p.read_text())
+        cfg = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"--from-torchtune {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise UserError(f"--from-torchtune {path}: not a torchtune recipe config (no `model:` section)")
-    # torchtune names its configs for the recipe: `*_single_device.yaml` for one GPU, the others
-    # (`8B_full.yaml`, `*_distributed.yaml`) for full_finetune_distributed
-    return from_dict(cfg, str(path), distributed="single_device" not in p.stem)
+    for item in overrides:
+        _override(cfg, item, path)
+    named = recipe or recipe_in_comments(text)
+    notes = []
+    if named is not None:
+        distributed = _recipe_distributed(named, path)
+    elif _distributed_keys(cfg):
+        distributed = True
+    else:
+        distributed = "single_device" not in p.stem
+        notes.append(f"{TOOL}: {p.name} names no recipe (its `tune run` line); taken as "
+                     f"{'full_finetune_distributed' if distributed else 'full_finetune_single_device'} "
+                     "from the "
+                     "file name: paste the `tune run` line to say which")
+    tool = from_dict(cfg, str(path), distributed=distributed)
+    tool.warnings[:0] = notes
+    return tool
+
+
+def _distributed_keys(cfg: dict) -> bool:
+    """Keys only full_finetune_distributed reads (FSDP settings, the device mesh's dimensions)."""
+    return any(k.startswith("fsdp_") or k.endswith(("_parallel_dim", "_shard_dim"))
+               or k == "custom_sharded_layers" for k in cfg)
+
+
+def _override(cfg: dict, item: str, path: str) -> None:
+    """A `tune run` command-line override `key.sub=value` (the value read as YAML, as torchtune's
+    OmegaConf does for scalars); `~key` deletes."""
+    import yaml
+
+    if item.startswith("~"):
+        keys = item[1:].split(".")
+        node = cfg
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(keys[-1], None)
+        return
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+        raise UserError(f"tune run: cannot read {item!r}; write overrides as key=value (e.g. batch_size=2)")
+    keys = key.split(".")
+    node = cfg
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    try:
+        node[keys[-1]] = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        node[keys[-1]] = value
+
+
+def read_tune_run(argv: list[str]) -> ToolConfig:
+    """A pasted `tune run [--nproc_per_node N] [--nnodes M] RECIPE --config FILE [key=value ...]`
+    (or torchrun ... RECIPE.py --config FILE ...): the recipe decides single device or distributed,
+    the process count the data-parallel degree of a distributed recipe sharding over every rank."""
+    tokens = [t for t in argv if t.strip() not in ("\\", "")]
+    if tokens and tokens[0] == "--":
+        tokens = tokens[1:]
+    if tokens[:2] == ["tune", "run"]:
+        tokens = tokens[2:]
+    launcher: dict[str, str] = {}
+    recipe = config = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            if not eq:
+                i += 1
+                value = tokens[i] if i < len(tokens) else ""
+            if name == "config":
+                config = value
+            else:
+                launcher[name.replace("-", "_")] = value
+        elif recipe is None and "=" not in tok and tok not in ("torchrun", "python", "-m"):
+            recipe = Path(tok).stem if tok.endswith(".py") else tok
+        elif "=" in tok:
+            overrides.append(tok)
+        i += 1
+    if recipe is None or config is None:
+        raise UserError("--from-torchtune -: paste the `tune run` line, e.g. -- tune run --nproc_per_node 8 "
+                        "full_finetune_distributed --config ./my_8b.yaml")
+    tool = read(config, recipe=recipe, overrides=tuple(overrides))
+    try:
+        world = int(launcher.get("nproc_per_node", 1)) * int(str(launcher.get("nnodes", 1)).split(":")[-1])
+    except ValueError:
+        raise UserError(f"tune run: cannot read the process count from {launcher}") from None
+    if tool.plan.get("fsdp") and tool.dp_unknown:
+        tool.plan["dp"], tool.dp_unknown = world, False
+    elif not tool.plan.get("fsdp") and world > 1:
+        raise UserError(f"tune run: {recipe} runs on one device; drop --nproc_per_node {world}")
+    return tool
 
 
 def _component(cfg: dict, key: str, path: str) -> tuple[str, dict]:
@@ -277,7 +398,7 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v <= 1):
             raise UserError(f"{path}: {key}: {v}: {what} is not modelled")
     dp_unknown = False
-    if distributed or any(k.startswith("fsdp_") or k.endswith("_parallel_dim") for k in cfg):
+    if distributed or _distributed_keys(cfg):
         plan["fsdp"] = True
         extra = {}
         if cfg.get("fsdp_reshard_after_forward") is False:

@@ -228,16 +228,15 @@ def _svg_panel(idx, r, tl, n, top, gpu, gpu_name, plot_w) -> str:
 
 def _html_table(est) -> str:
     gpu = est.gpu_memory_bytes
-    head = ("rank", "params", "grads", "optimizer", "activations (in flight)", "transient", "peak", "headroom",
-            "peak at")
-    rows = []
-    from .text import row_cells
+    from .text import columns, row_cells
 
+    names = [n for n, _ in columns(est) if n != "layers"]     # the terminal table's columns
+    head = tuple("activations (in flight)" if n == "activations" else n for n in names)
+    rows = []
     for r in est.ranks:
         room = r.headroom(gpu)
         c = row_cells(est, r)     # the same cells as the terminal table
-        cells = (c["rank"], c["params"], c["grads"], c["optimizer"], c["activations"], c["transient"], c["peak"],
-                 c["headroom"], c["peak at"])
+        cells = tuple(c[n] for n in names)
         cls = ' class="oom"' if room is not None and room < 0 else ""
         rows.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"

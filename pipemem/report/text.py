@@ -58,7 +58,10 @@ def describe_precision(plan) -> str:
     param = name.get(p_b, f"{p_b}-byte")
     grad = plan.main_grad_dtype or plan.dtype
     per_state = st_b // max(1, STATES.get(plan.optimizer, 1))
-    kept = [("params", param), ("grads", grad)] + ([("master", "fp32")] if master_b else []) + \
+    # Megatron's precision-aware optimizer keeps the masters in --main-params-dtype (fp32 ones of bf16
+    # weights as 16-bit remainders: still fp32 masters)
+    master = (plan.extra or {}).get("main_params_dtype") or "fp32"
+    kept = [("params", param), ("grads", grad)] + ([("master", master)] if master_b else []) + \
         [("optimizer states", name.get(per_state, f"{per_state}-byte"))]
     groups: list[tuple[str, list[str]]] = []
     for what, dt in kept:
@@ -130,8 +133,10 @@ def _inflight_text(r, vpp: int) -> str:
     return f"{r.inflight / max(vpp, 1):g} mb"
 
 
-FOOTNOTE = ("peak = params + grads (resident, and 'in step': created by the step's backward) + optimizer (+ other "
-            "static) + activations held around the action at the peak "
+FOOTNOTE = ("peak = params + grads (resident, and '+ made': those the step's backward has created by the "
+            "peak) + optimizer + other static (runtime buffers, cached weight copies, gathered parameters) + "
+            "activations "
+            "held around the action at the peak "
             "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
             "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
             "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
@@ -153,7 +158,8 @@ def row_cells(est, r) -> dict:
         act_txt += f" ({_inflight_text(r, est.plan.vpp)})"
     style = {"oom": RED, "tight": YELLOW}.get(r.verdict(gpu), "")
     return {"rank": str(r.pp_rank), "layers": _layers_text(r), "params": fmt_bytes(r.static.params),
-            "grads": _grads_text(r.static), "optimizer": fmt_bytes(r.static.optimizer),
+            "grads": _grads_text(r), "optimizer": fmt_bytes(r.static.optimizer),
+            "other": fmt_bytes(r.static.other),
             "activations": act_txt, "transient": fmt_bytes(r.transient_bytes),
             "peak": fmt_bytes(r.peak_allocated_bytes), "reserved": _reserved_text(r), "headroom": head_txt,
             "peak at": str(r.peak_at), "_style": style}
@@ -170,6 +176,15 @@ _COLUMNS = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads"
             ("reserved", "right"), ("headroom", "right"), ("peak at", "left")]
 
 
+def columns(est) -> list[tuple[str, str]]:
+    """The table's columns: an `other` column (static bytes besides params, grads and optimizer
+    states) when a rank holds any, so that every row adds up to its peak."""
+    if not any(r.static.other for r in est.ranks):
+        return list(_COLUMNS)
+    at = [n for n, _ in _COLUMNS].index("optimizer") + 1
+    return _COLUMNS[:at] + [("other", "right")] + _COLUMNS[at:]
+
+
 def _table(est, rows):
     from rich import box
     from rich.table import Table
@@ -177,13 +192,13 @@ def _table(est, rows):
 
     t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False, box=box.SIMPLE_HEAD,
               show_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
-    for name, justify in _COLUMNS:
+    cols = columns(est)
+    for name, justify in cols:
         header = "activations\n(in flight)" if name == "activations" else name
         t.add_column(header, justify=justify, no_wrap=True, overflow="fold")
     for c in rows:
-        cells = [c[name] for name, _ in _COLUMNS]
-        cells[7] = Text(c["peak"], style=c["_style"] or "bold")
-        cells[9] = Text(c["headroom"], style=c["_style"])
+        styles = {"peak": c["_style"] or "bold", "headroom": c["_style"]}
+        cells = [Text(c[name], style=styles[name]) if name in styles else c[name] for name, _ in cols]
         t.add_row(*cells)
     return t
 
@@ -206,8 +221,9 @@ def _stacked(rows, width: int):
         head = [f"rank {c['rank']}", f"layers {c['layers']}", f"peak {c['peak']}", f"reserved {c['reserved']}",
                 c["headroom"] if c["headroom"].startswith("OOM") else f"headroom {c['headroom']}",
                 f"at {c['peak at']}"]
-        body = [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}",
-                f"activations {c['activations']}", f"transient {c['transient']}"]
+        body = [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}"] + \
+            ([f"other {c['other']}"] if c["other"] != fmt_bytes(0) else []) + \
+            [f"activations {c['activations']}", f"transient {c['transient']}"]
         for i, line in enumerate(_wrap_items(head, width) + _wrap_items(body, width - 2, indent="  ")):
             out.append(line + "\n", style=(c["_style"] or "bold") if i == 0 else "")
     return out
@@ -273,11 +289,13 @@ def step_note(plan) -> str:
     return f"{step}; {GRADS_WORDS.get(plan.grads, plan.grads)} (--grads {plan.grads})"
 
 
-def _grads_text(static) -> str:
-    """Resident gradient bytes, plus those the step creates (in step) when there are any."""
+def _grads_text(r) -> str:
+    """Resident gradient bytes, plus those the step's backward has made by the peak (of the
+    `static.grads_in_step` it makes in all) when it makes any."""
+    static = r.static
     if not static.grads_in_step:
         return fmt_bytes(static.grads)
-    made = f"+{fmt_bytes(static.grads_in_step)} in step"
+    made = f"+{fmt_bytes(r.grads_at_peak_bytes)} made"
     return f"{fmt_bytes(static.grads)} {made}" if static.grads else made
 
 

@@ -44,7 +44,12 @@ def _nbytes(tape: Tape, name: str) -> int:
 def min_cut_region(tape: Tape, region: int) -> dict[str, int]:
     """Mark the nodes of `region` that the compiled forward keeps (pinned) or the compiled
     backward recomputes; return the saved tensors {name: bytes}."""
-    import networkx as nx
+    try:
+        import networkx as nx
+    except ImportError:
+        from ..errors import UserError
+        raise UserError("--compile needs networkx for the compiled layers' min-cut partition: pip install "
+                        "networkx (or pipemem[modern])") from None
 
     nodes = [n for n in tape.nodes if n.region == region]
     produced = {o: n for n in nodes for o in n.outputs}

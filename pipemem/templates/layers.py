@@ -107,8 +107,10 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
     sp = bool(plan.sp) and tp > 1
     kv_local = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     etp = plan.etp or 1
-    from .static import deepspeed_bucket_bytes
+    from .static import deepspeed_bucket_bytes, pipelined_fsdp
     reuse = zero3_reuse(arch, plan, conv)
+    # gathered once per stage under pipelining (static bytes), so its programs gather nothing
+    fsdp = (plan.zero >= 3 or bool(plan.fsdp)) and not pipelined_fsdp(plan, conv)
     return Shard(
         s=s, s_sp=s // tp if sp else s, b=plan.micro_batch, h=arch.hidden, heads=arch.heads // tp, kv=kv_local,
         d=arch.head_dim, ffn=arch.ffn // tp if arch.ffn else 0, vocab=padded_vocab(arch.vocab, tp, conv) // tp,
@@ -118,7 +120,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.framework.autocast and plan.master_weights and plan.dtype != "fp32"
         and not plan.deepspeed_mixed_precision,
-        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=plan.zero >= 3 or bool(plan.fsdp),
+        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=fsdp,
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         fsdp_root=fsdp_root_unit(plan, conv),
         fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)) and (
@@ -131,7 +133,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         # (torchtitan, torchtune: _Gen's fsdp_ag_state) see the data-parallel group; grad_dt and ZeRO-2's
         # shard matter once the backward creates the grads (first_backward_shard). Kept out of
         # the shard otherwise, so plans that differ only in dp share every part's programs.
-        grad_shard=plan.dp * plan.cp if (plan.zero >= 3 or plan.fsdp) and conv.fsdp2 else 1,
+        grad_shard=plan.dp * plan.cp if fsdp and conv.fsdp2 else 1,
         feat=features_of(plan))
 
 

@@ -275,6 +275,20 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
     return shard(dense, dp_group) + shard(expert, edp_group), largest
 
 
+def pipelined_fsdp(plan, conv: Convention) -> bool:
+    """FSDP2 under torch's pipelining (torchtitan with pp): the stage (torch 2.13,
+    pipelining/stage.py backward_maybe_with_nosync) turns off reshard-after-backward and
+    gradient sync (recursively) for every microbatch's backward and runs FSDP's post-backward
+    once, at the end (perform_reduce_grad). A stage's unsharded gradients accumulate (in the
+    reduce dtype: FSDPParam.to_accumulated_grad_if_needed) until then, and its parameters stay
+    gathered: from the first forward with reshard_after_forward=False (torchtitan's default with
+    pp), from each backward on with "always" (a unit gathered for its backward is not resharded
+    after it, so every backward ends with the whole stage gathered). Once per stage, not per
+    microbatch: the programs run on gathered parameters (no per-part all-gather) and both copies
+    are static (`static_bytes`' other; above the truth only in forwards under "always")."""
+    return conv.fsdp2 and (plan.zero >= 3 or bool(plan.fsdp)) and plan.pp * plan.vpp > 1
+
+
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
     dp_group, edp_group = _dp_groups(plan)
@@ -285,10 +299,19 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
     on_gpu = 1.0 - float(plan.optimizer_offload or 0.0)
     master, states = int(master * on_gpu), int(states * on_gpu)
-    linear, per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    (dense_linear, expert_linear), per = _fp8_linear_weights(arch, plan, conv, stage_layers, rank_stages)
+    linear = dense_linear + expert_linear
     if plan.fp8_param_gather and linear:
-        params -= linear * (per_param[0] - 1)   # fp8 primary weights: 1 byte each (norms, embeddings stay)
+        # fp8 primary weights: 1 byte each (norms, embeddings stay), sharded as the parameters are
+        # (Megatron-FSDP optim_grads_params keeps only its shard of them)
+        held = _sharded(dense_linear, expert_linear, (1, 0, 0, 0), dp_group, edp_group, plan.zero, False)[0]
+        params -= held * (per_param[0] - 1)
     other = int(linear * per)
+    if pipelined_fsdp(plan, conv):
+        # the stages' gathered parameters and their unsharded gradients (in the reduce dtype),
+        # held from the first forward / backward to the step's end: counted as static
+        grad_dt = plan.main_grad_dtype or plan.dtype
+        other += (dense + expert) * (dtype_bytes(plan.dtype) + dtype_bytes(grad_dt))
     if conv.framework.te_runtime_buffers:
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
@@ -375,8 +398,9 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
 
 
-def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages) -> tuple[int, float]:
-    """(elements of the rank's decoder-layer linear weights that Transformer Engine runs in
+def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers,
+                        rank_stages) -> tuple[tuple[int, int], float]:
+    """((dense, expert) elements of the rank's decoder-layer linear weights that Transformer Engine runs in
     fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
     each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
     input-grad GEMM) for the whole step (`_fp8_workspaces`, cached across microbatches by
@@ -385,23 +409,27 @@ def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers, rank_stages)
     torchao Float8 casts weights per use (transients in the programs): (0, 0)."""
     fp8 = getattr(plan, "fp8", None)
     if not conv.framework.te_fp8_weight_caches or not fp8:
-        return 0, 0.0
+        return (0, 0), 0.0
     per = (1 if plan.fp8_param_gather else 2) * (1 + 1 / 32 if fp8 == "mxfp8" else 1)
-    n = 0
+    n = [0, 0]
     dense_idx = set(arch.dense_layers) if arch.is_moe else set()
     for st in rank_stages:
         layers = stage_layers[st]
         dense = sum(1 for i in dense_idx if i in layers) if arch.is_moe else len(layers)
         for moe, count in ((False, dense), (True, len(layers) - dense)):
             if count:
-                n += count * _fp8_layer_linear(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
-    return n, per
+                d, e = _fp8_layer_linear(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
+                n[0] += count * d
+                n[1] += count * e
+    return (n[0], n[1]), per
 
 
 @lru_cache(maxsize=4096)
-def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> int:
-    shapes = layer_param_shapes(arch, index, tp, etp, ep)
-    return sum(_prod(shp) for name, (shp, _e) in shapes.items() if name in FP8_LINEAR_WEIGHTS)
+def _fp8_layer_linear(arch, index: int, tp: int, etp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) elements of one layer's fp8 linear weights."""
+    shapes = layer_param_shapes(arch, index, tp, etp, ep).items()
+    fp8 = [(_prod(shp), e) for name, (shp, e) in shapes if name in FP8_LINEAR_WEIGHTS]
+    return sum(n for n, e in fp8 if not e), sum(n for n, e in fp8 if e)
 
 
 # DeepSpeed's default reduce_bucket_size (elements); plan.extra["reduce_bucket_size"] (HF's Trainer
