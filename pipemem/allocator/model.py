@@ -169,6 +169,7 @@ class CachingAllocator:
         self._live: dict[int, _Block] = {}
         self._pending: dict[int, _Block] = {}       # freed, waiting for stream events
         self._segments: dict[int, list] = {}        # cudaMalloc segments: ptr -> [size, stream, pool]
+        self._seg_starts: list[int] = []            # their addresses, sorted
         self._ranges: list[_Expandable] = []
         self._next_handle = 1
         self._next_addr = 1 << 56        # above any real device address
@@ -284,6 +285,7 @@ class CachingAllocator:
         Returns a handle per live block. Counts toward reserved without a segment event."""
         pool = SMALL if size == K_SMALL_BUFFER else LARGE
         self._segments[address] = [size, stream, pool]
+        insort(self._seg_starts, address)
         self.reserved_bytes += size
         pieces, at = [], address
         for ptr, bsize, req in live:
@@ -447,18 +449,27 @@ class CachingAllocator:
         ptr = self._address(alloc)
         block = _Block(ptr, alloc, stream, pool)
         self._segments[ptr] = [alloc, stream, pool]
+        insort(self._seg_starts, ptr)
         self._grow(alloc, "segment_alloc")
         return block
 
     def _address(self, size):
         if self._address_source is not None:
             ptr = self._address_source(size)
-            if ptr is not None:
+            if ptr is not None and ptr >= 0 and self._free_range(ptr, size):
                 return ptr
         ptr = self._next_addr
         # keep every range on its own 2 MiB-aligned stretch, as cudaMalloc's are
         self._next_addr += -(-size // K_SMALL_BUFFER) * K_SMALL_BUFFER + K_SMALL_BUFFER
         return ptr
+
+    def _free_range(self, ptr, size):
+        """Whether [ptr, ptr + size) overlaps no segment and no expandable range."""
+        starts = self._seg_starts
+        k = bisect_left(starts, ptr + size)
+        if k > 0 and starts[k - 1] + self._segments[starts[k - 1]][0] > ptr:
+            return False
+        return all(r.base >= ptr + size or r.base + r.size <= ptr for r in self._ranges)
 
     def _grow(self, nbytes, action):
         self.reserved_bytes += nbytes
@@ -542,6 +553,7 @@ class CachingAllocator:
     def _release_block(self, block):
         self._remove(block)
         size = self._segments.pop(block.ptr)[0]
+        del self._seg_starts[bisect_left(self._seg_starts, block.ptr)]
         self.reserved_bytes -= size
         self.segment_events.append(("segment_free", size))
 

@@ -328,9 +328,8 @@ def _driver_addresses(snap, device):
     def source(size):
         a = box["a"]
         k = len(a.segment_events)
-        if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size \
-                and seg[k]["addr"] not in a._segments:
-            return seg[k]["addr"]
+        if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size:
+            return seg[k]["addr"]       # the model checks that the range is free
         return None
     return source, box
 
@@ -345,6 +344,17 @@ def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
     spans = [(seg, seg + size, False) for seg, (size, _, _) in st.segments.items()]
     spans += [(r[0], r[1], True) for r in st.runs]
     spans.sort()
+    kept, end = [], None
+    for sp in spans:           # a trace that lost events can imply overlapping segments: keep the first
+        if end is None or sp[0] >= end:
+            kept.append(sp)
+            end = sp[1]
+    if len(kept) < len(spans):
+        notes.append(f"{len(spans) - len(kept)} segment(s) the trace implies overlap others and were left out")
+        keep = {sp[0] for sp in kept}
+        st = _StartState({k: v for k, v in st.segments.items() if k in keep}, st.live,
+                         [r for r in st.runs if r[0] in keep], st.alloc_at)
+    spans = kept
     starts = [x[0] for x in spans]
     inside: dict[int, list] = {x[0]: [] for x in spans}
     for addr, info in st.live.items():
@@ -474,7 +484,7 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
             handles[addr] = h
         elif kind == "free_req":
             h = handles.get(op[1])
-            if h is not None:
+            if h is not None and h in a._live:      # a trace may repeat or lose events
                 a.free_requested(h)
         elif kind == "free_done":
             h = handles.pop(op[1], None)
