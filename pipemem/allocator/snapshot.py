@@ -345,7 +345,7 @@ def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
     spans += [(r[0], r[1], True) for r in st.runs]
     spans.sort()
     kept, end = [], None
-    for sp in spans:           # a trace that lost events can imply overlapping segments: keep the first
+    for sp in spans:           # a trace that lost events can imply overlaps: keep the first
         if end is None or sp[0] >= end:
             kept.append(sp)
             end = sp[1]
