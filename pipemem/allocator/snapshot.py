@@ -350,7 +350,7 @@ def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
             kept.append(sp)
             end = sp[1]
     if len(kept) < len(spans):
-        notes.append(f"{len(spans) - len(kept)} segment(s) the trace implies overlap others and were left out")
+        notes.append(f"{len(spans) - len(kept)} segment(s) the trace implies overlap others: left out")
         keep = {sp[0] for sp in kept}
         st = _StartState({k: v for k, v in st.segments.items() if k in keep}, st.live,
                          [r for r in st.runs if r[0] in keep], st.alloc_at)
