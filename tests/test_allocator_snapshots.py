@@ -169,3 +169,30 @@ def test_events_torch_adds_are_ignored():
     snap = {"segments": [], "device_traces": [[{"action": "user_defined", "user_metadata": "x"},
                                                {"action": "snapshot", "addr": None}]]}
     assert S.recorded(S.loads(json.dumps(snap).encode()), 0).peak_reserved_bytes == 0
+
+
+def test_traces_that_lost_or_repeat_events_replay_without_crashing():
+    import copy
+    import random
+
+    from pipemem.allocator import AllocatorConfig
+    rnd = random.Random(5)
+    bases = [S.load(str(f)) for f in FILES if "device2" in f.name or "MercuryB1" in f.name]
+    for _ in range(25):
+        snap = copy.deepcopy(rnd.choice(bases))
+        t = next(t for t in snap["device_traces"] if t)
+        k = rnd.randrange(4)
+        if k == 0:
+            for _ in range(20):
+                t.pop(rnd.randrange(len(t)))
+        elif k == 1:
+            rnd.shuffle(t)
+        elif k == 2:
+            for _ in range(20):
+                t.insert(rnd.randrange(len(t)), dict(rnd.choice(t)))
+        else:
+            snap["segments"] = snap["segments"][: len(snap["segments"]) // 2]
+        for d in S.devices(snap):
+            S.replay_device(snap, d)
+            S.replay_device(snap, d, config=AllocatorConfig.parse("expandable_segments:True"),
+                            capacity_bytes=rnd.choice([None, 8 << 30]))
