@@ -241,3 +241,25 @@ def test_random_streams_keep_the_books(conf):
         a.free(h)
     a.empty_cache()
     assert a.reserved_bytes == 0 and a.allocated_bytes == 0
+
+
+def test_expandable_best_fit_counts_the_unmapped_space_after_a_block():
+    a = CachingAllocator(AllocatorConfig.parse("expandable_segments:True"))
+    ha = a.malloc(30 * MiB)           # maps two 20 MiB pages: A at 0, 10 MiB free after it
+    a.malloc(10 * MiB)                # fills the rest exactly
+    a.malloc(15 * MiB)                # maps a third page: 5 MiB free at its end, unmapped space after
+    start_a = a._live[ha].ptr
+    a.free(ha)                        # free: A's 30 MiB (between two allocated blocks) and the 5 MiB tail
+    hd = a.malloc(4 * MiB)
+    # the 5 MiB tail is the smallest fit, but it can grow into the unmapped space, so for best
+    # fit it counts as larger than A's 30 MiB block: the request goes to A's place
+    assert a._live[hd].ptr == start_a
+    assert _events(a) == [("segment_map", 40 * MiB), ("segment_map", 20 * MiB)]
+
+
+def test_requests_below_512_and_small_pool_boundary():
+    a = CachingAllocator(DEFAULT)
+    h = a.malloc(1)
+    assert a.block_size(h) == 512 and _events(a) == [("segment_alloc", 2 * MiB)]
+    h2 = a.malloc(1 * MiB)            # exactly kSmallSize: still the small pool
+    assert a.block_size(h2) == 1 * MiB and len(a.segment_events) == 1
