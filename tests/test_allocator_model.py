@@ -263,3 +263,38 @@ def test_requests_below_512_and_small_pool_boundary():
     assert a.block_size(h) == 512 and _events(a) == [("segment_alloc", 2 * MiB)]
     h2 = a.malloc(1 * MiB)            # exactly kSmallSize: still the small pool
     assert a.block_size(h2) == 1 * MiB and len(a.segment_events) == 1
+
+
+@pytest.mark.parametrize("conf,cap", [("", None), ("", 600 * MiB), ("max_split_size_mb:64", 600 * MiB),
+                                      ("roundup_power2_divisions:[64:2,>:4]", None),
+                                      ("expandable_segments:True", 600 * MiB)])
+def test_simulate_is_the_step_by_step_allocator(conf, cap):
+    import random
+    rnd = random.Random(11)
+    ev, live, key = [], [], 0
+    for _ in range(4000):
+        if live and rnd.random() < 0.47:
+            ev.append((0, 0, live.pop(rnd.randrange(len(live)))))
+        else:
+            key += 1
+            ev.append((rnd.choice([100, 3000, 200 * KiB, MiB, 3 * MiB, 11 * MiB, 40 * MiB]) + rnd.randrange(9000),
+                       rnd.choice([0, 0, 5]), key))
+            live.append(key)
+    got = simulate(ev, conf, capacity_bytes=cap)
+    a = CachingAllocator(AllocatorConfig.parse(conf), capacity_bytes=cap)
+    handles, oom_at = {}, None
+    for n, (size, stream, k) in enumerate(ev):
+        try:
+            if size > 0:
+                handles[k] = a.malloc(size, stream)
+            else:
+                a.free(handles.pop(k))
+        except AllocatorOOM:
+            oom_at = n
+            break
+    assert got.oom_at == oom_at
+    assert got.segment_events == a.segment_events
+    assert (got.peak_reserved_bytes, got.peak_allocated_bytes, got.final_reserved_bytes,
+            got.final_allocated_bytes, got.allocated_at_peak_reserved) == \
+        (a.peak_reserved_bytes, a.peak_allocated_bytes, a.reserved_bytes, a.allocated_bytes,
+         a.allocated_at_peak_reserved)

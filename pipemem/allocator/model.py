@@ -356,6 +356,84 @@ class CachingAllocator:
 
     # -- the steps of malloc --------------------------------------------------------------
 
+    def run_stream(self, events) -> int | None:
+        """malloc/free for a whole stream of `(size, stream, id)` events (size <= 0 frees `id`),
+        the same steps as calling malloc and free one by one, with the common path (a cached
+        block found, split, freed and merged) inlined. Returns the index of the event that ran
+        out of memory, or None."""
+        if self._expandable or self._gc:
+            return self._run_stream_calls(events)
+        keys_by_pool, free_by_pool = self._keys, self._free
+        gc_calls = self._gc_calls
+        mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
+        live = {}
+        n = -1
+        try:
+            for n, (nbytes, stream, key) in enumerate(events):
+                if nbytes <= 0:
+                    block = live.pop(key)
+                    block.allocated = False
+                    self.allocated_bytes -= block.size
+                    self._free_block(block)
+                    continue
+                if plain:
+                    size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK
+                else:
+                    size = round_size(nbytes, cfg)
+                pool = SMALL if size <= K_SMALL_SIZE else LARGE
+                keys, free = keys_by_pool[pool], free_by_pool[pool]
+                block = None
+                i = bisect_left(keys, (stream, size, -1))
+                if i < len(keys):
+                    k = keys[i]
+                    if k[0] == stream:
+                        b = free[k[2]]
+                        if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
+                            del keys[i]
+                            del free[k[2]]
+                            block = b
+                if block is None:
+                    block = self._new_block(size, stream, pool)
+                rest = block.size - size
+                if (rest >= K_MIN_BLOCK) if pool == SMALL else (rest > K_SMALL_SIZE and size < mss):
+                    new = _Block(block.ptr, size, stream, pool)
+                    prev = new.prev = block.prev
+                    if prev is not None:
+                        prev.next = new
+                    new.next = block
+                    block.prev = new
+                    block.ptr += size
+                    block.size = rest
+                    insort(keys, (stream, rest, block.ptr))
+                    free[block.ptr] = block
+                    block.gc_base = gc_calls[pool]
+                    block = new
+                block.allocated = True
+                block.requested = nbytes
+                self.allocated_bytes += block.size
+                if self.allocated_bytes > self.peak_allocated_bytes:
+                    self.peak_allocated_bytes = self.allocated_bytes
+                if self.reserved_bytes == self.peak_reserved_bytes and \
+                        self.allocated_bytes > self.allocated_at_peak_reserved:
+                    self.allocated_at_peak_reserved = self.allocated_bytes
+                live[key] = block
+        except AllocatorOOM:
+            return n
+        return None
+
+    def _run_stream_calls(self, events):
+        handles = {}
+        n = -1
+        try:
+            for n, (nbytes, stream, key) in enumerate(events):
+                if nbytes > 0:
+                    handles[key] = self.malloc(nbytes, stream)
+                else:
+                    self.free(handles.pop(key))
+        except AllocatorOOM:
+            return n
+        return None
+
     def would_reuse(self, nbytes: int, stream: int = 0) -> bool:
         """Whether a request of `nbytes` on `stream` would be served from the cache now
         (get_free_block succeeds), without changing anything."""
