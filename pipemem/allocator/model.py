@@ -72,6 +72,16 @@ K_ROUND_LARGE = 2 << 20
 
 LARGE, SMALL = 0, 1
 
+# A free block's place in its pool's order (stream, size, address) as one int, so that the
+# sorted lists compare machine-sized ints, not tuples: addresses below 2**62, sizes below 2**50.
+_SZ, _ST = 62, 112
+_PTR = (1 << _SZ) - 1
+_UST, _UPTR = 64, (1 << 64) - 1          # unmapped ranges: (stream, address)
+
+
+def _key(stream: int, size: int, ptr: int) -> int:
+    return (stream << _ST) + (size << _SZ) + ptr
+
 
 class AllocatorOOM(Exception):
     """The modelled allocator could not satisfy a request within the capacity, after releasing
@@ -159,10 +169,10 @@ class CachingAllocator:
         self._nsr = self.config.max_non_split_rounding_size
         self._expandable = self.config.expandable_segments
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
-        # free mapped blocks per pool: sorted keys (stream, size, ptr) and ptr -> block
+        # free mapped blocks per pool: sorted int keys of (stream, size, ptr) (`_key`) and ptr -> block
         self._keys = ([], [])
         self._free = ({}, {})
-        # unmapped ranges of expandable segments per pool: sorted (stream, ptr) and ptr -> block
+        # unmapped ranges of expandable segments per pool: sorted keys of (stream, ptr) and ptr -> block
         self._ukeys = ([], [])
         self._unmapped = ({}, {})
         self._gc_calls = [0, 0]
@@ -383,14 +393,14 @@ class CachingAllocator:
                 pool = SMALL if size <= K_SMALL_SIZE else LARGE
                 keys, free = keys_by_pool[pool], free_by_pool[pool]
                 block = None
-                i = bisect_left(keys, (stream, size, -1))
+                i = bisect_left(keys, (stream << _ST) + (size << _SZ))
                 if i < len(keys):
                     k = keys[i]
-                    if k[0] == stream:
-                        b = free[k[2]]
+                    if (k >> _ST) == stream:
+                        b = free[k & _PTR]
                         if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
                             del keys[i]
-                            del free[k[2]]
+                            del free[k & _PTR]
                             block = b
                 if block is None:
                     block = self._new_block(size, stream, pool)
@@ -404,7 +414,7 @@ class CachingAllocator:
                     block.prev = new
                     block.ptr += size
                     block.size = rest
-                    insort(keys, (stream, rest, block.ptr))
+                    insort(keys, (stream << _ST) + (rest << _SZ) + block.ptr)
                     free[block.ptr] = block
                     block.gc_base = gc_calls[pool]
                     block = new
@@ -445,16 +455,16 @@ class CachingAllocator:
         if self._gc and take:
             self._gc_calls[pool] += 1
         keys = self._keys[pool]
-        i = bisect_left(keys, (stream, size, -1))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, (stream << _ST) + (size << _SZ))
+        if i == len(keys) or (keys[i] >> _ST) != stream:
             return None
-        block = self._free[pool][keys[i][2]]
+        block = self._free[pool][keys[i] & _PTR]
         if block.seg is not None:
             if self._expandable:
                 # a free block followed by unmapped space counts as the size it can grow to
                 n = len(keys)
-                while block.seg is not None and i + 1 < n and keys[i + 1][0] == stream:
-                    nxt = self._free[pool][keys[i + 1][2]]
+                while block.seg is not None and i + 1 < n and (keys[i + 1] >> _ST) == stream:
+                    nxt = self._free[pool][keys[i + 1] & _PTR]
                     if _grow_size(nxt) < _grow_size(block):
                         i += 1
                         block = nxt
@@ -462,11 +472,12 @@ class CachingAllocator:
                         break
             else:
                 i += 1
-                while i < len(keys) and keys[i][0] == stream and self._free[pool][keys[i][2]].seg is not None:
+                while i < len(keys) and (keys[i] >> _ST) == stream and \
+                        self._free[pool][keys[i] & _PTR].seg is not None:
                     i += 1
-                if i == len(keys) or keys[i][0] != stream:
+                if i == len(keys) or (keys[i] >> _ST) != stream:
                     return None
-                block = self._free[pool][keys[i][2]]
+                block = self._free[pool][keys[i] & _PTR]
         mss = self._mss
         if size < mss and block.size >= mss:
             return None
@@ -481,6 +492,8 @@ class CachingAllocator:
         if self._gc:
             self._garbage_collect()
         alloc = allocation_size(size)
+        if alloc >= 1 << 48:
+            raise ValueError(f"a request of {size} B is beyond any device (256 TiB or more)")
         block = self._alloc_block(size, alloc, stream, pool)
         if block is None and self._release_available(size, stream, pool):
             block = self._alloc_block(size, alloc, stream, pool)
@@ -534,7 +547,7 @@ class CachingAllocator:
     def _address(self, size):
         if self._address_source is not None:
             ptr = self._address_source(size)
-            if ptr is not None and ptr >= 0 and self._free_range(ptr, size):
+            if ptr is not None and 0 <= ptr and ptr + size <= _PTR and self._free_range(ptr, size):
                 return ptr
         ptr = self._next_addr
         # keep every range on its own 2 MiB-aligned stretch, as cudaMalloc's are
@@ -560,7 +573,7 @@ class CachingAllocator:
 
     def _insert(self, block):
         pool = block.pool
-        insort(self._keys[pool], (block.stream, block.size, block.ptr))
+        insort(self._keys[pool], _key(block.stream, block.size, block.ptr))
         self._free[pool][block.ptr] = block
         block.gc_base = self._gc_calls[pool]
 
@@ -568,15 +581,15 @@ class CachingAllocator:
         pool = block.pool
         if block.mapped:
             keys = self._keys[pool]
-            del keys[bisect_left(keys, (block.stream, block.size, block.ptr))]
+            del keys[bisect_left(keys, _key(block.stream, block.size, block.ptr))]
             del self._free[pool][block.ptr]
         else:
             keys = self._ukeys[pool]
-            del keys[bisect_left(keys, (block.stream, block.ptr))]
+            del keys[bisect_left(keys, (block.stream << _UST) + block.ptr)]
             del self._unmapped[pool][block.ptr]
 
     def _insert_unmapped(self, block):
-        insort(self._ukeys[block.pool], (block.stream, block.ptr))
+        insort(self._ukeys[block.pool], (block.stream << _UST) + block.ptr)
         self._unmapped[block.pool][block.ptr] = block
 
     def _try_merge(self, dst, src):
@@ -607,7 +620,7 @@ class CachingAllocator:
         free, keys = self._free[pool], self._keys[pool]
         prev = block.prev
         if prev is not None and free.get(prev.ptr) is prev:
-            del keys[bisect_left(keys, (prev.stream, prev.size, prev.ptr))]
+            del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
             del free[prev.ptr]
             block.ptr = prev.ptr
             block.size += prev.size
@@ -616,13 +629,13 @@ class CachingAllocator:
                 prev.next = block
         nxt = block.next
         if nxt is not None and free.get(nxt.ptr) is nxt:
-            del keys[bisect_left(keys, (nxt.stream, nxt.size, nxt.ptr))]
+            del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
             del free[nxt.ptr]
             block.size += nxt.size
             block.next = nxt = nxt.next
             if nxt is not None:
                 nxt.prev = block
-        insort(keys, (block.stream, block.size, block.ptr))
+        insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
         free[block.ptr] = block
         block.gc_base = self._gc_calls[pool]
 
@@ -640,7 +653,7 @@ class CachingAllocator:
         for pool in (LARGE, SMALL):
             to_unmap = []
             for key in list(self._keys[pool]):
-                block = self._free[pool].get(key[2])
+                block = self._free[pool].get(key & _PTR)
                 if block is None:
                     continue
                 if block.seg is not None:
@@ -660,14 +673,14 @@ class CachingAllocator:
             return False
         target = max(size, mss)
         keys, free = self._keys[pool], self._free[pool]
-        i = bisect_left(keys, (stream, target, -1))
-        if i == len(keys) or keys[i][0] != stream or free[keys[i][2]].seg is not None:
+        i = bisect_left(keys, (stream << _ST) + (target << _SZ))
+        if i == len(keys) or (keys[i] >> _ST) != stream or free[keys[i] & _PTR].seg is not None:
             if i == 0:
                 return False
             released = 0
             i -= 1
-            while released < target and keys[i][1] >= mss and keys[i][0] == stream:
-                block = free[keys[i][2]]
+            while released < target and free[keys[i] & _PTR].size >= mss and (keys[i] >> _ST) == stream:
+                block = free[keys[i] & _PTR]
                 first = i == 0
                 if not first:
                     i -= 1
@@ -677,7 +690,7 @@ class CachingAllocator:
                 if first:
                     break
             return released >= target
-        block = free[keys[i][2]]
+        block = free[keys[i] & _PTR]
         if block.is_split():
             return False
         self._release_block(block)
@@ -692,7 +705,7 @@ class CachingAllocator:
         target = self.reserved_bytes - threshold
         free = self._free[LARGE]
         now = self._gc_calls[LARGE]
-        candidates = [free[k[2]] for k in self._keys[LARGE]]
+        candidates = [free[k & _PTR] for k in self._keys[LARGE]]
         candidates = [b for b in candidates if not b.is_split()]
         total_age = sum(now - b.gc_base for b in candidates)
         count = len(candidates)
@@ -704,7 +717,7 @@ class CachingAllocator:
             threshold_age = total_age / count
             freed = False
             for key in list(self._keys[LARGE]):
-                block = free.get(key[2])
+                block = free.get(key & _PTR)
                 if block is None or block.is_split() or block.seg is not None:
                     continue
                 age = now - block.gc_base
@@ -731,9 +744,9 @@ class CachingAllocator:
 
     def _find_expandable(self, size, stream, pool):
         keys, unmapped = self._ukeys[pool], self._unmapped[pool]
-        i = bisect_left(keys, (stream, -1))
-        while i < len(keys) and keys[i][0] == stream:
-            c = unmapped[keys[i][1]]
+        i = bisect_left(keys, stream << _UST)
+        while i < len(keys) and (keys[i] >> _UST) == stream:
+            c = unmapped[keys[i] & _UPTR]
             if _allocatable(c.prev):
                 c = c.prev
             got, b = 0, c

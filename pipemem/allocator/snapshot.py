@@ -39,12 +39,14 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from .config import AllocatorConfig
-from .model import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator,
+from .model import (_PTR, K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator,
                     round_size)
 
 SEG_GROW = ("segment_alloc", "segment_map")
 SEG_SHRINK = ("segment_free", "segment_unmap")
 MAX_FILE_BYTES = 4 << 30
+_MAX_ADDR = 1 << 60          # device addresses (48-bit today) and sizes the model's keys hold
+_MAX_SIZE = 1 << 48
 _SIZED = ("alloc", "free_requested", "free_completed", "oom") + SEG_GROW + SEG_SHRINK
 
 
@@ -111,16 +113,21 @@ def _check(snap, name: str) -> dict:
             if not isinstance(a, str):
                 raise UserError(f"snapshot {name}: a trace event without an action")
             if a in _SIZED and (type(e.get("size")) is not int or type(e.get("addr")) is not int
-                                or e["size"] < 0 or type(e.get("stream", 0)) is not int):
-                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream")
+                                or not 0 <= e["size"] < _MAX_SIZE or not -1 <= e["addr"] < _MAX_ADDR
+                                or type(e.get("stream", 0)) is not int):
+                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream "
+                                "in range")
     for s in snap.get("segments") or []:
         if not isinstance(s, dict) or type(s.get("address")) is not int \
                 or type(s.get("total_size")) is not int or not isinstance(s.get("blocks", []), list) \
                 or type(s.get("device", 0)) is not int or type(s.get("stream", 0)) is not int:
             raise UserError(f"snapshot {name}: a segment without an integer address/total_size/device/"
                             "stream, or without a blocks list")
+        if not (0 <= s["address"] < _MAX_ADDR and 0 <= s["total_size"] < _MAX_SIZE):
+            raise UserError(f"snapshot {name}: a segment address or size out of range")
         for b in s.get("blocks") or []:
-            if not isinstance(b, dict) or type(b.get("address")) is not int or type(b.get("size")) is not int:
+            if not isinstance(b, dict) or type(b.get("address")) is not int \
+                    or type(b.get("size")) is not int or not 0 <= b["size"] < _MAX_SIZE:
                 raise UserError(f"snapshot {name}: a block without an integer address/size")
     return snap
 
@@ -507,7 +514,7 @@ def _where(a: CachingAllocator) -> dict:
     """Where the reserved-but-unallocated bytes sit: cached free blocks per pool."""
     out = {}
     for name, pool in (("large", 0), ("small", 1)):
-        sizes = [k[1] for k in a._keys[pool]]
+        sizes = [a._free[pool][k & _PTR].size for k in a._keys[pool]]
         out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
                      "largest_free_block": max(sizes, default=0)}
     out["pending_free_bytes"] = sum(b.size for b in a._pending.values())
