@@ -264,6 +264,27 @@ class CachingAllocator:
     def block_size(self, handle: int) -> int:
         return self._live[handle].size
 
+    def is_live(self, handle: int) -> bool:
+        """Allocated and not freed."""
+        return handle in self._live
+
+    def is_pending(self, handle: int) -> bool:
+        """Freed, waiting for its stream events (free_requested, not yet free_completed)."""
+        return handle in self._pending
+
+    def cache_summary(self) -> dict:
+        """Where the reserved-but-unallocated bytes sit now: the cached free blocks per pool
+        (bytes, count, the largest) and the blocks waiting for other streams."""
+        out = {}
+        for name, pool in (("large", LARGE), ("small", SMALL)):
+            sizes = [b.size for b in self._free[pool].values()]
+            out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
+                         "largest_free_block": max(sizes, default=0)}
+        out["pending_free_bytes"] = sum(b.size for b in self._pending.values())
+        out["reserved_bytes"] = self.reserved_bytes
+        out["allocated_bytes"] = self.allocated_bytes
+        return out
+
     def segments(self) -> list[dict]:
         """The current segments (cudaMalloc'd ones and the mapped parts of expandable ranges):
         address, size, stream, pool, and the bytes allocated in them."""

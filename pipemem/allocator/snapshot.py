@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from .config import AllocatorConfig
-from .model import (_PTR, K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator,
+from .model import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator,
                     round_size)
 
 SEG_GROW = ("segment_alloc", "segment_map")
@@ -317,7 +317,7 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
     if peak_at is not None:
         b, h2 = _start(snap, device, cfg, capacity_bytes if what_if else None, [], driver_addresses)
         _run(b, ops, h2, what_if, stop=peak_at)
-        at_peak = _where(b)
+        at_peak = b.cache_summary()
     # allocated when reserved first reached its peak (the request that made it included)
     alloc_at_peak = at_peak.get("allocated_bytes", a.allocated_at_peak_reserved)
     return Modelled(a.peak_reserved_bytes, a.reserved_bytes, alloc_at_peak, a.peak_allocated_bytes,
@@ -491,11 +491,11 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
             handles[addr] = h
         elif kind == "free_req":
             h = handles.get(op[1])
-            if h is not None and h in a._live:      # a trace may repeat or lose events
+            if h is not None and a.is_live(h):      # a trace may repeat or lose events
                 a.free_requested(h)
         elif kind == "free_done":
             h = handles.pop(op[1], None)
-            if h is not None and h in a._pending:
+            if h is not None and a.is_pending(h):
                 a.free_completed(h)
         elif kind == "empty_cache":
             a.empty_cache()
@@ -508,19 +508,6 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
         if a.peak_reserved_bytes > peak:
             peak, peak_at = a.peak_reserved_bytes, n
     return peak_at
-
-
-def _where(a: CachingAllocator) -> dict:
-    """Where the reserved-but-unallocated bytes sit: cached free blocks per pool."""
-    out = {}
-    for name, pool in (("large", 0), ("small", 1)):
-        sizes = [a._free[pool][k & _PTR].size for k in a._keys[pool]]
-        out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
-                     "largest_free_block": max(sizes, default=0)}
-    out["pending_free_bytes"] = sum(b.size for b in a._pending.values())
-    out["reserved_bytes"] = a.reserved_bytes
-    out["allocated_bytes"] = a.allocated_bytes
-    return out
 
 
 def oom_capacity(snap: dict, device: int) -> int | None:
