@@ -225,7 +225,8 @@ def test_random_streams_keep_the_books(conf):
                 a.record_stream(h, 9)
             a.free(h)
         else:
-            size = rnd.choice([1, 700, 64 * KiB, 1 * MiB, MiB + 1, 5 * MiB, 12 * MiB, 70 * MiB, 300 * MiB])
+            size = rnd.choice([1, 700, 64 * KiB, 1 * MiB, MiB + 1, 5 * MiB, 12 * MiB, 70 * MiB,
+                               300 * MiB])
             try:
                 live.append(a.malloc(size + rnd.randrange(4096), rnd.choice([0, 0, 0, 3])))
             except AllocatorOOM:
@@ -277,8 +278,8 @@ def test_simulate_is_the_step_by_step_allocator(conf, cap):
             ev.append((0, 0, live.pop(rnd.randrange(len(live)))))
         else:
             key += 1
-            ev.append((rnd.choice([100, 3000, 200 * KiB, MiB, 3 * MiB, 11 * MiB, 40 * MiB]) + rnd.randrange(9000),
-                       rnd.choice([0, 0, 5]), key))
+            size = rnd.choice([100, 3000, 200 * KiB, MiB, 3 * MiB, 11 * MiB, 40 * MiB]) + rnd.randrange(9000)
+            ev.append((size, rnd.choice([0, 0, 5]), key))
             live.append(key)
     got = simulate(ev, conf, capacity_bytes=cap)
     a = CachingAllocator(AllocatorConfig.parse(conf), capacity_bytes=cap)
@@ -298,3 +299,16 @@ def test_simulate_is_the_step_by_step_allocator(conf, cap):
             got.final_allocated_bytes, got.allocated_at_peak_reserved) == \
         (a.peak_reserved_bytes, a.peak_allocated_bytes, a.reserved_bytes, a.allocated_bytes,
          a.allocated_at_peak_reserved)
+
+
+def test_settings_a_snapshot_recorded():
+    divs = {str(1 << i): (4 if i == 8 else 0) for i in range(16)}
+    cfg = AllocatorConfig.from_snapshot_settings({
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256,max_non_split_rounding_mb:64",
+        "max_split_size": 256 * MiB, "expandable_segments": False, "garbage_collection_threshold": 0.0,
+        "roundup_power2_divisions": divs})
+    assert cfg.max_split_size == 256 * MiB
+    assert cfg.max_non_split_rounding_size == 64 * MiB      # only in the text: taken from it
+    assert cfg.divisions_for(300 * MiB) == 4 and cfg.divisions_for(600 * MiB) == 0
+    assert AllocatorConfig.from_snapshot_settings({"max_split_size": -1}) == AllocatorConfig()
+    assert AllocatorConfig.from_snapshot_settings(None) == AllocatorConfig()
