@@ -212,7 +212,8 @@ def _check_invariants(a):
 
 
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
-                                  "roundup_power2_divisions:4", "expandable_segments:True,max_split_size_mb:64"])
+                                  "roundup_power2_divisions:4",
+                                  "expandable_segments:True,max_split_size_mb:64"])
 def test_random_streams_keep_the_books(conf):
     import random
     rnd = random.Random(7)
