@@ -196,3 +196,12 @@ def test_traces_that_lost_or_repeat_events_replay_without_crashing():
             S.replay_device(snap, d)
             S.replay_device(snap, d, config=AllocatorConfig.parse("expandable_segments:True"),
                             capacity_bytes=rnd.choice([None, 8 << 30]))
+
+
+def test_one_device_extract_is_read_as_its_device():
+    f = next(p for p in FILES if "device2" in p.name)
+    snap = S.load(str(f))
+    extract = dict(snap, device_traces=[t for t in snap["device_traces"] if t])     # the trace at index 0
+    again = S.loads(json.dumps(extract).encode(), "x")
+    assert S.devices(again) == [2]
+    assert S.recorded(again, 2).segment_events == S.recorded(snap, 2).segment_events

@@ -8,7 +8,8 @@ gzip-compressed `.json.gz`) with the same keys is read too. What is used: `segme
 final state: address, total_size, stream, device, segment_type, is_expandable, blocks with
 address, size, requested_size, state), `device_traces` (per device the events `alloc`,
 `free_requested`, `free_completed`, `segment_alloc`, `segment_free`, `segment_map`,
-`segment_unmap`, `oom`, each with addr, size, stream) and `allocator_settings`.
+`segment_unmap`, `oom`, each with addr, size, stream) and `allocator_settings`. A file with one
+device's part of a snapshot (one trace, `source.device` naming its device) is read as that device.
 
 Replaying (`replay_device`): the recorded allocs and frees go through `CachingAllocator` with the
 snapshot's own settings, in order; the model makes its own segment events.
@@ -95,7 +96,20 @@ def loads(raw: bytes, name: str = "snapshot") -> dict:
     else:
         raise UserError(f"snapshot {name}: not a torch.cuda.memory._dump_snapshot pickle, nor its "
                         "JSON form")
-    return _check(snap, name)
+    return _one_device_extract(_check(snap, name))
+
+
+def _one_device_extract(snap: dict) -> dict:
+    """A file holding one device's part of a snapshot may carry its single trace at index 0 with
+    `source.device` naming the device (its segments say the same): put the trace at that index,
+    where torch writes it."""
+    src = snap.get("source")
+    dev = src.get("device") if isinstance(src, dict) else None
+    traces = snap.get("device_traces") or []
+    if type(dev) is int and 0 < dev < 1024 and len(traces) == 1 \
+            and all(s.get("device", 0) == dev for s in snap.get("segments") or []):
+        snap = dict(snap, device_traces=[[] for _ in range(dev)] + traces)
+    return snap
 
 
 def _check(snap, name: str) -> dict:
