@@ -205,3 +205,16 @@ def test_one_device_extract_is_read_as_its_device():
     again = S.loads(json.dumps(extract).encode(), "x")
     assert S.devices(again) == [2]
     assert S.recorded(again, 2).segment_events == S.recorded(snap, 2).segment_events
+
+
+def test_validate_allocator_fails_on_a_trace_the_model_does_not_reproduce(tmp_path, capsys):
+    f = next(p for p in FILES if "profile_grad" in p.name)
+    snap = S.load(str(f))
+    seg = next(e for e in snap["device_traces"][0] if e["action"] == "segment_alloc")
+    seg["size"] += 2 << 20          # a recorded segment 2 MiB larger than the allocator's rule gives
+    final = next(s for s in snap["segments"] if s["address"] == seg["addr"])
+    final["total_size"] += 2 << 20  # (and so in the final state: the trace still starts empty)
+    (tmp_path / "tampered.json").write_text(json.dumps(snap))
+    assert main(["validate", "allocator", "--json", "--dir", str(tmp_path)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["failed"] and out["cases"][0]["events_match"] == "NO"
