@@ -28,8 +28,8 @@ Reuse
 A new segment (malloc's order)
   1. get_free_block; 2. garbage_collect_cached_blocks when garbage_collection_threshold is
   set and a per-process memory fraction caps the allocator: while reserved is above
-  threshold x cap, release whole cached large segments whose age (get_free_block calls since
-  they were cached) is at least the mean age; 3. alloc_block (cudaMalloc of the allocation
+  threshold x cap, release in passes the whole cached large segments whose age
+  (get_free_block calls since they were cached) is at least the mean age; 3. alloc_block (cudaMalloc of the allocation
   size; fails above the fraction's cap or the device's capacity); 4. on failure
   release_available_cached_blocks: with max_split_size set, release the smallest cached
   oversize segment of the stream that is at least max(size, max_split_size), or else the
@@ -48,8 +48,10 @@ Expandable segments (`expandable_segments:True`, 2.1+)
 Frees across streams
   * `record_stream(h, s)` marks a use on another stream; `free` of such a block is requested
     (it stops counting as allocated: `free_requested`) but the block returns to the pool
-    only when its events complete (`free_completed`): `complete_frees`, the next malloc's
-    `process_events` in the recorded order, or release_cached_blocks, which synchronizes.
+    only when its events complete (`free_completed`). When the GPU gets there is not the
+    allocator's to know (process_events polls the events at each malloc): the caller says it
+    with `complete_frees()` or `free_completed(h)` (a trace records where it happened), and
+    release_cached_blocks synchronizes and completes them all.
 
 Reserved (`torch.cuda.memory_reserved`) is the bytes of segments plus mapped pages;
 allocated (`memory_allocated`) the rounded sizes of blocks handed out and not yet freed.
