@@ -30,7 +30,8 @@ def main() -> None:
                 S.replay_device(s, d)
         cpu.append(time.process_time() - c0)
     c = statistics.median(cpu)
-    print(f"{len(snaps)} files, {n} trace events, replay_device cpu median {c:.2f} s, {c / n * 1e6:.2f} us/event "
+    print(f"{len(snaps)} files, {n} trace events, replay_device cpu median {c:.2f} s, "
+          f"{c / n * 1e6:.2f} us/event "
           "(each replay runs the trace twice: the peak state)")
 
 

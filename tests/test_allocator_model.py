@@ -212,7 +212,8 @@ def _check_invariants(a):
 
 
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
-                                  "roundup_power2_divisions:4", "expandable_segments:True,max_split_size_mb:64"])
+                                  "roundup_power2_divisions:4",
+                                  "expandable_segments:True,max_split_size_mb:64"])
 def test_random_streams_keep_the_books(conf):
     import random
     rnd = random.Random(7)
@@ -225,7 +226,8 @@ def test_random_streams_keep_the_books(conf):
                 a.record_stream(h, 9)
             a.free(h)
         else:
-            size = rnd.choice([1, 700, 64 * KiB, 1 * MiB, MiB + 1, 5 * MiB, 12 * MiB, 70 * MiB, 300 * MiB])
+            size = rnd.choice([1, 700, 64 * KiB, 1 * MiB, MiB + 1, 5 * MiB, 12 * MiB, 70 * MiB,
+                               300 * MiB])
             try:
                 live.append(a.malloc(size + rnd.randrange(4096), rnd.choice([0, 0, 0, 3])))
             except AllocatorOOM:
@@ -241,3 +243,73 @@ def test_random_streams_keep_the_books(conf):
         a.free(h)
     a.empty_cache()
     assert a.reserved_bytes == 0 and a.allocated_bytes == 0
+
+
+def test_expandable_best_fit_counts_the_unmapped_space_after_a_block():
+    a = CachingAllocator(AllocatorConfig.parse("expandable_segments:True"))
+    ha = a.malloc(30 * MiB)           # maps two 20 MiB pages: A at 0, 10 MiB free after it
+    a.malloc(10 * MiB)                # fills the rest exactly
+    a.malloc(15 * MiB)                # maps a third page: 5 MiB free at its end, unmapped space after
+    start_a = a._live[ha].ptr
+    a.free(ha)                        # free: A's 30 MiB (between two allocated blocks) and the 5 MiB tail
+    hd = a.malloc(4 * MiB)
+    # the 5 MiB tail is the smallest fit, but it can grow into the unmapped space, so for best
+    # fit it counts as larger than A's 30 MiB block: the request goes to A's place
+    assert a._live[hd].ptr == start_a
+    assert _events(a) == [("segment_map", 40 * MiB), ("segment_map", 20 * MiB)]
+
+
+def test_requests_below_512_and_small_pool_boundary():
+    a = CachingAllocator(DEFAULT)
+    h = a.malloc(1)
+    assert a.block_size(h) == 512 and _events(a) == [("segment_alloc", 2 * MiB)]
+    h2 = a.malloc(1 * MiB)            # exactly kSmallSize: still the small pool
+    assert a.block_size(h2) == 1 * MiB and len(a.segment_events) == 1
+
+
+@pytest.mark.parametrize("conf,cap", [("", None), ("", 600 * MiB), ("max_split_size_mb:64", 600 * MiB),
+                                      ("roundup_power2_divisions:[64:2,>:4]", None),
+                                      ("expandable_segments:True", 600 * MiB)])
+def test_simulate_is_the_step_by_step_allocator(conf, cap):
+    import random
+    rnd = random.Random(11)
+    ev, live, key = [], [], 0
+    for _ in range(4000):
+        if live and rnd.random() < 0.47:
+            ev.append((0, 0, live.pop(rnd.randrange(len(live)))))
+        else:
+            key += 1
+            size = rnd.choice([100, 3000, 200 * KiB, MiB, 3 * MiB, 11 * MiB, 40 * MiB]) + rnd.randrange(9000)
+            ev.append((size, rnd.choice([0, 0, 5]), key))
+            live.append(key)
+    got = simulate(ev, conf, capacity_bytes=cap)
+    a = CachingAllocator(AllocatorConfig.parse(conf), capacity_bytes=cap)
+    handles, oom_at = {}, None
+    for n, (size, stream, k) in enumerate(ev):
+        try:
+            if size > 0:
+                handles[k] = a.malloc(size, stream)
+            else:
+                a.free(handles.pop(k))
+        except AllocatorOOM:
+            oom_at = n
+            break
+    assert got.oom_at == oom_at
+    assert got.segment_events == a.segment_events
+    assert (got.peak_reserved_bytes, got.peak_allocated_bytes, got.final_reserved_bytes,
+            got.final_allocated_bytes, got.allocated_at_peak_reserved) == \
+        (a.peak_reserved_bytes, a.peak_allocated_bytes, a.reserved_bytes, a.allocated_bytes,
+         a.allocated_at_peak_reserved)
+
+
+def test_settings_a_snapshot_recorded():
+    divs = {str(1 << i): (4 if i == 8 else 0) for i in range(16)}
+    cfg = AllocatorConfig.from_snapshot_settings({
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256,max_non_split_rounding_mb:64",
+        "max_split_size": 256 * MiB, "expandable_segments": False, "garbage_collection_threshold": 0.0,
+        "roundup_power2_divisions": divs})
+    assert cfg.max_split_size == 256 * MiB
+    assert cfg.max_non_split_rounding_size == 64 * MiB      # only in the text: taken from it
+    assert cfg.divisions_for(300 * MiB) == 4 and cfg.divisions_for(600 * MiB) == 0
+    assert AllocatorConfig.from_snapshot_settings({"max_split_size": -1}) == AllocatorConfig()
+    assert AllocatorConfig.from_snapshot_settings(None) == AllocatorConfig()

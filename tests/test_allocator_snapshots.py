@@ -169,3 +169,52 @@ def test_events_torch_adds_are_ignored():
     snap = {"segments": [], "device_traces": [[{"action": "user_defined", "user_metadata": "x"},
                                                {"action": "snapshot", "addr": None}]]}
     assert S.recorded(S.loads(json.dumps(snap).encode()), 0).peak_reserved_bytes == 0
+
+
+def test_traces_that_lost_or_repeat_events_replay_without_crashing():
+    import copy
+    import random
+
+    from pipemem.allocator import AllocatorConfig
+    rnd = random.Random(5)
+    bases = [S.load(str(f)) for f in FILES if "device2" in f.name or "MercuryB1" in f.name]
+    for _ in range(25):
+        snap = copy.deepcopy(rnd.choice(bases))
+        t = next(t for t in snap["device_traces"] if t)
+        k = rnd.randrange(4)
+        if k == 0:
+            for _ in range(20):
+                t.pop(rnd.randrange(len(t)))
+        elif k == 1:
+            rnd.shuffle(t)
+        elif k == 2:
+            for _ in range(20):
+                t.insert(rnd.randrange(len(t)), dict(rnd.choice(t)))
+        else:
+            snap["segments"] = snap["segments"][: len(snap["segments"]) // 2]
+        for d in S.devices(snap):
+            S.replay_device(snap, d)
+            S.replay_device(snap, d, config=AllocatorConfig.parse("expandable_segments:True"),
+                            capacity_bytes=rnd.choice([None, 8 << 30]))
+
+
+def test_one_device_extract_is_read_as_its_device():
+    f = next(p for p in FILES if "device2" in p.name)
+    snap = S.load(str(f))
+    extract = dict(snap, device_traces=[t for t in snap["device_traces"] if t])     # the trace at index 0
+    again = S.loads(json.dumps(extract).encode(), "x")
+    assert S.devices(again) == [2]
+    assert S.recorded(again, 2).segment_events == S.recorded(snap, 2).segment_events
+
+
+def test_validate_allocator_fails_on_a_trace_the_model_does_not_reproduce(tmp_path, capsys):
+    f = next(p for p in FILES if "profile_grad" in p.name)
+    snap = S.load(str(f))
+    seg = next(e for e in snap["device_traces"][0] if e["action"] == "segment_alloc")
+    seg["size"] += 2 << 20          # a recorded segment 2 MiB larger than the allocator's rule gives
+    final = next(s for s in snap["segments"] if s["address"] == seg["addr"])
+    final["total_size"] += 2 << 20  # (and so in the final state: the trace still starts empty)
+    (tmp_path / "tampered.json").write_text(json.dumps(snap))
+    assert main(["validate", "allocator", "--json", "--dir", str(tmp_path)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["failed"] and out["cases"][0]["events_match"] == "NO"

@@ -42,16 +42,6 @@ def simulate(events, config: AllocatorConfig | str | None = None,
     if not isinstance(config, AllocatorConfig):
         config = AllocatorConfig.parse(config)
     a = CachingAllocator(config, capacity_bytes=capacity_bytes)
-    malloc, free = a.malloc, a.free
-    handles = {}
-    oom_at = None
-    try:
-        for n, (size, stream, key) in enumerate(events):
-            if size > 0:
-                handles[key] = malloc(size, stream)
-            else:
-                free(handles.pop(key))
-    except AllocatorOOM:
-        oom_at = n
+    oom_at = a.run_stream(events)
     return SimResult(a.peak_reserved_bytes, a.peak_allocated_bytes, a.reserved_bytes, a.allocated_bytes,
                      a.allocated_at_peak_reserved, a.segment_events, oom_at)

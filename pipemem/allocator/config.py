@@ -108,7 +108,15 @@ class AllocatorConfig:
         if not settings:
             return cls()
         text = settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-        kw = {"text": text}
+        try:            # what the text sets that the settings do not record (max_non_split_rounding_mb)
+            base = cls.parse(text) if isinstance(text, str) else cls()
+        except UserError:
+            base = cls()
+        kw = {"text": text, "max_non_split_rounding_size": base.max_non_split_rounding_size,
+              "per_process_memory_fraction": base.per_process_memory_fraction,
+              "max_split_size": base.max_split_size,
+              "roundup_power2_divisions": base.roundup_power2_divisions,
+              "garbage_collection_threshold": base.garbage_collection_threshold}
         mss = settings.get("max_split_size")
         if isinstance(mss, int) and 0 < mss < SIZE_MAX:
             kw["max_split_size"] = mss
@@ -120,10 +128,13 @@ class AllocatorConfig:
             kw["garbage_collection_threshold"] = float(gc)
         kw["expandable_segments"] = bool(settings.get("expandable_segments", False))
         div = settings.get("roundup_power2_divisions")
-        if isinstance(div, dict) and div:
+        if isinstance(div, dict) and len(div) == NUM_INTERVALS:
             # keys are the interval starts in MiB ("1", "2", ... "32768")
-            by_mb = sorted((int(k), int(v)) for k, v in div.items())
-            kw["roundup_power2_divisions"] = tuple(v for _, v in by_mb[:NUM_INTERVALS])
+            try:
+                by_mb = sorted((int(k), int(v)) for k, v in div.items())
+                kw["roundup_power2_divisions"] = tuple(max(v, 0) for _, v in by_mb)
+            except (TypeError, ValueError):
+                pass
         elif isinstance(div, int) and div > 1:
             kw["roundup_power2_divisions"] = (div,) * NUM_INTERVALS
         return cls(**kw)

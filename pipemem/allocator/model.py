@@ -28,8 +28,8 @@ Reuse
 A new segment (malloc's order)
   1. get_free_block; 2. garbage_collect_cached_blocks when garbage_collection_threshold is
   set and a per-process memory fraction caps the allocator: while reserved is above
-  threshold x cap, release whole cached large segments whose age (get_free_block calls since
-  they were cached) is at least the mean age; 3. alloc_block (cudaMalloc of the allocation
+  threshold x cap, release in passes the whole cached large segments whose age
+  (get_free_block calls since they were cached) is at least the mean age; 3. alloc_block (cudaMalloc of the allocation
   size; fails above the fraction's cap or the device's capacity); 4. on failure
   release_available_cached_blocks: with max_split_size set, release the smallest cached
   oversize segment of the stream that is at least max(size, max_split_size), or else the
@@ -48,8 +48,10 @@ Expandable segments (`expandable_segments:True`, 2.1+)
 Frees across streams
   * `record_stream(h, s)` marks a use on another stream; `free` of such a block is requested
     (it stops counting as allocated: `free_requested`) but the block returns to the pool
-    only when its events complete (`free_completed`): `complete_frees`, the next malloc's
-    `process_events` in the recorded order, or release_cached_blocks, which synchronizes.
+    only when its events complete (`free_completed`). When the GPU gets there is not the
+    allocator's to know (process_events polls the events at each malloc): the caller says it
+    with `complete_frees()` or `free_completed(h)` (a trace records where it happened), and
+    release_cached_blocks synchronizes and completes them all.
 
 Reserved (`torch.cuda.memory_reserved`) is the bytes of segments plus mapped pages;
 allocated (`memory_allocated`) the rounded sizes of blocks handed out and not yet freed.
@@ -71,6 +73,16 @@ K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
 
 LARGE, SMALL = 0, 1
+
+# A free block's place in its pool's order (stream, size, address) as one int, so that the
+# sorted lists compare machine-sized ints, not tuples: addresses below 2**62, sizes below 2**50.
+_SZ, _ST = 62, 112
+_PTR = (1 << _SZ) - 1
+_UST, _UPTR = 64, (1 << 64) - 1          # unmapped ranges: (stream, address)
+
+
+def _key(stream: int, size: int, ptr: int) -> int:
+    return (stream << _ST) + (size << _SZ) + ptr
 
 
 class AllocatorOOM(Exception):
@@ -159,16 +171,17 @@ class CachingAllocator:
         self._nsr = self.config.max_non_split_rounding_size
         self._expandable = self.config.expandable_segments
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
-        # free mapped blocks per pool: sorted keys (stream, size, ptr) and ptr -> block
+        # free mapped blocks per pool: sorted int keys of (stream, size, ptr) (`_key`) and ptr -> block
         self._keys = ([], [])
         self._free = ({}, {})
-        # unmapped ranges of expandable segments per pool: sorted (stream, ptr) and ptr -> block
+        # unmapped ranges of expandable segments per pool: sorted keys of (stream, ptr) and ptr -> block
         self._ukeys = ([], [])
         self._unmapped = ({}, {})
         self._gc_calls = [0, 0]
         self._live: dict[int, _Block] = {}
         self._pending: dict[int, _Block] = {}       # freed, waiting for stream events
         self._segments: dict[int, list] = {}        # cudaMalloc segments: ptr -> [size, stream, pool]
+        self._seg_starts: list[int] = []            # their addresses, sorted
         self._ranges: list[_Expandable] = []
         self._next_handle = 1
         self._next_addr = 1 << 56        # above any real device address
@@ -253,6 +266,27 @@ class CachingAllocator:
     def block_size(self, handle: int) -> int:
         return self._live[handle].size
 
+    def is_live(self, handle: int) -> bool:
+        """Allocated and not freed."""
+        return handle in self._live
+
+    def is_pending(self, handle: int) -> bool:
+        """Freed, waiting for its stream events (free_requested, not yet free_completed)."""
+        return handle in self._pending
+
+    def cache_summary(self) -> dict:
+        """Where the reserved-but-unallocated bytes sit now: the cached free blocks per pool
+        (bytes, count, the largest) and the blocks waiting for other streams."""
+        out = {}
+        for name, pool in (("large", LARGE), ("small", SMALL)):
+            sizes = [b.size for b in self._free[pool].values()]
+            out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
+                         "largest_free_block": max(sizes, default=0)}
+        out["pending_free_bytes"] = sum(b.size for b in self._pending.values())
+        out["reserved_bytes"] = self.reserved_bytes
+        out["allocated_bytes"] = self.allocated_bytes
+        return out
+
     def segments(self) -> list[dict]:
         """The current segments (cudaMalloc'd ones and the mapped parts of expandable ranges):
         address, size, stream, pool, and the bytes allocated in them."""
@@ -284,6 +318,7 @@ class CachingAllocator:
         Returns a handle per live block. Counts toward reserved without a segment event."""
         pool = SMALL if size == K_SMALL_BUFFER else LARGE
         self._segments[address] = [size, stream, pool]
+        insort(self._seg_starts, address)
         self.reserved_bytes += size
         pieces, at = [], address
         for ptr, bsize, req in live:
@@ -354,6 +389,84 @@ class CachingAllocator:
 
     # -- the steps of malloc --------------------------------------------------------------
 
+    def run_stream(self, events) -> int | None:
+        """malloc/free for a whole stream of `(size, stream, id)` events (size <= 0 frees `id`),
+        the same steps as calling malloc and free one by one, with the common path (a cached
+        block found, split, freed and merged) inlined. Returns the index of the event that ran
+        out of memory, or None."""
+        if self._expandable or self._gc:
+            return self._run_stream_calls(events)
+        keys_by_pool, free_by_pool = self._keys, self._free
+        gc_calls = self._gc_calls
+        mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
+        live = {}
+        n = -1
+        try:
+            for n, (nbytes, stream, key) in enumerate(events):
+                if nbytes <= 0:
+                    block = live.pop(key)
+                    block.allocated = False
+                    self.allocated_bytes -= block.size
+                    self._free_block(block)
+                    continue
+                if plain:
+                    size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK
+                else:
+                    size = round_size(nbytes, cfg)
+                pool = SMALL if size <= K_SMALL_SIZE else LARGE
+                keys, free = keys_by_pool[pool], free_by_pool[pool]
+                block = None
+                i = bisect_left(keys, (stream << _ST) + (size << _SZ))
+                if i < len(keys):
+                    k = keys[i]
+                    if (k >> _ST) == stream:
+                        b = free[k & _PTR]
+                        if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
+                            del keys[i]
+                            del free[k & _PTR]
+                            block = b
+                if block is None:
+                    block = self._new_block(size, stream, pool)
+                rest = block.size - size
+                if (rest >= K_MIN_BLOCK) if pool == SMALL else (rest > K_SMALL_SIZE and size < mss):
+                    new = _Block(block.ptr, size, stream, pool)
+                    prev = new.prev = block.prev
+                    if prev is not None:
+                        prev.next = new
+                    new.next = block
+                    block.prev = new
+                    block.ptr += size
+                    block.size = rest
+                    insort(keys, (stream << _ST) + (rest << _SZ) + block.ptr)
+                    free[block.ptr] = block
+                    block.gc_base = gc_calls[pool]
+                    block = new
+                block.allocated = True
+                block.requested = nbytes
+                self.allocated_bytes += block.size
+                if self.allocated_bytes > self.peak_allocated_bytes:
+                    self.peak_allocated_bytes = self.allocated_bytes
+                if self.reserved_bytes == self.peak_reserved_bytes and \
+                        self.allocated_bytes > self.allocated_at_peak_reserved:
+                    self.allocated_at_peak_reserved = self.allocated_bytes
+                live[key] = block
+        except AllocatorOOM:
+            return n
+        return None
+
+    def _run_stream_calls(self, events):
+        handles = {}
+        n = -1
+        try:
+            for n, (nbytes, stream, key) in enumerate(events):
+                if nbytes > 0:
+                    handles[key] = self.malloc(nbytes, stream)
+                else:
+                    self.free(handles.pop(key))
+        except AllocatorOOM:
+            return n
+        return None
+
     def would_reuse(self, nbytes: int, stream: int = 0) -> bool:
         """Whether a request of `nbytes` on `stream` would be served from the cache now
         (get_free_block succeeds), without changing anything."""
@@ -365,16 +478,16 @@ class CachingAllocator:
         if self._gc and take:
             self._gc_calls[pool] += 1
         keys = self._keys[pool]
-        i = bisect_left(keys, (stream, size, -1))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, (stream << _ST) + (size << _SZ))
+        if i == len(keys) or (keys[i] >> _ST) != stream:
             return None
-        block = self._free[pool][keys[i][2]]
+        block = self._free[pool][keys[i] & _PTR]
         if block.seg is not None:
             if self._expandable:
                 # a free block followed by unmapped space counts as the size it can grow to
                 n = len(keys)
-                while block.seg is not None and i + 1 < n and keys[i + 1][0] == stream:
-                    nxt = self._free[pool][keys[i + 1][2]]
+                while block.seg is not None and i + 1 < n and (keys[i + 1] >> _ST) == stream:
+                    nxt = self._free[pool][keys[i + 1] & _PTR]
                     if _grow_size(nxt) < _grow_size(block):
                         i += 1
                         block = nxt
@@ -382,11 +495,12 @@ class CachingAllocator:
                         break
             else:
                 i += 1
-                while i < len(keys) and keys[i][0] == stream and self._free[pool][keys[i][2]].seg is not None:
+                while i < len(keys) and (keys[i] >> _ST) == stream and \
+                        self._free[pool][keys[i] & _PTR].seg is not None:
                     i += 1
-                if i == len(keys) or keys[i][0] != stream:
+                if i == len(keys) or (keys[i] >> _ST) != stream:
                     return None
-                block = self._free[pool][keys[i][2]]
+                block = self._free[pool][keys[i] & _PTR]
         mss = self._mss
         if size < mss and block.size >= mss:
             return None
@@ -401,6 +515,8 @@ class CachingAllocator:
         if self._gc:
             self._garbage_collect()
         alloc = allocation_size(size)
+        if alloc >= 1 << 48:
+            raise ValueError(f"a request of {size} B is beyond any device (256 TiB or more)")
         block = self._alloc_block(size, alloc, stream, pool)
         if block is None and self._release_available(size, stream, pool):
             block = self._alloc_block(size, alloc, stream, pool)
@@ -447,18 +563,27 @@ class CachingAllocator:
         ptr = self._address(alloc)
         block = _Block(ptr, alloc, stream, pool)
         self._segments[ptr] = [alloc, stream, pool]
+        insort(self._seg_starts, ptr)
         self._grow(alloc, "segment_alloc")
         return block
 
     def _address(self, size):
         if self._address_source is not None:
             ptr = self._address_source(size)
-            if ptr is not None:
+            if ptr is not None and 0 <= ptr and ptr + size <= _PTR and self._free_range(ptr, size):
                 return ptr
         ptr = self._next_addr
         # keep every range on its own 2 MiB-aligned stretch, as cudaMalloc's are
         self._next_addr += -(-size // K_SMALL_BUFFER) * K_SMALL_BUFFER + K_SMALL_BUFFER
         return ptr
+
+    def _free_range(self, ptr, size):
+        """Whether [ptr, ptr + size) overlaps no segment and no expandable range."""
+        starts = self._seg_starts
+        k = bisect_left(starts, ptr + size)
+        if k > 0 and starts[k - 1] + self._segments[starts[k - 1]][0] > ptr:
+            return False
+        return all(r.base >= ptr + size or r.base + r.size <= ptr for r in self._ranges)
 
     def _grow(self, nbytes, action):
         self.reserved_bytes += nbytes
@@ -471,7 +596,7 @@ class CachingAllocator:
 
     def _insert(self, block):
         pool = block.pool
-        insort(self._keys[pool], (block.stream, block.size, block.ptr))
+        insort(self._keys[pool], _key(block.stream, block.size, block.ptr))
         self._free[pool][block.ptr] = block
         block.gc_base = self._gc_calls[pool]
 
@@ -479,15 +604,15 @@ class CachingAllocator:
         pool = block.pool
         if block.mapped:
             keys = self._keys[pool]
-            del keys[bisect_left(keys, (block.stream, block.size, block.ptr))]
+            del keys[bisect_left(keys, _key(block.stream, block.size, block.ptr))]
             del self._free[pool][block.ptr]
         else:
             keys = self._ukeys[pool]
-            del keys[bisect_left(keys, (block.stream, block.ptr))]
+            del keys[bisect_left(keys, (block.stream << _UST) + block.ptr)]
             del self._unmapped[pool][block.ptr]
 
     def _insert_unmapped(self, block):
-        insort(self._ukeys[block.pool], (block.stream, block.ptr))
+        insort(self._ukeys[block.pool], (block.stream << _UST) + block.ptr)
         self._unmapped[block.pool][block.ptr] = block
 
     def _try_merge(self, dst, src):
@@ -518,7 +643,7 @@ class CachingAllocator:
         free, keys = self._free[pool], self._keys[pool]
         prev = block.prev
         if prev is not None and free.get(prev.ptr) is prev:
-            del keys[bisect_left(keys, (prev.stream, prev.size, prev.ptr))]
+            del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
             del free[prev.ptr]
             block.ptr = prev.ptr
             block.size += prev.size
@@ -527,13 +652,13 @@ class CachingAllocator:
                 prev.next = block
         nxt = block.next
         if nxt is not None and free.get(nxt.ptr) is nxt:
-            del keys[bisect_left(keys, (nxt.stream, nxt.size, nxt.ptr))]
+            del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
             del free[nxt.ptr]
             block.size += nxt.size
             block.next = nxt = nxt.next
             if nxt is not None:
                 nxt.prev = block
-        insort(keys, (block.stream, block.size, block.ptr))
+        insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
         free[block.ptr] = block
         block.gc_base = self._gc_calls[pool]
 
@@ -542,6 +667,7 @@ class CachingAllocator:
     def _release_block(self, block):
         self._remove(block)
         size = self._segments.pop(block.ptr)[0]
+        del self._seg_starts[bisect_left(self._seg_starts, block.ptr)]
         self.reserved_bytes -= size
         self.segment_events.append(("segment_free", size))
 
@@ -550,7 +676,7 @@ class CachingAllocator:
         for pool in (LARGE, SMALL):
             to_unmap = []
             for key in list(self._keys[pool]):
-                block = self._free[pool].get(key[2])
+                block = self._free[pool].get(key & _PTR)
                 if block is None:
                     continue
                 if block.seg is not None:
@@ -570,14 +696,14 @@ class CachingAllocator:
             return False
         target = max(size, mss)
         keys, free = self._keys[pool], self._free[pool]
-        i = bisect_left(keys, (stream, target, -1))
-        if i == len(keys) or keys[i][0] != stream or free[keys[i][2]].seg is not None:
+        i = bisect_left(keys, (stream << _ST) + (target << _SZ))
+        if i == len(keys) or (keys[i] >> _ST) != stream or free[keys[i] & _PTR].seg is not None:
             if i == 0:
                 return False
             released = 0
             i -= 1
-            while released < target and keys[i][1] >= mss and keys[i][0] == stream:
-                block = free[keys[i][2]]
+            while released < target and free[keys[i] & _PTR].size >= mss and (keys[i] >> _ST) == stream:
+                block = free[keys[i] & _PTR]
                 first = i == 0
                 if not first:
                     i -= 1
@@ -587,7 +713,7 @@ class CachingAllocator:
                 if first:
                     break
             return released >= target
-        block = free[keys[i][2]]
+        block = free[keys[i] & _PTR]
         if block.is_split():
             return False
         self._release_block(block)
@@ -602,7 +728,7 @@ class CachingAllocator:
         target = self.reserved_bytes - threshold
         free = self._free[LARGE]
         now = self._gc_calls[LARGE]
-        candidates = [free[k[2]] for k in self._keys[LARGE]]
+        candidates = [free[k & _PTR] for k in self._keys[LARGE]]
         candidates = [b for b in candidates if not b.is_split()]
         total_age = sum(now - b.gc_base for b in candidates)
         count = len(candidates)
@@ -614,7 +740,7 @@ class CachingAllocator:
             threshold_age = total_age / count
             freed = False
             for key in list(self._keys[LARGE]):
-                block = free.get(key[2])
+                block = free.get(key & _PTR)
                 if block is None or block.is_split() or block.seg is not None:
                     continue
                 age = now - block.gc_base
@@ -641,9 +767,9 @@ class CachingAllocator:
 
     def _find_expandable(self, size, stream, pool):
         keys, unmapped = self._ukeys[pool], self._unmapped[pool]
-        i = bisect_left(keys, (stream, -1))
-        while i < len(keys) and keys[i][0] == stream:
-            c = unmapped[keys[i][1]]
+        i = bisect_left(keys, stream << _UST)
+        while i < len(keys) and (keys[i] >> _UST) == stream:
+            c = unmapped[keys[i] & _UPTR]
             if _allocatable(c.prev):
                 c = c.prev
             got, b = 0, c

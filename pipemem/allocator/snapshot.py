@@ -8,7 +8,8 @@ gzip-compressed `.json.gz`) with the same keys is read too. What is used: `segme
 final state: address, total_size, stream, device, segment_type, is_expandable, blocks with
 address, size, requested_size, state), `device_traces` (per device the events `alloc`,
 `free_requested`, `free_completed`, `segment_alloc`, `segment_free`, `segment_map`,
-`segment_unmap`, `oom`, each with addr, size, stream) and `allocator_settings`.
+`segment_unmap`, `oom`, each with addr, size, stream) and `allocator_settings`. A file with one
+device's part of a snapshot (one trace, `source.device` naming its device) is read as that device.
 
 Replaying (`replay_device`): the recorded allocs and frees go through `CachingAllocator` with the
 snapshot's own settings, in order; the model makes its own segment events.
@@ -45,6 +46,8 @@ from .model import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, Cac
 SEG_GROW = ("segment_alloc", "segment_map")
 SEG_SHRINK = ("segment_free", "segment_unmap")
 MAX_FILE_BYTES = 4 << 30
+_MAX_ADDR = 1 << 60          # device addresses (48-bit today) and sizes the model's keys hold
+_MAX_SIZE = 1 << 48
 _SIZED = ("alloc", "free_requested", "free_completed", "oom") + SEG_GROW + SEG_SHRINK
 
 
@@ -93,7 +96,20 @@ def loads(raw: bytes, name: str = "snapshot") -> dict:
     else:
         raise UserError(f"snapshot {name}: not a torch.cuda.memory._dump_snapshot pickle, nor its "
                         "JSON form")
-    return _check(snap, name)
+    return _one_device_extract(_check(snap, name))
+
+
+def _one_device_extract(snap: dict) -> dict:
+    """A file holding one device's part of a snapshot may carry its single trace at index 0 with
+    `source.device` naming the device (its segments say the same): put the trace at that index,
+    where torch writes it."""
+    src = snap.get("source")
+    dev = src.get("device") if isinstance(src, dict) else None
+    traces = snap.get("device_traces") or []
+    if type(dev) is int and 0 < dev < 1024 and len(traces) == 1 \
+            and all(s.get("device", 0) == dev for s in snap.get("segments") or []):
+        snap = dict(snap, device_traces=[[] for _ in range(dev)] + traces)
+    return snap
 
 
 def _check(snap, name: str) -> dict:
@@ -111,16 +127,21 @@ def _check(snap, name: str) -> dict:
             if not isinstance(a, str):
                 raise UserError(f"snapshot {name}: a trace event without an action")
             if a in _SIZED and (type(e.get("size")) is not int or type(e.get("addr")) is not int
-                                or e["size"] < 0 or type(e.get("stream", 0)) is not int):
-                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream")
+                                or not 0 <= e["size"] < _MAX_SIZE or not -1 <= e["addr"] < _MAX_ADDR
+                                or type(e.get("stream", 0)) is not int):
+                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream "
+                                "in range")
     for s in snap.get("segments") or []:
         if not isinstance(s, dict) or type(s.get("address")) is not int \
                 or type(s.get("total_size")) is not int or not isinstance(s.get("blocks", []), list) \
                 or type(s.get("device", 0)) is not int or type(s.get("stream", 0)) is not int:
             raise UserError(f"snapshot {name}: a segment without an integer address/total_size/device/"
                             "stream, or without a blocks list")
+        if not (0 <= s["address"] < _MAX_ADDR and 0 <= s["total_size"] < _MAX_SIZE):
+            raise UserError(f"snapshot {name}: a segment address or size out of range")
         for b in s.get("blocks") or []:
-            if not isinstance(b, dict) or type(b.get("address")) is not int or type(b.get("size")) is not int:
+            if not isinstance(b, dict) or type(b.get("address")) is not int \
+                    or type(b.get("size")) is not int or not 0 <= b["size"] < _MAX_SIZE:
                 raise UserError(f"snapshot {name}: a block without an integer address/size")
     return snap
 
@@ -310,7 +331,7 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
     if peak_at is not None:
         b, h2 = _start(snap, device, cfg, capacity_bytes if what_if else None, [], driver_addresses)
         _run(b, ops, h2, what_if, stop=peak_at)
-        at_peak = _where(b)
+        at_peak = b.cache_summary()
     # allocated when reserved first reached its peak (the request that made it included)
     alloc_at_peak = at_peak.get("allocated_bytes", a.allocated_at_peak_reserved)
     return Modelled(a.peak_reserved_bytes, a.reserved_bytes, alloc_at_peak, a.peak_allocated_bytes,
@@ -328,9 +349,8 @@ def _driver_addresses(snap, device):
     def source(size):
         a = box["a"]
         k = len(a.segment_events)
-        if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size \
-                and seg[k]["addr"] not in a._segments:
-            return seg[k]["addr"]
+        if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size:
+            return seg[k]["addr"]       # the model checks that the range is free
         return None
     return source, box
 
@@ -345,6 +365,17 @@ def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
     spans = [(seg, seg + size, False) for seg, (size, _, _) in st.segments.items()]
     spans += [(r[0], r[1], True) for r in st.runs]
     spans.sort()
+    kept, end = [], None
+    for sp in spans:           # a trace that lost events can imply overlaps: keep the first
+        if end is None or sp[0] >= end:
+            kept.append(sp)
+            end = sp[1]
+    if len(kept) < len(spans):
+        notes.append(f"{len(spans) - len(kept)} segment(s) the trace implies overlap others: left out")
+        keep = {sp[0] for sp in kept}
+        st = _StartState({k: v for k, v in st.segments.items() if k in keep}, st.live,
+                         [r for r in st.runs if r[0] in keep], st.alloc_at)
+    spans = kept
     starts = [x[0] for x in spans]
     inside: dict[int, list] = {x[0]: [] for x in spans}
     for addr, info in st.live.items():
@@ -474,11 +505,11 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
             handles[addr] = h
         elif kind == "free_req":
             h = handles.get(op[1])
-            if h is not None:
+            if h is not None and a.is_live(h):      # a trace may repeat or lose events
                 a.free_requested(h)
         elif kind == "free_done":
             h = handles.pop(op[1], None)
-            if h is not None and h in a._pending:
+            if h is not None and a.is_pending(h):
                 a.free_completed(h)
         elif kind == "empty_cache":
             a.empty_cache()
@@ -491,19 +522,6 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
         if a.peak_reserved_bytes > peak:
             peak, peak_at = a.peak_reserved_bytes, n
     return peak_at
-
-
-def _where(a: CachingAllocator) -> dict:
-    """Where the reserved-but-unallocated bytes sit: cached free blocks per pool."""
-    out = {}
-    for name, pool in (("large", 0), ("small", 1)):
-        sizes = [k[1] for k in a._keys[pool]]
-        out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
-                     "largest_free_block": max(sizes, default=0)}
-    out["pending_free_bytes"] = sum(b.size for b in a._pending.values())
-    out["reserved_bytes"] = a.reserved_bytes
-    out["allocated_bytes"] = a.allocated_bytes
-    return out
 
 
 def oom_capacity(snap: dict, device: int) -> int | None:

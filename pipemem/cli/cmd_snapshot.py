@@ -90,7 +90,7 @@ def _modelled(m) -> dict:
     return {"peak_reserved_bytes": m.peak_reserved_bytes, "final_reserved_bytes": m.final_reserved_bytes,
             "allocated_at_peak_bytes": m.allocated_at_peak_bytes,
             "fragmentation_at_peak_bytes": m.peak_reserved_bytes - m.allocated_at_peak_bytes,
-            "at_peak": m.at_peak, "final_segments": m.n_final_segments, "ooms": m.ooms,
+            "at_peak": m.at_peak, "final_segments": m.n_final_segments, "ooms": m.ooms, "notes": m.notes,
             "segment_events": [list(e) for e in m.segment_events]}
 
 
@@ -119,6 +119,8 @@ def _print(out: dict) -> None:
                   f"small pool {fmt_bytes(at['small']['free_bytes'])} in {at['small']['free_blocks']} blocks"
                   + (f", waiting on other streams {fmt_bytes(at['pending_free_bytes'])}"
                      if at["pending_free_bytes"] else ""))
+        for note in m["notes"]:
+            print(f"  note: {note}")
         w = e.get("what_if")
         if w:
             cap = w["capacity_bytes"]

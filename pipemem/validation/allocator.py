@@ -78,6 +78,9 @@ def run(args) -> int:
     from .progress import CaseProgress, print_summary, quiet_profiler_chatter
     d = Path(args.dir)
     if not d.is_dir():
+        if d == DATA:
+            raise UserError("validate allocator: the bundled snapshots are in a checkout of the repository "
+                            "(bench/data/allocator_snapshots/); run it from one, or give --dir")
         raise UserError(f"--dir: {d} is not a directory")
     files = snapshot_files(d)
     if not files:
