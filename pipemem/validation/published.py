@@ -566,6 +566,14 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
                          }.get(t["metric"], "metric not stated by the source"))
         if t["metric"] == "reserved":
             notes.insert(1, "reserved not modelled for this plan (see the estimate's warnings)")
+        if t["metric"] == "nvidia-smi" and reserved is not None:
+            # what nvidia-smi shows is the device peak's kind of number: reserved plus the CUDA
+            # context, NCCL's buffers and the cuBLAS workspace (pipemem.outside_allocator)
+            device = (ranks[t["rank"]] if t["rank"] is not None else
+                      max(ranks, key=lambda r: r["device_peak_bytes"]))["device_peak_bytes"]
+            row["device_estimated_bytes"] = int(device)
+            notes.insert(1, f"device peak (reserved + outside the allocator) {device / GiB:.2f} GiB "
+                            f"({rel_error(device, t['measured_bytes']):+.1%}; the outside part from cited defaults)")
     notes.extend(EXPLAINED.get(rec["id"], []))
     if rec["id"] in ALTERNATES:
         change, label = ALTERNATES[rec["id"]]
