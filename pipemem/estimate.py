@@ -352,9 +352,7 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
     _flash_for_gpu(plan_kw, opts.get("gpu"))
 
-    from .model import arch_from_hf_config
-
-    arch = arch_from_hf_config(config, name)
+    arch, config, text_note = _arch(config, name, mode)
     try:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:   # a wrong type slipped through from the Python API
@@ -369,9 +367,30 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     else:
         est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
     est.inputs = (model, dict(kwargs))
+    if text_note:
+        est.warnings.insert(0, text_note)
     if config.get("_pipemem_note"):
         est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
+
+
+def _arch(config: dict, name: str, mode: str):
+    """(ArchSpec, the config estimated, a note): a multimodal config's text model; templates read
+    their families (and refuse others by name); traced mode runs any family transformers builds."""
+    from .model import arch_from_hf_config, check_config, text_model_config
+
+    config, note = text_model_config(config)
+    if mode != "traced":
+        check_config(config, name)
+        return arch_from_hf_config(config, name), config, note
+    try:
+        from .traced.hf import traced_arch
+        return traced_arch(config, name), config, note
+    except ModuleNotFoundError as e:
+        err = _needs_torch(e)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _with_schedule(arch, plan, vpp_given: bool):
@@ -569,6 +588,7 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
                         "saves is the partitioner's, its transient buffers are the unfused graph's"
                         + ("; the HF model's own loss runs eager here (templates compile it)"
                            if plan.compile == "all" else ""))
+    warnings += t.notes.get("warnings", [])
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")
