@@ -1,0 +1,174 @@
+"""Families template mode does not model (DeepSeek-V2/V3 MLA, GPT-OSS, Gemma 3, Llama 4, GLM-4
+MoE, OLMoE, Qwen3-Next): traced mode runs transformers' own modules for them on fake tensors;
+template mode refuses each by name and points to traced mode; inconsistent configs fail on
+one line naming the key."""
+
+import json
+
+import pytest
+
+from pipemem.errors import UserError
+from pipemem.model import UnmodelledFamily, arch_from_hf_config, check_config
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+TINY = {
+    "deepseek_v3": dict(BASE, model_type="deepseek_v3", **MLA, q_lora_rank=48, n_group=2, topk_group=1,
+                        n_shared_experts=1, num_nextn_predict_layers=1),
+    "deepseek_v2": dict(BASE, model_type="deepseek_v2", **MLA, q_lora_rank=None, n_group=1, topk_group=1,
+                        n_shared_experts=2),
+    "gpt_oss": dict(BASE, model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, sliding_window=32,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                        intermediate_size_mlp=128, interleave_moe_layer_step=2, attention_chunk_size=32,
+                        no_rope_layers=[1, 0]),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                     topk_group=1, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1),
+    "olmoe": dict(BASE, model_type="olmoe", num_experts=8, num_experts_per_tok=2),
+    "qwen3_next": dict(BASE, model_type="qwen3_next", head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+}
+PLAN = dict(seq_len=64, micro_batch=1, dtype="bf16", master_weights=False, flash_attn=True)
+
+
+def _known(model_type):
+    transformers = pytest.importorskip("transformers")
+    from transformers import CONFIG_MAPPING
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_template_mode_refuses_by_name_and_points_to_traced(family):
+    with pytest.raises(UnmodelledFamily, match=r"template mode does not model .*use --mode traced") as e:
+        arch_from_hf_config(TINY[family], "tiny")
+    assert "\n" not in str(e.value) and family in str(e.value)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_traced_mode_runs_transformers_own_modules(family):
+    _known(family)
+    pytest.importorskip("torch")
+    import torch
+
+    from pipemem import estimate
+    from pipemem.traced.hf import build_model, make_config
+
+    est = estimate(dict(TINY[family]), mode="traced", **PLAN)
+    assert est.mode == "traced" and est.arch.model_type == family and est.arch.layers == 2
+    r = est.ranks[0]
+    # the parameters traced are those of the model transformers builds from this config
+    with torch.device("meta"):
+        model = build_model(make_config(TINY[family]), torch.bfloat16)
+    assert r.static.params == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r.peak_allocated_bytes > r.static.total > 0
+    assert est.to_dict()["mode"] == "traced"
+    # what transformers' module lacks is said: no SDPA path (GPT-OSS), no MTP layers (DeepSeek-V3)
+    assert any("no SDPA path" in w for w in est.warnings) == (family == "gpt_oss")
+    assert any("num_nextn_predict_layers=1" in w for w in est.warnings) == (family == "deepseek_v3")
+
+
+def test_replication_past_dense_first_layers_is_exact():
+    """7 layers, the first dense: K layers are traced from the first MoE layer on; the result is
+    the full 7-layer trace's, byte for byte."""
+    _known("glm4_moe")
+    import pipemem.traced.replicate as rep
+    from pipemem import estimate
+
+    cfg = dict(TINY["glm4_moe"], num_hidden_layers=7)
+    got = estimate(dict(cfg), mode="traced", **PLAN).ranks[0]
+    full = rep._replication
+    try:
+        rep._replication = lambda c, m, n: {"traced_layers": n}
+        ref = estimate(dict(cfg), mode="traced", **PLAN).ranks[0]
+    finally:
+        rep._replication = full
+    assert (got.peak_allocated_bytes, got.static.total, got.jobs["F"].net_bytes) == \
+        (ref.peak_allocated_bytes, ref.static.total, ref.jobs["F"].net_bytes)
+
+
+def test_replication_plan_follows_layer_kinds():
+    _known("deepseek_v3")
+    import torch
+
+    from pipemem.traced.hf import build_model, make_config
+    from pipemem.traced.replicate import _replication
+
+    def plan(**kw):
+        cfg = make_config(dict(TINY["deepseek_v3"], **kw))
+        return _replication(cfg, build_model(cfg, torch.bfloat16), cfg.num_hidden_layers)
+
+    assert plan(num_hidden_layers=12, first_k_dense_replace=3) == {"traced_layers": 7, "template": 5}
+    assert plan(num_hidden_layers=12, first_k_dense_replace=0) == {}
+    assert plan(num_hidden_layers=6, first_k_dense_replace=3) == {"traced_layers": 6}
+    gemma = make_config(dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None, sliding_window_pattern=2))
+    assert _replication(gemma, build_model(gemma, torch.bfloat16), 8) == {"traced_layers": 8}
+
+
+def test_multimodal_config_estimates_its_text_model():
+    _known("gemma3")
+    from pipemem import estimate
+
+    cfg = {"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"]), "vision_config": {}}
+    est = estimate(cfg, mode="traced", **PLAN)
+    assert est.arch.model_type == "gemma3_text"
+    assert any("vision encoder" in w for w in est.warnings)
+
+
+def test_unknown_model_type_named_by_its_architecture():
+    """Kimi-K2's config.json: model_type kimi_k2 (custom code), architectures DeepseekV3ForCausalLM."""
+    _known("deepseek_v3")
+    from pipemem import estimate
+
+    cfg = dict(TINY["deepseek_v3"], model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(UnmodelledFamily, match="multi-head latent attention"):
+        estimate(dict(cfg), **PLAN)
+    assert estimate(dict(cfg), mode="traced", **PLAN).arch.experts == 8
+
+
+BAD = [
+    ("deepseek_v3", {"qk_rope_head_dim": None}, "qk_rope_head_dim"),
+    ("deepseek_v3", {"n_group": 3}, "n_group"),
+    ("deepseek_v3", {"topk_group": 3}, "topk_group"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("gemma3_text", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ("llama4_text", {"no_rope_layers": [1]}, "no_rope_layers"),
+    ("deepseek_v3", {"first_k_dense_replace": 5}, "first_k_dense_replace"),
+]
+
+
+@pytest.mark.parametrize("family,change,key", BAD, ids=[b[2] for b in BAD])
+def test_inconsistent_config_names_the_key(family, change, key):
+    cfg = {k: v for k, v in dict(TINY[family], **change).items() if v is not None or k == "q_lora_rank"}
+    with pytest.raises(UserError, match=rf"\b{key}\b") as e:
+        check_config(cfg, "tiny")
+    assert "\n" not in str(e.value)
+
+
+def test_traced_mode_needs_the_family_keys():
+    cfg = {k: v for k, v in TINY["deepseek_v3"].items() if k != "kv_lora_rank"}
+    with pytest.raises(UserError, match="missing key 'kv_lora_rank'"):
+        check_config(cfg, "tiny", family_keys=True)
+    check_config(cfg, "tiny")     # template mode reads deepseek_v3 without MLA keys as a GQA model
+
+
+def test_cli_bad_config_and_unmodelled_family_exit_2(tmp_path, capsys):
+    from pipemem.cli.main import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(TINY["deepseek_v3"], n_group=3)))
+    assert main(["estimate", "--model", str(bad), "--mode", "traced", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "n_group=3" in err and len(err.splitlines()) == 1
+    ok = tmp_path / "gemma.json"
+    ok.write_text(json.dumps(TINY["gemma3_text"]))
+    assert main(["estimate", "--model", str(ok), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--mode traced" in err and "sliding-window" in err and len(err.splitlines()) == 1
