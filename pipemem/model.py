@@ -267,6 +267,8 @@ def check_config(config: Mapping[str, Any], name: str = "", family_keys: bool = 
     layers = config.get("num_hidden_layers")
     for k in _PER_LAYER_KEYS:
         v = config.get(k)
+        if k == "no_rope_layers" and v == []:     # Llama 4: empty = transformers' default pattern
+            continue
         if isinstance(layers, int) and v is not None and (not isinstance(v, list) or len(v) != layers):
             got = f"{len(v)} entries" if isinstance(v, list) else type(v).__name__
             raise UserError(f"config of {r.name}: {k!r} must list one entry per layer (num_hidden_layers="

@@ -172,3 +172,36 @@ def test_cli_bad_config_and_unmodelled_family_exit_2(tmp_path, capsys):
     assert main(["estimate", "--model", str(ok), "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--mode traced" in err and "sliding-window" in err and len(err.splitlines()) == 1
+
+
+# one preset per family (the CLI test below runs deepseek-v3; every preset's shape and its
+# template refusal are held in test_presets_data.py)
+TRACED_PRESETS = ["kimi-k2", "gpt-oss-120b", "gemma3-27b", "llama4-maverick", "glm-4.5-air"]
+
+
+@pytest.mark.parametrize("name", TRACED_PRESETS)
+def test_preset_estimates_in_traced_mode(name):
+    """Each preset of a family templates do not model runs in traced mode (4 of its layers, full
+    widths); its parameters are those of its layers (replicated to 4)."""
+    pytest.importorskip("transformers")
+    from pipemem import estimate
+
+    est = estimate(name, mode="traced", layers=4, **PLAN)
+    r = est.ranks[0]
+    assert est.mode == "traced" and est.arch.layers == 4
+    assert r.peak_allocated_bytes > r.static.total > r.static.params > 0
+
+
+def test_preset_cli_traced_and_template_refusal(capsys):
+    pytest.importorskip("transformers")
+    from pipemem.cli.main import main
+
+    args = ["estimate", "--model", "deepseek-v3", "--seq-len", "64", "--layers", "4", "--dtype", "bf16",
+            "--no-master-weights", "--json"]
+    assert main(args) == 2
+    assert "multi-head latent attention" in capsys.readouterr().err
+    assert main(args + ["--mode", "traced"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "traced" and d["model"]["experts"] == 256
+    assert any("num_nextn_predict_layers=1" in w for w in d["warnings"])
+    assert any("quantization_config (fp8)" in w for w in d["warnings"])

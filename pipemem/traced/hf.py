@@ -81,14 +81,22 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None, not
     d = model_config.to_dict() if isinstance(model_config, PretrainedConfig) else dict(model_config)
     d, _ = text_model_config(d)
     d["model_type"] = _known_model_type(d)
+    quant = d.pop("quantization_config", None)
+    if quant and notes is not None:
+        # a checkpoint's storage format (DeepSeek-V3's fp8 blocks, GPT-OSS's mxfp4 experts): training
+        # loads the weights in the step's dtype, as from_config builds them
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        notes.append(f"traced mode: the checkpoint's quantization_config ({method}) is not applied; "
+                     "parameters are held in the --dtype given")
     if layers is not None:
         d = _with_layers(d, int(layers))
     model_type = d.pop("model_type")
     try:
         cfg = AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError, TypeError) as e:
+    except Exception as e:     # noqa: BLE001 - the config class's validation (ValueError, strict field types...)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise UserError(f"model config: transformers cannot build model_type {model_type!r} from it "
-                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                        f"({'; '.join(lines[:2]) if lines else type(e).__name__})") from None
     cls = causal_lm_class(cfg)
     if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
         attn = "eager"
@@ -128,10 +136,15 @@ def _known_model_type(d: dict) -> str:
                         "use an HF config.json")
     if mt in CONFIG_MAPPING:
         return mt
-    by_class = {cls: t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     for arch in d.get("architectures") or ():
-        if arch in by_class:
-            return by_class[arch]
+        types = [t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch]
+        # several types may share a class: the one whose config class it is named after first
+        # (DeepseekV3ForCausalLM -> deepseek_v3 / DeepseekV3Config)
+        types.sort(key=lambda t: CONFIG_MAPPING_NAMES.get(t) != arch.replace("ForCausalLM", "Config"))
+        if types:
+            return types[0]
     raise UserError(f"model config: model_type {mt!r} is not known to transformers and its architectures "
                     f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers can build")
 
