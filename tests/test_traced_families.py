@@ -205,3 +205,27 @@ def test_preset_cli_traced_and_template_refusal(capsys):
     assert d["mode"] == "traced" and d["model"]["experts"] == 256
     assert any("num_nextn_predict_layers=1" in w for w in d["warnings"])
     assert any("quantization_config (fp8)" in w for w in d["warnings"])
+
+
+def test_parallel_traced_plans_refuse_other_layers_by_name():
+    """Pipelines and sharded ranks are traced on Llama / Mixtral layers: another family is refused
+    on one line, not built of the wrong layers."""
+    pytest.importorskip("torch")
+    from pipemem import estimate
+
+    for kw in (dict(pp=2), dict(dp=2, fsdp=True)):
+        with pytest.raises(UserError, match="model_type 'gemma3_text' has other layers") as e:
+            estimate(dict(TINY["gemma3_text"]), mode="traced", step="first", layers=4, **kw, **PLAN)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--multi-latent-attention", "--kv-lora-rank 512", "--mtp-num-layers 1"])
+def test_megatron_mla_and_mtp_refusals_name_what_is_missing(flag):
+    import shlex
+
+    from pipemem.configs.megatron import read
+    base = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 "
+    with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]) as e:
+        read(shlex.split(base + flag))
+    msg = str(e.value)
+    assert "--mode traced" in msg and ("latent attention" in msg or "multi-token prediction" in msg)
