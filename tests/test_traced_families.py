@@ -229,3 +229,21 @@ def test_megatron_mla_and_mtp_refusals_name_what_is_missing(flag):
         read(shlex.split(base + flag))
     msg = str(e.value)
     assert "--mode traced" in msg and ("latent attention" in msg or "multi-token prediction" in msg)
+
+
+def test_boolean_sdpa_mask_is_saved_as_an_additive_bias_of_the_query_dtype():
+    """HF passes sliding-window layers (Gemma 3, Mistral; seq_len > window) a boolean [B, 1, S, S]
+    mask; scaled_dot_product_attention turns it into an additive mask of the query's dtype
+    before any kernel (attention.cpp, convert_boolean_attn_mask), and the efficient kernel saves
+    that bias for backward: 2 bytes a position in bf16, not the boolean's 1."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipemem.traced.kernel_policy import CudaKernels
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = CudaKernels._sdpa((q, k, v, torch.ones(1, 1, 64, 64, dtype=torch.bool)), {})
+        bias = out.grad_fn._saved_attn_bias
+    assert out.grad_fn.name() == "ScaledDotProductEfficientAttentionBackward0"
+    assert bias.dtype == torch.bfloat16 and tuple(bias.shape) == (1, 1, 64, 64)

@@ -142,6 +142,12 @@ class CudaKernels:
         q, k, v = _autocast_cast(q, k, v)
         if mask is not None and mask.is_floating_point():
             (mask,) = _autocast_cast(mask)
+        elif mask is not None and mask.dtype == torch.bool:
+            # scaled_dot_product_attention turns a boolean mask into an additive one of the query's
+            # dtype before any kernel runs (attention.cpp, convert_boolean_attn_mask): a new
+            # [B, 1, S, S] tensor, which the efficient kernel saves as its bias (sliding-window
+            # layers, Gemma 3 / Mistral: HF passes such a mask once seq_len > window)
+            mask = torch.where(mask, torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype))
         aten = torch.ops.aten
         low_precision = q.dtype in (torch.float16, torch.bfloat16)
         head = q.shape[-1]
