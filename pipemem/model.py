@@ -49,7 +49,8 @@ def refuse_unmodelled(name: str, model_type: str, feature: str | None = None) ->
     feature = feature or UNMODELLED.get(model_type)
     what = (f"template mode does not model {feature} (model_type {model_type!r})" if feature else
             f"model_type {model_type!r} has no template family (those: {', '.join(MODEL_TYPES)})")
-    return UnmodelledFamily(f"config of {name}: {what}; use --mode traced, which runs transformers' own modules")
+    return UnmodelledFamily(f"config of {name}: {what}; use --mode traced (pipemem estimate), which runs "
+                            "transformers' own modules")
 
 
 @dataclass(frozen=True, slots=True)
