@@ -72,6 +72,23 @@ def test_traced_mode_runs_transformers_own_modules(family):
     # what transformers' module lacks is said: no SDPA path (GPT-OSS), no MTP layers (DeepSeek-V3)
     assert any("no SDPA path" in w for w in est.warnings) == (family == "gpt_oss")
     assert any("num_nextn_predict_layers=1" in w for w in est.warnings) == (family == "deepseek_v3")
+    assert any("pure-PyTorch path" in w for w in est.warnings) == (family == "qwen3_next")
+
+
+def test_nemotron_h_hybrid_traces_and_says_its_mamba_path():
+    """Mamba-2 mixed with attention: the layer count is a property of transformers' config class,
+    the Mamba mixers run its pure-PyTorch path (said)."""
+    _known("nemotron_h")
+    from pipemem import estimate
+
+    cfg = dict(model_type="nemotron_h", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=512, intermediate_size=128,
+               hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+               mamba_d_conv=4, expand=1, chunk_size=16, max_position_embeddings=512)
+    est = estimate(cfg, mode="traced", **PLAN)
+    assert est.arch.layers == 4 and any("Mamba-2 mixers" in w for w in est.warnings)
+    with pytest.raises(UnmodelledFamily, match="Mamba-2 layers"):
+        estimate(cfg, **PLAN)
 
 
 def test_replication_past_dense_first_layers_is_exact():

@@ -83,12 +83,28 @@ def unmodelled_by_transformers(model_config: dict) -> list[str]:
     from ..model import text_model_config
 
     c, _ = text_model_config(model_config)
+    out = []
     mtp = c.get("num_nextn_predict_layers") or 0
     if isinstance(mtp, int) and mtp > 0:
-        return [f"traced mode: num_nextn_predict_layers={mtp}: transformers' {c.get('model_type')} causal LM has no "
-                "multi-token prediction layers, so the step traced has none (a trainer that trains them, "
-                "Megatron's --mtp-num-layers, holds their layers, head and loss on top)"]
-    return []
+        out.append(f"traced mode: num_nextn_predict_layers={mtp}: transformers' {c.get('model_type')} causal LM has "
+                   "no multi-token prediction layers, so the step traced has none (a trainer that trains them, "
+                   "Megatron's --mtp-num-layers, holds their layers, head and loss on top)")
+    kernels = _FALLBACK_PATHS.get(str(c.get("model_type")))
+    if kernels:
+        out.append(f"traced mode: the {kernels[0]} ran transformers' pure-PyTorch path (what it runs without "
+                   f"{kernels[1]}); with those CUDA kernels a GPU step saves other tensors, not modelled")
+    return out
+
+
+# layers whose CUDA kernels come from optional packages transformers falls back from
+_FALLBACK_PATHS = {
+    "nemotron_h": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "falcon_h1": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "bamba": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "mamba2": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "jamba": ("Mamba mixers", "mamba_ssm / causal-conv1d"),
+    "qwen3_next": ("gated DeltaNet layers", "flash-linear-attention / causal-conv1d"),
+}
 
 
 def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str = "cuda") -> TracedEstimate:

@@ -163,7 +163,15 @@ def traced_arch(model_config: dict, name: str = ""):
     cfg = make_config(model_config, "eager")
     d = cfg.to_dict()
     d["model_type"] = cfg.model_type
+    for k in _SIZE_KEYS:     # sizes some config classes hold as properties (Nemotron-H's layer count)
+        v = getattr(cfg, k, None)
+        if d.get(k) is None and isinstance(v, int) and not isinstance(v, bool):
+            d[k] = v
     return sizes_from_hf_config(d, name)
+
+
+_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "vocab_size", "max_position_embeddings")
 
 
 def _with_layers(d: dict, layers: int) -> dict:
