@@ -250,17 +250,20 @@ def check_config(config: Mapping[str, Any], name: str = "", family_keys: bool = 
             r.pos_int(k)
         heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
         if kv is not None and heads is not None and kv != heads:
-            raise UserError(f"config of {r.name}: num_key_value_heads={kv} must equal num_attention_heads={heads} "
-                            "with multi-head latent attention (kv_lora_rank): K and V are up-projected per head")
+            raise UserError(f"config of {r.name}: num_key_value_heads={kv} must equal num_attention_heads="
+                            f"{heads} with multi-head latent attention (kv_lora_rank): K and V are "
+                            "up-projected per head")
     experts = next((config[k] for k in _EXPERT_KEYS if config.get(k) is not None), None)
     n_group = config.get("n_group")
     if experts is not None and n_group is not None:
         if not isinstance(n_group, int) or n_group <= 0 or not isinstance(experts, int) or experts % n_group:
             raise UserError(f"config of {r.name}: n_group={n_group!r} must be a positive divisor of the "
-                            f"{experts!r} routed experts (group-limited routing splits them into equal groups)")
+                            f"{experts!r} routed experts (group-limited routing splits them into equal "
+                            "groups)")
         topk_group = config.get("topk_group")
         if topk_group is not None and not (isinstance(topk_group, int) and 0 < topk_group <= n_group):
-            raise UserError(f"config of {r.name}: topk_group={topk_group!r} must be in 1..{n_group} (n_group)")
+            raise UserError(f"config of {r.name}: topk_group={topk_group!r} must be in 1..{n_group} "
+                            "(n_group)")
     top_k = config.get("num_experts_per_tok")
     if experts is not None and top_k is not None and isinstance(experts, int) and isinstance(top_k, int) \
             and not 0 < top_k <= experts:
@@ -288,8 +291,11 @@ def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
     hidden = r.pos_int("hidden_size", "n_embd", "d_model")
     heads = r.pos_int("num_attention_heads", "n_head")
     kv = int(r.opt("num_key_value_heads", heads) or heads)
-    head_dim = r.opt("head_dim", None) or r.opt("qk_head_dim", None) or \
-        (r.opt("qk_nope_head_dim", 0) + r.opt("qk_rope_head_dim", 0)) or hidden // heads
+    # MLA: the query / key head (nope + rope parts); transformers' DeepSeek configs set head_dim to
+    # the rope part alone
+    mla = (r.opt("qk_nope_head_dim", 0) or 0) + (r.opt("qk_rope_head_dim", 0) or 0) \
+        if config.get("kv_lora_rank") else 0
+    head_dim = mla or r.opt("head_dim", None) or hidden // heads
     experts = int(next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0) or 0)
     layers = r.pos_int("num_hidden_layers", "n_layer")
     first_dense = int(r.opt("first_k_dense_replace", 0) or 0)
@@ -300,7 +306,8 @@ def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         max_positions=int(r.opt("max_position_embeddings", 0) or 0),
         tied_embeddings=bool(r.opt("tie_word_embeddings", False)), experts=experts,
         top_k=int(r.opt("num_experts_per_tok", 0) or 0) if experts else 0,
-        expert_ffn=int(r.opt("moe_intermediate_size", 0) or r.opt("intermediate_size", 0) or 0) if experts else 0,
+        expert_ffn=int(r.opt("moe_intermediate_size", 0) or r.opt("intermediate_size", 0) or 0)
+        if experts else 0,
         dense_layers=tuple(range(min(first_dense, layers))) if experts else ())
 
 

@@ -175,7 +175,8 @@ def test_missing_file_is_user_error(tmp_path):
 # card, DeepSeek-V2 paper (Lite), Kimi K2 model card, gpt-oss model card, Gemma 3 report Table 1,
 # Llama 4 model card, GLM-4.5 report Table 1. Read as transformers fills the config in.
 PUBLISHED_TRACED = {
-    "deepseek-v3": (61, 7168, 128, 128, 256, 8, 129280), "deepseek-v2-lite": (27, 2048, 16, 16, 64, 6, 102400),
+    "deepseek-v3": (61, 7168, 128, 128, 256, 8, 129280),
+    "deepseek-v2-lite": (27, 2048, 16, 16, 64, 6, 102400),
     "kimi-k2": (61, 7168, 64, 64, 384, 8, 163840), "gpt-oss-20b": (24, 2880, 64, 8, 32, 4, 201088),
     "gpt-oss-120b": (36, 2880, 64, 8, 128, 4, 201088), "gemma3-4b": (34, 2560, 8, 4, 0, 0, 262208),
     "gemma3-12b": (48, 3840, 16, 8, 0, 0, 262208), "gemma3-27b": (62, 5376, 32, 16, 0, 0, 262208),
@@ -186,8 +187,8 @@ PUBLISHED_TRACED = {
 # MTP module's 14B aside), DeepSeek-V2-Lite 15.7B, gpt-oss-20b 20.91B and gpt-oss-120b 116.83B
 # (gpt-oss model card, Table 1). (Llama 4 Maverick's "400B" and GLM-4.5-Air's "106B" are
 # truncated, 400.7B and 106.85B, so they are not held to a rounding here.)
-PUBLISHED_TRACED_PARAMS = {"deepseek-v3": (671, 1e9), "deepseek-v2-lite": (157, 1e8), "gpt-oss-20b": (2091, 1e7),
-                           "gpt-oss-120b": (11683, 1e7)}
+PUBLISHED_TRACED_PARAMS = {"deepseek-v3": (671, 1e9), "deepseek-v2-lite": (157, 1e8),
+                           "gpt-oss-20b": (2091, 1e7), "gpt-oss-120b": (11683, 1e7)}
 
 
 def _hf_params(cfg) -> int:

@@ -23,11 +23,13 @@ TINY = {
                     sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
     "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, sliding_window=32,
                         layer_types=["sliding_attention", "full_attention"]),
-    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-                        intermediate_size_mlp=128, interleave_moe_layer_step=2, attention_chunk_size=32,
+    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2,
+                        attention_chunk_size=32,
                         no_rope_layers=[1, 0]),
-    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-                     topk_group=1, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+                     first_k_dense_replace=1),
     "olmoe": dict(BASE, model_type="olmoe", num_experts=8, num_experts_per_tok=2),
     "qwen3_next": dict(BASE, model_type="qwen3_next", head_dim=16, num_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
@@ -83,8 +85,8 @@ def test_nemotron_h_hybrid_traces_and_says_its_mamba_path():
 
     cfg = dict(model_type="nemotron_h", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=512, intermediate_size=128,
-               hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
-               mamba_d_conv=4, expand=1, chunk_size=16, max_position_embeddings=512)
+               hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+               n_groups=1, mamba_d_conv=4, expand=1, chunk_size=16, max_position_embeddings=512)
     est = estimate(cfg, mode="traced", **PLAN)
     assert est.arch.layers == 4 and any("Mamba-2 mixers" in w for w in est.warnings)
     with pytest.raises(UnmodelledFamily, match="Mamba-2 layers"):
@@ -124,7 +126,8 @@ def test_replication_plan_follows_layer_kinds():
     assert plan(num_hidden_layers=12, first_k_dense_replace=3) == {"traced_layers": 7, "template": 5}
     assert plan(num_hidden_layers=12, first_k_dense_replace=0) == {}
     assert plan(num_hidden_layers=6, first_k_dense_replace=3) == {"traced_layers": 6}
-    gemma = make_config(dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None, sliding_window_pattern=2))
+    gemma = make_config(dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None,
+                             sliding_window_pattern=2))
     assert _replication(gemma, build_model(gemma, torch.bfloat16), 8) == {"traced_layers": 8}
 
 

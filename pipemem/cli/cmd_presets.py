@@ -54,7 +54,7 @@ def _traced_only_row(name: str, c: dict, cfg: dict) -> dict:
     return {"name": name, "model_type": c.get("model_type"), "layers": c.get("num_hidden_layers"),
             "hidden": c.get("hidden_size"), "heads": c.get("num_attention_heads"),
             "kv_heads": c.get("num_key_value_heads"),
-            "ffn": c.get("moe_intermediate_size") or c.get("intermediate_size") if experts else c.get("intermediate_size"),
+            "ffn": (c.get("moe_intermediate_size") if experts else None) or c.get("intermediate_size"),
             "experts": experts, "top_k": c.get("num_experts_per_tok", 0) if experts else 0,
             "vocab": c.get("vocab_size"), "source": cfg.get("_pipemem_source", ""), "params": None,
             "modes": "traced"}
@@ -90,8 +90,10 @@ def run(args) -> int:
     for m in models:
         params = "-" if m["params"] is None else f"{m['params'] / 1e9:.2f} B"
         experts = f"{m['experts']} (top {m['top_k']})" if m["experts"] else "-"
-        t.add_row(m["name"], v(m["model_type"]) + ("" if m["modes"] != "traced" else " *"), params, v(m["layers"]),
-                  v(m["hidden"]), f"{v(m['heads'])}/{v(m['kv_heads'])}", v(m["ffn"]), experts, v(m["vocab"]))
+        kind = v(m["model_type"]) + ("" if m["modes"] != "traced" else " *")
+        heads = f"{v(m['heads'])}/{v(m['kv_heads'])}"
+        t.add_row(m["name"], kind, params, v(m["layers"]), v(m["hidden"]), heads, v(m["ffn"]), experts,
+                  v(m["vocab"]))
     g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False,
               box=box.SIMPLE_HEAD)
     for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right"),

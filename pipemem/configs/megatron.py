@@ -126,10 +126,10 @@ REFUSED = {
     "moe-shared-expert-gate": "the shared-expert gate is not modelled",
     "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
     "multi-latent-attention": _MLA, "q-lora-rank": _MLA, "kv-lora-rank": _MLA,
-    "mtp-num-layers": "adds multi-token prediction layers (per depth: an embedding norm, a projection, a "
-                      "transformer layer, the output head and its loss), which template mode does not model; "
-                      "traced mode runs the model's Hugging Face config.json (--model config.json --mode traced: "
-                      "transformers' modules, without MTP layers)",
+    "mtp-num-layers": "adds multi-token prediction layers (per depth: an embedding norm, a projection, "
+                      "a transformer layer, the output head and its loss), which template mode does not "
+                      "model; traced mode runs the model's Hugging Face config.json (--model config.json "
+                      "--mode traced: transformers' modules, without MTP layers)",
     "pipeline-model-parallel-layout": "custom pipeline layouts are not read; use "
                                       "--decoder-first/last-pipeline-num-layers",
     "account-for-embedding-in-pipeline-split": "changes the layer split, not modelled",

@@ -86,9 +86,9 @@ def unmodelled_by_transformers(model_config: dict) -> list[str]:
     out = []
     mtp = c.get("num_nextn_predict_layers") or 0
     if isinstance(mtp, int) and mtp > 0:
-        out.append(f"traced mode: num_nextn_predict_layers={mtp}: transformers' {c.get('model_type')} causal LM has "
-                   "no multi-token prediction layers, so the step traced has none (a trainer that trains them, "
-                   "Megatron's --mtp-num-layers, holds their layers, head and loss on top)")
+        out.append(f"traced mode: num_nextn_predict_layers={mtp}: transformers' {c.get('model_type')} causal "
+                   "LM has no multi-token prediction layers, so the step traced has none (a trainer that "
+                   "trains them, Megatron's --mtp-num-layers, holds their layers, head and loss on top)")
     kernels = _FALLBACK_PATHS.get(str(c.get("model_type")))
     if kernels:
         out.append(f"traced mode: the {kernels[0]} ran transformers' pure-PyTorch path (what it runs without "

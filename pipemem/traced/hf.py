@@ -93,7 +93,7 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None, not
     model_type = d.pop("model_type")
     try:
         cfg = AutoConfig.for_model(model_type, **d)
-    except Exception as e:     # noqa: BLE001 - the config class's validation (ValueError, strict field types...)
+    except Exception as e:     # noqa: BLE001 - the config class's validation (ValueError, field types...)
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise UserError(f"model config: transformers cannot build model_type {model_type!r} from it "
                         f"({'; '.join(lines[:2]) if lines else type(e).__name__})") from None
@@ -101,12 +101,12 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None, not
     if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
         attn = "eager"
         if notes is not None:
-            notes.append(f"traced mode: transformers' {cls.__name__} has no SDPA path; its eager attention was "
-                         "traced (it keeps the seq x seq scores a flash kernel would not)")
+            notes.append(f"traced mode: transformers' {cls.__name__} has no SDPA path; its eager attention "
+                         "was traced (it keeps the seq x seq scores a flash kernel would not)")
     cfg.use_cache = False
     cfg._attn_implementation = attn
-    if (hasattr(cfg, "num_local_experts") or hasattr(cfg, "num_experts") or hasattr(cfg, "n_routed_experts")) \
-            and cls is not None and cls._can_set_experts_implementation():
+    moe = any(hasattr(cfg, k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if moe and cls is not None and cls._can_set_experts_implementation():
         # grouped_mm (HF's default for MoE) keeps every shape independent of the routing; the
         # "eager" experts loop slices tokens by data-dependent masks, which fake tensors cannot.
         cfg._experts_implementation = "grouped_mm"
@@ -146,7 +146,8 @@ def _known_model_type(d: dict) -> str:
         if types:
             return types[0]
     raise UserError(f"model config: model_type {mt!r} is not known to transformers and its architectures "
-                    f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers can build")
+                    f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers "
+                    "can build")
 
 
 def traced_arch(model_config: dict, name: str = ""):

@@ -147,7 +147,8 @@ class CudaKernels:
             # dtype before any kernel runs (attention.cpp, convert_boolean_attn_mask): a new
             # [B, 1, S, S] tensor, which the efficient kernel saves as its bias (sliding-window
             # layers, Gemma 3 / Mistral: HF passes such a mask once seq_len > window)
-            mask = torch.where(mask, torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype))
+            zero, neg_inf = torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype)
+            mask = torch.where(mask, zero, neg_inf)
         aten = torch.ops.aten
         low_precision = q.dtype in (torch.float16, torch.bfloat16)
         head = q.shape[-1]

@@ -259,9 +259,9 @@ def check_stack_family(model_config: dict, what: str) -> None:
         arch_from_hf_config(text_model_config(model_config)[0])
     except UnmodelledFamily:
         mt = text_model_config(model_config)[0].get("model_type")
-        raise UserError(f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan does; "
-                        f"model_type {mt!r} has other layers: trace its whole step on one rank (no --pp, --tp, "
-                        "--fsdp or DDP --grads)") from None
+        raise UserError(f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
+                        f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
+                        "--pp, --tp, --fsdp or DDP --grads)") from None
 
 
 def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_policy: str) -> TracedStagePlan:

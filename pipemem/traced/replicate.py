@@ -315,7 +315,8 @@ def _replication(cfg, model, n: int) -> dict:
     if prefix is None or len(model.get_submodule(prefix)) != n:
         return {}
     per_layer = [getattr(cfg, k, None) for k in PER_LAYER_KEYS]
-    sigs = [(layer_signature(layer), tuple(v[i] if v is not None and len(v) == n else None for v in per_layer))
+    sigs = [(layer_signature(layer), tuple(v[i] if v is not None and len(v) == n else None
+                                           for v in per_layer))
             for i, layer in enumerate(model.get_submodule(prefix))]
     start = n - 1
     while start > 0 and sigs[start - 1] == sigs[-1]:
