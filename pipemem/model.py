@@ -20,7 +20,8 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 
 # model_type -> family handled by the same reader.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "internlm2", "yi"}
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "internlm2",
+               "yi"}
 _MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 
@@ -28,8 +29,6 @@ MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"})
 # in the refusal (traced mode runs transformers' own modules for them).
 UNMODELLED = {
     "gpt_oss": "attention sinks, alternating sliding-window layers and clamped SwiGLU experts",
-    "gemma3_text": "interleaved sliding-window and global attention layers",
-    "gemma3": "interleaved sliding-window and global attention layers",
     "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
     "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
     "glm4_moe": "GLM-4 MoE's partial rotary attention and sigmoid router with expert bias",
@@ -99,6 +98,7 @@ class ArchSpec:
     router_norm_topk: bool = True      # top-k routing weights renormalised to sum 1 (HF norm_topk_prob)
     router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
     dense_layers: tuple[int, ...] = ()   # layer indices that stay dense in a MoE model
+    sliding_window: int = 0        # window of the sliding-window layers (gemma3_text); 0: none modelled
 
     @property
     def is_moe(self) -> bool:
@@ -177,8 +177,11 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
     """ArchSpec from a Hugging Face config dict (the contents of ``config.json``)."""
     if not isinstance(config, Mapping):
         raise UserError("model config must be a JSON object (the contents of an HF config.json)")
-    r = _Reader(config, name)
+    config, _ = text_model_config(config)
     mt = config.get("model_type")
+    if str(mt).lower() in _HF_DEFAULTS:
+        config = {**_HF_DEFAULTS[str(mt).lower()], **{k: v for k, v in config.items() if v is not None}}
+    r = _Reader(config, name)
     if mt is None:
         raise UserError(f"config of {r.name}: missing key 'model_type'; supported: {', '.join(MODEL_TYPES)}")
     mt = str(mt).lower()
@@ -346,9 +349,15 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
 
 
 # HF config classes whose head_dim default is a number, not hidden_size / num_attention_heads
-_HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256}
+_HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 # ... and whose activation default is not silu
-_HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh"}
+_HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
+# Defaults of config classes whose published config.json files leave shape keys out (Gemma 3's
+# text configs: transformers 5.24 Gemma3TextConfig)
+_HF_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                "head_dim": 256, "sliding_window": 4096, "tie_word_embeddings": True}}
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 
 
 def _softcap(r: _Reader, key: str, default: float) -> float:
@@ -408,18 +417,22 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         activation=_activation(act_fn, True, r.name), act_fn=act_fn,
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
         # HF's config classes tie by default only for gemma / gemma2
-        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in ("gemma", "gemma2"))), qkv_bias=qkv_bias,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in _GEMMA)), qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(r.opt("mlp_bias", False)),
-        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2") or bool(r.opt("qk_layernorm", False)),   # Megatron's key
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or bool(r.opt("qk_layernorm", False)),
         qk_norm_scope="proj" if mt == "olmo2" else "head",
-        norm_placement={"olmo2": "post", "gemma2": "sandwich"}.get(mt, "pre"),
-        norm_weight_first=mt in ("olmo2", "gemma", "gemma2"),
+        norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(mt, "pre"),
+        norm_weight_first=mt in ("olmo2",) + _GEMMA,
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
         experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
         shared_expert_gate=shared_gate,
-        attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0) if mt == "gemma2" else 0.0,
-        final_softcap=_softcap(r, "final_logit_softcapping", 30.0) if mt == "gemma2" else 0.0,
+        attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0 if mt == "gemma2" else 0)
+        if mt in _GEMMA[1:] else 0.0,
+        final_softcap=_softcap(r, "final_logit_softcapping", 30.0 if mt == "gemma2" else 0)
+        if mt in _GEMMA[1:] else 0.0,
+        # Gemma 3: local layers attend to a window, global ones to everything
+        sliding_window=int(r.opt("sliding_window", 0) or 0) if mt == "gemma3_text" else 0,
         hf_sdpa=mt != "gemma2",
         # HF routers: Mixtral always renormalises its fp32 top-k weights; the Qwen MoE routers
         # only with norm_topk_prob (their configs default it off) and cast them to the logits' dtype

@@ -249,16 +249,21 @@ def param_dtype_name(plan) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
 
 
+_NOT_LLAMA_LAYERS = ("gemma3_text",)     # template families whose HF layers are not Llama's
+
+
 def check_stack_family(model_config: dict, what: str) -> None:
     """Pipelines and sharded ranks are traced on `stack.DecoderStack`, built of Llama or Mixtral
     decoder layers: a family templates do not model has other layers, so it is refused by name
     (its whole-model step, one rank at --pp 1, runs transformers' own modules)."""
     from ..model import UnmodelledFamily, arch_from_hf_config, text_model_config
 
+    mt = text_model_config(model_config)[0].get("model_type")
     try:
-        arch_from_hf_config(text_model_config(model_config)[0])
+        other = arch_from_hf_config(text_model_config(model_config)[0]).model_type in _NOT_LLAMA_LAYERS
     except UnmodelledFamily:
-        mt = text_model_config(model_config)[0].get("model_type")
+        other = True
+    if other:
         raise UserError(f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
                         f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
                         "--pp, --tp, --fsdp or DDP --grads)") from None
