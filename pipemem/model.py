@@ -20,8 +20,8 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 
 # model_type -> family handled by the same reader.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "internlm2",
-               "yi"}
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
+               "internlm2", "yi"}
 _MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 

@@ -106,8 +106,8 @@ def test_gemma3_template_matches_traced(dtype, master):
     _known("gemma3_text")
     from pipemem import estimate
 
-    kw = dict(seq_len=128, micro_batch=2, dtype=dtype, master_weights=master, flash_attn=True, convention="hf",
-              step="first")
+    kw = dict(seq_len=128, micro_batch=2, dtype=dtype, master_weights=master, flash_attn=True,
+              convention="hf", step="first")
     t = estimate(dict(GEMMA3), **kw).ranks[0]
     r = estimate(dict(GEMMA3), mode="traced", **kw).ranks[0]
     assert t.static.params == r.static.params

@@ -108,8 +108,8 @@ def _check_sliding_window(arch, plan) -> None:
     elif not plan.flash_attn:
         what = "Gemma 3's eager attention (--no-flash-attn)"
     elif plan.seq_len >= arch.sliding_window:
-        what = (f"sliding-window layers with --seq-len {plan.seq_len} >= their window ({arch.sliding_window}: "
-                "HF masks them with a [B, 1, S, S] bias SDPA keeps for backward)")
+        what = (f"sliding-window layers with --seq-len {plan.seq_len} >= their window "
+                f"({arch.sliding_window}: HF masks them with a [B, 1, S, S] bias SDPA keeps for backward)")
     if what:
         raise refuse_unmodelled(arch.name or arch.model_type, arch.model_type, what)
 
