@@ -481,9 +481,7 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
     _flash_for_gpu(plan_kw, opts.get("gpu"))
 
-    from .model import arch_from_hf_config
-
-    arch = arch_from_hf_config(config, name)
+    arch, config, text_note = _arch(config, name, mode)
     try:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:   # a wrong type slipped through from the Python API
@@ -501,6 +499,8 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     est.inputs = (model, dict(kwargs))
     from .reserved import attach_reserved
     attach_reserved(est, alloc_conf)
+    if text_note:
+        est.warnings.insert(0, text_note)
     if config.get("_pipemem_note"):
         est.warnings.insert(0, str(config["_pipemem_note"]))
     return est
@@ -519,6 +519,25 @@ def _add_outside_allocator(est: Estimate, opts: dict) -> None:
         cc = gpu_info(opts["gpu"]).get("compute_capability")
     for r in est.ranks:
         r.outside = outside_allocator(est.plan, bool(est.arch.tied_embeddings), r.pp_rank, cc, context, nccl)
+
+
+def _arch(config: dict, name: str, mode: str):
+    """(ArchSpec, the config estimated, a note): a multimodal config's text model; templates read
+    their families (and refuse others by name); traced mode runs any family transformers builds."""
+    from .model import arch_from_hf_config, check_config, text_model_config
+
+    config, note = text_model_config(config)
+    if mode != "traced":
+        check_config(config, name)
+        return arch_from_hf_config(config, name), config, note
+    try:
+        from .traced.hf import traced_arch
+        return traced_arch(config, name), config, note
+    except ModuleNotFoundError as e:
+        err = _needs_torch(e)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _with_schedule(arch, plan, vpp_given: bool):
@@ -721,6 +740,7 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
                         "saves is the partitioner's, its transient buffers are the unfused graph's"
                         + ("; the HF model's own loss runs eager here (templates compile it)"
                            if plan.compile == "all" else ""))
+    warnings += t.notes.get("warnings", [])
     if (plan.microbatches or 1) > 1:
         warnings.append(f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are "
                         "not replayed")

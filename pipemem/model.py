@@ -20,9 +20,36 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 
 # model_type -> family handled by the same reader.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "internlm2", "yi"}
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
+               "internlm2", "yi"}
 _MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
+
+# Families transformers builds that template mode does not model yet: what each one lacks, named
+# in the refusal (traced mode runs transformers' own modules for them).
+UNMODELLED = {
+    "gpt_oss": "attention sinks, alternating sliding-window layers and clamped SwiGLU experts",
+    "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
+    "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
+    "glm4_moe": "GLM-4 MoE's partial rotary attention and sigmoid router with expert bias",
+    "olmoe": "OLMoE's mixture-of-experts layers",
+    "qwen3_next": "gated DeltaNet linear attention",
+    "nemotron_h": "Mamba-2 layers",
+    "kimi_k2": "multi-head latent attention",
+}
+
+
+class UnmodelledFamily(UserError):
+    """A well-formed config of a family template mode does not model: traced mode can run it."""
+
+
+def refuse_unmodelled(name: str, model_type: str, feature: str | None = None) -> UnmodelledFamily:
+    """The one-line refusal of template mode for a family or feature it does not model."""
+    feature = feature or UNMODELLED.get(model_type)
+    what = (f"template mode does not model {feature} (model_type {model_type!r})" if feature else
+            f"model_type {model_type!r} has no template family (those: {', '.join(MODEL_TYPES)})")
+    return UnmodelledFamily(f"config of {name}: {what}; use --mode traced (pipemem estimate), which runs "
+                            "transformers' own modules")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +98,7 @@ class ArchSpec:
     router_norm_topk: bool = True      # top-k routing weights renormalised to sum 1 (HF norm_topk_prob)
     router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
     dense_layers: tuple[int, ...] = ()   # layer indices that stay dense in a MoE model
+    sliding_window: int = 0        # window of the sliding-window layers (gemma3_text); 0: none modelled
 
     @property
     def is_moe(self) -> bool:
@@ -149,8 +177,11 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
     """ArchSpec from a Hugging Face config dict (the contents of ``config.json``)."""
     if not isinstance(config, Mapping):
         raise UserError("model config must be a JSON object (the contents of an HF config.json)")
-    r = _Reader(config, name)
+    config, _ = text_model_config(config)
     mt = config.get("model_type")
+    if str(mt).lower() in _HF_DEFAULTS:
+        config = {**_HF_DEFAULTS[str(mt).lower()], **{k: v for k, v in config.items() if v is not None}}
+    r = _Reader(config, name)
     if mt is None:
         raise UserError(f"config of {r.name}: missing key 'model_type'; supported: {', '.join(MODEL_TYPES)}")
     mt = str(mt).lower()
@@ -160,7 +191,127 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         return _gpt_neox(r)
     if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
         return _llama_like(r, mt)
-    raise UserError(f"config of {r.name}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+    raise refuse_unmodelled(r.name, mt)
+
+
+# Multimodal configs whose text model trains as a causal LM: model_type -> the text config's type
+_TEXT_MODEL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+
+
+def text_model_config(config: Mapping[str, Any]) -> tuple[dict, str | None]:
+    """A multimodal config (a `text_config` inside: Gemma 3, Llama 4) -> the config of its text
+    model and a note saying so; any other config unchanged, with no note."""
+    text = config.get("text_config")
+    mt = str(config.get("model_type") or "").lower()
+    if not isinstance(text, Mapping) or not (mt in _TEXT_MODEL or text.get("model_type")):
+        return dict(config), None
+    out = dict(text)
+    out.setdefault("model_type", _TEXT_MODEL.get(mt))
+    for k in ("_pipemem_source", "_pipemem_note", "_name_or_path", "tie_word_embeddings"):
+        if k in config and k not in out:
+            out[k] = config[k]
+    note = (f"model_type {mt!r} is multimodal: its text model ({out['model_type']}) is estimated; the "
+            "vision encoder's parameters and activations are not counted")
+    return out, note
+
+
+# Keys without which transformers would build a different model from its defaults, per family
+_FAMILY_KEYS = {
+    "deepseek_v2": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "deepseek_v3": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "kimi_k2": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "glm4_moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
+    "olmoe": ("num_experts", "num_experts_per_tok"),
+    "llama4_text": ("num_local_experts", "num_experts_per_tok"),
+    "qwen3_next": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+}
+_MLA_KEYS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+# per-layer lists, one entry per decoder layer
+_PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+
+
+def check_config(config: Mapping[str, Any], name: str = "", family_keys: bool = False) -> None:
+    """Consistency of the keys the newer families read (multi-head latent attention, grouped
+    routing, per-layer lists), for every mode: one UserError naming the key. `family_keys`:
+    also require the keys whose absence would make transformers build its default shapes
+    (traced mode builds from transformers' defaults)."""
+    r = _Reader(config, name)
+    mt = str(config.get("model_type") or "").lower()
+    if family_keys:
+        missing = [k for k in _FAMILY_KEYS.get(mt, ()) if k not in config]
+        if missing:
+            raise UserError(f"config of {r.name}: missing key {missing[0]!r} (model_type {mt!r} needs "
+                            f"{', '.join(repr(k) for k in _FAMILY_KEYS[mt])}); transformers would build its "
+                            "default shapes without it; add it from the model's config.json")
+    if config.get("kv_lora_rank"):      # multi-head latent attention
+        for k in _MLA_KEYS:
+            r.pos_int(k)
+        heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+        if kv is not None and heads is not None and kv != heads:
+            raise UserError(f"config of {r.name}: num_key_value_heads={kv} must equal num_attention_heads="
+                            f"{heads} with multi-head latent attention (kv_lora_rank): K and V are "
+                            "up-projected per head")
+    experts = next((config[k] for k in _EXPERT_KEYS if config.get(k) is not None), None)
+    n_group = config.get("n_group")
+    if experts is not None and n_group is not None:
+        if not isinstance(n_group, int) or n_group <= 0 or not isinstance(experts, int) or experts % n_group:
+            raise UserError(f"config of {r.name}: n_group={n_group!r} must be a positive divisor of the "
+                            f"{experts!r} routed experts (group-limited routing splits them into equal "
+                            "groups)")
+        topk_group = config.get("topk_group")
+        if topk_group is not None and not (isinstance(topk_group, int) and 0 < topk_group <= n_group):
+            raise UserError(f"config of {r.name}: topk_group={topk_group!r} must be in 1..{n_group} "
+                            "(n_group)")
+    top_k = config.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and isinstance(experts, int) and isinstance(top_k, int) \
+            and not 0 < top_k <= experts:
+        raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+    layers = config.get("num_hidden_layers")
+    for k in _PER_LAYER_KEYS:
+        v = config.get(k)
+        if k == "no_rope_layers" and v == []:     # Llama 4: empty = transformers' default pattern
+            continue
+        if isinstance(layers, int) and v is not None and (not isinstance(v, list) or len(v) != layers):
+            got = f"{len(v)} entries" if isinstance(v, list) else type(v).__name__
+            raise UserError(f"config of {r.name}: {k!r} must list one entry per layer (num_hidden_layers="
+                            f"{layers}), got {got}")
+    first_dense = config.get("first_k_dense_replace")
+    if isinstance(layers, int) and isinstance(first_dense, int) and not 0 <= first_dense <= layers:
+        raise UserError(f"config of {r.name}: first_k_dense_replace={first_dense} must be in 0..{layers} "
+                        "(num_hidden_layers)")
+
+
+def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
+    """An ArchSpec of the sizes any decoder LM config states (layers, hidden, heads, head dim,
+    FFN, experts, vocabulary), for a family template mode does not model: what traced mode
+    reports and checks a plan against. Reads `config` as transformers filled it in."""
+    r = _Reader(config, name)
+    hidden = r.pos_int("hidden_size", "n_embd", "d_model")
+    heads = r.pos_int("num_attention_heads", "n_head")
+    kv = int(r.opt("num_key_value_heads", heads) or heads)
+    # MLA: the query / key head (nope + rope parts); transformers' DeepSeek configs set head_dim to
+    # the rope part alone
+    mla = (r.opt("qk_nope_head_dim", 0) or 0) + (r.opt("qk_rope_head_dim", 0) or 0) \
+        if config.get("kv_lora_rank") else 0
+    head_dim = mla or r.opt("head_dim", None) or hidden // heads
+    experts = int(next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0) or 0)
+    layers = r.pos_int("num_hidden_layers", "n_layer")
+    first_dense = int(r.opt("first_k_dense_replace", 0) or 0)
+    return ArchSpec(
+        name=r.name, model_type=str(config.get("model_type") or "model"), layers=layers, hidden=hidden,
+        heads=heads, kv_heads=kv, head_dim=int(head_dim),
+        ffn=int(r.opt("intermediate_size", 0) or r.opt("n_inner", 0) or 0), vocab=r.pos_int("vocab_size"),
+        max_positions=int(r.opt("max_position_embeddings", 0) or 0),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)), experts=experts,
+        top_k=int(r.opt("num_experts_per_tok", 0) or 0) if experts else 0,
+        expert_ffn=int(r.opt("moe_intermediate_size", 0) or r.opt("intermediate_size", 0) or 0)
+        if experts else 0,
+        dense_layers=tuple(range(min(first_dense, layers))) if experts else ())
 
 
 def _gpt2(r: _Reader) -> ArchSpec:
@@ -198,9 +349,15 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
 
 
 # HF config classes whose head_dim default is a number, not hidden_size / num_attention_heads
-_HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256}
+_HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 # ... and whose activation default is not silu
-_HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh"}
+_HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
+# Defaults of config classes whose published config.json files leave shape keys out (Gemma 3's
+# text configs: transformers 5.24 Gemma3TextConfig)
+_HF_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                "head_dim": 256, "sliding_window": 4096, "tie_word_embeddings": True}}
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 
 
 def _softcap(r: _Reader, key: str, default: float) -> float:
@@ -212,8 +369,7 @@ def _softcap(r: _Reader, key: str, default: float) -> float:
 def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     c = r.c
     if c.get("kv_lora_rank") or c.get("q_lora_rank"):
-        raise UserError(f"config of {r.name}: multi-head latent attention (key 'kv_lora_rank') is not supported "
-                        "by template mode; use a config without MLA")
+        raise refuse_unmodelled(r.name, mt, "multi-head latent attention (key 'kv_lora_rank')")
     hidden = r.pos_int("hidden_size")
     heads = r.pos_int("num_attention_heads")
     kv = int(r.opt("num_key_value_heads", heads))
@@ -261,18 +417,22 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         activation=_activation(act_fn, True, r.name), act_fn=act_fn,
         position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
         # HF's config classes tie by default only for gemma / gemma2
-        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in ("gemma", "gemma2"))), qkv_bias=qkv_bias,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in _GEMMA)), qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(r.opt("mlp_bias", False)),
-        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2") or bool(r.opt("qk_layernorm", False)),   # Megatron's key
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or bool(r.opt("qk_layernorm", False)),
         qk_norm_scope="proj" if mt == "olmo2" else "head",
-        norm_placement={"olmo2": "post", "gemma2": "sandwich"}.get(mt, "pre"),
-        norm_weight_first=mt in ("olmo2", "gemma", "gemma2"),
+        norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(mt, "pre"),
+        norm_weight_first=mt in ("olmo2",) + _GEMMA,
         attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
         experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
         shared_expert_gate=shared_gate,
-        attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0) if mt == "gemma2" else 0.0,
-        final_softcap=_softcap(r, "final_logit_softcapping", 30.0) if mt == "gemma2" else 0.0,
+        attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0 if mt == "gemma2" else 0)
+        if mt in _GEMMA[1:] else 0.0,
+        final_softcap=_softcap(r, "final_logit_softcapping", 30.0 if mt == "gemma2" else 0)
+        if mt in _GEMMA[1:] else 0.0,
+        # Gemma 3: local layers attend to a window, global ones to everything
+        sliding_window=int(r.opt("sliding_window", 0) or 0) if mt == "gemma3_text" else 0,
         hf_sdpa=mt != "gemma2",
         # HF routers: Mixtral always renormalises its fp32 top-k weights; the Qwen MoE routers
         # only with norm_topk_prob (their configs default it off) and cast them to the logits' dtype

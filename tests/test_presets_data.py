@@ -12,6 +12,9 @@ from pipemem.presets import (gpu_info, gpu_memory_bytes, gpu_names, load_model_c
 REQUIRED_MODELS = {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b",
                    "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-30b-a3b",
                    "gpt3-175b", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+# Families transformers builds that templates do not model: traced mode runs them
+TRACED_MODELS = {"deepseek-v3", "deepseek-v2-lite", "kimi-k2", "gpt-oss-20b", "gpt-oss-120b", "gemma3-4b",
+                 "gemma3-12b", "gemma3-27b", "llama4-scout", "llama4-maverick", "glm-4.5", "glm-4.5-air"}
 REQUIRED_GPUS = {"a100-40g", "a100-80g", "h100-80g", "h100-94g", "h200", "b200", "mi300x", "rtx3090", "gtx1080ti"}
 
 # Published shapes (layers, hidden, heads, kv heads, ffn or expert ffn, vocab, experts, top-k),
@@ -33,6 +36,7 @@ PUBLISHED = {
     "qwen2.5-7b": (28, 3584, 28, 4, 18944, 152064, 0, 0),
     "qwen2.5-72b": (80, 8192, 64, 8, 29568, 152064, 0, 0),
     "qwen3-30b-a3b": (48, 2048, 32, 4, 768, 151936, 128, 8),
+    "qwen3-235b-a22b": (94, 4096, 64, 4, 1536, 151936, 128, 8),
     "gpt2": (12, 768, 12, 12, 3072, 50257, 0, 0),
     "gpt2-medium": (24, 1024, 16, 16, 4096, 50257, 0, 0),
     "gpt2-large": (36, 1280, 20, 20, 5120, 50257, 0, 0),
@@ -52,7 +56,7 @@ PUBLISHED_PARAMS = {
 
 
 def test_all_required_presets_exist():
-    assert REQUIRED_MODELS <= set(model_names())
+    assert REQUIRED_MODELS | TRACED_MODELS | {"qwen3-235b-a22b"} <= set(model_names())
     assert REQUIRED_GPUS <= set(gpu_names())
 
 
@@ -164,3 +168,61 @@ def test_missing_file_is_user_error(tmp_path):
         load_model_config(str(tmp_path / "nope.json"))
     with pytest.raises(UserError, match="no config.json"):
         load_model_config(str(tmp_path))
+
+
+# Published shapes of the traced-only presets (layers, hidden, heads, kv heads, routed experts,
+# top-k, vocab), typed from the model cards / technical reports: DeepSeek-V3 report Table / model
+# card, DeepSeek-V2 paper (Lite), Kimi K2 model card, gpt-oss model card, Gemma 3 report Table 1,
+# Llama 4 model card, GLM-4.5 report Table 1. Read as transformers fills the config in.
+PUBLISHED_TRACED = {
+    "deepseek-v3": (61, 7168, 128, 128, 256, 8, 129280),
+    "deepseek-v2-lite": (27, 2048, 16, 16, 64, 6, 102400),
+    "kimi-k2": (61, 7168, 64, 64, 384, 8, 163840), "gpt-oss-20b": (24, 2880, 64, 8, 32, 4, 201088),
+    "gpt-oss-120b": (36, 2880, 64, 8, 128, 4, 201088), "gemma3-4b": (34, 2560, 8, 4, 0, 0, 262208),
+    "gemma3-12b": (48, 3840, 16, 8, 0, 0, 262208), "gemma3-27b": (62, 5376, 32, 16, 0, 0, 262208),
+    "llama4-scout": (48, 5120, 40, 8, 16, 1, 202048), "llama4-maverick": (48, 5120, 40, 8, 128, 1, 202048),
+    "glm-4.5": (92, 5120, 96, 8, 160, 8, 151552), "glm-4.5-air": (46, 4096, 96, 8, 128, 8, 151552),
+}
+# Total parameters as published, at the precision published: DeepSeek-V3 671B (main model, the
+# MTP module's 14B aside), DeepSeek-V2-Lite 15.7B, gpt-oss-20b 20.91B and gpt-oss-120b 116.83B
+# (gpt-oss model card, Table 1). (Llama 4 Maverick's "400B" and GLM-4.5-Air's "106B" are
+# truncated, 400.7B and 106.85B, so they are not held to a rounding here.)
+PUBLISHED_TRACED_PARAMS = {"deepseek-v3": (671, 1e9), "deepseek-v2-lite": (157, 1e8),
+                           "gpt-oss-20b": (2091, 1e7), "gpt-oss-120b": (11683, 1e7)}
+
+
+def _hf_params(cfg) -> int:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from pipemem.traced.hf import build_model, make_config
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(make_config(cfg, "eager"), torch.bfloat16).parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TRACED))
+def test_traced_preset_has_published_shape(name):
+    pytest.importorskip("transformers")
+    from pipemem.traced.hf import traced_arch
+
+    from pipemem.model import UnmodelledFamily, text_model_config
+    cfg, _ = text_model_config(load_model_config(name)[1])
+    a = traced_arch(cfg, name)
+    assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
+    if name.startswith("gemma3"):      # templates read Gemma 3 (and refuse it past its window)
+        t = arch_from_hf_config(cfg, name)
+        assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == \
+            (a.layers, a.hidden, a.heads, a.kv_heads, a.vocab, a.head_dim)
+        return
+    with pytest.raises(UnmodelledFamily, match="use --mode traced"):
+        arch_from_hf_config(cfg, name)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TRACED_PARAMS))
+def test_traced_preset_param_count_matches_published(name):
+    value, unit = PUBLISHED_TRACED_PARAMS[name]
+    assert round(_hf_params(load_model_config(name)[1]) / unit) == value
+
+
+def test_template_and_transformers_count_qwen3_235b_alike():
+    _, cfg = load_model_config("qwen3-235b-a22b")
+    assert arch_from_hf_config(cfg, "q").param_count() == _hf_params(cfg)

@@ -24,22 +24,40 @@ def register(sub) -> None:
 
 
 def model_rows() -> list[dict]:
-    from ..model import arch_from_hf_config
+    from ..model import UnmodelledFamily, arch_from_hf_config, text_model_config
     from ..presets import load_model_config, model_names
 
     rows = []
     for name in model_names():
         _, cfg = load_model_config(name)
-        a = arch_from_hf_config(cfg, name)
+        text, _ = text_model_config(cfg)
+        try:
+            a = arch_from_hf_config(text, name)
+        except UnmodelledFamily:
+            rows.append(_traced_only_row(name, text, cfg))
+            continue
         row = {"name": name, "model_type": a.model_type, "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
                "kv_heads": a.kv_heads, "ffn": a.ffn or a.expert_ffn, "experts": a.experts, "top_k": a.top_k,
-               "vocab": a.vocab, "source": cfg.get("_pipemem_source", "")}
+               "vocab": a.vocab, "source": cfg.get("_pipemem_source", ""), "modes": "templates, traced"}
         try:
             row["params"] = a.param_count()
         except ImportError:   # the templates package is not installed in this build
             row["params"] = None
         rows.append(row)
     return rows
+
+
+def _traced_only_row(name: str, c: dict, cfg: dict) -> dict:
+    """A family only traced mode runs: the sizes its config.json states (None where it leaves
+    transformers' default), without importing transformers."""
+    experts = next((c[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if c.get(k)), 0)
+    return {"name": name, "model_type": c.get("model_type"), "layers": c.get("num_hidden_layers"),
+            "hidden": c.get("hidden_size"), "heads": c.get("num_attention_heads"),
+            "kv_heads": c.get("num_key_value_heads"),
+            "ffn": (c.get("moe_intermediate_size") if experts else None) or c.get("intermediate_size"),
+            "experts": experts, "top_k": c.get("num_experts_per_tok", 0) if experts else 0,
+            "vocab": c.get("vocab_size"), "source": cfg.get("_pipemem_source", ""), "params": None,
+            "modes": "traced"}
 
 
 def gpu_rows() -> list[dict]:
@@ -66,11 +84,16 @@ def run(args) -> int:
                  ("hidden", "right"), ("heads/kv", "right"), ("ffn", "right"), ("experts", "right"),
                  ("vocab", "right")):
         t.add_column(c, justify=j, no_wrap=True)
+    def v(x):
+        return "-" if x is None else str(x)
+
     for m in models:
         params = "-" if m["params"] is None else f"{m['params'] / 1e9:.2f} B"
         experts = f"{m['experts']} (top {m['top_k']})" if m["experts"] else "-"
-        t.add_row(m["name"], m["model_type"], params, str(m["layers"]), str(m["hidden"]),
-                  f"{m['heads']}/{m['kv_heads']}", str(m["ffn"]), experts, str(m["vocab"]))
+        kind = v(m["model_type"]) + ("" if m["modes"] != "traced" else " *")
+        heads = f"{v(m['heads'])}/{v(m['kv_heads'])}"
+        t.add_row(m["name"], kind, params, v(m["layers"]), v(m["hidden"]), heads, v(m["ffn"]), experts,
+                  v(m["vocab"]))
     g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False,
               box=box.SIMPLE_HEAD)
     for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right"),
@@ -82,6 +105,8 @@ def run(args) -> int:
     # never cut a name or a number: a table wider than the terminal is printed whole
     con = console(width=max(terminal_width(), table_width(t), table_width(g)))
     con.print(t)
+    con.print("* --mode traced only (transformers' own modules; templates do not model the family); "
+              "- = transformers' default for a key the config.json leaves out", style="dim")
     con.print(g)
     con.print("GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "
               "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json.",

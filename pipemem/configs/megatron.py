@@ -104,6 +104,9 @@ NO_MEMORY_EFFECT = {
 _FP8 = ("changes memory (FP8 weights, transposes and scaling state) and FP8 is not modelled yet; "
         "remove the FP8 arguments to estimate the BF16 run instead")
 _OFFLOAD = "moves tensors to host memory, which pipemem does not model yet"
+_MLA = ("selects multi-head latent attention (MLASelfAttention: q/kv LoRA down- and up-projections, "
+        "nope/rope head dims), which template mode does not model; traced mode runs the model's Hugging Face "
+        "config.json (--model config.json --mode traced)")
 REFUSED = {
     "no-fp8-wgrad": _FP8, "fp8-dot-product-attention": _FP8, "fp8-multi-head-attention": _FP8,
     "first-last-layers-bf16": _FP8, "num-layers-at-start-in-bf16": _FP8, "num-layers-at-end-in-bf16": _FP8,
@@ -122,8 +125,11 @@ REFUSED = {
     "moe-layer-recompute": "recomputes the MoE layer, not modelled",
     "moe-shared-expert-gate": "the shared-expert gate is not modelled",
     "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
-    "multi-latent-attention": "multi-latent attention is not modelled", "q-lora-rank": "MLA is not modelled",
-    "kv-lora-rank": "MLA is not modelled", "mtp-num-layers": "multi-token prediction layers are not modelled",
+    "multi-latent-attention": _MLA, "q-lora-rank": _MLA, "kv-lora-rank": _MLA,
+    "mtp-num-layers": "adds multi-token prediction layers (per depth: an embedding norm, a projection, "
+                      "a transformer layer, the output head and its loss), which template mode does not "
+                      "model; traced mode runs the model's Hugging Face config.json (--model config.json "
+                      "--mode traced: transformers' modules, without MTP layers)",
     "pipeline-model-parallel-layout": "custom pipeline layouts are not read; use "
                                       "--decoder-first/last-pipeline-num-layers",
     "account-for-embedding-in-pipeline-split": "changes the layer split, not modelled",

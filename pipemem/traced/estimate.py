@@ -78,6 +78,37 @@ def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
         raise UserError(f"traced mode does not model {', '.join(unsupported)} yet; use --mode templates")
 
 
+def unmodelled_by_transformers(model_config: dict) -> list[str]:
+    """What a config asks for that transformers' module does not build, said beside the numbers:
+    multi-token prediction layers (DeepSeek-V3, GLM-4.5: `num_nextn_predict_layers`) are in the
+    checkpoints but not in transformers' causal LM, so the traced step has none."""
+    from ..model import text_model_config
+
+    c, _ = text_model_config(model_config)
+    out = []
+    mtp = c.get("num_nextn_predict_layers") or 0
+    if isinstance(mtp, int) and mtp > 0:
+        out.append(f"traced mode: num_nextn_predict_layers={mtp}: transformers' {c.get('model_type')} causal "
+                   "LM has no multi-token prediction layers, so the step traced has none (a trainer that "
+                   "trains them, Megatron's --mtp-num-layers, holds their layers, head and loss on top)")
+    kernels = _FALLBACK_PATHS.get(str(c.get("model_type")))
+    if kernels:
+        out.append(f"traced mode: the {kernels[0]} ran transformers' pure-PyTorch path (what it runs without "
+                   f"{kernels[1]}); with those CUDA kernels a GPU step saves other tensors, not modelled")
+    return out
+
+
+# layers whose CUDA kernels come from optional packages transformers falls back from
+_FALLBACK_PATHS = {
+    "nemotron_h": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "falcon_h1": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "bamba": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "mamba2": ("Mamba-2 mixers", "mamba_ssm / causal-conv1d"),
+    "jamba": ("Mamba mixers", "mamba_ssm / causal-conv1d"),
+    "qwen3_next": ("gated DeltaNet layers", "flash-linear-attention / causal-conv1d"),
+}
+
+
 def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str = "cuda") -> TracedEstimate:
     """Estimate one training step of the HF model `model_config` (a config.json dict) under
     `plan` by tracing it on fake tensors."""
@@ -90,10 +121,13 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     if not isinstance(model_config, dict):
         raise UserError("traced mode needs an HF config.json (a dict with \"model_type\")")
     attn = "sdpa" if plan.flash_attn else "eager"
-    cfg = make_config(model_config, attn, plan.layers)
+    warnings: list[str] = []
+    cfg = make_config(model_config, attn, plan.layers, notes=warnings)
+    attn = cfg._attn_implementation
+    warnings += unmodelled_by_transformers(model_config)
     prec = Precision.parse(plan.dtype, plan.master_weights)
     import torch
-    if (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)) and prec.param_dtype != torch.bfloat16:
+    if getattr(cfg, "_experts_implementation", None) == "grouped_mm" and prec.param_dtype != torch.bfloat16:
         raise UserError("traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
                         "use --dtype bf16 --no-master-weights or --mode templates")
     set_to_none = (plan.grads or "set-to-none") == "set-to-none"
@@ -113,7 +147,7 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
                      layers=tuple(range(n)), notes={"step": what})
     notes = {"layers": n, "precision": prec.name, "attention": attn, "recompute": plan.recompute,
              "traced_layers": step.traced.layers if step.traced else n,
-             "static_detail": dict(s), "step": plan.step, "grads": plan.grads}
+             "static_detail": dict(s), "step": plan.step, "grads": plan.grads, "warnings": warnings}
     if plan.compile:
         from .compiled import MODE
         notes["compile"] = MODE

@@ -67,43 +67,130 @@ class Precision:
         return {torch.bfloat16: "bf16-autocast", torch.float16: "fp16-autocast"}[self.autocast_dtype]
 
 
-def make_config(model_config, attn: str = "sdpa", layers: int | None = None):
+def make_config(model_config, attn: str = "sdpa", layers: int | None = None, notes: list | None = None):
     """An HF config from a config.json dict (or a config object), with the attention
-    implementation and an optional layer-count override."""
+    implementation and an optional layer-count override. A multimodal config gives its text
+    model's; what differs from what was asked (an attention path transformers lacks for this
+    model) is appended to `notes`."""
     from transformers import AutoConfig, PretrainedConfig
+
+    from ..model import text_model_config
 
     if attn not in ATTENTION:
         raise UserError(f"attention {attn!r}: use one of {', '.join(ATTENTION)}")
     d = model_config.to_dict() if isinstance(model_config, PretrainedConfig) else dict(model_config)
+    d, _ = text_model_config(d)
+    d["model_type"] = _known_model_type(d)
+    quant = d.pop("quantization_config", None)
+    if quant and notes is not None:
+        # a checkpoint's storage format (DeepSeek-V3's fp8 blocks, GPT-OSS's mxfp4 experts): training
+        # loads the weights in the step's dtype, as from_config builds them
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        notes.append(f"traced mode: the checkpoint's quantization_config ({method}) is not applied; "
+                     "parameters are held in the --dtype given")
     if layers is not None:
         d = _with_layers(d, int(layers))
-    model_type = d.pop("model_type", None)
-    if not model_type:
-        raise UserError("model config: no \"model_type\" (needed to pick the HF architecture); "
-                        "use an HF config.json")
+    model_type = d.pop("model_type")
     try:
         cfg = AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError) as e:
-        raise UserError(f"model config: model_type {model_type!r} is not known to transformers ({e})") from None
+    except Exception as e:     # noqa: BLE001 - the config class's validation (ValueError, field types...)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise UserError(f"model config: transformers cannot build model_type {model_type!r} from it "
+                        f"({'; '.join(lines[:2]) if lines else type(e).__name__})") from None
+    cls = causal_lm_class(cfg)
+    if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+        attn = "eager"
+        if notes is not None:
+            notes.append(f"traced mode: transformers' {cls.__name__} has no SDPA path; its eager attention "
+                         "was traced (it keeps the seq x seq scores a flash kernel would not)")
     cfg.use_cache = False
     cfg._attn_implementation = attn
-    if hasattr(cfg, "num_local_experts") or hasattr(cfg, "num_experts"):
+    moe = any(hasattr(cfg, k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if moe and cls is not None and cls._can_set_experts_implementation():
         # grouped_mm (HF's default for MoE) keeps every shape independent of the routing; the
         # "eager" experts loop slices tokens by data-dependent masks, which fake tensors cannot.
         cfg._experts_implementation = "grouped_mm"
     return cfg
 
 
+def causal_lm_class(cfg):
+    """The transformers class `AutoModelForCausalLM` builds for `cfg` (None if it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        return None
+
+
+def _known_model_type(d: dict) -> str:
+    """The config's model_type, or, for a type transformers does not know whose `architectures`
+    names a causal-LM class it has (Kimi-K2: model_type kimi_k2, DeepseekV3ForCausalLM), that
+    class's model_type."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    mt = d.get("model_type")
+    if not mt:
+        raise UserError("model config: no \"model_type\" (needed to pick the HF architecture); "
+                        "use an HF config.json")
+    if mt in CONFIG_MAPPING:
+        return mt
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    for arch in d.get("architectures") or ():
+        types = [t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch]
+        # several types may share a class: the one whose config class it is named after first
+        # (DeepseekV3ForCausalLM -> deepseek_v3 / DeepseekV3Config)
+        types.sort(key=lambda t: CONFIG_MAPPING_NAMES.get(t) != arch.replace("ForCausalLM", "Config"))
+        if types:
+            return types[0]
+    raise UserError(f"model config: model_type {mt!r} is not known to transformers and its architectures "
+                    f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers "
+                    "can build")
+
+
+def traced_arch(model_config: dict, name: str = ""):
+    """The ArchSpec traced mode reports and checks plans against: the template reader's when
+    templates know the family, else the sizes any decoder config states, read from the config
+    as transformers fills it in (its defaults included)."""
+    from ..model import UnmodelledFamily, arch_from_hf_config, check_config, sizes_from_hf_config
+
+    check_config(model_config, name, family_keys=True)
+    try:
+        return arch_from_hf_config(model_config, name)
+    except UnmodelledFamily:
+        pass
+    cfg = make_config(model_config, "eager")
+    d = cfg.to_dict()
+    d["model_type"] = cfg.model_type
+    for k in _SIZE_KEYS:     # sizes some config classes hold as properties (Nemotron-H's layer count)
+        v = getattr(cfg, k, None)
+        if d.get(k) is None and isinstance(v, int) and not isinstance(v, bool):
+            d[k] = v
+    return sizes_from_hf_config(d, name)
+
+
+_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
 def _with_layers(d: dict, layers: int) -> dict:
     """Config dict with `layers` decoder layers; per-layer lists (`layer_types`: Qwen2,
-    Gemma...) repeat their pattern so HF's validation accepts the new count."""
+    Gemma...; `no_rope_layers`: Llama 4) and per-layer pattern strings (Nemotron-H's
+    `hybrid_override_pattern`) repeat their pattern so HF's validation accepts the new count."""
     d = dict(d)
     key = "n_layer" if d.get("model_type") == "gpt2" else "num_hidden_layers"
     d[key] = layers
-    types = d.get("layer_types")
-    if isinstance(types, list) and types:
-        d["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    for k in PER_LAYER_KEYS:
+        v = d.get(k)
+        if isinstance(v, (list, str)) and v:
+            rep = [v[i % len(v)] for i in range(layers)]
+            d[k] = "".join(rep) if isinstance(v, str) else rep
     return d
+
+
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers", "hybrid_override_pattern")
 
 
 def build_model(cfg, param_dtype: torch.dtype = torch.float32, device: str = "meta") -> torch.nn.Module:

@@ -146,13 +146,23 @@ class CudaKernels:
         q, k, v = _autocast_cast(q, k, v)
         if mask is not None and mask.is_floating_point():
             (mask,) = _autocast_cast(mask)
+        elif mask is not None and mask.dtype == torch.bool:
+            # scaled_dot_product_attention turns a boolean mask into an additive one of the query's
+            # dtype before any kernel runs (attention.cpp, convert_boolean_attn_mask): a new
+            # [B, 1, S, S] tensor, which the efficient kernel saves as its bias (sliding-window
+            # layers, Gemma 3 / Mistral: HF passes such a mask once seq_len > window)
+            zero, neg_inf = torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype)
+            mask = torch.where(mask, zero, neg_inf)
         aten = torch.ops.aten
         low_precision = q.dtype in (torch.float16, torch.bfloat16)
         head = q.shape[-1]
         if mask is None and low_precision and head <= 256 and q.dim() == 4 and head == v.shape[-1]:
             return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
-        if q.dim() == 4 and head % (8 if low_precision else 4) == 0 and head == v.shape[-1]:
-            if gqa and mask is None and q.shape[-2] % 32 == 0:
+        align = 8 if low_precision else 4
+        # the efficient kernel takes a value head dim other than the query's (MLA: 192 vs 128) when
+        # both are aligned (sdp_utils.cpp, check_head_dim_size_mem_efficient, torch 2.x)
+        if q.dim() == 4 and head % align == 0 and v.shape[-1] % align == 0:
+            if gqa and mask is None and q.shape[-2] % 32 == 0 and head == v.shape[-1]:
                 # CUDA's efficient kernel takes grouped heads natively (sdp_utils.cpp:
                 # backend_supports_grouped_query_attention) and saves the output, the fp32
                 # logsumexp (rows padded to 32) and k/v as given. Its meta kernel wants equal

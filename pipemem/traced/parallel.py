@@ -249,8 +249,29 @@ def param_dtype_name(plan) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
 
 
+_NOT_LLAMA_LAYERS = ("gemma3_text",)     # template families whose HF layers are not Llama's
+
+
+def check_stack_family(model_config: dict, what: str) -> None:
+    """Pipelines and sharded ranks are traced on `stack.DecoderStack`, built of Llama or Mixtral
+    decoder layers: a family templates do not model has other layers, so it is refused by name
+    (its whole-model step, one rank at --pp 1, runs transformers' own modules)."""
+    from ..model import UnmodelledFamily, arch_from_hf_config, text_model_config
+
+    mt = text_model_config(model_config)[0].get("model_type")
+    try:
+        other = arch_from_hf_config(text_model_config(model_config)[0]).model_type in _NOT_LLAMA_LAYERS
+    except UnmodelledFamily:
+        other = True
+    if other:
+        raise UserError(f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
+                        f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
+                        "--pp, --tp, --fsdp or DDP --grads)") from None
+
+
 def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_policy: str) -> TracedStagePlan:
     """Trace every virtual stage of a validated pipeline plan (layers from plan.pp_layout)."""
+    check_stack_family(model_config, "pipelines (--pp)")
     _check_pipeline(plan)
     model = json.dumps(model_config, sort_keys=True, default=str)
     attn = "sdpa" if plan.flash_attn else "eager"
@@ -287,6 +308,7 @@ def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, 
     from .hf import make_config
     from .stack import build_fsdp_model, build_tp_model, make_mesh
 
+    check_stack_family(model_config, f"{kind.upper()} ranks")
     if kind == "ddp":
         return _trace_ddp_rank(model_config, plan, kernel_policy)
     build = {"tp": build_tp_model, "fsdp": build_fsdp_model}[kind]

@@ -289,9 +289,9 @@ def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None
 
     cfg = make_config(model_config, attn, n_layers)
     n = cfg.num_hidden_layers
-    if len(set(getattr(cfg, "layer_types", None) or ())) > 1:
-        kw["traced_layers"] = n      # layers of different kinds (sliding / full attention): no template
     prec = Precision.parse(dtype, master_weights)
+    if n > kw.get("traced_layers", TRACED_LAYERS):
+        kw.update(_replication(cfg, build_model(cfg, prec.param_dtype), n))
     holder = {"cfg": cfg}
 
     def set_layers(k):
@@ -301,6 +301,47 @@ def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None
                             step_inputs(cfg, batch, seq), hf_loss, optimizer_factory(optimizer), kernel_policy,
                             autocast_dtype=prec.autocast_dtype, prepare=lambda m: _prepare(m, recompute, compile),
                             patches=fake_tensor_quirks(), **kw)
+
+
+def _replication(cfg, model, n: int) -> dict:
+    """Which layers to trace so that the template layer stands for identical ones: layers differ
+    in kind (dense first layers of a MoE model, sliding-window / full / linear attention, NoPE,
+    Mamba) by their modules, parameters, per-layer attributes or per-layer config entries. With
+    a uniform run from layer s on, trace s + K layers, the template at s + T; else all n."""
+    from .capture import find_layer_prefix
+    from .hf import PER_LAYER_KEYS
+
+    prefix = find_layer_prefix(model)
+    if prefix is None or len(model.get_submodule(prefix)) != n:
+        return {}
+    per_layer = [getattr(cfg, k, None) for k in PER_LAYER_KEYS]
+    sigs = [(layer_signature(layer), tuple(v[i] if v is not None and len(v) == n else None
+                                           for v in per_layer))
+            for i, layer in enumerate(model.get_submodule(prefix))]
+    start = n - 1
+    while start > 0 and sigs[start - 1] == sigs[-1]:
+        start -= 1
+    if start == 0:
+        return {}
+    if start + TRACED_LAYERS >= n:
+        return {"traced_layers": n}
+    return {"traced_layers": start + TRACED_LAYERS, "template": start + TEMPLATE_LAYER}
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def layer_signature(layer: torch.nn.Module) -> tuple:
+    """What makes one decoder layer's step differ from another's: its modules' classes, their
+    parameters' shapes and dtypes and their scalar attributes (a sliding window, a layer kind),
+    its own index aside."""
+    sig = []
+    for name, mod in layer.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(mod).items() if isinstance(v, _SCALARS)
+                             and not k.startswith("_") and k != "training" and "layer_id" not in k))
+        params = tuple((k, tuple(p.shape), p.dtype) for k, p in mod.named_parameters(recurse=False))
+        sig.append((name, type(mod).__name__, attrs, params))
+    return tuple(sig)
 
 
 def _prepare(model, recompute: str, compile: bool) -> None:

@@ -1,0 +1,303 @@
+"""Families template mode does not model (DeepSeek-V2/V3 MLA, GPT-OSS, Gemma 3, Llama 4, GLM-4
+MoE, OLMoE, Qwen3-Next): traced mode runs transformers' own modules for them on fake tensors;
+template mode refuses each by name and points to traced mode; inconsistent configs fail on
+one line naming the key."""
+
+import json
+
+import pytest
+
+from pipemem.errors import UserError
+from pipemem.model import UnmodelledFamily, arch_from_hf_config, check_config
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+TINY = {
+    "deepseek_v3": dict(BASE, model_type="deepseek_v3", **MLA, q_lora_rank=48, n_group=2, topk_group=1,
+                        n_shared_experts=1, num_nextn_predict_layers=1),
+    "deepseek_v2": dict(BASE, model_type="deepseek_v2", **MLA, q_lora_rank=None, n_group=1, topk_group=1,
+                        n_shared_experts=2),
+    "gpt_oss": dict(BASE, model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, sliding_window=32,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2,
+                        attention_chunk_size=32,
+                        no_rope_layers=[1, 0]),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+                     first_k_dense_replace=1),
+    "olmoe": dict(BASE, model_type="olmoe", num_experts=8, num_experts_per_tok=2),
+    "qwen3_next": dict(BASE, model_type="qwen3_next", head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+}
+PLAN = dict(seq_len=64, micro_batch=1, dtype="bf16", master_weights=False, flash_attn=True)
+
+
+def _known(model_type):
+    transformers = pytest.importorskip("transformers")
+    from transformers import CONFIG_MAPPING
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY) - {"gemma3_text"}))
+def test_template_mode_refuses_by_name_and_points_to_traced(family):
+    with pytest.raises(UnmodelledFamily, match=r"template mode does not model .*use --mode traced") as e:
+        arch_from_hf_config(TINY[family], "tiny")
+    assert "\n" not in str(e.value) and family in str(e.value)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_traced_mode_runs_transformers_own_modules(family):
+    _known(family)
+    pytest.importorskip("torch")
+    import torch
+
+    from pipemem import estimate
+    from pipemem.traced.hf import build_model, make_config
+
+    est = estimate(dict(TINY[family]), mode="traced", **PLAN)
+    assert est.mode == "traced" and est.arch.model_type == family and est.arch.layers == 2
+    r = est.ranks[0]
+    # the parameters traced are those of the model transformers builds from this config
+    with torch.device("meta"):
+        model = build_model(make_config(TINY[family]), torch.bfloat16)
+    assert r.static.params == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r.peak_allocated_bytes > r.static.total > 0
+    assert est.to_dict()["mode"] == "traced"
+    # what transformers' module lacks is said: no SDPA path (GPT-OSS), no MTP layers (DeepSeek-V3)
+    assert any("no SDPA path" in w for w in est.warnings) == (family == "gpt_oss")
+    assert any("num_nextn_predict_layers=1" in w for w in est.warnings) == (family == "deepseek_v3")
+    assert any("pure-PyTorch path" in w for w in est.warnings) == (family == "qwen3_next")
+
+
+def test_nemotron_h_hybrid_traces_and_says_its_mamba_path():
+    """Mamba-2 mixed with attention: the layer count is a property of transformers' config class,
+    the Mamba mixers run its pure-PyTorch path (said)."""
+    _known("nemotron_h")
+    from pipemem import estimate
+
+    cfg = dict(model_type="nemotron_h", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=512, intermediate_size=128,
+               hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+               n_groups=1, mamba_d_conv=4, expand=1, chunk_size=16, max_position_embeddings=512)
+    est = estimate(cfg, mode="traced", **PLAN)
+    assert est.arch.layers == 4 and any("Mamba-2 mixers" in w for w in est.warnings)
+    with pytest.raises(UnmodelledFamily, match="Mamba-2 layers"):
+        estimate(cfg, **PLAN)
+
+
+GEMMA3 = dict(BASE, model_type="gemma3_text", hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+              num_hidden_layers=4, intermediate_size=512, vocab_size=1000, head_dim=32, sliding_window=4096,
+              query_pre_attn_scalar=32)
+
+
+@pytest.mark.parametrize("dtype,master", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_gemma3_template_matches_traced(dtype, master):
+    """Gemma 3 (sandwich norms, per-head q/k norms, GeGLU, tied embedding) under --convention hf
+    with SDPA and no sliding mask (seq_len < window): templates vs transformers' own modules,
+    the step's peak and the forward's net within 1 %."""
+    _known("gemma3_text")
+    from pipemem import estimate
+
+    kw = dict(seq_len=128, micro_batch=2, dtype=dtype, master_weights=master, flash_attn=True,
+              convention="hf", step="first")
+    t = estimate(dict(GEMMA3), **kw).ranks[0]
+    r = estimate(dict(GEMMA3), mode="traced", **kw).ranks[0]
+    assert t.static.params == r.static.params
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
+    assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+@pytest.mark.parametrize("change,what", [(dict(seq_len=4096), "--seq-len 4096 >= their window"),
+                                         (dict(flash_attn=False), "eager attention"),
+                                         (dict(convention="megatron"), "--convention megatron")])
+def test_gemma3_template_refuses_what_it_does_not_hold(change, what):
+    from pipemem import estimate
+
+    kw = dict(dict(seq_len=128, convention="hf", flash_attn=True), **change)
+    with pytest.raises(UnmodelledFamily, match=what) as e:
+        estimate(dict(GEMMA3), **kw)
+    assert "--mode traced" in str(e.value)
+
+
+def test_replication_past_dense_first_layers_is_exact():
+    """7 layers, the first dense: K layers are traced from the first MoE layer on; the result is
+    the full 7-layer trace's, byte for byte."""
+    _known("glm4_moe")
+    import pipemem.traced.replicate as rep
+    from pipemem import estimate
+
+    cfg = dict(TINY["glm4_moe"], num_hidden_layers=7)
+    got = estimate(dict(cfg), mode="traced", **PLAN).ranks[0]
+    full = rep._replication
+    try:
+        rep._replication = lambda c, m, n: {"traced_layers": n}
+        ref = estimate(dict(cfg), mode="traced", **PLAN).ranks[0]
+    finally:
+        rep._replication = full
+    assert (got.peak_allocated_bytes, got.static.total, got.jobs["F"].net_bytes) == \
+        (ref.peak_allocated_bytes, ref.static.total, ref.jobs["F"].net_bytes)
+
+
+def test_replication_plan_follows_layer_kinds():
+    _known("deepseek_v3")
+    import torch
+
+    from pipemem.traced.hf import build_model, make_config
+    from pipemem.traced.replicate import _replication
+
+    def plan(**kw):
+        cfg = make_config(dict(TINY["deepseek_v3"], **kw))
+        return _replication(cfg, build_model(cfg, torch.bfloat16), cfg.num_hidden_layers)
+
+    assert plan(num_hidden_layers=12, first_k_dense_replace=3) == {"traced_layers": 7, "template": 5}
+    assert plan(num_hidden_layers=12, first_k_dense_replace=0) == {}
+    assert plan(num_hidden_layers=6, first_k_dense_replace=3) == {"traced_layers": 6}
+    gemma = make_config(dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None,
+                             sliding_window_pattern=2))
+    assert _replication(gemma, build_model(gemma, torch.bfloat16), 8) == {"traced_layers": 8}
+
+
+def test_multimodal_config_estimates_its_text_model():
+    _known("gemma3")
+    from pipemem import estimate
+
+    cfg = {"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"]), "vision_config": {}}
+    est = estimate(cfg, mode="traced", **PLAN)
+    assert est.arch.model_type == "gemma3_text"
+    assert any("vision encoder" in w for w in est.warnings)
+
+
+def test_unknown_model_type_named_by_its_architecture():
+    """Kimi-K2's config.json: model_type kimi_k2 (custom code), architectures DeepseekV3ForCausalLM."""
+    _known("deepseek_v3")
+    from pipemem import estimate
+
+    cfg = dict(TINY["deepseek_v3"], model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(UnmodelledFamily, match="multi-head latent attention"):
+        estimate(dict(cfg), **PLAN)
+    assert estimate(dict(cfg), mode="traced", **PLAN).arch.experts == 8
+
+
+BAD = [
+    ("deepseek_v3", {"qk_rope_head_dim": None}, "qk_rope_head_dim"),
+    ("deepseek_v3", {"n_group": 3}, "n_group"),
+    ("deepseek_v3", {"topk_group": 3}, "topk_group"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("gemma3_text", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ("llama4_text", {"no_rope_layers": [1]}, "no_rope_layers"),
+    ("deepseek_v3", {"first_k_dense_replace": 5}, "first_k_dense_replace"),
+]
+
+
+@pytest.mark.parametrize("family,change,key", BAD, ids=[b[2] for b in BAD])
+def test_inconsistent_config_names_the_key(family, change, key):
+    cfg = {k: v for k, v in dict(TINY[family], **change).items() if v is not None or k == "q_lora_rank"}
+    with pytest.raises(UserError, match=rf"\b{key}\b") as e:
+        check_config(cfg, "tiny")
+    assert "\n" not in str(e.value)
+
+
+def test_traced_mode_needs_the_family_keys():
+    cfg = {k: v for k, v in TINY["deepseek_v3"].items() if k != "kv_lora_rank"}
+    with pytest.raises(UserError, match="missing key 'kv_lora_rank'"):
+        check_config(cfg, "tiny", family_keys=True)
+    check_config(cfg, "tiny")     # template mode reads deepseek_v3 without MLA keys as a GQA model
+
+
+def test_cli_bad_config_and_unmodelled_family_exit_2(tmp_path, capsys):
+    from pipemem.cli.main import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(TINY["deepseek_v3"], n_group=3)))
+    assert main(["estimate", "--model", str(bad), "--mode", "traced", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "n_group=3" in err and len(err.splitlines()) == 1
+    ok = tmp_path / "gemma.json"
+    ok.write_text(json.dumps(TINY["gemma3_text"]))
+    assert main(["estimate", "--model", str(ok), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--mode traced" in err and "sliding-window" in err and len(err.splitlines()) == 1
+
+
+# one preset per family (the CLI test below runs deepseek-v3; every preset's shape and its
+# template refusal are held in test_presets_data.py)
+TRACED_PRESETS = ["kimi-k2", "gpt-oss-120b", "gemma3-27b", "llama4-maverick", "glm-4.5-air"]
+
+
+@pytest.mark.parametrize("name", TRACED_PRESETS)
+def test_preset_estimates_in_traced_mode(name):
+    """Each preset of a family templates do not model runs in traced mode (4 of its layers, full
+    widths); its parameters are those of its layers (replicated to 4)."""
+    pytest.importorskip("transformers")
+    from pipemem import estimate
+
+    est = estimate(name, mode="traced", layers=4, **PLAN)
+    r = est.ranks[0]
+    assert est.mode == "traced" and est.arch.layers == 4
+    assert r.peak_allocated_bytes > r.static.total > r.static.params > 0
+
+
+def test_preset_cli_traced_and_template_refusal(capsys):
+    pytest.importorskip("transformers")
+    from pipemem.cli.main import main
+
+    args = ["estimate", "--model", "deepseek-v3", "--seq-len", "64", "--layers", "4", "--dtype", "bf16",
+            "--no-master-weights", "--json"]
+    assert main(args) == 2
+    assert "multi-head latent attention" in capsys.readouterr().err
+    assert main(args + ["--mode", "traced"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "traced" and d["model"]["experts"] == 256
+    assert any("num_nextn_predict_layers=1" in w for w in d["warnings"])
+    assert any("quantization_config (fp8)" in w for w in d["warnings"])
+
+
+def test_parallel_traced_plans_refuse_other_layers_by_name():
+    """Pipelines and sharded ranks are traced on Llama / Mixtral layers: another family is refused
+    on one line, not built of the wrong layers."""
+    pytest.importorskip("torch")
+    from pipemem import estimate
+
+    for kw in (dict(pp=2), dict(dp=2, fsdp=True)):
+        with pytest.raises(UserError, match="model_type 'gemma3_text' has other layers") as e:
+            estimate(dict(TINY["gemma3_text"]), mode="traced", step="first", layers=4, **kw, **PLAN)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--multi-latent-attention", "--kv-lora-rank 512", "--mtp-num-layers 1"])
+def test_megatron_mla_and_mtp_refusals_name_what_is_missing(flag):
+    import shlex
+
+    from pipemem.configs.megatron import read
+    base = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 "
+    with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]) as e:
+        read(shlex.split(base + flag))
+    msg = str(e.value)
+    assert "--mode traced" in msg and ("latent attention" in msg or "multi-token prediction" in msg)
+
+
+def test_boolean_sdpa_mask_is_saved_as_an_additive_bias_of_the_query_dtype():
+    """HF passes sliding-window layers (Gemma 3, Mistral; seq_len > window) a boolean [B, 1, S, S]
+    mask; scaled_dot_product_attention turns it into an additive mask of the query's dtype
+    before any kernel (attention.cpp, convert_boolean_attn_mask), and the efficient kernel saves
+    that bias for backward: 2 bytes a position in bf16, not the boolean's 1."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipemem.traced.kernel_policy import CudaKernels
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = CudaKernels._sdpa((q, k, v, torch.ones(1, 1, 64, 64, dtype=torch.bool)), {})
+        bias = out.grad_fn._saved_attn_bias
+    assert out.grad_fn.name() == "ScaledDotProductEfficientAttentionBackward0"
+    assert bias.dtype == torch.bfloat16 and tuple(bias.shape) == (1, 1, 64, 64)
