@@ -160,6 +160,17 @@ def zero_settings(engine) -> dict:
 
 # ---- the rank ------------------------------------------------------------------------------------
 
+def skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op in init_distributed,
+    behind a lock file in torch's extension cache: a build killed half-way (a timed-out run)
+    leaves the lock, and every later run then waits on it for ever. The op only speeds up
+    all-reduce between the processes (its buffers are shared memory, outside PyTorch's allocator
+    and the profiler's count), so the runs use gloo's own all-reduce instead."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def run_rank(case: dict) -> dict:
     import logging
 
@@ -172,6 +183,7 @@ def run_rank(case: dict) -> dict:
     import deepspeed
     from deepspeed.utils import logger as ds_logger
     ds_logger.setLevel(logging.WARNING)
+    skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     config = ds_config(case)
