@@ -217,4 +217,4 @@ def test_validate_allocator_fails_on_a_trace_the_model_does_not_reproduce(tmp_pa
     (tmp_path / "tampered.json").write_text(json.dumps(snap))
     assert main(["validate", "allocator", "--json", "--dir", str(tmp_path)]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["failed"] and out["cases"][0]["events_match"] == "NO"
+    assert not out["passed"] and out["segment_events_differ"] and out["cases"][0]["events_match"] == "NO"

@@ -155,7 +155,7 @@ def test_schedule_help_explains_notation_and_names(capsys):
     out = capsys.readouterr().out
     assert "UPPER case" in out and "F3.2" in out and "I3 / W3" in out
     # Paddle's ZBH1 vs the paper's ZB-H1 (ZB1P), and PyTorch's class names
-    assert "ZB-H1 in Paddle's order" in out and "ZB-H1 as the paper draws it" in out
+    assert "ZB-H1 in Paddle's order" in out and "ZB-H1 as the paper" in out
     assert "ScheduleInterleaved1F1B" in out and "ScheduleZBVZeroBubble" in out
 
 
@@ -233,7 +233,8 @@ def test_narrow_terminal_plan_never_cuts_a_number(cols, monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
-    assert "#1  peak " in out and " GiB" in out and "step " in out and "dp2 tp1 pp1" in out
+    import re
+    assert re.search(r"#1  (FITS|screened)  peak ", out) and " GiB" in out and "step " in out and "dp2 tp1 pp1" in out
     monkeypatch.setenv("COLUMNS", "160")
     assert main(argv) == 0
     assert "comm GB/step" in capsys.readouterr().out     # wide enough: the table

@@ -12,7 +12,7 @@ from pipemem.validation.compare import (TRUTHS, CaseRow, beyond_tolerance, exit_
 
 # a real run measured by the allocator or profiler, or the framework's code on fake tensors
 EXPECTED_TRUTH = {"cpu": "measured", "dist": "measured", "paddle": "measured", "cuda": "measured",
-                  "deepspeed": "measured", "hf_trainer": "measured",
+                  "deepspeed": "measured", "hf_trainer": "measured", "allocator": "measured",
                   "megatron": "traced", "torchtitan": "traced", "torchtune": "traced", "features": "traced"}
 
 
