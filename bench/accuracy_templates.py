@@ -23,14 +23,18 @@ def main() -> None:
     import test_templates_traced as T
 
     print("Per decoder layer, template (hf convention) vs traced (--kernel-policy cuda), s=128 b=2 h=256")
-    print(f"{'model':8s} {'dtype':10s} {'kept traced':>12s} {'kept tmpl':>12s} {'err':>8s} "
-          f"{'bwd peak traced':>16s} {'bwd peak tmpl':>14s} {'err':>8s}")
+    print(
+        f"{'model':8s} {'dtype':10s} {'kept traced':>12s} {'kept tmpl':>12s} {'err':>8s} "
+        f"{'bwd peak traced':>16s} {'bwd peak tmpl':>14s} {'err':>8s}"
+    )
     for name in sorted(T.CASES):
         config, dtype = T.CASES[name]
         kept, peak = T.traced_layer1(config, dtype)
         m = T.template_layer(config, dtype)
-        print(f"{name:8s} {dtype:10s} {kept:12d} {m.F.net_bytes:12d} {(m.F.net_bytes - kept) / kept:+8.4%} "
-              f"{peak:16d} {m.B.peak_bytes:14d} {(m.B.peak_bytes - peak) / peak:+8.4%}")
+        print(
+            f"{name:8s} {dtype:10s} {kept:12d} {m.F.net_bytes:12d} {(m.F.net_bytes - kept) / kept:+8.4%} "
+            f"{peak:16d} {m.B.peak_bytes:14d} {(m.B.peak_bytes - peak) / peak:+8.4%}"
+        )
     print()
     print("Korthikanti et al. 2022 Table 2 (GPT layer, megatron convention): formula + LN stats vs template")
     for name, tp, sp, rc, formula, stat_tokens in K.CASES:

@@ -30,9 +30,11 @@ def main() -> None:
                 S.replay_device(s, d)
         cpu.append(time.process_time() - c0)
     c = statistics.median(cpu)
-    print(f"{len(snaps)} files, {n} trace events, replay_device cpu median {c:.2f} s, "
-          f"{c / n * 1e6:.2f} us/event "
-          "(each replay runs the trace twice: the peak state)")
+    print(
+        f"{len(snaps)} files, {n} trace events, replay_device cpu median {c:.2f} s, "
+        f"{c / n * 1e6:.2f} us/event "
+        "(each replay runs the trace twice: the peak state)"
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ from pipemem.allocator import AllocatorConfig, simulate
 
 def stream(n_events: int, seed: int = 0) -> list:
     rnd = random.Random(seed)
-    sizes = [rnd.choice([4096, 65536, 512 * 1024, 3 << 20, 8 << 20, 16 << 20, 48 << 20, 100 << 20])
-             for _ in range(64)]
+    sizes = [
+        rnd.choice([4096, 65536, 512 * 1024, 3 << 20, 8 << 20, 16 << 20, 48 << 20, 100 << 20])
+        for _ in range(64)
+    ]
     ev, key = [], 0
     while len(ev) < n_events:
         kept = []
@@ -30,11 +32,11 @@ def stream(n_events: int, seed: int = 0) -> list:
                 key += 1
                 ev.append((sizes[(layer * 4 + j) % 64], 0, key))
                 kept.append(key)
-            for j in range(3):                      # temporaries
+            for j in range(3):  # temporaries
                 key += 1
                 ev.append((sizes[(layer + j * 7) % 64] // 2 + 512, 0, key))
                 ev.append((0, 0, key))
-        for k in reversed(kept):                    # backward
+        for k in reversed(kept):  # backward
             key += 1
             ev.append((sizes[k % 64], 0, key))
             ev.append((0, 0, key))
@@ -69,10 +71,12 @@ def main() -> None:
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         w, c = statistics.median(wall), statistics.median(cpu)
-        print(f"{conf or 'defaults':26s} {len(ev):>7d} events  median wall {w * 1e3:7.1f} ms "
-              f"({w / len(ev) * 1e6:5.2f} us/event), cpu {c / len(ev) * 1e6:5.2f} us/event  "
-              f"(peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB, "
-              f"{len(r.segment_events)} segment events)")
+        print(
+            f"{conf or 'defaults':26s} {len(ev):>7d} events  median wall {w * 1e3:7.1f} ms "
+            f"({w / len(ev) * 1e6:5.2f} us/event), cpu {c / len(ev) * 1e6:5.2f} us/event  "
+            f"(peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB, "
+            f"{len(r.segment_events)} segment events)"
+        )
 
 
 if __name__ == "__main__":

@@ -17,16 +17,26 @@ import time
 from pipemem.plan import LIMITS, MAX_SEARCHED_STAGE_MICROBATCHES, MAX_STAGE_MICROBATCHES
 
 PLANS = [
-    (f"1F1B, pp 8 x {MAX_STAGE_MICROBATCHES // 8} microbatches (stage-microbatch bound)",
-     f"--model llama3-8b --pp 8 --microbatches {MAX_STAGE_MICROBATCHES // 8}"),
-    (f"ZBVPP, pp 8 x vpp 2 x {MAX_SEARCHED_STAGE_MICROBATCHES // 16} (searched-schedule bound)",
-     f"--model llama3-8b --pp 8 --schedule ZBVPP --microbatches {MAX_SEARCHED_STAGE_MICROBATCHES // 16}"),
-    (f"auto, pp 4 x {MAX_SEARCHED_STAGE_MICROBATCHES // 4} (searched-schedule bound)",
-     f"--model llama3-8b --pp 4 --schedule auto --microbatches {MAX_SEARCHED_STAGE_MICROBATCHES // 4}"),
-    (f"{LIMITS['layers']} layers, pp 128 x 1024 microbatches (layer bound)",
-     f"--model llama3-8b --layers {LIMITS['layers']} --pp 128 --microbatches 1024"),
-    (f"seq {LIMITS['seq_len']}, tp 8 x cp 1024 (sequence bound)",
-     f"--model llama3-8b --seq-len {LIMITS['seq_len']} --tp 8 --cp 1024"),
+    (
+        f"1F1B, pp 8 x {MAX_STAGE_MICROBATCHES // 8} microbatches (stage-microbatch bound)",
+        f"--model llama3-8b --pp 8 --microbatches {MAX_STAGE_MICROBATCHES // 8}",
+    ),
+    (
+        f"ZBVPP, pp 8 x vpp 2 x {MAX_SEARCHED_STAGE_MICROBATCHES // 16} (searched-schedule bound)",
+        f"--model llama3-8b --pp 8 --schedule ZBVPP --microbatches {MAX_SEARCHED_STAGE_MICROBATCHES // 16}",
+    ),
+    (
+        f"auto, pp 4 x {MAX_SEARCHED_STAGE_MICROBATCHES // 4} (searched-schedule bound)",
+        f"--model llama3-8b --pp 4 --schedule auto --microbatches {MAX_SEARCHED_STAGE_MICROBATCHES // 4}",
+    ),
+    (
+        f"{LIMITS['layers']} layers, pp 128 x 1024 microbatches (layer bound)",
+        f"--model llama3-8b --layers {LIMITS['layers']} --pp 128 --microbatches 1024",
+    ),
+    (
+        f"seq {LIMITS['seq_len']}, tp 8 x cp 1024 (sequence bound)",
+        f"--model llama3-8b --seq-len {LIMITS['seq_len']} --tp 8 --cp 1024",
+    ),
 ]
 RUNS = 3
 
@@ -34,8 +44,11 @@ RUNS = 3
 def run(args: str) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipemem", "estimate", *args.split(), "--gpu", "h100-80g"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pipemem", "estimate", *args.split(), "--gpu", "h100-80g"],
+        check=True,
+        capture_output=True,
+    )
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

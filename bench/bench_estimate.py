@@ -35,14 +35,74 @@ LAYOUT = (3,) + (4,) * 30 + (3,)
 PLAN_405B = dict(tp=8, pp=16, vpp=2, dp=64, microbatches=32, seq_len=8192, micro_batch=1, pp_layout=LAYOUT)
 
 CLI = [
-    ("schedule", ["schedule", "Interleaved1F1B", "--pp", "64", "--vpp", "2", "--microbatches", "1024", "--json"]),
+    (
+        "schedule",
+        ["schedule", "Interleaved1F1B", "--pp", "64", "--vpp", "2", "--microbatches", "1024", "--json"],
+    ),
     ("16384 layers", ["estimate", "--model", "llama3-8b", "--layers", "16384"]),
-    ("70b 64 GPUs", ["estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4",
-                     "--microbatches", "16", "--json"]),
-    ("405b 1152 GPUs", ["estimate", "--model", "llama3.1-405b", "--gpu", "h100-80g", "--dp", "16", "--tp", "8",
-                        "--pp", "9", "--vpp", "2", "--microbatches", "144", "--json"]),
-    ("mixtral ZB-V", ["estimate", "--model", "mixtral-8x22b", "--gpu", "h100-80g", "--dp", "8", "--tp", "4", "--ep",
-                      "8", "--pp", "4", "--microbatches", "32", "--schedule", "ZBVZeroBubble", "--json"]),
+    (
+        "70b 64 GPUs",
+        [
+            "estimate",
+            "--model",
+            "llama3-70b",
+            "--gpu",
+            "h100-80g",
+            "--dp",
+            "2",
+            "--tp",
+            "8",
+            "--pp",
+            "4",
+            "--microbatches",
+            "16",
+            "--json",
+        ],
+    ),
+    (
+        "405b 1152 GPUs",
+        [
+            "estimate",
+            "--model",
+            "llama3.1-405b",
+            "--gpu",
+            "h100-80g",
+            "--dp",
+            "16",
+            "--tp",
+            "8",
+            "--pp",
+            "9",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "144",
+            "--json",
+        ],
+    ),
+    (
+        "mixtral ZB-V",
+        [
+            "estimate",
+            "--model",
+            "mixtral-8x22b",
+            "--gpu",
+            "h100-80g",
+            "--dp",
+            "8",
+            "--tp",
+            "4",
+            "--ep",
+            "8",
+            "--pp",
+            "4",
+            "--microbatches",
+            "32",
+            "--schedule",
+            "ZBVZeroBubble",
+            "--json",
+        ],
+    ),
 ]
 
 
@@ -55,11 +115,19 @@ def distinct_plans(n: int, seed: int = 0) -> list[dict]:
     while len(out) < n:
         pp = rng.choice(sorted(pps))
         vpp = rng.choice([1, 2]) if pp in (7, 9) else (2 if pp == 16 else 1)
-        key = dict(tp=rng.choice([1, 2, 4, 8]), pp=pp, vpp=vpp, dp=rng.choice([1, 2, 4, 8, 16, 32, 64, 128]),
-                   zero=rng.choice([0, 1, 2, 3]), micro_batch=rng.choice([1, 2]), seq_len=rng.choice([4096, 8192]),
-                   recompute=rng.choice(["none", "selective", "full"]),
-                   optimizer=rng.choice(["adamw", "sgd", "adam8bit"]), master_weights=rng.choice([True, False]),
-                   microbatches=pp * rng.choice([1, 2, 4, 8]))
+        key = dict(
+            tp=rng.choice([1, 2, 4, 8]),
+            pp=pp,
+            vpp=vpp,
+            dp=rng.choice([1, 2, 4, 8, 16, 32, 64, 128]),
+            zero=rng.choice([0, 1, 2, 3]),
+            micro_batch=rng.choice([1, 2]),
+            seq_len=rng.choice([4096, 8192]),
+            recompute=rng.choice(["none", "selective", "full"]),
+            optimizer=rng.choice(["adamw", "sgd", "adam8bit"]),
+            master_weights=rng.choice([True, False]),
+            microbatches=pp * rng.choice([1, 2, 4, 8]),
+        )
         if pps[pp] is not None:
             key["pp_layout"] = pps[pp]
         sig = tuple(sorted(key.items()))
@@ -77,9 +145,11 @@ def warm_405b(runs: int) -> None:
         pipemem.estimate("llama3.1-405b", **PLAN_405B)
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
-    print(f"warm 405B plan via pipemem.estimate: median {statistics.median(times) * 1e3:.3f} ms wall, "
-          f"{statistics.median(cpu) * 1e3:.3f} ms CPU over {runs} runs "
-          f"(wall min {min(times) * 1e3:.3f}, max {max(times) * 1e3:.3f})")
+    print(
+        f"warm 405B plan via pipemem.estimate: median {statistics.median(times) * 1e3:.3f} ms wall, "
+        f"{statistics.median(cpu) * 1e3:.3f} ms CPU over {runs} runs "
+        f"(wall min {min(times) * 1e3:.3f}, max {max(times) * 1e3:.3f})"
+    )
 
 
 def many_plans(n: int, repeats: int) -> None:
@@ -93,9 +163,11 @@ def many_plans(n: int, repeats: int) -> None:
         runs.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     med = statistics.median(runs)
-    print(f"{n:,} distinct 405B plans via pipemem.estimate from empty caches: median {med:.2f} s wall, "
-          f"{statistics.median(cpu):.2f} s CPU over {repeats} runs ({med / n * 1e3:.2f} ms per plan; "
-          f"wall runs {', '.join(f'{r:.2f}' for r in runs)})")
+    print(
+        f"{n:,} distinct 405B plans via pipemem.estimate from empty caches: median {med:.2f} s wall, "
+        f"{statistics.median(cpu):.2f} s CPU over {repeats} runs ({med / n * 1e3:.2f} ms per plan; "
+        f"wall runs {', '.join(f'{r:.2f}' for r in runs)})"
+    )
 
 
 def cli(runs: int) -> None:
@@ -108,9 +180,14 @@ def cli(runs: int) -> None:
             subprocess.run([sys.executable, "-m", "pipemem", *args], check=True, capture_output=True, env=env)
             after = os.times()
             times.append(time.perf_counter() - t)
-            cpu.append((after.children_user - before.children_user) + (after.children_system - before.children_system))
-        print(f"cli {what:16s} median {statistics.median(times):.3f} s wall, {statistics.median(cpu):.3f} s CPU "
-              f"over {runs} runs (wall min {min(times):.3f}, max {max(times):.3f}): pipemem {' '.join(args)}")
+            cpu.append(
+                (after.children_user - before.children_user)
+                + (after.children_system - before.children_system)
+            )
+        print(
+            f"cli {what:16s} median {statistics.median(times):.3f} s wall, {statistics.median(cpu):.3f} s CPU "
+            f"over {runs} runs (wall min {min(times):.3f}, max {max(times):.3f}): pipemem {' '.join(args)}"
+        )
 
 
 def main() -> None:

@@ -53,9 +53,11 @@ def main() -> None:
         t0 = time.perf_counter()
         r = analyze_program(prog)
         times.append(time.perf_counter() - t0)
-    print(f"liveness over {len(prog.ops):,} ops, {len(prog.tensors):,} tensors: "
-          f"median {statistics.median(times):.3f} s over {args.repeat} runs "
-          f"(min {min(times):.3f}, max {max(times):.3f}); peak {r.peak_bytes:,} B")
+    print(
+        f"liveness over {len(prog.ops):,} ops, {len(prog.tensors):,} tensors: "
+        f"median {statistics.median(times):.3f} s over {args.repeat} runs "
+        f"(min {min(times):.3f}, max {max(times):.3f}); peak {r.peak_bytes:,} B"
+    )
 
 
 if __name__ == "__main__":

@@ -23,20 +23,48 @@ import sys
 import time
 
 CASES = {
-    "70b": ("llama3-70b on 64 x h100-80g, seq 4096, batch 512",
-            ["--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--seq-len", "4096",
-             "--global-batch", "512"]),
-    "405b": ("llama3.1-405b on 16384 x h100-80g, seq 8192, batch 2048",
-             ["--model", "llama3.1-405b", "--gpus", "16384", "--gpu", "h100-80g", "--seq-len", "8192",
-              "--global-batch", "2048"]),
+    "70b": (
+        "llama3-70b on 64 x h100-80g, seq 4096, batch 512",
+        [
+            "--model",
+            "llama3-70b",
+            "--gpus",
+            "64",
+            "--gpu",
+            "h100-80g",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "512",
+        ],
+    ),
+    "405b": (
+        "llama3.1-405b on 16384 x h100-80g, seq 8192, batch 2048",
+        [
+            "--model",
+            "llama3.1-405b",
+            "--gpus",
+            "16384",
+            "--gpu",
+            "h100-80g",
+            "--seq-len",
+            "8192",
+            "--global-batch",
+            "2048",
+        ],
+    ),
 }
 
 
 def run_once(args: list[str]) -> tuple[float, float, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pipemem", "plan", *args, "--json", "--no-progress"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pipemem", "plan", *args, "--json", "--no-progress"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -47,12 +75,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--case", choices=sorted(CASES), action="append")
-    ap.add_argument("--no-prune", action="store_true",
-                    help="run the search with and without pruning (one process each); print calls and CPU")
+    ap.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="run the search with and without pruning (one process each); print calls and CPU",
+    )
     ap.add_argument("--one-search", choices=("prune", "no-prune"), help=argparse.SUPPRESS)
     ap.add_argument("plan_args", nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--check", type=int, default=0, metavar="N",
-                    help="re-estimate N random listed plans with `pipemem estimate FLAGS --json`")
+    ap.add_argument(
+        "--check",
+        type=int,
+        default=0,
+        metavar="N",
+        help="re-estimate N random listed plans with `pipemem estimate FLAGS --json`",
+    )
     a = ap.parse_args()
     if a.one_search:
         one_search(a.one_search, a.plan_args)
@@ -68,10 +104,12 @@ def main() -> None:
             walls.append(wall)
             cpus.append(cpu)
         s = d["search"]
-        print(f"{what}: median {statistics.median(walls):.1f} s wall / {statistics.median(cpus):.1f} s CPU over "
-              f"{a.runs} runs (wall {min(walls):.1f}-{max(walls):.1f}); {s['proposed']:,} proposed, "
-              f"{sum(s['invalid'].values()):,} invalid, {s['pruned_by_static_bound']:,} pruned by static bytes, "
-              f"{s['estimate_calls']:,} estimates, {len(d['plans']):,} fit")
+        print(
+            f"{what}: median {statistics.median(walls):.1f} s wall / {statistics.median(cpus):.1f} s CPU over "
+            f"{a.runs} runs (wall {min(walls):.1f}-{max(walls):.1f}); {s['proposed']:,} proposed, "
+            f"{sum(s['invalid'].values()):,} invalid, {s['pruned_by_static_bound']:,} pruned by static bytes, "
+            f"{s['estimate_calls']:,} estimates, {len(d['plans']):,} fit"
+        )
         sys.stdout.flush()
         if a.check:
             check(d["plans"], a.check)
@@ -82,13 +120,19 @@ def compare_pruning(what: str, args: list[str]) -> None:
     a fresh process so that neither inherits the other's caches."""
     runs = {}
     for prune in ("prune", "no-prune"):
-        out = subprocess.run([sys.executable, __file__, "--one-search", prune, "--", *args],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--one-search", prune, "--", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         runs[prune] = json.loads(out)
     a, b = runs["prune"], runs["no-prune"]
-    print(f"{what}: pruned {a['calls']:,} estimate calls, {a['cpu']:.1f} s CPU; without pruning "
-          f"{b['calls']:,} calls, {b['cpu']:.1f} s CPU; {a['plans']:,} plans, listings identical: "
-          f"{a['listing'] == b['listing']}")
+    print(
+        f"{what}: pruned {a['calls']:,} estimate calls, {a['cpu']:.1f} s CPU; without pruning "
+        f"{b['calls']:,} calls, {b['cpu']:.1f} s CPU; {a['plans']:,} plans, listings identical: "
+        f"{a['listing'] == b['listing']}"
+    )
 
 
 def one_search(mode: str, args: list[str]) -> None:
@@ -101,7 +145,9 @@ def one_search(mode: str, args: list[str]) -> None:
     ns = build_parser().parse_args(["plan", *args])
     target, options, extra = build_inputs(ns)
     c = time.process_time()
-    res = search_plans(ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=mode == "prune")
+    res = search_plans(
+        ns.model, target, ns.seq_len, ns.global_batch, options, extra=extra, prune=mode == "prune"
+    )
     cpu = time.process_time() - c
     listing = hashlib.sha256(repr([(p.flags, p.rank_peaks) for p in res.plans]).encode()).hexdigest()
     print(json.dumps({"cpu": cpu, "calls": res.stats.estimates, "plans": len(res.plans), "listing": listing}))
@@ -116,16 +162,26 @@ def check(plans: list[dict], n: int) -> None:
     sample = random.Random(18).sample(plans, min(n, len(plans)))
     same = 0
     for p in sample:
-        out = subprocess.run([sys.executable, "-m", "pipemem", "estimate", *shlex.split(p["flags"]), "--json"],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pipemem", "estimate", *shlex.split(p["flags"]), "--json"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         got = json.loads(out)
-        ok = (got["max_peak_allocated_bytes"] == p["max_peak_allocated_bytes"]
-              and [r["peak_allocated_bytes"] for r in got["ranks"]] == p["rank_peak_allocated_bytes"])
+        ok = (
+            got["max_peak_allocated_bytes"] == p["max_peak_allocated_bytes"]
+            and [r["peak_allocated_bytes"] for r in got["ranks"]] == p["rank_peak_allocated_bytes"]
+        )
         same += ok
         if not ok:
-            print(f"  DIFFERS: {p['flags']}: plan {p['max_peak_allocated_bytes']}, estimate "
-                  f"{got['max_peak_allocated_bytes']}")
-    print(f"  re-estimated {len(sample)} listed plans with their flags: {same} give the same bytes on every rank")
+            print(
+                f"  DIFFERS: {p['flags']}: plan {p['max_peak_allocated_bytes']}, estimate "
+                f"{got['max_peak_allocated_bytes']}"
+            )
+    print(
+        f"  re-estimated {len(sample)} listed plans with their flags: {same} give the same bytes on every rank"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import pipemem  # noqa: E402
 from bench_estimate import PLAN_405B  # noqa: E402
+
+import pipemem  # noqa: E402
 from pipemem import alloc_stream, reserved  # noqa: E402
 
 
@@ -57,10 +58,17 @@ def streams_only():
     e = pipemem.estimate("llama3.1-405b", **PLAN_405B)
     stage_plan, schedule = e.reserved_inputs
     from pipemem.runtime import lower
+
     low = lower(schedule, e.runtime)
     first = {s: m for s, m in stage_plan.first_backward_overrides(schedule)}
-    return sum(len(alloc_stream.rank_stream(stage_plan, low, r.pp_rank, r.static, r.source[2], stage_plan.stages,
-                                            first)) for r in e.ranks)
+    return sum(
+        len(
+            alloc_stream.rank_stream(
+                stage_plan, low, r.pp_rank, r.static, r.source[2], stage_plan.stages, first
+            )
+        )
+        for r in e.ranks
+    )
 
 
 def cold():
@@ -76,10 +84,14 @@ def main() -> None:
     estimate_and_reserved()
     w0, c0 = timed(estimate_only, a.runs * 5)
     w1, c1 = timed(estimate_and_reserved, a.runs * 5)
-    print(f"warm 405B estimate: {w0 * 1e3:.3f} ms wall ({c0 * 1e3:.3f} CPU); with every rank's reserved read: "
-          f"{w1 * 1e3:.3f} ms wall ({c1 * 1e3:.3f} CPU): +{(w1 - w0) * 1e3:.3f} ms")
+    print(
+        f"warm 405B estimate: {w0 * 1e3:.3f} ms wall ({c0 * 1e3:.3f} CPU); with every rank's reserved read: "
+        f"{w1 * 1e3:.3f} ms wall ({c1 * 1e3:.3f} CPU): +{(w1 - w0) * 1e3:.3f} ms"
+    )
     w, c = timed(streams_only, max(3, a.runs // 4))
-    print(f"cold allocation streams, 16 ranks, {n_events:,} events: {w * 1e3:.1f} ms wall ({c * 1e3:.1f} CPU)")
+    print(
+        f"cold allocation streams, 16 ranks, {n_events:,} events: {w * 1e3:.1f} ms wall ({c * 1e3:.1f} CPU)"
+    )
     w, c = timed(cold, max(3, a.runs // 4))
     print(f"cold streams + allocator model, 16 ranks: {w * 1e3:.1f} ms wall ({c * 1e3:.1f} CPU)")
 

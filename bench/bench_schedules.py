@@ -50,12 +50,21 @@ def main() -> int:
     pp, v, m = args.pp, args.vpp, args.microbatches
     # byte-sized jobs of a mid-size model stage: F keeps 1.5 GiB, I leaves 0.6 GiB for W
     gib = 1 << 30
-    jobs = {s: StageJobs(s, F=JobMemory(3 * gib // 2, 2 * gib), B=JobMemory(-3 * gib // 2, gib // 3),
-                         I=JobMemory(-9 * gib // 10, gib // 4), W=JobMemory(-6 * gib // 10, gib // 8))
-            for s in range(pp * v)}
+    jobs = {
+        s: StageJobs(
+            s,
+            F=JobMemory(3 * gib // 2, 2 * gib),
+            B=JobMemory(-3 * gib // 2, gib // 3),
+            I=JobMemory(-9 * gib // 10, gib // 4),
+            W=JobMemory(-6 * gib // 10, gib // 8),
+        )
+        for s in range(pp * v)
+    }
     static = [20 * gib] * pp
-    print(f"pp={pp} vpp={v} microbatches={m}, median of {args.runs} runs (load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(
+        f"pp={pp} vpp={v} microbatches={m}, median of {args.runs} runs (load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
     print("seconds as wall / cpu")
     print(f"{'schedule':<24}{'actions':>9}{'generate':>16}{'replay':>16}{'check+simulate':>18}")
     for name in args.names:
@@ -66,10 +75,14 @@ def main() -> int:
         print(f"{name:<24}{sched.num_actions:>9}{cols}{f'{sim[0]:.3f} / {sim[1]:.3f}':>18}")
     p2, m2 = 8, 64
     jobs2 = unit_jobs(p2, 1)
-    zb, sched = median_time(lambda: memory_limited_schedule(p2, m2, jobs2, TimeModel(), p2), max(1, args.runs // 2))
+    zb, sched = median_time(
+        lambda: memory_limited_schedule(p2, m2, jobs2, TimeModel(), p2), max(1, args.runs // 2)
+    )
     sim = simulate(sched, TimeModel())
-    print(f"memory-limited scheduler pp={p2} m={m2} limit={p2} microbatches: {zb[0]:.3f} / {zb[1]:.3f} s "
-          f"(bubble {sim.bubble_ratio:.1%})")
+    print(
+        f"memory-limited scheduler pp={p2} m={m2} limit={p2} microbatches: {zb[0]:.3f} / {zb[1]:.3f} s "
+        f"(bubble {sim.bubble_ratio:.1%})"
+    )
     return 0
 
 

@@ -20,9 +20,17 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-LLAMA2_70B = dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                  num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
-                  max_position_embeddings=4096, tie_word_embeddings=False)
+LLAMA2_70B = dict(
+    model_type="llama",
+    hidden_size=8192,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    intermediate_size=28672,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 BATCH, SEQ = 1, 4096
 DTYPE = "bf16-pure"
 
@@ -94,25 +102,34 @@ def main() -> int:
 
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"Llama-2-70B shape, {DTYPE}, b{BATCH} s{SEQ}, AdamW, kernel policy cuda; median of {args.runs}")
-    trace_hf_step(LLAMA2_70B, BATCH, 128, dtype=DTYPE, layers=1)     # warm-up: imports, caches
-    med, times, rep = timed(lambda: trace_hf_replicated(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE), args.runs, "rep")
-    print(f"replicated trace (4 layers traced): {med:.2f} s (cpu {CPU_TIMES['rep']:.2f} s)  "
-          f"runs={[round(t, 2) for t in times]}  "
-          f"peak={fmt_bytes(rep.peak_bytes)} ({rep.peak_bytes} B) at {rep.peak_at}")
+    trace_hf_step(LLAMA2_70B, BATCH, 128, dtype=DTYPE, layers=1)  # warm-up: imports, caches
+    med, times, rep = timed(
+        lambda: trace_hf_replicated(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE), args.runs, "rep"
+    )
+    print(
+        f"replicated trace (4 layers traced): {med:.2f} s (cpu {CPU_TIMES['rep']:.2f} s)  "
+        f"runs={[round(t, 2) for t in times]}  "
+        f"peak={fmt_bytes(rep.peak_bytes)} ({rep.peak_bytes} B) at {rep.peak_at}"
+    )
     print(f"  tracer max RSS so far: {rss_gib():.2f} GiB")
     if not args.skip_full:
-        medf, timesf, full = timed(lambda: trace_hf_step(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE), max(1, args.runs - 1),
-                                   "full")
-        print(f"full 80-layer trace: {medf:.2f} s (cpu {CPU_TIMES['full']:.2f} s)  runs={[round(t, 2) for t in timesf]}  "
-              f"peak={fmt_bytes(full.peak_bytes)} ({full.peak_bytes} B); "
-              f"replicated == full: {full.peak_bytes == rep.peak_bytes}")
+        medf, timesf, full = timed(
+            lambda: trace_hf_step(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE), max(1, args.runs - 1), "full"
+        )
+        print(
+            f"full 80-layer trace: {medf:.2f} s (cpu {CPU_TIMES['full']:.2f} s)  runs={[round(t, 2) for t in timesf]}  "
+            f"peak={fmt_bytes(full.peak_bytes)} ({full.peak_bytes} B); "
+            f"replicated == full: {full.peak_bytes == rep.peak_bytes}"
+        )
         print(f"  tracer max RSS: {rss_gib():.2f} GiB")
     k = args.memtracker_layers
     mt = memtracker_seconds(k)
     ours = timed(lambda: trace_hf_step(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE, layers=k), 1)[0]
-    print(f"MemTracker, {k} layers: {mt:.2f} s vs our full trace of {k} layers {ours:.2f} s "
-          f"(ratio {mt / ours:.1f}x); per layer {mt / k:.2f} s -> ~{mt / k * 80:.0f} s for 80 layers "
-          f"(linear extrapolation), {mt / k * 80 / med:.0f}x our replicated trace")
+    print(
+        f"MemTracker, {k} layers: {mt:.2f} s vs our full trace of {k} layers {ours:.2f} s "
+        f"(ratio {mt / ours:.1f}x); per layer {mt / k:.2f} s -> ~{mt / k * 80:.0f} s for 80 layers "
+        f"(linear extrapolation), {mt / k * 80 / med:.0f}x our replicated trace"
+    )
     return 0
 
 

@@ -104,28 +104,73 @@ def cases() -> list[dict]:
         for moe_model, moe in MODELS[2:]:
             for v in MOE_VARIANTS:
                 out.append({"model": moe_model, "kwargs": {**moe, "convention": conv, **v}})
-    for conv in ("HF", "Torchtitan", "deepspeed", "nemo"):      # case, and names that are no convention
+    for conv in ("HF", "Torchtitan", "deepspeed", "nemo"):  # case, and names that are no convention
         out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "dp": 2}})
-        out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "pp": 2, "vpp": 2,
-                                                      "microbatches": 4}})
+        out.append(
+            {
+                "model": MODELS[0][0],
+                "kwargs": {**MODELS[0][1], "convention": conv, "pp": 2, "vpp": 2, "microbatches": 4},
+            }
+        )
     # refusals of the other modes, before anything is traced or built
-    for conv, mode in (("torchtune", "traced"), ("Torchtune", "traced"), ("hf", "paddle"),
-                       ("megatron", "paddle"), ("nemo", "traced")):
-        out.append({"model": MODELS[0][0], "kwargs": {**MODELS[0][1], "convention": conv, "mode": mode,
-                                                      "dp": 2, "tp": 1}})
-    out.append({"model": "llama3-8b", "kwargs": {"convention": "megatron", "tp": 8, "pp": 4, "vpp": 2,
-                                                   "dp": 2, "global_batch": 32, "dist_opt": True,
-                                                   "gpu": "h100-80g"}})
+    for conv, mode in (
+        ("torchtune", "traced"),
+        ("Torchtune", "traced"),
+        ("hf", "paddle"),
+        ("megatron", "paddle"),
+        ("nemo", "traced"),
+    ):
+        out.append(
+            {
+                "model": MODELS[0][0],
+                "kwargs": {**MODELS[0][1], "convention": conv, "mode": mode, "dp": 2, "tp": 1},
+            }
+        )
+    out.append(
+        {
+            "model": "llama3-8b",
+            "kwargs": {
+                "convention": "megatron",
+                "tp": 8,
+                "pp": 4,
+                "vpp": 2,
+                "dp": 2,
+                "global_batch": 32,
+                "dist_opt": True,
+                "gpu": "h100-80g",
+            },
+        }
+    )
     out.append({"model": "llama3-8b", "kwargs": {"convention": "hf", "dp": 8, "zero": 3, "gpu": "a100-40g"}})
-    out.append({"model": "llama3-8b", "kwargs": {"convention": "torchtitan", "dp": 8, "fsdp": True,
-                                                   "gpu": "h100-80g", "compile": True, "loss": "chunked"}})
+    out.append(
+        {
+            "model": "llama3-8b",
+            "kwargs": {
+                "convention": "torchtitan",
+                "dp": 8,
+                "fsdp": True,
+                "gpu": "h100-80g",
+                "compile": True,
+                "loss": "chunked",
+            },
+        }
+    )
     return out
 
 
 def plan_searches() -> list[dict]:
     """One small `pipemem plan` search per convention (its shardings, schedules and pruning)."""
-    return [{"search": conv, "model": "llama3.2-1b", "gpus": 8, "gpu": "rtx3090", "seq_len": 2048,
-             "global_batch": 16} for conv in CONVENTIONS]
+    return [
+        {
+            "search": conv,
+            "model": "llama3.2-1b",
+            "gpus": 8,
+            "gpu": "rtx3090",
+            "seq_len": 2048,
+            "global_batch": 16,
+        }
+        for conv in CONVENTIONS
+    ]
 
 
 def run_search(case: dict) -> dict:
@@ -134,13 +179,27 @@ def run_search(case: dict) -> dict:
     from pipemem.presets import gpu_info
 
     cap = gpu_info(case["gpu"])["bytes"]
-    target = Target(case["gpus"], cap, 0, speeds_for(case["gpu"]), gpu=case["gpu"],
-                    gpus_per_node=8)
-    res = search_plans(case["model"], target, case["seq_len"], case["global_batch"],
-                       SpaceOptions(convention=case["search"], micro_batches=(1, 2), max_vpp=2))
+    target = Target(case["gpus"], cap, 0, speeds_for(case["gpu"]), gpu=case["gpu"], gpus_per_node=8)
+    res = search_plans(
+        case["model"],
+        target,
+        case["seq_len"],
+        case["global_batch"],
+        SpaceOptions(convention=case["search"], micro_batches=(1, 2), max_vpp=2),
+    )
     st = res.stats
-    stats = {k: getattr(st, k) for k in ("proposed", "pruned_static", "no_fit", "implied", "derived",
-                                          "derivation_mismatch", "estimates")}
+    stats = {
+        k: getattr(st, k)
+        for k in (
+            "proposed",
+            "pruned_static",
+            "no_fit",
+            "implied",
+            "derived",
+            "derivation_mismatch",
+            "estimates",
+        )
+    }
     stats["invalid"] = sorted((str(k), v) for k, v in st.invalid.items())
     return {"plans": [[p.flags, list(p.rank_peaks)] for p in res.plans], "stats": stats}
 
@@ -156,23 +215,27 @@ def run_case(case: dict) -> dict:
     d = est.to_dict()
     d.pop("pipemem_version", None)
     p = est.plan
-    d["levers"] = {"activation": [f for f, _ in _activation_levers(p, case["kwargs"])],
-                   "sharding": [f for f, _ in _sharding_levers(p)],
-                   "optimizer": [f for f, _ in _optimizer_levers(p)]}
+    d["levers"] = {
+        "activation": [f for f, _ in _activation_levers(p, case["kwargs"])],
+        "sharding": [f for f, _ in _sharding_levers(p)],
+        "optimizer": [f for f, _ in _optimizer_levers(p)],
+    }
     return d
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true",
-                    help="compare with the committed file instead of writing it")
+    ap.add_argument(
+        "--check", action="store_true", help="compare with the committed file instead of writing it"
+    )
     args = ap.parse_args()
     rows = [{**c, "result": json.loads(json.dumps(run_case(c)))} for c in cases()]
     rows += [{**c, "result": json.loads(json.dumps(run_search(c)))} for c in plan_searches()]
     if args.check:
         old = json.loads(OUT.read_text())
-        bad = [r["model"] + " " + json.dumps(r.get("kwargs") or r["search"])
-               for r, o in zip(rows, old) if r != o]
+        bad = [
+            r["model"] + " " + json.dumps(r.get("kwargs") or r["search"]) for r, o in zip(rows, old) if r != o
+        ]
         print(f"{len(rows)} plans, {len(bad)} differ")
         for b in bad[:20]:
             print("  ", b)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipemem.validation.paddle_runs.paddlenlp_legacy import SEED_RUNS, build_case, compare_built  # noqa: E402
 
-MB = 2 ** 20
+MB = 2**20
 
 
 def _mb(v) -> str:
@@ -34,9 +34,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args()
-    lines = ["# PIPEMEM_PADDLE26_PYTHON=~/venvs/paddle26/bin/python python bench/paddlenlp_legacy_seed_shapes.py",
-             "# (programs built by paddlepaddle 2.6.2 + paddlenlp 2.8.1 at the seed's full size; estimates only; MB = 2^20 B)",
-             f"{'case':44} {'pipemem MB':>12} {'Paddle MB':>12} {'difference':>12}  Paddle's error"]
+    lines = [
+        "# PIPEMEM_PADDLE26_PYTHON=~/venvs/paddle26/bin/python python bench/paddlenlp_legacy_seed_shapes.py",
+        "# (programs built by paddlepaddle 2.6.2 + paddlenlp 2.8.1 at the seed's full size; estimates only; MB = 2^20 B)",
+        f"{'case':44} {'pipemem MB':>12} {'Paddle MB':>12} {'difference':>12}  Paddle's error",
+    ]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in SEED_RUNS.items():
@@ -44,8 +46,10 @@ def main() -> int:
             for row in compare_built(name, cards, measure=False):
                 ours, theirs = row["estimated_bytes"], row["paddle_estimated_bytes"]
                 diff = "-" if theirs is None else f"{(ours - theirs) / MB:+,.2f}"
-                lines.append(f"{row['name']:44} {_mb(ours):>12} {_mb(theirs):>12} {diff:>12}  "
-                             f"{row['paddle_error'][:60]}")
+                lines.append(
+                    f"{row['name']:44} {_mb(ours):>12} {_mb(theirs):>12} {diff:>12}  "
+                    f"{row['paddle_error'][:60]}"
+                )
             print(f"{name} done ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     text = "\n".join(lines) + "\n"
     print(text, end="")

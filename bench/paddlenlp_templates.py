@@ -24,29 +24,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-BASE = ("--model_name_or_path facebook/llama-7b --max_seq_length 2048 --gradient_accumulation_steps 8 "
-        "--use_flash_attention 0 --use_fused_rms_norm 0 --fp16 0 --num_hidden_layers 4 --enable_auto_parallel 1 "
-        "--pipeline_schedule_mode 1F1B")
+BASE = (
+    "--model_name_or_path facebook/llama-7b --max_seq_length 2048 --gradient_accumulation_steps 8 "
+    "--use_flash_attention 0 --use_fused_rms_norm 0 --fp16 0 --num_hidden_layers 4 --enable_auto_parallel 1 "
+    "--pipeline_schedule_mode 1F1B"
+)
 RUNS = {
     "pp4 b1 recompute full": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 1 "
-                             "--recompute_granularity full --world_size 4",
+    "--recompute_granularity full --world_size 4",
     "pp4 b1": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 0 --world_size 4",
     "pp2 x mp2 b2": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 --per_device_train_batch_size 2 "
-                    "--recompute 0 --world_size 4",
+    "--recompute 0 --world_size 4",
 }
 # Beyond the seed's runs (`--more`): the other switches the paddle templates model.
 MORE = {
     "pp4 b1 full_attn": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 1 "
-                        "--recompute_granularity full_attn --world_size 4",
+    "--recompute_granularity full_attn --world_size 4",
     "pp4 b1 core_attn": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 1 "
-                        "--recompute_granularity core_attn --world_size 4",
+    "--recompute_granularity core_attn --world_size 4",
     "pp4 b1 flash": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 0 "
-                    "--use_flash_attention 1 --world_size 4",
+    "--use_flash_attention 1 --world_size 4",
     "pp2 x mp2 b2 sp": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 --per_device_train_batch_size 2 "
-                       "--recompute 0 --sequence_parallel 1 --world_size 4",
+    "--recompute 0 --sequence_parallel 1 --world_size 4",
 }
-QUANTITIES = (("F", "net_bytes", "F net"), ("F", "peak_bytes", "F peak"), ("B", "peak_bytes", "B peak"),
-              ("optimizer", "peak_bytes", "opt peak"))
+QUANTITIES = (
+    ("F", "net_bytes", "F net"),
+    ("F", "peak_bytes", "F peak"),
+    ("B", "peak_bytes", "B peak"),
+    ("optimizer", "peak_bytes", "opt peak"),
+)
 
 
 def estimates(argv: str):
@@ -79,12 +85,30 @@ def rows(name: str, ours, exact) -> list[dict]:
             e = b.jobs.get(kind)
             tv = getattr(t, key) if t else None
             ev = getattr(e, key) if e else None
-            out.append({"run": name, "pp_rank": a.pp_rank, "quantity": label, "templates": tv, "programs": ev,
-                        "rel_diff": None if not ev or tv is None else (tv - ev) / abs(ev)})
-        for label, tv, ev in (("static", a.static.total, b.static.total),
-                              ("rank peak", a.peak_allocated_bytes, b.peak_allocated_bytes)):
-            out.append({"run": name, "pp_rank": a.pp_rank, "quantity": label, "templates": tv, "programs": ev,
-                        "rel_diff": None if not ev else (tv - ev) / abs(ev)})
+            out.append(
+                {
+                    "run": name,
+                    "pp_rank": a.pp_rank,
+                    "quantity": label,
+                    "templates": tv,
+                    "programs": ev,
+                    "rel_diff": None if not ev or tv is None else (tv - ev) / abs(ev),
+                }
+            )
+        for label, tv, ev in (
+            ("static", a.static.total, b.static.total),
+            ("rank peak", a.peak_allocated_bytes, b.peak_allocated_bytes),
+        ):
+            out.append(
+                {
+                    "run": name,
+                    "pp_rank": a.pp_rank,
+                    "quantity": label,
+                    "templates": tv,
+                    "programs": ev,
+                    "rel_diff": None if not ev else (tv - ev) / abs(ev),
+                }
+            )
     return out
 
 
@@ -98,12 +122,16 @@ def main() -> None:
         print(json.dumps(table, indent=1))
         return
     mib = 1 << 20
-    print(f"{'run':24s} {'rank':>4s} {'quantity':10s} {'templates MiB':>14s} {'programs MiB':>13s} {'diff':>8s}")
+    print(
+        f"{'run':24s} {'rank':>4s} {'quantity':10s} {'templates MiB':>14s} {'programs MiB':>13s} {'diff':>8s}"
+    )
     for r in table:
         fmt = lambda v: "-" if v is None else f"{v / mib:.1f}"  # noqa: E731
         d = "-" if r["rel_diff"] is None else f"{r['rel_diff'] * 100:+.1f}%"
-        print(f"{r['run']:24s} {r['pp_rank']:>4d} {r['quantity']:10s} {fmt(r['templates']):>14s} "
-              f"{fmt(r['programs']):>13s} {d:>8s}")
+        print(
+            f"{r['run']:24s} {r['pp_rank']:>4d} {r['quantity']:10s} {fmt(r['templates']):>14s} "
+            f"{fmt(r['programs']):>13s} {d:>8s}"
+        )
     worst = max((abs(r["rel_diff"]) for r in table if r["rel_diff"] is not None), default=0)
     print(f"worst |diff| {worst * 100:.1f}%")
 

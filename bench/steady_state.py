@@ -21,11 +21,13 @@ def main() -> None:
     print(f"{'case':16s} {'traced':>12s} {'templates':>12s} {'rel_error':>10s}  traced peak at")
     worst = 0.0
     for family in FAMILIES:
-        for dtype in (("bf16",) if family in MOE else ("bf16", "fp32")):
+        for dtype in ("bf16",) if family in MOE else ("bf16", "fp32"):
             r = compare(family, dtype)
             worst = max(worst, abs(r["rel_error"]))
-            print(f"{r['name']:16s} {r['traced']:12d} {r['templates']:12d} {r['rel_error']:+10.2%}  "
-                  f"{r['traced_peak_at']}")
+            print(
+                f"{r['name']:16s} {r['traced']:12d} {r['templates']:12d} {r['rel_error']:+10.2%}  "
+                f"{r['traced_peak_at']}"
+            )
     print(f"max |rel_error| {worst:.2%}")
 
 

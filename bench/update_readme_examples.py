@@ -59,8 +59,12 @@ def rewrite_block(block: str) -> str:
 def main() -> int:
     path = ROOT / "README.md"
     text = path.read_text(encoding="utf-8")
-    new = re.sub(r"(```console\n)(.*?)(```)", lambda m: m.group(1) + rewrite_block(m.group(2)) + m.group(3),
-                 text, flags=re.S)
+    new = re.sub(
+        r"(```console\n)(.*?)(```)",
+        lambda m: m.group(1) + rewrite_block(m.group(2)) + m.group(3),
+        text,
+        flags=re.S,
+    )
     path.write_text(new, encoding="utf-8")
     print("README.md examples " + ("rewritten" if new != text else "unchanged"))
     return 0

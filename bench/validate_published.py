@@ -1,6 +1,6 @@
 """pipemem against published measurements of real runs: `pipemem.validation.published`.
 
-    python bench/validate_published.py [--json] [--out docs/published_runs.md] [--traced] [--ids A,B]
+python bench/validate_published.py [--json] [--out docs/published_runs.md] [--traced] [--ids A,B]
 """
 
 import sys

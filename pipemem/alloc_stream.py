@@ -583,7 +583,7 @@ def static_sizes(stage_plan, rank_stages, static) -> list[int]:
     plan, conv = stage_plan.plan, stage_plan.conv
     w = np.asarray(_param_elems(stage_plan, rank_stages), dtype=np.int64)
     fw = conv.framework
-    deepspeed_flat = fw.zero_is_deepspeed and plan.zero in (1, 2)   # DeepSpeed ZeRO-1/2's flat buffers
+    deepspeed_flat = fw.zero_is_deepspeed and plan.zero in (1, 2)  # DeepSpeed ZeRO-1/2's flat buffers
     flat_params = (fw.has_dist_opt and plan.dist_opt) or deepspeed_flat
     grads_mode = str(plan.grads or "").lower()
     sizes = [static.params] if flat_params else _split(static.params, w)

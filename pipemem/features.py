@@ -52,10 +52,19 @@ from dataclasses import dataclass
 
 LOSSES = ("standard", "chunked", "fused_linear", "fused", "fused_te", "shifted")
 FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
-TE_RECIPES = ("delayed", "current", "mxfp8")       # Transformer Engine (Megatron)
-TORCHAO_RECIPES = ("tensorwise", "rowwise")       # torchao Float8Linear
-OFFLOAD_MODULES = ("attn", "mlp", "attn_norm", "mlp_norm", "qkv", "core_attn", "attn_proj", "expert_fc1",
-                   "moe_act")
+TE_RECIPES = ("delayed", "current", "mxfp8")  # Transformer Engine (Megatron)
+TORCHAO_RECIPES = ("tensorwise", "rowwise")  # torchao Float8Linear
+OFFLOAD_MODULES = (
+    "attn",
+    "mlp",
+    "attn_norm",
+    "mlp_norm",
+    "qkv",
+    "core_attn",
+    "attn_proj",
+    "expert_fc1",
+    "moe_act",
+)
 STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -63,14 +72,14 @@ STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 class Features:
     """The per-layer switches of one plan that change its programs (a cache key)."""
 
-    compile: bool = False               # decoder layers compiled
+    compile: bool = False  # decoder layers compiled
     loss: str = "standard"
     loss_chunks: int = 8
-    fp8: str = ""                       # "" = none, else one of FP8_RECIPES
+    fp8: str = ""  # "" = none, else one of FP8_RECIPES
     fp8_param_gather: bool = False
-    offload: frozenset = frozenset()    # module tags whose saved activations go to the CPU; {"*"} = all
-    opt_in_bwd: bool = False            # weight grads stepped and freed inside the backward
-    compile_loss: bool = False          # the loss compiled too
+    offload: frozenset = frozenset()  # module tags whose saved activations go to the CPU; {"*"} = all
+    opt_in_bwd: bool = False  # weight grads stepped and freed inside the backward
+    compile_loss: bool = False  # the loss compiled too
 
     @property
     def te_fp8(self) -> bool:
@@ -99,9 +108,16 @@ def parse_offload(value) -> frozenset:
 
 def features_of(plan) -> Features:
     """The Features of a validated plan."""
-    return _features(bool(plan.compile), plan.loss, plan.loss_chunks, plan.fp8 or "", bool(plan.fp8_param_gather),
-                     parse_offload(plan.activation_offload), bool(plan.optimizer_in_backward),
-                     plan.compile in (True, "all"))
+    return _features(
+        bool(plan.compile),
+        plan.loss,
+        plan.loss_chunks,
+        plan.fp8 or "",
+        bool(plan.fp8_param_gather),
+        parse_offload(plan.activation_offload),
+        bool(plan.optimizer_in_backward),
+        plan.compile in (True, "all"),
+    )
 
 
 _CACHE: dict = {}
@@ -116,6 +132,7 @@ def _features(*key) -> Features:
 
 def _own_chunked_loss(plan) -> bool:
     from .frameworks import ALL
+
     fw = ALL.get(plan.convention)
     return fw is not None and fw.chunked_loss_wrapper
 
@@ -127,14 +144,21 @@ def describe(plan) -> list[str]:
         what = "layers" if plan.compile == "layers" else "layers and loss"
         out.append(f"torch.compile of the {what} (min-cut partitioner decides the saved activations)")
     if plan.loss != "standard":
-        chunked = (f"torchtitan's ChunkedLossWrapper ({plan.loss_chunks} chunks: output layer, loss and backward "
-                   "per chunk)" if _own_chunked_loss(plan)
-                   else f"chunked cross-entropy ({plan.loss_chunks} chunks)")
-        out.append({"chunked": chunked,
-                    "fused_linear": "fused linear cross-entropy (logits never whole)",
-                    "fused": "Megatron fused cross-entropy (native)",
-                    "fused_te": "TE fused cross-entropy (no fp32 logits copy)",
-                    "shifted": "the step's own cross-entropy on shifted logits (no .float())"}[plan.loss])
+        chunked = (
+            f"torchtitan's ChunkedLossWrapper ({plan.loss_chunks} chunks: output layer, loss and backward "
+            "per chunk)"
+            if _own_chunked_loss(plan)
+            else f"chunked cross-entropy ({plan.loss_chunks} chunks)"
+        )
+        out.append(
+            {
+                "chunked": chunked,
+                "fused_linear": "fused linear cross-entropy (logits never whole)",
+                "fused": "Megatron fused cross-entropy (native)",
+                "fused_te": "TE fused cross-entropy (no fp32 logits copy)",
+                "shifted": "the step's own cross-entropy on shifted logits (no .float())",
+            }[plan.loss]
+        )
     if plan.fp8:
         out.append(f"fp8 linears ({plan.fp8}{', fp8 param gather' if plan.fp8_param_gather else ''})")
     if parse_offload(plan.activation_offload):

@@ -39,8 +39,19 @@ for _names, _size in [
     (("fp64", "float64", "double", "complex64", "int64", "long", "uint64"), 8),
     (("fp32", "float32", "float", "int32", "int", "uint32", "complex32"), 4),
     (("bf16", "bfloat16", "fp16", "float16", "half", "int16", "short", "uint16"), 2),
-    (("fp8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-      "int8", "uint8", "bool"), 1),
+    (
+        (
+            "fp8",
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+            "int8",
+            "uint8",
+            "bool",
+        ),
+        1,
+    ),
     (("complex128",), 16),
 ]:
     for _n in _names:
@@ -95,7 +106,9 @@ class Tensor:
                 self.kind = TensorKind(self.kind)
             except ValueError:
                 kinds = ", ".join(k.value for k in TensorKind)
-                raise UserError(f"tensor {self.name!r}: unknown kind {self.kind!r}; use one of {kinds}") from None
+                raise UserError(
+                    f"tensor {self.name!r}: unknown kind {self.kind!r}; use one of {kinds}"
+                ) from None
         if self.persistent is None:
             self.persistent = self.kind in PERSISTENT_KINDS
         self.shape = tuple(self.shape)
@@ -120,7 +133,8 @@ class Tensor:
                 if not _is_known_dim(d):
                     raise UserError(
                         f"tensor {self.name!r} has unknown dimension {d!r} in shape {list(self.shape)}: "
-                        "give it \"bytes\" or bind the dimension (--dim NAME=SIZE)")
+                        'give it "bytes" or bind the dimension (--dim NAME=SIZE)'
+                    )
             self._nbytes = math.prod(self.shape) * dtype_bytes(self.dtype)
         return self._nbytes
 
@@ -211,25 +225,36 @@ class Program:
     def validate(self) -> None:
         """Every name an op uses is a declared tensor; sizes are known."""
         for i, op in enumerate(self.ops):
-            for group, names in (("input", op.inputs), ("output", op.outputs),
-                                 ("no_need_buffer", op.no_need_buffer), ("frees", op.frees)):
+            for group, names in (
+                ("input", op.inputs),
+                ("output", op.outputs),
+                ("no_need_buffer", op.no_need_buffer),
+                ("frees", op.frees),
+            ):
                 for n in names:
                     if n not in self.tensors:
-                        raise UserError(f"program {self.name!r} op #{i} ({op.label}): {group} {n!r} "
-                                        "is not a declared tensor; add it to \"tensors\"")
+                        raise UserError(
+                            f"program {self.name!r} op #{i} ({op.label}): {group} {n!r} "
+                            'is not a declared tensor; add it to "tensors"'
+                        )
             for n in op.no_need_buffer:
                 if n not in op.inputs:
-                    raise UserError(f"program {self.name!r} op #{i} ({op.label}): no_need_buffer {n!r} "
-                                    "is not one of the op's inputs")
+                    raise UserError(
+                        f"program {self.name!r} op #{i} ({op.label}): no_need_buffer {n!r} "
+                        "is not one of the op's inputs"
+                    )
             for n in op.retain_reads:
                 if n not in op.no_need_buffer:
-                    raise UserError(f"program {self.name!r} op #{i} ({op.label}): retain_reads {n!r} "
-                                    "is not one of the op's no_need_buffer inputs")
+                    raise UserError(
+                        f"program {self.name!r} op #{i} ({op.label}): retain_reads {n!r} "
+                        "is not one of the op's no_need_buffer inputs"
+                    )
         for t in self.tensors.values():
             t.nbytes  # raises on unknown dimensions
 
 
 # Symbolic dimensions ------------------------------------------------------------------------
+
 
 def resolve_dims(programs: Iterable[Program], dims: Mapping[str, int]) -> None:
     """Bind symbolic dimensions (shape entries that are strings) in place."""
@@ -246,6 +271,7 @@ def resolve_dims(programs: Iterable[Program], dims: Mapping[str, int]) -> None:
 
 
 # JSON ---------------------------------------------------------------------------------------
+
 
 def _tensor_to_json(t: Tensor) -> dict:
     d: dict = {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind.value}
@@ -272,9 +298,13 @@ def programs_to_json(programs: Sequence[Program]) -> dict:
     for p in programs:
         for name, t in p.tensors.items():
             tensors.setdefault(name, _tensor_to_json(t))
-    return {"format": FORMAT, "tensors": tensors,
-            "programs": [{"name": p.name, "type": p.type, "ops": [_op_to_json(o) for o in p.ops]}
-                         for p in programs]}
+    return {
+        "format": FORMAT,
+        "tensors": tensors,
+        "programs": [
+            {"name": p.name, "type": p.type, "ops": [_op_to_json(o) for o in p.ops]} for p in programs
+        ],
+    }
 
 
 def save_programs(programs: Sequence[Program], path: str | Path) -> None:
@@ -282,26 +312,38 @@ def save_programs(programs: Sequence[Program], path: str | Path) -> None:
 
 
 _TENSOR_KEYS = {"shape", "dtype", "kind", "storage", "persistent", "bytes"}
-_OP_KEYS = {"type", "inputs", "outputs", "name", "no_need_buffer", "frees", "workspace_bytes", "phase", "module",
-            "retain_reads"}
+_OP_KEYS = {
+    "type",
+    "inputs",
+    "outputs",
+    "name",
+    "no_need_buffer",
+    "frees",
+    "workspace_bytes",
+    "phase",
+    "module",
+    "retain_reads",
+}
 
 
-def programs_from_json(doc: object, source: str = "<json>", dims: Mapping[str, int] | None = None) -> list[Program]:
+def programs_from_json(
+    doc: object, source: str = "<json>", dims: Mapping[str, int] | None = None
+) -> list[Program]:
     """Build programs from a parsed ``pipemem.programs/1`` document, checking every field;
     `dims` binds symbolic dimensions before sizes are checked."""
     if not isinstance(doc, dict) or not isinstance(doc.get("programs"), list):
-        raise UserError(f"{source}: not a pipemem programs file (expected an object with a \"programs\" list)")
+        raise UserError(f'{source}: not a pipemem programs file (expected an object with a "programs" list)')
     fmt = doc.get("format", FORMAT)
     if fmt != FORMAT:
         raise UserError(f"{source}: format {fmt!r} is not supported; expected {FORMAT!r}")
     shared = doc.get("tensors", {})
     if not isinstance(shared, dict):
-        raise UserError(f"{source}: \"tensors\" must be an object of name -> tensor")
+        raise UserError(f'{source}: "tensors" must be an object of name -> tensor')
     table = {name: _tensor_from_json(name, spec, source) for name, spec in shared.items()}
     programs = []
     for i, pd in enumerate(doc["programs"]):
         if not isinstance(pd, dict) or not isinstance(pd.get("ops"), list):
-            raise UserError(f"{source}: programs[{i}] must be an object with an \"ops\" list")
+            raise UserError(f'{source}: programs[{i}] must be an object with an "ops" list')
         name = str(pd.get("name") or f"program{i}")
         local = {n: _tensor_from_json(n, s, source) for n, s in (pd.get("tensors") or {}).items()}
         prog = Program(name=name, type=str(pd.get("type") or name))
@@ -310,8 +352,10 @@ def programs_from_json(doc: object, source: str = "<json>", dims: Mapping[str, i
             for n in (*op.inputs, *op.outputs, *op.frees):
                 t = local.get(n) or table.get(n)
                 if t is None:
-                    raise UserError(f"{source}: program {name!r} op #{j} ({op.label}) references tensor {n!r}, "
-                                    "which is not declared in \"tensors\"")
+                    raise UserError(
+                        f"{source}: program {name!r} op #{j} ({op.label}) references tensor {n!r}, "
+                        'which is not declared in "tensors"'
+                    )
                 prog.tensors[n] = t
             prog.ops.append(op)
         programs.append(prog)
@@ -327,28 +371,35 @@ def _tensor_from_json(name: str, spec: object, source: str) -> Tensor:
         raise UserError(f"{source}: tensor {name!r} must be an object")
     extra = set(spec) - _TENSOR_KEYS
     if extra:
-        raise UserError(f"{source}: tensor {name!r} has unknown field(s) {sorted(extra)}; "
-                        f"allowed: {sorted(_TENSOR_KEYS)}")
+        raise UserError(
+            f"{source}: tensor {name!r} has unknown field(s) {sorted(extra)}; allowed: {sorted(_TENSOR_KEYS)}"
+        )
     shape = spec.get("shape", [])
     if not isinstance(shape, list):
-        raise UserError(f"{source}: tensor {name!r}: \"shape\" must be a list")
+        raise UserError(f'{source}: tensor {name!r}: "shape" must be a list')
     if "dtype" in spec and not isinstance(spec["dtype"], str):
-        raise UserError(f"{source}: tensor {name!r}: \"dtype\" must be a string")
+        raise UserError(f'{source}: tensor {name!r}: "dtype" must be a string')
     try:
         dtype_bytes(spec.get("dtype", "fp32"))
     except UserError as e:
         raise UserError(f"{source}: tensor {name!r}: {e}") from None
     nbytes = spec.get("bytes")
     if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 0):
-        raise UserError(f"{source}: tensor {name!r}: \"bytes\" must be a non-negative integer")
-    return Tensor(name=name, shape=tuple(None if d == -1 else d for d in shape),
-                  dtype=spec.get("dtype", "fp32"), kind=spec.get("kind", "activation"),
-                  storage=str(spec.get("storage") or name), persistent=spec.get("persistent"), bytes=nbytes)
+        raise UserError(f'{source}: tensor {name!r}: "bytes" must be a non-negative integer')
+    return Tensor(
+        name=name,
+        shape=tuple(None if d == -1 else d for d in shape),
+        dtype=spec.get("dtype", "fp32"),
+        kind=spec.get("kind", "activation"),
+        storage=str(spec.get("storage") or name),
+        persistent=spec.get("persistent"),
+        bytes=nbytes,
+    )
 
 
 def _op_from_json(od: object, where: str) -> Op:
     if not isinstance(od, dict) or "type" not in od:
-        raise UserError(f"{where}: an op must be an object with a \"type\"")
+        raise UserError(f'{where}: an op must be an object with a "type"')
     extra = set(od) - _OP_KEYS
     if extra:
         raise UserError(f"{where}: unknown field(s) {sorted(extra)}; allowed: {sorted(_OP_KEYS)}")
@@ -356,13 +407,19 @@ def _op_from_json(od: object, where: str) -> Op:
     for key in ("inputs", "outputs", "no_need_buffer", "frees", "retain_reads"):
         v = od.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise UserError(f"{where}: \"{key}\" must be a list of tensor names")
+            raise UserError(f'{where}: "{key}" must be a list of tensor names')
         lists[key] = tuple(v)
     ws = od.get("workspace_bytes", 0)
     if not isinstance(ws, int) or ws < 0:
-        raise UserError(f"{where}: \"workspace_bytes\" must be a non-negative integer")
-    return Op(type=str(od["type"]), name=str(od.get("name", "")), workspace_bytes=ws,
-              phase=str(od.get("phase", "")), module=str(od.get("module", "")), **lists)
+        raise UserError(f'{where}: "workspace_bytes" must be a non-negative integer')
+    return Op(
+        type=str(od["type"]),
+        name=str(od.get("name", "")),
+        workspace_bytes=ws,
+        phase=str(od.get("phase", "")),
+        module=str(od.get("module", "")),
+        **lists,
+    )
 
 
 def load_programs(path: str | Path, dims: Mapping[str, int] | None = None) -> list[Program]:

@@ -29,7 +29,7 @@ JOB_KINDS = ("F", "B", "I", "W", "optimizer")
 class JobMemory:
     net_bytes: int
     peak_bytes: int
-    seconds: float = 0.0   # modelled duration, for the schedule time model (0 = unknown)
+    seconds: float = 0.0  # modelled duration, for the schedule time model (0 = unknown)
 
     def to_dict(self) -> dict:
         return {"net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes}
@@ -86,9 +86,9 @@ class StaticBytes:
         (--step first)."""
 
     params: int = 0
-    grads: int = 0        # resident gradient storage: fp32 main-grad buffers, DDP buckets
-    optimizer: int = 0    # optimizer states incl. fp32 master weights
-    other: int = 0        # buffers, CUDA context, comm buffers that persist...
+    grads: int = 0  # resident gradient storage: fp32 main-grad buffers, DDP buckets
+    optimizer: int = 0  # optimizer states incl. fp32 master weights
+    other: int = 0  # buffers, CUDA context, comm buffers that persist...
     grads_in_step: int = 0
     optimizer_in_step: int = 0
 
@@ -97,9 +97,15 @@ class StaticBytes:
         return self.params + self.grads + self.optimizer + self.other
 
     def to_dict(self) -> dict:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "other": self.other, "total": self.total, "grads_in_step": self.grads_in_step,
-                "optimizer_in_step": self.optimizer_in_step}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "other": self.other,
+            "total": self.total,
+            "grads_in_step": self.grads_in_step,
+            "optimizer_in_step": self.optimizer_in_step,
+        }
 
     def plus(self, other: int = 0) -> "StaticBytes":
         """The same state with `other` more bytes held for the whole step."""
@@ -120,10 +126,10 @@ class StageJobs:
     W: JobMemory | None = None
     layers: range | tuple = ()
     notes: dict = field(default_factory=dict)
-    input_bytes: int = 0          # x, received from the previous stage (0 on the first)
-    output_bytes: int = 0         # y, sent to the next stage (on the last: what the runtime keeps)
-    input_grad_bytes: int = 0     # dx, sent back (0 on the first)
-    output_grad_bytes: int = 0    # dy, received from the next stage (0 on the last)
+    input_bytes: int = 0  # x, received from the previous stage (0 on the first)
+    output_bytes: int = 0  # y, sent to the next stage (on the last: what the runtime keeps)
+    input_grad_bytes: int = 0  # dx, sent back (0 on the first)
+    output_grad_bytes: int = 0  # dy, received from the next stage (0 on the last)
 
     def job(self, kind: str) -> JobMemory:
         j = getattr(self, kind, None)

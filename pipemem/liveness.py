@@ -22,9 +22,9 @@ every program until its last user frees it.
 from __future__ import annotations
 
 import gc
+import operator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-import operator
 from operator import attrgetter
 from typing import Iterable, Sequence
 
@@ -42,17 +42,17 @@ _ID = attrgetter("_id")
 class CompiledProgram:
     """A program flattened to arrays: one row per storage, one entry per op."""
 
-    storage_names: list[str]   # by id; ids that are no storage (views) are never touched
-    sizes: np.ndarray          # int64 bytes per storage (largest tensor on it)
-    persistent: np.ndarray     # bool per storage
-    first_op: np.ndarray       # int64 op index of the first touch (-1 untouched)
+    storage_names: list[str]  # by id; ids that are no storage (views) are never touched
+    sizes: np.ndarray  # int64 bytes per storage (largest tensor on it)
+    persistent: np.ndarray  # bool per storage
+    first_op: np.ndarray  # int64 op index of the first touch (-1 untouched)
     first_is_write: np.ndarray  # bool: first touch allocates
-    last_op: np.ndarray        # int64 op index of the last touch (-1 untouched)
-    touched: np.ndarray        # bool per storage
-    workspace: np.ndarray      # int64 per op
-    tensors: list = field(repr=False)            # the program's tensors, in id order
-    by_name: dict = field(repr=False)            # the program's name -> tensor dict
-    extra_storages: dict = field(repr=False)     # storage names no tensor is named after -> id
+    last_op: np.ndarray  # int64 op index of the last touch (-1 untouched)
+    touched: np.ndarray  # bool per storage
+    workspace: np.ndarray  # int64 per op
+    tensors: list = field(repr=False)  # the program's tensors, in id order
+    by_name: dict = field(repr=False)  # the program's name -> tensor dict
+    extra_storages: dict = field(repr=False)  # storage names no tensor is named after -> id
 
     def storage_id(self, name: str) -> int | None:
         """Id of the storage called `name` (storage ids are the ids of same-named tensors)."""
@@ -99,7 +99,9 @@ def _flatten(program: Program) -> CompiledProgram:
     names = list(by_name)
     tensor_storages = list(map(attrgetter("storage"), tensors))
     tensor_storage = np.arange(n_tensors, dtype=np.int64)
-    moved = np.flatnonzero(~np.fromiter(map(operator.eq, tensor_storages, names), dtype=bool, count=n_tensors))
+    moved = np.flatnonzero(
+        ~np.fromiter(map(operator.eq, tensor_storages, names), dtype=bool, count=n_tensors)
+    )
     extra: dict[str, int] = {}
     if moved.size:  # views and in-place results: their base's id
         moved_storages = [tensor_storages[i] for i in moved.tolist()]
@@ -123,14 +125,18 @@ def _flatten(program: Program) -> CompiledProgram:
     sizes = np.zeros(n_storages, dtype=np.int64)
     np.maximum.at(sizes, tensor_storage, tensor_bytes)
     persistent = np.zeros(n_storages, dtype=bool)
-    persistent[tensor_storage[np.fromiter(map(attrgetter("persistent"), tensors), dtype=bool, count=n_tensors)]] = True
+    persistent[
+        tensor_storage[np.fromiter(map(attrgetter("persistent"), tensors), dtype=bool, count=n_tensors)]
+    ] = True
 
     ops = program.ops
     n_ops = len(ops)
     reads = list(map(attrgetter("inputs"), ops))
     if any(map(attrgetter("no_need_buffer"), ops)):
-        reads = [op.inputs if not op.no_need_buffer else tuple(n for n in op.inputs if n not in op.no_need_buffer)
-                 for op in ops]
+        reads = [
+            op.inputs if not op.no_need_buffer else tuple(n for n in op.inputs if n not in op.no_need_buffer)
+            for op in ops
+        ]
     writes = list(map(attrgetter("outputs"), ops))
     frees = list(map(attrgetter("frees"), ops)) if any(map(attrgetter("frees"), ops)) else None
     op_ids = np.arange(n_ops, dtype=np.int64)
@@ -141,8 +147,9 @@ def _flatten(program: Program) -> CompiledProgram:
         counts = np.fromiter(map(len, groups), dtype=np.int64, count=n_ops)
         total = int(counts.sum())
         try:
-            tids = np.fromiter(map(_ID, map(by_name.__getitem__, chain.from_iterable(groups))),
-                               dtype=np.int64, count=total)
+            tids = np.fromiter(
+                map(_ID, map(by_name.__getitem__, chain.from_iterable(groups))), dtype=np.int64, count=total
+            )
         except KeyError:
             program.validate()  # names the op and the undeclared tensor
             raise
@@ -180,23 +187,29 @@ class ProgramMemory:
     name: str
     net_bytes: int
     peak_bytes: int
-    peak_op: int                 # index of the op at the peak (-1: empty program)
+    peak_op: int  # index of the op at the peak (-1: empty program)
     peak_op_label: str
-    live_after: frozenset[str]   # storages alive when the program ends (entry ones included)
-    retained: frozenset[str]     # storages this program keeps for later programs
+    live_after: frozenset[str]  # storages alive when the program ends (entry ones included)
+    retained: frozenset[str]  # storages this program keeps for later programs
     during: np.ndarray = field(repr=False)  # bytes while op i runs
-    after: np.ndarray = field(repr=False)   # bytes after op i
+    after: np.ndarray = field(repr=False)  # bytes after op i
     # the walk's boundary, kept so the allocation stream can be read back (program_events)
     entry: tuple = field(repr=False, default=())
     keep: tuple = field(repr=False, default=())
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes,
-                "peak_op": self.peak_op_label, "peak_op_index": self.peak_op}
+        return {
+            "name": self.name,
+            "net_bytes": self.net_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_op": self.peak_op_label,
+            "peak_op_index": self.peak_op,
+        }
 
 
-def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: Iterable[str] = (),
-                    granularity: int = 1) -> ProgramMemory:
+def analyze_program(
+    program: Program, live_on_entry: Iterable[str] = (), keep: Iterable[str] = (), granularity: int = 1
+) -> ProgramMemory:
     """Net change and peak of `program`.
 
     live_on_entry: storages already allocated when it starts (carried from earlier programs);
@@ -233,11 +246,18 @@ def analyze_program(program: Program, live_on_entry: Iterable[str] = (), keep: I
     live_after = {n for n in live_on_entry if (i := c.storage_id(n)) is None or not freed[i]}
     live_after.update(names[i] for i in np.flatnonzero(allocated & ~freed))
     return ProgramMemory(
-        name=program.name, net_bytes=net, peak_bytes=peak, peak_op=peak_op,
+        name=program.name,
+        net_bytes=net,
+        peak_bytes=peak,
+        peak_op=peak_op,
         peak_op_label=program.ops[peak_op].label if peak_op >= 0 else "",
         live_after=frozenset(live_after),
         retained=frozenset(names[i] for i in np.flatnonzero(c.touched & kept & ~c.persistent)),
-        during=during, after=after, entry=tuple(live_on_entry), keep=keep)
+        during=during,
+        after=after,
+        entry=tuple(live_on_entry),
+        keep=keep,
+    )
 
 
 def program_events(program: Program, result: ProgramMemory) -> tuple[np.ndarray, ...]:
@@ -255,8 +275,14 @@ def program_events(program: Program, result: ProgramMemory) -> tuple[np.ndarray,
     free = np.flatnonzero(c.touched & ~kept)
     ws = np.flatnonzero(c.workspace)
     key = np.concatenate([c.first_op[alloc] * 4, ws * 4 + 1, ws * 4 + 2, c.last_op[free] * 4 + 3])
-    sign = np.concatenate([np.ones(alloc.size, np.int64), np.ones(ws.size, np.int64),
-                           -np.ones(ws.size, np.int64), -np.ones(free.size, np.int64)])
+    sign = np.concatenate(
+        [
+            np.ones(alloc.size, np.int64),
+            np.ones(ws.size, np.int64),
+            -np.ones(ws.size, np.int64),
+            -np.ones(free.size, np.int64),
+        ]
+    )
     size = np.concatenate([c.sizes[alloc], c.workspace[ws], c.workspace[ws], c.sizes[free]])
     sid = np.concatenate([alloc, -np.ones(2 * ws.size, np.int64), free])
     order = np.argsort(key, kind="stable")
@@ -295,8 +321,9 @@ def retention_sets(programs: Sequence[Program]) -> list[set[str]]:
     return out
 
 
-def analyze_sequence(programs: Sequence[Program], live_on_entry: Iterable[str] = (),
-                     granularity: int = 1) -> list[ProgramMemory]:
+def analyze_sequence(
+    programs: Sequence[Program], live_on_entry: Iterable[str] = (), granularity: int = 1
+) -> list[ProgramMemory]:
     """Walk programs in order, carrying what later programs need from one to the next."""
     keep = retention_sets(programs)
     live = frozenset(live_on_entry)

@@ -20,8 +20,19 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 
 # model_type -> family handled by the same reader.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-               "internlm2", "yi"}
+_LLAMA_LIKE = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "internlm2",
+    "yi",
+}
 _MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 
@@ -46,10 +57,15 @@ class UnmodelledFamily(UserError):
 def refuse_unmodelled(name: str, model_type: str, feature: str | None = None) -> UnmodelledFamily:
     """The one-line refusal of template mode for a family or feature it does not model."""
     feature = feature or UNMODELLED.get(model_type)
-    what = (f"template mode does not model {feature} (model_type {model_type!r})" if feature else
-            f"model_type {model_type!r} has no template family (those: {', '.join(MODEL_TYPES)})")
-    return UnmodelledFamily(f"config of {name}: {what}; use --mode traced (pipemem estimate), which runs "
-                            "transformers' own modules")
+    what = (
+        f"template mode does not model {feature} (model_type {model_type!r})"
+        if feature
+        else f"model_type {model_type!r} has no template family (those: {', '.join(MODEL_TYPES)})"
+    )
+    return UnmodelledFamily(
+        f"config of {name}: {what}; use --mode traced (pipemem estimate), which runs "
+        "transformers' own modules"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,27 +77,27 @@ class ArchSpec:
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int                       # dense FFN width (intermediate size)
-    vocab: int                     # unpadded
+    ffn: int  # dense FFN width (intermediate size)
+    vocab: int  # unpadded
     norm: str = "rmsnorm"
     activation: str = "swiglu"
-    act_fn: str = ""               # the HF name (gelu_new, gelu_pytorch_tanh, silu...): how eager HF computes it
-    position: str = "rope"         # rope | learned
+    act_fn: str = ""  # the HF name (gelu_new, gelu_pytorch_tanh, silu...): how eager HF computes it
+    position: str = "rope"  # rope | learned
     max_positions: int = 0
     tied_embeddings: bool = False
     qkv_bias: bool = False
-    out_bias: bool = False         # attention output projection bias
+    out_bias: bool = False  # attention output projection bias
     mlp_bias: bool = False
     qk_norm: bool = False
-    qk_norm_scope: str = "head"    # head: per head (qwen3); proj: over the whole q / k projection (olmo2)
-    norm_affine: bool = True       # False: LayerNorm without weight and bias (olmo)
+    qk_norm_scope: str = "head"  # head: per head (qwen3); proj: over the whole q / k projection (olmo2)
+    norm_affine: bool = True  # False: LayerNorm without weight and bias (olmo)
     norm_weight_first: bool = False  # RMSNorm scales by the fp32 weight, then casts (olmo2, gemma), not
-                                     # cast, then scale (llama)
-    norm_placement: str = "pre"    # pre: norm -> block -> add; post: block -> norm -> add (olmo2);
-                                   # sandwich: norm -> block -> norm -> add (gemma2)
+    # cast, then scale (llama)
+    norm_placement: str = "pre"  # pre: norm -> block -> add; post: block -> norm -> add (olmo2);
+    # sandwich: norm -> block -> norm -> add (gemma2)
     parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
-    fused_qkv: bool = False        # the HF module computes q, k, v with one linear (gpt2 c_attn, neox)
-    conv1d: bool = False           # HF Conv1D linears (gpt2): `addmm(b, x, W)` saves the parameter W itself
+    fused_qkv: bool = False  # the HF module computes q, k, v with one linear (gpt2 c_attn, neox)
+    conv1d: bool = False  # HF Conv1D linears (gpt2): `addmm(b, x, W)` saves the parameter W itself
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     embd_dropout: float = 0.0
@@ -89,16 +105,18 @@ class ArchSpec:
     experts: int = 0
     top_k: int = 0
     expert_ffn: int = 0
-    shared_experts: int = 0        # count of shared experts (width shared_ffn each, fused)
+    shared_experts: int = 0  # count of shared experts (width shared_ffn each, fused)
     shared_ffn: int = 0
-    attn_softcap: float = 0.0      # tanh soft-capping of the attention scores (gemma2; 0: none)
-    final_softcap: float = 0.0     # tanh soft-capping of the output logits (gemma2; 0: none)
-    hf_sdpa: bool = True           # HF's module can run SDPA (gemma2's cannot: HF trains it with eager attention)
-    shared_expert_gate: bool = False   # a sigmoid gate [1, hidden] scales the shared expert's output (qwen2_moe)
-    router_norm_topk: bool = True      # top-k routing weights renormalised to sum 1 (HF norm_topk_prob)
+    attn_softcap: float = 0.0  # tanh soft-capping of the attention scores (gemma2; 0: none)
+    final_softcap: float = 0.0  # tanh soft-capping of the output logits (gemma2; 0: none)
+    hf_sdpa: bool = True  # HF's module can run SDPA (gemma2's cannot: HF trains it with eager attention)
+    shared_expert_gate: bool = (
+        False  # a sigmoid gate [1, hidden] scales the shared expert's output (qwen2_moe)
+    )
+    router_norm_topk: bool = True  # top-k routing weights renormalised to sum 1 (HF norm_topk_prob)
     router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
-    dense_layers: tuple[int, ...] = ()   # layer indices that stay dense in a MoE model
-    sliding_window: int = 0        # window of the sliding-window layers (gemma3_text); 0: none modelled
+    dense_layers: tuple[int, ...] = ()  # layer indices that stay dense in a MoE model
+    sliding_window: int = 0  # window of the sliding-window layers (gemma3_text); 0: none modelled
 
     @property
     def is_moe(self) -> bool:
@@ -121,10 +139,15 @@ class ArchSpec:
         total = sum(_prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items())
         dense = [i for i in self.dense_layers if i < self.layers] if self.is_moe else []
         moe_index = next((i for i in range(len(dense) + 1) if i not in dense), 0)
-        kinds = ((moe_index, self.layers - len(dense)), (dense[0], len(dense))) if self.is_moe and dense else \
-            ((moe_index, self.layers),)
-        for index, n in kinds:     # one layer of each kind: the cost does not grow with the layer count
-            total += n * sum(_prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items())
+        kinds = (
+            ((moe_index, self.layers - len(dense)), (dense[0], len(dense)))
+            if self.is_moe and dense
+            else ((moe_index, self.layers),)
+        )
+        for index, n in kinds:  # one layer of each kind: the cost does not grow with the layer count
+            total += n * sum(
+                _prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items()
+            )
         return total
 
 
@@ -148,8 +171,10 @@ class _Reader:
             if v is not None:
                 return v
         alts = " or ".join(repr(k) for k in keys)
-        raise UserError(f"config of {self.name}: missing key {alts} (model_type {self.c.get('model_type')!r}); "
-                        "add it to the config (a Hugging Face config.json of the model has it)")
+        raise UserError(
+            f"config of {self.name}: missing key {alts} (model_type {self.c.get('model_type')!r}); "
+            "add it to the config (a Hugging Face config.json of the model has it)"
+        )
 
     def opt(self, key: str, default: Any) -> Any:
         v = self.c.get(key)
@@ -210,19 +235,45 @@ def text_model_config(config: Mapping[str, Any]) -> tuple[dict, str | None]:
     for k in ("_pipemem_source", "_pipemem_note", "_name_or_path", "tie_word_embeddings"):
         if k in config and k not in out:
             out[k] = config[k]
-    note = (f"model_type {mt!r} is multimodal: its text model ({out['model_type']}) is estimated; the "
-            "vision encoder's parameters and activations are not counted")
+    note = (
+        f"model_type {mt!r} is multimodal: its text model ({out['model_type']}) is estimated; the "
+        "vision encoder's parameters and activations are not counted"
+    )
     return out, note
 
 
 # Keys without which transformers would build a different model from its defaults, per family
 _FAMILY_KEYS = {
-    "deepseek_v2": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
-    "deepseek_v3": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
-    "kimi_k2": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "deepseek_v2": (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ),
+    "deepseek_v3": (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ),
+    "kimi_k2": (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ),
     "glm4_moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
     "olmoe": ("num_experts", "num_experts_per_tok"),
@@ -245,45 +296,61 @@ def check_config(config: Mapping[str, Any], name: str = "", family_keys: bool = 
     if family_keys:
         missing = [k for k in _FAMILY_KEYS.get(mt, ()) if k not in config]
         if missing:
-            raise UserError(f"config of {r.name}: missing key {missing[0]!r} (model_type {mt!r} needs "
-                            f"{', '.join(repr(k) for k in _FAMILY_KEYS[mt])}); transformers would build its "
-                            "default shapes without it; add it from the model's config.json")
-    if config.get("kv_lora_rank"):      # multi-head latent attention
+            raise UserError(
+                f"config of {r.name}: missing key {missing[0]!r} (model_type {mt!r} needs "
+                f"{', '.join(repr(k) for k in _FAMILY_KEYS[mt])}); transformers would build its "
+                "default shapes without it; add it from the model's config.json"
+            )
+    if config.get("kv_lora_rank"):  # multi-head latent attention
         for k in _MLA_KEYS:
             r.pos_int(k)
         heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
         if kv is not None and heads is not None and kv != heads:
-            raise UserError(f"config of {r.name}: num_key_value_heads={kv} must equal num_attention_heads="
-                            f"{heads} with multi-head latent attention (kv_lora_rank): K and V are "
-                            "up-projected per head")
+            raise UserError(
+                f"config of {r.name}: num_key_value_heads={kv} must equal num_attention_heads="
+                f"{heads} with multi-head latent attention (kv_lora_rank): K and V are "
+                "up-projected per head"
+            )
     experts = next((config[k] for k in _EXPERT_KEYS if config.get(k) is not None), None)
     n_group = config.get("n_group")
     if experts is not None and n_group is not None:
         if not isinstance(n_group, int) or n_group <= 0 or not isinstance(experts, int) or experts % n_group:
-            raise UserError(f"config of {r.name}: n_group={n_group!r} must be a positive divisor of the "
-                            f"{experts!r} routed experts (group-limited routing splits them into equal "
-                            "groups)")
+            raise UserError(
+                f"config of {r.name}: n_group={n_group!r} must be a positive divisor of the "
+                f"{experts!r} routed experts (group-limited routing splits them into equal "
+                "groups)"
+            )
         topk_group = config.get("topk_group")
         if topk_group is not None and not (isinstance(topk_group, int) and 0 < topk_group <= n_group):
-            raise UserError(f"config of {r.name}: topk_group={topk_group!r} must be in 1..{n_group} "
-                            "(n_group)")
+            raise UserError(
+                f"config of {r.name}: topk_group={topk_group!r} must be in 1..{n_group} (n_group)"
+            )
     top_k = config.get("num_experts_per_tok")
-    if experts is not None and top_k is not None and isinstance(experts, int) and isinstance(top_k, int) \
-            and not 0 < top_k <= experts:
+    if (
+        experts is not None
+        and top_k is not None
+        and isinstance(experts, int)
+        and isinstance(top_k, int)
+        and not 0 < top_k <= experts
+    ):
         raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
     layers = config.get("num_hidden_layers")
     for k in _PER_LAYER_KEYS:
         v = config.get(k)
-        if k == "no_rope_layers" and v == []:     # Llama 4: empty = transformers' default pattern
+        if k == "no_rope_layers" and v == []:  # Llama 4: empty = transformers' default pattern
             continue
         if isinstance(layers, int) and v is not None and (not isinstance(v, list) or len(v) != layers):
             got = f"{len(v)} entries" if isinstance(v, list) else type(v).__name__
-            raise UserError(f"config of {r.name}: {k!r} must list one entry per layer (num_hidden_layers="
-                            f"{layers}), got {got}")
+            raise UserError(
+                f"config of {r.name}: {k!r} must list one entry per layer (num_hidden_layers="
+                f"{layers}), got {got}"
+            )
     first_dense = config.get("first_k_dense_replace")
     if isinstance(layers, int) and isinstance(first_dense, int) and not 0 <= first_dense <= layers:
-        raise UserError(f"config of {r.name}: first_k_dense_replace={first_dense} must be in 0..{layers} "
-                        "(num_hidden_layers)")
+        raise UserError(
+            f"config of {r.name}: first_k_dense_replace={first_dense} must be in 0..{layers} "
+            "(num_hidden_layers)"
+        )
 
 
 def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
@@ -296,22 +363,34 @@ def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
     kv = int(r.opt("num_key_value_heads", heads) or heads)
     # MLA: the query / key head (nope + rope parts); transformers' DeepSeek configs set head_dim to
     # the rope part alone
-    mla = (r.opt("qk_nope_head_dim", 0) or 0) + (r.opt("qk_rope_head_dim", 0) or 0) \
-        if config.get("kv_lora_rank") else 0
+    mla = (
+        (r.opt("qk_nope_head_dim", 0) or 0) + (r.opt("qk_rope_head_dim", 0) or 0)
+        if config.get("kv_lora_rank")
+        else 0
+    )
     head_dim = mla or r.opt("head_dim", None) or hidden // heads
     experts = int(next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0) or 0)
     layers = r.pos_int("num_hidden_layers", "n_layer")
     first_dense = int(r.opt("first_k_dense_replace", 0) or 0)
     return ArchSpec(
-        name=r.name, model_type=str(config.get("model_type") or "model"), layers=layers, hidden=hidden,
-        heads=heads, kv_heads=kv, head_dim=int(head_dim),
-        ffn=int(r.opt("intermediate_size", 0) or r.opt("n_inner", 0) or 0), vocab=r.pos_int("vocab_size"),
+        name=r.name,
+        model_type=str(config.get("model_type") or "model"),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(head_dim),
+        ffn=int(r.opt("intermediate_size", 0) or r.opt("n_inner", 0) or 0),
+        vocab=r.pos_int("vocab_size"),
         max_positions=int(r.opt("max_position_embeddings", 0) or 0),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)), experts=experts,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        experts=experts,
         top_k=int(r.opt("num_experts_per_tok", 0) or 0) if experts else 0,
         expert_ffn=int(r.opt("moe_intermediate_size", 0) or r.opt("intermediate_size", 0) or 0)
-        if experts else 0,
-        dense_layers=tuple(range(min(first_dense, layers))) if experts else ())
+        if experts
+        else 0,
+        dense_layers=tuple(range(min(first_dense, layers))) if experts else (),
+    )
 
 
 def _gpt2(r: _Reader) -> ArchSpec:
@@ -319,17 +398,34 @@ def _gpt2(r: _Reader) -> ArchSpec:
     heads = r.pos_int("n_head", "num_attention_heads")
     _check_div(r, hidden, heads, "n_embd", "n_head")
     inner = r.opt("n_inner", None) or 4 * hidden
-    bias = bool(r.opt("add_bias_linear", True))   # Megatron's --disable-bias-linear (HF GPT-2 always has biases)
+    bias = bool(
+        r.opt("add_bias_linear", True)
+    )  # Megatron's --disable-bias-linear (HF GPT-2 always has biases)
     return ArchSpec(
-        name=r.name, model_type="gpt2", layers=r.pos_int("n_layer", "num_hidden_layers"), hidden=hidden,
-        heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=int(inner), vocab=r.pos_int("vocab_size"),
-        norm="layernorm", activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
+        name=r.name,
+        model_type="gpt2",
+        layers=r.pos_int("n_layer", "num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn=int(inner),
+        vocab=r.pos_int("vocab_size"),
+        norm="layernorm",
+        activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
         act_fn=str(r.opt("activation_function", "gelu_new")),
-        position="learned", max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", True)), qkv_bias=bias, out_bias=bias, mlp_bias=bias,
-        fused_qkv=True, conv1d=True,
-        attn_dropout=float(r.opt("attn_pdrop", 0.1)), hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
-        embd_dropout=float(r.opt("embd_pdrop", 0.1)))
+        position="learned",
+        max_positions=int(r.opt("n_positions", r.opt("max_position_embeddings", 0))),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", True)),
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=bias,
+        fused_qkv=True,
+        conv1d=True,
+        attn_dropout=float(r.opt("attn_pdrop", 0.1)),
+        hidden_dropout=float(r.opt("resid_pdrop", 0.1)),
+        embd_dropout=float(r.opt("embd_pdrop", 0.1)),
+    )
 
 
 def _gpt_neox(r: _Reader) -> ArchSpec:
@@ -337,15 +433,29 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
     heads = r.pos_int("num_attention_heads")
     _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
     return ArchSpec(
-        name=r.name, model_type="gpt_neox", layers=r.pos_int("num_hidden_layers"), hidden=hidden, heads=heads,
-        kv_heads=heads, head_dim=hidden // heads, ffn=r.pos_int("intermediate_size"), vocab=r.pos_int("vocab_size"),
-        norm="layernorm", activation=_activation(r.opt("hidden_act", "gelu"), False, r.name), position="rope",
+        name=r.name,
+        model_type="gpt_neox",
+        layers=r.pos_int("num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn=r.pos_int("intermediate_size"),
+        vocab=r.pos_int("vocab_size"),
+        norm="layernorm",
+        activation=_activation(r.opt("hidden_act", "gelu"), False, r.name),
+        position="rope",
         act_fn=str(r.opt("hidden_act", "gelu")),
         max_positions=int(r.opt("max_position_embeddings", 0)),
         tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
-        qkv_bias=bool(r.opt("attention_bias", True)), out_bias=bool(r.opt("attention_bias", True)), mlp_bias=True,
-        parallel_residual=bool(r.opt("use_parallel_residual", True)), fused_qkv=True,
-        attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=float(r.opt("hidden_dropout", 0.0)))
+        qkv_bias=bool(r.opt("attention_bias", True)),
+        out_bias=bool(r.opt("attention_bias", True)),
+        mlp_bias=True,
+        parallel_residual=bool(r.opt("use_parallel_residual", True)),
+        fused_qkv=True,
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        hidden_dropout=float(r.opt("hidden_dropout", 0.0)),
+    )
 
 
 # HF config classes whose head_dim default is a number, not hidden_size / num_attention_heads
@@ -354,9 +464,19 @@ _HF_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _HF_ACT = {"gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
 # Defaults of config classes whose published config.json files leave shape keys out (Gemma 3's
 # text configs: transformers 5.24 Gemma3TextConfig)
-_HF_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                                "head_dim": 256, "sliding_window": 4096, "tie_word_embeddings": True}}
+_HF_DEFAULTS = {
+    "gemma3_text": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+    }
+}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 
 
@@ -374,8 +494,10 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     heads = r.pos_int("num_attention_heads")
     kv = int(r.opt("num_key_value_heads", heads))
     if kv <= 0 or heads % kv:
-        raise UserError(f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
-                        f"num_attention_heads={heads}")
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+            f"num_attention_heads={heads}"
+        )
     head_dim = c.get("head_dim", _HF_HEAD_DIM.get(mt))
     if head_dim is None:
         _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
@@ -388,7 +510,9 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         experts = int(r.req("num_local_experts", "num_experts", "n_routed_experts"))
         top_k = int(r.req("num_experts_per_tok", "num_experts_per_token"))
         if experts <= 0 or not 0 < top_k <= experts:
-            raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+            raise UserError(
+                f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)"
+            )
         if mt == "mixtral":
             expert_ffn = r.pos_int("intermediate_size")
         else:
@@ -396,54 +520,77 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         if mt == "qwen2_moe":
             shared_ffn = int(r.opt("shared_expert_intermediate_size", 0))
             shared = 1 if shared_ffn else 0
-            shared_gate = bool(shared)    # Qwen2MoeSparseMoeBlock.shared_expert_gate
+            shared_gate = bool(shared)  # Qwen2MoeSparseMoeBlock.shared_expert_gate
         elif mt.startswith("deepseek"):
             shared = int(r.opt("n_shared_experts", 0))
             shared_ffn = expert_ffn if shared else 0
         first_dense = int(r.opt("first_k_dense_replace", 0))
         step = int(r.opt("decoder_sparse_step", r.opt("moe_layer_freq", 1)) or 1)
         mlp_only = set(r.opt("mlp_only_layers", []) or [])
-        dense_layers = tuple(i for i in range(layers)
-                             if i < first_dense or i in mlp_only or (step > 1 and (i + 1) % step != 0))
+        dense_layers = tuple(
+            i for i in range(layers) if i < first_dense or i in mlp_only or (step > 1 and (i + 1) % step != 0)
+        )
     needs_dense_ffn = experts == 0 or bool(dense_layers)
     ffn = r.pos_int("intermediate_size") if needs_dense_ffn or "intermediate_size" in c else 0
     qkv_bias = bool(r.opt("attention_bias", mt in ("qwen2", "qwen2_moe")))
     act_fn = str(r.opt("hidden_act", None) or r.opt("hidden_activation", None) or _HF_ACT.get(mt, "silu"))
     return ArchSpec(
-        name=r.name, model_type=mt, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=int(head_dim),
+        name=r.name,
+        model_type=mt,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(head_dim),
         # olmo: LayerNorm in fp32 without weight or bias (OlmoLayerNorm)
-        ffn=ffn, vocab=r.pos_int("vocab_size"), norm="layernorm" if mt == "olmo" else "rmsnorm",
+        ffn=ffn,
+        vocab=r.pos_int("vocab_size"),
+        norm="layernorm" if mt == "olmo" else "rmsnorm",
         norm_affine=mt != "olmo",
-        activation=_activation(act_fn, True, r.name), act_fn=act_fn,
-        position="rope", max_positions=int(r.opt("max_position_embeddings", 0)),
+        activation=_activation(act_fn, True, r.name),
+        act_fn=act_fn,
+        position="rope",
+        max_positions=int(r.opt("max_position_embeddings", 0)),
         # HF's config classes tie by default only for gemma / gemma2
-        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in _GEMMA)), qkv_bias=qkv_bias,
+        tied_embeddings=bool(r.opt("tie_word_embeddings", mt in _GEMMA)),
+        qkv_bias=qkv_bias,
         out_bias=bool(r.opt("attention_bias", False)) and mt not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(r.opt("mlp_bias", False)),
         qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or bool(r.opt("qk_layernorm", False)),
         qk_norm_scope="proj" if mt == "olmo2" else "head",
         norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(mt, "pre"),
         norm_weight_first=mt in ("olmo2",) + _GEMMA,
-        attn_dropout=float(r.opt("attention_dropout", 0.0)), hidden_dropout=0.0,
-        experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared, shared_ffn=shared_ffn,
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=expert_ffn,
+        shared_experts=shared,
+        shared_ffn=shared_ffn,
         shared_expert_gate=shared_gate,
         attn_softcap=_softcap(r, "attn_logit_softcapping", 50.0 if mt == "gemma2" else 0)
-        if mt in _GEMMA[1:] else 0.0,
+        if mt in _GEMMA[1:]
+        else 0.0,
         final_softcap=_softcap(r, "final_logit_softcapping", 30.0 if mt == "gemma2" else 0)
-        if mt in _GEMMA[1:] else 0.0,
+        if mt in _GEMMA[1:]
+        else 0.0,
         # Gemma 3: local layers attend to a window, global ones to everything
         sliding_window=int(r.opt("sliding_window", 0) or 0) if mt == "gemma3_text" else 0,
         hf_sdpa=mt != "gemma2",
         # HF routers: Mixtral always renormalises its fp32 top-k weights; the Qwen MoE routers
         # only with norm_topk_prob (their configs default it off) and cast them to the logits' dtype
-        router_norm_topk=mt == "mixtral" or bool(r.opt("norm_topk_prob", mt not in ("qwen2_moe", "qwen3_moe"))),
+        router_norm_topk=mt == "mixtral"
+        or bool(r.opt("norm_topk_prob", mt not in ("qwen2_moe", "qwen3_moe"))),
         router_weights_cast=mt in ("qwen2_moe", "qwen3_moe"),
-        dense_layers=dense_layers)
+        dense_layers=dense_layers,
+    )
 
 
 def _check_div(r: _Reader, a: int, b: int, ka: str, kb: str) -> None:
     if a % b:
-        raise UserError(f"config of {r.name}: {ka}={a} is not divisible by {kb}={b}; add 'head_dim' to the config")
+        raise UserError(
+            f"config of {r.name}: {ka}={a} is not divisible by {kb}={b}; add 'head_dim' to the config"
+        )
 
 
 # Parameter shapes of one rank's shard -----------------------------------------------------
@@ -451,7 +598,10 @@ def _check_div(r: _Reader, a: int, b: int, ka: str, kb: str) -> None:
 # and etp and their gradients reduced over the expert-data-parallel group; the rest over tp
 # and dp. Norm weights and the router are replicated across tp.
 
-def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+
+def layer_param_shapes(
+    arch, index: int, tp: int, etp: int, ep: int
+) -> dict[str, tuple[tuple[int, ...], bool]]:
     h, d = arch.hidden, arch.head_dim
     a = arch.heads // tp
     kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
@@ -467,7 +617,7 @@ def layer_param_shapes(arch, index: int, tp: int, etp: int, ep: int) -> dict[str
         out["o_proj_bias"] = ((h,), False)
     if arch.qk_norm:
         out["qk_norm"] = (((a + kv) * d if arch.qk_norm_scope == "proj" else 2 * d,), False)
-    if arch.norm_placement == "sandwich":     # gemma2: a second norm around each block
+    if arch.norm_placement == "sandwich":  # gemma2: a second norm around each block
         out["sandwich_norms"] = ((2 * ln_parts * h,), False)
     gated = arch.activation in ("swiglu", "geglu")
     if arch.is_moe_layer(index):
@@ -500,7 +650,9 @@ def embedding_param_shapes(arch, padded_vocab: int, tp: int, head: bool) -> dict
     return out
 
 
-def head_param_shapes(arch, padded_vocab: int, tp: int, same_stage_as_embedding: bool) -> dict[str, tuple[int, ...]]:
+def head_param_shapes(
+    arch, padded_vocab: int, tp: int, same_stage_as_embedding: bool
+) -> dict[str, tuple[int, ...]]:
     """Final norm and output layer. Tied embeddings share the word embedding on the same stage;
     on a different stage (pp > 1) the last stage holds its own copy (Megatron)."""
     h = arch.hidden

@@ -34,18 +34,18 @@ from .errors import UserError
 
 MIB = 1 << 20
 CUDA_CONTEXT_BYTES = 512 * MIB
-NCCL_PAIR_BYTES = 544 * 10**6          # NVIDIA/nccl#964: a 2-rank group
-NCCL_GROUP_BYTES = 688 * 10**6         # NVIDIA/nccl#964: a group of more than 2 ranks
-NVLS_BYTES = 301_989_888               # vllm-project/vllm#9699: nvlsPerRankSize on H200
+NCCL_PAIR_BYTES = 544 * 10**6  # NVIDIA/nccl#964: a 2-rank group
+NCCL_GROUP_BYTES = 688 * 10**6  # NVIDIA/nccl#964: a group of more than 2 ranks
+NVLS_BYTES = 301_989_888  # vllm-project/vllm#9699: nvlsPerRankSize on H200
 GPUS_PER_NODE = 8
-MAX_OVERRIDE_MIB = 1 << 20             # 1 TiB: anything larger is a typo
+MAX_OVERRIDE_MIB = 1 << 20  # 1 TiB: anything larger is a typo
 
 
 @dataclass(frozen=True, slots=True)
 class Communicator:
-    name: str        # the plan's group: tp, cp, dp, pp, ep, world, embedding...
+    name: str  # the plan's group: tp, cp, dp, pp, ep, world, embedding...
     ranks: int
-    nvls: bool       # NVLS buffers counted (intra-node, > 2 ranks, sm 9.0+)
+    nvls: bool  # NVLS buffers counted (intra-node, > 2 ranks, sm 9.0+)
     bytes: int
 
     def to_dict(self) -> dict:
@@ -70,9 +70,13 @@ class OutsideAllocator:
         return self.cuda_context_bytes + self.nccl_bytes + self.cublas_workspace_bytes
 
     def to_dict(self) -> dict:
-        return {"cuda_context_bytes": self.cuda_context_bytes, "nccl_bytes": self.nccl_bytes,
-                "cublas_workspace_bytes": self.cublas_workspace_bytes, "total_bytes": self.total_bytes,
-                "communicators": [c.to_dict() for c in self.communicators]}
+        return {
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "nccl_bytes": self.nccl_bytes,
+            "cublas_workspace_bytes": self.cublas_workspace_bytes,
+            "total_bytes": self.total_bytes,
+            "communicators": [c.to_dict() for c in self.communicators],
+        }
 
 
 def check_override(flag: str, mib) -> float | None:
@@ -111,7 +115,7 @@ def _groups(plan, tied_embeddings: bool, pp_rank: int) -> list[tuple[str, int, i
         out.append(("tp", tp, 1))
     if cp > 1:
         out.append(("cp", cp, tp))
-    if dp * cp > 1:     # gradient reduction / sharding over the data-parallel ranks (and cp's)
+    if dp * cp > 1:  # gradient reduction / sharding over the data-parallel ranks (and cp's)
         out.append(("dp" if cp == 1 else "dp-cp", dp * cp, tp))
     if ep > 1:
         out.append(("ep", ep, tp))
@@ -128,8 +132,9 @@ def _groups(plan, tied_embeddings: bool, pp_rank: int) -> list[tuple[str, int, i
     return out
 
 
-def communicators(plan, tied_embeddings: bool, pp_rank: int, compute_capability,
-                  nccl_mib: float | None = None) -> tuple[Communicator, ...]:
+def communicators(
+    plan, tied_embeddings: bool, pp_rank: int, compute_capability, nccl_mib: float | None = None
+) -> tuple[Communicator, ...]:
     sm90 = _sm90_or_newer(compute_capability)
     out = []
     for name, ranks, stride in _groups(plan, tied_embeddings, pp_rank):
@@ -143,10 +148,19 @@ def communicators(plan, tied_embeddings: bool, pp_rank: int, compute_capability,
     return tuple(out)
 
 
-def outside_allocator(plan, tied_embeddings: bool, pp_rank: int, compute_capability,
-                      cuda_context_mib: float | None = None, nccl_mib: float | None = None) -> OutsideAllocator:
+def outside_allocator(
+    plan,
+    tied_embeddings: bool,
+    pp_rank: int,
+    compute_capability,
+    cuda_context_mib: float | None = None,
+    nccl_mib: float | None = None,
+) -> OutsideAllocator:
     """The memory rank `pp_rank` of the plan holds beside the caching allocator's reserved
     bytes (module docstring). `compute_capability` is the GPU's ("9.0"), None when unknown."""
     context = CUDA_CONTEXT_BYTES if cuda_context_mib is None else int(cuda_context_mib * MIB)
-    return OutsideAllocator(context, communicators(plan, tied_embeddings, pp_rank, compute_capability, nccl_mib),
-                            cublas_workspace_bytes(compute_capability))
+    return OutsideAllocator(
+        context,
+        communicators(plan, tied_embeddings, pp_rank, compute_capability, nccl_mib),
+        cublas_workspace_bytes(compute_capability),
+    )

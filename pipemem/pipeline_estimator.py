@@ -26,7 +26,9 @@ class PipelineMemoryEstimator:
         # type -> {storage name: bytes} kept alive past that program because a later one needs it
         self.type_to_skip_gc_vars: dict[str, dict[str, int]] = {}
 
-    def set_program_skip_gc_vars(self, type_to_program: Mapping[str, Program], program_types: Sequence[str]) -> None:
+    def set_program_skip_gc_vars(
+        self, type_to_program: Mapping[str, Program], program_types: Sequence[str]
+    ) -> None:
         """For each program type, what it must keep because *any* later type uses it.
         `program_types` is the order the types run in for one microbatch."""
         missing = [t for t in program_types if t not in type_to_program]
@@ -49,8 +51,12 @@ class PipelineMemoryEstimator:
         carried: set[str] = set()
         for earlier in self.program_types[:k]:
             carried |= self.type_to_skip_gc_vars[earlier].keys()
-        r = analyze_program(program, live_on_entry=carried, keep=self.type_to_skip_gc_vars[program_type],
-                            granularity=self.granularity)
+        r = analyze_program(
+            program,
+            live_on_entry=carried,
+            keep=self.type_to_skip_gc_vars[program_type],
+            granularity=self.granularity,
+        )
         return r.net_bytes, r.peak_bytes
 
     def get_program_param_size(self, program_type: str) -> int:

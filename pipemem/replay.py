@@ -33,16 +33,16 @@ _KIND_INDEX = {k: i for i, k in enumerate(ALL_KINDS)}
 class RankReplay:
     pp_rank: int
     static_bytes: int
-    peak_allocated_bytes: int          # static + highest (current + job.peak)
-    peak_at: str                       # action at the peak ('F3@s1', or 'optimizer')
-    peak_action_index: int             # index in the rank's list (len(actions) for the optimizer)
-    max_inflight: int                  # most (chunk, microbatch) forwards held at once (F +1, B/I -1)
-    activation_hwm_bytes: int          # max of `current` after an action (above static)
-    final_bytes: int                   # static + current after the last action (and optimizer)
+    peak_allocated_bytes: int  # static + highest (current + job.peak)
+    peak_at: str  # action at the peak ('F3@s1', or 'optimizer')
+    peak_action_index: int  # index in the rank's list (len(actions) for the optimizer)
+    max_inflight: int  # most (chunk, microbatch) forwards held at once (F +1, B/I -1)
+    activation_hwm_bytes: int  # max of `current` after an action (above static)
+    final_bytes: int  # static + current after the last action (and optimizer)
     _actions: list = field(repr=False, default_factory=list)
-    _net: object = field(repr=False, default=None)       # per action net bytes (numpy view)
-    _peak: object = field(repr=False, default=None)      # per action peak bytes
-    optimizer: tuple | None = field(repr=False, default=None)   # (before, during, after)
+    _net: object = field(repr=False, default=None)  # per action net bytes (numpy view)
+    _peak: object = field(repr=False, default=None)  # per action peak bytes
+    optimizer: tuple | None = field(repr=False, default=None)  # (before, during, after)
 
     @property
     def timeline(self) -> list[tuple[str, int, int, int]]:
@@ -54,8 +54,10 @@ class RankReplay:
             after = self.static_bytes + np.cumsum(net)
             before = after - net
             during = before + np.asarray(self._peak)
-            out = [(str(a), b, d, e) for a, b, d, e in
-                   zip(self._actions, before.tolist(), during.tolist(), after.tolist())]
+            out = [
+                (str(a), b, d, e)
+                for a, b, d, e in zip(self._actions, before.tolist(), during.tolist(), after.tolist())
+            ]
         if self.optimizer is not None:
             out.append(("optimizer",) + tuple(int(x) for x in self.optimizer))
         return out
@@ -66,7 +68,9 @@ class RankReplay:
         actions per rank would otherwise build every rank's whole timeline for one point."""
         n = len(self._actions)
         if i >= n:
-            return ("optimizer",) + tuple(int(x) for x in self.optimizer) if self.optimizer is not None else None
+            return (
+                ("optimizer",) + tuple(int(x) for x in self.optimizer) if self.optimizer is not None else None
+            )
         net = np.asarray(self._net)
         before = self.static_bytes + int(net[:i].sum())
         return (str(self._actions[i]), before, before + int(np.asarray(self._peak)[i]), before + int(net[i]))
@@ -76,10 +80,16 @@ class RankReplay:
         return {a[1] for a in self._actions[:i] if a[0] in ("B", "W")}
 
     def to_dict(self, timeline: bool = False) -> dict:
-        d = {"pp_rank": self.pp_rank, "static_bytes": self.static_bytes,
-             "peak_allocated_bytes": self.peak_allocated_bytes, "peak_at": self.peak_at,
-             "peak_action_index": self.peak_action_index, "max_inflight": self.max_inflight,
-             "activation_hwm_bytes": self.activation_hwm_bytes, "final_bytes": self.final_bytes}
+        d = {
+            "pp_rank": self.pp_rank,
+            "static_bytes": self.static_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_at": self.peak_at,
+            "peak_action_index": self.peak_action_index,
+            "max_inflight": self.max_inflight,
+            "activation_hwm_bytes": self.activation_hwm_bytes,
+            "final_bytes": self.final_bytes,
+        }
         if timeline:
             d["timeline"] = [list(t) for t in self.timeline]
         return d
@@ -112,13 +122,20 @@ class ReplayResult:
         return self.simulation.stage_bubble_ratio if self.simulation else None
 
     def to_dict(self, timeline: bool = False) -> dict:
-        d = {"schedule": self.schedule.name, "pp": self.schedule.pp, "vpp": self.schedule.vpp,
-             "microbatches": self.schedule.microbatches,
-             "ranks": [r.to_dict(timeline) for r in self.ranks],
-             "max_peak_allocated_bytes": self.max_peak_allocated_bytes}
+        d = {
+            "schedule": self.schedule.name,
+            "pp": self.schedule.pp,
+            "vpp": self.schedule.vpp,
+            "microbatches": self.schedule.microbatches,
+            "ranks": [r.to_dict(timeline) for r in self.ranks],
+            "max_peak_allocated_bytes": self.max_peak_allocated_bytes,
+        }
         if self.simulation:
-            d.update(makespan=self.makespan, bubble_ratio=self.bubble_ratio,
-                     stage_bubble_ratio=self.stage_bubble_ratio)
+            d.update(
+                makespan=self.makespan,
+                bubble_ratio=self.bubble_ratio,
+                stage_bubble_ratio=self.stage_bubble_ratio,
+            )
         return d
 
 
@@ -156,10 +173,12 @@ def _job_table(schedule: Schedule, jobs) -> tuple[np.ndarray, np.ndarray, np.nda
     for s in range(S):
         sj = jobs.get(s)
         if sj is None:
-            raise UserError(f"replay: no jobs for virtual stage {s} (schedule {schedule.name} has "
-                            f"{schedule.num_stages} stages: pp {schedule.pp} x vpp {schedule.vpp})")
+            raise UserError(
+                f"replay: no jobs for virtual stage {s} (schedule {schedule.name} has "
+                f"{schedule.num_stages} stages: pp {schedule.pp} x vpp {schedule.vpp})"
+            )
         rows.append(_stage_row(sj))
-    net = [r[0][k] for k in range(len(ALL_KINDS)) for r in rows]       # kind-major: code = k * S + s
+    net = [r[0][k] for k in range(len(ALL_KINDS)) for r in rows]  # kind-major: code = k * S + s
     peak = [r[1][k] for k in range(len(ALL_KINDS)) for r in rows]
     have = [r[2][k] for k in range(len(ALL_KINDS)) for r in rows]
     # Bytes are integers; jobs in other units (Fractions of a microbatch, floats) replay exactly
@@ -169,7 +188,7 @@ def _job_table(schedule: Schedule, jobs) -> tuple[np.ndarray, np.ndarray, np.nda
     return (np.asarray(net, dtype=dt), np.asarray(peak, dtype=dt), np.asarray(have, dtype=bool))
 
 
-_ROWS: dict = {}     # id(StageJobs) -> (the jobs, their row): stage jobs are shared between plans
+_ROWS: dict = {}  # id(StageJobs) -> (the jobs, their row): stage jobs are shared between plans
 
 
 def _stage_row(sj) -> tuple:
@@ -200,10 +219,14 @@ def _stage_row(sj) -> tuple:
 def _missing_job(schedule: Schedule, rank: int, jobs) -> UserError:
     for a in schedule.ranks[rank]:
         sj = jobs.get(a[1])
-        if a[0] in KINDS and (sj is None or (getattr(sj, a[0], None) is None
-                                             and not (a[0] == "B" and sj.fused_backward() is not None))):
-            return UserError(f"replay: rank {rank} runs {a} but stage {a[1]} has no {a[0]} job "
-                             f"(build split-backward jobs for schedules with I/W)")
+        if a[0] in KINDS and (
+            sj is None
+            or (getattr(sj, a[0], None) is None and not (a[0] == "B" and sj.fused_backward() is not None))
+        ):
+            return UserError(
+                f"replay: rank {rank} runs {a} but stage {a[1]} has no {a[0]} job "
+                f"(build split-backward jobs for schedules with I/W)"
+            )
     return UserError(f"replay: rank {rank}: malformed actions")
 
 
@@ -231,9 +254,14 @@ def _overrides(jobs) -> dict:
     return out
 
 
-def replay(schedule: Schedule, jobs: dict[int | tuple[int, int], StageJobs], static_bytes: list | None = None,
-           optimizer_jobs: list[JobMemory] | dict[int, JobMemory] | None = None,
-           times: TimeModel | None = None, simulate_time: bool | None = None) -> ReplayResult:
+def replay(
+    schedule: Schedule,
+    jobs: dict[int | tuple[int, int], StageJobs],
+    static_bytes: list | None = None,
+    optimizer_jobs: list[JobMemory] | dict[int, JobMemory] | None = None,
+    times: TimeModel | None = None,
+    simulate_time: bool | None = None,
+) -> ReplayResult:
     """Walk every rank's actions; see the module docstring. `jobs` is keyed by virtual stage,
     and may also hold keys (stage, microbatch) whose jobs replace the stage's for that
     microbatch (memory only: the time model uses the per-stage durations);
@@ -295,7 +323,9 @@ def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) 
         if pk is None:
             pk = static
         label = "optimizer" if at == len(acts) else (str(acts[at]) if at >= 0 else "-")
-        ranks.append(RankReplay(r, static, pk, label, at, inflight[r], hi, cur, acts, net[a:b], peak[a:b], opt))
+        ranks.append(
+            RankReplay(r, static, pk, label, at, inflight[r], hi, cur, acts, net[a:b], peak[a:b], opt)
+        )
     sim = None
     if simulate_time is not False:
         tm = times or (_times_from_jobs(schedule, jobs) if simulate_time is None else TimeModel())
@@ -316,8 +346,16 @@ def _compute_only(schedule: Schedule) -> Schedule:
     if all(a[0] in KINDS for acts in schedule.ranks for a in acts):
         return schedule
     ranks = [[a for a in acts if a[0] in KINDS] for acts in schedule.ranks]
-    return Schedule(schedule.name, schedule.pp, schedule.vpp, schedule.microbatches, ranks,
-                    stage_rank=schedule.stage_rank, placement=schedule.placement, notes=schedule.notes)
+    return Schedule(
+        schedule.name,
+        schedule.pp,
+        schedule.vpp,
+        schedule.microbatches,
+        ranks,
+        stage_rank=schedule.stage_rank,
+        placement=schedule.placement,
+        notes=schedule.notes,
+    )
 
 
 def inflight_counts(schedule: Schedule) -> list[int]:

@@ -89,7 +89,7 @@ def _let_go(held: dict, key: tuple, bit: int, emit) -> None:
 @dataclass(frozen=True)
 class RuntimeProfile:
     name: str
-    lower_rank: Callable      # (schedule, rank) -> list[Action] with memory actions
+    lower_rank: Callable  # (schedule, rank) -> list[Action] with memory actions
     batch_on_every_rank: bool = False
     doc: str = ""
 
@@ -101,11 +101,18 @@ def lower(schedule: Schedule, runtime: str) -> Schedule:
     cache = schedule.cache
     key = ("lowered", profile.name)
     if key not in cache:
-        with paused_gc():                # 10^5-10^6 new tuples, no cycles (see paused_gc)
+        with paused_gc():  # 10^5-10^6 new tuples, no cycles (see paused_gc)
             ranks = [profile.lower_rank(schedule, r) for r in range(schedule.pp)]
-        cache[key] = Schedule(schedule.name, schedule.pp, schedule.vpp, schedule.microbatches, ranks,
-                              stage_rank=schedule.stage_rank, placement=schedule.placement,
-                              notes=schedule.notes)
+        cache[key] = Schedule(
+            schedule.name,
+            schedule.pp,
+            schedule.vpp,
+            schedule.microbatches,
+            ranks,
+            stage_rank=schedule.stage_rank,
+            placement=schedule.placement,
+            notes=schedule.notes,
+        )
     return cache[key]
 
 
@@ -149,6 +156,7 @@ def _torch_rank(schedule: Schedule, rank: int) -> list[Action]:
 def _torch_class(schedule: Schedule) -> str:
     """'gpipe', '1f1b' or 'actions': the runtime PyTorch runs the schedule's order with."""
     from .schedules.registry import torch_runtime
+
     return torch_runtime(schedule.name)
 
 
@@ -157,9 +165,9 @@ def _torch_gpipe(acts, out: list, S: int) -> None:
     receive buffers persist (nothing here frees them); y is held by `fwd_cache` and, sent,
     by `fwd_sends_to_wait`; dx (not on stage 0) by `bwd_sends_to_wait`."""
     emit = out.append
-    held: dict = {}                          # ("y", s, m) -> _FWD_CACHE | _SEND
-    fwd_sends_to_wait: set = set()           # (m, s) of the ys sent
-    bwd_sends_to_wait: set = set()           # (m, s) of the dxs sent
+    held: dict = {}  # ("y", s, m) -> _FWD_CACHE | _SEND
+    fwd_sends_to_wait: set = set()  # (m, s) of the ys sent
+    bwd_sends_to_wait: set = set()  # (m, s) of the dxs sent
     for a in acts:
         kind, s, m = a
         emit(a)
@@ -172,7 +180,7 @@ def _torch_gpipe(acts, out: list, S: int) -> None:
                 held[y] = held.get(y, 0) | _FWD_CACHE
         else:
             _let_go(held, ("y", s, m), _FWD_CACHE, emit)
-            if s:                            # made by the backward, held by its send from then on
+            if s:  # made by the backward, held by its send from then on
                 bwd_sends_to_wait.add((m, s))
     # the step ends: the lists go, in microbatch then stage order
     for m, s in sorted(fwd_sends_to_wait):
@@ -186,8 +194,8 @@ def _torch_1f1b(acts, out: list, S: int, M: int) -> None:
     hold the tensors of the sends they reference until reassigned (warm-up forwards but the
     last one set send_work; after the last forward every backward does)."""
     emit = out.append
-    held: dict = {}                          # ("y" | "dx", s, m) -> bit mask of its holders
-    fwd_sends = bwd_sends = send_work = None    # the key each variable references, or None
+    held: dict = {}  # ("y" | "dx", s, m) -> bit mask of its holders
+    fwd_sends = bwd_sends = send_work = None  # the key each variable references, or None
     s0 = acts[0][1] if acts else 0
     warmup = min(M, S - s0)
     f = 0
@@ -198,12 +206,12 @@ def _torch_1f1b(acts, out: list, S: int, M: int) -> None:
             y = ("y", s, m)
             held[y] = held.get(y, 0) | _FWD_CACHE
             sends = y if s < S - 1 else None
-            if sends is not None:            # fwd_sends = the new send; the previous one goes
+            if sends is not None:  # fwd_sends = the new send; the previous one goes
                 held[y] |= _FWD_SENDS
             if fwd_sends is not None and fwd_sends != sends:
                 _let_go(held, fwd_sends, _FWD_SENDS, emit)
             fwd_sends = sends
-            if f < warmup - 1:               # send_work = the same send
+            if f < warmup - 1:  # send_work = the same send
                 if sends is not None:
                     held[y] |= _SEND_WORK
                 if send_work is not None and send_work != sends:
@@ -219,7 +227,7 @@ def _torch_1f1b(acts, out: list, S: int, M: int) -> None:
             if bwd_sends is not None and bwd_sends != sends:
                 _let_go(held, bwd_sends, _BWD_SENDS, emit)
             bwd_sends = sends
-            if f == M:                       # send_work = the same send
+            if f == M:  # send_work = the same send
                 if sends is not None:
                     held[sends] |= _SEND_WORK
                 if send_work is not None and send_work != sends:
@@ -238,15 +246,15 @@ def _torch_action_runtime(acts, out: list, S: int, M: int, local: set[int]) -> N
     # grad_recv_info: all of them, until a local handover replaces one
     recv_info = {(s, m) for s in local if s for m in range(M)}
     grad_recv_info = {(s, m) for s in local if s < S - 1 for m in range(M)}
-    held: dict = {}                          # ("y", s, m) -> bit mask of its holders
-    send_ops: set = set()                    # (m, s, "y" | "dx") of the sends
+    held: dict = {}  # ("y", s, m) -> bit mask of its holders
+    send_ops: set = set()  # (m, s, "y" | "dx") of the sends
     for a in acts:
         kind, s, m = a
         emit(a)
         if kind == "F":
             y = ("y", s, m)
             mask = held.get(y, 0) | _FWD_CACHE
-            if s + 1 in local:               # set_local_fwd_input: y replaces the next stage's buffer
+            if s + 1 in local:  # set_local_fwd_input: y replaces the next stage's buffer
                 if (s + 1, m) in recv_info:
                     recv_info.discard((s + 1, m))
                     emit(_new(Action, ("FREE_X", s + 1, m)))
@@ -259,11 +267,11 @@ def _torch_action_runtime(acts, out: list, S: int, M: int, local: set[int]) -> N
             _let_go(held, ("y", s, m), _BACKWARD_STATE, emit)
         else:
             y = ("y", s, m)
-            if kind == "I" and s < S - 1:    # backward_state keeps y to W (the loss, on the last stage)
+            if kind == "I" and s < S - 1:  # backward_state keeps y to W (the loss, on the last stage)
                 held[y] = held.get(y, 0) | _BACKWARD_STATE
             _let_go(held, y, _FWD_CACHE, emit)
             # dx (not on stage 0) goes from bwd_cache to where it is sent; it stays there
-            if s and s - 1 in local:         # set_local_bwd_input: dx replaces the previous stage's grad buffer
+            if s and s - 1 in local:  # set_local_bwd_input: dx replaces the previous stage's grad buffer
                 if (s - 1, m) in grad_recv_info:
                     grad_recv_info.discard((s - 1, m))
                     emit(_new(Action, ("FREE_DY", s - 1, m)))
@@ -278,6 +286,7 @@ def _torch_action_runtime(acts, out: list, S: int, M: int, local: set[int]) -> N
 
 
 # ---------------------------------------------------------------- Megatron, Paddle
+
 
 def _megatron_rank(schedule: Schedule, rank: int) -> list[Action]:
     acts = schedule.ranks[rank]
@@ -325,7 +334,7 @@ def _megatron_interleaved(acts, schedule: Schedule, w: int | None = None) -> lis
     # reference, so a backward's pop frees them (when they were received at all)
     input_tensors: set = set()
     output_tensor_grads: set = set()
-    input_tensor_grad = None                 # (stage, microbatch) of the dx it references, or None
+    input_tensor_grad = None  # (stage, microbatch) of the dx it references, or None
 
     def recv_x(i):
         if i < T:
@@ -351,9 +360,9 @@ def _megatron_interleaved(acts, schedule: Schedule, w: int | None = None) -> lis
         a = bwd[j]
         _, st, m = a
         emit(a)
-        if st == last:                       # the last stage's output (the loss) is done with
+        if st == last:  # the last stage's output (the loss) is done with
             emit(_new(Action, ("FREE_Y", st, m)))
-        key = (st, m)                        # backward_step_helper's locals go
+        key = (st, m)  # backward_step_helper's locals go
         if key in input_tensors:
             input_tensors.discard(key)
             emit(_new(Action, ("FREE_X", st, m)))
@@ -369,7 +378,7 @@ def _megatron_interleaved(acts, schedule: Schedule, w: int | None = None) -> lis
     for i in range(w):
         emit(fwd[i])
         recv_x(i + 1)
-        if i == w - 1 and w < T:             # send_forward_backward_recv_forward_backward
+        if i == w - 1 and w < T:  # send_forward_backward_recv_forward_backward
             recv_dy(0)
         free_y(i)
     for k in range(T - w):
@@ -378,12 +387,12 @@ def _megatron_interleaved(acts, schedule: Schedule, w: int | None = None) -> lis
         recv_x(w + k + 1)
         recv_dy(k + 1)
         free_y(w + k)
-    if w == T:                               # every microbatch in warm-up: recv_backward first
+    if w == T:  # every microbatch in warm-up: recv_backward first
         recv_dy(0)
     for j in range(T - w, T):
         backward(j)
         recv_dy(j + 1)
-    if input_tensor_grad is not None:        # the function returns
+    if input_tensor_grad is not None:  # the function returns
         emit(_new(Action, ("FREE_DX",) + input_tensor_grad))
     return out
 
@@ -411,8 +420,8 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
     its send (`deallocate_output_tensor`); on the last stage the loss goes with its backward."""
     S, M = schedule.num_stages, schedule.microbatches
     s = rank
-    recv_x = s != 0                          # not the first stage: x received, dx made and sent
-    recv_dy = s != S - 1                     # not the last stage: y sent, dy received
+    recv_x = s != 0  # not the first stage: x received, dx made and sent
+    recv_dy = s != S - 1  # not the last stage: y sent, dy received
     fwd = [a for a in acts if a[0] == "F"]
     bwd = [a for a in acts if a[0] != "F"]
     warm = min(schedule.pp - rank - 1, M)
@@ -421,10 +430,10 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
     emit = out.append
 
     for i in range(warm):
-        if recv_x:                           # input_tensor = recv_forward(...)
+        if recv_x:  # input_tensor = recv_forward(...)
             emit(_new(Action, ("RECV_F", s, i)))
         emit(fwd[i])
-        if recv_dy:                          # send_forward, then deallocate_output_tensor
+        if recv_dy:  # send_forward, then deallocate_output_tensor
             emit(_new(Action, ("FREE_Y", s, i)))
         # input_tensors.append(input_tensor): x_i stays queued
     if rest > 0 and recv_x:
@@ -439,31 +448,31 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
             if i:
                 emit(_new(Action, ("FREE_DY", s, i - 1)))
         # input_tensors.append(input_tensor); input_tensor = input_tensors.pop(0): x_i
-        emit(bwd[i])                         # input_tensor_grad = backward_step(...)
-        if not recv_dy:                      # the last stage's output (the loss) is done with
+        emit(bwd[i])  # input_tensor_grad = backward_step(...)
+        if not recv_dy:  # the last stage's output (the loss) is done with
             emit(_new(Action, ("FREE_Y", s, i)))
         if recv_x:
-            if i:                            # input_tensor_grad reassigned; x_(i-1) went before
+            if i:  # input_tensor_grad reassigned; x_(i-1) went before
                 emit(_new(Action, ("FREE_DX", s, i - 1)))
-            if i < rest - 1:                 # input_tensor = send_backward_recv_forward(...)
+            if i < rest - 1:  # input_tensor = send_backward_recv_forward(...)
                 emit(_new(Action, ("RECV_F", s, k + 1)))
-            emit(_new(Action, ("FREE_X", s, i)))    # (or input_tensor = None after the last)
+            emit(_new(Action, ("FREE_X", s, i)))  # (or input_tensor = None after the last)
     for j in range(rest, M):
-        if recv_x and j > rest:              # input_tensor = input_tensors.pop(0): x_(j-1) goes
+        if recv_x and j > rest:  # input_tensor = input_tensors.pop(0): x_(j-1) goes
             emit(_new(Action, ("FREE_X", s, j - 1)))
-        if recv_dy:                          # output_tensor_grad = recv_backward(...)
+        if recv_dy:  # output_tensor_grad = recv_backward(...)
             emit(_new(Action, ("RECV_B", s, j)))
             if j:
                 emit(_new(Action, ("FREE_DY", s, j - 1)))
-        emit(bwd[j])                         # input_tensor_grad = backward_step(...)
+        emit(bwd[j])  # input_tensor_grad = backward_step(...)
         if not recv_dy:
             emit(_new(Action, ("FREE_Y", s, j)))
         if recv_x and j:
             emit(_new(Action, ("FREE_DX", s, j - 1)))
-    if M:                                    # the function returns: input_tensor (still x_(M-1)
-        if recv_x and warm:                  # when the loop ended in cool-down),
+    if M:  # the function returns: input_tensor (still x_(M-1)
+        if recv_x and warm:  # when the loop ended in cool-down),
             emit(_new(Action, ("FREE_X", s, M - 1)))
-        if recv_dy:                          # output_tensor_grad, input_tensor_grad
+        if recv_dy:  # output_tensor_grad, input_tensor_grad
             emit(_new(Action, ("FREE_DY", s, M - 1)))
         if recv_x:
             emit(_new(Action, ("FREE_DX", s, M - 1)))
@@ -492,9 +501,9 @@ def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
             emit(a)
             if s:
                 emit(_new(Action, ("FREE_DX", s, m)))
-            if s == last:                    # the last stage's output (loss) goes with its backward
+            if s == last:  # the last stage's output (loss) goes with its backward
                 emit(_new(Action, ("FREE_Y", s, m)))
-            if kind == "B" or (s, m) not in split:    # a split backward's x and dy wait for its W
+            if kind == "B" or (s, m) not in split:  # a split backward's x and dy wait for its W
                 if s:
                     emit(_new(Action, ("FREE_X", s, m)))
                 if s < last:
@@ -505,7 +514,7 @@ def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
                 emit(_new(Action, ("FREE_X", s, m)))
             if s < last:
                 emit(_new(Action, ("FREE_DY", s, m)))
-        else:                                # no memory action for any other kind
+        else:  # no memory action for any other kind
             emit(a)
     return out
 
@@ -518,6 +527,7 @@ def fold_per_action(stages: dict) -> dict:
     from dataclasses import replace
 
     from .jobs import compose
+
     out = {}
     final = max(s for s in stages if isinstance(s, int))
     for s, j in stages.items():
@@ -528,14 +538,16 @@ def fold_per_action(stages: dict) -> dict:
         b = compose([(dy, dy), j.B, *tail, (-x, 0), (-dy, 0)]) if j.B is not None else None
         i = compose([(dy, dy), j.I, *tail]) if j.I is not None else None
         w = compose([j.W, (-x, 0), (-dy, 0)]) if j.W is not None else None
-        out[s] = replace(j, F=f, B=b, I=i, W=w, input_bytes=0, output_bytes=0, input_grad_bytes=0,
-                         output_grad_bytes=0)
+        out[s] = replace(
+            j, F=f, B=b, I=i, W=w, input_bytes=0, output_bytes=0, input_grad_bytes=0, output_grad_bytes=0
+        )
     return out
 
 
 PROFILES = {
-    "torch": RuntimeProfile("torch", _torch_rank, batch_on_every_rank=True,
-                            doc="torch.distributed.pipelining 2.13 (torchtitan)"),
+    "torch": RuntimeProfile(
+        "torch", _torch_rank, batch_on_every_rank=True, doc="torch.distributed.pipelining 2.13 (torchtitan)"
+    ),
     "megatron": RuntimeProfile("megatron", _megatron_rank, doc="megatron-core 0.16.1 p2p schedules"),
     "paddle": RuntimeProfile("paddle", _per_action_rank, doc="PaddleNLP PipelineParallel"),
 }

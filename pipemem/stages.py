@@ -77,6 +77,7 @@ class StagePlan:
         if memo is not None:
             return memo
         from .templates.static import moe_layers_in
+
         last = self.plan.pp * self.plan.vpp - 1
         fb = self.first_backward
 
@@ -84,8 +85,11 @@ class StagePlan:
             layers = self.stage_layers[s]
             made = fb[s].B.net_bytes - self.stages[s].B.net_bytes if fb else 0
             return len(layers), moe_layers_in(self.arch, layers), made
-        memo = self.notes[("rank", key)] = (tuple(sorted(stage(s) for s in key if s not in (0, last))),
-                                            key if (0 in key or last in key) else ())
+
+        memo = self.notes[("rank", key)] = (
+            tuple(sorted(stage(s) for s in key if s not in (0, last))),
+            key if (0 in key or last in key) else (),
+        )
         return memo
 
     def rank_static(self, stage_ids) -> StaticBytes:
@@ -96,10 +100,15 @@ class StagePlan:
         st = self.notes.get(memo)
         if st is None:
             from .templates.static import static_bytes
+
             st = static_bytes(self.arch, self.plan, self.conv, self.stage_layers, key)
             if self.first_backward:
-                st = replace(st, grads_in_step=sum(self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes
-                                                   for s in key))
+                st = replace(
+                    st,
+                    grads_in_step=sum(
+                        self.first_backward[s].B.net_bytes - self.stages[s].B.net_bytes for s in key
+                    ),
+                )
             self.notes[memo] = st
         return st
 
@@ -113,18 +122,26 @@ class StagePlan:
 
     def _rank_optimizer(self, key: tuple) -> JobMemory:
         from .templates.static import optimizer_elems, optimizer_step_scratch
+
         elems, largest = optimizer_elems(self.arch, self.plan, self.conv, self.stage_layers, key)
         scratch = optimizer_step_scratch(self.arch, self.plan, self.conv, self.stage_layers, key)
         if self.conv.grad_clip_copy:
             # global-norm clipping writes a clipped copy of every gradient before the first
             # update (Paddle's ClipGradByGlobalNorm: multiply(grad, coef) per parameter)
             scratch += self.rank_static(key).grads
-        temp = 4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2   # the optimizer's math dtype
-        if self.plan.optimizer_in_backward:     # the steps run inside the backward programs
+        temp = (
+            4 if (self.plan.master_weights or self.plan.dtype == "fp32") else 2
+        )  # the optimizer's math dtype
+        if self.plan.optimizer_in_backward:  # the steps run inside the backward programs
             return JobMemory(0, 0)
         st = self.rank_static(key)
-        ws = scratch + optimizer_workspace(self.plan.optimizer_impl or "fused", self.plan.optimizer, elems * temp,
-                                           largest * temp, self.plan.optimizer_offload)
+        ws = scratch + optimizer_workspace(
+            self.plan.optimizer_impl or "fused",
+            self.plan.optimizer,
+            elems * temp,
+            largest * temp,
+            self.plan.optimizer_offload,
+        )
         return _optimizer_job(ws, st.grads_in_step, st.optimizer_in_step)
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
@@ -134,9 +151,13 @@ class StagePlan:
         return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
 
     def to_dict(self) -> dict:
-        return {"stages": {s: {k: getattr(j, k).to_dict() for k in ("F", "B", "I", "W") if getattr(j, k)}
-                           for s, j in self.stages.items()},
-                "stage_layers": {s: list(v) for s, v in self.stage_layers.items()}}
+        return {
+            "stages": {
+                s: {k: getattr(j, k).to_dict() for k in ("F", "B", "I", "W") if getattr(j, k)}
+                for s, j in self.stages.items()
+            },
+            "stage_layers": {s: list(v) for s, v in self.stage_layers.items()},
+        }
 
 
 def stage_layer_ranges(plan: ParallelPlan) -> dict[int, range]:
@@ -152,6 +173,7 @@ def stage_layer_ranges(plan: ParallelPlan) -> dict[int, range]:
 def _resolve(arch, plan):
     from .templates.conventions import convention_for
     from .templates.layers import make_shard
+
     if plan.pp_layout is None or plan.sp is None or plan.microbatches is None:
         plan = validate_plan(arch, plan)
     if plan.layers and plan.layers != arch.layers:
@@ -166,6 +188,7 @@ def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: ran
     are recomputed (Megatron's block method), all of them when None; MoE and dense layers
     differ. One entry per run of identical layers."""
     from .templates.layers import layer_options_of
+
     n = len(layers)
     k = n if recompute_layers is None else min(recompute_layers, n)
     cuts = {0, k, n}
@@ -197,19 +220,21 @@ def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     if hit is None:
         hit = _build_stage_jobs(arch, plan)
         if len(_STAGE_PLANS) >= _STAGE_PLANS_MAX:
-            del _STAGE_PLANS[next(iter(_STAGE_PLANS))]     # the least recently used
+            del _STAGE_PLANS[next(iter(_STAGE_PLANS))]  # the least recently used
     _STAGE_PLANS[key] = hit
     return hit
 
 
 def _plan_key(plan: ParallelPlan):
     """A hashable picture of every field of the plan (None if a field cannot be frozen)."""
+
     def freeze(v):
         if isinstance(v, dict):
             return tuple(sorted((k, freeze(x)) for k, x in v.items()))
         if isinstance(v, list):
             return tuple(freeze(x) for x in v)
         return v
+
     key = tuple(freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
     try:
         hash(key)
@@ -226,6 +251,7 @@ _STAGE_PLANS_MAX = 256
 def _build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     arch, plan, conv, sh = _resolve(arch, plan)
     from .templates.layers import first_backward_shard
+
     layout = stage_layer_ranges(plan)
     n_stages = plan.pp * plan.vpp
     creates_grads = plan.grads in ("set-to-none", "ddp-bucket")
@@ -233,25 +259,40 @@ def _build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     stages: dict[int, StageJobs] = {}
     first: dict[int, StageJobs] = {}
     for s in range(n_stages):
-        args = (_layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]), s == 0,
-                s == n_stages - 1, plan.seq_len, s, layout[s])
+        args = (
+            _layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]),
+            s == 0,
+            s == n_stages - 1,
+            plan.seq_len,
+            s,
+            layout[s],
+        )
         stages[s] = _stage_jobs(arch, sh, conv, *args)
         if creates_grads:
             fj = _stage_jobs(arch, sh_first, conv, *args)
             first[s] = replace(stages[s], B=fj.B, I=fj.I, W=fj.W)
-    return StagePlan(plan=plan, stages=stages, stage_layers=layout, arch=arch, conv=conv,
-                     notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
-                     first_backward=first)
+    return StagePlan(
+        plan=plan,
+        stages=stages,
+        stage_layers=layout,
+        arch=arch,
+        conv=conv,
+        notes={"convention": conv.name, "shard": sh, "grads": plan.grads, "step": plan.step},
+        first_backward=first,
+    )
 
 
 def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
     """(PartMemory, count) of the stage's layers in forward order; the stage's first layer
     keeps its input and its last layer its output grad (the runtime owns them)."""
     from .templates.programs import layer_memory
+
     total = sum(n for _, n in runs)
     out, pos = [], 0
     for opt, n in runs:
-        for a, b in ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),):
+        for a, b in (
+            ((pos, pos + 1), (pos + 1, pos + n - 1), (pos + n - 1, pos + n)) if n > 1 else ((pos, pos + 1),)
+        ):
             if b <= a:
                 continue
             keep_in = not first and a == 0
@@ -267,6 +308,7 @@ def _stage_prologue(sh, conv, runs) -> list[tuple]:
     if not conv.framework.stage_causal_mask or not runs or runs[0][0].flash:
         return []
     from .templates.programs import causal_mask_memory
+
     return [(causal_mask_memory(sh, any(o.recompute != "none" for o, _ in runs)), 1)]
 
 
@@ -290,6 +332,7 @@ def _megatron_last_layer_kept(runs: tuple) -> tuple:
     The stage's last layer keeps everything (on earlier stages a bound: later microbatches do
     offload it)."""
     from .templates.offload import KEEP_ALL
+
     if not runs:
         return runs
     *rest, (opt, n) = runs
@@ -307,7 +350,8 @@ def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
         return _megatron_last_layer_kept(runs) if conv.framework.offload_keeps_last_layer else runs
     from .templates.offload import FWD_STASH, stash_keeps
     from .templates.programs import layer_offload_count
-    tail: list = []                          # the stage's last FWD_STASH layers, in order
+
+    tail: list = []  # the stage's last FWD_STASH layers, in order
     for opt, n in reversed(runs):
         tail[:0] = [opt] * min(n, FWD_STASH - len(tail))
         if len(tail) == FWD_STASH:
@@ -315,7 +359,7 @@ def _offload_stash(arch, sh, conv, runs: tuple) -> tuple:
     keeps = stash_keeps([layer_offload_count(arch, sh, conv, o) for o in tail])
     head_n = sum(n for _, n in runs) - len(tail)
     out: list = []
-    for opt, n in runs:                      # the layers before the tail, as they were
+    for opt, n in runs:  # the layers before the tail, as they were
         take = min(n, head_n)
         if take:
             out.append((opt, take))
@@ -336,7 +380,7 @@ def _zero3_kept(sh, runs: tuple) -> tuple:
     if not k:
         return runs
     out: list = []
-    left = sum(n for _, n in runs) - k             # layers before the kept tail
+    left = sum(n for _, n in runs) - k  # layers before the kept tail
     for opt, n in runs:
         plain = min(n, max(0, left))
         left -= plain
@@ -351,17 +395,35 @@ def _zero3_kept(sh, runs: tuple) -> tuple:
 
 
 @lru_cache(maxsize=65536)
-def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int,
-                layers: range) -> StageJobs:
+def _stage_jobs(
+    arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int, layers: range
+) -> StageJobs:
     """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
     from .templates.programs import embedding_memory, head_memory
+
     parts = _layer_parts(arch, sh, conv, _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), first, last)
     tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
-    fparts = ([(embedding_memory(arch, sh, conv, seq_len, tied_head), 1)] if first else []) + \
-        _stage_prologue(sh, conv, runs) + \
-        parts + ([(head_memory(arch, sh, conv, keep_input=not first and not parts,
-                               tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard), 1)]
-                 if last else [])
+    fparts = (
+        ([(embedding_memory(arch, sh, conv, seq_len, tied_head), 1)] if first else [])
+        + _stage_prologue(sh, conv, runs)
+        + parts
+        + (
+            [
+                (
+                    head_memory(
+                        arch,
+                        sh,
+                        conv,
+                        keep_input=not first and not parts,
+                        tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard,
+                    ),
+                    1,
+                )
+            ]
+            if last
+            else []
+        )
+    )
     bparts = fparts[::-1]
 
     def walk(ps, kind):
@@ -372,9 +434,17 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
             # output layer's, at the head's backward end: the head's peak, the loss backward, is
             # before it), freed when the backward ends; alive under every later part's peak
             up = sh.backward_bucket_bytes
-            ps = [(p if (last and i == 0) else
-                   replace(p, **{kind: JobMemory(getattr(p, kind).net_bytes, getattr(p, kind).peak_bytes + up)}), n)
-                  for i, (p, n) in enumerate(ps)]
+            ps = [
+                (
+                    p
+                    if (last and i == 0)
+                    else replace(
+                        p, **{kind: JobMemory(getattr(p, kind).net_bytes, getattr(p, kind).peak_bytes + up)}
+                    ),
+                    n,
+                )
+                for i, (p, n) in enumerate(ps)
+            ]
         # FSDP2: a part's reduce-scatter input is alive while the next part of the backward runs
         # (PartMemory.rs_state_bytes); and a unit's pre-backward frees its own all-gather buffer
         # at the copy-out and prefetches the next unit's, whose buffer then lives through this
@@ -422,14 +492,24 @@ def _stage_jobs(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: i
             B = compose([B] + extra) if extra else compose([(act, act), B])
         if via_i:
             I = compose([I] + extra) if extra else compose([(act, act), I])
-    return StageJobs(stage=stage, F=walk(fparts, "F"), B=B, I=I, W=walk(bparts, "W"),
-                     layers=layers, notes={"embedding": first, "head": last},
-                     input_bytes=0 if first else act, output_bytes=y, input_grad_bytes=dx,
-                     output_grad_bytes=0 if last else act)
+    return StageJobs(
+        stage=stage,
+        F=walk(fparts, "F"),
+        B=B,
+        I=I,
+        W=walk(bparts, "W"),
+        layers=layers,
+        notes={"embedding": first, "head": last},
+        input_bytes=0 if first else act,
+        output_bytes=y,
+        input_grad_bytes=dx,
+        output_grad_bytes=0 if last else act,
+    )
 
 
-def optimizer_workspace(impl: str, optimizer: str, local_bytes: int, largest_bytes: int,
-                        offload: float = 0.0) -> int:
+def optimizer_workspace(
+    impl: str, optimizer: str, local_bytes: int, largest_bytes: int, offload: float = 0.0
+) -> int:
     """What the optimizer implementation materialises while it steps: nothing for fused
     kernels (Megatron, Paddle, torch fused=True); for torch's foreach Adam the denominator
     sqrt(v)/c + eps as one temporary list the size of the local parameters (in the math
@@ -469,22 +549,37 @@ def layer_explain(arch, plan: ParallelPlan, layer: int | None = None) -> list[di
     `layer` defaults to the first layer of stage 0 (recomputed if the plan recomputes it)."""
     from .templates.layers import layer_options
     from .templates.programs import layer_programs
+
     arch, plan, conv, sh = _resolve(arch, plan)
     idx = 0 if layer is None else layer
     if not 0 <= idx < arch.layers:
         raise UserError(f"layer {idx} out of range: {arch.name} has {arch.layers} layers")
     k = plan.pp_layout[0] if plan.recompute_layers is None else plan.recompute_layers
-    pos = idx - sum(plan.pp_layout[:_stage_of_layer(plan, idx)])
+    pos = idx - sum(plan.pp_layout[: _stage_of_layer(plan, idx)])
     opts = layer_options(arch, plan, idx, pos < k)
     pp = layer_programs(arch, sh, conv, opts)
     rf = pp.results["F"]
     # largest first, ties by name: the same order every run (the kept storages are a set)
     rows = sorted(_kept_rows(pp).values(), key=lambda r: (-r["bytes"], r["tensor"]))
-    rows.append({"tensor": "(forward peak)", "shape": [], "dtype": "", "bytes": rf.peak_bytes,
-                 "why": f"transient peak above the layer's start at op {rf.peak_op_label}"})
+    rows.append(
+        {
+            "tensor": "(forward peak)",
+            "shape": [],
+            "dtype": "",
+            "bytes": rf.peak_bytes,
+            "why": f"transient peak above the layer's start at op {rf.peak_op_label}",
+        }
+    )
     rb = pp.results["B"]
-    rows.append({"tensor": "(backward peak)", "shape": [], "dtype": "", "bytes": rb.peak_bytes,
-                 "why": f"peak above the backward's start at op {rb.peak_op_label}"})
+    rows.append(
+        {
+            "tensor": "(backward peak)",
+            "shape": [],
+            "dtype": "",
+            "bytes": rb.peak_bytes,
+            "why": f"peak above the backward's start at op {rb.peak_op_label}",
+        }
+    )
     if plan.recompute_allgather:
         rows += _regather_trade(arch, plan, conv, sh, opts, pp)
     return rows
@@ -515,9 +610,12 @@ def _kept_rows(pp) -> dict[str, dict]:
         if st == F.tensors[pp.output].storage:
             # by symmetry with this layer's own input: does the next layer's backward read it?
             saved = pp.input in F.tensors and F.tensors[pp.input].storage in readers
-            why = ("layer output: the next layer's input (its norm saves it)" if saved else
-                   "layer output: the next layer's input, alive until that layer's forward is done "
-                   "(it keeps a copy or offloads it, not this tensor)")
+            why = (
+                "layer output: the next layer's input (its norm saves it)"
+                if saved
+                else "layer output: the next layer's input, alive until that layer's forward is done "
+                "(it keeps a copy or offloads it, not this tensor)"
+            )
         else:
             why = "read in backward by " + ", ".join(readers.get(st, ["(kept)"]))
         rows[st] = {"tensor": st, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "why": why}
@@ -533,25 +631,38 @@ def _regather_trade(arch, plan: ParallelPlan, conv, sh, opts, pp) -> list[dict]:
 
     from .templates.conventions import convention_for
     from .templates.programs import layer_programs
+
     base_conv = convention_for(replace(plan, recompute_allgather=False))
     if base_conv == conv:
         return []
     base = layer_programs(arch, sh, base_conv, opts)
     kept, kept_before = _kept_rows(pp), _kept_rows(base)
     dropped = [dict(r, why="no longer kept: " + r["why"]) for st, r in kept_before.items() if st not in kept]
-    added = [dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
-             for st, r in kept.items() if st not in kept_before]
+    added = [
+        dict(r, why="kept instead (this rank's sequence shard): " + r["why"])
+        for st, r in kept.items()
+        if st not in kept_before
+    ]
     gathers_before = {o for op in base.B.ops if op.type == "all_gather" for o in op.outputs}
     comm = []
     for op in pp.B.ops:
         if op.type == "all_gather" and op.phase == "backward" and not set(op.outputs) & gathers_before:
             t = pp.B.tensors[op.outputs[0]]
-            comm.append({"tensor": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
-                         "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
-                                f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks"})
+            comm.append(
+                {
+                    "tensor": t.name,
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "bytes": t.nbytes,
+                    "why": f"all-gather added to the backward of {op.module or 'the layer'}: "
+                    f"{', '.join(op.inputs)} from the {plan.tp} tensor-parallel ranks",
+                }
+            )
     net = sum(r["bytes"] for r in dropped) - sum(r["bytes"] for r in added)
-    section = (f"--recompute-allgather trades memory for communication, per layer and microbatch: "
-               f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward")
+    section = (
+        f"--recompute-allgather trades memory for communication, per layer and microbatch: "
+        f"{fmt_bytes(net)} less kept for backward, {len(comm)} all-gather(s) more in backward"
+    )
     return [dict(r, section=section) for r in sorted(dropped, key=lambda r: -r["bytes"]) + added + comm]
 
 
@@ -567,8 +678,10 @@ def _stage_of_layer(plan: ParallelPlan, idx: int) -> int:
 def clear_caches() -> None:
     """Forget every cached analysis (tests, benchmarks)."""
     from .templates.programs import clear_caches as clear_parts
+
     clear_parts()
     from .templates.static import clear_caches as clear_static
+
     clear_static()
     _stage_jobs.cache_clear()
     _STAGE_PLANS.clear()
@@ -580,6 +693,8 @@ def format_explain(rows: list[dict]) -> str:
     """Plain-text table of `layer_explain` rows (for --explain)."""
     lines = [f"{'tensor':40s} {'shape':>24s} {'dtype':>6s} {'bytes':>12s}  why"]
     for r in rows:
-        lines.append(f"{r['tensor'][:40]:40s} {str(r['shape']):>24s} {r['dtype']:>6s} {fmt_bytes(r['bytes']):>12s}  "
-                     f"{r['why']}")
+        lines.append(
+            f"{r['tensor'][:40]:40s} {str(r['shape']):>24s} {r['dtype']:>6s} {fmt_bytes(r['bytes']):>12s}  "
+            f"{r['why']}"
+        )
     return "\n".join(lines)

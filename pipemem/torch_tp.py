@@ -90,16 +90,20 @@ class RegatherColwiseParallel(ColwiseParallel):
     input is token ids, nothing is gathered).
     """
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 sequence_dim: int = 1):
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)
+    def __init__(
+        self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True, sequence_dim: int = 1
+    ):
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output
+        )
         layout = self.input_layouts[0]
         self.sequence_dim = layout.dim if isinstance(layout, Shard) else sequence_dim
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        out = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        out = ColwiseParallel._prepare_input_fn(
+            input_layouts, desired_input_layouts, mod, inputs, device_mesh
+        )
         layout, x = input_layouts[0], inputs[0]
         given = x.placements[0] if isinstance(x, DTensor) else layout
         if isinstance(layout, Shard) and given == layout and out is not x:
@@ -111,7 +115,9 @@ class RegatherColwiseParallel(ColwiseParallel):
         module = super()._apply(module, device_mesh)
         if isinstance(module, nn.Linear):
             if device_mesh.ndim != 1:
-                raise ValueError(f"RegatherColwiseParallel needs a 1-D tensor-parallel mesh, got {device_mesh.ndim}-D")
+                raise ValueError(
+                    f"RegatherColwiseParallel needs a 1-D tensor-parallel mesh, got {device_mesh.ndim}-D"
+                )
             # after ColwiseParallel's input hook (it sees the gathered input), before its output hook
             module.register_forward_pre_hook(partial(_enter, self.sequence_dim, device_mesh))
             module.register_forward_hook(_exit, prepend=True, always_call=True)
@@ -137,7 +143,7 @@ class _Regather:
     zero-bubble pipeline schedules run it) gathers once in each pass."""
 
     saves: int = 0
-    passes: dict = field(default_factory=dict)     # graph task id -> [unpacks left, gathered]
+    passes: dict = field(default_factory=dict)  # graph task id -> [unpacks left, gathered]
 
 
 @dataclass(frozen=True)
@@ -150,8 +156,8 @@ class _SavedShard:
     mesh: DeviceMesh
     full_shape: torch.Size
     full_stride: tuple
-    view: tuple            # (size, stride, storage offset relative to the gathered tensor)
-    spec: object           # the saved DTensor's spec (None for a plain tensor)
+    view: tuple  # (size, stride, storage offset relative to the gathered tensor)
+    spec: object  # the saved DTensor's spec (None for a plain tensor)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -172,7 +178,7 @@ def _enter(seq_dim: int, mesh: DeviceMesh, module: nn.Module, args) -> None:
     else:
         local = x._local_tensor if isinstance(x, DTensor) else x
         if isinstance(local, AsyncCollectiveTensor):
-            local.trigger_wait()        # a copy of our chunk may be taken before the matmul waits
+            local.trigger_wait()  # a copy of our chunk may be taken before the matmul waits
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack = partial(_pack, weakref.ref(_local(x)), seq_dim, mesh, outer)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, partial(_unpack, outer))
@@ -198,8 +204,12 @@ def _pack(root_ref, seq_dim: int, mesh: DeviceMesh, outer, t: torch.Tensor):
     _PENDING.setdefault(shard, _Regather()).saves += 1
     view = (tuple(local.size()), tuple(local.stride()), local.storage_offset() - root.storage_offset())
     spec = t._spec if isinstance(t, DTensor) else None
-    return (True, _SavedShard(outer[0](shard) if outer else shard, dim, mesh, root.shape, tuple(root.stride()),
-                              view, spec))
+    return (
+        True,
+        _SavedShard(
+            outer[0](shard) if outer else shard, dim, mesh, root.shape, tuple(root.stride()), view, spec
+        ),
+    )
 
 
 def _shard_of(root: torch.Tensor, seq_dim: int, mesh: DeviceMesh) -> tuple[torch.Tensor, int]:
@@ -224,7 +234,7 @@ def _unpack(outer, packed):
     shard = outer[1](s.packed) if outer else s.packed
     pending = _PENDING.get(shard)
     task = torch._C._current_graph_task_id()
-    if pending is None or task == -1:      # unpacked outside a backward pass
+    if pending is None or task == -1:  # unpacked outside a backward pass
         full = _all_gather(shard, s)
     else:
         # in each backward pass the first of the linears sharing this shard gathers; the last lets go
@@ -245,12 +255,15 @@ def _unpack(outer, packed):
 def _all_gather(shard: torch.Tensor, s: _SavedShard) -> torch.Tensor:
     """All-gather the sequence shards into the tensor the forward gathered (same layout)."""
     with torch.no_grad():
-        d = DTensor.from_local(shard, s.mesh, [Shard(s.seq_dim)], run_check=False, shape=s.full_shape,
-                               stride=s.full_stride)
+        d = DTensor.from_local(
+            shard, s.mesh, [Shard(s.seq_dim)], run_check=False, shape=s.full_shape, stride=s.full_stride
+        )
         full = d.redistribute(s.mesh, [Replicate()]).to_local()
         if isinstance(full, AsyncCollectiveTensor):
             full = full.trigger_wait()
     if full.shape != s.full_shape or tuple(full.stride()) != s.full_stride:
-        raise RuntimeError(f"RegatherColwiseParallel: the re-gathered input has shape {tuple(full.shape)}, stride "
-                           f"{tuple(full.stride())}; the forward's had {tuple(s.full_shape)}, {s.full_stride}")
+        raise RuntimeError(
+            f"RegatherColwiseParallel: the re-gathered input has shape {tuple(full.shape)}, stride "
+            f"{tuple(full.stride())}; the forward's had {tuple(s.full_shape)}, {s.full_stride}"
+        )
     return full

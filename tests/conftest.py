@@ -11,8 +11,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -20,8 +21,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Skip reasons that mean "a package or interpreter .ci/run installs is missing" (pytest.importorskip
 # says "could not import"; the PaddleNLP tests name their interpreter's variable). Under CI=true
 # (.ci/run sets it) such a skip is a failure: CI must not go green by skipping what it should run.
-MISSING = ("could not import", "not installed", "not importable", "PIPEMEM_PADDLENLP_PYTHON",
-           "PIPEMEM_PADDLE26_PYTHON")
+MISSING = (
+    "could not import",
+    "not installed",
+    "not importable",
+    "PIPEMEM_PADDLENLP_PYTHON",
+    "PIPEMEM_PADDLE26_PYTHON",
+)
 
 
 def _on_ci() -> bool:

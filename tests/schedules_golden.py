@@ -21,9 +21,30 @@ from pathlib import Path
 GOLDEN = Path(__file__).resolve().parent / "data" / "schedules_golden.json"
 
 # every canonical name the CLI accepted before the registry, and some aliases
-NAMES = ("GPipe", "FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "VPP", "LoopedBFS",
-         "InterleavedZeroBubble", "ZBH1", "ZB1P", "ZBH2", "ZBVZeroBubble", "ZBV", "DualPipeV", "VHalf",
-         "VMin", "ZBVPP", "ZBAuto", "auto", "zb2p", "pipedream_flush", "interleaved")
+NAMES = (
+    "GPipe",
+    "FThenB",
+    "1F1B",
+    "Eager1F1B",
+    "Interleaved1F1B",
+    "VPP",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBH1",
+    "ZB1P",
+    "ZBH2",
+    "ZBVZeroBubble",
+    "ZBV",
+    "DualPipeV",
+    "VHalf",
+    "VMin",
+    "ZBVPP",
+    "ZBAuto",
+    "auto",
+    "zb2p",
+    "pipedream_flush",
+    "interleaved",
+)
 PPS = (1, 2, 3, 4, 6)
 VPPS = (None, 1, 2, 3)
 
@@ -42,8 +63,11 @@ def cases():
                     if vpp is not None:
                         argv += ["--vpp", str(vpp)]
                     yield " ".join(argv), argv
-    for extra in (["--memory-limit", "3"], ["--memory-limit", "2.5", "--w-ratio", "0.5"],
-                  ["--times", "1,2,1,0.5"]):
+    for extra in (
+        ["--memory-limit", "3"],
+        ["--memory-limit", "2.5", "--w-ratio", "0.5"],
+        ["--times", "1,2,1,0.5"],
+    ):
         for name, vpp in (("auto", "1"), ("auto", "2"), ("ZBVPP", "2"), ("ZBH2", "1"), ("ZBV", "2")):
             argv = [name, "--pp", "4", "--microbatches", "8", "--vpp", vpp] + extra
             yield " ".join(argv), argv
@@ -57,7 +81,7 @@ def run_case(argv: list[str]) -> dict:
     from pipemem.cli.main import build_parser
     from pipemem.errors import UserError
 
-    if not _PARSER:                     # one parser for all cases (building it imports every command)
+    if not _PARSER:  # one parser for all cases (building it imports every command)
         _PARSER.append(build_parser())
     out = io.StringIO()
     try:
@@ -68,14 +92,32 @@ def run_case(argv: list[str]) -> dict:
         return {"error": str(e)}
     data = json.loads(out.getvalue())
     text = json.dumps(data, sort_keys=True)
-    return {"sha256": hashlib.sha256(text.encode()).hexdigest()[:20],
-            "peak": [r["peak_microbatches"] for r in data["ranks"]],
-            "inflight": [r["max_inflight"] for r in data["ranks"]]}
+    return {
+        "sha256": hashlib.sha256(text.encode()).hexdigest()[:20],
+        "peak": [r["peak_microbatches"] for r in data["ranks"]],
+        "inflight": [r["max_inflight"] for r in data["ranks"]],
+    }
 
 
-ESTIMATE_NAMES = (None, "GPipe", "1F1B", "Eager1F1B", "Interleaved1F1B", "VPP", "LoopedBFS",
-                  "InterleavedZeroBubble", "ZBH1", "ZB1P", "ZBH2", "ZBVZeroBubble", "DualPipeV", "VHalf", "VMin",
-                  "ZBVPP", "auto")
+ESTIMATE_NAMES = (
+    None,
+    "GPipe",
+    "1F1B",
+    "Eager1F1B",
+    "Interleaved1F1B",
+    "VPP",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBH1",
+    "ZB1P",
+    "ZBH2",
+    "ZBVZeroBubble",
+    "DualPipeV",
+    "VHalf",
+    "VMin",
+    "ZBVPP",
+    "auto",
+)
 
 
 def estimate_cases():
@@ -99,8 +141,13 @@ def run_estimate(kw: dict) -> dict:
         e = pipemem.estimate("llama3-8b", **kw)
     except UserError as err:
         return {"error": str(err)}
-    return {"schedule": e.schedule, "vpp": e.plan.vpp, "peak": [r.peak_allocated_bytes for r in e.ranks],
-            "static": [r.static.total for r in e.ranks], "stages": [list(r.stages) for r in e.ranks]}
+    return {
+        "schedule": e.schedule,
+        "vpp": e.plan.vpp,
+        "peak": [r.peak_allocated_bytes for r in e.ranks],
+        "static": [r.static.total for r in e.ranks],
+        "stages": [list(r.stages) for r in e.ranks],
+    }
 
 
 def fingerprints() -> dict:
@@ -113,7 +160,7 @@ def main() -> int:
     got = fingerprints()
     if sys.argv[1:] == ["--write"]:
         lines = [f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(got.items())]
-        GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")     # one line per case: readable diffs
+        GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one line per case: readable diffs
         print(f"wrote {len(got)} cases to {GOLDEN}")
         return 0
     want = json.loads(GOLDEN.read_text())

@@ -203,7 +203,7 @@ def test_alloc_conf_reaches_the_allocator():
     expand = pipemem.estimate("llama3-8b", alloc_conf="expandable_segments:True", **kw)
     assert expand.max_peak_allocated_bytes == default.max_peak_allocated_bytes
     assert expand.max_peak_reserved_bytes != default.max_peak_reserved_bytes
-    assert expand.max_peak_reserved_bytes % (2 << 20) == 0            # mapped in 2 MiB pages
+    assert expand.max_peak_reserved_bytes % (2 << 20) == 0  # mapped in 2 MiB pages
 
 
 def test_huge_streams_are_refused_quickly():

@@ -59,6 +59,7 @@ def test_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path, capsys):
     class Evil:
         def __reduce__(self):
             return (__import__("os").system, (f"touch {marker}",))
+
     path = _write(tmp_path, "evil.pickle", pickle.dumps({"segments": [], "device_traces": [Evil()]}))
     assert main(["snapshot", path]) == 2
     err = capsys.readouterr().err
@@ -67,21 +68,30 @@ def test_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path, capsys):
 
 
 def test_plain_pickle_reads(tmp_path):
-    snap = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1 << 30, "size": 100, "stream": 0},
-                                               {"action": "segment_alloc", "addr": 1 << 30, "size": 2 << 20,
-                                                "stream": 0}]]}
+    snap = {
+        "segments": [],
+        "device_traces": [
+            [
+                {"action": "alloc", "addr": 1 << 30, "size": 100, "stream": 0},
+                {"action": "segment_alloc", "addr": 1 << 30, "size": 2 << 20, "stream": 0},
+            ]
+        ],
+    }
     path = _write(tmp_path, "s.pickle", pickle.dumps(snap))
     assert S.load(path)["device_traces"][0][0]["size"] == 100
 
 
-@pytest.mark.parametrize("data", [
-    gzip.compress(b'{"segments": [], "device_traces": []}')[:-12],     # truncated gzip
-    b"\x1f\x8b\x08\x00garbage",
-    pickle.dumps({"segments": [], "device_traces": []})[:-5],          # truncated pickle
-    b'{"segments": [',                                                  # truncated JSON
-    b"hello",
-    b'{"segments": "x", "device_traces": []}',
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        gzip.compress(b'{"segments": [], "device_traces": []}')[:-12],  # truncated gzip
+        b"\x1f\x8b\x08\x00garbage",
+        pickle.dumps({"segments": [], "device_traces": []})[:-5],  # truncated pickle
+        b'{"segments": [',  # truncated JSON
+        b"hello",
+        b'{"segments": "x", "device_traces": []}',
+    ],
+)
 def test_corrupt_snapshots_exit_2(tmp_path, capsys, data):
     path = _write(tmp_path, "bad.json.gz", data)
     assert main(["snapshot", path]) == 2
@@ -103,6 +113,7 @@ def test_loader_never_calls_find_class():
 def test_readme_snapshot_example_runs(capsys):
     import re
     import shlex
+
     text = (ROOT / "README.md").read_text()
     cmds = re.findall(r"^pipemem snapshot .+$", text, flags=re.M)
     assert cmds
@@ -116,14 +127,31 @@ def test_readme_snapshot_example_runs(capsys):
 def _oom_snapshot():
     MiB = 1 << 20
     X, Y = 1 << 40, (1 << 40) + (1 << 30)
-    ev = [("segment_alloc", X, 40 * MiB), ("alloc", X, 40 * MiB), ("segment_alloc", Y, 40 * MiB),
-          ("alloc", Y, 40 * MiB), ("free_requested", X, 40 * MiB), ("free_completed", X, 40 * MiB),
-          # a 70 MiB request: cudaMalloc fails (80 + 70 > 100), the cache is released, still no room
-          ("segment_free", X, 40 * MiB), ("oom", 60 * MiB, 70 * MiB)]
+    ev = [
+        ("segment_alloc", X, 40 * MiB),
+        ("alloc", X, 40 * MiB),
+        ("segment_alloc", Y, 40 * MiB),
+        ("alloc", Y, 40 * MiB),
+        ("free_requested", X, 40 * MiB),
+        ("free_completed", X, 40 * MiB),
+        # a 70 MiB request: cudaMalloc fails (80 + 70 > 100), the cache is released, still no room
+        ("segment_free", X, 40 * MiB),
+        ("oom", 60 * MiB, 70 * MiB),
+    ]
     trace = [{"action": a, "addr": ad, "size": sz, "stream": 0} for a, ad, sz in ev]
-    segs = [{"device": 0, "address": Y, "total_size": 40 * MiB, "stream": 0, "segment_type": "large",
-             "is_expandable": False, "blocks": [{"address": Y, "size": 40 * MiB, "requested_size": 40 * MiB,
-                                                 "state": "active_allocated"}]}]
+    segs = [
+        {
+            "device": 0,
+            "address": Y,
+            "total_size": 40 * MiB,
+            "stream": 0,
+            "segment_type": "large",
+            "is_expandable": False,
+            "blocks": [
+                {"address": Y, "size": 40 * MiB, "requested_size": 40 * MiB, "state": "active_allocated"}
+            ],
+        }
+    ]
     return {"segments": segs, "device_traces": [trace], "allocator_settings": None}
 
 
@@ -131,7 +159,7 @@ def test_recorded_oom_replays_and_what_if_uses_its_capacity(tmp_path, capsys):
     snap = _oom_snapshot()
     rec = S.recorded(snap, 0)
     assert rec.from_empty and rec.ooms == 1 and rec.peak_reserved_bytes == 80 << 20
-    assert S.oom_capacity(snap, 0) == 100 << 20        # 40 MiB reserved at the OOM + 60 MiB free
+    assert S.oom_capacity(snap, 0) == 100 << 20  # 40 MiB reserved at the OOM + 60 MiB free
     mod = S.replay_device(snap, 0)
     assert mod.segment_events == rec.segment_events
     path = _write(tmp_path, "oom.json", json.dumps(snap).encode())
@@ -152,13 +180,16 @@ def test_what_if_under_the_recorded_settings_gives_the_recorded_peak():
             assert same.peak_reserved_bytes == S.recorded(snap, d).peak_reserved_bytes, f.name
 
 
-@pytest.mark.parametrize("snap", [
-    {"segments": [], "device_traces": [[{"action": "alloc", "addr": "x", "size": 5}]]},
-    {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]},
-    {"segments": [{"address": 1, "total_size": 2, "blocks": [{"address": 1}]}], "device_traces": []},
-    {"segments": [{"address": 1.5, "total_size": 2}], "device_traces": []},
-    [1, 2],
-])
+@pytest.mark.parametrize(
+    "snap",
+    [
+        {"segments": [], "device_traces": [[{"action": "alloc", "addr": "x", "size": 5}]]},
+        {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]},
+        {"segments": [{"address": 1, "total_size": 2, "blocks": [{"address": 1}]}], "device_traces": []},
+        {"segments": [{"address": 1.5, "total_size": 2}], "device_traces": []},
+        [1, 2],
+    ],
+)
 def test_malformed_snapshot_content_is_refused(snap):
     with pytest.raises(UserError) as e:
         S.loads(json.dumps(snap).encode(), "s")
@@ -166,8 +197,12 @@ def test_malformed_snapshot_content_is_refused(snap):
 
 
 def test_events_torch_adds_are_ignored():
-    snap = {"segments": [], "device_traces": [[{"action": "user_defined", "user_metadata": "x"},
-                                               {"action": "snapshot", "addr": None}]]}
+    snap = {
+        "segments": [],
+        "device_traces": [
+            [{"action": "user_defined", "user_metadata": "x"}, {"action": "snapshot", "addr": None}]
+        ],
+    }
     assert S.recorded(S.loads(json.dumps(snap).encode()), 0).peak_reserved_bytes == 0
 
 
@@ -176,6 +211,7 @@ def test_traces_that_lost_or_repeat_events_replay_without_crashing():
     import random
 
     from pipemem.allocator import AllocatorConfig
+
     rnd = random.Random(5)
     bases = [S.load(str(f)) for f in FILES if "device2" in f.name or "MercuryB1" in f.name]
     for _ in range(25):
@@ -194,14 +230,18 @@ def test_traces_that_lost_or_repeat_events_replay_without_crashing():
             snap["segments"] = snap["segments"][: len(snap["segments"]) // 2]
         for d in S.devices(snap):
             S.replay_device(snap, d)
-            S.replay_device(snap, d, config=AllocatorConfig.parse("expandable_segments:True"),
-                            capacity_bytes=rnd.choice([None, 8 << 30]))
+            S.replay_device(
+                snap,
+                d,
+                config=AllocatorConfig.parse("expandable_segments:True"),
+                capacity_bytes=rnd.choice([None, 8 << 30]),
+            )
 
 
 def test_one_device_extract_is_read_as_its_device():
     f = next(p for p in FILES if "device2" in p.name)
     snap = S.load(str(f))
-    extract = dict(snap, device_traces=[t for t in snap["device_traces"] if t])     # the trace at index 0
+    extract = dict(snap, device_traces=[t for t in snap["device_traces"] if t])  # the trace at index 0
     again = S.loads(json.dumps(extract).encode(), "x")
     assert S.devices(again) == [2]
     assert S.recorded(again, 2).segment_events == S.recorded(snap, 2).segment_events
@@ -211,7 +251,7 @@ def test_validate_allocator_fails_on_a_trace_the_model_does_not_reproduce(tmp_pa
     f = next(p for p in FILES if "profile_grad" in p.name)
     snap = S.load(str(f))
     seg = next(e for e in snap["device_traces"][0] if e["action"] == "segment_alloc")
-    seg["size"] += 2 << 20          # a recorded segment 2 MiB larger than the allocator's rule gives
+    seg["size"] += 2 << 20  # a recorded segment 2 MiB larger than the allocator's rule gives
     final = next(s for s in snap["segments"] if s["address"] == seg["addr"])
     final["total_size"] += 2 << 20  # (and so in the final state: the trace still starts empty)
     (tmp_path / "tampered.json").write_text(json.dumps(snap))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-SAMPLE = '''
+SAMPLE = """
 import pytest
 
 def test_missing_package():
@@ -19,7 +19,7 @@ def test_missing_interpreter():
 
 def test_other_skip():
     pytest.skip("checks the no-GPU path")
-'''
+"""
 
 
 def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
@@ -28,8 +28,18 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     if ci is not None:
         env["CI"] = ci
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-rs", "-p", "no:cacheprovider",
-            str(tmp_path / "test_sample.py")]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "conftest",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        str(tmp_path / "test_sample.py"),
+    ]
     return subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
 
 

@@ -52,13 +52,13 @@ def test_llama3_8b_fp8_script_as_pasted_runs_transformer_engine_fp8():
 
 def test_llama3_8b_script_in_bf16_reduces_grads_in_bf16():
     tc = read_megatron(without(script_argv("llama3_8b_h100_fp8.txt"), *FP8))
-    assert tc.warnings == []          # every argument known: honoured or without memory effect
+    assert tc.warnings == []  # every argument known: honoured or without memory effect
     p = tc.plan
     assert (p["dp"], p["tp"], p["seq_len"], p["dist_opt"], p["flash_attn"]) == (8, 1, 8192, True, True)
-    assert (p["dtype"], p["main_grad_dtype"]) == ("bf16", "bf16")      # --grad-reduce-in-bf16
+    assert (p["dtype"], p["main_grad_dtype"]) == ("bf16", "bf16")  # --grad-reduce-in-bf16
     est = pipemem.estimate(tc.model, **p)
     st = est.ranks[0].static
-    assert st.grads == st.params             # bf16 main grads: 2 bytes per parameter, like the weights
+    assert st.grads == st.params  # bf16 main grads: 2 bytes per parameter, like the weights
     fp32 = pipemem.estimate(tc.model, **{**p, "main_grad_dtype": "fp32"})
     assert fp32.ranks[0].static.grads == 2 * st.grads
     assert fp32.max_peak_allocated_bytes - est.max_peak_allocated_bytes == st.grads
@@ -84,35 +84,54 @@ def test_argument_sets_are_disjoint():
     assert not KNOWN & NO_MEMORY_EFFECT and not KNOWN & set(REFUSED) and not NO_MEMORY_EFFECT & set(REFUSED)
 
 
-BASE = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
-        "--seq-length 2048 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 32000 "
-        "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1 --world-size 8 ")
+BASE = (
+    "--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
+    "--seq-length 2048 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 32000 "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1 --world-size 8 "
+)
 
 
 def read(extra: str):
     return read_megatron(shlex.split(BASE + extra))
 
 
-@pytest.mark.parametrize("flag", ["--fp8-recipe tensorwise", "--fp8-param-gather", "--fp8-recipe blockwise",
-                                  "--fp4-format e2m1", "--cpu-offloading", "--tp-comm-overlap",
-                                  "--moe-expert-capacity-factor 1.0", "--fine-grained-activation-offloading",
-                                  "--fp16-lm-cross-entropy", "--mtp-num-layers 1", "--enable-cuda-graph",
-                                  "--transformer-impl local", "--overlap-moe-expert-parallel-comm",
-                                  "--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--fp8-recipe tensorwise",
+        "--fp8-param-gather",
+        "--fp8-recipe blockwise",
+        "--fp4-format e2m1",
+        "--cpu-offloading",
+        "--tp-comm-overlap",
+        "--moe-expert-capacity-factor 1.0",
+        "--fine-grained-activation-offloading",
+        "--fp16-lm-cross-entropy",
+        "--mtp-num-layers 1",
+        "--enable-cuda-graph",
+        "--transformer-impl local",
+        "--overlap-moe-expert-parallel-comm",
+        "--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec",
+    ],
+)
 def test_memory_flags_not_modelled_are_refused_by_name(flag):
     with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]):
         read(flag)
 
 
 def test_fp8_offload_and_loss_fusion_flags_map_to_the_plan():
-    p = read("--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --cross-entropy-loss-fusion "
-             "--cross-entropy-fusion-impl te --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
-             "--use-precision-aware-optimizer "
-             "--fine-grained-activation-offloading --offload-modules expert_fc1,qkv_linear").plan
+    p = read(
+        "--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --cross-entropy-loss-fusion "
+        "--cross-entropy-fusion-impl te --optimizer-cpu-offload --optimizer-offload-fraction 0.5 "
+        "--use-precision-aware-optimizer "
+        "--fine-grained-activation-offloading --offload-modules expert_fc1,qkv_linear"
+    ).plan
     assert (p["fp8"], p["loss"], p["optimizer_offload"]) == ("mxfp8", "fused_te", 0.5)
     assert p["activation_offload"] == "expert_fc1,qkv"
     # Megatron-LM asserts the precision-aware optimizer with CPU offload (its code path)
-    with pytest.raises(UserError, match="^Megatron: --optimizer-cpu-offload needs --use-precision-aware-optimizer"):
+    with pytest.raises(
+        UserError, match="^Megatron: --optimizer-cpu-offload needs --use-precision-aware-optimizer"
+    ):
         read("--bf16 --use-distributed-optimizer --optimizer-cpu-offload")
     with pytest.raises(UserError, match="^Megatron: --offload-modules 'mystery'"):
         read("--fine-grained-activation-offloading --offload-modules mystery")
@@ -122,20 +141,32 @@ def test_refused_flag_switched_off_is_accepted():
     assert read("--tp-comm-overlap false").warnings == []
 
 
-@pytest.mark.parametrize("extra,grad", [
-    ("--bf16", "fp32"), ("--bf16 --grad-reduce-in-bf16", "bf16"), ("--bf16 --main-grads-dtype bf16", "bf16"),
-    ("--fp16", "fp16"), ("--fp16 --accumulate-allreduce-grads-in-fp32", "fp32"),
-])
+@pytest.mark.parametrize(
+    "extra,grad",
+    [
+        ("--bf16", "fp32"),
+        ("--bf16 --grad-reduce-in-bf16", "bf16"),
+        ("--bf16 --main-grads-dtype bf16", "bf16"),
+        ("--fp16", "fp16"),
+        ("--fp16 --accumulate-allreduce-grads-in-fp32", "fp32"),
+    ],
+)
 def test_main_grad_dtype_as_megatron_resolves_it(extra, grad):
     assert read(extra).plan["main_grad_dtype"] == grad
 
 
 def test_precision_aware_optimizer_dtypes_change_static_bytes():
     base = read("--bf16 --use-distributed-optimizer")
-    low = read("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-params-dtype fp16 "
-               "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp8")
-    assert low.plan["extra"] == {"precision_aware_optimizer": True, "main_params_dtype": "fp16",
-                                 "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8"}
+    low = read(
+        "--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-params-dtype fp16 "
+        "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp8"
+    )
+    assert low.plan["extra"] == {
+        "precision_aware_optimizer": True,
+        "main_params_dtype": "fp16",
+        "exp_avg_dtype": "bf16",
+        "exp_avg_sq_dtype": "fp8",
+    }
     o_base = pipemem.estimate(base.model, **base.plan).ranks[0].static.optimizer
     o_low = pipemem.estimate(low.model, **low.plan).ranks[0].static.optimizer
     # per parameter (then sharded over dp 8): master 4 + m 4 + v 4 = 12 vs 2 + 2 + 2 = 6 (an fp8
@@ -146,8 +177,10 @@ def test_precision_aware_optimizer_dtypes_change_static_bytes():
     default = read("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer")
     o_default = pipemem.estimate(default.model, **default.plan).ranks[0].static.optimizer
     assert o_default * 12 == pytest.approx(o_base * 10, rel=1e-3)
-    current = read("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --fp8-format hybrid "
-                   "--fp8-recipe tensorwise")
+    current = read(
+        "--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --fp8-format hybrid "
+        "--fp8-recipe tensorwise"
+    )
     assert current.plan.get("fp8") == "current"
     o_current = pipemem.estimate(current.model, **current.plan).ranks[0].static.optimizer
     assert o_current == pytest.approx(o_base, rel=1e-3)
@@ -166,23 +199,36 @@ def test_no_gradient_accumulation_fusion_keeps_eager_weight_grads():
 
 
 def test_recompute_arguments():
-    assert read("--recompute-granularity full --recompute-method block --recompute-num-layers 4").plan[
-        "recompute_layers"] == 4
-    assert read("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1").plan[
-        "recompute"] == "full"
+    assert (
+        read("--recompute-granularity full --recompute-method block --recompute-num-layers 4").plan[
+            "recompute_layers"
+        ]
+        == 4
+    )
+    assert (
+        read("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1").plan[
+            "recompute"
+        ]
+        == "full"
+    )
     with pytest.raises(UserError, match="--recompute-num-layers 2 with --recompute-method uniform"):
         read("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2")
     with pytest.raises(UserError, match="--recompute-modules"):
         read("--recompute-granularity selective --recompute-modules mlp")
-    assert read("--recompute-granularity selective --recompute-modules core_attn").plan["recompute"] == "selective"
+    assert (
+        read("--recompute-granularity selective --recompute-modules core_attn").plan["recompute"]
+        == "selective"
+    )
 
 
 MOE = "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 --moe-token-dispatcher-type alltoall "
 
 
 def test_moe_shape_shared_experts_and_layer_freq():
-    tc = read(MOE + "--moe-shared-expert-intermediate-size 1024 --moe-layer-freq ([1]*3+[0])*2 "
-              "--expert-model-parallel-size 2")
+    tc = read(
+        MOE + "--moe-shared-expert-intermediate-size 1024 --moe-layer-freq ([1]*3+[0])*2 "
+        "--expert-model-parallel-size 2"
+    )
     a = arch_from_hf_config(tc.model)
     assert (a.experts, a.expert_ffn, a.shared_experts, a.shared_ffn, a.ffn) == (8, 512, 1, 1024, 2688)
     assert a.dense_layers == (3, 7)
@@ -213,7 +259,10 @@ def test_attention_backend_follows_transformer_engine_dtype_rules():
     gets the unfused attention under the default --attention-backend auto."""
     assert read("--bf16").plan.get("flash_attn", True) is True
     assert read("").plan["flash_attn"] is False
-    assert read("--bf16 --transformer-impl transformer_engine --attention-backend auto").plan["flash_attn"] is True
+    assert (
+        read("--bf16 --transformer-impl transformer_engine --attention-backend auto").plan["flash_attn"]
+        is True
+    )
     with pytest.raises(UserError, match="--attention-backend fused needs --bf16 or --fp16"):
         read("--attention-backend fused")
 
@@ -234,6 +283,6 @@ def test_megatron_fsdp_fp8_param_gather_keeps_a_shard_of_the_fp8_weights():
     assert p["zero"] == 3 and p["dp"] == 8 and p["fp8_param_gather"] is True
     fp8 = pipemem.estimate(tc.model, **p).ranks[0].static.params
     bf16 = pipemem.estimate(tc.model, **{**p, "fp8_param_gather": False}).ranks[0].static.params
-    h, ffn, layers, kv = 4096, 14336, 32, 8 * 128     # the script's --hidden-size, --ffn-hidden-size ...
-    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn)      # qkv, proj, fc1 (gate + up), fc2
+    h, ffn, layers, kv = 4096, 14336, 32, 8 * 128  # the script's --hidden-size, --ffn-hidden-size ...
+    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn)  # qkv, proj, fc1 (gate + up), fc2
     assert 0 < fp8 < bf16 and bf16 - fp8 == -(-linear // 8) * (2 - 1)

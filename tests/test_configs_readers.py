@@ -71,15 +71,35 @@ def test_paddlenlp_seed_line():
     assert (p["pp"], p["tp"], p["dp"], p["layers"], p["microbatches"]) == (4, 1, 1, 4, 8)
     assert (p["seq_len"], p["micro_batch"], p["recompute"], p["dtype"]) == (2048, 1, "full", "fp32")
     assert p["schedule"] == "1F1B" and p["flash_attn"] is False and p["convention"] == "paddle"
-    assert tc.warnings == []     # every argument of the seed line is known or irrelevant to memory
+    assert tc.warnings == []  # every argument of the seed line is known or irrelevant to memory
     name, cfg = load_model_config(tc.model)
     assert name == "llama2-7b" and arch_from_hf_config(cfg).hidden == 4096
 
 
 def test_paddlenlp_bf16_sharding_and_unknown():
-    tc = read_paddlenlp(["--model_name_or_path", "meta-llama/Llama-2-13b", "--bf16", "1", "--fp16_opt_level", "O2",
-                         "--sharding_parallel_degree", "8", "--sharding", "stage2", "--tensor_parallel_degree", "2",
-                         "--world_size", "16", "--recompute", "0", "--some_new_flag", "3", "--other_flag"])
+    tc = read_paddlenlp(
+        [
+            "--model_name_or_path",
+            "meta-llama/Llama-2-13b",
+            "--bf16",
+            "1",
+            "--fp16_opt_level",
+            "O2",
+            "--sharding_parallel_degree",
+            "8",
+            "--sharding",
+            "stage2",
+            "--tensor_parallel_degree",
+            "2",
+            "--world_size",
+            "16",
+            "--recompute",
+            "0",
+            "--some_new_flag",
+            "3",
+            "--other_flag",
+        ]
+    )
     p = tc.plan
     assert p["dtype"] == "bf16" and p["master_weights"] is True
     assert p["zero"] == 2 and p["dp"] == 8 and p["tp"] == 2 and p["recompute"] == "none"
@@ -87,15 +107,24 @@ def test_paddlenlp_bf16_sharding_and_unknown():
     assert len(unknown) == 1 and "--some_new_flag" in unknown[0] and "--other_flag" in unknown[0]
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--model_name_or_path", "x", "--fp16", "1", "--bf16", "1"], "choose one"),
-    (["--model_name_or_path", "x", "--pipeline_parallel_degree", "abc"], "integer"),
-    (["--model_name_or_path", "x", "--tensor_parallel_degree", "-2"], ">= 1"),
-    (["--max_seq_length", "10"], "model_name_or_path"),
-    ([], "no arguments"),
-    (["--model_name_or_path", "x", "--gradient_accumulation_steps", "4", "--global_batch_size", "7"], "contradicts"),
-    (["--gpus", "0,1,2", "run.py", "--model_name_or_path", "x", "--pipeline_parallel_degree", "2"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--model_name_or_path", "x", "--fp16", "1", "--bf16", "1"], "choose one"),
+        (["--model_name_or_path", "x", "--pipeline_parallel_degree", "abc"], "integer"),
+        (["--model_name_or_path", "x", "--tensor_parallel_degree", "-2"], ">= 1"),
+        (["--max_seq_length", "10"], "model_name_or_path"),
+        ([], "no arguments"),
+        (
+            ["--model_name_or_path", "x", "--gradient_accumulation_steps", "4", "--global_batch_size", "7"],
+            "contradicts",
+        ),
+        (
+            ["--gpus", "0,1,2", "run.py", "--model_name_or_path", "x", "--pipeline_parallel_degree", "2"],
+            "divisible",
+        ),
+    ],
+)
 def test_paddlenlp_bad_inputs(argv, match):
     with pytest.raises(UserError, match=match):
         read_paddlenlp(argv)
@@ -105,37 +134,64 @@ LLAMA2_7B_MEGATRON = (
     "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
     "--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 64 --swiglu "
     "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
-    "--position-embedding-type rope --tokenizer-type Llama2Tokenizer --bf16")
+    "--position-embedding-type rope --tokenizer-type Llama2Tokenizer --bf16"
+)
 
 
 def test_megatron_llama2_7b_matches_hf_shape():
     tc = read_megatron(shlex.split(LLAMA2_7B_MEGATRON))
     ours = arch_from_hf_config(tc.model, "m")
     hf = arch_from_hf_config(load_model_config("llama2-7b")[1], "hf")
-    fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "norm", "activation",
-              "tied_embeddings", "qkv_bias", "mlp_bias")
+    fields = (
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "ffn",
+        "vocab",
+        "norm",
+        "activation",
+        "tied_embeddings",
+        "qkv_bias",
+        "mlp_bias",
+    )
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(hf, f) for f in fields}
     assert tc.plan["dtype"] == "bf16" and tc.plan["global_batch"] == 64 and tc.dp_unknown
 
 
 def test_megatron_gpt3_175b_matches_preset():
-    argv = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
-            "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 "
-            "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --fp16 "
-            "--tokenizer-type GPT2BPETokenizer --world-size 1024")
+    argv = (
+        "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+        "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 "
+        "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --fp16 "
+        "--tokenizer-type GPT2BPETokenizer --world-size 1024"
+    )
     tc = read_megatron(argv.split())
     ours = arch_from_hf_config(tc.model, "m")
     ref = arch_from_hf_config(load_model_config("gpt3-175b")[1], "ref")
-    for f in ("layers", "hidden", "heads", "ffn", "vocab", "norm", "activation", "position", "tied_embeddings"):
+    for f in (
+        "layers",
+        "hidden",
+        "heads",
+        "ffn",
+        "vocab",
+        "norm",
+        "activation",
+        "position",
+        "tied_embeddings",
+    ):
         assert getattr(ours, f) == getattr(ref, f), f
     # world 1024 / (tp 8 x pp 16) = dp 8
     assert tc.plan["dp"] == 8 and tc.plan["dtype"] == "fp16" and tc.plan["sp"] is False
 
 
 def test_megatron_defaults_follow_megatron_rules():
-    tc = read_megatron("--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 128 --swiglu "
-                       "--vocab-size 1000 --num-layers-per-virtual-pipeline-stage 1 "
-                       "--pipeline-model-parallel-size 4".split())
+    tc = read_megatron(
+        "--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 128 --swiglu "
+        "--vocab-size 1000 --num-layers-per-virtual-pipeline-stage 1 "
+        "--pipeline-model-parallel-size 4".split()
+    )
     # Megatron: with --swiglu, ffn = int(4h * 2/3 / 64) * 64 = int(10922.67 / 64) * 64 = 170 * 64
     assert tc.model["intermediate_size"] == 10880
     assert tc.model["tie_word_embeddings"] is True and tc.model["attention_bias"] is True
@@ -143,13 +199,15 @@ def test_megatron_defaults_follow_megatron_rules():
 
 
 def test_megatron_moe_gqa_launcher_world():
-    argv = shlex.split("torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --num-layers 32 --hidden-size 4096 "
-                       "--ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
-                       "--num-query-groups 8 --seq-length 4096 --swiglu --normalization RMSNorm --num-experts 8 "
-                       "--moe-router-topk 2 --expert-model-parallel-size 8 --tensor-model-parallel-size 2 "
-                       "--pipeline-model-parallel-size 2 --context-parallel-size 2 --vocab-size 32000 "
-                       "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce "
-                       "--disable-bias-linear --moe-token-dispatcher-type alltoall")
+    argv = shlex.split(
+        "torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --num-layers 32 --hidden-size 4096 "
+        "--ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+        "--num-query-groups 8 --seq-length 4096 --swiglu --normalization RMSNorm --num-experts 8 "
+        "--moe-router-topk 2 --expert-model-parallel-size 8 --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --vocab-size 32000 "
+        "--recompute-granularity selective --use-distributed-optimizer --bf16 --overlap-grad-reduce "
+        "--disable-bias-linear --moe-token-dispatcher-type alltoall"
+    )
     tc = read_megatron(argv)
     a = arch_from_hf_config(tc.model, "m")
     assert (a.experts, a.top_k, a.kv_heads, a.expert_ffn) == (8, 2, 8, 14336)
@@ -159,30 +217,54 @@ def test_megatron_moe_gqa_launcher_world():
 
 
 def test_megatron_uneven_pipeline():
-    tc = read_megatron("--num-layers 30 --hidden-size 256 --num-attention-heads 4 --seq-length 64 "
-                       "--vocab-size 100 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 6 "
-                       "--decoder-last-pipeline-num-layers 6".split())
+    tc = read_megatron(
+        "--num-layers 30 --hidden-size 256 --num-attention-heads 4 --seq-length 64 "
+        "--vocab-size 100 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 6 "
+        "--decoder-last-pipeline-num-layers 6".split()
+    )
     assert tc.plan["pp_layout"] == [6, 9, 9, 6]
 
 
-@pytest.mark.parametrize("argv,match", [
-    ("--hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "--num-layers"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --bf16 --fp16",
-     "choose one"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8", "vocabulary"),
-    ("--num-layers 2 --hidden-size 66 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "divisible"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
-     "--recompute-granularity full", "recompute-method"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
-     "--recompute-activations --recompute-granularity full --recompute-method block", "contradicts"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
-     "--tensor-model-parallel-size 2 --world-size 3", "divisible"),
-    ("--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
-     "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "divisible"),
-    ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --num-experts 4",
-     "Llama-style"),
-    ("stray --num-layers 2", "does not follow"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        ("--hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "--num-layers"),
+        (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --bf16 --fp16",
+            "choose one",
+        ),
+        ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8", "vocabulary"),
+        (
+            "--num-layers 2 --hidden-size 66 --num-attention-heads 4 --seq-length 8 --vocab-size 10",
+            "divisible",
+        ),
+        (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+            "--recompute-granularity full",
+            "recompute-method",
+        ),
+        (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+            "--recompute-activations --recompute-granularity full --recompute-method block",
+            "contradicts",
+        ),
+        (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+            "--tensor-model-parallel-size 2 --world-size 3",
+            "divisible",
+        ),
+        (
+            "--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 "
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+            "divisible",
+        ),
+        (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --num-experts 4",
+            "Llama-style",
+        ),
+        ("stray --num-layers 2", "does not follow"),
+    ],
+)
 def test_megatron_bad_inputs(argv, match):
     with pytest.raises(UserError, match=match):
         read_megatron(argv.split())
@@ -252,9 +334,14 @@ def test_torchtitan_training_compile_is_read_not_called_ignored(tmp_path, on):
 
 
 def test_torchtitan_pipeline(tmp_path):
-    text = TITAN_8B.replace('flavor = "8B"', 'flavor = "70B"').replace("local_batch_size = 1", "local_batch_size = 8")
-    text = text.replace("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 4\n'
-                        'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_microbatch_size = 2')
+    text = TITAN_8B.replace('flavor = "8B"', 'flavor = "70B"').replace(
+        "local_batch_size = 1", "local_batch_size = 8"
+    )
+    text = text.replace(
+        "pipeline_parallel_degree = 1",
+        "pipeline_parallel_degree = 4\n"
+        'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_microbatch_size = 2',
+    )
     text = text.replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 2")
     text = text.replace('mode = "selective"', 'mode = "full"')
     f = tmp_path / "t.toml"
@@ -265,15 +352,21 @@ def test_torchtitan_pipeline(tmp_path):
     assert p["vpp"] == 2 and p["dp"] == 2 and p["recompute"] == "full" and p["schedule"] == "Interleaved1F1B"
 
 
-@pytest.mark.parametrize("text,match", [
-    ("[model\nname=", "not valid TOML"),
-    ('[model]\nname = "llama3"\nflavor = "7B"', "not known"),
-    ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = -5', "positive integer"),
-    ('[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nmode = "sometimes"', "mode"),
-    ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nmixed_precision_param = "int4"', "mixed_precision"),
-    ('model = 3', "must be a table"),
-    ('{"model": {"name": "llama3", "flavor": "8B"}}', "looks like JSON: a torchtitan job config is TOML"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("[model\nname=", "not valid TOML"),
+        ('[model]\nname = "llama3"\nflavor = "7B"', "not known"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = -5', "positive integer"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nmode = "sometimes"', "mode"),
+        (
+            '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nmixed_precision_param = "int4"',
+            "mixed_precision",
+        ),
+        ("model = 3", "must be a table"),
+        ('{"model": {"name": "llama3", "flavor": "8B"}}', "looks like JSON: a torchtitan job config is TOML"),
+    ],
+)
 def test_torchtitan_bad_inputs(tmp_path, text, match):
     f = tmp_path / "bad.toml"
     f.write_text(text)
@@ -287,10 +380,26 @@ def test_torchtitan_missing_file(tmp_path):
 
 
 def test_paddlenlp_recompute_allgather_and_vpp():
-    tc = read_paddlenlp(["--model_name_or_path", "llama2-13b", "--tensor_parallel_degree", "4", "--sequence_parallel",
-                         "1", "--tensor_parallel_config", "enable_mp_async_allreduce recompute_allgather",
-                         "--pipeline_parallel_degree", "2", "--virtual_pp_degree", "2",
-                         "--pipeline_schedule_mode", "VPP", "--bf16", "true"])
+    tc = read_paddlenlp(
+        [
+            "--model_name_or_path",
+            "llama2-13b",
+            "--tensor_parallel_degree",
+            "4",
+            "--sequence_parallel",
+            "1",
+            "--tensor_parallel_config",
+            "enable_mp_async_allreduce recompute_allgather",
+            "--pipeline_parallel_degree",
+            "2",
+            "--virtual_pp_degree",
+            "2",
+            "--pipeline_schedule_mode",
+            "VPP",
+            "--bf16",
+            "true",
+        ]
+    )
     p = tc.plan
     assert p["recompute_allgather"] is True and p["sp"] is True and p["vpp"] == 2 and p["schedule"] == "VPP"
     assert "recompute_allgather" not in read_paddlenlp(["--model_name_or_path", "x"]).plan
@@ -306,9 +415,26 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
     sharding group), so each card holds half the optimizer states, not a quarter."""
     from pipemem import estimate
 
-    argv = ["--model_name_or_path", "facebook/llama-7b", "--max_seq_length", "2048", "--bf16", "1",
-            "--fp16_opt_level", "O2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
-            "--data_parallel_degree", "2", "--world_size", "4", "--num_hidden_layers", "4"]
+    argv = [
+        "--model_name_or_path",
+        "facebook/llama-7b",
+        "--max_seq_length",
+        "2048",
+        "--bf16",
+        "1",
+        "--fp16_opt_level",
+        "O2",
+        "--sharding_parallel_degree",
+        "2",
+        "--sharding",
+        "stage1",
+        "--data_parallel_degree",
+        "2",
+        "--world_size",
+        "4",
+        "--num_hidden_layers",
+        "4",
+    ]
     tc = read_paddlenlp(argv)
     assert tc.plan["dp"] == 4 and tc.plan["zero"] == 1 and tc.plan["extra"]["zero_group"] == 2
     assert not [w for w in tc.warnings if "sharding" in w]
@@ -316,8 +442,11 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
     # the static auto-parallel script (the seed's) over the sharding group, as the fleet trainer.
     auto = read_paddlenlp(["run_pretrain_auto.py"] + argv + ["--enable_auto_parallel", "1"])
     assert auto.plan["zero"] == 1 and auto.plan["dp"] == 4 and "zero_group" not in auto.plan["extra"]
-    static = read_paddlenlp(["python", "-u", "llm/auto_parallel/llama/run_pretrain_auto_static.py"] + argv
-                            + ["--enable_auto_parallel", "1"])
+    static = read_paddlenlp(
+        ["python", "-u", "llm/auto_parallel/llama/run_pretrain_auto_static.py"]
+        + argv
+        + ["--enable_auto_parallel", "1"]
+    )
     assert static.plan["extra"]["zero_group"] == 2 and not static.warnings
     # Without the script the smaller group (more memory per card), said in a note.
     unnamed = read_paddlenlp(argv + ["--enable_auto_parallel", "1"])
@@ -325,9 +454,11 @@ def test_paddlenlp_sharding_group_is_sharding_degree_only():
     assert [w for w in unnamed.warnings if "run_pretrain_auto.py" in w and "sharding" in w]
     est = estimate(tc.model, **tc.plan)
     unsharded = estimate(tc.model, **{**tc.plan, "zero": 0, "extra": {}})
-    over4 = estimate(tc.model, **{**tc.plan, "extra": {k: v for k, v in tc.plan["extra"].items() if k != "zero_group"}})
+    over4 = estimate(
+        tc.model, **{**tc.plan, "extra": {k: v for k, v in tc.plan["extra"].items() if k != "zero_group"}}
+    )
     opt = est.ranks[0].static.optimizer
-    assert opt == -(-unsharded.ranks[0].static.optimizer // 2)     # (ceil per shard, one pipeline rank)
+    assert opt == -(-unsharded.ranks[0].static.optimizer // 2)  # (ceil per shard, one pipeline rank)
     assert opt > over4.ranks[0].static.optimizer
 
 
@@ -336,6 +467,7 @@ def test_paddlenlp_unknown_id_read_from_paddlenlp_cache(tmp_path, monkeypatch):
     d = tmp_path / "models" / "my-org" / "my-llama"
     d.mkdir(parents=True)
     import json
+
     (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 6}))
     monkeypatch.setenv("PPNLP_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -348,6 +480,7 @@ def test_paddlenlp_unknown_id_read_from_paddlenlp_cache(tmp_path, monkeypatch):
 
 def test_paddlenlp_unknown_id_read_from_hf_hub_cache(tmp_path, monkeypatch):
     import json
+
     snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text(json.dumps(load_model_config("llama3.2-1b")[1]))
@@ -359,13 +492,26 @@ def test_paddlenlp_unknown_id_read_from_hf_hub_cache(tmp_path, monkeypatch):
 
 def test_paddlenlp_defaults_are_paddlenlps():
     """sequence_parallel off unless given; LlamaConfig's unfused norm and rope; clipping on."""
-    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--tensor_parallel_degree", "2",
-                         "--world_size", "2"])
+    tc = read_paddlenlp(
+        ["--model_name_or_path", "facebook/llama-7b", "--tensor_parallel_degree", "2", "--world_size", "2"]
+    )
     assert tc.plan["sp"] is False
     ex = tc.plan["extra"]
     assert ex["fused_norm"] is False and ex["fused_rope"] is False and ex["grad_clip"] is True
-    tc = read_paddlenlp(["--model_name_or_path", "facebook/llama-7b", "--sequence_parallel", "1",
-                         "--use_fused_rms_norm", "1", "--max_grad_norm", "0", "--enable_auto_parallel", "1"])
+    tc = read_paddlenlp(
+        [
+            "--model_name_or_path",
+            "facebook/llama-7b",
+            "--sequence_parallel",
+            "1",
+            "--use_fused_rms_norm",
+            "1",
+            "--max_grad_norm",
+            "0",
+            "--enable_auto_parallel",
+            "1",
+        ]
+    )
     ex = tc.plan["extra"]
     assert tc.plan["sp"] is True and ex["fused_norm"] is True and ex["grad_clip"] is False
     assert ex["full_vocab_loss"] is True
@@ -376,8 +522,20 @@ def test_paddlenlp_defaults_are_paddlenlps():
 def test_paddle_optimizer_step_holds_a_clipped_copy_of_the_gradients():
     from pipemem import estimate
 
-    base = ["--model_name_or_path", "facebook/llama-7b", "--num_hidden_layers", "4", "--fp16", "0",
-            "--pipeline_parallel_degree", "2", "--gradient_accumulation_steps", "4", "--world_size", "2"]
+    base = [
+        "--model_name_or_path",
+        "facebook/llama-7b",
+        "--num_hidden_layers",
+        "4",
+        "--fp16",
+        "0",
+        "--pipeline_parallel_degree",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+        "--world_size",
+        "2",
+    ]
     on = read_paddlenlp(base)
     off = read_paddlenlp(base + ["--max_grad_norm", "0"])
     for r_on, r_off in zip(estimate(on.model, **on.plan).ranks, estimate(off.model, **off.plan).ranks):
@@ -387,9 +545,10 @@ def test_paddle_optimizer_step_holds_a_clipped_copy_of_the_gradients():
 
 def test_torchtitan_compile_and_float8(tmp_path):
     f = tmp_path / "fp8.toml"
-    text = (TITAN_8B + '\n[compile]\nenable = true\ncomponents = ["model"]\n'
-            '[float8]\nenable_fsdp_float8_all_gather = true\n').replace('flavor = "8B"',
-                                                                   'flavor = "8B"\nconverters = ["float8"]')
+    text = (
+        TITAN_8B + '\n[compile]\nenable = true\ncomponents = ["model"]\n'
+        "[float8]\nenable_fsdp_float8_all_gather = true\n"
+    ).replace('flavor = "8B"', 'flavor = "8B"\nconverters = ["float8"]')
     f.write_text(text)
     p = read_torchtitan(str(f)).plan
     assert (p["compile"], p["fp8"], p["fp8_param_gather"]) == ("layers", "tensorwise", True)
@@ -451,10 +610,14 @@ def test_torchtitan_03_tables(tmp_path):
     assert p["dtype"] == "bf16" and p["master_weights"] is True and p["main_grad_dtype"] == "fp32"
     assert p["grads"] == "set-to-none" and p["fsdp"] is True
     # pipeline parallel: blocks keep their gathered parameters (torchtitan's "default" policy)
-    assert p["extra"] == {"fsdp_reshard_after_forward": False, "loss_chunks": 8} and p["optimizer_impl"] == "foreach"
-    assert p["_first_less"] == 1 and p["_last_less"] == 1     # torchtitan's default stage split
+    assert (
+        p["extra"] == {"fsdp_reshard_after_forward": False, "loss_chunks": 8}
+        and p["optimizer_impl"] == "foreach"
+    )
+    assert p["_first_less"] == 1 and p["_last_less"] == 1  # torchtitan's default stage split
     from pipemem.configs.torchtitan import finish_plan
-    assert finish_plan(p, 32)["pp_layout"] == (16, 16)          # (32 + 2) / 2 = 17, minus one each side
+
+    assert finish_plan(p, 32)["pp_layout"] == (16, 16)  # (32 + 2) / 2 = 17, minus one each side
     plan = finish_plan(dict(p, _first_less=2, _last_less=0), 32)
     assert plan["pp_layout"] == (15, 17)
 
@@ -465,13 +628,19 @@ def test_torchtitan_always_reshards_the_output_unit_before_the_loss(tmp_path):
     before the loss runs (FSDP2's post-forward hook), and the forward peak at the loss drops by
     the output layer's gathered weight and its all-gather buffer."""
     from pipemem.estimate import estimate
-    text = (TITAN_03.replace("pipeline_parallel_degree = 2", "pipeline_parallel_degree = 1")
-            .replace("tensor_parallel_degree = 2", "tensor_parallel_degree = 1").replace("num_chunks = 8", "num_chunks = 1")
-            .replace('mode = "full"', 'mode = "none"'))
+
+    text = (
+        TITAN_03.replace("pipeline_parallel_degree = 2", "pipeline_parallel_degree = 1")
+        .replace("tensor_parallel_degree = 2", "tensor_parallel_degree = 1")
+        .replace("num_chunks = 8", "num_chunks = 1")
+        .replace('mode = "full"', 'mode = "none"')
+    )
     runs = {}
     for policy in ("default", "always"):
         f = tmp_path / f"{policy}.toml"
-        f.write_text(text.replace('fsdp_reshard_after_forward = "default"', f'fsdp_reshard_after_forward = "{policy}"'))
+        f.write_text(
+            text.replace('fsdp_reshard_after_forward = "default"', f'fsdp_reshard_after_forward = "{policy}"')
+        )
         tc = read_torchtitan(str(f))
         runs[policy] = (tc.plan, estimate(tc.model, **tc.plan).ranks[0].jobs["F"].peak_bytes)
     assert runs["always"][0]["extra"].get("fsdp_reshard_head") is True
@@ -482,16 +651,24 @@ def test_torchtitan_always_reshards_the_output_unit_before_the_loss(tmp_path):
     assert runs["default"][1] - runs["always"][1] == 2 * (vocab * hidden + hidden) * 2
 
 
-@pytest.mark.parametrize("edit,match", [
-    (("enable_cpu_offload = false", "enable_cpu_offload = true"), "enable_cpu_offload"),
-    (("enable_fsdp_symm_mem = false", "enable_fsdp_symm_mem = true"), "enable_fsdp_symm_mem"),
-    (("[loss]", "[mx]\nrecipe_name = \"mxfp8\"\n[loss]"), r"\[mx\]"),
-    (('mode = "full"', 'mode = "memory_budget"'), "memory_budget"),
-    (("data_parallel_shard_degree = 4", "data_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2"),
-     "replicate"),
-    (('optimizer_name = "AdamW"', 'optimizer_name = "Muon"'), "Muon"),
-    (('[model_spec]', '[model]\nconverters = ["mx"]\n[model_spec]'), "converters 'mx'"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (("enable_cpu_offload = false", "enable_cpu_offload = true"), "enable_cpu_offload"),
+        (("enable_fsdp_symm_mem = false", "enable_fsdp_symm_mem = true"), "enable_fsdp_symm_mem"),
+        (("[loss]", '[mx]\nrecipe_name = "mxfp8"\n[loss]'), r"\[mx\]"),
+        (('mode = "full"', 'mode = "memory_budget"'), "memory_budget"),
+        (
+            (
+                "data_parallel_shard_degree = 4",
+                "data_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2",
+            ),
+            "replicate",
+        ),
+        (('optimizer_name = "AdamW"', 'optimizer_name = "Muon"'), "Muon"),
+        (("[model_spec]", '[model]\nconverters = ["mx"]\n[model_spec]'), "converters 'mx'"),
+    ],
+)
 def test_torchtitan_03_refusals(tmp_path, edit, match):
     f = tmp_path / "job.toml"
     f.write_text(TITAN_03.replace(*edit))
@@ -513,7 +690,9 @@ def test_torchtitan_03_compile_and_float8_are_read(tmp_path):
 def test_torchtitan_03_precision(tmp_path):
     f = tmp_path / "job.toml"
     f.write_text(TITAN_03.replace('dtype = "float32"', 'dtype = "bfloat16"'))
-    p = read_torchtitan(str(f)).plan          # parameters stored in bf16: pure bf16 training
+    p = read_torchtitan(str(f)).plan  # parameters stored in bf16: pure bf16 training
     assert p["dtype"] == "bf16" and p["master_weights"] is False and p["main_grad_dtype"] == "bf16"
-    f.write_text(TITAN_03.replace('mixed_precision_reduce = "float32"', 'mixed_precision_reduce = "bfloat16"'))
+    f.write_text(
+        TITAN_03.replace('mixed_precision_reduce = "float32"', 'mixed_precision_reduce = "bfloat16"')
+    )
     assert read_torchtitan(str(f)).plan["main_grad_dtype"] == "bf16"

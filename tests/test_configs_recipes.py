@@ -209,7 +209,7 @@ def test_torchtitan_fsdp_under_pp_holds_gathered_parameters_once_per_stage(tmp_p
     plan = finish_plan(dict(tc.plan), 126)
     assert plan["extra"]["fsdp_reshard_after_forward"] is False
     held = pipemem.estimate(tc.model, **plan)
-    unsharded = pipemem.estimate(tc.model, **{**plan, "fsdp": False})    # no FSDP: nothing gathered
+    unsharded = pipemem.estimate(tc.model, **{**plan, "fsdp": False})  # no FSDP: nothing gathered
     always = pipemem.estimate(
         tc.model, **{**plan, "extra": {**plan["extra"], "fsdp_reshard_after_forward": True}}
     )
@@ -402,6 +402,7 @@ def test_schedule_at_pp_1_is_refused(capsys):
 
 def test_compile_without_networkx_is_one_line(monkeypatch, capsys):
     import sys
+
     from pipemem.templates import compiled
 
     monkeypatch.setitem(sys.modules, "networkx", None)  # `import networkx` raises ImportError

@@ -43,15 +43,18 @@ def test_layers_override_changes_the_model():
     assert [r.stages for r in e.ranks] == [[0], [1]]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"tensor_parallel": 2}, "unknown argument"),
-    ({"tpp": 2}, "did you mean tp"),
-    ({"mode": "magic"}, "--mode"),
-    ({"kernel_policy": "tpu"}, "--kernel-policy"),
-    ({"gpu": "h100-80g", "gpu_memory": 80}, "not both"),
-    ({"gpu_memory": 0}, "--gpu-memory"),
-    ({"tp": 2.5}, "--tp"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"tensor_parallel": 2}, "unknown argument"),
+        ({"tpp": 2}, "did you mean tp"),
+        ({"mode": "magic"}, "--mode"),
+        ({"kernel_policy": "tpu"}, "--kernel-policy"),
+        ({"gpu": "h100-80g", "gpu_memory": 80}, "not both"),
+        ({"gpu_memory": 0}, "--gpu-memory"),
+        ({"tp": 2.5}, "--tp"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(UserError, match=match):
         estimate("gpt2", **kwargs)
@@ -65,8 +68,16 @@ def test_model_of_wrong_type():
 def test_traced_mode_one_rank():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 64}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    }
     e = estimate(cfg, mode="traced", seq_len=32, micro_batch=2, gpu_memory=1)
     assert e.mode == "traced" and len(e.ranks) == 1
     r = e.ranks[0]
@@ -75,10 +86,11 @@ def test_traced_mode_one_rank():
     d = e.to_dict()
     assert d["mode"] == "traced" and d["ranks"][0]["jobs"]["F"]["net_bytes"] == r.jobs["F"].net_bytes
     # pipelines are traced stage by stage and replayed like templates' (one rank each)
-    pp = estimate(cfg, mode="traced", pp=2, dtype="fp32", seq_len=32, microbatches=2, kernel_policy="cpu",
-                  step="first")
+    pp = estimate(
+        cfg, mode="traced", pp=2, dtype="fp32", seq_len=32, microbatches=2, kernel_policy="cpu", step="first"
+    )
     assert [r.stages for r in pp.ranks] == [[0], [1]] and pp.runtime == "torch"
     with pytest.raises(UserError, match="--no-master-weights"):
         estimate(cfg, mode="traced", pp=2, step="first")
-    with pytest.raises(UserError, match="--step first"):      # the steady state is not traced for pipelines yet
+    with pytest.raises(UserError, match="--step first"):  # the steady state is not traced for pipelines yet
         estimate(cfg, mode="traced", pp=2, dtype="fp32")

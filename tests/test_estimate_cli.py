@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipemem.report.text import table_rows
-
 from pipemem.cli.main import main
 from pipemem.presets import gpu_memory_bytes, load_model_config, model_names
+from pipemem.report.text import table_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, COLUMNS="160", NO_COLOR="1")
@@ -20,8 +19,14 @@ ENV = dict(os.environ, COLUMNS="160", NO_COLOR="1")
 
 def cli(*argv: str):
     """Run `python -m pipemem` in a subprocess -> (rc, stdout, stderr)."""
-    p = subprocess.run([sys.executable, "-m", "pipemem", *argv], capture_output=True, text=True, cwd=ROOT,
-                       env=ENV, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipemem", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=300,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
@@ -32,19 +37,37 @@ def run_main(capsys, argv):
 
 
 def test_table_llama3_70b_on_64_h100():
-    rc, out, err = cli("estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4")
+    rc, out, err = cli(
+        "estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4"
+    )
     assert rc == 0, err
     assert "64 GPUs" in out and "h100-80g" in out
     rows = table_rows(out)
-    assert len(rows) == 4                      # one row per pipeline rank
+    assert len(rows) == 4  # one row per pipeline rank
     assert [r.split()[0] for r in rows] == ["0", "1", "2", "3"]
     assert ("FITS" in out) != ("OOM on" in out)
     assert "Traceback" not in err
 
 
 def test_json_schema_of_design_md():
-    rc, out, err = cli("estimate", "--model", "llama3-8b", "--gpu", "h100-80g", "--tp", "2", "--pp", "2",
-                       "--global-batch", "16", "--micro-batch", "1", "--dp", "2", "--json")
+    rc, out, err = cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--gpu",
+        "h100-80g",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "1",
+        "--dp",
+        "2",
+        "--json",
+    )
     assert rc == 0, err
     d = json.loads(out)
     assert d["gpu_memory_bytes"] == gpu_memory_bytes("h100-80g") == 81559 * 2**20
@@ -83,7 +106,9 @@ def test_json_matches_the_engine_directly():
     d = estimate("llama2-7b", tp=2, pp=4, microbatches=8, recompute="selective").to_dict()
     assert d["runtime"] == "megatron"
     arch = arch_from_hf_config(load_model_config("llama2-7b")[1], "llama2-7b")
-    plan = validate_plan(arch, ParallelPlan(tp=2, pp=4, microbatches=8, recompute="selective", schedule="1F1B"))
+    plan = validate_plan(
+        arch, ParallelPlan(tp=2, pp=4, microbatches=8, recompute="selective", schedule="1F1B")
+    )
     sp = build_stage_jobs(arch, plan)
     sched = get_schedule("1F1B", 4, 8)
     static = sp.static_per_rank(sched)
@@ -98,8 +123,25 @@ def test_json_matches_the_engine_directly():
 def test_python_api_equals_cli_json(capsys):
     from pipemem.estimate import estimate
 
-    rc, out, _ = run_main(capsys, ["estimate", "--model", "mistral-7b", "--tp", "4", "--pp", "2", "--zero", "1",
-                                   "--dp", "4", "--gpu", "a100-80g", "--json"])
+    rc, out, _ = run_main(
+        capsys,
+        [
+            "estimate",
+            "--model",
+            "mistral-7b",
+            "--tp",
+            "4",
+            "--pp",
+            "2",
+            "--zero",
+            "1",
+            "--dp",
+            "4",
+            "--gpu",
+            "a100-80g",
+            "--json",
+        ],
+    )
     assert rc == 0
     api = estimate("mistral-7b", tp=4, pp=2, zero=1, dp=4, gpu="a100-80g").to_dict()
     assert json.loads(out) == json.loads(json.dumps(api))
@@ -107,17 +149,18 @@ def test_python_api_equals_cli_json(capsys):
 
 def _traced_only(name: str) -> bool:
     from pipemem.model import UnmodelledFamily, arch_from_hf_config, text_model_config
+
     try:
         arch = arch_from_hf_config(text_model_config(load_model_config(name)[1])[0], name)
     except UnmodelledFamily:
         return True
-    return bool(arch.sliding_window)     # Gemma 3: templates hold it under --convention hf only
+    return bool(arch.sliding_window)  # Gemma 3: templates hold it under --convention hf only
 
 
 @pytest.mark.parametrize("name", model_names())
 def test_every_preset_runs(capsys, name):
     rc, out, err = run_main(capsys, ["estimate", "--model", name, "--gpu", "h100-80g", "--pp", "2", "--json"])
-    if _traced_only(name):    # a family templates do not model: one line naming it, pointing to traced mode
+    if _traced_only(name):  # a family templates do not model: one line naming it, pointing to traced mode
         assert rc == 2 and "--mode traced" in err and len(err.strip().splitlines()) == 1, err
         return
     assert rc == 0, err
@@ -139,8 +182,10 @@ def test_presets_command():
 
 def test_explain_and_plots(tmp_path, capsys):
     png, page = tmp_path / "m.png", tmp_path / "m.html"
-    rc, out, err = run_main(capsys, ["estimate", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--explain",
-                                     "--plot", str(page)])
+    rc, out, err = run_main(
+        capsys,
+        ["estimate", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--explain", "--plot", str(page)],
+    )
     assert rc == 0 and "keeps for backward" in out and "transient peaks" in out
     assert page.read_text().count('<svg class="rank"') == 2
     pytest.importorskip("matplotlib")
@@ -149,16 +194,27 @@ def test_explain_and_plots(tmp_path, capsys):
 
 
 def test_hf_config_path(tmp_path, capsys):
-    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 1000}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "vocab_size": 1000,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    rc, out, err = run_main(capsys, ["estimate", "--model", str(tmp_path), "--seq-len", "128", "--pp", "2", "--json"])
+    rc, out, err = run_main(
+        capsys, ["estimate", "--model", str(tmp_path), "--seq-len", "128", "--pp", "2", "--json"]
+    )
     assert rc == 0, err
     assert json.loads(out)["model"]["hidden"] == 256
 
 
 def test_from_paddlenlp_seed_launch_line():
-    from test_configs_readers import seed_tokens   # the seed's launch line, checked against the seed file there
+    from test_configs_readers import (
+        seed_tokens,  # the seed's launch line, checked against the seed file there
+    )
 
     rc, out, err = cli("estimate", "--gpu", "gtx1080ti", "--json", "--from-paddlenlp", "--", *seed_tokens())
     assert rc == 0, err
@@ -174,29 +230,37 @@ def test_from_paddlenlp_seed_launch_line():
 
 
 def test_from_megatron_table():
-    args = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
-            "--micro-batch-size 1 --global-batch-size 32 --tensor-model-parallel-size 2 "
-            "--pipeline-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer --bf16 --swiglu "
-            "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
-            "--tokenizer-type Llama2Tokenizer --position-embedding-type rope --lr 3e-4 --frobnicate 2")
+    args = (
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
+        "--micro-batch-size 1 --global-batch-size 32 --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer --bf16 --swiglu "
+        "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
+        "--tokenizer-type Llama2Tokenizer --position-embedding-type rope --lr 3e-4 --frobnicate 2"
+    )
     rc, out, err = cli("estimate", "--gpu", "a100-80g", "--dp", "2", "--from-megatron", "--", *args.split())
     assert rc == 0, err
     assert len(table_rows(out)) == 4
     warn = [l for l in err.splitlines() if "not modelled" in l]
     assert len(warn) == 1 and "--frobnicate" in warn[0]
-    assert "16 GPUs" in out and "16 microbatches" in out    # 32 / (1 x dp 2)
+    assert "16 GPUs" in out and "16 microbatches" in out  # 32 / (1 x dp 2)
 
 
 def test_from_torchtitan(tmp_path, capsys):
     f = tmp_path / "llama3_8b.toml"
-    f.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n'
-                 '[parallelism]\ndata_parallel_shard_degree = -1\n[activation_checkpoint]\nmode = "selective"\n'
-                 'selective_ac_option = "op"\n')
+    f.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n'
+        '[parallelism]\ndata_parallel_shard_degree = -1\n[activation_checkpoint]\nmode = "selective"\n'
+        'selective_ac_option = "op"\n'
+    )
     rc, out, err = cli("estimate", "--gpu", "h100-94g", "--dp", "8", "--json", "--from-torchtitan", str(f))
     assert rc == 0, err
     d = json.loads(out)
     assert d["plan"]["fsdp"] is True and d["plan"]["zero"] == 3 and d["plan"]["dp"] == 8
-    assert d["plan"]["micro_batch"] == 2 and d["plan"]["seq_len"] == 8192 and d["plan"]["convention"] == "torchtitan"
+    assert (
+        d["plan"]["micro_batch"] == 2
+        and d["plan"]["seq_len"] == 8192
+        and d["plan"]["convention"] == "torchtitan"
+    )
 
 
 BAD = [
@@ -226,10 +290,38 @@ BAD = [
     (["--model", "gpt2", "--plot", "out.pdf"], ".png or .html"),
     (["--model", "gpt2", "--", "--x", "1"], "--from-megatron"),
     (["--from-paddlenlp", "--"], "no arguments"),
-    (["--tp", "2", "--from-paddlenlp", "--", "--model_name_or_path", "gpt2", "--tensor_parallel_degree", "1"],
-     "contradicts"),
-    (["--from-megatron", "--", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-      "--seq-length", "8", "--vocab-size", "10", "--bf16", "--fp16"], "choose one"),
+    (
+        [
+            "--tp",
+            "2",
+            "--from-paddlenlp",
+            "--",
+            "--model_name_or_path",
+            "gpt2",
+            "--tensor_parallel_degree",
+            "1",
+        ],
+        "contradicts",
+    ),
+    (
+        [
+            "--from-megatron",
+            "--",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "8",
+            "--vocab-size",
+            "10",
+            "--bf16",
+            "--fp16",
+        ],
+        "choose one",
+    ),
     (["--from-torchtitan", "/nonexistent/job.toml"], "not found"),
 ]
 
@@ -250,10 +342,13 @@ def test_bad_files_through_the_real_command(tmp_path):
     no_keys.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     bad_toml = tmp_path / "job.toml"
     bad_toml.write_text("[model\nflavor = ")
-    for argv, match in ((["--model", str(bad_json)], "not valid JSON"), (["--model", str(no_keys)], "missing key"),
-                        (["--model", str(no_keys)], "; add it to the config"),    # the fix, not only the fault
-                        (["--from-torchtitan", str(bad_toml)], "not valid TOML"),
-                        (["--model", str(tmp_path)], "not valid JSON")):
+    for argv, match in (
+        (["--model", str(bad_json)], "not valid JSON"),
+        (["--model", str(no_keys)], "missing key"),
+        (["--model", str(no_keys)], "; add it to the config"),  # the fix, not only the fault
+        (["--from-torchtitan", str(bad_toml)], "not valid TOML"),
+        (["--model", str(tmp_path)], "not valid JSON"),
+    ):
         rc, out, err = cli("estimate", *argv)
         assert rc == 2 and out == ""
         lines = err.strip().splitlines()
@@ -263,13 +358,17 @@ def test_bad_files_through_the_real_command(tmp_path):
 def test_templates_mode_needs_no_torch_and_no_matplotlib(tmp_path):
     """The README's first command must work on a machine without torch: block the heavy imports."""
     page = tmp_path / "m.html"
-    code = ("import sys\n"
-            "for m in ('torch', 'transformers', 'paddle', 'matplotlib'):\n"
-            "    sys.modules[m] = None\n"
-            "from pipemem.cli.main import main\n"
-            f"sys.exit(main(['estimate', '--model', 'llama3-70b', '--gpu', 'h100-80g', '--dp', '2', '--tp', '8',"
-            f" '--pp', '4', '--plot', {str(page)!r}]))\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'transformers', 'paddle', 'matplotlib'):\n"
+        "    sys.modules[m] = None\n"
+        "from pipemem.cli.main import main\n"
+        f"sys.exit(main(['estimate', '--model', 'llama3-70b', '--gpu', 'h100-80g', '--dp', '2', '--tp', '8',"
+        f" '--pp', '4', '--plot', {str(page)!r}]))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     assert len(table_rows(p.stdout)) == 4 and page.exists()
 
@@ -291,27 +390,54 @@ def test_json_explain_rows(capsys):
 
 def test_from_torchtitan_every_nth_layer_checkpoint(tmp_path, capsys):
     f = tmp_path / "t.toml"
-    f.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 4\nseq_len = 2048\n'
-                 '[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n'
-                 '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "2"\n')
+    f.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 4\nseq_len = 2048\n'
+        "[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n"
+        '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "2"\n'
+    )
     rc, out, err = run_main(capsys, ["estimate", "--json", "--from-torchtitan", str(f)])
     assert rc == 0, err
     p = json.loads(out)["plan"]
     # 32 layers / pp 2 = 16 per stage; one layer in 2 fully checkpointed -> 8; local batch 4 = 4 microbatches of 1
-    assert (p["recompute"], p["recompute_layers"], p["microbatches"], p["micro_batch"], p["dp"]) == ("full", 8, 4, 1, 4)
+    assert (p["recompute"], p["recompute_layers"], p["microbatches"], p["micro_batch"], p["dp"]) == (
+        "full",
+        8,
+        4,
+        1,
+        4,
+    )
     assert len([l for l in err.splitlines() if "warning" in l]) == 1
 
 
 def test_oom_suggestions_are_engine_checked(capsys):
-    base = ["estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4",
-            "--microbatches", "16", "--seq-len", "8192", "--micro-batch", "2"]
+    base = [
+        "estimate",
+        "--model",
+        "llama3-70b",
+        "--gpu",
+        "h100-80g",
+        "--dp",
+        "2",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--microbatches",
+        "16",
+        "--seq-len",
+        "8192",
+        "--micro-batch",
+        "2",
+    ]
     rc, out, _ = run_main(capsys, base + ["--json"])
     d = json.loads(out)
     assert rc == 0 and d["fits"] is False and d["suggestions"]
     for s in d["suggestions"]:
         rc, out2, _ = run_main(capsys, base + s["flags"].split() + ["--json"])
         again = json.loads(out2)
-        assert again["max_peak_allocated_bytes"] == s["max_peak_allocated_bytes"] and again["fits"] == s["fits"]
+        assert (
+            again["max_peak_allocated_bytes"] == s["max_peak_allocated_bytes"] and again["fits"] == s["fits"]
+        )
     rc, text, _ = run_main(capsys, base)
     assert "Fits with " + d["suggestions"][0]["flags"] in " ".join(text.split())
     rc, out, _ = run_main(capsys, ["estimate", "--model", "gpt2", "--gpu", "h100-80g", "--json"])

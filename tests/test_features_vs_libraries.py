@@ -24,7 +24,7 @@ def close(row, tol):
 @pytest.mark.parametrize("case", sorted(F.COMPILE_CASES))
 def test_compile_saves_what_the_partitioner_saves(case):
     row = F.compile_case(case)
-    assert row.measured_bytes > 0            # compiling does remove saved bytes
+    assert row.measured_bytes > 0  # compiling does remove saved bytes
     close(row, 0.01)
 
 
@@ -84,7 +84,7 @@ def test_fused_linear_cross_entropy_matches_liger():
         pytest.skip("liger-kernel / triton (interpreter) not installed")
     kept, fwd, bwd = F.fused_linear_ce_cases()
     weight_grad = F.HEAD["vocab_size"] * F.HEAD["hidden_size"] * 2
-    assert kept.measured_bytes > weight_grad       # grad_weight [V, h] is kept by the forward
+    assert kept.measured_bytes > weight_grad  # grad_weight [V, h] is kept by the forward
     close(kept, 0.001)
     close(fwd, 0.01)
     # no logits grad exists in the backward: its peak is the final RMSNorm's eager backward
@@ -131,8 +131,15 @@ def test_quantized_optimizer_states_match_torchao(optimizer, cls):
     optim = pytest.importorskip("torchao.optim")
     import pipemem
 
-    cfg = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
-           "num_hidden_layers": 4, "intermediate_size": 1536, "vocab_size": 32000}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+    }
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -142,9 +149,15 @@ def test_quantized_optimizer_states_match_torchao(optimizer, cls):
         if hasattr(t, "__tensor_flatten__"):
             return sum(nbytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
         return t.numel() * t.element_size()
+
     reference = sum(nbytes(opt._new_buffer(p, True)) + nbytes(opt._new_buffer(p, False)) for p in params)
-    est = pipemem.estimate(cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False,
-                           optimizer=optimizer).ranks[0].static.optimizer
+    est = (
+        pipemem.estimate(
+            cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False, optimizer=optimizer
+        )
+        .ranks[0]
+        .static.optimizer
+    )
     assert abs(est - reference) <= 0.005 * reference, (est, reference)
 
 
@@ -158,17 +171,30 @@ def test_quantized_optimizer_states_match_bitsandbytes():
     bnb = pytest.importorskip("bitsandbytes")
     import pipemem
 
-    cfg = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
-           "num_hidden_layers": 4, "intermediate_size": 1536, "vocab_size": 32000}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+    }
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
     opt = bnb.optim.AdamW8bit(model.parameters())
     for gi, group in enumerate(opt.param_groups):
         for pi, p in enumerate(group["params"]):
             opt.init_state(group, p, gi, pi)
-    reference = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if torch.is_tensor(v))
+    reference = sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)
+    )
     # 8-bit: about half of what two bf16 states would take (4 B per parameter)
     assert reference < 0.55 * sum(4 * p.numel() for p in model.parameters())
-    est = pipemem.estimate(cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False,
-                           optimizer="adam8bit").ranks[0].static.optimizer
+    est = (
+        pipemem.estimate(
+            cfg, seq_len=128, micro_batch=1, dtype="bf16", master_weights=False, optimizer="adam8bit"
+        )
+        .ranks[0]
+        .static.optimizer
+    )
     assert abs(est - reference) <= 0.005 * reference, (est, reference)

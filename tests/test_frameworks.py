@@ -47,7 +47,8 @@ def test_defaults_are_valid_choices():
         assert fw.runtime in ("torch", "megatron", "paddle")
         assert fw.shardings and all(isinstance(kw, dict) for _, kw in fw.shardings)
         from pipemem.schedules import canonical_name
-        assert all(canonical_name(n) == n for n in fw.schedules)   # registry names
+
+        assert all(canonical_name(n) == n for n in fw.schedules)  # registry names
         assert fw.readers and all(r.startswith("pipemem.configs.") for r in fw.readers)
 
 
@@ -64,9 +65,10 @@ def test_frameworks_import_nothing_above_them():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 if node.level == 1:
-                    continue            # a sibling in frameworks/
-                assert node.level == 2 and node.module == "errors", f"{path.name}: from {'.' * node.level}" \
-                    f"{node.module or ''} import ..."
+                    continue  # a sibling in frameworks/
+                assert node.level == 2 and node.module == "errors", (
+                    f"{path.name}: from {'.' * node.level}{node.module or ''} import ..."
+                )
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
                 assert not (mod or "").startswith("pipemem"), f"{path.name}: imports {mod}"
@@ -76,8 +78,10 @@ def test_framework_names_are_compared_only_in_their_place():
     """Outside frameworks/, the readers (configs/) and validation/, at most the CLI's three reader
     fix-ups compare framework names or key tables by them (mode == "paddle", runtime profile
     names and preset name parts are other things)."""
-    pat = re.compile(rf'(==|!=) ?"{NAME}"|"{NAME}" ?(==|!=)|(in|=) \([^)]*"{NAME}"|^\s*"{NAME}": '
-                     rf'|\{{"{NAME}": |"{NAME}": [A-Za-z("]')
+    pat = re.compile(
+        rf'(==|!=) ?"{NAME}"|"{NAME}" ?(==|!=)|(in|=) \([^)]*"{NAME}"|^\s*"{NAME}": '
+        rf'|\{{"{NAME}": |"{NAME}": [A-Za-z("]'
+    )
     other = re.compile(r"mode\b|MODES|RUNTIMES|RuntimeProfile|_VARIANT_PARTS")
     hits = []
     for path in ROOT.rglob("*.py"):

@@ -52,8 +52,16 @@ def _as_stored(got, want):
 @pytest.mark.parametrize("conv", ("megatron", "paddle", "torchtitan", "hf", "torchtune", "other"))
 def test_estimates_are_unchanged(conv):
     """`other`: names in another case, names that are no convention, the other modes' refusals."""
-    rows = [r for r in DATA if "kwargs" in r and (r["kwargs"]["convention"] == conv or conv == "other" and (
-        r["kwargs"]["convention"] not in BENCH.CONVENTIONS or "mode" in r["kwargs"]))]
+    rows = [
+        r
+        for r in DATA
+        if "kwargs" in r
+        and (
+            r["kwargs"]["convention"] == conv
+            or conv == "other"
+            and (r["kwargs"]["convention"] not in BENCH.CONVENTIONS or "mode" in r["kwargs"])
+        )
+    ]
     assert rows
     for row in rows:
         got = _as_stored(json.loads(json.dumps(BENCH.run_case(row))), row["result"])

@@ -15,7 +15,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "pipemem" / "examples" / "stage_
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "pipemem", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipemem", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_round_trip_keeps_results(tmp_path):
@@ -69,13 +71,23 @@ def test_cli_table():
 BAD_DOCS = {
     "malformed": ("{not json", "malformed JSON"),
     "not_programs": ('{"x": 1}', "not a pipemem programs file"),
-    "unknown_dtype": ('{"tensors": {"a": {"shape": [2], "dtype": "fp7"}}, "programs": [{"ops": []}]}', "unknown dtype"),
-    "dangling": ('{"tensors": {}, "programs": [{"name": "f", "ops": [{"type": "mm", "inputs": ["ghost"]}]}]}',
-                 "'ghost'"),
-    "unknown_dim": ('{"tensors": {"a": {"shape": [null, 4]}}, "programs": [{"ops": [{"type": "f", "outputs": ["a"]}]}]}',
-                    "unknown dimension"),
-    "bad_kind": ('{"tensors": {"a": {"shape": [1], "kind": "weights"}}, "programs": [{"ops": []}]}', "unknown kind"),
-    "bad_op": ('{"programs": [{"ops": [{"inputs": []}]}]}', "must be an object with a \\\"type\\\""),
+    "unknown_dtype": (
+        '{"tensors": {"a": {"shape": [2], "dtype": "fp7"}}, "programs": [{"ops": []}]}',
+        "unknown dtype",
+    ),
+    "dangling": (
+        '{"tensors": {}, "programs": [{"name": "f", "ops": [{"type": "mm", "inputs": ["ghost"]}]}]}',
+        "'ghost'",
+    ),
+    "unknown_dim": (
+        '{"tensors": {"a": {"shape": [null, 4]}}, "programs": [{"ops": [{"type": "f", "outputs": ["a"]}]}]}',
+        "unknown dimension",
+    ),
+    "bad_kind": (
+        '{"tensors": {"a": {"shape": [1], "kind": "weights"}}, "programs": [{"ops": []}]}',
+        "unknown kind",
+    ),
+    "bad_op": ('{"programs": [{"ops": [{"inputs": []}]}]}', 'must be an object with a \\"type\\"'),
 }
 
 
@@ -101,9 +113,21 @@ def test_cli_missing_file_and_bad_flag():
 
 
 def test_symbolic_dims_via_cli(tmp_path):
-    doc = {"tensors": {"x": {"shape": ["batch", 8], "dtype": "fp32"}, "y": {"shape": ["batch", 8], "dtype": "fp32"}},
-           "programs": [{"name": "forward", "ops": [{"type": "f", "inputs": [], "outputs": ["x"]},
-                                                    {"type": "g", "inputs": ["x"], "outputs": ["y"]}]}]}
+    doc = {
+        "tensors": {
+            "x": {"shape": ["batch", 8], "dtype": "fp32"},
+            "y": {"shape": ["batch", 8], "dtype": "fp32"},
+        },
+        "programs": [
+            {
+                "name": "forward",
+                "ops": [
+                    {"type": "f", "inputs": [], "outputs": ["x"]},
+                    {"type": "g", "inputs": ["x"], "outputs": ["y"]},
+                ],
+            }
+        ],
+    }
     f = tmp_path / "sym.json"
     f.write_text(json.dumps(doc))
     assert run_cli("program", str(f)).returncode == 2  # batch unbound

@@ -3,7 +3,8 @@
 import random
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipemem.errors import UserError
 from pipemem.ir import Op, Program, Tensor
@@ -26,8 +27,11 @@ def act(name, n, **kw):
 
 def test_reuse_after_free():
     # a (400 B) -> b (800 B) -> c (400 B): a dies after op 1, so c reuses its space.
-    p = make("f", [act("x", 10), act("a", 100), act("b", 200), act("c", 100)],
-             [Op("f", ("x",), ("a",)), Op("g", ("a",), ("b",)), Op("h", ("b",), ("c",))])
+    p = make(
+        "f",
+        [act("x", 10), act("a", 100), act("b", 200), act("c", 100)],
+        [Op("f", ("x",), ("a",)), Op("g", ("a",), ("b",)), Op("h", ("b",), ("c",))],
+    )
     r = analyze_program(p)
     # x (40 B) is an input alive on entry; it dies after op 0.
     assert list(r.during) == [400, 400 - 40 + 800, 800 - 40 + 400]
@@ -38,9 +42,16 @@ def test_reuse_after_free():
 def test_view_keeps_base_alive():
     base = act("base", 100)
     view = Tensor("view", (10, 10), "fp32", storage="base")
-    p = make("f", [act("x", 1), base, view, act("y", 50), act("z", 1)],
-             [Op("make", ("x",), ("base",)), Op("reshape", ("base",), ("view",)),
-              Op("other", ("x",), ("y",)), Op("use_view", ("view", "y"), ("z",))])
+    p = make(
+        "f",
+        [act("x", 1), base, view, act("y", 50), act("z", 1)],
+        [
+            Op("make", ("x",), ("base",)),
+            Op("reshape", ("base",), ("view",)),
+            Op("other", ("x",), ("y",)),
+            Op("use_view", ("view", "y"), ("z",)),
+        ],
+    )
     r = analyze_program(p)
     # The view costs nothing, and the base's 400 B live until the view's last use (op 3).
     assert list(r.during) == [400, 400, 600, 604 - 4]  # x (4 B) freed after op 2
@@ -48,8 +59,11 @@ def test_view_keeps_base_alive():
 
 
 def test_inplace_costs_nothing():
-    p = make("f", [act("x", 100), Tensor("x_relu", (100,), "fp32", storage="x"), act("y", 100)],
-             [Op("relu_", ("x",), ("x_relu",)), Op("copy", ("x_relu",), ("y",))])
+    p = make(
+        "f",
+        [act("x", 100), Tensor("x_relu", (100,), "fp32", storage="x"), act("y", 100)],
+        [Op("relu_", ("x",), ("x_relu",)), Op("copy", ("x_relu",), ("y",))],
+    )
     r = analyze_program(p, keep={"y"})
     assert list(r.during) == [0, 400]
     assert r.net_bytes == 0  # x freed (400) after op 1, y kept (400)
@@ -57,17 +71,26 @@ def test_inplace_costs_nothing():
 
 def test_no_need_buffer_does_not_extend_life():
     # A shape-only read of `big` at op 2 must not keep its 4000 B alive.
-    p = make("f", [act("x", 1), act("big", 1000), act("s", 1), act("t", 1)],
-             [Op("make", ("x",), ("big",)), Op("use", ("big",), ("s",)),
-              Op("zeros_like", ("big", "s"), ("t",), no_need_buffer=("big",))])
+    p = make(
+        "f",
+        [act("x", 1), act("big", 1000), act("s", 1), act("t", 1)],
+        [
+            Op("make", ("x",), ("big",)),
+            Op("use", ("big",), ("s",)),
+            Op("zeros_like", ("big", "s"), ("t",), no_need_buffer=("big",)),
+        ],
+    )
     r = analyze_program(p, keep={"t"})
     assert list(r.after) == [4000 - 4, 4000 - 4 + 4 - 4000, 0]  # big freed right after op 1
     assert r.peak_bytes == 4000
 
 
 def test_multi_output_op():
-    p = make("f", [act("x", 10), act("out", 100), act("lse", 5), act("y", 10)],
-             [Op("attention", ("x",), ("out", "lse")), Op("proj", ("out",), ("y",))])
+    p = make(
+        "f",
+        [act("x", 10), act("out", 100), act("lse", 5), act("y", 10)],
+        [Op("attention", ("x",), ("out", "lse")), Op("proj", ("out",), ("y",))],
+    )
     r = analyze_program(p, keep={"y"})
     # Both outputs are allocated together; lse is never read so it dies right away.
     assert r.during[0] == 420 and r.after[0] == 420 - 40 - 20
@@ -88,7 +111,7 @@ def test_forward_tensor_used_by_non_adjacent_program():
     opt = make("optimizer", [t["keep_me"], t["g"], t["o"]], [Op("step", ("keep_me", "g"), ("o",))])
     assert retention_sets([fwd, bwd, opt]) == [{"keep_me"}, {"g"}, set()]
     rf, rb, ro = analyze_sequence([fwd, bwd, opt])
-    assert rf.net_bytes == 400 - 4   # x is freed, keep_me kept
+    assert rf.net_bytes == 400 - 4  # x is freed, keep_me kept
     assert "keep_me" in rb.live_after
     assert rb.net_bytes == 40
     # optimizer: o (4 B) allocated; keep_me (400) and g (40) were carried in and now die
@@ -97,8 +120,11 @@ def test_forward_tensor_used_by_non_adjacent_program():
 
 def test_persistent_created_in_program_is_never_freed():
     # Lazily created optimizer state: allocated where created, never freed.
-    p = make("opt", [Tensor("w", (10,), "fp32", "param"), Tensor("m", (10,), "fp32", "optimizer_state")],
-             [Op("init_state", ("w",), ("m",))])
+    p = make(
+        "opt",
+        [Tensor("w", (10,), "fp32", "param"), Tensor("m", (10,), "fp32", "optimizer_state")],
+        [Op("init_state", ("w",), ("m",))],
+    )
     r = analyze_program(p)
     assert r.net_bytes == 40 and r.peak_bytes == 40
 
@@ -111,8 +137,12 @@ def test_unknown_dimension_is_an_error_naming_the_tensor():
 
 def test_symbolic_dimension_bound_or_explicit_bytes():
     from pipemem.ir import resolve_dims
-    p = make("f", [Tensor("h", ("batch", 128), "bf16"), Tensor("z", (None,), "fp32", bytes=64)],
-             [Op("f", (), ("h",)), Op("g", ("h",), ("z",))])
+
+    p = make(
+        "f",
+        [Tensor("h", ("batch", 128), "bf16"), Tensor("z", (None,), "fp32", bytes=64)],
+        [Op("f", (), ("h",)), Op("g", ("h",), ("z",))],
+    )
     resolve_dims([p], {"batch": 3})
     r = analyze_program(p, keep={"z"})
     assert r.peak_bytes == 3 * 128 * 2 + 64
@@ -124,8 +154,9 @@ def test_empty_program():
 
 
 def test_granularity_rounds_each_storage():
-    p = make("f", [act("x", 1), act("y", 1), act("z", 200)],
-             [Op("f", ("x",), ("y",)), Op("g", ("y",), ("z",))])
+    p = make(
+        "f", [act("x", 1), act("y", 1), act("z", 200)], [Op("f", ("x",), ("y",)), Op("g", ("y",), ("z",))]
+    )
     r = analyze_program(p, keep={"z"}, granularity=512)
     # x is an input: 512 rounded, freed after op 0; y 512; z 800 -> 1024.
     assert list(r.during) == [512, 1024 + 512 - 512]
@@ -133,6 +164,7 @@ def test_granularity_rounds_each_storage():
 
 
 # --- random programs ------------------------------------------------------------------------
+
 
 def reference_walk(program, live_on_entry=(), keep=()):
     """A deliberately simple, op-by-op reimplementation of the rules in liveness.py."""
@@ -184,8 +216,9 @@ def random_program(draw):
         kind = draw(st.sampled_from(["activation", "activation", "temp", "grad", "param", "optimizer_state"]))
         n = draw(st.integers(0, 50))
         storage = f"t{draw(st.integers(0, i))}" if draw(st.booleans()) and i > 0 else f"t{i}"
-        tensors.append(Tensor(f"t{i}", (n,), draw(st.sampled_from(["fp32", "bf16", "bool"])), kind,
-                              storage=storage))
+        tensors.append(
+            Tensor(f"t{i}", (n,), draw(st.sampled_from(["fp32", "bf16", "bool"])), kind, storage=storage)
+        )
     names = [t.name for t in tensors]
     ops = []
     for _ in range(draw(st.integers(0, 15))):
@@ -193,7 +226,9 @@ def random_program(draw):
         outs = tuple(draw(st.lists(st.sampled_from(names), max_size=2, unique=True)))
         nnb = tuple(x for x in ins if draw(st.booleans()) and draw(st.booleans()))
         frees = tuple(draw(st.lists(st.sampled_from(names), max_size=1)))
-        ops.append(Op("op", ins, outs, no_need_buffer=nnb, frees=frees, workspace_bytes=draw(st.integers(0, 30))))
+        ops.append(
+            Op("op", ins, outs, no_need_buffer=nnb, frees=frees, workspace_bytes=draw(st.integers(0, 30)))
+        )
     entry = draw(st.lists(st.sampled_from([t.storage for t in tensors]), max_size=3, unique=True))
     keep = draw(st.lists(st.sampled_from([t.storage for t in tensors]), max_size=3, unique=True))
     return make("rand", tensors, ops), entry, keep
@@ -272,22 +307,28 @@ def test_retain_reads_are_kept_by_earlier_programs_and_never_freed_by_the_reader
 
     def programs(retain: bool):
         f = make("F", [h, x], [Op("slice", ("x",), ("h",))])
-        b = make("B", [h, g], [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",),
-                                  retain_reads=("h",) if retain else ())])
+        b = make(
+            "B",
+            [h, g],
+            [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",), retain_reads=("h",) if retain else ())],
+        )
         return f, b
 
     f, b = analyze_sequence(programs(True))
     assert f.net_bytes == 400 and "h" in f.retained
-    assert b.net_bytes == 0 and "h" in b.live_after           # h never freed (else -400)
+    assert b.net_bytes == 0 and "h" in b.live_after  # h never freed (else -400)
     f, b = analyze_sequence(programs(False))
-    assert f.net_bytes == 0 and "h" not in b.live_after       # a plain no_need_buffer read keeps nothing
+    assert f.net_bytes == 0 and "h" not in b.live_after  # a plain no_need_buffer read keeps nothing
 
 
 def test_retain_reads_must_be_no_need_buffer_and_survive_json():
     from pipemem.ir import programs_from_json, programs_to_json
 
-    p = make("B", [act("h", 4), act("g", 4)], [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",),
-                                                  retain_reads=("h",))])
+    p = make(
+        "B",
+        [act("h", 4), act("g", 4)],
+        [Op("concat_grad", ("h",), ("g",), no_need_buffer=("h",), retain_reads=("h",))],
+    )
     assert programs_from_json(programs_to_json([p]))[0].ops[0].retain_reads == ("h",)
     bad = make("B", [act("h", 4), act("g", 4)], [Op("concat_grad", ("h",), ("g",), retain_reads=("h",))])
     with pytest.raises(UserError, match="retain_reads"):

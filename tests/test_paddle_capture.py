@@ -121,18 +121,20 @@ SNIPPET = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def captured():
     env = dict(os.environ, FLAGS_enable_pir_api="0", GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_role_type_follows_paddle_op_role_bits():
     assert role_type(0) == "forward"
-    assert role_type(256) == "forward"       # Loss | Forward: the loss op
+    assert role_type(256) == "forward"  # Loss | Forward: the loss op
     assert role_type(1) == "backward"
-    assert role_type(257) == "backward"      # Loss | Backward: the loss-gradient seed
+    assert role_type(257) == "backward"  # Loss | Backward: the loss-gradient seed
     assert role_type(2) == "optimizer"
-    assert role_type(16) == "optimizer"      # LRSched
+    assert role_type(16) == "optimizer"  # LRSched
     assert role_type(2 | 16) == "optimizer"
 
 
@@ -166,7 +168,7 @@ def test_shapes_that_do_not_fit_the_program_are_user_errors(captured):
 def test_dtypes_have_their_real_sizes(captured):
     t = captured["tensors"]
     bool_vars = [v for v in t.values() if v["dtype"] == "bool"]
-    assert bool_vars and all(v["nbytes"] == 3 * 5 * 32 for v in bool_vars)       # 1 byte, not 4
+    assert bool_vars and all(v["nbytes"] == 3 * 5 * 32 for v in bool_vars)  # 1 byte, not 4
     bf16 = [v for v in t.values() if v["dtype"] == "bfloat16"]
     assert bf16 and all(v["nbytes"] == 3 * 5 * 32 * 2 for v in bf16)
     mask = t["dropout_0.tmp_1"]
@@ -193,7 +195,9 @@ def test_no_need_buffer_inputs_come_from_paddle(captured):
     bwd = captured["ops"]["backward"]
     mean_grad = next(o for o in bwd if o["type"] == "reduce_mean_grad")
     assert mean_grad["no_need_buffer"] == [n for n in mean_grad["inputs"] if not n.endswith("@GRAD")]
-    add_grad = next(o for o in bwd if o["type"] == "elementwise_add_grad" and "linear_0.b_0@GRAD" in o["outputs"])
+    add_grad = next(
+        o for o in bwd if o["type"] == "elementwise_add_grad" and "linear_0.b_0@GRAD" in o["outputs"]
+    )
     assert set(add_grad["no_need_buffer"]) == {"linear_0.tmp_0", "linear_0.b_0"}
     # So the forward does not keep the matmul output for backward; it keeps the mask.
     assert "linear_0.tmp_0" not in captured["forward_retained"]

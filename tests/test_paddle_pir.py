@@ -82,7 +82,9 @@ SNIPPET = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def captured():
     env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -101,8 +103,8 @@ def test_split_by_structure(captured):
     names = [n for n, _ in ops]
     first_grad = next(i for i, n in enumerate(names) if n.endswith("_grad"))
     # append_backward's seed (full 1.0, full_like(loss)) opens the backward.
-    assert names[first_grad - 2:first_grad] == ["pd_op.full", "pd_op.full_like"]
-    assert all(t == "forward" for _, t in ops[:first_grad - 2])
+    assert names[first_grad - 2 : first_grad] == ["pd_op.full", "pd_op.full_like"]
+    assert all(t == "forward" for _, t in ops[: first_grad - 2])
     opt = [n for n, t in ops if t == "optimizer"]
     # Adam.minimize: per parameter three constants (beta1, beta2, epsilon) and adam_.
     assert opt == ["pd_op.full", "pd_op.full", "pd_op.full", "pd_op.adam_"] * 4
@@ -123,12 +125,17 @@ def test_executor_inplace_rule_on_the_mlp(captured):
     # shapes with -1 only leading. relu (its input, the bias add, dies), the softmax of
     # cross_entropy (logits die), its grad, relu_grad, and both add_grads (x_grad on
     # out_grad). Not the first bias add: its input lives on into add_grad.
-    assert captured["inplace"] == ["pd_op.relu", "pd_op.cross_entropy_with_softmax",
-                                   "pd_op.cross_entropy_with_softmax_grad", "pd_op.add_grad",
-                                   "pd_op.relu_grad", "pd_op.add_grad"]
+    assert captured["inplace"] == [
+        "pd_op.relu",
+        "pd_op.cross_entropy_with_softmax",
+        "pd_op.cross_entropy_with_softmax_grad",
+        "pd_op.add_grad",
+        "pd_op.relu_grad",
+        "pd_op.add_grad",
+    ]
     t = captured["tensors"]
     relu = next(o for o in captured["programs"]["forward"] if o[0] == "pd_op.relu")
-    assert t[relu[2][0]][3] == t[relu[1][0]][3]           # same storage
+    assert t[relu[2][0]][3] == t[relu[1][0]][3]  # same storage
     adam = captured["programs"]["optimizer"][3]
     assert adam[0] == "pd_op.adam_"
     param = adam[1][0]
@@ -169,7 +176,11 @@ def test_pipemem_within_one_percent_of_measured_step(rows):
     for case in ("mlp-pir", "gpt2-pir"):
         for q in ("net", "allocated-no-gc"):
             r = rows[f"{case}/step/{q}"]
-            assert abs(r["estimated_bytes"] - r["measured_bytes"]) <= 0.01 * abs(r["measured_bytes"]), (case, q, r)
+            assert abs(r["estimated_bytes"] - r["measured_bytes"]) <= 0.01 * abs(r["measured_bytes"]), (
+                case,
+                q,
+                r,
+            )
             assert r["paddle_estimated_bytes"] is None
 
 
@@ -190,10 +201,10 @@ def test_measured_mlp_matches_hand_derivation(rows):
     assert rows["mlp-pir/step/net"]["measured_bytes"] == fed
     # With GC off, every value the step writes, minus what runs in place (relu, the
     # softmax, its grad, relu_grad, the x_grads of add_grad) and the fed input's grad:
-    fwd = B * H * F32 * 2 + B * C * F32 * 2 + B * 1 * F32 + 2 * F32         # matmul+add, x2; loss; 2 means
+    fwd = B * H * F32 * 2 + B * C * F32 * 2 + B * 1 * F32 + 2 * F32  # matmul+add, x2; loss; 2 means
     # seed (full, full_like), two mean_grads, the bias grads, the matmul grads (none for the fed x)
     bwd = 3 * F32 + B * 1 * F32 + C * F32 + H * F32 + B * H * F32 + H * C * F32 + D * H * F32
-    opt = 12 * F32                                                            # beta1/beta2/eps per param
+    opt = 12 * F32  # beta1/beta2/eps per param
     assert rows["mlp-pir/step/allocated-no-gc"]["measured_bytes"] == fed + fwd + bwd + opt
 
 
@@ -255,8 +266,9 @@ VECTOR_NNB_SNIPPET = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def vector_nnb():
     env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, "-c", VECTOR_NNB_SNIPPET], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", VECTOR_NNB_SNIPPET], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -266,7 +278,7 @@ def test_a_vector_read_as_no_need_buffer_keeps_none_of_its_parts(vector_nnb):
     # executor frees them after the forward concat, not at the concat_grad.
     one = vector_nnb["one"]
     assert one["concat_grad_nnb"] and set(one["concat_grad_nnb"]) == set(one["concat_inputs"][:2])
-    assert one["retain"] == []          # one program: nothing to keep across jobs
+    assert one["retain"] == []  # one program: nothing to keep across jobs
 
 
 def test_parts_handed_between_jobs_are_kept_and_never_freed(vector_nnb):
@@ -319,8 +331,9 @@ def test_a_vector_nobody_unpacks_gets_its_parts():
     # PaddleNLP's auto-parallel loss hands split_with_num's vector straight to concat (no
     # builtin.split): its parts are still written, one tensor per element of its type.
     env = dict(os.environ, FLAGS_enable_pir_api="1", GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, "-c", UNPACKED_VECTOR_SNIPPET], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", UNPACKED_VECTOR_SNIPPET], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "builtin.split" not in out["ops"] and "builtin.combine" not in out["ops"]

@@ -21,19 +21,31 @@ def rows():
 
 def test_every_case_sub_program_and_quantity_is_reported(rows):
     for case in CASE_NAMES:
-        subs = ("forward", "backward_b", "backward_w", "optimizer") if case.endswith("-zb") else \
-            ("forward", "backward", "optimizer")
+        subs = (
+            ("forward", "backward_b", "backward_w", "optimizer")
+            if case.endswith("-zb")
+            else ("forward", "backward", "optimizer")
+        )
         for sub in subs:
             for q in ("net", "peak"):
                 r = rows[f"{case}/{sub}/{q}"]
-                assert set(r) >= {"name", "measured_bytes", "estimated_bytes", "rel_error",
-                                  "paddle_estimated_bytes", "paddle_rel_error"}
+                assert set(r) >= {
+                    "name",
+                    "measured_bytes",
+                    "estimated_bytes",
+                    "rel_error",
+                    "paddle_estimated_bytes",
+                    "paddle_rel_error",
+                }
                 assert isinstance(r["paddle_estimated_bytes"], int)
 
 
 def test_pipemem_within_one_percent_of_every_measured_line(rows):
-    bad = {n: (r["measured_bytes"], r["estimated_bytes"]) for n, r in rows.items()
-           if abs(r["estimated_bytes"] - r["measured_bytes"]) > 0.01 * abs(r["measured_bytes"])}
+    bad = {
+        n: (r["measured_bytes"], r["estimated_bytes"])
+        for n, r in rows.items()
+        if abs(r["estimated_bytes"] - r["measured_bytes"]) > 0.01 * abs(r["measured_bytes"])
+    }
     assert not bad
 
 
@@ -55,8 +67,10 @@ def test_recompute_keeps_less_after_forward_and_more_work_in_backward(rows):
     for model in ("gpt2", "llama2"):
         plain, rc = rows[f"{model}/forward/net"], rows[f"{model}-recompute/forward/net"]
         assert rc["measured_bytes"] < plain["measured_bytes"] / 4
-        assert rows[f"{model}-recompute/backward/peak"]["measured_bytes"] > \
-            rows[f"{model}/backward/peak"]["measured_bytes"]
+        assert (
+            rows[f"{model}-recompute/backward/peak"]["measured_bytes"]
+            > rows[f"{model}/backward/peak"]["measured_bytes"]
+        )
 
 
 def test_paddle_estimator_is_worse_on_the_same_lines(rows):
@@ -76,7 +90,10 @@ def test_split_backward_moves_memory_between_b_and_w_but_not_in_total(rows):
         w = rows[f"{model}-zb/backward_w/net"]["measured_bytes"]
         assert b + w == full
         # The forward is untouched by the split.
-        assert rows[f"{model}-zb/forward/net"]["measured_bytes"] == rows[f"{model}/forward/net"]["measured_bytes"]
+        assert (
+            rows[f"{model}-zb/forward/net"]["measured_bytes"]
+            == rows[f"{model}/forward/net"]["measured_bytes"]
+        )
 
 
 def test_unknown_case_is_one_line_user_error(capsys):

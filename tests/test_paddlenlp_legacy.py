@@ -49,7 +49,9 @@ SNIPPET = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def captured():
     env = dict(os.environ, FLAGS_enable_pir_api="0", FLAGS_eager_delete_tensor_gb="0", GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", SNIPPET], capture_output=True, text=True, env=env, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -73,10 +75,12 @@ def test_step_with_share_buffer_and_conditional_block_matches_the_executor(captu
 PADDLE26 = os.environ.get("PIPEMEM_PADDLE26_PYTHON")
 
 
-@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
-                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+@pytest.mark.skipif(
+    not PADDLE26 or not os.path.exists(PADDLE26),
+    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)",
+)
 def test_pp4_first_and_last_stage_within_1pct_and_better_than_paddles_estimator(tmp_path):
-    from pipemem.validation.paddle_runs.paddlenlp_legacy import compare_built, build_case
+    from pipemem.validation.paddle_runs.paddlenlp_legacy import build_case, compare_built
 
     cards = build_case("paddlenlp-legacy-pp4", tmp_path, cards=(0, 3))
     rows = compare_built("paddlenlp-legacy-pp4", cards)
@@ -89,8 +93,10 @@ def test_pp4_first_and_last_stage_within_1pct_and_better_than_paddles_estimator(
     assert ours < theirs
 
 
-@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
-                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+@pytest.mark.skipif(
+    not PADDLE26 or not os.path.exists(PADDLE26),
+    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)",
+)
 def test_seed_pp4_backward_peak_at_full_size_is_the_seeds_gpu_measurement(tmp_path):
     """The seed's public row: pp 4 (no recompute) backward peak measured 322 MB (2^20 B) on
     GPUs, Paddle's estimator 290. Built at the seed's full size, estimated only."""
@@ -100,8 +106,8 @@ def test_seed_pp4_backward_peak_at_full_size_is_the_seeds_gpu_measurement(tmp_pa
     rows = {r["name"]: r for r in compare_built("seed-pp4", cards, measure=False)}
     peak = rows["seed-pp4/card0/backward/peak"]
     assert peak["measured_bytes"] is None
-    assert abs(peak["estimated_bytes"] / 2 ** 20 - 322) / 322 <= 0.01
-    assert abs(peak["paddle_estimated_bytes"] / 2 ** 20 - 322) / 322 > 0.05     # the seed's 290
+    assert abs(peak["estimated_bytes"] / 2**20 - 322) / 322 <= 0.01
+    assert abs(peak["paddle_estimated_bytes"] / 2**20 - 322) / 322 > 0.05  # the seed's 290
 
 
 _MOMENT_BYTES = """
@@ -116,8 +122,10 @@ print(sum(size(v) for v in vs if "moment" in v.name), sum(size(v) for v in vs if
 """
 
 
-@pytest.mark.skipif(not PADDLE26 or not os.path.exists(PADDLE26),
-                    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)")
+@pytest.mark.skipif(
+    not PADDLE26 or not os.path.exists(PADDLE26),
+    reason="needs paddlepaddle 2.6 + paddlenlp 2.8.1 ($PIPEMEM_PADDLE26_PYTHON)",
+)
 def test_dp2_sharding2_cards_within_1pct_and_states_sharded_over_the_sharding_group(tmp_path):
     """No pipeline: the executor's one job, split by op role. The static auto-parallel script
     shards the Adam moments over sharding_parallel_degree (2), not dp x sharding (4): what
@@ -125,7 +133,7 @@ def test_dp2_sharding2_cards_within_1pct_and_states_sharded_over_the_sharding_gr
     import subprocess
     import sys
 
-    from pipemem.validation.paddle_runs.paddlenlp_legacy import compare_built, build_case
+    from pipemem.validation.paddle_runs.paddlenlp_legacy import build_case, compare_built
 
     cards = build_case("paddlenlp-legacy-dp2-sharding2", tmp_path, cards=(0, 1))
     rows = compare_built("paddlenlp-legacy-dp2-sharding2", cards)
@@ -133,9 +141,21 @@ def test_dp2_sharding2_cards_within_1pct_and_states_sharded_over_the_sharding_gr
     for r in rows:
         assert r["rel_error"] is not None and abs(r["rel_error"]) <= 0.01, r
     env = {**os.environ, "FLAGS_enable_pir_api": "0"}
-    moments, params = zip(*(map(int, subprocess.run([sys.executable, "-c", _MOMENT_BYTES, str(folder)], env=env,
-                                                    capture_output=True, text=True, check=True).stdout.split())
-                            for folder in cards.values()))
+    moments, params = zip(
+        *(
+            map(
+                int,
+                subprocess.run(
+                    [sys.executable, "-c", _MOMENT_BYTES, str(folder)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split(),
+            )
+            for folder in cards.values()
+        )
+    )
     assert params[0] == params[1] > 0
     # two moments per parameter, the pair of cards holding each parameter's once between them
     assert sum(moments) == 2 * params[0]

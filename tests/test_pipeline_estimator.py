@@ -28,10 +28,17 @@ def stage():
         "dw": Tensor("dw", (100,), "fp32", "grad"),
         "m": Tensor("m", (100,), "fp32", "optimizer_state"),
     }
-    fwd = make("forward", [t[n] for n in ("x", "w", "h", "stat", "y")],
-               [Op("linear", ("x", "w"), ("h",)), Op("stat", ("h",), ("stat",)), Op("head", ("h",), ("y",))])
+    fwd = make(
+        "forward",
+        [t[n] for n in ("x", "w", "h", "stat", "y")],
+        [Op("linear", ("x", "w"), ("h",)), Op("stat", ("h",), ("stat",)), Op("head", ("h",), ("y",))],
+    )
     bwd = make("backward", [t[n] for n in ("x", "h", "y", "dw")], [Op("wgrad", ("x", "h", "y"), ("dw",))])
-    opt = make("optimizer", [t[n] for n in ("w", "dw", "m", "stat")], [Op("adam", ("w", "dw", "m", "stat"), ("w", "m"))])
+    opt = make(
+        "optimizer",
+        [t[n] for n in ("w", "dw", "m", "stat")],
+        [Op("adam", ("w", "dw", "m", "stat"), ("w", "m"))],
+    )
     return {"forward": fwd, "backward": bwd, "optimizer": opt}
 
 
@@ -72,7 +79,9 @@ def test_defect_estimating_twice_gives_the_same_answer():
 
 def test_defect_dynamic_dims_are_not_one():
     """Seed: -1 dims are taken as 1 (a [-1, 4096] activation becomes 16 KiB)."""
-    p = make("forward", [Tensor("x", (-1, 4096), "bf16"), Tensor("y", (8,), "fp32")], [Op("f", ("x",), ("y",))])
+    p = make(
+        "forward", [Tensor("x", (-1, 4096), "bf16"), Tensor("y", (8,), "fp32")], [Op("f", ("x",), ("y",))]
+    )
     est = PipelineMemoryEstimator()
     with pytest.raises(UserError, match="'x'.*unknown dimension"):
         est.set_program_skip_gc_vars({"forward": p}, ["forward"])
@@ -80,8 +89,11 @@ def test_defect_dynamic_dims_are_not_one():
 
 def test_defect_bool_is_one_byte():
     """Seed: dtypes outside its table (bool) count 4 bytes."""
-    p = make("forward", [Tensor("x", (10,), "fp32"), Tensor("mask", (1000,), "bool")],
-             [Op("dropout_mask", ("x",), ("mask",))])
+    p = make(
+        "forward",
+        [Tensor("x", (10,), "fp32"), Tensor("mask", (1000,), "bool")],
+        [Op("dropout_mask", ("x",), ("mask",))],
+    )
     est = PipelineMemoryEstimator()
     est.set_program_skip_gc_vars({"forward": p}, ["forward"])
     net, peak = est.estimate_memory(p, "forward")
@@ -90,11 +102,23 @@ def test_defect_bool_is_one_byte():
 
 def test_defect_views_and_inplace_share_storage():
     """Seed: every var name is its own allocation, so a reshape or an in-place op doubles."""
-    t = [Tensor("x", (10,), "fp32"), Tensor("h", (1000,), "fp32"),
-         Tensor("h_view", (10, 100), "fp32", storage="h"), Tensor("h_act", (1000,), "fp32", storage="h"),
-         Tensor("y", (1,), "fp32")]
-    p = make("forward", t, [Op("fc", ("x",), ("h",)), Op("reshape", ("h",), ("h_view",)),
-                            Op("relu_", ("h_view",), ("h_act",)), Op("sum", ("h_act",), ("y",))])
+    t = [
+        Tensor("x", (10,), "fp32"),
+        Tensor("h", (1000,), "fp32"),
+        Tensor("h_view", (10, 100), "fp32", storage="h"),
+        Tensor("h_act", (1000,), "fp32", storage="h"),
+        Tensor("y", (1,), "fp32"),
+    ]
+    p = make(
+        "forward",
+        t,
+        [
+            Op("fc", ("x",), ("h",)),
+            Op("reshape", ("h",), ("h_view",)),
+            Op("relu_", ("h_view",), ("h_act",)),
+            Op("sum", ("h_act",), ("y",)),
+        ],
+    )
     est = PipelineMemoryEstimator()
     est.set_program_skip_gc_vars({"forward": p}, ["forward"])
     # one 4000 B storage for h, its view and its in-place result; x (40 B) and y die
@@ -103,9 +127,16 @@ def test_defect_views_and_inplace_share_storage():
 
 def test_defect_workspaces_and_comm_buffers_count():
     """Seed: no op workspaces, no collective buffers."""
-    t = [Tensor("x", (100,), "bf16"), Tensor("gathered", (400,), "bf16", "comm_buffer"), Tensor("y", (100,), "bf16")]
-    p = make("forward", t, [Op("all_gather", ("x",), ("gathered",)),
-                            Op("matmul", ("gathered",), ("y",), workspace_bytes=4096)])
+    t = [
+        Tensor("x", (100,), "bf16"),
+        Tensor("gathered", (400,), "bf16", "comm_buffer"),
+        Tensor("y", (100,), "bf16"),
+    ]
+    p = make(
+        "forward",
+        t,
+        [Op("all_gather", ("x",), ("gathered",)), Op("matmul", ("gathered",), ("y",), workspace_bytes=4096)],
+    )
     est = PipelineMemoryEstimator()
     est.set_program_skip_gc_vars({"forward": p}, ["forward"])
     net, peak = est.estimate_memory(p, "forward")

@@ -27,8 +27,9 @@ from pipemem.schedules import get_schedule
 
 def _target(gpus: int, gpu: str = "h100-80g", reserve: int | None = None, per_node: int = 8) -> Target:
     cap = gpu_info(gpu)["bytes"]
-    return Target(gpus, cap, 0 if reserve is None else reserve, speeds_for(gpu), gpu=gpu,
-                  gpus_per_node=per_node)
+    return Target(
+        gpus, cap, 0 if reserve is None else reserve, speeds_for(gpu), gpu=gpu, gpus_per_node=per_node
+    )
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
@@ -42,11 +43,17 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
 def small_search():
     """Llama 3.2 1B on 16 24-GiB GPUs in 2 nodes: tight enough that recomputation, pruning and
     every dimension come into play, small enough for CI."""
-    return search_plans("llama3.2-1b", _target(16, "rtx3090", per_node=8), 4096, 64,
-                        SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4))
+    return search_plans(
+        "llama3.2-1b",
+        _target(16, "rtx3090", per_node=8),
+        4096,
+        64,
+        SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4),
+    )
 
 
 # ---------------------------------------------------------------- the cost model's bubble
+
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (8, 16), (8, 32)])
 def test_bubble_1f1b_closed_form(p, m):
@@ -77,16 +84,28 @@ def test_bubble_zb_h1_closed_form(p, m, tf, ti, tw):
 def test_layer_flops_match_the_zero_bubble_paper():
     # GPT layer (4h FFN, no GQA): F = sb(24h^2 + 4sh), B = sb(24h^2 + 8sh), W = sb(24h^2) per layer
     from pipemem.model import ArchSpec
+
     h, s = 1024, 2048
-    arch = ArchSpec("gpt", "gpt2", layers=2, hidden=h, heads=16, kv_heads=16, head_dim=64, ffn=4 * h, vocab=1000,
-                    norm="layernorm", activation="gelu")
+    arch = ArchSpec(
+        "gpt",
+        "gpt2",
+        layers=2,
+        hidden=h,
+        heads=16,
+        kv_heads=16,
+        head_dim=64,
+        ffn=4 * h,
+        vocab=1000,
+        norm="layernorm",
+        activation="gelu",
+    )
     f, i, w = layer_flops(arch, 0, s)
     assert (f, i, w) == (24 * h * h + 4 * s * h, 24 * h * h + 8 * s * h, 24 * h * h)
     assert layer_flops(arch, 0, s, "full") == (f, i + f, w)
 
 
 def test_balanced_layout():
-    assert balanced_layout(126, 16) == (7,) + (8,) * 14 + (7,)     # Llama 3 405B's layout
+    assert balanced_layout(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B's layout
     assert balanced_layout(80, 16) is None
     lay = balanced_layout(81, 8)
     assert sum(lay) == 81 and max(lay) - min(lay) == 1 and lay[0] == lay[-1] == 10
@@ -94,15 +113,16 @@ def test_balanced_layout():
 
 # ---------------------------------------------------------------- the search
 
+
 def test_listed_plans_are_valid_and_fit(small_search):
     res = small_search
     assert res.plans, "some plan must fit"
     arch = res.arch
     for p in res.plans:
-        plan = validate_plan(arch, ParallelPlan(**p.kwargs))       # raises for an invalid plan
+        plan = validate_plan(arch, ParallelPlan(**p.kwargs))  # raises for an invalid plan
         assert plan.world == 16
         assert plan.pp * plan.vpp <= arch.layers
-        assert plan.tp <= 8                                        # tp within a node
+        assert plan.tp <= 8  # tp within a node
         # screened on allocated + outside the allocator: already above the allocated peak alone
         assert p.peak_bytes < p.device_peak_bytes <= res.target.budget_bytes < res.target.capacity_bytes
         assert p.peak_bytes == max(p.rank_peaks)
@@ -112,14 +132,19 @@ def test_listed_plans_are_valid_and_fit(small_search):
         assert len({k[key] for k in kws}) > 1, key
     assert any(k.get("vpp", 1) > 1 for k in kws)
     assert any(k.get("recompute", "none") != "none" for k in kws)
-    assert res.stats.no_fit + res.stats.pruned_static > 0     # not everything fits
+    assert res.stats.no_fit + res.stats.pruned_static > 0  # not everything fits
 
 
 def test_shown_plans_are_fits_by_the_estimates_verdict():
     """The plans shown are judged by pipemem estimate's own verdict, reserved memory included:
     each re-estimates to FITS with the same device peak, and the rest stay unjudged (None)."""
-    res = search_plans("llama3.2-1b", _target(8, "rtx3090", per_node=8), 2048, 32,
-                       SpaceOptions(micro_batches=(1, 2), max_vpp=2))
+    res = search_plans(
+        "llama3.2-1b",
+        _target(8, "rtx3090", per_node=8),
+        2048,
+        32,
+        SpaceOptions(micro_batches=(1, 2), max_vpp=2),
+    )
     n = len(res.plans)
     dropped = res.verify(3)
     assert len(res.plans) == n - dropped and dropped == res.stats.dropped_on_reserved
@@ -128,7 +153,7 @@ def test_shown_plans_are_fits_by_the_estimates_verdict():
         e = estimate("llama3.2-1b", gpu="rtx3090", **p.kwargs)
         assert p.verdict == "fits" and e.verdict == "fits"
         assert p.device_peak_bytes == e.max_device_peak_bytes >= p.peak_bytes
-        assert e.max_peak_reserved_bytes is not None     # reserved was modelled, not assumed
+        assert e.max_peak_reserved_bytes is not None  # reserved was modelled, not assumed
     assert any(p.verdict is None for p in res.plans[3:]) or len(res.plans) <= len(set(map(id, shown)))
 
 
@@ -154,22 +179,34 @@ def test_cheapest_recompute_is_listed(small_search):
     assert recomputing and partial
     for p in recomputing[:3] + partial[:3]:
         kw = {k: v for k, v in p.kwargs.items() if k not in ("recompute", "recompute_layers")}
-        e = estimate("llama3.2-1b", gpu="rtx3090", **kw)     # not even screened in without recomputation
-        assert max(r.peak_allocated_bytes + r.outside.total_bytes for r in e.ranks) > small_search.target.budget_bytes
+        e = estimate("llama3.2-1b", gpu="rtx3090", **kw)  # not even screened in without recomputation
+        assert (
+            max(r.peak_allocated_bytes + r.outside.total_bytes for r in e.ranks)
+            > small_search.target.budget_bytes
+        )
         k = p.kwargs.get("recompute_layers")
         if k and k > 1:
             fewer = estimate("llama3.2-1b", gpu="rtx3090", **kw, recompute="full", recompute_layers=k - 1)
-            assert max(r.peak_allocated_bytes + r.outside.total_bytes for r in fewer.ranks) > \
-                small_search.target.budget_bytes, p.flags
+            assert (
+                max(r.peak_allocated_bytes + r.outside.total_bytes for r in fewer.ranks)
+                > small_search.target.budget_bytes
+            ), p.flags
 
 
-@pytest.mark.parametrize("conv,shardings", [("megatron", ("ddp", "dist-opt", "zero2")),
-                                             ("paddle", ("zero1", "zero2", "zero3")), ("hf", None)])
+@pytest.mark.parametrize(
+    "conv,shardings",
+    [("megatron", ("ddp", "dist-opt", "zero2")), ("paddle", ("zero1", "zero2", "zero3")), ("hf", None)],
+)
 def test_pruning_changes_nothing_listed(conv, shardings):
     """The static-bytes bound and the settings shared between sharding levels skip estimates,
     never plans: the search without them lists the same plans with the same bytes."""
-    args = ("llama3.2-3b", _target(4, "rtx3090"), 4096, 8,
-            SpaceOptions(convention=conv, micro_batches=(1, 2), max_vpp=2, shardings=shardings))
+    args = (
+        "llama3.2-3b",
+        _target(4, "rtx3090"),
+        4096,
+        8,
+        SpaceOptions(convention=conv, micro_batches=(1, 2), max_vpp=2, shardings=shardings),
+    )
     pruned = search_plans(*args)
     full = search_plans(*args, prune=False)
     # (paddle's optimizer step copies the clipped gradients, so zero2 changes its jobs and
@@ -184,31 +221,51 @@ def test_pruning_changes_nothing_listed(conv, shardings):
 
 
 def test_parallel_search_lists_the_same(small_search):
-    res = search_plans("llama3.2-1b", _target(16, "rtx3090", per_node=8), 4096, 64,
-                       SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4), jobs=2)
-    assert [(p.flags, p.rank_peaks, p.cost.step_s) for p in res.plans] == \
-        [(p.flags, p.rank_peaks, p.cost.step_s) for p in small_search.plans]
+    res = search_plans(
+        "llama3.2-1b",
+        _target(16, "rtx3090", per_node=8),
+        4096,
+        64,
+        SpaceOptions(micro_batches=(1, 2, 4), max_vpp=4),
+        jobs=2,
+    )
+    assert [(p.flags, p.rank_peaks, p.cost.step_s) for p in res.plans] == [
+        (p.flags, p.rank_peaks, p.cost.step_s) for p in small_search.plans
+    ]
     a, b = res.stats.to_dict(), small_search.stats.to_dict()
     assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
 
 
 def test_pareto_sets_are_not_dominated(small_search):
-    for front, second, pipeline_only in ((small_search.pareto, lambda p: p.cost.bubble, True),
-                                         (small_search.pareto_step_time, lambda p: p.cost.step_s, False)):
+    for front, second, pipeline_only in (
+        (small_search.pareto, lambda p: p.cost.bubble, True),
+        (small_search.pareto_step_time, lambda p: p.cost.step_s, False),
+    ):
         assert front
         assert not pipeline_only or all(p.kwargs["pp"] > 1 for p in front)
         for a in front:
             for b in small_search.plans:
                 if b is a or (pipeline_only and b.kwargs["pp"] == 1):
                     continue
-                assert not (b.peak_bytes <= a.peak_bytes and second(b) < second(a) - 1e-12), (a.flags, b.flags)
+                assert not (b.peak_bytes <= a.peak_bytes and second(b) < second(a) - 1e-12), (
+                    a.flags,
+                    b.flags,
+                )
 
 
 def test_plans_that_cannot_run_never_appear():
     """tp not dividing the heads / KV heads (as validate_plan rules) and pp beyond the layers."""
-    cfg = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 1536, "num_attention_heads": 12,
-           "num_key_value_heads": 3, "intermediate_size": 4096, "vocab_size": 32000}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 6,
+        "hidden_size": 1536,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "intermediate_size": 4096,
+        "vocab_size": 32000,
+    }
     from pipemem.model import arch_from_hf_config
+
     arch = arch_from_hf_config(cfg, "odd")
     res = search_plans(cfg, _target(16, "rtx3090"), 1024, 32, SpaceOptions(micro_batches=(1,), max_vpp=2))
     assert res.plans
@@ -219,17 +276,24 @@ def test_plans_that_cannot_run_never_appear():
         except UserError:
             assert tp not in seen_tp
     assert all(p.kwargs["pp"] * p.kwargs.get("vpp", 1) <= 6 for p in res.plans)
-    assert res.stats.invalid      # some proposals were refused
+    assert res.stats.invalid  # some proposals were refused
 
 
 def test_pinned_degrees_and_moe():
-    res = search_plans("mixtral-8x7b", _target(32, "h100-80g"), 4096, 64,
-                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 2, "pp": 4}))
+    res = search_plans(
+        "mixtral-8x7b",
+        _target(32, "h100-80g"),
+        4096,
+        64,
+        SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 2, "pp": 4}),
+    )
     assert res.plans
     assert {p.kwargs["tp"] for p in res.plans} == {2} and {p.kwargs["pp"] for p in res.plans} == {4}
     assert len({p.kwargs["ep"] for p in res.plans}) > 1
     assert any(p.kwargs.get("etp") == 1 for p in res.plans)
-    assert all(p.cost.comm and any(c.group == "ep" for c in p.cost.comm) for p in res.plans if p.kwargs["ep"] > 1)
+    assert all(
+        p.cost.comm and any(c.group == "ep" for c in p.cost.comm) for p in res.plans if p.kwargs["ep"] > 1
+    )
     etp1 = next(p for p in res.plans if p.kwargs.get("etp") == 1 and p.kwargs["ep"] > 1)
     rc, out, err = _cli(["estimate", *etp1.flags.split(), "--json"])
     assert rc == 0, err
@@ -238,12 +302,18 @@ def test_pinned_degrees_and_moe():
 
 # ---------------------------------------------------------------- published runs
 
+
 @pytest.mark.parametrize("seq,batch,cp,dp", [(8192, 2048, 1, 128), (131072, 128, 16, 8)])
 def test_llama3_405b_published_plans_fit(seq, batch, cp, dp):
     """Llama 3 405B (Llama 3 paper, Table 4): tp 8, pp 16 on 16,384 H100-80GB; cp 1 at 8K, cp 16 at
     128K tokens; 16M tokens per batch; ZeRO-2-like sharding (optimizer states and gradients)."""
-    res = search_plans("llama3.1-405b", _target(16384), seq, batch,
-                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 8, "pp": 16, "cp": cp}))
+    res = search_plans(
+        "llama3.1-405b",
+        _target(16384),
+        seq,
+        batch,
+        SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"tp": 8, "pp": 16, "cp": cp}),
+    )
     fitting = [p for p in res.plans if p.kwargs["dp"] == dp]
     assert fitting, res.stats.to_dict()
     assert any(p.kwargs.get("zero") == 2 for p in fitting)
@@ -252,15 +322,30 @@ def test_llama3_405b_published_plans_fit(seq, batch, cp, dp):
 
 # ---------------------------------------------------------------- recomputation monotonicity
 
+
 @settings(max_examples=12)
-@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), mbs=st.sampled_from([1, 2]),
-       seq=st.sampled_from([1024, 4096]), conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
-       sched=st.sampled_from(["1F1B", "ZBH1", "GPipe"]))
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2, 4]),
+    mbs=st.sampled_from([1, 2]),
+    seq=st.sampled_from([1024, 4096]),
+    conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
+    sched=st.sampled_from(["1F1B", "ZBH1", "GPipe"]),
+)
 def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
     """What the recomputation bisection assumes: none >= selective >= full, and full on K+1
     layers per stage <= full on K."""
-    kw = dict(seq_len=seq, micro_batch=mbs, tp=tp, pp=pp, dp=1, microbatches=2 * pp, convention=conv,
-              layers=8, schedule=sched if pp > 1 else None)
+    kw = dict(
+        seq_len=seq,
+        micro_batch=mbs,
+        tp=tp,
+        pp=pp,
+        dp=1,
+        microbatches=2 * pp,
+        convention=conv,
+        layers=8,
+        schedule=sched if pp > 1 else None,
+    )
 
     def peak(**r):
         return estimate("llama3.2-1b", **kw, **r).max_peak_allocated_bytes
@@ -273,10 +358,14 @@ def test_recompute_never_raises_the_peak(tp, pp, mbs, seq, conv, sched):
 
 
 @settings(max_examples=12)
-@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), seq=st.sampled_from([1024, 4096]),
-       conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
-       sched=st.sampled_from(["1F1B", "ZBH1", "VPP", "Interleaved1F1B", "ZBVZeroBubble"]),
-       rec=st.sampled_from(["none", "selective", "full"]))
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2, 4]),
+    seq=st.sampled_from([1024, 4096]),
+    conv=st.sampled_from(["megatron", "torchtitan", "paddle"]),
+    sched=st.sampled_from(["1F1B", "ZBH1", "VPP", "Interleaved1F1B", "ZBVZeroBubble"]),
+    rec=st.sampled_from(["none", "selective", "full"]),
+)
 def test_larger_micro_batch_never_lowers_the_peak(tp, pp, seq, conv, sched, rec):
     """What the search assumes across micro-batch sizes (same global batch, so fewer
     microbatches, but at least 2 x pp of them): a setting that does not fit at
@@ -285,20 +374,39 @@ def test_larger_micro_batch_never_lowers_the_peak(tp, pp, seq, conv, sched, rec)
     peaks = []
     for mbs in (1, 2, 4):
         try:
-            e = estimate("llama3.2-1b", seq_len=seq, micro_batch=mbs, global_batch=64, tp=tp, pp=pp, vpp=vpp, dp=1,
-                         convention=conv, layers=8, schedule=sched if pp > 1 else None, recompute=rec)
+            e = estimate(
+                "llama3.2-1b",
+                seq_len=seq,
+                micro_batch=mbs,
+                global_batch=64,
+                tp=tp,
+                pp=pp,
+                vpp=vpp,
+                dp=1,
+                convention=conv,
+                layers=8,
+                schedule=sched if pp > 1 else None,
+                recompute=rec,
+            )
         except UserError:
-            return          # a schedule that cannot run so few microbatches
+            return  # a schedule that cannot run so few microbatches
         peaks.append(e.max_peak_allocated_bytes)
     assert peaks == sorted(peaks)
 
 
 # ---------------------------------------------------------------- zero bubble
 
+
 def test_zero_bubble_memory_is_found_and_reestimates(tmp_path):
     from pipemem.planner.zero_bubble import smallest_zero_bubble_memory
-    res = search_plans("llama3.2-1b", _target(8, "rtx3090"), 2048, 32,
-                       SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"pp": 4, "tp": 2}))
+
+    res = search_plans(
+        "llama3.2-1b",
+        _target(8, "rtx3090"),
+        2048,
+        32,
+        SpaceOptions(micro_batches=(1,), max_vpp=1, fixed={"pp": 4, "tp": 2}),
+    )
     best = [p for p in res.plans if p.kwargs["pp"] > 1][0]
     path = tmp_path / "zb.csv"
     zb = smallest_zero_bubble_memory(res, best, csv_path=str(path))
@@ -316,9 +424,26 @@ def test_zero_bubble_memory_is_found_and_reestimates(tmp_path):
 
 # ---------------------------------------------------------------- the command
 
+
 def test_cli_table_and_json(tmp_path):
-    argv = ["plan", "--model", "llama3.2-1b", "--gpus", "8", "--gpu", "rtx3090", "--seq-len", "2048",
-            "--global-batch", "32", "--micro-batch", "1", "--max-vpp", "2", "--no-progress"]
+    argv = [
+        "plan",
+        "--model",
+        "llama3.2-1b",
+        "--gpus",
+        "8",
+        "--gpu",
+        "rtx3090",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "32",
+        "--micro-batch",
+        "1",
+        "--max-vpp",
+        "2",
+        "--no-progress",
+    ]
     rc, out, err = _cli(argv)
     assert rc == 0, err
     assert "BEST: pipemem estimate --model llama3.2-1b" in out and "Pareto" in out
@@ -326,25 +451,94 @@ def test_cli_table_and_json(tmp_path):
     assert rc == 0, err
     d = json.loads(out)
     assert d["plans"] and all(p["flags"].startswith("--model llama3.2-1b --gpu rtx3090") for p in d["plans"])
-    assert d["reserve_bytes"] == 0        # no flat reserve: plans are judged by the estimate's verdict
+    assert d["reserve_bytes"] == 0  # no flat reserve: plans are judged by the estimate's verdict
     steps = [p["step_seconds"] for p in d["plans"]]
     assert steps == sorted(steps)
     assert set(d["pareto"]) <= {p["flags"] for p in d["plans"]}
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
-    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--micro-batch", "x"],
-     "--micro-batch"),
-    (["--gpus", "0", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
-    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--reserve", "500"], "--reserve"),
-    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--shardings", "zero9"],
-     "--shardings"),
-    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedules", "csv:x"],
-     "--schedules"),
-    (["--gpus", "8", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32", "--schedule-csv", "x.csv"],
-     "--zero-bubble"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--gpus", "8", "--seq-len", "2048", "--global-batch", "32"], "--gpu"),
+        (
+            [
+                "--gpus",
+                "8",
+                "--gpu",
+                "h100-80g",
+                "--seq-len",
+                "2048",
+                "--global-batch",
+                "32",
+                "--micro-batch",
+                "x",
+            ],
+            "--micro-batch",
+        ),
+        (["--gpus", "0", "--gpu", "h100-80g", "--seq-len", "2048", "--global-batch", "32"], "--gpus"),
+        (
+            [
+                "--gpus",
+                "8",
+                "--gpu",
+                "h100-80g",
+                "--seq-len",
+                "2048",
+                "--global-batch",
+                "32",
+                "--reserve",
+                "500",
+            ],
+            "--reserve",
+        ),
+        (
+            [
+                "--gpus",
+                "8",
+                "--gpu",
+                "h100-80g",
+                "--seq-len",
+                "2048",
+                "--global-batch",
+                "32",
+                "--shardings",
+                "zero9",
+            ],
+            "--shardings",
+        ),
+        (
+            [
+                "--gpus",
+                "8",
+                "--gpu",
+                "h100-80g",
+                "--seq-len",
+                "2048",
+                "--global-batch",
+                "32",
+                "--schedules",
+                "csv:x",
+            ],
+            "--schedules",
+        ),
+        (
+            [
+                "--gpus",
+                "8",
+                "--gpu",
+                "h100-80g",
+                "--seq-len",
+                "2048",
+                "--global-batch",
+                "32",
+                "--schedule-csv",
+                "x.csv",
+            ],
+            "--zero-bubble",
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_line(argv, needle):
     rc, out, err = _cli(["plan", "--model", "llama3.2-1b", *argv])
     assert rc == 2
@@ -355,20 +549,43 @@ def test_torchtitan_8b_fsdp_published_plan_fits():
     """torchtitan's Llama 3.1 8B benchmark (bench/data/published_runs.jsonl: torchtitan-T1-FSDP): FSDP
     over 8 H100
     (96 GB class), seq 8192, local batch 2, selective activation checkpointing; it ran."""
-    res = search_plans("llama3-8b", _target(8, "h100-94g"), 8192, 16,
-                       SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}))
+    res = search_plans(
+        "llama3-8b",
+        _target(8, "h100-94g"),
+        8192,
+        16,
+        SpaceOptions(convention="torchtitan", micro_batches=(2,), fixed={"dp": 8}),
+    )
     assert any(p.kwargs.get("fsdp") and p.kwargs["tp"] == 1 and p.kwargs["pp"] == 1 for p in res.plans)
 
 
-@pytest.mark.parametrize("pins,match", [
-    (["--tp", "16", "--tp-across-nodes"], "refused: --tp 16 does not divide the 8 KV heads"),
-    (["--tp", "16"], "no plan of 64 GPUs has these degrees"),
-])
+@pytest.mark.parametrize(
+    "pins,match",
+    [
+        (["--tp", "16", "--tp-across-nodes"], "refused: --tp 16 does not divide the 8 KV heads"),
+        (["--tp", "16"], "no plan of 64 GPUs has these degrees"),
+    ],
+)
 def test_pinned_degrees_no_plan_can_have_are_one_line(pins, match, capsys):
     """A pinned --tp that breaks a plan rule (megatron: tp divides the KV heads) is refused with
     the rule, exit 2, not "no plan fits, try more GPUs"."""
-    rc = main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--seq-len", "4096",
-               "--global-batch", "256", "--no-progress", *pins])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama3-70b",
+            "--gpus",
+            "64",
+            "--gpu",
+            "h100-80g",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "256",
+            "--no-progress",
+            *pins,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1
 
@@ -377,13 +594,18 @@ def test_torchtune_plans_recompute_every_layer_or_none():
     # torchtune checkpoints every layer or none and shards with FSDP2 only: the planner's
     # ladder offers it no selective or partial rungs, and every plan it returns is one
     # torchtune can run (validated, and a torchtune estimate)
-    res = search_plans("llama3.2-3b", _target(8, "a100-40g"), 8192, 64,
-                       SpaceOptions(micro_batches=(1, 2, 4), convention="torchtune"))
+    res = search_plans(
+        "llama3.2-3b",
+        _target(8, "a100-40g"),
+        8192,
+        64,
+        SpaceOptions(micro_batches=(1, 2, 4), convention="torchtune"),
+    )
     assert res.plans
     for p in res.plans:
         assert p.kwargs["recompute"] in ("none", "full") and "recompute_layers" not in p.kwargs
         assert p.kwargs.get("fsdp") and p.kwargs["tp"] == p.kwargs["pp"] == 1
-    assert any(p.kwargs["recompute"] == "full" for p in res.plans)   # what is at stake at seq 8192 on 40 GB
+    assert any(p.kwargs["recompute"] == "full" for p in res.plans)  # what is at stake at seq 8192 on 40 GB
 
 
 def test_every_proposed_plan_is_counted_once(small_search):

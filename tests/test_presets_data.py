@@ -7,15 +7,53 @@ import pytest
 
 from pipemem.errors import UserError
 from pipemem.model import arch_from_hf_config
-from pipemem.presets import (gpu_info, gpu_memory_bytes, gpu_names, load_model_config, model_names)
+from pipemem.presets import gpu_info, gpu_memory_bytes, gpu_names, load_model_config, model_names
 
-REQUIRED_MODELS = {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b",
-                   "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-30b-a3b",
-                   "gpt3-175b", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+REQUIRED_MODELS = {
+    "llama2-7b",
+    "llama2-13b",
+    "llama2-70b",
+    "llama3-8b",
+    "llama3-70b",
+    "llama3.1-405b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "qwen3-30b-a3b",
+    "gpt3-175b",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+}
 # Families transformers builds that templates do not model: traced mode runs them
-TRACED_MODELS = {"deepseek-v3", "deepseek-v2-lite", "kimi-k2", "gpt-oss-20b", "gpt-oss-120b", "gemma3-4b",
-                 "gemma3-12b", "gemma3-27b", "llama4-scout", "llama4-maverick", "glm-4.5", "glm-4.5-air"}
-REQUIRED_GPUS = {"a100-40g", "a100-80g", "h100-80g", "h100-94g", "h200", "b200", "mi300x", "rtx3090", "gtx1080ti"}
+TRACED_MODELS = {
+    "deepseek-v3",
+    "deepseek-v2-lite",
+    "kimi-k2",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "gemma3-4b",
+    "gemma3-12b",
+    "gemma3-27b",
+    "llama4-scout",
+    "llama4-maverick",
+    "glm-4.5",
+    "glm-4.5-air",
+}
+REQUIRED_GPUS = {
+    "a100-40g",
+    "a100-80g",
+    "h100-80g",
+    "h100-94g",
+    "h200",
+    "b200",
+    "mi300x",
+    "rtx3090",
+    "gtx1080ti",
+}
 
 # Published shapes (layers, hidden, heads, kv heads, ffn or expert ffn, vocab, experts, top-k),
 # typed from the model cards / papers, not from our files: Llama 2 paper Table 1 + HF configs,
@@ -46,12 +84,24 @@ PUBLISHED = {
 
 # Parameter counts as published (safetensors totals on the HF model pages / model cards).
 PUBLISHED_PARAMS = {
-    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
-    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
-    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
-    "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
-    "llama3.1-405b": 405_853_388_800, "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
-    "mixtral-8x22b": 140_630_071_296, "qwen3-30b-a3b": 30_532_122_624,
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+    "llama3.1-405b": 405_853_388_800,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "mixtral-8x22b": 140_630_071_296,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 
@@ -99,8 +149,16 @@ def test_h100_total_is_81559_mib():
     assert gpu_memory_bytes("H100-80GB") == gpu_memory_bytes("h100-80g")
 
 
-@pytest.mark.parametrize("name,key", [("gtx-1080-ti", "gtx1080ti"), ("RTX 3090", "rtx3090"), ("a100_80g", "a100-80g"),
-                                      ("1080-ti", "gtx1080ti"), ("B-200", "b200")])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("gtx-1080-ti", "gtx1080ti"),
+        ("RTX 3090", "rtx3090"),
+        ("a100_80g", "a100-80g"),
+        ("1080-ti", "gtx1080ti"),
+        ("B-200", "b200"),
+    ],
+)
 def test_gpu_names_ignore_separators(name, key):
     # as schedule names do: "--gpu gtx-1080-ti" was "unknown GPU (did you mean gtx1080ti?)"
     assert gpu_info(name)["key"] == key
@@ -110,10 +168,12 @@ def test_separators_do_not_hide_ambiguity_or_other_gpus():
     with pytest.raises(UserError, match="ambiguous"):
         gpu_info("h-100")
     with pytest.raises(UserError, match="unknown GPU"):
-        gpu_info("gtx-1080")      # the 8 GB GTX 1080 is not the 11 GB Ti
+        gpu_info("gtx-1080")  # the 8 GB GTX 1080 is not the 11 GB Ti
 
 
-@pytest.mark.parametrize("name,cands", [("H100", ("h100-80g", "h100-94g")), ("a100", ("a100-40g", "a100-80g"))])
+@pytest.mark.parametrize(
+    "name,cands", [("H100", ("h100-80g", "h100-94g")), ("a100", ("a100-40g", "a100-80g"))]
+)
 def test_ambiguous_gpu_names_list_the_candidates(name, cands):
     # "h100" alone is an 80 GB SXM or a 94 GB NVL: an error naming both, not a silent pick
     with pytest.raises(UserError, match="ambiguous") as e:
@@ -148,8 +208,14 @@ def test_unknown_gpu_lists_close_matches():
 
 
 def test_config_path_and_directory(tmp_path):
-    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-           "num_hidden_layers": 2, "vocab_size": 100}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(str(tmp_path / "config.json"))[1] == cfg
     assert load_model_config(str(tmp_path))[1] == cfg
@@ -177,24 +243,34 @@ def test_missing_file_is_user_error(tmp_path):
 PUBLISHED_TRACED = {
     "deepseek-v3": (61, 7168, 128, 128, 256, 8, 129280),
     "deepseek-v2-lite": (27, 2048, 16, 16, 64, 6, 102400),
-    "kimi-k2": (61, 7168, 64, 64, 384, 8, 163840), "gpt-oss-20b": (24, 2880, 64, 8, 32, 4, 201088),
-    "gpt-oss-120b": (36, 2880, 64, 8, 128, 4, 201088), "gemma3-4b": (34, 2560, 8, 4, 0, 0, 262208),
-    "gemma3-12b": (48, 3840, 16, 8, 0, 0, 262208), "gemma3-27b": (62, 5376, 32, 16, 0, 0, 262208),
-    "llama4-scout": (48, 5120, 40, 8, 16, 1, 202048), "llama4-maverick": (48, 5120, 40, 8, 128, 1, 202048),
-    "glm-4.5": (92, 5120, 96, 8, 160, 8, 151552), "glm-4.5-air": (46, 4096, 96, 8, 128, 8, 151552),
+    "kimi-k2": (61, 7168, 64, 64, 384, 8, 163840),
+    "gpt-oss-20b": (24, 2880, 64, 8, 32, 4, 201088),
+    "gpt-oss-120b": (36, 2880, 64, 8, 128, 4, 201088),
+    "gemma3-4b": (34, 2560, 8, 4, 0, 0, 262208),
+    "gemma3-12b": (48, 3840, 16, 8, 0, 0, 262208),
+    "gemma3-27b": (62, 5376, 32, 16, 0, 0, 262208),
+    "llama4-scout": (48, 5120, 40, 8, 16, 1, 202048),
+    "llama4-maverick": (48, 5120, 40, 8, 128, 1, 202048),
+    "glm-4.5": (92, 5120, 96, 8, 160, 8, 151552),
+    "glm-4.5-air": (46, 4096, 96, 8, 128, 8, 151552),
 }
 # Total parameters as published, at the precision published: DeepSeek-V3 671B (main model, the
 # MTP module's 14B aside), DeepSeek-V2-Lite 15.7B, gpt-oss-20b 20.91B and gpt-oss-120b 116.83B
 # (gpt-oss model card, Table 1). (Llama 4 Maverick's "400B" and GLM-4.5-Air's "106B" are
 # truncated, 400.7B and 106.85B, so they are not held to a rounding here.)
-PUBLISHED_TRACED_PARAMS = {"deepseek-v3": (671, 1e9), "deepseek-v2-lite": (157, 1e8),
-                           "gpt-oss-20b": (2091, 1e7), "gpt-oss-120b": (11683, 1e7)}
+PUBLISHED_TRACED_PARAMS = {
+    "deepseek-v3": (671, 1e9),
+    "deepseek-v2-lite": (157, 1e8),
+    "gpt-oss-20b": (2091, 1e7),
+    "gpt-oss-120b": (11683, 1e7),
+}
 
 
 def _hf_params(cfg) -> int:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from pipemem.traced.hf import build_model, make_config
+
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(make_config(cfg, "eager"), torch.bfloat16).parameters())
 
@@ -202,16 +278,22 @@ def _hf_params(cfg) -> int:
 @pytest.mark.parametrize("name", sorted(PUBLISHED_TRACED))
 def test_traced_preset_has_published_shape(name):
     pytest.importorskip("transformers")
+    from pipemem.model import UnmodelledFamily, text_model_config
     from pipemem.traced.hf import traced_arch
 
-    from pipemem.model import UnmodelledFamily, text_model_config
     cfg, _ = text_model_config(load_model_config(name)[1])
     a = traced_arch(cfg, name)
     assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
-    if name.startswith("gemma3"):      # templates read Gemma 3 (and refuse it past its window)
+    if name.startswith("gemma3"):  # templates read Gemma 3 (and refuse it past its window)
         t = arch_from_hf_config(cfg, name)
-        assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == \
-            (a.layers, a.hidden, a.heads, a.kv_heads, a.vocab, a.head_dim)
+        assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == (
+            a.layers,
+            a.hidden,
+            a.heads,
+            a.kv_heads,
+            a.vocab,
+            a.head_dim,
+        )
         return
     with pytest.raises(UnmodelledFamily, match="use --mode traced"):
         arch_from_hf_config(cfg, name)

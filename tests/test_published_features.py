@@ -9,8 +9,12 @@ import pytest
 
 from pipemem.validation import published as V
 
-IDS = ("torchtune-3B-Chunked_Cross_Entropy", "torchtune-3B-Fuse_optimizer_step_into_backward",
-       "torchtune-3B-Activation_Offloading", "thunder-1175-stablecode3b-1gpu-compile-seq8192")
+IDS = (
+    "torchtune-3B-Chunked_Cross_Entropy",
+    "torchtune-3B-Fuse_optimizer_step_into_backward",
+    "torchtune-3B-Activation_Offloading",
+    "thunder-1175-stablecode3b-1gpu-compile-seq8192",
+)
 RECORDS = [r for r in V.load_records() if r["id"] in IDS]
 assert len(RECORDS) == len(IDS)
 

@@ -18,9 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 import pipemem.validation.published as V  # noqa: E402
 
-IDS = ("torchtitan-T1-FSDP", "megatron-vuiseng9-gpt2xl-1gpu", "megatron-fgo-qwen3-30b-a3b-pp1vpp1-seq8192-full",
-       "paddle-pr62865-1F1B-rank0", "llmc-pr309-gpt2-124M-b32-z0", "torchtitan-T1-FSDP_torch.compile_Float8",
-       "colossal-lightning-gpt2xl-ddp-amp")
+IDS = (
+    "torchtitan-T1-FSDP",
+    "megatron-vuiseng9-gpt2xl-1gpu",
+    "megatron-fgo-qwen3-30b-a3b-pp1vpp1-seq8192-full",
+    "paddle-pr62865-1F1B-rank0",
+    "llmc-pr309-gpt2-124M-b32-z0",
+    "torchtitan-T1-FSDP_torch.compile_Float8",
+    "colossal-lightning-gpt2xl-ddp-amp",
+)
 ALL = {r["id"]: r for r in V.load_records()}
 RECORDS = {i: ALL[i] for i in IDS}
 
@@ -41,9 +47,14 @@ def test_torchtitan_fsdp_record_gives_fsdp_plan():
     assert plan["convention"] == "torchtitan" and plan["optimizer"] == "adamw"
     # model shape straight from the record (Llama: RMSNorm/SwiGLU, GQA 32/8)
     assert cfg["model_type"] == "llama"
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["intermediate_size"], cfg["vocab_size"]) == (m["layers"], m["hidden"], m["heads"], m["kv_heads"],
-                                                             m["ffn"], m["vocab"])
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    ) == (m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"])
     # measured: reserved, GiB, max over GPUs
     assert t["metric"] == "reserved" and t["measured_bytes"] == 82.4 * 2**30 and t["rank"] is None
 
@@ -53,14 +64,18 @@ def test_megatron_single_gpu_record():
     t = V.translate(rec)
     plan, cfg = t["plan"], t["config"]
     assert plan["convention"] == "megatron"
-    assert (plan["dp"], plan["tp"], plan["pp"]) == (1, 1, 1)             # world 1
+    assert (plan["dp"], plan["tp"], plan["pp"]) == (1, 1, 1)  # world 1
     assert plan["seq_len"] == 1024 and plan["micro_batch"] == 1
-    assert plan["dtype"] == "bf16" and plan["optimizer"] == "adam"      # "Adam (non-distributed)"
+    assert plan["dtype"] == "bf16" and plan["optimizer"] == "adam"  # "Adam (non-distributed)"
     assert not plan.get("dist_opt")
-    assert plan["recompute"] == "none"                                  # not stated: Megatron default
+    assert plan["recompute"] == "none"  # not stated: Megatron default
     assert cfg["model_type"] == "gpt2" and (cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["n_inner"]) == (
-        48, 1600, 25, 6400)
-    assert cfg["vocab_size"] == 50257                                   # "GPT-2 BPE"
+        48,
+        1600,
+        25,
+        6400,
+    )
+    assert cfg["vocab_size"] == 50257  # "GPT-2 BPE"
     assert t["metric"] == "nvidia-smi" and t["measured_bytes"] == 33321 * 2**20
 
 
@@ -70,7 +85,7 @@ def test_megatron_moe_record_without_world_size_is_skipped_with_its_plan():
         V.translate(rec)
     cfg, plan = exc.value.partial
     assert plan["ep"] == 8 and plan["seq_len"] == 8192 and plan["recompute"] == "full"
-    assert plan["dist_opt"] is True                                     # "distributed optimizer presumably"
+    assert plan["dist_opt"] is True  # "distributed optimizer presumably"
     assert cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] == 128 and cfg["num_experts_per_tok"] == 8
     assert cfg["moe_intermediate_size"] == 768 and cfg["head_dim"] == 128
 
@@ -82,8 +97,13 @@ def test_paddle_pipeline_record_compares_its_own_stage():
     assert plan["convention"] == "paddle"
     assert (plan["pp"], plan["dp"], plan["tp"]) == (4, 1, 1) and plan["micro_batch"] == 1
     # unstated in the record, taken from the sibling PR #63402 script it cites
-    assert (plan["seq_len"], plan["dtype"], plan["microbatches"], plan["flash_attn"]) == (2048, "fp32", 8, False)
-    assert t["rank"] == 0                                               # "card 0 = PP stage 0"
+    assert (plan["seq_len"], plan["dtype"], plan["microbatches"], plan["flash_attn"]) == (
+        2048,
+        "fp32",
+        8,
+        False,
+    )
+    assert t["rank"] == 0  # "card 0 = PP stage 0"
     assert t["metric"] == "allocated" and t["measured_bytes"] == 12605.69 * 2**20
 
 
@@ -97,10 +117,19 @@ def test_modern_features_are_read_from_the_record():
     plan = V.translate(RECORDS["torchtitan-T1-FSDP_torch.compile_Float8"])["plan"]
     assert plan["compile"] == "layers" and plan["fp8"] == "tensorwise"
     assert plan["recompute"] == "selective" and plan["convention"] == "torchtitan"
-    tt = {"id": "x", "framework": "torchtune full_finetune_single_device", "torch_compile": True,
-          "options": {"compile": True, "chunked_ce": True, "ac": True, "opt_in_bwd": True, "offload": True}}
+    tt = {
+        "id": "x",
+        "framework": "torchtune full_finetune_single_device",
+        "torch_compile": True,
+        "options": {"compile": True, "chunked_ce": True, "ac": True, "opt_in_bwd": True, "offload": True},
+    }
     feats, notes = V.modern_features(tt, "hf")
-    assert feats == {"compile": "all", "loss": "chunked", "optimizer_in_backward": True, "activation_offload": "all"}
+    assert feats == {
+        "compile": "all",
+        "loss": "chunked",
+        "optimizer_in_backward": True,
+        "activation_offload": "all",
+    }
     assert notes
 
 
@@ -108,7 +137,9 @@ def test_units_and_metrics():
     assert V.unit_bytes({"unit": "GB (1e9 bytes)"}, "litgpt")[0] == 1e9
     assert V.unit_bytes({"unit": "MB (MiB: /1024**2)"}, "Lightning")[0] == 2**20
     assert V.unit_bytes({"unit": "GiB"}, "torchtitan")[0] == 2**30
-    assert V.metric_of({"metric": "Peak Memory Active (torch.cuda memory_stats active_bytes peak)"}) == "active"
+    assert (
+        V.metric_of({"metric": "Peak Memory Active (torch.cuda memory_stats active_bytes peak)"}) == "active"
+    )
     assert V.metric_of({"metric": "torch.cuda.max_memory_allocated() at on_fit_end"}) == "allocated"
     hedged = "'Memory (MB)' column (presumably Megatron report_memory max allocated)"
     assert V.metric_of({"metric": hedged}) == "unknown"
@@ -128,26 +159,35 @@ def test_records_file_is_well_formed():
 def test_bench_script_runs_on_a_subset():
     # the script's default records are the project's own file (nothing outside the checkout)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "validate_published.py"), "--json",
-                          "--ids", ",".join(IDS)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "validate_published.py"), "--json", "--ids", ",".join(IDS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
     assert elapsed < 20
     result = json.loads(out.stdout)
     rows = {r["id"]: r for r in result["rows"]}
-    assert set(rows) == set(RECORDS)                                    # nothing dropped silently
+    assert set(rows) == set(RECORDS)  # nothing dropped silently
     assert rows["paddle-pr62865-1F1B-rank0"]["status"] == "compared"
     assert rows["paddle-pr62865-1F1B-rank0"]["where"] == "pp rank 0"
     # measured as reserved: compared on the reserved estimate, which holds at least the allocated bytes
     t1 = rows["torchtitan-T1-FSDP"]
     assert t1["status"] == "compared" and t1["estimate_metric"] == "reserved"
     assert t1["estimated_bytes"] >= t1["allocated_bytes"]
-    assert t1["rel_error"] == pytest.approx((t1["estimated_bytes"] - t1["measured_bytes"]) / t1["measured_bytes"])
+    assert t1["rel_error"] == pytest.approx(
+        (t1["estimated_bytes"] - t1["measured_bytes"]) / t1["measured_bytes"]
+    )
     # Paddle's max reserved beside its max allocated: recorded, and reserved said to be not modelled
     p0 = rows["paddle-pr62865-1F1B-rank0"]
     assert p0["reserved_measured_bytes"] > p0["measured_bytes"] and "reserved is not modelled" in p0["note"]
-    assert rows["megatron-vuiseng9-gpt2xl-1gpu"]["status"] == "gap"     # nvidia-smi
-    assert rows["llmc-pr309-gpt2-124M-b32-z0"]["status"] == "skipped" and rows["llmc-pr309-gpt2-124M-b32-z0"]["note"]
+    assert rows["megatron-vuiseng9-gpt2xl-1gpu"]["status"] == "gap"  # nvidia-smi
+    assert (
+        rows["llmc-pr309-gpt2-124M-b32-z0"]["status"] == "skipped"
+        and rows["llmc-pr309-gpt2-124M-b32-z0"]["note"]
+    )
     r = rows["colossal-lightning-gpt2xl-ddp-amp"]
     assert r["status"] == "compared"
     assert r["rel_error"] == pytest.approx((r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"])
@@ -168,17 +208,39 @@ def test_paddlenlp_records_take_paddlenlps_kernel_defaults():
     assert any("PaddleNLP's defaults" in n for n in t["notes"])
 
 
-TORCHTUNE = {"id": "torchtune-x", "model": {"name": "Llama 3.2 3B", "layers": 28, "hidden": 3072, "heads": 24,
-                                             "kv_heads": 8, "ffn": 8192, "vocab": 128256, "tied_embeddings": True},
-             "seq_len": 4096, "micro_batch": 2, "dtype": "pure bf16 (no fp32 master)",
-             "framework": "torchtune full_finetune_single_device", "optimizer": "AdamW",
-             "flash_attention": "yes (SDPA)", "parallelism": {"world": 1}, "recompute": "none",
-             "measured": {"value": 60.0, "unit": "GiB", "metric": "Peak Memory Active"}, "completeness": "medium"}
+TORCHTUNE = {
+    "id": "torchtune-x",
+    "model": {
+        "name": "Llama 3.2 3B",
+        "layers": 28,
+        "hidden": 3072,
+        "heads": 24,
+        "kv_heads": 8,
+        "ffn": 8192,
+        "vocab": 128256,
+        "tied_embeddings": True,
+    },
+    "seq_len": 4096,
+    "micro_batch": 2,
+    "dtype": "pure bf16 (no fp32 master)",
+    "framework": "torchtune full_finetune_single_device",
+    "optimizer": "AdamW",
+    "flash_attention": "yes (SDPA)",
+    "parallelism": {"world": 1},
+    "recompute": "none",
+    "measured": {"value": 60.0, "unit": "GiB", "metric": "Peak Memory Active"},
+    "completeness": "medium",
+}
 
 
-@pytest.mark.parametrize("source, legacy", [
-    ("torchtune README (added in commit 1814feb17, PR #2003, 2024-11-18)", True),
-    ("torchtune README (2025-02-01)", False), ("torchtune README", False)])
+@pytest.mark.parametrize(
+    "source, legacy",
+    [
+        ("torchtune README (added in commit 1814feb17, PR #2003, 2024-11-18)", True),
+        ("torchtune README (2025-02-01)", False),
+        ("torchtune README", False),
+    ],
+)
 def test_torchtune_records_use_torchtunes_modules_of_their_date(source, legacy):
     t = V.translate(dict(TORCHTUNE, source=source))
     assert t["plan"]["convention"] == "torchtune"
@@ -194,6 +256,7 @@ def test_committed_table_is_what_the_records_give_now():
     # and the status are template mode's, which this re-runs (~15 s): a change to the estimator
     # that moves a published row shows here until the table is regenerated
     import re
+
     table = (ROOT / "docs" / "published_runs.md").read_text(encoding="utf-8")
     committed = {}
     for line in table.splitlines():
@@ -202,7 +265,7 @@ def test_committed_table_is_what_the_records_give_now():
             committed[cells[0]] = (cells[5], cells[7])
     assert set(committed) == set(ALL)
     result = V.run(list(ALL.values()), None, False, False)
-    gib = lambda b: "" if b is None else f"{b / 2**30:.2f} GiB"   # noqa: E731 -- the table's format
+    gib = lambda b: "" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731 -- the table's format
     now = {r["id"]: (gib(r["estimated_bytes"]), r["status"]) for r in result["rows"]}
     drift = {i: (committed[i], now[i]) for i in ALL if committed[i] != now[i]}
     assert not drift, f"regenerate docs/published_runs.md ({re.sub(' +', ' ', V.COMMAND)}): {drift}"

@@ -5,15 +5,41 @@ import pytest
 
 import pipemem
 from pipemem.cli.main import main
-from pipemem.configs import read_megatron, read_paddlenlp
+from pipemem.configs import read_megatron
 from pipemem.errors import UserError
 from pipemem.presets import base_model_id, load_model_config
 
-GPT3_EXAMPLE = ["torchrun", "--nproc_per_node", "8", "--nnodes", "16", "pretrain_gpt.py", "--num-layers", "96",
-                "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
-                "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",
-                "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16", "--bf16",
-                "--vocab-file", "/data/gpt2-vocab.json", "--merge-file", "/data/gpt2-merges.txt"]
+GPT3_EXAMPLE = [
+    "torchrun",
+    "--nproc_per_node",
+    "8",
+    "--nnodes",
+    "16",
+    "pretrain_gpt.py",
+    "--num-layers",
+    "96",
+    "--hidden-size",
+    "12288",
+    "--num-attention-heads",
+    "96",
+    "--seq-length",
+    "2048",
+    "--max-position-embeddings",
+    "2048",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1536",
+    "--tensor-model-parallel-size",
+    "8",
+    "--pipeline-model-parallel-size",
+    "16",
+    "--bf16",
+    "--vocab-file",
+    "/data/gpt2-vocab.json",
+    "--merge-file",
+    "/data/gpt2-merges.txt",
+]
 
 
 def test_gpt2_vocab_file_means_gpt2_vocabulary():
@@ -34,13 +60,16 @@ def test_other_vocab_file_still_needs_a_size():
         read_megatron(argv)
 
 
-@pytest.mark.parametrize("name,base", [
-    ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3-8b"),
-    ("meta-llama/Llama-2-7b-chat-hf", "llama2-7b"),
-    ("meta-llama/Llama-2-7b-chat", "llama2-7b"),        # as PaddleNLP launch lines write it
-    ("Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b"),
-    ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
-])
+@pytest.mark.parametrize(
+    "name,base",
+    [
+        ("meta-llama/Meta-Llama-3-8B-Instruct", "llama3-8b"),
+        ("meta-llama/Llama-2-7b-chat-hf", "llama2-7b"),
+        ("meta-llama/Llama-2-7b-chat", "llama2-7b"),  # as PaddleNLP launch lines write it
+        ("Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b"),
+        ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
+    ],
+)
 def test_fine_tune_ids_resolve_to_the_base_shape_with_a_note(name, base):
     assert base_model_id(name) == base
     display, cfg = load_model_config(name)
@@ -56,8 +85,22 @@ def test_unknown_ids_are_still_errors():
 
 
 def test_paddlenlp_instruct_line(capsys):
-    rc = main(["estimate", "--from-paddlenlp", "--", "--model_name_or_path", "meta-llama/Meta-Llama-3-8B-Instruct",
-               "--per_device_train_batch_size", "1", "--max_seq_length", "2048", "--pipeline_parallel_degree", "1",
-               "--pipeline_schedule_mode", "ZBH1"])
+    rc = main(
+        [
+            "estimate",
+            "--from-paddlenlp",
+            "--",
+            "--model_name_or_path",
+            "meta-llama/Meta-Llama-3-8B-Instruct",
+            "--per_device_train_batch_size",
+            "1",
+            "--max_seq_length",
+            "2048",
+            "--pipeline_parallel_degree",
+            "1",
+            "--pipeline_schedule_mode",
+            "ZBH1",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0 and "llama3-8b" in out and "base model llama3-8b" in err

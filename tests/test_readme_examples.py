@@ -39,6 +39,7 @@ def test_readme_example_prints_what_it_shows(command, expected, capsys, monkeypa
     import importlib
 
     from pipemem.cli.main import main
+
     # suggestions stop after a 3 s budget; on a loaded machine that must not shorten the example
     engine = importlib.import_module("pipemem.estimate")
     monkeypatch.setattr(engine, "suggest_fixes", functools.partial(engine.suggest_fixes, budget_s=600.0))

@@ -24,7 +24,10 @@ def test_design_doc_is_linked_and_readme_maps_schedule_names():
     # the notation and the name mapping (pipemem / PyTorch / Paddle / paper) that
     # `pipemem schedule --help` prints, ZBH1 (Paddle's order) told apart from ZB1P (the paper's)
     assert "UPPER case" in text and "`F3.2`" in text and "`I3`/`W3`" in text
-    assert "| `ZBH1` | | `ZBH1` | ZB-H1 in Paddle's order" in text and "| `ZB1P` | | | ZB-H1 as the paper" in text
+    assert (
+        "| `ZBH1` | | `ZBH1` | ZB-H1 in Paddle's order" in text
+        and "| `ZB1P` | | | ZB-H1 as the paper" in text
+    )
     from pipemem.schedules import SCHEDULE_NAMES
 
     for name in SCHEDULE_NAMES:

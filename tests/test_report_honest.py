@@ -13,8 +13,13 @@ from pipemem.units import fmt_bytes
 # fp32 parameters tops the backward.
 # gradients set to None after each step (torchtitan with disable_cuda_graphs, HF loops): the
 # backward creates them, so they are part of what is held at the optimizer step
-OPT_PEAK = dict(convention="torchtitan", seq_len=8192, recompute="selective", optimizer_impl="foreach",
-                grads="set-to-none")
+OPT_PEAK = dict(
+    convention="torchtitan",
+    seq_len=8192,
+    recompute="selective",
+    optimizer_impl="foreach",
+    grads="set-to-none",
+)
 
 
 def test_optimizer_peak_row_shows_the_step_not_the_forward():
@@ -59,7 +64,7 @@ def test_fused_optimizer_has_no_scratch_for_loop_one_parameter():
     foreach = pipemem.estimate("llama3-8b", optimizer_impl="foreach", **base).ranks[0]
     loop = pipemem.estimate("llama3-8b", optimizer_impl="for-loop", **base).ranks[0]
     assert fused.jobs["optimizer"].peak_bytes == 0
-    assert foreach.jobs["optimizer"].peak_bytes == foreach.static.params     # fp32 params: one fp32 temp list
+    assert foreach.jobs["optimizer"].peak_bytes == foreach.static.params  # fp32 params: one fp32 temp list
     # largest tensor: the 128256 x 4096 embedding / output layer, two fp32 temporaries
     assert loop.jobs["optimizer"].peak_bytes == 2 * 128256 * 4096 * 4
 
@@ -68,8 +73,10 @@ def test_torchtitan_default_is_its_fused_optimizer(tmp_path):
     from pipemem.configs import read_torchtitan
 
     toml = tmp_path / "t.toml"
-    toml.write_text('[model]\nname = "llama3"\nflavor = "8b"\n[training]\nseq_len = 8192\nlocal_batch_size = 1\n'
-                    '[optimizer]\nname = "AdamW"\n')
+    toml.write_text(
+        '[model]\nname = "llama3"\nflavor = "8b"\n[training]\nseq_len = 8192\nlocal_batch_size = 1\n'
+        '[optimizer]\nname = "AdamW"\n'
+    )
     assert read_torchtitan(str(toml)).plan["optimizer_impl"] == "fused"
     toml.write_text(toml.read_text() + 'implementation = "foreach"\n')
     assert read_torchtitan(str(toml)).plan["optimizer_impl"] == "foreach"
@@ -105,14 +112,32 @@ def test_inflight_in_microbatch_units_like_the_schedule_command(capsys):
 @pytest.mark.parametrize("cols", [80, 100])
 def test_narrow_terminal_stacks_and_never_cuts_a_number(cols, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", str(cols))
-    argv = ["estimate", "--model", "llama3-70b", "--gpu", "h100-80g", "--dp", "2", "--tp", "8", "--pp", "4",
-            "--seq-len", "8192", "--micro-batch", "2"]
+    argv = [
+        "estimate",
+        "--model",
+        "llama3-70b",
+        "--gpu",
+        "h100-80g",
+        "--dp",
+        "2",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--seq-len",
+        "8192",
+        "--micro-batch",
+        "2",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
     e = pipemem.estimate("llama3-70b", gpu="h100-80g", dp=2, tp=8, pp=4, seq_len=8192, micro_batch=2)
     worst = e.worst_rank
-    peak, over = fmt_bytes(worst.peak_allocated_bytes), f"OOM by {fmt_bytes(-worst.headroom(e.gpu_memory_bytes))}"
+    peak, over = (
+        fmt_bytes(worst.peak_allocated_bytes),
+        f"OOM by {fmt_bytes(-worst.headroom(e.gpu_memory_bytes))}",
+    )
     assert e.fits is False and peak in out and over in out and "rank 3" in out
     assert main(argv + ["--wide"]) == 0
     wide = capsys.readouterr().out
@@ -135,8 +160,10 @@ def test_precision_line_says_what_the_convention_keeps():
     assert describe_precision(titan) == "fp32 params + grads + optimizer states, bf16 compute"
     assert describe_precision(hf) == "fp32 params + grads + optimizer states, bf16 compute"
     assert describe_precision(pure) == "bf16 params + grads + optimizer states"
-    assert describe_precision(pipemem.estimate("llama3-8b", dtype="fp32").plan) == \
-        "fp32 params + grads + optimizer states"
+    assert (
+        describe_precision(pipemem.estimate("llama3-8b", dtype="fp32").plan)
+        == "fp32 params + grads + optimizer states"
+    )
 
 
 def test_flash_attention_follows_the_gpu():
@@ -159,15 +186,18 @@ def test_schedule_help_explains_notation_and_names(capsys):
     assert "ScheduleInterleaved1F1B" in out and "ScheduleZBVZeroBubble" in out
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--sp"], "--sp does nothing at --tp 1"),
-    (["--recompute-allgather"], "--recompute-allgather does nothing at --tp 1"),
-    (["--pp-layout", "32"], "--pp-layout does nothing"),
-    (["--dtype", "fp32", "--no-master-weights"], "do nothing with --dtype fp32"),
-    (["--kernel-policy", "cpu"], "--kernel-policy applies to --mode traced only"),
-    (["--loss-chunks", "4"], "--loss-chunks 4 does nothing without --loss chunked"),
-    (["--etp", "2"], "--etp 2 does nothing: llama3-8b has no experts"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--sp"], "--sp does nothing at --tp 1"),
+        (["--recompute-allgather"], "--recompute-allgather does nothing at --tp 1"),
+        (["--pp-layout", "32"], "--pp-layout does nothing"),
+        (["--dtype", "fp32", "--no-master-weights"], "do nothing with --dtype fp32"),
+        (["--kernel-policy", "cpu"], "--kernel-policy applies to --mode traced only"),
+        (["--loss-chunks", "4"], "--loss-chunks 4 does nothing without --loss chunked"),
+        (["--etp", "2"], "--etp 2 does nothing: llama3-8b has no experts"),
+    ],
+)
 def test_flags_that_do_nothing_are_refused_by_name(argv, flag, capsys):
     assert main(["estimate", "--model", "llama3-8b", *argv]) == 2
     assert flag in capsys.readouterr().err
@@ -178,22 +208,29 @@ def test_presets_table_never_cuts(monkeypatch, capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "…" not in out and "NVIDIA GeForce GTX 1080 Ti" in out and "qwen3-30b-a3b" in out
-    assert "6.1" in out   # the 1080 Ti's compute capability, beside flash-attn "no"
+    assert "6.1" in out  # the 1080 Ti's compute capability, beside flash-attn "no"
 
 
-@pytest.mark.parametrize("kw", [
-    dict(tp=8, pp=4, dp=2),
-    dict(tp=8, pp=4, vpp=2, microbatches=8),
-    dict(pp=4, schedule="ZBH1", microbatches=8),
-    dict(pp=2, convention="torchtitan", microbatches=4),                       # gradients created in the step
-    dict(convention="torchtitan", optimizer_impl="foreach", seq_len=1024),     # peak in the optimizer step
-    dict(convention="hf", dp=2, seq_len=1024),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(tp=8, pp=4, dp=2),
+        dict(tp=8, pp=4, vpp=2, microbatches=8),
+        dict(pp=4, schedule="ZBH1", microbatches=8),
+        dict(pp=2, convention="torchtitan", microbatches=4),  # gradients created in the step
+        dict(convention="torchtitan", optimizer_impl="foreach", seq_len=1024),  # peak in the optimizer step
+        dict(convention="hf", dp=2, seq_len=1024),
+    ],
+)
 def test_peak_decomposes_into_the_report_columns(kw):
     # every rank: peak = static + the step's gradients + activations held + transient, none negative
     for r in pipemem.estimate("llama3-70b" if kw.get("tp") else "llama3-8b", **kw).to_dict()["ranks"]:
-        parts = (r["static_bytes"]["total"], r["grads_at_peak_bytes"], r["activations_at_peak_bytes"],
-                 r["transient_bytes"])
+        parts = (
+            r["static_bytes"]["total"],
+            r["grads_at_peak_bytes"],
+            r["activations_at_peak_bytes"],
+            r["transient_bytes"],
+        )
         assert min(parts) >= 0 and sum(parts) == r["peak_allocated_bytes"], r["peak_at"]
         assert r["activations_at_peak_bytes"] <= r["activation_hwm_bytes"]
 
@@ -228,16 +265,38 @@ def test_explain_rows_keep_one_order():
 def test_narrow_terminal_plan_never_cuts_a_number(cols, monkeypatch, capsys):
     # `pipemem plan` at 40 / 60 columns printed "68.1…   11.5…   0.…": one block per plan instead
     monkeypatch.setenv("COLUMNS", str(cols))
-    argv = ["plan", "--model", "gpt2", "--gpus", "2", "--gpu", "rtx3090", "--seq-len", "1024", "--global-batch", "8",
-            "--no-progress", "--jobs", "1", "--top", "3"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt2",
+        "--gpus",
+        "2",
+        "--gpu",
+        "rtx3090",
+        "--seq-len",
+        "1024",
+        "--global-batch",
+        "8",
+        "--no-progress",
+        "--jobs",
+        "1",
+        "--top",
+        "3",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "…" not in out and all(len(line) <= cols for line in out.splitlines())
     import re
-    assert re.search(r"#1  (FITS|screened)  peak ", out) and " GiB" in out and "step " in out and "dp2 tp1 pp1" in out
+
+    assert (
+        re.search(r"#1  (FITS|screened)  peak ", out)
+        and " GiB" in out
+        and "step " in out
+        and "dp2 tp1 pp1" in out
+    )
     monkeypatch.setenv("COLUMNS", "160")
     assert main(argv) == 0
-    assert "comm GB/step" in capsys.readouterr().out     # wide enough: the table
+    assert "comm GB/step" in capsys.readouterr().out  # wide enough: the table
 
 
 def test_estimate_help_says_flash_attention_follows_the_gpu(capsys):

@@ -4,37 +4,59 @@ import json
 
 import pytest
 
-from pipemem.report.text import table_rows
-
 from pipemem.estimate import Estimate, RankEstimate, TimelinePoint
 from pipemem.jobs import JobMemory, StaticBytes
 from pipemem.model import arch_from_hf_config
 from pipemem.plan import ParallelPlan
 from pipemem.presets import load_model_config
-from pipemem.report.text import render_to_string, verdict
+from pipemem.report.text import render_to_string, table_rows, verdict
 from pipemem.units import GiB
 
 ARCH = arch_from_hf_config(load_model_config("llama3-8b")[1], "llama3-8b")
 
 
 def rank(r, static_gib, act_gib, peak_gib, at="B3@s1"):
-    static = StaticBytes(params=int(static_gib * GiB / 2), grads=int(static_gib * GiB / 4),
-                         optimizer=int(static_gib * GiB / 4))
-    act = int(act_gib * GiB)   # held when the peak action starts (a backward frees one microbatch's)
-    tl = [TimelinePoint("F0@s0", static.total, static.total + act + GiB, static.total + act),
-          TimelinePoint(at, static.total + act, int(peak_gib * GiB), static.total + act - GiB)]
-    return RankEstimate(pp_rank=r, static=static, peak_allocated_bytes=int(peak_gib * GiB), peak_at=at,
-                        activation_hwm_bytes=int(act_gib * GiB), inflight=4 - r,
-                        jobs={"F": JobMemory(GiB, 2 * GiB), "B": JobMemory(-GiB, GiB), "W": None,
-                              "optimizer": JobMemory(0, GiB)},
-                        stages=[r], stage_jobs=[{"stage": r, "layers": [8 * r + i for i in range(8)]}], timeline=tl)
+    static = StaticBytes(
+        params=int(static_gib * GiB / 2), grads=int(static_gib * GiB / 4), optimizer=int(static_gib * GiB / 4)
+    )
+    act = int(act_gib * GiB)  # held when the peak action starts (a backward frees one microbatch's)
+    tl = [
+        TimelinePoint("F0@s0", static.total, static.total + act + GiB, static.total + act),
+        TimelinePoint(at, static.total + act, int(peak_gib * GiB), static.total + act - GiB),
+    ]
+    return RankEstimate(
+        pp_rank=r,
+        static=static,
+        peak_allocated_bytes=int(peak_gib * GiB),
+        peak_at=at,
+        activation_hwm_bytes=int(act_gib * GiB),
+        inflight=4 - r,
+        jobs={
+            "F": JobMemory(GiB, 2 * GiB),
+            "B": JobMemory(-GiB, GiB),
+            "W": None,
+            "optimizer": JobMemory(0, GiB),
+        },
+        stages=[r],
+        stage_jobs=[{"stage": r, "layers": [8 * r + i for i in range(8)]}],
+        timeline=tl,
+    )
 
 
 def est(peaks, gpu=80 * GiB, name="h100-80g"):
     ranks = [rank(i, 20, 10, p) for i, p in enumerate(peaks)]
-    return Estimate(model_name="llama3-8b", model_source="preset", arch=ARCH,
-                    plan=ParallelPlan(pp=len(peaks), tp=2, dp=2, microbatches=8), mode="templates",
-                    schedule="1F1B", ranks=ranks, gpu_name=name, gpu_memory_bytes=gpu, world_size=4 * len(peaks))
+    return Estimate(
+        model_name="llama3-8b",
+        model_source="preset",
+        arch=ARCH,
+        plan=ParallelPlan(pp=len(peaks), tp=2, dp=2, microbatches=8),
+        mode="templates",
+        schedule="1F1B",
+        ranks=ranks,
+        gpu_name=name,
+        gpu_memory_bytes=gpu,
+        world_size=4 * len(peaks),
+    )
 
 
 def test_table_has_one_row_per_rank_and_fits_verdict():
@@ -94,9 +116,13 @@ def test_explain_rows_render():
     from pipemem.report.text import _console, render_explain
 
     buf = io.StringIO()
-    rows = [{"tensor": "attn.qkv_in", "shape": (1, 4096, 4096), "bytes": 32 * 2**20, "why": "input of qkv matmul"}]
-    render_explain({"kept for backward": rows, "transient peak": "the fp32 logits in the loss"},
-                   _console(buf, color=False))
+    rows = [
+        {"tensor": "attn.qkv_in", "shape": (1, 4096, 4096), "bytes": 32 * 2**20, "why": "input of qkv matmul"}
+    ]
+    render_explain(
+        {"kept for backward": rows, "transient peak": "the fp32 logits in the loss"},
+        _console(buf, color=False),
+    )
     out = buf.getvalue()
     assert "attn.qkv_in" in out and "32.00 MiB" in out and "[1, 4096, 4096]" in out and "fp32 logits" in out
 
@@ -117,7 +143,9 @@ def test_html_plot_is_self_contained(tmp_path):
     write_plot(est([40, 90]), str(p))
     text = p.read_text()
     assert text.count('<svg class="rank"') == 2 and "<script>" in text
-    assert text.count("<tr") == 3 and text.count('<tr class="oom">') == 1   # header + 2 ranks; rank 1 over 80 GiB
+    assert (
+        text.count("<tr") == 3 and text.count('<tr class="oom">') == 1
+    )  # header + 2 ranks; rank 1 over 80 GiB
     assert "src=" not in text and "href=" not in text and "@import" not in text
     data = json.loads(text.split('id="pipemem-data">')[1].split("</script>")[0])
     assert data["ranks"][1]["actions"][1][2] == 90 * GiB

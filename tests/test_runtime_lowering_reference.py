@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipemem.errors import UserError
 from pipemem.runtime import PROFILES, lower
@@ -21,6 +22,7 @@ from pipemem.schedules import SCHEDULE_NAMES, default_vpp, get_schedule
 from pipemem.schedules.actions import Action, Schedule
 
 # ---------------------------------------------------------------- the reference (pipemem 1cc8eb9, the lowering before the rewrite)
+
 
 class _Holders:
     """References to tensors keyed (what, stage, microbatch); emits a FREE action into `out`
@@ -32,7 +34,7 @@ class _Holders:
         self.out = out
         self.holders: dict = defaultdict(set)
         self.by_holder: dict = defaultdict(set)
-        self.ties: dict = defaultdict(list)      # key -> [(other key, holder)] released when key is freed
+        self.ties: dict = defaultdict(list)  # key -> [(other key, holder)] released when key is freed
 
     def tie(self, key, holder: str, owner) -> None:
         """`key` held by `holder` for as long as `owner` lives (a tensor's .grad)."""
@@ -84,6 +86,7 @@ def _key_order(key):
 
 
 # ---------------------------------------------------------------- torch.distributed.pipelining
+
 
 def _torch_rank(schedule: Schedule, rank: int) -> list[Action]:
     S, M = schedule.num_stages, schedule.microbatches
@@ -191,7 +194,7 @@ def _torch_action_runtime(acts, h: _Holders, S: int, local: set[int]) -> None:
         h.out.append(a)
         if kind == "F":
             h.hold(("y", s, m), "fwd_cache")
-            if s + 1 in local:            # set_local_fwd_input: y replaces the next stage's buffer
+            if s + 1 in local:  # set_local_fwd_input: y replaces the next stage's buffer
                 h.release(("x", s + 1, m), "recv_info")
                 h.hold(("y", s, m), "local_recv_info")
             elif s < S - 1:
@@ -199,11 +202,11 @@ def _torch_action_runtime(acts, h: _Holders, S: int, local: set[int]) -> None:
         elif kind == "W":
             h.release(("y", s, m), "backward_state")
         else:
-            if kind == "I" and s < S - 1:     # backward_state keeps y to W (the loss, on the last stage)
+            if kind == "I" and s < S - 1:  # backward_state keeps y to W (the loss, on the last stage)
                 h.hold(("y", s, m), "backward_state")
             h.release(("y", s, m), "fwd_cache")
             _made_by_backward(h, s, m)
-            if s and s - 1 in local:       # set_local_bwd_input: dx replaces the previous stage's grad buffer
+            if s and s - 1 in local:  # set_local_bwd_input: dx replaces the previous stage's grad buffer
                 h.hold(("dx", s, m), "local_grad_recv_info")
                 h.release(("dx", s, m), "bwd_cache")
                 h.release(("dy", s - 1, m), "grad_recv_info")
@@ -214,6 +217,7 @@ def _torch_action_runtime(acts, h: _Holders, S: int, local: set[int]) -> None:
 
 
 # ---------------------------------------------------------------- Megatron, Paddle
+
 
 def _megatron_rank(schedule: Schedule, rank: int) -> list[Action]:
     acts = schedule.ranks[rank]
@@ -274,9 +278,9 @@ def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
     def backward(j):
         kind, st, m = bwd[j]
         out.append(bwd[j])
-        if st == S - 1:                      # the last stage's output (the loss) is done with
+        if st == S - 1:  # the last stage's output (the loss) is done with
             out.append(Action("FREE_Y", st, m))
-        h.release(("x", st, m), "input_tensors")          # backward_step_helper's locals go
+        h.release(("x", st, m), "input_tensors")  # backward_step_helper's locals go
         h.release(("dy", st, m), "output_tensor_grads")
         if st:
             h.hold(("dx", st, m), "dx")
@@ -288,7 +292,7 @@ def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
     for i in range(w):
         out.append(fwd[i])
         recv_x(i + 1)
-        if i == w - 1 and w < T:             # send_forward_backward_recv_forward_backward
+        if i == w - 1 and w < T:  # send_forward_backward_recv_forward_backward
             recv_dy(0)
         free_y(i)
     for k in range(T - w):
@@ -297,7 +301,7 @@ def _megatron_interleaved(acts, schedule: Schedule) -> list[Action]:
         recv_x(w + k + 1)
         recv_dy(k + 1)
         free_y(w + k)
-    if w == T:                               # every microbatch in warm-up: recv_backward first
+    if w == T:  # every microbatch in warm-up: recv_backward first
         recv_dy(0)
     for j in range(T - w, T):
         backward(j)
@@ -326,42 +330,42 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
     bwd = [a for a in acts if a[0] != "F"]
     warm = min(schedule.pp - rank - 1, M)
     rest = M - warm
-    queue: list[int] = []                    # input_tensors (and output_tensors), in order
+    queue: list[int] = []  # input_tensors (and output_tensors), in order
 
     def x(i):
         return [] if first else [("x", s, i)]
 
-    def recv_forward(i):                     # input_tensor = recv_forward(...)
+    def recv_forward(i):  # input_tensor = recv_forward(...)
         if not first:
             out.append(Action("RECV_F", s, i))
         h.replace("input_tensor", x(i))
 
     def forward(i):
         out.append(fwd[i])
-        if not last:                         # send_forward, then deallocate_output_tensor
+        if not last:  # send_forward, then deallocate_output_tensor
             out.append(Action("FREE_Y", s, i))
 
-    def recv_backward(j):                    # output_tensor_grad = [send_forward_]recv_backward(...)
+    def recv_backward(j):  # output_tensor_grad = [send_forward_]recv_backward(...)
         if not last:
             out.append(Action("RECV_B", s, j))
             h.replace("output_tensor_grad", [("dy", s, j)])
 
-    def pop():                               # input_tensor = input_tensors.pop(0)
+    def pop():  # input_tensor = input_tensors.pop(0)
         i = queue.pop(0)
         h.replace("input_tensor", x(i))
         for k in x(i):
             h.release(k, "input_tensors")
 
-    def backward(j):                         # input_tensor_grad = backward_step(...)
+    def backward(j):  # input_tensor_grad = backward_step(...)
         out.append(bwd[j])
-        if last:                             # the last stage's output (the loss) is done with
+        if last:  # the last stage's output (the loss) is done with
             out.append(Action("FREE_Y", s, j))
-        if not first:                        # x.retain_grad(): x.grad references dx until x goes
+        if not first:  # x.retain_grad(): x.grad references dx until x goes
             h.hold(("dx", s, j), "x.grad")
             h.tie(("dx", s, j), "x.grad", ("x", s, j))
         h.replace("input_tensor_grad", [("dx", s, j)] if not first else [])
 
-    def keep(i):                             # input_tensors.append(input_tensor)
+    def keep(i):  # input_tensors.append(input_tensor)
         queue.append(i)
         for k in x(i):
             h.hold(k, "input_tensors")
@@ -380,15 +384,15 @@ def _megatron_1f1b(acts, schedule: Schedule, rank: int) -> list[Action]:
         pop()
         backward(i)
         if i == rest - 1:
-            h.replace("input_tensor", [])    # input_tensor = None; send_backward(...)
+            h.replace("input_tensor", [])  # input_tensor = None; send_backward(...)
         else:
-            recv_forward(k + 1)              # input_tensor = send_backward_recv_forward(...)
+            recv_forward(k + 1)  # input_tensor = send_backward_recv_forward(...)
     for j in range(rest, M):
         pop()
         recv_backward(j)
         backward(j)
     for holder in ("input_tensor", "output_tensor_grad", "input_tensor_grad"):
-        h.release_all(holder)                # the function returns
+        h.release_all(holder)  # the function returns
     return out
 
 
@@ -412,7 +416,7 @@ def _per_action_rank(schedule: Schedule, rank: int) -> list[Action]:
         out.append(a)
         if kind in ("B", "I") and s:
             out.append(Action("FREE_DX", s, m))
-        if kind in ("B", "I") and s == S - 1:     # the last stage's output (loss) goes with its backward
+        if kind in ("B", "I") and s == S - 1:  # the last stage's output (loss) goes with its backward
             out.append(Action("FREE_Y", s, m))
         if kind == "W" or (kind == "B") or (kind == "I" and (s, m) not in split):
             if s:
@@ -436,6 +440,7 @@ def _assert_same(sched: Schedule) -> None:
 
 # ---------------------------------------------------------------- named schedules
 
+
 def _named_cases():
     names = [n for n in SCHEDULE_NAMES if n not in ("ZBVPP", "ZBAuto")]
     for name in names:
@@ -455,20 +460,30 @@ def test_named_schedules_lower_as_the_reference():
             continue
         _assert_same(sched)
         compared += 1
-    for pp, m in ((2, 4), (3, 6), (4, 3)):              # the memory-limited scheduler's orders
+    for pp, m in ((2, 4), (3, 6), (4, 3)):  # the memory-limited scheduler's orders
         _assert_same(get_schedule("ZBAuto", pp, m))
         compared += 1
     assert compared > 500
 
 
-@pytest.mark.parametrize("name,pp,m,vpp", [("1F1B", 8, 64, 1), ("Interleaved1F1B", 4, 32, 3), ("VPP", 4, 16, 2),
-                                           ("GPipe", 4, 16, 1), ("ZBVZeroBubble", 4, 16, 2),
-                                           ("InterleavedZeroBubble", 4, 16, 2), ("DualPipeV", 4, 16, 2)])
+@pytest.mark.parametrize(
+    "name,pp,m,vpp",
+    [
+        ("1F1B", 8, 64, 1),
+        ("Interleaved1F1B", 4, 32, 3),
+        ("VPP", 4, 16, 2),
+        ("GPipe", 4, 16, 1),
+        ("ZBVZeroBubble", 4, 16, 2),
+        ("InterleavedZeroBubble", 4, 16, 2),
+        ("DualPipeV", 4, 16, 2),
+    ],
+)
 def test_larger_schedules_lower_as_the_reference(name, pp, m, vpp):
     _assert_same(get_schedule(name, pp, m, vpp))
 
 
 # ---------------------------------------------------------------- random action lists
+
 
 @st.composite
 def _random_schedules(draw):

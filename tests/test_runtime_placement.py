@@ -10,7 +10,8 @@
 import os
 import tempfile
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipemem
 from pipemem.jobs import JobMemory, StageJobs
@@ -21,8 +22,16 @@ from pipemem.schedules.actions import Action, Schedule
 from pipemem.schedules.check import check_schedule
 from pipemem.schedules.csv_io import write_csv
 
-TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 6, "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "num_hidden_layers": 6,
+    "tie_word_embeddings": False,
+}
 
 
 def _forward_then_backward(stage_rank: list[int], pp: int, m: int) -> Schedule:
@@ -45,8 +54,14 @@ def _estimate_with(sched: Schedule, **plan):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "custom.csv")
         write_csv(sched, path)
-        return pipemem.estimate(dict(TINY, num_hidden_layers=plan.pop("layers", 6)), pp=sched.pp, vpp=sched.vpp,
-                                microbatches=sched.microbatches, schedule=f"csv:{path}", **plan)
+        return pipemem.estimate(
+            dict(TINY, num_hidden_layers=plan.pop("layers", 6)),
+            pp=sched.pp,
+            vpp=sched.vpp,
+            microbatches=sched.microbatches,
+            schedule=f"csv:{path}",
+            **plan,
+        )
 
 
 def test_custom_placement_puts_embedding_and_head_on_the_rank_that_runs_them():
@@ -55,7 +70,7 @@ def test_custom_placement_puts_embedding_and_head_on_the_rank_that_runs_them():
     r0, r1 = est.ranks
     assert r0.stages == [0, 1, 5] and r1.stages == [2, 3, 4]
     h, v = TINY["hidden_size"], TINY["vocab_size"]
-    embedding_and_head = (v * h + h + v * h) * 4          # embedding, final norm, output layer (fp32)
+    embedding_and_head = (v * h + h + v * h) * 4  # embedding, final norm, output layer (fp32)
     assert r0.static.params - r1.static.params == embedding_and_head
 
 
@@ -71,8 +86,9 @@ def test_rank_parameters_add_up_to_the_model(data):
     owners = [r for r in range(pp) for _ in range(vpp)]
     stage_rank = data.draw(st.permutations(owners), "placement")
     sched = _forward_then_backward(list(stage_rank), pp, m=data.draw(st.integers(1, 3), "m"))
-    est = _estimate_with(sched, layers=layers, pp_layout=layout, convention="torchtitan", dtype="fp32",
-                         master_weights=False)
+    est = _estimate_with(
+        sched, layers=layers, pp_layout=layout, convention="torchtitan", dtype="fp32", master_weights=False
+    )
     arch = est.arch
     assert sum(r.static.params for r in est.ranks) == 4 * arch.param_count()
     for r in est.ranks:
@@ -95,11 +111,43 @@ def _walk(sched, runtime):
 
 def test_megatron_1f1b_holds_what_its_loop_variables_hold():
     acts, res = _walk(get_schedule("1F1B", 2, 3), "megatron")
-    assert acts[0] == ["F0@s0", "FREE_Y0@s0", "F1@s0", "FREE_Y1@s0", "RECV_B0@s0", "B0@s0", "F2@s0", "FREE_Y2@s0",
-                       "RECV_B1@s0", "FREE_DY0@s0", "B1@s0", "RECV_B2@s0", "FREE_DY1@s0", "B2@s0", "FREE_DY2@s0"]
-    assert acts[1] == ["RECV_F0@s1", "F0@s1", "B0@s1", "FREE_Y0@s1", "RECV_F1@s1", "FREE_X0@s1", "F1@s1", "B1@s1",
-                       "FREE_Y1@s1", "FREE_DX0@s1", "RECV_F2@s1", "FREE_X1@s1", "F2@s1", "B2@s1", "FREE_Y2@s1",
-                       "FREE_DX1@s1", "FREE_X2@s1", "FREE_DX2@s1"]
+    assert acts[0] == [
+        "F0@s0",
+        "FREE_Y0@s0",
+        "F1@s0",
+        "FREE_Y1@s0",
+        "RECV_B0@s0",
+        "B0@s0",
+        "F2@s0",
+        "FREE_Y2@s0",
+        "RECV_B1@s0",
+        "FREE_DY0@s0",
+        "B1@s0",
+        "RECV_B2@s0",
+        "FREE_DY1@s0",
+        "B2@s0",
+        "FREE_DY2@s0",
+    ]
+    assert acts[1] == [
+        "RECV_F0@s1",
+        "F0@s1",
+        "B0@s1",
+        "FREE_Y0@s1",
+        "RECV_F1@s1",
+        "FREE_X0@s1",
+        "F1@s1",
+        "B1@s1",
+        "FREE_Y1@s1",
+        "FREE_DX0@s1",
+        "RECV_F2@s1",
+        "FREE_X1@s1",
+        "F2@s1",
+        "B2@s1",
+        "FREE_Y2@s1",
+        "FREE_DX1@s1",
+        "FREE_X2@s1",
+        "FREE_DX2@s1",
+    ]
     after0 = [e for _, _, _, e in res.ranks[0].timeline]
     assert after0 == [100, 90, 190, 180, 190, 100, 200, 190, 200, 190, 100, 110, 100, 10, 0]
     assert res.ranks[0].peak_allocated_bytes == 220 and res.ranks[0].peak_at == "F2@s0"
@@ -111,8 +159,20 @@ def test_megatron_1f1b_holds_what_its_loop_variables_hold():
 
 def test_torch_1f1b_keeps_sends_until_its_variables_are_reassigned():
     acts, res = _walk(get_schedule("1F1B", 2, 3), "torch")
-    assert acts[0] == ["RECV_B0@s0", "RECV_B1@s0", "RECV_B2@s0", "F0@s0", "F1@s0", "B0@s0", "F2@s0", "B1@s0",
-                       "FREE_Y1@s0", "FREE_Y0@s0", "B2@s0", "FREE_Y2@s0"]
+    assert acts[0] == [
+        "RECV_B0@s0",
+        "RECV_B1@s0",
+        "RECV_B2@s0",
+        "F0@s0",
+        "F1@s0",
+        "B0@s0",
+        "F2@s0",
+        "B1@s0",
+        "FREE_Y1@s0",
+        "FREE_Y0@s0",
+        "B2@s0",
+        "FREE_Y2@s0",
+    ]
     after0 = [e for _, _, _, e in res.ranks[0].timeline]
     assert after0 == [10, 20, 30, 130, 230, 140, 240, 150, 140, 130, 40, 30]
     assert res.ranks[0].peak_allocated_bytes == 260
@@ -129,40 +189,75 @@ def test_megatron_interleaved_follows_its_loop():
     # backward returns, and receives the next backward's dy after it.
     low = lower(get_schedule("VPP", 2, 2, 2), "megatron")
     assert [str(a) for a in low.ranks[1]] == [
-        "RECV_F0@s1", "F0@s1", "RECV_F1@s1", "FREE_Y0@s1", "F1@s1", "RECV_F0@s3", "FREE_Y1@s1", "F0@s3",
-        "RECV_F1@s3", "F1@s3", "B0@s3", "FREE_Y0@s3", "FREE_X0@s3", "B1@s3", "FREE_Y1@s3", "FREE_X1@s3",
-        "FREE_DX0@s3", "RECV_B0@s1", "B0@s1", "FREE_X0@s1", "FREE_DY0@s1", "FREE_DX1@s3", "RECV_B1@s1", "B1@s1",
-        "FREE_X1@s1", "FREE_DY1@s1", "FREE_DX0@s1", "FREE_DX1@s1"]
+        "RECV_F0@s1",
+        "F0@s1",
+        "RECV_F1@s1",
+        "FREE_Y0@s1",
+        "F1@s1",
+        "RECV_F0@s3",
+        "FREE_Y1@s1",
+        "F0@s3",
+        "RECV_F1@s3",
+        "F1@s3",
+        "B0@s3",
+        "FREE_Y0@s3",
+        "FREE_X0@s3",
+        "B1@s3",
+        "FREE_Y1@s3",
+        "FREE_X1@s3",
+        "FREE_DX0@s3",
+        "RECV_B0@s1",
+        "B0@s1",
+        "FREE_X0@s1",
+        "FREE_DY0@s1",
+        "FREE_DX1@s3",
+        "RECV_B1@s1",
+        "B1@s1",
+        "FREE_X1@s1",
+        "FREE_DY1@s1",
+        "FREE_DX0@s1",
+        "FREE_DX1@s1",
+    ]
 
 
 def test_every_lowering_frees_what_it_holds_by_the_end():
     # Megatron and Paddle hold nothing past the step; torch keeps its receive buffers and
     # what V placement hands over locally.
     from pipemem.schedules.actions import MEMORY_KINDS
-    for name, pp, m, v in (("VPP", 4, 8, 2), ("1F1B", 4, 8, 1), ("ZBVZeroBubble", 2, 4, 2),
-                           ("InterleavedZeroBubble", 2, 4, 2)):
+
+    for name, pp, m, v in (
+        ("VPP", 4, 8, 2),
+        ("1F1B", 4, 8, 1),
+        ("ZBVZeroBubble", 2, 4, 2),
+        ("InterleavedZeroBubble", 2, 4, 2),
+    ):
         sched = get_schedule(name, pp, m, v)
         for runtime in ("megatron", "paddle"):
             for acts in lower(sched, runtime).ranks:
                 held = {}
                 for a in acts:
                     what, sign = MEMORY_KINDS.get(a.kind, (None, 0))
-                    if a.kind in ("F", "B", "I"):     # made by the job: y by F, dx by B / I
+                    if a.kind in ("F", "B", "I"):  # made by the job: y by F, dx by B / I
                         what, sign = ("output_bytes", 1) if a.kind == "F" else ("input_grad_bytes", 1)
-                        if (a.kind == "F" and a.stage == sched.num_stages - 1) or (a.kind != "F" and a.stage == 0):
+                        if (a.kind == "F" and a.stage == sched.num_stages - 1) or (
+                            a.kind != "F" and a.stage == 0
+                        ):
                             continue
                     if what:
                         key = (what, a.stage, a.microbatch)
                         held[key] = held.get(key, 0) + sign
                 # the last stage's FREE_Y frees its (zero-byte) loss, made by F but not counted above
-                assert {k: n for k, n in held.items() if n and not (k[0] == "output_bytes" and n < 0)} == {}, \
-                    (name, runtime)
+                assert {
+                    k: n for k, n in held.items() if n and not (k[0] == "output_bytes" and n < 0)
+                } == {}, (name, runtime)
 
 
 def test_torch_runtime_keeps_the_step_state_and_adds_the_batch():
     # torchtitan: gradients created by the first backward (set-to-none) stay accounted; the
     # torch runtime adds the step's token ids and labels to every pipeline rank
-    est = pipemem.estimate(TINY, convention="torchtitan", pp=2, microbatches=4, seq_len=64, grads="set-to-none")
+    est = pipemem.estimate(
+        TINY, convention="torchtitan", pp=2, microbatches=4, seq_len=64, grads="set-to-none"
+    )
     for r in est.ranks:
         assert r.static.grads_in_step > 0
         assert r.static.other == 2 * 8 * 4 * 64

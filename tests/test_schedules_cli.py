@@ -17,7 +17,7 @@ def test_json_ranks_actions_and_inflight(capsys):
     assert [r["max_inflight"] for r in out["ranks"]] == [4, 3, 2, 1]
     assert out["ranks"][3]["actions"][:4] == ["F0@s3", "B0@s3", "F1@s3", "B1@s3"]
     assert out["peak_microbatches"] == 4
-    assert abs(out["bubble_ratio"] - 3 / 11) < 1e-9          # (p-1)/(m+p-1) with T_B = 2 T_F
+    assert abs(out["bubble_ratio"] - 3 / 11) < 1e-9  # (p-1)/(m+p-1) with T_B = 2 T_F
 
 
 def test_v_schedule_defaults_to_two_chunks(capsys):
@@ -28,8 +28,9 @@ def test_v_schedule_defaults_to_two_chunks(capsys):
 
 def test_memory_limit_and_csv_out(capsys, tmp_path):
     path = tmp_path / "zb.csv"
-    out = _json(capsys, "auto", "--pp", "4", "--microbatches", "8", "--memory-limit", "2",
-                "--csv-out", str(path))
+    out = _json(
+        capsys, "auto", "--pp", "4", "--microbatches", "8", "--memory-limit", "2", "--csv-out", str(path)
+    )
     assert out["schedule"] == "ZBAuto" and out["peak_microbatches"] <= 2
     back = _json(capsys, f"csv:{path}", "--pp", "4", "--microbatches", "8")
     assert [r["actions"] for r in back["ranks"]] == [r["actions"] for r in out["ranks"]]
@@ -58,9 +59,11 @@ def test_unknown_torch_schedule_is_refused_before_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from pipemem.cli.main import main; "
-            "rc = main(['schedule', 'torch:Nope', '--pp', '4', '--microbatches', '8']); "
-            "print(rc, 'torch' in sys.modules)")
+    code = (
+        "import sys; from pipemem.cli.main import main; "
+        "rc = main(['schedule', 'torch:Nope', '--pp', '4', '--microbatches', '8']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert "torch:Nope: unknown PyTorch schedule" in r.stderr and len(r.stderr.strip().splitlines()) == 1

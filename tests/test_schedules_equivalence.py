@@ -13,13 +13,14 @@ from pipemem.errors import UserError
 from pipemem.schedules import SCHEDULE_NAMES, SPECS, Schedule, get_schedule
 from pipemem.schedules import generators as gen
 from pipemem.schedules.actions import Action
-from pipemem.schedules.check import TimeModel, Simulation, _deadlock_message, check_schedule, simulate
+from pipemem.schedules.check import Simulation, TimeModel, _deadlock_message, check_schedule, simulate
 
 # every generated (not searched) schedule name
 _GENERATORS = tuple(n for spec in SPECS if not spec.searched for n in spec.names)
 
 
 # ---------------------------------------------------------------- references (the earlier code)
+
 
 def _reference_simulate(schedule: Schedule, times: TimeModel | None) -> Simulation:
     """The event-driven simulation as first written: index per rank, flat s*M+i slots, a dict of
@@ -131,7 +132,7 @@ def _reference_interleaved_rank(pp, m, vpp, r, warmup, group, zero_bubble=False,
     if not zero_bubble:
         for k in range(total - warmup):
             acts += [fwd[warmup + k], bwd[k]]
-        return acts + bwd[total - warmup:]
+        return acts + bwd[total - warmup :]
     wts = [Action("W", a[1], a[2]) for a in bwd]
     nw = 0
     for k in range(total):
@@ -145,6 +146,7 @@ def _reference_interleaved_rank(pp, m, vpp, r, warmup, group, zero_bubble=False,
 
 
 # ---------------------------------------------------------------- cases
+
 
 def _outcome(fn, *args):
     try:
@@ -164,10 +166,14 @@ def _bits(x):
 
 
 def _time_models(S, rng):
-    per = lambda lo, hi: [round(rng.uniform(lo, hi), 3) for _ in range(S)]   # noqa: E731
-    return [None, TimeModel(F=1, I=1, W=1, comm=0.3), TimeModel(F=1.1, I=0.7, W=0.35, comm=0.05),
-            TimeModel(F=per(0.5, 2), I=per(0.3, 1.5), W=per(0.1, 1.0), comm=0.017),
-            TimeModel(F=per(0.5, 2), B=per(0.5, 3), I=per(0.3, 1.5), W=per(0.1, 1.0))]
+    per = lambda lo, hi: [round(rng.uniform(lo, hi), 3) for _ in range(S)]  # noqa: E731
+    return [
+        None,
+        TimeModel(F=1, I=1, W=1, comm=0.3),
+        TimeModel(F=1.1, I=0.7, W=0.35, comm=0.05),
+        TimeModel(F=per(0.5, 2), I=per(0.3, 1.5), W=per(0.1, 1.0), comm=0.017),
+        TimeModel(F=per(0.5, 2), B=per(0.5, 3), I=per(0.3, 1.5), W=per(0.1, 1.0)),
+    ]
 
 
 def _schedules():
@@ -200,8 +206,9 @@ def test_simulation_bit_identical(name):
             assert _bits(_outcome(simulate, s, tm)) == _bits(ref), (name, s, tm)
             fast = simulate(s, tm, timeline=False)
             assert fast.start is None and fast.end is None
-            assert _bits(ref[1:5]) == _bits([fast.makespan, fast.bubble_ratio, fast.stage_bubble_ratio,
-                                              fast.busy])
+            assert _bits(ref[1:5]) == _bits(
+                [fast.makespan, fast.bubble_ratio, fast.stage_bubble_ratio, fast.busy]
+            )
 
 
 def test_deadlocks_and_reorders_bit_identical():
@@ -216,8 +223,9 @@ def test_deadlocks_and_reorders_bit_identical():
             if len(ranks[r]) > 1:
                 j = rng.randrange(len(ranks[r]) - 1)
                 ranks[r][j], ranks[r][j + 1] = ranks[r][j + 1], ranks[r][j]
-            s2 = Schedule(s.name, s.pp, s.vpp, s.microbatches, ranks, stage_rank=s.stage_rank,
-                          placement=s.placement)
+            s2 = Schedule(
+                s.name, s.pp, s.vpp, s.microbatches, ranks, stage_rank=s.stage_rank, placement=s.placement
+            )
             tm = TimeModel(F=1.3, I=0.9, W=0.4, comm=0.11)
             ref = _outcome(_reference_simulate, s2, tm)
             assert _bits(_outcome(simulate, s2, tm)) == _bits(ref)
@@ -239,7 +247,9 @@ def test_interleaved_rank_same_actions(zero_bubble):
             for vpp in (1, 2, 3):
                 for group in sorted({1, 2, pp, m, max(1, m // 2)}):
                     for r in range(pp):
-                        for warmup in sorted({0, 1, r, 2 * (pp - 1 - r) + (vpp - 1) * group, m * vpp, m * vpp + 3}):
+                        for warmup in sorted(
+                            {0, 1, r, 2 * (pp - 1 - r) + (vpp - 1) * group, m * vpp, m * vpp + 3}
+                        ):
                             args = (pp, m, vpp, r, warmup, group, zero_bubble, r if zero_bubble else 0)
                             got = gen._interleaved_rank(*args)
                             assert got == _reference_interleaved_rank(*args), args

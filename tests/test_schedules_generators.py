@@ -78,7 +78,7 @@ def _torch_inflight(actions):
 @pytest.mark.parametrize("name", MULTI + ["GPipe", "1F1B"])
 def test_inflight_counts_of_pytorch_schedules_pp4_m8(name):
     v = None if name in ("GPipe", "1F1B") else 2
-    theirs = _torch_compute(name, 4, 8, v)     # 1F1B's last-rank off-by-one leaves the count as is
+    theirs = _torch_compute(name, 4, 8, v)  # 1F1B's last-rank off-by-one leaves the count as is
     ours = get_schedule(name, 4, 8, v or 1)
     res = replay(ours, unit_jobs(ours.num_stages, ours.vpp), None)
     assert [r.max_inflight for r in res.ranks] == [_torch_inflight(t) for t in theirs]
@@ -103,8 +103,12 @@ def _paper_jobs(pp, vpp=1, s=4096, b=1, h=4096, a=32):
     dM(F) = M_B, dM(I) = M_W - M_B, dM(W) = -M_W (a fused B frees M_B)."""
     mb = s * b * (34 * h + 5 * a * s)
     mw = 32 * s * b * h
-    jobs = {st: StageJobs(st, F=JobMemory(mb, mb), B=JobMemory(-mb, 0), I=JobMemory(mw - mb, 0),
-                          W=JobMemory(-mw, 0)) for st in range(pp * vpp)}
+    jobs = {
+        st: StageJobs(
+            st, F=JobMemory(mb, mb), B=JobMemory(-mb, 0), I=JobMemory(mw - mb, 0), W=JobMemory(-mw, 0)
+        )
+        for st in range(pp * vpp)
+    }
     return jobs, mb, mw
 
 
@@ -122,6 +126,7 @@ def test_zb_1p_same_memory_as_zb_h1_and_a_third_of_the_bubble(pp, m):
     """The paper's ZB-H1 (all backwards split): worker r peaks at (p-r)·M_B + r·M_W, and with
     T_F = T_I = T_W its bubble is (p-1)(T_F + T_B - T_W) = (p-1), a third of 1F1B's 3(p-1)."""
     from pipemem.schedules.check import TimeModel, simulate
+
     jobs, mb, mw = _paper_jobs(pp)
     sched = get_schedule("ZB1P", pp, m)
     res = replay(sched, jobs, None)
@@ -147,7 +152,9 @@ def test_zb_h2_peaks(pp, m):
     its timeline by r in the parallelogram, defers 2r weight passes: (2(p-r)-1)·M_B + 2r·M_W."""
     jobs, mb, mw = _paper_jobs(pp)
     res = replay(get_schedule("ZBH2", pp, m), jobs, None)
-    assert [r.peak_allocated_bytes for r in res.ranks] == [(2 * (pp - r) - 1) * mb + 2 * r * mw for r in range(pp)]
+    assert [r.peak_allocated_bytes for r in res.ranks] == [
+        (2 * (pp - r) - 1) * mb + 2 * r * mw for r in range(pp)
+    ]
     assert res.max_peak_allocated_bytes == (2 * pp - 1) * mb
     assert inflight_counts(get_schedule("ZBH2", pp, m)) == [2 * (pp - r) - 1 for r in range(pp)]
 
@@ -155,6 +162,7 @@ def test_zb_h2_peaks(pp, m):
 @pytest.mark.parametrize("pp,m", [(2, 3), (4, 7), (4, 16), (8, 15), (8, 40)])
 def test_zb_h2_is_a_parallelogram_with_zero_bubble(pp, m):
     from pipemem.schedules.check import TimeModel, simulate
+
     sim = simulate(get_schedule("ZBH2", pp, m), TimeModel(F=1, I=1, W=1))
     assert sim.stage_bubble_ratio == 0
     assert sim.makespan == 3 * m + pp - 1
@@ -186,15 +194,34 @@ def test_megatron_vpp_equals_pytorch_interleaved_when_m_multiple_of_p():
         assert get_schedule("VPP", pp, m, v).ranks == get_schedule("Interleaved1F1B", pp, m, v).ranks
 
 
-@pytest.mark.parametrize("name,v", [("GPipe", 1), ("FThenB", 1), ("1F1B", 1), ("Eager1F1B", 1), ("ZBH1", 1), ("ZB1P", 1),
-                                    ("ZBH2", 1), ("Interleaved1F1B", 2), ("VPP", 3), ("LoopedBFS", 2),
-                                    ("InterleavedZeroBubble", 2), ("ZBV", 2), ("DualPipeV", 2), ("VHalf", 2),
-                                    ("VMin", 2), ("ZBVPP", 2), ("auto", 1), ("auto", 2)])
+@pytest.mark.parametrize(
+    "name,v",
+    [
+        ("GPipe", 1),
+        ("FThenB", 1),
+        ("1F1B", 1),
+        ("Eager1F1B", 1),
+        ("ZBH1", 1),
+        ("ZB1P", 1),
+        ("ZBH2", 1),
+        ("Interleaved1F1B", 2),
+        ("VPP", 3),
+        ("LoopedBFS", 2),
+        ("InterleavedZeroBubble", 2),
+        ("ZBV", 2),
+        ("DualPipeV", 2),
+        ("VHalf", 2),
+        ("VMin", 2),
+        ("ZBVPP", 2),
+        ("auto", 1),
+        ("auto", 2),
+    ],
+)
 @pytest.mark.parametrize("pp,m", [(1, 4), (2, 4), (3, 9), (4, 8), (4, 16)])
 def test_every_named_schedule_is_valid(name, v, pp, m):
     try:
         sched = get_schedule(name, pp, m, v)
-    except UserError as e:      # constraints of the schedule itself (e.g. DualPipeV needs m >= 2p)
+    except UserError as e:  # constraints of the schedule itself (e.g. DualPipeV needs m >= 2p)
         assert "--" in str(e)
         return
     check_schedule(sched)
@@ -233,6 +260,7 @@ def test_v_half_v_min_bubbles_below_1f1b(pp, m):
     T_F = T_B = T_W): both V schedules idle less than 1F1B on the same model (a V chunk is
     half a stage, so its passes take half as long)."""
     from pipemem.schedules.check import TimeModel, simulate
+
     base = simulate(get_schedule("1F1B", pp, m), TimeModel(F=1, I=1, W=1)).stage_bubble_ratio
     for name in ("VHalf", "VMin"):
         sim = simulate(get_schedule(name, pp, m, 2), TimeModel(F=0.5, I=0.5, W=0.5))

@@ -10,9 +10,22 @@ from pipemem.errors import UserError
 from pipemem.schedules import Action, get_schedule
 from pipemem.schedules.csv_io import from_csv_text, read_csv, to_csv_text, write_csv
 
-NAMED = [("GPipe", 1), ("1F1B", 1), ("Eager1F1B", 1), ("ZBH1", 1), ("ZBH2", 1), ("Interleaved1F1B", 2),
-         ("VPP", 3), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2),
-         ("VHalf", 2), ("VMin", 2), ("auto", 2)]
+NAMED = [
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("Eager1F1B", 1),
+    ("ZBH1", 1),
+    ("ZBH2", 1),
+    ("Interleaved1F1B", 2),
+    ("VPP", 3),
+    ("LoopedBFS", 2),
+    ("InterleavedZeroBubble", 2),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+    ("VHalf", 2),
+    ("VMin", 2),
+    ("auto", 2),
+]
 
 
 @pytest.mark.parametrize("name,v", NAMED)
@@ -36,14 +49,25 @@ def test_csv_cells_are_pytorch_action_strings():
             assert str(a) == cell
 
 
-@pytest.mark.parametrize("name,v", [("ZBVZeroBubble", 2), ("Interleaved1F1B", 2), ("auto", 2), ("1F1B", 1),
-                                    ("ZBH1", 1), ("VHalf", 2), ("DualPipeV", 2)])
+@pytest.mark.parametrize(
+    "name,v",
+    [
+        ("ZBVZeroBubble", 2),
+        ("Interleaved1F1B", 2),
+        ("auto", 2),
+        ("1F1B", 1),
+        ("ZBH1", 1),
+        ("VHalf", 2),
+        ("DualPipeV", 2),
+    ],
+)
 def test_pytorch_runtime_loads_and_simulates_our_csv(name, v, tmp_path):
     """PyTorch's _PipelineScheduleRuntime._load_csv reads our file, infers the stage placement,
     lowers it with sends/receives, and its own simulator runs it without deadlock."""
     pytest.importorskip("torch.distributed.pipelining")
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
     from torch.distributed.pipelining.stage import PipelineStage
+
     from pipemem.schedules.torch_import import torch_actions
 
     pp, m = 4, 8
@@ -59,9 +83,15 @@ def test_pytorch_runtime_loads_and_simulates_our_csv(name, v, tmp_path):
     # PyTorch's comm/compute simulator (it does not know the FSDP UNSHARD/RESHARD/REDUCE_GRAD
     # actions the lowering adds, so those are left out) must finish every rank without deadlock
     from torch.distributed.pipelining.schedules import _simulate_comms_compute
-    lowered = {r: [a for a in acts if a is None or a.computation_type.value not in
-                   ("UNSHARD", "RESHARD", "REDUCE_GRAD")]
-               for r, acts in runtime.pipeline_order_with_comms.items()}
+
+    lowered = {
+        r: [
+            a
+            for a in acts
+            if a is None or a.computation_type.value not in ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+        ]
+        for r, acts in runtime.pipeline_order_with_comms.items()
+    }
     _simulate_comms_compute(lowered, lambda s: runtime.stage_index_to_group_rank[s], pp * v)
 
 

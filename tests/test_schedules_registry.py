@@ -82,11 +82,16 @@ def test_registry_answers_the_plan_and_runtime_questions():
     assert not registry.is_searched("csv:x.csv") and not registry.is_searched("nonsense")
     assert registry.runs_at_pp1("pipedream-flush") and registry.runs_at_pp1("torch:GPipe")
     assert not registry.runs_at_pp1("GPipe")
-    assert [registry.torch_runtime(n) for n in ("FThenB", "torch:1F1B", "ZBV", "csv:a.csv")] == \
-        ["gpipe", "1f1b", "actions", "actions"]
+    assert [registry.torch_runtime(n) for n in ("FThenB", "torch:1F1B", "ZBV", "csv:a.csv")] == [
+        "gpipe",
+        "1f1b",
+        "actions",
+        "actions",
+    ]
 
 
 # ---------------------------------------------------------------- VShape1F1B
+
 
 def _cli(capsys, *argv):
     assert main(["schedule", *argv, "--json"]) == 0
@@ -100,8 +105,9 @@ def test_vshape_1f1b_is_valid_and_fused():
             check_schedule(s)
             assert s.placement == "v" and not s.split_backward
             for r, acts in enumerate(s.ranks):
-                assert sorted(acts) == sorted(Action(k, st, i) for st in (r, 2 * pp - 1 - r) for i in range(m)
-                                              for k in "FB")
+                assert sorted(acts) == sorted(
+                    Action(k, st, i) for st in (r, 2 * pp - 1 - r) for i in range(m) for k in "FB"
+                )
 
 
 def test_vshape_1f1b_inflight_is_zb_v_warmup(capsys):
@@ -125,14 +131,17 @@ def test_vshape_1f1b_is_torchs_zbv_with_fused_backwards():
     pytest.importorskip("torch.distributed.pipelining")
     for pp, m in ((2, 4), (4, 8), (4, 11)):
         torch_order = get_schedule("torch:ZBVZeroBubble", pp, m, 2)
-        fused = [[Action("B", a.stage, a.microbatch) if a.kind == "I" else a for a in acts if a.kind != "W"]
-                 for acts in torch_order.ranks]
+        fused = [
+            [Action("B", a.stage, a.microbatch) if a.kind == "I" else a for a in acts if a.kind != "W"]
+            for acts in torch_order.ranks
+        ]
         assert get_schedule("VShape1F1B", pp, m, 2).ranks == fused
 
 
 def test_vshape_1f1b_estimates(capsys):
     """Through `pipemem estimate`: two chunks by default, the V placement's stages per rank."""
     import pipemem
+
     e = pipemem.estimate("llama3-8b", pp=4, microbatches=8, schedule="VShape1F1B", layers=16)
     assert e.plan.vpp == 2 and [list(r.stages) for r in e.ranks] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 

@@ -22,8 +22,12 @@ def test_replay_rule_by_hand():
     res = replay(get_schedule("1F1B", 2, 2), _jobs(2), [100, StaticBytes(params=150, grads=50)])
     r0, r1 = res.ranks
     assert (r0.peak_allocated_bytes, r0.peak_at, r0.peak_action_index) == (125, "F1@s0", 1)
-    assert r0.timeline == [("F0@s0", 100, 115, 110), ("F1@s0", 110, 125, 120),
-                           ("B0@s0", 120, 125, 110), ("B1@s0", 110, 115, 100)]
+    assert r0.timeline == [
+        ("F0@s0", 100, 115, 110),
+        ("F1@s0", 110, 125, 120),
+        ("B0@s0", 120, 125, 110),
+        ("B1@s0", 110, 115, 100),
+    ]
     assert (r0.activation_hwm_bytes, r0.max_inflight, r0.final_bytes) == (20, 2, 100)
     assert (r1.peak_allocated_bytes, r1.peak_at, r1.static_bytes) == (215, "F0@s1", 200)
     assert r1.max_inflight == 1
@@ -61,9 +65,9 @@ def test_classic_bubble_formula(name, pp, m):
 def test_times_from_job_seconds_and_comm():
     jobs = {s: StageJobs(s, F=JobMemory(1, 1, 2.0), B=JobMemory(-1, 0, 4.0)) for s in range(2)}
     res = replay(get_schedule("1F1B", 2, 1), jobs, [0, 0])
-    assert res.makespan == pytest.approx(12.0)          # F, F, B, B in a chain
+    assert res.makespan == pytest.approx(12.0)  # F, F, B, B in a chain
     sim = simulate(get_schedule("1F1B", 2, 1), TimeModel(F=2, B=4, comm=0.5))
-    assert sim.makespan == pytest.approx(13.0)          # two hops
+    assert sim.makespan == pytest.approx(13.0)  # two hops
 
 
 def _sched(ranks, pp=2, m=1, vpp=1):
@@ -94,14 +98,29 @@ def test_check_names_the_first_dependency_violation():
     with pytest.raises(UserError, match="I must come before W"):
         check_schedule(bad)
     # B of stage 0 before B of stage 1 can arrive, while stage 1 waits on microbatch 1 first
-    bad = _sched([[A("F", 0, 0), A("F", 0, 1), A("B", 0, 1), A("B", 0, 0)],
-                  [A("F", 1, 0), A("F", 1, 1), A("B", 1, 0), A("B", 1, 1)]], m=2)
-    check_schedule(bad)   # valid: rank 0 waits, no deadlock
-    bad = _sched([[A("F", 0, 1), A("F", 0, 0), A("B", 0, 0), A("B", 0, 1)],
-                  [A("F", 1, 0), A("B", 1, 0), A("F", 1, 1), A("B", 1, 1)]], m=2)
+    bad = _sched(
+        [
+            [A("F", 0, 0), A("F", 0, 1), A("B", 0, 1), A("B", 0, 0)],
+            [A("F", 1, 0), A("F", 1, 1), A("B", 1, 0), A("B", 1, 1)],
+        ],
+        m=2,
+    )
+    check_schedule(bad)  # valid: rank 0 waits, no deadlock
+    bad = _sched(
+        [
+            [A("F", 0, 1), A("F", 0, 0), A("B", 0, 0), A("B", 0, 1)],
+            [A("F", 1, 0), A("B", 1, 0), A("F", 1, 1), A("B", 1, 1)],
+        ],
+        m=2,
+    )
     check_schedule(bad)
-    crossed = _sched([[A("F", 0, 0), A("B", 0, 0), A("F", 0, 1), A("B", 0, 1)],
-                      [A("F", 1, 1), A("B", 1, 1), A("F", 1, 0), A("B", 1, 0)]], m=2)
+    crossed = _sched(
+        [
+            [A("F", 0, 0), A("B", 0, 0), A("F", 0, 1), A("B", 0, 1)],
+            [A("F", 1, 1), A("B", 1, 1), A("F", 1, 0), A("B", 1, 0)],
+        ],
+        m=2,
+    )
     with pytest.raises(UserError, match=r"rank 0 action #1 B0@s0 .*B0@s1 \(rank 1 action #3\)"):
         check_schedule(crossed)
 
@@ -114,5 +133,9 @@ def test_jobs_for_one_microbatch_replace_the_stage_jobs():
     res = replay(get_schedule("1F1B", 2, 2), jobs, [0, 0])
     r0 = res.ranks[0]
     assert (r0.peak_allocated_bytes, r0.peak_at) == (45, "F1@s0")
-    assert r0.timeline == [("F0@s0", 0, 15, 10), ("F1@s0", 10, 45, 40), ("B0@s0", 40, 45, 30),
-                           ("B1@s0", 30, 30, 0)]
+    assert r0.timeline == [
+        ("F0@s0", 0, 15, 10),
+        ("F1@s0", 10, 45, 40),
+        ("B0@s0", 40, 45, 30),
+        ("B1@s0", 30, 30, 0),
+    ]

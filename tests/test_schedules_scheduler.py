@@ -28,12 +28,15 @@ def problems(draw):
     for s in range(pp * vpp):
         f = draw(st.integers(1, 60))
         fpk = f + draw(st.integers(0, 20))
-        w = draw(st.integers(0, f))                      # kept from I until W
+        w = draw(st.integers(0, f))  # kept from I until W
         ipk = draw(st.integers(0, 10))
-        jobs[s] = StageJobs(s, F=JobMemory(f, fpk, draw(st.floats(0.5, 3))),
-                            B=JobMemory(-f, ipk, draw(st.floats(0.5, 5))),
-                            I=JobMemory(w - f, ipk, draw(st.floats(0.5, 3))),
-                            W=JobMemory(-w, draw(st.integers(0, 5)), draw(st.floats(0.2, 3))))
+        jobs[s] = StageJobs(
+            s,
+            F=JobMemory(f, fpk, draw(st.floats(0.5, 3))),
+            B=JobMemory(-f, ipk, draw(st.floats(0.5, 5))),
+            I=JobMemory(w - f, ipk, draw(st.floats(0.5, 3))),
+            W=JobMemory(-w, draw(st.integers(0, 5)), draw(st.floats(0.2, 3))),
+        )
     limit = draw(st.integers(1, 400))
     return pp, vpp, m, jobs, limit
 
@@ -48,7 +51,7 @@ def test_never_exceeds_the_limit(problem):
         assert "smallest limit that fits is" in str(e)
         smallest = smallest_feasible_limit(pp, m, jobs, None, vpp=vpp)
         assert smallest > limit
-        sched = memory_limited_schedule(pp, m, jobs, None, smallest, vpp=vpp)   # and that one fits
+        sched = memory_limited_schedule(pp, m, jobs, None, smallest, vpp=vpp)  # and that one fits
         limit = smallest
     check_schedule(sched)
     res = replay(sched, jobs, None)
@@ -92,7 +95,7 @@ def test_limit_2p_reaches_zero_bubble_with_equal_times(pp, m):
 def test_infeasible_limit_reports_the_smallest_that_fits():
     jobs = unit_jobs(4, 1, Fraction(1, 2))
     smallest = smallest_feasible_limit(4, 8, jobs, EQUAL)
-    assert 0 < smallest <= 1          # one microbatch at a time always works
+    assert 0 < smallest <= 1  # one microbatch at a time always works
     with pytest.raises(UserError, match="smallest limit that fits is"):
         memory_limited_schedule(4, 8, jobs, EQUAL, smallest / 2)
     sched = memory_limited_schedule(4, 8, jobs, EQUAL, smallest)
@@ -101,8 +104,10 @@ def test_infeasible_limit_reports_the_smallest_that_fits():
 
 def test_more_memory_never_slower():
     jobs = unit_jobs(4, 1, Fraction(32, 34))
-    spans = [replay(memory_limited_schedule(4, 16, jobs, EQUAL, lim), jobs, None, times=EQUAL).makespan
-             for lim in (1, 2, 3, 4, 6, 8)]
+    spans = [
+        replay(memory_limited_schedule(4, 16, jobs, EQUAL, lim), jobs, None, times=EQUAL).makespan
+        for lim in (1, 2, 3, 4, 6, 8)
+    ]
     assert spans == sorted(spans, reverse=True)
 
 

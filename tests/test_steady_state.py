@@ -10,8 +10,16 @@ pytest.importorskip("transformers")
 
 from pipemem.validation.steady_cases import compare  # noqa: E402
 
-CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("gemma", "bf16"), ("olmo2", "bf16"), ("gpt2", "fp32"),
-         ("gpt_neox", "bf16"), ("mixtral", "bf16"), ("qwen2_moe", "bf16")]
+CASES = [
+    ("llama", "bf16"),
+    ("qwen2", "bf16"),
+    ("gemma", "bf16"),
+    ("olmo2", "bf16"),
+    ("gpt2", "fp32"),
+    ("gpt_neox", "bf16"),
+    ("mixtral", "bf16"),
+    ("qwen2_moe", "bf16"),
+]
 
 
 @pytest.mark.parametrize("family,dtype", CASES)
@@ -32,6 +40,7 @@ def test_steady_step_is_above_the_first_and_below_resident_grads():
     gradients for less of the step than a resident buffer."""
     from pipemem import estimate
     from pipemem.validation.steady_cases import FAMILIES, plan_for
+
     kw = plan_for("qwen2", "bf16")
     for mode in ("traced", "templates"):
         first = estimate(FAMILIES["qwen2"], mode=mode, step="first", **kw)
@@ -39,18 +48,25 @@ def test_steady_step_is_above_the_first_and_below_resident_grads():
         buffer = estimate(FAMILIES["qwen2"], mode=mode, grads="buffer", **kw)
         opt = steady.ranks[0].static.optimizer
         assert opt > 0 and first.ranks[0].static.optimizer == 0
-        assert first.max_peak_allocated_bytes < steady.max_peak_allocated_bytes < buffer.max_peak_allocated_bytes
+        assert (
+            first.max_peak_allocated_bytes < steady.max_peak_allocated_bytes < buffer.max_peak_allocated_bytes
+        )
         d = steady.to_dict()
         assert d["step"] == {"step": "steady", "grads": "set-to-none"}
-        assert d["ranks"][0]["static_bytes"]["grads_in_step"] > 0 and d["ranks"][0]["static_bytes"]["grads"] == 0
+        assert (
+            d["ranks"][0]["static_bytes"]["grads_in_step"] > 0 and d["ranks"][0]["static_bytes"]["grads"] == 0
+        )
 
 
-@pytest.mark.parametrize("family,extra", [
-    # tied embeddings, short sequence: the peak is the optimizer step, where the one .grad of the
-    # tied weight counts once (templates used to create one for the embedding and one for the head)
-    ("qwen2", {"dtype": "fp32", "micro_batch": 1, "seq_len": 16}),
-    ("gpt2", {"dtype": "fp32", "micro_batch": 1, "seq_len": 16}),
-])
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        # tied embeddings, short sequence: the peak is the optimizer step, where the one .grad of the
+        # tied weight counts once (templates used to create one for the embedding and one for the head)
+        ("qwen2", {"dtype": "fp32", "micro_batch": 1, "seq_len": 16}),
+        ("gpt2", {"dtype": "fp32", "micro_batch": 1, "seq_len": 16}),
+    ],
+)
 def test_tied_embedding_grad_created_once(family, extra):
     r = compare(family, **extra)
     assert r["traced_peak_at"].startswith("optimizer"), r
@@ -63,6 +79,7 @@ def test_relu_saves_its_output():
     from pipemem import estimate
     from pipemem.validation.compare import rel_error
     from pipemem.validation.steady_cases import FAMILIES, plan_for
+
     cfg = dict(FAMILIES["gpt2"], activation_function="relu")
     kw = plan_for("gpt2", "fp32")
     t = estimate(cfg, mode="traced", **kw).max_peak_allocated_bytes

@@ -74,8 +74,11 @@ def test_no_import_cycles():
 
 
 def test_no_private_names_across_modules():
-    bad = [(src, dst, n) for src, dst, n in _imports(_modules())
-           if n and n.startswith("_") and not n.startswith("__") and dst != src]
+    bad = [
+        (src, dst, n)
+        for src, dst, n in _imports(_modules())
+        if n and n.startswith("_") and not n.startswith("__") and dst != src
+    ]
     assert bad == []
 
 
@@ -84,15 +87,24 @@ def test_no_private_names_across_modules():
 # validation reads its registry, and nothing in it reads a replay, a runtime or an estimate.
 LAYERS = (
     ("errors", "version", "units"),
-    ("ir", "jobs", "model", "presets", "features", "torch_tp", "allocator", "outside_allocator",
-     "frameworks"),
+    (
+        "ir",
+        "jobs",
+        "model",
+        "presets",
+        "features",
+        "torch_tp",
+        "allocator",
+        "outside_allocator",
+        "frameworks",
+    ),
     ("liveness", "schedules"),
     ("plan",),
     ("templates", "traced", "paddle", "pipeline_estimator", "examples"),
     ("configs", "stages"),
     ("replay", "runtime"),
     ("alloc_stream", "reserved"),
-    ("estimate", "report", "pipemem"),      # pipemem: the package's public API (__init__.py)
+    ("estimate", "report", "pipemem"),  # pipemem: the package's public API (__init__.py)
     ("planner", "validation"),
     ("cli", "__main__"),
 )
@@ -114,7 +126,13 @@ def test_imports_only_run_down_the_layers():
 def test_schedules_import_nothing_above_the_jobs():
     """The schedules package (generators, the registry, the zero-bubble search) stands on errors
     and jobs alone: no replay, runtime, plan or estimate."""
-    bad = sorted({dst for src, dst, _ in _imports(_modules())
-                  if src.startswith("pipemem.schedules") and not dst.startswith("pipemem.schedules")
-                  and dst not in ("pipemem.errors", "pipemem.jobs")})
+    bad = sorted(
+        {
+            dst
+            for src, dst, _ in _imports(_modules())
+            if src.startswith("pipemem.schedules")
+            and not dst.startswith("pipemem.schedules")
+            and dst not in ("pipemem.errors", "pipemem.jobs")
+        }
+    )
     assert bad == []

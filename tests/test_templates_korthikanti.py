@@ -15,17 +15,37 @@ from pipemem.templates.conventions import convention_for
 from pipemem.templates.layers import layer_options, make_shard
 from pipemem.templates.programs import layer_memory
 
-S, B, H, A = 64, 2, 64, 4          # sequence, micro-batch, hidden, heads
-T = 2                               # tensor-parallel size
+S, B, H, A = 64, 2, 64, 4  # sequence, micro-batch, hidden, heads
+T = 2  # tensor-parallel size
 
-GPT = {"model_type": "gpt2", "n_embd": H, "n_head": A, "n_layer": 4, "vocab_size": 1000, "n_positions": S,
-       "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}
+GPT = {
+    "model_type": "gpt2",
+    "n_embd": H,
+    "n_head": A,
+    "n_layer": 4,
+    "vocab_size": 1000,
+    "n_positions": S,
+    "attn_pdrop": 0.1,
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+}
 
 
 def retained(tp, sp, recompute):
     arch = arch_from_hf_config(GPT, "gpt-small")
-    plan = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, tp=tp, sp=sp, recompute=recompute,
-                                            flash_attn=False, dtype="fp16", convention="megatron"))
+    plan = validate_plan(
+        arch,
+        ParallelPlan(
+            seq_len=S,
+            micro_batch=B,
+            tp=tp,
+            sp=sp,
+            recompute=recompute,
+            flash_attn=False,
+            dtype="fp16",
+            convention="megatron",
+        ),
+    )
     conv = convention_for(plan)
     m = layer_memory(arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 0, True))
     return m.F.net_bytes, m.B.net_bytes
@@ -63,21 +83,28 @@ def test_full_recompute_with_sequence_parallel_keeps_the_input_shard():
 
 def split_kept_for_w(tp, sp):
     arch = arch_from_hf_config(GPT, "gpt-small")
-    plan = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, tp=tp, sp=sp, flash_attn=False, dtype="fp16",
-                                            convention="megatron"))
+    plan = validate_plan(
+        arch,
+        ParallelPlan(
+            seq_len=S, micro_batch=B, tp=tp, sp=sp, flash_attn=False, dtype="fp16", convention="megatron"
+        ),
+    )
     conv = convention_for(plan)
     m = layer_memory(arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 0, True))
     return m.F.net_bytes + m.I.net_bytes, m
 
 
-@pytest.mark.parametrize("tp,sp,units", [
-    (1, False, 32),             # Zero Bubble (Qi et al. 2024): M_W = 32sbh
-    # by hand with TP: linear inputs qkv 2, out-proj 2/t, fc1 2, fc2 8/t; output grads qkv 6/t,
-    # out-proj 2 (full), fc1 8/t, fc2 2 (full)
-    (T, False, 2 + 2 / T + 2 + 8 / T + 6 / T + 2 + 8 / T + 2),
-    # with SP (Megatron): the qkv and fc1 inputs are kept as shards (re-gathered in W): 2/t each
-    (T, True, 2 / T + 2 / T + 2 / T + 8 / T + 6 / T + 2 + 8 / T + 2),
-])
+@pytest.mark.parametrize(
+    "tp,sp,units",
+    [
+        (1, False, 32),  # Zero Bubble (Qi et al. 2024): M_W = 32sbh
+        # by hand with TP: linear inputs qkv 2, out-proj 2/t, fc1 2, fc2 8/t; output grads qkv 6/t,
+        # out-proj 2 (full), fc1 8/t, fc2 2 (full)
+        (T, False, 2 + 2 / T + 2 + 8 / T + 6 / T + 2 + 8 / T + 2),
+        # with SP (Megatron): the qkv and fc1 inputs are kept as shards (re-gathered in W): 2/t each
+        (T, True, 2 / T + 2 / T + 2 / T + 8 / T + 6 / T + 2 + 8 / T + 2),
+    ],
+)
 def test_zero_bubble_weight_grad_memory(tp, sp, units):
     """After the input-grad pass (I), a layer keeps for W exactly the linear inputs and the
     linear output grads: M_W = 32sbh without TP (the paper's figure), dM(I) = M_W - M_B."""

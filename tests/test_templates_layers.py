@@ -11,8 +11,15 @@ from pipemem.templates.programs import layer_memory
 
 S, B, H, A, KV, F = 128, 2, 256, 8, 2, 512
 D = H // A
-LLAMA = {"model_type": "llama", "hidden_size": H, "num_attention_heads": A, "num_key_value_heads": KV,
-         "num_hidden_layers": 4, "intermediate_size": F, "vocab_size": 1000}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": H,
+    "num_attention_heads": A,
+    "num_key_value_heads": KV,
+    "num_hidden_layers": 4,
+    "intermediate_size": F,
+    "vocab_size": 1000,
+}
 QWEN2 = dict(LLAMA, model_type="qwen2")
 MIXTRAL = dict(LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 
@@ -36,20 +43,20 @@ def llama_hand(conv, tp=1, sp=False):
     a, kv, f = A // tp, max(1, KV // tp), F // tp
     tok_sp = s_sp * B
     tok = S * B
-    keep = 2 * tok_sp * H                     # layer output
-    keep += 2 * 4 * tok_sp                    # two rstd
-    keep += 2 * tok_sp * H                    # residual1 (post-attention norm input)
+    keep = 2 * tok_sp * H  # layer output
+    keep += 2 * 4 * tok_sp  # two rstd
+    keep += 2 * tok_sp * H  # residual1 (post-attention norm input)
     if conv == "megatron":
-        keep += 2 * 2 * tok_sp * H            # qkv and fc1 inputs: sharded norm outputs
-        keep += 2 * tok * (a + 2 * kv) * D    # fused qkv output, kept whole by the v view
-        keep += 2 * tok * (a + kv) * D        # q, k after rope
+        keep += 2 * 2 * tok_sp * H  # qkv and fc1 inputs: sharded norm outputs
+        keep += 2 * tok * (a + 2 * kv) * D  # fused qkv output, kept whole by the v view
+        keep += 2 * tok * (a + kv) * D  # q, k after rope
         keep += 2 * tok * 2 * f + 2 * tok * f  # fc1 out (fused swiglu input) + act
     else:  # torchtitan: gathered norm outputs, separate projections, unfused swiglu
         keep += 2 * 2 * tok * H
-        keep += 2 * tok * kv * D              # v projection output
+        keep += 2 * tok * kv * D  # v projection output
         keep += 2 * tok * (a + kv) * D
         keep += 4 * 2 * tok * f
-    keep += 2 * tok * a * D + 4 * B * a * S   # flash out + lse
+    keep += 2 * tok * a * D + 4 * B * a * S  # flash out + lse
     return keep
 
 
@@ -85,11 +92,18 @@ def test_mixtral_layer_hand_derived():
     N = T * K
     dense = llama_hand("megatron")
     mlp_dense = 2 * S * B * 2 * F + 2 * S * B * F
-    moe = (4 * T * E + T * E                 # fp32 probs, bool routing map
-           + 8 * T * K + 4 * T * K            # int64 top-k indices, fp32 top-k softmax
-           + T * E + 8 * N                    # transposed routing map, sorted indices
-           + 2 * N * H + 4 * N                # sorted tokens (fc1 input), sorted fp32 probs
-           + 2 * N * 2 * F + 2 * N * F)       # fc1 out, act
+    moe = (
+        4 * T * E
+        + T * E  # fp32 probs, bool routing map
+        + 8 * T * K
+        + 4 * T * K  # int64 top-k indices, fp32 top-k softmax
+        + T * E
+        + 8 * N  # transposed routing map, sorted indices
+        + 2 * N * H
+        + 4 * N  # sorted tokens (fc1 input), sorted fp32 probs
+        + 2 * N * 2 * F
+        + 2 * N * F
+    )  # fc1 out, act
     assert m.F.net_bytes == dense - mlp_dense + moe
 
 

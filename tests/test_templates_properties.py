@@ -1,37 +1,61 @@
 """Property tests over random valid plans (hypothesis)."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipemem.model import arch_from_hf_config
 from pipemem.plan import ParallelPlan, validate_plan
 from pipemem.schedules import get_schedule
-from pipemem.stages import build_stage_jobs
-from pipemem.stages import clear_caches
+from pipemem.stages import build_stage_jobs, clear_caches
 
 CONFIGS = {
-    "llama": {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "num_hidden_layers": 8, "intermediate_size": 512, "vocab_size": 1000},
-    "gpt2": {"model_type": "gpt2", "n_embd": 256, "n_head": 8, "n_layer": 8, "vocab_size": 1000, "n_positions": 512},
-    "mixtral": {"model_type": "mixtral", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
-                "num_hidden_layers": 8, "intermediate_size": 512, "vocab_size": 1000, "num_local_experts": 4,
-                "num_experts_per_tok": 2},
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 8,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+    },
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 256,
+        "n_head": 8,
+        "n_layer": 8,
+        "vocab_size": 1000,
+        "n_positions": 512,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 8,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
-RECOMPUTE_ORDER = ["none", "selective", "full_attn", "full"]   # each keeps no more than the previous
+RECOMPUTE_ORDER = ["none", "selective", "full_attn", "full"]  # each keeps no more than the previous
 
-plans = st.fixed_dictionaries({
-    "model": st.sampled_from(sorted(CONFIGS)),
-    "tp": st.sampled_from([1, 2]),
-    "cp": st.sampled_from([1, 2]),
-    "pp": st.sampled_from([1, 2, 4]),
-    "micro_batch": st.sampled_from([1, 2]),
-    "seq_len": st.sampled_from([64, 128]),
-    "recompute": st.sampled_from(RECOMPUTE_ORDER),
-    "convention": st.sampled_from(["megatron", "paddle", "torchtitan"]),   # hf: no tp/cp (own tests)
-    "sp": st.booleans(),
-    "flash_attn": st.booleans(),
-    "dp": st.sampled_from([1, 2, 4]),
-    "zero": st.sampled_from([0, 1, 2, 3]),
-})
+plans = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(sorted(CONFIGS)),
+        "tp": st.sampled_from([1, 2]),
+        "cp": st.sampled_from([1, 2]),
+        "pp": st.sampled_from([1, 2, 4]),
+        "micro_batch": st.sampled_from([1, 2]),
+        "seq_len": st.sampled_from([64, 128]),
+        "recompute": st.sampled_from(RECOMPUTE_ORDER),
+        "convention": st.sampled_from(["megatron", "paddle", "torchtitan"]),  # hf: no tp/cp (own tests)
+        "sp": st.booleans(),
+        "flash_attn": st.booleans(),
+        "dp": st.sampled_from([1, 2, 4]),
+        "zero": st.sampled_from([0, 1, 2, 3]),
+    }
+)
 
 
 def jobs(d, **over):
@@ -83,8 +107,9 @@ def test_higher_zero_never_raises_static(d):
     if d["zero"] == 3:
         return
     a, b = jobs(d), jobs(d, zero=d["zero"] + 1)
-    sched = get_schedule("1F1B" if a.plan.vpp == 1 else "Interleaved1F1B", a.plan.pp, a.plan.microbatches,
-                         a.plan.vpp)
+    sched = get_schedule(
+        "1F1B" if a.plan.vpp == 1 else "Interleaved1F1B", a.plan.pp, a.plan.microbatches, a.plan.vpp
+    )
     assert all(s1.total <= s0.total for s0, s1 in zip(a.static_per_rank(sched), b.static_per_rank(sched)))
 
 

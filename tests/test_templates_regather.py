@@ -36,19 +36,24 @@ def _ranks(model, **plan):
     # One cross entropy over the whole sequence (loss_chunks 1): the LM head's input is then the
     # gathered sequence, which the re-gather saves too. (torchtitan 0.3's ChunkedLossWrapper
     # replicates the hidden states before its chunks: nothing to re-gather at the head.)
-    return pipemem.estimate(model, convention="torchtitan", grads="buffer", extra={"loss_chunks": 1},
-                            **plan).to_dict()["ranks"]
+    return pipemem.estimate(
+        model, convention="torchtitan", grads="buffer", extra={"loss_chunks": 1}, **plan
+    ).to_dict()["ranks"]
 
 
-@pytest.mark.parametrize("model,tp,pp,mb", [("llama3-8b", 4, 2, 1), ("qwen2.5-7b", 2, 2, 2), ("llama3-70b", 8, 4, 1)])
+@pytest.mark.parametrize(
+    "model,tp,pp,mb", [("llama3-8b", 4, 2, 1), ("qwen2.5-7b", 2, 2, 2), ("llama3-70b", 8, 4, 1)]
+)
 def test_each_block_keeps_its_shard_instead_of_the_gathered_input(model, tp, pp, mb):
     # Per layer and microbatch in flight, the attention and MLP inputs are kept as
     # [s/tp, b, h] shards instead of the gathered [s, b, h]; the last stage's LM head too.
     arch = arch_from_hf_config(load_model_config(model)[1])
     seq = 4096
-    plain, regather = _ranks(model, tp=tp, pp=pp, micro_batch=mb), _ranks(model, tp=tp, pp=pp, micro_batch=mb,
-                                                                          recompute_allgather=True)
-    per_input = (tp - 1) * seq * mb * arch.hidden * 2 // tp          # bf16
+    plain, regather = (
+        _ranks(model, tp=tp, pp=pp, micro_batch=mb),
+        _ranks(model, tp=tp, pp=pp, micro_batch=mb, recompute_allgather=True),
+    )
+    per_input = (tp - 1) * seq * mb * arch.hidden * 2 // tp  # bf16
     layers = arch.layers // pp
     for a, b in zip(plain, regather):
         head = a["pp_rank"] == pp - 1
@@ -65,7 +70,9 @@ def test_megatron_regathers_anyway():
 
 
 def test_explain_names_the_tensors_dropped_and_the_gathers_added():
-    est = pipemem.estimate("llama3-70b", tp=8, pp=4, convention="torchtitan", recompute_allgather=True, explain=True)
+    est = pipemem.estimate(
+        "llama3-70b", tp=8, pp=4, convention="torchtitan", recompute_allgather=True, explain=True
+    )
     trade = [r for r in est.explain if r.get("section")]
     names = {r["tensor"]: r for r in trade}
     assert names["attn.allgather"]["why"].startswith("no longer kept")
@@ -74,7 +81,9 @@ def test_explain_names_the_tensors_dropped_and_the_gathers_added():
     gathers = [r for r in trade if r["why"].startswith("all-gather added")]
     assert {r["tensor"] for r in gathers} == {"attn.allgather_bwd", "mlp.allgather_bwd"}
     h, s = 8192, 4096
-    assert names["attn.allgather"]["bytes"] == s * h * 2 and names["attn.shard_copy"]["bytes"] == s * h * 2 // 8
+    assert (
+        names["attn.allgather"]["bytes"] == s * h * 2 and names["attn.shard_copy"]["bytes"] == s * h * 2 // 8
+    )
     assert "112.00 MiB less kept" in trade[0]["section"] and "2 all-gather(s) more" in trade[0]["section"]
     # the paddle convention: one re-gather per column-parallel linear, nothing extra kept
     est = pipemem.estimate("llama3-70b", tp=8, convention="paddle", recompute_allgather=True, explain=True)
@@ -88,8 +97,22 @@ def test_explain_names_the_tensors_dropped_and_the_gathers_added():
 
 
 def test_explain_renders_the_trade(capsys):
-    assert main(["estimate", "--model", "llama3-8b", "--tp", "4", "--convention", "torchtitan",
-                 "--recompute-allgather", "--explain"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "llama3-8b",
+                "--tp",
+                "4",
+                "--convention",
+                "torchtitan",
+                "--recompute-allgather",
+                "--explain",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--recompute-allgather trades memory for communication" in out
     assert "attn.allgather_bwd" in out and "no longer kept" in out
@@ -120,10 +143,13 @@ def test_one_regather_per_block_in_each_backward_pass():
     from pipemem.stages import _resolve
     from pipemem.templates.layers import layer_options
     from pipemem.templates.programs import layer_programs
+
     arch = arch_from_hf_config(load_model_config("llama3-8b")[1])
     progs = {}
     for regather in (False, True):
-        a, plan, conv, sh = _resolve(arch, ParallelPlan(tp=4, convention="torchtitan", recompute_allgather=regather))
+        a, plan, conv, sh = _resolve(
+            arch, ParallelPlan(tp=4, convention="torchtitan", recompute_allgather=regather)
+        )
         progs[regather] = layer_programs(a, sh, conv, layer_options(a, plan, 0, False))
     gathers = {k: [op for op in getattr(progs[True], k).ops if op.type == "all_gather"] for k in "BIW"}
     assert [len(gathers[k]) for k in "BIW"] == [2, 2, 2]
@@ -141,13 +167,19 @@ def test_readme_table_is_what_pipemem_estimates():
     import re
 
     from pipemem.units import fmt_bytes
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = readme[readme.index("## Keep only the sequence shard"):]
+
+    readme = open(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    ).read()
+    section = readme[readme.index("## Keep only the sequence shard") :]
     rows = re.findall(r"^\| (\d) \| [\d-]+ \| ([\d.]+ GiB) \| ([\d.]+ GiB) \| ([\d.]+ GiB)", section, re.M)
     kw = dict(gpu="h100-80g", dp=2, tp=8, pp=4, seq_len=8192, convention="torchtitan")
     plain = pipemem.estimate("llama3-70b", **kw).ranks
     regather = pipemem.estimate("llama3-70b", recompute_allgather=True, **kw).ranks
     assert len(rows) == 4
     for (rank, a, b, saved), p, r in zip(rows, plain, regather):
-        assert (a, b, saved) == (fmt_bytes(p.peak_allocated_bytes), fmt_bytes(r.peak_allocated_bytes),
-                                 fmt_bytes(p.peak_allocated_bytes - r.peak_allocated_bytes)), f"README rank {rank}"
+        assert (a, b, saved) == (
+            fmt_bytes(p.peak_allocated_bytes),
+            fmt_bytes(r.peak_allocated_bytes),
+            fmt_bytes(p.peak_allocated_bytes - r.peak_allocated_bytes),
+        ), f"README rank {rank}"

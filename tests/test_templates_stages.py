@@ -8,19 +8,51 @@ from pipemem.plan import ParallelPlan, validate_plan
 from pipemem.schedules import get_schedule
 from pipemem.stages import build_stage_jobs
 
-BASE = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
-        "intermediate_size": 512, "vocab_size": 1000}
+BASE = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "vocab_size": 1000,
+}
 CONFIGS = {
     "llama": dict(BASE, model_type="llama"),
     "qwen3": dict(BASE, model_type="qwen3", head_dim=64),
-    "gpt2": {"model_type": "gpt2", "n_embd": 256, "n_head": 8, "n_layer": 4, "vocab_size": 1000, "n_positions": 256},
-    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 256, "num_attention_heads": 8, "num_hidden_layers": 4,
-                 "intermediate_size": 1024, "vocab_size": 1000},
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 256,
+        "n_head": 8,
+        "n_layer": 4,
+        "vocab_size": 1000,
+        "n_positions": 256,
+    },
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 4,
+        "intermediate_size": 1024,
+        "vocab_size": 1000,
+    },
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                      shared_expert_intermediate_size=256),
-    "deepseek": dict(BASE, model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=1),
+    "qwen2_moe": dict(
+        BASE,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+    ),
+    "deepseek": dict(
+        BASE,
+        model_type="deepseek_v3",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+    ),
 }
 FEATURES = [
     dict(),
@@ -40,7 +72,7 @@ def test_builds_and_balances(model, conv, feat):
     arch = arch_from_hf_config(CONFIGS[model], model)
     if kw.get("ep", 1) > 1 and not arch.is_moe:
         kw["ep"] = 1
-    if conv == "hf":   # HF modules run unsharded: no tp / cp / ep
+    if conv == "hf":  # HF modules run unsharded: no tp / cp / ep
         kw = {k: v for k, v in kw.items() if k not in ("tp", "cp", "ep", "sp")}
     plan = validate_plan(arch, ParallelPlan(seq_len=128, micro_batch=2, convention=conv, **kw))
     sp = build_stage_jobs(arch, plan)
@@ -63,6 +95,8 @@ def test_builds_and_balances(model, conv, feat):
             assert f.I.net_bytes + f.W.net_bytes == f.B.net_bytes
         optimizer = sp.optimizer_per_rank(sched)
         for r, st in enumerate(static):
-            made = sum(sp.first_backward[s].B.net_bytes - sp.stages[s].B.net_bytes for s in sched.stages_of_rank(r))
+            made = sum(
+                sp.first_backward[s].B.net_bytes - sp.stages[s].B.net_bytes for s in sched.stages_of_rank(r)
+            )
             assert st.grads == 0 and st.grads_in_step == made
             assert optimizer[r].net_bytes == -made

@@ -8,8 +8,15 @@ from pipemem.stages import build_stage_jobs, format_explain, layer_explain
 from pipemem.templates.conventions import convention_for
 from pipemem.templates.static import rank_param_counts
 
-LLAMA = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
-         "num_hidden_layers": 8, "intermediate_size": 1024, "vocab_size": 1024}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1024,
+    "vocab_size": 1024,
+}
 
 
 def setup(**kw):
@@ -59,14 +66,21 @@ def test_megatron_runtime_buffers_are_other_static_bytes():
     step by `pipemem validate megatron`."""
     h, f, v, d = 512, 1024, 1024, 64
     sp, _ = setup(tp=2, sp=True)
-    shapes = {(3 * h // 2, h), (h, h // 2), (2 * f // 2, h), (h, f // 2), (v // 2, h)}   # qkv, proj, fc1, fc2, head
+    shapes = {
+        (3 * h // 2, h),
+        (h, h // 2),
+        (2 * f // 2, h),
+        (h, f // 2),
+        (v // 2, h),
+    }  # qkv, proj, fc1, fc2, head
     assert sp.static[0].other == 2 * sum(a * b for a, b in shapes) + 128 * d * 4
-    eager, _ = setup(tp=2, sp=True, extra={"wgrad_fused": False})      # --no-gradient-accumulation-fusion
+    eager, _ = setup(tp=2, sp=True, extra={"wgrad_fused": False})  # --no-gradient-accumulation-fusion
     assert eager.static[0].other == 128 * d * 4
 
 
 def test_pipeline_ranks_hold_their_layers_and_ends():
     from pipemem.schedules import get_schedule
+
     arch = arch_from_hf_config(LLAMA, "tiny")
     sp = build_stage_jobs(arch, ParallelPlan(seq_len=128, pp=2, vpp=2))
     h, f, v = 512, 1024, 1024
@@ -86,7 +100,7 @@ def test_pipeline_ranks_hold_their_layers_and_ends():
 def test_stage_jobs_balance_and_first_stage_peak():
     arch = arch_from_hf_config(LLAMA, "tiny")
     sp = build_stage_jobs(arch, ParallelPlan(seq_len=128, pp=2))
-    for j in sp.stages.values():   # all but the stage output and input grad (the runtime's)
+    for j in sp.stages.values():  # all but the stage output and input grad (the runtime's)
         assert j.F.net_bytes + j.B.net_bytes == j.output_bytes + j.input_grad_bytes
         assert j.F.net_bytes + j.I.net_bytes + j.W.net_bytes == j.output_bytes + j.input_grad_bytes
         assert j.F.peak_bytes >= j.F.net_bytes > 0
@@ -95,10 +109,16 @@ def test_stage_jobs_balance_and_first_stage_peak():
 def test_layer_explain_rows_sum_to_retained():
     from pipemem.templates.layers import layer_options, make_shard
     from pipemem.templates.programs import layer_memory
+
     arch = arch_from_hf_config(LLAMA, "tiny")
     plan = validate_plan(arch, ParallelPlan(seq_len=128, tp=2))
     rows = layer_explain(arch, plan)
     kept = sum(r["bytes"] for r in rows if not r["tensor"].startswith("("))
     conv = convention_for(plan)
-    assert kept == layer_memory(arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 0, True)).F.net_bytes
+    assert (
+        kept
+        == layer_memory(
+            arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 0, True)
+        ).F.net_bytes
+    )
     assert "flash_attn_grad" in format_explain(rows)

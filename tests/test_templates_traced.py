@@ -23,14 +23,29 @@ from pipemem.templates.layers import layer_options, make_shard  # noqa: E402
 from pipemem.templates.programs import layer_memory  # noqa: E402
 
 S, B = 128, 2
-BASE = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 2,
-        "intermediate_size": 512, "vocab_size": 1000}
+BASE = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 512,
+    "vocab_size": 1000,
+}
 CASES = {
     # name: (config, traced dtype); autocast = bf16 with fp32 master weights
     "llama": (dict(BASE, model_type="llama"), "bf16"),
     "qwen2": (dict(BASE, model_type="qwen2"), "bf16"),
-    "gpt2": ({"model_type": "gpt2", "n_embd": 256, "n_head": 8, "n_layer": 2, "vocab_size": 1000,
-              "n_positions": 256}, "bf16"),
+    "gpt2": (
+        {
+            "model_type": "gpt2",
+            "n_embd": 256,
+            "n_head": 8,
+            "n_layer": 2,
+            "vocab_size": 1000,
+            "n_positions": 256,
+        },
+        "bf16",
+    ),
     # traced mode cannot run grouped_mm under autocast on fake CPU tensors: pure bf16
     "mixtral": (dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), "bf16-pure"),
 }
@@ -38,19 +53,24 @@ CASES = {
 
 def traced_layer1(config, dtype):
     from pipemem.traced import trace_hf_step
+
     r = trace_hf_step(config, B, S, dtype=dtype, attn="sdpa", kernel_policy="cuda", layers=2)
     for p in r.programs:
         for n, t in list(p.tensors.items()):
             if t.kind is TensorKind.GRAD:
-                p.tensors[n] = Tensor(t.name, t.shape, t.dtype, t.kind, storage=t.storage,
-                                      persistent=t.persistent, bytes=0)
+                p.tensors[n] = Tensor(
+                    t.name, t.shape, t.dtype, t.kind, storage=t.storage, persistent=t.persistent, bytes=0
+                )
         p._compiled = None
     fwd, bwd = r.programs[0], r.programs[1]
     res = analyze_sequence(r.programs, live_on_entry=r.entry_storages)
     c = compile_program(fwd)
     layer_of = r.op_layers["forward"]
-    kept = sum(int(c.sizes[i]) for i, n in enumerate(c.storage_names)
-               if c.first_is_write[i] and n in res[0].live_after and layer_of[c.first_op[i]] == 1)
+    kept = sum(
+        int(c.sizes[i])
+        for i, n in enumerate(c.storage_names)
+        if c.first_is_write[i] and n in res[0].live_after and layer_of[c.first_op[i]] == 1
+    )
     lay = r.op_layers["backward"]
     start = lay.index(1)
     end = start
@@ -64,8 +84,17 @@ def traced_layer1(config, dtype):
 
 def template_layer(config, dtype):
     arch = arch_from_hf_config(config, "t")
-    plan = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, convention="hf", dtype="bf16",
-                                            master_weights=(dtype == "bf16"), extra={"first_step": True}))
+    plan = validate_plan(
+        arch,
+        ParallelPlan(
+            seq_len=S,
+            micro_batch=B,
+            convention="hf",
+            dtype="bf16",
+            master_weights=(dtype == "bf16"),
+            extra={"first_step": True},
+        ),
+    )
     conv = convention_for(plan)
     return layer_memory(arch, make_shard(arch, plan, conv), conv, layer_options(arch, plan, 1, True))
 

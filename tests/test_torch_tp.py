@@ -25,10 +25,25 @@ def _free_port() -> int:
 
 def _launch(world: int, tmp_path, timeout: float = 240.0) -> list[list[dict]]:
     out = str(tmp_path / "out")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    procs = [subprocess.Popen([sys.executable, WORKER, out], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(world)]
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, out],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
     try:
         logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
     finally:
@@ -45,23 +60,53 @@ def _launch(world: int, tmp_path, timeout: float = 240.0) -> list[list[dict]]:
 def test_outputs_and_grads_bitwise_equal_to_colwise_parallel(tmp_path):
     # one launch of 4 ranks: tp 4, and tp 2 within a 2 x 2 mesh (alone and with FSDP2 over dp)
     ranks = _launch(4, tmp_path)
-    expected = {"tp4", "tp4-checkpoint", "tp4-split-backward", "tp4-seq-first", "tp2", "tp2-checkpoint", "dp2-fsdp2-tp2"}
+    expected = {
+        "tp4",
+        "tp4-checkpoint",
+        "tp4-split-backward",
+        "tp4-seq-first",
+        "tp2",
+        "tp2-checkpoint",
+        "dp2-fsdp2-tp2",
+    }
     for rank, rows in enumerate(ranks):
         assert {r["name"] for r in rows} == expected
         for r in rows:
             assert r["outputs_equal"], (rank, r)
             assert r["grads_differ"] == [], (rank, r)
-            assert r["n_grads"] > (3 if r["name"].endswith("seq-first") else 10) and r["grads_nonzero"], (rank, r)
+            assert r["n_grads"] > (3 if r["name"].endswith("seq-first") else 10) and r["grads_nonzero"], (
+                rank,
+                r,
+            )
 
 
 def _traced(world: int, regather: bool, checkpoint: bool = False, layers: int = 3) -> dict:
     """Rank 0's step as `pipemem.estimate` traces it (traced mode, --tp, --recompute-allgather)."""
     import pipemem
     from pipemem.validation.distributed.models import hf_config
-    spec = {"arch": "llama", "hidden": 64, "layers": layers, "heads": 8, "kv_heads": 4, "ffn": 128, "vocab": 256}
-    est = pipemem.estimate(hf_config(spec), mode="traced", kernel_policy="cpu", convention="torchtitan", step="first",
-                           dtype="fp32", tp=world, micro_batch=2, seq_len=64, recompute_allgather=regather,
-                           recompute="full" if checkpoint else "none")
+
+    spec = {
+        "arch": "llama",
+        "hidden": 64,
+        "layers": layers,
+        "heads": 8,
+        "kv_heads": 4,
+        "ffn": 128,
+        "vocab": 256,
+    }
+    est = pipemem.estimate(
+        hf_config(spec),
+        mode="traced",
+        kernel_policy="cpu",
+        convention="torchtitan",
+        step="first",
+        dtype="fp32",
+        tp=world,
+        micro_batch=2,
+        seq_len=64,
+        recompute_allgather=regather,
+        recompute="full" if checkpoint else "none",
+    )
     r = est.ranks[0]
     return {"peak_bytes": r.peak_allocated_bytes, "peak_at": r.peak_at, "static_bytes": r.static.total}
 
@@ -87,10 +132,12 @@ def test_under_checkpointing_keeps_no_more_than_colwise_parallel():
 
 
 def test_embedding_is_sharded_like_colwise_parallel():
-    from pipemem.torch_tp import RegatherColwiseParallel
-    from pipemem.traced.dist_capture import fake_process_group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from pipemem.torch_tp import RegatherColwiseParallel
+    from pipemem.traced.dist_capture import fake_process_group
+
     with fake_process_group(0, 2):
         mesh = init_device_mesh("cpu", (2,))
         a = parallelize_module(torch.nn.Embedding(16, 8), mesh, ColwiseParallel())

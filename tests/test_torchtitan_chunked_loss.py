@@ -6,8 +6,17 @@ import pytest
 
 import pipemem
 
-KW = dict(seq_len=1024, micro_batch=4, dp=4, fsdp=True, dtype="bf16", recompute="selective",
-          convention="torchtitan", grads="set-to-none", layers=2)
+KW = dict(
+    seq_len=1024,
+    micro_batch=4,
+    dp=4,
+    fsdp=True,
+    dtype="bf16",
+    recompute="selective",
+    convention="torchtitan",
+    grads="set-to-none",
+    layers=2,
+)
 
 
 def _peak(**kw) -> int:
@@ -16,7 +25,7 @@ def _peak(**kw) -> int:
 
 def test_loss_chunked_is_the_wrapper_with_its_chunk_count():
     assert _peak(loss="chunked", loss_chunks=4) == _peak(extra={"loss_chunks": 4})
-    assert _peak(loss="chunked") == _peak()            # 8 chunks: torchtitan's default either way
+    assert _peak(loss="chunked") == _peak()  # 8 chunks: torchtitan's default either way
 
 
 def test_more_chunks_hold_less_logits():

@@ -19,11 +19,17 @@ data_parallel_shard_degree = 2
 AC_BASE = '[activation_checkpoint]\npreserve_rng_state = true\ndeterminism_check = "default"\ndebug = false\n'
 
 
-@pytest.mark.parametrize("table,recompute", [
-    (AC_BASE, "full"),                                                                   # FullAC.Config
-    (AC_BASE + 'force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]\n', "selective"),  # SelectiveAC.Config
-    ('[activation_checkpoint]\nmode = "none"\n', "none"),
-])
+@pytest.mark.parametrize(
+    "table,recompute",
+    [
+        (AC_BASE, "full"),  # FullAC.Config
+        (
+            AC_BASE + 'force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]\n',
+            "selective",
+        ),  # SelectiveAC.Config
+        ('[activation_checkpoint]\nmode = "none"\n', "none"),
+    ],
+)
 def test_policy_from_the_tables_fields(tmp_path, table, recompute):
     f = tmp_path / "t.toml"
     f.write_text(BASE + table)

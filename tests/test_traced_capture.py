@@ -14,8 +14,9 @@ def test_linear_sum_hand_derived():
     # y = x @ W^T (2x3 fp32 = 24 B), loss = y.sum() (4 B). Sum's backward needs no input, so y is
     # dropped as soon as loss_fn returns: 4 B stay after the forward, the peak is 24 + 4.
     model = torch.nn.Linear(4, 3, bias=False)
-    step = trace_step(model, torch.randn(2, 4), loss_fn=lambda y: y.sum(), optimizer_factory=None,
-                      kernel_policy="cpu")
+    step = trace_step(
+        model, torch.randn(2, 4), loss_fn=lambda y: y.sum(), optimizer_factory=None, kernel_policy="cpu"
+    )
     assert step.static["params"] == 3 * 4 * 4
     assert step.static["inputs"] == 2 * 4 * 4
     assert step.net_after_forward == 4
@@ -24,7 +25,7 @@ def test_linear_sum_hand_derived():
     bw = step.programs[1]
     grads = {t.storage for t in bw.tensors.values() if t.kind is TensorKind.GRAD}
     assert len(grads) == 1 and bw.tensors[grads.pop()].nbytes == 48
-    assert step.phase("backward").net_bytes == 48 - 4      # grad kept, loss dropped at the end
+    assert step.phase("backward").net_bytes == 48 - 4  # grad kept, loss dropped at the end
 
 
 def test_views_share_storage_and_inplace_costs_nothing():
@@ -34,9 +35,10 @@ def test_views_share_storage_and_inplace_costs_nothing():
             self.w = torch.nn.Parameter(torch.randn(8, 8))
 
         def forward(self, x):
-            h = x @ self.w           # 8x8 fp32 = 256 B
-            h = h.relu_()            # in place: same storage
-            return h.t().reshape(-1).sum()   # t: view; reshape of a transposed tensor copies (256 B)
+            h = x @ self.w  # 8x8 fp32 = 256 B
+            h = h.relu_()  # in place: same storage
+            return h.t().reshape(-1).sum()  # t: view; reshape of a transposed tensor copies (256 B)
+
     step = trace_step(M(), torch.randn(8, 8), optimizer_factory=None, kernel_policy="cpu")
     fwd = step.programs[0]
     relu = next(op for op in fwd.ops if op.type.startswith("relu_"))
@@ -59,8 +61,11 @@ class MLP(torch.nn.Module):
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd", "none"])
 def test_generic_module_matches_real_cpu_step(opt):
-    factories = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
-                 "sgd": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), "none": None}
+    factories = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "sgd": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+        "none": None,
+    }
     torch.manual_seed(0)
     model = MLP().train()
     x = torch.randn(32, 64)
@@ -86,19 +91,21 @@ def test_phases_and_module_labels():
 
 def test_trace_stage_forward_and_backward_from_output_grad():
     from pipemem.traced import trace_stage
+
     stage = torch.nn.Linear(16, 16, bias=False)
-    x = torch.randn(4, 16, requires_grad=True)      # activation from the previous stage
+    x = torch.randn(4, 16, requires_grad=True)  # activation from the previous stage
     step = trace_stage(stage, (x,), kernel_policy="cpu")
     # the forward keeps its 4x16 fp32 output (256 B) for the stage's caller
     assert step.net_after_forward == 4 * 16 * 4
     bw = step.programs[1]
     grads = {t.storage for t in bw.tensors.values() if t.kind is TensorKind.GRAD}
-    assert len(grads) == 1          # dW; dX goes to x.grad of the input (not a parameter)
+    assert len(grads) == 1  # dW; dX goes to x.grad of the input (not a parameter)
 
 
 def test_import_pipemem_and_traced_package_do_not_import_torch():
     import subprocess
     import sys
+
     code = "import sys, pipemem, pipemem.traced, pipemem.validation.cpu; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -17,19 +17,39 @@ from pipemem.cli.main import main  # noqa: E402
 from pipemem.errors import UserError  # noqa: E402
 from pipemem.traced.ddp import DDPBuckets, assign_by_size, bucket_layout, bucket_limits  # noqa: E402
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 64,
-        "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 # a batch this short puts the first step's peak in the optimizer step, after every gradient exists
-DDP = dict(mode="traced", kernel_policy="cpu", convention="hf", step="first", dtype="fp32", seq_len=8, micro_batch=1,
-           dp=2)
+DDP = dict(
+    mode="traced",
+    kernel_policy="cpu",
+    convention="hf",
+    step="first",
+    dtype="fp32",
+    seq_len=8,
+    micro_batch=1,
+    dp=2,
+)
 
 
 def _mixed_model():
     """Parameters of two dtypes, interleaved, of unequal sizes."""
-    return torch.nn.Sequential(torch.nn.Linear(300, 700), torch.nn.Linear(700, 30).double(),
-                               torch.nn.Linear(30, 900), torch.nn.Embedding(50, 20).double(),
-                               torch.nn.Linear(900, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(300, 700),
+        torch.nn.Linear(700, 30).double(),
+        torch.nn.Linear(30, 900),
+        torch.nn.Embedding(50, 20).double(),
+        torch.nn.Linear(900, 5),
+    )
 
 
 @contextlib.contextmanager
@@ -41,8 +61,15 @@ def _gloo_world_of_one():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("limits", [[1 << 62], bucket_limits(None, first_iteration=False),
-                                    bucket_limits(0.5, first_iteration=False), [20_000, 900_000]])
+@pytest.mark.parametrize(
+    "limits",
+    [
+        [1 << 62],
+        bucket_limits(None, first_iteration=False),
+        bucket_limits(0.5, first_iteration=False),
+        [20_000, 900_000],
+    ],
+)
 def test_assignment_is_torchs_own(limits):
     params = list(_mixed_model().parameters())
     theirs, _ = dist._compute_bucket_assignment_by_size(params, limits)
@@ -62,12 +89,16 @@ def test_first_step_buckets_are_the_reducers():
     with _gloo_world_of_one():
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
         theirs = ddp.reducer._get_zeros_like_grad_buckets()
-        real = [(b.buffer().numel() * b.buffer().element_size(), [tuple(p.shape) for p in b.parameters()])
-                for b in sorted(theirs, key=lambda b: b.index())]
+        real = [
+            (b.buffer().numel() * b.buffer().element_size(), [tuple(p.shape) for p in b.parameters()])
+            for b in sorted(theirs, key=lambda b: b.index())
+        ]
     ours = DDPBuckets(model, 1)
     params = ours.params
     assert len(real) == 2
-    assert [(n, [tuple(params[i].shape) for i in idx]) for n, idx in zip(ours.bucket_bytes, ours.layout)] == real
+    assert [
+        (n, [tuple(params[i].shape) for i in idx]) for n, idx in zip(ours.bucket_bytes, ours.layout)
+    ] == real
     assert sum(ours.bucket_bytes) == sum(p.numel() * p.element_size() for p in model.parameters())
     ours.remove()
 
@@ -100,7 +131,7 @@ def test_traced_estimate_holds_the_buckets_and_the_grad_copies():
     params = copy.ranks[0].static.params
     for e in (copy, view):
         st = e.ranks[0].static
-        assert st.params == params and st.grads == params    # the fp32 buckets: every gradient once
+        assert st.params == params and st.grads == params  # the fp32 buckets: every gradient once
         assert e.ranks[0].peak_at.startswith("optimizer")
         assert any("1 first-step gradient bucket" in w for w in e.warnings)
     # .grad tensors of their own (created in the step) vs views of the buckets
@@ -117,12 +148,15 @@ def test_hf_convention_data_parallel_is_ddp_by_default():
     assert e.plan.grads == "ddp-bucket" and e.ranks[0].static.grads == e.ranks[0].static.params
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (dict(step="steady"), "--step first"),
-    (dict(pp=2), "--pp"),
-    (dict(recompute="selective"), "--recompute selective"),
-    (dict(dtype="bf16"), "master weights"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (dict(step="steady"), "--step first"),
+        (dict(pp=2), "--pp"),
+        (dict(recompute="selective"), "--recompute selective"),
+        (dict(dtype="bf16"), "master weights"),
+    ],
+)
 def test_plans_traced_ddp_does_not_run_are_refused(extra, needle):
     with pytest.raises(UserError, match=needle.replace("-", r"\-")):
         pipemem.estimate(TINY, grads="ddp-bucket", **dict(DDP, **extra))
@@ -130,9 +164,27 @@ def test_plans_traced_ddp_does_not_run_are_refused(extra, needle):
 
 def test_cli_refusal_is_one_line(tmp_path, capsys):
     import json
+
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
-    rc = main(["estimate", "--model", str(cfg), "--mode", "traced", "--convention", "hf", "--dp", "2",
-               "--grads", "ddp-bucket-view", "--dtype", "fp32", "--seq-len", "8"])
+    rc = main(
+        [
+            "estimate",
+            "--model",
+            str(cfg),
+            "--mode",
+            "traced",
+            "--convention",
+            "hf",
+            "--dp",
+            "2",
+            "--grads",
+            "ddp-bucket-view",
+            "--dtype",
+            "fp32",
+            "--seq-len",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--step first" in err[0]

@@ -10,31 +10,95 @@ import pytest
 from pipemem.errors import UserError
 from pipemem.model import UnmodelledFamily, arch_from_hf_config, check_config
 
-BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-            intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+)
 TINY = {
-    "deepseek_v3": dict(BASE, model_type="deepseek_v3", **MLA, q_lora_rank=48, n_group=2, topk_group=1,
-                        n_shared_experts=1, num_nextn_predict_layers=1),
-    "deepseek_v2": dict(BASE, model_type="deepseek_v2", **MLA, q_lora_rank=None, n_group=1, topk_group=1,
-                        n_shared_experts=2),
-    "gpt_oss": dict(BASE, model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                    sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
-    "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, sliding_window=32,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, num_local_experts=4,
-                        num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2,
-                        attention_chunk_size=32,
-                        no_rope_layers=[1, 0]),
-    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
-                     first_k_dense_replace=1),
+    "deepseek_v3": dict(
+        BASE,
+        model_type="deepseek_v3",
+        **MLA,
+        q_lora_rank=48,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        num_nextn_predict_layers=1,
+    ),
+    "deepseek_v2": dict(
+        BASE, model_type="deepseek_v2", **MLA, q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2
+    ),
+    "gpt_oss": dict(
+        BASE,
+        model_type="gpt_oss",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma3_text": dict(
+        BASE,
+        model_type="gemma3_text",
+        head_dim=16,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "llama4_text": dict(
+        BASE,
+        model_type="llama4_text",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=128,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=32,
+        no_rope_layers=[1, 0],
+    ),
+    "glm4_moe": dict(
+        BASE,
+        model_type="glm4_moe",
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
     "olmoe": dict(BASE, model_type="olmoe", num_experts=8, num_experts_per_tok=2),
-    "qwen3_next": dict(BASE, model_type="qwen3_next", head_dim=16, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                       layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_next": dict(
+        BASE,
+        model_type="qwen3_next",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
 }
 PLAN = dict(seq_len=64, micro_batch=1, dtype="bf16", master_weights=False, flash_attn=True)
 
@@ -42,6 +106,7 @@ PLAN = dict(seq_len=64, micro_batch=1, dtype="bf16", master_weights=False, flash
 def _known(model_type):
     transformers = pytest.importorskip("transformers")
     from transformers import CONFIG_MAPPING
+
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
@@ -83,19 +148,44 @@ def test_nemotron_h_hybrid_traces_and_says_its_mamba_path():
     _known("nemotron_h")
     from pipemem import estimate
 
-    cfg = dict(model_type="nemotron_h", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, vocab_size=512, intermediate_size=128,
-               hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
-               n_groups=1, mamba_d_conv=4, expand=1, chunk_size=16, max_position_embeddings=512)
+    cfg = dict(
+        model_type="nemotron_h",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        intermediate_size=128,
+        hybrid_override_pattern="M-M*",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        mamba_d_conv=4,
+        expand=1,
+        chunk_size=16,
+        max_position_embeddings=512,
+    )
     est = estimate(cfg, mode="traced", **PLAN)
     assert est.arch.layers == 4 and any("Mamba-2 mixers" in w for w in est.warnings)
     with pytest.raises(UnmodelledFamily, match="Mamba-2 layers"):
         estimate(cfg, **PLAN)
 
 
-GEMMA3 = dict(BASE, model_type="gemma3_text", hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
-              num_hidden_layers=4, intermediate_size=512, vocab_size=1000, head_dim=32, sliding_window=4096,
-              query_pre_attn_scalar=32)
+GEMMA3 = dict(
+    BASE,
+    model_type="gemma3_text",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    intermediate_size=512,
+    vocab_size=1000,
+    head_dim=32,
+    sliding_window=4096,
+    query_pre_attn_scalar=32,
+)
 
 
 @pytest.mark.parametrize("dtype,master", [("bf16", True), ("bf16", False), ("fp32", True)])
@@ -106,8 +196,15 @@ def test_gemma3_template_matches_traced(dtype, master):
     _known("gemma3_text")
     from pipemem import estimate
 
-    kw = dict(seq_len=128, micro_batch=2, dtype=dtype, master_weights=master, flash_attn=True,
-              convention="hf", step="first")
+    kw = dict(
+        seq_len=128,
+        micro_batch=2,
+        dtype=dtype,
+        master_weights=master,
+        flash_attn=True,
+        convention="hf",
+        step="first",
+    )
     t = estimate(dict(GEMMA3), **kw).ranks[0]
     r = estimate(dict(GEMMA3), mode="traced", **kw).ranks[0]
     assert t.static.params == r.static.params
@@ -115,9 +212,14 @@ def test_gemma3_template_matches_traced(dtype, master):
     assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
 
 
-@pytest.mark.parametrize("change,what", [(dict(seq_len=4096), "--seq-len 4096 >= their window"),
-                                         (dict(flash_attn=False), "eager attention"),
-                                         (dict(convention="megatron"), "--convention megatron")])
+@pytest.mark.parametrize(
+    "change,what",
+    [
+        (dict(seq_len=4096), "--seq-len 4096 >= their window"),
+        (dict(flash_attn=False), "eager attention"),
+        (dict(convention="megatron"), "--convention megatron"),
+    ],
+)
 def test_gemma3_template_refuses_what_it_does_not_hold(change, what):
     from pipemem import estimate
 
@@ -142,8 +244,11 @@ def test_replication_past_dense_first_layers_is_exact():
         ref = estimate(dict(cfg), mode="traced", **PLAN).ranks[0]
     finally:
         rep._replication = full
-    assert (got.peak_allocated_bytes, got.static.total, got.jobs["F"].net_bytes) == \
-        (ref.peak_allocated_bytes, ref.static.total, ref.jobs["F"].net_bytes)
+    assert (got.peak_allocated_bytes, got.static.total, got.jobs["F"].net_bytes) == (
+        ref.peak_allocated_bytes,
+        ref.static.total,
+        ref.jobs["F"].net_bytes,
+    )
 
 
 def test_replication_plan_follows_layer_kinds():
@@ -160,8 +265,9 @@ def test_replication_plan_follows_layer_kinds():
     assert plan(num_hidden_layers=12, first_k_dense_replace=3) == {"traced_layers": 7, "template": 5}
     assert plan(num_hidden_layers=12, first_k_dense_replace=0) == {}
     assert plan(num_hidden_layers=6, first_k_dense_replace=3) == {"traced_layers": 6}
-    gemma = make_config(dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None,
-                             sliding_window_pattern=2))
+    gemma = make_config(
+        dict(TINY["gemma3_text"], num_hidden_layers=8, layer_types=None, sliding_window_pattern=2)
+    )
     assert _replication(gemma, build_model(gemma, torch.bfloat16), 8) == {"traced_layers": 8}
 
 
@@ -210,7 +316,7 @@ def test_traced_mode_needs_the_family_keys():
     cfg = {k: v for k, v in TINY["deepseek_v3"].items() if k != "kv_lora_rank"}
     with pytest.raises(UserError, match="missing key 'kv_lora_rank'"):
         check_config(cfg, "tiny", family_keys=True)
-    check_config(cfg, "tiny")     # template mode reads deepseek_v3 without MLA keys as a GQA model
+    check_config(cfg, "tiny")  # template mode reads deepseek_v3 without MLA keys as a GQA model
 
 
 def test_cli_bad_config_and_unmodelled_family_exit_2(tmp_path, capsys):
@@ -250,8 +356,19 @@ def test_preset_cli_traced_and_template_refusal(capsys):
     pytest.importorskip("transformers")
     from pipemem.cli.main import main
 
-    args = ["estimate", "--model", "deepseek-v3", "--seq-len", "64", "--layers", "4", "--dtype", "bf16",
-            "--no-master-weights", "--json"]
+    args = [
+        "estimate",
+        "--model",
+        "deepseek-v3",
+        "--seq-len",
+        "64",
+        "--layers",
+        "4",
+        "--dtype",
+        "bf16",
+        "--no-master-weights",
+        "--json",
+    ]
     assert main(args) == 2
     assert "multi-head latent attention" in capsys.readouterr().err
     assert main(args + ["--mode", "traced"]) == 0
@@ -278,6 +395,7 @@ def test_megatron_mla_and_mtp_refusals_name_what_is_missing(flag):
     import shlex
 
     from pipemem.configs.megatron import read
+
     base = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 "
     with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]) as e:
         read(shlex.split(base + flag))

@@ -9,12 +9,12 @@ pytest.importorskip("transformers")
 
 from pipemem.validation.cpu import CASES, estimate, measure_real  # noqa: E402
 
-TOL = 1e-3   # the acceptance: 0.1 %
+TOL = 1e-3  # the acceptance: 0.1 %
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_traced_matches_real_cpu_step(case):
-    est = estimate(case).ranks[0]          # pipemem.estimate(..., mode="traced")
+    est = estimate(case).ranks[0]  # pipemem.estimate(..., mode="traced")
     real = measure_real(case)
     assert est.static.total == real.static_bytes
     assert abs(est.peak_allocated_bytes - real.peak_bytes) <= TOL * real.peak_bytes

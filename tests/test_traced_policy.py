@@ -21,8 +21,8 @@ def test_cuda_policy_flash_attention_and_foreach():
     assert len(flash) == cfg["num_hidden_layers"]
     heads, hd = cfg["num_attention_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
     out, lse = (fwd.tensors[n] for n in flash[0].outputs[:2])
-    assert out.dtype == "bfloat16" and out.nbytes == B * heads * S * hd * 2    # autocast cast first
-    assert lse.dtype == "float32" and lse.nbytes == B * heads * S * 4            # logsumexp [B,H,S]
+    assert out.dtype == "bfloat16" and out.nbytes == B * heads * S * hd * 2  # autocast cast first
+    assert lse.dtype == "float32" and lse.nbytes == B * heads * S * 4  # logsumexp [B,H,S]
     assert any(op.type.startswith("_foreach_") for op in _ops(step, "optimizer"))
     cpu = trace_hf_step(cfg, B, S, dtype="bf16-autocast", kernel_policy="cpu")
     assert not any(op.type.startswith("_foreach_") for op in _ops(cpu, "optimizer"))
@@ -43,18 +43,30 @@ def test_cuda_policy_autocast_fp32_ops():
     # GPT-2 under bf16 autocast: CUDA autocast runs pow (in gelu_new) in fp32 (its fp32 list);
     # CPU autocast keeps it in bf16.
     def dtypes(policy, op_prefix):
-        step = trace_hf_step(TINY["gpt2"], 2, 64, attn="eager", dtype="bf16-autocast", optimizer="none",
-                             kernel_policy=policy)
+        step = trace_hf_step(
+            TINY["gpt2"], 2, 64, attn="eager", dtype="bf16-autocast", optimizer="none", kernel_policy=policy
+        )
         fwd = step.programs[0]
-        return {fwd.tensors[op.outputs[0]].dtype for op in fwd.ops if op.type.startswith(op_prefix) and op.outputs}
+        return {
+            fwd.tensors[op.outputs[0]].dtype for op in fwd.ops if op.type.startswith(op_prefix) and op.outputs
+        }
+
     assert dtypes("cuda", "pow.") == {"float32"}
     assert dtypes("cpu", "pow.") == {"bfloat16"}
 
 
 def test_cuda_policy_restores_torch():
     import torch.nn.functional as F
+
     from pipemem.traced import kernel_policy
+
     before = (F.softmax, F.dropout, F.scaled_dot_product_attention, torch.pow, "pow" in vars(torch.Tensor))
     with kernel_policy.context("cuda"):
         assert F.dropout is not before[1]
-    assert (F.softmax, F.dropout, F.scaled_dot_product_attention, torch.pow, "pow" in vars(torch.Tensor)) == before
+    assert (
+        F.softmax,
+        F.dropout,
+        F.scaled_dot_product_attention,
+        torch.pow,
+        "pow" in vars(torch.Tensor),
+    ) == before

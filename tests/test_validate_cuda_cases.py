@@ -8,14 +8,30 @@ import pytest
 
 from pipemem.errors import UserError
 from pipemem.validation.cuda_cases import (
-    ARCHS, ATTENTIONS, OPTIMIZERS, PRECISIONS, RECOMPUTES, SCHEDULES, Case, full_cases, get_cases,
-    hf_config_dict, small_cases, to_plan)
+    ARCHS,
+    ATTENTIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTES,
+    SCHEDULES,
+    Case,
+    full_cases,
+    get_cases,
+    hf_config_dict,
+    small_cases,
+    to_plan,
+)
 
 
 def test_every_feature_appears_in_the_small_set():
     cases = small_cases()
-    for attr, values in (("arch", ARCHS), ("precision", PRECISIONS), ("attn", ATTENTIONS),
-                         ("recompute", RECOMPUTES), ("optimizer", OPTIMIZERS)):
+    for attr, values in (
+        ("arch", ARCHS),
+        ("precision", PRECISIONS),
+        ("attn", ATTENTIONS),
+        ("recompute", RECOMPUTES),
+        ("optimizer", OPTIMIZERS),
+    ):
         assert {getattr(c, attr) for c in cases} == set(values), attr
     assert {c.schedule for c in cases if c.pp > 1} == set(SCHEDULES)
 
@@ -52,8 +68,16 @@ def test_filter_by_name_and_bad_filters():
         get_cases("huge")
 
 
-@pytest.mark.parametrize("bad", [dict(precision="fp8"), dict(arch="gpt2"), dict(pp=2),
-                                 dict(layers=1, pp=2, schedule="1F1B"), dict(heads=7)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(precision="fp8"),
+        dict(arch="gpt2"),
+        dict(pp=2),
+        dict(layers=1, pp=2, schedule="1F1B"),
+        dict(heads=7),
+    ],
+)
 def test_invalid_cases_are_user_errors(bad):
     with pytest.raises(UserError):
         Case(**bad)
@@ -72,11 +96,20 @@ def test_hf_config_is_what_transformers_reads():
     assert cfg._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("precision,dtype,master", [("fp32", "fp32", False), ("bf16", "bf16", False),
-                                                     ("bf16_autocast", "bf16", True)])
+@pytest.mark.parametrize(
+    "precision,dtype,master",
+    [("fp32", "fp32", False), ("bf16", "bf16", False), ("bf16_autocast", "bf16", True)],
+)
 def test_plan_says_the_same_run(precision, dtype, master):
-    c = replace(Case(layers=8, hidden=2048, intermediate=5632), precision=precision, pp=2, vpp=2,
-                schedule="ZBVZeroBubble", microbatches=4, recompute="full")
+    c = replace(
+        Case(layers=8, hidden=2048, intermediate=5632),
+        precision=precision,
+        pp=2,
+        vpp=2,
+        schedule="ZBVZeroBubble",
+        microbatches=4,
+        recompute="full",
+    )
     p = to_plan(c)
     assert (p.dtype, p.master_weights) == (dtype, master)
     assert (p.pp, p.vpp, p.microbatches, p.schedule, p.recompute) == (2, 2, 4, "ZBVZeroBubble", "full")

@@ -19,6 +19,7 @@ TINY = Case(hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128, layers=
 
 # Without a GPU ------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_gpu_one_line_and_exit_2(capsys):
     assert main(["validate", "cuda", "--configs", "small"]) == 2
@@ -40,13 +41,14 @@ def test_bad_flag_is_one_line(capsys):
 
 # The driver on CPU --------------------------------------------------------------------------
 
+
 def test_single_stage_case_runs_every_microbatch_and_the_optimizer():
     r = cuda.measure_case(replace(TINY, precision="bf16_autocast", optimizer="adamw_fused"), "cpu")
     assert r["error"] is None and len(r["ranks"]) == 1
     rank = r["ranks"][0]
     assert [a for a, _ in rank["timeline"]] == ["F0@s0", "B0@s0", "F1@s0", "B1@s0"]
     assert rank["max_held_forwards"] == 1 and rank["received_activations"] == 0
-    assert rank["allocated_peak_bytes"] is None      # no device counters on CPU
+    assert rank["allocated_peak_bytes"] is None  # no device counters on CPU
     assert r["measured_bytes"] is None
 
 
@@ -79,7 +81,11 @@ def test_received_activation_dtype_is_what_a_stage_really_sends():
 
 def _saved_bytes(case: Case) -> int:
     """Bytes of the distinct storages autograd saves during one forward of the whole model."""
-    from pipemem.validation.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
+    from pipemem.validation.stage_emulation import (
+        checkpoint_layers,
+        core_attention_recompute_impl,
+        hf_stage_modules,
+    )
 
     cfg = cuda.build_hf_config(case)
     if case.recompute == "selective":
@@ -115,6 +121,7 @@ def test_recompute_policies_save_what_they_promise():
 
 # Estimates ----------------------------------------------------------------------------------
 
+
 class _FakeEstimate:
     def __init__(self, peaks):
         self.peaks = peaks
@@ -135,7 +142,10 @@ def test_estimates_attach_per_rank_and_rel_error():
     result = {"ranks": [{"rank": 0}, {"rank": 1}], "measured_bytes": 1000}
     cuda.add_estimates(result, replace(TINY, pp=2, schedule="1F1B"), estimator)
     assert calls == [("llama", "traced", "cuda", 2), ("llama", "templates", "cuda", 2)]
-    assert result["estimates"]["traced"]["ranks"] is None and "one rank" in result["estimates"]["traced"]["error"]
+    assert (
+        result["estimates"]["traced"]["ranks"] is None
+        and "one rank" in result["estimates"]["traced"]["error"]
+    )
     assert result["estimate_mode"] == "templates" and result["estimated_bytes"] == 1200
     assert result["rel_error"] == pytest.approx(0.2)
     assert [r["estimated_bytes"]["templates"] for r in result["ranks"]] == [1200, 900]
@@ -156,15 +166,42 @@ def test_rel_error_definition():
 
 # Report -------------------------------------------------------------------------------------
 
+
 def _report():
-    env = {"gpu": {"name": "NVIDIA H200", "total_memory_bytes": 150_000_000_000}, "driver": "570.1",
-           "cuda": "12.8", "torch": "2.13.0", "transformers": "5.24.0", "pipemem": "0.1.0"}
+    env = {
+        "gpu": {"name": "NVIDIA H200", "total_memory_bytes": 150_000_000_000},
+        "driver": "570.1",
+        "cuda": "12.8",
+        "torch": "2.13.0",
+        "transformers": "5.24.0",
+        "pipemem": "0.1.0",
+    }
     rep = cuda.new_report(env, "small")
-    rep["cases"].append({"name": "a/case", "config": {}, "error": None, "measured_bytes": 2 << 30,
-                         "ranks": [{"rank": 0, "allocated_peak_bytes": 2 << 30, "reserved_peak_bytes": 3 << 30,
-                                    "estimated_bytes": {"traced": (2 << 30) + (2 << 30) // 10, "templates": None}}]})
-    rep["cases"].append({"name": "b/oom", "config": {}, "error": "rank 1: OutOfMemoryError: CUDA out of memory",
-                         "ranks": [], "measured_bytes": None})
+    rep["cases"].append(
+        {
+            "name": "a/case",
+            "config": {},
+            "error": None,
+            "measured_bytes": 2 << 30,
+            "ranks": [
+                {
+                    "rank": 0,
+                    "allocated_peak_bytes": 2 << 30,
+                    "reserved_peak_bytes": 3 << 30,
+                    "estimated_bytes": {"traced": (2 << 30) + (2 << 30) // 10, "templates": None},
+                }
+            ],
+        }
+    )
+    rep["cases"].append(
+        {
+            "name": "b/oom",
+            "config": {},
+            "error": "rank 1: OutOfMemoryError: CUDA out of memory",
+            "ranks": [],
+            "measured_bytes": None,
+        }
+    )
     return rep
 
 
@@ -203,7 +240,11 @@ def test_recompute_changes_memory_not_math(attn):
     and the selective implementation builds the same attention mask as its base."""
     import transformers.masking_utils as mu
 
-    from pipemem.validation.stage_emulation import checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
+    from pipemem.validation.stage_emulation import (
+        checkpoint_layers,
+        core_attention_recompute_impl,
+        hf_stage_modules,
+    )
 
     ids = torch.randint(0, TINY.vocab, (1, TINY.seq_len), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -212,9 +253,13 @@ def test_recompute_changes_memory_not_math(attn):
         cfg = cuda.build_hf_config(case)
         if recompute == "selective":
             h, pos = torch.zeros(1, case.seq_len, case.hidden), torch.arange(case.seq_len)[None]
-            base = mu.create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+            base = mu.create_causal_mask(
+                config=cfg, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+            )
             cfg._attn_implementation = core_attention_recompute_impl(attn)
-            mine = mu.create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+            mine = mu.create_causal_mask(
+                config=cfg, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+            )
             assert (base is None and mine is None) or torch.equal(base, mine)
         torch.manual_seed(0)
         stage = hf_stage_modules(cfg, {0: range(case.layers)}, 1, ids, "cpu", torch.float32)[0]
@@ -238,10 +283,17 @@ def test_run_writes_one_file_and_prints_the_table(monkeypatch, tmp_path, capsys)
 
     def fake_measure(case, device):
         measured.append((case.name, device))
-        return {"name": case.name, "config": case.to_dict(), "error": None, "measured_bytes": 1 << 30,
-                "measured_reserved_bytes": 2 << 30,
-                "ranks": [{"rank": r, "allocated_peak_bytes": 1 << 30, "reserved_peak_bytes": 2 << 30}
-                          for r in range(case.pp)]}
+        return {
+            "name": case.name,
+            "config": case.to_dict(),
+            "error": None,
+            "measured_bytes": 1 << 30,
+            "measured_reserved_bytes": 2 << 30,
+            "ranks": [
+                {"rank": r, "allocated_peak_bytes": 1 << 30, "reserved_peak_bytes": 2 << 30}
+                for r in range(case.pp)
+            ],
+        }
 
     monkeypatch.setattr(cuda, "require_cuda", lambda: None)
     monkeypatch.setattr(cuda, "environment", lambda: env)
@@ -253,8 +305,9 @@ def test_run_writes_one_file_and_prints_the_table(monkeypatch, tmp_path, capsys)
     doc = json.loads(out.read_text())
     assert doc["truth"] == "measured" and doc["tolerance"] == cuda.TOLERANCE and doc["passed"] is False
     headline = [r for c in doc["cases"] for r in c["rows"] if r["mode"] == c["estimate_mode"]]
-    assert sorted(doc["beyond_tolerance"]) == sorted(r["name"] for r in headline
-                                                     if abs(r["rel_error"]) > cuda.TOLERANCE)
+    assert sorted(doc["beyond_tolerance"]) == sorted(
+        r["name"] for r in headline if abs(r["rel_error"]) > cuda.TOLERANCE
+    )
     assert doc["beyond_tolerance"]
     assert doc["gpu"]["name"] == "Test GPU" and [c["name"] for c in doc["cases"]] == [n for n, _ in measured]
     for c in doc["cases"]:
@@ -263,4 +316,4 @@ def test_run_writes_one_file_and_prints_the_table(monkeypatch, tmp_path, capsys)
     text = capsys.readouterr().out
     assert "Test GPU" in text and f"wrote {out}" in text
     assert "truth measured" in text and "FAIL" in text
-    assert sum(line.startswith("llama-h2048") for line in text.splitlines()) == 2   # one row per pp rank
+    assert sum(line.startswith("llama-h2048") for line in text.splitlines()) == 2  # one row per pp rank

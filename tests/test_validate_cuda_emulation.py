@@ -12,13 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipemem.errors import UserError  # noqa: E402
-from pipemem.validation.stage_emulation import (  # noqa: E402
-    Action, RankEmulator, normalize_actions, stages_of_rank)
+from pipemem.validation.stage_emulation import Action, RankEmulator, normalize_actions, stages_of_rank  # noqa: E402
 
 HIDDEN, BATCH, VOCAB = 8, 3, 11
 
 
-class Embed(torch.nn.Module):      # stage 0: token ids -> hidden
+class Embed(torch.nn.Module):  # stage 0: token ids -> hidden
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
@@ -37,7 +36,7 @@ class Middle(torch.nn.Module):
         return torch.tanh(self.lin(h)) + h
 
 
-class Head(torch.nn.Module):       # last stage: hidden -> scalar loss
+class Head(torch.nn.Module):  # last stage: hidden -> scalar loss
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(HIDDEN, VOCAB)
@@ -96,6 +95,7 @@ def one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
 
 # Gradients: an all-local pipeline is the unsplit model ------------------------------------
 
+
 def test_all_stages_on_one_rank_give_the_unsplit_gradients():
     mods = make_stages(4)
     want = reference_grads(mods, 3)
@@ -106,7 +106,7 @@ def test_all_stages_on_one_rank_give_the_unsplit_gradients():
     run = emulator(dict(enumerate(mods)), 4).run(acts)
     got = grads(mods)
     assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
-    assert run.received_activations == [] and run.received_grads == []   # everything local
+    assert run.received_activations == [] and run.received_grads == []  # everything local
     assert run.sent_activations == 0 and run.sent_grads == 0
     assert run.max_held_forwards == 12
 
@@ -135,15 +135,24 @@ def test_input_pass_leaves_weight_grads_to_the_weight_pass():
         seen[len(seen)] = mods[2].lin.weight.grad is None
         return 0
 
-    acts = [Action("F", 0, 0), Action("F", 1, 0), Action("F", 2, 0),
-            Action("I", 2, 0), Action("I", 1, 0), Action("I", 0, 0),
-            Action("W", 2, 0), Action("W", 1, 0), Action("W", 0, 0)]
+    acts = [
+        Action("F", 0, 0),
+        Action("F", 1, 0),
+        Action("F", 2, 0),
+        Action("I", 2, 0),
+        Action("I", 1, 0),
+        Action("I", 0, 0),
+        Action("W", 2, 0),
+        Action("W", 1, 0),
+        Action("W", 0, 0),
+    ]
     run = emulator(dict(enumerate(mods)), 3, probe=probe).run(acts)
-    assert seen[3] is True and seen[6] is False      # after 2I0: none; after 2W0: there
+    assert seen[3] is True and seen[6] is False  # after 2I0: none; after 2W0: there
     assert [r.held_weight_grads for r in run.records] == [0, 0, 0, 1, 2, 3, 2, 1, 0]
 
 
 # One rank of a real pipeline: receives at true shapes, sends dropped ------------------------
+
 
 @pytest.mark.parametrize("pp,m", [(4, 6), (4, 2), (2, 5)])
 def test_1f1b_holds_min_m_p_minus_r_microbatches(pp, m):
@@ -157,8 +166,10 @@ def test_1f1b_holds_min_m_p_minus_r_microbatches(pp, m):
         assert len(run.received_grads) == (m if rank < pp - 1 else 0)
         assert run.sent_activations == (m if rank < pp - 1 else 0)
         assert run.sent_grads == (m if rank > 0 else 0)
-        assert all(shape == (BATCH, HIDDEN) and dtype == "torch.float32"
-                   for _, _, shape, dtype in run.received_activations + run.received_grads)
+        assert all(
+            shape == (BATCH, HIDDEN) and dtype == "torch.float32"
+            for _, _, shape, dtype in run.received_activations + run.received_grads
+        )
         assert all(p.grad is not None for p in mods[rank].parameters())
 
 
@@ -166,10 +177,16 @@ def test_v_schedule_turnaround_is_local_on_the_last_rank():
     # pp=2, V placement: rank 1 holds stages 1 and 2; stage 2's input is stage 1's output.
     assert stages_of_rank(1, 2, 2, "v") == [1, 2]
     mods = make_stages(4)
-    acts = [Action("F", 1, 0), Action("F", 2, 0), Action("I", 2, 0), Action("I", 1, 0),
-            Action("W", 2, 0), Action("W", 1, 0)]
+    acts = [
+        Action("F", 1, 0),
+        Action("F", 2, 0),
+        Action("I", 2, 0),
+        Action("I", 1, 0),
+        Action("W", 2, 0),
+        Action("W", 1, 0),
+    ]
     run = emulator({1: mods[1], 2: mods[2]}, 4).run(acts)
-    assert [s for s, *_ in run.received_activations] == [1]     # stage 2 received nothing
+    assert [s for s, *_ in run.received_activations] == [1]  # stage 2 received nothing
     # stage 2's output grad comes from stage 3 (remote); stage 1's from stage 2 (local)
     assert [s for s, *_ in run.received_grads] == [2]
     assert run.sent_grads == 1 and run.sent_activations == 1
@@ -178,7 +195,11 @@ def test_v_schedule_turnaround_is_local_on_the_last_rank():
 def test_torch_schedules_run_on_every_rank():
     pipelining = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
     pp, m = 2, 4
-    for name, vpp, style in (("Interleaved1F1B", 2, "loop"), ("ZBVZeroBubble", 2, "v"), ("DualPipeV", 2, "v")):
+    for name, vpp, style in (
+        ("Interleaved1F1B", 2, "loop"),
+        ("ZBVZeroBubble", 2, "v"),
+        ("DualPipeV", 2, "v"),
+    ):
         per_rank = pipelining.get_schedule_ops(name, pp, m, num_stages_per_rank=vpp)
         for rank, acts in enumerate(per_rank):
             mods = make_stages(pp * vpp)
@@ -193,14 +214,28 @@ def test_torch_schedules_run_on_every_rank():
 
 # Action spellings ------------------------------------------------------------------------
 
-def test_normalize_reads_torch_actions_and_expands_overlap():
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType as CT
 
-    acts = [None, _Action(0, CT.FORWARD, 1), _Action(0, CT.SEND_F, 1),
-            _Action(3, CT.OVERLAP_F_B, None, (_Action(0, CT.FORWARD, 2), _Action(3, CT.FULL_BACKWARD, 0))),
-            _Action(3, CT.BACKWARD_INPUT, 1), _Action(3, CT.BACKWARD_WEIGHT, 1), ("b", 2, 5)]
-    assert normalize_actions(acts) == [Action("F", 0, 1), Action("F", 0, 2), Action("B", 3, 0),
-                                       Action("I", 3, 1), Action("W", 3, 1), Action("B", 2, 5)]
+def test_normalize_reads_torch_actions_and_expands_overlap():
+    from torch.distributed.pipelining.schedules import _Action
+    from torch.distributed.pipelining.schedules import _ComputationType as CT
+
+    acts = [
+        None,
+        _Action(0, CT.FORWARD, 1),
+        _Action(0, CT.SEND_F, 1),
+        _Action(3, CT.OVERLAP_F_B, None, (_Action(0, CT.FORWARD, 2), _Action(3, CT.FULL_BACKWARD, 0))),
+        _Action(3, CT.BACKWARD_INPUT, 1),
+        _Action(3, CT.BACKWARD_WEIGHT, 1),
+        ("b", 2, 5),
+    ]
+    assert normalize_actions(acts) == [
+        Action("F", 0, 1),
+        Action("F", 0, 2),
+        Action("B", 3, 0),
+        Action("I", 3, 1),
+        Action("W", 3, 1),
+        Action("B", 2, 5),
+    ]
 
 
 def test_unreadable_action_is_a_user_error():
@@ -210,13 +245,17 @@ def test_unreadable_action_is_a_user_error():
 
 # Schedules that cannot run are reported, not crashed on ------------------------------------
 
-@pytest.mark.parametrize("acts,match", [
-    ([Action("B", 0, 0)], "without a pending forward"),
-    ([Action("F", 0, 0)], "without a finished backward"),
-    ([Action("F", 0, 0), Action("F", 0, 0)], "runs twice"),
-    ([Action("F", 0, 0), Action("W", 0, 0)], "without its input-gradient pass"),
-    ([Action("F", 1, 0)], "not on this rank"),
-])
+
+@pytest.mark.parametrize(
+    "acts,match",
+    [
+        ([Action("B", 0, 0)], "without a pending forward"),
+        ([Action("F", 0, 0)], "without a finished backward"),
+        ([Action("F", 0, 0), Action("F", 0, 0)], "runs twice"),
+        ([Action("F", 0, 0), Action("W", 0, 0)], "without its input-gradient pass"),
+        ([Action("F", 1, 0)], "not on this rank"),
+    ],
+)
 def test_bad_schedules_are_user_errors(acts, match):
     mods = make_stages(2)
     with pytest.raises(UserError, match=match):
@@ -237,6 +276,7 @@ def test_stage_placement():
 
 
 # Memory: what a rank holds after each action, counted by a live-storage tracker ---------------
+
 
 class LiveStorages:
     """Bytes of the distinct tensor storages alive that were created while the mode was active
@@ -259,7 +299,7 @@ class LiveStorages:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if func is torch.ops.aten.lift_fresh.default:
-                    return out    # a Python constant made a tensor (torch internals keep one), not data
+                    return out  # a Python constant made a tensor (torch internals keep one), not data
                 for t in torch.utils._pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         st = t.untyped_storage()
@@ -317,12 +357,24 @@ def test_split_backward_keeps_what_the_runtime_keeps_until_w():
     tracker = LiveStorages()
     tracker.ignore(*mods[1].parameters())
     emu = emulator({1: mods[1]}, 3, probe=lambda: tracker.live)
-    acts = [Action("F", 1, 0), Action("F", 1, 1), Action("I", 1, 0), Action("W", 1, 0),
-            Action("I", 1, 1), Action("W", 1, 1)]
+    acts = [
+        Action("F", 1, 0),
+        Action("F", 1, 1),
+        Action("I", 1, 0),
+        Action("W", 1, 0),
+        Action("I", 1, 1),
+        Action("W", 1, 1),
+    ]
     with tracker.mode:
         run = emu.run(acts)
     assert [r.bytes_after for r in run.records] == [
-        3 * unit, 6 * unit, 8 * unit, 3 * unit + grads_bytes, 5 * unit + grads_bytes, grads_bytes]
+        3 * unit,
+        6 * unit,
+        8 * unit,
+        3 * unit + grads_bytes,
+        5 * unit + grads_bytes,
+        grads_bytes,
+    ]
 
 
 def test_every_pipeline_case_of_the_matrix_walks_on_every_rank():
@@ -344,7 +396,8 @@ def test_every_pipeline_case_of_the_matrix_walks_on_every_rank():
             run = emulator({s: mods[s] for s in owned}, case.num_stages).run(acts)
             fwd = [r.action for r in run.records if r.action.kind == "F"]
             assert sorted((a.stage, a.microbatch) for a in fwd) == sorted(
-                (s, m) for s in owned for m in range(case.microbatches)), case.name
+                (s, m) for s in owned for m in range(case.microbatches)
+            ), case.name
             if case.schedule == "1F1B":
                 assert run.max_held_forwards == min(case.microbatches, case.pp - rank), case.name
         assert sorted(owned_all) == list(range(case.num_stages)), case.name

@@ -18,14 +18,23 @@ def test_tp_rank_holds_its_shard_of_every_sharded_weight():
     # and lm_head are split in two; the three kinds of RMSNorm weights are replicated.
     import pipemem
     from pipemem.validation.distributed.models import hf_config
+
     spec = dict(LLAMA, layers=2)
     h, f, v, kv = spec["hidden"], spec["ffn"], spec["vocab"], spec["kv_heads"]
     hd = h // spec["heads"]
     layer_sharded = h * h + 2 * h * kv * hd + h * h + 3 * h * f
     sharded = v * h + spec["layers"] * layer_sharded + v * h
     replicated = spec["layers"] * 2 * h + h
-    est = pipemem.estimate(hf_config(spec), mode="traced", kernel_policy="cpu", convention="torchtitan",
-                           step="first", dtype="fp32", tp=2, seq_len=16)
+    est = pipemem.estimate(
+        hf_config(spec),
+        mode="traced",
+        kernel_policy="cpu",
+        convention="torchtitan",
+        step="first",
+        dtype="fp32",
+        tp=2,
+        seq_len=16,
+    )
     assert est.ranks[0].static.params == 4 * (sharded // 2 + replicated)
 
 
@@ -38,7 +47,9 @@ def test_ci_cases_match_measured_peaks_per_rank(capsys):
     assert {r["case"].split("-")[0][:2] for r in rows} >= {"pp", "tp", "fs", "dd"}
     for r in rows:
         assert r["measured_bytes"] > 0 and r["estimated_bytes"] > 0
-        assert r["rel_error"] == pytest.approx((r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"])
+        assert r["rel_error"] == pytest.approx(
+            (r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
+        )
         assert abs(r["rel_error"]) <= 0.01, r
     # both ranks of every case were measured on their own
     assert len(rows) == 2 * len(CI_CASES)
@@ -47,4 +58,6 @@ def test_ci_cases_match_measured_peaks_per_rank(capsys):
     assert len(savings) == 2
     for r in savings:
         assert r["saving_measured_bytes"] > 0, r
-        assert abs(r["saving_estimated_bytes"] - r["saving_measured_bytes"]) <= 0.01 * r["saving_measured_bytes"], r
+        assert (
+            abs(r["saving_estimated_bytes"] - r["saving_measured_bytes"]) <= 0.01 * r["saving_measured_bytes"]
+        ), r

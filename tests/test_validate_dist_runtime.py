@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from pipemem.validation.dist_worker import repair_missed_frees  # noqa: E402
 
-Y, DX, IN, GB = 100, 10, 10, 100   # bytes of y, dx, one input buffer, one output-grad buffer
+Y, DX, IN, GB = 100, 10, 10, 100  # bytes of y, dx, one input buffer, one output-grad buffer
 
 
 def _stage(s, n, f_net=1000, f_peak=1200, b_first_extra=50):
@@ -27,11 +27,16 @@ def _stage(s, n, f_net=1000, f_peak=1200, b_first_extra=50):
     first, last = s == 0, s == n - 1
     dx = 0 if first else DX
     b_net = -(f_net - Y) + dx
-    bounds = dict(output_bytes=Y, input_grad_bytes=dx, input_bytes=0 if first else IN,
-                  output_grad_bytes=0 if last else GB)
+    bounds = dict(
+        output_bytes=Y,
+        input_grad_bytes=dx,
+        input_bytes=0 if first else IN,
+        output_grad_bytes=0 if last else GB,
+    )
     later = StageJobs(s, F=JobMemory(f_net, f_peak), B=JobMemory(b_net, 300), **bounds)
-    first_b = StageJobs(s, F=JobMemory(f_net, f_peak), B=JobMemory(b_net + b_first_extra, 300 + b_first_extra),
-                        **bounds)
+    first_b = StageJobs(
+        s, F=JobMemory(f_net, f_peak), B=JobMemory(b_net + b_first_extra, 300 + b_first_extra), **bounds
+    )
     return later, first_b
 
 
@@ -101,15 +106,32 @@ def test_validate_dist_takes_every_number_from_pipemem_estimate(monkeypatch):
     # and no module of validate dist reaches into the engine's memory code, however imported
     # (`from ..replay import replay`, `from .. import replay`, `import pipemem.replay`, ...)
     root = Path(dist.__file__).parent
-    engine = {f"pipemem.{m}" for m in ("replay", "liveness", "runtime", "stages", "jobs", "pipeline_estimator",
-                                         "traced.parallel", "traced.step", "traced.estimate", "traced.dist_capture")}
-    for path in [root / "dist.py", root / "compare.py", root / "progress.py",
-                 *sorted((root / "distributed").glob("*.py"))]:
+    engine = {
+        f"pipemem.{m}"
+        for m in (
+            "replay",
+            "liveness",
+            "runtime",
+            "stages",
+            "jobs",
+            "pipeline_estimator",
+            "traced.parallel",
+            "traced.step",
+            "traced.estimate",
+            "traced.dist_capture",
+        )
+    }
+    for path in [
+        root / "dist.py",
+        root / "compare.py",
+        root / "progress.py",
+        *sorted((root / "distributed").glob("*.py")),
+    ]:
         parts = ("pipemem",) + path.relative_to(root.parent).with_suffix("").parts
-        pkg = parts[:-1]                  # the package a relative import starts from
+        pkg = parts[:-1]  # the package a relative import starts from
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = list(pkg[:len(pkg) - (node.level - 1)]) if node.level else []
+                base = list(pkg[: len(pkg) - (node.level - 1)]) if node.level else []
                 mod = ".".join(base + ([node.module] if node.module else []))
                 targets = {mod} | {f"{mod}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
@@ -146,8 +168,16 @@ def test_cli_lists_cases(capsys):
         assert want in names
 
 
-@pytest.mark.parametrize("name,pp,m", [("Interleaved1F1B", 2, 4), ("Interleaved1F1B", 4, 8), ("ZBVZeroBubble", 2, 4),
-                                       ("ZBVZeroBubble", 4, 8), ("DualPipeV", 4, 8)])
+@pytest.mark.parametrize(
+    "name,pp,m",
+    [
+        ("Interleaved1F1B", 2, 4),
+        ("Interleaved1F1B", 4, 8),
+        ("ZBVZeroBubble", 2, 4),
+        ("ZBVZeroBubble", 4, 8),
+        ("DualPipeV", 4, 8),
+    ],
+)
 def test_pipemem_schedules_match_the_order_pytorch_runs(name, pp, m):
     # pipemem's generators must agree with PyTorch's own lowered action lists (what
     # _PipelineScheduleRuntime executes) on the compute order, rank by rank.
@@ -162,6 +192,9 @@ def test_pipemem_schedules_match_the_order_pytorch_runs(name, pp, m):
         for a in ops[r]:
             if a is not None:
                 flat += list(a.sub_actions) if a.computation_type == CT.OVERLAP_F_B else [a]
-        theirs = [(kind[a.computation_type], a.stage_index, a.microbatch_index) for a in flat
-                  if a.computation_type in kind]
+        theirs = [
+            (kind[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in flat
+            if a.computation_type in kind
+        ]
         assert [(a.kind, a.stage, a.microbatch) for a in ours.ranks[r]] == theirs

@@ -10,13 +10,21 @@ import sys
 import pytest
 
 from pipemem.validation import TARGETS
-from pipemem.validation.hf_trainer import CI_CASES, CONFIG, TOLERANCE, all_cases, argv_of, available, estimate_case
+from pipemem.validation.hf_trainer import (
+    CI_CASES,
+    CONFIG,
+    TOLERANCE,
+    all_cases,
+    argv_of,
+    available,
+    estimate_case,
+)
 
 
 def _has_trainer() -> bool:
     try:
         return available() is None
-    except Exception:   # noqa: BLE001
+    except Exception:  # noqa: BLE001
         return False
 
 
@@ -30,15 +38,22 @@ def test_target_registered_and_every_case_goes_through_the_reader(tmp_path):
         assert str(tmp_path) in argv and "{" not in " ".join(argv)
         tool, est = estimate_case(case, str(tmp_path))
         assert tool.plan["convention"] == "hf" and est.ranks[0].peak_allocated_bytes > 0
-        if "deepspeed_config" in case:        # the launcher's 2 processes, the config's ZeRO stage
-            assert tool.plan["dp"] == 2 and tool.plan["zero"] == case["deepspeed_config"]["zero_optimization"]["stage"]
+        if "deepspeed_config" in case:  # the launcher's 2 processes, the config's ZeRO stage
+            assert (
+                tool.plan["dp"] == 2
+                and tool.plan["zero"] == case["deepspeed_config"]["zero_optimization"]["stage"]
+            )
 
 
 @pytest.mark.skipif(not _has_trainer(), reason="transformers' Trainer (with accelerate) not importable")
 @pytest.mark.slow
 def test_validate_hf_trainer_ci_cases_agree():
-    out = subprocess.run([sys.executable, "-m", "pipemem", "validate", "hf-trainer", "--json"],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipemem", "validate", "hf-trainer", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
     d = json.loads(out.stdout)
     assert {r["case"] for r in d["cases"]} == set(CI_CASES)

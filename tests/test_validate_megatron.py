@@ -11,14 +11,16 @@ import pytest
 from pipemem.validation import TARGETS
 from pipemem.validation.megatron import CASES, CI_CASES, TOLERANCE, hf_config, plan_kwargs, select
 
-needs_megatron = pytest.mark.skipif(find_spec("megatron") is None, reason="megatron-core not installed "
-                                    "(pip install -e '.[megatron]')")
+needs_megatron = pytest.mark.skipif(
+    find_spec("megatron") is None, reason="megatron-core not installed (pip install -e '.[megatron]')"
+)
 
 
 def test_target_registered_and_cases_are_valid_plans():
     import pipemem
+
     assert "megatron" in TARGETS
-    for case in CASES:        # every case is a plan pipemem accepts, estimated through the one path
+    for case in CASES:  # every case is a plan pipemem accepts, estimated through the one path
         est = pipemem.estimate(hf_config(case), **plan_kwargs(case))
         assert len(est.ranks) == case.pp
 
@@ -26,16 +28,23 @@ def test_target_registered_and_cases_are_valid_plans():
 @needs_megatron
 @pytest.mark.slow
 def test_validate_megatron_ci_cases_agree():
-    out = subprocess.run([sys.executable, "-m", "pipemem", "validate", "megatron", "--json", "--cases",
-                          ",".join(CI_CASES)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipemem", "validate", "megatron", "--json", "--cases", ",".join(CI_CASES)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
     names = {r["name"] for r in d["cases"]}
     assert names == {f"{c}/{q}" for c in CI_CASES for q in ("peak", "layer_kept")}
     # a trace, not a measurement; the peak rows rest on the flash workspace the templates assume
     assert (d["truth"], d["tolerance"], d["passed"]) == ("traced", TOLERANCE, True)
-    assert all(r.get("kernel_workspace") == "kernel workspace assumed, not checked"
-               for r in d["cases"] if r["name"].endswith("/peak"))
+    assert all(
+        r.get("kernel_workspace") == "kernel workspace assumed, not checked"
+        for r in d["cases"]
+        if r["name"].endswith("/peak")
+    )
     for r in d["cases"]:
         assert r["measured_bytes"] > 0 and abs(r["rel_error"]) <= TOLERANCE, r
 
@@ -43,22 +52,44 @@ def test_validate_megatron_ci_cases_agree():
 @needs_megatron
 def test_patches_are_undone():
     import torch
-    from pipemem.validation.megatron_trace import megatron_on_cpu
     from megatron.core.fusions import fused_cross_entropy as fce
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
     from megatron.core.optimizer import optimizer_config
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer as HDO
-    before = (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
-              torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
-              fgo.ChunkOffloadHandler.bulk_offload, HDO.__init__, HDO.step, HDO.zero_grad,
-              optimizer_config.is_te_min_version)
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    from pipemem.validation.megatron_trace import megatron_on_cpu
+
+    before = (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        torch.cuda.Event,
+        torch.cuda.synchronize,
+        torch.Tensor.record_stream,
+        fce.calculate_logits_max,
+        fgo.ChunkOffloadHandler.offload,
+        fgo.ChunkOffloadHandler.bulk_offload,
+        HDO.__init__,
+        HDO.step,
+        HDO.zero_grad,
+        optimizer_config.is_te_min_version,
+    )
     with megatron_on_cpu():
         assert torch.cuda.current_device() == "cpu"
-        assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")   # the plain function
-    assert (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize,
-            torch.Tensor.record_stream, fce.calculate_logits_max, fgo.ChunkOffloadHandler.offload,
-            fgo.ChunkOffloadHandler.bulk_offload, HDO.__init__, HDO.step, HDO.zero_grad,
-            optimizer_config.is_te_min_version) == before
+        assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")  # the plain function
+    assert (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        torch.cuda.Event,
+        torch.cuda.synchronize,
+        torch.Tensor.record_stream,
+        fce.calculate_logits_max,
+        fgo.ChunkOffloadHandler.offload,
+        fgo.ChunkOffloadHandler.bulk_offload,
+        HDO.__init__,
+        HDO.step,
+        HDO.zero_grad,
+        optimizer_config.is_te_min_version,
+    ) == before
     assert "is_cuda" not in torch.Tensor.__dict__
     assert "fused_weight_gradient_mlp_cuda" not in sys.modules
 
@@ -73,6 +104,7 @@ def test_ce_fusion_cases_are_estimated_with_the_fused_loss():
 
 def test_unknown_case_is_one_clear_error():
     from pipemem.errors import UserError
+
     with pytest.raises(UserError, match="unknown case"):
         select("dense-tp2-sp,nope")
 
@@ -85,11 +117,12 @@ def test_fine_grained_offloading_runs_megatron_code():
     from dataclasses import replace
 
     from pipemem.validation.megatron import trace_in_subprocess
+
     case = next(c for c in CASES if c.name == "dense-tp1-offload-attn")
     on, off = trace_in_subprocess(case), trace_in_subprocess(replace(case, offload=""))
     s, b, h, heads, kv = case.seq_len, case.micro_batch, case.hidden, case.heads, case.kv_heads
     d = h // heads
-    moved = 2 * s * b * (heads * d + kv * d + (heads + 2 * kv) * d + h)   # q, k, qkv, ctx (bf16)
+    moved = 2 * s * b * (heads * d + kv * d + (heads + 2 * kv) * d + h)  # q, k, qkv, ctx (bf16)
     last = str(case.layers - 1)
     for layer in map(str, range(case.layers - 1)):
         assert off["layer_kept_bytes"][layer] - on["layer_kept_bytes"][layer] == moved
@@ -108,10 +141,11 @@ def test_optimizer_offload_runs_megatron_code():
     from dataclasses import replace
 
     from pipemem.validation.megatron import trace_in_subprocess
+
     case = next(c for c in CASES if c.name == "dense-tp1")
     on, off = trace_in_subprocess(replace(case, optimizer_offload=0.5)), trace_in_subprocess(case)
     vocab = -(-case.vocab // 128) * 128
-    shards = [vocab * case.hidden, case.hidden * case.ffn, 2 * case.ffn * case.hidden]   # output, fc2, fc1
+    shards = [vocab * case.hidden, case.hidden * case.ffn, 2 * case.ffn * case.hidden]  # output, fc2, fc1
     assert off["static_bytes"] - on["static_bytes"] == 12 * sum(shards)
     step = {p["name"]: p for p in on["phases"]}["s2.optimizer"]
     assert step["peak_bytes"] - step["start_bytes"] == 4 * max(shards)
@@ -129,9 +163,14 @@ def test_precision_aware_optimizer_runs_megatron_code():
     (TE's fp32 scale per non-fp32 state of each parameter, 4 bytes a tensor, is left out of
     both the relation and pipemem.) pipemem.estimate agrees with each trace."""
     from pipemem.validation.megatron import compare, trace_in_subprocess
+
     by_name = {c.name: c for c in CASES}
-    names = ("dense-tp1", "dense-tp1-precision-aware-bf16-states", "dense-tp1-precision-aware-fp16-main",
-             "dense-tp1-precision-aware-fp8-states")
+    names = (
+        "dense-tp1",
+        "dense-tp1-precision-aware-bf16-states",
+        "dense-tp1-precision-aware-fp16-main",
+        "dense-tp1-precision-aware-fp8-states",
+    )
     traces = {n: trace_in_subprocess(by_name[n]) for n in names}
     static = {n: t["static_bytes"] for n, t in traces.items()}
     plain, bf16, fp16_main, fp8 = (static[n] for n in names)

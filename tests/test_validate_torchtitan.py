@@ -12,13 +12,23 @@ pytestmark = pytest.mark.skipif(available() is not None, reason="torchtitan==0.3
 
 def test_fsdp2_rank_within_one_percent():
     from pipemem.validation.torchtitan import all_cases, compare_case, trace_case
+
     case = {c["name"]: c for c in all_cases()}["fsdp2"]
     traces = trace_case(case)
     t = traces[0]
     # the trace read torchtitan's own model (llama3 debugmodel) and recorded the second step:
     # optimizer states (AdamW: 2 x fp32 shards) and resident gradients are what it starts with
-    assert t["arch"] == {"vocab": 2048, "dim": 256, "layers": 6, "n_heads": 16, "n_kv_heads": 16, "head_dim": 16,
-                         "tied": False, "qk_norm": False, "ffn": 768}
+    assert t["arch"] == {
+        "vocab": 2048,
+        "dim": 256,
+        "layers": 6,
+        "n_heads": 16,
+        "n_kv_heads": 16,
+        "head_dim": 16,
+        "tied": False,
+        "qk_norm": False,
+        "ffn": 768,
+    }
     kinds = t["static_by_kind"]
     assert kinds["optimizer_state"] >= 2 * kinds["param"] and kinds["grad"] == kinds["param"]
     (row,) = compare_case(case, traces)
@@ -27,11 +37,26 @@ def test_fsdp2_rank_within_one_percent():
 
 def test_from_torchtitan_launch_arguments():
     from pipemem.configs.torchtitan import read_args
-    tc = read_args(["--module", "llama3", "--config", "llama3_debugmodel",
-                    "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
-                    "--training.disable_cuda_graphs"])
+
+    tc = read_args(
+        [
+            "--module",
+            "llama3",
+            "--config",
+            "llama3_debugmodel",
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.disable_cuda_graphs",
+        ]
+    )
     p = tc.plan
-    assert tc.model["hidden_size"] == 256 and tc.model["num_hidden_layers"] == 6 and tc.model["vocab_size"] == 2048
+    assert (
+        tc.model["hidden_size"] == 256
+        and tc.model["num_hidden_layers"] == 6
+        and tc.model["vocab_size"] == 2048
+    )
     assert p["dp"] == 4 and p["tp"] == 2 and p["sp"] is True and p["fsdp"] is True
     assert p["recompute"] == "selective" and p["grads"] == "set-to-none" and p["extra"]["loss_chunks"] == 8
     # torch.compile is modelled (pipemem.features): read from torchtitan's own flag

@@ -16,30 +16,38 @@ needs_torchtune = pytest.mark.skipif(available() is not None, reason="torchtune 
 
 def test_target_registered_and_cases_are_valid_plans():
     import pipemem
+
     assert "torchtune" in TARGETS
     names = [c["name"] for c in all_cases()]
     assert len(names) == len(set(names)) and set(CI_CASES) <= set(names)
-    for case in all_cases():      # every case is a plan pipemem accepts, through the one path
+    for case in all_cases():  # every case is a plan pipemem accepts, through the one path
         est = pipemem.estimate(hf_config(case), **plan_kwargs(case))
         assert est.ranks[0].peak_allocated_bytes > 0
 
 
 def test_custom_sharded_layers_reach_the_plan_as_the_reader_puts_them(tmp_path):
     from pipemem.configs.torchtune import read
+
     case = next(c for c in all_cases() if c.get("custom_sharded_layers"))
     cfg = tmp_path / "8B_full.yaml"
-    cfg.write_text("model:\n  _component_: torchtune.models.llama3_2.llama3_2_3b\nbatch_size: 2\n"
-                   "tokenizer:\n  max_seq_len: 256\ndtype: bf16\n"
-                   "optimizer:\n  _component_: torch.optim.AdamW\n  fused: True\n"
-                   "custom_sharded_layers: " + json.dumps(case["custom_sharded_layers"]) + "\n")
+    cfg.write_text(
+        "model:\n  _component_: torchtune.models.llama3_2.llama3_2_3b\nbatch_size: 2\n"
+        "tokenizer:\n  max_seq_len: 256\ndtype: bf16\n"
+        "optimizer:\n  _component_: torch.optim.AdamW\n  fused: True\n"
+        "custom_sharded_layers: " + json.dumps(case["custom_sharded_layers"]) + "\n"
+    )
     assert read(str(cfg)).plan["extra"] == plan_kwargs(case)["extra"]
 
 
 @needs_torchtune
 @pytest.mark.slow
 def test_validate_torchtune_ci_cases_agree():
-    out = subprocess.run([sys.executable, "-m", "pipemem", "validate", "torchtune", "--json"],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipemem", "validate", "torchtune", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
     assert {r["case"] for r in d["cases"]} == set(CI_CASES)
@@ -56,12 +64,16 @@ def test_root_unit_is_what_torchtune_holds():
     custom_sharded_layers case while the backward runs (the unit gathered again, its grads unreduced
     until the end), and the estimate follows each within the tolerance."""
     from pipemem.validation.torchtune import compare_case, trace_case
+
     by = {c["name"]: c for c in all_cases()}
     rows = {}
     for name in ("fsdp2-root-chunked", "fsdp2-custom-chunked"):
         trace = trace_case(by[name], 600)
         rows[name] = (trace, compare_case(by[name], trace))
-    (root_trace, root_row), (custom_trace, custom_row) = rows["fsdp2-root-chunked"], rows["fsdp2-custom-chunked"]
+    (root_trace, root_row), (custom_trace, custom_row) = (
+        rows["fsdp2-root-chunked"],
+        rows["fsdp2-custom-chunked"],
+    )
     backward = lambda t: next(p["peak_bytes"] for p in t["phases"] if p["name"] == "backward")  # noqa: E731
     assert backward(root_trace) > backward(custom_trace)
     assert root_row.estimated_bytes > custom_row.estimated_bytes

@@ -36,8 +36,16 @@ def test_log_progress_one_line_per_case():
 
 def test_summary_table_rows_and_worst_error():
     buf = io.StringIO()
-    rows = [CaseRow("c1/peak", 1000, 1010, {"peak_at": "B0@s0"}),
-            {"name": "c2/peak", "measured_bytes": 2048, "estimated_bytes": 2048, "rel_error": 0.0, "peak_at": "F1@s0"}]
+    rows = [
+        CaseRow("c1/peak", 1000, 1010, {"peak_at": "B0@s0"}),
+        {
+            "name": "c2/peak",
+            "measured_bytes": 2048,
+            "estimated_bytes": 2048,
+            "rel_error": 0.0,
+            "peak_at": "F1@s0",
+        },
+    ]
     worst = print_summary(rows, columns=(("peak_at", "peak at"),), file=buf)
     out = buf.getvalue()
     assert abs(worst - 0.01) < 1e-12
@@ -47,8 +55,13 @@ def test_summary_table_rows_and_worst_error():
 
 def test_validate_cpu_shows_progress_and_no_usdt():
     env = dict(os.environ, COLUMNS="120")
-    r = subprocess.run([sys.executable, "-m", "pipemem", "validate", "cpu", "--cases", "gpt2-fp32-eager"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "pipemem", "validate", "cpu", "--cases", "gpt2-fp32-eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "USDT" not in r.stderr
     assert "[1/1] gpt2-fp32-eager" in r.stderr
@@ -61,10 +74,12 @@ def test_validate_features_shows_progress_and_summary(monkeypatch, capsys):
     from pipemem.cli.main import main
     from pipemem.validation import features
 
-    cases = [("compile/x", lambda: [CaseRow("compile/x: saved", 1000, 1001)]),
-             ("fp8/y", lambda: [CaseRow("fp8/y: peak", 2048, 2048)])]
+    cases = [
+        ("compile/x", lambda: [CaseRow("compile/x: saved", 1000, 1001)]),
+        ("fp8/y", lambda: [CaseRow("fp8/y: peak", 2048, 2048)]),
+    ]
     monkeypatch.setattr(features, "case_list", lambda: cases)
-    for mod in ("torch", "transformers", "networkx"):    # what the command checks for first
+    for mod in ("torch", "transformers", "networkx"):  # what the command checks for first
         pytest.importorskip(mod)
     assert main(["validate", "features"]) == 0
     out, err = capsys.readouterr()

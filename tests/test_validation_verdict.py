@@ -7,13 +7,30 @@ import json
 import pytest
 
 from pipemem.validation import TARGETS
-from pipemem.validation.compare import (TRUTHS, CaseRow, beyond_tolerance, exit_code, header_line, report,
-                                        verdict_line)
+from pipemem.validation.compare import (
+    TRUTHS,
+    CaseRow,
+    beyond_tolerance,
+    exit_code,
+    header_line,
+    report,
+    verdict_line,
+)
 
 # a real run measured by the allocator or profiler, or the framework's code on fake tensors
-EXPECTED_TRUTH = {"cpu": "measured", "dist": "measured", "paddle": "measured", "cuda": "measured",
-                  "deepspeed": "measured", "hf_trainer": "measured", "allocator": "measured",
-                  "megatron": "traced", "torchtitan": "traced", "torchtune": "traced", "features": "traced"}
+EXPECTED_TRUTH = {
+    "cpu": "measured",
+    "dist": "measured",
+    "paddle": "measured",
+    "cuda": "measured",
+    "deepspeed": "measured",
+    "hf_trainer": "measured",
+    "allocator": "measured",
+    "megatron": "traced",
+    "torchtitan": "traced",
+    "torchtune": "traced",
+    "features": "traced",
+}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -37,7 +54,7 @@ def test_a_row_tolerance_a_known_gap_and_an_unreliable_measurement():
     doubt = CaseRow("doubt", 1000, 1000, {"unreliable": "repair beyond its bound"})
     assert beyond_tolerance([own, gap], 0.01) == []
     assert beyond_tolerance([CaseRow("own", 1000, 1060, {"tolerance": 0.05})], 0.01) == ["own"]
-    assert beyond_tolerance([doubt], 0.01) == ["doubt"]          # exact, but the measurement is in doubt
+    assert beyond_tolerance([doubt], 0.01) == ["doubt"]  # exact, but the measurement is in doubt
     text = verdict_line([own, gap, doubt], 0.01)
     assert text.startswith("FAIL: 1 of 2 rows") and "known gap: gap: template low" in text and "doubt" in text
 
@@ -63,13 +80,16 @@ def test_report_carries_truth_tolerance_and_verdict():
 
 def test_dist_rows_show_the_repair_and_fail_beyond_its_bound():
     from pipemem.validation.dist import REPAIR_BOUND, check_repair
+
     # the unproven part of the repair (proven - repaired) is what the bound limits
     top = 1000 + int(REPAIR_BOUND * 1000)
     small = CaseRow("r0", 1000, 1000, {"raw_measured_bytes": 2000, "proven_measured_bytes": top})
     large = CaseRow("r1", 1000, 1000, {"raw_measured_bytes": 2000, "proven_measured_bytes": top + 1})
     for r in (small, large):
         check_repair(r)
-    assert small.extra["assumed_repair_rel"] == pytest.approx(REPAIR_BOUND) and "unreliable" not in small.extra
+    assert (
+        small.extra["assumed_repair_rel"] == pytest.approx(REPAIR_BOUND) and "unreliable" not in small.extra
+    )
     assert small.extra["repair_rel"] == pytest.approx(1.0)
     assert "unreliable" in large.extra and beyond_tolerance([small, large], 0.01) == ["r1"]
 
@@ -77,6 +97,7 @@ def test_dist_rows_show_the_repair_and_fail_beyond_its_bound():
 def test_dist_raw_peak_is_the_recorded_one_and_the_repair_lowers_it_by_at_most_the_missed_bytes():
     torch = pytest.importorskip("torch")  # noqa: F841
     from pipemem.validation.dist_worker import _running_peak, repair_missed_frees
+
     # two blocks at one address with no free between (the free was on another thread), a wait at t=15
     events = [(10, 100, 1, "a"), (20, 50, 2, "b"), (30, 100, 1, "c"), (40, -100, 1, "d"), (50, -50, 2, "e")]
     repaired, missed = repair_missed_frees(events, waits=[15])
@@ -85,4 +106,4 @@ def test_dist_raw_peak_is_the_recorded_one_and_the_repair_lowers_it_by_at_most_t
     peak = _running_peak(repaired, 0)[0]
     assert (raw_peak, missed) == (250, 100)
     assert peak == 150 and raw_peak - missed <= peak <= proven <= raw_peak
-    assert proven == 150        # freed at t=30, when its address is handed out again
+    assert proven == 150  # freed at t=30, when its address is handed out again

@@ -13,8 +13,14 @@ import pytest
 from pipemem.cli.main import main
 from pipemem.errors import UserError
 from pipemem.estimate import NEAR_LIMIT, NEAR_LIMIT_UNMODELLED, estimate, judge
-from pipemem.outside_allocator import (CUDA_CONTEXT_BYTES, NCCL_GROUP_BYTES, NCCL_PAIR_BYTES, NVLS_BYTES,
-                                       cublas_workspace_bytes, outside_allocator)
+from pipemem.outside_allocator import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_GROUP_BYTES,
+    NCCL_PAIR_BYTES,
+    NVLS_BYTES,
+    cublas_workspace_bytes,
+    outside_allocator,
+)
 from pipemem.plan import ParallelPlan
 
 GiB = 1 << 30
@@ -53,8 +59,10 @@ def test_device_peak_adds_the_outside_memory_to_reserved_or_allocated():
     for r in e.ranks:
         held = r.peak_reserved_bytes if r.peak_reserved_bytes is not None else r.peak_allocated_bytes
         assert r.device_peak_bytes == held + r.outside.total_bytes
-        assert r.outside.total_bytes == r.outside.cuda_context_bytes + r.outside.nccl_bytes + \
-            r.outside.cublas_workspace_bytes
+        assert (
+            r.outside.total_bytes
+            == r.outside.cuda_context_bytes + r.outside.nccl_bytes + r.outside.cublas_workspace_bytes
+        )
     assert e.headroom_bytes == e.gpu_memory_bytes - max(r.device_peak_bytes for r in e.ranks)
 
 
@@ -63,7 +71,7 @@ def test_communicators_follow_the_plan():
     o = outside_allocator(plan, tied_embeddings=False, pp_rank=1, compute_capability="9.0")
     groups = {c.name: c for c in o.communicators}
     assert set(groups) == {"tp", "dp", "pp", "world"}
-    assert groups["tp"].ranks == 8 and groups["tp"].nvls       # one node, > 2 ranks, sm 9.0
+    assert groups["tp"].ranks == 8 and groups["tp"].nvls  # one node, > 2 ranks, sm 9.0
     assert groups["tp"].bytes == NCCL_GROUP_BYTES + NVLS_BYTES
     assert groups["dp"].ranks == 2 and not groups["dp"].nvls and groups["dp"].bytes == NCCL_PAIR_BYTES
     assert not groups["pp"].nvls and not groups["world"].nvls  # their members span nodes
@@ -92,15 +100,38 @@ def test_overrides_and_their_bad_values():
 
 
 def test_report_itemizes_the_device_peak():
-    rc, out, err = _cli("estimate", "--model", "llama3-8b", "--tp", "2", "--dp", "2", "--global-batch", "16",
-                        "--gpu", "h100-80g")
+    rc, out, err = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--global-batch",
+        "16",
+        "--gpu",
+        "h100-80g",
+    )
     assert rc == 0, err
     line = out.strip().splitlines()[-1] if out.strip() else ""
     text = " ".join(out.split())
     assert "outside the allocator" in text and "CUDA context" in text and "NCCL" in text and "cuBLAS" in text
     assert line
-    rc, out, err = _cli("estimate", "--model", "llama3-8b", "--tp", "2", "--dp", "2", "--global-batch", "16",
-                        "--gpu", "h100-80g", "--json")
+    rc, out, err = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--global-batch",
+        "16",
+        "--gpu",
+        "h100-80g",
+        "--json",
+    )
     d = json.loads(out)
     assert d["verdict"] in ("fits", "tight", "oom") and d["ranks"][0]["outside_allocator"]["communicators"]
 
@@ -112,6 +143,19 @@ def test_tight_is_said_near_the_limit():
     # --gpu-memory alone prices the outside memory as an H100's, so the device peak is the same
     assert e.max_device_peak_bytes == device
     assert e.verdict == "tight" and e.fits is False
-    rc, out, err = _cli("estimate", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--dp", "2",
-                        "--global-batch", "16", "--gpu-memory", f"{device * 1.01 / GiB}")
+    rc, out, err = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--global-batch",
+        "16",
+        "--gpu-memory",
+        f"{device * 1.01 / GiB}",
+    )
     assert rc == 0 and "TIGHT" in out and "may OOM" in " ".join(out.split())

@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from .config import AllocatorConfig
 from .model import AllocatorOOM, CachingAllocator, allocation_size, round_size
 
-__all__ = ["AllocatorConfig", "CachingAllocator", "AllocatorOOM", "SimResult", "simulate", "round_size",
-           "allocation_size"]
+__all__ = [
+    "AllocatorConfig",
+    "CachingAllocator",
+    "AllocatorOOM",
+    "SimResult",
+    "simulate",
+    "round_size",
+    "allocation_size",
+]
 
 
 @dataclass
@@ -27,11 +34,12 @@ class SimResult:
     final_allocated_bytes: int
     allocated_at_peak_reserved: int
     segment_events: list
-    oom_at: int | None = None        # index of the event that ran out of memory, if any
+    oom_at: int | None = None  # index of the event that ran out of memory, if any
 
 
-def simulate(events, config: AllocatorConfig | str | None = None,
-             capacity_bytes: int | None = None) -> SimResult:
+def simulate(
+    events, config: AllocatorConfig | str | None = None, capacity_bytes: int | None = None
+) -> SimResult:
     """Replay `events` through a fresh allocator.
 
     Each event is a tuple `(size, stream, id)`: size > 0 allocates `size` bytes on `stream`
@@ -43,5 +51,12 @@ def simulate(events, config: AllocatorConfig | str | None = None,
         config = AllocatorConfig.parse(config)
     a = CachingAllocator(config, capacity_bytes=capacity_bytes)
     oom_at = a.run_stream(events)
-    return SimResult(a.peak_reserved_bytes, a.peak_allocated_bytes, a.reserved_bytes, a.allocated_bytes,
-                     a.allocated_at_peak_reserved, a.segment_events, oom_at)
+    return SimResult(
+        a.peak_reserved_bytes,
+        a.peak_allocated_bytes,
+        a.reserved_bytes,
+        a.allocated_bytes,
+        a.allocated_at_peak_reserved,
+        a.segment_events,
+        oom_at,
+    )

@@ -31,14 +31,29 @@ from ..errors import UserError
 
 MiB = 1 << 20
 K_LARGE_BUFFER = 20 * MiB
-NUM_INTERVALS = 16           # kRoundUpPowerOfTwoIntervals: 1 MiB .. 32 GiB
-SIZE_MAX = (1 << 64) - 1     # std::numeric_limits<size_t>::max(): max_split_size unset
+NUM_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 32 GiB
+SIZE_MAX = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size unset
 
-_BOOL_KEYS = ("expandable_segments", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-              "pinned_use_background_threads", "graph_capture_record_stream_reuse")
+_BOOL_KEYS = (
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_background_threads",
+    "graph_capture_record_stream_reuse",
+)
 _INT_KEYS = ("pinned_num_register_threads", "pinned_reserve_segment_size_mb")
-KNOWN_KEYS = ("backend", "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-              "garbage_collection_threshold", "per_process_memory_fraction") + _BOOL_KEYS + _INT_KEYS
+KNOWN_KEYS = (
+    (
+        "backend",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "roundup_power2_divisions",
+        "garbage_collection_threshold",
+        "per_process_memory_fraction",
+    )
+    + _BOOL_KEYS
+    + _INT_KEYS
+)
 
 
 def _flag(key: str) -> str:
@@ -70,8 +85,9 @@ class AllocatorConfig:
         while i < len(tokens):
             key = tokens[i]
             if key not in KNOWN_KEYS:
-                raise UserError(f"--alloc-conf: unknown key {key!r}; PyTorch's allocator knows "
-                                f"{', '.join(KNOWN_KEYS)}")
+                raise UserError(
+                    f"--alloc-conf: unknown key {key!r}; PyTorch's allocator knows {', '.join(KNOWN_KEYS)}"
+                )
             i = _expect(tokens, i + 1, ":", key)
             if key == "roundup_power2_divisions":
                 values[key], i = _parse_divisions(tokens, i + 1)
@@ -88,15 +104,21 @@ class AllocatorConfig:
     @classmethod
     def _from_values(cls, values: dict, text: str) -> "AllocatorConfig":
         if values.get("backend", "native") != "native":
-            raise UserError("--alloc-conf backend:cudaMallocAsync: the CUDA driver's own pool is not "
-                            "modelled; use backend:native (the default)")
+            raise UserError(
+                "--alloc-conf backend:cudaMallocAsync: the CUDA driver's own pool is not "
+                "modelled; use backend:native (the default)"
+            )
         kw = {"text": text}
         if "max_split_size_mb" in values:
             kw["max_split_size"] = values["max_split_size_mb"] * MiB
         if "max_non_split_rounding_mb" in values:
             kw["max_non_split_rounding_size"] = values["max_non_split_rounding_mb"] * MiB
-        for k in ("roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments",
-                  "per_process_memory_fraction"):
+        for k in (
+            "roundup_power2_divisions",
+            "garbage_collection_threshold",
+            "expandable_segments",
+            "per_process_memory_fraction",
+        ):
             if k in values:
                 kw[k] = values[k]
         return cls(**kw)
@@ -108,15 +130,18 @@ class AllocatorConfig:
         if not settings:
             return cls()
         text = settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-        try:            # what the text sets that the settings do not record (max_non_split_rounding_mb)
+        try:  # what the text sets that the settings do not record (max_non_split_rounding_mb)
             base = cls.parse(text) if isinstance(text, str) else cls()
         except UserError:
             base = cls()
-        kw = {"text": text, "max_non_split_rounding_size": base.max_non_split_rounding_size,
-              "per_process_memory_fraction": base.per_process_memory_fraction,
-              "max_split_size": base.max_split_size,
-              "roundup_power2_divisions": base.roundup_power2_divisions,
-              "garbage_collection_threshold": base.garbage_collection_threshold}
+        kw = {
+            "text": text,
+            "max_non_split_rounding_size": base.max_non_split_rounding_size,
+            "per_process_memory_fraction": base.per_process_memory_fraction,
+            "max_split_size": base.max_split_size,
+            "roundup_power2_divisions": base.roundup_power2_divisions,
+            "garbage_collection_threshold": base.garbage_collection_threshold,
+        }
         mss = settings.get("max_split_size")
         if isinstance(mss, int) and 0 < mss < SIZE_MAX:
             kw["max_split_size"] = mss
@@ -188,8 +213,9 @@ def _lex(text: str) -> list[str]:
 def _expect(tokens: list[str], i: int, ch: str, key: str) -> int:
     if i >= len(tokens) or tokens[i] != ch:
         got = tokens[i] if i < len(tokens) else "the end"
-        raise UserError(f"{_flag(key)}: expected '{ch}' but found {got!r} (the syntax is "
-                        "key:value,key:value)")
+        raise UserError(
+            f"{_flag(key)}: expected '{ch}' but found {got!r} (the syntax is key:value,key:value)"
+        )
     return i
 
 
@@ -224,7 +250,7 @@ def _parse_scalar(key: str, text: str):
         if key == "per_process_memory_fraction" and not (0.0 <= v <= 1.0 and math.isfinite(v)):
             raise UserError(f"{_flag(key)}: {text} is out of range; set it between 0.0 and 1.0")
         return v
-    v = _int(key, text)      # the pinned-memory integers
+    v = _int(key, text)  # the pinned-memory integers
     if v < 0:
         raise UserError(f"{_flag(key)}: {v} must not be negative")
     return v

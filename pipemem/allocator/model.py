@@ -78,7 +78,7 @@ LARGE, SMALL = 0, 1
 # sorted lists compare machine-sized ints, not tuples: addresses below 2**62, sizes below 2**50.
 _SZ, _ST = 62, 112
 _PTR = (1 << _SZ) - 1
-_UST, _UPTR = 64, (1 << 64) - 1          # unmapped ranges: (stream, address)
+_UST, _UPTR = 64, (1 << 64) - 1  # unmapped ranges: (stream, address)
 
 
 def _key(stream: int, size: int, ptr: int) -> int:
@@ -91,8 +91,10 @@ class AllocatorOOM(Exception):
 
     def __init__(self, size: int, reserved: int, allocated: int, capacity: int | None):
         self.size, self.reserved, self.allocated, self.capacity = size, reserved, allocated, capacity
-        super().__init__(f"out of memory allocating {size} B: {reserved} B reserved, {allocated} B "
-                         f"allocated, capacity {capacity} B")
+        super().__init__(
+            f"out of memory allocating {size} B: {reserved} B reserved, {allocated} B "
+            f"allocated, capacity {capacity} B"
+        )
 
 
 def round_size(size: int, config: AllocatorConfig) -> int:
@@ -127,17 +129,30 @@ def allocation_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("ptr", "size", "stream", "pool", "allocated", "prev", "next", "requested",
-                 "events", "uses", "seg", "mapped", "gc_base")
+    __slots__ = (
+        "ptr",
+        "size",
+        "stream",
+        "pool",
+        "allocated",
+        "prev",
+        "next",
+        "requested",
+        "events",
+        "uses",
+        "seg",
+        "mapped",
+        "gc_base",
+    )
 
     def __init__(self, ptr, size, stream, pool, seg=None, mapped=True):
         self.ptr, self.size, self.stream, self.pool = ptr, size, stream, pool
         self.allocated = False
         self.prev = self.next = None
         self.requested = 0
-        self.events = 0          # outstanding stream events (a requested, not completed, free)
-        self.uses = None         # streams recorded with record_stream
-        self.seg = seg           # the _Expandable range, or None for a cudaMalloc segment
+        self.events = 0  # outstanding stream events (a requested, not completed, free)
+        self.uses = None  # streams recorded with record_stream
+        self.seg = seg  # the _Expandable range, or None for a cudaMalloc segment
         self.mapped = mapped
         self.gc_base = 0
 
@@ -160,8 +175,13 @@ class CachingAllocator:
     raises AllocatorOOM. memory_fraction (or the config's per_process_memory_fraction): the
     cap of torch.cuda.set_per_process_memory_fraction, as a fraction of capacity_bytes."""
 
-    def __init__(self, config: AllocatorConfig | None = None, capacity_bytes: int | None = None,
-                 memory_fraction: float | None = None, address_source=None):
+    def __init__(
+        self,
+        config: AllocatorConfig | None = None,
+        capacity_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        address_source=None,
+    ):
         self.config = config if config is not None else AllocatorConfig()
         self.capacity = capacity_bytes
         frac = memory_fraction if memory_fraction is not None else self.config.per_process_memory_fraction
@@ -179,12 +199,12 @@ class CachingAllocator:
         self._unmapped = ({}, {})
         self._gc_calls = [0, 0]
         self._live: dict[int, _Block] = {}
-        self._pending: dict[int, _Block] = {}       # freed, waiting for stream events
-        self._segments: dict[int, list] = {}        # cudaMalloc segments: ptr -> [size, stream, pool]
-        self._seg_starts: list[int] = []            # their addresses, sorted
+        self._pending: dict[int, _Block] = {}  # freed, waiting for stream events
+        self._segments: dict[int, list] = {}  # cudaMalloc segments: ptr -> [size, stream, pool]
+        self._seg_starts: list[int] = []  # their addresses, sorted
         self._ranges: list[_Expandable] = []
         self._next_handle = 1
-        self._next_addr = 1 << 56        # above any real device address
+        self._next_addr = 1 << 56  # above any real device address
         self._address_source = address_source
         self.reserved_bytes = 0
         self.allocated_bytes = 0
@@ -199,16 +219,21 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Allocate `nbytes` on `stream`; returns a handle for free()."""
-        size = (-(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK) \
-            if self._plain_rounding else round_size(nbytes, self.config)
+        size = (
+            (-(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK)
+            if self._plain_rounding
+            else round_size(nbytes, self.config)
+        )
         pool = SMALL if size <= K_SMALL_SIZE else LARGE
         block = self._get_free_block(size, stream, pool)
         if block is None:
             block = self._new_block(size, stream, pool)
         block = self._hand_out(block, size, nbytes)
-        if self.reserved_bytes == self.peak_reserved_bytes and \
-                self.allocated_bytes > self.allocated_at_peak_reserved:
-            self.allocated_at_peak_reserved = self.allocated_bytes   # the most allocated at the peak level
+        if (
+            self.reserved_bytes == self.peak_reserved_bytes
+            and self.allocated_bytes > self.allocated_at_peak_reserved
+        ):
+            self.allocated_at_peak_reserved = self.allocated_bytes  # the most allocated at the peak level
         h = self._next_handle
         self._next_handle = h + 1
         self._live[h] = block
@@ -280,8 +305,11 @@ class CachingAllocator:
         out = {}
         for name, pool in (("large", LARGE), ("small", SMALL)):
             sizes = [b.size for b in self._free[pool].values()]
-            out[name] = {"free_bytes": sum(sizes), "free_blocks": len(sizes),
-                         "largest_free_block": max(sizes, default=0)}
+            out[name] = {
+                "free_bytes": sum(sizes),
+                "free_blocks": len(sizes),
+                "largest_free_block": max(sizes, default=0),
+            }
         out["pending_free_bytes"] = sum(b.size for b in self._pending.values())
         out["reserved_bytes"] = self.reserved_bytes
         out["allocated_bytes"] = self.allocated_bytes
@@ -292,15 +320,29 @@ class CachingAllocator:
         address, size, stream, pool, and the bytes allocated in them."""
         out = []
         for ptr, (size, stream, pool) in sorted(self._segments.items()):
-            out.append({"address": ptr, "size": size, "stream": stream,
-                        "pool": "small" if pool == SMALL else "large", "expandable": False,
-                        "allocated": 0})
+            out.append(
+                {
+                    "address": ptr,
+                    "size": size,
+                    "stream": stream,
+                    "pool": "small" if pool == SMALL else "large",
+                    "expandable": False,
+                    "allocated": 0,
+                }
+            )
         for r in self._ranges:
             mapped = self._mapped_runs(r)
             for ptr, size in mapped:
-                out.append({"address": ptr, "size": size, "stream": r.stream,
-                            "pool": "small" if r.pool == SMALL else "large", "expandable": True,
-                            "allocated": 0})
+                out.append(
+                    {
+                        "address": ptr,
+                        "size": size,
+                        "stream": r.stream,
+                        "pool": "small" if r.pool == SMALL else "large",
+                        "expandable": True,
+                        "allocated": 0,
+                    }
+                )
         starts = [s["address"] for s in out]
         order = sorted(range(len(out)), key=lambda k: starts[k])
         out = [out[k] for k in order]
@@ -345,7 +387,7 @@ class CachingAllocator:
         pieces, at = [], base
         for addr, size, live in runs:
             if addr > at:
-                pieces.append((at, addr - at, None))          # unmapped
+                pieces.append((at, addr - at, None))  # unmapped
             at = addr
             for ptr, bsize, req in live:
                 if ptr > at:
@@ -446,8 +488,10 @@ class CachingAllocator:
                 self.allocated_bytes += block.size
                 if self.allocated_bytes > self.peak_allocated_bytes:
                     self.peak_allocated_bytes = self.allocated_bytes
-                if self.reserved_bytes == self.peak_reserved_bytes and \
-                        self.allocated_bytes > self.allocated_at_peak_reserved:
+                if (
+                    self.reserved_bytes == self.peak_reserved_bytes
+                    and self.allocated_bytes > self.allocated_at_peak_reserved
+                ):
                     self.allocated_at_peak_reserved = self.allocated_bytes
                 live[key] = block
         except AllocatorOOM:
@@ -495,8 +539,11 @@ class CachingAllocator:
                         break
             else:
                 i += 1
-                while i < len(keys) and (keys[i] >> _ST) == stream and \
-                        self._free[pool][keys[i] & _PTR].seg is not None:
+                while (
+                    i < len(keys)
+                    and (keys[i] >> _ST) == stream
+                    and self._free[pool][keys[i] & _PTR].seg is not None
+                ):
                     i += 1
                 if i == len(keys) or (keys[i] >> _ST) != stream:
                     return None
@@ -623,7 +670,7 @@ class CachingAllocator:
         if src.events == 0 and (src.ptr in self._free[src.pool] or src.ptr in self._unmapped[src.pool]):
             self._remove(src)
         else:
-            return 0      # a block still pending (freed, events outstanding) is not in a pool
+            return 0  # a block still pending (freed, events outstanding) is not in a pool
         if dst.prev is src:
             dst.ptr = src.ptr
             dst.prev = src.prev
@@ -801,8 +848,9 @@ class CachingAllocator:
         self._remove(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng,
-                          mapped=False)
+            rest = _Block(
+                block.ptr + nbytes, block.size - nbytes, block.stream, block.pool, rng, mapped=False
+            )
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest

@@ -40,13 +40,12 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from .config import AllocatorConfig
-from .model import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator,
-                    round_size)
+from .model import K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorOOM, CachingAllocator, round_size
 
 SEG_GROW = ("segment_alloc", "segment_map")
 SEG_SHRINK = ("segment_free", "segment_unmap")
 MAX_FILE_BYTES = 4 << 30
-_MAX_ADDR = 1 << 60          # device addresses (48-bit today) and sizes the model's keys hold
+_MAX_ADDR = 1 << 60  # device addresses (48-bit today) and sizes the model's keys hold
 _MAX_SIZE = 1 << 48
 _SIZED = ("alloc", "free_requested", "free_completed", "oom") + SEG_GROW + SEG_SHRINK
 
@@ -87,15 +86,25 @@ def loads(raw: bytes, name: str = "snapshot") -> dict:
         try:
             snap = _RefuseGlobals(io.BytesIO(raw)).load()
         except pickle.UnpicklingError as e:
-            raise UserError(f"snapshot {name}: refused, {e}; a memory snapshot holds only plain "
-                            "values") from None
-        except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError,
-                MemoryError, RecursionError) as e:
-            raise UserError(f"snapshot {name}: the pickle is truncated or corrupt "
-                            f"({type(e).__name__})") from None
+            raise UserError(
+                f"snapshot {name}: refused, {e}; a memory snapshot holds only plain values"
+            ) from None
+        except (
+            EOFError,
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+            AttributeError,
+            OverflowError,
+            MemoryError,
+            RecursionError,
+        ) as e:
+            raise UserError(
+                f"snapshot {name}: the pickle is truncated or corrupt ({type(e).__name__})"
+            ) from None
     else:
-        raise UserError(f"snapshot {name}: not a torch.cuda.memory._dump_snapshot pickle, nor its "
-                        "JSON form")
+        raise UserError(f"snapshot {name}: not a torch.cuda.memory._dump_snapshot pickle, nor its JSON form")
     return _one_device_extract(_check(snap, name))
 
 
@@ -106,17 +115,26 @@ def _one_device_extract(snap: dict) -> dict:
     src = snap.get("source")
     dev = src.get("device") if isinstance(src, dict) else None
     traces = snap.get("device_traces") or []
-    if type(dev) is int and 0 < dev < 1024 and len(traces) == 1 \
-            and all(s.get("device", 0) == dev for s in snap.get("segments") or []):
+    if (
+        type(dev) is int
+        and 0 < dev < 1024
+        and len(traces) == 1
+        and all(s.get("device", 0) == dev for s in snap.get("segments") or [])
+    ):
         snap = dict(snap, device_traces=[[] for _ in range(dev)] + traces)
     return snap
 
 
 def _check(snap, name: str) -> dict:
-    if not isinstance(snap, dict) or not isinstance(snap.get("segments", []), list) \
-            or not isinstance(snap.get("device_traces", []), list):
-        raise UserError(f"snapshot {name}: expected a dict with 'segments' and 'device_traces' lists "
-                        "(what torch.cuda.memory._snapshot() returns)")
+    if (
+        not isinstance(snap, dict)
+        or not isinstance(snap.get("segments", []), list)
+        or not isinstance(snap.get("device_traces", []), list)
+    ):
+        raise UserError(
+            f"snapshot {name}: expected a dict with 'segments' and 'device_traces' lists "
+            "(what torch.cuda.memory._snapshot() returns)"
+        )
     if "segments" not in snap and "device_traces" not in snap:
         raise UserError(f"snapshot {name}: it has neither 'segments' nor 'device_traces'")
     for t in snap.get("device_traces") or []:
@@ -126,22 +144,36 @@ def _check(snap, name: str) -> dict:
             a = e.get("action")
             if not isinstance(a, str):
                 raise UserError(f"snapshot {name}: a trace event without an action")
-            if a in _SIZED and (type(e.get("size")) is not int or type(e.get("addr")) is not int
-                                or not 0 <= e["size"] < _MAX_SIZE or not -1 <= e["addr"] < _MAX_ADDR
-                                or type(e.get("stream", 0)) is not int):
-                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream "
-                                "in range")
+            if a in _SIZED and (
+                type(e.get("size")) is not int
+                or type(e.get("addr")) is not int
+                or not 0 <= e["size"] < _MAX_SIZE
+                or not -1 <= e["addr"] < _MAX_ADDR
+                or type(e.get("stream", 0)) is not int
+            ):
+                raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream in range")
     for s in snap.get("segments") or []:
-        if not isinstance(s, dict) or type(s.get("address")) is not int \
-                or type(s.get("total_size")) is not int or not isinstance(s.get("blocks", []), list) \
-                or type(s.get("device", 0)) is not int or type(s.get("stream", 0)) is not int:
-            raise UserError(f"snapshot {name}: a segment without an integer address/total_size/device/"
-                            "stream, or without a blocks list")
+        if (
+            not isinstance(s, dict)
+            or type(s.get("address")) is not int
+            or type(s.get("total_size")) is not int
+            or not isinstance(s.get("blocks", []), list)
+            or type(s.get("device", 0)) is not int
+            or type(s.get("stream", 0)) is not int
+        ):
+            raise UserError(
+                f"snapshot {name}: a segment without an integer address/total_size/device/"
+                "stream, or without a blocks list"
+            )
         if not (0 <= s["address"] < _MAX_ADDR and 0 <= s["total_size"] < _MAX_SIZE):
             raise UserError(f"snapshot {name}: a segment address or size out of range")
         for b in s.get("blocks") or []:
-            if not isinstance(b, dict) or type(b.get("address")) is not int \
-                    or type(b.get("size")) is not int or not 0 <= b["size"] < _MAX_SIZE:
+            if (
+                not isinstance(b, dict)
+                or type(b.get("address")) is not int
+                or type(b.get("size")) is not int
+                or not 0 <= b["size"] < _MAX_SIZE
+            ):
                 raise UserError(f"snapshot {name}: a block without an integer address/size")
     return snap
 
@@ -169,7 +201,7 @@ class Recorded:
     n_final_segments: int
     ooms: int
     from_empty: bool
-    final_segments: list          # sorted (size, allocated bytes) of each final segment
+    final_segments: list  # sorted (size, allocated bytes) of each final segment
     expandable: bool
     n_events: int
 
@@ -193,11 +225,14 @@ def recorded(snap: dict, device: int) -> Recorded:
     from_empty = start == 0 and not state.live and not state.segments and not state.runs
     expandable = any(s.get("is_expandable") for s in segs) or any(a == "segment_map" for a, _ in events)
     held = ("active_allocated", "active_pending_free")
-    final_segs = sorted((s["total_size"], sum(b["size"] for b in s.get("blocks") or []
-                                              if b.get("state") in held)) for s in segs)
+    final_segs = sorted(
+        (s["total_size"], sum(b["size"] for b in s.get("blocks") or [] if b.get("state") in held))
+        for s in segs
+    )
     ooms = sum(1 for e in trace if e["action"] == "oom")
-    return Recorded(start, start + peak, final, events, len(segs), ooms, from_empty, final_segs, expandable,
-                    len(trace))
+    return Recorded(
+        start, start + peak, final, events, len(segs), ooms, from_empty, final_segs, expandable, len(trace)
+    )
 
 
 def _trace(snap: dict, device: int) -> list:
@@ -207,14 +242,14 @@ def _trace(snap: dict, device: int) -> list:
 
 @dataclass
 class _StartState:
-    segments: dict = field(default_factory=dict)       # address -> (size, stream, expandable)
-    live: dict = field(default_factory=dict)           # address -> (block_size or None, requested, stream)
-    runs: list = field(default_factory=list)           # mapped expandable stretches:
+    segments: dict = field(default_factory=dict)  # address -> (size, stream, expandable)
+    live: dict = field(default_factory=dict)  # address -> (block_size or None, requested, stream)
+    runs: list = field(default_factory=list)  # mapped expandable stretches:
     #                                                    [start, end, stream, small]
-    alloc_at: list = field(default_factory=list)       # (address, trace index) of every alloc, sorted
+    alloc_at: list = field(default_factory=list)  # (address, trace index) of every alloc, sorted
 
 
-_STATE_CACHE: list = []      # [(snap, device, state)]: recorded() and replay_device() share it
+_STATE_CACHE: list = []  # [(snap, device, state)]: recorded() and replay_device() share it
 
 
 def _start_state(snap: dict, device: int) -> _StartState:
@@ -230,13 +265,19 @@ def _start_state(snap: dict, device: int) -> _StartState:
 def _compute_start_state(snap: dict, device: int) -> _StartState:
     trace = _trace(snap, device)
     st = _StartState()
-    runs = []          # mapped stretches of expandable segments: [start, end, stream, small]
+    runs = []  # mapped stretches of expandable segments: [start, end, stream, small]
     for s in snap.get("segments") or []:
         if s.get("device", 0) != device:
             continue
         if s.get("is_expandable"):
-            runs.append([s["address"], s["address"] + s["total_size"], s.get("stream", 0),
-                         s.get("segment_type") == "small"])
+            runs.append(
+                [
+                    s["address"],
+                    s["address"] + s["total_size"],
+                    s.get("stream", 0),
+                    s.get("segment_type") == "small",
+                ]
+            )
         else:
             st.segments[s["address"]] = (s["total_size"], s.get("stream", 0), False)
     for e in reversed(trace):
@@ -268,10 +309,17 @@ def _compute_start_state(snap: dict, device: int) -> _StartState:
         if s.get("device", 0) != device:
             continue
         for b in s.get("blocks") or []:
-            if b.get("state") in ("active_allocated", "active_pending_free") \
-                    and b.get("address") not in live_in_trace and b.get("address") not in st.live:
-                st.live[b["address"]] = (b["size"], b.get("requested_size", b["size"]),
-                                         s.get("stream", 0), None)
+            if (
+                b.get("state") in ("active_allocated", "active_pending_free")
+                and b.get("address") not in live_in_trace
+                and b.get("address") not in st.live
+            ):
+                st.live[b["address"]] = (
+                    b["size"],
+                    b.get("requested_size", b["size"]),
+                    s.get("stream", 0),
+                    None,
+                )
     return st
 
 
@@ -312,11 +360,16 @@ class Modelled:
     ooms: int
     at_peak: dict
     notes: list
-    final_segments: list = field(default_factory=list)   # sorted (size, allocated bytes)
+    final_segments: list = field(default_factory=list)  # sorted (size, allocated bytes)
 
 
-def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None,
-                  capacity_bytes: int | None = None, driver_addresses: bool = True) -> Modelled:
+def replay_device(
+    snap: dict,
+    device: int,
+    config: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    driver_addresses: bool = True,
+) -> Modelled:
     """Replay one device's trace. `config` None: the snapshot's own settings, with the device
     limits the trace shows at each release-and-retry (see the module doc). A `config` given
     (a what-if) replays the same requests under it, with `capacity_bytes` as the device's room
@@ -334,9 +387,18 @@ def replay_device(snap: dict, device: int, config: AllocatorConfig | None = None
         at_peak = b.cache_summary()
     # allocated when reserved first reached its peak (the request that made it included)
     alloc_at_peak = at_peak.get("allocated_bytes", a.allocated_at_peak_reserved)
-    return Modelled(a.peak_reserved_bytes, a.reserved_bytes, alloc_at_peak, a.peak_allocated_bytes,
-                    list(a.segment_events), len(a.segments()), a.num_ooms, at_peak, notes,
-                    sorted((s["size"], s["allocated"]) for s in a.segments()))
+    return Modelled(
+        a.peak_reserved_bytes,
+        a.reserved_bytes,
+        alloc_at_peak,
+        a.peak_allocated_bytes,
+        list(a.segment_events),
+        len(a.segments()),
+        a.num_ooms,
+        at_peak,
+        notes,
+        sorted((s["size"], s["allocated"]) for s in a.segments()),
+    )
 
 
 def _driver_addresses(snap, device):
@@ -350,8 +412,9 @@ def _driver_addresses(snap, device):
         a = box["a"]
         k = len(a.segment_events)
         if k < len(seg) and seg[k]["action"] == "segment_alloc" and seg[k]["size"] == size:
-            return seg[k]["addr"]       # the model checks that the range is free
+            return seg[k]["addr"]  # the model checks that the range is free
         return None
+
     return source, box
 
 
@@ -362,19 +425,24 @@ def _start(snap, device, cfg, capacity, notes, driver_addresses=True):
     st = _start_state(snap, device)
     handles = {}
     import bisect
+
     spans = [(seg, seg + size, False) for seg, (size, _, _) in st.segments.items()]
     spans += [(r[0], r[1], True) for r in st.runs]
     spans.sort()
     kept, end = [], None
-    for sp in spans:           # a trace that lost events can imply overlaps: keep the first
+    for sp in spans:  # a trace that lost events can imply overlaps: keep the first
         if end is None or sp[0] >= end:
             kept.append(sp)
             end = sp[1]
     if len(kept) < len(spans):
         notes.append(f"{len(spans) - len(kept)} segment(s) the trace implies overlap others: left out")
         keep = {sp[0] for sp in kept}
-        st = _StartState({k: v for k, v in st.segments.items() if k in keep}, st.live,
-                         [r for r in st.runs if r[0] in keep], st.alloc_at)
+        st = _StartState(
+            {k: v for k, v in st.segments.items() if k in keep},
+            st.live,
+            [r for r in st.runs if r[0] in keep],
+            st.alloc_at,
+        )
     spans = kept
     starts = [x[0] for x in spans]
     inside: dict[int, list] = {x[0]: [] for x in spans}
@@ -413,9 +481,10 @@ def _next_start(alloc_at, lo, before, default):
     """The lowest address >= lo where the trace allocates a block before index `before`: a
     block boundary while the block at lo's left was live."""
     import bisect
+
     k = bisect.bisect_left(alloc_at, (lo, -1))
     best = default
-    for addr, n in alloc_at[k:k + 64]:
+    for addr, n in alloc_at[k : k + 64]:
         if addr >= best:
             break
         if n < before:
@@ -431,8 +500,11 @@ def _block_size(requested: int, gap: int, small: bool, cfg: AllocatorConfig) -> 
     rest = gap - size
     if rest <= 0:
         return gap
-    split = rest >= K_MIN_BLOCK if (small or cfg.expandable_segments) else \
-        (rest > K_SMALL_SIZE and size < cfg.max_split_size)
+    split = (
+        rest >= K_MIN_BLOCK
+        if (small or cfg.expandable_segments)
+        else (rest > K_SMALL_SIZE and size < cfg.max_split_size)
+    )
     return size if split else gap
 
 
@@ -454,7 +526,7 @@ def _ops(snap, device, what_if):
         grows = shrinks and any(x["action"] in SEG_GROW for x in buf)
         limit = None
         if shrinks and a == "alloc" and grows:
-            limit = level            # a failed cudaMalloc: the device had room for this much
+            limit = level  # a failed cudaMalloc: the device had room for this much
         elif shrinks:
             ops.append(("empty_cache",))
         buf = []
@@ -487,14 +559,14 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
                     a.empty_cache()
                 limit = None
             if limit is not None and a.would_reuse(size, stream):
-                a.empty_cache()          # the cache was released before a request it could serve
+                a.empty_cache()  # the cache was released before a request it could serve
                 limit = None
             if limit is not None:
                 saved, a.capacity = a.capacity, limit
                 try:
                     h = a.malloc(size, stream)
                 except AllocatorOOM:
-                    a.capacity = None      # the model needed more room than the trace shows
+                    a.capacity = None  # the model needed more room than the trace shows
                     h = a.malloc(size, stream)
                 a.capacity = saved
             else:
@@ -505,7 +577,7 @@ def _run(a: CachingAllocator, ops, handles, what_if, stop):
             handles[addr] = h
         elif kind == "free_req":
             h = handles.get(op[1])
-            if h is not None and a.is_live(h):      # a trace may repeat or lose events
+            if h is not None and a.is_live(h):  # a trace may repeat or lose events
                 a.free_requested(h)
         elif kind == "free_done":
             h = handles.pop(op[1], None)

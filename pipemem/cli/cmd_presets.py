@@ -14,11 +14,15 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("presets", help="list built-in models and GPUs",
-                       description="List the model presets (published Hugging Face config.json shapes, shipped "
-                                   "with pipemem) and GPU presets (total device memory) that --model and --gpu "
-                                   "accept.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "presets",
+        help="list built-in models and GPUs",
+        description="List the model presets (published Hugging Face config.json shapes, shipped "
+        "with pipemem) and GPU presets (total device memory) that --model and --gpu "
+        "accept.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -36,12 +40,23 @@ def model_rows() -> list[dict]:
         except UnmodelledFamily:
             rows.append(_traced_only_row(name, text, cfg))
             continue
-        row = {"name": name, "model_type": a.model_type, "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
-               "kv_heads": a.kv_heads, "ffn": a.ffn or a.expert_ffn, "experts": a.experts, "top_k": a.top_k,
-               "vocab": a.vocab, "source": cfg.get("_pipemem_source", ""), "modes": "templates, traced"}
+        row = {
+            "name": name,
+            "model_type": a.model_type,
+            "layers": a.layers,
+            "hidden": a.hidden,
+            "heads": a.heads,
+            "kv_heads": a.kv_heads,
+            "ffn": a.ffn or a.expert_ffn,
+            "experts": a.experts,
+            "top_k": a.top_k,
+            "vocab": a.vocab,
+            "source": cfg.get("_pipemem_source", ""),
+            "modes": "templates, traced",
+        }
         try:
             row["params"] = a.param_count()
-        except ImportError:   # the templates package is not installed in this build
+        except ImportError:  # the templates package is not installed in this build
             row["params"] = None
         rows.append(row)
     return rows
@@ -51,13 +66,21 @@ def _traced_only_row(name: str, c: dict, cfg: dict) -> dict:
     """A family only traced mode runs: the sizes its config.json states (None where it leaves
     transformers' default), without importing transformers."""
     experts = next((c[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if c.get(k)), 0)
-    return {"name": name, "model_type": c.get("model_type"), "layers": c.get("num_hidden_layers"),
-            "hidden": c.get("hidden_size"), "heads": c.get("num_attention_heads"),
-            "kv_heads": c.get("num_key_value_heads"),
-            "ffn": (c.get("moe_intermediate_size") if experts else None) or c.get("intermediate_size"),
-            "experts": experts, "top_k": c.get("num_experts_per_tok", 0) if experts else 0,
-            "vocab": c.get("vocab_size"), "source": cfg.get("_pipemem_source", ""), "params": None,
-            "modes": "traced"}
+    return {
+        "name": name,
+        "model_type": c.get("model_type"),
+        "layers": c.get("num_hidden_layers"),
+        "hidden": c.get("hidden_size"),
+        "heads": c.get("num_attention_heads"),
+        "kv_heads": c.get("num_key_value_heads"),
+        "ffn": (c.get("moe_intermediate_size") if experts else None) or c.get("intermediate_size"),
+        "experts": experts,
+        "top_k": c.get("num_experts_per_tok", 0) if experts else 0,
+        "vocab": c.get("vocab_size"),
+        "source": cfg.get("_pipemem_source", ""),
+        "params": None,
+        "modes": "traced",
+    }
 
 
 def gpu_rows() -> list[dict]:
@@ -78,12 +101,26 @@ def run(args) -> int:
 
     from ..report.text import console, table_width, terminal_width
 
-    t = Table(title="models (--model NAME)", title_justify="left", header_style="bold", pad_edge=False,
-              box=box.SIMPLE_HEAD)
-    for c, j in (("name", "left"), ("type", "left"), ("params", "right"), ("layers", "right"),
-                 ("hidden", "right"), ("heads/kv", "right"), ("ffn", "right"), ("experts", "right"),
-                 ("vocab", "right")):
+    t = Table(
+        title="models (--model NAME)",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+        box=box.SIMPLE_HEAD,
+    )
+    for c, j in (
+        ("name", "left"),
+        ("type", "left"),
+        ("params", "right"),
+        ("layers", "right"),
+        ("hidden", "right"),
+        ("heads/kv", "right"),
+        ("ffn", "right"),
+        ("experts", "right"),
+        ("vocab", "right"),
+    ):
         t.add_column(c, justify=j, no_wrap=True)
+
     def v(x):
         return "-" if x is None else str(x)
 
@@ -92,23 +129,54 @@ def run(args) -> int:
         experts = f"{m['experts']} (top {m['top_k']})" if m["experts"] else "-"
         kind = v(m["model_type"]) + ("" if m["modes"] != "traced" else " *")
         heads = f"{v(m['heads'])}/{v(m['kv_heads'])}"
-        t.add_row(m["name"], kind, params, v(m["layers"]), v(m["hidden"]), heads, v(m["ffn"]), experts,
-                  v(m["vocab"]))
-    g = Table(title="GPUs (--gpu NAME)", title_justify="left", header_style="bold", pad_edge=False,
-              box=box.SIMPLE_HEAD)
-    for c, j in (("name", "left"), ("device", "left"), ("memory", "right"), ("MiB", "right"),
-                 ("compute", "right"), ("flash-attn", "left")):
+        t.add_row(
+            m["name"],
+            kind,
+            params,
+            v(m["layers"]),
+            v(m["hidden"]),
+            heads,
+            v(m["ffn"]),
+            experts,
+            v(m["vocab"]),
+        )
+    g = Table(
+        title="GPUs (--gpu NAME)",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+        box=box.SIMPLE_HEAD,
+    )
+    for c, j in (
+        ("name", "left"),
+        ("device", "left"),
+        ("memory", "right"),
+        ("MiB", "right"),
+        ("compute", "right"),
+        ("flash-attn", "left"),
+    ):
         g.add_column(c, justify=j, no_wrap=True)
     for row in gpus:
-        g.add_row(row["key"], row["name"], fmt_bytes(row["bytes"]), str(row["mib"]),
-                  str(row.get("compute_capability", "?")), "yes" if row.get("flash_attention", True) else "no")
+        g.add_row(
+            row["key"],
+            row["name"],
+            fmt_bytes(row["bytes"]),
+            str(row["mib"]),
+            str(row.get("compute_capability", "?")),
+            "yes" if row.get("flash_attention", True) else "no",
+        )
     # never cut a name or a number: a table wider than the terminal is printed whole
     con = console(width=max(terminal_width(), table_width(t), table_width(g)))
     con.print(t)
-    con.print("* --mode traced only (transformers' own modules; templates do not model the family); "
-              "- = transformers' default for a key the config.json leaves out", style="dim")
+    con.print(
+        "* --mode traced only (transformers' own modules; templates do not model the family); "
+        "- = transformers' default for a key the config.json leaves out",
+        style="dim",
+    )
     con.print(g)
-    con.print("GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "
-              "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json.",
-              style="dim")
+    con.print(
+        "GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "
+        "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json.",
+        style="dim",
+    )
     return 0

@@ -38,6 +38,7 @@ IMPORTED_ROWS = """\
 def notation() -> str:
     """The help's notation and name table (one row per registered schedule)."""
     from ..schedules.registry import notation_rows
+
     return NOTATION_TEXT + "\n".join(notation_rows()) + "\n" + IMPORTED_ROWS
 
 
@@ -45,23 +46,43 @@ def register(sub) -> None:
     from ..schedules.registry import names_help
 
     p = sub.add_parser(
-        "schedule", help="per-rank actions, bubble and peak of a pipeline schedule",
+        "schedule",
+        help="per-rank actions, bubble and peak of a pipeline schedule",
         description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
-                    "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE + "\n" + notation(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        "microbatch-unit jobs and a time model, and print a compact chart.",
+        epilog=EXAMPLE + "\n" + notation(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("name", help=f"schedule name (table below): {names_help()}")
     p.add_argument("--pp", type=int, help="pipeline ranks (required unless NAME is csv:FILE)")
-    p.add_argument("--microbatches", type=int, help="microbatches per step (required unless NAME is csv:FILE)")
-    p.add_argument("--vpp", type=int, default=None,
-                   help="model chunks per rank (default 1; 2 for V schedules)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="MICROBATCHES",
-                   help="per-rank activation limit in microbatch units: runs the memory-limited "
-                        "zero-bubble scheduler (NAME auto)")
-    p.add_argument("--w-ratio", type=float, default=None, metavar="R",
-                   help="M_W/M_B, the share of a microbatch's activations kept from I until W "
-                        "(default 32/34, Qi et al. 2024 without the attention-score term)")
-    p.add_argument("--times", default="1,1,1", metavar="F,I,W[,COMM]",
-                   help="durations of F, I, W (B = I + W) and of a hop between ranks (default 1,1,1,0)")
+    p.add_argument(
+        "--microbatches", type=int, help="microbatches per step (required unless NAME is csv:FILE)"
+    )
+    p.add_argument(
+        "--vpp", type=int, default=None, help="model chunks per rank (default 1; 2 for V schedules)"
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="MICROBATCHES",
+        help="per-rank activation limit in microbatch units: runs the memory-limited "
+        "zero-bubble scheduler (NAME auto)",
+    )
+    p.add_argument(
+        "--w-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="M_W/M_B, the share of a microbatch's activations kept from I until W "
+        "(default 32/34, Qi et al. 2024 without the attention-score term)",
+    )
+    p.add_argument(
+        "--times",
+        default="1,1,1",
+        metavar="F,I,W[,COMM]",
+        help="durations of F, I, W (B = I + W) and of a hop between ranks (default 1,1,1,0)",
+    )
     p.add_argument("--csv-out", metavar="FILE", help="write the schedule as CSV PyTorch pipelining loads")
     p.add_argument("--full", action="store_true", help="print every action (default: the first 40 per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,6 +91,7 @@ def register(sub) -> None:
 
 def _parse_times(text: str):
     from ..schedules.check import TimeModel
+
     try:
         vals = [float(x) for x in text.split(",")]
     except ValueError:
@@ -94,16 +116,19 @@ def _mb(x) -> str:
 
 
 def _legend(sched) -> str:
-    kinds = "F forward, B backward" + (", I/W its input-/weight-grad halves when split" if sched.split_backward
-                                       else "")
+    kinds = "F forward, B backward" + (
+        ", I/W its input-/weight-grad halves when split" if sched.split_backward else ""
+    )
     if sched.vpp == 1:
         chunks = ""
     elif sched.vpp == 2:
         chunks = "; UPPER case = first chunk of the rank, lower case = second"
     else:
         chunks = "; F3.2 = microbatch 3 on chunk 2"
-    return (f"  ({kinds}; the number is the microbatch{chunks}; @sN = virtual stage N; "
-            "mb = one microbatch's activations on a rank)")
+    return (
+        f"  ({kinds}; the number is the microbatch{chunks}; @sN = virtual stage N; "
+        "mb = one microbatch's activations on a rank)"
+    )
 
 
 def _num(x) -> float:
@@ -123,9 +148,9 @@ def _run(args) -> int:
     from ..plan import LIMITS, check_schedule_size
     from ..replay import replay
     from ..schedules import canonical_name, default_vpp, get_schedule, spec_of
-    from ..schedules.registry import is_imported
     from ..schedules.actions import KINDS
     from ..schedules.check import check_schedule, simulate
+    from ..schedules.registry import is_imported
     from ..schedules.unit_jobs import DEFAULT_W_RATIO, integer_unit_jobs
 
     from_csv = args.name.lower().startswith("csv:")
@@ -151,15 +176,20 @@ def _run(args) -> int:
     w = DEFAULT_W_RATIO if args.w_ratio is None else args.w_ratio
     canon = None if imported else canonical_name(name)
     if spec is not None and spec.searched:
-        sched = get_schedule(name, args.pp, args.microbatches, vpp, memory_limit=args.memory_limit, w_ratio=w,
-                             times=times)
+        sched = get_schedule(
+            name, args.pp, args.microbatches, vpp, memory_limit=args.memory_limit, w_ratio=w, times=times
+        )
     else:
         sched = get_schedule(name, args.pp or 0, args.microbatches or 0, vpp)
     # A file's or PyTorch's order is checked action by action; the built-in generators' orders
     # are held to the same check by the tests (tests/test_schedules_generators.py), so here they
     # only run the time model (which still refuses a deadlock).
     # Only the makespan and the bubbles are printed: no per-action timeline (timeline=False).
-    sim = check_schedule(sched, times, timeline=False) if canon is None else simulate(sched, times, timeline=False)
+    sim = (
+        check_schedule(sched, times, timeline=False)
+        if canon is None
+        else simulate(sched, times, timeline=False)
+    )
     # integer units (scale per microbatch): replay stays exact and vectorised
     jobs, scale = integer_unit_jobs(sched.num_stages, sched.vpp, w, (times.F, times.I, times.W))
     res = replay(sched, jobs, None, simulate_time=False)
@@ -167,8 +197,10 @@ def _run(args) -> int:
 
     def mb(x) -> float:
         return x / scale
+
     if args.csv_out:
         from ..schedules.csv_io import write_csv
+
         write_csv(sched, args.csv_out)
     if args.json:
         # str(Action) is f"{kind}{microbatch}@s{stage}"; from per-(kind, microbatch) and per-stage
@@ -176,29 +208,44 @@ def _run(args) -> int:
         # range: checked above (check_schedule) or made by a generator the tests hold to it.
         labels = {k: [k + str(i) for i in range(sched.microbatches)] for k in KINDS}
         at_stage = [f"@s{s}" for s in range(sched.num_stages)]
-        out = {"schedule": sched.name, "pp": sched.pp, "vpp": sched.vpp, "microbatches": sched.microbatches,
-               "placement": sched.placement, "split_backward": sched.split_backward,
-               "w_ratio": _num(w), "memory_limit": args.memory_limit,
-               "times": {"F": times.F, "I": times.I, "W": times.W, "comm": times.comm},
-               "makespan": res.makespan, "bubble_ratio": res.bubble_ratio,
-               "stage_bubble_ratio": res.stage_bubble_ratio,
-               "peak_microbatches": _num(mb(max(r.peak_allocated_bytes for r in res.ranks))),
-               "ranks": [{"pp_rank": r, "stages": sched.stages_of_rank(r),
-                          "actions": [labels[k][m] + at_stage[st] for k, st, m in acts],   # str(Action)
-                          "max_inflight": rr.max_inflight,
-                          "max_inflight_microbatches": _num(rr.max_inflight / sched.vpp),
-                          "peak_microbatches": _num(mb(rr.peak_allocated_bytes)),
-                          "peak_at": rr.peak_at}
-                         for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))]}
+        out = {
+            "schedule": sched.name,
+            "pp": sched.pp,
+            "vpp": sched.vpp,
+            "microbatches": sched.microbatches,
+            "placement": sched.placement,
+            "split_backward": sched.split_backward,
+            "w_ratio": _num(w),
+            "memory_limit": args.memory_limit,
+            "times": {"F": times.F, "I": times.I, "W": times.W, "comm": times.comm},
+            "makespan": res.makespan,
+            "bubble_ratio": res.bubble_ratio,
+            "stage_bubble_ratio": res.stage_bubble_ratio,
+            "peak_microbatches": _num(mb(max(r.peak_allocated_bytes for r in res.ranks))),
+            "ranks": [
+                {
+                    "pp_rank": r,
+                    "stages": sched.stages_of_rank(r),
+                    "actions": [labels[k][m] + at_stage[st] for k, st, m in acts],  # str(Action)
+                    "max_inflight": rr.max_inflight,
+                    "max_inflight_microbatches": _num(rr.max_inflight / sched.vpp),
+                    "peak_microbatches": _num(mb(rr.peak_allocated_bytes)),
+                    "peak_at": rr.peak_at,
+                }
+                for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks))
+            ],
+        }
         if sched.notes:
             out["notes"] = sched.notes
         # one line per action would be 10^5-10^6 lines (and the pure-Python encoder): large
         # schedules print compact
         print(json.dumps(out, indent=2 if sched.num_actions <= 20000 else None))
         return 0
-    print(f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
-          f"{sched.microbatches} microbatches, {sched.num_actions} actions"
-          + (", split backward (I/W)" if sched.split_backward else ""))
+    print(
+        f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
+        f"{sched.microbatches} microbatches, {sched.num_actions} actions"
+        + (", split backward (I/W)" if sched.split_backward else "")
+    )
     if sched.notes:
         print(f"  {sched.notes}")
     print(_legend(sched))
@@ -206,11 +253,19 @@ def _run(args) -> int:
     for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
         shown = acts if limit is None else acts[:limit]
         tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
-        print(f"rank {r:>2}  peak {_mb(mb(rr.peak_allocated_bytes)):>8} at {rr.peak_at:<9} "
-              f"in flight {_mb(rr.max_inflight / sched.vpp):>7} | " + " ".join(_label(a, sched) for a in shown) + tail)
-    print(f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
-          f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
-          f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}")
-    print(f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's activations) "
-          f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else ""))
+        print(
+            f"rank {r:>2}  peak {_mb(mb(rr.peak_allocated_bytes)):>8} at {rr.peak_at:<9} "
+            f"in flight {_mb(rr.max_inflight / sched.vpp):>7} | "
+            + " ".join(_label(a, sched) for a in shown)
+            + tail
+        )
+    print(
+        f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
+        f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
+        f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}"
+    )
+    print(
+        f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's activations) "
+        f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else "")
+    )
     return 0

@@ -19,10 +19,14 @@ examples:
 def register(sub) -> None:
     from ..validation import TARGETS
 
-    p = sub.add_parser("validate", help="run real training steps, measure memory, compare with the estimate",
-                       description="Run real training steps, measure peak memory and compare with pipemem's "
-                                   "estimate of the same runs.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "validate",
+        help="run real training steps, measure memory, compare with the estimate",
+        description="Run real training steps, measure peak memory and compare with pipemem's "
+        "estimate of the same runs.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     targets = p.add_subparsers(dest="target", metavar="TARGET", parser_class=type(p))
     for name in TARGETS:
         try:

@@ -34,10 +34,12 @@ def build_parser() -> ArgumentParser:
         prog="pipemem",
         description="Per-rank GPU memory of distributed training, at every moment of the pipeline schedule.",
         epilog="Example: pipemem estimate --model llama3-70b --gpu h100-80g --tp 8 --pp 4 --dp 2",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"pipemem {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     from . import __path__ as cli_path
+
     for info in sorted(pkgutil.iter_modules(cli_path), key=lambda m: m.name):
         if info.name.startswith("cmd_"):
             importlib.import_module(f"{__package__}.{info.name}").register(sub)
@@ -46,6 +48,7 @@ def build_parser() -> ArgumentParser:
 
 def _version() -> str:
     from .. import __version__
+
     return __version__
 
 
@@ -65,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         # traceback. PIPEMEM_DEBUG=1 shows the traceback for a bug report.
         if os.environ.get("PIPEMEM_DEBUG"):
             raise
-        print(f"pipemem: error: cannot handle this input ({type(e).__name__}: {_short(e)}); check the numbers "
-              "given (set PIPEMEM_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"pipemem: error: cannot handle this input ({type(e).__name__}: {_short(e)}); check the numbers "
+            "given (set PIPEMEM_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("pipemem: interrupted", file=sys.stderr)
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _short(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 if __name__ == "__main__":

@@ -14,27 +14,37 @@ from __future__ import annotations
 from .resolve import read_config
 from .tool_config import ToolConfig
 
-__all__ = ["ToolConfig", "read_config", "read_deepspeed", "read_megatron", "read_paddlenlp",
-           "read_torchtitan"]
+__all__ = [
+    "ToolConfig",
+    "read_config",
+    "read_deepspeed",
+    "read_megatron",
+    "read_paddlenlp",
+    "read_torchtitan",
+]
 
 
 def read_deepspeed(source, hidden: int | None = None) -> ToolConfig:
     """A DeepSpeed config (path or dict) -> plan keyword arguments for `pipemem.estimate(model, **plan)`
     (no model: the config names none; `hidden`, the model's, resolves reduce_bucket_size "auto")."""
     from .deepspeed import read
+
     return read(source, hidden)
 
 
 def read_megatron(argv: list[str]) -> ToolConfig:
     from .megatron import read
+
     return read(argv)
 
 
 def read_paddlenlp(argv: list[str]) -> ToolConfig:
     from .paddlenlp import read
+
     return read(argv)
 
 
 def read_torchtitan(path: str) -> ToolConfig:
     from .torchtitan import read
+
     return read(path)

@@ -9,8 +9,8 @@ continuations (a lone `\\`) are dropped.
 from __future__ import annotations
 
 import re
-from pathlib import PurePath
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 from ..errors import UserError
 
@@ -23,9 +23,9 @@ class Args:
 
     tool: str
     values: dict[str, list[str]] = field(default_factory=dict)
-    world_size: int | None = None      # from the launcher part, when present
-    script: str | None = None          # the training script's file name, when pasted
-    launcher: dict[str, list[str]] = field(default_factory=dict)   # the launcher's own options
+    world_size: int | None = None  # from the launcher part, when present
+    script: str | None = None  # the training script's file name, when pasted
+    launcher: dict[str, list[str]] = field(default_factory=dict)  # the launcher's own options
     used: set[str] = field(default_factory=set)
 
     def has(self, name: str) -> bool:
@@ -73,8 +73,21 @@ class Args:
         return [n for n in self.values if n not in known and n not in ignored and n not in self.used]
 
 
-_LAUNCHER_WORLD = ("nproc_per_node", "nproc-per-node", "nnodes", "gpus", "devices", "world_size", "world-size",
-                   "num_processes", "num-processes", "num_gpus", "num-gpus", "num_nodes", "num-nodes")
+_LAUNCHER_WORLD = (
+    "nproc_per_node",
+    "nproc-per-node",
+    "nnodes",
+    "gpus",
+    "devices",
+    "world_size",
+    "world-size",
+    "num_processes",
+    "num-processes",
+    "num_gpus",
+    "num-gpus",
+    "num_nodes",
+    "num-nodes",
+)
 
 
 def parse(tokens: list[str], tool: str) -> Args:
@@ -88,7 +101,7 @@ def parse(tokens: list[str], tool: str) -> Args:
     if script_at is not None:
         tokens_script = tokens[script_at]
         launcher = _pairs(tokens[:script_at], tool, strict=False)
-        tokens = tokens[script_at + 1:]
+        tokens = tokens[script_at + 1 :]
     args = Args(tool=tool, values=_pairs(tokens, tool, strict=True))
     args.world_size = _world_from_launcher(launcher, tool)
     args.launcher = launcher
@@ -108,14 +121,15 @@ def _pairs(tokens: list[str], tool: str, strict: bool) -> dict[str, list[str]]:
             if eq:
                 name = None
         elif tok.startswith("-") and len(tok) > 1 and not _NUMBER.fullmatch(tok):
-            name = None   # short options (python -u -m): belong to the launcher, never memory-relevant
+            name = None  # short options (python -u -m): belong to the launcher, never memory-relevant
             if strict:
                 raise UserError(f"{tool} arguments: cannot read {tok!r}; write options as --name value")
         elif name is not None:
             out[name].append(tok)
         elif strict:
-            raise UserError(f"{tool} arguments: value {tok!r} does not follow an option; "
-                            "quote values that contain spaces")
+            raise UserError(
+                f"{tool} arguments: value {tok!r} does not follow an option; quote values that contain spaces"
+            )
     return out
 
 

@@ -28,110 +28,306 @@ from __future__ import annotations
 import ast
 
 from ..errors import UserError
-from .tool_config import ToolConfig
 from .argv import parse
+from .tool_config import ToolConfig
 
 TOOL = "Megatron"
 
 KNOWN = {
-    "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
-    "num-query-groups", "kv-channels", "seq-length", "max-position-embeddings", "micro-batch-size",
-    "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size",
-    "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
-    "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size",
-    "num-experts", "moe-router-topk", "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size",
-    "sequence-parallel", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
-    "recompute-num-layers", "recompute-activations", "recompute-modules", "bf16", "fp16", "swiglu",
-    "normalization", "untie-embeddings-and-output-weights", "padded-vocab-size", "vocab-size", "tokenizer-type",
-    "tokenizer-model", "make-vocab-size-divisible-by", "use-flash-attn", "attention-backend",
-    "disable-bias-linear", "add-qkv-bias", "position-embedding-type", "use-rotary-position-embeddings",
-    "world-size", "nproc-per-node", "nnodes", "optimizer", "attention-dropout", "hidden-dropout",
-    "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "qk-layernorm",
-    "moe-layer-freq", "accumulate-allreduce-grads-in-fp32", "data-parallel-size", "grad-reduce-in-bf16",
-    "use-precision-aware-optimizer", "main-grads-dtype", "main-params-dtype", "exp-avg-dtype",
-    "exp-avg-sq-dtype", "no-gradient-accumulation-fusion", "moe-token-dispatcher-type", "cp-comm-type",
-    "cross-entropy-loss-fusion", "cross-entropy-fusion-impl", "num-distributed-optimizer-instances",
-    "use-torch-fsdp2", "use-megatron-fsdp", "use-custom-fsdp", "data-parallel-sharding-strategy",
-    "no-bias-swiglu-fusion", "attention-softmax-in-fp32", "apply-query-key-layer-scaling",
-    "transformer-impl", "microbatch-group-size-per-virtual-pipeline-stage",
+    "num-layers",
+    "hidden-size",
+    "ffn-hidden-size",
+    "num-attention-heads",
+    "group-query-attention",
+    "num-query-groups",
+    "kv-channels",
+    "seq-length",
+    "max-position-embeddings",
+    "micro-batch-size",
+    "global-batch-size",
+    "tensor-model-parallel-size",
+    "pipeline-model-parallel-size",
+    "num-layers-per-virtual-pipeline-stage",
+    "num-virtual-stages-per-pipeline-rank",
+    "context-parallel-size",
+    "expert-model-parallel-size",
+    "expert-tensor-parallel-size",
+    "num-experts",
+    "moe-router-topk",
+    "moe-ffn-hidden-size",
+    "moe-shared-expert-intermediate-size",
+    "sequence-parallel",
+    "use-distributed-optimizer",
+    "recompute-granularity",
+    "recompute-method",
+    "recompute-num-layers",
+    "recompute-activations",
+    "recompute-modules",
+    "bf16",
+    "fp16",
+    "swiglu",
+    "normalization",
+    "untie-embeddings-and-output-weights",
+    "padded-vocab-size",
+    "vocab-size",
+    "tokenizer-type",
+    "tokenizer-model",
+    "make-vocab-size-divisible-by",
+    "use-flash-attn",
+    "attention-backend",
+    "disable-bias-linear",
+    "add-qkv-bias",
+    "position-embedding-type",
+    "use-rotary-position-embeddings",
+    "world-size",
+    "nproc-per-node",
+    "nnodes",
+    "optimizer",
+    "attention-dropout",
+    "hidden-dropout",
+    "decoder-first-pipeline-num-layers",
+    "decoder-last-pipeline-num-layers",
+    "qk-layernorm",
+    "moe-layer-freq",
+    "accumulate-allreduce-grads-in-fp32",
+    "data-parallel-size",
+    "grad-reduce-in-bf16",
+    "use-precision-aware-optimizer",
+    "main-grads-dtype",
+    "main-params-dtype",
+    "exp-avg-dtype",
+    "exp-avg-sq-dtype",
+    "no-gradient-accumulation-fusion",
+    "moe-token-dispatcher-type",
+    "cp-comm-type",
+    "cross-entropy-loss-fusion",
+    "cross-entropy-fusion-impl",
+    "num-distributed-optimizer-instances",
+    "use-torch-fsdp2",
+    "use-megatron-fsdp",
+    "use-custom-fsdp",
+    "data-parallel-sharding-strategy",
+    "no-bias-swiglu-fusion",
+    "attention-softmax-in-fp32",
+    "apply-query-key-layer-scaling",
+    "transformer-impl",
+    "microbatch-group-size-per-virtual-pipeline-stage",
 }
 
 # Arguments that change no allocated bytes (or only in ways stated here), accepted as they are.
 NO_MEMORY_EFFECT = {
     # learning rate, schedule, regularisation, initialisation, loss scaling
-    "lr", "min-lr", "lr-decay-style", "lr-warmup-iters", "lr-warmup-fraction", "lr-warmup-samples",
-    "lr-decay-iters", "lr-decay-samples", "lr-warmup-init", "decoupled-lr", "decoupled-min-lr", "weight-decay",
-    "start-weight-decay", "end-weight-decay", "weight-decay-incr-style", "clip-grad", "adam-beta1", "adam-beta2",
-    "adam-eps", "sgd-momentum", "init-method-std", "init-method-xavier-uniform", "seed", "loss-scale",
-    "initial-loss-scale", "min-loss-scale", "loss-scale-window", "hysteresis", "head-lr-mult",
-    "apply-wd-to-qk-layernorm", "calculate-per-token-loss",
+    "lr",
+    "min-lr",
+    "lr-decay-style",
+    "lr-warmup-iters",
+    "lr-warmup-fraction",
+    "lr-warmup-samples",
+    "lr-decay-iters",
+    "lr-decay-samples",
+    "lr-warmup-init",
+    "decoupled-lr",
+    "decoupled-min-lr",
+    "weight-decay",
+    "start-weight-decay",
+    "end-weight-decay",
+    "weight-decay-incr-style",
+    "clip-grad",
+    "adam-beta1",
+    "adam-beta2",
+    "adam-eps",
+    "sgd-momentum",
+    "init-method-std",
+    "init-method-xavier-uniform",
+    "seed",
+    "loss-scale",
+    "initial-loss-scale",
+    "min-loss-scale",
+    "loss-scale-window",
+    "hysteresis",
+    "head-lr-mult",
+    "apply-wd-to-qk-layernorm",
+    "calculate-per-token-loss",
     # run length, logging, checkpoints, data, tokenizer details
-    "train-iters", "train-samples", "exit-interval", "exit-duration-in-mins", "exit-signal-handler",
-    "log-interval", "log-throughput", "log-timers-to-tensorboard", "log-memory-to-tensorboard",
-    "log-validation-ppl-to-tensorboard", "log-params-norm", "log-num-zeros-in-grad", "timing-log-level",
-    "timing-log-option", "tensorboard-dir", "tensorboard-log-interval", "wandb-project", "wandb-exp-name",
-    "wandb-save-dir", "save", "load", "save-interval", "eval-interval", "eval-iters", "ckpt-format",
-    "use-checkpoint-args", "no-load-optim", "no-load-rng", "no-save-optim", "no-save-rng", "finetune",
-    "use-dist-ckpt", "dist-ckpt-format", "ckpt-fully-parallel-save", "ckpt-fully-parallel-load", "async-save",
-    "data-path", "split", "vocab-file", "merge-file", "mock-data", "data-cache-path", "num-workers",
-    "dataloader-type", "tiktoken-pattern", "no-mmap-bin-files", "no-create-attention-mask-in-dataloader",
-    "eod-mask-loss", "reset-position-ids", "reset-attention-mask", "train-data-path", "valid-data-path",
-    "test-data-path", "profile", "profile-step-start", "profile-step-end", "profile-ranks", "use-pytorch-profiler",
-    "distributed-backend", "distributed-timeout-minutes", "local-rank", "node-rank", "master-addr",
-    "master-port", "use-mcore-models", "use-legacy-models",
+    "train-iters",
+    "train-samples",
+    "exit-interval",
+    "exit-duration-in-mins",
+    "exit-signal-handler",
+    "log-interval",
+    "log-throughput",
+    "log-timers-to-tensorboard",
+    "log-memory-to-tensorboard",
+    "log-validation-ppl-to-tensorboard",
+    "log-params-norm",
+    "log-num-zeros-in-grad",
+    "timing-log-level",
+    "timing-log-option",
+    "tensorboard-dir",
+    "tensorboard-log-interval",
+    "wandb-project",
+    "wandb-exp-name",
+    "wandb-save-dir",
+    "save",
+    "load",
+    "save-interval",
+    "eval-interval",
+    "eval-iters",
+    "ckpt-format",
+    "use-checkpoint-args",
+    "no-load-optim",
+    "no-load-rng",
+    "no-save-optim",
+    "no-save-rng",
+    "finetune",
+    "use-dist-ckpt",
+    "dist-ckpt-format",
+    "ckpt-fully-parallel-save",
+    "ckpt-fully-parallel-load",
+    "async-save",
+    "data-path",
+    "split",
+    "vocab-file",
+    "merge-file",
+    "mock-data",
+    "data-cache-path",
+    "num-workers",
+    "dataloader-type",
+    "tiktoken-pattern",
+    "no-mmap-bin-files",
+    "no-create-attention-mask-in-dataloader",
+    "eod-mask-loss",
+    "reset-position-ids",
+    "reset-attention-mask",
+    "train-data-path",
+    "valid-data-path",
+    "test-data-path",
+    "profile",
+    "profile-step-start",
+    "profile-step-end",
+    "profile-ranks",
+    "use-pytorch-profiler",
+    "distributed-backend",
+    "distributed-timeout-minutes",
+    "local-rank",
+    "node-rank",
+    "master-addr",
+    "master-port",
+    "use-mcore-models",
+    "use-legacy-models",
     # numerics only (same tensors kept): rope variants, norm variants, softmax scale
-    "rotary-base", "rotary-percent", "rotary-interleaved", "rope-scaling", "use-rope-scaling",
-    "rope-scaling-factor", "rotary-seq-len-interpolation-factor", "norm-epsilon", "layernorm-epsilon",
-    "apply-layernorm-1p", "layernorm-zero-centered-gamma", "no-position-embedding", "openai-gelu",
-    "window-size", "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff",
-    "moe-router-score-function", "moe-router-pre-softmax", "moe-router-topk-scaling-factor",
-    "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "moe-router-dtype", "moe-input-jitter-eps",
-    "moe-per-layer-logging", "moe-use-upcycling", "moe-router-num-groups", "moe-router-group-topk",
-    "check-for-nan-in-loss-and-grad", "no-check-for-nan-in-loss-and-grad", "deterministic-mode",
+    "rotary-base",
+    "rotary-percent",
+    "rotary-interleaved",
+    "rope-scaling",
+    "use-rope-scaling",
+    "rope-scaling-factor",
+    "rotary-seq-len-interpolation-factor",
+    "norm-epsilon",
+    "layernorm-epsilon",
+    "apply-layernorm-1p",
+    "layernorm-zero-centered-gamma",
+    "no-position-embedding",
+    "openai-gelu",
+    "window-size",
+    "moe-router-load-balancing-type",
+    "moe-aux-loss-coeff",
+    "moe-z-loss-coeff",
+    "moe-router-score-function",
+    "moe-router-pre-softmax",
+    "moe-router-topk-scaling-factor",
+    "moe-router-enable-expert-bias",
+    "moe-router-bias-update-rate",
+    "moe-router-dtype",
+    "moe-input-jitter-eps",
+    "moe-per-layer-logging",
+    "moe-use-upcycling",
+    "moe-router-num-groups",
+    "moe-router-group-topk",
+    "check-for-nan-in-loss-and-grad",
+    "no-check-for-nan-in-loss-and-grad",
+    "deterministic-mode",
     # fusions whose kernels keep the same tensors for backward (transients only)
-    "no-masked-softmax-fusion", "no-bias-gelu-fusion", "no-bias-dropout-fusion", "no-rope-fusion",
-    "no-persist-layer-norm", "bias-swiglu-fusion", "moe-permute-fusion", "moe-router-fusion",
-    "moe-grouped-gemm", "no-async-tensor-model-parallel-allreduce", "no-gradient-reduce-div-fusion",
+    "no-masked-softmax-fusion",
+    "no-bias-gelu-fusion",
+    "no-bias-dropout-fusion",
+    "no-rope-fusion",
+    "no-persist-layer-norm",
+    "bias-swiglu-fusion",
+    "moe-permute-fusion",
+    "moe-router-fusion",
+    "moe-grouped-gemm",
+    "no-async-tensor-model-parallel-allreduce",
+    "no-gradient-reduce-div-fusion",
     # communication scheduling over the same buffers (DDP buckets, p2p, param all-gather)
-    "overlap-grad-reduce", "overlap-param-gather", "overlap-param-gather-with-optimizer-step",
-    "align-param-gather", "no-align-param-gather", "ddp-bucket-size", "ddp-num-buckets",
-    "ddp-average-in-collective", "ddp-pad-buckets-for-high-nccl-busbw", "overlap-p2p-comm", "batch-p2p-comm",
-    "no-overlap-p2p-communication", "moe-shared-expert-overlap", "high-priority-stream-groups",
+    "overlap-grad-reduce",
+    "overlap-param-gather",
+    "overlap-param-gather-with-optimizer-step",
+    "align-param-gather",
+    "no-align-param-gather",
+    "ddp-bucket-size",
+    "ddp-num-buckets",
+    "ddp-average-in-collective",
+    "ddp-pad-buckets-for-high-nccl-busbw",
+    "overlap-p2p-comm",
+    "batch-p2p-comm",
+    "no-overlap-p2p-communication",
+    "moe-shared-expert-overlap",
+    "high-priority-stream-groups",
     # allocator hygiene: changes reserved, never allocated, bytes
-    "empty-unused-memory-level", "manual-gc", "manual-gc-interval", "manual-gc-eval",
+    "empty-unused-memory-level",
+    "manual-gc",
+    "manual-gc-interval",
+    "manual-gc-eval",
 }
 
-_FP8 = ("changes memory (FP8 weights, transposes and scaling state) and FP8 is not modelled yet; "
-        "remove the FP8 arguments to estimate the BF16 run instead")
+_FP8 = (
+    "changes memory (FP8 weights, transposes and scaling state) and FP8 is not modelled yet; "
+    "remove the FP8 arguments to estimate the BF16 run instead"
+)
 _OFFLOAD = "moves tensors to host memory, which pipemem does not model yet"
-_MLA = ("selects multi-head latent attention (MLASelfAttention: q/kv LoRA down- and up-projections, "
-        "nope/rope head dims), which template mode does not model; traced mode runs the model's Hugging Face "
-        "config.json (--model config.json --mode traced)")
+_MLA = (
+    "selects multi-head latent attention (MLASelfAttention: q/kv LoRA down- and up-projections, "
+    "nope/rope head dims), which template mode does not model; traced mode runs the model's Hugging Face "
+    "config.json (--model config.json --mode traced)"
+)
 REFUSED = {
-    "no-fp8-wgrad": _FP8, "fp8-dot-product-attention": _FP8, "fp8-multi-head-attention": _FP8,
-    "first-last-layers-bf16": _FP8, "num-layers-at-start-in-bf16": _FP8, "num-layers-at-end-in-bf16": _FP8,
-    "keep-fp8-transpose-cache": _FP8, "reuse-grad-buf-for-mxfp8-param-ag": _FP8, "te-precision-config-file": _FP8,
-    "fp4-format": "changes memory (FP4 weights) and FP4 is not modelled", "fp4": "FP4 is not modelled",
-    "fp4-recipe": "FP4 is not modelled", "fp4-param-gather": "FP4 is not modelled",
-    "cpu-offloading": _OFFLOAD, "cpu-offloading-num-layers": _OFFLOAD, "cpu-offloading-activations": _OFFLOAD,
+    "no-fp8-wgrad": _FP8,
+    "fp8-dot-product-attention": _FP8,
+    "fp8-multi-head-attention": _FP8,
+    "first-last-layers-bf16": _FP8,
+    "num-layers-at-start-in-bf16": _FP8,
+    "num-layers-at-end-in-bf16": _FP8,
+    "keep-fp8-transpose-cache": _FP8,
+    "reuse-grad-buf-for-mxfp8-param-ag": _FP8,
+    "te-precision-config-file": _FP8,
+    "fp4-format": "changes memory (FP4 weights) and FP4 is not modelled",
+    "fp4": "FP4 is not modelled",
+    "fp4-recipe": "FP4 is not modelled",
+    "fp4-param-gather": "FP4 is not modelled",
+    "cpu-offloading": _OFFLOAD,
+    "cpu-offloading-num-layers": _OFFLOAD,
+    "cpu-offloading-activations": _OFFLOAD,
     "cpu-offloading-weights": _OFFLOAD,
     "tp-comm-overlap": "allocates Transformer Engine's userbuffers (communication/GEMM overlap), not modelled",
     "delay-wgrad-compute": "keeps weight-gradient inputs until a delayed wgrad pass, not modelled",
     "defer-embedding-wgrad-compute": "keeps the embedding's wgrad inputs across microbatches, not modelled",
     "moe-expert-capacity-factor": "changes the tokens each expert receives (capacity), not modelled; "
-                                  "pipemem assumes dropless balanced routing",
+    "pipemem assumes dropless balanced routing",
     "moe-pad-expert-input-to-capacity": "pads expert inputs to capacity, not modelled",
     "moe-token-drop-policy": "token dropping is not modelled (pipemem assumes dropless routing)",
     "moe-layer-recompute": "recomputes the MoE layer, not modelled",
     "moe-shared-expert-gate": "the shared-expert gate is not modelled",
     "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
-    "multi-latent-attention": _MLA, "q-lora-rank": _MLA, "kv-lora-rank": _MLA,
+    "multi-latent-attention": _MLA,
+    "q-lora-rank": _MLA,
+    "kv-lora-rank": _MLA,
     "mtp-num-layers": "adds multi-token prediction layers (per depth: an embedding norm, a projection, "
-                      "a transformer layer, the output head and its loss), which template mode does not "
-                      "model; traced mode runs the model's Hugging Face config.json (--model config.json "
-                      "--mode traced: transformers' modules, without MTP layers)",
+    "a transformer layer, the output head and its loss), which template mode does not "
+    "model; traced mode runs the model's Hugging Face config.json (--model config.json "
+    "--mode traced: transformers' modules, without MTP layers)",
     "pipeline-model-parallel-layout": "custom pipeline layouts are not read; use "
-                                      "--decoder-first/last-pipeline-num-layers",
+    "--decoder-first/last-pipeline-num-layers",
     "account-for-embedding-in-pipeline-split": "changes the layer split, not modelled",
     "account-for-loss-in-pipeline-split": "changes the layer split, not modelled",
     "hierarchical-context-parallel-sizes": "hierarchical context parallelism is not modelled",
@@ -142,17 +338,19 @@ REFUSED = {
     "cuda-graph-scope": "CUDA graphs keep static input/output buffers, not modelled",
     "fp16-lm-cross-entropy": "cross entropy on fp16 logits (no fp32 copy) is not modelled",
     "distribute-saved-activations": "distributing saved activations over tp is not modelled",
-    "squared-relu": "the squared-ReLU MLP is not modelled", "quick-geglu": "the quick-GeGLU MLP is not modelled",
+    "squared-relu": "the squared-ReLU MLP is not modelled",
+    "quick-geglu": "the quick-GeGLU MLP is not modelled",
     "hybrid-override-pattern": "hybrid (Mamba) models are not modelled",
     "hybrid-layer-pattern": "hybrid (Mamba) models are not modelled",
     "heterogeneous-layers-config-path": "heterogeneous layers are not modelled",
     "heterogeneous-layers-config-encoded-json": "heterogeneous layers are not modelled",
     "experimental-attention-variant": "attention variants are not modelled",
-    "qk-l2-norm": "QK L2 norm is not modelled", "attention-output-gate": "the attention output gate is not modelled",
+    "qk-l2-norm": "QK L2 norm is not modelled",
+    "attention-output-gate": "the attention output gate is not modelled",
     "spec": "names a custom layer spec, which pipemem does not read; it models megatron-core's Transformer "
-            "Engine spec (the default)",
+    "Engine spec (the default)",
     "overlap-moe-expert-parallel-comm": "runs one microbatch's forward with another's backward (combined 1F1B "
-                                        "expert-parallel overlap), not modelled",
+    "expert-parallel overlap), not modelled",
 }
 
 # Vocabulary sizes of Megatron's built-in tokenizers (before padding).
@@ -167,14 +365,16 @@ def refuse(flag: str, why: str):
 def read(argv: list[str]) -> ToolConfig:
     a = parse(list(argv), TOOL)
     if not a.values:
-        raise UserError("--from-megatron: no arguments after `--`; paste the pretrain_gpt.py arguments, e.g. "
-                        "pipemem estimate --from-megatron -- --num-layers 32 --hidden-size 4096 ...")
+        raise UserError(
+            "--from-megatron: no arguments after `--`; paste the pretrain_gpt.py arguments, e.g. "
+            "pipemem estimate --from-megatron -- --num-layers 32 --hidden-size 4096 ..."
+        )
     for flag, values in a.values.items():
         off = len(values) == 1 and values[0].strip("'\"").lower() in ("0", "false", "no", "off", "none")
         if flag in REFUSED:
             if not off:
                 refuse(flag, REFUSED[flag])
-            a.used.add(flag)        # switched off explicitly: nothing to model
+            a.used.add(flag)  # switched off explicitly: nothing to model
     warnings: list[str] = []
     plan: dict = {"convention": "megatron"}
     extra: dict = {}
@@ -189,14 +389,18 @@ def read(argv: list[str]) -> ToolConfig:
         a.int("num-query-groups")
     head_dim = a.int("kv-channels")
     if head_dim is None and hidden % heads:
-        raise UserError(f"{TOOL}: --hidden-size {hidden} is not divisible by --num-attention-heads {heads}; "
-                        "give --kv-channels")
+        raise UserError(
+            f"{TOOL}: --hidden-size {hidden} is not divisible by --num-attention-heads {heads}; "
+            "give --kv-channels"
+        )
     swiglu = bool(a.bool("swiglu"))
     norm = (a.str("normalization") or "LayerNorm").lower()
     if norm not in ("layernorm", "rmsnorm"):
         raise UserError(f"{TOOL}: --normalization {norm!r}: expected LayerNorm or RMSNorm")
-    pos = (a.str("position-embedding-type") or ("rope" if a.bool("use-rotary-position-embeddings")
-                                                else "learned_absolute")).lower()
+    pos = (
+        a.str("position-embedding-type")
+        or ("rope" if a.bool("use-rotary-position-embeddings") else "learned_absolute")
+    ).lower()
     if pos not in ("rope", "learned_absolute", "none"):
         refuse("position-embedding-type", f"{pos!r} is not modelled; use rope or learned_absolute")
     llama_like = swiglu or norm == "rmsnorm" or pos == "rope"
@@ -212,40 +416,69 @@ def read(argv: list[str]) -> ToolConfig:
     experts = a.int("num-experts")
     topk = a.int("moe-router-topk")
     if swiglu and a.bool("no-bias-swiglu-fusion"):
-        refuse("no-bias-swiglu-fusion", "keeps the unfused SwiGLU's intermediates (silu output and both halves), "
-                                        "not modelled")
+        refuse(
+            "no-bias-swiglu-fusion",
+            "keeps the unfused SwiGLU's intermediates (silu output and both halves), not modelled",
+        )
 
     if llama_like:
         if not swiglu:
-            warnings.append(f"{TOOL}: rotary/RMSNorm without --swiglu is modelled as a Llama-style "
-                            "gated (SwiGLU) MLP")
-        model = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
-                 "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": layers,
-                 "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": tied,
-                 "attention_bias": qkv_bias, "mlp_bias": bias, "hidden_act": "silu"}
+            warnings.append(
+                f"{TOOL}: rotary/RMSNorm without --swiglu is modelled as a Llama-style gated (SwiGLU) MLP"
+            )
+        model = {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": ffn,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "num_hidden_layers": layers,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_pos,
+            "tie_word_embeddings": tied,
+            "attention_bias": qkv_bias,
+            "mlp_bias": bias,
+            "hidden_act": "silu",
+        }
         if head_dim is not None:
             model["head_dim"] = head_dim
         if norm != "rmsnorm":
-            warnings.append(f"{TOOL}: LayerNorm with a Llama-style model is modelled as RMSNorm "
-                            "(saves the same input; one fewer parameter vector)")
+            warnings.append(
+                f"{TOOL}: LayerNorm with a Llama-style model is modelled as RMSNorm "
+                "(saves the same input; one fewer parameter vector)"
+            )
         if a.bool("qk-layernorm"):
             model["qk_layernorm"] = True
         if experts:
             if bias:
-                raise UserError(f"{TOOL}: --num-experts without --disable-bias-linear: biases in MoE layers are "
-                                "not modelled; add --disable-bias-linear (as Megatron's MoE examples do)")
+                raise UserError(
+                    f"{TOOL}: --num-experts without --disable-bias-linear: biases in MoE layers are "
+                    "not modelled; add --disable-bias-linear (as Megatron's MoE examples do)"
+                )
             _moe(a, model, experts, topk, ffn, layers, warnings)
     else:
         if experts:
-            raise UserError(f"{TOOL}: --num-experts needs a Llama-style model (--swiglu, "
-                            "--normalization RMSNorm); GPT-style MoE is not supported")
+            raise UserError(
+                f"{TOOL}: --num-experts needs a Llama-style model (--swiglu, "
+                "--normalization RMSNorm); GPT-style MoE is not supported"
+            )
         if a.bool("qk-layernorm"):
             refuse("qk-layernorm", "on a GPT-style model is not modelled")
-        model = {"model_type": "gpt2", "n_embd": hidden, "n_layer": layers, "n_head": heads,
-                 "n_inner": ffn, "n_positions": max_pos, "vocab_size": vocab, "tie_word_embeddings": tied,
-                 "activation_function": "gelu", "add_bias_linear": bias,
-                 "attn_pdrop": _float(a, "attention-dropout", 0.1), "resid_pdrop": _float(a, "hidden-dropout", 0.1),
-                 "embd_pdrop": _float(a, "hidden-dropout", 0.1)}
+        model = {
+            "model_type": "gpt2",
+            "n_embd": hidden,
+            "n_layer": layers,
+            "n_head": heads,
+            "n_inner": ffn,
+            "n_positions": max_pos,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied,
+            "activation_function": "gelu",
+            "add_bias_linear": bias,
+            "attn_pdrop": _float(a, "attention-dropout", 0.1),
+            "resid_pdrop": _float(a, "hidden-dropout", 0.1),
+            "embd_pdrop": _float(a, "hidden-dropout", 0.1),
+        }
         if kv != heads:
             raise UserError(f"{TOOL}: --group-query-attention needs a Llama-style model (--swiglu or rope)")
         if pos == "none":
@@ -272,8 +505,11 @@ def read(argv: list[str]) -> ToolConfig:
     if experts:
         dispatcher = (a.str("moe-token-dispatcher-type") or "allgather").lower()
         if dispatcher != "alltoall" and ((ep or 1) > 1 or tp > 1):
-            refuse("moe-token-dispatcher-type", f"{dispatcher} (Megatron's default when not given) is not "
-                   "modelled with expert or tensor parallelism; pipemem models alltoall")
+            refuse(
+                "moe-token-dispatcher-type",
+                f"{dispatcher} (Megatron's default when not given) is not "
+                "modelled with expert or tensor parallelism; pipemem models alltoall",
+            )
 
     world = a.int("world-size")
     if world is None and a.has("nproc-per-node"):
@@ -282,11 +518,15 @@ def read(argv: list[str]) -> ToolConfig:
     dp = a.int("data-parallel-size")
     if world is not None:
         if world % (tp * pp * cp):
-            raise UserError(f"{TOOL}: world size {world} is not divisible by tensor x pipeline x context "
-                            f"parallel = {tp * pp * cp}")
+            raise UserError(
+                f"{TOOL}: world size {world} is not divisible by tensor x pipeline x context "
+                f"parallel = {tp * pp * cp}"
+            )
         if dp is not None and dp != world // (tp * pp * cp):
-            raise UserError(f"{TOOL}: --data-parallel-size {dp} contradicts world size {world} / "
-                            f"(tp {tp} x pp {pp} x cp {cp})")
+            raise UserError(
+                f"{TOOL}: --data-parallel-size {dp} contradicts world size {world} / "
+                f"(tp {tp} x pp {pp} x cp {cp})"
+            )
         dp = world // (tp * pp * cp)
     if dp is not None:
         plan["dp"] = dp
@@ -294,19 +534,26 @@ def read(argv: list[str]) -> ToolConfig:
     vps = a.int("num-layers-per-virtual-pipeline-stage")
     vstages = a.int("num-virtual-stages-per-pipeline-rank")
     if vps is not None and vstages is not None:
-        raise UserError(f"{TOOL}: give --num-layers-per-virtual-pipeline-stage or "
-                        "--num-virtual-stages-per-pipeline-rank, not both")
+        raise UserError(
+            f"{TOOL}: give --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank, not both"
+        )
     if vps is not None:
         if layers % (pp * vps):
-            raise UserError(f"{TOOL}: --num-layers {layers} is not divisible by pipeline size {pp} x "
-                            f"--num-layers-per-virtual-pipeline-stage {vps}")
+            raise UserError(
+                f"{TOOL}: --num-layers {layers} is not divisible by pipeline size {pp} x "
+                f"--num-layers-per-virtual-pipeline-stage {vps}"
+            )
         plan["vpp"] = layers // (pp * vps)
     elif vstages is not None:
         plan["vpp"] = vstages
     group = a.int("microbatch-group-size-per-virtual-pipeline-stage")
     if group is not None and plan.get("vpp", 1) > 1 and group != pp:
-        refuse("microbatch-group-size-per-virtual-pipeline-stage", f"{group}: the interleaved schedule with "
-               f"microbatch groups other than the pipeline size ({pp}) is not modelled")
+        refuse(
+            "microbatch-group-size-per-virtual-pipeline-stage",
+            f"{group}: the interleaved schedule with "
+            f"microbatch groups other than the pipeline size ({pp}) is not modelled",
+        )
     first = a.int("decoder-first-pipeline-num-layers", minimum=0)
     last = a.int("decoder-last-pipeline-num-layers", minimum=0)
     if first is not None or last is not None:
@@ -321,7 +568,7 @@ def read(argv: list[str]) -> ToolConfig:
     _precision(a, plan, extra)
     _recompute(a, plan, warnings, layers)
     if a.bool("no-gradient-accumulation-fusion"):
-        extra["wgrad_fused"] = False      # eager dW temporaries, then added into the main grad
+        extra["wgrad_fused"] = False  # eager dW temporaries, then added into the main grad
 
     flash = a.bool("use-flash-attn")
     backend = (a.str("attention-backend") or "").lower()
@@ -329,8 +576,10 @@ def read(argv: list[str]) -> ToolConfig:
     if impl != "transformer_engine":
         # the local spec: megatron-core's unfused DotProductAttention (keeps the softmax probs) and
         # torch / apex norms and linears instead of Transformer Engine's modules
-        refuse("transformer-impl", f"{impl} is not modelled; pipemem models the transformer_engine layer spec "
-               "(the default)")
+        refuse(
+            "transformer-impl",
+            f"{impl} is not modelled; pipemem models the transformer_engine layer spec (the default)",
+        )
     if backend in ("unfused", "local"):
         if flash:
             raise UserError(f"{TOOL}: --use-flash-attn contradicts --attention-backend {backend}")
@@ -339,8 +588,10 @@ def read(argv: list[str]) -> ToolConfig:
         # Transformer Engine's flash and cuDNN fused attention take bf16 / fp16 only: an fp32 run
         # gets TE's unfused attention under --attention-backend auto (the default)
         if flash or backend in ("flash", "fused"):
-            raise UserError(f"{TOOL}: {'--use-flash-attn' if flash else '--attention-backend ' + backend} needs "
-                            "--bf16 or --fp16 (flash / fused attention take bf16 or fp16 only)")
+            raise UserError(
+                f"{TOOL}: {'--use-flash-attn' if flash else '--attention-backend ' + backend} needs "
+                "--bf16 or --fp16 (flash / fused attention take bf16 or fp16 only)"
+            )
         plan["flash_attn"] = False
     elif flash or backend in ("flash", "fused", "auto"):
         plan["flash_attn"] = True
@@ -364,7 +615,7 @@ def read(argv: list[str]) -> ToolConfig:
     if opt:
         if opt.lower() not in ("adam", "sgd"):
             refuse("optimizer", f"{opt!r} is not modelled; expected adam or sgd")
-        plan["optimizer"] = "adamw" if opt.lower() == "adam" else "sgd"   # Megatron's adam is AdamW
+        plan["optimizer"] = "adamw" if opt.lower() == "adam" else "sgd"  # Megatron's adam is AdamW
 
     gbs = a.int("global-batch-size")
     if gbs is not None:
@@ -376,15 +627,22 @@ def read(argv: list[str]) -> ToolConfig:
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
     name = f"megatron-{layers}L-{hidden}h"
-    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, model_name=name,
-                      dp_unknown=dp is None)
+    return ToolConfig(
+        model=model, plan=plan, warnings=warnings, tool=TOOL, model_name=name, dp_unknown=dp is None
+    )
 
 
 # Megatron's names for the modules its fine-grained activation offloading can move
 # (--offload-modules) -> pipemem's (pipemem.features.OFFLOAD_MODULES)
-OFFLOAD_MODULES = {"attn_norm": "attn_norm", "qkv_linear": "qkv", "core_attn": "core_attn",
-                    "attn_proj": "attn_proj", "mlp_norm": "mlp_norm", "expert_fc1": "expert_fc1",
-                    "moe_act": "moe_act"}
+OFFLOAD_MODULES = {
+    "attn_norm": "attn_norm",
+    "qkv_linear": "qkv",
+    "core_attn": "core_attn",
+    "attn_proj": "attn_proj",
+    "mlp_norm": "mlp_norm",
+    "expert_fc1": "expert_fc1",
+    "moe_act": "moe_act",
+}
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current", "mxfp8": "mxfp8"}
 
 
@@ -395,15 +653,23 @@ def _modern_flags(a, plan: dict) -> None:
     if fmt and fmt.lower() not in ("0", "false", "none"):
         if fmt.lower() not in ("e4m3", "hybrid"):
             refuse("fp8-format", f"{fmt!r}: expected e4m3 or hybrid")
-        recipe = (a.str("fp8-recipe") or "delayed").lower()     # Megatron's default recipe
+        recipe = (a.str("fp8-recipe") or "delayed").lower()  # Megatron's default recipe
         if recipe not in _FP8_RECIPES:
-            refuse("fp8-recipe", f"{recipe!r} is not modelled; pipemem models delayed, tensorwise (current "
-                   "scaling) and mxfp8")
+            refuse(
+                "fp8-recipe",
+                f"{recipe!r} is not modelled; pipemem models delayed, tensorwise (current scaling) and mxfp8",
+            )
         plan["fp8"] = _FP8_RECIPES[recipe]
         if a.bool("fp8-param-gather"):
             plan["fp8_param_gather"] = True
         # per-tensor scaling state (amax history, scales): a few KB per layer
-        for flag in ("fp8-margin", "fp8-interval", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-wgrad"):
+        for flag in (
+            "fp8-margin",
+            "fp8-interval",
+            "fp8-amax-history-len",
+            "fp8-amax-compute-algo",
+            "fp8-wgrad",
+        ):
             a.raw(flag)
     else:
         for flag in ("fp8-recipe", "fp8-param-gather"):
@@ -412,7 +678,10 @@ def _modern_flags(a, plan: dict) -> None:
     if a.bool("optimizer-cpu-offload"):
         if not a.bool("use-precision-aware-optimizer"):
             # Megatron-LM's argument check: its HybridDeviceOptimizer reuses that code path
-            refuse("optimizer-cpu-offload", "needs --use-precision-aware-optimizer (Megatron-LM refuses it without)")
+            refuse(
+                "optimizer-cpu-offload",
+                "needs --use-precision-aware-optimizer (Megatron-LM refuses it without)",
+            )
         frac = a.raw("optimizer-offload-fraction")
         try:
             plan["optimizer_offload"] = float(frac) if frac else 1.0
@@ -423,7 +692,9 @@ def _modern_flags(a, plan: dict) -> None:
     if a.bool("fine-grained-activation-offloading"):
         mods = [m.strip() for m in (a.str("offload-modules") or "").replace(",", " ").split() if m.strip()]
         if not mods:
-            refuse("fine-grained-activation-offloading", "without --offload-modules: name the modules to offload")
+            refuse(
+                "fine-grained-activation-offloading", "without --offload-modules: name the modules to offload"
+            )
         bad = [m for m in mods if m not in OFFLOAD_MODULES]
         if bad:
             refuse("offload-modules", f"{bad[0]!r} is not modelled; known: {', '.join(OFFLOAD_MODULES)}")
@@ -437,8 +708,12 @@ def _moe(a, model: dict, experts: int, topk: int | None, ffn: int, layers: int, 
     dense width), shared experts of --moe-shared-expert-intermediate-size (all shared experts
     fused in one MLP), --moe-layer-freq choosing which layers are MoE (an int N: layers
     0, N, 2N...; or a list of 0/1 per layer). Written as a qwen2_moe-style HF config."""
-    model.update(model_type="qwen2_moe", num_experts=experts, num_experts_per_tok=topk or 2,
-                 moe_intermediate_size=a.int("moe-ffn-hidden-size") or ffn)
+    model.update(
+        model_type="qwen2_moe",
+        num_experts=experts,
+        num_experts_per_tok=topk or 2,
+        moe_intermediate_size=a.int("moe-ffn-hidden-size") or ffn,
+    )
     if topk is None:
         warnings.append(f"{TOOL}: --moe-router-topk not given; Megatron's default 2 used")
     shared = a.int("moe-shared-expert-intermediate-size")
@@ -497,8 +772,10 @@ def _sharding(a, plan: dict) -> None:
         plan["dist_opt"] = True
     instances = a.int("num-distributed-optimizer-instances")
     if instances is not None and instances > 1:
-        refuse("num-distributed-optimizer-instances", f"{instances}: sharding the optimizer over part of the "
-               "data-parallel group is not modelled")
+        refuse(
+            "num-distributed-optimizer-instances",
+            f"{instances}: sharding the optimizer over part of the data-parallel group is not modelled",
+        )
     if a.bool("use-torch-fsdp2"):
         plan.pop("dist_opt", None)
         plan["fsdp"] = True
@@ -507,8 +784,10 @@ def _sharding(a, plan: dict) -> None:
     if megatron_fsdp:
         zero = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}.get(strategy)
         if zero is None:
-            refuse("data-parallel-sharding-strategy", f"{strategy!r}: expected no_shard, optim, optim_grads or "
-                   "optim_grads_params")
+            refuse(
+                "data-parallel-sharding-strategy",
+                f"{strategy!r}: expected no_shard, optim, optim_grads or optim_grads_params",
+            )
         plan.pop("dist_opt", None)
         plan["zero"] = zero
 
@@ -527,19 +806,23 @@ def _precision(a, plan: dict, extra: dict) -> None:
         plan["master_weights"] = False
         return
     if accumulate_fp32 and (grad_bf16 or main_grads == "bf16"):
-        raise UserError(f"{TOOL}: --accumulate-allreduce-grads-in-fp32 contradicts "
-                        f"{'--grad-reduce-in-bf16' if grad_bf16 else '--main-grads-dtype bf16'}")
+        raise UserError(
+            f"{TOOL}: --accumulate-allreduce-grads-in-fp32 contradicts "
+            f"{'--grad-reduce-in-bf16' if grad_bf16 else '--main-grads-dtype bf16'}"
+        )
     if dtype == "bf16":
         # arguments.py: bf16 accumulates and reduces grads in fp32 unless told otherwise
         fp32_grads = not grad_bf16 and (accumulate_fp32 or main_grads in (None, "fp32"))
     else:
-        fp32_grads = accumulate_fp32      # fp16: grads in fp16 unless asked
+        fp32_grads = accumulate_fp32  # fp16: grads in fp16 unless asked
     plan["main_grad_dtype"] = "fp32" if fp32_grads else dtype
     if a.bool("use-precision-aware-optimizer"):
         extra["precision_aware_optimizer"] = True
-        for flag, key, allowed in (("main-params-dtype", "main_params_dtype", ("fp32", "fp16")),
-                                   ("exp-avg-dtype", "exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
-                                   ("exp-avg-sq-dtype", "exp_avg_sq_dtype", ("fp32", "fp16", "bf16", "fp8"))):
+        for flag, key, allowed in (
+            ("main-params-dtype", "main_params_dtype", ("fp32", "fp16")),
+            ("exp-avg-dtype", "exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
+            ("exp-avg-sq-dtype", "exp_avg_sq_dtype", ("fp32", "fp16", "bf16", "fp8")),
+        ):
             value = _dtype_arg(a, flag, allowed)
             if value not in (None, "fp32"):
                 extra[key] = value
@@ -547,8 +830,10 @@ def _precision(a, plan: dict, extra: dict) -> None:
         for flag in ("main-params-dtype", "exp-avg-dtype", "exp-avg-sq-dtype"):
             value = a.str(flag)
             if value is not None and value.lower() != "fp32":
-                raise UserError(f"{TOOL}: --{flag} {value} needs --use-precision-aware-optimizer "
-                                "(Megatron ignores it otherwise)")
+                raise UserError(
+                    f"{TOOL}: --{flag} {value} needs --use-precision-aware-optimizer "
+                    "(Megatron ignores it otherwise)"
+                )
 
 
 def _dtype_arg(a, flag: str, allowed: tuple[str, ...]) -> str | None:
@@ -584,7 +869,11 @@ def _is_gpt2_vocab_file(path: str | None) -> bool:
         return False
     parts = path.replace("\\", "/").strip("'\"").lower().split("/")
     name = parts[-1]
-    return name.endswith(".json") and "vocab" in name and ("gpt2" in name or (len(parts) > 1 and "gpt2" in parts[-2]))
+    return (
+        name.endswith(".json")
+        and "vocab" in name
+        and ("gpt2" in name or (len(parts) > 1 and "gpt2" in parts[-2]))
+    )
 
 
 def _vocab(a, warnings: list[str]) -> int:
@@ -601,16 +890,22 @@ def _vocab(a, warnings: list[str]) -> int:
     if vocab is None and tok in ("", "gpt2bpetokenizer") and _is_gpt2_vocab_file(a.raw("vocab-file")):
         # Megatron's GPT examples pass GPT-2's BPE files (gpt2-vocab.json + gpt2-merges.txt)
         vocab = _TOKENIZER_VOCAB["gpt2bpetokenizer"]
-        warnings.append(f"{TOOL}: --vocab-file {a.raw('vocab-file')} names GPT-2's BPE vocabulary: "
-                        f"{vocab} tokens (GPT2BPETokenizer)")
+        warnings.append(
+            f"{TOOL}: --vocab-file {a.raw('vocab-file')} names GPT-2's BPE vocabulary: "
+            f"{vocab} tokens (GPT2BPETokenizer)"
+        )
     if vocab is None:
-        raise UserError(f"{TOOL}: vocabulary size unknown for tokenizer {tok or '(none)'!r}; "
-                        "add --vocab-size N or --padded-vocab-size N")
+        raise UserError(
+            f"{TOOL}: vocabulary size unknown for tokenizer {tok or '(none)'!r}; "
+            "add --vocab-size N or --padded-vocab-size N"
+        )
     if divisible is not None and divisible != 128:
         multiple = divisible * (a.int("tensor-model-parallel-size") or 1)
         vocab = -(-vocab // multiple) * multiple
-        warnings.append(f"{TOOL}: vocabulary padded to a multiple of {multiple}; the megatron convention "
-                        "then pads to a multiple of 128 x tp")
+        warnings.append(
+            f"{TOOL}: vocabulary padded to a multiple of {multiple}; the megatron convention "
+            "then pads to a multiple of 128 x tp"
+        )
     return vocab
 
 
@@ -621,22 +916,29 @@ def _recompute(a, plan: dict, warnings: list[str], layers: int) -> None:
     modules = a.str("recompute-modules")
     if a.bool("recompute-activations"):
         if gran and gran.lower() != "selective":
-            raise UserError(f"{TOOL}: --recompute-activations (selective) contradicts "
-                            f"--recompute-granularity {gran}")
+            raise UserError(
+                f"{TOOL}: --recompute-activations (selective) contradicts --recompute-granularity {gran}"
+            )
         gran = "selective"
     if not gran:
         if method or num is not None:
-            raise UserError(f"{TOOL}: --recompute-method/--recompute-num-layers need --recompute-granularity full")
+            raise UserError(
+                f"{TOOL}: --recompute-method/--recompute-num-layers need --recompute-granularity full"
+            )
         plan["recompute"] = "none"
         return
     gran = gran.lower()
     if gran == "selective":
         if modules is not None and sorted(modules.replace(",", " ").split()) != ["core_attn"]:
-            refuse("recompute-modules", f"{modules}: pipemem models selective recompute of core_attn (the "
-                   "default) only")
+            refuse(
+                "recompute-modules",
+                f"{modules}: pipemem models selective recompute of core_attn (the default) only",
+            )
         if method or num is not None:
-            raise UserError(f"{TOOL}: --recompute-method/--recompute-num-layers apply to --recompute-granularity "
-                            "full only (Megatron asserts this)")
+            raise UserError(
+                f"{TOOL}: --recompute-method/--recompute-num-layers apply to --recompute-granularity "
+                "full only (Megatron asserts this)"
+            )
         plan["recompute"] = "selective"
         return
     if gran != "full":
@@ -645,25 +947,33 @@ def _recompute(a, plan: dict, warnings: list[str], layers: int) -> None:
     if method not in ("uniform", "block"):
         raise UserError(f"{TOOL}: --recompute-granularity full needs --recompute-method uniform or block")
     if num is None:
-        raise UserError(f"{TOOL}: --recompute-granularity full needs --recompute-num-layers (Megatron asserts this)")
+        raise UserError(
+            f"{TOOL}: --recompute-granularity full needs --recompute-num-layers (Megatron asserts this)"
+        )
     if method == "block":
         plan["recompute_layers"] = num
     elif num > 1:
-        refuse("recompute-num-layers", f"{num} with --recompute-method uniform (one checkpoint over {num} layers) "
-               "is not modelled; pipemem models uniform with 1 layer per checkpoint, or block")
+        refuse(
+            "recompute-num-layers",
+            f"{num} with --recompute-method uniform (one checkpoint over {num} layers) "
+            "is not modelled; pipemem models uniform with 1 layer per checkpoint, or block",
+        )
 
 
 def _uneven_layout(layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:
     """Megatron's uneven pipeline: the first/last stage get the given counts, the rest split evenly."""
     if vpp > 1:
-        raise UserError(f"{TOOL}: --decoder-first/last-pipeline-num-layers with virtual pipeline stages "
-                        "is not supported")
+        raise UserError(
+            f"{TOOL}: --decoder-first/last-pipeline-num-layers with virtual pipeline stages is not supported"
+        )
     stages = pp
     fixed = [x for x in (first, last) if x is not None]
     middle_stages = stages - len(fixed)
     rest = layers - sum(fixed)
     if middle_stages <= 0 or rest < 0 or rest % middle_stages:
-        raise UserError(f"{TOOL}: {layers} layers do not split over {pp} stages with first={first}, last={last}")
+        raise UserError(
+            f"{TOOL}: {layers} layers do not split over {pp} stages with first={first}, last={last}"
+        )
     each = rest // middle_stages
     out = [each] * stages
     if first is not None:

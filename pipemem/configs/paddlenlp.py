@@ -28,46 +28,134 @@ import os
 from pathlib import Path, PurePath
 
 from ..errors import UserError
-from .tool_config import ToolConfig
 from .argv import parse
+from .tool_config import ToolConfig
 
 TOOL = "PaddleNLP"
 
 # Arguments that change memory and that we read.
 KNOWN = {
-    "model_name_or_path", "model_type", "max_seq_length", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "tensor_parallel_degree", "pipeline_parallel_degree",
-    "virtual_pp_degree", "sharding_parallel_degree", "sharding", "data_parallel_degree",
-    "sep_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
-    "sequence_parallel", "fp16", "bf16", "fp16_opt_level", "recompute", "recompute_granularity",
-    "pp_recompute_interval", "use_flash_attention", "pipeline_schedule_mode", "num_hidden_layers",
-    "global_batch_size", "amp_master_grad", "optim", "world_size", "tensor_parallel_config",
-    "use_fused_rms_norm", "use_fused_rope", "fuse_attention_qkv", "fuse_attention_ffn", "max_grad_norm",
+    "model_name_or_path",
+    "model_type",
+    "max_seq_length",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "virtual_pp_degree",
+    "sharding_parallel_degree",
+    "sharding",
+    "data_parallel_degree",
+    "sep_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "sequence_parallel",
+    "fp16",
+    "bf16",
+    "fp16_opt_level",
+    "recompute",
+    "recompute_granularity",
+    "pp_recompute_interval",
+    "use_flash_attention",
+    "pipeline_schedule_mode",
+    "num_hidden_layers",
+    "global_batch_size",
+    "amp_master_grad",
+    "optim",
+    "world_size",
+    "tensor_parallel_config",
+    "use_fused_rms_norm",
+    "use_fused_rope",
+    "fuse_attention_qkv",
+    "fuse_attention_ffn",
+    "max_grad_norm",
 }
 # Arguments that do not change the estimate (paths, logging, schedule of the LR, fusions
 # whose saved tensors equal the unfused ones' in our model).
 IGNORED = {
-    "tokenizer_name_or_path", "input_dir", "output_dir", "split", "per_device_eval_batch_size",
-    "scale_loss", "learning_rate", "min_learning_rate", "max_steps", "save_steps", "weight_decay",
-    "warmup_ratio", "warmup_steps", "logging_steps", "dataloader_num_workers",
-    "eval_steps", "report_to", "disable_tqdm", "continue_training", "do_train", "do_eval",
-    "do_predict", "device", "data_impl", "enable_auto_parallel",
-    "use_fused_linear", "seed",
-    "skip_memory_metrics", "data_cache", "lr_scheduler_type", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "save_total_limit", "logging_dir", "overwrite_output_dir", "num_train_epochs",
-    "run_name", "to_static", "skip_profile_timer", "pipeline_parallel_config",
-    "sharding_parallel_config", "data_parallel_config", "recompute_use_reentrant", "unified_checkpoint",
-    "save_strategy", "evaluation_strategy", "eval_accumulation_steps", "max_evaluate_steps",
-    "use_fast_layer_norm", "virtual_pipeline_seg_method", "distributed_dataloader",
-    "sequence_parallel_config", "auto_parallel_resume_form_hybrid_parallel", "max_position_embeddings",
-    "use_fused_dropout_add", "tokenizer", "fp16_full_eval", "ignore_data_skip", "dataset_world_size",
-    "enable_linear_fused_grad_add", "sharding_comm_buffer_size_MB", "pipeline_parallel_config",
+    "tokenizer_name_or_path",
+    "input_dir",
+    "output_dir",
+    "split",
+    "per_device_eval_batch_size",
+    "scale_loss",
+    "learning_rate",
+    "min_learning_rate",
+    "max_steps",
+    "save_steps",
+    "weight_decay",
+    "warmup_ratio",
+    "warmup_steps",
+    "logging_steps",
+    "dataloader_num_workers",
+    "eval_steps",
+    "report_to",
+    "disable_tqdm",
+    "continue_training",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "device",
+    "data_impl",
+    "enable_auto_parallel",
+    "use_fused_linear",
+    "seed",
+    "skip_memory_metrics",
+    "data_cache",
+    "lr_scheduler_type",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "save_total_limit",
+    "logging_dir",
+    "overwrite_output_dir",
+    "num_train_epochs",
+    "run_name",
+    "to_static",
+    "skip_profile_timer",
+    "pipeline_parallel_config",
+    "sharding_parallel_config",
+    "data_parallel_config",
+    "recompute_use_reentrant",
+    "unified_checkpoint",
+    "save_strategy",
+    "evaluation_strategy",
+    "eval_accumulation_steps",
+    "max_evaluate_steps",
+    "use_fast_layer_norm",
+    "virtual_pipeline_seg_method",
+    "distributed_dataloader",
+    "sequence_parallel_config",
+    "auto_parallel_resume_form_hybrid_parallel",
+    "max_position_embeddings",
+    "use_fused_dropout_add",
+    "tokenizer",
+    "fp16_full_eval",
+    "ignore_data_skip",
+    "dataset_world_size",
+    "enable_linear_fused_grad_add",
+    "sharding_comm_buffer_size_MB",
+    "pipeline_parallel_config",
     # PaddleFormers' names for the same kinds of arguments (data, checkpoints, logging)
-    "train_dataset_type", "eval_dataset_type", "train_dataset_path", "eval_dataset_path",
-    "train_dataset_prob", "eval_dataset_prob", "mix_strategy", "template_backend", "template",
-    "num_samples_each_epoch", "save_checkpoint_format", "load_checkpoint_format", "save_safetensors",
-    "convert_from_hf", "save_to_hf", "overlap_p2p_comm", "batch_p2p_comm", "moe_router_bias_update_rate",
-    "evaluation_strategy", "random_shuffle",
+    "train_dataset_type",
+    "eval_dataset_type",
+    "train_dataset_path",
+    "eval_dataset_path",
+    "train_dataset_prob",
+    "eval_dataset_prob",
+    "mix_strategy",
+    "template_backend",
+    "template",
+    "num_samples_each_epoch",
+    "save_checkpoint_format",
+    "load_checkpoint_format",
+    "save_safetensors",
+    "convert_from_hf",
+    "save_to_hf",
+    "overlap_p2p_comm",
+    "batch_p2p_comm",
+    "moe_router_bias_update_rate",
+    "random_shuffle",
 }
 
 # PaddleFormers' argument names -> PaddleNLP's (the reader below speaks PaddleNLP's)
@@ -81,12 +169,29 @@ PADDLEFORMERS_NAMES = {
     "max_seq_len": "max_seq_length",
 }
 # PaddleFormers-only arguments read here (besides the renamed ones)
-PADDLEFORMERS_KNOWN = {"recompute_method", "recompute_num_layers", "packing", "stage", "fine_tuning",
-                       "_attn_implementation", "attn_impl", "attn_implementation", "lora", "use_recompute"}
+PADDLEFORMERS_KNOWN = {
+    "recompute_method",
+    "recompute_num_layers",
+    "packing",
+    "stage",
+    "fine_tuning",
+    "_attn_implementation",
+    "attn_impl",
+    "attn_implementation",
+    "lora",
+    "use_recompute",
+}
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 
-_SCHEDULES = {"1f1b": "1F1B", "fthenb": "FThenB", "vpp": "VPP", "eager1f1b": "Eager1F1B",
-              "zbh1": "ZBH1", "zbvpp": "ZBVPP", "zbv": "ZBVZeroBubble"}
+_SCHEDULES = {
+    "1f1b": "1F1B",
+    "fthenb": "FThenB",
+    "vpp": "VPP",
+    "eager1f1b": "Eager1F1B",
+    "zbh1": "ZBH1",
+    "zbvpp": "ZBVPP",
+    "zbv": "ZBVZeroBubble",
+}
 
 
 def cached_config_dirs(model_id: str) -> list[Path]:
@@ -96,11 +201,14 @@ def cached_config_dirs(model_id: str) -> list[Path]:
     ``models--<org>--<name>/snapshots/<rev>``, newest first)."""
     home = Path(os.environ.get("PPNLP_HOME") or Path.home() / ".paddlenlp").expanduser()
     dirs = [home / "models" / model_id]
-    hub = os.environ.get("HF_HUB_CACHE") or str(Path(os.environ.get("HF_HOME") or
-                                                     Path.home() / ".cache" / "huggingface") / "hub")
+    hub = os.environ.get("HF_HUB_CACHE") or str(
+        Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+    )
     snaps = Path(hub).expanduser() / ("models--" + model_id.replace("/", "--")) / "snapshots"
     if snaps.is_dir():
-        dirs += sorted((d for d in snaps.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
+        dirs += sorted(
+            (d for d in snaps.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True
+        )
     return dirs
 
 
@@ -120,8 +228,8 @@ def resolve_model_id(model: str) -> str:
 
 
 # The auto-parallel trainers and how far each shards the ZeRO states (--sharding stageN).
-AUTO_STATIC_SCRIPT = "run_pretrain_auto_static.py"   # fleet.auto.Engine + Strategy (the seed's)
-AUTO_TRAINER_SCRIPT = "run_pretrain_auto.py"         # AutoTrainer, dist.shard_optimizer
+AUTO_STATIC_SCRIPT = "run_pretrain_auto_static.py"  # fleet.auto.Engine + Strategy (the seed's)
+AUTO_TRAINER_SCRIPT = "run_pretrain_auto.py"  # AutoTrainer, dist.shard_optimizer
 
 
 def _sharding_group(a, sharding_degree: int, dp_degree: int) -> tuple[int | None, str]:
@@ -142,10 +250,12 @@ def _sharding_group(a, sharding_degree: int, dp_degree: int) -> tuple[int | None
         return sharding_degree, ""
     if a.script == AUTO_TRAINER_SCRIPT:
         return None, ""
-    return sharding_degree, (f"{TOOL}: the ZeRO states are taken as sharded over --sharding_parallel_degree "
-                             f"{sharding_degree} (run_pretrain.py, {AUTO_STATIC_SCRIPT}); {AUTO_TRAINER_SCRIPT} "
-                             f"shards them over data x sharding = {dp_degree * sharding_degree} ranks: paste the "
-                             f"script name to choose")
+    return sharding_degree, (
+        f"{TOOL}: the ZeRO states are taken as sharded over --sharding_parallel_degree "
+        f"{sharding_degree} (run_pretrain.py, {AUTO_STATIC_SCRIPT}); {AUTO_TRAINER_SCRIPT} "
+        f"shards them over data x sharding = {dp_degree * sharding_degree} ranks: paste the "
+        f"script name to choose"
+    )
 
 
 def kernel_switches(a) -> dict:
@@ -160,7 +270,7 @@ def kernel_switches(a) -> dict:
     extra["fused_rope"] = bool(a.bool("use_fused_rope"))
     clip = a.str("max_grad_norm")
     try:
-        extra["grad_clip"] = clip is None or float(clip) > 0     # PaddleNLP's default max_grad_norm is 1.0
+        extra["grad_clip"] = clip is None or float(clip) > 0  # PaddleNLP's default max_grad_norm is 1.0
     except ValueError:
         raise UserError(f"{TOOL} argument --max_grad_norm {clip!r}: expected a number") from None
     if a.bool("enable_auto_parallel"):
@@ -180,15 +290,18 @@ def _file_arguments(path: str) -> list[str]:
 
     f = Path(path).expanduser()
     if not f.is_file():
-        raise UserError(f"{TOOL}: argument file {path} not found; give the path of the JSON / YAML file the "
-                        "training script reads")
+        raise UserError(
+            f"{TOOL}: argument file {path} not found; give the path of the JSON / YAML file the "
+            "training script reads"
+        )
     try:
         if f.suffix.lower() == ".json":
             data = json.loads(f.read_text())
         else:
             import yaml
+
             data = yaml.safe_load(f.read_text())
-    except Exception as e:    # json.JSONDecodeError, yaml.YAMLError: one line naming the file
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: one line naming the file
         raise UserError(f"{TOOL}: cannot read argument file {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"{TOOL}: argument file {path}: expected a mapping of argument names to values")
@@ -217,14 +330,16 @@ def expand_argument_file(tokens: list[str]) -> tuple[list[str], str | None, int 
     script = None
     if tokens and PurePath(tokens[0]).name == "paddleformers-cli":
         if len(tokens) < 2 or tokens[1] != "train":
-            raise UserError(f"{TOOL}: `paddleformers-cli {' '.join(tokens[1:2])}` is not a training command; "
-                            "paste `paddleformers-cli train FILE.yaml`")
+            raise UserError(
+                f"{TOOL}: `paddleformers-cli {' '.join(tokens[1:2])}` is not a training command; "
+                "paste `paddleformers-cli train FILE.yaml`"
+            )
         script, tokens = "paddleformers-cli", tokens[2:]
     for i, tok in enumerate(tokens):
         if not tok.lower().endswith(CONFIG_SUFFIXES) or tok.startswith("-"):
             continue
         if i == 0 or tokens[i - 1].endswith(".py"):
-            return tokens[:i] + _file_arguments(tok) + tokens[i + 1:], script, world
+            return tokens[:i] + _file_arguments(tok) + tokens[i + 1 :], script, world
         break
     return tokens, script, world
 
@@ -236,9 +351,11 @@ def _paddleformers_names(a, warnings: list[str]) -> bool:
         if new in a.values:
             found = True
             if old in a.values and a.values[old] != a.values[new]:
-                raise UserError(f"{TOOL}: --{new} {' '.join(a.values[new])} (PaddleFormers) contradicts "
-                                f"--{old} "
-                                f"{' '.join(a.values[old])} (PaddleNLP's name): give one")
+                raise UserError(
+                    f"{TOOL}: --{new} {' '.join(a.values[new])} (PaddleFormers) contradicts "
+                    f"--{old} "
+                    f"{' '.join(a.values[old])} (PaddleNLP's name): give one"
+                )
             a.values[old] = a.values.pop(new)
     return found or any(k in a.values for k in PADDLEFORMERS_KNOWN)
 
@@ -262,15 +379,17 @@ def _paddleformers_recompute(a, plan: dict) -> None:
         if use or a.bool("recompute"):
             plan["recompute"] = "full"
         elif method or num:
-            raise UserError(f"{TOOL}: --recompute_method / --recompute_num_layers need "
-                            "--recompute_granularity")
+            raise UserError(
+                f"{TOOL}: --recompute_method / --recompute_num_layers need --recompute_granularity"
+            )
         return
     if gran == "selective":
         plan["recompute"] = "selective"
         return
     if gran not in ("full", "full_attn", "core_attn"):
-        raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, selective, full_attn or "
-                        "core_attn")
+        raise UserError(
+            f"{TOOL}: --recompute_granularity {gran!r}: expected full, selective, full_attn or core_attn"
+        )
     plan["recompute"] = gran
     if method == "block" and num is not None:
         plan["recompute_layers"] = num
@@ -282,12 +401,16 @@ def _refuse_unmodelled_finetuning(a) -> None:
     """PaddleFormers' fine-tuning kinds pipemem does not model (adapters, preference training)."""
     kind = (a.str("fine_tuning") or "full").lower()
     if kind != "full" or a.bool("lora"):
-        raise UserError(f"{TOOL}: fine_tuning {kind if kind != 'full' else 'lora'} (adapters): not modelled; "
-                        "pipemem estimates full fine-tuning only (fine_tuning: full)")
+        raise UserError(
+            f"{TOOL}: fine_tuning {kind if kind != 'full' else 'lora'} (adapters): not modelled; "
+            "pipemem estimates full fine-tuning only (fine_tuning: full)"
+        )
     stage = (a.str("stage") or "sft").lower()
     if stage not in ("sft", "pt", "pretrain"):
-        raise UserError(f"{TOOL}: stage {a.str('stage')}: not modelled (a {a.str('stage')} step holds more "
-                        "than one model); pipemem estimates SFT / pre-training steps")
+        raise UserError(
+            f"{TOOL}: stage {a.str('stage')}: not modelled (a {a.str('stage')} step holds more "
+            "than one model); pipemem estimates SFT / pre-training steps"
+        )
 
 
 def read(argv: list[str]) -> ToolConfig:
@@ -298,8 +421,10 @@ def read(argv: list[str]) -> ToolConfig:
     if a.world_size is None:
         a.world_size = cli_world
     if not a.values:
-        raise UserError("--from-paddlenlp: no arguments after `--`; paste the run_pretrain.py arguments, e.g. "
-                        "pipemem estimate --from-paddlenlp -- --model_name_or_path facebook/llama-7b ...")
+        raise UserError(
+            "--from-paddlenlp: no arguments after `--`; paste the run_pretrain.py arguments, e.g. "
+            "pipemem estimate --from-paddlenlp -- --model_name_or_path facebook/llama-7b ..."
+        )
     warnings: list[str] = []
     plan: dict = {"convention": "paddle"}
     formers = _paddleformers_names(a, warnings) or cli_script == "paddleformers-cli"
@@ -336,8 +461,10 @@ def read(argv: list[str]) -> ToolConfig:
         # -1: every rank left after tp * pp * sep shards (TrainingArguments.__post_init__)
         if world is not None:
             if world % (tp * pp * sep):
-                raise UserError(f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sep degrees = "
-                                f"{tp * pp * sep}")
+                raise UserError(
+                    f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sep degrees = "
+                    f"{tp * pp * sep}"
+                )
             sharding_degree, dp_degree = world // (tp * pp * sep), 1
         else:
             sharding_degree, dp_degree, dp_unknown = 1, 1, True
@@ -346,13 +473,15 @@ def read(argv: list[str]) -> ToolConfig:
         if world is not None:
             model_par = tp * pp * sharding_degree * sep
             if world % model_par:
-                raise UserError(f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sharding*sep "
-                                f"degrees = {model_par}")
+                raise UserError(
+                    f"{TOOL}: {world} devices are not divisible by tensor*pipeline*sharding*sep "
+                    f"degrees = {model_par}"
+                )
             dp_degree = world // model_par
         else:
             dp_degree = 1
     plan.update(tp=tp, pp=pp, cp=sep)
-    if not dp_unknown:      # else pipemem's --dp gives the data-parallel (= sharding) degree
+    if not dp_unknown:  # else pipemem's --dp gives the data-parallel (= sharding) degree
         plan["dp"] = dp_degree * sharding_degree
     ep = a.int("expert_parallel_degree")
     if ep is not None:
@@ -393,8 +522,10 @@ def read(argv: list[str]) -> ToolConfig:
         if level not in ("O1", "O2"):
             raise UserError(f"{TOOL}: --fp16_opt_level {level!r}: expected O1 or O2")
         if level == "O1":
-            warnings.append(f"{TOOL}: --fp16_opt_level O1 keeps fp32 weights and casts per op; "
-                            "modelled as O2 (half weights + fp32 master weights)")
+            warnings.append(
+                f"{TOOL}: --fp16_opt_level O1 keeps fp32 weights and casts per op; "
+                "modelled as O2 (half weights + fp32 master weights)"
+            )
     else:
         plan["dtype"] = "fp32"
         plan["master_weights"] = False
@@ -406,12 +537,16 @@ def read(argv: list[str]) -> ToolConfig:
         _paddleformers_recompute(a, plan)
     elif rec:
         if gran not in ("full", "full_attn", "core_attn"):
-            raise UserError(f"{TOOL}: --recompute_granularity {gran!r}: expected full, full_attn or core_attn")
+            raise UserError(
+                f"{TOOL}: --recompute_granularity {gran!r}: expected full, full_attn or core_attn"
+            )
         plan["recompute"] = gran
         interval = a.int("pp_recompute_interval", minimum=0)
         if interval and interval > 1:
-            warnings.append(f"{TOOL}: pp_recompute_interval {interval} (recompute every {interval}th layer) "
-                            "is modelled as recomputing every layer")
+            warnings.append(
+                f"{TOOL}: pp_recompute_interval {interval} (recompute every {interval}th layer) "
+                "is modelled as recomputing every layer"
+            )
     elif rec is False:
         plan["recompute"] = "none"
 
@@ -436,9 +571,11 @@ def read(argv: list[str]) -> ToolConfig:
     if accum is not None and gbs is not None and not dp_unknown:
         expected = accum * (mb or 1) * plan["dp"]
         if gbs != expected:
-            raise UserError(f"{TOOL}: --global_batch_size {gbs} contradicts gradient_accumulation_steps "
-                            f"{accum} x per_device_train_batch_size {mb or 1} x data parallel {plan['dp']} "
-                            f"= {expected}")
+            raise UserError(
+                f"{TOOL}: --global_batch_size {gbs} contradicts gradient_accumulation_steps "
+                f"{accum} x per_device_train_batch_size {mb or 1} x data parallel {plan['dp']} "
+                f"= {expected}"
+            )
     if accum is not None:
         plan["microbatches"] = accum
     elif gbs is not None:
@@ -454,5 +591,11 @@ def read(argv: list[str]) -> ToolConfig:
     unknown = a.unknown(KNOWN, IGNORED)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored: " + " ".join("--" + u for u in unknown))
-    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL, dp_unknown=dp_unknown,
-                      model_name=model_id if model != model_id else "")
+    return ToolConfig(
+        model=model,
+        plan=plan,
+        warnings=warnings,
+        tool=TOOL,
+        dp_unknown=dp_unknown,
+        model_name=model_id if model != model_id else "",
+    )

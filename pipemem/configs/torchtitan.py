@@ -38,58 +38,146 @@ FLAVORS = {
 }
 # torchtitan's small test model (0.3's llama3 "debugmodel": dim 256, 6 layers, 16 heads, ffn from
 # multiple_of 256, a 2,048-token vocabulary).
-DEBUG_MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "num_hidden_layers": 6, "vocab_size": 2048,
-               "max_position_embeddings": 2048, "tie_word_embeddings": False, "hidden_act": "silu"}
+DEBUG_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_hidden_layers": 6,
+    "vocab_size": 2048,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 
-_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
+_DTYPES = {
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "float32": "fp32",
+    "fp32": "fp32",
+}
 _MULTI_STAGE = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
 # Tables of torchtitan's job config (Trainer.Config.to_dict(), or an older job TOML) whose keys
 # change memory; every key of them is honoured or refused by name (_KEYS below). The other
 # tables (logging, data, checkpoints, tokenizer...) change nothing on the device.
-KNOWN_SECTIONS = {"model", "model_spec", "training", "parallelism", "activation_checkpoint", "optimizer",
-                  "compile", "loss", "float8", "mx"}
-IGNORED_SECTIONS = {"job", "profiling", "profiler", "metrics", "lr_scheduler", "checkpoint", "comm",
-                    "memory_estimation", "fault_tolerance", "experimental", "validation", "validator", "debug",
-                    "dataloader", "tokenizer", "override", "hf_assets_path", "dump_folder"}
+KNOWN_SECTIONS = {
+    "model",
+    "model_spec",
+    "training",
+    "parallelism",
+    "activation_checkpoint",
+    "optimizer",
+    "compile",
+    "loss",
+    "float8",
+    "mx",
+}
+IGNORED_SECTIONS = {
+    "job",
+    "profiling",
+    "profiler",
+    "metrics",
+    "lr_scheduler",
+    "checkpoint",
+    "comm",
+    "memory_estimation",
+    "fault_tolerance",
+    "experimental",
+    "validation",
+    "validator",
+    "debug",
+    "dataloader",
+    "tokenizer",
+    "override",
+    "hf_assets_path",
+    "dump_folder",
+}
 
 # key -> what pipemem does with it: "plan" (honoured), "none" (no device memory), or a refusal text
 _KEYS = {
     "training": {
-        "local_batch_size": "plan", "batch_size": "plan", "global_batch_size": "plan", "seq_len": "plan",
-        "dtype": "plan", "mixed_precision_param": "plan", "mixed_precision_reduce": "plan",
-        "disable_cuda_graphs": "plan", "compile": "plan",   # older configs' torch.compile switch (_modern)
-        "max_norm": "none", "steps": "none", "gc_freq": "none", "gc_debug": "none",
-        "warmup_steps": "none", "seed": "none", "deterministic": "none", "dataset": "none", "dataset_path": "none",
+        "local_batch_size": "plan",
+        "batch_size": "plan",
+        "global_batch_size": "plan",
+        "seq_len": "plan",
+        "dtype": "plan",
+        "mixed_precision_param": "plan",
+        "mixed_precision_reduce": "plan",
+        "disable_cuda_graphs": "plan",
+        "compile": "plan",  # older configs' torch.compile switch (_modern)
+        "max_norm": "none",
+        "steps": "none",
+        "gc_freq": "none",
+        "gc_debug": "none",
+        "warmup_steps": "none",
+        "seed": "none",
+        "deterministic": "none",
+        "dataset": "none",
+        "dataset_path": "none",
         "enable_cpu_offload": "CPU offloading of parameters, gradients and optimizer states is not modelled yet",
     },
     "parallelism": {
-        "data_parallel_replicate_degree": "plan", "data_parallel_shard_degree": "plan",
-        "fsdp_reshard_after_forward": "plan", "tensor_parallel_degree": "plan", "enable_sequence_parallel": "plan",
-        "pipeline_parallel_degree": "plan", "pipeline_parallel_first_stage_less_layers": "plan",
-        "pipeline_parallel_last_stage_less_layers": "plan", "pipeline_parallel_layers_per_stage": "plan",
-        "pipeline_parallel_schedule": "plan", "pipeline_parallel_schedule_csv": "plan",
-        "pipeline_parallel_microbatch_size": "plan", "context_parallel_degree": "plan",
-        "expert_parallel_degree": "plan", "tensor_parallel_recompute_allgather": "plan",
-        "spmd_backend": "none", "context_parallel_load_balancer": "none", "context_parallel_ptrr_mask_key": "none",
-        "context_parallel_rotate_method": "none", "disable_loss_parallel": "none",
+        "data_parallel_replicate_degree": "plan",
+        "data_parallel_shard_degree": "plan",
+        "fsdp_reshard_after_forward": "plan",
+        "tensor_parallel_degree": "plan",
+        "enable_sequence_parallel": "plan",
+        "pipeline_parallel_degree": "plan",
+        "pipeline_parallel_first_stage_less_layers": "plan",
+        "pipeline_parallel_last_stage_less_layers": "plan",
+        "pipeline_parallel_layers_per_stage": "plan",
+        "pipeline_parallel_schedule": "plan",
+        "pipeline_parallel_schedule_csv": "plan",
+        "pipeline_parallel_microbatch_size": "plan",
+        "context_parallel_degree": "plan",
+        "expert_parallel_degree": "plan",
+        "tensor_parallel_recompute_allgather": "plan",
+        "spmd_backend": "none",
+        "context_parallel_load_balancer": "none",
+        "context_parallel_ptrr_mask_key": "none",
+        "context_parallel_rotate_method": "none",
+        "disable_loss_parallel": "none",
         "enable_compiled_autograd": "compiled autograd is not modelled",
         "enable_async_tensor_parallel": "async tensor parallelism (needs torch.compile) is not modelled yet",
         "enable_fsdp_symm_mem": "FSDP symmetric-memory buffers are not modelled",
         "module_fqns_per_model_part": "a hand-written split of modules into pipeline stages is not modelled; "
-                                      "use pipeline_parallel_layers_per_stage or --pp-layout",
+        "use pipeline_parallel_layers_per_stage or --pp-layout",
         "expert_tensor_parallel_degree": "plan",
     },
     "activation_checkpoint": {
-        "mode": "plan", "selective_ac_option": "plan", "preserve_rng_state": "none", "determinism_check": "none",
-        "debug": "none", "force_recompute_mm_shapes_by_fqns": "none", "per_op_sac_force_recompute_mm_shapes_by_fqns": "none",
-        "memory_budget": "plan", "visualize_memory_budget_pareto": "none", "early_stop": "none",
+        "mode": "plan",
+        "selective_ac_option": "plan",
+        "preserve_rng_state": "none",
+        "determinism_check": "none",
+        "debug": "none",
+        "force_recompute_mm_shapes_by_fqns": "none",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns": "none",
+        "memory_budget": "plan",
+        "visualize_memory_budget_pareto": "none",
+        "early_stop": "none",
     },
-    "compile": {"enable": "plan", "components": "none", "backend": "none", "enable_async_tensor_parallel": "plan"},
-    "optimizer": {"name": "plan", "param_groups": "plan", "implementation": "plan", "lr": "none", "eps": "none",
-                  "beta1": "none", "beta2": "none", "weight_decay": "none", "early_step_in_backward": "plan",
-                  "optimizer_factory_kwargs_by_name": "none"},
+    "compile": {
+        "enable": "plan",
+        "components": "none",
+        "backend": "none",
+        "enable_async_tensor_parallel": "plan",
+    },
+    "optimizer": {
+        "name": "plan",
+        "param_groups": "plan",
+        "implementation": "plan",
+        "lr": "none",
+        "eps": "none",
+        "beta1": "none",
+        "beta2": "none",
+        "weight_decay": "none",
+        "early_step_in_backward": "plan",
+        "optimizer_factory_kwargs_by_name": "none",
+    },
     "loss": {"num_chunks": "plan", "loss_fn": "none"},
 }
 _NOT_MODELLED_16 = "(pipemem refuses rather than estimate without it)"
@@ -106,28 +194,39 @@ def read_args(argv: list[str]) -> ToolConfig:
     --parallelism.tensor_parallel_degree 8 ...`), resolved by torchtitan's ConfigManager (its
     config_registry function, then the overrides); needs torchtitan installed."""
     from ..traced.torchtitan_model import import_stubs
+
     try:
         with import_stubs():
             from torchtitan.config.manager import ConfigManager
     except ImportError as e:
-        raise UserError(f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
-                        "pip install 'pipemem[torchtitan]', or give a job TOML") from None
+        raise UserError(
+            f"--from-torchtitan with launch arguments needs torchtitan==0.3.0 ({e}); "
+            "pip install 'pipemem[torchtitan]', or give a job TOML"
+        ) from None
     try:
         # config_registry modules import torchtitan's models
         with import_stubs(), _target_gpu_capability():
             cfg = ConfigManager().parse_args(list(argv))
     except SystemExit:
-        raise UserError("--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
-                        "e.g. -- --module llama3 --config llama3_8b --parallelism.tensor_parallel_degree 8") from None
+        raise UserError(
+            "--from-torchtitan: torchtitan could not parse these arguments (see its message above); "
+            "e.g. -- --module llama3 --config llama3_8b --parallelism.tensor_parallel_degree 8"
+        ) from None
     except (ImportError, ValueError, AttributeError) as e:
         raise UserError(f"--from-torchtitan: {e}") from None
     tables = cfg.to_dict()
     tables.update(_converter_tables(cfg.model_spec))
     ac = cfg.activation_checkpoint
     tables["activation_checkpoint"] = dict(tables.get("activation_checkpoint") or {})
-    tables["activation_checkpoint"]["mode"] = ("none" if ac is None else
-                                               type(ac).__qualname__.split(".")[0].replace("AC", "").lower()
-                                               .replace("memorybudget", "memory_budget"))
+    tables["activation_checkpoint"]["mode"] = (
+        "none"
+        if ac is None
+        else type(ac)
+        .__qualname__.split(".")[0]
+        .replace("AC", "")
+        .lower()
+        .replace("memorybudget", "memory_budget")
+    )
     name = cfg.model_spec.name if cfg.model_spec is not None else "model"
     flavor = cfg.model_spec.flavor if cfg.model_spec is not None else ""
     return from_tables(tables, f"torchtitan {name} {flavor}", model=_model_from_spec(cfg.model_spec))
@@ -145,7 +244,7 @@ def _target_gpu_capability():
     for name in ("float8", "mx", "nvfp4"):
         try:
             mod = importlib.import_module(f"torchtitan.components.quantization.{name}")
-        except Exception:       # a converter module that does not import here is not used
+        except Exception:  # a converter module that does not import here is not used
             continue
         if hasattr(mod, "has_cuda_capability"):
             patched.append((mod, mod.has_cuda_capability))
@@ -162,16 +261,29 @@ def _model_from_spec(spec) -> dict:
     import torch
 
     from ..traced.torchtitan_model import model_shapes
+
     with torch.device("meta"):
         model = spec.model.build()
     a = model_shapes(model)
-    cfg = {"model_type": "qwen3" if a["qk_norm"] else "llama", "hidden_size": a["dim"],
-           "num_hidden_layers": a["layers"], "num_attention_heads": a["n_heads"],
-           "num_key_value_heads": a["n_kv_heads"], "head_dim": a["head_dim"], "intermediate_size": a["ffn"],
-           "vocab_size": a["vocab"], "tie_word_embeddings": a["tied"], "max_position_embeddings": 131072}
+    cfg = {
+        "model_type": "qwen3" if a["qk_norm"] else "llama",
+        "hidden_size": a["dim"],
+        "num_hidden_layers": a["layers"],
+        "num_attention_heads": a["n_heads"],
+        "num_key_value_heads": a["n_kv_heads"],
+        "head_dim": a["head_dim"],
+        "intermediate_size": a["ffn"],
+        "vocab_size": a["vocab"],
+        "tie_word_embeddings": a["tied"],
+        "max_position_embeddings": 131072,
+    }
     if a.get("experts"):
-        cfg.update(model_type="qwen3_moe", num_experts=a["experts"], num_experts_per_tok=a["top_k"],
-                   moe_intermediate_size=a["expert_ffn"])
+        cfg.update(
+            model_type="qwen3_moe",
+            num_experts=a["experts"],
+            num_experts_per_tok=a["top_k"],
+            moe_intermediate_size=a["expert_ffn"],
+        )
     return cfg
 
 
@@ -199,16 +311,21 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     opt = _section(cfg, "optimizer", path)
     comp = _section(cfg, "compile", path)
     if cfg.get("mx"):
-        raise UserError(f"{path}: [mx]: MX (microscaling) training is not modelled; pipemem models torchao "
-                        "Float8 tensorwise / rowwise")
+        raise UserError(
+            f"{path}: [mx]: MX (microscaling) training is not modelled; pipemem models torchao "
+            "Float8 tensorwise / rowwise"
+        )
     if comp.get("enable_async_tensor_parallel"):
-        raise UserError(f"{path}: [compile] enable_async_tensor_parallel: async tensor parallelism is not "
-                        "modelled")
+        raise UserError(
+            f"{path}: [compile] enable_async_tensor_parallel: async tensor parallelism is not modelled"
+        )
     # torch.compile and float8 linears (pipemem.features)
     plan.update(_modern(cfg, _section(cfg, "model", path), path))
     if par.get("enable_async_tensor_parallel"):
-        raise UserError(f"{path}: [parallelism] enable_async_tensor_parallel: async TP (torch.compile) is not "
-                        f"modelled yet {_NOT_MODELLED_16}")
+        raise UserError(
+            f"{path}: [parallelism] enable_async_tensor_parallel: async TP (torch.compile) is not "
+            f"modelled yet {_NOT_MODELLED_16}"
+        )
 
     seq = _pos_int(tr, "seq_len", path, "training")
     if seq is not None:
@@ -217,7 +334,7 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     old = _pos_int(tr, "batch_size", path, "training")
     if local is not None and old is not None and local != old:
         raise UserError(f"{path}: [training] local_batch_size {local} and batch_size {old} disagree")
-    local = local or old or 8   # torchtitan's default local batch
+    local = local or old or 8  # torchtitan's default local batch
 
     tp = _pos_int(par, "tensor_parallel_degree", path, "parallelism") or 1
     pp = _pos_int(par, "pipeline_parallel_degree", path, "parallelism") or 1
@@ -229,9 +346,11 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     if not isinstance(shard, int) or isinstance(shard, bool) or (shard < 1 and shard != -1):
         raise UserError(f"{path}: [parallelism] data_parallel_shard_degree must be -1 or a positive integer")
     if replicate > 1:
-        raise UserError(f"{path}: [parallelism] data_parallel_replicate_degree {replicate}: replicated data "
-                        "parallelism (HSDP / replicate) is not modelled: pipemem shards model states over every "
-                        "data-parallel rank; use data_parallel_shard_degree")
+        raise UserError(
+            f"{path}: [parallelism] data_parallel_replicate_degree {replicate}: replicated data "
+            "parallelism (HSDP / replicate) is not modelled: pipemem shards model states over every "
+            "data-parallel rank; use data_parallel_shard_degree"
+        )
     plan.update(tp=tp, pp=pp, cp=cp)
     if ep is not None:
         plan["ep"] = ep
@@ -246,14 +365,17 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         plan["dp"] = shard
     regather = par.get("tensor_parallel_recompute_allgather", False)
     if not isinstance(regather, bool):
-        raise UserError(f"{path}: [parallelism] tensor_parallel_recompute_allgather = {regather!r}: expected "
-                        "true or false")
+        raise UserError(
+            f"{path}: [parallelism] tensor_parallel_recompute_allgather = {regather!r}: expected "
+            "true or false"
+        )
     if regather:
         plan["recompute_allgather"] = True
     reshard = str(par.get("fsdp_reshard_after_forward", "default")).lower()
     if reshard not in ("default", "always", "never"):
-        raise UserError(f"{path}: [parallelism] fsdp_reshard_after_forward {reshard!r}: expected default, always "
-                        "or never")
+        raise UserError(
+            f"{path}: [parallelism] fsdp_reshard_after_forward {reshard!r}: expected default, always or never"
+        )
     # torchtitan: blocks reshard after forward unless "never", or "default" with pipeline parallelism
     if reshard == "never" or (reshard == "default" and pp > 1):
         extra["fsdp_reshard_after_forward"] = False
@@ -268,8 +390,10 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         plan["schedule"] = sched
         mbs = _pos_int(par, "pipeline_parallel_microbatch_size", path, "parallelism") or 1
         if local % mbs:
-            raise UserError(f"{path}: local_batch_size {local} is not divisible by "
-                            f"pipeline_parallel_microbatch_size {mbs}")
+            raise UserError(
+                f"{path}: local_batch_size {local} is not divisible by "
+                f"pipeline_parallel_microbatch_size {mbs}"
+            )
         plan["micro_batch"] = mbs
         plan["microbatches"] = local // mbs
         lps = _pos_int(par, "pipeline_parallel_layers_per_stage", path, "parallelism")
@@ -277,11 +401,14 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
             plan["_layers_per_stage"] = lps
         elif not csv and sched.replace("_", "").lower() in _MULTI_STAGE:
             plan["vpp"] = 2
-            warnings.append(f"{TOOL}: {sched} without pipeline_parallel_layers_per_stage: "
-                            "2 stages per rank assumed")
+            warnings.append(
+                f"{TOOL}: {sched} without pipeline_parallel_layers_per_stage: 2 stages per rank assumed"
+            )
         # torchtitan gives the first and last stages fewer layers (embedding / output) by default
-        for key, side in (("pipeline_parallel_first_stage_less_layers", "_first_less"),
-                          ("pipeline_parallel_last_stage_less_layers", "_last_less")):
+        for key, side in (
+            ("pipeline_parallel_first_stage_less_layers", "_first_less"),
+            ("pipeline_parallel_last_stage_less_layers", "_last_less"),
+        ):
             # 1 by default since torchtitan renamed [training] batch_size to local_batch_size;
             # job files older than that split the layers evenly
             v = par.get(key, 0 if "batch_size" in tr and "local_batch_size" not in tr else 1)
@@ -302,7 +429,7 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         if v is None:
             raise UserError(f"{path}: [training] {key} {tr.get(key)!r}: expected bfloat16 or float32")
     if store != "fp32":
-        plan["dtype"], plan["master_weights"] = store, False        # parameters stored in low precision
+        plan["dtype"], plan["master_weights"] = store, False  # parameters stored in low precision
     else:
         plan["dtype"], plan["master_weights"] = mp, mp != "fp32"
     plan["main_grad_dtype"] = reduce_ if store == "fp32" and mp != "fp32" else plan["dtype"]
@@ -310,17 +437,21 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         plan["grads"] = "set-to-none" if tr.get("disable_cuda_graphs") else "buffer"
 
     if "model_spec" in cfg and "activation_checkpoint" not in cfg:
-        warnings.append(f"{TOOL}: no [activation_checkpoint] table: torchtitan 0.3's default SelectiveAC assumed "
-                        "(Trainer.Config.to_dict() of activation_checkpoint=None leaves the table out; write "
-                        "mode = \"none\" there)")
+        warnings.append(
+            f"{TOOL}: no [activation_checkpoint] table: torchtitan 0.3's default SelectiveAC assumed "
+            "(Trainer.Config.to_dict() of activation_checkpoint=None leaves the table out; write "
+            'mode = "none" there)'
+        )
     mode = str(ac.get("mode") or _ac_mode(ac, "model_spec" in cfg)).lower()
     if mode == "none":
         plan["recompute"] = "none"
     elif mode == "full":
         plan["recompute"] = "full"
     elif mode == "memory_budget":
-        raise UserError(f"{path}: [activation_checkpoint] memory_budget: the compiler's min-cut checkpointing "
-                        f"(needs torch.compile) is not modelled yet {_NOT_MODELLED_16}")
+        raise UserError(
+            f"{path}: [activation_checkpoint] memory_budget: the compiler's min-cut checkpointing "
+            f"(needs torch.compile) is not modelled yet {_NOT_MODELLED_16}"
+        )
     elif mode == "selective":
         option = str(ac.get("selective_ac_option", "op")).lower()
         if option == "op":
@@ -330,30 +461,40 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         elif option.isdigit() and int(option) > 0:
             plan["recompute"] = "full"
             plan["_every_nth_layer"] = int(option)
-            warnings.append(f"{TOOL}: selective_ac_option {option} (a full checkpoint on one layer in "
-                            f"{option}) is modelled with --recompute-layers = layers per stage / {option}")
+            warnings.append(
+                f"{TOOL}: selective_ac_option {option} (a full checkpoint on one layer in "
+                f"{option}) is modelled with --recompute-layers = layers per stage / {option}"
+            )
         else:
-            raise UserError(f"{path}: [activation_checkpoint] selective_ac_option {option!r}: expected 'op' "
-                            "or a positive integer")
+            raise UserError(
+                f"{path}: [activation_checkpoint] selective_ac_option {option!r}: expected 'op' "
+                "or a positive integer"
+            )
     else:
         raise UserError(f"{path}: [activation_checkpoint] mode {mode!r}: expected none, selective or full")
 
-    names = [str(g.get("optimizer_name", "AdamW")) for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+    names = [
+        str(g.get("optimizer_name", "AdamW")) for g in (opt.get("param_groups") or []) if isinstance(g, dict)
+    ]
     names = names or [str(opt.get("name", "AdamW"))]
     bad = sorted({n for n in names if n.lower() not in ("adamw", "adam")})
     if bad:
         raise UserError(f"{path}: [optimizer] {', '.join(bad)}: only Adam/AdamW are modelled")
     plan["optimizer"] = "adamw" if names[0].lower() == "adamw" else "adam"
-    impl = str(opt.get("implementation", "fused")).lower()   # torchtitan's default is fused
+    impl = str(opt.get("implementation", "fused")).lower()  # torchtitan's default is fused
     if impl not in ("fused", "foreach", "for-loop", "fused_opt_states_bf16"):
         raise UserError(f"{path}: [optimizer] implementation {impl!r}: expected fused, foreach or for-loop")
     if impl == "fused_opt_states_bf16":
-        raise UserError(f"{path}: [optimizer] implementation fused_opt_states_bf16 (bf16 Adam states) is not "
-                        "modelled; use fused")
+        raise UserError(
+            f"{path}: [optimizer] implementation fused_opt_states_bf16 (bf16 Adam states) is not "
+            "modelled; use fused"
+        )
     plan["optimizer_impl"] = impl
     if opt.get("early_step_in_backward"):
-        raise UserError(f"{path}: [optimizer] early_step_in_backward: the optimizer step inside the backward "
-                        "is not modelled")
+        raise UserError(
+            f"{path}: [optimizer] early_step_in_backward: the optimizer step inside the backward "
+            "is not modelled"
+        )
 
     # ChunkedLossWrapper (0.3's default loss): the head runs per sequence chunk (templates/chunked_loss.py)
     loss = _section(cfg, "loss", path)
@@ -364,17 +505,29 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):
-        raise UserError(f"{path}: [training] global_batch_size {gbs} is not a multiple of local_batch_size "
-                        f"{local} x data parallel {plan['dp']}")
+        raise UserError(
+            f"{path}: [training] global_batch_size {gbs} is not a multiple of local_batch_size "
+            f"{local} x data parallel {plan['dp']}"
+        )
     plan["extra"] = extra
 
     unknown = sorted(k for k in cfg if k not in KNOWN_SECTIONS and k not in IGNORED_SECTIONS)
     if unknown:
         warnings.append(f"{TOOL}: not modelled, ignored sections: " + " ".join(f"[{u}]" for u in unknown))
-    name = str(_section(cfg, "model", path).get("name") or (cfg.get("model_spec") or {}).get("name") or "model")
-    flavor = str(_section(cfg, "model", path).get("flavor") or (cfg.get("model_spec") or {}).get("flavor") or "")
-    return ToolConfig(model=model, plan=plan, warnings=warnings, tool=TOOL,
-                      model_name=f"torchtitan-{name.lower()}-{flavor.lower()}", dp_unknown=dp_unknown)
+    name = str(
+        _section(cfg, "model", path).get("name") or (cfg.get("model_spec") or {}).get("name") or "model"
+    )
+    flavor = str(
+        _section(cfg, "model", path).get("flavor") or (cfg.get("model_spec") or {}).get("flavor") or ""
+    )
+    return ToolConfig(
+        model=model,
+        plan=plan,
+        warnings=warnings,
+        tool=TOOL,
+        model_name=f"torchtitan-{name.lower()}-{flavor.lower()}",
+        dp_unknown=dp_unknown,
+    )
 
 
 def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
@@ -397,12 +550,16 @@ def _modern(cfg: dict, model_sec: dict, path: str) -> dict:
     f8 = cfg.get("float8") if isinstance(cfg.get("float8"), dict) else {}
     unknown = [c for c in converters if str(c).lower() not in ("float8",)]
     if unknown:
-        raise UserError(f"{path}: [model] converters {unknown[0]!r} is not modelled (pipemem models torchao "
-                        "Float8 tensorwise / rowwise); remove it to estimate the bf16 run")
+        raise UserError(
+            f"{path}: [model] converters {unknown[0]!r} is not modelled (pipemem models torchao "
+            "Float8 tensorwise / rowwise); remove it to estimate the bf16 run"
+        )
     if "float8" in [str(c).lower() for c in converters] or f8.get("enable_float8_linear"):
         recipe = str(f8.get("recipe_name") or "tensorwise").lower()
         if recipe not in ("tensorwise", "rowwise"):
-            raise UserError(f"{path}: [float8] recipe_name {recipe!r} is not modelled; use tensorwise or rowwise")
+            raise UserError(
+                f"{path}: [float8] recipe_name {recipe!r} is not modelled; use tensorwise or rowwise"
+            )
         out["fp8"] = recipe
         if f8.get("enable_fsdp_float8_all_gather"):
             out["fp8_param_gather"] = True
@@ -419,8 +576,11 @@ def _ac_mode(ac: dict, v03: bool) -> str:
         return "selective"
     if "memory_budget" in ac or "visualize_memory_budget_pareto" in ac:
         return "memory_budget"
-    if {"force_recompute_mm_shapes_by_fqns", "per_op_sac_force_recompute_mm_shapes_by_fqns",
-            "selective_ac_option"} & set(ac):
+    if {
+        "force_recompute_mm_shapes_by_fqns",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "selective_ac_option",
+    } & set(ac):
         return "selective"
     return "full"
 
@@ -434,6 +594,7 @@ def _converter_tables(spec) -> dict:
     if spec is None or not hasattr(spec.model, "traverse"):
         return {}
     from torchtitan.config.configurable import Configurable
+
     seen: dict = {}
     for _fqn, c, _parent, _attr in spec.model.traverse(Configurable.Config, recurse=True):
         seen.setdefault(type(c).__qualname__.split(".")[0], c)
@@ -442,12 +603,16 @@ def _converter_tables(spec) -> dict:
         if name == "Float8Linear":
             recipe = _float8_recipe(getattr(c, "_torchao_config", None))
             if recipe is None:
-                raise UserError("--from-torchtitan: Float8Linear with a torchao recipe other than tensorwise or "
-                                "rowwise (e.g. rowwise_with_gw_hp) is not modelled")
+                raise UserError(
+                    "--from-torchtitan: Float8Linear with a torchao recipe other than tensorwise or "
+                    "rowwise (e.g. rowwise_with_gw_hp) is not modelled"
+                )
             out = {"model": {"converters": ["float8"]}, "float8": {"recipe_name": recipe}}
         elif name.startswith(("Float8", "MXFP8", "NVFP4", "MX")):
-            raise UserError(f"--from-torchtitan: {name} (a torchtitan model converter) is not modelled; pipemem "
-                            "models torchao Float8 linears (tensorwise / rowwise)")
+            raise UserError(
+                f"--from-torchtitan: {name} (a torchtitan model converter) is not modelled; pipemem "
+                "models torchao Float8 linears (tensorwise / rowwise)"
+            )
     return out
 
 
@@ -493,9 +658,11 @@ def _model(cfg: dict, path: str) -> dict | str:
     if (name, flavor) in FLAVORS:
         return FLAVORS[(name, flavor)]
     known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
-    raise UserError(f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
-                    "Use --model with an HF config.json, or torchtitan's own launch arguments "
-                    "(--from-torchtitan -- --module NAME --config FN ...)")
+    raise UserError(
+        f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
+        "Use --model with an HF config.json, or torchtitan's own launch arguments "
+        "(--from-torchtitan -- --module NAME --config FN ...)"
+    )
 
 
 def finish_plan(plan: dict, layers: int) -> dict:
@@ -509,10 +676,12 @@ def finish_plan(plan: dict, layers: int) -> dict:
         # first + last) / layers_per_stage) stages, a multiple of pp
         stages = -(-(layers + first + last) // lps)
         if stages % pp:
-            raise UserError(f"{TOOL}: pipeline_parallel_layers_per_stage {lps} gives {stages} stages for "
-                            f"{layers} "
-                            f"layers (+ {first} + {last} for the embedding / output), not a multiple of "
-                            f"pipeline_parallel_degree {pp} (torchtitan refuses it)")
+            raise UserError(
+                f"{TOOL}: pipeline_parallel_layers_per_stage {lps} gives {stages} stages for "
+                f"{layers} "
+                f"layers (+ {first} + {last} for the embedding / output), not a multiple of "
+                f"pipeline_parallel_degree {pp} (torchtitan refuses it)"
+            )
         plan["vpp"] = stages // pp
     vpp = plan.get("vpp", 1)
     if pp > 1 and "pp_layout" not in plan:
@@ -522,7 +691,7 @@ def finish_plan(plan: dict, layers: int) -> dict:
         per_stage = layers // (plan.get("pp", 1) * plan.get("vpp", 1))
         if per_stage // nth:
             plan["recompute_layers"] = per_stage // nth
-        else:   # fewer layers per stage than the checkpoint period: nothing is checkpointed
+        else:  # fewer layers per stage than the checkpoint period: nothing is checkpointed
             plan["recompute"] = "none"
     return plan
 
@@ -535,9 +704,11 @@ def stage_split(layers: int, stages: int, first: int, last: int) -> tuple[int, .
     total = layers + first + last
     per, extra = divmod(total, stages)
     if per == 0 or first > per or last > per:
-        raise UserError(f"{TOOL}: {stages} pipeline stages for {layers} layers (+ {first} / {last} for the "
-                        f"embedding / output): torchtitan refuses this split (each stage needs a layer, and "
-                        f"the embedding / output weights at most {per}); use fewer stages")
+        raise UserError(
+            f"{TOOL}: {stages} pipeline stages for {layers} layers (+ {first} / {last} for the "
+            f"embedding / output): torchtitan refuses this split (each stage needs a layer, and "
+            f"the embedding / output weights at most {per}); use fewer stages"
+        )
     split = [per + (1 if i < extra else 0) for i in range(stages)]
     split[0] -= first
     split[-1] -= last
@@ -564,7 +735,9 @@ def _load(path: str) -> dict:
         hint = ""
         try:
             if p.suffix.lower() == ".json" or p.read_bytes().lstrip()[:1] == b"{":
-                hint = "; this looks like JSON: a torchtitan job config is TOML ([model], [training] ... tables)"
+                hint = (
+                    "; this looks like JSON: a torchtitan job config is TOML ([model], [training] ... tables)"
+                )
         except OSError:
             pass
         raise UserError(f"--from-torchtitan {path}: not valid TOML ({e}){hint}") from None

@@ -43,37 +43,92 @@ TOOL = "torchtune"
 # torchtune model builders -> the preset with the same shapes (torchtune's builders use the
 # published HF shapes of each model)
 BUILDERS = {
-    "llama3_2_1b": "llama3.2-1b", "llama3_2_3b": "llama3.2-3b",
-    "llama3_8b": "llama3-8b", "llama3_1_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama3_1_70b": "llama3-70b",
+    "llama3_2_1b": "llama3.2-1b",
+    "llama3_2_3b": "llama3.2-3b",
+    "llama3_8b": "llama3-8b",
+    "llama3_1_8b": "llama3-8b",
+    "llama3_70b": "llama3-70b",
+    "llama3_1_70b": "llama3-70b",
     "llama3_3_70b": "llama3-70b",
-    "llama3_1_405b": "llama3.1-405b", "llama2_7b": "llama2-7b", "llama2_13b": "llama2-13b",
-    "llama2_70b": "llama2-70b", "mistral_7b": "mistral-7b", "qwen2_5_7b_base": "qwen2.5-7b",
-    "qwen2_5_7b_instruct": "qwen2.5-7b", "qwen2_5_72b_instruct": "qwen2.5-72b",
+    "llama3_1_405b": "llama3.1-405b",
+    "llama2_7b": "llama2-7b",
+    "llama2_13b": "llama2-13b",
+    "llama2_70b": "llama2-70b",
+    "mistral_7b": "mistral-7b",
+    "qwen2_5_7b_base": "qwen2.5-7b",
+    "qwen2_5_7b_instruct": "qwen2.5-7b",
+    "qwen2_5_72b_instruct": "qwen2.5-72b",
 }
 
 # keys read below
-_READ = {"model", "tokenizer", "batch_size", "gradient_accumulation_steps", "dtype", "optimizer", "optimizer_in_bwd",
-         "loss", "compile", "enable_activation_checkpointing", "ac_mode", "enable_activation_offloading",
-         "fsdp_cpu_offload", "fsdp_reshard_after_forward", "tensor_parallel_dim", "context_parallel_dim",
-         "data_parallel_replicate_dim", "data_parallel_shard_dim", "quantizer", "custom_sharded_layers"}
+_READ = {
+    "model",
+    "tokenizer",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "dtype",
+    "optimizer",
+    "optimizer_in_bwd",
+    "loss",
+    "compile",
+    "enable_activation_checkpointing",
+    "ac_mode",
+    "enable_activation_offloading",
+    "fsdp_cpu_offload",
+    "fsdp_reshard_after_forward",
+    "tensor_parallel_dim",
+    "context_parallel_dim",
+    "data_parallel_replicate_dim",
+    "data_parallel_shard_dim",
+    "quantizer",
+    "custom_sharded_layers",
+}
 # keys that change nothing on the device (logging, checkpoints, data, schedules of the LR...);
 # clip_grad_norm's foreach norms are a few scalars per parameter
 _NO_DEVICE_MEMORY = {
-    "output_dir", "checkpointer", "resume_from_checkpoint", "seed", "shuffle", "epochs", "max_steps_per_epoch",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "lr_scheduler",
-    "device", "clip_grad_norm", "save_adapter_weights_only", "run_val_every_n_steps",
-    "dataset_val", "collate_fn", "dataset", "ac_option", "activation_offloading_use_streams",
-    "cudnn_deterministic_mode", "batch_size_val", "keep_last_n_checkpoints", "tensor_parallel_plan",
+    "output_dir",
+    "checkpointer",
+    "resume_from_checkpoint",
+    "seed",
+    "shuffle",
+    "epochs",
+    "max_steps_per_epoch",
+    "metric_logger",
+    "log_every_n_steps",
+    "log_peak_memory_stats",
+    "log_level",
+    "profiler",
+    "lr_scheduler",
+    "device",
+    "clip_grad_norm",
+    "save_adapter_weights_only",
+    "run_val_every_n_steps",
+    "dataset_val",
+    "collate_fn",
+    "dataset",
+    "ac_option",
+    "activation_offloading_use_streams",
+    "cudnn_deterministic_mode",
+    "batch_size_val",
+    "keep_last_n_checkpoints",
+    "tensor_parallel_plan",
 }
 
 # torchtune component builders whose decoders the torchtune convention models (its
 # MultiHeadAttention, RMSNorm and SwiGLU FeedForward) -> the HF model type of the same layers
-_COMPONENTS = {"llama2": "llama", "llama3": "llama", "llama3_1": "llama", "llama3_2": "llama", "qwen2": "qwen2",
-               "mistral": "mistral"}
+_COMPONENTS = {
+    "llama2": "llama",
+    "llama3": "llama",
+    "llama3_1": "llama",
+    "llama3_2": "llama",
+    "qwen2": "qwen2",
+    "mistral": "mistral",
+}
 
 
 def _literal(node):
     import ast
+
     try:
         return ast.literal_eval(node)
     except ValueError:
@@ -82,7 +137,7 @@ def _literal(node):
 
 def _defaults(fn) -> dict:
     """A function definition's literal parameter defaults."""
-    args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
+    args = fn.args.args[len(fn.args.args) - len(fn.args.defaults) :]
     out = {a.arg: _literal(d) for a, d in zip(args, fn.args.defaults)}
     out.update({a.arg: _literal(d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
     return {k: v for k, v in out.items() if v is not None}
@@ -106,7 +161,7 @@ def builder_config(builder: str, root: Path | None = None) -> dict | None:
             return None
         root = Path(list(spec.submodule_search_locations)[0])
     family, name = parts[2], parts[3]
-    for _ in range(3):                  # follow `llama3_3_70b = llama3_1_70b` style aliases
+    for _ in range(3):  # follow `llama3_3_70b = llama3_1_70b` style aliases
         path = root / "models" / family / "_model_builders.py"
         if not path.is_file():
             return None
@@ -114,10 +169,24 @@ def builder_config(builder: str, root: Path | None = None) -> dict | None:
         defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         if name in defs:
             break
-        alias = next((n.value.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
-                      and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)), None)
-        source = next((n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
-                       and any(a.name == alias for a in n.names)), None)
+        alias = next(
+            (
+                n.value.id
+                for n in tree.body
+                if isinstance(n, ast.Assign)
+                and isinstance(n.value, ast.Name)
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+            ),
+            None,
+        )
+        source = next(
+            (
+                n.module
+                for n in tree.body
+                if isinstance(n, ast.ImportFrom) and n.module and any(a.name == alias for a in n.names)
+            ),
+            None,
+        )
         if alias is None or source is None:
             return None
         family, name = source.split(".")[2], alias
@@ -127,7 +196,7 @@ def builder_config(builder: str, root: Path | None = None) -> dict | None:
     if not isinstance(ret, ast.Call) or not isinstance(ret.func, ast.Name) or ret.func.id not in _COMPONENTS:
         return None
     component = ret.func.id
-    own = _defaults(defs[name])          # the builder's own parameters (`tie_word_embeddings=True`)
+    own = _defaults(defs[name])  # the builder's own parameters (`tie_word_embeddings=True`)
     kwargs = {}
     for k in ret.keywords:
         v = own.get(k.value.id) if isinstance(k.value, ast.Name) else _literal(k.value)
@@ -135,19 +204,30 @@ def builder_config(builder: str, root: Path | None = None) -> dict | None:
             kwargs[k.arg] = v
     comp_path = root / "models" / component / "_component_builders.py"
     if comp_path.is_file():
-        comp = next((n for n in ast.parse(comp_path.read_text()).body
-                     if isinstance(n, ast.FunctionDef) and n.name == component), None)
+        comp = next(
+            (
+                n
+                for n in ast.parse(comp_path.read_text()).body
+                if isinstance(n, ast.FunctionDef) and n.name == component
+            ),
+            None,
+        )
         if comp is not None:
             for a, d in _defaults(comp).items():
                 kwargs.setdefault(a, d)
     need = ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim", "intermediate_dim")
     if any(not isinstance(kwargs.get(k), int) for k in need):
         return None
-    cfg = {"model_type": _COMPONENTS[component], "vocab_size": kwargs["vocab_size"],
-           "num_hidden_layers": kwargs["num_layers"], "num_attention_heads": kwargs["num_heads"],
-           "num_key_value_heads": kwargs["num_kv_heads"], "hidden_size": kwargs["embed_dim"],
-           "intermediate_size": kwargs["intermediate_dim"],
-           "tie_word_embeddings": bool(kwargs.get("tie_word_embeddings") or False)}
+    cfg = {
+        "model_type": _COMPONENTS[component],
+        "vocab_size": kwargs["vocab_size"],
+        "num_hidden_layers": kwargs["num_layers"],
+        "num_attention_heads": kwargs["num_heads"],
+        "num_key_value_heads": kwargs["num_kv_heads"],
+        "hidden_size": kwargs["embed_dim"],
+        "intermediate_size": kwargs["intermediate_dim"],
+        "tie_word_embeddings": bool(kwargs.get("tie_word_embeddings") or False),
+    }
     if isinstance(kwargs.get("head_dim"), int):
         cfg["head_dim"] = kwargs["head_dim"]
     if isinstance(kwargs.get("max_seq_len"), int):
@@ -156,14 +236,21 @@ def builder_config(builder: str, root: Path | None = None) -> dict | None:
 
 
 _OPTIMIZERS = {
-    "torch.optim.AdamW": ("adamw", None), "torch.optim.Adam": ("adam", None), "torch.optim.SGD": ("sgd", None),
+    "torch.optim.AdamW": ("adamw", None),
+    "torch.optim.Adam": ("adam", None),
+    "torch.optim.SGD": ("sgd", None),
     "bitsandbytes.optim.AdamW8bit": ("adam8bit", None),
     "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", "paged"),
     "bitsandbytes.optim.PagedAdamW": ("adamw", "paged"),
-    "torchao.optim.AdamW8bit": ("adam8bit", None), "torchao.prototype.low_bit_optim.AdamW8bit": ("adam8bit", None),
-    "torchao.optim.AdamW4bit": ("adam4bit", None), "torchao.prototype.low_bit_optim.AdamW4bit": ("adam4bit", None),
+    "torchao.optim.AdamW8bit": ("adam8bit", None),
+    "torchao.prototype.low_bit_optim.AdamW8bit": ("adam8bit", None),
+    "torchao.optim.AdamW4bit": ("adam4bit", None),
+    "torchao.prototype.low_bit_optim.AdamW4bit": ("adam4bit", None),
 }
-_LOSSES = {"torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked", "torch.nn.CrossEntropyLoss": "standard"}
+_LOSSES = {
+    "torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked",
+    "torch.nn.CrossEntropyLoss": "standard",
+}
 
 
 # torchtune's recipes (recipes/*.py, `tune run NAME`): the full fine-tuning ones pipemem models
@@ -185,8 +272,10 @@ def recipe_in_comments(text: str) -> str | None:
 
 def _recipe_distributed(recipe: str, where: str) -> bool:
     if recipe not in RECIPES:
-        raise UserError(f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full "
-                        f"fine-tuning recipes ({', '.join(RECIPES)})")
+        raise UserError(
+            f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full "
+            f"fine-tuning recipes ({', '.join(RECIPES)})"
+        )
     return RECIPES[recipe]
 
 
@@ -200,8 +289,9 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
         raise UserError("--from-torchtune reads YAML: pip install pyyaml") from None
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--from-torchtune {path}: no such file (give the config file, e.g. one `tune cp` "
-                        "wrote)")
+        raise UserError(
+            f"--from-torchtune {path}: no such file (give the config file, e.g. one `tune cp` wrote)"
+        )
     text = p.read_text()
     try:
         cfg = yaml.safe_load(text)
@@ -219,10 +309,12 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
         distributed = True
     else:
         distributed = "single_device" not in p.stem
-        notes.append(f"{TOOL}: {p.name} names no recipe (its `tune run` line); taken as "
-                     f"{'full_finetune_distributed' if distributed else 'full_finetune_single_device'} "
-                     "from the "
-                     "file name: paste the `tune run` line to say which")
+        notes.append(
+            f"{TOOL}: {p.name} names no recipe (its `tune run` line); taken as "
+            f"{'full_finetune_distributed' if distributed else 'full_finetune_single_device'} "
+            "from the "
+            "file name: paste the `tune run` line to say which"
+        )
     tool = from_dict(cfg, str(path), distributed=distributed)
     tool.warnings[:0] = notes
     return tool
@@ -230,8 +322,10 @@ def read(path: str, recipe: str | None = None, overrides: tuple[str, ...] = ()) 
 
 def _distributed_keys(cfg: dict) -> bool:
     """Keys only full_finetune_distributed reads (FSDP settings, the device mesh's dimensions)."""
-    return any(k.startswith("fsdp_") or k.endswith(("_parallel_dim", "_shard_dim"))
-               or k == "custom_sharded_layers" for k in cfg)
+    return any(
+        k.startswith("fsdp_") or k.endswith(("_parallel_dim", "_shard_dim")) or k == "custom_sharded_layers"
+        for k in cfg
+    )
 
 
 def _override(cfg: dict, item: str, path: str) -> None:
@@ -292,8 +386,10 @@ def read_tune_run(argv: list[str]) -> ToolConfig:
             overrides.append(tok)
         i += 1
     if recipe is None or config is None:
-        raise UserError("--from-torchtune -: paste the `tune run` line, e.g. -- tune run --nproc_per_node 8 "
-                        "full_finetune_distributed --config ./my_8b.yaml")
+        raise UserError(
+            "--from-torchtune -: paste the `tune run` line, e.g. -- tune run --nproc_per_node 8 "
+            "full_finetune_distributed --config ./my_8b.yaml"
+        )
     tool = read(config, recipe=recipe, overrides=tuple(overrides))
     try:
         world = int(launcher.get("nproc_per_node", 1)) * int(str(launcher.get("nnodes", 1)).split(":")[-1])
@@ -320,22 +416,31 @@ def _pos_int(value, key: str, path: str) -> int:
 
 
 def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
-    warnings = [f"{TOOL}: {key} is not known to pipemem; ignored" for key in cfg
-                if key not in _READ and key not in _NO_DEVICE_MEMORY]
+    warnings = [
+        f"{TOOL}: {key} is not known to pipemem; ignored"
+        for key in cfg
+        if key not in _READ and key not in _NO_DEVICE_MEMORY
+    ]
     plan: dict = {"convention": "torchtune"}
 
     builder, model_kw = _component(cfg, "model", path)
     name = builder.rsplit(".", 1)[-1]
     if "lora" in name:
-        raise UserError(f"{path}: model {builder}: LoRA / QLoRA adapters (and NF4 base weights) are not modelled; "
-                        "pipemem models full fine-tuning")
+        raise UserError(
+            f"{path}: model {builder}: LoRA / QLoRA adapters (and NF4 base weights) are not modelled; "
+            "pipemem models full fine-tuning"
+        )
     model = BUILDERS.get(name) or builder_config(builder)
     if model is None:
-        raise UserError(f"{path}: model {builder} is not modelled under the torchtune convention (its builders of "
-                        f"{', '.join(sorted(_COMPONENTS))} decoders are, read from torchtune's source when it is "
-                        "installed); give the model's HF config with --model config.json and --convention hf")
+        raise UserError(
+            f"{path}: model {builder} is not modelled under the torchtune convention (its builders of "
+            f"{', '.join(sorted(_COMPONENTS))} decoders are, read from torchtune's source when it is "
+            "installed); give the model's HF config with --model config.json and --convention hf"
+        )
     if model_kw:
-        warnings.append(f"{TOOL}: model arguments {', '.join(sorted(model_kw))} are not read (the preset's shape is used)")
+        warnings.append(
+            f"{TOOL}: model arguments {', '.join(sorted(model_kw))} are not read (the preset's shape is used)"
+        )
 
     plan["micro_batch"] = _pos_int(cfg.get("batch_size", 1), "batch_size", path)
     gas = _pos_int(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path)
@@ -355,8 +460,10 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
         raise UserError(f"{path}: optimizer {opt} is not modelled (known: {', '.join(sorted(_OPTIMIZERS))})")
     plan["optimizer"], paged = _OPTIMIZERS[opt]
     if paged:
-        warnings.append(f"{TOOL}: {opt} pages its states through unified memory; counted as resident device memory "
-                        "(paging not modelled)")
+        warnings.append(
+            f"{TOOL}: {opt} pages its states through unified memory; counted as resident device memory "
+            "(paging not modelled)"
+        )
     if plan["optimizer"] in ("adamw", "adam", "sgd") and not paged and opt.startswith("torch."):
         plan["optimizer_impl"] = "fused" if opt_kw.get("fused") else "foreach"
     if cfg.get("optimizer_in_bwd"):
@@ -368,32 +475,42 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
             raise UserError(f"{path}: loss {loss} is not modelled (known: {', '.join(sorted(_LOSSES))})")
         if _LOSSES[loss] == "chunked":
             plan["loss"] = "chunked"
-            plan["loss_chunks"] = _pos_int(loss_kw.get("num_output_chunks", 8), "loss.num_output_chunks", path)
+            plan["loss_chunks"] = _pos_int(
+                loss_kw.get("num_output_chunks", 8), "loss.num_output_chunks", path
+            )
 
     comp = cfg.get("compile", False)
-    if isinstance(comp, dict):      # newer configs: compile: {model: true, loss: true, ...}
+    if isinstance(comp, dict):  # newer configs: compile: {model: true, loss: true, ...}
         if comp.get("model"):
             plan["compile"] = "all" if comp.get("loss", True) else "layers"
     elif comp:
-        plan["compile"] = "all"     # the recipe compiles each layer and the loss
+        plan["compile"] = "all"  # the recipe compiles each layer and the loss
 
     if cfg.get("enable_activation_checkpointing"):
         mode = str(cfg.get("ac_mode") or "full").lower()
         if mode != "full":
-            raise UserError(f"{path}: ac_mode {mode}: torchtune's selective checkpointing (every n-th layer) is not "
-                            "modelled; use enable_activation_checkpointing with the default full mode")
+            raise UserError(
+                f"{path}: ac_mode {mode}: torchtune's selective checkpointing (every n-th layer) is not "
+                "modelled; use enable_activation_checkpointing with the default full mode"
+            )
         plan["recompute"] = "full"
     if cfg.get("enable_activation_offloading"):
         plan["activation_offload"] = "all"
 
     if cfg.get("quantizer") is not None:
-        raise UserError(f"{path}: quantizer: quantization-aware training (fake-quantised linears) is not modelled")
+        raise UserError(
+            f"{path}: quantizer: quantization-aware training (fake-quantised linears) is not modelled"
+        )
     if cfg.get("fsdp_cpu_offload"):
-        raise UserError(f"{path}: fsdp_cpu_offload: FSDP CPU offloading of parameters, gradients and optimizer "
-                        "states is not modelled")
-    for key, what in (("tensor_parallel_dim", "torchtune's tensor parallelism"),
-                      ("context_parallel_dim", "torchtune's context parallelism"),
-                      ("data_parallel_replicate_dim", "replicated (HSDP) data parallelism")):
+        raise UserError(
+            f"{path}: fsdp_cpu_offload: FSDP CPU offloading of parameters, gradients and optimizer "
+            "states is not modelled"
+        )
+    for key, what in (
+        ("tensor_parallel_dim", "torchtune's tensor parallelism"),
+        ("context_parallel_dim", "torchtune's context parallelism"),
+        ("data_parallel_replicate_dim", "replicated (HSDP) data parallelism"),
+    ):
         v = cfg.get(key)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v <= 1):
             raise UserError(f"{path}: {key}: {v}: {what} is not modelled")
@@ -409,7 +526,7 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
         elif shard != -1:
             raise UserError(f"{path}: data_parallel_shard_dim: {shard!r}: expected -1 or a positive integer")
         else:
-            dp_unknown = True      # FSDP2 over every rank: the world size comes from --dp
+            dp_unknown = True  # FSDP2 over every rank: the world size comes from --dp
         # custom_sharded_layers: modules shard_model wraps apart from the decoder layers; without
         # them the embedding, the final norm and the output layer are FSDP2's root unit (held
         # unsharded from the backward's start to its end; templates/layers.py fsdp_root_unit)
@@ -418,12 +535,15 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
             raise UserError(f"{path}: custom_sharded_layers: {custom!r}: expected a list of module names")
         ends = {"tok_embeddings", "output"} & set(custom)
         if len(ends) == 1:
-            raise UserError(f"{path}: custom_sharded_layers names {ends.pop()} but not "
-                            f"{({'tok_embeddings', 'output'} - set(custom)).pop()}: a root unit holding only one "
-                            "of the embedding and the output layer is not modelled; name both or neither")
+            raise UserError(
+                f"{path}: custom_sharded_layers names {ends.pop()} but not "
+                f"{({'tok_embeddings', 'output'} - set(custom)).pop()}: a root unit holding only one "
+                "of the embedding and the output layer is not modelled; name both or neither"
+            )
         if ends:
             extra["custom_sharded_layers"] = sorted(ends)
         if extra:
             plan["extra"] = extra
-    return ToolConfig(model, plan, warnings, TOOL, model_name=name if isinstance(model, dict) else "",
-                      dp_unknown=dp_unknown)
+    return ToolConfig(
+        model, plan, warnings, TOOL, model_name=name if isinstance(model, dict) else "", dp_unknown=dp_unknown
+    )

@@ -20,12 +20,16 @@ def build() -> list[Program]:
         t[name] = Tensor(name, shape, dtype, kind, **kw)
         return name
 
-    x = tensor("x", ACT)                                   # received from the previous stage
+    x = tensor("x", ACT)  # received from the previous stage
     w1, w2 = tensor("w1", (H, F), kind="param"), tensor("w2", (F, H), kind="param")
     h, a, y = tensor("h", (B, S, F)), tensor("a", (B, S, F)), tensor("y", ACT)
     loss = tensor("loss", (), "fp32")
-    dy, da, dh, dx = tensor("dy", ACT, kind="temp"), tensor("da", (B, S, F), kind="temp"), \
-        tensor("dh", (B, S, F), kind="temp"), tensor("dx", ACT)
+    dy, da, dh, dx = (
+        tensor("dy", ACT, kind="temp"),
+        tensor("da", (B, S, F), kind="temp"),
+        tensor("dh", (B, S, F), kind="temp"),
+        tensor("dx", ACT),
+    )
     dw1, dw2 = tensor("dw1", (H, F), kind="grad"), tensor("dw2", (F, H), kind="grad")
     m1, v1 = tensor("m1", (H, F), "fp32", "optimizer_state"), tensor("v1", (H, F), "fp32", "optimizer_state")
     m2, v2 = tensor("m2", (F, H), "fp32", "optimizer_state"), tensor("v2", (F, H), "fp32", "optimizer_state")
@@ -38,26 +42,42 @@ def build() -> list[Program]:
             p.ops.append(op)
         return p
 
-    forward = prog("forward", [
-        Op("matmul", (x, w1), (h,), module="mlp.fc1", phase="forward"),
-        Op("gelu", (h,), (a,), module="mlp.act", phase="forward"),
-        Op("matmul", (a, w2), (y,), module="mlp.fc2", phase="forward"),
-        Op("mse_loss", (y,), (loss,), module="loss", phase="forward"),
-    ])
-    backward = prog("backward", [
-        Op("mse_loss_grad", (loss, y), (dy,), module="loss", phase="backward"),
-        Op("matmul", (dy, w2), (da,), name="fc2.dgrad", module="mlp.fc2", phase="backward"),
-        Op("matmul", (a, dy), (dw2,), name="fc2.wgrad", module="mlp.fc2", phase="backward"),
-        Op("gelu_grad", (da, h), (dh,), module="mlp.act", phase="backward"),
-        Op("matmul", (dh, w1), (dx,), name="fc1.dgrad", module="mlp.fc1", phase="backward",
-           workspace_bytes=32 << 20),
-        Op("matmul", (x, dh), (dw1,), name="fc1.wgrad", module="mlp.fc1", phase="backward"),
-        Op("send_backward", (dx,), (), module="p2p", phase="backward"),
-    ])
-    optimizer = prog("optimizer", [
-        Op("adam", (w1, dw1, m1, v1), (w1, m1, v1), name="adam.w1", phase="optimizer"),
-        Op("adam", (w2, dw2, m2, v2), (w2, m2, v2), name="adam.w2", phase="optimizer"),
-    ])
+    forward = prog(
+        "forward",
+        [
+            Op("matmul", (x, w1), (h,), module="mlp.fc1", phase="forward"),
+            Op("gelu", (h,), (a,), module="mlp.act", phase="forward"),
+            Op("matmul", (a, w2), (y,), module="mlp.fc2", phase="forward"),
+            Op("mse_loss", (y,), (loss,), module="loss", phase="forward"),
+        ],
+    )
+    backward = prog(
+        "backward",
+        [
+            Op("mse_loss_grad", (loss, y), (dy,), module="loss", phase="backward"),
+            Op("matmul", (dy, w2), (da,), name="fc2.dgrad", module="mlp.fc2", phase="backward"),
+            Op("matmul", (a, dy), (dw2,), name="fc2.wgrad", module="mlp.fc2", phase="backward"),
+            Op("gelu_grad", (da, h), (dh,), module="mlp.act", phase="backward"),
+            Op(
+                "matmul",
+                (dh, w1),
+                (dx,),
+                name="fc1.dgrad",
+                module="mlp.fc1",
+                phase="backward",
+                workspace_bytes=32 << 20,
+            ),
+            Op("matmul", (x, dh), (dw1,), name="fc1.wgrad", module="mlp.fc1", phase="backward"),
+            Op("send_backward", (dx,), (), module="p2p", phase="backward"),
+        ],
+    )
+    optimizer = prog(
+        "optimizer",
+        [
+            Op("adam", (w1, dw1, m1, v1), (w1, m1, v1), name="adam.w1", phase="optimizer"),
+            Op("adam", (w2, dw2, m2, v2), (w2, m2, v2), name="adam.w2", phase="optimizer"),
+        ],
+    )
     return [forward, backward, optimizer]
 
 

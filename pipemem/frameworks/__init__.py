@@ -18,8 +18,9 @@ from . import hf, megatron, paddle, torchtitan, torchtune
 from .base import Framework
 from .convention import Convention
 
-ALL: dict[str, Framework] = {m.FRAMEWORK.name: m.FRAMEWORK
-                             for m in (megatron, paddle, torchtitan, hf, torchtune)}
+ALL: dict[str, Framework] = {
+    m.FRAMEWORK.name: m.FRAMEWORK for m in (megatron, paddle, torchtitan, hf, torchtune)
+}
 NAMES: tuple[str, ...] = tuple(ALL)
 
 

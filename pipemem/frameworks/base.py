@@ -28,30 +28,30 @@ Shardings = tuple[tuple[str, dict], ...]
 
 class Framework:
     name: str = ""
-    title: str = ""                       # who runs it, one phrase (docs, --help)
-    convention: Convention                # the layer switches (templates)
+    title: str = ""  # who runs it, one phrase (docs, --help)
+    convention: Convention  # the layer switches (templates)
 
     # -- plan rules and defaults ---------------------------------------------------------------
-    unsharded_modules = False             # modules modelled as written: no tp / cp / ep
-    tp_must_divide_kv_heads = False       # no KV-head replication when tp > KV heads
+    unsharded_modules = False  # modules modelled as written: no tp / cp / ep
+    tp_must_divide_kv_heads = False  # no KV-head replication when tp > KV heads
     interleaved_needs_pp_multiple = False  # --vpp > 1: microbatches a multiple of pp
-    has_dist_opt = False                  # --dist-opt (Megatron's distributed optimizer)
-    mixed_precision = True                # fp32 master weights under bf16 / fp16
-    zero_is_deepspeed = False             # --zero 1-3 (not --fsdp) is DeepSpeed's ZeRO engine
-    contiguous_grad_buffer = False        # one resident grad buffer; no DDP buckets
-    pytorch_allocator = True              # its tensors live in PyTorch's CUDA caching allocator
-    allocator_note = ""                   # where not: whose allocator, said when reserved is not modelled
-    default_optimizer_impl = "fused"      # plan.OPTIMIZER_IMPLS
-    fused_ce_loss = False                 # --loss fused / fused_te (Megatron's CE fusion)
-    whole_logits_loss = False             # --loss shifted (a step's own CE on whole logits)
-    chunked_loss_wrapper = False          # --loss chunked is the framework's own sequence-chunked head
-    torch_modules = False                 # plain PyTorch modules: torchtune / Liger losses, optimizer
-                                          # in backward, the trainer features as fixes
-    fp8 = "torchao"                       # "te" (Transformer Engine), "torchao" (Float8) or None
-    activation_offload = True             # --activation-offload modelled
-    torch_compile = True                  # --compile applies
-    traced_mode = True                    # --mode traced records this framework's modules
-    paddle_programs = False               # --mode paddle (Paddle's own programs) applies
+    has_dist_opt = False  # --dist-opt (Megatron's distributed optimizer)
+    mixed_precision = True  # fp32 master weights under bf16 / fp16
+    zero_is_deepspeed = False  # --zero 1-3 (not --fsdp) is DeepSpeed's ZeRO engine
+    contiguous_grad_buffer = False  # one resident grad buffer; no DDP buckets
+    pytorch_allocator = True  # its tensors live in PyTorch's CUDA caching allocator
+    allocator_note = ""  # where not: whose allocator, said when reserved is not modelled
+    default_optimizer_impl = "fused"  # plan.OPTIMIZER_IMPLS
+    fused_ce_loss = False  # --loss fused / fused_te (Megatron's CE fusion)
+    whole_logits_loss = False  # --loss shifted (a step's own CE on whole logits)
+    chunked_loss_wrapper = False  # --loss chunked is the framework's own sequence-chunked head
+    torch_modules = False  # plain PyTorch modules: torchtune / Liger losses, optimizer
+    # in backward, the trainer features as fixes
+    fp8 = "torchao"  # "te" (Transformer Engine), "torchao" (Float8) or None
+    activation_offload = True  # --activation-offload modelled
+    torch_compile = True  # --compile applies
+    traced_mode = True  # --mode traced records this framework's modules
+    paddle_programs = False  # --mode paddle (Paddle's own programs) applies
 
     def check_plan(self, arch, plan, dtype: str) -> None:
         """Refuse (UserError) what this framework's runs never do; called by validate_plan
@@ -63,35 +63,35 @@ class Framework:
         return "set-to-none"
 
     # -- static bytes ----------------------------------------------------------------------------
-    fp32_params_are_master = False        # mixed precision keeps fp32 params, compute casts (autocast,
-                                          # FSDP2 MixedPrecisionPolicy): no separate master copy
-    precision_aware_optimizer = False     # Megatron's --use-precision-aware-optimizer dtypes apply
-    te_runtime_buffers = False            # Transformer Engine / Megatron buffers held all run
-    fp32_grad_copies = False              # narrow main grads handed to the optimizer as fp32 copies
-    te_fp8_weight_caches = False          # TE keeps fp8 weight copies (and transposes) all step
+    fp32_params_are_master = False  # mixed precision keeps fp32 params, compute casts (autocast,
+    # FSDP2 MixedPrecisionPolicy): no separate master copy
+    precision_aware_optimizer = False  # Megatron's --use-precision-aware-optimizer dtypes apply
+    te_runtime_buffers = False  # Transformer Engine / Megatron buffers held all run
+    fp32_grad_copies = False  # narrow main grads handed to the optimizer as fp32 copies
+    te_fp8_weight_caches = False  # TE keeps fp8 weight copies (and transposes) all step
 
     # -- layer-program hooks ---------------------------------------------------------------------
-    autocast = False                      # modules run under torch.autocast over fp32 params
-    fsdp_reshards_head = True             # FSDP's root reshards the output layer after forward
-    fsdp_root_holds_ends = False           # FSDP2's root unit holds the embedding and the output layer
-    model_fused_qkv = False               # a model whose own module fuses q, k, v keeps it fused
-    qkv_one_matmul = False                # separate q, k, v linears computed as one matmul
-    cp_attention = "ring"                 # context parallel: "ring" or "allgather_kv"
+    autocast = False  # modules run under torch.autocast over fp32 params
+    fsdp_reshards_head = True  # FSDP's root reshards the output layer after forward
+    fsdp_root_holds_ends = False  # FSDP2's root unit holds the embedding and the output layer
+    model_fused_qkv = False  # a model whose own module fuses q, k, v keeps it fused
+    qkv_one_matmul = False  # separate q, k, v linears computed as one matmul
+    cp_attention = "ring"  # context parallel: "ring" or "allgather_kv"
     eager_softmax = "scale_mask_softmax"  # attention without flash: "scale_mask_softmax" (fused),
-                                          # "fp32_softmax_cast" (HF eager), "inplace_mask_softmax" (Paddle)
-    gelu_new_op_by_op = False             # HF's NewGELUActivation, op by op
-    op_level_sac = False                  # --recompute selective is op-level selective checkpointing
-    moe_program = "moe"                   # the layer generator's MoE method (templates.layers._Gen)
-    conv1d_weight_saved = False           # Conv1D layers save their weight (a parameter) for backward
-    te_offload_spec = False               # activation offloading follows TE's offload spec
+    # "fp32_softmax_cast" (HF eager), "inplace_mask_softmax" (Paddle)
+    gelu_new_op_by_op = False  # HF's NewGELUActivation, op by op
+    op_level_sac = False  # --recompute selective is op-level selective checkpointing
+    moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
+    conv1d_weight_saved = False  # Conv1D layers save their weight (a parameter) for backward
+    te_offload_spec = False  # activation offloading follows TE's offload spec
     vocab_parallel_embedding_mask = False  # tp > 1: VocabParallelEmbedding's masked ids
-    compile_covers_loss = True            # --compile all compiles the loss too
-    ce_with_softmax_inplace = False       # Paddle's cross_entropy_with_softmax in place
-    stage_causal_mask = False             # every stage builds its causal mask (no flash)
-    offload_keeps_last_layer = False      # fine-grained offload keeps a chunk's last layer
-    static_backward_frees_dy = False      # the backward frees a received output grad at its last use
-    regather_sp_save: str | None = None   # what SP linears save under --recompute-allgather
-    fused_norm_in_fp32 = False            # an fp32 model runs the fused norm kernel
+    compile_covers_loss = True  # --compile all compiles the loss too
+    ce_with_softmax_inplace = False  # Paddle's cross_entropy_with_softmax in place
+    stage_causal_mask = False  # every stage builds its causal mask (no flash)
+    offload_keeps_last_layer = False  # fine-grained offload keeps a chunk's last layer
+    static_backward_frees_dy = False  # the backward frees a received output grad at its last use
+    regather_sp_save: str | None = None  # what SP linears save under --recompute-allgather
+    fused_norm_in_fp32 = False  # an fp32 model runs the fused norm kernel
 
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of the framework's own chunked head (1: none)."""
@@ -99,7 +99,7 @@ class Framework:
 
     # -- the answer ------------------------------------------------------------------------------
     default_interleaved_schedule = "VPP"  # the schedule of --vpp > 1 without --schedule
-    runtime = "torch"                     # pipeline runtime profile (pipemem.runtime)
+    runtime = "torch"  # pipeline runtime profile (pipemem.runtime)
 
     def sharding_levers(self, plan) -> list[tuple[str, dict]]:
         """Fix suggestions that shard the optimizer states (and more) over the data-parallel
@@ -111,10 +111,10 @@ class Framework:
     # pipeline schedules it runs; which fit a plan's chunks per rank, and their placement, is the
     # schedule registry's (pipemem.schedules.registry)
     schedules: tuple = ("1F1B",)
-    recompute_whole_model = False         # recomputes every layer or none (no selective / partial)
+    recompute_whole_model = False  # recomputes every layer or none (no selective / partial)
 
     # -- configuration readers -------------------------------------------------------------------
-    readers: tuple[str, ...] = ()         # pipemem.configs modules reading this framework's config
+    readers: tuple[str, ...] = ()  # pipemem.configs modules reading this framework's config
 
     def __init__(self) -> None:
         # the convention knows its framework: template code holding a Convention asks it

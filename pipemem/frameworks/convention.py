@@ -14,17 +14,17 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Convention:
     name: str
-    fused_qkv: bool            # one column-parallel linear for q, k, v
-    fused_gate_up: bool        # one fc1 producing [gate | up] and a fused SwiGLU saving only its input
-    sp_save: str               # what an SP column linear keeps: "shard" | "shard+gathered" | "gathered" |
-                               # "shard_regather" (torchtitan with pipemem.torch_tp.RegatherColwiseParallel)
+    fused_qkv: bool  # one column-parallel linear for q, k, v
+    fused_gate_up: bool  # one fc1 producing [gate | up] and a fused SwiGLU saving only its input
+    sp_save: str  # what an SP column linear keeps: "shard" | "shard+gathered" | "gathered" |
+    # "shard_regather" (torchtitan with pipemem.torch_tp.RegatherColwiseParallel)
     gather_once_per_block: bool  # one all-gather feeds every projection of a block
-    fused_norm: bool           # norm saves input + fp32 statistics only
-    ce_inplace: bool           # cross-entropy backward reuses the saved fp32 softmax
-    vocab_multiple: int        # vocab padded to a multiple of vocab_multiple * tp
-    gqa_expand_eager: bool     # eager attention expands K/V to all heads (copies) before matmuls
-    wgrad_fused: bool = True   # weight-grad GEMMs accumulate straight into the grad buffer
-    fused_rope: bool = True    # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
+    fused_norm: bool  # norm saves input + fp32 statistics only
+    ce_inplace: bool  # cross-entropy backward reuses the saved fp32 softmax
+    vocab_multiple: int  # vocab padded to a multiple of vocab_multiple * tp
+    gqa_expand_eager: bool  # eager attention expands K/V to all heads (copies) before matmuls
+    wgrad_fused: bool = True  # weight-grad GEMMs accumulate straight into the grad buffer
+    fused_rope: bool = True  # rope in one kernel saving nothing (else: PaddleNLP's unfused rotate_half)
     grad_clip_copy: bool = False  # the optimizer step first makes a clipped copy of every gradient
     full_vocab_loss: bool = False  # tp > 1: the logits are gathered to the full vocabulary for the loss
     # A recomputed region's outputs stay alive until the region's whole backward is done

@@ -18,13 +18,22 @@ from .convention import Convention
 class HF(Framework):
     name = "hf"
     title = "Hugging Face transformers modules (Trainer, accelerate, Lightning; DeepSpeed ZeRO)"
-    convention = Convention("hf", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
-                            gather_once_per_block=True, fused_norm=False, ce_inplace=False, vocab_multiple=1,
-                            gqa_expand_eager=True, wgrad_fused=False)
+    convention = Convention(
+        "hf",
+        fused_qkv=False,
+        fused_gate_up=False,
+        sp_save="gathered",
+        gather_once_per_block=True,
+        fused_norm=False,
+        ce_inplace=False,
+        vocab_multiple=1,
+        gqa_expand_eager=True,
+        wgrad_fused=False,
+    )
 
-    unsharded_modules = True               # HF modules as written: one rank holds whole layers
+    unsharded_modules = True  # HF modules as written: one rank holds whole layers
     zero_is_deepspeed = True
-    default_optimizer_impl = "foreach"     # a plain torch.optim.AdamW on GPUs
+    default_optimizer_impl = "foreach"  # a plain torch.optim.AdamW on GPUs
     whole_logits_loss = True
     torch_modules = True
 
@@ -40,7 +49,7 @@ class HF(Framework):
             return "buffer"
         return "set-to-none"
 
-    fp32_params_are_master = True          # autocast over fp32 parameters
+    fp32_params_are_master = True  # autocast over fp32 parameters
 
     autocast = True
     model_fused_qkv = True

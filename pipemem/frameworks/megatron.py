@@ -16,22 +16,31 @@ from .convention import Convention
 class Megatron(Framework):
     name = "megatron"
     title = "Megatron-LM / Megatron-Core with Transformer Engine"
-    convention = Convention("megatron", fused_qkv=True, fused_gate_up=True, sp_save="shard",
-                            gather_once_per_block=True, fused_norm=True, ce_inplace=True, vocab_multiple=128,
-                            gqa_expand_eager=True, checkpoint_keeps_outputs=True)
+    convention = Convention(
+        "megatron",
+        fused_qkv=True,
+        fused_gate_up=True,
+        sp_save="shard",
+        gather_once_per_block=True,
+        fused_norm=True,
+        ce_inplace=True,
+        vocab_multiple=128,
+        gqa_expand_eager=True,
+        checkpoint_keeps_outputs=True,
+    )
 
     # megatron-core with tp > KV heads all-gathers the whole QKV projection on every rank and
     # slices it (attention.py get_query_key_value_tensors): not what the templates build
     tp_must_divide_kv_heads = True
-    interleaved_needs_pp_multiple = True   # its interleaved schedule's rule
+    interleaved_needs_pp_multiple = True  # its interleaved schedule's rule
     has_dist_opt = True
     contiguous_grad_buffer = True
-    default_optimizer_impl = "fused"       # TE / Apex FusedAdam
-    fused_ce_loss = True                   # --cross-entropy-loss-fusion (native or TE)
+    default_optimizer_impl = "fused"  # TE / Apex FusedAdam
+    fused_ce_loss = True  # --cross-entropy-loss-fusion (native or TE)
     fp8 = "te"
 
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
-        return "buffer"                    # the DDP wrapper's contiguous main-grad buffer
+        return "buffer"  # the DDP wrapper's contiguous main-grad buffer
 
     precision_aware_optimizer = True
     te_runtime_buffers = True
@@ -51,8 +60,12 @@ class Megatron(Framework):
 
     # plain DDP, the distributed optimizer (ZeRO-1), Megatron-FSDP's optim_grads (ZeRO-2) and
     # optim_grads_params (ZeRO-3) strategies
-    shardings = (("ddp", {}), ("dist-opt", {"dist_opt": True}), ("zero2", {"zero": 2}),
-                 ("fsdp", {"fsdp": True}))
+    shardings = (
+        ("ddp", {}),
+        ("dist-opt", {"dist_opt": True}),
+        ("zero2", {"zero": 2}),
+        ("fsdp", {"fsdp": True}),
+    )
     schedules = ("1F1B", "VPP")
 
     readers = ("pipemem.configs.megatron",)

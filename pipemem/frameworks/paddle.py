@@ -25,28 +25,38 @@ from .convention import Convention
 class Paddle(Framework):
     name = "paddle"
     title = "PaddleNLP on Paddle Fleet"
-    convention = Convention("paddle", fused_qkv=True, fused_gate_up=True, sp_save="shard+gathered",
-                            gather_once_per_block=False, fused_norm=True, ce_inplace=True, vocab_multiple=1,
-                            gqa_expand_eager=True, wgrad_fused=False, grad_clip_copy=True,
-                            caller_holds_input=False)
+    convention = Convention(
+        "paddle",
+        fused_qkv=True,
+        fused_gate_up=True,
+        sp_save="shard+gathered",
+        gather_once_per_block=False,
+        fused_norm=True,
+        ce_inplace=True,
+        vocab_multiple=1,
+        gqa_expand_eager=True,
+        wgrad_fused=False,
+        grad_clip_copy=True,
+        caller_holds_input=False,
+    )
 
     contiguous_grad_buffer = True
-    default_optimizer_impl = "fused"       # in-place adamw kernels
-    fp8 = None                             # PaddleNLP's fp8 linears are not modelled
-    activation_offload = False             # its recompute offload keeps checkpoints on the CPU
+    default_optimizer_impl = "fused"  # in-place adamw kernels
+    fp8 = None  # PaddleNLP's fp8 linears are not modelled
+    activation_offload = False  # its recompute offload keeps checkpoints on the CPU
     torch_compile = False
     paddle_programs = True
 
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
-        return "buffer"                    # the contiguous main-grad buffer
+        return "buffer"  # the contiguous main-grad buffer
 
     eager_softmax = "inplace_mask_softmax"
     ce_with_softmax_inplace = True
-    stage_causal_mask = True               # each stage's causal mask (kept when layers recompute)
+    stage_causal_mask = True  # each stage's causal mask (kept when layers recompute)
     static_backward_frees_dy = True
-    regather_sp_save = "shard"             # recompute_allgather: only the shard, gathered again
+    regather_sp_save = "shard"  # recompute_allgather: only the shard, gathered again
 
-    runtime = "paddle"                     # PaddleNLP's PipelineParallel
+    runtime = "paddle"  # PaddleNLP's PipelineParallel
 
     # PaddleNLP sharding stages 1-3
     shardings = (("ddp", {}), ("zero1", {"zero": 1}), ("zero2", {"zero": 2}), ("zero3", {"zero": 3}))

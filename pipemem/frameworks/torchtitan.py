@@ -17,12 +17,23 @@ from .convention import Convention
 class Torchtitan(Framework):
     name = "torchtitan"
     title = "torchtitan (DTensor TP/SP, FSDP2, torch pipelining)"
-    convention = Convention("torchtitan", fused_qkv=False, fused_gate_up=False, sp_save="gathered",
-                            gather_once_per_block=True, fused_norm=True, ce_inplace=False, vocab_multiple=1,
-                            gqa_expand_eager=True, wgrad_fused=False, fsdp2=True, fsdp2_reduce_fp32=True)
+    convention = Convention(
+        "torchtitan",
+        fused_qkv=False,
+        fused_gate_up=False,
+        sp_save="gathered",
+        gather_once_per_block=True,
+        fused_norm=True,
+        ce_inplace=False,
+        vocab_multiple=1,
+        gqa_expand_eager=True,
+        wgrad_fused=False,
+        fsdp2=True,
+        fsdp2_reduce_fp32=True,
+    )
 
-    default_optimizer_impl = "fused"       # [optimizer] implementation defaults to "fused"
-    chunked_loss_wrapper = True            # its ChunkedLossWrapper: loss parallel
+    default_optimizer_impl = "fused"  # [optimizer] implementation defaults to "fused"
+    chunked_loss_wrapper = True  # its ChunkedLossWrapper: loss parallel
     torch_modules = True
 
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
@@ -30,12 +41,12 @@ class Torchtitan(Framework):
         # default: CUDA-graph replay needs fixed gradient addresses
         return "buffer"
 
-    fp32_params_are_master = True          # FSDP2 MixedPrecisionPolicy: fp32 params, bf16 compute
-    fsdp_reshards_head = False             # the output layer stays unsharded after forward
-    qkv_one_matmul = True                  # 0.3 computes wq, wk, wv as one wqkv matmul
-    cp_attention = "allgather_kv"          # its CP for (flex) attention all-gathers K and V
-    op_level_sac = True                    # selective_ac_option = "op"
-    regather_sp_save = "shard_regather"    # pipemem.torch_tp.RegatherColwiseParallel
+    fp32_params_are_master = True  # FSDP2 MixedPrecisionPolicy: fp32 params, bf16 compute
+    fsdp_reshards_head = False  # the output layer stays unsharded after forward
+    qkv_one_matmul = True  # 0.3 computes wq, wk, wv as one wqkv matmul
+    cp_attention = "allgather_kv"  # its CP for (flex) attention all-gathers K and V
+    op_level_sac = True  # selective_ac_option = "op"
+    regather_sp_save = "shard_regather"  # pipemem.torch_tp.RegatherColwiseParallel
 
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of ChunkedLossWrapper: `--loss chunked --loss-chunks N` names it (under
@@ -46,7 +57,7 @@ class Torchtitan(Framework):
         return int((plan.extra or {}).get("loss_chunks", 8))
 
     default_interleaved_schedule = "Interleaved1F1B"
-    runtime = "torch"                      # torch.distributed.pipelining
+    runtime = "torch"  # torch.distributed.pipelining
 
     def sharding_levers(self, plan) -> list[tuple[str, dict]]:
         return [("--fsdp", {"fsdp": True, "zero": None})]

@@ -39,8 +39,12 @@ _DATA_DEPENDENT = {"masked_select": "X"}
 _STREAM_SYNC_OPS = frozenset({"c_sync_calc_stream", "c_sync_comm_stream"})
 
 
-def resolve_shapes(main_program, batch: int | None = None, seq: int | None = None,
-                   feed_shapes: Mapping[str, Iterable[int]] | None = None):
+def resolve_shapes(
+    main_program,
+    batch: int | None = None,
+    seq: int | None = None,
+    feed_shapes: Mapping[str, Iterable[int]] | None = None,
+):
     """A clone of `main_program` whose every var has a concrete shape.
 
     Data vars get `feed_shapes[name]` when given; otherwise their dynamic dims are bound
@@ -62,27 +66,36 @@ def resolve_shapes(main_program, batch: int | None = None, seq: int | None = Non
                 if d == -1:
                     d = next(bound, None)
                     if d is None:
-                        raise UserError(f"data var {var.name!r} has shape {list(var.shape)} with more dynamic "
-                                        "dims than batch and seq bind; give its shape in feed_shapes")
+                        raise UserError(
+                            f"data var {var.name!r} has shape {list(var.shape)} with more dynamic "
+                            "dims than batch and seq bind; give its shape in feed_shapes"
+                        )
                 shape.append(int(d))
         var.desc.set_shape(shape)
     if feed_shapes:
         raise UserError(f"feed_shapes names {sorted(feed_shapes)}, which are not data vars of the program")
     for i, (op_block, op) in enumerate(_flat_ops(block, "program")):
-        if op.type in _SKIP_OPS or op.type == "conditional_block" or _is_communication(op.type) or \
-                set(op.output_arg_names) <= set(op.input_arg_names):
+        if (
+            op.type in _SKIP_OPS
+            or op.type == "conditional_block"
+            or _is_communication(op.type)
+            or set(op.output_arg_names) <= set(op.input_arg_names)
+        ):
             # an op writing only its inputs (in place) leaves every shape as it is; a
             # collective's output keeps the shape the partitioner declared (its inference
             # needs the process group: 3.3.1's all_gather fails without one)
             continue
-        declared = {n: list(op_block._var_recursive(n).shape) for n in op.output_arg_names
-                    if _has_shape(op_block, n)}
+        declared = {
+            n: list(op_block._var_recursive(n).shape) for n in op.output_arg_names if _has_shape(op_block, n)
+        }
         try:
             op.desc.infer_shape(op_block.desc)
         except (ValueError, RuntimeError) as e:  # Paddle's enforce errors: the bound shapes do not fit
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"shape inference failed at op #{i} ({op.type}) with the bound input shapes "
-                            f"{ {v.name: list(v.shape) for v in block.vars.values() if _is_data(v)} }: {first}") from None
+            raise UserError(
+                f"shape inference failed at op #{i} ({op.type}) with the bound input shapes "
+                f"{ {v.name: list(v.shape) for v in block.vars.values() if _is_data(v)} }: {first}"
+            ) from None
         if op.type in _DATA_DEPENDENT:
             # as many elements as the input at most: the bound (every label valid, as in pretraining)
             x = op_block._var_recursive(op.input(_DATA_DEPENDENT[op.type])[0])
@@ -110,7 +123,11 @@ def resolve_job_shapes(sub_programs: Mapping[str, object]) -> dict:
         prog = prog.clone()
         for i in range(prog.num_blocks):
             for var in prog.block(i).vars.values():
-                if var.name in known and _has_shape(prog.block(i), var.name) and any(d < 0 for d in var.shape):
+                if (
+                    var.name in known
+                    and _has_shape(prog.block(i), var.name)
+                    and any(d < 0 for d in var.shape)
+                ):
                     var.desc.set_shape(known[var.name])
         prog._sync_with_cpp()
         out[t] = resolve_shapes(prog)
@@ -122,11 +139,34 @@ def resolve_job_shapes(sub_programs: Mapping[str, object]) -> dict:
 
 
 # Communication ops (2.6 and 3.x spellings): their outputs keep the shapes the partitioner declared.
-COMMUNICATION_OPS = frozenset({
-    "send_v2", "recv_v2", "p_send", "p_recv", "partial_send", "partial_recv", "partial_allgather",
-    "c_allreduce_sum", "c_allreduce_max", "c_allreduce_min", "c_allreduce_prod", "all_reduce",
-    "c_allgather", "all_gather", "c_reducescatter", "reduce_scatter", "c_broadcast", "broadcast",
-    "c_identity", "c_concat", "c_split", "c_sync_calc_stream", "c_sync_comm_stream", "barrier"})
+COMMUNICATION_OPS = frozenset(
+    {
+        "send_v2",
+        "recv_v2",
+        "p_send",
+        "p_recv",
+        "partial_send",
+        "partial_recv",
+        "partial_allgather",
+        "c_allreduce_sum",
+        "c_allreduce_max",
+        "c_allreduce_min",
+        "c_allreduce_prod",
+        "all_reduce",
+        "c_allgather",
+        "all_gather",
+        "c_reducescatter",
+        "reduce_scatter",
+        "c_broadcast",
+        "broadcast",
+        "c_identity",
+        "c_concat",
+        "c_split",
+        "c_sync_calc_stream",
+        "c_sync_comm_stream",
+        "barrier",
+    }
+)
 
 
 def _is_communication(op_type: str) -> bool:
@@ -136,6 +176,7 @@ def _is_communication(op_type: str) -> bool:
 def _has_shape(block, name: str) -> bool:
     var = block._find_var_recursive(name)
     from paddle.base import core
+
     return var is not None and var.type == core.VarDesc.VarType.DENSE_TENSOR
 
 
@@ -152,8 +193,10 @@ def _is_dense(var) -> bool:
     if var.type == vt.DENSE_TENSOR:
         return True
     if var.type in (vt.SELECTED_ROWS, vt.DENSE_TENSOR_ARRAY, vt.SPARSE_COO):
-        raise UserError(f"Paddle var {var.name!r} is a {var.type.name} (sparse rows or a tensor array): "
-                        "its size is not known from the program; pipemem captures dense tensors only")
+        raise UserError(
+            f"Paddle var {var.name!r} is a {var.type.name} (sparse rows or a tensor array): "
+            "its size is not known from the program; pipemem captures dense tensors only"
+        )
     return False
 
 
@@ -163,8 +206,10 @@ def tensor_for_var(var) -> Tensor:
 
     shape = tuple(int(d) for d in var.shape)
     if any(d < 0 for d in shape):
-        raise UserError(f"Paddle var {var.name!r} has unresolved shape {list(shape)}: bind the dynamic dims "
-                        "(batch=..., seq=... or feed_shapes) before capturing")
+        raise UserError(
+            f"Paddle var {var.name!r} has unresolved shape {list(shape)}: bind the dynamic dims "
+            "(batch=..., seq=... or feed_shapes) before capturing"
+        )
     dtype = str(var.dtype).rsplit(".", 1)[-1]
     dtype_bytes(dtype)
     if var.persistable:
@@ -219,7 +264,7 @@ def to_ir(sub_programs: Mapping[str, object], name_prefix: str = "") -> list[Pro
                 continue
             ins = _dense_names(block, op.input_arg_names)
             outs = _dense_names(block, op.output_arg_names)
-            if op.type == "conditional_block":   # its sub-block ran just before (_flat_ops)
+            if op.type == "conditional_block":  # its sub-block ran just before (_flat_ops)
                 ins, outs = tuple(dict.fromkeys((*ins, *outs))), ()
             for n in (*ins, *outs):
                 prog.tensors[n] = tensor(block, n)
@@ -258,8 +303,10 @@ def _flat_ops(block, ptype: str):
             yield block, op
             continue
         if any(a in ("sub_block", "sub_blocks") for a in op.attr_names):
-            raise UserError(f"{ptype} op {op.type!r} runs a sub-block (control flow); pipemem captures "
-                            "straight-line programs and conditional blocks only")
+            raise UserError(
+                f"{ptype} op {op.type!r} runs a sub-block (control flow); pipemem captures "
+                "straight-line programs and conditional blocks only"
+            )
         yield block, op
 
 

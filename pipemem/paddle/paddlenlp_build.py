@@ -31,8 +31,18 @@ from dataclasses import dataclass, field
 
 # Job types in the order a micro-batch meets them (the pipeline passes' "optimizer"; the
 # gradient-merge plan without pipeline names it "optimize"); a type missing from a plan is skipped.
-JOB_TYPE_ORDER = ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_b",
-                  "backward_w", "send_backward", "optimizer", "optimize")
+JOB_TYPE_ORDER = (
+    "recv_forward",
+    "forward",
+    "send_forward",
+    "recv_backward",
+    "backward",
+    "backward_b",
+    "backward_w",
+    "send_backward",
+    "optimizer",
+    "optimize",
+)
 
 
 @dataclass
@@ -50,17 +60,17 @@ class BuildSpec:
     accumulate_steps: int = 1
     pp: int = 1
     mp: int = 1
-    dp: int = 1                 # data_parallel_degree
-    sharding: int = 1           # sharding_parallel_degree
-    sharding_stage: int = 0     # 1, 2, 3 (0: no sharding)
+    dp: int = 1  # data_parallel_degree
+    sharding: int = 1  # sharding_parallel_degree
+    sharding_stage: int = 0  # 1, 2, 3 (0: no sharding)
     vpp: int = 1
-    schedule: str = "1F1B"      # Paddle's pipeline_schedule_mode: 1F1B, FThenB or VPP (PIR)
-    recompute: str = "none"     # none, full, full_attn, core_attn
+    schedule: str = "1F1B"  # Paddle's pipeline_schedule_mode: 1F1B, FThenB or VPP (PIR)
+    recompute: str = "none"  # none, full, full_attn, core_attn
     flash: bool = False
-    sp: bool = False            # sequence_parallel
-    dtype: str = "fp32"         # fp32, bf16, fp16 (AMP O2)
+    sp: bool = False  # sequence_parallel
+    dtype: str = "fp32"  # fp32, bf16, fp16 (AMP O2)
     rms_eps: float = 1e-6
-    max_positions: int = 0      # 0: seq
+    max_positions: int = 0  # 0: seq
     fuse_qkv: bool = False
     fuse_ffn: bool = False
     tied: bool = False
@@ -71,14 +81,15 @@ class BuildSpec:
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
+
         return asdict(self)
 
 
 @dataclass
 class RankPlan:
     rank: int
-    job_list: list[tuple[str, int]]          # (job type, micro-batch id) in run order
-    programs: dict = field(default_factory=dict)   # job type -> PIR program, in JOB_TYPE_ORDER
+    job_list: list[tuple[str, int]]  # (job type, micro-batch id) in run order
+    programs: dict = field(default_factory=dict)  # job type -> PIR program, in JOB_TYPE_ORDER
 
 
 def set_rank_env(rank: int, world: int) -> None:
@@ -100,22 +111,34 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
     from paddle.distributed.auto_parallel.static.engine import Engine
 
     if dist.get_rank() != rank:
-        raise RuntimeError(f"paddle sees rank {dist.get_rank()}, not {rank}: set_rank_env before importing paddle")
+        raise RuntimeError(
+            f"paddle sees rank {dist.get_rank()}, not {rank}: set_rank_env before importing paddle"
+        )
     _numpy2_mesh_fix()
-    Engine._init_comm = lambda self: None                       # no NCCL communicators on a CPU
-    Engine._initialize = lambda self, mode, init_parameters=True: None   # no startup run: shapes only
+    Engine._init_comm = lambda self: None  # no NCCL communicators on a CPU
+    Engine._initialize = lambda self, mode, init_parameters=True: None  # no startup run: shapes only
 
     from paddlenlp.transformers import LlamaConfig
-    from paddlenlp.transformers.llama.modeling_auto import (LlamaForCausalLM3DAuto,
-                                                            LlamaPretrainingCriterion3DAuto)
+    from paddlenlp.transformers.llama.modeling_auto import (
+        LlamaForCausalLM3DAuto,
+        LlamaPretrainingCriterion3DAuto,
+    )
 
     paddle.set_device("cpu")
     fleet.auto.create_mesh([("pp", spec.pp), ("dp", spec.dp * spec.sharding), ("mp", spec.mp)])
-    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                      num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.max_positions or spec.seq,
-                      seq_length=spec.seq, rms_norm_eps=spec.rms_eps, tensor_parallel_degree=spec.mp,
-                      tie_word_embeddings=spec.tied)
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions or spec.seq,
+        seq_length=spec.seq,
+        rms_norm_eps=spec.rms_eps,
+        tensor_parallel_degree=spec.mp,
+        tie_word_embeddings=spec.tied,
+    )
     cfg.use_flash_attention = spec.flash
     cfg.sequence_parallel = spec.sp
     cfg.fuse_attention_qkv = spec.fuse_qkv
@@ -131,8 +154,12 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
     if spec.recompute != "none":
         model.recompute_enable()
     criterion = LlamaPretrainingCriterion3DAuto(cfg)
-    opt = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters(), weight_decay=0.01,
-                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    opt = paddle.optimizer.AdamW(
+        learning_rate=1e-4,
+        parameters=model.parameters(),
+        weight_decay=0.01,
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
+    )
     if spec.sharding > 1 and spec.sharding_stage:
         stage = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[spec.sharding_stage]
         # PaddleNLP 2.8.1 calls ShardingStageN() with no argument; Paddle 3.3.1 requires the
@@ -190,8 +217,11 @@ def build_rank(spec: BuildSpec, rank: int) -> RankPlan:
     types = set(plan.job_types())
     unknown = types - set(JOB_TYPE_ORDER)
     order = [t for t in JOB_TYPE_ORDER if t in types] + sorted(unknown, key=_chunked_type_key)
-    return RankPlan(rank=rank, job_list=[(j.type(), int(j.micro_batch_id())) for j in plan.job_list()],
-                    programs={t: plan.ir_program(t) for t in order})
+    return RankPlan(
+        rank=rank,
+        job_list=[(j.type(), int(j.micro_batch_id())) for j in plan.job_list()],
+        programs={t: plan.ir_program(t) for t in order},
+    )
 
 
 def _numpy2_mesh_fix() -> None:

@@ -48,8 +48,13 @@ CACHE_ENV = "PIPEMEM_CACHE_DIR"
 # pipemem schedule names -> the pipeline passes Paddle 3.3.1 applies to PIR programs
 # (auto_parallel/static/pir_pass.py `pipeline_pass` asserts FThenB, 1F1B or VPP; its ZBH1,
 # ZBVPP and Eager1F1B passes are legacy-IR only, and legacy programs cannot be split in 3.3.1).
-PADDLE_SCHEDULES = {"1F1B": "1F1B", "FThenB": "FThenB", "GPipe": "FThenB", "VPP": "VPP",
-                    "Interleaved1F1B": "VPP"}
+PADDLE_SCHEDULES = {
+    "1F1B": "1F1B",
+    "FThenB": "FThenB",
+    "GPipe": "FThenB",
+    "VPP": "VPP",
+    "Interleaved1F1B": "VPP",
+}
 COMPUTE = ("forward", "backward", "backward_b", "backward_w")
 KIND = {"forward": "F", "backward": "B", "backward_b": "I", "backward_w": "W"}
 
@@ -64,43 +69,69 @@ def paddlenlp_python() -> str:
         return exe
     if find_spec("paddlenlp") is not None and find_spec("paddle") is not None:
         return sys.executable
-    raise UserError("--exact builds PaddleNLP's own programs and needs paddlenlp 2.8.1 with paddlepaddle 3.x: "
-                    "python -m venv --system-site-packages ~/venvs/paddlenlp && ~/venvs/paddlenlp/bin/pip install "
-                    "paddlenlp==2.8.1 paddlepaddle==3.3.1 huggingface-hub==0.23.5 aistudio-sdk==0.2.1 "
-                    f"datasets==2.19.2, then export {PYTHON_ENV}=~/venvs/paddlenlp/bin/python "
-                    "(or drop --exact: the paddle templates need no Paddle)")
+    raise UserError(
+        "--exact builds PaddleNLP's own programs and needs paddlenlp 2.8.1 with paddlepaddle 3.x: "
+        "python -m venv --system-site-packages ~/venvs/paddlenlp && ~/venvs/paddlenlp/bin/pip install "
+        "paddlenlp==2.8.1 paddlepaddle==3.3.1 huggingface-hub==0.23.5 aistudio-sdk==0.2.1 "
+        f"datasets==2.19.2, then export {PYTHON_ENV}=~/venvs/paddlenlp/bin/python "
+        "(or drop --exact: the paddle templates need no Paddle)"
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # The run a plan describes
 
+
 def build_spec(arch, plan) -> dict:
     """The `paddlenlp_build.BuildSpec` fields of a validated plan (paddle convention)."""
     if arch.model_type not in ("llama", "mistral", "qwen2") or arch.is_moe:
-        raise UserError(f"--exact builds PaddleNLP's LlamaForCausalLM3DAuto; {arch.name} is a "
-                        f"{arch.model_type} model (use the templates: drop --exact)")
+        raise UserError(
+            f"--exact builds PaddleNLP's LlamaForCausalLM3DAuto; {arch.name} is a "
+            f"{arch.model_type} model (use the templates: drop --exact)"
+        )
     if plan.cp > 1 or plan.ep > 1:
-        raise UserError("--exact: PaddleNLP's auto-parallel Llama has no context or expert parallelism here; "
-                        "drop --cp/--ep or --exact")
+        raise UserError(
+            "--exact: PaddleNLP's auto-parallel Llama has no context or expert parallelism here; "
+            "drop --cp/--ep or --exact"
+        )
     if plan.recompute == "selective":
         raise UserError("--exact: PaddleNLP recomputes full, full_attn or core_attn (no selective)")
     if plan.recompute_layers is not None:
         raise UserError("--exact: --recompute-layers is not a PaddleNLP auto-parallel option")
     sched = plan.schedule or "1F1B"
     if plan.pp > 1 and sched not in PADDLE_SCHEDULES:
-        raise UserError(f"--exact: Paddle 3.3.1 builds PIR pipeline programs for FThenB, 1F1B and VPP only "
-                        f"(its pipeline_pass refuses {sched}); drop --exact for {sched} (the templates replay it)")
+        raise UserError(
+            f"--exact: Paddle 3.3.1 builds PIR pipeline programs for FThenB, 1F1B and VPP only "
+            f"(its pipeline_pass refuses {sched}); drop --exact for {sched} (the templates replay it)"
+        )
     extra = plan.extra or {}
     sharding = int(extra.get("zero_group") or (plan.dp if plan.zero else 1))
     if plan.dp % sharding:
         raise UserError(f"--exact: the sharding group ({sharding}) does not divide --dp {plan.dp}")
-    return {"hidden": arch.hidden, "ffn": arch.ffn, "heads": arch.heads, "kv_heads": arch.kv_heads,
-            "vocab": arch.vocab, "layers": arch.layers, "seq": plan.seq_len, "micro_batch": plan.micro_batch,
-            "accumulate_steps": plan.microbatches, "pp": plan.pp, "mp": plan.tp, "dp": plan.dp // sharding,
-            "sharding": sharding, "sharding_stage": plan.zero if sharding > 1 else 0, "vpp": plan.vpp,
-            "schedule": PADDLE_SCHEDULES.get(sched, "1F1B"), "recompute": plan.recompute,
-            "flash": bool(plan.flash_attn), "sp": bool(plan.sp) and plan.tp > 1, "dtype": plan.dtype,
-            "max_positions": max(arch.max_positions, plan.seq_len), "tied": arch.tied_embeddings}
+    return {
+        "hidden": arch.hidden,
+        "ffn": arch.ffn,
+        "heads": arch.heads,
+        "kv_heads": arch.kv_heads,
+        "vocab": arch.vocab,
+        "layers": arch.layers,
+        "seq": plan.seq_len,
+        "micro_batch": plan.micro_batch,
+        "accumulate_steps": plan.microbatches,
+        "pp": plan.pp,
+        "mp": plan.tp,
+        "dp": plan.dp // sharding,
+        "sharding": sharding,
+        "sharding_stage": plan.zero if sharding > 1 else 0,
+        "vpp": plan.vpp,
+        "schedule": PADDLE_SCHEDULES.get(sched, "1F1B"),
+        "recompute": plan.recompute,
+        "flash": bool(plan.flash_attn),
+        "sp": bool(plan.sp) and plan.tp > 1,
+        "dtype": plan.dtype,
+        "max_positions": max(arch.max_positions, plan.seq_len),
+        "tied": arch.tied_embeddings,
+    }
 
 
 def card_of_stage(spec: dict, pp_rank: int) -> int:
@@ -115,19 +146,30 @@ def world(spec: dict) -> int:
 # ---------------------------------------------------------------------------------------
 # Building (worker processes, cached)
 
+
 def installed_versions(python: str) -> str:
-    out = subprocess.run([python, "-c", "import importlib.metadata as m;"
-                          "print(m.version('paddlepaddle'), m.version('paddlenlp'))"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m;print(m.version('paddlepaddle'), m.version('paddlenlp'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode != 0:
-        raise UserError(f"{python} cannot report its paddlepaddle / paddlenlp versions: "
-                        f"{(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise UserError(
+            f"{python} cannot report its paddlepaddle / paddlenlp versions: "
+            f"{(out.stderr.strip().splitlines() or ['?'])[-1]}"
+        )
     return out.stdout.strip()
 
 
 def cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV) or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                            / "pipemem")
+    base = os.environ.get(CACHE_ENV) or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipemem"
+    )
     return Path(base).expanduser() / "paddlenlp"
 
 
@@ -138,8 +180,15 @@ def spec_key(spec: dict, versions: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def rank_documents(spec: dict, cards: list[int], python: str | None = None, timeout: float = 900,
-                   parallel: int = 2, use_cache: bool = True, progress=None) -> dict[int, dict]:
+def rank_documents(
+    spec: dict,
+    cards: list[int],
+    python: str | None = None,
+    timeout: float = 900,
+    parallel: int = 2,
+    use_cache: bool = True,
+    progress=None,
+) -> dict[int, dict]:
     """{card: captured document} for `cards`, each built by a worker process (at most
     `parallel` at once), read from the cache when built before."""
     python = python or paddlenlp_python()
@@ -168,13 +217,20 @@ def rank_documents(spec: dict, cards: list[int], python: str | None = None, time
 
         def one(card: int) -> tuple[int, dict]:
             target = Path(tmp) / f"rank{card}.json"
-            proc = subprocess.run([python, "-m", "pipemem.paddle.paddlenlp_worker", str(spec_path), str(card),
-                                   str(target)], capture_output=True, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(
+                [python, "-m", "pipemem.paddle.paddlenlp_worker", str(spec_path), str(card), str(target)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
             if proc.returncode == 2:
                 raise UserError((proc.stderr.strip().splitlines() or ["the PaddleNLP worker refused"])[-1])
             if proc.returncode != 0 or not target.is_file():
-                raise RuntimeError(f"PaddleNLP worker for card {card} failed (exit {proc.returncode}):\n"
-                                   f"{proc.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"PaddleNLP worker for card {card} failed (exit {proc.returncode}):\n"
+                    f"{proc.stderr[-3000:]}"
+                )
             doc = json.loads(target.read_text())
             (folder / f"rank{card}.json").write_text(json.dumps(doc))
             if progress:
@@ -190,14 +246,15 @@ def rank_documents(spec: dict, cards: list[int], python: str | None = None, time
 # ---------------------------------------------------------------------------------------
 # Liveness over a card's jobs
 
+
 @dataclass
 class CardJobs:
     """One card's programs and what each job does to memory."""
 
     card: int
     job_list: list[tuple[str, int]]
-    programs: dict                      # job type -> pipemem Program
-    jobs: dict[tuple[str, int], tuple[int, int, str]]   # (type, micro-batch) -> (net, peak, peak op)
+    programs: dict  # job type -> pipemem Program
+    jobs: dict[tuple[str, int], tuple[int, int, str]]  # (type, micro-batch) -> (net, peak, peak op)
     static: StaticBytes
     fed_bytes: int
 
@@ -217,7 +274,7 @@ class CardJobs:
         direction and chunk right before (recv_*) and after (send_*) it in the micro-batch's chain."""
         base, chunk = _chunk(jtype)
         direction = "forward" if base == "forward" else "backward"
-        suffix = jtype[len(base):]
+        suffix = jtype[len(base) :]
         chain = [t for t, m in self.job_list if m == mb]
         step = [t for t in (f"recv_{direction}{suffix}", jtype, f"send_{direction}{suffix}") if t in chain]
         return step if jtype in chain else [jtype]
@@ -236,8 +293,14 @@ def job_memory(doc: dict) -> CardJobs:
         results = analyze_sequence([programs[t] for t in types])
         for t, r in zip(types, results):
             jobs[(t, mb)] = (int(r.net_bytes), int(r.peak_bytes), r.peak_op_label)
-    return CardJobs(card=int(doc["rank"]), job_list=job_list, programs=programs, jobs=jobs,
-                    static=static_bytes(programs.values()), fed_bytes=int(doc.get("fed_bytes", 0)))
+    return CardJobs(
+        card=int(doc["rank"]),
+        job_list=job_list,
+        programs=programs,
+        jobs=jobs,
+        static=static_bytes(programs.values()),
+        fed_bytes=int(doc.get("fed_bytes", 0)),
+    )
 
 
 def static_bytes(programs) -> StaticBytes:
@@ -255,16 +318,21 @@ def static_bytes(programs) -> StaticBytes:
             total[kind] += n
         else:
             other += n
-    return StaticBytes(params=total[TensorKind.PARAM], grads=total[TensorKind.GRAD],
-                       optimizer=total[TensorKind.OPTIMIZER_STATE], other=other)
+    return StaticBytes(
+        params=total[TensorKind.PARAM],
+        grads=total[TensorKind.GRAD],
+        optimizer=total[TensorKind.OPTIMIZER_STATE],
+        other=other,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Stage jobs and the schedule of the cards
 
+
 def _chunk(jtype: str) -> tuple[str, int]:
     base = jtype.rstrip("0123456789")
-    digits = jtype[len(base):]
+    digits = jtype[len(base) :]
     return base, int(digits) if digits else 0
 
 
@@ -292,16 +360,18 @@ def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStage
     optimizer = []
     for r, card in enumerate(cards):
         acts = []
-        pending: list[tuple[int, int]] = []      # (net, peak) of communication jobs not yet folded
+        pending: list[tuple[int, int]] = []  # (net, peak) of communication jobs not yet folded
         per_stage: dict[int, dict[str, JobMemory]] = {}
         opt = None
         for jtype, mb in card.job_list:
             net, peak, _ = card.jobs[(jtype, mb)]
             base, chunk = _chunk(jtype)
             if base in ("optimizer", "optimize"):
-                if pending and acts:            # transfers after the last action belong to it
+                if pending and acts:  # transfers after the last action belong to it
                     last = acts[-1]
-                    composites[last] = _fold([(composites[last].net_bytes, composites[last].peak_bytes)] + pending)
+                    composites[last] = _fold(
+                        [(composites[last].net_bytes, composites[last].peak_bytes)] + pending
+                    )
                     pending = []
                 opt = _fold(pending + [(net, peak)])
                 pending = []
@@ -315,26 +385,45 @@ def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStage
             composites[a] = _fold(pending + [(net, peak)])
             pending = []
             per_stage.setdefault(stage, {}).setdefault(KIND[base], card.of_type(jtype))
-        if pending and acts:                      # trailing sends: part of the last action
+        if pending and acts:  # trailing sends: part of the last action
             last = acts[-1]
             composites[last] = _fold([(composites[last].net_bytes, composites[last].peak_bytes)] + pending)
         ranks.append(acts)
         optimizer.append(opt)
         for s, kinds in per_stage.items():
-            stages[s] = StageJobs(stage=s, F=kinds.get("F") or JobMemory(0, 0), B=kinds.get("B"),
-                                  I=kinds.get("I"), W=kinds.get("W"), layers=(),
-                                  notes={"card": card.card})
+            stages[s] = StageJobs(
+                stage=s,
+                F=kinds.get("F") or JobMemory(0, 0),
+                B=kinds.get("B"),
+                I=kinds.get("I"),
+                W=kinds.get("W"),
+                layers=(),
+                notes={"card": card.card},
+            )
     microbatches = 1 + max((a.microbatch for acts in ranks for a in acts), default=0)
-    sched = Schedule(name or spec.get("schedule", "1F1B"), pp, vpp, microbatches, ranks, placement="loop",
-                     notes="Paddle's own job list of each card")
+    sched = Schedule(
+        name or spec.get("schedule", "1F1B"),
+        pp,
+        vpp,
+        microbatches,
+        ranks,
+        placement="loop",
+        notes="Paddle's own job list of each card",
+    )
     layers = _stage_layers(spec)
     for s, sj in stages.items():
         sj.layers = layers.get(s, ())
     jobs = dict(stages)
     for a, j in composites.items():
         jobs[(a.stage, a.microbatch)] = _override(jobs.get((a.stage, a.microbatch)), a.kind, j)
-    return PaddleStages(schedule=sched, stages=jobs, static=[c.static for c in cards], optimizer=optimizer,
-                        stage_layers=layers, cards=cards)
+    return PaddleStages(
+        schedule=sched,
+        stages=jobs,
+        static=[c.static for c in cards],
+        optimizer=optimizer,
+        stage_layers=layers,
+        cards=cards,
+    )
 
 
 def _override(existing, kind: str, j: JobMemory):

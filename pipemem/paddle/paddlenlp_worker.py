@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-CAPTURE_VERSION = 5     # bump when the captured programs would change for the same spec
+CAPTURE_VERSION = 5  # bump when the captured programs would change for the same spec
 
 
 def capture_rank(plan) -> dict:
@@ -24,9 +24,16 @@ def capture_rank(plan) -> dict:
 
     programs, fed = capture_jobs(plan.programs)
     counts = {t: len(list(p.global_block().ops)) for t, p in plan.programs.items()}
-    return {"format": "pipemem.paddlenlp-rank/1", "capture_version": CAPTURE_VERSION, "rank": plan.rank,
-            "job_list": [list(j) for j in plan.job_list], "job_types": list(programs),
-            "paddle_op_counts": counts, "fed_bytes": fed, "ir": programs_to_json(list(programs.values()))}
+    return {
+        "format": "pipemem.paddlenlp-rank/1",
+        "capture_version": CAPTURE_VERSION,
+        "rank": plan.rank,
+        "job_list": [list(j) for j in plan.job_list],
+        "job_types": list(programs),
+        "paddle_op_counts": counts,
+        "fed_bytes": fed,
+        "ir": programs_to_json(list(programs.values())),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = build_rank(spec, rank)
     except (ValueError, AssertionError, NotImplementedError) as e:
-        print(f"Paddle could not build rank {rank}: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
-              file=sys.stderr)
+        print(
+            f"Paddle could not build rank {rank}: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 2
     built = time.perf_counter() - t0
     from ..errors import UserError

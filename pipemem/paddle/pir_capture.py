@@ -81,7 +81,9 @@ def _numel(shape) -> int:
     n = 1
     for d in shape:
         if d < 0:
-            raise UserError(f"cannot bound a data-dependent size: its input has unresolved shape {list(shape)}")
+            raise UserError(
+                f"cannot bound a data-dependent size: its input has unresolved shape {list(shape)}"
+            )
         n *= d
     return n
 
@@ -123,6 +125,7 @@ def _persistable(v) -> bool:
 # ---------------------------------------------------------------------------------------
 # Split
 
+
 def op_types(program) -> list[str]:
     """Sub-program type of every op of the global block.
 
@@ -154,7 +157,8 @@ def op_types(program) -> list[str]:
     bwd_values = {r.id for i in range(start, end + 1) for r in ops[i].results() if not _fake(r)}
     for i in range(end + 1, len(ops)):
         if ops[i].name() in ("pd_op.add_n", "builtin.combine") and any(
-                not _fake(v) and v.id in bwd_values for v in ops[i].operands_source()):
+            not _fake(v) and v.id in bwd_values for v in ops[i].operands_source()
+        ):
             end = i
             bwd_values.update(r.id for r in ops[i].results() if not _fake(r))
     return ["forward" if i < start else "backward" if i <= end else "optimizer" for i in range(len(ops))]
@@ -194,8 +198,11 @@ def inplace_variant_map(op) -> dict[int, int] | None:
                     if _fake(v):
                         args.append(None)
                     else:
-                        args.append(paddle.static.data(f"pipemem_probe_{i}", [1 if d < 0 else d for d in v.shape],
-                                                       v.dtype))
+                        args.append(
+                            paddle.static.data(
+                                f"pipemem_probe_{i}", [1 if d < 0 else d for d in v.shape], v.dtype
+                            )
+                        )
                 attrs = op.attrs()
                 args += [attrs[a] for a in op.get_attr_names()]
                 builder(*args)
@@ -282,8 +289,9 @@ def executor_inplace(ops, vid, skip_values=()) -> dict[int, dict[int, int]]:  # 
             if vid(src) not in dying or vid(src) in reused_in or vid(res) in reused_out:
                 ok = False
                 break
-            if name not in _IGNORE_SHAPE_CHECK and not _numel_equal(list(src.shape), list(res.shape),
-                                                                     name in _RELAX_SHAPE_CHECK):
+            if name not in _IGNORE_SHAPE_CHECK and not _numel_equal(
+                list(src.shape), list(res.shape), name in _RELAX_SHAPE_CHECK
+            ):
                 ok = False
                 break
         if ok:
@@ -297,11 +305,12 @@ def executor_inplace(ops, vid, skip_values=()) -> dict[int, dict[int, int]]:  # 
 # ---------------------------------------------------------------------------------------
 # Capture
 
+
 @dataclass
 class Captured:
     programs: list[Program]
-    fed_bytes: int                      # fed inputs: in the scope before the step, kept after
-    inplace_ops: list[str] = field(default_factory=list)   # "index:name" the executor runs in place
+    fed_bytes: int  # fed inputs: in the scope before the step, kept after
+    inplace_ops: list[str] = field(default_factory=list)  # "index:name" the executor runs in place
 
 
 class _BlockCapture:
@@ -315,8 +324,17 @@ class _BlockCapture:
         self.table: dict[str, Tensor] = {}
         self.fed = 0
 
-    def block(self, ops, types: list[str], progs: dict[str, Program], name_of, size_ops=None,
-              kwargs: dict | None = None, kind_of_kwarg=None, label_prefix: str = "") -> list[str]:
+    def block(
+        self,
+        ops,
+        types: list[str],
+        progs: dict[str, Program],
+        name_of,
+        size_ops=None,
+        kwargs: dict | None = None,
+        kind_of_kwarg=None,
+        label_prefix: str = "",
+    ) -> list[str]:
         """Append the ops of one block to `progs[types[i]]`; returns the in-place labels."""
         table = self.table
         size_ops = size_ops if size_ops is not None else ops
@@ -335,7 +353,8 @@ class _BlockCapture:
         for op in ops:
             if op.name() == "builtin.split":
                 parts.setdefault(vid(op.operand_source(0)), {}).update(
-                    {k: r for k, r in enumerate(op.results()) if not _fake(r)})
+                    {k: r for k, r in enumerate(op.results()) if not _fake(r)}
+                )
             elif op.name() == "builtin.slice":
                 parts.setdefault(vid(op.operand_source(0)), {})[int(op.attrs()["index"])] = op.result(0)
             elif op.name() == "builtin.combine":
@@ -345,8 +364,10 @@ class _BlockCapture:
         def new_tensor(name: str, shape, v, kind: TensorKind, where: str) -> str:
             shape = [int(d) for d in shape]
             if any(d < 0 for d in shape):
-                raise UserError(f"PIR value {name} ({where}) has unresolved shape {shape}: give a sizes_program "
-                                "built with concrete input shapes")
+                raise UserError(
+                    f"PIR value {name} ({where}) has unresolved shape {shape}: give a sizes_program "
+                    "built with concrete input shapes"
+                )
             dtype = str(v.dtype).rsplit(".", 1)[-1]
             dtype_bytes(dtype)
             table[name] = Tensor(name, tuple(shape), dtype, kind)
@@ -358,8 +379,11 @@ class _BlockCapture:
                 return name
             kind = kind_hint
             if kind is None:
-                kind = TensorKind.GRAD if _is_grad_op(ops[op_index].name()) or types[op_index] == "backward" \
+                kind = (
+                    TensorKind.GRAD
+                    if _is_grad_op(ops[op_index].name()) or types[op_index] == "backward"
                     else TensorKind.ACTIVATION
+                )
             shape = list(size_ops[op_index].result(slot).shape)
             if any(d < 0 for d in shape):
                 shape = resolved_shape(ops[op_index], shape) or shape
@@ -371,15 +395,24 @@ class _BlockCapture:
             """Parts of a vector result no builtin.split unpacks (the auto-parallel loss
             hands split_with_num's vector straight to concat): one tensor per element of its
             printed type, ``vec[tensor<4x2048x16000xf32>, ...]``, as the kernel writes each."""
-            sized = size_ops[op_index].result(list(ops[op_index].results()).index(r)) if size_ops is not ops else r
+            sized = (
+                size_ops[op_index].result(list(ops[op_index].results()).index(r))
+                if size_ops is not ops
+                else r
+            )
             out = []
             for k, (dims, dt) in enumerate(_vector_elements(str(sized.type()))):
                 n = f"{ids[vid(r)]}#{k}"
-                kind = TensorKind.GRAD if types[op_index] == "backward" or _is_grad_op(ops[op_index].name()) \
+                kind = (
+                    TensorKind.GRAD
+                    if types[op_index] == "backward" or _is_grad_op(ops[op_index].name())
                     else TensorKind.ACTIVATION
+                )
                 if any(d < 0 for d in dims):
-                    raise UserError(f"PIR value {n} (part {k} of op #{op_index} {ops[op_index].name()}) has "
-                                    f"unresolved shape {dims}")
+                    raise UserError(
+                        f"PIR value {n} (part {k} of op #{op_index} {ops[op_index].name()}) has "
+                        f"unresolved shape {dims}"
+                    )
                 table[n] = Tensor(n, tuple(dims), dt, kind)
                 out.append(n)
             return out
@@ -435,8 +468,10 @@ class _BlockCapture:
             if name in _SINK_OPS or name in _PACK_OPS:
                 continue
             if op.num_regions():
-                raise UserError(f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures "
-                                "straight-line programs only")
+                raise UserError(
+                    f"PIR op #{i} {name} has sub-blocks (control flow); pipemem captures "
+                    "straight-line programs only"
+                )
             ins, nnb, retain = [], [], []
             for v in op.operands_source():
                 names = read_names(v)
@@ -459,7 +494,7 @@ class _BlockCapture:
                 if _is_vector(r):
                     if vid(r) not in parts and vid(r) not in unpacked:
                         unpacked[vid(r)] = vector_parts(i, r)
-                    outs.extend(read_names(r))      # its parts, sized where they are unpacked
+                    outs.extend(read_names(r))  # its parts, sized where they are unpacked
                     continue
                 if not _is_dense(r):
                     continue
@@ -475,16 +510,32 @@ class _BlockCapture:
                             t.kind = base.kind
                 outs.append(n)
             ins = list(dict.fromkeys(ins))
-            nnb = [n for n in dict.fromkeys(nnb) if n in ins and ins.count(n) == 1 and
-                   not any(n in read_names(v) and not op.is_no_need_buffer(v)
-                           for v in op.operands_source() if not _fake(v))]
+            nnb = [
+                n
+                for n in dict.fromkeys(nnb)
+                if n in ins
+                and ins.count(n) == 1
+                and not any(
+                    n in read_names(v) and not op.is_no_need_buffer(v)
+                    for v in op.operands_source()
+                    if not _fake(v)
+                )
+            ]
             retain = [n for n in dict.fromkeys(retain) if n in nnb]
             prog = progs[types[i]]
             for n in (*ins, *outs):
                 prog.tensors[n] = table[n]
-            prog.ops.append(Op(type=name, inputs=tuple(ins), outputs=tuple(dict.fromkeys(outs)),
-                               no_need_buffer=tuple(nnb), retain_reads=tuple(retain), phase=types[i],
-                               name=f"{label_prefix}{types[i]}#{i}:{name}"))
+            prog.ops.append(
+                Op(
+                    type=name,
+                    inputs=tuple(ins),
+                    outputs=tuple(dict.fromkeys(outs)),
+                    no_need_buffer=tuple(nnb),
+                    retain_reads=tuple(retain),
+                    phase=types[i],
+                    name=f"{label_prefix}{types[i]}#{i}:{name}",
+                )
+            )
         return [f"{i}:{ops[i].name()}" for i in sorted(inplace)]
 
 
@@ -492,8 +543,18 @@ def _vid(v) -> str:
     return v.id
 
 
-_PIR_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "f64": "float64", "i64": "int64", "i32": "int32",
-               "i8": "int8", "u8": "uint8", "b": "bool", "i1": "bool"}
+_PIR_DTYPES = {
+    "f32": "fp32",
+    "f16": "fp16",
+    "bf16": "bf16",
+    "f64": "float64",
+    "i64": "int64",
+    "i32": "int32",
+    "i8": "int8",
+    "u8": "uint8",
+    "b": "bool",
+    "i1": "bool",
+}
 
 
 def _vector_elements(text: str) -> list[tuple[list[int], str]]:
@@ -519,8 +580,10 @@ def capture(program, sizes_program=None, types: list[str] | None = None, name_pr
     ops = list(program.global_block().ops)
     size_ops = list(sizes_program.global_block().ops) if sizes_program is not None else ops
     if len(size_ops) != len(ops) or any(a.name() != b.name() for a, b in zip(ops, size_ops)):
-        raise UserError("sizes_program does not have the same ops as the program: build both from the same "
-                        "code, one with concrete input shapes")
+        raise UserError(
+            "sizes_program does not have the same ops as the program: build both from the same "
+            "code, one with concrete input shapes"
+        )
     types = list(types or op_types(program))
 
     def name_of(r, i, j):
@@ -570,9 +633,15 @@ def capture_jobs(type_to_program: dict, name_prefix: str = "") -> tuple[dict[str
             return TensorKind.ACTIVATION
 
         p = Program(name=f"{name_prefix}{jtype}", type=jtype)
-        cap.block(ops, [jtype] * len(ops), {jtype: p}, name_of, kwargs=dict(prog.global_block().kwargs()),
-                  kind_of_kwarg=kind_of_kwarg)
-        for t in cap.table.values():      # a persistable GRAD kwarg is static; make sure it stays so
+        cap.block(
+            ops,
+            [jtype] * len(ops),
+            {jtype: p},
+            name_of,
+            kwargs=dict(prog.global_block().kwargs()),
+            kind_of_kwarg=kind_of_kwarg,
+        )
+        for t in cap.table.values():  # a persistable GRAD kwarg is static; make sure it stays so
             if t.kind is TensorKind.GRAD and "@GRAD@MERGE" in t.name:
                 t.persistent = True
         p.validate()

@@ -44,8 +44,9 @@ def split_program(main_program, types: tuple[str, ...] = SUB_PROGRAM_TYPES) -> d
     Only the global block is split (control-flow sub-blocks stay with their parent op)."""
     unknown = [t for t in types if t not in SUB_PROGRAM_TYPES]
     if unknown:
-        raise UserError(f"split_program: unknown sub-program type(s) {unknown}; "
-                        f"use {', '.join(SUB_PROGRAM_TYPES)}")
+        raise UserError(
+            f"split_program: unknown sub-program type(s) {unknown}; use {', '.join(SUB_PROGRAM_TYPES)}"
+        )
     roles = [role_type(op_role(op)) for op in main_program.global_block().ops]
     out = {}
     for t in types:
@@ -92,8 +93,12 @@ def split_backward_bw(sub_programs: dict) -> dict:
     for op in block.ops:
         outs = [n for n in op.output_arg_names if n]
         slots = _SPLITTABLE.get(op.type)
-        if slots and op.output(slots[1]) and all(_is_param_grad(block, n) for n in op.output(slots[1])) \
-                and op.output(slots[0]):
+        if (
+            slots
+            and op.output(slots[1])
+            and all(_is_param_grad(block, n) for n in op.output(slots[1]))
+            and op.output(slots[0])
+        ):
             kinds.append("split")
         elif outs and all(_is_param_grad(block, n) for n in outs):
             kinds.append("W")

@@ -14,4 +14,12 @@ bytes with `pipemem estimate` and its flags.
 from .search import PlanResult, PlanSearch, SearchStats, Target, flags_string, search_plans
 from .space import SpaceOptions
 
-__all__ = ["search_plans", "PlanSearch", "PlanResult", "SearchStats", "SpaceOptions", "Target", "flags_string"]
+__all__ = [
+    "search_plans",
+    "PlanSearch",
+    "PlanResult",
+    "SearchStats",
+    "SpaceOptions",
+    "Target",
+    "flags_string",
+]

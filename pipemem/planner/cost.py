@@ -42,10 +42,11 @@ from functools import lru_cache
 from ..errors import UserError
 from ..ir import dtype_bytes
 
-ACT_BYTES = 2   # bf16 activations on the wire
+ACT_BYTES = 2  # bf16 activations on the wire
 
 
 # ---------------------------------------------------------------- FLOPs per token
+
 
 def matmul_weights(arch, index: int) -> int:
     """Weights one token multiplies in decoder layer `index` (top-k experts for MoE layers)."""
@@ -99,11 +100,12 @@ def stage_flops(arch, layout: tuple[int, ...], seq_len: int, recompute: str, rec
 
 # ---------------------------------------------------------------- pipeline bubble
 
+
 @dataclass(frozen=True)
 class PipelineTime:
-    makespan: float      # in the units of the durations given
-    busy: float          # the busiest rank's work, same units
-    bubble: float        # idle share of all ranks over the makespan
+    makespan: float  # in the units of the durations given
+    busy: float  # the busiest rank's work, same units
+    bubble: float  # idle share of all ranks over the makespan
 
 
 def pipeline_time(schedule, durations) -> PipelineTime:
@@ -128,6 +130,7 @@ def schedule_for(name: str | None, pp: int, microbatches: int, vpp: int):
     hit = _SCHEDULES.get(key)
     if hit is None:
         from ..schedules import get_schedule
+
         try:
             hit = get_schedule(name or "1F1B", pp, microbatches, vpp=vpp)
         except UserError as e:
@@ -161,10 +164,11 @@ def clear_caches() -> None:
 
 # ---------------------------------------------------------------- communication
 
+
 @dataclass(frozen=True)
 class Comm:
     group: str
-    bytes: float           # sent per rank per step
+    bytes: float  # sent per rank per step
     crosses_nodes: bool
     seconds: float
 
@@ -181,8 +185,9 @@ def group_spans(plan) -> dict[str, int]:
     return {"tp": tp, "cp": tp * cp, "ep": etp * plan.ep, "dp": tp * cp * dp, "pp": tp * cp * dp * pp}
 
 
-def communication(arch, plan, rank_stages: list[int], rank_params: tuple[int, int], gpus_per_node: int,
-                  speeds) -> list[Comm]:
+def communication(
+    arch, plan, rank_stages: list[int], rank_params: tuple[int, int], gpus_per_node: int, speeds
+) -> list[Comm]:
     """Per-group bytes per rank per step for a validated plan (module docstring), for the
     pipeline rank holding virtual stages `rank_stages` and (dense, expert) parameter elements
     `rank_params`."""
@@ -196,8 +201,10 @@ def communication(arch, plan, rank_stages: list[int], rank_params: tuple[int, in
     recomputed = 0
     if plan.recompute in ("full", "full_attn"):
         k = plan.recompute_layers
-        recomputed = sum(plan.pp_layout[st] if k is None else min(k, plan.pp_layout[st]) for st in rank_stages)
-    act = b * (s // cp) * h * ACT_BYTES                     # one microbatch's activation, gathered
+        recomputed = sum(
+            plan.pp_layout[st] if k is None else min(k, plan.pp_layout[st]) for st in rank_stages
+        )
+    act = b * (s // cp) * h * ACT_BYTES  # one microbatch's activation, gathered
     out: dict[str, float] = {}
     out["tp"] = m * (8 * layers_rank + 4 * recomputed) * _ring(tp) * act
     kv = 2 * b * (s // cp) * (max(1, arch.kv_heads // tp)) * arch.head_dim * ACT_BYTES
@@ -236,6 +243,7 @@ def communication(arch, plan, rank_stages: list[int], rank_params: tuple[int, in
 
 # ---------------------------------------------------------------- the step
 
+
 @dataclass
 class Cost:
     makespan_s: float
@@ -259,18 +267,37 @@ class Cost:
         return [c.group for c in self.comm if c.crosses_nodes]
 
     def to_dict(self) -> dict:
-        return {"step_seconds": self.step_s, "pipeline_seconds": self.makespan_s, "bubble": self.bubble,
-                "comm_seconds": self.comm_s, "comm_bytes": self.comm_bytes,
-                "comm": {c.group: {"bytes": c.bytes, "crosses_nodes": c.crosses_nodes, "seconds": c.seconds}
-                         for c in self.comm}}
+        return {
+            "step_seconds": self.step_s,
+            "pipeline_seconds": self.makespan_s,
+            "bubble": self.bubble,
+            "comm_seconds": self.comm_s,
+            "comm_bytes": self.comm_bytes,
+            "comm": {
+                c.group: {"bytes": c.bytes, "crosses_nodes": c.crosses_nodes, "seconds": c.seconds}
+                for c in self.comm
+            },
+        }
 
 
-def plan_cost(arch, plan, schedule_name: str | None, rank_stages, rank_params, gpus_per_node: int,
-              speeds) -> Cost:
+def plan_cost(
+    arch, plan, schedule_name: str | None, rank_stages, rank_params, gpus_per_node: int, speeds
+) -> Cost:
     """Cost of a validated plan run with `schedule_name` (None: no pipeline); communication is
     counted for the pipeline rank with `rank_stages` and `rank_params` (the busiest one)."""
-    pt = stage_pipeline_time(arch, plan.pp_layout, plan.seq_len, plan.recompute, plan.recompute_layers,
-                             schedule_name, plan.pp, plan.microbatches, plan.vpp)
+    pt = stage_pipeline_time(
+        arch,
+        plan.pp_layout,
+        plan.seq_len,
+        plan.recompute,
+        plan.recompute_layers,
+        schedule_name,
+        plan.pp,
+        plan.microbatches,
+        plan.vpp,
+    )
     tokens_per_rank = plan.micro_batch * plan.seq_len / (plan.tp * plan.cp)
     seconds = pt.makespan * tokens_per_rank / (speeds.tflops * 1e12)
-    return Cost(seconds, pt.bubble, communication(arch, plan, rank_stages, rank_params, gpus_per_node, speeds))
+    return Cost(
+        seconds, pt.bubble, communication(arch, plan, rank_stages, rank_params, gpus_per_node, speeds)
+    )

@@ -51,6 +51,7 @@ from .cost import Cost, plan_cost, schedule_for
 from .hardware import Speeds
 from .space import Base, SpaceOptions, enumerate_bases, schedules_for
 
+
 @dataclass(frozen=True)
 class Target:
     """Where the plans must run. A plan is listed only when `pipemem estimate` calls it FITS
@@ -59,12 +60,12 @@ class Target:
 
     gpus: int
     capacity_bytes: int
-    reserve_bytes: int                # kept free beyond the verdict's own margin (--reserve)
+    reserve_bytes: int  # kept free beyond the verdict's own margin (--reserve)
     speeds: Speeds
-    gpu: str | None = None            # preset key, or None with gpu_memory
-    gpu_memory: float | None = None   # GiB, when given instead of a preset
+    gpu: str | None = None  # preset key, or None with gpu_memory
+    gpu_memory: float | None = None  # GiB, when given instead of a preset
     gpus_per_node: int = 8
-    cuda_context_mib: float | None = None   # estimate()'s overrides of the outside-allocator sizes
+    cuda_context_mib: float | None = None  # estimate()'s overrides of the outside-allocator sizes
     nccl_mib: float | None = None
 
     @property
@@ -87,50 +88,60 @@ class Target:
 
             cc = gpu_info(self.gpu).get("compute_capability") if self.gpu is not None else None
             outside = _OUTSIDE[(self, key)] = max(
-                outside_allocator(plan, tied_embeddings, r, cc, self.cuda_context_mib, self.nccl_mib).total_bytes
-                for r in {0, plan.pp - 1})
+                outside_allocator(
+                    plan, tied_embeddings, r, cc, self.cuda_context_mib, self.nccl_mib
+                ).total_bytes
+                for r in {0, plan.pp - 1}
+            )
         return self.budget_bytes - outside
 
 
-_OUTSIDE: dict = {}    # (target, the plan's group sizes) -> the costliest rank's outside-allocator bytes
+_OUTSIDE: dict = {}  # (target, the plan's group sizes) -> the costliest rank's outside-allocator bytes
 
 
 @dataclass
 class PlanResult:
-    kwargs: dict            # pipemem.estimate keyword arguments of the plan
-    flags: str              # the same plan as `pipemem estimate` flags
-    peak_bytes: int         # highest allocated peak over the pipeline ranks
+    kwargs: dict  # pipemem.estimate keyword arguments of the plan
+    flags: str  # the same plan as `pipemem estimate` flags
+    peak_bytes: int  # highest allocated peak over the pipeline ranks
     rank_peaks: list[int]
-    headroom_bytes: int     # GPU capacity - the highest device peak (reserved + outside the allocator)
+    headroom_bytes: int  # GPU capacity - the highest device peak (reserved + outside the allocator)
     schedule: str | None
     cost: Cost
     # the highest device peak over the ranks (reserved + outside the allocator) once the plan is
     # judged (`PlanSearch.verify`); until then allocated + outside, the screen's lower bound
     device_peak_bytes: int = 0
-    verdict: str | None = None   # "fits" once judged by pipemem estimate's verdict; None: screened only
+    verdict: str | None = None  # "fits" once judged by pipemem estimate's verdict; None: screened only
 
     def to_dict(self) -> dict:
         kw = dict(self.kwargs)
         if kw.get("pp_layout") is not None:
             kw["pp_layout"] = list(kw["pp_layout"])
-        return {"flags": self.flags, "plan": kw, "schedule": self.schedule,
-                "max_peak_allocated_bytes": self.peak_bytes, "rank_peak_allocated_bytes": list(self.rank_peaks),
-                "max_device_peak_bytes": self.device_peak_bytes, "headroom_bytes": self.headroom_bytes,
-                "verdict": self.verdict, **self.cost.to_dict()}
+        return {
+            "flags": self.flags,
+            "plan": kw,
+            "schedule": self.schedule,
+            "max_peak_allocated_bytes": self.peak_bytes,
+            "rank_peak_allocated_bytes": list(self.rank_peaks),
+            "max_device_peak_bytes": self.device_peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "verdict": self.verdict,
+            **self.cost.to_dict(),
+        }
 
 
 @dataclass
 class SearchStats:
     proposed: int = 0
-    invalid: Counter = field(default_factory=Counter)   # reason -> count
-    invalid_why: dict = field(default_factory=dict)     # reason -> the first refusal's message
-    pruned_static: int = 0                              # skipped by the static-bytes bound
-    no_fit: int = 0                                     # estimated, nothing of the ladder fits
-    implied: int = 0                                    # settings known not to fit without an estimate
-    derived: int = 0                                    # settings whose peaks carried over (_Ladder)
-    derivation_mismatch: int = 0                        # should stay 0 (_Probe.result)
-    dropped_on_reserved: int = 0                        # screened in, then not FITS by the verdict (verify)
-    estimates: int = 0                                  # pipemem.estimate calls
+    invalid: Counter = field(default_factory=Counter)  # reason -> count
+    invalid_why: dict = field(default_factory=dict)  # reason -> the first refusal's message
+    pruned_static: int = 0  # skipped by the static-bytes bound
+    no_fit: int = 0  # estimated, nothing of the ladder fits
+    implied: int = 0  # settings known not to fit without an estimate
+    derived: int = 0  # settings whose peaks carried over (_Ladder)
+    derivation_mismatch: int = 0  # should stay 0 (_Probe.result)
+    dropped_on_reserved: int = 0  # screened in, then not FITS by the verdict (verify)
+    estimates: int = 0  # pipemem.estimate calls
     # recomputation settings of a valid plan that pipemem.estimate refused (the plan itself is
     # counted once, as fitting or not): not invalid plans
     refused_settings: Counter = field(default_factory=Counter)
@@ -138,8 +149,16 @@ class SearchStats:
 
     def add(self, other: "SearchStats") -> None:
         """Count `other`'s plans too (one group's search, possibly in another process)."""
-        for f in ("proposed", "pruned_static", "no_fit", "implied", "derived", "derivation_mismatch", "estimates",
-                  "dropped_on_reserved"):
+        for f in (
+            "proposed",
+            "pruned_static",
+            "no_fit",
+            "implied",
+            "derived",
+            "derivation_mismatch",
+            "estimates",
+            "dropped_on_reserved",
+        ):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.invalid.update(other.invalid)
         self.refused_settings.update(other.refused_settings)
@@ -152,11 +171,19 @@ class SearchStats:
         self.invalid_why.setdefault(key, message)
 
     def to_dict(self) -> dict:
-        return {"proposed": self.proposed, "invalid": dict(self.invalid), "pruned_by_static_bound": self.pruned_static,
-                "estimated_no_fit": self.no_fit, "estimate_calls": self.estimates,
-                "settings_implied_too_large": self.implied, "settings_derived": self.derived,
-                "derivation_mismatch": self.derivation_mismatch, "dropped_on_reserved": self.dropped_on_reserved, "settings_refused": dict(self.refused_settings),
-                "seconds": self.seconds}
+        return {
+            "proposed": self.proposed,
+            "invalid": dict(self.invalid),
+            "pruned_by_static_bound": self.pruned_static,
+            "estimated_no_fit": self.no_fit,
+            "estimate_calls": self.estimates,
+            "settings_implied_too_large": self.implied,
+            "settings_derived": self.derived,
+            "derivation_mismatch": self.derivation_mismatch,
+            "dropped_on_reserved": self.dropped_on_reserved,
+            "settings_refused": dict(self.refused_settings),
+            "seconds": self.seconds,
+        }
 
 
 @dataclass
@@ -166,10 +193,10 @@ class PlanSearch:
     arch: object
     target: Target
     fixed: dict
-    plans: list[PlanResult]          # fitting plans, fastest first
+    plans: list[PlanResult]  # fitting plans, fastest first
     stats: SearchStats
-    config: dict = field(default_factory=dict, repr=False)   # the model's HF config
-    gpu_opts: dict = field(default_factory=dict)              # estimate()'s gpu / gpu_memory
+    config: dict = field(default_factory=dict, repr=False)  # the model's HF config
+    gpu_opts: dict = field(default_factory=dict)  # estimate()'s gpu / gpu_memory
 
     def verify(self, top: int, budget_s: float = 20.0) -> int:
         """Judge the plans a user is shown (the `top` fastest, then the Pareto sets' first
@@ -231,9 +258,31 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-FLAG_ORDER = ("seq_len", "global_batch", "micro_batch", "dp", "tp", "pp", "vpp", "pp_layout", "cp", "ep", "etp",
-              "zero", "fsdp", "dist_opt", "recompute", "recompute_layers", "schedule", "convention", "dtype",
-              "master_weights", "optimizer", "flash_attn", "layers")
+FLAG_ORDER = (
+    "seq_len",
+    "global_batch",
+    "micro_batch",
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "pp_layout",
+    "cp",
+    "ep",
+    "etp",
+    "zero",
+    "fsdp",
+    "dist_opt",
+    "recompute",
+    "recompute_layers",
+    "schedule",
+    "convention",
+    "dtype",
+    "master_weights",
+    "optimizer",
+    "flash_attn",
+    "layers",
+)
 
 
 def flags_string(model_flag: str, target: Target, kwargs: dict) -> str:
@@ -291,9 +340,15 @@ class _Progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[fit]} fit"), TimeElapsedColumn(),
-                                console=Console(stderr=True), transient=True)
+            self.bar = Progress(
+                TextColumn("planning"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[fit]} fit"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("plans", total=self.total, completed=self.done, fit=fitting)
         self.bar.update(self.task, completed=self.done, fit=fitting)
@@ -303,17 +358,27 @@ class _Progress:
             self.bar.stop()
 
 
-def search_plans(model, target: Target, seq_len: int, global_batch: int, options: SpaceOptions,
-                 extra: dict | None = None, model_flag: str | None = None, progress: bool = False,
-                 prune: bool = True, jobs: int = 1) -> PlanSearch:
+def search_plans(
+    model,
+    target: Target,
+    seq_len: int,
+    global_batch: int,
+    options: SpaceOptions,
+    extra: dict | None = None,
+    model_flag: str | None = None,
+    progress: bool = False,
+    prune: bool = True,
+    jobs: int = 1,
+) -> PlanSearch:
     """Every plan of the space (space.py) that fits `target`, fastest first (see module docstring).
     `extra`: plan fields held fixed (dtype, optimizer, master_weights, flash_attn, layers).
     `prune=False` estimates what the static-bytes bound and the shared ladder would skip (for
     tests: the listing must not change). `jobs` > 1 searches groups of plans in that many
     processes (each estimate is independent; the listing is the same)."""
     with _fewer_collections():
-        return _search_plans(model, target, seq_len, global_batch, options, extra, model_flag, progress, prune,
-                             jobs)
+        return _search_plans(
+            model, target, seq_len, global_batch, options, extra, model_flag, progress, prune, jobs
+        )
 
 
 @contextmanager
@@ -330,8 +395,18 @@ def _fewer_collections():
         gc.set_threshold(*old)
 
 
-def _search_plans(model, target: Target, seq_len: int, global_batch: int, options: SpaceOptions,
-                  extra: dict | None, model_flag: str | None, progress: bool, prune: bool, jobs: int) -> PlanSearch:
+def _search_plans(
+    model,
+    target: Target,
+    seq_len: int,
+    global_batch: int,
+    options: SpaceOptions,
+    extra: dict | None,
+    model_flag: str | None,
+    progress: bool,
+    prune: bool,
+    jobs: int,
+) -> PlanSearch:
     from ..estimate import resolve_model
     from ..model import arch_from_hf_config
 
@@ -360,7 +435,9 @@ def _search_plans(model, target: Target, seq_len: int, global_batch: int, option
         bar.close()
     plans = sorted(results, key=lambda p: (p.cost.step_s, p.peak_bytes, p.flags))
     stats.seconds = time.perf_counter() - t0
-    return PlanSearch(name, model_flag, arch, target, dict(options.fixed), plans, stats, config, runner.gpu_opts)
+    return PlanSearch(
+        name, model_flag, arch, target, dict(options.fixed), plans, stats, config, runner.gpu_opts
+    )
 
 
 _WORKER: "_Runner | None" = None
@@ -376,10 +453,10 @@ def _run_groups(runner: "_Runner", groups: list[list[Base]], jobs: int):
     tasks: dict[tuple, list[list[Base]]] = {}
     for g in groups:
         tasks.setdefault((g[0].pp, g[0].vpp, g[0].dp), []).append(g)
-    task_list = sorted(tasks.values(), key=lambda t: -sum(len(g) for g in t))   # big ones first
+    task_list = sorted(tasks.values(), key=lambda t: -sum(len(g) for g in t))  # big ones first
     if jobs > 1 and len(task_list) > 1 and "fork" in mp.get_all_start_methods():
         global _WORKER
-        _WORKER = runner          # inherited by the forked workers
+        _WORKER = runner  # inherited by the forked workers
         try:
             with mp.get_context("fork").Pool(min(jobs, len(task_list))) as pool:
                 yield from pool.imap_unordered(_run_task_in_worker, task_list)
@@ -409,8 +486,13 @@ class _Runner:
         self.results: list[PlanResult] = []
         self.stats = SearchStats()
         self.gpu_opts = {"gpu": target.gpu} if target.gpu is not None else {"gpu_memory": target.gpu_memory}
-        self.gpu_opts.update({k: v for k, v in (("cuda_context_mib", target.cuda_context_mib),
-                                                ("nccl_mib", target.nccl_mib)) if v is not None})
+        self.gpu_opts.update(
+            {
+                k: v
+                for k, v in (("cuda_context_mib", target.cuda_context_mib), ("nccl_mib", target.nccl_mib))
+                if v is not None
+            }
+        )
         self._busiest: dict = {}
         self.prune = True
 
@@ -426,13 +508,20 @@ class _Runner:
         bases = sorted(bases, key=lambda b: SHARDING_ORDER.get(b.sharding, 0))
         for sched, _ in schedules_for(conv, b0.pp, b0.vpp, self.options.schedules):
             statics: dict[str, list[int]] = {}
-            smaller: dict[str, tuple[set, int]] = {}   # sharding -> outcome at a smaller micro-batch
+            smaller: dict[str, tuple[set, int]] = {}  # sharding -> outcome at a smaller micro-batch
             for mbs in sorted(self.options.micro_batches):
                 ladder = _Ladder()
                 for base in bases:
                     self.stats.proposed += 1
-                    kw = {"seq_len": self.seq_len, "global_batch": self.global_batch, "micro_batch": mbs,
-                          **base.kwargs(conv), "schedule": sched, "convention": conv, **self.extra}
+                    kw = {
+                        "seq_len": self.seq_len,
+                        "global_batch": self.global_batch,
+                        "micro_batch": mbs,
+                        **base.kwargs(conv),
+                        "schedule": sched,
+                        "convention": conv,
+                        **self.extra,
+                    }
                     plan = self._validate(kw)
                     if plan is None:
                         continue
@@ -445,19 +534,33 @@ class _Runner:
                     placement = tuple(tuple(schedule.stages_of_rank(r)) for r in range(plan.pp))
                     if base.sharding not in statics:
                         statics[base.sharding] = self._static(plan, placement)
-                    if self.prune and max(statics[base.sharding]) > self.target.budget_for(plan, self.arch.tied_embeddings):
+                    if self.prune and max(statics[base.sharding]) > self.target.budget_for(
+                        plan, self.arch.tied_embeddings
+                    ):
                         self.stats.pruned_static += 1
                         continue
                     # (paddle's optimizer step copies the clipped gradients: sharding them changes it)
-                    same = SAME_JOBS if not fw.convention.grad_clip_copy else \
-                        tuple(x for x in SAME_JOBS if x != "zero2")
-                    shared = ladder if (base.sharding in same and fw.contiguous_grad_buffer and self.prune) \
+                    same = (
+                        SAME_JOBS
+                        if not fw.convention.grad_clip_copy
+                        else tuple(x for x in SAME_JOBS if x != "zero2")
+                    )
+                    shared = (
+                        ladder
+                        if (base.sharding in same and fw.contiguous_grad_buffer and self.prune)
                         else _Ladder()
+                    )
                     # what a smaller micro-batch showed carries over while the pipeline stays full
                     full_pipe = plan.microbatches >= 2 * plan.pp
                     res, smaller[base.sharding] = self._cheapest_fit(
-                        kw, plan, sched, placement, statics[base.sharding], shared,
-                        smaller.get(base.sharding) if self.prune and full_pipe else None)
+                        kw,
+                        plan,
+                        sched,
+                        placement,
+                        statics[base.sharding],
+                        shared,
+                        smaller.get(base.sharding) if self.prune and full_pipe else None,
+                    )
                     if res is None:
                         self.stats.no_fit += 1
                     else:
@@ -484,8 +587,16 @@ class _Runner:
         return [static_bytes(self.arch, plan, conv, layout, list(stages)).total for stages in placement]
 
     # ------------------------------------------------------------ recomputation
-    def _cheapest_fit(self, kw: dict, plan: ParallelPlan, sched, placement, statics: list[int],
-                      ladder: "_Ladder", smaller: tuple[set, int] | None = None):
+    def _cheapest_fit(
+        self,
+        kw: dict,
+        plan: ParallelPlan,
+        sched,
+        placement,
+        statics: list[int],
+        ladder: "_Ladder",
+        smaller: tuple[set, int] | None = None,
+    ):
         """(the cheapest recomputation setting that fits, or None; (the settings that did not fit,
         the fewest layers per stage fully recomputed that did)) -- the second part is `smaller`
         for the same plan at the next micro-batch size (module docstring)."""
@@ -502,9 +613,9 @@ class _Runner:
         # Recomputation settings cost more the more they recompute; their cost needs no estimate.
         sel_first = self._selective_cheaper(plan, sched, placement, 1)
         if sel_first and probe.fits("selective", None):
-            return probe.result("selective", None)       # cheaper than any full recomputation
+            return probe.result("selective", None)  # cheaper than any full recomputation
         if not probe.fits("full", None):
-            return None           # full recomputation keeps the least (module docstring)
+            return None  # full recomputation keeps the least (module docstring)
         # Fewest layers per stage K that fits: bisection over K (module docstring), from the
         # fewest a more sharded plan with the same jobs, or this plan at a smaller micro-batch,
         # needed; the first probes go where the peaks of no and full recomputation put K if the
@@ -512,8 +623,12 @@ class _Runner:
         layers = max(plan.pp_layout)
         lo, hi = max(1, ladder.min_layers, probe.smaller_min), layers
         lo = min(lo, hi)
-        guess = _interpolate(probe.peak("none", None), probe.peak("full", None),
-                             self.target.budget_for(probe.plan, self.arch.tied_embeddings), layers)
+        guess = _interpolate(
+            probe.peak("none", None),
+            probe.peak("full", None),
+            self.target.budget_for(probe.plan, self.arch.tied_embeddings),
+            layers,
+        )
         pivots = [guess] if guess is not None else []
         while lo < hi:
             mid = pivots.pop(0) if pivots and lo <= pivots[0] < hi else (lo + hi) // 2
@@ -527,8 +642,12 @@ class _Runner:
                     pivots = [mid + 1]
         ladder.min_layers = probe.min_layers = hi
         k = hi if hi < layers else None
-        if not sel_first and hi > 1 and self._selective_cheaper(plan, sched, placement, hi) and \
-                probe.fits("selective", None):
+        if (
+            not sel_first
+            and hi > 1
+            and self._selective_cheaper(plan, sched, placement, hi)
+            and probe.fits("selective", None)
+        ):
             return probe.result("selective", None)
         return probe.result("full", k)
 
@@ -538,19 +657,24 @@ class _Runner:
         (the simulated makespan only grows with durations, and full recomputation also repeats
         the forward's tp traffic); simulated otherwise."""
         from .cost import stage_flops
+
         a = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "selective", None)
         b = stage_flops(self.arch, plan.pp_layout, plan.seq_len, "full", layers)
         if all(x[1] <= y[1] for x, y in zip(a, b)):
             return True
         if all(x[1] >= y[1] for x, y in zip(a, b)) and plan.tp == 1:
             return False
-        return self._cost(plan, sched, placement, "selective", None).step_s < \
-            self._cost(plan, sched, placement, "full", layers).step_s
+        return (
+            self._cost(plan, sched, placement, "selective", None).step_s
+            < self._cost(plan, sched, placement, "full", layers).step_s
+        )
 
     def _cost(self, plan, sched, placement, recompute, layers) -> Cost:
         p = replace(plan, recompute=recompute, recompute_layers=layers)
         rank_stages, params = self._busiest_rank(p, placement)
-        return plan_cost(self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds)
+        return plan_cost(
+            self.arch, p, sched, rank_stages, params, self.target.gpus_per_node, self.target.speeds
+        )
 
     def _estimate(self, kw: dict, recompute: str, layers: int | None):
         """pipemem.estimate of the plan with this recomputation, or None when it refuses the plan."""
@@ -560,7 +684,7 @@ class _Runner:
         self.stats.estimates += 1
         try:
             return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
-        except UserError as e:     # a rule beyond validate_plan (e.g. the schedule's); never listed
+        except UserError as e:  # a rule beyond validate_plan (e.g. the schedule's); never listed
             self.stats.refused_settings[_reason(str(e))] += 1
             return None
 
@@ -575,12 +699,16 @@ class _Runner:
         call = self._call(kw, recompute, layers)
         peak = est.max_peak_allocated_bytes
         screened = _screen_bytes(est)
-        return PlanResult(kwargs=call, flags=flags_string(self.model_flag, self.target, call), peak_bytes=peak,
-                          rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
-                          headroom_bytes=self.target.capacity_bytes - screened,
-                          schedule=est.schedule if sched else None,
-                          cost=self._cost(plan, sched, placement, recompute, layers),
-                          device_peak_bytes=screened)
+        return PlanResult(
+            kwargs=call,
+            flags=flags_string(self.model_flag, self.target, call),
+            peak_bytes=peak,
+            rank_peaks=[r.peak_allocated_bytes for r in est.ranks],
+            headroom_bytes=self.target.capacity_bytes - screened,
+            schedule=est.schedule if sched else None,
+            cost=self._cost(plan, sched, placement, recompute, layers),
+            device_peak_bytes=screened,
+        )
 
     def _busiest_rank(self, plan, placement) -> tuple[list[int], tuple[int, int]]:
         """Stages and (dense, expert) parameters of the pipeline rank holding the most parameters:
@@ -622,7 +750,7 @@ class _Ladder:
 
     def __init__(self):
         self._failed: set = set()
-        self._peaks: dict = {}          # (recompute, layers) -> (rank peaks, rank statics)
+        self._peaks: dict = {}  # (recompute, layers) -> (rank peaks, rank statics)
         self.min_layers = 1
 
     def failed(self, recompute: str, layers: int | None) -> bool:
@@ -652,8 +780,8 @@ class _Probe:
         self.r, self.kw, self.plan, self.sched, self.placement = runner, kw, plan, sched, placement
         self.statics, self.ladder = statics, ladder
         self.smaller_failed, self.smaller_min = smaller or (set(), 1)
-        self.peaks: dict = {}       # key -> rank peaks (estimated or derived)
-        self.ests: dict = {}        # key -> Estimate
+        self.peaks: dict = {}  # key -> rank peaks (estimated or derived)
+        self.ests: dict = {}  # key -> Estimate
         self.failed_here: set = set()
         self.min_layers = 1
 
@@ -685,7 +813,11 @@ class _Probe:
         est = self.ests.get(key)
         # estimated: allocated + outside the allocator per rank; derived by the ladder: the
         # allocated bound (result() estimates it and screens it before listing)
-        ok = _screen_bytes(est) <= self.r.target.budget_bytes if est is not None else max(self.peaks[key]) <= budget
+        ok = (
+            _screen_bytes(est) <= self.r.target.budget_bytes
+            if est is not None
+            else max(self.peaks[key]) <= budget
+        )
         if not ok:
             self.ladder.fail(*key)
             self.failed_here.add(key)
@@ -699,8 +831,12 @@ class _Probe:
             if est is None or [x.peak_allocated_bytes for x in est.ranks] != self.peaks.get(key):
                 # the ladder's derivation disagrees with the engine: never trust it here
                 self.r.stats.derivation_mismatch += 1
-                return self.r._ladder(_Probe(self.r, self.kw, self.plan, self.sched, self.placement,
-                                             self.statics, _Ladder()), self.plan, self.sched, self.placement)
+                return self.r._ladder(
+                    _Probe(self.r, self.kw, self.plan, self.sched, self.placement, self.statics, _Ladder()),
+                    self.plan,
+                    self.sched,
+                    self.placement,
+                )
         if _screen_bytes(est) > self.r.target.budget_bytes:
             return None
         return self.r._result(self.kw, self.plan, self.sched, self.placement, recompute, layers, est)
@@ -709,7 +845,9 @@ class _Probe:
 def _screen_bytes(est) -> int:
     """The highest allocated + outside-the-allocator peak over the ranks: a lower bound of the
     device peak (reserved is at least allocated) that costs no allocator model."""
-    return max(r.peak_allocated_bytes + (r.outside.total_bytes if r.outside is not None else 0) for r in est.ranks)
+    return max(
+        r.peak_allocated_bytes + (r.outside.total_bytes if r.outside is not None else 0) for r in est.ranks
+    )
 
 
 def _listable(est, target: Target) -> bool:

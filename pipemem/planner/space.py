@@ -49,9 +49,9 @@ class SpaceOptions:
     tp_across_nodes: bool = False
     micro_batches: tuple[int, ...] = DEFAULT_MICRO_BATCHES
     max_vpp: int = DEFAULT_MAX_VPP
-    schedules: tuple[str, ...] | None = None      # None: the convention's (SCHEDULES)
-    shardings: tuple[str, ...] | None = None      # None: the convention's (SHARDINGS) labels
-    fixed: dict = field(default_factory=dict)     # degrees the user pinned: {"tp": 8, "pp": 16, ...}
+    schedules: tuple[str, ...] | None = None  # None: the convention's (SCHEDULES)
+    shardings: tuple[str, ...] | None = None  # None: the convention's (SHARDINGS) labels
+    fixed: dict = field(default_factory=dict)  # degrees the user pinned: {"tp": 8, "pp": 16, ...}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ def balanced_layout(layers: int, stages: int) -> tuple[int, ...] | None:
     return None if layers % stages == 0 else layer_layout(layers, stages, balanced=True)
 
 
-def schedules_for(convention: str, pp: int, vpp: int, chosen: tuple[str, ...] | None) -> list[tuple[str, str]]:
+def schedules_for(
+    convention: str, pp: int, vpp: int, chosen: tuple[str, ...] | None
+) -> list[tuple[str, str]]:
     """(schedule name, placement) pairs to try for a pipeline of pp ranks with vpp chunks each:
     the convention's schedules (or the chosen ones) that run vpp chunks per rank. Placement
     'loop' (interleaved stages) or 'v' (V-shaped, two chunks); pp 1 runs none."""
@@ -110,11 +112,15 @@ def check_schedule_names(names: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for n in names:
         if n.lower().startswith(("csv:", "torch:")):
-            raise UserError(f"--schedules {n}: the planner generates its schedules; give names such as 1F1B, VPP, "
-                            "ZBH1, Interleaved1F1B, ZBVZeroBubble")
+            raise UserError(
+                f"--schedules {n}: the planner generates its schedules; give names such as 1F1B, VPP, "
+                "ZBH1, Interleaved1F1B, ZBVZeroBubble"
+            )
         canon = canonical_name(n)
         if spec_of(canon).searched:
-            raise UserError(f"--schedules {n}: the memory-limited scheduler is run by --zero-bubble, not enumerated")
+            raise UserError(
+                f"--schedules {n}: the memory-limited scheduler is run by --zero-bubble, not enumerated"
+            )
         out.append(canon)
     return tuple(dict.fromkeys(out))
 
@@ -127,13 +133,13 @@ def enumerate_bases(arch, gpus: int, opts: SpaceOptions):
     known = dict(SHARDINGS[opts.convention])
     for lbl in labels:
         if lbl not in known:
-            raise UserError(f"--shardings {lbl}: the {opts.convention} convention offers "
-                            f"{', '.join(known)}")
+            raise UserError(f"--shardings {lbl}: the {opts.convention} convention offers {', '.join(known)}")
     layers = arch.layers
     # ddp is dominated only where its stage jobs equal ZeRO-1's: gradients in a resident buffer
     # whatever the sharding (Megatron, Paddle; HF's DDP buckets differ from DeepSpeed's ZeRO)
-    zero1 = (frameworks.get(opts.convention).contiguous_grad_buffer
-             and any(lbl in known for lbl in ("dist-opt", "zero1")))
+    zero1 = frameworks.get(opts.convention).contiguous_grad_buffer and any(
+        lbl in known for lbl in ("dist-opt", "zero1")
+    )
     for tp in divisors(gpus):
         if not opts.tp_across_nodes and tp > opts.gpus_per_node:
             continue
@@ -156,9 +162,9 @@ def enumerate_bases(arch, gpus: int, opts: SpaceOptions):
                         single = dp * cp == 1 and (ep == 1 or dp * cp * tp == ep * (etp or tp))
                         for lbl in labels:
                             if single and lbl != "ddp":
-                                continue   # sharding over one rank is plain data parallelism
+                                continue  # sharding over one rank is plain data parallelism
                             if not single and lbl == "ddp" and opts.shardings is None and zero1:
-                                continue   # dominated by ZeRO-1 (module docstring)
+                                continue  # dominated by ZeRO-1 (module docstring)
                             yield Base(tp, cp, pp, vpp, dp, ep, etp, layout, lbl)
 
 
@@ -183,7 +189,7 @@ def _experts(arch, tp: int, cp: int, dp: int, fixed: dict):
     for ep in divisors(arch.experts):
         if not _pinned(fixed, "ep", ep):
             continue
-        for etp in ((None, 1) if tp > 1 else (None,)):
+        for etp in (None, 1) if tp > 1 else (None,):
             e = etp or tp
             if (dp * cp * tp) % (ep * e):
                 continue

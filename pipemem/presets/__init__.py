@@ -77,9 +77,15 @@ ALIASES = {
 # Only names that mean one device: "a100" or "h100" alone could be either memory size, and
 # are an error listing the candidates (see `_candidates`).
 GPU_ALIASES = {
-    "a100-40gb": "a100-40g", "a100-80gb": "a100-80g",
-    "h100-80gb": "h100-80g", "h100-sxm": "h100-80g", "h100-nvl": "h100-94g",
-    "h100-94gb": "h100-94g", "h200-141g": "h200", "3090": "rtx3090", "1080ti": "gtx1080ti",
+    "a100-40gb": "a100-40g",
+    "a100-80gb": "a100-80g",
+    "h100-80gb": "h100-80g",
+    "h100-sxm": "h100-80g",
+    "h100-nvl": "h100-94g",
+    "h100-94gb": "h100-94g",
+    "h200-141g": "h200",
+    "3090": "rtx3090",
+    "1080ti": "gtx1080ti",
 }
 
 
@@ -122,8 +128,10 @@ def gpu_info(name: str) -> dict:
         if len(cands) > 1:
             listed = ", ".join(f"{k} ({table[k]['name']}, {table[k]['mib']} MiB)" for k in cands)
             raise UserError(f"--gpu {name!r} is ambiguous: {listed}; give one of them")
-        raise UserError(f"--gpu {name!r}: unknown GPU{_close(key, list(table) + list(GPU_ALIASES))}; "
-                        f"known: {', '.join(table)} (or give --gpu-memory GIB)")
+        raise UserError(
+            f"--gpu {name!r}: unknown GPU{_close(key, list(table) + list(GPU_ALIASES))}; "
+            f"known: {', '.join(table)} (or give --gpu-memory GIB)"
+        )
     return dict(table[key], key=key)
 
 
@@ -146,7 +154,7 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
     path = Path(text).expanduser()
     try:
         is_dir, is_file = path.is_dir(), path.is_file()
-    except OSError:   # a name the file system cannot hold (too long a component...)
+    except OSError:  # a name the file system cannot hold (too long a component...)
         is_dir = is_file = False
     if is_dir:
         path = path / "config.json"
@@ -158,22 +166,28 @@ def load_model_config(name_or_path: str, flag: str = "--model") -> tuple[str, di
     key = text.lower()
     key = ALIASES.get(key, key)
     if key in _model_names():
-        return key, dict(_preset_json(key))      # a copy: callers may change their config
+        return key, dict(_preset_json(key))  # a copy: callers may change their config
     base = base_model_id(key)
     if base is not None:
         cfg = dict(_preset_json(base))
-        cfg["_pipemem_note"] = (f"{flag} {text}: not a preset; estimated with the shapes of its base model {base} "
-                                "(instruction / chat fine-tunes and -hf conversions keep the base model's shapes)")
+        cfg["_pipemem_note"] = (
+            f"{flag} {text}: not a preset; estimated with the shapes of its base model {base} "
+            "(instruction / chat fine-tunes and -hf conversions keep the base model's shapes)"
+        )
         return base, cfg
     if text.endswith(".json") or text.startswith((".", "/", "~")):
         raise UserError(f"{flag} {text}: file not found")
     cands = _candidates(key, model_names())
     if len(cands) > 1:
-        raise UserError(f"{flag} {text!r} is ambiguous: {', '.join(cands)}; give one of them "
-                        "(pipemem presets lists their shapes)")
-    raise UserError(f"{flag} {text!r}: not a preset, known hub id or file"
-                    f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
-                    f"or pass a path to a config.json (nothing is downloaded)")
+        raise UserError(
+            f"{flag} {text!r} is ambiguous: {', '.join(cands)}; give one of them "
+            "(pipemem presets lists their shapes)"
+        )
+    raise UserError(
+        f"{flag} {text!r}: not a preset, known hub id or file"
+        f"{_close(key, model_names() + list(ALIASES))}; see `pipemem presets` for the list, "
+        f"or pass a path to a config.json (nothing is downloaded)"
+    )
 
 
 # Name parts of fine-tuned or converted checkpoints that keep the base model's shapes.
@@ -209,8 +223,9 @@ def read_config_file(path: str | Path, flag: str = "--model") -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{flag} {path}: not valid JSON ({e}); expected a Hugging Face config.json") from None
     if not isinstance(cfg, dict):
-        raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json), "
-                        f"got {type(cfg).__name__}")
+        raise UserError(
+            f"{flag} {path}: expected a JSON object (a Hugging Face config.json), got {type(cfg).__name__}"
+        )
     return cfg
 
 

@@ -21,8 +21,15 @@ def short_plan(kw: dict) -> str:
     if kw.get("pp_layout"):
         deg.append("layout:" + ",".join(_runs(kw["pp_layout"])))
     deg.append(f"mb{kw['micro_batch']}")
-    deg.append("fsdp" if kw.get("fsdp") else "dist-opt" if kw.get("dist_opt") else
-               f"zero{kw['zero']}" if kw.get("zero") else "ddp")
+    deg.append(
+        "fsdp"
+        if kw.get("fsdp")
+        else "dist-opt"
+        if kw.get("dist_opt")
+        else f"zero{kw['zero']}"
+        if kw.get("zero")
+        else "ddp"
+    )
     rec = kw.get("recompute", "none")
     if rec != "none":
         deg.append(f"{rec}-recompute" + (f":{kw['recompute_layers']}" if kw.get("recompute_layers") else ""))
@@ -50,14 +57,29 @@ def _comm_text(cost) -> str:
     return f"{gb:,.1f}" + (f" ({','.join(cross)} x-node)" if cross else "")
 
 
-_PLAN_COLUMNS = (("#", "right"), ("verdict", "left"), ("peak", "right"), ("headroom", "right"), ("bubble", "right"),
-                 ("comm GB/step", "right"), ("step s", "right"), ("plan", "left"))
+_PLAN_COLUMNS = (
+    ("#", "right"),
+    ("verdict", "left"),
+    ("peak", "right"),
+    ("headroom", "right"),
+    ("bubble", "right"),
+    ("comm GB/step", "right"),
+    ("step s", "right"),
+    ("plan", "left"),
+)
 
 
 def _cells(i, p) -> list[str]:
-    return [str(i), "FITS" if p.verdict == "fits" else "screened", fmt_bytes(p.peak_bytes),
-            fmt_bytes(p.headroom_bytes), f"{p.cost.bubble:.1%}",
-            _comm_text(p.cost), f"{p.cost.step_s:.2f}", short_plan(p.kwargs)]
+    return [
+        str(i),
+        "FITS" if p.verdict == "fits" else "screened",
+        fmt_bytes(p.peak_bytes),
+        fmt_bytes(p.headroom_bytes),
+        f"{p.cost.bubble:.1%}",
+        _comm_text(p.cost),
+        f"{p.cost.step_s:.2f}",
+        short_plan(p.kwargs),
+    ]
 
 
 def _print_plans(con, plans, target, title) -> None:
@@ -86,8 +108,15 @@ def _stacked(plans, title: str, width: int):
     out.append("\n".join(textwrap.wrap(title, width, break_long_words=False)) + "\n", style="bold")
     for i, p in plans:
         c = _cells(i, p)
-        items = [f"#{c[0]}", c[1], f"peak {c[2]}", f"headroom {c[3]}", f"bubble {c[4]}", f"comm {c[5]} GB/step",
-                 f"step {c[6]} s"]
+        items = [
+            f"#{c[0]}",
+            c[1],
+            f"peak {c[2]}",
+            f"headroom {c[3]}",
+            f"bubble {c[4]}",
+            f"comm {c[5]} GB/step",
+            f"step {c[6]} s",
+        ]
         for line in wrap_items(items, width):
             out.append(line + "\n")
         for line in textwrap.wrap(c[7], max(width - 2, 10), break_long_words=False, break_on_hyphens=False):
@@ -99,8 +128,16 @@ def _table(plans, target, title, plan_words: bool = False):
     from rich import box
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=box.SIMPLE_HEAD,
-              show_edge=False, pad_edge=False, padding=(0, 1, 0, 1))
+    t = Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1, 0, 1),
+    )
     for name, justify in _PLAN_COLUMNS:
         t.add_column(name, justify=justify, no_wrap=name != "plan")
     for i, p in plans:
@@ -111,57 +148,104 @@ def _table(plans, target, title, plan_words: bool = False):
     return t
 
 
-def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None, color: bool | None = None) -> None:
+def render_plans(
+    res, top: int, zb=None, csv_path: str | None = None, file=None, color: bool | None = None
+) -> None:
     from rich.text import Text
 
     con = _console(file, color)
     t, s = res.target, res.stats
     gpu = t.gpu or f"{t.gpu_memory:g} GiB GPU"
-    con.print(Text(f"{res.model} on {t.gpus} x {gpu} ({fmt_bytes(t.capacity_bytes)}, {t.gpus_per_node} per node), "
-                   f"fit judged as pipemem estimate's verdict (reserved + outside the allocator, FITS)"
-                   + (f" with {fmt_bytes(t.reserve_bytes)} more kept free" if t.reserve_bytes else ""), style="bold"))
+    con.print(
+        Text(
+            f"{res.model} on {t.gpus} x {gpu} ({fmt_bytes(t.capacity_bytes)}, {t.gpus_per_node} per node), "
+            f"fit judged as pipemem estimate's verdict (reserved + outside the allocator, FITS)"
+            + (f" with {fmt_bytes(t.reserve_bytes)} more kept free" if t.reserve_bytes else ""),
+            style="bold",
+        )
+    )
     invalid = sum(s.invalid.values())
-    con.print(Text(f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
-                   f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} within the GPU on allocated + "
-                   f"outside-the-allocator bytes, {sum(p.verdict == 'fits' for p in res.plans):,} of them judged FITS with "
-                   f"reserved memory"
-                   + (f" ({s.dropped_on_reserved:,} dropped: not FITS once reserved is counted)"
-                      if s.dropped_on_reserved else "") + " "
-                   f"({s.estimates:,} estimates"
-                   + (f", {sum(s.refused_settings.values()):,} recomputation settings refused" if s.refused_settings
-                      else "") + ", "
-                   f"{s.seconds:.1f} s)", style=DIM))
+    con.print(
+        Text(
+            f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
+            f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} within the GPU on allocated + "
+            f"outside-the-allocator bytes, {sum(p.verdict == 'fits' for p in res.plans):,} of them judged FITS with "
+            f"reserved memory"
+            + (
+                f" ({s.dropped_on_reserved:,} dropped: not FITS once reserved is counted)"
+                if s.dropped_on_reserved
+                else ""
+            )
+            + " "
+            f"({s.estimates:,} estimates"
+            + (
+                f", {sum(s.refused_settings.values()):,} recomputation settings refused"
+                if s.refused_settings
+                else ""
+            )
+            + ", "
+            f"{s.seconds:.1f} s)",
+            style=DIM,
+        )
+    )
     if not res.plans:
-        con.print(Text.assemble(("NO PLAN FITS", RED), f": no plan of the space fits {fmt_bytes(t.budget_bytes)} "
-                                "(the GPU less the verdict's margin and any --reserve) once reserved memory and the "
-                                "CUDA context, NCCL and cuBLAS are counted; try more GPUs or a smaller micro-batch"))
+        con.print(
+            Text.assemble(
+                ("NO PLAN FITS", RED),
+                f": no plan of the space fits {fmt_bytes(t.budget_bytes)} "
+                "(the GPU less the verdict's margin and any --reserve) once reserved memory and the "
+                "CUDA context, NCCL and cuBLAS are counted; try more GPUs or a smaller micro-batch",
+            )
+        )
         return
     index = {id(p): i + 1 for i, p in enumerate(res.plans)}
-    _print_plans(con, [(i + 1, p) for i, p in enumerate(res.plans[:top])], t,
-                 f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} plans within the GPU (estimated step time)")
+    _print_plans(
+        con,
+        [(i + 1, p) for i, p in enumerate(res.plans[:top])],
+        t,
+        f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} plans within the GPU (estimated step time)",
+    )
     pareto = res.pareto
     if pareto:
         shown = pareto[:top]
-        more = f" (the {len(shown)} smallest of {len(pareto)}; all in --json)" if len(shown) < len(pareto) else ""
-        _print_plans(con, [(index[id(p)], p) for p in shown], t,
-                     f"Pareto set of the pipeline plans: peak memory vs bubble{more}")
+        more = (
+            f" (the {len(shown)} smallest of {len(pareto)}; all in --json)"
+            if len(shown) < len(pareto)
+            else ""
+        )
+        _print_plans(
+            con,
+            [(index[id(p)], p) for p in shown],
+            t,
+            f"Pareto set of the pipeline plans: peak memory vs bubble{more}",
+        )
     front = res.pareto_step_time
     if len(front) > 1:
         shown = front[-top:]
-        more = f" (the {len(shown)} fastest of {len(front)}; all in --json)" if len(shown) < len(front) else ""
-        _print_plans(con, [(index[id(p)], p) for p in shown], t,
-                     f"Pareto set of all plans: peak memory vs estimated step time{more}")
+        more = (
+            f" (the {len(shown)} fastest of {len(front)}; all in --json)" if len(shown) < len(front) else ""
+        )
+        _print_plans(
+            con,
+            [(index[id(p)], p) for p in shown],
+            t,
+            f"Pareto set of all plans: peak memory vs estimated step time{more}",
+        )
     best = res.plans[0]
     con.print(Text.assemble(("BEST", GREEN), f": pipemem estimate {best.flags}"))
-    con.print(Text("verdict: FITS = pipemem estimate's verdict, reserved memory included; screened = allocated + "
-                   "outside-the-allocator bytes within the GPU, reserved not yet judged (the judging stops after "
-                   "20 s: run pipemem estimate with the plan's flags); "
-                   "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
-                   "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
-                   "allocated in place of reserved); bubble: idle share of the pipeline ranks in the schedule simulated "
-                   "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
-                   "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
-                   style=DIM))
+    con.print(
+        Text(
+            "verdict: FITS = pipemem estimate's verdict, reserved memory included; screened = allocated + "
+            "outside-the-allocator bytes within the GPU, reserved not yet judged (the judging stops after "
+            "20 s: run pipemem estimate with the plan's flags); "
+            "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
+            "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
+            "allocated in place of reserved); bubble: idle share of the pipeline ranks in the schedule simulated "
+            "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
+            "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
+            style=DIM,
+        )
+    )
     if zb is not None:
         render_zero_bubble(con, zb, t, csv_path)
 
@@ -169,14 +253,24 @@ def render_plans(res, top: int, zb=None, csv_path: str | None = None, file=None,
 def render_zero_bubble(con, zb, target, csv_path) -> None:
     from rich.text import Text
 
-    what = "zero bubble" if zb.zero_bubble else f"its least stage bubble ({zb.stage_bubble:.1%}; the stages are unbalanced)"
+    what = (
+        "zero bubble"
+        if zb.zero_bubble
+        else f"its least stage bubble ({zb.stage_bubble:.1%}; the stages are unbalanced)"
+    )
     verdict = ("FITS", GREEN) if zb.fits else ("DOES NOT FIT", RED)
-    con.print(Text.assemble(("Zero bubble", "bold"), f": the memory-limited scheduler reaches {what} for the best "
-                            f"pipeline plan once static bytes + activations may reach {fmt_bytes(zb.memory_bytes)} "
-                            f"per GPU ({zb.probes} scheduler runs). The step's peak with that schedule (pipemem "
-                            f"estimate, optimizer step included) is {fmt_bytes(zb.peak_bytes)}: ", verdict,
-                            " as pipemem estimate judges it. Bubble {zb.bubble:.1%}, makespan "
-                            f"{zb.makespan_ratio:.3f}x the plan's own schedule."))
+    con.print(
+        Text.assemble(
+            ("Zero bubble", "bold"),
+            f": the memory-limited scheduler reaches {what} for the best "
+            f"pipeline plan once static bytes + activations may reach {fmt_bytes(zb.memory_bytes)} "
+            f"per GPU ({zb.probes} scheduler runs). The step's peak with that schedule (pipemem "
+            f"estimate, optimizer step included) is {fmt_bytes(zb.peak_bytes)}: ",
+            verdict,
+            " as pipemem estimate judges it. Bubble {zb.bubble:.1%}, makespan "
+            f"{zb.makespan_ratio:.3f}x the plan's own schedule.",
+        )
+    )
     if csv_path:
         con.print(Text(f"schedule written to {csv_path}; check it: pipemem estimate {zb.flags}", style=DIM))
     else:

@@ -37,9 +37,15 @@ def _console(file=None, color: bool | None = None, width: int | None = None):
     is_tty = hasattr(file, "isatty") and file.isatty()
     if color is None:
         color = is_tty and "NO_COLOR" not in os.environ
-    return Console(file=file, width=width or terminal_width(file), no_color=not color, highlight=False,
-                   force_terminal=True if color else None, color_system="standard" if color else None,
-                   soft_wrap=False)
+    return Console(
+        file=file,
+        width=width or terminal_width(file),
+        no_color=not color,
+        highlight=False,
+        force_terminal=True if color else None,
+        color_system="standard" if color else None,
+        soft_wrap=False,
+    )
 
 
 def _plural(n, word: str) -> str:
@@ -61,8 +67,11 @@ def describe_precision(plan) -> str:
     # Megatron's precision-aware optimizer keeps the masters in --main-params-dtype (fp32 ones of bf16
     # weights as 16-bit remainders: still fp32 masters)
     master = (plan.extra or {}).get("main_params_dtype") or "fp32"
-    kept = [("params", param), ("grads", grad)] + ([("master", master)] if master_b else []) + \
-        [("optimizer states", name.get(per_state, f"{per_state}-byte"))]
+    kept = (
+        [("params", param), ("grads", grad)]
+        + ([("master", master)] if master_b else [])
+        + [("optimizer states", name.get(per_state, f"{per_state}-byte"))]
+    )
     groups: list[tuple[str, list[str]]] = []
     for what, dt in kept:
         if groups and groups[-1][0] == dt:
@@ -97,18 +106,33 @@ def describe_plan(est) -> str:
     batch = f"micro-batch {p.micro_batch} x seq {p.seq_len}"
     if p.microbatches:
         batch += f", {_plural(p.microbatches, 'microbatch')}".replace("microbatchs", "microbatches")
-    rec = f"recompute {p.recompute}" + (f" ({p.recompute_layers} layers/stage)"
-                                        if p.recompute_layers is not None and p.recompute != "none" else "")
+    rec = f"recompute {p.recompute}" + (
+        f" ({p.recompute_layers} layers/stage)"
+        if p.recompute_layers is not None and p.recompute != "none"
+        else ""
+    )
     traced = est.mode == "traced"
-    framework = ("HF modules, traced" if traced else
-                 "PaddleNLP's own programs (Paddle's passes)" if est.mode == "paddle" else f"{p.convention} convention")
+    framework = (
+        "HF modules, traced"
+        if traced
+        else "PaddleNLP's own programs (Paddle's passes)"
+        if est.mode == "paddle"
+        else f"{p.convention} convention"
+    )
     # traced mode runs HF modules under torch autocast and torch.optim as recorded
     prec_plan = replace(p, convention="hf") if traced else p
-    opt = p.optimizer + (f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) and not traced else "")
-    sched = [est.schedule] if p.pp > 1 else []      # one stage runs no pipeline schedule
-    bits = [" ".join(parts)] + shard + sched + [batch, describe_precision(prec_plan), opt, rec, _flash_text(est),
-                                                framework]
+    opt = p.optimizer + (
+        f" ({p.optimizer_impl})" if getattr(p, "optimizer_impl", None) and not traced else ""
+    )
+    sched = [est.schedule] if p.pp > 1 else []  # one stage runs no pipeline schedule
+    bits = (
+        [" ".join(parts)]
+        + shard
+        + sched
+        + [batch, describe_precision(prec_plan), opt, rec, _flash_text(est), framework]
+    )
     from ..features import describe
+
     bits += describe(p)
     return ", ".join(bits)
 
@@ -120,7 +144,7 @@ def _flash_text(est) -> str:
 
     try:
         info = gpu_info(est.gpu_name) if est.gpu_name else {}
-    except Exception:   # --gpu-memory: no preset to consult
+    except Exception:  # --gpu-memory: no preset to consult
         info = {}
     if info and not info.get("flash_attention", True):
         return f"no flash-attn ({info['key']}, compute capability {info.get('compute_capability')}, cannot run it)"
@@ -133,17 +157,19 @@ def _inflight_text(r, vpp: int) -> str:
     return f"{r.inflight / max(vpp, 1):g} mb"
 
 
-FOOTNOTE = ("peak = params + grads (resident, and '+ made': those the step's backward has created by the "
-            "peak) + optimizer + other static (runtime buffers, cached weight copies, gathered parameters) + "
-            "activations "
-            "held around the action at the peak "
-            "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
-            "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
-            "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
-            "torch.cuda.max_memory_allocated counts them; reserved = what PyTorch's caching allocator holds at "
-            "most for that allocation stream (torch.cuda.max_memory_reserved, modelled; --alloc-conf sets its "
-            "settings). headroom = GPU minus the rank's device peak: reserved plus the CUDA context, NCCL's "
-            "buffers and the cuBLAS workspace (the verdict line itemizes them).")
+FOOTNOTE = (
+    "peak = params + grads (resident, and '+ made': those the step's backward has created by the "
+    "peak) + optimizer + other static (runtime buffers, cached weight copies, gathered parameters) + "
+    "activations "
+    "held around the action at the peak "
+    "(in brackets: the most microbatches in flight, in microbatches of the rank's activations) + transient "
+    "(that action's working memory; the optimizer step's scratch when the peak is there). F3@s1 = forward "
+    "of microbatch 3 on stage 1, B backward, I/W split backward. Allocated bytes, as "
+    "torch.cuda.max_memory_allocated counts them; reserved = what PyTorch's caching allocator holds at "
+    "most for that allocation stream (torch.cuda.max_memory_reserved, modelled; --alloc-conf sets its "
+    "settings). headroom = GPU minus the rank's device peak: reserved plus the CUDA context, NCCL's "
+    "buffers and the cuBLAS workspace (the verdict line itemizes them)."
+)
 
 
 def row_cells(est, r) -> dict:
@@ -157,12 +183,21 @@ def row_cells(est, r) -> dict:
     elif r.inflight:
         act_txt += f" ({_inflight_text(r, est.plan.vpp)})"
     style = {"oom": RED, "tight": YELLOW}.get(r.verdict(gpu), "")
-    return {"rank": str(r.pp_rank), "layers": _layers_text(r), "params": fmt_bytes(r.static.params),
-            "grads": _grads_text(r), "optimizer": fmt_bytes(r.static.optimizer),
-            "other": fmt_bytes(r.static.other),
-            "activations": act_txt, "transient": fmt_bytes(r.transient_bytes),
-            "peak": fmt_bytes(r.peak_allocated_bytes), "reserved": _reserved_text(r), "headroom": head_txt,
-            "peak at": str(r.peak_at), "_style": style}
+    return {
+        "rank": str(r.pp_rank),
+        "layers": _layers_text(r),
+        "params": fmt_bytes(r.static.params),
+        "grads": _grads_text(r),
+        "optimizer": fmt_bytes(r.static.optimizer),
+        "other": fmt_bytes(r.static.other),
+        "activations": act_txt,
+        "transient": fmt_bytes(r.transient_bytes),
+        "peak": fmt_bytes(r.peak_allocated_bytes),
+        "reserved": _reserved_text(r),
+        "headroom": head_txt,
+        "peak at": str(r.peak_at),
+        "_style": style,
+    }
 
 
 def _reserved_text(r) -> str:
@@ -171,9 +206,19 @@ def _reserved_text(r) -> str:
     return "-" if v is None else fmt_bytes(v)
 
 
-_COLUMNS = [("rank", "right"), ("layers", "left"), ("params", "right"), ("grads", "right"),
-            ("optimizer", "right"), ("activations", "right"), ("transient", "right"), ("peak", "right"),
-            ("reserved", "right"), ("headroom", "right"), ("peak at", "left")]
+_COLUMNS = [
+    ("rank", "right"),
+    ("layers", "left"),
+    ("params", "right"),
+    ("grads", "right"),
+    ("optimizer", "right"),
+    ("activations", "right"),
+    ("transient", "right"),
+    ("peak", "right"),
+    ("reserved", "right"),
+    ("headroom", "right"),
+    ("peak at", "left"),
+]
 
 
 def columns(est) -> list[tuple[str, str]]:
@@ -190,8 +235,16 @@ def _table(est, rows):
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(show_header=True, header_style="bold", show_lines=False, pad_edge=False, box=box.SIMPLE_HEAD,
-              show_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
+    t = Table(
+        show_header=True,
+        header_style="bold",
+        show_lines=False,
+        pad_edge=False,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 1),
+        collapse_padding=True,
+    )
     cols = columns(est)
     for name, justify in cols:
         header = "activations\n(in flight)" if name == "activations" else name
@@ -218,12 +271,19 @@ def _stacked(rows, width: int):
 
     out = Text()
     for c in rows:
-        head = [f"rank {c['rank']}", f"layers {c['layers']}", f"peak {c['peak']}", f"reserved {c['reserved']}",
-                c["headroom"] if c["headroom"].startswith("OOM") else f"headroom {c['headroom']}",
-                f"at {c['peak at']}"]
-        body = [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}"] + \
-            ([f"other {c['other']}"] if c["other"] != fmt_bytes(0) else []) + \
-            [f"activations {c['activations']}", f"transient {c['transient']}"]
+        head = [
+            f"rank {c['rank']}",
+            f"layers {c['layers']}",
+            f"peak {c['peak']}",
+            f"reserved {c['reserved']}",
+            c["headroom"] if c["headroom"].startswith("OOM") else f"headroom {c['headroom']}",
+            f"at {c['peak at']}",
+        ]
+        body = (
+            [f"params {c['params']}", f"grads {c['grads']}", f"optimizer {c['optimizer']}"]
+            + ([f"other {c['other']}"] if c["other"] != fmt_bytes(0) else [])
+            + [f"activations {c['activations']}", f"transient {c['transient']}"]
+        )
         for i, line in enumerate(_wrap_items(head, width) + _wrap_items(body, width - 2, indent="  ")):
             out.append(line + "\n", style=(c["_style"] or "bold") if i == 0 else "")
     return out
@@ -242,8 +302,14 @@ def _wrap_items(items: list[str], width: int, indent: str = "") -> list[str]:
     return lines
 
 
-def render(est, file=None, color: bool | None = None, explain: bool = False, wide: bool = False,
-           width: int | None = None) -> None:
+def render(
+    est,
+    file=None,
+    color: bool | None = None,
+    explain: bool = False,
+    wide: bool = False,
+    width: int | None = None,
+) -> None:
     """The report. The per-rank table when it fits `width` (the terminal's) or with `wide`;
     else one block per rank (stacked), so that no number is ever cut."""
     from rich.text import Text
@@ -277,15 +343,18 @@ GRADS_WORDS = {
     "buffer": "gradients resident all step (contiguous grad buffer / zero_grad(set_to_none=False))",
     "set-to-none": "gradients set to None by zero_grad, created by the step's first backward",
     "ddp-bucket": "DDP: .grad set to None by zero_grad and created in backward, plus DDP's resident buckets "
-                  "(gradient_as_bucket_view=False)",
+    "(gradient_as_bucket_view=False)",
     "ddp-bucket-view": "DDP: .grad are views of DDP's resident buckets (gradient_as_bucket_view=True)",
 }
 
 
 def step_note(plan) -> str:
     """Which training step the numbers are for, in words (--step, --grads)."""
-    step = ("steady state (a step after the first: optimizer states resident)" if plan.step == "steady" else
-            "first training step (optimizer states created in its optimizer step)")
+    step = (
+        "steady state (a step after the first: optimizer states resident)"
+        if plan.step == "steady"
+        else "first training step (optimizer states created in its optimizer step)"
+    )
     return f"{step}; {GRADS_WORDS.get(plan.grads, plan.grads)} (--grads {plan.grads})"
 
 
@@ -323,8 +392,10 @@ def describe_action(peak_at: Any) -> str:
     if text == "optimizer":
         return "the optimizer step"
     m = re.fullmatch(r"(RECV_F|RECV_B|FREE_\w+)(\d+)@s(\d+)", text)
-    if m:   # a memory action of the pipeline runtime (pipemem.runtime)
-        what = {"RECV_F": "receiving the input", "RECV_B": "receiving the output grad"}.get(m.group(1), "a free")
+    if m:  # a memory action of the pipeline runtime (pipemem.runtime)
+        what = {"RECV_F": "receiving the input", "RECV_B": "receiving the output grad"}.get(
+            m.group(1), "a free"
+        )
         return f"{what} of mb {m.group(2)} stage {m.group(3)} ({text})"
 
     m = re.fullmatch(r"([FBIW])(\d+)@s(\d+)", text)
@@ -336,17 +407,25 @@ def describe_action(peak_at: Any) -> str:
 def device_text(r) -> str:
     """The rank's device peak, itemized: reserved (or allocated, where reserved is not
     modelled) plus what lives outside the caching allocator."""
-    held = (f"{fmt_bytes(r.peak_reserved_bytes)} reserved" if r.peak_reserved_bytes is not None
-            else f"{fmt_bytes(r.peak_allocated_bytes)} allocated (reserved not modelled)")
+    held = (
+        f"{fmt_bytes(r.peak_reserved_bytes)} reserved"
+        if r.peak_reserved_bytes is not None
+        else f"{fmt_bytes(r.peak_allocated_bytes)} allocated (reserved not modelled)"
+    )
     o = r.outside
     if o is None:
         return held
     groups = ", ".join(f"{c.name} {c.ranks}" for c in o.communicators)
-    nccl = f"NCCL {fmt_bytes(o.nccl_bytes)} for {len(o.communicators)} groups ({groups})" if o.communicators \
+    nccl = (
+        f"NCCL {fmt_bytes(o.nccl_bytes)} for {len(o.communicators)} groups ({groups})"
+        if o.communicators
         else "no NCCL groups"
-    return (f"{held} + {fmt_bytes(o.total_bytes)} outside the allocator (CUDA context "
-            f"{fmt_bytes(o.cuda_context_bytes)}, {nccl}, cuBLAS workspace {fmt_bytes(o.cublas_workspace_bytes)}) "
-            f"= {fmt_bytes(r.device_peak_bytes)}")
+    )
+    return (
+        f"{held} + {fmt_bytes(o.total_bytes)} outside the allocator (CUDA context "
+        f"{fmt_bytes(o.cuda_context_bytes)}, {nccl}, cuBLAS workspace {fmt_bytes(o.cublas_workspace_bytes)}) "
+        f"= {fmt_bytes(r.device_peak_bytes)}"
+    )
 
 
 def verdict(est, markup: bool = False):
@@ -358,38 +437,56 @@ def verdict(est, markup: bool = False):
 
     worst = est.device_worst_rank
     gpu = est.gpu_memory_bytes
-    where = f"rank {worst.pp_rank} at {fmt_bytes(worst.peak_allocated_bytes)} allocated during " \
-            f"{describe_action(worst.peak_at)}"
+    where = (
+        f"rank {worst.pp_rank} at {fmt_bytes(worst.peak_allocated_bytes)} allocated during "
+        f"{describe_action(worst.peak_at)}"
+    )
     if worst.peak_is_optimizer:
-        where += (f" ({fmt_bytes(worst.transient_bytes)} of optimizer scratch on "
-                  f"{fmt_bytes(worst.static.total + worst.grads_at_peak_bytes)} of "
-                  f"params, grads and optimizer states{_resident(worst)})")
+        where += (
+            f" ({fmt_bytes(worst.transient_bytes)} of optimizer scratch on "
+            f"{fmt_bytes(worst.static.total + worst.grads_at_peak_bytes)} of "
+            f"params, grads and optimizer states{_resident(worst)})"
+        )
     device = device_text(worst)
     v = est.verdict
     if gpu is None:
-        line = Text.assemble(("PEAK", "bold"), f": {where}; on the device {device}; pass --gpu NAME or "
-                             "--gpu-memory GIB to check the fit.")
+        line = Text.assemble(
+            ("PEAK", "bold"),
+            f": {where}; on the device {device}; pass --gpu NAME or --gpu-memory GIB to check the fit.",
+        )
     elif v == "fits":
         share = worst.device_peak_bytes / gpu
-        line = Text.assemble(("FITS", GREEN), f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
-                             f"{fmt_bytes(gpu)}, {fmt_bytes(gpu - worst.device_peak_bytes)} headroom.")
+        line = Text.assemble(
+            ("FITS", GREEN),
+            f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
+            f"{fmt_bytes(gpu)}, {fmt_bytes(gpu - worst.device_peak_bytes)} headroom.",
+        )
     elif v == "tight":
         share = worst.device_peak_bytes / gpu
         margin = NEAR_LIMIT if est.reserved_modelled else NEAR_LIMIT_UNMODELLED
-        why = ("the reserved estimate and the sizes of NCCL's buffers and the CUDA context vary by a few percent "
-               "between runs and versions" if est.reserved_modelled else
-               "reserved memory is not modelled here, and the caching allocator's rounding and fragmentation "
-               "add 3-27 % over allocated in Megatron's memory logs")
-        line = Text.assemble(("TIGHT", YELLOW), f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
-                             f"{fmt_bytes(gpu)}: within {margin:.0%} of the limit, it may OOM ({why})."
-                             f"{_advice(est, worst)}")
+        why = (
+            "the reserved estimate and the sizes of NCCL's buffers and the CUDA context vary by a few percent "
+            "between runs and versions"
+            if est.reserved_modelled
+            else "reserved memory is not modelled here, and the caching allocator's rounding and fragmentation "
+            "add 3-27 % over allocated in Megatron's memory logs"
+        )
+        line = Text.assemble(
+            ("TIGHT", YELLOW),
+            f" on {est.gpu_name}: worst is {where}; {device}, {share:.0%} of "
+            f"{fmt_bytes(gpu)}: within {margin:.0%} of the limit, it may OOM ({why})."
+            f"{_advice(est, worst)}",
+        )
     else:
         over = [r.pp_rank for r in est.ranks if r.device_peak_bytes > gpu]
         rank_word = "rank" if len(over) == 1 else "ranks"
         verb = "exceeds" if len(over) == 1 else "exceed"
-        line = Text.assemble(("OOM", RED), f" on {est.gpu_name}: {rank_word} {_ranges(over)} {verb} "
-                             f"{fmt_bytes(gpu)}; worst is {where}; {device}, "
-                             f"{fmt_bytes(worst.device_peak_bytes - gpu)} over.{_advice(est, worst)}")
+        line = Text.assemble(
+            ("OOM", RED),
+            f" on {est.gpu_name}: {rank_word} {_ranges(over)} {verb} "
+            f"{fmt_bytes(gpu)}; worst is {where}; {device}, "
+            f"{fmt_bytes(worst.device_peak_bytes - gpu)} over.{_advice(est, worst)}",
+        )
     return line if markup else line.plain
 
 
@@ -400,19 +497,36 @@ def render_jobs(est, con) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-              padding=(0, 1, 0, 1), collapse_padding=True)
+    t = Table(
+        show_header=True,
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1, 0, 1),
+        collapse_padding=True,
+    )
     for name in ("rank", "stage", "F net", "F peak", "B net", "B peak", "I peak", "W peak", "optimizer peak"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in est.ranks:
         opt = r.jobs.get("optimizer")
         for row in r.stage_jobs:
+
             def cell(kind, key, row=row):
                 j = row.get(kind)
                 return "-" if not j else fmt_bytes(j[key], signed=key == "net_bytes")
-            t.add_row(str(r.pp_rank), str(row["stage"]), cell("F", "net_bytes"), cell("F", "peak_bytes"),
-                      cell("B", "net_bytes"), cell("B", "peak_bytes"), cell("I", "peak_bytes"), cell("W", "peak_bytes"),
-                      fmt_bytes(opt.peak_bytes) if opt else "-")
+
+            t.add_row(
+                str(r.pp_rank),
+                str(row["stage"]),
+                cell("F", "net_bytes"),
+                cell("F", "peak_bytes"),
+                cell("B", "net_bytes"),
+                cell("B", "peak_bytes"),
+                cell("I", "peak_bytes"),
+                cell("W", "peak_bytes"),
+                fmt_bytes(opt.peak_bytes) if opt else "-",
+            )
     con.print(Text("jobs (each relative to the memory at its start):", style="bold"))
     con.print(t)
 
@@ -422,16 +536,23 @@ def _advice(est, worst) -> str:
     sug = getattr(est, "suggestions", None) or []
     fit = [x for x in sug if x["fits"]]
     if fit:
-        return " Fits with " + " or ".join(f"{x['flags']} ({fmt_bytes(_device_peak(x))} on the device)"
-                                           for x in fit) + "."
+        return (
+            " Fits with "
+            + " or ".join(f"{x['flags']} ({fmt_bytes(_device_peak(x))} on the device)" for x in fit)
+            + "."
+        )
     if sug:
         x = sug[0]
-        return (f" No single change tried fits; the one that lowers the peak most: {x['flags']} "
-                f"({fmt_bytes(_device_peak(x))} on the device).")
+        return (
+            f" No single change tried fits; the one that lowers the peak most: {x['flags']} "
+            f"({fmt_bytes(_device_peak(x))} on the device)."
+        )
     if getattr(est, "suggestions_tried", False):
         return " No single change on these GPUs lowers the peak; more GPUs are needed" + (
             " (e.g. --dp N with --zero 1 / --fsdp / --dist-opt to shard the optimizer states)."
-            if worst.peak_is_optimizer else " (more --tp or --pp).")
+            if worst.peak_is_optimizer
+            else " (more --tp or --pp)."
+        )
     return _hint(est, worst)
 
 
@@ -506,8 +627,14 @@ def render_explain(rows: Any, con, wide: bool = False) -> None:
         kept = [r for r in items if not str(r.get("tensor", "")).startswith("(")]
         peaks = [r for r in items if str(r.get("tensor", "")).startswith("(")]
         total = sum(r.get("bytes", 0) or 0 for r in kept)
-        sections = [(f"what one layer keeps for backward, per microbatch in flight ({fmt_bytes(total)} in all)",
-                     kept), ("where the layer's transient peaks come from", peaks), *extra.items()]
+        sections = [
+            (
+                f"what one layer keeps for backward, per microbatch in flight ({fmt_bytes(total)} in all)",
+                kept,
+            ),
+            ("where the layer's transient peaks come from", peaks),
+            *extra.items(),
+        ]
     for title, part in sections:
         if isinstance(part, str):
             con.print(Text(f"{title}: {part}"))
@@ -522,11 +649,19 @@ def _explain_table(title: str, items: list[dict], con, wide: bool = False) -> No
         return
     keys: list[str] = []
     for it in items:
-        keys += [k for k in it if k not in keys and any(it2.get(k) not in (None, "", [], ()) for it2 in items)]
+        keys += [
+            k for k in it if k not in keys and any(it2.get(k) not in (None, "", [], ()) for it2 in items)
+        ]
     from rich import box
 
-    t = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=box.SIMPLE_HEAD,
-              show_edge=False)
+    t = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+    )
     for k in keys:
         t.add_column(k.replace("_", " "), justify="right" if k in _BYTES_KEYS else "left")
     for it in items:
@@ -556,7 +691,9 @@ def _explain_stacked(title: str, keys: list[str], items: list[dict], width: int)
             out.append(line + "\n")
         for k in long_keys:
             text = _cell(k, it.get(k))
-            for line in textwrap.wrap(text, max(width - 4, 10), break_long_words=False, break_on_hyphens=False):
+            for line in textwrap.wrap(
+                text, max(width - 4, 10), break_long_words=False, break_on_hyphens=False
+            ):
                 out.append("    " + line + "\n", style=DIM)
     return out
 
@@ -568,6 +705,7 @@ def _as_dict(x) -> dict:
         return x.to_dict()
     if hasattr(x, "__dataclass_fields__"):
         from dataclasses import asdict
+
         return asdict(x)
     if isinstance(x, (tuple, list)):
         return {f"col{i}": v for i, v in enumerate(x)}

@@ -20,20 +20,20 @@ KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input-grad backward", 
 # Memory actions a runtime lowering (pipemem.runtime) adds to a schedule: kind -> (the stage
 # boundary it moves, +1 allocate / -1 free). Bytes come from the stage (pipemem.jobs.StageJobs).
 MEMORY_KINDS = {
-    "RECV_F": ("input_bytes", 1),          # receive buffer of the stage input x
+    "RECV_F": ("input_bytes", 1),  # receive buffer of the stage input x
     "FREE_X": ("input_bytes", -1),
-    "FREE_Y": ("output_bytes", -1),        # the stage output, made by F
-    "RECV_B": ("output_grad_bytes", 1),    # receive buffer of the output grad dy
+    "FREE_Y": ("output_bytes", -1),  # the stage output, made by F
+    "RECV_B": ("output_grad_bytes", 1),  # receive buffer of the output grad dy
     "FREE_DY": ("output_grad_bytes", -1),
-    "FREE_DX": ("input_grad_bytes", -1),   # the input grad, made by B or I
+    "FREE_DX": ("input_grad_bytes", -1),  # the input grad, made by B or I
 }
 ALL_KINDS = KINDS + tuple(MEMORY_KINDS)
 _ACTION_RE = re.compile(r"\s*([FBIW])(\d+)@s(\d+)\s*")
 
 
 class Action(NamedTuple):
-    kind: str        # 'F', 'B' (fused backward), 'I' (input grad), 'W' (weight grad)
-    stage: int       # virtual stage index, 0 .. num_stages-1
+    kind: str  # 'F', 'B' (fused backward), 'I' (input grad), 'W' (weight grad)
+    stage: int  # virtual stage index, 0 .. num_stages-1
     microbatch: int
 
     def __str__(self) -> str:
@@ -44,8 +44,9 @@ class Action(NamedTuple):
         """'F3@s1' -> Action('F', 1, 3)."""
         m = _ACTION_RE.fullmatch(text)
         if not m:
-            raise UserError(f"cannot read action {text!r}: write KIND MICROBATCH @s STAGE, e.g. F3@s1 "
-                            f"(kinds: F, B, I, W)")
+            raise UserError(
+                f"cannot read action {text!r}: write KIND MICROBATCH @s STAGE, e.g. F3@s1 (kinds: F, B, I, W)"
+            )
         return Action(m.group(1), int(m.group(3)), int(m.group(2)))
 
 
@@ -82,8 +83,9 @@ def stage_rank_map(placement, pp: int, vpp: int) -> list[int]:
     if callable(placement):
         out = list(placement(pp, vpp))
         if len(out) != pp * vpp or sorted(out) != sorted(r for r in range(pp) for _ in range(vpp)):
-            raise UserError(f"placement of {pp} ranks x {vpp} chunks: {out} does not give each rank "
-                            f"{vpp} stages")
+            raise UserError(
+                f"placement of {pp} ranks x {vpp} chunks: {out} does not give each rank {vpp} stages"
+            )
         return out
     return v_stage_map(pp, vpp) if placement == "v" else loop_stage_map(pp, vpp)
 
@@ -95,11 +97,30 @@ class Schedule:
     smallest stage index placed on `r` (so chunk 0 is where a microbatch first enters a rank).
     """
 
-    __slots__ = ("name", "pp", "vpp", "microbatches", "ranks", "stage_rank", "placement", "notes",
-                 "_rank_stages", "cache")
+    __slots__ = (
+        "name",
+        "pp",
+        "vpp",
+        "microbatches",
+        "ranks",
+        "stage_rank",
+        "placement",
+        "notes",
+        "_rank_stages",
+        "cache",
+    )
 
-    def __init__(self, name: str, pp: int, vpp: int, microbatches: int, ranks: list[list[Action]],
-                 stage_rank: list[int] | None = None, placement: str = "loop", notes: str = ""):
+    def __init__(
+        self,
+        name: str,
+        pp: int,
+        vpp: int,
+        microbatches: int,
+        ranks: list[list[Action]],
+        stage_rank: list[int] | None = None,
+        placement: str = "loop",
+        notes: str = "",
+    ):
         self.name = name
         self.pp = pp
         self.vpp = vpp
@@ -127,7 +148,9 @@ class Schedule:
         """True when any backward is split into I (input grad) and W (weight grad)."""
         hit = self.cache.get("split_backward")
         if hit is None:
-            hit = self.cache["split_backward"] = any(a[0] == "I" or a[0] == "W" for acts in self.ranks for a in acts)
+            hit = self.cache["split_backward"] = any(
+                a[0] == "I" or a[0] == "W" for acts in self.ranks for a in acts
+            )
         return hit
 
     def rank_of_stage(self, stage: int) -> int:
@@ -147,17 +170,33 @@ class Schedule:
         return sum(len(a) for a in self.ranks)
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, Schedule) and self.pp == other.pp and self.vpp == other.vpp
-                and self.microbatches == other.microbatches and self.stage_rank == other.stage_rank
-                and self.ranks == other.ranks)
+        return (
+            isinstance(other, Schedule)
+            and self.pp == other.pp
+            and self.vpp == other.vpp
+            and self.microbatches == other.microbatches
+            and self.stage_rank == other.stage_rank
+            and self.ranks == other.ranks
+        )
 
     def __repr__(self) -> str:
-        return (f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, microbatches={self.microbatches}, "
-                f"actions={self.num_actions})")
+        return (
+            f"Schedule({self.name!r}, pp={self.pp}, vpp={self.vpp}, microbatches={self.microbatches}, "
+            f"actions={self.num_actions})"
+        )
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "pp": self.pp, "vpp": self.vpp, "microbatches": self.microbatches,
-                "num_stages": self.num_stages, "placement": self.placement,
-                "stage_rank": list(self.stage_rank), "split_backward": self.split_backward,
-                "ranks": [{"pp_rank": r, "stages": self.stages_of_rank(r), "actions": [str(a) for a in acts]}
-                          for r, acts in enumerate(self.ranks)]}
+        return {
+            "name": self.name,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "microbatches": self.microbatches,
+            "num_stages": self.num_stages,
+            "placement": self.placement,
+            "stage_rank": list(self.stage_rank),
+            "split_backward": self.split_backward,
+            "ranks": [
+                {"pp_rank": r, "stages": self.stages_of_rank(r), "actions": [str(a) for a in acts]}
+                for r, acts in enumerate(self.ranks)
+            ],
+        }

@@ -35,8 +35,11 @@ class TimeModel:
             if isinstance(v, (int, float)):
                 return [float(v)] * num_stages
             if len(v) != num_stages:
-                raise UserError(f"time model: {name} has {len(v)} stage times, the schedule has {num_stages} stages")
+                raise UserError(
+                    f"time model: {name} has {len(v)} stage times, the schedule has {num_stages} stages"
+                )
             return [float(x) for x in v]
+
         tf, ti, tw = expand(self.F, "F"), expand(self.I, "I"), expand(self.W, "W")
         tb = [a + b for a, b in zip(ti, tw)] if self.B is None else expand(self.B, "B")
         return tf, tb, ti, tw
@@ -45,15 +48,21 @@ class TimeModel:
 @dataclass
 class Simulation:
     makespan: float
-    bubble_ratio: float           # 1 - busy / (pp * makespan): idle share of all ranks over the whole step
-    stage_bubble_ratio: float     # Qi et al.: (longest rank span - its work) / span, span from a rank's first start
-    busy: list[float]             # per rank
-    start: list[list[float]] | None   # per rank, per action (None from simulate(timeline=False))
+    bubble_ratio: float  # 1 - busy / (pp * makespan): idle share of all ranks over the whole step
+    stage_bubble_ratio: (
+        float  # Qi et al.: (longest rank span - its work) / span, span from a rank's first start
+    )
+    busy: list[float]  # per rank
+    start: list[list[float]] | None  # per rank, per action (None from simulate(timeline=False))
     end: list[list[float]] | None
 
     def to_dict(self) -> dict:
-        return {"makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
-                "stage_bubble_ratio": self.stage_bubble_ratio, "busy": self.busy}
+        return {
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "stage_bubble_ratio": self.stage_bubble_ratio,
+            "busy": self.busy,
+        }
 
 
 def _structure(schedule: Schedule) -> None:
@@ -178,7 +187,7 @@ def _simulate(schedule: Schedule, times: TimeModel | None, timeline: bool = True
                 t0 = d if d > t_rank else t_rank
                 dur = tw[s]
                 made = None
-            else:                                   # B or I
+            else:  # B or I
                 d = fwd[s][i]
                 if d < 0.0:
                     wait = fwd_parked[s]
@@ -205,9 +214,9 @@ def _simulate(schedule: Schedule, times: TimeModel | None, timeline: bool = True
                 if woken is not None:
                     ready.extend(woken)
         else:
-            kind = None                             # the rank ran to its end
-        if kind is not None:                        # park on the missing input
-            todo.__setstate__(len(ranks[r]) - length_hint(todo) - 1)   # run this action when woken
+            kind = None  # the rank ran to its end
+        if kind is not None:  # park on the missing input
+            todo.__setstate__(len(ranks[r]) - length_hint(todo) - 1)  # run this action when woken
             w = wait[i]
             if w is None:
                 wait[i] = [r]
@@ -217,7 +226,7 @@ def _simulate(schedule: Schedule, times: TimeModel | None, timeline: bool = True
             record[r] = None
         busy[r] += spent
         clock[r] = t_rank
-    ptr = [len(ranks[r]) - length_hint(iters[r]) for r in range(pp)]     # each rank's next action
+    ptr = [len(ranks[r]) - length_hint(iters[r]) for r in range(pp)]  # each rank's next action
     stuck = [r for r in range(pp) if ptr[r] < len(ranks[r])]
     if stuck:
         raise UserError(_deadlock_message(schedule, stuck, ptr))
@@ -238,6 +247,7 @@ def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> s
     for r, acts in enumerate(schedule.ranks):
         for n, a in enumerate(acts):
             where[(a.kind, a.stage, a.microbatch)] = (r, n)
+
     def blockers_of(r):
         kind, s, i = schedule.ranks[r][ptr[r]]
         if kind == "F":
@@ -246,8 +256,11 @@ def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> s
             need = [("I", s)]
         else:
             need = [("F", s)] + ([("B", s + 1), ("I", s + 1)] if s + 1 < schedule.num_stages else [])
-        return [where[(nk, ns, i)] for nk, ns in need
-                if (nk, ns, i) in where and where[(nk, ns, i)][1] >= ptr[where[(nk, ns, i)][0]]]
+        return [
+            where[(nk, ns, i)]
+            for nk, ns in need
+            if (nk, ns, i) in where and where[(nk, ns, i)][1] >= ptr[where[(nk, ns, i)][0]]
+        ]
 
     # the root cause first: an action that waits for a later action of its own rank
     own = [q for q in stuck if any(b[0] == q for b in blockers_of(q))]
@@ -263,17 +276,22 @@ def _deadlock_message(schedule: Schedule, stuck: list[int], ptr: list[int]) -> s
         text = "I must come before W"
     else:
         need = [("F", s)] + ([("B", s + 1), ("I", s + 1)] if s + 1 < schedule.num_stages else [])
-        text = f"B of stage {s + 1} must come before B of stage {s}" if s + 1 < schedule.num_stages else \
-            "F must come before B"
+        text = (
+            f"B of stage {s + 1} must come before B of stage {s}"
+            if s + 1 < schedule.num_stages
+            else "F must come before B"
+        )
     blockers = []
     for nk, ns in need:
         pos = where.get((nk, ns, i))
         if pos is not None and pos[1] >= ptr[pos[0]]:
             blockers.append(f"{nk}{i}@s{ns} (rank {pos[0]} action #{pos[1]})")
     others = ", ".join(f"rank {q} at #{ptr[q]} {schedule.ranks[q][ptr[q]]}" for q in stuck[1:4])
-    return (f"schedule {schedule.name}: rank {r} action #{ptr[r]} {a} can never start: it waits for "
-            f"{' and '.join(blockers) or 'an action that never runs'} ({text}); the pipeline deadlocks"
-            + (f"; also stuck: {others}" if others else ""))
+    return (
+        f"schedule {schedule.name}: rank {r} action #{ptr[r]} {a} can never start: it waits for "
+        f"{' and '.join(blockers) or 'an action that never runs'} ({text}); the pipeline deadlocks"
+        + (f"; also stuck: {others}" if others else "")
+    )
 
 
 def check_schedule(schedule: Schedule, times: TimeModel | None = None, timeline: bool = True) -> Simulation:

@@ -59,11 +59,12 @@ def _parse_cell(cell: str, where: str) -> list[Action]:
         return [Action(m.group(1), int(m.group(3)), int(m.group(2)))]
     m = _TORCH_CELL.fullmatch(cell)
     if not m:
-        raise UserError(f"{where}: cannot read {cell!r}; write STAGE KIND MICROBATCH like 2F0 (PyTorch) "
-                        f"or F0@s2")
+        raise UserError(
+            f"{where}: cannot read {cell!r}; write STAGE KIND MICROBATCH like 2F0 (PyTorch) or F0@s2"
+        )
     stage, kind, mb = m.groups()
     if kind not in "FBIW" or len(kind) != 1:
-        return []                     # communication / sharding action: not a compute job
+        return []  # communication / sharding action: not a compute job
     if not mb:
         raise UserError(f"{where}: {cell!r} has no microbatch index")
     return [Action(kind, int(stage), int(mb))]
@@ -87,8 +88,10 @@ def from_csv_text(text: str, name: str = "csv", source: str = "CSV") -> Schedule
             for a in _parse_cell(cell, f"{source} row {r + 1} column {c + 1}"):
                 prev = stage_rank.setdefault(a.stage, r)
                 if prev != r:
-                    raise UserError(f"{source} row {r + 1} column {c + 1}: {cell.strip()!r} runs stage {a.stage}, "
-                                    f"which row {prev + 1} also runs (a stage lives on one rank)")
+                    raise UserError(
+                        f"{source} row {r + 1} column {c + 1}: {cell.strip()!r} runs stage {a.stage}, "
+                        f"which row {prev + 1} also runs (a stage lives on one rank)"
+                    )
                 acts.append(a)
         ranks.append(acts)
     pp = len(ranks)
@@ -99,10 +102,14 @@ def from_csv_text(text: str, name: str = "csv", source: str = "CSV") -> Schedule
     if missing:
         raise UserError(f"{source}: stage {missing[0]} never runs (stages 0..{num_stages - 1} expected)")
     if num_stages % pp:
-        raise UserError(f"{source}: {num_stages} stages over {pp} ranks: every rank needs the same number of stages")
+        raise UserError(
+            f"{source}: {num_stages} stages over {pp} ranks: every rank needs the same number of stages"
+        )
     vpp = num_stages // pp
     smap = [stage_rank[s] for s in range(num_stages)]
-    placement = "loop" if smap == loop_stage_map(pp, vpp) else "v" if smap == v_stage_map(pp, vpp) else "custom"
+    placement = (
+        "loop" if smap == loop_stage_map(pp, vpp) else "v" if smap == v_stage_map(pp, vpp) else "custom"
+    )
     m = 1 + max(a.microbatch for acts in ranks for a in acts)
     sched = Schedule(name, pp, vpp, m, ranks, stage_rank=smap, placement=placement)
     check_schedule(sched)
@@ -113,6 +120,7 @@ def read_csv(path: str | Path, name: str | None = None) -> Schedule:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise UserError(f"csv:{path}: cannot read ({e.strerror}); give a CSV with one row of actions per rank") \
-            from None
+        raise UserError(
+            f"csv:{path}: cannot read ({e.strerror}); give a CSV with one row of actions per rank"
+        ) from None
     return from_csv_text(text, name or f"csv:{path}", f"csv:{path}")

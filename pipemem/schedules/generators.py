@@ -31,8 +31,11 @@ def _check_basic(name: str, pp: int, m: int, vpp: int) -> None:
 
 
 def _single_chunk(name: str, vpp: int) -> None:
-    _need(vpp == 1, f"{name} runs one model chunk per rank: drop --vpp (got --vpp {vpp}); "
-                    f"for several chunks per rank use Interleaved1F1B, LoopedBFS or VPP")
+    _need(
+        vpp == 1,
+        f"{name} runs one model chunk per rank: drop --vpp (got --vpp {vpp}); "
+        f"for several chunks per rank use Interleaved1F1B, LoopedBFS or VPP",
+    )
 
 
 def _split_known(schedule: Schedule, split: bool) -> Schedule:
@@ -43,6 +46,7 @@ def _split_known(schedule: Schedule, split: bool) -> Schedule:
 
 
 # ---------------------------------------------------------------- one chunk per rank
+
 
 def gpipe(pp: int, m: int, vpp: int = 1, name: str = "GPipe") -> Schedule:
     """All forwards, then all backwards (GPipe; Paddle's FThenB)."""
@@ -79,7 +83,9 @@ def eager_1f1b(pp: int, m: int, vpp: int = 1, name: str = "Eager1F1B") -> Schedu
     """Paddle's Eager1F1B: 2(p - r) - 1 warm-up forwards, so sends overlap the next forward."""
     _check_basic(name, pp, m, vpp)
     _single_chunk(name, vpp)
-    _need(m >= 2 * pp - 1, f"{name} needs --microbatches >= 2*pp-1 = {2 * pp - 1} (got {m}), as Paddle requires")
+    _need(
+        m >= 2 * pp - 1, f"{name} needs --microbatches >= 2*pp-1 = {2 * pp - 1} (got {m}), as Paddle requires"
+    )
     return Schedule(name, pp, 1, m, _warmup_then_alternate(pp, m, [2 * (pp - r) - 1 for r in range(pp)]))
 
 
@@ -93,11 +99,11 @@ def zb_h1(pp: int, m: int, vpp: int = 1, name: str = "ZBH1") -> Schedule:
     for r in range(pp):
         acts = [Action(F, r, i) for i in range(pp - r)]
         nf, nb = pp - r, 0
-        for _ in range(r):                      # split backwards whose W waits for the tail
+        for _ in range(r):  # split backwards whose W waits for the tail
             acts += [Action(I, r, nb), Action(F, r, nf)]
             nb += 1
             nf += 1
-        for _ in range(m - pp):                 # steady 1F1B with fused backwards
+        for _ in range(m - pp):  # steady 1F1B with fused backwards
             acts += [Action(B, r, nb), Action(F, r, nf)]
             nb += 1
             nf += 1
@@ -137,10 +143,10 @@ def zb_h2(pp: int, m: int, vpp: int = 1, name: str = "ZBH2") -> Schedule:
 
     from .actions import loop_stage_map
     from .check import TimeModel
-    from .unit_jobs import unit_jobs
     from .list_scheduler import job_numbers, list_schedule
+    from .unit_jobs import unit_jobs
 
-    nums, _ = job_numbers(unit_jobs(pp, 1, Fraction(1)), pp)   # integer units: scale 1
+    nums, _ = job_numbers(unit_jobs(pp, 1, Fraction(1)), pp)  # integer units: scale 1
     tf, tb, ti, tw = TimeModel().per_stage(pp)
     ranks = list_schedule(pp, m, loop_stage_map(pp, 1), nums, (tf, tb, ti, tw, 0.0), [2 * pp - 1] * pp, True)
     return Schedule(name, pp, 1, m, ranks)
@@ -148,9 +154,12 @@ def zb_h2(pp: int, m: int, vpp: int = 1, name: str = "ZBH2") -> Schedule:
 
 # ---------------------------------------------------------------- looped placement, v chunks
 
+
 def _multi_chunk(name: str, vpp: int, exact: int | None = None) -> None:
     if exact is not None:
-        _need(vpp == exact, f"{name} runs exactly {exact} model chunks per rank: pass --vpp {exact} (got {vpp})")
+        _need(
+            vpp == exact, f"{name} runs exactly {exact} model chunks per rank: pass --vpp {exact} (got {vpp})"
+        )
     _need(vpp >= 2, f"{name} runs several model chunks per rank: pass --vpp 2 or more (got --vpp {vpp})")
 
 
@@ -168,8 +177,9 @@ def looped_bfs(pp: int, m: int, vpp: int = 2, name: str = "LoopedBFS") -> Schedu
     return Schedule(name, pp, vpp, m, ranks)
 
 
-def _interleaved_rank(pp: int, m: int, vpp: int, r: int, warmup: int, group: int,
-                      zero_bubble: bool = False, deferred_w: int = 0) -> list[Action]:
+def _interleaved_rank(
+    pp: int, m: int, vpp: int, r: int, warmup: int, group: int, zero_bubble: bool = False, deferred_w: int = 0
+) -> list[Action]:
     """Depth-first interleaved order of rank r: the k-th forward runs chunk (k // group) % v, the
     k-th backward chunk v-1 - (k // group) % v, each chunk's microbatches in order; `warmup`
     forwards, then forward/backward pairs, then the remaining backwards. With `zero_bubble`,
@@ -203,7 +213,7 @@ def _interleaved_rank(pp: int, m: int, vpp: int, r: int, warmup: int, group: int
     steady = total - warmup
     acts = fwd[:warmup]
     if not zero_bubble:
-        acts += chain.from_iterable(zip(fwd[warmup:], bwd))       # F, B pairs (steady state)
+        acts += chain.from_iterable(zip(fwd[warmup:], bwd))  # F, B pairs (steady state)
         acts += bwd[steady:]
         return acts
     wts = [Action(W, a[1], a[2]) for a in bwd]
@@ -222,8 +232,11 @@ def _interleaved_rank(pp: int, m: int, vpp: int, r: int, warmup: int, group: int
 
 def _torch_rounds(name: str, pp: int, m: int) -> int:
     rounds = max(1, m // pp)
-    _need(m % rounds == 0, f"{name} needs --microbatches to be a multiple of max(1, m // pp) = {rounds} "
-                           f"(PyTorch's rule); e.g. use {rounds * (m // rounds)} or a multiple of --pp {pp}")
+    _need(
+        m % rounds == 0,
+        f"{name} needs --microbatches to be a multiple of max(1, m // pp) = {rounds} "
+        f"(PyTorch's rule); e.g. use {rounds * (m // rounds)} or a multiple of --pp {pp}",
+    )
     return m // rounds
 
 
@@ -233,8 +246,10 @@ def interleaved_1f1b(pp: int, m: int, vpp: int = 2, name: str = "Interleaved1F1B
     _check_basic(name, pp, m, vpp)
     _multi_chunk(name, vpp)
     per_round = _torch_rounds(name, pp, m)
-    ranks = [_interleaved_rank(pp, m, vpp, r, (vpp - 1) * per_round + 2 * (pp - 1 - r), per_round)
-             for r in range(pp)]
+    ranks = [
+        _interleaved_rank(pp, m, vpp, r, (vpp - 1) * per_round + 2 * (pp - 1 - r), per_round)
+        for r in range(pp)
+    ]
     return _split_known(Schedule(name, pp, vpp, m, ranks), False)
 
 
@@ -244,8 +259,12 @@ def interleaved_zero_bubble(pp: int, m: int, vpp: int = 2, name: str = "Interlea
     _check_basic(name, pp, m, vpp)
     _multi_chunk(name, vpp)
     per_round = _torch_rounds(name, pp, m)
-    ranks = [_interleaved_rank(pp, m, vpp, r, (vpp - 1) * per_round + (pp - 1 - r), per_round,
-                               zero_bubble=True, deferred_w=r) for r in range(pp)]
+    ranks = [
+        _interleaved_rank(
+            pp, m, vpp, r, (vpp - 1) * per_round + (pp - 1 - r), per_round, zero_bubble=True, deferred_w=r
+        )
+        for r in range(pp)
+    ]
     return _split_known(Schedule(name, pp, vpp, m, ranks), True)
 
 
@@ -254,8 +273,11 @@ def megatron_vpp(pp: int, m: int, vpp: int = 2, name: str = "VPP") -> Schedule:
     warm-up 2(p-1-r) + (v-1)·p forwards, or everything when m == p."""
     _check_basic(name, pp, m, vpp)
     _multi_chunk(name, vpp)
-    _need(m % pp == 0, f"{name} (Megatron's interleaved order) needs --microbatches to be a multiple of "
-                       f"--pp {pp} (got {m}); Interleaved1F1B accepts other counts")
+    _need(
+        m % pp == 0,
+        f"{name} (Megatron's interleaved order) needs --microbatches to be a multiple of "
+        f"--pp {pp} (got {m}); Interleaved1F1B accepts other counts",
+    )
     ranks = []
     for r in range(pp):
         warm = m * vpp if m == pp else 2 * (pp - 1 - r) + (vpp - 1) * pp
@@ -264,6 +286,7 @@ def megatron_vpp(pp: int, m: int, vpp: int = 2, name: str = "VPP") -> Schedule:
 
 
 # ---------------------------------------------------------------- V placement, 2 chunks
+
 
 def zb_v(pp: int, m: int, vpp: int = 2, name: str = "ZBVZeroBubble") -> Schedule:
     """ZB-V (Qi et al. 2024 §6) in the order of PyTorch's ScheduleZBVZeroBubble. Chunk 0 of rank r
@@ -318,7 +341,7 @@ def dualpipe_v(pp: int, m: int, vpp: int = 2, name: str = "DualPipeV") -> Schedu
     for r in range(pp):
         s0, s1 = r, 2 * pp - 1 - r
         nf = {s0: 0, s1: 0}
-        nb = {s0: 0, s1: 0}                    # backwards (full or input) started per stage
+        nb = {s0: 0, s1: 0}  # backwards (full or input) started per stage
         pending_w: list[tuple[int, int]] = []  # split backwards whose W has not run yet
         acts: list[Action] = []
 
@@ -344,7 +367,7 @@ def dualpipe_v(pp: int, m: int, vpp: int = 2, name: str = "DualPipeV") -> Schedu
         for _ in range(pp - r - 1):
             bwd(s1, split=True), weight(), fwd(s1)
         for i in range(m - 2 * pp + r + 1):
-            fwd(s0), bwd(s1)                   # overlapped pair (plain pair on the last rank's first)
+            fwd(s0), bwd(s1)  # overlapped pair (plain pair on the last rank's first)
             fwd(s1), bwd(s0)
         for _ in range(pp - r - 1):
             bwd(s1)
@@ -418,31 +441,119 @@ def v_min(pp: int, m: int, vpp: int = 2, name: str = "VMin") -> Schedule:
 # ---------------------------------------------------------------- registration (schedules.registry)
 
 SPECS = (
-    S("GPipe", gpipe, synonyms=("FThenB",), torch="ScheduleGPipe", paddle="FThenB",
-      paper="GPipe (Huang et al. 2019)", torch_runtime="gpipe", candidate=4),
-    S("1F1B", one_f_one_b, aliases=("pipedreamflush",), torch="Schedule1F1B", paddle="1F1B",
-      paper="PipeDream-flush, Megatron's 1F1B", torch_runtime="1f1b", runs_at_pp1=True, candidate=0),
-    S("Eager1F1B", eager_1f1b, paddle="Eager1F1B",
-      paper="1F1B with 2(p-r)-1 warm-up forwards (sends overlap the next forward)"),
-    S("Interleaved1F1B", interleaved_1f1b, chunks="several", aliases=("interleaved",),
-      torch="ScheduleInterleaved1F1B", paper="interleaved 1F1B (Narayanan et al. 2021)", candidate=0),
-    S("VPP", megatron_vpp, chunks="several", paddle="VPP",
-      paper="Megatron's interleaved (virtual pipeline) schedule"),
-    S("LoopedBFS", looped_bfs, chunks="several", torch="ScheduleLoopedBFS",
-      paper="breadth-first (Lamy-Poirier 2022)", candidate=2),
-    S("InterleavedZeroBubble", interleaved_zero_bubble, chunks="several", split_backward=True,
-      torch="ScheduleInterleavedZeroBubble", paper="ZB-1p over looped chunks", candidate=1),
-    S("ZBH1", zb_h1, split_backward=True, paddle="ZBH1",
-      paper="ZB-H1 in Paddle's order: only the first r backwards of rank r are split", candidate=1),
-    S("ZB1P", zb_1p, split_backward=True,
-      paper="ZB-H1 as the paper (Qi et al. 2024) draws it, \"ZB-1p\": every backward split", candidate=2),
+    S(
+        "GPipe",
+        gpipe,
+        synonyms=("FThenB",),
+        torch="ScheduleGPipe",
+        paddle="FThenB",
+        paper="GPipe (Huang et al. 2019)",
+        torch_runtime="gpipe",
+        candidate=4,
+    ),
+    S(
+        "1F1B",
+        one_f_one_b,
+        aliases=("pipedreamflush",),
+        torch="Schedule1F1B",
+        paddle="1F1B",
+        paper="PipeDream-flush, Megatron's 1F1B",
+        torch_runtime="1f1b",
+        runs_at_pp1=True,
+        candidate=0,
+    ),
+    S(
+        "Eager1F1B",
+        eager_1f1b,
+        paddle="Eager1F1B",
+        paper="1F1B with 2(p-r)-1 warm-up forwards (sends overlap the next forward)",
+    ),
+    S(
+        "Interleaved1F1B",
+        interleaved_1f1b,
+        chunks="several",
+        aliases=("interleaved",),
+        torch="ScheduleInterleaved1F1B",
+        paper="interleaved 1F1B (Narayanan et al. 2021)",
+        candidate=0,
+    ),
+    S(
+        "VPP",
+        megatron_vpp,
+        chunks="several",
+        paddle="VPP",
+        paper="Megatron's interleaved (virtual pipeline) schedule",
+    ),
+    S(
+        "LoopedBFS",
+        looped_bfs,
+        chunks="several",
+        torch="ScheduleLoopedBFS",
+        paper="breadth-first (Lamy-Poirier 2022)",
+        candidate=2,
+    ),
+    S(
+        "InterleavedZeroBubble",
+        interleaved_zero_bubble,
+        chunks="several",
+        split_backward=True,
+        torch="ScheduleInterleavedZeroBubble",
+        paper="ZB-1p over looped chunks",
+        candidate=1,
+    ),
+    S(
+        "ZBH1",
+        zb_h1,
+        split_backward=True,
+        paddle="ZBH1",
+        paper="ZB-H1 in Paddle's order: only the first r backwards of rank r are split",
+        candidate=1,
+    ),
+    S(
+        "ZB1P",
+        zb_1p,
+        split_backward=True,
+        paper='ZB-H1 as the paper (Qi et al. 2024) draws it, "ZB-1p": every backward split',
+        candidate=2,
+    ),
     S("ZBH2", zb_h2, split_backward=True, aliases=("zb2p",), paper="ZB-H2 (Qi et al. 2024)", candidate=3),
-    S("ZBVZeroBubble", zb_v, placement="v", chunks="two", split_backward=True, synonyms=("ZBV",),
-      torch="ScheduleZBVZeroBubble", paper="ZB-V (Qi et al. 2024)", candidate=0),
-    S("DualPipeV", dualpipe_v, placement="v", chunks="two", split_backward=True, torch="ScheduleDualPipeV",
-      paper="DualPipeV (DeepSeek-V3's DualPipe, halved)", candidate=3),
-    S("VHalf", v_half, placement="v", chunks="two", split_backward=True,
-      paper="V-Half (Qi et al. 2024b): about half of 1F1B's activations", candidate=1),
-    S("VMin", v_min, placement="v", chunks="two", split_backward=True,
-      paper="V-Min (Qi et al. 2024b): about a third of 1F1B's activations", candidate=2),
+    S(
+        "ZBVZeroBubble",
+        zb_v,
+        placement="v",
+        chunks="two",
+        split_backward=True,
+        synonyms=("ZBV",),
+        torch="ScheduleZBVZeroBubble",
+        paper="ZB-V (Qi et al. 2024)",
+        candidate=0,
+    ),
+    S(
+        "DualPipeV",
+        dualpipe_v,
+        placement="v",
+        chunks="two",
+        split_backward=True,
+        torch="ScheduleDualPipeV",
+        paper="DualPipeV (DeepSeek-V3's DualPipe, halved)",
+        candidate=3,
+    ),
+    S(
+        "VHalf",
+        v_half,
+        placement="v",
+        chunks="two",
+        split_backward=True,
+        paper="V-Half (Qi et al. 2024b): about half of 1F1B's activations",
+        candidate=1,
+    ),
+    S(
+        "VMin",
+        v_min,
+        placement="v",
+        chunks="two",
+        split_backward=True,
+        paper="V-Min (Qi et al. 2024b): about a third of 1F1B's activations",
+        candidate=2,
+    ),
 )

@@ -54,15 +54,21 @@ def stage_times(jobs, times: TimeModel | None, num_stages: int) -> tuple[list, l
     if times is None:
         sj = [jobs[s] for s in range(num_stages)]
         if all(j.F.seconds > 0 and (j.I is None or j.I.seconds > 0) for j in sj):
-            times = TimeModel(F=[j.F.seconds for j in sj], I=[(j.I.seconds if j.I else j.B.seconds) for j in sj],
-                              W=[(j.W.seconds if j.W else 0.0) for j in sj], B=[j.B.seconds for j in sj])
+            times = TimeModel(
+                F=[j.F.seconds for j in sj],
+                I=[(j.I.seconds if j.I else j.B.seconds) for j in sj],
+                W=[(j.W.seconds if j.W else 0.0) for j in sj],
+                B=[j.B.seconds for j in sj],
+            )
         else:
             times = TimeModel()
     tf, tb, ti, tw = times.per_stage(num_stages)
     return tf, tb, ti, tw, float(times.comm)
 
 
-def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w_first=None, alternate=False):
+def list_schedule(
+    pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=1.0, w_first=None, alternate=False
+):
     """One greedy pass. Returns per-rank action lists, or None when the policy deadlocks.
     `alternate`: after a backward, a ready forward goes before the next backward (the 1F1B
     rhythm; Ws between them do not count); otherwise backwards always go first."""
@@ -74,7 +80,7 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
     next_f = [0] * S
     next_b = [0] * S
     cur = [0] * pp
-    reserve = [0] * pp             # later-chunk forward memory owed to microbatches already on the rank
+    reserve = [0] * pp  # later-chunk forward memory owed to microbatches already on the rank
     pend_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     acts: list[list[Action]] = [[] for _ in range(pp)]
     todo = [len(st) * m * (3 if split else 2) for st in rank_stages]
@@ -85,7 +91,7 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
     for r in range(pp):
         st = rank_stages[r]
         for n, s in enumerate(st):
-            later_f[s] = sum(nums[q][0][0] for q in st[n + 1:])
+            later_f[s] = sum(nums[q][0][0] for q in st[n + 1 :])
         for s in st:
             f, i, w, b = nums[s]
             cand = [b[1], f[1] - f[0]] + ([i[1], w[1]] if split else [])
@@ -98,7 +104,7 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
     wake_at = [0.0] * pp
     busy_until = [0.0] * pp
     heap = [(0.0, r) for r in range(pp)]
-    last_fb = ["F"] * pp            # last forward or backward each rank ran (Ws skipped)
+    last_fb = ["F"] * pp  # last forward or backward each rank ran (Ws skipped)
 
     def notify(q, when):
         if todo[q]:
@@ -174,12 +180,12 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
                 choice = ("I" if split else "B", best[1], best[2])
         if choice is None and pend_w[r]:
             s, i = pend_w[r][0]
-            if cur[r] + nums[s][2][1] <= lim:     # oldest first; a W frees memory but may peak above
+            if cur[r] + nums[s][2][1] <= lim:  # oldest first; a W frees memory but may peak above
                 pend_w[r].pop(0)
                 choice = ("W", s, i)
         if choice is None:
             if future is None:
-                wake_at[r] = inf           # sleep until a neighbour's notify
+                wake_at[r] = inf  # sleep until a neighbour's notify
             else:
                 wake_at[r] = future
                 heapq.heappush(heap, (future, r))
@@ -222,8 +228,6 @@ def list_schedule(pp, m, stage_rank, nums, tms, limits, split=True, admit_scale=
     if any(todo):
         return None
     return acts
-
-
 
 
 _KIND_SLOT = {"F": 0, "I": 1, "W": 2, "B": 3}

@@ -52,8 +52,9 @@ def find(name: str) -> ScheduleSpec | None:
 def spec_of(name: str) -> ScheduleSpec:
     spec = find(name)
     if spec is None:
-        raise UserError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}, "
-                        f"csv:FILE or torch:NAME")
+        raise UserError(
+            f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}, csv:FILE or torch:NAME"
+        )
     return spec
 
 
@@ -113,6 +114,7 @@ def _shown(spec: ScheduleSpec) -> str:
 
 def notation_rows(width: int = 124) -> list[str]:
     """`pipemem schedule --help`'s name table, one row per schedule (the paper column wrapped)."""
+
     def row(cells):
         head = "".join(c.ljust(w) for c, w in zip(cells[:3], _WIDTHS))
         lead = 2 + sum(_WIDTHS)
@@ -124,7 +126,7 @@ def notation_rows(width: int = 124) -> list[str]:
     lines = row(NOTATION_HEADER)
     for spec in SPECS:
         cells = [_shown(spec), spec.torch or "-", spec.paddle or "-", spec.paper.replace("`", "") or "-"]
-        if len(cells[0]) >= _WIDTHS[0]:             # a long name gets its own line
+        if len(cells[0]) >= _WIDTHS[0]:  # a long name gets its own line
             lines.append("  " + cells[0])
             cells[0] = ""
         lines += row(cells)
@@ -134,12 +136,18 @@ def notation_rows(width: int = 124) -> list[str]:
 def markdown_rows() -> list[str]:
     """The README's table of schedule names, from the registry (tests/test_readme_links.py
     holds the README to it)."""
-    out = ["| pipemem | PyTorch (`torch.distributed.pipelining`) | Paddle | paper / Megatron |",
-           "|---|---|---|---|"]
+    out = [
+        "| pipemem | PyTorch (`torch.distributed.pipelining`) | Paddle | paper / Megatron |",
+        "|---|---|---|---|",
+    ]
     for spec in SPECS:
         names = f"`{spec.shown}` (`{spec.name}`)" if spec.shown else ", ".join(f"`{n}`" for n in spec.names)
-        cells = [names, f"`{spec.torch}`" if spec.torch else "", f"`{spec.paddle}`" if spec.paddle else "",
-                 spec.paper]
+        cells = [
+            names,
+            f"`{spec.torch}`" if spec.torch else "",
+            f"`{spec.paddle}`" if spec.paddle else "",
+            spec.paper,
+        ]
         out.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
     out.append("| `csv:FILE`, `torch:NAME` | a CSV of actions; PyTorch's own generator (needs torch) | | |")
     return out

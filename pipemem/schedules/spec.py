@@ -38,26 +38,27 @@ class ScheduleSpec:
     `schedules.actions.stage_rank_map` turns it into the list.
     """
 
-    name: str                           # canonical name: the Schedule's name, the table's first
+    name: str  # canonical name: the Schedule's name, the table's first
     build: Callable
     placement: str | Callable = "loop"
     chunks: str = "one"
-    searched: bool = False              # searches for its order: a smaller size bound applies
-    split_backward: bool = False        # its order uses split backwards (I and W)
-    synonyms: tuple[str, ...] = ()      # other names, kept as written (Paddle's FThenB for GPipe)
-    aliases: tuple[str, ...] = ()       # other spellings, resolved to `name`
-    shown: str | None = None            # how the tables name it, when not by `name` (auto)
-    torch: str = ""                     # torch.distributed.pipelining class
-    paddle: str = ""                    # Paddle's name (PipelineParallel schedule mode)
-    paper: str = ""                     # the literature / Megatron, one line of help
-    torch_runtime: str = "actions"      # TORCH_RUNTIMES
-    runs_at_pp1: bool = False           # still means something with one pipeline stage (1F1B)
-    candidate: int | None = None        # the memory-limited search tries it, in this order
+    searched: bool = False  # searches for its order: a smaller size bound applies
+    split_backward: bool = False  # its order uses split backwards (I and W)
+    synonyms: tuple[str, ...] = ()  # other names, kept as written (Paddle's FThenB for GPipe)
+    aliases: tuple[str, ...] = ()  # other spellings, resolved to `name`
+    shown: str | None = None  # how the tables name it, when not by `name` (auto)
+    torch: str = ""  # torch.distributed.pipelining class
+    paddle: str = ""  # Paddle's name (PipelineParallel schedule mode)
+    paper: str = ""  # the literature / Megatron, one line of help
+    torch_runtime: str = "actions"  # TORCH_RUNTIMES
+    runs_at_pp1: bool = False  # still means something with one pipeline stage (1F1B)
+    candidate: int | None = None  # the memory-limited search tries it, in this order
 
     def __post_init__(self):
         if self.chunks not in CHUNKS or self.torch_runtime not in TORCH_RUNTIMES:
-            raise ValueError(f"schedule spec {self.name}: chunks {self.chunks!r} / torch_runtime "
-                             f"{self.torch_runtime!r}")
+            raise ValueError(
+                f"schedule spec {self.name}: chunks {self.chunks!r} / torch_runtime {self.torch_runtime!r}"
+            )
         if not callable(self.placement) and self.placement not in ("loop", "v"):
             raise ValueError(f"schedule spec {self.name}: placement {self.placement!r}")
 

@@ -33,8 +33,9 @@ def torch_actions(acts) -> list[Action]:
     return out
 
 
-def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None,
-                   fix_1f1b: bool = True) -> Schedule:
+def torch_schedule(
+    name: str, pp: int, microbatches: int, vpp: int | None = None, fix_1f1b: bool = True
+) -> Schedule:
     """PyTorch's order for one of TORCH_NAMES as a Schedule; `fix_1f1b=False` keeps 1F1B's
     pipeline_order as PyTorch reports it (which then fails the validity check)."""
     # the name first: a typo is answered without the seconds importing torch takes
@@ -53,10 +54,16 @@ def torch_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None
     try:
         ops = get_schedule_ops(canon, pp, microbatches, num_stages_per_rank=None if single else per_rank)
     except (ValueError, AssertionError, RuntimeError) as e:
-        raise UserError(f"torch:{canon} with --pp {pp} --microbatches {microbatches} --vpp {per_rank}: "
-                        f"PyTorch refuses: {e}") from None
+        raise UserError(
+            f"torch:{canon} with --pp {pp} --microbatches {microbatches} --vpp {per_rank}: "
+            f"PyTorch refuses: {e}"
+        ) from None
     ranks = [torch_actions(acts) for acts in ops]
-    if canon == "1F1B" and fix_1f1b and any(a.kind == "F" and a.microbatch == microbatches for a in ranks[-1]):
+    if (
+        canon == "1F1B"
+        and fix_1f1b
+        and any(a.kind == "F" and a.microbatch == microbatches for a in ranks[-1])
+    ):
         # the last rank's forwards are numbered 1..m in pipeline_order; the runtime runs 0..m-1
         ranks[-1] = [Action("F", a.stage, a.microbatch - 1) if a.kind == "F" else a for a in ranks[-1]]
     placement = "v" if spec.v_shaped else "loop"

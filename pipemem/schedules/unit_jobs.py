@@ -17,8 +17,13 @@ from ..jobs import JobMemory, StageJobs
 DEFAULT_W_RATIO = Fraction(32, 34)
 
 
-def unit_jobs(num_stages: int, vpp: int = 1, w_ratio: float | Fraction = DEFAULT_W_RATIO,
-              times: tuple[float, float, float] = (1.0, 1.0, 1.0), unit=1) -> dict[int, StageJobs]:
+def unit_jobs(
+    num_stages: int,
+    vpp: int = 1,
+    w_ratio: float | Fraction = DEFAULT_W_RATIO,
+    times: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    unit=1,
+) -> dict[int, StageJobs]:
     """StageJobs for every virtual stage: F = +unit/v, B = -unit/v, I = (w-1)·unit/v, W = -w·unit/v.
     `times` = (T_F, T_I, T_W); T_B = T_I + T_W. Exact (Fraction) unless floats are passed."""
     tf, ti, tw = times
@@ -26,18 +31,27 @@ def unit_jobs(num_stages: int, vpp: int = 1, w_ratio: float | Fraction = DEFAULT
         w_ratio = Fraction(w_ratio).limit_denominator(10**6)
     u = Fraction(unit) / vpp if not isinstance(unit, float) else unit / vpp
 
-    def num(x):     # whole numbers as int (integer replay), the rest stay exact Fractions
+    def num(x):  # whole numbers as int (integer replay), the rest stay exact Fractions
         return int(x) if isinstance(x, Fraction) and x.denominator == 1 else x
 
     out = {}
     for s in range(num_stages):
-        out[s] = StageJobs(stage=s, F=JobMemory(num(u), num(u), tf), B=JobMemory(num(-u), 0, ti + tw),
-                           I=JobMemory(num((w_ratio - 1) * u), 0, ti), W=JobMemory(num(-w_ratio * u), 0, tw))
+        out[s] = StageJobs(
+            stage=s,
+            F=JobMemory(num(u), num(u), tf),
+            B=JobMemory(num(-u), 0, ti + tw),
+            I=JobMemory(num((w_ratio - 1) * u), 0, ti),
+            W=JobMemory(num(-w_ratio * u), 0, tw),
+        )
     return out
 
 
-def integer_unit_jobs(num_stages: int, vpp: int = 1, w_ratio=DEFAULT_W_RATIO,
-                      times: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> tuple[dict[int, StageJobs], int]:
+def integer_unit_jobs(
+    num_stages: int,
+    vpp: int = 1,
+    w_ratio=DEFAULT_W_RATIO,
+    times: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> tuple[dict[int, StageJobs], int]:
     """`unit_jobs` in integers: (jobs, units per microbatch). With w = a/b (to 1e-6), one
     microbatch is vpp*b units, so every job is a whole number and replay stays in int64
     (exact and vectorised); divide replayed numbers by the scale for microbatch units."""

@@ -24,15 +24,22 @@ from .spec import ScheduleSpec
 
 def v_shape_1f1b(pp: int, m: int, vpp: int = 2, name: str = "VShape1F1B") -> Schedule:
     """ZB-V's per-rank order with each I fused into B and the W passes dropped."""
-    split = zb_v(pp, m, vpp, name=name)         # checks --pp / --microbatches / --vpp 2
-    ranks = [[Action("B", a[1], a[2]) if a[0] == "I" else a for a in acts if a[0] != "W"]
-             for acts in split.ranks]
+    split = zb_v(pp, m, vpp, name=name)  # checks --pp / --microbatches / --vpp 2
+    ranks = [
+        [Action("B", a[1], a[2]) if a[0] == "I" else a for a in acts if a[0] != "W"] for acts in split.ranks
+    ]
     sched = Schedule(name, pp, 2, m, ranks, placement="v")
     sched.cache["split_backward"] = False
     return sched
 
 
 SPECS = (
-    ScheduleSpec("VShape1F1B", v_shape_1f1b, placement="v", chunks="two", aliases=("v1f1b",),
-                 paper="1F1B on the V placement: ZB-V's order with whole backwards"),
+    ScheduleSpec(
+        "VShape1F1B",
+        v_shape_1f1b,
+        placement="v",
+        chunks="two",
+        aliases=("v1f1b",),
+        paper="1F1B on the V placement: ZB-V's order with whole backwards",
+    ),
 )

@@ -47,8 +47,10 @@ def _named_candidates(pp, m, vpp, placement, split, named=None):
         group = [s for s in (named or generators.SPECS) if s.chunks == "two" and s.placement == "v"]
     else:
         group = [s for s in (named or generators.SPECS) if s.chunks == "several"]
-    group = sorted((s for s in group if s.candidate is not None and (split or not s.split_backward)),
-                   key=lambda s: s.candidate)
+    group = sorted(
+        (s for s in group if s.candidate is not None and (split or not s.split_backward)),
+        key=lambda s: s.candidate,
+    )
     out = []
     for spec in group:
         try:
@@ -58,11 +60,20 @@ def _named_candidates(pp, m, vpp, placement, split, named=None):
     return out
 
 
-def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJobs] | None = None,
-                            times: TimeModel | None = None, memory_limit=None, vpp: int = 1,
-                            placement: str | None = None, w_ratio=DEFAULT_W_RATIO, split: bool = True,
-                            name: str = "ZBAuto", search: bool = True,
-                            named: tuple[ScheduleSpec, ...] | None = None) -> Schedule:
+def memory_limited_schedule(
+    pp: int,
+    microbatches: int,
+    jobs: dict[int, StageJobs] | None = None,
+    times: TimeModel | None = None,
+    memory_limit=None,
+    vpp: int = 1,
+    placement: str | None = None,
+    w_ratio=DEFAULT_W_RATIO,
+    split: bool = True,
+    name: str = "ZBAuto",
+    search: bool = True,
+    named: tuple[ScheduleSpec, ...] | None = None,
+) -> Schedule:
     """Fastest schedule found whose per-rank activation memory stays within `memory_limit`
     (a number, or one per rank, in the jobs' units; None = unlimited). Without `jobs`, unit jobs
     (microbatch units, w = `w_ratio`) are used. Raises UserError with the smallest feasible
@@ -94,9 +105,19 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
     # (admission scale, W-first threshold, 1F1B alternation)
     policies = [(1.0, None, True), (1.0, None, False)]
     if search:
-        policies += [(a, wf, alt) for alt in (True, False)
-                     for a, wf in ((1.0, 0.9), (1.0, 0.75), (0.9, None), (0.8, None), (0.67, None), (0.5, None),
-                                   (0.8, 0.8))]
+        policies += [
+            (a, wf, alt)
+            for alt in (True, False)
+            for a, wf in (
+                (1.0, 0.9),
+                (1.0, 0.75),
+                (0.9, None),
+                (0.8, None),
+                (0.67, None),
+                (0.5, None),
+                (0.8, 0.8),
+            )
+        ]
     tm = TimeModel(F=tms[0], B=tms[1], I=tms[2], W=tms[3], comm=tms[4])
     best = None
     for admit, wf, alt in policies:
@@ -110,15 +131,20 @@ def memory_limited_schedule(pp: int, microbatches: int, jobs: dict[int, StageJob
         for cand in _named_candidates(pp, microbatches, vpp, placement, split, named):
             if cand.stage_rank != stage_rank:
                 continue
-            best = _better(best, cand.ranks, cand.name, stage_rank, nums, limits, tm, pp, vpp, microbatches,
-                           placement)
+            best = _better(
+                best, cand.ranks, cand.name, stage_rank, nums, limits, tm, pp, vpp, microbatches, placement
+            )
     if best is None:
         lo = smallest_feasible_limit(pp, microbatches, jobs, times, vpp=vpp, placement=placement, split=split)
-        raise UserError(f"no schedule fits --memory-limit {_fmt(memory_limit)} (pp {pp}, microbatches "
-                        f"{microbatches}, vpp {vpp}); the smallest limit that fits is {_fmt(lo)}")
+        raise UserError(
+            f"no schedule fits --memory-limit {_fmt(memory_limit)} (pp {pp}, microbatches "
+            f"{microbatches}, vpp {vpp}); the smallest limit that fits is {_fmt(lo)}"
+        )
     _, ranks, origin = best
     notes = f"memory limit {_fmt(memory_limit)}; best of greedy policies and named schedules: {origin}"
-    return Schedule(name, pp, vpp, microbatches, ranks, stage_rank=stage_rank, placement=placement, notes=notes)
+    return Schedule(
+        name, pp, vpp, microbatches, ranks, stage_rank=stage_rank, placement=placement, notes=notes
+    )
 
 
 def _default_placement(vpp: int) -> str:
@@ -154,9 +180,17 @@ def _better(best, ranks, origin, stage_rank, nums, limits, tm, pp, vpp, m, place
     return best
 
 
-def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJobs] | None = None,
-                            times: TimeModel | None = None, vpp: int = 1, placement: str | None = None,
-                            w_ratio=DEFAULT_W_RATIO, split: bool = True, rel_tol: float = 1e-3):
+def smallest_feasible_limit(
+    pp: int,
+    microbatches: int,
+    jobs: dict[int, StageJobs] | None = None,
+    times: TimeModel | None = None,
+    vpp: int = 1,
+    placement: str | None = None,
+    w_ratio=DEFAULT_W_RATIO,
+    split: bool = True,
+    rel_tol: float = 1e-3,
+):
     """Smallest per-rank limit (same for every rank) under which the greedy finds a schedule,
     by binary search between the memory of one microbatch at a time and the unlimited peak."""
     placement = placement or _default_placement(vpp)
@@ -202,26 +236,45 @@ def smallest_feasible_limit(pp: int, microbatches: int, jobs: dict[int, StageJob
 
 # ---------------------------------------------------------------- registration (schedules.registry)
 
+
 def _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named, placement=None):
     """The search with unit jobs (microbatch units, w = `w_ratio`), timed by `times` when given
     (`pipemem schedule --times`), else by the unit jobs' own durations."""
     w = DEFAULT_W_RATIO if w_ratio is None else w_ratio
     if times is None:
-        return memory_limited_schedule(pp, m, memory_limit=memory_limit, vpp=vpp, placement=placement,
-                                       w_ratio=w, name=name, named=named)
+        return memory_limited_schedule(
+            pp, m, memory_limit=memory_limit, vpp=vpp, placement=placement, w_ratio=w, name=name, named=named
+        )
     jobs = unit_jobs(pp * vpp, vpp, Fraction(w).limit_denominator(10**6), (times.F, times.I, times.W))
-    return memory_limited_schedule(pp, m, jobs, times, memory_limit, vpp=vpp, placement=placement, name=name,
-                                   named=named)
+    return memory_limited_schedule(
+        pp, m, jobs, times, memory_limit, vpp=vpp, placement=placement, name=name, named=named
+    )
 
 
-def zb_auto(pp: int, m: int, vpp: int = 1, name: str = "ZBAuto", memory_limit=None, w_ratio=None,
-            times: TimeModel | None = None, named=None) -> Schedule:
+def zb_auto(
+    pp: int,
+    m: int,
+    vpp: int = 1,
+    name: str = "ZBAuto",
+    memory_limit=None,
+    w_ratio=None,
+    times: TimeModel | None = None,
+    named=None,
+) -> Schedule:
     """The memory-limited zero-bubble search (`auto`): any chunks per rank, V placement at two."""
     return _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named)
 
 
-def zb_vpp(pp: int, m: int, vpp: int = 2, name: str = "ZBVPP", memory_limit=None, w_ratio=None,
-           times: TimeModel | None = None, named=None) -> Schedule:
+def zb_vpp(
+    pp: int,
+    m: int,
+    vpp: int = 2,
+    name: str = "ZBVPP",
+    memory_limit=None,
+    w_ratio=None,
+    times: TimeModel | None = None,
+    named=None,
+) -> Schedule:
     """Paddle's ZBVPP: the search on V placement with ZB-V's memory (p microbatches) unless a
     limit is given."""
     if vpp != 2:
@@ -235,11 +288,25 @@ def _auto_placement(pp: int, vpp: int) -> list[int]:
 
 
 SPECS = (
-    ScheduleSpec("ZBVPP", zb_vpp, placement="v", chunks="two", searched=True, split_backward=True,
-                 paddle="ZBVPP",
-                 paper="Paddle's memory-limited zero-bubble V"),
-    ScheduleSpec("ZBAuto", zb_auto, placement=_auto_placement, chunks="any", searched=True,
-                 split_backward=True,
-                 aliases=("auto", "memorylimited"), shown="auto",
-                 paper="memory-limited zero-bubble search (`--memory-limit`)"),
+    ScheduleSpec(
+        "ZBVPP",
+        zb_vpp,
+        placement="v",
+        chunks="two",
+        searched=True,
+        split_backward=True,
+        paddle="ZBVPP",
+        paper="Paddle's memory-limited zero-bubble V",
+    ),
+    ScheduleSpec(
+        "ZBAuto",
+        zb_auto,
+        placement=_auto_placement,
+        chunks="any",
+        searched=True,
+        split_backward=True,
+        aliases=("auto", "memorylimited"),
+        shown="auto",
+        paper="memory-limited zero-bubble search (`--memory-limit`)",
+    ),
 )

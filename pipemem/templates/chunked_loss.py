@@ -65,12 +65,12 @@ def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
     dt = dtype_bytes(sh.dt)
     h, V = sh.h, sh.vocab
     tokens_sp = sh.s_sp * sh.b
-    tokens = sh.s * sh.b                      # the hidden states are whole on each TP rank
+    tokens = sh.s * sh.b  # the hidden states are whole on each TP rank
     chunk = -(-tokens // n)
     group = sh.grad_shard if sh.fsdp else 1
-    norm_w = h                                # RMSNorm weight
+    norm_w = h  # RMSNorm weight
     lm_w = V * h
-    unit = (norm_w + lm_w) * dt               # FSDP unit [norm, lm_head] in the compute dtype
+    unit = (norm_w + lm_w) * dt  # FSDP unit [norm, lm_head] in the compute dtype
 
     F = _Builder("F", "forward")
     x = F.t("input", tokens_sp * h * dt)
@@ -82,7 +82,7 @@ def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
     if sh.fsdp:
         F.op("reshard", (u, u_state), (), frees=(u, u_state))
     src = hn
-    if sh.tp > 1 and sh.sp:                   # the norm output is gathered (replicated) before chunking
+    if sh.tp > 1 and sh.sp:  # the norm output is gathered (replicated) before chunking
         src = F.t("normed_full", tokens * h * dt, COMM)
         F.op("all_gather_sequence", (hn,), (src,), frees=(hn,))
     chunks = F.t("chunks", tokens * h * dt)
@@ -95,7 +95,12 @@ def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
     acc_w = F.t("lm_head.unsharded_grad_fp32", lm_w * 4, COMM)
     for i in range(n):
         logits = F.t(f"logits{i}", chunk * V * dt)
-        F.op("lm_head", (chunks,) + ((lm,) if lm else ()), (logits,), frees=(prev_logits,) if prev_logits else ())
+        F.op(
+            "lm_head",
+            (chunks,) + ((lm,) if lm else ()),
+            (logits,),
+            frees=(prev_logits,) if prev_logits else (),
+        )
         lf = F.t(f"logits_fp32.{i}", chunk * V * 4, TEMP)
         ls = F.t(f"log_softmax.{i}", chunk * V * 4, TEMP)
         F.op("to_fp32", (logits,), (lf,))
@@ -111,7 +116,7 @@ def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
         dx = F.t(f"d_chunk.{i}", chunk * h * dt, TEMP)
         F.op("lm_head_wgrad", (gb, chunks), (dw,))
         F.op("lm_head_dgrad", (gb,) + ((lm,) if lm else ()), (dx,), frees=(gb,))
-        if i == 0:       # FSDP2 without gradient sync keeps the unsharded grad in fp32 (reduce dtype)
+        if i == 0:  # FSDP2 without gradient sync keeps the unsharded grad in fp32 (reduce dtype)
             F.op("to_accumulated_grad", (dw,), (acc_w,), frees=(dw,))
         else:
             F.op("accumulate_grad", (dw, acc_w), (acc_w,), frees=(dw,))
@@ -138,10 +143,16 @@ def chunked_head_programs(arch, sh, keep_input: bool = False) -> tuple:
         dgrad = B.t("d_normed_shard", tokens_sp * h * dt, COMM)
         B.op("reduce_scatter_sequence", (grad,), (dgrad,), frees=(grad,))
     dnw = B.t("d_norm_weight", norm_w * dt, TEMP)
-    B.op("rms_norm_backward", (dgrad, x, rstd) + ((u,) if sh.fsdp else ()), (dx_in, dnw),
-         frees=(dgrad, rstd) if keep_input else (dgrad, x, rstd))
+    B.op(
+        "rms_norm_backward",
+        (dgrad, x, rstd) + ((u,) if sh.fsdp else ()),
+        (dx_in, dnw),
+        frees=(dgrad, rstd) if keep_input else (dgrad, x, rstd),
+    )
     if sh.fsdp:
-        B.op("reshard", (u, u_state), (), frees=(u, u_state, "rs_in.lm_head"))   # the next reduce-scatter starts
+        B.op(
+            "reshard", (u, u_state), (), frees=(u, u_state, "rs_in.lm_head")
+        )  # the next reduce-scatter starts
         _reduce_scatter(B, sh, "norm", norm_w * 4, group, dnw)
     W = Program(name="W", type="backward_w")
 

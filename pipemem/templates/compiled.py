@@ -27,8 +27,21 @@ from __future__ import annotations
 from .tape import PARAM, Tape
 
 # Template node types that are compute-intensive or otherwise never recomputed.
-COMPUTE = frozenset({"linear", "linear_sp", "matmul", "grouped_mm", "flash_attn", "bmm_qk", "bmm_pv", "embedding",
-                     "fp8_linear", "te_linear", "fused_linear_ce"})
+COMPUTE = frozenset(
+    {
+        "linear",
+        "linear_sp",
+        "matmul",
+        "grouped_mm",
+        "flash_attn",
+        "bmm_qk",
+        "bmm_pv",
+        "embedding",
+        "fp8_linear",
+        "te_linear",
+        "fused_linear_ce",
+    }
+)
 COLLECTIVES = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all"})
 RANDOM = frozenset({"dropout"})
 # Ops whose backward is itself compute-intensive: the tensors they save are materialized.
@@ -48,12 +61,15 @@ def min_cut_region(tape: Tape, region: int) -> dict[str, int]:
         import networkx as nx
     except ImportError:
         from ..errors import UserError
-        raise UserError("--compile needs networkx for the compiled layers' min-cut partition: pip install "
-                        "networkx (or pipemem[modern])") from None
+
+        raise UserError(
+            "--compile needs networkx for the compiled layers' min-cut partition: pip install "
+            "networkx (or pipemem[modern])"
+        ) from None
 
     nodes = [n for n in tape.nodes if n.region == region]
     produced = {o: n for n in nodes for o in n.outputs}
-    bwd_reads: dict[str, bool] = {}   # tensor -> read by a materializing backward op
+    bwd_reads: dict[str, bool] = {}  # tensor -> read by a materializing backward op
     for n in nodes:
         reads = list(n.save_i) + list(n.save_w)
         for b in (*n.pre_i, *n.post_i, *n.pre_w):
@@ -72,7 +88,7 @@ def min_cut_region(tape: Tape, region: int) -> dict[str, int]:
     for n in nodes:
         for x in n.inputs:
             vertex(x)
-            if x not in produced:                 # region input: available in the forward
+            if x not in produced:  # region input: available in the forward
                 g.add_edge("source", x + "_in", capacity=INF)
         banned_type = n.type in COMPUTE or n.type in COLLECTIVES or n.type in RANDOM
         in_bytes = sum(_nbytes(tape, x) for x in n.inputs)

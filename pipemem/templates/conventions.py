@@ -27,8 +27,9 @@ def convention_for(plan) -> Convention:
     fused_qkv = bool(extra.get("fuse_qkv", c.fused_qkv))
     fused_gate_up = bool(extra.get("fuse_gate_up", c.fused_gate_up))
     # torchtune's fp32 model: input and scale share a dtype, so CUDA runs `_fused_rms_norm`
-    fused_norm = bool(extra.get("fused_norm",
-                                c.fused_norm or (fw.fused_norm_in_fp32 and plan.dtype == "fp32")))
+    fused_norm = bool(
+        extra.get("fused_norm", c.fused_norm or (fw.fused_norm_in_fp32 and plan.dtype == "fp32"))
+    )
     fused_rope = bool(extra.get("fused_rope", c.fused_rope))
     # torchtune before PR #2054 (2024-11-25) ran its own RMSNorm: cast, then scale
     norm_weight_first = bool(extra.get("norm_weight_first", c.norm_weight_first))
@@ -37,14 +38,40 @@ def convention_for(plan) -> Convention:
     # Megatron --no-gradient-accumulation-fusion: weight grads are eager temporaries added into
     # the main grad (extra["wgrad_fused"] = False)
     wgrad_fused = bool(extra.get("wgrad_fused", c.wgrad_fused))
-    if (sp_save, fused_qkv, fused_gate_up, fused_norm, fused_rope, clip, full_vocab, wgrad_fused,
-            norm_weight_first) == \
-            (c.sp_save, c.fused_qkv, c.fused_gate_up, c.fused_norm, c.fused_rope, c.grad_clip_copy,
-             c.full_vocab_loss, c.wgrad_fused, c.norm_weight_first):
+    if (
+        sp_save,
+        fused_qkv,
+        fused_gate_up,
+        fused_norm,
+        fused_rope,
+        clip,
+        full_vocab,
+        wgrad_fused,
+        norm_weight_first,
+    ) == (
+        c.sp_save,
+        c.fused_qkv,
+        c.fused_gate_up,
+        c.fused_norm,
+        c.fused_rope,
+        c.grad_clip_copy,
+        c.full_vocab_loss,
+        c.wgrad_fused,
+        c.norm_weight_first,
+    ):
         return c
-    return replace(c, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up, sp_save=sp_save, wgrad_fused=wgrad_fused,
-                   fused_norm=fused_norm, fused_rope=fused_rope, grad_clip_copy=clip, full_vocab_loss=full_vocab,
-                   norm_weight_first=norm_weight_first)
+    return replace(
+        c,
+        fused_qkv=fused_qkv,
+        fused_gate_up=fused_gate_up,
+        sp_save=sp_save,
+        wgrad_fused=wgrad_fused,
+        fused_norm=fused_norm,
+        fused_rope=fused_rope,
+        grad_clip_copy=clip,
+        full_vocab_loss=full_vocab,
+        norm_weight_first=norm_weight_first,
+    )
 
 
 def padded_vocab(vocab: int, tp: int, conv: Convention) -> int:

@@ -33,7 +33,7 @@ from .tape import COMM, PARAM, BwdOp, Tape
 
 MASK = "bool"
 CONVENTIONS_PADDLE = CONVENTIONS["paddle"]
-CAST_BYTES = 9   # peak bytes per element of torchao's eager fp8 cast (fp32 scaled + clamped + fp8)
+CAST_BYTES = 9  # peak bytes per element of torchao's eager fp8 cast (fp32 scaled + clamped + fp8)
 STAT = "fp32"
 
 
@@ -49,26 +49,28 @@ class Shard:
     kv: int
     d: int
     ffn: int
-    vocab: int          # local (padded) vocab shard
+    vocab: int  # local (padded) vocab shard
     tp: int
     sp: bool
     cp: int
     dt: str
     # MoE
-    experts: int = 0    # local experts
+    experts: int = 0  # local experts
     top_k: int = 0
     expert_ffn: int = 0  # local expert width (after etp)
     etp: int = 1
     ep: int = 1
     shared_ffn: int = 0  # local shared-expert width (after tp)
-    autocast: bool = False  # torch autocast over fp32 params (hf convention, mixed precision; not DeepSpeed's)
+    autocast: bool = (
+        False  # torch autocast over fp32 params (hf convention, mixed precision; not DeepSpeed's)
+    )
     first_step: bool = False  # eager wgrads become .grad (step 1) instead of being accumulated
-    fsdp: bool = False        # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
+    fsdp: bool = False  # ZeRO-3 / FSDP: per-part parameter all-gather, grads reduce-scattered
     feat: Features = NO_FEATURES  # compile, loss, fp8, offload (pipemem.features)
     # Gradients created by this backward (the first backward of a step after
     # zero_grad(set_to_none=True)): each .grad is allocated where it is first written, in
     # `grad_dt`, 1/`grad_shard` of the parameter (FSDP keeps only its shard), and stays alive.
-    fsdp_reshard: bool = True   # FSDP2 reshard_after_forward
+    fsdp_reshard: bool = True  # FSDP2 reshard_after_forward
     # torchtune without custom_sharded_layers: the embedding, final norm and output layer are
     # FSDP2's root unit (gathered when the forward starts, never resharded before the backward
     # ends, their grads reduce-scattered when it ends)
@@ -81,7 +83,7 @@ class Shard:
     fsdp_embed_reshard: bool = True
     zero3_kept_layers: int = 0  # DeepSpeed ZeRO-3: a stage's last layers kept gathered into the backward
     backward_bucket_bytes: int = 0  # DeepSpeed ZeRO-1/2's reduce bucket, alive through each backward
-    loss_chunks: int = 1        # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
+    loss_chunks: int = 1  # torchtitan's ChunkedLossWrapper: output layer + loss per sequence chunk
     grads_created: bool = False
     grad_dt: str = "fp32"
     grad_shard: int = 1
@@ -110,8 +112,10 @@ def _check_sliding_window(arch, plan) -> None:
     elif not plan.flash_attn:
         what = "Gemma 3's eager attention (--no-flash-attn)"
     elif plan.seq_len >= arch.sliding_window:
-        what = (f"sliding-window layers with --seq-len {plan.seq_len} >= their window "
-                f"({arch.sliding_window}: HF masks them with a [B, 1, S, S] bias SDPA keeps for backward)")
+        what = (
+            f"sliding-window layers with --seq-len {plan.seq_len} >= their window "
+            f"({arch.sliding_window}: HF masks them with a [B, 1, S, S] bias SDPA keeps for backward)"
+        )
     if what:
         raise refuse_unmodelled(arch.name or arch.model_type, arch.model_type, what)
 
@@ -121,33 +125,54 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         _check_sliding_window(arch, plan)
     if arch.model_type == "gemma2":
         from ..errors import UserError
-        raise UserError("gemma2: template mode does not model its attention and final-logit soft-capping "
-                        "(eager attention, tanh over the logits); use --mode traced --no-flash-attn")
+
+        raise UserError(
+            "gemma2: template mode does not model its attention and final-logit soft-capping "
+            "(eager attention, tanh over the logits); use --mode traced --no-flash-attn"
+        )
     tp, cp = plan.tp, plan.cp
     s = plan.seq_len // cp
     sp = bool(plan.sp) and tp > 1
     kv_local = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     etp = plan.etp or 1
     from .static import deepspeed_bucket_bytes, pipelined_fsdp
+
     reuse = zero3_reuse(arch, plan, conv)
     # gathered once per stage under pipelining (static bytes), so its programs gather nothing
     fsdp = (plan.zero >= 3 or bool(plan.fsdp)) and not pipelined_fsdp(plan, conv)
     return Shard(
-        s=s, s_sp=s // tp if sp else s, b=plan.micro_batch, h=arch.hidden, heads=arch.heads // tp, kv=kv_local,
-        d=arch.head_dim, ffn=arch.ffn // tp if arch.ffn else 0, vocab=padded_vocab(arch.vocab, tp, conv) // tp,
-        tp=tp, sp=sp, cp=cp, dt=plan.dtype,
-        experts=arch.experts // plan.ep if arch.experts else 0, top_k=arch.top_k,
-        expert_ffn=arch.expert_ffn // etp if arch.experts else 0, etp=etp, ep=plan.ep,
+        s=s,
+        s_sp=s // tp if sp else s,
+        b=plan.micro_batch,
+        h=arch.hidden,
+        heads=arch.heads // tp,
+        kv=kv_local,
+        d=arch.head_dim,
+        ffn=arch.ffn // tp if arch.ffn else 0,
+        vocab=padded_vocab(arch.vocab, tp, conv) // tp,
+        tp=tp,
+        sp=sp,
+        cp=cp,
+        dt=plan.dtype,
+        experts=arch.experts // plan.ep if arch.experts else 0,
+        top_k=arch.top_k,
+        expert_ffn=arch.expert_ffn // etp if arch.experts else 0,
+        etp=etp,
+        ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
-        autocast=conv.framework.autocast and plan.master_weights and plan.dtype != "fp32"
+        autocast=conv.framework.autocast
+        and plan.master_weights
+        and plan.dtype != "fp32"
         and not plan.deepspeed_mixed_precision,
-        first_step=bool((plan.extra or {}).get("first_step", False)), fsdp=fsdp,
+        first_step=bool((plan.extra or {}).get("first_step", False)),
+        fsdp=fsdp,
         fsdp_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         fsdp_root=fsdp_root_unit(plan, conv),
-        fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)) and (
-            conv.framework.fsdp_reshards_head or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
+        fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True))
+        and (conv.framework.fsdp_reshards_head or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
         and not reuse.head,
-        fsdp_embed_reshard=not reuse.embedding, zero3_kept_layers=reuse.layers,
+        fsdp_embed_reshard=not reuse.embedding,
+        zero3_kept_layers=reuse.layers,
         backward_bucket_bytes=deepspeed_bucket_bytes(plan) if plan.zero in (1, 2) else 0,
         loss_chunks=conv.framework.loss_chunks(plan),
         # In a backward that accumulates, only FSDP2's all-gather and reduce-scatter buffers
@@ -155,13 +180,15 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         # shard matter once the backward creates the grads (first_backward_shard). Kept out of
         # the shard otherwise, so plans that differ only in dp share every part's programs.
         grad_shard=plan.dp * plan.cp if fsdp and conv.fsdp2 else 1,
-        feat=features_of(plan))
+        feat=features_of(plan),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Zero3Reuse:
     """What DeepSpeed's ZeRO-3 keeps gathered from the forward into the backward."""
-    layers: int = 0          # a stage's last decoder layers
+
+    layers: int = 0  # a stage's last decoder layers
     head: bool = False
     embedding: bool = False
 
@@ -184,17 +211,22 @@ def zero3_reuse(arch, plan, conv: Convention) -> Zero3Reuse:
     if not conv.framework.zero_is_deepspeed or plan.zero != 3 or plan.fsdp:
         return Zero3Reuse()
     from .static import layer_kind_counts, moe_layers_in
+
     window = int((plan.extra or {}).get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
     n = arch.layers
     n_moe = moe_layers_in(arch, range(n))
-    total = sum(k * sum(layer_kind_counts(arch, moe, plan.tp, plan.etp or 1, plan.ep))
-                for moe, k in ((True, n_moe), (False, n - n_moe)) if k)
+    total = sum(
+        k * sum(layer_kind_counts(arch, moe, plan.tp, plan.etp or 1, plan.ep))
+        for moe, k in ((True, n_moe), (False, n - n_moe))
+        if k
+    )
     per_layer = total / max(1, n)
     head = padded_vocab(arch.vocab, plan.tp, conv) // plan.tp * arch.hidden
-    visits = 2 if plan.recompute == "full" else 1     # backward visits of a later layer
+    visits = 2 if plan.recompute == "full" else 1  # backward visits of a later layer
 
     def distance(later_layers: int) -> float:
         return later_layers * per_layer * (1 + visits) + 2 * head
+
     kept = sum(1 for i in range(n) if distance(n - 1 - i) < window)
     tied = bool(getattr(arch, "tied_embeddings", False))
     emb = n * per_layer if tied else distance(n) + head
@@ -212,6 +244,7 @@ def layer_unit_bytes(arch, sh: Shard) -> int:
     """The all-gather output buffer of the stage's last decoder layer as an FSDP2 unit: its
     parameters in the model's dtype, each rank's shard padded to a whole share."""
     from ..model import layer_param_shapes
+
     elems = 0
     for shape, _ in layer_param_shapes(arch, arch.layers - 1, sh.tp, 1, 1).values():
         n = 1
@@ -238,8 +271,14 @@ def first_backward_shard(sh: Shard, plan) -> Shard:
     grads become .grad (stolen, not accumulated) and every gradient is a new tensor, in the
     main-grad dtype, 1/(dp x cp) of the parameter under ZeRO-2 and FSDP."""
     from dataclasses import replace
-    return replace(sh, first_step=True, grads_created=True, grad_dt=plan.main_grad_dtype or plan.dtype,
-                   grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1)
+
+    return replace(
+        sh,
+        first_step=True,
+        grads_created=True,
+        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,16 +293,16 @@ class LayerOptions:
     out_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    qk_norm_proj: bool       # q/k norm over the whole projection (olmo2), not per head
-    norm_placement: str      # pre | post | sandwich (ArchSpec.norm_placement)
+    qk_norm_proj: bool  # q/k norm over the whole projection (olmo2), not per head
+    norm_placement: str  # pre | post | sandwich (ArchSpec.norm_placement)
     norm_weight_first: bool  # HF RMSNorm: (weight * x_normed).to(dtype), not weight * x_normed.to(dtype)
     parallel_residual: bool
-    native_fused_qkv: bool   # the model's own modules fuse q, k, v (used by the hf convention)
+    native_fused_qkv: bool  # the model's own modules fuse q, k, v (used by the hf convention)
     attn_dropout: bool
     hidden_dropout: bool
     flash: bool
-    recompute: str          # none | selective | core_attn | full_attn | full
-    offload_keep: int = 0   # activation offload: the layer's last saved tensors left on the GPU
+    recompute: str  # none | selective | core_attn | full_attn | full
+    offload_keep: int = 0  # activation offload: the layer's last saved tensors left on the GPU
     # DeepSpeed ZeRO-3: the parameters gathered for the layer's forward stay gathered into its
     # backward (reused within stage3_max_reuse_distance: `zero3_kept_layers`)
     fsdp_keep: bool = False
@@ -279,23 +318,39 @@ def norm_kind(arch) -> str:
 
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
-    return layer_options_of(arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none")
+    return layer_options_of(
+        arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none"
+    )
 
 
 @lru_cache(maxsize=4096)
 def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
     return LayerOptions(
-        norm=norm_kind(arch), activation=arch.activation, act_fn=arch.act_fn, moe=moe, qkv_bias=arch.qkv_bias,
-        out_bias=arch.out_bias, mlp_bias=arch.mlp_bias, qk_norm=arch.qk_norm,
-        qk_norm_proj=arch.qk_norm_scope == "proj", norm_placement=arch.norm_placement,
+        norm=norm_kind(arch),
+        activation=arch.activation,
+        act_fn=arch.act_fn,
+        moe=moe,
+        qkv_bias=arch.qkv_bias,
+        out_bias=arch.out_bias,
+        mlp_bias=arch.mlp_bias,
+        qk_norm=arch.qk_norm,
+        qk_norm_proj=arch.qk_norm_scope == "proj",
+        norm_placement=arch.norm_placement,
         norm_weight_first=arch.norm_weight_first,
         parallel_residual=arch.parallel_residual,
-        native_fused_qkv=arch.fused_qkv, attn_dropout=arch.attn_dropout > 0, hidden_dropout=arch.hidden_dropout > 0, flash=flash,
-        recompute=recompute, router_norm_topk=arch.router_norm_topk, router_weights_cast=arch.router_weights_cast,
-        shared_expert_gate=arch.shared_expert_gate)
+        native_fused_qkv=arch.fused_qkv,
+        attn_dropout=arch.attn_dropout > 0,
+        hidden_dropout=arch.hidden_dropout > 0,
+        flash=flash,
+        recompute=recompute,
+        router_norm_topk=arch.router_norm_topk,
+        router_weights_cast=arch.router_weights_cast,
+        shared_expert_gate=arch.shared_expert_gate,
+    )
 
 
 # Building blocks --------------------------------------------------------------------------
+
 
 class _Gen:
     """Helpers over one tape with the shard's sizes."""
@@ -382,8 +437,14 @@ class _Gen:
         # its backward, eager: mean's grad expanded and divided ([tokens, h] fp32), then pow's
         # `grad * (2 * x.pow(1))` -- x.pow(1), 2 * it -- before the product (the op's output):
         # three [tokens, h] fp32 temporaries beside it
-        self.t.node("pow_mean", (xf,), (var,), diff_inputs=(xf,), save_i=(xf,),
-                    workspace_i=3 * _numel(tokens_shape) * 4)
+        self.t.node(
+            "pow_mean",
+            (xf,),
+            (var,),
+            diff_inputs=(xf,),
+            save_i=(xf,),
+            workspace_i=3 * _numel(tokens_shape) * 4,
+        )
         rs = self.act(name + ".rsqrt", tok + (1,), "fp32")
         self.t.node("rsqrt", (var,), (rs,), diff_inputs=(var,), save_i=(rs,))
         xn = self.act(name + ".xn", tokens_shape, "fp32")
@@ -392,7 +453,9 @@ class _Gen:
             # (weight * xn).to(input dtype): the fp32 product saves xn; then one cast
             y = self.act(name + ".out", tokens_shape, x_dt)
             yf = y if x_dt == "fp32" else self.act(name + ".scaled", tokens_shape, "fp32")
-            self.t.node("mul_weight", (xn, w), (yf,), diff_inputs=(xn,), params=(w,), save_i=(w,), save_w=(xn,))
+            self.t.node(
+                "mul_weight", (xn, w), (yf,), diff_inputs=(xn,), params=(w,), save_i=(w,), save_w=(xn,)
+            )
             if yf != y:
                 self.t.node("to_dtype", (yf,), (y,), diff_inputs=(yf,))
             return y
@@ -417,12 +480,16 @@ class _Gen:
         return xc
 
     # Linears ------------------------------------------------------------------------------
-    def linear(self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool, experts: int = 0) -> str:
+    def linear(
+        self, x: str, name: str, out_shape: tuple, in_features: int, bias: bool, experts: int = 0
+    ) -> str:
         """y = x W^T (+ b), local shapes; saves x for the weight gradient. Under autocast the
         input and the fp32 weight are cast first, and the matmul saves both copies.
         `experts`: a grouped GEMM over that many local experts' weights (one weight each)."""
         w_shape = (out_shape[-1], in_features)
-        w = self.t.param(self.n(name + ".weight"), ((experts,) if experts else ()) + w_shape, self.weight_dt(name))
+        w = self.t.param(
+            self.n(name + ".weight"), ((experts,) if experts else ()) + w_shape, self.weight_dt(name)
+        )
         params = (w,)
         if bias:
             params += (self.t.param(self.n(name + ".bias"), (out_shape[-1],), self.dt),)
@@ -432,12 +499,29 @@ class _Gen:
             wc = self.act(name + ".weight_bf16", (out_shape[-1], in_features))
             self.t.node("autocast_weight", (w,), (wc,))
             x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
-            self.t.node("linear", (x_fwd, wc) + params[1:], (y,), diff_inputs=(x,), params=params, save_i=(wc,),
-                        save_w=(x_saved,), workspace_f=ws[0], workspace_i=ws[1])
+            self.t.node(
+                "linear",
+                (x_fwd, wc) + params[1:],
+                (y,),
+                diff_inputs=(x,),
+                params=params,
+                save_i=(wc,),
+                save_w=(x_saved,),
+                workspace_f=ws[0],
+                workspace_i=ws[1],
+            )
             return y
         x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
-        self.t.node("linear", (x_fwd,) + params, (y,), diff_inputs=(x,), params=params, save_w=(x_saved,),
-                    workspace_f=ws[0], workspace_i=ws[1])
+        self.t.node(
+            "linear",
+            (x_fwd,) + params,
+            (y,),
+            diff_inputs=(x,),
+            params=params,
+            save_w=(x_saved,),
+            workspace_f=ws[0],
+            workspace_i=ws[1],
+        )
         return y
 
     # FP8 linears ---------------------------------------------------------------------------
@@ -455,10 +539,15 @@ class _Gen:
         the router is a plain linear) nor torchtitan (its float8 converter filters the output
         projection) runs the head or the router in fp8."""
         f = self.sh.feat
-        return bool(f.fp8) and self.p not in ("head.", "emb.") and not name.startswith(("head.", "moe.router", "moe.shared_gate"))
+        return (
+            bool(f.fp8)
+            and self.p not in ("head.", "emb.")
+            and not name.startswith(("head.", "moe.router", "moe.shared_gate"))
+        )
 
-    def fp8_operands(self, x: str, name: str, out_shape: tuple, in_features: int,
-                     rowwise_only: bool = False) -> tuple[str, str, tuple]:
+    def fp8_operands(
+        self, x: str, name: str, out_shape: tuple, in_features: int, rowwise_only: bool = False
+    ) -> tuple[str, str, tuple]:
         """(forward operand, tensor saved for the weight grad, (forward, backward) workspace).
 
         Transformer Engine (te_fp8; transformer_engine/pytorch/module/linear.py): the input is
@@ -504,8 +593,9 @@ class _Gen:
         ws_i = max(c * n_out, n_out + c * n_w, n_out + n_w + c * n_out, 2 * n_out + n_w + c * n_in)
         return x, x, (ws_f, ws_i)
 
-    def column_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
-                       gathered_by_linear: bool = False) -> list[str]:
+    def column_linears(
+        self, x: str, block: str, specs: list[tuple[str, int, bool]], gathered_by_linear: bool = False
+    ) -> list[str]:
         """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
         (name, local out features, bias). Handles the sequence-parallel all-gather.
         `gathered_by_linear`: the linear gathers its own input (DTensor: `input_layouts=Shard`,
@@ -549,22 +639,41 @@ class _Gen:
                 xg = self.act(nm + ".allgather", full, gdt, kind=COMM)
                 xg2 = self.act(nm + ".allgather_bwd", full, gdt, kind=COMM)
                 fwd_in = row if gdt else x
-                self.t.node("linear_sp", (fwd_in,) + params, (y,), diff_inputs=(x,), params=params,
-                            fwd_ops=(_op("all_gather", (fwd_in,), (xg,)), _op("matmul", (xg,) + params, (y,))),
-                            grad_via={x: dfull}, post_i=(rs,), save_w=(xg2,) + keep,
-                            pre_w=(BwdOp("all_gather", (src,), (xg2,)),), w_pre_first=True,
-                            workspace_i=ws[1] * sh.tp)
+                self.t.node(
+                    "linear_sp",
+                    (fwd_in,) + params,
+                    (y,),
+                    diff_inputs=(x,),
+                    params=params,
+                    fwd_ops=(_op("all_gather", (fwd_in,), (xg,)), _op("matmul", (xg,) + params, (y,))),
+                    grad_via={x: dfull},
+                    post_i=(rs,),
+                    save_w=(xg2,) + keep,
+                    pre_w=(BwdOp("all_gather", (src,), (xg2,)),),
+                    w_pre_first=True,
+                    workspace_i=ws[1] * sh.tp,
+                )
             else:
                 # Paddle's SPInnerOverlapLinear: saves x and the gathered input.
                 xg = self.act(nm + ".allgather", full, kind=COMM)
-                self.t.node("linear_sp", (x,) + params, (y,), diff_inputs=(x,), params=params,
-                            fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
-                            grad_via={x: dfull}, post_i=(rs,), save_i=(x,), save_w=(xg,))
+                self.t.node(
+                    "linear_sp",
+                    (x,) + params,
+                    (y,),
+                    diff_inputs=(x,),
+                    params=params,
+                    fwd_ops=(_op("all_gather", (x,), (xg,)), _op("matmul", (xg,) + params, (y,))),
+                    grad_via={x: dfull},
+                    post_i=(rs,),
+                    save_i=(x,),
+                    save_w=(xg,),
+                )
             outs.append(y)
         return outs
 
-    def _regather_linears(self, x: str, block: str, specs: list[tuple[str, int, bool]],
-                          gathered_by_linear: bool) -> list[str]:
+    def _regather_linears(
+        self, x: str, block: str, specs: list[tuple[str, int, bool]], gathered_by_linear: bool
+    ) -> list[str]:
         """DTensor with `pipemem.torch_tp.RegatherColwiseParallel`: one all-gather feeds every
         projection as before, but they save this rank's shard of it -- the input itself when
         the linear gathered it, else a copy of its chunk of the gathered tensor (the sharded
@@ -587,10 +696,18 @@ class _Gen:
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
             y = self.act(nm + ".out", (sh.s, sh.b, f))
-            last = i == len(specs) - 1        # its backward runs first: it gathers
-            self.t.node("linear", (xg,) + params, (y,), diff_inputs=(xg,), params=params,
-                        save_w=(kept,) if i == 0 else (), read_w=(xg2,),
-                        pre_w=(BwdOp("all_gather", (kept,), (xg2,)),) if last else (), w_pre_first=last)
+            last = i == len(specs) - 1  # its backward runs first: it gathers
+            self.t.node(
+                "linear",
+                (xg,) + params,
+                (y,),
+                diff_inputs=(xg,),
+                params=params,
+                save_w=(kept,) if i == 0 else (),
+                read_w=(xg2,),
+                pre_w=(BwdOp("all_gather", (kept,), (xg2,)),) if last else (),
+                w_pre_first=last,
+            )
             outs.append(y)
         return outs
 
@@ -603,8 +720,16 @@ class _Gen:
         w = self.t.param(self.n(name + ".weight"), (sh.h, in_features), self.weight_dt(name))
         partial = self.act(name + ".partial", (sh.s, sh.b, sh.h))
         x_fwd, x_saved, ws = self.fp8_operands(x, name, (sh.s, sh.b, sh.h), in_features)
-        self.t.node("linear", (x_fwd, w), (partial,), diff_inputs=(x,), params=(w,), save_w=(x_saved,),
-                    workspace_f=ws[0], workspace_i=ws[1])
+        self.t.node(
+            "linear",
+            (x_fwd, w),
+            (partial,),
+            diff_inputs=(x,),
+            params=(w,),
+            save_w=(x_saved,),
+            workspace_f=ws[0],
+            workspace_i=ws[1],
+        )
         y = partial
         if sh.tp > 1:
             if sh.sp:
@@ -653,11 +778,17 @@ class _Gen:
             v = self.act("attn.v", (s, b, kv, d), storage=qkv)
             self.t.node("split_qkv", (qkv,), (q, k, v), diff_inputs=(qkv,))
         else:
-            if conv.framework.qkv_one_matmul:      # torchtitan 0.3 computes them as one wqkv matmul
+            if conv.framework.qkv_one_matmul:  # torchtitan 0.3 computes them as one wqkv matmul
                 self.t.share_pin(3)
-            q2, k2, v2 = self.column_linears(x, "attn", [("attn.q_proj", a * d, opt.qkv_bias),
-                                                         ("attn.k_proj", kv * d, opt.qkv_bias),
-                                                         ("attn.v_proj", kv * d, opt.qkv_bias)])
+            q2, k2, v2 = self.column_linears(
+                x,
+                "attn",
+                [
+                    ("attn.q_proj", a * d, opt.qkv_bias),
+                    ("attn.k_proj", kv * d, opt.qkv_bias),
+                    ("attn.v_proj", kv * d, opt.qkv_bias),
+                ],
+            )
             if opt.qk_norm and opt.qk_norm_proj:
                 q2 = self.norm(q2, "attn.q_norm", "rmsnorm", (s, b, a * d))
                 k2 = self.norm(k2, "attn.k_norm", "rmsnorm", (s, b, kv * d))
@@ -711,9 +842,20 @@ class _Gen:
         h1 = self.act(name + ".rope_x1", half)
         h2 = self.act(name + ".rope_x2_neg", half)
         rot = self.act(name + ".rope_rotated", shape)
-        self.t.node("rope_rotate_half", (x,), (y,), diff_inputs=(x,), save_i=(x, rot), meta_i=(h1, h2),
-                    fwd_ops=(_op("slice", (x,), (h1,)), _op("scale", (x,), (h2,)), _op("concat", (h1, h2), (rot,)),
-                             _op("rope_mul_add", (x, rot), (y,))))
+        self.t.node(
+            "rope_rotate_half",
+            (x,),
+            (y,),
+            diff_inputs=(x,),
+            save_i=(x, rot),
+            meta_i=(h1, h2),
+            fwd_ops=(
+                _op("slice", (x,), (h1,)),
+                _op("scale", (x,), (h2,)),
+                _op("concat", (h1, h2), (rot,)),
+                _op("rope_mul_add", (x, rot), (y,)),
+            ),
+        )
 
     def _repeat_kv(self, k: str, v: str, shape: tuple) -> tuple[str, str]:
         ke, ve = self.act("attn.k_expand", shape), self.act("attn.v_expand", shape)
@@ -732,7 +874,10 @@ class _Gen:
             # torchtitan 0.3's context parallel for its (flex) attention: K and V all-gathered
             # over the cp ranks, the whole-sequence copies saved; their grads reduce-scattered
             s_all = s * sh.cp
-            kg, vg = self.act("attn.k_cp_gathered", (s_all, b, kv, d)), self.act("attn.v_cp_gathered", (s_all, b, kv, d))
+            kg, vg = (
+                self.act("attn.k_cp_gathered", (s_all, b, kv, d)),
+                self.act("attn.v_cp_gathered", (s_all, b, kv, d)),
+            )
             self.t.node("cp_all_gather", (k,), (kg,), diff_inputs=(k,))
             self.t.node("cp_all_gather", (v,), (vg,), diff_inputs=(v,))
             k, v = kg, vg
@@ -744,14 +889,21 @@ class _Gen:
         if opt.flash:
             lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
-            ws_f = 2 * kv_bytes if ring else 0            # ring: KV chunk in flight, double-buffered
+            ws_f = 2 * kv_bytes if ring else 0  # ring: KV chunk in flight, double-buffered
             # fp32 dq accumulator + softmax_d, with GQA full-head dk, dv before the group sum:
             # assumed from flash-attention's source (traced/kernel_workspace.py), not traced
             ws_i = flash_attention_backward_workspace_bytes(s, b, a, kv, d, eb)
             if ring:
-                ws_i += 4 * kv_bytes                      # KV and dKV chunks in flight
-            self.t.node("flash_attn", (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse),
-                        workspace_f=ws_f, workspace_i=ws_i)
+                ws_i += 4 * kv_bytes  # KV and dKV chunks in flight
+            self.t.node(
+                "flash_attn",
+                (q, k, v),
+                (ctx, lse),
+                diff_inputs=(q, k, v),
+                save_i=(q, k, v, ctx, lse),
+                workspace_f=ws_f,
+                workspace_i=ws_i,
+            )
             return ctx
         if kv < a and self.conv.gqa_expand_eager:
             k, v = self._repeat_kv(k, v, (s, b, a, d))
@@ -816,8 +968,9 @@ class _Gen:
                 self.t.node("mul", (g, up), (act,), diff_inputs=(g, up), save_i=(g, up))
             else:
                 # sequence parallel: one all-gather (or shard) feeds both projections
-                gate, up = self.column_linears(x, name, [(name + ".gate_proj", f, opt.mlp_bias),
-                                                         (name + ".up_proj", f, opt.mlp_bias)])
+                gate, up = self.column_linears(
+                    x, name, [(name + ".gate_proj", f, opt.mlp_bias), (name + ".up_proj", f, opt.mlp_bias)]
+                )
                 g = self.act(name + ".silu", (s, b, f))
                 self.t.node("silu", (gate,), (g,), diff_inputs=(gate,), save_i=(gate,))
                 act = self.act(name + ".act", (s, b, f))
@@ -830,8 +983,13 @@ class _Gen:
                 act = self.act(name + ".act", (s, b, f))
                 # ReLU's backward reads its output (threshold_backward(grad, result, 0); Paddle's
                 # relu_grad reads Out), which fc2 saves anyway: fc1's output dies in the forward
-                self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
-                            save_i=(act,) if opt.activation == "relu" else (fc1,))
+                self.t.node(
+                    opt.activation,
+                    (fc1,),
+                    (act,),
+                    diff_inputs=(fc1,),
+                    save_i=(act,) if opt.activation == "relu" else (fc1,),
+                )
         out = self.row_linear(act, name + ".fc2", f, opt.mlp_bias)
         self.held_by_caller(x)
         return out
@@ -847,6 +1005,7 @@ class _Gen:
 
         def new(tag, dtype=wide):
             return self.act(f"{name}.gelu.{tag}", shape, dtype)
+
         # Python evaluates `0.5 * input` first: it lives through the whole chain, and autograd
         # reaches its backward last (the lowest sequence number)
         hx, g = new("half_x", None), new("out")
@@ -891,8 +1050,14 @@ class _Gen:
             self.t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
             orig = self.act("moe.topk_values_orig", (T, K), "fp32")
             topn = self.act("moe.topk_weights", (T, K), "fp32", storage=topv)
-            self.t.node("div_", (topv, ssum), (orig, topn), diff_inputs=(topv, ssum), save_i=(orig, ssum),
-                        fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, ssum), (topn,))))
+            self.t.node(
+                "div_",
+                (topv, ssum),
+                (orig, topn),
+                diff_inputs=(topv, ssum),
+                save_i=(orig, ssum),
+                fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, ssum), (topn,))),
+            )
         wdt = "fp32"
         if opt.router_weights_cast and self.dtype_of(logits) != "fp32":
             wdt = self.dtype_of(logits)
@@ -905,8 +1070,14 @@ class _Gen:
         tok_idx = self.act("moe.token_idx", (S,), "int64")
         self.t.node("floor_divide", (perm,), (tok_idx,))
         hs_g = self.act("moe.permuted", (S, h))
-        self.t.node("index", (x, tok_idx), (hs_g,), diff_inputs=(x,), save_i=(tok_idx,),
-                    workspace_i=T * h * dtype_bytes(self.dt))   # new_zeros before index_put
+        self.t.node(
+            "index",
+            (x, tok_idx),
+            (hs_g,),
+            diff_inputs=(x,),
+            save_i=(tok_idx,),
+            workspace_i=T * h * dtype_bytes(self.dt),
+        )  # new_zeros before index_put
         sw_g = self.act("moe.sample_weights", (S,), wdt)
         self.t.node("index", (topn, perm), (sw_g,), diff_inputs=(topn,), save_i=(perm,))
         offs = self.act("moe.offsets", (E,), "int32")
@@ -930,10 +1101,18 @@ class _Gen:
         wout = self.act("moe.weighted", (S, h), wdt)
         # grad of the low-precision factor: a product in the weights' dtype then a cast; grad of
         # the weights: a product, summed
-        self.t.node("mul", (out, sw_g), (wout,), diff_inputs=(out, sw_g), save_i=(out, sw_g),
-                    workspace_i=2 * S * h * wb)
+        self.t.node(
+            "mul",
+            (out, sw_g),
+            (wout,),
+            diff_inputs=(out, sw_g),
+            save_i=(out, sw_g),
+            workspace_i=2 * S * h * wb,
+        )
         wperm = self.act("moe.unpermuted", (S, h), wdt)
-        self.t.node("index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * wb)
+        self.t.node(
+            "index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * wb
+        )
         y = self.act("moe.out_" + wdt if wdt != self.dt else "moe.out", (sh.s_sp, sh.b, h), wdt)
         self.t.node("sum_topk", (wperm,), (y,), diff_inputs=(wperm,))
         if wdt != self.dt:
@@ -947,7 +1126,9 @@ class _Gen:
             sig = self.act("moe.shared_gate_sigmoid", (sh.s_sp, sh.b, 1))
             self.t.node("sigmoid", (g,), (sig,), diff_inputs=(g,), save_i=(sig,))
             gated_shared = self.act("moe.shared_gated", (sh.s_sp, sh.b, h))
-            self.t.node("mul", (sig, shared), (gated_shared,), diff_inputs=(sig, shared), save_i=(sig, shared))
+            self.t.node(
+                "mul", (sig, shared), (gated_shared,), diff_inputs=(sig, shared), save_i=(sig, shared)
+            )
             shared = gated_shared
         return self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
 
@@ -956,8 +1137,9 @@ class _Gen:
         sh = self.sh
         w = self.t.param(self.n(name + ".weight"), (sh.experts, out_shape[-1], in_features), self.dt)
         y = self.act(name + ".out", out_shape)
-        self.t.node("grouped_mm", (x, w, offs), (y,), diff_inputs=(x,), params=(w,), save_i=(offs,),
-                    save_w=(x, offs))
+        self.t.node(
+            "grouped_mm", (x, w, offs), (y,), diff_inputs=(x,), params=(w,), save_i=(offs,), save_w=(x, offs)
+        )
         return y
 
     def moe_megatron(self, x: str, opt: LayerOptions) -> str:
@@ -1022,8 +1204,13 @@ class _Gen:
         gated = opt.activation in ("swiglu", "geglu")
         fc1 = self.linear(tokens, "moe.experts.fc1", (M, 2 * f if gated else f), h, False)
         act = self.act("moe.experts.act", (M, f))
-        self.t.node("weighted_swiglu" if gated else "weighted_" + opt.activation, (fc1, tprobs), (act,),
-                    diff_inputs=(fc1, tprobs), save_i=(fc1, tprobs))
+        self.t.node(
+            "weighted_swiglu" if gated else "weighted_" + opt.activation,
+            (fc1, tprobs),
+            (act,),
+            diff_inputs=(fc1, tprobs),
+            save_i=(fc1, tprobs),
+        )
         out = self.linear(act, "moe.experts.fc2", (M, h), f, False)
         if sh.experts > 1:
             us = self.act("moe.unsorted_tokens", (M, h))
@@ -1085,8 +1272,9 @@ class _Gen:
             self.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
             self.t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
         else:
-            self.t.node("bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,),
-                        save_i=(fc1,))
+            self.t.node(
+                "bias_swiglu" if gated else opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,)
+            )
         out = self.linear(act, "moe.experts.fc2", (M, h), f, False, experts=sh.experts)
         if sh.etp > 1 and sh.sp:
             rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
@@ -1101,7 +1289,9 @@ class _Gen:
             self.t.node("all_to_all", (out,), (back,), diff_inputs=(out,))
             out = back
         y = self.act("moe.out", (sh.s_sp, sh.b, h))
-        self.t.node("unpermute_weighted", (out, topk, idx), (y,), diff_inputs=(out, topk), save_i=(out, topk, idx))
+        self.t.node(
+            "unpermute_weighted", (out, topk, idx), (y,), diff_inputs=(out, topk), save_i=(out, topk, idx)
+        )
         if sh.shared_ffn:
             shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
@@ -1117,12 +1307,16 @@ def _numel(shape) -> int:
 
 def _op(type_: str, inputs, outputs):
     from ..ir import Op
+
     return Op(type_, tuple(inputs), tuple(outputs))
 
 
 # Programs ---------------------------------------------------------------------------------
 
-def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, prefix: str = "") -> tuple[Tape, str, str]:
+
+def decoder_layer_tape(
+    arch, sh: Shard, conv: Convention, opt: LayerOptions, prefix: str = ""
+) -> tuple[Tape, str, str]:
     """Tape of one decoder layer; returns (tape, input name, output name)."""
     tape = Tape(prefix)
     g = _Gen(tape, sh, conv, prefix)
@@ -1176,12 +1370,15 @@ def decoder_layer_tape(arch, sh: Shard, conv: Convention, opt: LayerOptions, pre
         tape.end_region()
     if compiled:
         from .compiled import min_cut_region
+
         min_cut_region(tape, 0)
     if sh.feat.offload:
         from .offload import mark_offloaded
+
         tape.weights_saved_as_params = arch.conv1d and conv.framework.conv1d_weight_saved
-        mark_offloaded(tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec,
-                       moe=opt.moe)
+        mark_offloaded(
+            tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec, moe=opt.moe
+        )
     held = (x,) if conv.caller_holds_input else ()
     if conv.attn_out_held_to_return:
         held += (attn,)
@@ -1200,6 +1397,7 @@ def _torchtitan_op_sac():
             count[0] += 1
             return count[0] % 2 == 1
         return node_type in ("flash_attn", "reduce_scatter")
+
     return pin
 
 
@@ -1215,7 +1413,7 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
         # FSDP2's root unit, gathered here with the final norm and the output layer (tape.py)
         tape.root_role = "first"
         tape.root_bytes = root_unit_bytes(arch, sh)
-        tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)     # the head's grads
+        tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)  # the head's grads
         tape.root_grad_elem_bytes = dtype_bytes(sh.dt)
     if tied_head and tape.grad_create is not None and not tape.fsdp:
         # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the
@@ -1234,7 +1432,14 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
         mask = g.act("input_mask", (sh.b, sh.s), "bool")
         masked = g.act("masked_ids", (sh.b, sh.s), "int64")
         tape.node("mask_ids", (ids,), (mask, masked))
-        tape.node("embedding", (masked, w, mask), (partial,), diff_inputs=(), params=(w,), save_w=(ids, masked, mask))
+        tape.node(
+            "embedding",
+            (masked, w, mask),
+            (partial,),
+            diff_inputs=(),
+            params=(w,),
+            save_w=(ids, masked, mask),
+        )
     else:
         tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
     y = partial
@@ -1285,7 +1490,9 @@ def causal_mask_tape(sh: Shard, keep: bool) -> tuple[Tape, str, str]:
     mask = g.act("mask", full, "fp32")
     tape.node("where", (cond, hi, lo), (mask,))
     y = g.act("output", (1,), "fp32")
-    tape.node("mask_for_layers", (mask,) if keep else (), (y,), diff_inputs=(x,), save_i=(mask,) if keep else ())
+    tape.node(
+        "mask_for_layers", (mask,) if keep else (), (y,), diff_inputs=(x,), save_i=(mask,) if keep else ()
+    )
     return tape, x, y
 
 
@@ -1298,7 +1505,8 @@ def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) ->
     tape, x, loss = _head_tape(arch, sh, conv)
     if tied_gathered:
         tape.fsdp_gathered_elsewhere = frozenset(
-            n for n, t in tape.tensors.items() if t.kind is PARAM and n.endswith("output.weight"))
+            n for n, t in tape.tensors.items() if t.kind is PARAM and n.endswith("output.weight")
+        )
     return tape, x, loss
 
 
@@ -1320,9 +1528,10 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     compiled_loss = sh.feat.compile_loss and conv.framework.compile_covers_loss
     if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
         from .losses import loss_from_hidden
+
         return tape, x, loss_from_hidden(g, tape, hn, sh, compiled_loss)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)], gathered_by_linear=True)
-    tape.fsdp_unit_end = len(tape.nodes)      # the loss runs outside the output layer's FSDP unit
+    tape.fsdp_unit_end = len(tape.nodes)  # the loss runs outside the output layer's FSDP unit
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     vocab = sh.vocab
@@ -1336,21 +1545,27 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         logits = full
     if sh.feat.loss == "shifted":
         from .losses import shifted_cross_entropy
+
         return tape, x, shifted_cross_entropy(g, tape, logits, labels, vocab)
     if sh.dt == "fp32":
-        lf = logits      # .float() / astype("float32") of an fp32 tensor is the tensor itself
+        lf = logits  # .float() / astype("float32") of an fp32 tensor is the tensor itself
     else:
         lf = g.act("logits_fp32", (sh.s, sh.b, vocab), "fp32")
         tape.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
         if conv.logits_fp32_in_model:
-            tape.model_end = len(tape.nodes)      # torchtune's decoder returns output(h).float()
+            tape.model_end = len(tape.nodes)  # torchtune's decoder returns output(h).float()
     loss = g.act("loss", (sh.s, sh.b), "fp32")
     if conv.ce_inplace and conv.framework.ce_with_softmax_inplace:
         # Paddle's cross_entropy_with_softmax, in place on the fp32 logits (the executor's
         # in-place pass), saving the softmax; its grad is a new logits grad.
         soft = g.act("softmax", (sh.s, sh.b, vocab), "fp32", storage=lf)
-        tape.node("cross_entropy_with_softmax_", (lf, labels), (soft, loss), diff_inputs=(lf,),
-                  save_i=(soft, labels))
+        tape.node(
+            "cross_entropy_with_softmax_",
+            (lf, labels),
+            (soft, loss),
+            diff_inputs=(lf,),
+            save_i=(soft, labels),
+        )
     elif conv.ce_inplace:
         # Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed
         # to [s, b]: max/sub/exp/div in place on the fp32 copy, which it saves as the softmax
@@ -1364,11 +1579,21 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
         soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
         tmask = g.act("target_mask", (sh.s, sh.b), "bool")
         mtarget = g.act("masked_target", (tokens,), "int64")
-        tape.node("vocab_parallel_cross_entropy", (lf, labels_t), (soft, loss, tmask, mtarget), diff_inputs=(lf,),
-                  save_i=(soft, tmask, mtarget), workspace_f=tokens * (4 + 4 + 4 + 4 + 8))
-        tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+        tape.node(
+            "vocab_parallel_cross_entropy",
+            (lf, labels_t),
+            (soft, loss, tmask, mtarget),
+            diff_inputs=(lf,),
+            save_i=(soft, tmask, mtarget),
+            workspace_f=tokens * (4 + 4 + 4 + 4 + 8),
+        )
+        tape.tensors["d." + lf] = type(tape.tensors[lf])(
+            "d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf
+        )
         loss_t = g.act("loss_bs", (sh.b, sh.s), "fp32")
-        tape.node("transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True)
+        tape.node(
+            "transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True
+        )
         return tape, x, loss_t
     else:
         logp = g.act("log_softmax", (sh.s, sh.b, vocab), "fp32")

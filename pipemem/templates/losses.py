@@ -54,16 +54,22 @@ def loss_from_hidden(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
     if loss_kind == "chunked":
         return _chunked(g, tape, hn, sh, compiled)
     (logits,) = g.column_linears(hn, "head", [("head.output", sh.vocab, False)])
-    tape.fsdp_unit_end = len(tape.nodes)      # the loss runs outside the output layer's FSDP unit
+    tape.fsdp_unit_end = len(tape.nodes)  # the loss runs outside the output layer's FSDP unit
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     if loss_kind == "fused_te":
         loss = g.act("loss", (sh.s, sh.b), "fp32")
-        tape.node("te_parallel_cross_entropy", (logits, labels), (loss,), diff_inputs=(logits,),
-                  save_i=(logits, labels))
+        tape.node(
+            "te_parallel_cross_entropy",
+            (logits, labels),
+            (loss,),
+            diff_inputs=(logits,),
+            save_i=(logits, labels),
+        )
         # the logits grads are written into the logits' own storage (in place)
-        tape.tensors["d." + logits] = type(tape.tensors[logits])("d." + logits, tape.tensors[logits].shape,
-                                                                 tape.tensors[logits].dtype, storage=logits)
+        tape.tensors["d." + logits] = type(tape.tensors[logits])(
+            "d." + logits, tape.tensors[logits].shape, tape.tensors[logits].dtype, storage=logits
+        )
         return loss
     if g.conv.logits_fp32_in_model and sh.dt != "fp32":
         # torchtune's decoder returns `output(h).float()` (eager, outside the compiled loss): the
@@ -80,8 +86,13 @@ def _compiled_ce(g, tape: Tape, logits: str, labels: str, tokens: tuple, tag: st
     and the fp32 log-sum-exp per token; the backward graph writes the logits grad directly."""
     lse = g.act(f"lse{tag}", tokens, "fp32")
     loss = g.act(f"loss{tag}", tokens, "fp32")
-    tape.node("compiled_cross_entropy", (logits, labels), (loss, lse), diff_inputs=(logits,),
-              save_i=(logits, labels, lse))
+    tape.node(
+        "compiled_cross_entropy",
+        (logits, labels),
+        (loss, lse),
+        diff_inputs=(logits,),
+        save_i=(logits, labels, lse),
+    )
     return loss
 
 
@@ -92,7 +103,10 @@ def _chunked(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
     labels = g.act("labels", (sh.b, sh.s), "int64")
     tape.node("load_labels", (), (labels,))
     # h.chunk(C, dim=1): views of hn; their grads are concatenated by the split's backward
-    parts = [g.act(f"hn.chunk{i}", (n, sh.b, sh.h), tape.tensors[hn].dtype, storage=hn) for i, n in enumerate(sizes)]
+    parts = [
+        g.act(f"hn.chunk{i}", (n, sh.b, sh.h), tape.tensors[hn].dtype, storage=hn)
+        for i, n in enumerate(sizes)
+    ]
     tape.node("chunk", (hn,), tuple(parts), diff_inputs=(hn,))
     w = tape.param("head.output.weight", (sh.vocab, sh.h), sh.dt)
     logits = []
@@ -106,7 +120,7 @@ def _chunked(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
         y = g.act(f"logits.chunk{i}", (n, sh.b, sh.vocab))
         tape.node("linear", (part, w), (y,), diff_inputs=(part,), params=(w,), save_w=(part,))
         logits.append(y)
-    tape.fsdp_unit_end = len(tape.nodes)      # the model returns the chunks' logits; the loss is outside
+    tape.fsdp_unit_end = len(tape.nodes)  # the model returns the chunks' logits; the loss is outside
     losses = []
     for i, (y, n) in enumerate(zip(logits, sizes)):
         if compiled:
@@ -121,7 +135,9 @@ def _chunked(g, tape: Tape, hn: str, sh, compiled: bool) -> str:
         losses.append(li)
     loss = g.act("loss", (1,), "fp32")
     # the sum over chunks; the recipe's list of logits lives until the loss is computed
-    tape.node("sum_chunk_losses", tuple(losses) + tuple(logits), (loss,), diff_inputs=tuple(losses), grad_alias=True)
+    tape.node(
+        "sum_chunk_losses", tuple(losses) + tuple(logits), (loss,), diff_inputs=tuple(losses), grad_alias=True
+    )
     return loss
 
 
@@ -140,11 +156,21 @@ def _fused_linear(g, tape: Tape, hn: str, sh) -> str:
     # straight into grad_input and the weight grad accumulated in place; the per-token loss
     # [T] fp32 and target mask [T] bool live through the chunk loop
     ws = chunk * V * dtype_bytes(sh.dt) + 5 * T
-    tape.node("fused_linear_ce", (hn, w, labels), (loss, dinput, dweight), diff_inputs=(hn,), params=(w,),
-              save_i=(dinput,), save_w=(dweight,), workspace_f=ws, wgrad_saved=dweight)
+    tape.node(
+        "fused_linear_ce",
+        (hn, w, labels),
+        (loss, dinput, dweight),
+        diff_inputs=(hn,),
+        params=(w,),
+        save_i=(dinput,),
+        save_w=(dweight,),
+        workspace_f=ws,
+        wgrad_saved=dweight,
+    )
     # backward scales the saved input grad in place (Liger's element_mul_kernel)
-    tape.tensors["d." + hn] = type(tape.tensors[hn])("d." + hn, tape.tensors[hn].shape, g.dtype_of(hn),
-                                                     storage=dinput)
+    tape.tensors["d." + hn] = type(tape.tensors[hn])(
+        "d." + hn, tape.tensors[hn].shape, g.dtype_of(hn), storage=dinput
+    )
     return loss
 
 

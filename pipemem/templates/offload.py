@@ -32,8 +32,8 @@ from .tape import PARAM, Tape
 
 BUFFER = TensorKind.BUFFER
 
-MIN_OFFLOAD_BYTES = 1024   # torchtune OffloadActivations(min_offload_size=1024)
-FWD_STASH = 5              # torchtune OffloadActivations(max_fwd_stash_size=5)
+MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
+FWD_STASH = 5  # torchtune OffloadActivations(max_fwd_stash_size=5)
 # Megatron: TransformerConfig.min_offloaded_tensor_size, in elements (1024 x 1024)
 MEGATRON_MIN_OFFLOAD_ELEMENTS = 1024 * 1024
 # LayerOptions.offload_keep for a layer that offloads nothing (Megatron's last layer of a stage)
@@ -43,13 +43,16 @@ KEEP_ALL = 1 << 30
 _MODULE_NODES = {
     "attn_norm": lambda n: ".input_norm." in f".{n.outputs[0]}" or n.outputs[0].startswith("input_norm."),
     "mlp_norm": lambda n: n.outputs[0].startswith("post_attention_norm."),
-    "qkv": lambda n: n.type in ("linear", "linear_sp") and any(k in n.outputs[0] for k in
-                                                                ("attn.qkv", "attn.q_proj", "attn.k_proj",
-                                                                 "attn.v_proj")),
+    "qkv": lambda n: (
+        n.type in ("linear", "linear_sp")
+        and any(k in n.outputs[0] for k in ("attn.qkv", "attn.q_proj", "attn.k_proj", "attn.v_proj"))
+    ),
     "core_attn": lambda n: n.type in ("flash_attn", "bmm_qk", "bmm_pv", "scale_mask_softmax", "softmax"),
     "attn_proj": lambda n: "attn.o_proj" in n.outputs[0],
     "expert_fc1": lambda n: "moe.experts.fc1" in n.outputs[0],
-    "moe_act": lambda n: n.outputs[0].startswith("moe.experts.act") or n.outputs[0].startswith("moe.experts.silu"),
+    "moe_act": lambda n: (
+        n.outputs[0].startswith("moe.experts.act") or n.outputs[0].startswith("moe.experts.silu")
+    ),
     "attn": lambda n: n.module == "attn",
     "mlp": lambda n: n.module == "mlp",
 }
@@ -61,7 +64,9 @@ def _selected(modules, node) -> bool:
     return any(_MODULE_NODES[m](node) for m in modules if m in _MODULE_NODES)
 
 
-def mark_offloaded(tape: Tape, feat, keep: int = 0, te_spec: bool = False, moe: bool = False) -> dict[str, str]:
+def mark_offloaded(
+    tape: Tape, feat, keep: int = 0, te_spec: bool = False, moe: bool = False
+) -> dict[str, str]:
     """Fill `tape.offloaded` with the layer's saved tensors that the plan offloads, in forward
     order, leaving the last `keep` of them on the GPU (torchtune's forward stash). torchtune's
     context over a layer without checkpointing goes pack by pack instead (`torchtune_packs`).
@@ -87,6 +92,7 @@ def mark_offloaded(tape: Tape, feat, keep: int = 0, te_spec: bool = False, moe: 
         for d in t.shape:
             n *= d
         return n >= MEGATRON_MIN_OFFLOAD_ELEMENTS
+
     recomputed = {o for n in tape.nodes if n.region >= 0 and not n.pinned for o in n.outputs}
     # a tensor leaves the GPU only if every node that keeps it for backward is offloaded (a
     # module's offloaded copy frees nothing while another module still holds the tensor)
@@ -100,11 +106,16 @@ def mark_offloaded(tape: Tape, feat, keep: int = 0, te_spec: bool = False, moe: 
         for x in names:
             if x not in recomputed:
                 saved[x] = saved.get(x, True) and chosen
-    names = [x for x, all_chosen in saved.items() if all_chosen and x in tape.tensors
-             and tape.tensors[x].kind is not PARAM
-             and big_enough(tape.tensors[x])]
+    names = [
+        x
+        for x, all_chosen in saved.items()
+        if all_chosen
+        and x in tape.tensors
+        and tape.tensors[x].kind is not PARAM
+        and big_enough(tape.tensors[x])
+    ]
     out = {}
-    for x in names[:len(names) - keep] if keep else names:
+    for x in names[: len(names) - keep] if keep else names:
         t = tape.tensors[x]
         copy = x + "@h2d"
         tape.t(copy, t.shape, t.dtype)
@@ -150,7 +161,7 @@ def _node_packs(tape: Tape, n) -> list[str]:
                 else:
                     tape.tensors[nm] = Tensor(nm, (), "int64", BUFFER)
             extra.append(nm)
-    if tape.weights_saved_as_params:    # Conv1D's addmm packs mat1 (the input), then mat2 (W)
+    if tape.weights_saved_as_params:  # Conv1D's addmm packs mat1 (the input), then mat2 (W)
         return list(dict.fromkeys((*n.save_i, *n.save_w, *weight, *extra)))
     return list(dict.fromkeys((*weight, *n.save_i, *n.save_w, *extra)))
 
@@ -161,8 +172,9 @@ def _offloadable(tape: Tape, n, x: str) -> bool:
         return False
     # a parameter saved directly is an nn.Parameter (kept); a linear's is a view of it (moved),
     # unless the linear is HF's Conv1D, which saves the parameter itself
-    return t.kind is not PARAM or (n.type.startswith("linear") and x == n.params[0]
-                                   and not tape.weights_saved_as_params)
+    return t.kind is not PARAM or (
+        n.type.startswith("linear") and x == n.params[0] and not tape.weights_saved_as_params
+    )
 
 
 def _holds_bytes(t) -> bool:
@@ -180,7 +192,7 @@ def torchtune_packs(tape: Tape, keep: int = 0) -> None:
     packs = [(i, x) for i, n in enumerate(tape.nodes) for x in _node_packs(tape, n)]
     offloadable = [k for k, (i, x) in enumerate(packs) if _offloadable(tape, tape.nodes[i], x)]
     # the last `keep` are still in the stash when the forward ends: the backward uses them in place
-    moved = offloadable[:max(0, len(offloadable) - keep)] if keep else offloadable
+    moved = offloadable[: max(0, len(offloadable) - keep)] if keep else offloadable
     copies: dict[int, dict[str, str]] = {}
     for k in moved:
         i, x = packs[k]

@@ -35,13 +35,13 @@ class PartMemory:
     B: JobMemory
     I: JobMemory
     W: JobMemory
-    input_bytes: int      # bytes of the part's input (recv buffer on a stage boundary)
-    output_bytes: int     # bytes of its output
+    input_bytes: int  # bytes of the part's input (recv buffer on a stage boundary)
+    output_bytes: int  # bytes of its output
     f_peak_op: str
     b_peak_op: str
     # (B, I) hand the output grad's storage on as the input grad (a residual add)
     grad_passes_through: tuple = (False, False)
-    rs_state_bytes: int = 0   # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
+    rs_state_bytes: int = 0  # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
     bwd_gather_bytes: int = 0  # FSDP2's all-gather output buffer of a backward that starts by gathering
 
 
@@ -64,6 +64,7 @@ class PartPrograms:
 class _Programs:
     """A part's four programs and the storages each backward program reads: what does not
     depend on which boundary tensors the part owns (`_results` takes those)."""
+
     F: object
     B: object
     I: object
@@ -71,7 +72,7 @@ class _Programs:
     x: str
     y: str
     out_grad_of: str
-    dx_name_i: str        # the tensor holding the input's grad at the end of I
+    dx_name_i: str  # the tensor holding the input's grad at the end of I
     tb: frozenset
     ti: frozenset
     tw: frozenset
@@ -89,9 +90,23 @@ def _programs(tape, x: str, y: str, out_grad_of: str) -> _Programs:
     storages = lambda prog, names: frozenset(prog.tensors[n].storage for n in names)  # noqa: E731
     b_keep = storages(B, tape.handed_on_b())
     I, W = tape.backward((out_grad_of,), name="I", split=True)
-    return _Programs(F, B, I, W, x, y, out_grad_of, tape.grad_name(x), frozenset(touched_storages(B)),
-                     frozenset(touched_storages(I)), frozenset(touched_storages(W)),
-                     storages(F, tape.entry_f), storages(F, tape.handed_on_f), storages(B, tape.entry_b), b_keep)
+    return _Programs(
+        F,
+        B,
+        I,
+        W,
+        x,
+        y,
+        out_grad_of,
+        tape.grad_name(x),
+        frozenset(touched_storages(B)),
+        frozenset(touched_storages(I)),
+        frozenset(touched_storages(W)),
+        storages(F, tape.entry_f),
+        storages(F, tape.handed_on_f),
+        storages(B, tape.entry_b),
+        b_keep,
+    )
 
 
 def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False) -> PartPrograms:
@@ -107,11 +122,16 @@ def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False
     dy = st(B, "d." + out_grad_of)
     dy_i = st(I, "d." + out_grad_of)
     dx_b = {st(B, "d." + x)} if ("d." + x) in B.tensors else set()
-    rb = analyze_program(B, live_on_entry=rf.live_after | {dy} | p.b_entry,
-                         keep=dx_b | owned_x | ({dy} if keep_out_grad else set()) | p.b_keep)
+    rb = analyze_program(
+        B,
+        live_on_entry=rf.live_after | {dy} | p.b_entry,
+        keep=dx_b | owned_x | ({dy} if keep_out_grad else set()) | p.b_keep,
+    )
     dx_i = {st(I, dx_name_i)} if dx_name_i in I.tensors else set()
     owned_i = owned_x | ({dy_i} if keep_out_grad else set())
-    ri = analyze_program(I, live_on_entry=rf.live_after | {dy_i} | p.b_entry, keep=p.tw | dx_i | owned_i | p.b_keep)
+    ri = analyze_program(
+        I, live_on_entry=rf.live_after | {dy_i} | p.b_entry, keep=p.tw | dx_i | owned_i | p.b_keep
+    )
     # The input grad may share storage with an output grad W still reads (a residual add
     # hands the same grad to both branches): it belongs to the previous part, W must not free it.
     rw = analyze_program(W, live_on_entry=ri.live_after, keep=dx_i | owned_i | p.b_keep)
@@ -121,8 +141,9 @@ def _results(p: _Programs, keep_input: bool = False, keep_out_grad: bool = False
     return out
 
 
-def _analyze(tape, x: str, y: str, out_grad_of: str, keep_input: bool = False,
-             keep_out_grad: bool = False) -> PartPrograms:
+def _analyze(
+    tape, x: str, y: str, out_grad_of: str, keep_input: bool = False, keep_out_grad: bool = False
+) -> PartPrograms:
     return _results(_programs(tape, x, y, out_grad_of), keep_input, keep_out_grad)
 
 
@@ -132,10 +153,24 @@ def _part_memory(pp: PartPrograms, in_bytes: int, out_bytes: int) -> PartMemory:
     rs = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("fsdp.rs_in"))
     # the backward's all-gather output buffer, when the gather is the backward's first step (a
     # layer: its pre-backward hook runs before anything of it; the head gathers after the loss)
-    ag = sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("params_bwd.ag_out")) if (
-        pp.B.ops and pp.B.ops[0].type.startswith("fsdp_all_gather")) else 0
-    return PartMemory(jm("F"), jm("B"), jm("I"), jm("W"), in_bytes, out_bytes, r["F"].peak_op_label,
-                      r["B"].peak_op_label, pp.grad_passes_through, rs, ag)
+    ag = (
+        sum(t.nbytes for n, t in pp.B.tensors.items() if n.endswith("params_bwd.ag_out"))
+        if (pp.B.ops and pp.B.ops[0].type.startswith("fsdp_all_gather"))
+        else 0
+    )
+    return PartMemory(
+        jm("F"),
+        jm("B"),
+        jm("I"),
+        jm("W"),
+        in_bytes,
+        out_bytes,
+        r["F"].peak_op_label,
+        r["B"].peak_op_label,
+        pp.grad_passes_through,
+        rs,
+        ag,
+    )
 
 
 @lru_cache(maxsize=64)
@@ -146,8 +181,14 @@ def _layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> _Pr
     return _programs(tape, x, y, y)
 
 
-def layer_programs(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
-                   keep_out_grad: bool = False) -> PartPrograms:
+def layer_programs(
+    arch,
+    sh: Shard,
+    conv: Convention,
+    opt: LayerOptions,
+    keep_input: bool = False,
+    keep_out_grad: bool = False,
+) -> PartPrograms:
     return _results(_layer_programs(arch, sh, conv, opt), keep_input, keep_out_grad)
 
 
@@ -156,13 +197,18 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan, tied_head: bool 
     return _analyze(tape, ids, y, y)
 
 
-def head_programs(arch, sh: Shard, conv: Convention, keep_input: bool = False,
-                  tied_gathered: bool = False) -> PartPrograms:
+def head_programs(
+    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False
+) -> PartPrograms:
     # torchtitan 0.3's ChunkedLossWrapper: its default head, and what `--loss chunked` means under
     # the torchtitan convention; the other losses (pipemem.templates.losses: torchtune's chunked
     # CE under hf, Liger's, Megatron's) and a compiled loss take the tape
-    if (conv.framework.chunked_loss_wrapper and sh.loss_chunks > 1 and sh.feat.loss in ("standard", "chunked")
-            and not sh.feat.compile_loss):
+    if (
+        conv.framework.chunked_loss_wrapper
+        and sh.loss_chunks > 1
+        and sh.feat.loss in ("standard", "chunked")
+        and not sh.feat.compile_loss
+    ):
         F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
         return PartPrograms(F, B, B, W, x, y, results)
     tape, x, loss = head_tape(arch, sh, conv, tied_gathered)
@@ -174,8 +220,14 @@ def _act_bytes(sh: Shard) -> int:
 
 
 @lru_cache(maxsize=4096)
-def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_input: bool = False,
-                 keep_out_grad: bool = False) -> PartMemory:
+def layer_memory(
+    arch,
+    sh: Shard,
+    conv: Convention,
+    opt: LayerOptions,
+    keep_input: bool = False,
+    keep_out_grad: bool = False,
+) -> PartMemory:
     """A decoder layer's F/B/I/W memory; `keep_input` / `keep_out_grad` when it is the first /
     last layer of a pipeline stage (the runtime owns its input and its output grad)."""
     n = _act_bytes(sh)
@@ -186,6 +238,7 @@ def layer_memory(arch, sh: Shard, conv: Convention, opt: LayerOptions, keep_inpu
 def layer_offload_count(arch, sh: Shard, conv: Convention, opt: LayerOptions) -> int:
     """How many saved tensors the layer sends to the CPU under --activation-offload."""
     from .offload import pack_count
+
     tape, _, _ = decoder_layer_tape(arch, sh, conv, opt)
     return pack_count(tape)
 
@@ -194,16 +247,19 @@ def layer_offload_count(arch, sh: Shard, conv: Convention, opt: LayerOptions) ->
 def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int, tied_head: bool = False) -> PartMemory:
     """tied_head: the stage also holds the output layer and it shares the word embedding (one
     parameter, whose .grad the head's backward creates first: see `embedding_tape`)."""
+
     class _P:  # the embedding tape reads only seq_len from the plan
         pass
+
     p = _P()
     p.seq_len = seq_len
     return _part_memory(embedding_programs(arch, sh, conv, p, tied_head), 0, _act_bytes(sh))
 
 
 @lru_cache(maxsize=1024)
-def head_memory(arch, sh: Shard, conv: Convention, keep_input: bool = False,
-                tied_gathered: bool = False) -> PartMemory:
+def head_memory(
+    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False
+) -> PartMemory:
     """`keep_input`: the head is the first part of its stage (a last stage without layers);
     `tied_gathered`: its weight is the stage's word embedding, held gathered by the embedding's
     part (`head_tape`)."""

@@ -41,8 +41,8 @@ from functools import lru_cache
 from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from .conventions import Convention
 from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
+from .conventions import Convention
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
 # Bytes per element of one quantized state: bitsandbytes' and torchao's 8-bit states keep a
@@ -77,12 +77,16 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
     extra = plan.extra or {}
     n_states = STATES[plan.optimizer]
     if plan.optimizer == "sgd" and not extra.get("sgd_momentum", True):
-        n_states = 0        # torch.optim.SGD without momentum keeps no momentum_buffer
+        n_states = 0  # torch.optim.SGD without momentum keeps no momentum_buffer
     states = n_states * per_state
-    grad = 0 if getattr(plan, "optimizer_in_backward", False) else dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    grad = (
+        0
+        if getattr(plan, "optimizer_in_backward", False)
+        else dtype_bytes(plan.main_grad_dtype or plan.dtype)
+    )
     fw = conv.framework
     if fw.fp32_params_are_master and master and not getattr(plan, "deepspeed_mixed_precision", False):
-        return 4, grad, 0, states   # fp32 params are the master copy; compute casts to bf16
+        return 4, grad, 0, states  # fp32 params are the master copy; compute casts to bf16
     master_bytes = 4 if master else 0
     if fw.precision_aware_optimizer and extra.get("precision_aware_optimizer") and not plan.optimizer_offload:
         # --use-precision-aware-optimizer: TE's FusedAdam stores the master weights and each
@@ -92,8 +96,9 @@ def bytes_per_param(plan, conv: Convention) -> tuple[float, int, int, float]:
         if master:
             master_bytes = _precision_aware_master_bytes(plan, extra)
         if STATES[plan.optimizer] == 2 and plan.optimizer not in QUANTIZED_STATE_BYTES:
-            states = (_te_adam_state_bytes(extra.get("exp_avg_dtype", "fp32"))
-                      + _te_adam_state_bytes(extra.get("exp_avg_sq_dtype", "fp32")))
+            states = _te_adam_state_bytes(extra.get("exp_avg_dtype", "fp32")) + _te_adam_state_bytes(
+                extra.get("exp_avg_sq_dtype", "fp32")
+            )
     return dt, grad, master_bytes, states
 
 
@@ -111,7 +116,7 @@ def _precision_aware_master_bytes(plan, extra: dict) -> int:
     if main != "fp32":
         return dtype_bytes(main)
     if getattr(plan, "fp8", None) not in (None, "delayed"):
-        return 4                      # megatron's own fp32 shard; FusedAdam keeps no masters
+        return 4  # megatron's own fp32 shard; FusedAdam keeps no masters
     if plan.dtype == "bf16" and extra.get("store_param_remainders", True):
         return 2
     return 4
@@ -126,15 +131,24 @@ def _te_adam_state_bytes(dtype: str) -> int:
     return 2 if dtype == "fp8" else dtype_bytes(dtype)
 
 
-def rank_param_counts(arch, plan, conv: Convention, stage_layers: dict[int, range],
-                      rank_stages) -> tuple[int, int]:
+def rank_param_counts(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
+) -> tuple[int, int]:
     """(dense, expert) parameter elements held by one pipeline rank (its tp/ep shard): the
     layers of the stages it holds, the embedding with stage 0, the head with the last stage.
     Counted per distinct layer kind, so the cost does not grow with the layer count."""
     last = plan.pp * plan.vpp - 1
     ranges = tuple(_as_range(stage_layers[s]) for s in sorted(rank_stages))
-    return _rank_counts(arch, conv.vocab_multiple, plan.tp, plan.etp or 1, plan.ep, ranges, 0 in rank_stages,
-                        last in rank_stages)
+    return _rank_counts(
+        arch,
+        conv.vocab_multiple,
+        plan.tp,
+        plan.etp or 1,
+        plan.ep,
+        ranges,
+        0 in rank_stages,
+        last in rank_stages,
+    )
 
 
 def _as_range(layers) -> range:
@@ -158,8 +172,16 @@ def moe_layers_in(arch, layers: range) -> int:
 
 
 @lru_cache(maxsize=65536)
-def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, ranges: tuple[range, ...],
-                 has_embedding: bool, has_head: bool) -> tuple[int, int]:
+def _rank_counts(
+    arch,
+    vocab_multiple: int,
+    tp: int,
+    etp: int,
+    ep: int,
+    ranges: tuple[range, ...],
+    has_embedding: bool,
+    has_head: bool,
+) -> tuple[int, int]:
     m = vocab_multiple * tp
     vocab = -(-arch.vocab // m) * m
     n_layers = sum(len(r) for r in ranges)
@@ -173,7 +195,10 @@ def _rank_counts(arch, vocab_multiple: int, tp: int, etp: int, ep: int, ranges: 
     if has_embedding:
         dense += sum(_prod(v) for v in embedding_param_shapes(arch, vocab, tp, head=False).values())
     if has_head:
-        dense += sum(_prod(v) for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values())
+        dense += sum(
+            _prod(v)
+            for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values()
+        )
     return dense, expert
 
 
@@ -213,7 +238,9 @@ def _dp_groups(plan) -> tuple[int, int]:
     return dp_group, edp_group
 
 
-def _rank_param_shapes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> list[tuple]:
+def _rank_param_shapes(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
+) -> list[tuple]:
     """(shape, is_expert) of every parameter tensor kind the rank holds, after tp / ep sharding."""
     m = conv.vocab_multiple * plan.tp
     vocab = -(-arch.vocab // m) * m
@@ -221,19 +248,28 @@ def _rank_param_shapes(arch, plan, conv: Convention, stage_layers: dict[int, ran
     for s in rank_stages:
         n_moe = moe_layers_in(arch, stage_layers[s])
         kinds.update(k for k, n in ((True, n_moe), (False, len(stage_layers[s]) - n_moe)) if n)
-    shapes = [(shape, e) for moe in kinds
-              for shape, e in layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1,
-                                                 plan.ep).values()]
+    shapes = [
+        (shape, e)
+        for moe in kinds
+        for shape, e in layer_param_shapes(
+            arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep
+        ).values()
+    ]
     if 0 in rank_stages:
         shapes += [(s, False) for s in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
     if plan.pp * plan.vpp - 1 in rank_stages:
-        shapes += [(s, False) for s in head_param_shapes(arch, vocab, plan.tp,
-                                                         same_stage_as_embedding=0 in rank_stages).values()]
+        shapes += [
+            (s, False)
+            for s in head_param_shapes(
+                arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
+            ).values()
+        ]
     return shapes
 
 
-def rank_param_tensor_elems(arch, plan, conv: Convention, stage_layers: dict[int, range],
-                            rank_stages) -> list[int]:
+def rank_param_tensor_elems(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
+) -> list[int]:
     """Elements of every parameter tensor the rank holds, one entry per tensor (after tp / ep
     sharding, not dp's), in module order: embedding, layers, head."""
     m = conv.vocab_multiple * plan.tp
@@ -251,17 +287,25 @@ def rank_param_tensor_elems(arch, plan, conv: Convention, stage_layers: dict[int
                 per_kind[moe] = [_prod(x) for x, _ in shapes.values()]
             out += per_kind[moe]
         if s == last:
-            out += [_prod(x) for x in head_param_shapes(arch, vocab, plan.tp,
-                                                        same_stage_as_embedding=0 in rank_stages).values()]
+            out += [
+                _prod(x)
+                for x in head_param_shapes(
+                    arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
+                ).values()
+            ]
     return out
 
 
 def largest_param_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
     """Elements of the rank's largest parameter tensor, after tp / ep sharding (not dp's)."""
-    return max((_prod(s) for s, _ in _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)), default=0)
+    return max(
+        (_prod(s) for s, _ in _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)), default=0
+    )
 
 
-def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> tuple[int, int]:
+def optimizer_elems(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
+) -> tuple[int, int]:
     """(elements the rank's optimizer step updates, elements of its largest parameter tensor),
     after tp/ep sharding and the optimizer's dp sharding (ZeRO >= 1, dist-opt, FSDP)."""
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
@@ -271,6 +315,7 @@ def optimizer_elems(arch, plan, conv: Convention, stage_layers: dict[int, range]
 
     def shard(n: int, group: int) -> int:
         return -(-n // group) if on else n
+
     largest = max((shard(_prod(s), edp_group if e else dp_group) for s, e in shapes), default=0)
     return shard(dense, dp_group) + shard(expert, edp_group), largest
 
@@ -293,8 +338,9 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
     dp_group, edp_group = _dp_groups(plan)
     per_param = bytes_per_param(plan, conv)
-    params, grads, master, states = _sharded(dense, expert, per_param, dp_group, edp_group,
-                                             plan.zero, plan.zero >= 1 or plan.dist_opt)
+    params, grads, master, states = _sharded(
+        dense, expert, per_param, dp_group, edp_group, plan.zero, plan.zero >= 1 or plan.dist_opt
+    )
     # --optimizer-offload f: that fraction of the optimizer states and master weights lives in
     # CPU memory (DeepSpeed ZeRO-Offload: all; Megatron --optimizer-offload-fraction)
     on_gpu = 1.0 - float(plan.optimizer_offload or 0.0)
@@ -316,10 +362,11 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
         n_layers = sum(len(r) for r in ranges)
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
-        other += megatron_runtime_bytes(arch, plan, conv, n_layers - n_moe > 0, n_moe > 0,
-                                        plan.pp * plan.vpp - 1 in rank_stages)
+        other += megatron_runtime_bytes(
+            arch, plan, conv, n_layers - n_moe > 0, n_moe > 0, plan.pp * plan.vpp - 1 in rank_stages
+        )
     if plan.zero == 3:
-        other += deepspeed_bucket_bytes(plan)      # DeepSpeed ZeRO-3's resident reduce bucket
+        other += deepspeed_bucket_bytes(plan)  # DeepSpeed ZeRO-3's resident reduce bucket
     if getattr(plan, "deepspeed_mixed_precision", False) and plan.optimizer_offload:
         # DeepSpeed's ZeRO-Offload (offload_optimizer), from its code, not measured: ZeRO-3's flat
         # grad partition buffer lives on the CPU with the master (stage3 `grad_partitions_flat_buffer`
@@ -328,10 +375,16 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         if plan.zero == 3:
             grads = 0
         else:
-            other += largest_param_elems(arch, plan, conv, stage_layers, rank_stages) * dtype_bytes(plan.dtype)
+            other += largest_param_elems(arch, plan, conv, stage_layers, rank_stages) * dtype_bytes(
+                plan.dtype
+            )
     optimizer = master + states + _offload_fp32_grads(arch, plan, conv, stage_layers, rank_stages)
-    return step_state(StaticBytes(params=int(params), grads=int(grads), optimizer=optimizer, other=other),
-                      plan.grads, plan.step, states)
+    return step_state(
+        StaticBytes(params=int(params), grads=int(grads), optimizer=optimizer, other=other),
+        plan.grads,
+        plan.step,
+        states,
+    )
 
 
 def _offload_fp32_grads(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
@@ -343,11 +396,16 @@ def _offload_fp32_grads(arch, plan, conv: Convention, stage_layers: dict[int, ra
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0
-    return int(_megatron_shard_elements(arch, plan, conv, stage_layers, rank_stages) * 4
-               * (1.0 - float(plan.optimizer_offload)))
+    return int(
+        _megatron_shard_elements(arch, plan, conv, stage_layers, rank_stages)
+        * 4
+        * (1.0 - float(plan.optimizer_offload))
+    )
 
 
-def _megatron_shard_elements(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> int:
+def _megatron_shard_elements(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
+) -> int:
     """Parameter elements of the rank's optimizer shard (all local ones without sharding)."""
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
     if not (plan.dist_opt or plan.zero >= 1):
@@ -357,8 +415,9 @@ def _megatron_shard_elements(arch, plan, conv: Convention, stage_layers: dict[in
 
 
 @lru_cache(maxsize=65536)
-def _sharded(dense: int, expert: int, per_param: tuple, dp_group: int, edp_group: int, zero: int,
-             opt_shard: bool) -> tuple[int, int, int, int]:
+def _sharded(
+    dense: int, expert: int, per_param: tuple, dp_group: int, edp_group: int, zero: int, opt_shard: bool
+) -> tuple[int, int, int, int]:
     """(params, grads, master weights, optimizer states) bytes of (dense, expert) parameter
     elements after ZeRO / FSDP / distributed-optimizer sharding over their data-parallel
     groups (partial shards rounded up)."""
@@ -389,17 +448,24 @@ def step_state(full: StaticBytes, grads_mode: str | None, step: str, states: int
     resident_grads, in_step = full.grads, 0
     if grads_mode in ("set-to-none", "ddp-bucket"):
         in_step = full.grads
-        resident_grads = full.grads if grads_mode == "ddp-bucket" else 0   # DDP's buckets stay
+        resident_grads = full.grads if grads_mode == "ddp-bucket" else 0  # DDP's buckets stay
     first = step == "first"
-    return StaticBytes(params=full.params, grads=resident_grads, optimizer=full.optimizer - (states if first else 0),
-                       other=full.other, grads_in_step=in_step, optimizer_in_step=states if first else 0)
+    return StaticBytes(
+        params=full.params,
+        grads=resident_grads,
+        optimizer=full.optimizer - (states if first else 0),
+        other=full.other,
+        grads_in_step=in_step,
+        optimizer_in_step=states if first else 0,
+    )
 
 
 FP8_LINEAR_WEIGHTS = ("qkv", "o_proj", "mlp", "experts", "shared_mlp")
 
 
-def _fp8_linear_weights(arch, plan, conv: Convention, stage_layers,
-                        rank_stages) -> tuple[tuple[int, int], float]:
+def _fp8_linear_weights(
+    arch, plan, conv: Convention, stage_layers, rank_stages
+) -> tuple[tuple[int, int], float]:
     """((dense, expert) elements of the rank's decoder-layer linear weights that Transformer Engine runs in
     fp8, extra bytes per element for its cached fp8 weight copies). TE keeps an fp8 copy of
     each weight (rowwise, for the forward GEMM) and its transpose (columnwise, for the
@@ -459,8 +525,9 @@ def deepspeed_bucket_bytes(plan) -> int:
     return buffers * elems * dtype_bytes(plan.main_grad_dtype or plan.dtype)
 
 
-def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int, range],
-                           rank_stages: list[int]) -> int:
+def optimizer_step_scratch(
+    arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages: list[int]
+) -> int:
     """Bytes the optimizer step allocates beyond the model states. Megatron with main grads
     narrower than fp32 (--grad-reduce-in-bf16, fp16 grads) and the usual fp32 optimizer hands
     Adam fp32 copies of its grads: `main_param.grad = main_grad.float()` for every local
@@ -475,15 +542,20 @@ def optimizer_step_scratch(arch, plan, conv: Convention, stage_layers: dict[int,
     if getattr(plan, "deepspeed_mixed_precision", False):
         elems, _ = optimizer_elems(arch, plan, conv, stage_layers, rank_stages)
         return int(elems * 4 * (1.0 - float(plan.optimizer_offload or 0.0)))
-    if (not conv.framework.fp32_grad_copies or not plan.master_weights
-            or extra.get("precision_aware_optimizer")):
+    if (
+        not conv.framework.fp32_grad_copies
+        or not plan.master_weights
+        or extra.get("precision_aware_optimizer")
+    ):
         return 0
     if dtype_bytes(plan.main_grad_dtype or plan.dtype) >= 4:
         return 0
     return _megatron_shard_elements(arch, plan, conv, stage_layers, rank_stages) * 4
 
 
-def megatron_runtime_bytes(arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool) -> int:
+def megatron_runtime_bytes(
+    arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool
+) -> int:
     """What a Megatron-LM rank keeps for the whole run besides model states (validated against
     megatron-core's own step, `pipemem validate megatron`):
 

@@ -52,37 +52,37 @@ class BwdOp:
 @dataclass(slots=True)
 class Node:
     type: str
-    inputs: tuple[str, ...]          # forward reads (activations and params)
-    outputs: tuple[str, ...]         # forward writes
-    diff_inputs: tuple[str, ...]     # activations that receive a gradient
-    params: tuple[str, ...] = ()     # parameters whose grads the W pass computes
-    save_i: tuple[str, ...] = ()     # read by the input-grad op
-    save_w: tuple[str, ...] = ()     # read by the weight-grad op
-    read_w: tuple[str, ...] = ()     # also read by the weight-grad op, made in backward by another
-                                     # node (a re-gather shared by several linears): freed after
-                                     # its last reader, not with this node's saved tensors; a
-                                     # split backward gathers it in the input-grad pass as well
-    pre_i: tuple[BwdOp, ...] = ()    # backward ops before the input-grad op (e.g. a re-gather)
-    post_i: tuple[BwdOp, ...] = ()   # ops after it (e.g. reduce-scatter of the input grad)
+    inputs: tuple[str, ...]  # forward reads (activations and params)
+    outputs: tuple[str, ...]  # forward writes
+    diff_inputs: tuple[str, ...]  # activations that receive a gradient
+    params: tuple[str, ...] = ()  # parameters whose grads the W pass computes
+    save_i: tuple[str, ...] = ()  # read by the input-grad op
+    save_w: tuple[str, ...] = ()  # read by the weight-grad op
+    read_w: tuple[str, ...] = ()  # also read by the weight-grad op, made in backward by another
+    # node (a re-gather shared by several linears): freed after
+    # its last reader, not with this node's saved tensors; a
+    # split backward gathers it in the input-grad pass as well
+    pre_i: tuple[BwdOp, ...] = ()  # backward ops before the input-grad op (e.g. a re-gather)
+    post_i: tuple[BwdOp, ...] = ()  # ops after it (e.g. reduce-scatter of the input grad)
     pre_w: tuple[BwdOp, ...] = ()
-    grad_via: dict = field(default_factory=dict)   # diff input -> name the I op writes instead
+    grad_via: dict = field(default_factory=dict)  # diff input -> name the I op writes instead
     workspace_f: int = 0
     workspace_i: int = 0
     region: int = -1
     module: str = ""
-    fwd_ops: tuple[Op, ...] = ()     # explicit forward ops (else one op over inputs/outputs)
+    fwd_ops: tuple[Op, ...] = ()  # explicit forward ops (else one op over inputs/outputs)
     grad_alias: bool | tuple = False  # input grads are the output grad itself (add, views);
-                                      # a tuple names the inputs that alias (the rest get a copy)
-    w_pre_first: bool = False        # fused B runs pre_w before the I op (Megatron's re-gather)
-    pinned: bool = False             # selective checkpointing keeps its outputs: not recomputed
-    promote_grads: bool = False      # mixed-dtype op: an input's grad is computed in the output's
-                                     # dtype, then cast to the input's (autograd's validate_outputs)
-    wgrad_saved: str = ""            # the weight grad was computed in forward and saved under this
-                                     # name (Liger's fused linear CE): the backward scales it in place
-    meta_i: tuple[str, ...] = ()     # read by the input-grad op for their shapes only (Paddle's
-                                     # no_need_buffer): they keep nothing alive in the backward,
-                                     # but the forward still keeps them for it and the backward
-                                     # never frees them (Paddle's pipeline skip_gc rule: retain_reads)
+    # a tuple names the inputs that alias (the rest get a copy)
+    w_pre_first: bool = False  # fused B runs pre_w before the I op (Megatron's re-gather)
+    pinned: bool = False  # selective checkpointing keeps its outputs: not recomputed
+    promote_grads: bool = False  # mixed-dtype op: an input's grad is computed in the output's
+    # dtype, then cast to the input's (autograd's validate_outputs)
+    wgrad_saved: str = ""  # the weight grad was computed in forward and saved under this
+    # name (Liger's fused linear CE): the backward scales it in place
+    meta_i: tuple[str, ...] = ()  # read by the input-grad op for their shapes only (Paddle's
+    # no_need_buffer): they keep nothing alive in the backward,
+    # but the forward still keeps them for it and the backward
+    # never frees them (Paddle's pipeline skip_gc rule: retain_reads)
 
 
 class Tape:
@@ -112,7 +112,7 @@ class Tape:
         # FSDP2's all-gather buffers (torchtitan): the output buffer lives with the unit; group size
         self.fsdp_ag_state = False
         self.fsdp_group = 1
-        self.fsdp_reduce_dtype = "fp32"   # FSDP2's reduce-scatter dtype
+        self.fsdp_reduce_dtype = "fp32"  # FSDP2's reduce-scatter dtype
         # parameters another part of the stage holds gathered while this one runs (ZeRO-3's tied
         # word embedding, kept from the embedding's forward to its backward): not gathered again
         self.fsdp_gathered_elsewhere: frozenset[str] = frozenset()
@@ -133,10 +133,10 @@ class Tape:
         self.root_role = ""
         self.root_bytes = 0
         self.root_grad_bytes = 0
-        self.root_grad_elem_bytes = 2     # bytes per element of the head's unsharded grads
+        self.root_grad_elem_bytes = 2  # bytes per element of the head's unsharded grads
         self.root_bwd_prefetch_bytes = 0  # the next unit's all-gather buffer the head's backward prefetches
         self.model_end: int | None = None
-        self.entry_f: tuple[str, ...] = ()      # made by an earlier part, freed here
+        self.entry_f: tuple[str, ...] = ()  # made by an earlier part, freed here
         self.entry_b: tuple[str, ...] = ()
         self.handed_on_f: tuple[str, ...] = ()  # made here, freed by a later part
         self._handed_on_b: tuple[str, ...] = ()
@@ -157,7 +157,7 @@ class Tape:
         # the previous layer's last reloads alive when this layer's backward starts)
         self.offload_packs: dict[int, dict[str, str]] = {}
         self.offload_release: dict[int, tuple[str, ...]] = {}
-        self.offload_release_before: dict[int, tuple[str, ...]] = {}   # ... let go as it packs its inputs
+        self.offload_release_before: dict[int, tuple[str, ...]] = {}  # ... let go as it packs its inputs
         self.offload_carry: tuple[dict[int, int], int] = ({}, 0)
         # a linear saves its weight parameter itself (HF Conv1D), not a `weight.t()` view
         self.weights_saved_as_params = False
@@ -191,13 +191,54 @@ class Tape:
     def end_region(self) -> None:
         self.region = -1
 
-    def node(self, type: str, inputs, outputs, diff_inputs=(), params=(), save_i=(), save_w=(), pre_i=(),
-             post_i=(), pre_w=(), grad_via=None, workspace_f=0, workspace_i=0, fwd_ops=(), grad_alias=False,
-             w_pre_first=False, promote_grads=False, read_w=(), wgrad_saved="", meta_i=()) -> Node:
-        n = Node(type, tuple(inputs), tuple(outputs), tuple(diff_inputs), tuple(params), tuple(save_i),
-                 tuple(save_w), tuple(read_w), tuple(pre_i), tuple(post_i), tuple(pre_w), dict(grad_via or {}),
-                 workspace_f, workspace_i, self.region, self.module, tuple(fwd_ops), grad_alias, w_pre_first,
-                 self._pinned(type), promote_grads, wgrad_saved, tuple(meta_i))
+    def node(
+        self,
+        type: str,
+        inputs,
+        outputs,
+        diff_inputs=(),
+        params=(),
+        save_i=(),
+        save_w=(),
+        pre_i=(),
+        post_i=(),
+        pre_w=(),
+        grad_via=None,
+        workspace_f=0,
+        workspace_i=0,
+        fwd_ops=(),
+        grad_alias=False,
+        w_pre_first=False,
+        promote_grads=False,
+        read_w=(),
+        wgrad_saved="",
+        meta_i=(),
+    ) -> Node:
+        n = Node(
+            type,
+            tuple(inputs),
+            tuple(outputs),
+            tuple(diff_inputs),
+            tuple(params),
+            tuple(save_i),
+            tuple(save_w),
+            tuple(read_w),
+            tuple(pre_i),
+            tuple(post_i),
+            tuple(pre_w),
+            dict(grad_via or {}),
+            workspace_f,
+            workspace_i,
+            self.region,
+            self.module,
+            tuple(fwd_ops),
+            grad_alias,
+            w_pre_first,
+            self._pinned(type),
+            promote_grads,
+            wgrad_saved,
+            tuple(meta_i),
+        )
         self.nodes.append(n)
         return n
 
@@ -229,16 +270,18 @@ class Tape:
         carried = self._carry_in(prog, "fwd", self.offload_carry[0])
         for i, n in enumerate(self.nodes):
             if i in self.offload_release_before:
-                self._add(prog, Op("offload_stash_release", self.offload_release_before[i], (), phase="offload"))
+                self._add(
+                    prog, Op("offload_stash_release", self.offload_release_before[i], (), phase="offload")
+                )
             for op in self._fwd_ops(n, {}):
                 self._add(prog, op)
             let_go = self.offload_release.get(i, ()) + carried.get(i, ())
-            if let_go:      # torchtune's forward stash drops its references
+            if let_go:  # torchtune's forward stash drops its references
                 self._add(prog, Op("offload_stash_release", let_go, (), phase="offload"))
             if i in self.held_until:
                 self._add(prog, Op("block_return", tuple(self.held_until[i]), (), phase="forward"))
             if self.fsdp_reshard and i + 1 == self.fsdp_unit_end:
-                self._fsdp_release(prog, gather)      # the unit's post-forward reshard
+                self._fsdp_release(prog, gather)  # the unit's post-forward reshard
             if self.root_role == "last" and self.fsdp_reshard and i + 1 == self._model_end():
                 self._add(prog, Op("fsdp_root_reshard", self.entry_f, (), frees=self.entry_f, phase="fsdp"))
         if self.held_to_return:
@@ -246,12 +289,12 @@ class Tape:
         if root_ag:
             self._add(prog, Op("fsdp_all_gather_done", (root_ag,), (), frees=(root_ag,), phase="fsdp"))
         if self.root_role == "last" and not self.fsdp_reshard:
-            self.handed_on_f = self.entry_f       # kept unsharded: the backward uses it
+            self.handed_on_f = self.entry_f  # kept unsharded: the backward uses it
         if self.fsdp_reshard:
             if self.fsdp_unit_end is None:
                 self._fsdp_release(prog, gather)
         elif gather and gather + ".ag_out" in self.tensors and not self.fsdp_state_to_backward:
-            state = gather + ".ag_out"      # kept unsharded; the buffer goes with the next unit's copy-out
+            state = gather + ".ag_out"  # kept unsharded; the buffer goes with the next unit's copy-out
             self._add(prog, Op("fsdp_all_gather_done", (state,), (), frees=(state,), phase="fsdp"))
         return prog
 
@@ -334,7 +377,9 @@ class Tape:
         if gathered:
             state = gathered + ".ag_out"
             gathered_here = any(state in op.outputs for op in prog.ops)
-            carried = self.fsdp_state_to_backward and gathered.endswith("params_fwd") and state in self.tensors
+            carried = (
+                self.fsdp_state_to_backward and gathered.endswith("params_fwd") and state in self.tensors
+            )
             frees = (gathered, state) if gathered_here or carried else (gathered,)
             for t in frees:
                 prog.tensors.setdefault(t, self.tensors[t])
@@ -356,15 +401,19 @@ class Tape:
             # the root unit (gathered again by the head's backward) and the head's unsharded
             # grads: released when this backward ends
             grads = self._root_tensor(i_prog, "head_grads", self.root_grad_bytes)
-            self.entry_b = (self._root_tensor(i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd",
-                                              self.root_bytes), grads)
+            self.entry_b = (
+                self._root_tensor(
+                    i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd", self.root_bytes
+                ),
+                grads,
+            )
         elif self.root_role == "last" and not self.fsdp_reshard:
             self.entry_b = ()
-            root_gathered = "root.params_fwd"     # never resharded; the first part frees it
+            root_gathered = "root.params_fwd"  # never resharded; the first part frees it
             self._root_tensor(i_prog, "params_fwd", self.root_bytes)
         if self.root_role:
             gathered = ""
-        elif self.fsdp and not self.fsdp_reshard:     # still gathered since the forward
+        elif self.fsdp and not self.fsdp_reshard:  # still gathered since the forward
             gathered = f"{self.prefix}fsdp.params_fwd"
             i_prog.tensors[gathered] = self.tensors[gathered]
         else:
@@ -391,7 +440,7 @@ class Tape:
             self._grad_tensor(i_prog, t)
         written: set[str] = {"d." + t for t in out_grads}
         regions_done: set[int] = set()
-        i_regathered: dict[str, str] = {}     # split backward: re-gathered tensor -> its input-pass copy
+        i_regathered: dict[str, str] = {}  # split backward: re-gathered tensor -> its input-pass copy
         self._acc = 0
         # Split backward: a grad storage a deferred W op still reads cannot take later
         # contributions in place (autograd accumulates out of place while another reference
@@ -411,7 +460,9 @@ class Tape:
             ren: dict[str, str] = self.offloaded
             reloads = self.offload_packs.get(idx, {})
             if reloads:
-                self._add(i_prog, Op("h2d_reload", (), tuple(reloads.values()), module=n.module, phase="offload"))
+                self._add(
+                    i_prog, Op("h2d_reload", (), tuple(reloads.values()), module=n.module, phase="offload")
+                )
                 ren = {**ren, **reloads}
             if n.region >= 0:
                 ren = {**self.offloaded, **self._region_renames(n.region)}
@@ -431,7 +482,7 @@ class Tape:
                     w_storages.update(self._lookup(nm).storage for op in w_block for nm in op.inputs)
             early = []
             if not split and n.w_pre_first and n.pre_w:
-                early, w_block = w_block[:len(n.pre_w)], w_block[len(n.pre_w):]
+                early, w_block = w_block[: len(n.pre_w)], w_block[len(n.pre_w) :]
             for op in early:
                 self._add(i_prog, op)
             if split and n.w_pre_first and n.pre_w and n.read_w:
@@ -469,12 +520,26 @@ class Tape:
                     continue
                 out = self._grad_target(i_prog, target, written, accs, alias_of=gouts[0] if alias else "")
                 outs.append(out)
-            ins = gouts + tuple(r(s) for s in n.save_i) + tuple(i_regathered[x] for x in n.read_w
-                                                                 if x in i_regathered)
+            ins = (
+                gouts
+                + tuple(r(s) for s in n.save_i)
+                + tuple(i_regathered[x] for x in n.read_w if x in i_regathered)
+            )
             if outs:
                 meta = tuple(m for m in dict.fromkeys(r(x) for x in n.meta_i) if m not in ins)
-                self._add(i_prog, Op(n.type + "_grad", ins + meta, tuple(outs), workspace_bytes=n.workspace_i,
-                                     module=n.module, phase="backward", no_need_buffer=meta, retain_reads=meta))
+                self._add(
+                    i_prog,
+                    Op(
+                        n.type + "_grad",
+                        ins + meta,
+                        tuple(outs),
+                        workspace_bytes=n.workspace_i,
+                        module=n.module,
+                        phase="backward",
+                        no_need_buffer=meta,
+                        retain_reads=meta,
+                    ),
+                )
             for k, (src, target) in enumerate(casts):
                 # the engine casts before it releases the node's grad inputs and saved tensors
                 held = ins if k == len(casts) - 1 and outs else ()
@@ -482,8 +547,10 @@ class Tape:
                 self._add(i_prog, Op("cast", (src,), (dst,), frees=held, module=n.module, phase="backward"))
             for bop in n.post_i:
                 op = self._bop(bop, r, n)
-                op.outputs = tuple(self._grad_target(i_prog, o, written, accs) if o.startswith("d.") else o
-                                   for o in op.outputs)
+                op.outputs = tuple(
+                    self._grad_target(i_prog, o, written, accs) if o.startswith("d.") else o
+                    for o in op.outputs
+                )
                 self._add(i_prog, op)
             for target, tmp in accs:
                 now = cur(target, target)
@@ -493,17 +560,24 @@ class Tape:
                     base = self._lookup(target)
                     self.tensors[new] = Tensor(new, base.shape, base.dtype, ACT)
                     self._cur[target] = new
-                    self._add(i_prog, Op("grad_accumulate", (now, tmp), (new,), module=n.module, phase="backward"))
+                    self._add(
+                        i_prog, Op("grad_accumulate", (now, tmp), (new,), module=n.module, phase="backward")
+                    )
                 else:
-                    self._add(i_prog, Op("grad_accumulate", (now, tmp), (now,), module=n.module, phase="backward"))
+                    self._add(
+                        i_prog, Op("grad_accumulate", (now, tmp), (now,), module=n.module, phase="backward")
+                    )
             if split:
                 w_ops.extend(w_block)
             else:
                 # autograd releases a node's saved tensors when its whole backward returns
                 # (input and weight grads), not after their last read
                 if w_block:
-                    saved = tuple(dict.fromkeys(r(x) for x in (*n.save_i, *n.save_w)
-                                                if self.tensors[x].kind is not PARAM))
+                    saved = tuple(
+                        dict.fromkeys(
+                            r(x) for x in (*n.save_i, *n.save_w) if self.tensors[x].kind is not PARAM
+                        )
+                    )
                     last = w_block[-1]
                     last.frees = tuple(dict.fromkeys((*last.frees, *saved)))
                 for op in w_block:
@@ -515,7 +589,9 @@ class Tape:
             if self.keep_recompute_outputs and n.region >= 0 and n is self._region_first(n.region):
                 held = tuple(ren[o] for o in self._region_outputs(n.region) if o in ren)
                 if held:
-                    self._add(i_prog, Op("checkpoint_backward_done", held, (), module=n.module, phase="backward"))
+                    self._add(
+                        i_prog, Op("checkpoint_backward_done", held, (), module=n.module, phase="backward")
+                    )
         if gathered is None:
             gathered = self._fsdp_gather(i_prog, "bwd")
         self._fsdp_release(i_prog, gathered)
@@ -547,9 +623,13 @@ class Tape:
             if self.grad_create is not None:
                 dt, shard = self.grad_create
                 elems = self.root_grad_bytes // max(1, self.root_grad_elem_bytes)
-                made = (self._root_tensor(prog, "head_grad_shards", -(-elems // max(1, shard)) * dtype_bytes(dt)),)
+                made = (
+                    self._root_tensor(prog, "head_grad_shards", -(-elems // max(1, shard)) * dtype_bytes(dt)),
+                )
                 self._handed_on_b += made
-            self._add(prog, Op("fsdp_root_reduce_scatter", self.entry_b, made, frees=self.entry_b, phase="fsdp"))
+            self._add(
+                prog, Op("fsdp_root_reduce_scatter", self.entry_b, made, frees=self.entry_b, phase="fsdp")
+            )
 
     def _fsdp_reduce_scatter(self, prog: Program) -> None:
         if not self._held_grads:
@@ -594,8 +674,15 @@ class Tape:
         created = self.grad_create is not None
         if not chain:
             # a fused GEMM accumulates into the grad buffer; a created grad is only written
-            return [Op(n.type + "_wgrad", reads + (() if created else gparams), gparams, module=n.module,
-                       phase="backward_w")]
+            return [
+                Op(
+                    n.type + "_wgrad",
+                    reads + (() if created else gparams),
+                    gparams,
+                    module=n.module,
+                    phase="backward_w",
+                )
+            ]
         ops = []
         for p, g in zip(n.params, gparams):
             shape = self.tensors[p].shape
@@ -605,11 +692,11 @@ class Tape:
                 self.tensors[nm] = Tensor(nm, shape, dt, TEMP)
                 names.append(nm)
             if n.wgrad_saved:
-                names = [r(n.wgrad_saved)]     # scaled in place, then handed to autograd as is
+                names = [r(n.wgrad_saved)]  # scaled in place, then handed to autograd as is
                 ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
             elif self._w_uses.get(p, 1) > 1:
                 if not self._buffer_contribution(n, p, shape, chain[0], reads, ops):
-                    continue            # more contributions to come before the AccumulateGrad
+                    continue  # more contributions to come before the AccumulateGrad
                 names[0] = self._w_buf[p]
             else:
                 ops.append(Op(n.type + "_wgrad", reads, (names[0],), module=n.module, phase="backward_w"))
@@ -617,19 +704,32 @@ class Tape:
                 ops.append(Op("cast", (a,), (b,), module=n.module, phase="backward_w"))
             if self.step_in_backward:
                 # the post-accumulate-grad hook steps this parameter and drops its grad
-                ops.append(Op("optimizer_step", (names[-1],), (), frees=(names[-1],), module=n.module,
-                              phase="backward_w"))
+                ops.append(
+                    Op(
+                        "optimizer_step",
+                        (names[-1],),
+                        (),
+                        frees=(names[-1],),
+                        module=n.module,
+                        phase="backward_w",
+                    )
+                )
                 continue
             if self.fsdp:
-                self._held_grads.append((names[-1], g))   # reduce-scattered at the part's end
+                self._held_grads.append((names[-1], g))  # reduce-scattered at the part's end
             elif p in self.existing_grads:
                 ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
             elif self.wgrad_final == "steal_grad":
                 # the last result (the cast's, or the GEMM's / the buffer's sum) becomes .grad: its op
                 # writes the grad buffer itself
                 last = ops[-1]
-                ops[-1] = Op(last.type, last.inputs + (() if created else (g,)), (g,), module=n.module,
-                             phase="backward_w")
+                ops[-1] = Op(
+                    last.type,
+                    last.inputs + (() if created else (g,)),
+                    (g,),
+                    module=n.module,
+                    phase="backward_w",
+                )
             else:
                 ops.append(Op("accumulate_grad", (names[-1], g), (g,), module=n.module, phase="backward_w"))
         return ops
@@ -647,12 +747,16 @@ class Tape:
         if j > 1:
             total = f"dw_sum.{p}#{j}"
             self.tensors[total] = Tensor(total, shape, dtype, TEMP)
-            ops.append(Op("grad_buffer_add", (self._w_buf[p], new), (total,), module=n.module, phase="backward_w"))
+            ops.append(
+                Op("grad_buffer_add", (self._w_buf[p], new), (total,), module=n.module, phase="backward_w")
+            )
             new = total
         self._w_buf[p] = new
         return j == self._w_uses[p]
 
-    def _grad_target(self, prog: Program, target: str, written: set[str], accs: list, alias_of: str = "") -> str:
+    def _grad_target(
+        self, prog: Program, target: str, written: set[str], accs: list, alias_of: str = ""
+    ) -> str:
         """Name an op should write for gradient `target`: the target itself the first time,
         else a temporary accumulated into it afterwards."""
         if not target.startswith("d."):
@@ -661,15 +765,18 @@ class Tape:
             self._acc += 1
             tmp = f"{target}~{self._acc}"
             base = self._lookup(target[2:])
-            self.tensors[tmp] = Tensor(tmp, base.shape, base.dtype, ACT,
-                                       storage=(self._lookup(alias_of).storage if alias_of else ""))
+            self.tensors[tmp] = Tensor(
+                tmp, base.shape, base.dtype, ACT, storage=(self._lookup(alias_of).storage if alias_of else "")
+            )
             prog.tensors[tmp] = self.tensors[tmp]
             accs.append((target, tmp))
             return tmp
         written.add(target)
         if alias_of:
             base = self._lookup(target[2:])
-            self.tensors[target] = Tensor(target, base.shape, base.dtype, ACT, storage=self._lookup(alias_of).storage)
+            self.tensors[target] = Tensor(
+                target, base.shape, base.dtype, ACT, storage=self._lookup(alias_of).storage
+            )
         self._grad_tensor(prog, target[2:])
         return target
 
@@ -699,16 +806,39 @@ class Tape:
     def _fwd_ops(self, n: Node, ren: dict[str, str]) -> list[Op]:
         r = lambda x: ren.get(x, x)  # noqa: E731
         if n.fwd_ops:
-            return [Op(o.type, tuple(map(r, o.inputs)), tuple(map(r, o.outputs)), workspace_bytes=o.workspace_bytes,
-                       module=n.module, phase="forward") for o in n.fwd_ops]
-        return [Op(n.type, tuple(map(r, n.inputs)), tuple(map(r, n.outputs)), workspace_bytes=n.workspace_f,
-                   module=n.module, phase="forward")]
+            return [
+                Op(
+                    o.type,
+                    tuple(map(r, o.inputs)),
+                    tuple(map(r, o.outputs)),
+                    workspace_bytes=o.workspace_bytes,
+                    module=n.module,
+                    phase="forward",
+                )
+                for o in n.fwd_ops
+            ]
+        return [
+            Op(
+                n.type,
+                tuple(map(r, n.inputs)),
+                tuple(map(r, n.outputs)),
+                workspace_bytes=n.workspace_f,
+                module=n.module,
+                phase="forward",
+            )
+        ]
 
     def _bop(self, b: BwdOp, r, n: Node) -> Op:
         cur = getattr(self, "_cur", {})
         ins = tuple(cur.get(x, x) if x.startswith("d.") else r(x) for x in b.inputs)
-        return Op(b.type, ins, tuple(map(r, b.outputs)), workspace_bytes=b.workspace, module=n.module,
-                  phase="backward")
+        return Op(
+            b.type,
+            ins,
+            tuple(map(r, b.outputs)),
+            workspace_bytes=b.workspace,
+            module=n.module,
+            phase="backward",
+        )
 
     def grad_name(self, x: str) -> str:
         """The tensor holding x's gradient at the end of the last backward built."""
@@ -743,7 +873,9 @@ class Tape:
             t = Tensor(nm, shape, dtype, kind)
         elif nm.startswith("d."):
             base = self._lookup(nm[2:])
-            t = Tensor(nm, base.shape, base.dtype, GRAD if base.kind is PARAM else ACT, persistent=base.kind is PARAM)
+            t = Tensor(
+                nm, base.shape, base.dtype, GRAD if base.kind is PARAM else ACT, persistent=base.kind is PARAM
+            )
         elif nm.endswith("@rc") or "@rc" in nm:
             base = self._lookup(nm.replace("@rc", ""))
             t = Tensor(nm, base.shape, base.dtype, base.kind, storage=nm)
@@ -778,7 +910,8 @@ class Tape:
                 numel = 1
                 for d in base.shape:
                     numel *= d
-                self.tensors[nm] = Tensor(nm, base.shape, dt, GRAD, persistent=True,
-                                          bytes=-(-numel // shard) * dtype_bytes(dt))
+                self.tensors[nm] = Tensor(
+                    nm, base.shape, dt, GRAD, persistent=True, bytes=-(-numel // shard) * dtype_bytes(dt)
+                )
         prog.tensors[nm] = self.tensors[nm]
         return nm

@@ -20,12 +20,19 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "trace_step": "step", "run_step": "step", "TracedStep": "step", "PhaseMemory": "step",
+    "trace_step": "step",
+    "run_step": "step",
+    "TracedStep": "step",
+    "PhaseMemory": "step",
     "trace_stage": "step",
     "trace_hf_step": "hf",
-    "trace_replicated": "replicate", "replicate_step": "replicate",
-    "traced_estimate": "estimate", "TracedEstimate": "estimate",
-    "traced_stage_plan": "parallel", "trace_sharded_rank": "parallel", "TracedStagePlan": "parallel",
+    "trace_replicated": "replicate",
+    "replicate_step": "replicate",
+    "traced_estimate": "estimate",
+    "TracedEstimate": "estimate",
+    "traced_stage_plan": "parallel",
+    "trace_sharded_rank": "parallel",
+    "TracedStagePlan": "parallel",
     "DecoderStack": "stack",
 }
 

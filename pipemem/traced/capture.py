@@ -35,9 +35,31 @@ _NOT_DONE = object()
 _ZEROS_LIKE = torch.ops.aten.zeros_like.default
 _EMPTY_LIKE = torch.ops.aten.empty_like.default
 # Foreach ops whose results have the shape and dtype of their first list's tensors.
-_FOREACH_ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "sqrt", "reciprocal", "lerp", "addcmul", "addcdiv", "abs",
-    "exp", "sign", "clamp_min", "clamp_max", "maximum", "minimum", "copy", "zero", "sigmoid", "rsqrt"})
+_FOREACH_ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "sqrt",
+        "reciprocal",
+        "lerp",
+        "addcmul",
+        "addcdiv",
+        "abs",
+        "exp",
+        "sign",
+        "clamp_min",
+        "clamp_max",
+        "maximum",
+        "minimum",
+        "copy",
+        "zero",
+        "sigmoid",
+        "rsqrt",
+    }
+)
 
 # Raw op record fields (lists are cheaper than objects on the hot path).
 _TYPE, _PHASE, _MODULE, _INPUTS, _OUTPUTS, _FREES = range(6)
@@ -97,15 +119,15 @@ class ModuleScope:
                 self._depth[key] = name.count(".") + 1 if name else 0
                 for p in mod.parameters(recurse=False):
                     self._param_module.setdefault(id(p), key)
-        self._stack: list[tuple[str, int]] = []     # (name, first sequence number)
-        self._ranges: list[tuple[int, int, int, str]] = []   # (depth, start, end, name)
+        self._stack: list[tuple[str, int]] = []  # (name, first sequence number)
+        self._ranges: list[tuple[int, int, int, str]] = []  # (depth, start, end, name)
         self._owner: list[str] | None = None
         self._base = 0
         self._handles = []
 
     def _name(self, mod) -> str:
         name = self._names.get(mod)
-        if name is None:   # a module outside the root (built in forward): innermost when running
+        if name is None:  # a module outside the root (built in forward): innermost when running
             name = self._names[mod] = type(mod).__name__
             self._depth.setdefault(name, 1000)
         return name
@@ -117,13 +139,13 @@ class ModuleScope:
         if not self._stack:
             return
         name, start = self._stack.pop()
-        if torch._C._current_graph_task_id() == -1:    # a forward, not a recompute in backward
+        if torch._C._current_graph_task_id() == -1:  # a forward, not a recompute in backward
             self._ranges.append((self._depth.get(name, 1000), start, _seq_nr(), name))
             self._owner = None
 
     @property
     def current(self) -> str:
-        if self._stack:                 # forward, or a layer recomputed inside the backward
+        if self._stack:  # forward, or a layer recomputed inside the backward
             return self._stack[-1][0]
         node = torch._C._current_autograd_node()
         if node is None:
@@ -133,7 +155,7 @@ class ModuleScope:
         i = seq - self._base
         if 0 <= i < len(owner):
             return owner[i]
-        variable = getattr(node, "variable", None)     # AccumulateGrad: the parameter's module
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter's module
         return self._param_module.get(id(variable), "") if variable is not None else ""
 
     def _build_owner(self) -> list[str]:
@@ -144,7 +166,7 @@ class ModuleScope:
         self._base = min(r[1] for r in self._ranges)
         owner = [""] * (max(r[2] for r in self._ranges) - self._base)
         for _depth, start, end, name in sorted(self._ranges, key=lambda r: r[0]):
-            owner[start - self._base:end - self._base] = [name] * (end - start)
+            owner[start - self._base : end - self._base] = [name] * (end - start)
         self._owner = owner
         return owner
 
@@ -158,8 +180,10 @@ class ModuleScope:
         self._owner = None
 
     def __enter__(self):
-        self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, always_call=True)]
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
         return self
 
     def __exit__(self, *exc):
@@ -177,14 +201,14 @@ class _StorageInfo:
     nbytes: int
     shape: tuple
     dtype: str
-    phase: str                  # phase that created it ("" = existed before the trace)
+    phase: str  # phase that created it ("" = existed before the trace)
     kind: TensorKind | None = None
     alive: bool = True
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).replace("torch.", "")
-    return name if name in DTYPE_BYTES else "uint8"   # exotic dtypes: size comes from `bytes`
+    return name if name in DTYPE_BYTES else "uint8"  # exotic dtypes: size comes from `bytes`
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -192,18 +216,18 @@ class StorageRecorder(TorchDispatchMode):
 
     def __init__(self, scope: ModuleScope | None = None, cpu_scalars: bool = False, shortcuts: bool = True):
         super().__init__()
-        self.shortcuts = shortcuts       # skip value computations that cannot change memory
+        self.shortcuts = shortcuts  # skip value computations that cannot change memory
         self.scope = scope
         self.cpu_scalars = cpu_scalars
         self.phase = "forward"
         self.phases: list[str] = ["forward"]
         self.ops: list[list] = []
         self.storages: dict[str, _StorageInfo] = {}
-        self.aliases: dict[str, tuple[str, tuple, str, int]] = {}   # name -> (storage, shape, dtype, bytes)
+        self.aliases: dict[str, tuple[str, tuple, str, int]] = {}  # name -> (storage, shape, dtype, bytes)
         self._ids = WeakIdKeyDictionary()
         self._pending_frees: list[str] = []
         self._next = 0
-        self.closed = False    # after the traced code ends, frees are the tracer's own cleanup
+        self.closed = False  # after the traced code ends, frees are the tracer's own cleanup
 
     def __exit__(self, *exc):
         self.closed = True
@@ -221,7 +245,7 @@ class StorageRecorder(TorchDispatchMode):
 
     def _freed(self, name: str) -> None:
         info = self.storages.get(name)
-        if self.closed or info is None:     # None: dropped by restart()
+        if self.closed or info is None:  # None: dropped by restart()
             return
         info.alive = False
         self._free_here(name)
@@ -270,7 +294,7 @@ class StorageRecorder(TorchDispatchMode):
     def set_kind(self, tensors, kind: TensorKind) -> None:
         for name in self.storage_names(tensors):
             info = self.storages[name]
-            if info.phase:            # only storages created during the trace change kind
+            if info.phase:  # only storages created during the trace change kind
                 info.kind = kind
 
     def restart(self) -> list[str]:
@@ -282,7 +306,7 @@ class StorageRecorder(TorchDispatchMode):
         carried = []
         for name, info in self.storages.items():
             if info.alive and info.phase:
-                if info.kind is None:      # not labelled by the step: a runtime's buffer
+                if info.kind is None:  # not labelled by the step: a runtime's buffer
                     info.kind = TensorKind.COMM
                 info.phase = ""
                 carried.append(name)
@@ -308,7 +332,7 @@ class StorageRecorder(TorchDispatchMode):
         out = self._valueless_shortcut(func, args) if (self.shortcuts and not kwargs) else _NOT_DONE
         if out is _NOT_DONE:
             out = func(*args, **kwargs)
-        if func is _PRIM_DEVICE:     # metadata query, touches no memory
+        if func is _PRIM_DEVICE:  # metadata query, touches no memory
             return out
         self._after_call(func, args, out)
         ids = self._ids
@@ -329,7 +353,7 @@ class StorageRecorder(TorchDispatchMode):
                 if name not in inputs:
                     inputs.append(name)
         outputs = []
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(t, torch.Tensor):
                 continue
             t = self._unwrap(t)
@@ -353,8 +377,16 @@ class StorageRecorder(TorchDispatchMode):
         if constants:
             self.ops.append(["constant", self.phase, module, [], constants, frees])
             frees = []
-        self.ops.append([func.__name__ if hasattr(func, "__name__") else str(func),
-                         self.phase, module, inputs, outputs, frees + freed_by_op])
+        self.ops.append(
+            [
+                func.__name__ if hasattr(func, "__name__") else str(func),
+                self.phase,
+                module,
+                inputs,
+                outputs,
+                frees + freed_by_op,
+            ]
+        )
         return out
 
     # Hooks for recorders of tensor subclasses (pipemem.validation.distributed.capture) ----------------
@@ -384,7 +416,7 @@ class StorageRecorder(TorchDispatchMode):
         tensors hash every list for their cache), yet nothing about memory needs them. In-place
         elementwise foreach ops change no storage; out-of-place ones return one new tensor
         like each input; zeros_like allocates what empty_like does."""
-        if func is _ZEROS_LIKE and args and _valueless(args[0]):   # same schema, same allocation
+        if func is _ZEROS_LIKE and args and _valueless(args[0]):  # same schema, same allocation
             return _EMPTY_LIKE(*args)
         name = getattr(func, "__name__", "")
         if not name.startswith("_foreach_") or not args or not isinstance(args[0], (list, tuple)):
@@ -394,8 +426,8 @@ class StorageRecorder(TorchDispatchMode):
             return _NOT_DONE
         base = name.split(".", 1)[0]
         if base.endswith("_"):
-            return None if base[:-1][len("_foreach_"):] in _FOREACH_ELEMENTWISE else _NOT_DONE
-        if base[len("_foreach_"):] in _FOREACH_ELEMENTWISE:
+            return None if base[:-1][len("_foreach_") :] in _FOREACH_ELEMENTWISE else _NOT_DONE
+        if base[len("_foreach_") :] in _FOREACH_ELEMENTWISE:
             return [torch.empty_like(t) for t in first]
         return _NOT_DONE
 
@@ -418,15 +450,21 @@ class StorageRecorder(TorchDispatchMode):
         for i, arg in enumerate(schema.arguments):
             v = args[i] if i < len(args) else kwargs.get(arg.name)
             if isinstance(v, (bool, int, float, complex)) and isinstance(arg.type, torch.TensorType):
-                wrapped = {bool: torch.bool, int: torch.int64, float: torch.float64,
-                           complex: torch.complex128}[type(v)]
+                wrapped = {
+                    bool: torch.bool,
+                    int: torch.int64,
+                    float: torch.float64,
+                    complex: torch.complex128,
+                }[type(v)]
                 sizes = [(wrapped.itemsize, wrapped)]
                 if dtype is not None and dtype != wrapped:
                     sizes.append((dtype.itemsize, dtype))
                 for nbytes, dt in sizes:
                     name = f"s{self._next}"
                     self._next += 1
-                    self.storages[name] = _StorageInfo(nbytes, (), _dtype_name(dt), self.phase, TensorKind.TEMP, False)
+                    self.storages[name] = _StorageInfo(
+                        nbytes, (), _dtype_name(dt), self.phase, TensorKind.TEMP, False
+                    )
                     names.append(name)
         return names
 
@@ -465,12 +503,25 @@ class StorageRecorder(TorchDispatchMode):
         self.finalize_kinds()
         tensors: dict[str, Tensor] = {}
         for name, s in self.storages.items():
-            tensors[name] = Tensor(name=name, shape=s.shape, dtype=s.dtype, kind=s.kind,
-                                   persistent=(not s.phase) or s.alive, bytes=s.nbytes)
+            tensors[name] = Tensor(
+                name=name,
+                shape=s.shape,
+                dtype=s.dtype,
+                kind=s.kind,
+                persistent=(not s.phase) or s.alive,
+                bytes=s.nbytes,
+            )
         for name, (base, shape, dtype, nbytes) in self.aliases.items():
             b = tensors[base]
-            tensors[name] = Tensor(name=name, shape=shape, dtype=dtype, kind=b.kind, storage=base,
-                                   persistent=b.persistent, bytes=nbytes)
+            tensors[name] = Tensor(
+                name=name,
+                shape=shape,
+                dtype=dtype,
+                kind=b.kind,
+                storage=base,
+                persistent=b.persistent,
+                bytes=nbytes,
+            )
         progs = {p: Program(name=p, type=p) for p in self.phases}
         for rec in self.ops:
             prog = progs[rec[_PHASE]]
@@ -483,12 +534,21 @@ class StorageRecorder(TorchDispatchMode):
                             base = self.aliases[n][0]
                             if base not in pt:
                                 pt[base] = tensors[base]
-            prog.ops.append(Op(type=rec[_TYPE], inputs=tuple(rec[_INPUTS]), outputs=tuple(rec[_OUTPUTS]),
-                               frees=tuple(rec[_FREES]), phase=rec[_PHASE], module=rec[_MODULE]))
+            prog.ops.append(
+                Op(
+                    type=rec[_TYPE],
+                    inputs=tuple(rec[_INPUTS]),
+                    outputs=tuple(rec[_OUTPUTS]),
+                    frees=tuple(rec[_FREES]),
+                    phase=rec[_PHASE],
+                    module=rec[_MODULE],
+                )
+            )
         return [progs[p] for p in self.phases if progs[p].ops]
 
 
 # Layer labels --------------------------------------------------------------------------------
+
 
 def find_layer_prefix(model: torch.nn.Module) -> str | None:
     """The qualified name of the longest `nn.ModuleList` of identical blocks (the decoder
@@ -514,4 +574,5 @@ def layer_index_fn(prefix: str | None):
             m = pattern.search(module)
             v = cache[module] = int(m.group(1)) if m else None
         return v
+
     return index

@@ -23,6 +23,7 @@ def _inductor_decompositions():
     """Inductor's decomposition table: the partitioner sees the ops inductor compiles (e.g.
     log-softmax as max / sub / exp / sum / log, each recomputable), not the eager kernels."""
     from torch._inductor.decomposition import select_decomp_table
+
     return select_decomp_table()
 
 
@@ -97,10 +98,15 @@ def compile_function(fn):
 
     def compiled(*args, **kwargs):
         if "fn" not in holder:
-            holder["fn"] = aot_function(fn, fw_compiler=nop, bw_compiler=nop,
-                                        partition_fn=min_cut_rematerialization_partition,
-                                        decompositions=_inductor_decompositions())
+            holder["fn"] = aot_function(
+                fn,
+                fw_compiler=nop,
+                bw_compiler=nop,
+                partition_fn=min_cut_rematerialization_partition,
+                decompositions=_inductor_decompositions(),
+            )
             with _tracing_modes(args):
                 holder["fn"](*args, **kwargs)
         return holder["fn"](*args, **kwargs)
+
     return compiled

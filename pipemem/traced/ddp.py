@@ -44,9 +44,9 @@ from collections import deque
 
 import torch
 
-DEFAULT_BUCKET_CAP_MB = 25                   # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
-FIRST_BUCKET_BYTES = 1024 * 1024             # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024   # DistributedDataParallel.broadcast_bucket_size
+DEFAULT_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 MB = 1024 * 1024
 
 
@@ -66,7 +66,7 @@ def assign_by_size(tensors: list, limits: list[int]) -> list[list[int]]:
     them (dense tensors, no given order): in order, one open bucket per (dtype, device),
     closed once its bytes reach its limit (a dtype's i-th bucket takes the i-th limit, the
     last one after that); the buckets sorted by their smallest index."""
-    open_: dict = {}       # (dtype, device) -> (indices, bytes, buckets closed so far)
+    open_: dict = {}  # (dtype, device) -> (indices, bytes, buckets closed so far)
     out = []
     for i, t in enumerate(tensors):
         key = (t.dtype, t.device)
@@ -102,12 +102,15 @@ class DDPBuckets:
         self.layout = bucket_layout(self.params)
         self.buckets, self.views = [], {}
         for idx in self.layout:
-            flat = torch.empty(sum(self.params[i].numel() for i in idx), dtype=self.params[idx[0]].dtype,
-                               device=self.params[idx[0]].device)
+            flat = torch.empty(
+                sum(self.params[i].numel() for i in idx),
+                dtype=self.params[idx[0]].dtype,
+                device=self.params[idx[0]].device,
+            )
             off = 0
             for i in idx:
                 p = self.params[i]
-                self.views[p] = flat[off:off + p.numel()].view(p.shape)
+                self.views[p] = flat[off : off + p.numel()].view(p.shape)
                 off += p.numel()
             self.buckets.append(flat)
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
@@ -122,7 +125,7 @@ class DDPBuckets:
         in_flight: deque = deque()
         for idx in assign_by_size(self.buffers, [BROADCAST_BUCKET_BYTES]):
             if len(in_flight) >= 2:
-                in_flight.popleft()            # the oldest broadcast finishes, its flat copy dies
+                in_flight.popleft()  # the oldest broadcast finishes, its flat copy dies
             group = [self.buffers[i].contiguous().view(-1) for i in idx]
             in_flight.append(group[0] if len(group) == 1 else torch.cat(group))
         in_flight.clear()

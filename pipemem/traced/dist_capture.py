@@ -23,7 +23,6 @@ import weakref
 import torch
 
 from ..errors import UserError
-
 from .capture import StorageRecorder
 
 
@@ -50,14 +49,18 @@ class DistStorageRecorder(StorageRecorder):
 
     # Storage resizing ---------------------------------------------------------------------
     def _freed(self, name: str) -> None:
-        if name in self._manually_freed:     # freed by resize_(0) already; the object dies later
+        if name in self._manually_freed:  # freed by resize_(0) already; the object dies later
             return
         super()._freed(name)
 
     def resized_alloc(self, tensor: torch.Tensor) -> None:
         st = tensor.untyped_storage()
         name = self._ids.get(st)
-        if name is not None and name not in self._manually_freed and self.storages[name].nbytes == st.nbytes():
+        if (
+            name is not None
+            and name not in self._manually_freed
+            and self.storages[name].nbytes == st.nbytes()
+        ):
             return
         new = self._new(tensor, st, self.phase)
         self.storages[new].nbytes = st.nbytes()
@@ -77,6 +80,7 @@ class DistStorageRecorder(StorageRecorder):
     def fsdp_resizes(self):
         """Wrap FSDP2's storage alloc/free (both modules that call them) while active."""
         from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
         orig_alloc, orig_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 
         def alloc(tensor):
@@ -90,8 +94,11 @@ class DistStorageRecorder(StorageRecorder):
                 self.resized_free(tensor)
             orig_free(tensor)
 
-        patched = [(_fsdp_param, "alloc_storage", alloc), (_fsdp_param, "free_storage", free),
-                   (_fsdp_param_group, "alloc_storage", alloc)]
+        patched = [
+            (_fsdp_param, "alloc_storage", alloc),
+            (_fsdp_param, "free_storage", free),
+            (_fsdp_param_group, "alloc_storage", alloc),
+        ]
         saved = [(m, n, getattr(m, n)) for m, n, _ in patched if hasattr(m, n)]
         for m, n, f in patched:
             if hasattr(m, n):
@@ -107,7 +114,7 @@ class DistStorageRecorder(StorageRecorder):
         return _local(t)
 
     def _skip(self, storage) -> bool:
-        return storage.nbytes() == 0          # a freed (resized-to-0) storage read for metadata
+        return storage.nbytes() == 0  # a freed (resized-to-0) storage read for metadata
 
     def _after_call(self, func, args, out) -> None:
         if func in _RETURNS_INPUT and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
@@ -116,14 +123,16 @@ class DistStorageRecorder(StorageRecorder):
             name = self._ids.get(in_st)
             if name is not None and out_st is not in_st:
                 self._ids[out_st] = name
-                weakref.finalize(out_st, _keep, in_st)   # the storage dies with the last of the two
+                weakref.finalize(out_st, _keep, in_st)  # the storage dies with the last of the two
 
     def _undeclared_input(self, a, st, constants: list) -> str:
         # Not declared (params, buffers, inputs, grads are): made inside DTensor's dispatch,
         # where the mode is popped (sharded-embedding masks, scalar operands). It exists from
         # here, not from before the step.
         name = self._new(a, st, self.phase)
-        self.ops.append(["dtensor_internal", self.phase, self.scope.current if self.scope else "", [], [name], []])
+        self.ops.append(
+            ["dtensor_internal", self.phase, self.scope.current if self.scope else "", [], [name], []]
+        )
         return name
 
 
@@ -134,10 +143,13 @@ def fake_process_group(rank: int, world: int):
     exit: collectives return at once, outputs are allocated as in a real run."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     if dist.is_initialized():
-        raise UserError("a torch.distributed process group is already initialised in this process; "
-                        "trace fake ranks in a fresh process")
-    hook = sys.excepthook       # init_process_group prefixes tracebacks with "[rankN]:"
+        raise UserError(
+            "a torch.distributed process group is already initialised in this process; "
+            "trace fake ranks in a fresh process"
+        )
+    hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rankN]:"
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield

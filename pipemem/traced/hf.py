@@ -24,19 +24,54 @@ ATTENTION = ("sdpa", "eager")
 
 # Tiny configurations (seconds on a CPU) for validation and tests, one per architecture.
 TINY = {
-    "llama": dict(model_type="llama", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=344, vocab_size=1024,
-                  max_position_embeddings=1024, tie_word_embeddings=False),
-    "mistral": dict(model_type="mistral", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=1, intermediate_size=256, vocab_size=1000,
-                    max_position_embeddings=1024, sliding_window=None, tie_word_embeddings=False),
-    "qwen2": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=320, vocab_size=1200,
-                  max_position_embeddings=1024, tie_word_embeddings=True),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=344,
+        vocab_size=1024,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        vocab_size=1000,
+        max_position_embeddings=1024,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=320,
+        vocab_size=1200,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=128, n_layer=3, n_head=4, vocab_size=1024, n_positions=1024),
-    "mixtral": dict(model_type="mixtral", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=192, vocab_size=1024, num_local_experts=4,
-                    num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        vocab_size=1024,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -56,14 +91,18 @@ class Precision:
         if base == "fp32" and not how:
             return cls(torch.float32, None)
         if base not in low or how not in ("", "pure", "autocast"):
-            raise UserError(f"--dtype {dtype!r}: use fp32, bf16, fp16 (or bf16-pure, bf16-autocast, fp16-pure, fp16-autocast)")
+            raise UserError(
+                f"--dtype {dtype!r}: use fp32, bf16, fp16 (or bf16-pure, bf16-autocast, fp16-pure, fp16-autocast)"
+            )
         pure = how == "pure" or (how == "" and not master_weights)
         return cls(low[base], None) if pure else cls(torch.float32, low[base])
 
     @property
     def name(self) -> str:
         if self.autocast_dtype is None:
-            return {torch.float32: "fp32", torch.bfloat16: "bf16-pure", torch.float16: "fp16-pure"}[self.param_dtype]
+            return {torch.float32: "fp32", torch.bfloat16: "bf16-pure", torch.float16: "fp16-pure"}[
+                self.param_dtype
+            ]
         return {torch.bfloat16: "bf16-autocast", torch.float16: "fp16-autocast"}[self.autocast_dtype]
 
 
@@ -86,23 +125,29 @@ def make_config(model_config, attn: str = "sdpa", layers: int | None = None, not
         # a checkpoint's storage format (DeepSeek-V3's fp8 blocks, GPT-OSS's mxfp4 experts): training
         # loads the weights in the step's dtype, as from_config builds them
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        notes.append(f"traced mode: the checkpoint's quantization_config ({method}) is not applied; "
-                     "parameters are held in the --dtype given")
+        notes.append(
+            f"traced mode: the checkpoint's quantization_config ({method}) is not applied; "
+            "parameters are held in the --dtype given"
+        )
     if layers is not None:
         d = _with_layers(d, int(layers))
     model_type = d.pop("model_type")
     try:
         cfg = AutoConfig.for_model(model_type, **d)
-    except Exception as e:     # noqa: BLE001 - the config class's validation (ValueError, field types...)
+    except Exception as e:  # noqa: BLE001 - the config class's validation (ValueError, field types...)
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        raise UserError(f"model config: transformers cannot build model_type {model_type!r} from it "
-                        f"({'; '.join(lines[:2]) if lines else type(e).__name__})") from None
+        raise UserError(
+            f"model config: transformers cannot build model_type {model_type!r} from it "
+            f"({'; '.join(lines[:2]) if lines else type(e).__name__})"
+        ) from None
     cls = causal_lm_class(cfg)
     if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
         attn = "eager"
         if notes is not None:
-            notes.append(f"traced mode: transformers' {cls.__name__} has no SDPA path; its eager attention "
-                         "was traced (it keeps the seq x seq scores a flash kernel would not)")
+            notes.append(
+                f"traced mode: transformers' {cls.__name__} has no SDPA path; its eager attention "
+                "was traced (it keeps the seq x seq scores a flash kernel would not)"
+            )
     cfg.use_cache = False
     cfg._attn_implementation = attn
     moe = any(hasattr(cfg, k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
@@ -132,8 +177,9 @@ def _known_model_type(d: dict) -> str:
 
     mt = d.get("model_type")
     if not mt:
-        raise UserError("model config: no \"model_type\" (needed to pick the HF architecture); "
-                        "use an HF config.json")
+        raise UserError(
+            'model config: no "model_type" (needed to pick the HF architecture); use an HF config.json'
+        )
     if mt in CONFIG_MAPPING:
         return mt
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -145,9 +191,11 @@ def _known_model_type(d: dict) -> str:
         types.sort(key=lambda t: CONFIG_MAPPING_NAMES.get(t) != arch.replace("ForCausalLM", "Config"))
         if types:
             return types[0]
-    raise UserError(f"model config: model_type {mt!r} is not known to transformers and its architectures "
-                    f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers "
-                    "can build")
+    raise UserError(
+        f"model config: model_type {mt!r} is not known to transformers and its architectures "
+        f"{d.get('architectures')!r} name no causal-LM class it has; use a config transformers "
+        "can build"
+    )
 
 
 def traced_arch(model_config: dict, name: str = ""):
@@ -164,15 +212,23 @@ def traced_arch(model_config: dict, name: str = ""):
     cfg = make_config(model_config, "eager")
     d = cfg.to_dict()
     d["model_type"] = cfg.model_type
-    for k in _SIZE_KEYS:     # sizes some config classes hold as properties (Nemotron-H's layer count)
+    for k in _SIZE_KEYS:  # sizes some config classes hold as properties (Nemotron-H's layer count)
         v = getattr(cfg, k, None)
         if d.get(k) is None and isinstance(v, int) and not isinstance(v, bool):
             d[k] = v
     return sizes_from_hf_config(d, name)
 
 
-_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "intermediate_size", "vocab_size", "max_position_embeddings")
+_SIZE_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def _with_layers(d: dict, layers: int) -> dict:
@@ -202,9 +258,10 @@ def build_model(cfg, param_dtype: torch.dtype = torch.float32, device: str = "me
         # No weight initialisation on meta: the values are never read, and HF's init of an
         # 80-layer model costs 1.5 s, more than the rest of a replicated trace.
         from transformers.initialization import no_init_weights
+
         with torch.device("meta"), no_init_weights():
             model = AutoModelForCausalLM.from_config(cfg)
-            model.tie_weights()    # skipped with the initialisation; tied embeddings are one tensor
+            model.tie_weights()  # skipped with the initialisation; tied embeddings are one tensor
     else:
         model = AutoModelForCausalLM.from_config(cfg)
     return model.to(param_dtype).train()
@@ -212,8 +269,12 @@ def build_model(cfg, param_dtype: torch.dtype = torch.float32, device: str = "me
 
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
+
     from .kernel_policy import saved_ops_for_selective
-    return CheckpointPolicy.MUST_SAVE if op in saved_ops_for_selective() else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return (
+        CheckpointPolicy.MUST_SAVE if op in saved_ops_for_selective() else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def enable_recompute(model: torch.nn.Module, recompute: str) -> None:
@@ -227,15 +288,18 @@ def enable_recompute(model: torch.nn.Module, recompute: str) -> None:
     kwargs = {"use_reentrant": False}
     if recompute == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
 def step_inputs(cfg, batch: int, seq: int):
     """The default step's inputs: ``input_ids=ids, labels=ids, use_cache=False`` (one tensor)."""
+
     def make(_model=None):
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))
         return {"input_ids": ids, "labels": ids, "use_cache": False}
+
     return make
 
 
@@ -261,7 +325,7 @@ def fake_tensor_quirks():
         first_dummy_value = position_ids[:, :1] - 1
         position_diff = torch.diff(position_ids, prepend=first_dummy_value, dim=-1)
         packed_sequence_mask = (position_diff != 1).cumsum(-1)
-        (packed_sequence_mask[:, -1] == 0).all()   # the real run's check (its value is unknowable here)
+        (packed_sequence_mask[:, -1] == 0).all()  # the real run's check (its value is unknowable here)
         return None
 
     mu.find_packed_sequence_indices = find_packed_sequence_indices
@@ -285,17 +349,35 @@ def optimizer_factory(name: str):
     raise UserError(f"--optimizer {name!r}: traced mode supports adamw, adam, sgd")
 
 
-def trace_hf_step(model_config, batch: int, seq: int, dtype: str = "fp32", attn: str = "sdpa",
-                  recompute: str = "none", optimizer: str = "adamw", kernel_policy: str = "cuda",
-                  layers: int | None = None, master_weights: bool = True, step: str = "steady",
-                  set_to_none: bool = True):
+def trace_hf_step(
+    model_config,
+    batch: int,
+    seq: int,
+    dtype: str = "fp32",
+    attn: str = "sdpa",
+    recompute: str = "none",
+    optimizer: str = "adamw",
+    kernel_policy: str = "cuda",
+    layers: int | None = None,
+    master_weights: bool = True,
+    step: str = "steady",
+    set_to_none: bool = True,
+):
     """Trace the default training step of an HF causal LM built from `model_config`
     (`step`, `set_to_none`: see `step.trace_step`)."""
     from .step import trace_step
 
     cfg = make_config(model_config, attn, layers)
     prec = Precision.parse(dtype, master_weights)
-    return trace_step(lambda: build_model(cfg, prec.param_dtype), step_inputs(cfg, batch, seq), hf_loss,
-                      optimizer_factory(optimizer), kernel_policy, autocast_dtype=prec.autocast_dtype,
-                      prepare=lambda m: enable_recompute(m, recompute), patches=fake_tensor_quirks(), step=step,
-                      set_to_none=set_to_none)
+    return trace_step(
+        lambda: build_model(cfg, prec.param_dtype),
+        step_inputs(cfg, batch, seq),
+        hf_loss,
+        optimizer_factory(optimizer),
+        kernel_policy,
+        autocast_dtype=prec.autocast_dtype,
+        prepare=lambda m: enable_recompute(m, recompute),
+        patches=fake_tensor_quirks(),
+        step=step,
+        set_to_none=set_to_none,
+    )

@@ -98,9 +98,14 @@ class CudaKernels:
         F.dropout = self._dropout_entry
         F.rms_norm = self._rms_norm_entry
         self._patched = []
-        for owner, names, wrap in ((torch, _FP32_TORCH, _fp32_inputs), (torch.Tensor, _FP32_TENSOR, _fp32_inputs),
-                                   (F, _FP32_FUNCTIONAL, _fp32_inputs), (torch, _SET_DTYPE, _fp32_dtype),
-                                   (torch.Tensor, _SET_DTYPE, _fp32_dtype), (F, _SET_DTYPE_FUNCTIONAL, _fp32_dtype)):
+        for owner, names, wrap in (
+            (torch, _FP32_TORCH, _fp32_inputs),
+            (torch.Tensor, _FP32_TENSOR, _fp32_inputs),
+            (F, _FP32_FUNCTIONAL, _fp32_inputs),
+            (torch, _SET_DTYPE, _fp32_dtype),
+            (torch.Tensor, _SET_DTYPE, _fp32_dtype),
+            (F, _SET_DTYPE_FUNCTIONAL, _fp32_dtype),
+        ):
             for name in names:
                 original = getattr(owner, name, None)
                 if original is not None:
@@ -113,7 +118,7 @@ class CudaKernels:
         for owner, name, original, own in reversed(self._patched):
             if own:
                 setattr(owner, name, original)
-            else:            # inherited (torch.Tensor from TensorBase): drop our shadowing attribute
+            else:  # inherited (torch.Tensor from TensorBase): drop our shadowing attribute
                 delattr(owner, name)
         self._patched = []
         return False
@@ -131,7 +136,7 @@ class CudaKernels:
         return self._saved[1](*args, **kwargs)
 
     def _rms_norm_entry(self, input, normalized_shape, weight=None, eps=None):
-        if weight is not None and weight.dtype != input.dtype:     # CUDA falls back to the composite too
+        if weight is not None and weight.dtype != input.dtype:  # CUDA falls back to the composite too
             return self._saved[2](input, normalized_shape, weight, eps)
         return _FusedRMSNorm.apply(input, weight, tuple(normalized_shape))
 
@@ -176,9 +181,11 @@ class CudaKernels:
                 k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
             need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             return aten._scaled_dot_product_efficient_attention(
-                q, k, v, mask, need_grad, p, causal, scale=scale)[0]
+                q, k, v, mask, need_grad, p, causal, scale=scale
+            )[0]
         return aten._scaled_dot_product_attention_math(
-            q, k, v, mask, p, causal, None, scale=scale, enable_gqa=bool(gqa))[0]
+            q, k, v, mask, p, causal, None, scale=scale, enable_gqa=bool(gqa)
+        )[0]
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -186,7 +193,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape):
-        stat_shape = x.shape[:x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        stat_shape = x.shape[: x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
         rstd = x.new_empty(stat_shape, dtype=torch.float32)
         ctx.save_for_backward(x, rstd, weight)
         return torch.empty_like(x)
@@ -199,17 +206,76 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 _LOW = (torch.float16, torch.bfloat16)
-_FP32_TORCH = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
-               "reciprocal", "rsqrt", "sinh", "tan", "pow", "cdist", "dist", "renorm", "cosine_similarity",
-               "layer_norm", "group_norm")
-_FP32_TENSOR = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
-                "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "__rtruediv__",
-                "__rdiv__", "dist", "renorm")
-_FP32_FUNCTIONAL = ("layer_norm", "group_norm", "softplus", "normalize", "cosine_similarity", "pdist",
-                    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss",
-                    "binary_cross_entropy_with_logits", "cross_entropy", "poisson_nll_loss",
-                    "hinge_embedding_loss", "margin_ranking_loss", "multilabel_margin_loss",
-                    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "cosine_embedding_loss")
+_FP32_TORCH = (
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log1p",
+    "log2",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "cdist",
+    "dist",
+    "renorm",
+    "cosine_similarity",
+    "layer_norm",
+    "group_norm",
+)
+_FP32_TENSOR = (
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log1p",
+    "log2",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "__pow__",
+    "__rpow__",
+    "__rtruediv__",
+    "__rdiv__",
+    "dist",
+    "renorm",
+)
+_FP32_FUNCTIONAL = (
+    "layer_norm",
+    "group_norm",
+    "softplus",
+    "normalize",
+    "cosine_similarity",
+    "pdist",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "nll_loss",
+    "binary_cross_entropy_with_logits",
+    "cross_entropy",
+    "poisson_nll_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "cosine_embedding_loss",
+)
 _SET_DTYPE = ("softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod")
 _SET_DTYPE_FUNCTIONAL = ("softmax", "log_softmax", "softmin")
 
@@ -220,12 +286,16 @@ def _autocast_on() -> bool:
 
 def _fp32_inputs(original, name):
     """CUDA autocast's float32 policy: fp16/bf16 tensor arguments are cast to fp32 first."""
+
     def wrapper(*args, **kwargs):
         if _autocast_on():
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
-            kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v)
-                      for k, v in kwargs.items()}
+            kwargs = {
+                k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v)
+                for k, v in kwargs.items()
+            }
         return original(*args, **kwargs)
+
     wrapper.__name__ = name
     return wrapper
 
@@ -247,6 +317,7 @@ def _fp32_dtype(original, name):
             if isinstance(dim, int):
                 return half_to_float(x, dim, True)
         return original(*args, **kwargs)
+
     wrapper.__name__ = name
     return wrapper
 
@@ -269,10 +340,14 @@ def configure_optimizer(policy: str, optimizer) -> None:
 # Ops that selective checkpointing saves (the matmuls and attention kernels of both policies).
 def saved_ops_for_selective():
     aten = torch.ops.aten
-    ops = [aten.mm.default, aten.bmm.default, aten.addmm.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_efficient_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default]
+    ops = [
+        aten.mm.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    ]
     for name in ("_grouped_mm",):
         op = getattr(aten, name, None)
         if op is not None:

@@ -13,8 +13,9 @@ from math import prod
 ASSUMED = "kernel workspace assumed, not checked"
 
 
-def flash_attention_backward_workspace(s: int, b: int, heads: int, kv_heads: int, head_dim: int,
-                                       elem_bytes: int) -> list[tuple[str, tuple[int, ...], int]]:
+def flash_attention_backward_workspace(
+    s: int, b: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int
+) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, shape, bytes per element) of the buffers flash attention's backward allocates
     beyond dq, dk, dv. Source: Dao-AILab/flash-attention v2, csrc/flash_attn/flash_api.cpp
     `mha_bwd`: `dq_accum` (fp32, [b, s, heads, head_dim] rounded up to the kernel's tiles) and
@@ -25,13 +26,18 @@ def flash_attention_backward_workspace(s: int, b: int, heads: int, kv_heads: int
     are taken to allocate the same."""
     out = [("dq_accum", (s, b, heads, head_dim), 4), ("softmax_d", (b, heads, s), 4)]
     if kv_heads < heads:
-        out += [("dk_expanded", (s, b, heads, head_dim), elem_bytes),
-                ("dv_expanded", (s, b, heads, head_dim), elem_bytes)]
+        out += [
+            ("dk_expanded", (s, b, heads, head_dim), elem_bytes),
+            ("dv_expanded", (s, b, heads, head_dim), elem_bytes),
+        ]
     return out
 
 
-def flash_attention_backward_workspace_bytes(s: int, b: int, heads: int, kv_heads: int, head_dim: int,
-                                             elem_bytes: int) -> int:
+def flash_attention_backward_workspace_bytes(
+    s: int, b: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int
+) -> int:
     """The bytes of `flash_attention_backward_workspace`, all alive at once inside the kernel."""
-    return sum(prod(shape) * eb for _, shape, eb in
-               flash_attention_backward_workspace(s, b, heads, kv_heads, head_dim, elem_bytes))
+    return sum(
+        prod(shape) * eb
+        for _, shape, eb in flash_attention_backward_workspace(s, b, heads, kv_heads, head_dim, elem_bytes)
+    )

@@ -36,10 +36,10 @@ from ..liveness import analyze_sequence
 class StageSpec:
     """What shapes one traced pipeline stage (hashable: a cache key)."""
 
-    model: str              # the HF config dict as JSON (sorted keys)
+    model: str  # the HF config dict as JSON (sorted keys)
     total_layers: int
     attn: str
-    dtype: str              # torch dtype name of the parameters
+    dtype: str  # torch dtype name of the parameters
     stage: int
     num_stages: int
     layers: tuple
@@ -60,13 +60,14 @@ class StageSpec:
 
 def _cfg(spec: StageSpec):
     from .hf import make_config
+
     return make_config(json.loads(spec.model), spec.attn, spec.total_layers)
 
 
 @dataclass
 class TracedStage:
-    jobs: StageJobs                 # F, later B / I / W
-    first_grad: StageJobs           # the first B / W of the step (creates the param grads)
+    jobs: StageJobs  # F, later B / I / W
+    first_grad: StageJobs  # the first B / W of the step (creates the param grads)
     param_bytes: int
 
 
@@ -77,30 +78,66 @@ def trace_stage(spec: StageSpec) -> TracedStage:
 
     from . import kernel_policy as policies
     from .stack import build_stack
+
     cfg = _cfg(spec)
     dtype = getattr(torch, spec.dtype)
     with FakeTensorMode(), policies.context(spec.kernel_policy):
-        full = _trace_sequence(build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype, init=False),
-                               cfg, spec, dtype, "FB")
-        split = (_trace_sequence(build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype,
-                                             init=False), cfg, spec, dtype, "FIW") if spec.split else None)
+        full = _trace_sequence(
+            build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype, init=False),
+            cfg,
+            spec,
+            dtype,
+            "FB",
+        )
+        split = (
+            _trace_sequence(
+                build_stack(cfg, spec.layers, spec.first, spec.last, spec.seq_len, dtype, init=False),
+                cfg,
+                spec,
+                dtype,
+                "FIW",
+            )
+            if spec.split
+            else None
+        )
     h, mb, seq = cfg.hidden_size, spec.micro_batch, spec.seq_len
     elem = torch.finfo(dtype).bits // 8
     act = mb * seq * h * elem
-    bounds = dict(input_bytes=0 if spec.first else act,
-                  output_bytes=mb * seq * (cfg.vocab_size if spec.last else h) * elem,
-                  input_grad_bytes=0 if spec.first else act, output_grad_bytes=0 if spec.last else act)
+    bounds = dict(
+        input_bytes=0 if spec.first else act,
+        output_bytes=mb * seq * (cfg.vocab_size if spec.last else h) * elem,
+        input_grad_bytes=0 if spec.first else act,
+        output_grad_bytes=0 if spec.last else act,
+    )
     layers = range(spec.layers[0], spec.layers[-1] + 1) if spec.layers else range(0)
-    later = StageJobs(spec.stage, F=full["F0"], B=full["B1"], I=split["I0"] if split else None,
-                      W=split["W1"] if split else None, layers=layers, **bounds)
-    first = StageJobs(spec.stage, F=full["F0"], B=full["B0"], I=split["I0"] if split else None,
-                      W=split["W0"] if split else None, layers=layers, **bounds)
+    later = StageJobs(
+        spec.stage,
+        F=full["F0"],
+        B=full["B1"],
+        I=split["I0"] if split else None,
+        W=split["W1"] if split else None,
+        layers=layers,
+        **bounds,
+    )
+    first = StageJobs(
+        spec.stage,
+        F=full["F0"],
+        B=full["B0"],
+        I=split["I0"] if split else None,
+        W=split["W0"] if split else None,
+        layers=layers,
+        **bounds,
+    )
     return TracedStage(later, first, full["param_bytes"])
 
 
 def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
     """Two microbatches through `kinds` ("FB": F B F B, "FIW": F I W F I W), one phase each."""
-    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+    from torch.distributed.pipelining._backward import (
+        stage_backward,
+        stage_backward_input,
+        stage_backward_weight,
+    )
 
     from .dist_capture import DistStorageRecorder
     from .stack import causal_lm_loss
@@ -117,7 +154,7 @@ def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
     rec.register(params, TensorKind.PARAM)
     rec.register(module.buffers(), TensorKind.BUFFER)
     rec.register([t for t in (x, target, gy) if t is not None], TensorKind.ACTIVATION)
-    held = []       # what the runtime owns: y, dx, losses (freed after the trace)
+    held = []  # what the runtime owns: y, dx, losses (freed after the trace)
     phases = []
     with rec:
         for m in range(2):
@@ -146,7 +183,7 @@ def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
                 if not first:
                     stage_backward_weight(iter(params), groups)
                     del groups, so
-                else:     # the runtime defers the first stage's whole backward to W
+                else:  # the runtime defers the first stage's whole backward to W
                     stage_backward(stage_output, output_grads, inputs)
             if last and not first:
                 y.detach_()
@@ -172,6 +209,7 @@ def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
     from .dist_capture import DistStorageRecorder
     from .hf import optimizer_factory
     from .stack import build_stack
+
     spec0 = specs[0]
     cfg = _cfg(spec0)
     dtype = getattr(torch, spec0.dtype)
@@ -244,12 +282,14 @@ def param_dtype_name(plan) -> str:
     if plan.dtype == "fp32":
         return "float32"
     if plan.master_weights:
-        raise UserError(f"traced mode with --pp/--tp/--fsdp/DDP: --dtype {plan.dtype} with master weights (autocast) "
-                        f"is not traced yet; use --dtype fp32 or --no-master-weights (pure {plan.dtype})")
+        raise UserError(
+            f"traced mode with --pp/--tp/--fsdp/DDP: --dtype {plan.dtype} with master weights (autocast) "
+            f"is not traced yet; use --dtype fp32 or --no-master-weights (pure {plan.dtype})"
+        )
     return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
 
 
-_NOT_LLAMA_LAYERS = ("gemma3_text",)     # template families whose HF layers are not Llama's
+_NOT_LLAMA_LAYERS = ("gemma3_text",)  # template families whose HF layers are not Llama's
 
 
 def check_stack_family(model_config: dict, what: str) -> None:
@@ -264,9 +304,11 @@ def check_stack_family(model_config: dict, what: str) -> None:
     except UnmodelledFamily:
         other = True
     if other:
-        raise UserError(f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
-                        f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
-                        "--pp, --tp, --fsdp or DDP --grads)") from None
+        raise UserError(
+            f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
+            f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
+            "--pp, --tp, --fsdp or DDP --grads)"
+        ) from None
 
 
 def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_policy: str) -> TracedStagePlan:
@@ -278,8 +320,20 @@ def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_pol
     n = plan.pp * plan.vpp
     specs, start = {}, 0
     for s, k in enumerate(plan.pp_layout):
-        specs[s] = StageSpec(model, plan.layers, attn, param_dtype_name(plan), s, n, tuple(range(start, start + k)),
-                             plan.micro_batch, plan.seq_len, split_backward, kernel_policy, plan.optimizer)
+        specs[s] = StageSpec(
+            model,
+            plan.layers,
+            attn,
+            param_dtype_name(plan),
+            s,
+            n,
+            tuple(range(start, start + k)),
+            plan.micro_batch,
+            plan.seq_len,
+            split_backward,
+            kernel_policy,
+            plan.optimizer,
+        )
         start += k
     return TracedStagePlan(specs, {s: trace_stage(sp) for s, sp in specs.items()})
 
@@ -287,14 +341,18 @@ def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_pol
 def _check_pipeline(plan) -> None:
     bad = [f"--{k} {getattr(plan, k)}" for k in ("tp", "cp", "ep") if getattr(plan, k) != 1]
     if bad or plan.zero or plan.fsdp:
-        raise UserError(f"traced mode traces pipelines of unsharded stages; {', '.join(bad) or '--zero/--fsdp'} "
-                        "with --pp is not traced yet: use --mode templates")
+        raise UserError(
+            f"traced mode traces pipelines of unsharded stages; {', '.join(bad) or '--zero/--fsdp'} "
+            "with --pp is not traced yet: use --mode templates"
+        )
     if plan.recompute != "none":
-        raise UserError("traced mode with --pp: --recompute is not traced for pipeline stages yet; "
-                        "use --mode templates")
+        raise UserError(
+            "traced mode with --pp: --recompute is not traced for pipeline stages yet; use --mode templates"
+        )
 
 
 # ---------------------------------------------------------------- one TP / FSDP rank
+
 
 def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, rank: int = 0) -> dict:
     """One training step of rank `rank` of a tensor-parallel (`kind="tp"`, world = tp), FSDP2
@@ -320,14 +378,18 @@ def trace_sharded_rank(model_config: dict, plan, kind: str, kernel_policy: str, 
     cfg = make_config(model_config, "sdpa" if plan.flash_attn else "eager", plan.layers)
     dtype = getattr(torch, param_dtype_name(plan))
     if plan.recompute not in ("none", "full") or (kind == "fsdp" and plan.recompute != "none"):
-        raise UserError(f"traced mode with --{kind}: --recompute {plan.recompute} is not traced yet; use "
-                        + ("none or full" if kind == "tp" else "none") + ", or --mode templates")
+        raise UserError(
+            f"traced mode with --{kind}: --recompute {plan.recompute} is not traced yet; use "
+            + ("none or full" if kind == "tp" else "none")
+            + ", or --mode templates"
+        )
     with fake_process_group(rank, world):
-        mesh = make_mesh(world)          # device meshes cannot be built under FakeTensorMode
+        mesh = make_mesh(world)  # device meshes cannot be built under FakeTensorMode
         with FakeTensorMode(), policies.context(kernel_policy):
             model = build(cfg, plan.seq_len, mesh, init=False, dtype=dtype)
-            if plan.recompute == "full":     # torchtitan's full activation checkpointing, per decoder layer
+            if plan.recompute == "full":  # torchtitan's full activation checkpointing, per decoder layer
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
                 for k in list(model.layers):
                     model.layers[k] = checkpoint_wrapper(model.layers[k])
             return _trace_model_step(model, plan, kernel_policy)
@@ -347,14 +409,17 @@ def _trace_ddp_rank(model_config: dict, plan, kernel_policy: str) -> dict:
     from .stack import build_stack
 
     if plan.recompute not in ("none", "full"):
-        raise UserError(f"traced mode with DDP (--grads {plan.grads}): --recompute {plan.recompute} is not traced "
-                        "yet; use none or full, or --mode templates")
+        raise UserError(
+            f"traced mode with DDP (--grads {plan.grads}): --recompute {plan.recompute} is not traced "
+            "yet; use none or full, or --mode templates"
+        )
     cfg = make_config(model_config, "sdpa" if plan.flash_attn else "eager", plan.layers)
     dtype = getattr(torch, param_dtype_name(plan))
     with FakeTensorMode(), policies.context(kernel_policy):
         model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, plan.seq_len, dtype, init=False)
         if plan.recompute == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
             for k in list(model.layers):
                 model.layers[k] = checkpoint_wrapper(model.layers[k])
         ddp = DDPBuckets(model, max(plan.dp, 1), plan.grads == "ddp-bucket-view")
@@ -364,6 +429,7 @@ def _trace_ddp_rank(model_config: dict, plan, kernel_policy: str) -> dict:
     # the .grad tensors backward creates beside the buckets (none as bucket views): the
     # report's "in step" gradients, not activations
     from dataclasses import replace
+
     out["static"] = replace(out["static"], grads_in_step=0 if ddp.as_view else sum(ddp.bucket_bytes))
     return out
 
@@ -410,6 +476,12 @@ def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dic
         return JobMemory(r.net_bytes, r.peak_bytes) if r is not None else JobMemory(0, 0)
 
     peak_op = {name: f"{name}: {r.peak_op_label}" for name, r in results.items()}
-    return {"static": StaticBytes(params=param_bytes, grads=grad_bytes, other=total - param_bytes - grad_bytes),
-            "F": job("forward"), "B": job("backward"), "optimizer": job("optimizer"), "peak_op": peak_op,
-            "param_bytes": param_bytes, "buffer_bytes": buffer_bytes}
+    return {
+        "static": StaticBytes(params=param_bytes, grads=grad_bytes, other=total - param_bytes - grad_bytes),
+        "F": job("forward"),
+        "B": job("backward"),
+        "optimizer": job("optimizer"),
+        "peak_op": peak_op,
+        "param_bytes": param_bytes,
+        "buffer_bytes": buffer_bytes,
+    }

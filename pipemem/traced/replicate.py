@@ -35,11 +35,11 @@ class NotReplicable(Exception):
 
 @dataclass
 class Piece:
-    layer: int | None       # the layer whose ops end this piece (None: embedding, head, tail)
-    during: np.ndarray      # bytes while each op runs, relative to the piece's start
-    after: np.ndarray       # bytes after each op, relative to the piece's start
+    layer: int | None  # the layer whose ops end this piece (None: embedding, head, tail)
+    during: np.ndarray  # bytes while each op runs, relative to the piece's start
+    after: np.ndarray  # bytes after each op, relative to the piece's start
     labels: list[str]
-    template_frees: np.ndarray | None = None   # bytes of template-layer storages freed at each op
+    template_frees: np.ndarray | None = None  # bytes of template-layer storages freed at each op
 
 
 def _piece_slices(layers: list) -> list[tuple[int, int, int | None]]:
@@ -88,7 +88,11 @@ def phase_pieces(step: TracedStep, template: int = TEMPLATE_LAYER) -> dict[str, 
     for prog, kept in zip(programs, keep):
         c = compile_program(prog)
         for i, name in enumerate(c.storage_names):
-            if c.first_is_write[i] and name not in entry and piece_layer(prog.name, int(c.first_op[i])) == template:
+            if (
+                c.first_is_write[i]
+                and name not in entry
+                and piece_layer(prog.name, int(c.first_op[i])) == template
+            ):
                 allocated_by_template.add(name)
         for i, name in enumerate(c.storage_names):
             if name in allocated_by_template and c.touched[i] and not c.persistent[i] and name not in kept:
@@ -107,15 +111,22 @@ def phase_pieces(step: TracedStep, template: int = TEMPLATE_LAYER) -> dict[str, 
                         tf[op - start] += size
                 if not tf.any():
                     tf = None
-            pieces.append(Piece(lay, res.during[start:end + 1] - base, res.after[start:end + 1] - base,
-                                [op.label for op in prog.ops[start:end + 1]], tf))
+            pieces.append(
+                Piece(
+                    lay,
+                    res.during[start : end + 1] - base,
+                    res.after[start : end + 1] - base,
+                    [op.label for op in prog.ops[start : end + 1]],
+                    tf,
+                )
+            )
         out[prog.name] = pieces
     return out
 
 
 def expand(pieces: list[Piece], n_layers: int, traced: int, template: int) -> PhaseMemory:
     """Walk the pieces with the template layer's piece repeated for the missing layers."""
-    extra = n_layers - traced       # copies of the template beyond the one traced
+    extra = n_layers - traced  # copies of the template beyond the one traced
     parts, labels = [], []
     for p in pieces:
         during, after = p.during, p.after
@@ -139,7 +150,7 @@ def layer_template_params(model: torch.nn.Module, prefix: str, n_layers: int, te
     tag = prefix + "."
     for name, p in model.named_parameters():
         if name.startswith(tag):
-            layer = int(name[len(tag):].split(".", 1)[0])
+            layer = int(name[len(tag) :].split(".", 1)[0])
             copies = n_layers - traced + 1 if layer == template else 1
         else:
             copies = 1
@@ -147,8 +158,15 @@ def layer_template_params(model: torch.nn.Module, prefix: str, n_layers: int, te
     return specs
 
 
-def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dtype=torch.float32,
-                    zero_grad: bool = True, step: str = "steady", set_to_none: bool = True) -> tuple[PhaseMemory, dict]:
+def trace_optimizer(
+    param_specs,
+    optimizer_factory,
+    kernel_policy: str,
+    loss_dtype=torch.float32,
+    zero_grad: bool = True,
+    step: str = "steady",
+    set_to_none: bool = True,
+) -> tuple[PhaseMemory, dict]:
     """The optimizer phase of the step for parameters of these shapes, their gradients alive
     on entry (as after a backward) and the loss freed at the end (as `run_step` does).
     step="steady": the optimizer has stepped once before (its states exist on entry);
@@ -164,7 +182,7 @@ def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dty
     optimizer = optimizer_factory(params)
     policies.configure_optimizer(kernel_policy, optimizer)
     keep_grads = zero_grad and not set_to_none
-    if step == "steady":                 # the warm-up step: states created, grads left as zero_grad leaves them
+    if step == "steady":  # the warm-up step: states created, grads left as zero_grad leaves them
         for p in params:
             p.grad = torch.empty_like(p)
         optimizer.step()
@@ -173,11 +191,13 @@ def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dty
                 p.grad = None
     rec = StorageRecorder(cpu_scalars=(kernel_policy == "cpu"))
     rec.register(params, TensorKind.PARAM)
-    states = rec.register([v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
-                          TensorKind.OPTIMIZER_STATE)
+    states = rec.register(
+        [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+        TensorKind.OPTIMIZER_STATE,
+    )
     kept = rec.register([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
     with rec:
-        rec.begin("backward")            # what the backward leaves: grads and the loss
+        rec.begin("backward")  # what the backward leaves: grads and the loss
         for p in params:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
@@ -189,8 +209,10 @@ def trace_optimizer(param_specs, optimizer_factory, kernel_policy: str, loss_dty
         del loss
     del optimizer
     phases = analyze_programs(rec.programs(), rec.entry_storages())
-    resident = {"optimizer": sum(rec.storages[n].nbytes for n in set(states)),
-                "grads": sum(rec.storages[n].nbytes for n in set(kept))}
+    resident = {
+        "optimizer": sum(rec.storages[n].nbytes for n in set(states)),
+        "grads": sum(rec.storages[n].nbytes for n in set(kept)),
+    }
     return next(p for p in phases if p.name == "optimizer"), resident
 
 
@@ -209,23 +231,41 @@ class ReplicatedStep:
     phase = TracedStep.phase
 
     def summary(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at,
-                "net_after_forward": self.net_after_forward, "static": dict(self.static),
-                "phases": [p.to_dict() for p in self.phases], "layers": self.layers,
-                "replicated_from_layers": self.traced.layers if self.traced else None}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_at": self.peak_at,
+            "net_after_forward": self.net_after_forward,
+            "static": dict(self.static),
+            "phases": [p.to_dict() for p in self.phases],
+            "layers": self.layers,
+            "replicated_from_layers": self.traced.layers if self.traced else None,
+        }
 
 
-def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, loss_fn=None,
-                     optimizer_factory=None, kernel_policy: str = "cuda", *, traced_layers: int = TRACED_LAYERS,
-                     template: int = TEMPLATE_LAYER, **trace_kwargs) -> ReplicatedStep:
+def trace_replicated(
+    build_model,
+    set_layers,
+    n_layers: int,
+    example_inputs,
+    loss_fn=None,
+    optimizer_factory=None,
+    kernel_policy: str = "cuda",
+    *,
+    traced_layers: int = TRACED_LAYERS,
+    template: int = TEMPLATE_LAYER,
+    **trace_kwargs,
+) -> ReplicatedStep:
     """Trace `build_model()` after `set_layers(traced_layers)` and replicate to `n_layers`.
 
     build_model: zero-argument function building the model (on meta); set_layers(k): makes the
     next build have k layers. Other arguments as `trace_step`.
     """
+
     def full():
         set_layers(n_layers)
-        step = trace_step(build_model, example_inputs, loss_fn, optimizer_factory, kernel_policy, **trace_kwargs)
+        step = trace_step(
+            build_model, example_inputs, loss_fn, optimizer_factory, kernel_policy, **trace_kwargs
+        )
         return ReplicatedStep(step.static, step.phases, n_layers, step)
 
     if n_layers <= traced_layers:
@@ -235,6 +275,7 @@ def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, los
 
     def lf(out):
         from .step import default_loss
+
         loss = (loss_fn or default_loss)(out)
         loss_meta["dtype"] = loss.dtype
         loss_meta["bytes"] = loss.untyped_storage().nbytes()
@@ -242,7 +283,7 @@ def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, los
 
     step = trace_step(build_model, example_inputs, lf, None, kernel_policy, **trace_kwargs)
     if not step.layer_prefix or step.layers != traced_layers:
-        return full()          # no list of identical layers to replicate
+        return full()  # no list of identical layers to replicate
     try:
         pieces = phase_pieces(step, template)
     except NotReplicable:
@@ -259,33 +300,61 @@ def trace_replicated(build_model, set_layers, n_layers: int, example_inputs, los
         phases[-1].net_bytes += loss_meta.get("bytes", 0)
     with torch.device("meta"):
         model = build_model()
-    per_layer = sum(p.numel() * p.element_size() for p in model.get_submodule(step.layer_prefix)[template].parameters())
-    per_layer_buf = sum(b.numel() * b.element_size() for b in model.get_submodule(step.layer_prefix)[template].buffers())
+    per_layer = sum(
+        p.numel() * p.element_size() for p in model.get_submodule(step.layer_prefix)[template].parameters()
+    )
+    per_layer_buf = sum(
+        b.numel() * b.element_size() for b in model.get_submodule(step.layer_prefix)[template].buffers()
+    )
     extra = n_layers - traced_layers
     static = dict(step.static)
     static["params"] += extra * per_layer
     static["buffers"] += extra * per_layer_buf
     static["total"] += extra * (per_layer + per_layer_buf)
-    if static.get("grads"):   # gradients kept resident (set_to_none=False): one per parameter
+    if static.get("grads"):  # gradients kept resident (set_to_none=False): one per parameter
         static["grads"] += extra * per_layer
         static["total"] += extra * per_layer
     if optimizer_factory is not None:
         specs = layer_template_params(model, step.layer_prefix, n_layers, template)
-        opt, resident = trace_optimizer(specs, optimizer_factory, kernel_policy, loss_meta.get("dtype", torch.float32),
-                                        trace_kwargs.get("zero_grad", True), trace_kwargs.get("step", "steady"),
-                                        trace_kwargs.get("set_to_none", True))
+        opt, resident = trace_optimizer(
+            specs,
+            optimizer_factory,
+            kernel_policy,
+            loss_meta.get("dtype", torch.float32),
+            trace_kwargs.get("zero_grad", True),
+            trace_kwargs.get("step", "steady"),
+            trace_kwargs.get("set_to_none", True),
+        )
         phases.append(opt)
         static["optimizer"] = static.get("optimizer", 0) + resident["optimizer"]
         static["total"] += resident["optimizer"]
     return ReplicatedStep(static, phases, n_layers, step)
 
 
-def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None = None, dtype: str = "fp32",
-                        attn: str = "sdpa", recompute: str = "none", optimizer: str = "adamw",
-                        kernel_policy: str = "cuda", master_weights: bool = True, compile: bool = False,
-                        **kw) -> ReplicatedStep:
+def trace_hf_replicated(
+    model_config,
+    batch: int,
+    seq: int,
+    n_layers: int | None = None,
+    dtype: str = "fp32",
+    attn: str = "sdpa",
+    recompute: str = "none",
+    optimizer: str = "adamw",
+    kernel_policy: str = "cuda",
+    master_weights: bool = True,
+    compile: bool = False,
+    **kw,
+) -> ReplicatedStep:
     """`hf.trace_hf_step` for deep models: K layers traced, the rest replicated."""
-    from .hf import Precision, build_model, enable_recompute, fake_tensor_quirks, hf_loss, make_config, optimizer_factory, step_inputs
+    from .hf import (
+        Precision,
+        build_model,
+        fake_tensor_quirks,
+        hf_loss,
+        make_config,
+        optimizer_factory,
+        step_inputs,
+    )
 
     cfg = make_config(model_config, attn, n_layers)
     n = cfg.num_hidden_layers
@@ -297,10 +366,19 @@ def trace_hf_replicated(model_config, batch: int, seq: int, n_layers: int | None
     def set_layers(k):
         holder["cfg"] = make_config(cfg, attn, k)
 
-    return trace_replicated(lambda: build_model(holder["cfg"], prec.param_dtype), set_layers, n,
-                            step_inputs(cfg, batch, seq), hf_loss, optimizer_factory(optimizer), kernel_policy,
-                            autocast_dtype=prec.autocast_dtype, prepare=lambda m: _prepare(m, recompute, compile),
-                            patches=fake_tensor_quirks(), **kw)
+    return trace_replicated(
+        lambda: build_model(holder["cfg"], prec.param_dtype),
+        set_layers,
+        n,
+        step_inputs(cfg, batch, seq),
+        hf_loss,
+        optimizer_factory(optimizer),
+        kernel_policy,
+        autocast_dtype=prec.autocast_dtype,
+        prepare=lambda m: _prepare(m, recompute, compile),
+        patches=fake_tensor_quirks(),
+        **kw,
+    )
 
 
 def _replication(cfg, model, n: int) -> dict:
@@ -315,9 +393,10 @@ def _replication(cfg, model, n: int) -> dict:
     if prefix is None or len(model.get_submodule(prefix)) != n:
         return {}
     per_layer = [getattr(cfg, k, None) for k in PER_LAYER_KEYS]
-    sigs = [(layer_signature(layer), tuple(v[i] if v is not None and len(v) == n else None
-                                           for v in per_layer))
-            for i, layer in enumerate(model.get_submodule(prefix))]
+    sigs = [
+        (layer_signature(layer), tuple(v[i] if v is not None and len(v) == n else None for v in per_layer))
+        for i, layer in enumerate(model.get_submodule(prefix))
+    ]
     start = n - 1
     while start > 0 and sigs[start - 1] == sigs[-1]:
         start -= 1
@@ -337,8 +416,16 @@ def layer_signature(layer: torch.nn.Module) -> tuple:
     its own index aside."""
     sig = []
     for name, mod in layer.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(mod).items() if isinstance(v, _SCALARS)
-                             and not k.startswith("_") and k != "training" and "layer_id" not in k))
+        attrs = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(mod).items()
+                if isinstance(v, _SCALARS)
+                and not k.startswith("_")
+                and k != "training"
+                and "layer_id" not in k
+            )
+        )
         params = tuple((k, tuple(p.shape), p.dtype) for k, p in mod.named_parameters(recurse=False))
         sig.append((name, type(mod).__name__, attrs, params))
     return tuple(sig)
@@ -347,9 +434,11 @@ def layer_signature(layer: torch.nn.Module) -> tuple:
 def _prepare(model, recompute: str, compile: bool) -> None:
     """Checkpointing first, then torch.compile of each layer (torchtitan's order)."""
     from .hf import enable_recompute
+
     enable_recompute(model, recompute)
     if compile:
         from .compiled import compile_layers
+
         compile_layers(model)
 
 

@@ -25,11 +25,13 @@ class DecoderStack(nn.Module):
         super().__init__()
         arch = cfg.model_type
         if arch == "mixtral":
-            from transformers.models.mixtral.modeling_mixtral import (
-                MixtralDecoderLayer as Layer, MixtralRMSNorm as Norm, MixtralRotaryEmbedding as Rotary)
+            from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Layer
+            from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm as Norm
+            from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding as Rotary
         else:
-            from transformers.models.llama.modeling_llama import (
-                LlamaDecoderLayer as Layer, LlamaRMSNorm as Norm, LlamaRotaryEmbedding as Rotary)
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm as Norm
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
         self.seq_len = seq_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
         # Keyed by the global layer index, as torchtitan does, so FQNs match across splits.
@@ -41,7 +43,7 @@ class DecoderStack(nn.Module):
     def forward(self, x):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         pos = torch.arange(self.seq_len).unsqueeze(0)
-        pe = self.rotary(h, pos)          # reads only h's dtype and device
+        pe = self.rotary(h, pos)  # reads only h's dtype and device
         for layer in self.layers.values():
             out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
             h = out[0] if isinstance(out, tuple) else out
@@ -66,7 +68,7 @@ def build_stack(cfg, layer_ids, first, last, seq_len, dtype=torch.float32, seed=
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        for mod in m.modules():   # rotary tables: recompute what the meta build skipped
+        for mod in m.modules():  # rotary tables: recompute what the meta build skipped
             if isinstance(getattr(mod, "inv_freq", None), torch.Tensor):
                 inv, _ = mod.compute_default_rope_parameters(mod.config)
                 for name in ("inv_freq", "original_inv_freq"):
@@ -79,13 +81,16 @@ def _materialize(module: nn.Module, dtype: torch.dtype) -> None:
     """Replace meta parameters and buffers by `torch.empty` ones of the same shape (floating
     ones in `dtype`): real CPU tensors, or fake ones under FakeTensorMode (where `to_empty`
     and `.to()` cannot swap)."""
+
     def dt(t):
         return dtype if t.is_floating_point() else t.dtype
+
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt(p)),
-                                                     requires_grad=p.requires_grad)
+                mod._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dt(p)), requires_grad=p.requires_grad
+                )
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = torch.empty(b.shape, dtype=dt(b))
@@ -104,46 +109,58 @@ def tp_plan(model: "DecoderStack", regather: bool = False) -> dict:
     `pipemem.torch_tp.RegatherColwiseParallel` (they keep the sequence shard of their input)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
     if regather:
         from ..torch_tp import RegatherColwiseParallel as ColwiseParallel
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel
-    plan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
     for i in model.layers:
         p = f"layers.{i}."
-        plan.update({
-            p + "input_layernorm": SequenceParallel(),
-            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            p + "self_attn.q_proj": ColwiseParallel(),
-            p + "self_attn.k_proj": ColwiseParallel(),
-            p + "self_attn.v_proj": ColwiseParallel(),
-            p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            p + "post_attention_layernorm": SequenceParallel(),
-            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            p + "mlp.gate_proj": ColwiseParallel(),
-            p + "mlp.up_proj": ColwiseParallel(),
-            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        plan.update(
+            {
+                p + "input_layernorm": SequenceParallel(),
+                p + "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                p + "self_attn.q_proj": ColwiseParallel(),
+                p + "self_attn.k_proj": ColwiseParallel(),
+                p + "self_attn.v_proj": ColwiseParallel(),
+                p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                p + "post_attention_layernorm": SequenceParallel(),
+                p + "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                p + "mlp.gate_proj": ColwiseParallel(),
+                p + "mlp.up_proj": ColwiseParallel(),
+                p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     return plan
 
 
 def make_mesh(world: int):
     """A 1-D CPU device mesh over the whole world (create it outside FakeTensorMode)."""
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh("cpu", (world,))
 
 
 def build_tp_model(cfg, seq: int, mesh, init: bool = True, dtype=torch.float32, regather: bool = False):
     from torch.distributed.tensor.parallel import parallelize_module
+
     model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, seq, dtype, init=init)
     return parallelize_module(model, mesh, tp_plan(model, regather))
 
 
 def build_fsdp_model(cfg, seq: int, mesh, init: bool = True, dtype=torch.float32):
     from torch.distributed.fsdp import fully_shard
+
     model = build_stack(cfg, range(cfg.num_hidden_layers), True, True, seq, dtype, init=init)
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh)
@@ -151,16 +168,22 @@ def build_fsdp_model(cfg, seq: int, mesh, init: bool = True, dtype=torch.float32
     return model
 
 
-def build_ddp_module(model, mesh, gradient_as_bucket_view: bool = False, bucket_cap_mb=None, init_sync: bool = True):
+def build_ddp_module(
+    model, mesh, gradient_as_bucket_view: bool = False, bucket_cap_mb=None, init_sync: bool = True
+):
     """`model` in torch's DistributedDataParallel over the mesh's group (CPU: no device_ids);
     real runs only (traced mode models its memory: pipemem.traced.ddp)."""
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
-                                   gradient_as_bucket_view=gradient_as_bucket_view, init_sync=init_sync)
+
+    return DistributedDataParallel(
+        model,
+        process_group=mesh.get_group(),
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        init_sync=init_sync,
+    )
 
 
 def local_tensor(t):
     """The local shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-

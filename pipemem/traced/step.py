@@ -56,20 +56,33 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def run_step(model, args, kwargs, loss_fn=default_loss, optimizer=None, autocast_dtype=None,
-             on_phase: Callable[[str], None] | None = None, zero_grad: bool = True,
-             backward: bool = True, set_to_none: bool = True) -> None:
+def run_step(
+    model,
+    args,
+    kwargs,
+    loss_fn=default_loss,
+    optimizer=None,
+    autocast_dtype=None,
+    on_phase: Callable[[str], None] | None = None,
+    zero_grad: bool = True,
+    backward: bool = True,
+    set_to_none: bool = True,
+) -> None:
     """Run one training step. `on_phase(name)` is called when forward / backward / optimizer
     start and at "end". After the optimizer step, `optimizer.zero_grad(set_to_none=...)`
     (`zero_grad=False` skips it)."""
     mark = on_phase or (lambda phase: None)
-    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    amp = (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     mark("forward")
     with amp:
         loss = loss_fn(model(*args, **kwargs))
     if backward:
         mark("backward")
-        if isinstance(loss, tuple):      # a pipeline stage: (output, f(output) -> output grad)
+        if isinstance(loss, tuple):  # a pipeline stage: (output, f(output) -> output grad)
             out, grad_fn = loss
             torch.autograd.backward(out, grad_fn(out))
             del out
@@ -98,12 +111,16 @@ def zero_grads(params, set_to_none: bool = True) -> None:
 class PhaseMemory:
     name: str
     net_bytes: int
-    peak_bytes: int     # above the bytes in use when the phase starts
+    peak_bytes: int  # above the bytes in use when the phase starts
     peak_op: str = ""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "net_bytes": self.net_bytes, "peak_bytes": self.peak_bytes,
-                "peak_op": self.peak_op}
+        return {
+            "name": self.name,
+            "net_bytes": self.net_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_op": self.peak_op,
+        }
 
 
 @dataclass
@@ -113,12 +130,12 @@ class TracedStep:
 
     programs: list[Program]
     entry_storages: list[str]
-    static: dict                    # params, buffers, inputs, other, total (bytes)
+    static: dict  # params, buffers, inputs, other, total (bytes)
     phases: list[PhaseMemory]
     layer_prefix: str | None = None
     layers: int = 0
-    op_layers: dict = field(default_factory=dict, repr=False)   # phase -> [layer index or None per op]
-    kinds_bytes: dict = field(default_factory=dict)             # created-in-step bytes per kind
+    op_layers: dict = field(default_factory=dict, repr=False)  # phase -> [layer index or None per op]
+    kinds_bytes: dict = field(default_factory=dict)  # created-in-step bytes per kind
 
     @property
     def peak_bytes(self) -> int:
@@ -142,10 +159,15 @@ class TracedStep:
         return PhaseMemory(name, 0, 0)
 
     def summary(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at,
-                "net_after_forward": self.net_after_forward, "static": dict(self.static),
-                "phases": [p.to_dict() for p in self.phases], "layers": self.layers,
-                "created_bytes_by_kind": dict(self.kinds_bytes)}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_at": self.peak_at,
+            "net_after_forward": self.net_after_forward,
+            "static": dict(self.static),
+            "phases": [p.to_dict() for p in self.phases],
+            "layers": self.layers,
+            "created_bytes_by_kind": dict(self.kinds_bytes),
+        }
 
 
 def _peak_of(phases) -> tuple[int, int]:
@@ -160,6 +182,7 @@ def analyze_programs(programs: list[Program], entry: list[str]) -> list[PhaseMem
 
 # Fake model and inputs ---------------------------------------------------------------------
 
+
 def meta_to_fake(module: torch.nn.Module) -> list:
     """Inside an active FakeTensorMode: replace meta (or real) parameters and buffers by fake
     CPU tensors of the same shape and dtype, keeping tied weights tied. Much cheaper than
@@ -172,7 +195,9 @@ def meta_to_fake(module: torch.nn.Module) -> list:
             if p is None:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                memo[id(p)] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad
+                )
             originals.append((mod._parameters, name, p))
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
@@ -212,11 +237,17 @@ def _fake_inputs(example_inputs, model):
     if isinstance(example_inputs, torch.Tensor):
         return (fake(example_inputs),), {}
     if isinstance(example_inputs, (tuple, list)):
-        if len(example_inputs) == 2 and isinstance(example_inputs[1], dict) and isinstance(example_inputs[0], (tuple, list)):
+        if (
+            len(example_inputs) == 2
+            and isinstance(example_inputs[1], dict)
+            and isinstance(example_inputs[0], (tuple, list))
+        ):
             a, k = example_inputs
             return tuple(fake(x) for x in a), {n: fake(v) for n, v in k.items()}
         return tuple(fake(x) for x in example_inputs), {}
-    raise UserError("trace_step: example_inputs must be a tensor, a tuple, a dict, (args, kwargs) or a callable")
+    raise UserError(
+        "trace_step: example_inputs must be a tensor, a tuple, a dict, (args, kwargs) or a callable"
+    )
 
 
 @contextlib.contextmanager
@@ -260,20 +291,34 @@ def _static_bytes(storages, entry: list[str], declared: dict) -> dict:
     params, buffers = set(declared["params"]), set(declared["buffers"]) - set(declared["params"])
     inputs = set(declared["inputs"]) - params - buffers
     rest = [n for n in entry if n not in params | buffers | inputs]
-    out = {"params": _bytes_of(storages, params), "buffers": _bytes_of(storages, buffers),
-           "inputs": _bytes_of(storages, inputs),
-           "grads": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.GRAD]),
-           "optimizer": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.OPTIMIZER_STATE])}
+    out = {
+        "params": _bytes_of(storages, params),
+        "buffers": _bytes_of(storages, buffers),
+        "inputs": _bytes_of(storages, inputs),
+        "grads": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.GRAD]),
+        "optimizer": _bytes_of(storages, [n for n in rest if storages[n].kind is TensorKind.OPTIMIZER_STATE]),
+    }
     out["other"] = _bytes_of(storages, rest) - out["grads"] - out["optimizer"]
     out["total"] = _bytes_of(storages, entry)
     return out
 
 
-def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None,
-               optimizer_factory: Callable | None = adamw, kernel_policy: str = "cuda", *,
-               autocast_dtype=None, zero_grad: bool = True, backward: bool = True,
-               layer_prefix: str | None = None, prepare: Callable | None = None,
-               patches=None, step: str = "steady", set_to_none: bool = True) -> TracedStep:
+def trace_step(
+    model_or_factory,
+    example_inputs,
+    loss_fn: Callable | None = None,
+    optimizer_factory: Callable | None = adamw,
+    kernel_policy: str = "cuda",
+    *,
+    autocast_dtype=None,
+    zero_grad: bool = True,
+    backward: bool = True,
+    layer_prefix: str | None = None,
+    prepare: Callable | None = None,
+    patches=None,
+    step: str = "steady",
+    set_to_none: bool = True,
+) -> TracedStep:
     """Trace one training step of any module on fake CPU tensors.
 
     model_or_factory: an nn.Module (its parameters become fake tensors of the same shapes;
@@ -294,7 +339,7 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
         raise UserError(f"trace_step: step={step!r}; use one of {', '.join(STEPS)}")
     loss_fn = loss_fn or default_loss
     model = _meta_model(model_or_factory)
-    with FakeTensorMode(), (patches or contextlib.nullcontext()):
+    with FakeTensorMode(), patches or contextlib.nullcontext():
         originals = meta_to_fake(model)
         try:
             if prepare is not None:
@@ -305,8 +350,10 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
             params = list(model.parameters())
             scope = ModuleScope(model)
             rec = StorageRecorder(scope, cpu_scalars=(kernel_policy == "cpu"))
-            names = {"params": rec.register(params, TensorKind.PARAM),
-                     "buffers": rec.register(model.buffers(), TensorKind.BUFFER)}
+            names = {
+                "params": rec.register(params, TensorKind.PARAM),
+                "buffers": rec.register(model.buffers(), TensorKind.BUFFER),
+            }
             input_tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             names["inputs"] = rec.register(input_tensors, TensorKind.ACTIVATION)
 
@@ -314,8 +361,12 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
                 if phase in ("optimizer", "end"):
                     rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
                 if phase == "end" and optimizer is not None:
-                    states = [v for st in optimizer.state.values() for v in st.values()
-                              if isinstance(v, torch.Tensor)]
+                    states = [
+                        v
+                        for st in optimizer.state.values()
+                        for v in st.values()
+                        if isinstance(v, torch.Tensor)
+                    ]
                     rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
                 if phase in PHASES:
                     scope.reset()
@@ -323,14 +374,34 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
 
             host = _host_rng_states(rec) if kernel_policy == "cpu" else contextlib.nullcontext()
             with scope, rec, policies.context(kernel_policy), host:
-                if step == "steady":     # the warm-up step, then record afresh
-                    run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
-                             zero_grad=zero_grad, backward=backward, set_to_none=set_to_none)
+                if step == "steady":  # the warm-up step, then record afresh
+                    run_step(
+                        model,
+                        args,
+                        kwargs,
+                        loss_fn,
+                        optimizer,
+                        autocast_dtype,
+                        on_phase,
+                        zero_grad=zero_grad,
+                        backward=backward,
+                        set_to_none=set_to_none,
+                    )
                     if optimizer is None and zero_grad:
                         zero_grads(params, set_to_none)
                     rec.restart()
-                run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype, on_phase,
-                         zero_grad=zero_grad, backward=backward, set_to_none=set_to_none)
+                run_step(
+                    model,
+                    args,
+                    kwargs,
+                    loss_fn,
+                    optimizer,
+                    autocast_dtype,
+                    on_phase,
+                    zero_grad=zero_grad,
+                    backward=backward,
+                    set_to_none=set_to_none,
+                )
             del optimizer, args, kwargs, input_tensors
             programs = rec.programs()
             entry = rec.entry_storages()
@@ -342,16 +413,29 @@ def trace_step(model_or_factory, example_inputs, loss_fn: Callable | None = None
             prefix = layer_prefix if layer_prefix is not None else find_layer_prefix(model)
             n_layers = len(model.get_submodule(prefix)) if prefix else 0
         finally:
-            restore_tensors(originals)   # a real module passed in is left as it was
+            restore_tensors(originals)  # a real module passed in is left as it was
     index = layer_index_fn(prefix)
     op_layers = {p.name: [index(op.module) for op in p.ops] for p in programs}
-    return TracedStep(programs=programs, entry_storages=entry, static=static,
-                      phases=analyze_programs(programs, entry), layer_prefix=prefix, layers=n_layers,
-                      op_layers=op_layers, kinds_bytes=kinds)
+    return TracedStep(
+        programs=programs,
+        entry_storages=entry,
+        static=static,
+        phases=analyze_programs(programs, entry),
+        layer_prefix=prefix,
+        layers=n_layers,
+        op_layers=op_layers,
+        kinds_bytes=kinds,
+    )
 
 
-def trace_stage(module, inputs, output_grad_fn: Callable | None = None, optimizer_factory: Callable | None = None,
-                kernel_policy: str = "cuda", **kwargs) -> TracedStep:
+def trace_stage(
+    module,
+    inputs,
+    output_grad_fn: Callable | None = None,
+    optimizer_factory: Callable | None = None,
+    kernel_policy: str = "cuda",
+    **kwargs,
+) -> TracedStep:
     """Forward and backward of one pipeline stage: `module(*inputs)` (inputs that require grad
     are the activations received from the previous stage), then the backward from an output
     gradient `output_grad_fn(output)` (default: ones like the output, as received from the

@@ -38,14 +38,14 @@ def import_stubs():
 
         def __call__(self, *args, **kwargs):
             if len(args) == 1 and callable(args[0]) and not kwargs:
-                return args[0]          # @triton.jit
+                return args[0]  # @triton.jit
             return _Any()
 
         def __mro_entries__(self, bases):
-            return (object,)            # class X(SummaryWriter-stub): ...
+            return (object,)  # class X(SummaryWriter-stub): ...
 
     def attribute(name):
-        if name.startswith("__"):      # inspect and importlib probe dunders: a plain module's answer
+        if name.startswith("__"):  # inspect and importlib probe dunders: a plain module's answer
             raise AttributeError(name)
         return _Any()
 
@@ -77,16 +77,26 @@ def model_shapes(model) -> dict:
     vocab, dim = model.tok_embeddings.weight.shape
     first = model.layers["0"] if "0" in model.layers else next(iter(model.layers.values()))
     att = first.attention
-    out = {"vocab": int(vocab), "dim": int(dim), "layers": len(model.layers), "n_heads": int(att.n_heads),
-           "n_kv_heads": int(att.n_kv_heads), "head_dim": int(att.head_dim),
-           "tied": bool(getattr(model, "enable_weight_tying", False)),
-           "qk_norm": getattr(att, "q_norm", None) is not None}
+    out = {
+        "vocab": int(vocab),
+        "dim": int(dim),
+        "layers": len(model.layers),
+        "n_heads": int(att.n_heads),
+        "n_kv_heads": int(att.n_kv_heads),
+        "head_dim": int(att.head_dim),
+        "tied": bool(getattr(model, "enable_weight_tying", False)),
+        "qk_norm": getattr(att, "q_norm", None) is not None,
+    }
     if getattr(first, "moe_enabled", False):
         experts = first.moe.routed_experts.inner_experts
         w1 = next(p for n, p in experts.named_parameters() if n.startswith("w1"))
-        out.update(experts=int(first.moe.router.num_experts), top_k=int(first.moe.router.top_k),
-                   expert_ffn=int(w1.shape[1]), ffn=int(w1.shape[1]),
-                   shared=first.moe.shared_experts is not None)
+        out.update(
+            experts=int(first.moe.router.num_experts),
+            top_k=int(first.moe.router.top_k),
+            expert_ffn=int(w1.shape[1]),
+            ffn=int(w1.shape[1]),
+            shared=first.moe.shared_experts is not None,
+        )
     else:
         out["ffn"] = int(first.feed_forward.w1.weight.shape[0])
     return out

@@ -17,5 +17,16 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
 * `allocator.py`: the caching-allocator model against recorded GPU memory snapshots.
 """
 
-TARGETS = ("cpu", "dist", "paddle", "cuda", "megatron", "torchtitan", "torchtune", "deepspeed", "hf_trainer",
-           "features", "allocator")
+TARGETS = (
+    "cpu",
+    "dist",
+    "paddle",
+    "cuda",
+    "megatron",
+    "torchtitan",
+    "torchtune",
+    "deepspeed",
+    "hf_trainer",
+    "features",
+    "allocator",
+)

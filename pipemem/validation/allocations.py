@@ -22,7 +22,7 @@ class Timeline:
 
     def __init__(self, prof):
         res = prof.profiler.kineto_results
-        self.mem = []         # (ns, ptr, signed bytes, op)
+        self.mem = []  # (ns, ptr, signed bytes, op)
         stack = list(res.experimental_event_tree())
         while stack:
             e = stack.pop()
@@ -30,11 +30,15 @@ class Timeline:
             if str(e.tag).endswith("Allocation"):
                 f = e.extra_fields
                 if f.device.type == "cpu":
-                    self.mem.append((e.start_time_ns, f.ptr, f.alloc_size, e.parent.name if e.parent else "",
-                                 e.start_tid))
+                    self.mem.append(
+                        (e.start_time_ns, f.ptr, f.alloc_size, e.parent.name if e.parent else "", e.start_tid)
+                    )
         self.mem.sort(key=lambda t: t[0])
-        self.marks = {e.name()[len(MARK):]: (e.start_ns(), e.end_ns()) for e in res.events()
-                      if e.name().startswith(MARK)}
+        self.marks = {
+            e.name()[len(MARK) :]: (e.start_ns(), e.end_ns())
+            for e in res.events()
+            if e.name().startswith(MARK)
+        }
 
     def phase_of(self, ts: int) -> str:
         for name in PHASES:
@@ -63,8 +67,9 @@ class Timeline:
             if static is None and ts >= s2:
                 if reached is not None:
                     gone = [p for p in live if p not in reached]
-                    self.reconciled = sorted(((live[p][0], live[p][1], self.where(live[p][2])) for p in gone),
-                                             reverse=True)
+                    self.reconciled = sorted(
+                        ((live[p][0], live[p][1], self.where(live[p][2])) for p in gone), reverse=True
+                    )
                     for p in gone:
                         cur -= live.pop(p)[0]
                 static, static_live = cur, dict(live)
@@ -73,8 +78,16 @@ class Timeline:
             if nbytes > 0:
                 if ptr in live:
                     missed += 1
-                    self.missed.append((live[ptr][0], live[ptr][1], self.where(live[ptr][2]), live[ptr][3], tid,
-                                        self.where(ts)))
+                    self.missed.append(
+                        (
+                            live[ptr][0],
+                            live[ptr][1],
+                            self.where(live[ptr][2]),
+                            live[ptr][3],
+                            tid,
+                            self.where(ts),
+                        )
+                    )
                     cur -= live[ptr][0]
                 live[ptr] = (nbytes, op, ts, tid)
             elif ptr in live:
@@ -92,12 +105,19 @@ class Timeline:
         if static is None:
             static, static_live = cur, dict(live)
         self.static_live, self.end_live = static_live, live
-        return {"static_bytes": static, "peak_bytes": max(peak, static),
-                "peak_at": f"{peak_ev[0]}: {peak_ev[1]}" if peak_ev else "", "peak_phase": peak_ev[0] if peak_ev else "",
-                "live_after_step1": end1, "live_after_step2": cur, "phase_peaks": phase_peaks,
-                "missed_frees": missed, "reconciled_bytes": sum(r[0] for r in self.reconciled),
-                "reconciled": [{"bytes": b, "op": op, "during": w} for b, op, w in self.reconciled[:6]],
-                "events": events}
+        return {
+            "static_bytes": static,
+            "peak_bytes": max(peak, static),
+            "peak_at": f"{peak_ev[0]}: {peak_ev[1]}" if peak_ev else "",
+            "peak_phase": peak_ev[0] if peak_ev else "",
+            "live_after_step1": end1,
+            "live_after_step2": cur,
+            "phase_peaks": phase_peaks,
+            "missed_frees": missed,
+            "reconciled_bytes": sum(r[0] for r in self.reconciled),
+            "reconciled": [{"bytes": b, "op": op, "during": w} for b, op, w in self.reconciled[:6]],
+            "events": events,
+        }
 
     def unreached_at_end(self, reached: set) -> int:
         """Bytes the running count holds at the end that no tensor reached by gc holds (0 when
@@ -113,6 +133,7 @@ def gc_storages() -> dict:
     """data_ptr -> bytes of the distinct storages of every tensor (and nn.Parameter) the garbage
     collector reaches."""
     import torch
+
     seen = {}
     for obj in gc.get_objects():
         try:
@@ -120,6 +141,6 @@ def gc_storages() -> dict:
                 st = obj.untyped_storage()
                 if st.nbytes():
                     seen[st.data_ptr()] = st.nbytes()
-        except Exception:   # noqa: BLE001 - a half-built object: skip it
+        except Exception:  # noqa: BLE001 - a half-built object: skip it
             continue
     return seen

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-TRUTH = "measured"      # the allocator's own segment events, recorded on real GPUs (compare.TRUTHS)
+TRUTH = "measured"  # the allocator's own segment events, recorded on real GPUs (compare.TRUTHS)
 TOL_FROM_EMPTY = 0.01
 TOL_MID_RUN = 0.02
 TOLERANCE = TOL_MID_RUN  # the target's; a trace from an empty allocator carries its own, 1 %
@@ -42,6 +42,7 @@ def compare_file(path: Path) -> list:
     """One CaseRow per device trace of a snapshot file."""
     from ..allocator import snapshot as S
     from .compare import CaseRow
+
     snap = S.load(str(path))
     rows = []
     name = case_name(path)
@@ -51,11 +52,18 @@ def compare_file(path: Path) -> list:
         match = rec.segment_events == mod.segment_events
         same_final = rec.final_segments == mod.final_segments
         tol = TOL_FROM_EMPTY if rec.from_empty else TOL_MID_RUN
-        row = CaseRow(f"{name}:{dev}", rec.peak_reserved_bytes, mod.peak_reserved_bytes,
-                      {"start": "empty" if rec.from_empty else "mid-run",
-                       "segment_events": f"{len(mod.segment_events)}/{len(rec.segment_events)}",
-                       "events_match": "yes" if match else "NO",
-                       "final_segments": "same" if same_final else "differ", "tolerance": tol})
+        row = CaseRow(
+            f"{name}:{dev}",
+            rec.peak_reserved_bytes,
+            mod.peak_reserved_bytes,
+            {
+                "start": "empty" if rec.from_empty else "mid-run",
+                "segment_events": f"{len(mod.segment_events)}/{len(rec.segment_events)}",
+                "events_match": "yes" if match else "NO",
+                "final_segments": "same" if same_final else "differ",
+                "tolerance": tol,
+            },
+        )
         err = row.rel_error
         row.extra["source"] = path.name
         row.extra["ok"] = (err is not None and abs(err) <= tol) and (match or not rec.from_empty)
@@ -64,9 +72,13 @@ def compare_file(path: Path) -> list:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("allocator", help="the CUDA caching-allocator model vs real GPU memory snapshots",
-                       description=__doc__.split("\n\n", 1)[1].strip(), epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "allocator",
+        help="the CUDA caching-allocator model vs real GPU memory snapshots",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dir", default=str(DATA), help="directory of snapshots (default: the bundled set)")
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.set_defaults(func=run)
@@ -78,30 +90,51 @@ def run(args) -> int:
     from ..errors import UserError
     from .compare import beyond_tolerance, report
     from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+
     d = Path(args.dir)
     if not d.is_dir():
         if d == DATA:
-            raise UserError("validate allocator: the bundled snapshots are in a checkout of the repository "
-                            "(bench/data/allocator_snapshots/); run it from one, or give --dir")
+            raise UserError(
+                "validate allocator: the bundled snapshots are in a checkout of the repository "
+                "(bench/data/allocator_snapshots/); run it from one, or give --dir"
+            )
         raise UserError(f"--dir: {d} is not a directory")
     files = snapshot_files(d)
     if not files:
         raise UserError(f"--dir: no snapshot files (.json.gz, .json, .pickle) in {d}")
-    with quiet_profiler_chatter(), CaseProgress([f.name for f in files], "validate allocator",
-                                                enabled=not args.json) as bar:
+    with (
+        quiet_profiler_chatter(),
+        CaseProgress([f.name for f in files], "validate allocator", enabled=not args.json) as bar,
+    ):
         rows = bar.run(files, lambda f: f.name, compare_file)
     bad = [r for r in rows if not r.extra["ok"]]
     events_differ = [r.name for r in rows if r.extra["start"] == "empty" and r.extra["events_match"] != "yes"]
     if args.json:
-        d = report("allocator", TRUTH, TOLERANCE, rows, tolerance_from_empty=TOL_FROM_EMPTY,
-                   from_empty_segment_events="identical", segment_events_differ=events_differ)
+        d = report(
+            "allocator",
+            TRUTH,
+            TOLERANCE,
+            rows,
+            tolerance_from_empty=TOL_FROM_EMPTY,
+            from_empty_segment_events="identical",
+            segment_events_differ=events_differ,
+        )
         d["passed"] = d["passed"] and not events_differ
         print(json.dumps(d, indent=1))
     else:
-        print_summary(rows, title="validate allocator: peak reserved, recorded vs modelled",
-                      columns=(("start", "start"), ("segment_events", "seg events model/rec"),
-                               ("events_match", "same events"), ("final_segments", "final segments")),
-                      what="device traces")
-        print(f"{len(rows) - len(bad)} of {len(rows)} device traces within tolerance "
-              f"(from empty: identical segment events and {TOL_FROM_EMPTY:.0%}; mid-run: {TOL_MID_RUN:.0%})")
+        print_summary(
+            rows,
+            title="validate allocator: peak reserved, recorded vs modelled",
+            columns=(
+                ("start", "start"),
+                ("segment_events", "seg events model/rec"),
+                ("events_match", "same events"),
+                ("final_segments", "final segments"),
+            ),
+            what="device traces",
+        )
+        print(
+            f"{len(rows) - len(bad)} of {len(rows)} device traces within tolerance "
+            f"(from empty: identical segment events and {TOL_FROM_EMPTY:.0%}; mid-run: {TOL_MID_RUN:.0%})"
+        )
     return 1 if bad or beyond_tolerance(rows, TOLERANCE) else 0

@@ -49,8 +49,12 @@ class CaseRow:
         return rel_error(self.estimated_bytes, self.measured_bytes)
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "measured_bytes": self.measured_bytes, "estimated_bytes": self.estimated_bytes,
-             "rel_error": self.rel_error}
+        d = {
+            "name": self.name,
+            "measured_bytes": self.measured_bytes,
+            "estimated_bytes": self.estimated_bytes,
+            "rel_error": self.rel_error,
+        }
         d.update(self.extra)
         return d
 
@@ -82,7 +86,7 @@ def beyond_tolerance(rows, tolerance: float) -> list[str]:
     is outside the verdict."""
     bad = []
     for r in rows:
-        if _field(r, "unreliable"):     # the measurement itself is in doubt: never a pass
+        if _field(r, "unreliable"):  # the measurement itself is in doubt: never a pass
             bad.append(str(_field(r, "name")))
             continue
         if _field(r, "known_gap"):
@@ -108,11 +112,18 @@ def report(target: str, truth: str, tolerance: float, rows, **fields) -> dict:
     if truth not in TRUTHS:
         raise ValueError(f"truth must be one of {', '.join(TRUTHS)}, not {truth!r}")
     bad = beyond_tolerance(rows, tolerance)
-    return {"target": target, "truth": truth, "truth_means": TRUTHS[truth], "tolerance": tolerance, **fields,
-            "cases": [r.to_dict() if isinstance(r, CaseRow) else r for r in rows],
-            "max_abs_rel_error": max_abs_rel_error(rows),
-            "known_gaps": [str(_field(r, "name")) for r in rows if _field(r, "known_gap")],
-            "beyond_tolerance": bad, "passed": not bad}
+    return {
+        "target": target,
+        "truth": truth,
+        "truth_means": TRUTHS[truth],
+        "tolerance": tolerance,
+        **fields,
+        "cases": [r.to_dict() if isinstance(r, CaseRow) else r for r in rows],
+        "max_abs_rel_error": max_abs_rel_error(rows),
+        "known_gaps": [str(_field(r, "name")) for r in rows if _field(r, "known_gap")],
+        "beyond_tolerance": bad,
+        "passed": not bad,
+    }
 
 
 def header_line(target: str, truth: str, tolerance: float) -> str:
@@ -131,9 +142,11 @@ def verdict_line(rows, tolerance: float) -> str:
     if bad:
         text = f"FAIL: {len(bad)} of {len(covered)} rows beyond tolerance: {', '.join(bad)}"
     else:
-        text = (f"pass: every one of {len(covered)} rows within tolerance ({tolerance:.2%}"
-                + (f"; some rows their own: {', '.join(f'{t:.2%}' for t in own)}" if own else "")
-                + f"), max |rel_error| {'n/a' if worst is None else f'{worst:.2%}'}")
+        text = (
+            f"pass: every one of {len(covered)} rows within tolerance ({tolerance:.2%}"
+            + (f"; some rows their own: {', '.join(f'{t:.2%}' for t in own)}" if own else "")
+            + f"), max |rel_error| {'n/a' if worst is None else f'{worst:.2%}'}"
+        )
     if gaps:
         text += f"; {len(gaps)} known gap(s) outside the verdict:"
     for r in gaps:
@@ -164,6 +177,7 @@ def add_case_options(p, full_help: str, timeout: float, timeout_help: str) -> No
 def case_names(text: str, known, target: str) -> list[str]:
     """The names given to --cases (comma-separated), each checked against `known`."""
     from ..errors import UserError
+
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
     if bad:
@@ -171,11 +185,11 @@ def case_names(text: str, known, target: str) -> list[str]:
     return names
 
 
-
 def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
     """`one(case)` (a CaseRow, or a list of them: one per rank) for each case in turn, each row
     with the case's wall time (`seconds`); `progress` gets what each case returned."""
     import time
+
     rows = []
     for c in cases:
         t0 = time.perf_counter()
@@ -188,9 +202,20 @@ def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
     return rows
 
 
-def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases, tolerance: float,
-                    json_header: dict, measured_label: str = "measured", name_width: int = 28,
-                    rows_are: str = "cases", truth: str = "measured") -> int:
+def run_named_cases(
+    args,
+    target: str,
+    all_cases,
+    ci_cases,
+    available,
+    run_cases,
+    tolerance: float,
+    json_header: dict,
+    measured_label: str = "measured",
+    name_width: int = 28,
+    rows_are: str = "cases",
+    truth: str = "measured",
+) -> int:
     """The CLI of a validate target with named cases (torchtune, deepspeed, torchtitan): --list,
     the selection (--cases / --full / the CI subset), the library check, a progress line per row
     (`run_cases` reports a case's row, or its list of rows: one per rank), the JSON or the summary
@@ -201,6 +226,7 @@ def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases
 
     from ..errors import UserError
     from ..units import fmt_bytes
+
     if args.list:
         for c in all_cases():
             print(c["name"])
@@ -219,13 +245,18 @@ def run_named_cases(args, target: str, all_cases, ci_cases, available, run_cases
     def progress(done):
         for r in done if isinstance(done, list) else [done]:
             if not args.json:
-                print(f"{r.name:{name_width}s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
-                      f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}", flush=True)
+                print(
+                    f"{r.name:{name_width}s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                    f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}",
+                    flush=True,
+                )
 
     if not args.json:
         print(header_line(target, truth, tolerance))
-        print(f"{'case / rank':{name_width}s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
-              f"{measured_label} peak at")
+        print(
+            f"{'case / rank':{name_width}s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
+            f"{measured_label} peak at"
+        )
     try:
         rows = run_cases(cases, args.timeout, progress)
     except (RuntimeError, subprocess.TimeoutExpired) as e:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .compare import CaseRow, exit_code, report
 
-TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # A real step measured by the profiler against a trace with the kernels it runs: the same
 # tensors, so a row may differ only by a few scalars (0.1 %).
 TOLERANCE = 1e-3
@@ -76,8 +76,9 @@ def _storages_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=None, inputs=(),
-                 step: str = "steady") -> Measured:
+def measure_step(
+    model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=None, inputs=(), step: str = "steady"
+) -> Measured:
     """Run `step.run_step` for real on the CPU under the profiler; peak and net after forward
     from the allocation events, plus the bytes alive when the step starts: parameters,
     buffers, `inputs`, and (step="steady": one unmeasured step runs first) the optimizer
@@ -92,8 +93,12 @@ def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=No
         run_step(model, args, kwargs, loss_fn, optimizer, autocast_dtype)
         if optimizer is None:
             zero_grads(model.parameters())
-    states = [v for st in (optimizer.state.values() if optimizer is not None else ()) for v in st.values()
-              if isinstance(v, torch.Tensor)]
+    states = [
+        v
+        for st in (optimizer.state.values() if optimizer is not None else ())
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     static = _storages_bytes([*model.parameters(), *model.buffers(), *inputs, *states, *grads])
 
@@ -109,9 +114,10 @@ def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=No
         if node.typed[0] == _EventType.Allocation:
             allocs.append((node.start_time_ns, node.typed[1].alloc_size))
         elif node.name.startswith("pipemem::"):
-            marks[node.name[len("pipemem::"):]] = node.start_time_ns
+            marks[node.name[len("pipemem::") :]] = node.start_time_ns
         for c in node.children:
             walk(c)
+
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     allocs.sort()
@@ -123,15 +129,27 @@ def measure_step(model, args, kwargs, loss_fn, optimizer=None, autocast_dtype=No
             net_fwd = cur
         cur += size
         peak = max(peak, cur)
-    return Measured(peak_bytes=static + peak, net_after_forward=net_fwd if net_fwd is not None else cur,
-                    static_bytes=static)
+    return Measured(
+        peak_bytes=static + peak,
+        net_after_forward=net_fwd if net_fwd is not None else cur,
+        static_bytes=static,
+    )
 
 
 def measure_real(case: Case, seed: int = 0) -> Measured:
     """Run the case's training step for real on the CPU and measure it with the profiler."""
     import torch
 
-    from ..traced.hf import TINY, Precision, build_model, enable_recompute, hf_loss, make_config, optimizer_factory, step_inputs
+    from ..traced.hf import (
+        TINY,
+        Precision,
+        build_model,
+        enable_recompute,
+        hf_loss,
+        make_config,
+        optimizer_factory,
+        step_inputs,
+    )
 
     torch.manual_seed(seed)
     cfg = make_config(TINY[case.arch], case.attn)
@@ -141,19 +159,33 @@ def measure_real(case: Case, seed: int = 0) -> Measured:
     kwargs = step_inputs(cfg, case.batch, case.seq)()
     opt_factory = optimizer_factory(case.optimizer)
     optimizer = opt_factory(model.parameters()) if opt_factory else None
-    return measure_step(model, (), kwargs, hf_loss, optimizer, prec.autocast_dtype, inputs=[kwargs["input_ids"]])
+    return measure_step(
+        model, (), kwargs, hf_loss, optimizer, prec.autocast_dtype, inputs=[kwargs["input_ids"]]
+    )
 
 
 def estimate(case: Case):
     """`pipemem.estimate` of the case in traced mode (cpu kernel policy): the call users make."""
     import pipemem
+
     from ..traced.hf import TINY
+
     base, _, how = case.dtype.partition("-")
     # HF modules and PyTorch's zero_grad(set_to_none=True), as the real step runs them
-    return pipemem.estimate(TINY[case.arch], mode="traced", kernel_policy="cpu", convention="hf",
-                            grads="set-to-none", micro_batch=case.batch,
-                            seq_len=case.seq, dtype=base, master_weights=how != "pure",
-                            flash_attn=case.attn == "sdpa", recompute=case.recompute, optimizer=case.optimizer)
+    return pipemem.estimate(
+        TINY[case.arch],
+        mode="traced",
+        kernel_policy="cpu",
+        convention="hf",
+        grads="set-to-none",
+        micro_batch=case.batch,
+        seq_len=case.seq,
+        dtype=base,
+        master_weights=how != "pure",
+        flash_attn=case.attn == "sdpa",
+        recompute=case.recompute,
+        optimizer=case.optimizer,
+    )
 
 
 def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
@@ -167,26 +199,41 @@ def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
         t1 = time.perf_counter()
         real = measure_real(case)
         t2 = time.perf_counter()
-        for what, m, e in (("peak", real.peak_bytes, est.peak_allocated_bytes),
-                           ("net_after_forward", real.net_after_forward, est.jobs["F"].net_bytes)):
-            rows.append(CaseRow(f"{case.name}/{what}", int(m), int(e),
-                                {"trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)}))
+        for what, m, e in (
+            ("peak", real.peak_bytes, est.peak_allocated_bytes),
+            ("net_after_forward", real.net_after_forward, est.jobs["F"].net_bytes),
+        ):
+            rows.append(
+                CaseRow(
+                    f"{case.name}/{what}",
+                    int(m),
+                    int(e),
+                    {"trace_seconds": round(t1 - t0, 3), "real_seconds": round(t2 - t1, 3)},
+                )
+            )
         if progress is not None:
             progress.done(case.name)
     return rows
 
 
 def register(sub) -> None:
-    p = sub.add_parser("cpu", help="traced estimates vs real CPU training steps of tiny HF models",
-                       description="Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
-                                   "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
-                                   "bytes with the profiler, and compare with traced mode "
-                                   "(--kernel-policy cpu). Exit 1 if any case is off by more than "
-                                   f"{TOLERANCE:.1%}.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "cpu",
+        help="traced estimates vs real CPU training steps of tiny HF models",
+        description="Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
+        "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
+        "bytes with the profiler, and compare with traced mode "
+        "(--kernel-policy cpu). Exit 1 if any case is off by more than "
+        f"{TOLERANCE:.1%}.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
-                   f"known: {', '.join(c.name for c in CASES)}")
+    p.add_argument(
+        "--cases",
+        default="",
+        help=f"comma-separated case names (default: all); known: {', '.join(c.name for c in CASES)}",
+    )
     p.set_defaults(func=run)
 
 
@@ -208,7 +255,12 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report("cpu", TRUTH, TOLERANCE, rows, kernel_policy="cpu"), indent=1))
     else:
-        print_summary(rows, columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
-                      signed=lambda name: name.endswith("net_after_forward"), target="cpu", truth=TRUTH,
-                      tolerance=TOLERANCE)
+        print_summary(
+            rows,
+            columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
+            signed=lambda name: name.endswith("net_after_forward"),
+            target="cpu",
+            truth=TRUTH,
+            tolerance=TOLERANCE,
+        )
     return exit_code(rows, TOLERANCE)

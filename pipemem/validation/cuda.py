@@ -29,7 +29,7 @@ from .cuda_cases import CONFIG_SETS, Case, get_cases, hf_config_dict, to_plan
 
 FORMAT = "pipemem.validation.cuda/1"
 ESTIMATE_MODES = ("traced", "templates")
-TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # A real GPU step against the estimate with the cuda kernel policy, whose kernels' workspaces
 # (cuBLAS, attention) are assumed from their sources, not traced: 3 %, as the other real runs
 # whose kernels pipemem does not trace (deepspeed, hf-trainer). No GPU run is committed yet
@@ -47,18 +47,33 @@ examples:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "cuda", help="measure real peaks on this machine's CUDA GPU and compare with the estimates",
+        "cuda",
+        help="measure real peaks on this machine's CUDA GPU and compare with the estimates",
         description="Run real training steps of small HF Llama / Mistral / Mixtral models on the CUDA GPU, "
-                    "measure max_memory_allocated and the reserved peak (pipelines: one process per rank, "
-                    "each walking its rank's schedule), compare with pipemem's traced and templates "
-                    "estimates, write the results as one JSON file and print a table.",
-        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", choices=CONFIG_SETS, default="small",
-                   help="case set: small (about a dozen, minutes) or full (every combination)")
-    p.add_argument("--case", action="append", default=[], metavar="TEXT",
-                   help="only the cases whose name contains TEXT (repeatable)")
-    p.add_argument("--out", metavar="FILE",
-                   help="where to write the JSON results (default: validation/cuda/<gpu>-<configs>-<date>.json)")
+        "measure max_memory_allocated and the reserved peak (pipelines: one process per rank, "
+        "each walking its rank's schedule), compare with pipemem's traced and templates "
+        "estimates, write the results as one JSON file and print a table.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--configs",
+        choices=CONFIG_SETS,
+        default="small",
+        help="case set: small (about a dozen, minutes) or full (every combination)",
+    )
+    p.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="only the cases whose name contains TEXT (repeatable)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="where to write the JSON results (default: validation/cuda/<gpu>-<configs>-<date>.json)",
+    )
     p.add_argument("--no-estimates", action="store_true", help="measure only")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -84,8 +99,12 @@ def run(args) -> int:
             report["cases"].append(result)
             bar.done(case.name, note=f"error: {result['error']}" if result.get("error") else "")
     rows = verdict_rows(report)
-    report.update(truth=TRUTH, tolerance=TOLERANCE, beyond_tolerance=beyond_tolerance(rows, TOLERANCE),
-                  failed_cases=[c["name"] for c in report["cases"] if c.get("error")])
+    report.update(
+        truth=TRUTH,
+        tolerance=TOLERANCE,
+        beyond_tolerance=beyond_tolerance(rows, TOLERANCE),
+        failed_cases=[c["name"] for c in report["cases"] if c.get("error")],
+    )
     report["passed"] = not report["beyond_tolerance"] and not report["failed_cases"]
     path = write_report(report, args.out or default_out(report))
     if args.json:
@@ -106,17 +125,22 @@ def verdict_rows(report: dict) -> list[dict]:
 
 # The device ---------------------------------------------------------------------------------
 
+
 def require_cuda() -> None:
     """A CUDA GPU through torch, or one UserError line saying what is missing."""
     try:
         import torch
     except ImportError:
-        raise UserError("validate cuda: torch is not installed; install a CUDA build of torch "
-                        "(pip install torch) on a machine with an NVIDIA GPU") from None
+        raise UserError(
+            "validate cuda: torch is not installed; install a CUDA build of torch "
+            "(pip install torch) on a machine with an NVIDIA GPU"
+        ) from None
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise UserError(f"validate cuda: no CUDA GPU is visible (torch {torch.__version__}, {build}); "
-                        "run it on a machine with an NVIDIA GPU and a CUDA build of torch")
+        raise UserError(
+            f"validate cuda: no CUDA GPU is visible (torch {torch.__version__}, {build}); "
+            "run it on a machine with an NVIDIA GPU and a CUDA build of torch"
+        )
 
 
 def environment() -> dict:
@@ -132,16 +156,28 @@ def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     driver = None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         pass
     return {
-        "gpu": {"name": props.name, "total_memory_bytes": int(props.total_memory),
-                "capability": f"{props.major}.{props.minor}", "count": torch.cuda.device_count()},
-        "driver": driver, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "pipemem": __version__,
+        "gpu": {
+            "name": props.name,
+            "total_memory_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}",
+            "count": torch.cuda.device_count(),
+        },
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "pipemem": __version__,
         "python": platform.python_version(),
     }
 
@@ -170,6 +206,7 @@ def _peaks(device: str) -> tuple[int | None, int | None]:
 
 # One rank of one case ---------------------------------------------------------------------
 
+
 def rank_actions(case: Case, rank: int) -> tuple[list, list[int], str]:
     """(this rank's actions for one step, the stages it holds, where the schedule came from).
 
@@ -191,8 +228,11 @@ def rank_actions(case: Case, rank: int) -> tuple[list, list[int], str]:
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     ops = get_schedule_ops(case.schedule, case.pp, case.microbatches, num_stages_per_rank=case.vpp)
-    return list(ops[rank]), stages_of_rank(rank, case.pp, case.vpp, case.placement), \
-        "torch.distributed.pipelining"
+    return (
+        list(ops[rank]),
+        stages_of_rank(rank, case.pp, case.vpp, case.placement),
+        "torch.distributed.pipelining",
+    )
 
 
 def build_hf_config(case: Case) -> Any:
@@ -206,7 +246,7 @@ def build_hf_config(case: Case) -> Any:
     cfg.use_cache = False
     cfg._attn_implementation = attn
     if case.experts:
-        cfg._experts_implementation = "grouped_mm"   # what traced mode assumes (HF's default for MoE)
+        cfg._experts_implementation = "grouped_mm"  # what traced mode assumes (HF's default for MoE)
     return cfg
 
 
@@ -228,7 +268,12 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
     Runs on CPU too (no peaks then), which is how the tests check everything but CUDA."""
     import torch
 
-    from .stage_emulation import RankEmulator, checkpoint_layers, core_attention_recompute_impl, hf_stage_modules
+    from .stage_emulation import (
+        RankEmulator,
+        checkpoint_layers,
+        core_attention_recompute_impl,
+        hf_stage_modules,
+    )
 
     started = time.perf_counter()
     torch.manual_seed(seed)
@@ -238,8 +283,14 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
         cfg._attn_implementation = core_attention_recompute_impl(case.attn)
     shape = (case.micro_batch, case.seq_len)
     labels = torch.randint(0, case.vocab, shape, device=device)
-    stages = hf_stage_modules(cfg, {s: case.stage_layers(s) for s in stages_owned}, case.num_stages, labels,
-                              device, param_dtype(case))
+    stages = hf_stage_modules(
+        cfg,
+        {s: case.stage_layers(s) for s in stages_owned},
+        case.num_stages,
+        labels,
+        device,
+        param_dtype(case),
+    )
     if case.recompute == "full":
         for st in stages.values():
             checkpoint_layers(st)
@@ -247,14 +298,22 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
     impl = {"adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}[case.optimizer]
     optimizer = torch.optim.AdamW(params, lr=1e-4, **impl)
     dev_type = torch.device(device).type
-    autocast: Callable[[], Any] = ((lambda: torch.autocast(dev_type, dtype=torch.bfloat16))
-                                   if case.precision == "bf16_autocast" else nullcontext)
+    autocast: Callable[[], Any] = (
+        (lambda: torch.autocast(dev_type, dtype=torch.bfloat16))
+        if case.precision == "bf16_autocast"
+        else nullcontext
+    )
     hidden_shape = (case.micro_batch, case.seq_len, case.hidden)
     probe = (lambda: int(torch.cuda.memory_allocated())) if dev_type == "cuda" else None
-    emu = RankEmulator(stages, case.num_stages,
-                       make_input=lambda mb: torch.randint(0, case.vocab, shape, device=device),
-                       recv_spec=lambda s: (hidden_shape, recv_dtype(case)),
-                       device=device, forward_context=autocast, probe=probe)
+    emu = RankEmulator(
+        stages,
+        case.num_stages,
+        make_input=lambda mb: torch.randint(0, case.vocab, shape, device=device),
+        recv_spec=lambda s: (hidden_shape, recv_dtype(case)),
+        device=device,
+        forward_context=autocast,
+        probe=probe,
+    )
 
     def step():
         walk = emu.run(actions)
@@ -262,7 +321,7 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
         optimizer.zero_grad(set_to_none=True)
         return walk
 
-    step()                                   # warm-up: creates the optimizer states
+    step()  # warm-up: creates the optimizer states
     first_alloc, first_reserved = _peaks(dev_type)
     import gc
 
@@ -275,14 +334,17 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
     walk = step()
     alloc, reserved = _peaks(dev_type)
     result = {
-        "rank": rank, "stages": stages_owned,
+        "rank": rank,
+        "stages": stages_owned,
         "layers": {str(s): list(case.stage_layers(s)) for s in stages_owned},
         "schedule_source": source,
-        "allocated_peak_bytes": alloc, "reserved_peak_bytes": reserved,
+        "allocated_peak_bytes": alloc,
+        "reserved_peak_bytes": reserved,
         "step_start_bytes": start_bytes,
         "first_step": {"allocated_peak_bytes": first_alloc, "reserved_peak_bytes": first_reserved},
         "max_held_forwards": walk.max_held_forwards,
-        "received_activations": len(walk.received_activations), "received_grads": len(walk.received_grads),
+        "received_activations": len(walk.received_activations),
+        "received_grads": len(walk.received_grads),
         "timeline": [[str(r.action), r.bytes_after] for r in walk.records],
         "seconds": round(time.perf_counter() - started, 3),
         "pid": os.getpid(),
@@ -328,6 +390,7 @@ def measure_case(case: Case, device: str = "cuda", isolate: bool | None = None) 
 
 # Estimates ----------------------------------------------------------------------------------
 
+
 def estimate_case(case: Case, mode: str, estimator: Callable | None = None) -> dict:
     """pipemem's per-rank peak allocated bytes for `case` in `mode`, or the reason there is none.
     The estimator (pipemem.estimate.estimate) is looked up here so this command works whether
@@ -343,14 +406,19 @@ def estimate_case(case: Case, mode: str, estimator: Callable | None = None) -> d
     try:
         out = estimator(hf_config_dict(case), mode=mode, kernel_policy="cuda", **plan)
         doc = out.to_dict() if hasattr(out, "to_dict") else out
-        ranks = [int(r["peak_allocated_bytes"]) for r in sorted(doc["ranks"], key=lambda r: r.get("pp_rank", 0))]
+        ranks = [
+            int(r["peak_allocated_bytes"]) for r in sorted(doc["ranks"], key=lambda r: r.get("pp_rank", 0))
+        ]
     except (UserError, ImportError, NotImplementedError) as e:
         return {"mode": mode, "ranks": None, "peak_bytes": None, "error": f"{type(e).__name__}: {e}"}
     except Exception as e:  # noqa: BLE001 - an estimator bug is a finding to record, not a crash
-        return {"mode": mode, "ranks": None, "peak_bytes": None, "error": f"estimator failed: {type(e).__name__}: {e}"}
+        return {
+            "mode": mode,
+            "ranks": None,
+            "peak_bytes": None,
+            "error": f"estimator failed: {type(e).__name__}: {e}",
+        }
     return {"mode": mode, "ranks": ranks, "peak_bytes": max(ranks), "error": None}
-
-
 
 
 def add_estimates(result: dict, case: Case, estimator: Callable | None = None) -> dict:
@@ -358,24 +426,39 @@ def add_estimates(result: dict, case: Case, estimator: Callable | None = None) -
     one, else templates; `rel_error` against the measured max allocated)."""
     result["estimates"] = {m: estimate_case(case, m, estimator) for m in ESTIMATE_MODES}
     for r in result["ranks"]:
-        r["estimated_bytes"] = {m: (e["ranks"][r["rank"]] if e["ranks"] and r["rank"] < len(e["ranks"]) else None)
-                                for m, e in result["estimates"].items()}
+        r["estimated_bytes"] = {
+            m: (e["ranks"][r["rank"]] if e["ranks"] and r["rank"] < len(e["ranks"]) else None)
+            for m, e in result["estimates"].items()
+        }
     best = next((m for m in ESTIMATE_MODES if result["estimates"][m]["peak_bytes"] is not None), None)
     result["estimate_mode"] = best
     result["estimated_bytes"] = result["estimates"][best]["peak_bytes"] if best else None
     result["rel_error"] = rel_error(result["estimated_bytes"], result.get("measured_bytes"))
     # the comparison rows every validate target reports: one per rank and estimate mode
-    result["rows"] = [CaseRow(f"{case.name}/rank{r['rank']}/{m}", r.get("allocated_peak_bytes"), est,
-                              {"rank": r["rank"], "mode": m}).to_dict()
-                      for r in result["ranks"] for m, est in r["estimated_bytes"].items()]
+    result["rows"] = [
+        CaseRow(
+            f"{case.name}/rank{r['rank']}/{m}",
+            r.get("allocated_peak_bytes"),
+            est,
+            {"rank": r["rank"], "mode": m},
+        ).to_dict()
+        for r in result["ranks"]
+        for m, est in r["estimated_bytes"].items()
+    ]
     return result
 
 
 # The report ---------------------------------------------------------------------------------
 
+
 def new_report(env: dict, configs: str) -> dict:
-    return {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "configs": configs, **env, "cases": []}
+    return {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "configs": configs,
+        **env,
+        "cases": [],
+    }
 
 
 def default_out(report: dict) -> Path:
@@ -417,17 +500,30 @@ def format_table(report: dict) -> str:
         for r in c["ranks"]:
             est = r.get("estimated_bytes") or {}
             meas = r["allocated_peak_bytes"]
-            rows.append((c["name"], str(r["rank"]), b(meas), b(r["reserved_peak_bytes"]),
-                         b(est.get("traced")), pct(est.get("traced"), meas),
-                         b(est.get("templates")), pct(est.get("templates"), meas)))
+            rows.append(
+                (
+                    c["name"],
+                    str(r["rank"]),
+                    b(meas),
+                    b(r["reserved_peak_bytes"]),
+                    b(est.get("traced")),
+                    pct(est.get("traced"), meas),
+                    b(est.get("templates")),
+                    pct(est.get("templates"), meas),
+                )
+            )
         if c.get("error"):
             rows.append((c["name"], "-", "error", "-", "-", "-", "-", c["error"]))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     gpu = report.get("gpu", {})
-    lines = [f"GPU {gpu.get('name', '?')} (driver {report.get('driver') or '?'}, CUDA {report.get('cuda') or '?'}, "
-             f"torch {report.get('torch', '?')})",
-             "  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines = [
+        f"GPU {gpu.get('name', '?')} (driver {report.get('driver') or '?'}, CUDA {report.get('cuda') or '?'}, "
+        f"torch {report.get('torch', '?')})",
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+    ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.append("allocated = torch.cuda.max_memory_allocated(), reserved = reserved_bytes.all.peak, "
-                 "both over one steady-state step; err = (estimate - allocated) / allocated.")
+    lines.append(
+        "allocated = torch.cuda.max_memory_allocated(), reserved = reserved_bytes.all.peak, "
+        "both over one steady-state step; err = (estimate - allocated) / allocated."
+    )
     return "\n".join(lines)

@@ -16,9 +16,9 @@ from ..errors import UserError
 from ..plan import ParallelPlan
 
 ARCHS = ("llama", "mistral", "mixtral")
-PRECISIONS = ("bf16_autocast", "bf16", "fp32")   # autocast over fp32 weights, pure bf16, fp32
-ATTENTIONS = ("sdpa", "eager")                   # sdpa takes the flash kernel on CUDA for bf16
-RECOMPUTES = ("none", "full", "selective")        # selective = core attention (Megatron's meaning)
+PRECISIONS = ("bf16_autocast", "bf16", "fp32")  # autocast over fp32 weights, pure bf16, fp32
+ATTENTIONS = ("sdpa", "eager")  # sdpa takes the flash kernel on CUDA for bf16
+RECOMPUTES = ("none", "full", "selective")  # selective = core attention (Megatron's meaning)
 OPTIMIZERS = ("adamw_foreach", "adamw_fused")
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 CONFIG_SETS = ("small", "full")
@@ -36,7 +36,7 @@ class Case:
     kv_heads: int = 4
     intermediate: int = 2816
     vocab: int = 32000
-    experts: int = 0            # Mixtral: local experts; 0 = dense MLP
+    experts: int = 0  # Mixtral: local experts; 0 = dense MLP
     top_k: int = 2
     seq_len: int = 2048
     micro_batch: int = 1
@@ -50,9 +50,13 @@ class Case:
     schedule: str | None = None  # None when pp == 1: the microbatches run one after the other
 
     def __post_init__(self) -> None:
-        for value, allowed, what in ((self.arch, ARCHS, "arch"), (self.precision, PRECISIONS, "precision"),
-                                     (self.attn, ATTENTIONS, "attn"), (self.recompute, RECOMPUTES, "recompute"),
-                                     (self.optimizer, OPTIMIZERS, "optimizer")):
+        for value, allowed, what in (
+            (self.arch, ARCHS, "arch"),
+            (self.precision, PRECISIONS, "precision"),
+            (self.attn, ATTENTIONS, "attn"),
+            (self.recompute, RECOMPUTES, "recompute"),
+            (self.optimizer, OPTIMIZERS, "optimizer"),
+        ):
             if value not in allowed:
                 raise UserError(f"case {what} {value!r}: use one of {', '.join(allowed)}")
         if self.arch == "mixtral" and self.experts < 2:
@@ -73,8 +77,13 @@ class Case:
         parts = [f"{self.arch}-h{self.hidden}-L{self.layers}"]
         if self.experts:
             parts.append(f"e{self.experts}k{self.top_k}")
-        parts += [f"s{self.seq_len}b{self.micro_batch}m{self.microbatches}", self.precision, self.attn,
-                  f"rc-{self.recompute}", self.optimizer.replace("adamw_", "adamw-")]
+        parts += [
+            f"s{self.seq_len}b{self.micro_batch}m{self.microbatches}",
+            self.precision,
+            self.attn,
+            f"rc-{self.recompute}",
+            self.optimizer.replace("adamw_", "adamw-"),
+        ]
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f"v{self.vpp}" if self.vpp > 1 else "") + f"-{self.schedule}")
         return "/".join(parts)
@@ -102,8 +111,11 @@ def hf_config_dict(case: Case) -> dict:
     """The HF config.json of the case's model (what `pipemem estimate --model FILE` reads)."""
     d = {
         "model_type": case.arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "mixtral": "MixtralForCausalLM"}[case.arch]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}[
+                case.arch
+            ]
+        ],
         "hidden_size": case.hidden,
         "num_hidden_layers": case.layers,
         "num_attention_heads": case.heads,
@@ -121,8 +133,12 @@ def hf_config_dict(case: Case) -> dict:
     if case.arch == "mistral":
         d["sliding_window"] = 4096
     if case.arch == "mixtral":
-        d.update(num_local_experts=case.experts, num_experts_per_tok=case.top_k, sliding_window=None,
-                 output_router_logits=False)
+        d.update(
+            num_local_experts=case.experts,
+            num_experts_per_tok=case.top_k,
+            sliding_window=None,
+            output_router_logits=False,
+        )
     return d
 
 
@@ -134,14 +150,27 @@ def to_plan(case: Case) -> ParallelPlan:
     it is passed as dtype bf16 with master weights and `extra["autocast"] = True`."""
     dtype = "fp32" if case.precision == "fp32" else "bf16"
     return ParallelPlan(
-        seq_len=case.seq_len, micro_batch=case.micro_batch, microbatches=case.microbatches,
-        pp=case.pp, vpp=case.vpp, pp_layout=tuple(case.layer_layout()),
-        dtype=dtype, master_weights=case.precision == "bf16_autocast",
+        seq_len=case.seq_len,
+        micro_batch=case.micro_batch,
+        microbatches=case.microbatches,
+        pp=case.pp,
+        vpp=case.vpp,
+        pp_layout=tuple(case.layer_layout()),
+        dtype=dtype,
+        master_weights=case.precision == "bf16_autocast",
         main_grad_dtype={"bf16": "bf16", "fp32": "fp32", "bf16_autocast": "fp32"}[case.precision],
-        optimizer="adamw", recompute=case.recompute, flash_attn=case.attn == "sdpa",
-        convention="torchtitan", schedule=case.schedule,
-        extra={"precision": case.precision, "autocast": case.precision == "bf16_autocast",
-               "adamw_impl": case.optimizer.removeprefix("adamw_"), "attn_implementation": case.attn})
+        optimizer="adamw",
+        recompute=case.recompute,
+        flash_attn=case.attn == "sdpa",
+        convention="torchtitan",
+        schedule=case.schedule,
+        extra={
+            "precision": case.precision,
+            "autocast": case.precision == "bf16_autocast",
+            "adamw_impl": case.optimizer.removeprefix("adamw_"),
+            "attn_implementation": case.attn,
+        },
+    )
 
 
 # The matrix ---------------------------------------------------------------------------------
@@ -160,8 +189,17 @@ def _pipelines(base: Case, pps: tuple[int, ...], precisions: tuple[str, ...]) ->
             vpp = 1 if schedule == "1F1B" else 2
             layers = max(base.layers, pp * vpp)
             for precision in precisions:
-                out.append(replace(base, pp=pp, vpp=vpp, schedule=schedule, layers=layers,
-                                   microbatches=2 * pp, precision=precision))
+                out.append(
+                    replace(
+                        base,
+                        pp=pp,
+                        vpp=vpp,
+                        schedule=schedule,
+                        layers=layers,
+                        microbatches=2 * pp,
+                        precision=precision,
+                    )
+                )
     return out
 
 
@@ -185,8 +223,11 @@ def full_cases() -> list[Case]:
     AdamW implementations per precision, and every schedule at pp 2 and 4 at hidden 4096."""
     out: list[Case] = []
     for arch in ARCHS:
-        base = {"llama": _LLAMA_2K, "mistral": replace(_LLAMA_2K, arch="mistral"),
-                "mixtral": replace(_LLAMA_2K, arch="mixtral", layers=2, experts=4, intermediate=2816)}[arch]
+        base = {
+            "llama": _LLAMA_2K,
+            "mistral": replace(_LLAMA_2K, arch="mistral"),
+            "mixtral": replace(_LLAMA_2K, arch="mixtral", layers=2, experts=4, intermediate=2816),
+        }[arch]
         for precision in PRECISIONS:
             for attn in ATTENTIONS:
                 for recompute in RECOMPUTES:
@@ -205,6 +246,8 @@ def get_cases(configs: str = "small", only: list[str] | tuple[str, ...] = ()) ->
     if only:
         cases = [c for c in cases if any(s in c.name for s in only)]
         if not cases:
-            raise UserError(f"--case {' '.join(only)}: matches no case of --configs {configs}; "
-                            "see `pipemem validate cuda --list`")
+            raise UserError(
+                f"--case {' '.join(only)}: matches no case of --configs {configs}; "
+                "see `pipemem validate cuda --list`"
+            )
     return cases

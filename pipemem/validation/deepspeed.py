@@ -33,7 +33,7 @@ DEEPSPEED = "0.19.8"
 INSTALL = f"pip install --no-deps deepspeed=={DEEPSPEED} hjson py-cpuinfo msgpack ninja psutil einops"
 MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "ffn": 768}
 SEQ = 256
-TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 TOLERANCE = 0.03
 
 
@@ -42,15 +42,26 @@ def hf_auto(stage: int, hidden: int) -> dict:
     integration: reduce_bucket_size hidden^2; ZeRO-3 prefetch 0.9 hidden^2, persistence 10 hidden)."""
     out = {"reduce_bucket_size": hidden * hidden}
     if stage == 3:
-        out.update(stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
-                   stage3_param_persistence_threshold=10 * hidden)
+        out.update(
+            stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+            stage3_param_persistence_threshold=10 * hidden,
+        )
     return out
 
 
-def _case(name: str, zero: int, world: int = 2, buckets: str = "hf-auto", tied: bool = False, **extra) -> dict:
-    case = {"name": name, "world": world, "zero": zero, "seq_len": SEQ, "micro_batch": 2,
-            "model": dict(MODEL, tied=tied),
-            "buckets": buckets, "zero_config": hf_auto(zero, MODEL["hidden"]) if buckets == "hf-auto" else {}}
+def _case(
+    name: str, zero: int, world: int = 2, buckets: str = "hf-auto", tied: bool = False, **extra
+) -> dict:
+    case = {
+        "name": name,
+        "world": world,
+        "zero": zero,
+        "seq_len": SEQ,
+        "micro_batch": 2,
+        "model": dict(MODEL, tied=tied),
+        "buckets": buckets,
+        "zero_config": hf_auto(zero, MODEL["hidden"]) if buckets == "hf-auto" else {},
+    }
     case.update(extra)
     return case
 
@@ -71,8 +82,12 @@ def all_cases() -> list[dict]:
         # ZeRO-1/2's overlap_comm double-buffers the reduce bucket (at DeepSpeed's 5e8 elements: 2 GB);
         # without contiguous_gradients there is no bucket (ZeRO-3's resident one at 5e6 elements)
         _case("zero2-overlap-ds", 2, buckets="deepspeed", zero_config={"overlap_comm": True}),
-        _case("zero3-noncontig", 3, buckets="custom",
-              zero_config={"contiguous_gradients": False, "reduce_bucket_size": 5_000_000}),
+        _case(
+            "zero3-noncontig",
+            3,
+            buckets="custom",
+            zero_config={"contiguous_gradients": False, "reduce_bucket_size": 5_000_000},
+        ),
     ]
 
 
@@ -81,11 +96,19 @@ CI_CASES = ("zero2-ckpt", "zero3", "zero3-tied", "zero2-overlap-ds")
 
 def hf_config(case: dict) -> dict:
     m = case["model"]
-    return {"model_type": "llama", "hidden_size": m["hidden"], "intermediate_size": m["ffn"],
-            "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
-            "num_hidden_layers": m["layers"], "vocab_size": m["vocab"],
-            "tie_word_embeddings": bool(m.get("tied", False)), "max_position_embeddings": case["seq_len"],
-            "rope_theta": 500000, "torch_dtype": "float32"}
+    return {
+        "model_type": "llama",
+        "hidden_size": m["hidden"],
+        "intermediate_size": m["ffn"],
+        "num_attention_heads": m["heads"],
+        "num_key_value_heads": m["kv_heads"],
+        "num_hidden_layers": m["layers"],
+        "vocab_size": m["vocab"],
+        "tie_word_embeddings": bool(m.get("tied", False)),
+        "max_position_embeddings": case["seq_len"],
+        "rope_theta": 500000,
+        "torch_dtype": "float32",
+    }
 
 
 def assumed_settings(plan_kw: dict) -> dict:
@@ -94,9 +117,12 @@ def assumed_settings(plan_kw: dict) -> dict:
     (`deepspeed_trace.zero_settings`) in every row: a default pipemem assumes wrongly shows there."""
     from ..templates.layers import ZERO3_MAX_REUSE_DISTANCE
     from ..templates.static import DEEPSPEED_REDUCE_BUCKET
+
     extra = plan_kw.get("extra") or {}
-    out = {"reduce_bucket_size": int(extra.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET)),
-           "contiguous_gradients": bool(extra.get("contiguous_gradients", True))}
+    out = {
+        "reduce_bucket_size": int(extra.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET)),
+        "contiguous_gradients": bool(extra.get("contiguous_gradients", True)),
+    }
     if plan_kw["zero"] in (1, 2):
         out["overlap_comm"] = bool(extra.get("overlap_comm", False))
     else:
@@ -113,6 +139,7 @@ def plan_kwargs(case: dict) -> dict:
     torch_adam) takes it on CPU tensors, the foreach path on CUDA ones."""
     from ..configs.deepspeed import read
     from .deepspeed_trace import ds_config
+
     kw = dict(read(ds_config(case), hidden=case["model"]["hidden"]).plan)
     kw.update(dp=case["world"], seq_len=case["seq_len"], optimizer_impl="for-loop")
     if case.get("gradient_checkpointing"):
@@ -124,8 +151,15 @@ def trace_case(case: dict, timeout: float) -> dict:
     """Run the case's `world` ranks (one process each, a gloo group on 127.0.0.1); rank 0's
     measurement, with every rank's peak."""
     from .rank_processes import run_ranks
-    ranks = run_ranks("pipemem.validation.deepspeed_trace", case, case["world"], timeout,
-                      {"DS_ACCELERATOR": "cpu"}, f"DeepSpeed case {case['name']}")
+
+    ranks = run_ranks(
+        "pipemem.validation.deepspeed_trace",
+        case,
+        case["world"],
+        timeout,
+        {"DS_ACCELERATOR": "cpu"},
+        f"DeepSpeed case {case['name']}",
+    )
     out = ranks[0]
     out["rank_peaks"] = [x["peak_bytes"] for x in ranks]
     out["rank_static"] = [x["static_bytes"] for x in ranks]
@@ -134,18 +168,34 @@ def trace_case(case: dict, timeout: float) -> dict:
 
 def compare_case(case: dict, trace: dict) -> CaseRow:
     from ..estimate import estimate
-    est = estimate(hf_config(case), model_name="deepspeed-llama-small", kernel_policy="cpu", **plan_kwargs(case))
+
+    est = estimate(
+        hf_config(case), model_name="deepspeed-llama-small", kernel_policy="cpu", **plan_kwargs(case)
+    )
     r = est.ranks[0]
-    return CaseRow(f"{case['name']}/rank0", trace["peak_bytes"], r.peak_allocated_bytes,
-                   {"case": case["name"], "measured_static_bytes": trace["static_bytes"],
-                    "estimated_static_bytes": r.static.total, "measured_peak_at": trace["peak_at"],
-                    "estimated_peak_at": r.peak_at, "measured_phase_peaks": trace["phase_peaks"],
-                    "rank_peaks": trace["rank_peaks"], "breakdown": trace["breakdown"],
-                    "zero_settings": trace["zero_settings"], "optimizer": trace["optimizer"],
-                    "settings_disagree": {k: (v, trace["zero_settings"].get(k))
-                                          for k, v in assumed_settings(plan_kwargs(case)).items()
-                                          if trace["zero_settings"].get(k) != v},
-                    "reconciled_bytes": trace["reconciled_bytes"]})
+    return CaseRow(
+        f"{case['name']}/rank0",
+        trace["peak_bytes"],
+        r.peak_allocated_bytes,
+        {
+            "case": case["name"],
+            "measured_static_bytes": trace["static_bytes"],
+            "estimated_static_bytes": r.static.total,
+            "measured_peak_at": trace["peak_at"],
+            "estimated_peak_at": r.peak_at,
+            "measured_phase_peaks": trace["phase_peaks"],
+            "rank_peaks": trace["rank_peaks"],
+            "breakdown": trace["breakdown"],
+            "zero_settings": trace["zero_settings"],
+            "optimizer": trace["optimizer"],
+            "settings_disagree": {
+                k: (v, trace["zero_settings"].get(k))
+                for k, v in assumed_settings(plan_kwargs(case)).items()
+                if trace["zero_settings"].get(k) != v
+            },
+            "reconciled_bytes": trace["reconciled_bytes"],
+        },
+    )
 
 
 def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[CaseRow]:
@@ -155,10 +205,19 @@ def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[
 def available() -> str | None:
     """None when DeepSpeed (its CPU accelerator) and transformers import here, else why not (one line)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", "import deepspeed, transformers; "
-                               "from deepspeed.accelerator import get_accelerator; "
-                               "assert get_accelerator().device_name() == 'cpu'"],
-                              env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import deepspeed, transformers; "
+                "from deepspeed.accelerator import get_accelerator; "
+                "assert get_accelerator().device_name() == 'cpu'",
+            ],
+            env=dict(os.environ, DS_ACCELERATOR="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"deepspeed could not be checked ({type(e).__name__}); {INSTALL}"
     if proc.returncode != 0:
@@ -169,21 +228,39 @@ def available() -> str | None:
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def register(sub) -> None:
-    p = sub.add_parser("deepspeed", help="DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the "
-                                         "estimate",
-                       description=f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
-                                   "Face Llama over a real gloo process group on the CPU, measure rank 0's "
-                                   "allocations during the second step with PyTorch's profiler, and compare the "
-                                   "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
-                                   f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
-                                   f"{TOLERANCE:.0%}.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_case_options(p, "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket "
-                        "sizes)", 300.0, "seconds per case")
+    p = sub.add_parser(
+        "deepspeed",
+        help="DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
+        description=f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
+        "Face Llama over a real gloo process group on the CPU, measure rank 0's "
+        "allocations during the second step with PyTorch's profiler, and compare the "
+        "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
+        f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
+        f"{TOLERANCE:.0%}.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_case_options(
+        p,
+        "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)",
+        300.0,
+        "seconds per case",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    return run_named_cases(args, "deepspeed", all_cases, CI_CASES, available, run_cases, TOLERANCE,
-                           {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"}, "measured", truth=TRUTH)
+    return run_named_cases(
+        args,
+        "deepspeed",
+        all_cases,
+        CI_CASES,
+        available,
+        run_cases,
+        TOLERANCE,
+        {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"},
+        "measured",
+        truth=TRUTH,
+    )

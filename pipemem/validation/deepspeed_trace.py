@@ -39,26 +39,40 @@ from .allocations import MARK, Timeline, gc_storages
 
 def llama_config(case: dict):
     from transformers import LlamaConfig
+
     m = case["model"]
-    return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"],
-                       num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
-                       num_key_value_heads=m["kv_heads"], max_position_embeddings=case["seq_len"],
-                       tie_word_embeddings=bool(m.get("tied", False)), rope_theta=500000.0,
-                       attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden"],
+        intermediate_size=m["ffn"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv_heads"],
+        max_position_embeddings=case["seq_len"],
+        tie_word_embeddings=bool(m.get("tied", False)),
+        rope_theta=500000.0,
+        attn_implementation="sdpa",
+    )
 
 
 def ds_config(case: dict) -> dict:
     zero = {"stage": case["zero"]}
     zero.update(case.get("zero_config", {}))
-    return {"train_micro_batch_size_per_gpu": case["micro_batch"], "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True}, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
-            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": case["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _build(case: dict):
     import torch
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(case))
     if case.get("gradient_checkpointing"):
@@ -69,6 +83,7 @@ def _build(case: dict):
 
 def _batch(case: dict):
     import torch
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, case["model"]["vocab"], (case["micro_batch"], case["seq_len"]), generator=g)
     return ids, ids.clone()
@@ -76,6 +91,7 @@ def _batch(case: dict):
 
 def _tensors_in(obj, depth=0):
     import torch
+
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
@@ -84,9 +100,13 @@ def _tensors_in(obj, depth=0):
     elif depth < 4 and isinstance(obj, dict):
         for x in obj.values():
             yield from _tensors_in(x, depth + 1)
-    elif depth < 2 and type(obj).__module__.startswith("deepspeed.runtime.zero") and hasattr(obj, "__dict__") \
-            and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-        for x in vars(obj).values():     # e.g. ZeRO-3's IPG bucket objects (their `.buffer`)
+    elif (
+        depth < 2
+        and type(obj).__module__.startswith("deepspeed.runtime.zero")
+        and hasattr(obj, "__dict__")
+        and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+    ):
+        for x in vars(obj).values():  # e.g. ZeRO-3's IPG bucket objects (their `.buffer`)
             yield from _tensors_in(x, depth + 1)
 
 
@@ -94,6 +114,7 @@ def breakdown(engine, n_params: int) -> list[dict]:
     """The tensors DeepSpeed's ZeRO optimizer (and the engine's module) hold, by attribute: distinct
     storages, attributed to the first attribute that names them (largest first)."""
     import torch
+
     opt = engine.optimizer
     seen = set()
     rows = []
@@ -108,7 +129,9 @@ def breakdown(engine, n_params: int) -> list[dict]:
             if not st.nbytes() or key in seen:
                 continue
             seen.add(key)
-            by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + st.nbytes()
+            by_dtype[str(t.dtype).replace("torch.", "")] = (
+                by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + st.nbytes()
+            )
         for dt, b in by_dtype.items():
             rows.append({"what": name, "dtype": dt, "bytes": b, "bytes_per_param": round(b / n_params, 4)})
 
@@ -129,7 +152,10 @@ def breakdown(engine, n_params: int) -> list[dict]:
     for k, ts in state_tensors.items():
         add(f"optimizer.state[{k}]", ts)
     add("module.parameters", [p.data for p in engine.module.parameters()])
-    add("module.parameters.ds_tensor", [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")])
+    add(
+        "module.parameters.ds_tensor",
+        [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")],
+    )
     add("module.parameters.grad", [p.grad for p in engine.module.parameters() if p.grad is not None])
     add("module.buffers", list(engine.module.buffers()))
     return sorted(rows, key=lambda r: -r["bytes"])
@@ -138,18 +164,38 @@ def breakdown(engine, n_params: int) -> list[dict]:
 def _gathered(engine) -> dict:
     """ZeRO-3: the parameters whose full bf16 data is present (gathered or persistent) now."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    avail = [p for p in engine.module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
-    return {"params": len(avail), "of": sum(1 for _ in engine.module.parameters()),
-            "bytes": sum(p.ds_numel * p.element_size() for p in avail),
-            "persistent_bytes": sum(p.ds_numel * p.element_size() for p in avail if getattr(p, "ds_persist", False))}
+
+    avail = [
+        p for p in engine.module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+    ]
+    return {
+        "params": len(avail),
+        "of": sum(1 for _ in engine.module.parameters()),
+        "bytes": sum(p.ds_numel * p.element_size() for p in avail),
+        "persistent_bytes": sum(
+            p.ds_numel * p.element_size() for p in avail if getattr(p, "ds_persist", False)
+        ),
+    }
 
 
 def zero_settings(engine) -> dict:
     zc = engine._config.zero_config
-    keys = ("stage", "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-            "allgather_partitions", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-            "max_reuse_distance", "param_persistence_threshold", "model_persistence_threshold",
-            "stage3_gather_16bit_weights_on_model_save", "use_multi_rank_bucket_allreduce")
+    keys = (
+        "stage",
+        "contiguous_gradients",
+        "overlap_comm",
+        "reduce_scatter",
+        "reduce_bucket_size",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "prefetch_bucket_size",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "param_persistence_threshold",
+        "model_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save",
+        "use_multi_rank_bucket_allreduce",
+    )
     out = {}
     for k in keys:
         if hasattr(zc, k):
@@ -159,6 +205,7 @@ def zero_settings(engine) -> dict:
 
 
 # ---- the rank ------------------------------------------------------------------------------------
+
 
 def skip_shm_comm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op in init_distributed,
@@ -182,6 +229,7 @@ def run_rank(case: dict) -> dict:
     dist.init_process_group("gloo", init_method="env://")
     import deepspeed
     from deepspeed.utils import logger as ds_logger
+
     ds_logger.setLevel(logging.WARNING)
     skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -198,8 +246,9 @@ def run_rank(case: dict) -> dict:
                 model = _build(case)
         n_params = sum(int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         with record_function(MARK + "initialize"):
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                              config=config)
+            engine, *_ = deepspeed.initialize(
+                model=model, model_parameters=[p for p in model.parameters()], config=config
+            )
         del model
         for step in (1, 2):
             if step == 2:
@@ -212,7 +261,9 @@ def run_rank(case: dict) -> dict:
                 with record_function(f"{MARK}step{step}.forward"):
                     loss = engine(input_ids=ids, labels=labels).loss
                 if step == 2 and case["zero"] == 3:
-                    loss.register_hook(lambda g: out.__setitem__("gathered_at_backward_start", _gathered(engine)))
+                    loss.register_hook(
+                        lambda g: out.__setitem__("gathered_at_backward_start", _gathered(engine))
+                    )
                 with record_function(f"{MARK}step{step}.backward"):
                     engine.backward(loss)
                 with record_function(f"{MARK}step{step}.step"):
@@ -225,9 +276,15 @@ def run_rank(case: dict) -> dict:
     tl = Timeline(prof)
     out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
-    out.update(n_params=n_params, zero_settings=zero_settings(engine), optimizer=type(engine.optimizer).__name__,
-               basic_optimizer=type(engine.basic_optimizer).__name__, world=dist.get_world_size(),
-               deepspeed=deepspeed.__version__, torch=torch.__version__)
+    out.update(
+        n_params=n_params,
+        zero_settings=zero_settings(engine),
+        optimizer=type(engine.optimizer).__name__,
+        basic_optimizer=type(engine.basic_optimizer).__name__,
+        world=dist.get_world_size(),
+        deepspeed=deepspeed.__version__,
+        torch=torch.__version__,
+    )
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -238,6 +295,7 @@ def run_plain(case: dict) -> dict:
     zero_grad(set_to_none=True), one process."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
+
     torch.set_num_threads(1)
     out = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -276,8 +334,13 @@ def plain_expected(model, opt, ids, labels) -> dict:
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     batch = ids.numel() * ids.element_size() + labels.numel() * labels.element_size()
-    return {"params": params, "buffers": buffers, "optimizer_states": states, "batch": batch,
-            "total": params + buffers + states + batch}
+    return {
+        "params": params,
+        "buffers": buffers,
+        "optimizer_states": states,
+        "batch": batch,
+        "total": params + buffers + states + batch,
+    }
 
 
 def main(argv=None) -> int:

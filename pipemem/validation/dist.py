@@ -52,8 +52,17 @@ examples:
 """
 
 LLAMA = {"arch": "llama", "hidden": 64, "layers": 8, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256}
-MIXTRAL = {"arch": "mixtral", "hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 256,
-           "experts": 4, "topk": 2}
+MIXTRAL = {
+    "arch": "mixtral",
+    "hidden": 64,
+    "layers": 4,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn": 96,
+    "vocab": 256,
+    "experts": 4,
+    "topk": 2,
+}
 SEQ = 64
 
 # (schedule, vpp): the multi-stage schedules run 2 stages per rank.
@@ -61,8 +70,18 @@ SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble"
 
 
 def _pp_case(schedule: str, vpp: int, pp: int, m: int) -> dict:
-    return {"name": f"pp{pp}-{schedule}-m{m}", "kind": "pp", "schedule": schedule, "pp": pp, "vpp": vpp,
-            "microbatches": m, "micro_batch": 1, "seq_len": SEQ, "model": LLAMA, "world": pp}
+    return {
+        "name": f"pp{pp}-{schedule}-m{m}",
+        "kind": "pp",
+        "schedule": schedule,
+        "pp": pp,
+        "vpp": vpp,
+        "microbatches": m,
+        "micro_batch": 1,
+        "seq_len": SEQ,
+        "model": LLAMA,
+        "world": pp,
+    }
 
 
 # A rank measures its peak from the profiler's allocation events. The profiler misses a free made
@@ -76,48 +95,94 @@ def _pp_case(schedule: str, vpp: int, pp: int, m: int) -> dict:
 # this; beyond it the row is not a pass (under a load of 4-5 on 2 cores the TP ranks' whole
 # repairs, raw minus repaired, were 1.8 % and 4.5 %, the pipelines' and FSDP's 0).
 REPAIR_BOUND = 0.05
-TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # Real runs measured by the profiler against traces with the kernels they run: within 1 %.
 TOLERANCE = 0.01
 
 # gloo threads race on the TP collectives' frees (docs/ACCURACY.md): more repeats, whose
 # smallest peak is the program-order one; 3 still left one rank +0.9 % once.
 TP2 = {"kind": "tp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2, "repeat": 6}
-TP4 = dict(TP2, model=dict(LLAMA, heads=8, kv_heads=4), world=4)     # tp 4 must divide the KV heads
+TP4 = dict(TP2, model=dict(LLAMA, heads=8, kv_heads=4), world=4)  # tp 4 must divide the KV heads
 
 
 def all_cases() -> list[dict]:
     # DualPipeV needs at least as many microbatches as stages (8 at pp 4).
-    cases = [_pp_case(s, v, pp, m) for pp in (2, 4) for m in (4, 8) for s, v in SCHEDULES
-             if not (s == "DualPipeV" and m < 2 * pp)]
+    cases = [
+        _pp_case(s, v, pp, m)
+        for pp in (2, 4)
+        for m in (4, 8)
+        for s, v in SCHEDULES
+        if not (s == "DualPipeV" and m < 2 * pp)
+    ]
     cases += [
         dict(TP2, name="tp2-llama"),
         dict(TP2, name="tp2-llama-regather", regather=True, base="tp2-llama"),
         dict(TP4, name="tp4-llama"),
         dict(TP4, name="tp4-llama-regather", regather=True, base="tp4-llama"),
-        {"name": "fsdp2-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 2,
-         "repeat": 3},
-        {"name": "fsdp2-mixtral", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": MIXTRAL, "world": 2,
-         "repeat": 3},
+        {
+            "name": "fsdp2-llama",
+            "kind": "fsdp",
+            "micro_batch": 2,
+            "seq_len": SEQ,
+            "model": LLAMA,
+            "world": 2,
+            "repeat": 3,
+        },
+        {
+            "name": "fsdp2-mixtral",
+            "kind": "fsdp",
+            "micro_batch": 2,
+            "seq_len": SEQ,
+            "model": MIXTRAL,
+            "world": 2,
+            "repeat": 3,
+        },
         # dp 4: FSDP2's implicit backward prefetch (the next unit's all-gather issued while a
         # unit's backward runs) and reduce-scatter buffers of a quarter shard
-        {"name": "fsdp4-llama", "kind": "fsdp", "micro_batch": 2, "seq_len": SEQ, "model": LLAMA, "world": 4,
-         "repeat": 3},
+        {
+            "name": "fsdp4-llama",
+            "kind": "fsdp",
+            "micro_batch": 2,
+            "seq_len": SEQ,
+            "model": LLAMA,
+            "world": 4,
+            "repeat": 3,
+        },
         dict(_pp_case("1F1B", 1, 2, 4), name="pp2-1F1B-m4-mixtral", model=MIXTRAL),
     ]
     # DistributedDataParallel, default buckets (gradient_as_bucket_view off: .grad and the
     # buckets are two copies) and bucket views (one copy), dp 2 and 4. A short batch, so that
     # the peak is in the optimizer step, where gradients and buckets are both resident and the
     # two settings differ by a whole gradient copy (at SEQ the activations' peak hides it).
-    cases += [{"name": f"ddp{w}-llama{'-view' if view else ''}", "kind": "ddp", "micro_batch": 1, "seq_len": 16,
-               "model": LLAMA, "world": w, "bucket_view": view, "repeat": 3} for w in (2, 4) for view in (False, True)]
+    cases += [
+        {
+            "name": f"ddp{w}-llama{'-view' if view else ''}",
+            "kind": "ddp",
+            "micro_batch": 1,
+            "seq_len": 16,
+            "model": LLAMA,
+            "world": w,
+            "bucket_view": view,
+            "repeat": 3,
+        }
+        for w in (2, 4)
+        for view in (False, True)
+    ]
     return cases
 
 
-CI_CASES = ("pp2-1F1B-m4", "pp2-ZBVZeroBubble-m4", "tp2-llama", "tp2-llama-regather", "fsdp2-llama", "ddp2-llama")
+CI_CASES = (
+    "pp2-1F1B-m4",
+    "pp2-ZBVZeroBubble-m4",
+    "tp2-llama",
+    "tp2-llama-regather",
+    "fsdp2-llama",
+    "ddp2-llama",
+)
 
 
 # ---- real runs -------------------------------------------------------------------------------
+
 
 class Launch:
     """`world` worker processes running `cases` over gloo on 127.0.0.1; `collect()` waits for
@@ -132,19 +197,31 @@ class Launch:
             json.dump(cases, f)
         self.out = os.path.join(self.tmp.name, "out")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
-                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(world),
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+            TRANSFORMERS_VERBOSITY="error",
+            PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+        )
         self.procs, self.logs = [], []
         self.started = time.monotonic()
         try:
             for r in range(world):
                 log = open(os.path.join(self.tmp.name, f"log.{r}"), "w")
                 self.logs.append(log)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pipemem.validation.dist_worker", spec, self.out],
-                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pipemem.validation.dist_worker", spec, self.out],
+                        env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -177,7 +254,9 @@ class Launch:
                 time.sleep(0.2)
             bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if bad:
-                raise RuntimeError(f"rank {bad[0]} of the {self.world}-rank dist run failed:\n{self._log_tail(bad[0])}")
+                raise RuntimeError(
+                    f"rank {bad[0]} of the {self.world}-rank dist run failed:\n{self._log_tail(bad[0])}"
+                )
             if on_case is not None:
                 for k in range(seen, len(self.cases)):
                     on_case(k)
@@ -225,14 +304,28 @@ def _stop(procs) -> None:
 
 # ---- compare -----------------------------------------------------------------------------------
 
+
 def estimate_kwargs(case: dict) -> dict:
     """The case as `pipemem.estimate` keyword arguments."""
     from .distributed.models import precision
-    kw = dict(mode="traced", kernel_policy="cpu", convention="torchtitan", step="first", seq_len=case["seq_len"],
-              micro_batch=case["micro_batch"], **precision(case["model"]))
+
+    kw = dict(
+        mode="traced",
+        kernel_policy="cpu",
+        convention="torchtitan",
+        step="first",
+        seq_len=case["seq_len"],
+        micro_batch=case["micro_batch"],
+        **precision(case["model"]),
+    )
     if case["kind"] == "pp":
-        kw.update(pp=case["pp"], vpp=case.get("vpp", 1), microbatches=case["microbatches"], schedule=case["schedule"],
-                  runtime="torch")
+        kw.update(
+            pp=case["pp"],
+            vpp=case.get("vpp", 1),
+            microbatches=case["microbatches"],
+            schedule=case["schedule"],
+            runtime="torch",
+        )
     elif case["kind"] == "tp":
         kw.update(tp=case["world"], recompute_allgather=bool(case.get("regather")))
     elif case["kind"] == "ddp":
@@ -246,13 +339,18 @@ def estimate_case(case: dict) -> dict[int, dict]:
     """{rank: {estimated_bytes, peak_at, static_bytes}} of every rank of the case, from one
     `pipemem.estimate` call (a TP / FSDP estimate is one rank: every rank of the group runs it)."""
     import pipemem
+
     from .distributed.models import hf_config
+
     est = pipemem.estimate(hf_config(case["model"]), **estimate_kwargs(case))
     out = {}
     for r in range(case["world"]):
         rank = est.ranks[r] if case["kind"] == "pp" else est.ranks[0]
-        out[r] = {"estimated_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at,
-                  "static_bytes": rank.static.total}
+        out[r] = {
+            "estimated_bytes": rank.peak_allocated_bytes,
+            "peak_at": rank.peak_at,
+            "static_bytes": rank.static.total,
+        }
     return out
 
 
@@ -265,7 +363,7 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
     for c in cases:
         by_world.setdefault(c["world"], []).append(c)
     for world, group in sorted(by_world.items()):
-        run = Launch(group, world, timeout)     # the ranks start while this process estimates
+        run = Launch(group, world, timeout)  # the ranks start while this process estimates
         if progress is not None:
             progress.start(f"{group[0]['name']}: estimating {len(group)} case(s) while {world} ranks run")
         try:
@@ -277,19 +375,29 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
             raise
         if progress is not None:
             progress.start(f"{group[0]['name']}: {world} ranks running")
-        measured = run.collect(None if progress is None else
-                               lambda k, g=group: progress.done(g[k]["name"]))
+        measured = run.collect(None if progress is None else lambda k, g=group: progress.done(g[k]["name"]))
         for c in group:
             for r, est in sorted(estimates[c["name"]].items()):
                 meas = measured[c["name"], r]
-                row = CaseRow(f"{c['name']}/rank{r}", meas["measured_bytes"], est["estimated_bytes"], {
-                    "case": c["name"], "rank": r, "peak_at": est["peak_at"], "static_bytes": est["static_bytes"],
-                    "measured_baseline_bytes": meas.get("baseline_bytes"),
-                    "raw_measured_bytes": meas.get("raw_measured_bytes"),
-                    "proven_measured_bytes": meas.get("proven_measured_bytes"),
-                    "measured_max_bytes": meas.get("measured_max_bytes"), "repeats": meas.get("repeats") or 1,
-                    "missed_free_bytes": meas.get("missed_free_bytes", 0),
-                    "estimate_seconds": round(t_est / len(group), 2), "run_seconds": meas.get("seconds")})
+                row = CaseRow(
+                    f"{c['name']}/rank{r}",
+                    meas["measured_bytes"],
+                    est["estimated_bytes"],
+                    {
+                        "case": c["name"],
+                        "rank": r,
+                        "peak_at": est["peak_at"],
+                        "static_bytes": est["static_bytes"],
+                        "measured_baseline_bytes": meas.get("baseline_bytes"),
+                        "raw_measured_bytes": meas.get("raw_measured_bytes"),
+                        "proven_measured_bytes": meas.get("proven_measured_bytes"),
+                        "measured_max_bytes": meas.get("measured_max_bytes"),
+                        "repeats": meas.get("repeats") or 1,
+                        "missed_free_bytes": meas.get("missed_free_bytes", 0),
+                        "estimate_seconds": round(t_est / len(group), 2),
+                        "run_seconds": meas.get("seconds"),
+                    },
+                )
                 check_repair(row)
                 rows.append(row)
     return rows
@@ -306,9 +414,11 @@ def check_repair(row: CaseRow) -> None:
     assumed = (proven if proven is not None else raw) - row.measured_bytes
     row.extra["assumed_repair_rel"] = assumed / row.measured_bytes
     if assumed > REPAIR_BOUND * row.measured_bytes:
-        row.extra["unreliable"] = (f"the repair of frees missed on gloo's threads lowered the peak by "
-                                   f"{row.extra['assumed_repair_rel']:.2%} more than address reuse proves "
-                                   f"(bound {REPAIR_BOUND:.0%})")
+        row.extra["unreliable"] = (
+            f"the repair of frees missed on gloo's threads lowered the peak by "
+            f"{row.extra['assumed_repair_rel']:.2%} more than address reuse proves "
+            f"(bound {REPAIR_BOUND:.0%})"
+        )
 
 
 def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
@@ -321,20 +431,31 @@ def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
         if b is None:
             continue
         measured, estimated = b.measured_bytes - r.measured_bytes, b.estimated_bytes - r.estimated_bytes
-        r.extra.update(saving_measured_bytes=measured, saving_estimated_bytes=estimated,
-                       saving_rel_error=rel_error(estimated, measured))
+        r.extra.update(
+            saving_measured_bytes=measured,
+            saving_estimated_bytes=estimated,
+            saving_rel_error=rel_error(estimated, measured),
+        )
 
 
 def register(sub) -> None:
-    p = sub.add_parser("dist", help="real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
-                       description="Real multi-process training steps over gloo on the CPU "
-                                   "(torch.distributed.pipelining schedules, DTensor TP with sequence "
-                                   "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
-                                   "against pipemem's per-rank estimate of the same runs.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_case_options(p, "every case (pp 2 and 4, 4 and 8 microbatches, 5 schedules, TP 2 and 4 with and "
-                        "without regather, FSDP and DDP at dp 2 and 4): minutes on 2 cores", 900.0,
-                     "seconds per multi-process launch")
+    p = sub.add_parser(
+        "dist",
+        help="real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
+        description="Real multi-process training steps over gloo on the CPU "
+        "(torch.distributed.pipelining schedules, DTensor TP with sequence "
+        "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
+        "against pipemem's per-rank estimate of the same runs.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_case_options(
+        p,
+        "every case (pp 2 and 4, 4 and 8 microbatches, 5 schedules, TP 2 and 4 with and "
+        "without regather, FSDP and DDP at dp 2 and 4): minutes on 2 cores",
+        900.0,
+        "seconds per multi-process launch",
+    )
     p.set_defaults(func=run)
 
 
@@ -370,20 +491,53 @@ def run(args) -> int:
         return 1
     add_savings(rows, cases)
     savings = [r for r in rows if "saving_measured_bytes" in r.extra]
-    worst_saving = max((abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
-                       default=None)
+    worst_saving = max(
+        (abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
+        default=None,
+    )
     if args.json:
-        print(json.dumps(report("dist", TRUTH, TOLERANCE, rows, backend="gloo", kernel_policy="cpu",
-                                repair_bound=REPAIR_BOUND, max_abs_saving_rel_error=worst_saving), indent=1))
+        print(
+            json.dumps(
+                report(
+                    "dist",
+                    TRUTH,
+                    TOLERANCE,
+                    rows,
+                    backend="gloo",
+                    kernel_policy="cpu",
+                    repair_bound=REPAIR_BOUND,
+                    max_abs_saving_rel_error=worst_saving,
+                ),
+                indent=1,
+            )
+        )
         return exit_code(rows, TOLERANCE)
-    print_summary(rows, columns=(("raw_measured_bytes", "raw measured"), ("proven_measured_bytes", "proven"),
-                                 ("repeats", "runs"), ("peak_at", "peak at")),
-                  what="rank measurements", target="dist", truth=TRUTH, tolerance=TOLERANCE)
-    print("measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured "
-          "= the same run as recorded; proven = those frees only where address reuse proves them; a repair "
-          f"beyond the proven one by over {REPAIR_BOUND:.0%} of the peak fails the row")
+    print_summary(
+        rows,
+        columns=(
+            ("raw_measured_bytes", "raw measured"),
+            ("proven_measured_bytes", "proven"),
+            ("repeats", "runs"),
+            ("peak_at", "peak at"),
+        ),
+        what="rank measurements",
+        target="dist",
+        truth=TRUTH,
+        tolerance=TOLERANCE,
+    )
+    print(
+        "measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured "
+        "= the same run as recorded; proven = those frees only where address reuse proves them; a repair "
+        f"beyond the proven one by over {REPAIR_BOUND:.0%} of the peak fails the row"
+    )
     if savings:
         print()
-        print_summary([CaseRow(r.name, r.extra["saving_measured_bytes"], r.extra["saving_estimated_bytes"])
-                       for r in savings], title="saving (vs the case without)", what="rank savings")
+        print_summary(
+            [
+                CaseRow(r.name, r.extra["saving_measured_bytes"], r.extra["saving_estimated_bytes"])
+                for r in savings
+            ],
+            title="saving (vs the case without)",
+            what="rank savings",
+        )
     return exit_code(rows, TOLERANCE)

@@ -17,36 +17,52 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from functools import partial
 import gc
 import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed.models import (build_ddp_module, build_fsdp_model, build_stack, build_tp_model, local_tensor, loss_fn,
-                                  make_batch, make_mesh, make_optimizer, model_config, param_dtype, split_layers)
 from ..traced.step import run_step
+from .distributed.models import (
+    build_ddp_module,
+    build_fsdp_model,
+    build_stack,
+    build_tp_model,
+    local_tensor,
+    loss_fn,
+    make_batch,
+    make_mesh,
+    make_optimizer,
+    model_config,
+    param_dtype,
+    split_layers,
+)
 
 STEP_MARK = "pipemem::step"
 
 
 # ---- measurement ---------------------------------------------------------------------------
 
+
 def allocation_events(prof):
     """From the profile: allocation events (time ns, bytes (+alloc / -free), address, op) in
     time order, the end times of collective waits, and the (start, end) of the step mark."""
     from torch._C._profiler import _EventType
+
     events, waits, mark = [], [], None
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         n = stack.pop()
-        if n.typed[0] == _EventType.Allocation:   # CPU-only run: every event is host memory
-            events.append((n.start_time_ns, n.typed[1].alloc_size, n.typed[1].ptr, n.parent.name if n.parent else ""))
+        if n.typed[0] == _EventType.Allocation:  # CPU-only run: every event is host memory
+            events.append(
+                (n.start_time_ns, n.typed[1].alloc_size, n.typed[1].ptr, n.parent.name if n.parent else "")
+            )
         elif n.name == STEP_MARK:
             mark = (n.start_time_ns, n.end_time_ns)
         elif "wait_tensor" in n.name or n.name.endswith("::wait"):
@@ -67,6 +83,7 @@ def repair_missed_frees(events, waits=(), at_reuse: bool = False):
     happened: what the events prove, an upper bound of the true running sum.
     Returns the events with those frees inserted, and the bytes repaired."""
     import bisect
+
     live: dict[int, tuple[int, int]] = {}
     inserted, missed = [], 0
 
@@ -114,7 +131,7 @@ def peak_from_profile(prof, baseline: int) -> dict:
     events, missed = repair_missed_frees(raw_events, waits)
     t0 = mark[0] if mark else (events[0][0] if events else 0)
     debug = os.environ.get("PIPEMEM_DIST_DEBUG")
-    if debug:    # the whole allocation timeline, to compare with a trace op by op
+    if debug:  # the whole allocation timeline, to compare with a trace op by op
         with open(f"{debug}.{os.environ.get('RANK', 0)}.tsv", "a") as f:
             c = baseline
             for t, sz, ptr, op in events:
@@ -123,10 +140,16 @@ def peak_from_profile(prof, baseline: int) -> dict:
     peak, peak_t, cur = _running_peak(events, t0)
     raw_peak = _running_peak(raw_events, t0)[0]
     proven_peak = _running_peak(repair_missed_frees(raw_events, waits, at_reuse=True)[0], t0)[0]
-    return {"measured_bytes": int(baseline + peak), "raw_measured_bytes": int(baseline + raw_peak),
-            "proven_measured_bytes": int(baseline + proven_peak),
-            "baseline_bytes": int(baseline), "end_bytes": int(baseline + cur),
-            "missed_free_bytes": int(missed), "n_alloc_events": len(events), "peak_at_ms": (peak_t - t0) / 1e6}
+    return {
+        "measured_bytes": int(baseline + peak),
+        "raw_measured_bytes": int(baseline + raw_peak),
+        "proven_measured_bytes": int(baseline + proven_peak),
+        "baseline_bytes": int(baseline),
+        "end_bytes": int(baseline + cur),
+        "missed_free_bytes": int(missed),
+        "n_alloc_events": len(events),
+        "peak_at_ms": (peak_t - t0) / 1e6,
+    }
 
 
 def live_tensor_bytes() -> int:
@@ -158,6 +181,7 @@ def measured_step(result: dict, setup=None):
     C++ holds out of Python's reach, counts as held when the step starts."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
+
     gc.collect()
     time.sleep(0.05)
     gc.collect()
@@ -203,9 +227,11 @@ def _any_rank(flag: bool) -> bool:
 
 # ---- cases ---------------------------------------------------------------------------------
 
+
 def run_pipeline(case: dict, rank: int, world: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
+
     spec, pp, vpp, m = case["model"], case["pp"], case.get("vpp", 1), case["microbatches"]
     mb, seq = case["micro_batch"], case["seq_len"]
     cfg = model_config(spec)
@@ -219,7 +245,8 @@ def run_pipeline(case: dict, rank: int, world: int) -> dict:
         res: dict = {}
         stages, params = [], []
         from ..schedules import get_schedule
-        placed = get_schedule(case["schedule"], pp, m, vpp).stages_of_rank(rank)   # placement: the schedule's
+
+        placed = get_schedule(case["schedule"], pp, m, vpp).stages_of_rank(rank)  # placement: the schedule's
         for s in placed:
             mod = build_stack(cfg, layout[s], s == 0, s == n_stages - 1, seq, param_dtype(cfg), seed=s)
             params += list(mod.parameters())
@@ -240,8 +267,11 @@ def run_pipeline(case: dict, rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         dist.barrier()
-        return dict(res, param_bytes=sum(p.numel() * p.element_size() for p in params),
-                    stages=[s.stage_index for s in stages])
+        return dict(
+            res,
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            stages=[s.stage_index for s in stages],
+        )
 
     return repeated(once, case.get("repeat", 1))
 
@@ -266,6 +296,7 @@ class SettleCollectives(TorchDispatchMode):
     def __enter__(self):
         from torch._C._distributed_c10d import Work
         from torch.autograd.profiler import record_function
+
         orig, pause = Work.wait, self.pause_s
 
         def wait(work, *args, **kwargs):
@@ -273,12 +304,14 @@ class SettleCollectives(TorchDispatchMode):
                 out = orig(work, *args, **kwargs)
             time.sleep(pause)
             return out
+
         self._work_wait = orig
         Work.wait = wait
         return super().__enter__()
 
     def __exit__(self, *exc):
         from torch._C._distributed_c10d import Work
+
         Work.wait = self._work_wait
         return super().__exit__(*exc)
 
@@ -303,10 +336,12 @@ def run_data_model(case: dict, rank: int, world: int) -> dict:
         opt = make_optimizer(model.parameters())
         ids, target = make_batch(spec, mb, seq, seed=1 if case["kind"] == "tp" else 1 + rank)
         dist.barrier()
-        with measured_step(res), SettleCollectives():   # the step the estimator traces (run_step)
+        with measured_step(res), SettleCollectives():  # the step the estimator traces (run_step)
             run_step(model, (ids,), {}, lambda out: loss_fn(out, target), opt)
         dist.barrier()
-        return dict(res, param_bytes=sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()))
+        return dict(
+            res, param_bytes=sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
+        )
 
     return repeated(once, case.get("repeat", 1))
 
@@ -329,8 +364,14 @@ def run_ddp(case: dict, rank: int, world: int) -> dict:
         ids, target = make_batch(spec, mb, seq, seed=1 + rank)
         mesh = make_mesh(world)
         dist.barrier()
-        wrap = partial(build_ddp_module, model, mesh, case.get("bucket_view", False), case.get("bucket_cap_mb"),
-                       init_sync=False)
+        wrap = partial(
+            build_ddp_module,
+            model,
+            mesh,
+            case.get("bucket_view", False),
+            case.get("bucket_cap_mb"),
+            init_sync=False,
+        )
         with SettleCollectives(), measured_step(res, setup=wrap) as ddp:
             run_step(ddp, (ids,), {}, lambda out: loss_fn(out, target), opt)
         dist.barrier()

@@ -45,25 +45,37 @@ from typing import Callable
 from .compare import CaseRow, exit_code, report
 from .cuda_stand_ins import Stream as _Stream
 
-TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 # A library's code traced on fake tensors against the template of the same layer: the same
 # tensors, so a row may differ by a few scalars and rounding of kept views (1 %).
 TOLERANCE = 0.01
 # Disagreements found and not modelled: shown with their reason, outside the verdict
 # (docs/ACCURACY.md, "Modern-trainer features"); estimates that meet them carry a warning.
-_GPT2_OFFLOAD = ("template low, not modelled: offloaded GPT-2 (non-gated MLP) layers hold tensors the "
-                 "template frees; estimates of such layers warn")
-KNOWN_GAPS = {"offload-torchtune/gpt2: layer forward peak": _GPT2_OFFLOAD,
-              "offload-torchtune/gpt2: layer backward peak": _GPT2_OFFLOAD}
+_GPT2_OFFLOAD = (
+    "template low, not modelled: offloaded GPT-2 (non-gated MLP) layers hold tensors the "
+    "template frees; estimates of such layers warn"
+)
+KNOWN_GAPS = {
+    "offload-torchtune/gpt2: layer forward peak": _GPT2_OFFLOAD,
+    "offload-torchtune/gpt2: layer backward peak": _GPT2_OFFLOAD,
+}
 
 S, B = 256, 2
-LLAMA = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "num_hidden_layers": 2, "intermediate_size": 768, "vocab_size": 512}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 768,
+    "vocab_size": 512,
+}
 HEAD = dict(LLAMA, vocab_size=4096, num_hidden_layers=1)
 CHUNKS = 8
 
 
 # ---------------------------------------------------------------- shared helpers
+
 
 def template_layer(config: dict, layer: int = 0, convention: str = "hf", **plan):
     from ..model import arch_from_hf_config
@@ -73,14 +85,27 @@ def template_layer(config: dict, layer: int = 0, convention: str = "hf", **plan)
     from ..templates.programs import layer_memory
 
     arch = arch_from_hf_config(config, "t")
-    p = validate_plan(arch, ParallelPlan(seq_len=plan.pop("seq_len", S), micro_batch=plan.pop("micro_batch", B),
-                                         convention=convention, **plan))
+    p = validate_plan(
+        arch,
+        ParallelPlan(
+            seq_len=plan.pop("seq_len", S),
+            micro_batch=plan.pop("micro_batch", B),
+            convention=convention,
+            **plan,
+        ),
+    )
     conv = convention_for(p)
     return layer_memory(arch, make_shard(arch, p, conv), conv, layer_options(arch, p, layer, False))
 
 
-def trace_hf(config: dict, dtype: str = "bf16", master: bool = False, prepare=None, step: str = "first",
-             layers: int = 2):
+def trace_hf(
+    config: dict,
+    dtype: str = "bf16",
+    master: bool = False,
+    prepare=None,
+    step: str = "first",
+    layers: int = 2,
+):
     import torch
 
     from ..traced.hf import Precision, build_model, fake_tensor_quirks, hf_loss, make_config, step_inputs
@@ -89,8 +114,17 @@ def trace_hf(config: dict, dtype: str = "bf16", master: bool = False, prepare=No
     cfg = make_config(config, "sdpa", layers)
     prec = Precision.parse(dtype, master)
     del torch
-    return trace_step(lambda: build_model(cfg, prec.param_dtype), step_inputs(cfg, B, S), hf_loss, None, "cuda",
-                      autocast_dtype=prec.autocast_dtype, prepare=prepare, patches=fake_tensor_quirks(), step=step)
+    return trace_step(
+        lambda: build_model(cfg, prec.param_dtype),
+        step_inputs(cfg, B, S),
+        hf_loss,
+        None,
+        "cuda",
+        autocast_dtype=prec.autocast_dtype,
+        prepare=prepare,
+        patches=fake_tensor_quirks(),
+        step=step,
+    )
 
 
 def layer_kept(step, layer: int = 1) -> int:
@@ -101,8 +135,11 @@ def layer_kept(step, layer: int = 1) -> int:
     alive = set(analyze_sequence(step.programs, live_on_entry=step.entry_storages)[0].live_after)
     c = compile_program(prog)
     ops = [i for i, x in enumerate(step.op_layers["forward"]) if x == layer]
-    return sum(int(c.sizes[sid]) for sid, name in enumerate(c.storage_names)
-               if ops[0] <= c.first_op[sid] <= ops[-1] and c.first_is_write[sid] and name in alive)
+    return sum(
+        int(c.sizes[sid])
+        for sid, name in enumerate(c.storage_names)
+        if ops[0] <= c.first_op[sid] <= ops[-1] and c.first_is_write[sid] and name in alive
+    )
 
 
 def layer_segment_peak(step, phase: str, layer: int = 1) -> int:
@@ -153,12 +190,17 @@ def torchtune_packages():
 
     spec = importlib.util.find_spec("torchtune")
     root = Path(list(spec.submodule_search_locations)[0])
-    before = {k: v for k, v in sys.modules.items() if k.startswith("torchtune") or k == "torchao.dtypes.nf4tensor"}
+    before = {
+        k: v for k, v in sys.modules.items() if k.startswith("torchtune") or k == "torchao.dtypes.nf4tensor"
+    }
     nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
 
-    class NF4Tensor(torch.Tensor):     # only isinstance checks and decorators read these
+    class NF4Tensor(torch.Tensor):  # only isinstance checks and decorators read these
         pass
-    nf4.__dict__.update(NF4Tensor=NF4Tensor, to_nf4=None, linear_nf4=None, implements=lambda *a, **k: (lambda f: f))
+
+    nf4.__dict__.update(
+        NF4Tensor=NF4Tensor, to_nf4=None, linear_nf4=None, implements=lambda *a, **k: lambda f: f
+    )
     sys.modules["torchao.dtypes.nf4tensor"] = nf4
     for rel in ("", "models", "models/llama3", "models/llama3_1", "models/llama3_2", "models/qwen2"):
         name = ".".join(["torchtune", *rel.split("/")]) if rel else "torchtune"
@@ -186,14 +228,25 @@ def torchtune_decoder(config: dict, dtype: str):
     with torchtune_packages():
         if config.get("model_type") == "qwen2":
             from torchtune.models.qwen2._component_builders import qwen2 as build
+
             extra = {}
         else:
             from torchtune.models.llama3_2._component_builders import llama3_2 as build
+
             extra = {"rope_base": 500000}
-        model = build(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
-                      num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
-                      embed_dim=config["hidden_size"], max_seq_len=S, intermediate_dim=config["intermediate_size"],
-                      attn_dropout=0.0, norm_eps=1e-5, tie_word_embeddings=False, **extra)
+        model = build(
+            vocab_size=config["vocab_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config["num_key_value_heads"],
+            embed_dim=config["hidden_size"],
+            max_seq_len=S,
+            intermediate_dim=config["intermediate_size"],
+            attn_dropout=0.0,
+            norm_eps=1e-5,
+            tie_word_embeddings=False,
+            **extra,
+        )
     return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 
@@ -206,10 +259,18 @@ def torchtune_optim_in_bwd_hooks():
     import logging
 
     import torch
-    mod = _torchtune_file("training/memory.py", {
-        "torchtune": {}, "torchtune.utils": {"get_device_support": lambda: "cpu",
-                                             "get_logger": lambda *a, **k: logging.getLogger("torchtune"),
-                                             "get_torch_device_namespace": lambda: torch.cpu}})
+
+    mod = _torchtune_file(
+        "training/memory.py",
+        {
+            "torchtune": {},
+            "torchtune.utils": {
+                "get_device_support": lambda: "cpu",
+                "get_logger": lambda *a, **k: logging.getLogger("torchtune"),
+                "get_torch_device_namespace": lambda: torch.cpu,
+            },
+        },
+    )
     return None if mod is None else mod.register_optim_in_bwd_hooks
 
 
@@ -217,19 +278,27 @@ def torchtune_offload_activations():
     """torchtune's `OffloadActivations` class, run against fake CUDA streams, with its CPU
     buffers recorded as host memory; None when torchtune is not installed."""
     import logging
+
     import torch
 
     from ..traced.capture import host_memory
 
-    class NF4Tensor(torch.Tensor):     # torchao moved it; only an isinstance check reads it
+    class NF4Tensor(torch.Tensor):  # torchao moved it; only an isinstance check reads it
         pass
 
     class TiedLinear:
         pass
-    mod = _torchtune_file("training/_activation_offloading.py", {
-        "psutil": {}, "torchao.dtypes.nf4tensor": {"NF4Tensor": NF4Tensor},
-        "torchtune": {}, "torchtune.modules": {"TiedLinear": TiedLinear},
-        "torchtune.utils": {"get_logger": lambda *a, **k: logging.getLogger("torchtune")}})
+
+    mod = _torchtune_file(
+        "training/_activation_offloading.py",
+        {
+            "psutil": {},
+            "torchao.dtypes.nf4tensor": {"NF4Tensor": NF4Tensor},
+            "torchtune": {},
+            "torchtune.modules": {"TiedLinear": TiedLinear},
+            "torchtune.utils": {"get_logger": lambda *a, **k: logging.getLogger("torchtune")},
+        },
+    )
     if mod is None:
         return None
     compute = _Stream()
@@ -243,6 +312,7 @@ def torchtune_offload_activations():
     class _Torch:
         """torch as the module sees it: fake streams; `empty_like(..., device="cpu")` (its
         host buffer) is host memory."""
+
         cuda = _Cuda
 
         def __getattr__(self, name):
@@ -255,6 +325,7 @@ def torchtune_offload_activations():
             kw.pop("pin_memory", None)
             with host_memory():
                 return torch.empty_like(t, **kw)
+
     mod.torch = _Torch()
     return mod.OffloadActivations
 
@@ -266,6 +337,7 @@ def _device_copies():
     import torch
 
     from ..traced.hf import fake_tensor_quirks
+
     to, record_stream = torch.Tensor.to, torch.Tensor.record_stream
 
     def to_device(self, *args, **kwargs):
@@ -273,6 +345,7 @@ def _device_copies():
         if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda"):
             return torch.empty_like(self).copy_(self)
         return to(self, *args, **kwargs)
+
     torch.Tensor.to, torch.Tensor.record_stream = to_device, lambda self, stream: None
     try:
         with fake_tensor_quirks():
@@ -295,10 +368,14 @@ def compile_case(name: str) -> CaseRow:
     from ..traced.compiled import compile_layers
 
     config, dtype, master = COMPILE_CASES[name]
-    traced = (trace_hf(config, dtype, master).phase("forward").net_bytes
-              - trace_hf(config, dtype, master, prepare=compile_layers).phase("forward").net_bytes)
-    est = 2 * (template_layer(config, dtype=dtype, master_weights=master).F.net_bytes
-               - template_layer(config, dtype=dtype, master_weights=master, compile=True).F.net_bytes)
+    traced = (
+        trace_hf(config, dtype, master).phase("forward").net_bytes
+        - trace_hf(config, dtype, master, prepare=compile_layers).phase("forward").net_bytes
+    )
+    est = 2 * (
+        template_layer(config, dtype=dtype, master_weights=master).F.net_bytes
+        - template_layer(config, dtype=dtype, master_weights=master, compile=True).F.net_bytes
+    )
     return CaseRow(f"compile/{name}: saved bytes removed", traced, est)
 
 
@@ -320,6 +397,7 @@ def _chunked_head_trace(compiled: bool):
         def __init__(self):
             super().__init__()
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
             self.norm = LlamaRMSNorm(H)
             self.output = torch.nn.Linear(H, V, bias=False)
             self.loss = loss
@@ -329,7 +407,11 @@ def _chunked_head_trace(compiled: bool):
             return self.loss([self.output(c) for c in h.chunk(CHUNKS, dim=1)], labels)
 
     def inputs(_m=None):
-        return ((torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (B, S))), {})
+        return (
+            (torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (B, S))),
+            {},
+        )
+
     st = trace_step(Head().to(torch.bfloat16), inputs, None, None, "cuda", step="first")
     f, b = st.phase("forward"), st.phase("backward")
     return f.net_bytes, b.peak_bytes + f.net_bytes
@@ -344,8 +426,10 @@ def _head_memory(**plan):
     from ..templates.programs import head_memory
 
     arch = arch_from_hf_config(HEAD, "t")
-    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
-                                         convention="hf", **plan))
+    p = validate_plan(
+        arch,
+        ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False, convention="hf", **plan),
+    )
     conv = convention_for(p)
     return head_memory(arch, make_shard(arch, p, conv), conv)
 
@@ -375,12 +459,14 @@ def _shifted_head_trace():
     import torch
 
     from ..traced.step import trace_step
+
     H, V = HEAD["hidden_size"], HEAD["vocab_size"]
 
     class Head(torch.nn.Module):
         def __init__(self):
             super().__init__()
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
             self.norm = LlamaRMSNorm(H)
             self.output = torch.nn.Linear(H, V, bias=False)
 
@@ -390,7 +476,11 @@ def _shifted_head_trace():
             return torch.nn.functional.cross_entropy(shifted.view(-1, V), labels[..., 1:].reshape(-1))
 
     def inputs(_m=None):
-        return ((torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (B, S))), {})
+        return (
+            (torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (B, S))),
+            {},
+        )
+
     st = trace_step(Head().to(torch.bfloat16), inputs, None, None, "cuda", step="first")
     f, b = st.phase("forward"), st.phase("backward")
     return f.peak_bytes, f.net_bytes, b.peak_bytes + f.net_bytes
@@ -399,36 +489,43 @@ def _shifted_head_trace():
 def _shifted_head_template():
     hm = _head_memory(loss="shifted")
     # the traced input is a static input of the step; the template part frees it (see above)
-    return hm.F.peak_bytes + hm.input_bytes, hm.F.net_bytes + hm.input_bytes, \
-        hm.B.peak_bytes + hm.F.net_bytes + hm.input_bytes
+    return (
+        hm.F.peak_bytes + hm.input_bytes,
+        hm.F.net_bytes + hm.input_bytes,
+        hm.B.peak_bytes + hm.F.net_bytes + hm.input_bytes,
+    )
 
 
 def shifted_ce_cases() -> list[CaseRow]:
     t, m = _shifted_head_trace(), _shifted_head_template()
-    return [CaseRow(f"shifted-ce/eager: head {what}", a, b)
-            for what, a, b in zip(("forward peak", "kept", "backward peak"), t, m)]
+    return [
+        CaseRow(f"shifted-ce/eager: head {what}", a, b)
+        for what, a, b in zip(("forward peak", "kept", "backward peak"), t, m)
+    ]
 
 
 # ---------------------------------------------------------------- Liger's fused linear CE
+
 
 def liger_flce_module():
     """Liger-Kernel's ops.fused_linear_cross_entropy, its triton kernels run by triton's
     interpreter on CPU tensors (TRITON_INTERPRET=1 must be set before triton decorates them),
     or None when liger-kernel / triton are not installed or were imported without it."""
     import os
+
     if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
         return None
     if "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
     elif os.environ.get("TRITON_INTERPRET") != "1":
-        return None         # triton.language was decorated for a GPU (tests/conftest.py sets it)
+        return None  # triton.language was decorated for a GPU (tests/conftest.py sets it)
     try:
         import liger_kernel.ops.fused_linear_cross_entropy as mod
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
-    except Exception:       # an incompatible triton / torch pair
+    except Exception:  # an incompatible triton / torch pair
         return None
     if type(liger_cross_entropy_kernel).__name__ != "InterpretedFunction":
-        return None         # imported earlier without the interpreter: its kernels need a GPU
+        return None  # imported earlier without the interpreter: its kernels need a GPU
     return mod
 
 
@@ -438,12 +535,15 @@ def _liger_gpu_forward(mod):
     temporary per chunk for the weight grad), nothing else changed: the persistent logits
     buffer and the mm / addmm(out=) accumulation a CUDA run does."""
     import inspect
+
     src = inspect.getsource(mod)
-    for a, b in (('_input.device.type != "cuda"', '_input.device.type not in ("cuda", "cpu")'),
-                 ('grad_weight.device.type == "cuda"', 'grad_weight.device.type in ("cuda", "cpu")'),
-                 ("torch.cuda.get_device_capability(grad_weight.device)", "(9, 0)")):
+    for a, b in (
+        ('_input.device.type != "cuda"', '_input.device.type not in ("cuda", "cpu")'),
+        ('grad_weight.device.type == "cuda"', 'grad_weight.device.type in ("cuda", "cpu")'),
+        ("torch.cuda.get_device_capability(grad_weight.device)", "(9, 0)"),
+    ):
         if a not in src:
-            return None     # another Liger release: its CUDA tests are not these
+            return None  # another Liger release: its CUDA tests are not these
         src = src.replace(a, b)
     ns = {"__name__": mod.__name__ + "_gpu_path", "__file__": mod.__file__}
     exec(compile(src, mod.__file__, "exec"), ns)
@@ -463,6 +563,7 @@ class _LaunchWithoutModes:
         import gc
 
         from torch.utils._python_dispatch import _disable_current_modes
+
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
@@ -470,6 +571,7 @@ class _LaunchWithoutModes:
                 out = launch(*args, **kwargs)
                 gc.collect()
             return out
+
         return run
 
 
@@ -496,6 +598,7 @@ def _real_step_memory(model, args):
             rec.begin(phase)
         if phase == "end":
             rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
+
     with scope, rec, policies.context("cuda"):
         run_step(model, args, {}, lambda out: out, None, None, on_phase)
     phases = {p.name: p for p in analyze_programs(rec.programs(), rec.entry_storages())}
@@ -504,7 +607,7 @@ def _real_step_memory(model, args):
 
 
 def _liger_head_trace():
-    mod = liger_flce_module()     # before transformers, which imports triton
+    mod = liger_flce_module()  # before transformers, which imports triton
     import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -518,6 +621,7 @@ def _liger_head_trace():
         def __init__(self):
             super().__init__()
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
             self.norm = LlamaRMSNorm(H)
             self.output = torch.nn.Linear(H, V, bias=False)
             self.loss = LigerFusedLinearCrossEntropyLoss()
@@ -553,8 +657,12 @@ def _liger_head_template():
     from ..templates.programs import head_memory
 
     arch = arch_from_hf_config(HEAD, "t")
-    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, dtype="bf16", master_weights=False,
-                                         convention="hf", loss="fused_linear"))
+    p = validate_plan(
+        arch,
+        ParallelPlan(
+            seq_len=S, micro_batch=B, dtype="bf16", master_weights=False, convention="hf", loss="fused_linear"
+        ),
+    )
     conv = convention_for(p)
     sh = make_shard(arch, p, conv)
     hm = head_memory(arch, sh, conv)
@@ -565,6 +673,7 @@ def _liger_head_template():
 
     from ..liveness import compile_program
     from ..templates.programs import head_programs
+
     pp = head_programs(arch, sh, conv)
     c = compile_program(pp.B)
     grads = np.zeros(len(pp.B.ops), dtype=np.int64)
@@ -573,7 +682,7 @@ def _liger_head_template():
             grads[c.first_op[i]] += int(c.sizes[i])
     # from the op after accumulate_grad: there the grad takes the place of the (stolen) buffer
     b_peak = max(0, int((pp.results["B"].during + np.concatenate([[0], np.cumsum(grads)[:-1]])).max()))
-    n = hm.input_bytes    # the input on both sides, as _chunked_head_template
+    n = hm.input_bytes  # the input on both sides, as _chunked_head_template
     return hm.F.net_bytes + n, hm.F.peak_bytes + n, b_peak + hm.F.net_bytes + n
 
 
@@ -581,9 +690,11 @@ def fused_linear_ce_cases() -> list[CaseRow]:
     """Liger's LigerFusedLinearCrossEntropyLoss behind an HF final norm, its kernels run by
     triton's interpreter, traced on real CPU tensors with Liger's CUDA code path."""
     (t_kept, t_fwd, t_bwd), (m_kept, m_fwd, m_bwd) = _liger_head_trace(), _liger_head_template()
-    return [CaseRow("fused-linear-ce/liger: head kept", t_kept, m_kept),
-            CaseRow("fused-linear-ce/liger: head forward peak", t_fwd, m_fwd),
-            CaseRow("fused-linear-ce/liger: head backward peak", t_bwd, m_bwd)]
+    return [
+        CaseRow("fused-linear-ce/liger: head kept", t_kept, m_kept),
+        CaseRow("fused-linear-ce/liger: head forward peak", t_fwd, m_fwd),
+        CaseRow("fused-linear-ce/liger: head backward peak", t_bwd, m_bwd),
+    ]
 
 
 def fp8_cases() -> list[CaseRow]:
@@ -592,14 +703,23 @@ def fp8_cases() -> list[CaseRow]:
 
     def convert(model):
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+
     f8, bf = trace_hf(LLAMA, prepare=convert), trace_hf(LLAMA)
-    t8, tb = template_layer(LLAMA, 1, dtype="bf16", master_weights=False, fp8="tensorwise",
-                            extra={"first_step": True}), \
-        template_layer(LLAMA, 1, dtype="bf16", master_weights=False, extra={"first_step": True})
-    return [CaseRow("fp8-torchao: forward kept (whole model), fp8 minus bf16",
-                    f8.phase("forward").net_bytes - bf.phase("forward").net_bytes, t8.F.net_bytes - tb.F.net_bytes,
-                    extra={"note": "torchao keeps the high-precision tensors: 0 expected"}),
-            CaseRow("fp8-torchao: layer forward peak", layer_segment_peak(f8, "forward"), t8.F.peak_bytes)]
+    t8, tb = (
+        template_layer(
+            LLAMA, 1, dtype="bf16", master_weights=False, fp8="tensorwise", extra={"first_step": True}
+        ),
+        template_layer(LLAMA, 1, dtype="bf16", master_weights=False, extra={"first_step": True}),
+    )
+    return [
+        CaseRow(
+            "fp8-torchao: forward kept (whole model), fp8 minus bf16",
+            f8.phase("forward").net_bytes - bf.phase("forward").net_bytes,
+            t8.F.net_bytes - tb.F.net_bytes,
+            extra={"note": "torchao keeps the high-precision tensors: 0 expected"},
+        ),
+        CaseRow("fp8-torchao: layer forward peak", layer_segment_peak(f8, "forward"), t8.F.peak_bytes),
+    ]
 
 
 def optimizer_in_backward_cases() -> list[CaseRow]:
@@ -612,16 +732,23 @@ def optimizer_in_backward_cases() -> list[CaseRow]:
 
     def prepare(model):
         register(model, {p: torch.optim.AdamW([p], lr=1e-4, fused=True) for p in model.parameters()})
+
     st = trace_hf(LLAMA, prepare=prepare, step="steady")
     res = analyze_sequence(st.programs, live_on_entry=st.entry_storages)
     bwd = st.programs[[p.name for p in st.programs].index("backward")]
     grads = {t.storage for t in bwd.tensors.values() if t.kind is TensorKind.GRAD}
-    left = sum(bwd.tensors[n].nbytes for n in bwd.tensors if bwd.tensors[n].storage in grads & set(res[1].live_after)
-               and bwd.tensors[n].storage == n)
+    left = sum(
+        bwd.tensors[n].nbytes
+        for n in bwd.tensors
+        if bwd.tensors[n].storage in grads & set(res[1].live_after) and bwd.tensors[n].storage == n
+    )
     est = template_layer(LLAMA, 1, dtype="bf16", master_weights=False, optimizer_in_backward=True)
-    return [CaseRow("optimizer-in-backward: grads alive after backward", left, 0),
-            CaseRow("optimizer-in-backward: layer backward peak", layer_segment_peak(st, "backward"),
-                    est.B.peak_bytes)]
+    return [
+        CaseRow("optimizer-in-backward: grads alive after backward", left, 0),
+        CaseRow(
+            "optimizer-in-backward: layer backward peak", layer_segment_peak(st, "backward"), est.B.peak_bytes
+        ),
+    ]
 
 
 def _offload_trace(offload: bool, config: dict | None = None):
@@ -634,23 +761,40 @@ def _offload_trace(offload: bool, config: dict | None = None):
     cls = torchtune_offload_activations() if offload else None
 
     def prepare(model):
-        ctx, decoder = cls(use_pin_memory=False), model.base_model   # the decoder, not the LM head
+        ctx, decoder = cls(use_pin_memory=False), model.base_model  # the decoder, not the LM head
         forward = decoder.forward
 
         def offloaded(*args, **kwargs):
             with ctx:
                 return forward(*args, **kwargs)
+
         decoder.forward = offloaded
+
     cfg = make_config(config or LLAMA, "sdpa", 2)
-    return trace_step(lambda: build_model(cfg, Precision.parse("bf16", False).param_dtype),
-                      step_inputs(cfg, B, S), hf_loss, None, "cuda", prepare=prepare if offload else None,
-                      patches=_device_copies(), step="steady", set_to_none=False)
+    return trace_step(
+        lambda: build_model(cfg, Precision.parse("bf16", False).param_dtype),
+        step_inputs(cfg, B, S),
+        hf_loss,
+        None,
+        "cuda",
+        prepare=prepare if offload else None,
+        patches=_device_copies(),
+        step="steady",
+        set_to_none=False,
+    )
 
 
 # a non-gated (GPT-2) layer: Conv1D weights saved as parameters, GELU's chain, Python locals
 # holding the attention output and the MLP's input -- the template is known to be low here
 # (docs/ACCURACY.md; estimates with --activation-offload all on such layers carry a warning)
-GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 8, "vocab_size": 512, "n_positions": 1024}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 256,
+    "n_layer": 2,
+    "n_head": 8,
+    "vocab_size": 512,
+    "n_positions": 1024,
+}
 
 
 def offload_cases(config: dict | None = None, tag: str = "llama") -> list[CaseRow]:
@@ -668,17 +812,29 @@ def offload_cases(config: dict | None = None, tag: str = "llama") -> list[CaseRo
     t_off = template_layer(config, 1, activation_offload=("*",), **kw)
     t_base = template_layer(config, 1, **kw)
     arch = arch_from_hf_config(config, "t")
-    p = validate_plan(arch, ParallelPlan(seq_len=S, micro_batch=B, convention="hf", activation_offload=("*",), **kw))
+    p = validate_plan(
+        arch, ParallelPlan(seq_len=S, micro_batch=B, convention="hf", activation_offload=("*",), **kw)
+    )
     conv = convention_for(p)
     tape, _, _ = decoder_layer_tape(arch, make_shard(arch, p, conv), conv, layer_options(arch, p, 1, False))
     fwd_carry, bwd_carry = sum(tape.offload_carry[0].values()), tape.offload_carry[1]
-    return [CaseRow(f"offload-torchtune/{tag}: forward kept removed (2 layers)",
-                    base.phase("forward").net_bytes - off.phase("forward").net_bytes,
-                    2 * (t_base.F.net_bytes - t_off.F.net_bytes)),
-            CaseRow(f"offload-torchtune/{tag}: layer forward peak", layer_segment_peak(off, "forward"),
-                    t_off.F.peak_bytes - fwd_carry),
-            CaseRow(f"offload-torchtune/{tag}: layer backward peak", layer_segment_peak(off, "backward"),
-                    t_off.B.peak_bytes - bwd_carry)]
+    return [
+        CaseRow(
+            f"offload-torchtune/{tag}: forward kept removed (2 layers)",
+            base.phase("forward").net_bytes - off.phase("forward").net_bytes,
+            2 * (t_base.F.net_bytes - t_off.F.net_bytes),
+        ),
+        CaseRow(
+            f"offload-torchtune/{tag}: layer forward peak",
+            layer_segment_peak(off, "forward"),
+            t_off.F.peak_bytes - fwd_carry,
+        ),
+        CaseRow(
+            f"offload-torchtune/{tag}: layer backward peak",
+            layer_segment_peak(off, "backward"),
+            t_off.B.peak_bytes - bwd_carry,
+        ),
+    ]
 
 
 # grouped-query attention at 4 query heads per K/V head, where torchtune's expansion shows
@@ -706,8 +862,17 @@ def _torchtune_trace(dtype: str, compiled: bool = False, config: dict | None = N
 
     def loss(logits):
         return F.cross_entropy(logits.reshape(-1, V), torch.zeros(B * S, dtype=torch.long))
-    return trace_step(model, inputs, loss, None, "cuda", step="steady", set_to_none=False,
-                      prepare=(lambda m: compile_layers(m, "layers")) if compiled else None)
+
+    return trace_step(
+        model,
+        inputs,
+        loss,
+        None,
+        "cuda",
+        step="steady",
+        set_to_none=False,
+        prepare=(lambda m: compile_layers(m, "layers")) if compiled else None,
+    )
 
 
 def torchtune_module_cases(dtype: str, config: dict | None = None) -> list[CaseRow]:
@@ -717,29 +882,43 @@ def torchtune_module_cases(dtype: str, config: dict | None = None) -> list[CaseR
     st = _torchtune_trace(dtype, config=config)
     t = template_layer(config, 1, convention="torchtune", dtype=dtype)
     tag = f"{'qwen2-' if config.get('model_type') == 'qwen2' else ''}{dtype}"
-    return [CaseRow(f"torchtune-modules/{tag}: layer kept", layer_kept(st), t.F.net_bytes),
-            CaseRow(f"torchtune-modules/{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
-            CaseRow(f"torchtune-modules/{tag}: layer backward peak", layer_segment_peak(st, "backward"),
-                    t.B.peak_bytes)]
+    return [
+        CaseRow(f"torchtune-modules/{tag}: layer kept", layer_kept(st), t.F.net_bytes),
+        CaseRow(
+            f"torchtune-modules/{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes
+        ),
+        CaseRow(
+            f"torchtune-modules/{tag}: layer backward peak",
+            layer_segment_peak(st, "backward"),
+            t.B.peak_bytes,
+        ),
+    ]
 
 
 def torchtune_compile_case() -> list[CaseRow]:
     """The real partitioner on torchtune's own layers: what compiling removes from the forward's
     kept bytes (2 layers), against the min-cut over the torchtune convention's tape."""
-    traced = (_torchtune_trace("bf16").phase("forward").net_bytes
-              - _torchtune_trace("bf16", compiled=True).phase("forward").net_bytes)
-    est = 2 * (template_layer(TT_LLAMA, convention="torchtune", dtype="bf16").F.net_bytes
-               - template_layer(TT_LLAMA, convention="torchtune", dtype="bf16", compile=True).F.net_bytes)
+    traced = (
+        _torchtune_trace("bf16").phase("forward").net_bytes
+        - _torchtune_trace("bf16", compiled=True).phase("forward").net_bytes
+    )
+    est = 2 * (
+        template_layer(TT_LLAMA, convention="torchtune", dtype="bf16").F.net_bytes
+        - template_layer(TT_LLAMA, convention="torchtune", dtype="bf16", compile=True).F.net_bytes
+    )
     return [CaseRow("compile/torchtune-bf16: saved bytes removed", traced, est)]
 
 
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     """(name, run) of each case whose library is installed, in the order they run."""
     cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
-        (f"compile/{n}", lambda n=n: [compile_case(n)]) for n in sorted(COMPILE_CASES)]
+        (f"compile/{n}", lambda n=n: [compile_case(n)]) for n in sorted(COMPILE_CASES)
+    ]
     if torchtune_chunked_loss() is not None:
-        cases += [("chunked-ce/eager", lambda: chunked_ce_cases(False)),
-                  ("chunked-ce/compiled", lambda: chunked_ce_cases(True))]
+        cases += [
+            ("chunked-ce/eager", lambda: chunked_ce_cases(False)),
+            ("chunked-ce/compiled", lambda: chunked_ce_cases(True)),
+        ]
     cases.append(("shifted-ce/eager", shifted_ce_cases))
     if liger_flce_module() is not None and _liger_gpu_forward(liger_flce_module()) is not None:
         cases.append(("fused-linear-ce/liger", fused_linear_ce_cases))
@@ -748,12 +927,14 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     if torchtune_optim_in_bwd_hooks() is not None:
         cases.append(("optimizer-in-backward", optimizer_in_backward_cases))
     if importlib.util.find_spec("torchtune") is not None:
-        cases += [("torchtune-modules/bf16", lambda: torchtune_module_cases("bf16")),
-                  ("torchtune-modules/fp32", lambda: torchtune_module_cases("fp32")),
-                  ("torchtune-modules/qwen2-bf16", lambda: torchtune_module_cases("bf16", TT_QWEN2)),
-                  ("compile/torchtune-bf16", torchtune_compile_case),
-                  ("offload/torchtune-llama", offload_cases),
-                  ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2"))]
+        cases += [
+            ("torchtune-modules/bf16", lambda: torchtune_module_cases("bf16")),
+            ("torchtune-modules/fp32", lambda: torchtune_module_cases("fp32")),
+            ("torchtune-modules/qwen2-bf16", lambda: torchtune_module_cases("bf16", TT_QWEN2)),
+            ("compile/torchtune-bf16", torchtune_compile_case),
+            ("offload/torchtune-llama", offload_cases),
+            ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2")),
+        ]
     return cases
 
 
@@ -782,9 +963,13 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("features", help="compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
-                       description=__doc__.split("\n\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "features",
+        help="compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
     p.set_defaults(func=run)
 
@@ -794,7 +979,7 @@ def run(args) -> int:
 
     from ..errors import UserError
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # Liger's kernels, if triton is not imported yet
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Liger's kernels, if triton is not imported yet
     for mod in ("torch", "transformers", "networkx"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"pipemem validate features needs {mod}: pip install 'pipemem[torch,modern]'")
@@ -809,7 +994,12 @@ def run(args) -> int:
         print(json.dumps(report("features", TRUTH, TOLERANCE, rows, seconds=seconds), indent=1))
     else:
         # measured = the library's own code traced, estimated = the template
-        print_summary(rows, title="reference (library trace) vs template", target="features", truth=TRUTH,
-                      tolerance=TOLERANCE)
+        print_summary(
+            rows,
+            title="reference (library trace) vs template",
+            target="features",
+            truth=TRUTH,
+            tolerance=TOLERANCE,
+        )
         print(f"({seconds} s)")
     return exit_code(rows, TOLERANCE)

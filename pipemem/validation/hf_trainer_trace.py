@@ -29,14 +29,31 @@ from dataclasses import dataclass, field
 from .allocations import MARK, Timeline, gc_storages
 
 # appended to every case's arguments: CPU, two optimizer steps, nothing written or logged
-HOUSEKEEPING = ["--use_cpu", "--max_steps", "2", "--save_strategy", "no", "--logging_strategy", "no",
-                "--report_to", "none", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
-                "--lr_scheduler_type", "constant", "--seed", "0"]
+HOUSEKEEPING = [
+    "--use_cpu",
+    "--max_steps",
+    "2",
+    "--save_strategy",
+    "no",
+    "--logging_strategy",
+    "no",
+    "--report_to",
+    "none",
+    "--disable_tqdm",
+    "true",
+    "--dataloader_num_workers",
+    "0",
+    "--lr_scheduler_type",
+    "constant",
+    "--seed",
+    "0",
+]
 
 
 @dataclass
 class ScriptArguments:
     """run_clm.py's model and data arguments that shape the run."""
+
     model_name_or_path: str = ""
     block_size: int = 256
     torch_dtype: str = field(default="float32")
@@ -46,27 +63,42 @@ def script_args(argv: list[str]) -> list[str]:
     """The script's arguments of a pasted line: what follows `script.py` (the launcher's part, e.g.
     `torchrun --nproc_per_node 2`, is the harness's to run)."""
     at = next((i for i, t in enumerate(argv) if t.endswith(".py") and not t.startswith("-")), None)
-    return list(argv[at + 1:] if at is not None else argv)
+    return list(argv[at + 1 :] if at is not None else argv)
 
 
 def _deepspeed_comm_ready() -> bool:
     import deepspeed.comm as ds_comm
+
     return bool(ds_comm.is_initialized())
 
 
 def _dataset(n: int, block: int, vocab: int):
     import torch
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (n, block), generator=g)
-    return [{"input_ids": ids[i], "attention_mask": torch.ones(block, dtype=torch.int64), "labels": ids[i].clone()}
-            for i in range(n)]
+    return [
+        {
+            "input_ids": ids[i],
+            "attention_mask": torch.ones(block, dtype=torch.int64),
+            "labels": ids[i].clone(),
+        }
+        for i in range(n)
+    ]
 
 
 def run_case(case: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import (AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback,
-                              TrainingArguments, default_data_collator)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        HfArgumentParser,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        default_data_collator,
+    )
     from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(1)
@@ -94,7 +126,8 @@ def run_case(case: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         parser = HfArgumentParser((ScriptArguments, TrainingArguments))
         script, targs = parser.parse_args_into_dataclasses(
-            args=script_args(case["argv"]) + ["--output_dir", tmp] + HOUSEKEEPING)
+            args=script_args(case["argv"]) + ["--output_dir", tmp] + HOUSEKEEPING
+        )
         # run_clm.py logs training_args.device before it builds the model: that sets up the process
         # group (and DeepSpeed's), which ZeRO-3's zero.Init inside from_config needs
         _ = targs.device
@@ -102,8 +135,11 @@ def run_case(case: dict) -> dict:
             # on a GPU accelerate's state starts deepspeed.comm too; with --use_cpu it does not, and
             # ZeRO-3's zero.Init would see a world of 1: start it over the same gloo group
             import deepspeed
+
             deepspeed.init_distributed(dist_backend="gloo")
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[script.torch_dtype]
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            script.torch_dtype
+        ]
         config = AutoConfig.from_pretrained(script.model_name_or_path)
         config._attn_implementation = "sdpa"
         n_rows = targs.per_device_train_batch_size * targs.gradient_accumulation_steps * 2
@@ -112,14 +148,19 @@ def run_case(case: dict) -> dict:
             with record_function(MARK + "build"):
                 torch.manual_seed(0)
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            trainer = Trainer(model=model, args=targs, train_dataset=_dataset(n_rows, script.block_size, config.vocab_size),
-                              data_collator=default_data_collator, callbacks=[marks])
+            trainer = Trainer(
+                model=model,
+                args=targs,
+                train_dataset=_dataset(n_rows, script.block_size, config.vocab_size),
+                data_collator=default_data_collator,
+                callbacks=[marks],
+            )
             del model
             result = trainer.train()
             gc.collect()
             end = gc_storages()
         out["loss"] = float(result.training_loss)
-        chain, opt = [], trainer.optimizer          # accelerate's wrapper, DeepSpeed's ZeRO optimizer, torch's
+        chain, opt = [], trainer.optimizer  # accelerate's wrapper, DeepSpeed's ZeRO optimizer, torch's
         while opt is not None:
             chain.append(f"{type(opt).__module__}.{type(opt).__name__}")
             inner = getattr(opt, "optimizer", None)
@@ -137,6 +178,7 @@ def run_case(case: dict) -> dict:
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
     out["torch"] = torch.__version__
     import transformers
+
     out["transformers"] = transformers.__version__
     return out
 
@@ -147,6 +189,7 @@ def main(argv=None) -> int:
         case = json.load(f)
     if case.get("deepspeed_config"):
         from .deepspeed_trace import skip_shm_comm_op
+
         skip_shm_comm_op()
     out = {"case": case["name"], **run_case(case)}
     with open(argv[1], "w") as f:

@@ -34,7 +34,7 @@ from ..errors import UserError
 from ..traced.kernel_workspace import ASSUMED
 from .compare import CaseRow, exit_code, report
 
-TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 # megatron-core's step traced on fake tensors against the same flags' estimate: the same kernel
 # policy on both sides, so a row may differ only by what the convention leaves out (0.5 %).
 TOLERANCE = 0.005
@@ -45,7 +45,7 @@ class MegatronCase:
     """One rank's training step as megatron-core runs it; field names follow pipemem's plan."""
 
     name: str
-    kind: str = "dense"           # dense (Llama-style) | gpt (LayerNorm, GeLU, biases, learned positions) | moe
+    kind: str = "dense"  # dense (Llama-style) | gpt (LayerNorm, GeLU, biases, learned positions) | moe
     layers: int = 2
     hidden: int = 256
     heads: int = 8
@@ -61,7 +61,7 @@ class MegatronCase:
     ep: int = 1
     sp: bool = True
     dist_opt: bool = True
-    recompute: str = "none"       # none | selective | full
+    recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"
     recompute_layers: int | None = None
     main_grad_dtype: str = "fp32"
@@ -72,9 +72,9 @@ class MegatronCase:
     grouped_gemm: bool = True
     pp_rank: int = 0
     dropout: float = 0.0
-    ce_fusion: bool = False       # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
-    offload: str = ""             # --fine-grained-activation-offloading --offload-modules (comma list)
-    optimizer_offload: float | None = None   # --optimizer-cpu-offload --optimizer-offload-fraction F
+    ce_fusion: bool = False  # --cross-entropy-loss-fusion (native impl: fusions/fused_cross_entropy.py)
+    offload: str = ""  # --fine-grained-activation-offloading --offload-modules (comma list)
+    optimizer_offload: float | None = None  # --optimizer-cpu-offload --optimizer-offload-fraction F
     # --use-precision-aware-optimizer: "main/exp_avg/exp_avg_sq", the --main-params-dtype,
     # --exp-avg-dtype and --exp-avg-sq-dtype (e.g. "fp32/bf16/bf16")
     precision_aware: str = ""
@@ -106,38 +106,76 @@ CASES = (
     MegatronCase("dense-tp2-sp-no-distopt", tp=2, dp=2, dist_opt=False),
     MegatronCase("dense-tp2-sp-selective", tp=2, dp=2, recompute="selective"),
     MegatronCase("dense-tp2-sp-full-uniform", tp=2, dp=2, recompute="full"),
-    MegatronCase("dense-tp2-sp-full-block1", tp=2, dp=2, recompute="full", recompute_method="block",
-                 recompute_layers=1),
+    MegatronCase(
+        "dense-tp2-sp-full-block1", tp=2, dp=2, recompute="full", recompute_method="block", recompute_layers=1
+    ),
     MegatronCase("dense-tp1-ce-fusion", tp=1, dp=2, sp=False, ce_fusion=True),
     MegatronCase("dense-tp2-sp-ce-fusion", tp=2, dp=2, ce_fusion=True),
     MegatronCase("dense-tp2-sp-grad-bf16", tp=2, dp=2, main_grad_dtype="bf16"),
-    MegatronCase("dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"),
+    MegatronCase(
+        "dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"
+    ),
     MegatronCase("gpt-tp2-sp", kind="gpt", tp=2, dp=2, kv_heads=8, ffn=1024, dropout=0.1),
-    MegatronCase("gpt-tp1-selective", kind="gpt", tp=1, dp=2, sp=False, kv_heads=8, ffn=1024, dropout=0.1,
-                 recompute="selective"),
+    MegatronCase(
+        "gpt-tp1-selective",
+        kind="gpt",
+        tp=1,
+        dp=2,
+        sp=False,
+        kv_heads=8,
+        ffn=1024,
+        dropout=0.1,
+        recompute="selective",
+    ),
     MegatronCase("moe-ep2-shared", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256),
     MegatronCase("pp2-first-tp2", tp=2, pp=2, pp_rank=0, **_PP),
     MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
     MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
     MegatronCase("dense-tp1-offload-attn", offload="core_attn,attn_proj", **_OFFLOAD),
     MegatronCase("dense-tp1-offload-qkv", offload="qkv_linear", **_OFFLOAD),
-    MegatronCase("pp2-first-offload-attn", offload="core_attn,attn_proj", pp=2, pp_rank=0,
-                 **dict(_OFFLOAD, layers=4, microbatches=4, dp=1)),
+    MegatronCase(
+        "pp2-first-offload-attn",
+        offload="core_attn,attn_proj",
+        pp=2,
+        pp_rank=0,
+        **dict(_OFFLOAD, layers=4, microbatches=4, dp=1),
+    ),
     # --optimizer-cpu-offload: megatron's HybridDeviceOptimizer offloads the rank's optimizer
     # shards whole, in its order, while fewer than F x total elements are offloaded; 0.46 ends
     # at a shard boundary of this rank (3 of 8 shards, 46.1 %), 1.0 is Megatron-LM's default
     MegatronCase("dense-tp1-optimizer-offload", tp=1, dp=2, sp=False, optimizer_offload=1.0),
     MegatronCase("dense-tp1-optimizer-offload-0.46", tp=1, dp=2, sp=False, optimizer_offload=0.46),
-    MegatronCase("dense-tp1-optimizer-offload-0.46-grad-bf16", tp=1, dp=2, sp=False, optimizer_offload=0.46,
-                 main_grad_dtype="bf16"),
-    MegatronCase("moe-ep2-optimizer-offload", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256,
-                 shared_ffn=256, optimizer_offload=1.0),
+    MegatronCase(
+        "dense-tp1-optimizer-offload-0.46-grad-bf16",
+        tp=1,
+        dp=2,
+        sp=False,
+        optimizer_offload=0.46,
+        main_grad_dtype="bf16",
+    ),
+    MegatronCase(
+        "moe-ep2-optimizer-offload",
+        kind="moe",
+        tp=1,
+        dp=2,
+        ep=2,
+        experts=4,
+        expert_ffn=256,
+        shared_ffn=256,
+        optimizer_offload=1.0,
+    ),
     # --use-precision-aware-optimizer (Transformer Engine's FusedAdam, see megatron_trace's
     # _te_fused_adam): fp32 masters of bf16 weights kept as 16-bit remainders; fp16 masters;
     # fp8 moments (uint8 data + transpose)
-    MegatronCase("dense-tp1-precision-aware-bf16-states", tp=1, dp=2, sp=False, precision_aware="fp32/bf16/bf16"),
-    MegatronCase("dense-tp1-precision-aware-fp16-main", tp=1, dp=2, sp=False, precision_aware="fp16/fp32/fp32"),
-    MegatronCase("dense-tp1-precision-aware-fp8-states", tp=1, dp=2, sp=False, precision_aware="fp32/fp8/fp8"),
+    MegatronCase(
+        "dense-tp1-precision-aware-bf16-states", tp=1, dp=2, sp=False, precision_aware="fp32/bf16/bf16"
+    ),
+    MegatronCase(
+        "dense-tp1-precision-aware-fp16-main", tp=1, dp=2, sp=False, precision_aware="fp16/fp32/fp32"
+    ),
+    MegatronCase(
+        "dense-tp1-precision-aware-fp8-states", tp=1, dp=2, sp=False, precision_aware="fp32/fp8/fp8"
+    ),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
 # fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-
@@ -148,35 +186,74 @@ CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared")
 def hf_config(case: MegatronCase) -> dict:
     """The model of a case as an HF config: what `--from-megatron` writes for the same flags."""
     if case.kind == "gpt":
-        return {"model_type": "gpt2", "n_embd": case.hidden, "n_layer": case.layers, "n_head": case.heads,
-                "n_inner": case.ffn, "n_positions": case.seq_len, "vocab_size": case.vocab,
-                "tie_word_embeddings": True, "activation_function": "gelu", "attn_pdrop": case.dropout,
-                "resid_pdrop": case.dropout, "embd_pdrop": case.dropout}
-    cfg = {"model_type": "llama", "hidden_size": case.hidden, "intermediate_size": case.ffn,
-           "num_attention_heads": case.heads, "num_key_value_heads": case.kv_heads,
-           "num_hidden_layers": case.layers, "vocab_size": case.vocab, "tie_word_embeddings": False,
-           "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "max_position_embeddings": case.seq_len}
+        return {
+            "model_type": "gpt2",
+            "n_embd": case.hidden,
+            "n_layer": case.layers,
+            "n_head": case.heads,
+            "n_inner": case.ffn,
+            "n_positions": case.seq_len,
+            "vocab_size": case.vocab,
+            "tie_word_embeddings": True,
+            "activation_function": "gelu",
+            "attn_pdrop": case.dropout,
+            "resid_pdrop": case.dropout,
+            "embd_pdrop": case.dropout,
+        }
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": case.hidden,
+        "intermediate_size": case.ffn,
+        "num_attention_heads": case.heads,
+        "num_key_value_heads": case.kv_heads,
+        "num_hidden_layers": case.layers,
+        "vocab_size": case.vocab,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": case.seq_len,
+    }
     if case.experts:
-        cfg.update(model_type="qwen2_moe", num_experts=case.experts, num_experts_per_tok=case.top_k,
-                   moe_intermediate_size=case.expert_ffn, shared_expert_intermediate_size=case.shared_ffn)
+        cfg.update(
+            model_type="qwen2_moe",
+            num_experts=case.experts,
+            num_experts_per_tok=case.top_k,
+            moe_intermediate_size=case.expert_ffn,
+            shared_expert_intermediate_size=case.shared_ffn,
+        )
     return cfg
 
 
 def plan_kwargs(case: MegatronCase) -> dict:
     """pipemem.estimate keyword arguments for the case's Megatron flags."""
-    kw = dict(seq_len=case.seq_len, micro_batch=case.micro_batch, microbatches=case.microbatches, tp=case.tp,
-              pp=case.pp, dp=case.dp, ep=case.ep, sp=case.sp, dist_opt=case.dist_opt, dtype="bf16",
-              main_grad_dtype=case.main_grad_dtype, recompute=case.recompute, flash_attn=True,
-              convention="megatron", schedule="1F1B")
+    kw = dict(
+        seq_len=case.seq_len,
+        micro_batch=case.micro_batch,
+        microbatches=case.microbatches,
+        tp=case.tp,
+        pp=case.pp,
+        dp=case.dp,
+        ep=case.ep,
+        sp=case.sp,
+        dist_opt=case.dist_opt,
+        dtype="bf16",
+        main_grad_dtype=case.main_grad_dtype,
+        recompute=case.recompute,
+        flash_attn=True,
+        convention="megatron",
+        schedule="1F1B",
+    )
     if case.ce_fusion:
-        kw["loss"] = "fused"      # what --from-megatron makes of --cross-entropy-loss-fusion (native impl)
-    if case.offload:              # what --from-megatron makes of --offload-modules
+        kw["loss"] = "fused"  # what --from-megatron makes of --cross-entropy-loss-fusion (native impl)
+    if case.offload:  # what --from-megatron makes of --offload-modules
         from ..configs.megatron import OFFLOAD_MODULES
+
         kw["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in case.offload.split(","))
-    if case.optimizer_offload is not None:   # what --from-megatron makes of --optimizer-cpu-offload
-        kw["optimizer_offload"] = case.optimizer_offload   # (and of the --use-precision-aware-optimizer
+    if case.optimizer_offload is not None:  # what --from-megatron makes of --optimizer-cpu-offload
+        kw["optimizer_offload"] = case.optimizer_offload  # (and of the --use-precision-aware-optimizer
         kw["extra"] = {"precision_aware_optimizer": True}  # Megatron-LM asserts with it)
-    if case.precision_aware:      # what --from-megatron makes of --use-precision-aware-optimizer
+    if case.precision_aware:  # what --from-megatron makes of --use-precision-aware-optimizer
         main, avg, avg_sq = case.precision_aware.split("/")
         extra = {"precision_aware_optimizer": True}
         for key, value in (("main_params_dtype", main), ("exp_avg_dtype", avg), ("exp_avg_sq_dtype", avg_sq)):
@@ -192,16 +269,26 @@ def plan_kwargs(case: MegatronCase) -> dict:
 
 def estimate_case(case: MegatronCase) -> dict:
     import pipemem
+
     est = pipemem.estimate(hf_config(case), **plan_kwargs(case), explain=True)
     rank = est.ranks[case.pp_rank]
     kept = sum(r["bytes"] for r in est.explain if not r["tensor"].startswith("("))
-    return {"peak_bytes": rank.peak_allocated_bytes, "peak_at": rank.peak_at, "static_bytes": rank.static.total,
-            "layer_kept_bytes": kept}
+    return {
+        "peak_bytes": rank.peak_allocated_bytes,
+        "peak_at": rank.peak_at,
+        "static_bytes": rank.static.total,
+        "layer_kept_bytes": kept,
+    }
 
 
 def trace_in_subprocess(case: MegatronCase, timeout: float = 600) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pipemem.validation.megatron_trace", json.dumps(case.to_json())],
-                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipemem.validation.megatron_trace", json.dumps(case.to_json())],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         if "needs megatron-core" in tail:
@@ -212,21 +299,34 @@ def trace_in_subprocess(case: MegatronCase, timeout: float = 600) -> dict:
 
 def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
     est = estimate_case(case)
-    common = {"rank": case.pp_rank, "measured_static_bytes": trace["static_bytes"],
-              "estimated_static_bytes": est["static_bytes"]}
+    common = {
+        "rank": case.pp_rank,
+        "measured_static_bytes": trace["static_bytes"],
+        "estimated_static_bytes": est["static_bytes"],
+    }
     # every case's core attention is the flash stand-in, whose backward allocates the workspace
     # the templates assume (traced/kernel_workspace.py): the peak rows rest on it, unchecked
-    return [CaseRow(f"{case.name}/peak", trace["peak_bytes"], est["peak_bytes"],
-                    dict(common, measured_at=trace["peak_at"], estimated_at=est["peak_at"],
-                         kernel_workspace=ASSUMED)),
-            CaseRow(f"{case.name}/layer_kept", trace["layer_kept_bytes"].get("0"), est["layer_kept_bytes"],
-                    dict(common))]
+    return [
+        CaseRow(
+            f"{case.name}/peak",
+            trace["peak_bytes"],
+            est["peak_bytes"],
+            dict(common, measured_at=trace["peak_at"], estimated_at=est["peak_at"], kernel_workspace=ASSUMED),
+        ),
+        CaseRow(
+            f"{case.name}/layer_kept",
+            trace["layer_kept_bytes"].get("0"),
+            est["layer_kept_bytes"],
+            dict(common),
+        ),
+    ]
 
 
 def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
     """Trace every case (`jobs` processes at once) and compare; `progress` (a
     progress.CaseProgress) advances as each trace finishes."""
     from importlib.util import find_spec
+
     if find_spec("megatron") is None or find_spec("megatron.core") is None:
         raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'")
 
@@ -235,6 +335,7 @@ def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
         if progress is not None:
             progress.done(case.name)
         return trace
+
     if progress is not None and cases:
         progress.start(f"{min(max(1, jobs), len(cases))} traces at a time")
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -246,17 +347,24 @@ def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("megatron", help="the megatron convention vs megatron-core's own training step",
-                       description="Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
-                                   "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
-                                   "group, one rank per case, and compare its steady-state peak and the bytes a "
-                                   "decoder layer keeps with pipemem.estimate for the same flags. Needs "
-                                   "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
-                                   f"than {TOLERANCE:.1%}.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "megatron",
+        help="the megatron convention vs megatron-core's own training step",
+        description="Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
+        "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
+        "group, one rank per case, and compare its steady-state peak and the bytes a "
+        "decoder layer keeps with pipemem.estimate for the same flags. Needs "
+        "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
+        f"than {TOLERANCE:.1%}.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all); "
-                   f"known: {', '.join(c.name for c in CASES)}")
+    p.add_argument(
+        "--cases",
+        default="",
+        help=f"comma-separated case names (default: all); known: {', '.join(c.name for c in CASES)}",
+    )
     p.add_argument("--jobs", type=int, default=2, help="cases traced at once, one process each (default 2)")
     p.set_defaults(func=run)
 
@@ -281,10 +389,18 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report("megatron", TRUTH, TOLERANCE, rows, megatron_core=_version()), indent=1))
     else:
-        print_summary(rows, columns=(("measured_static_bytes", "static (traced)"),
-                                     ("estimated_static_bytes", "static (pipemem)"),
-                                     ("kernel_workspace", "note")), what="rows",
-                      target="megatron", truth=TRUTH, tolerance=TOLERANCE)
+        print_summary(
+            rows,
+            columns=(
+                ("measured_static_bytes", "static (traced)"),
+                ("estimated_static_bytes", "static (pipemem)"),
+                ("kernel_workspace", "note"),
+            ),
+            what="rows",
+            target="megatron",
+            truth=TRUTH,
+            tolerance=TOLERANCE,
+        )
         print(f"megatron-core {_version()}")
     return exit_code(rows, TOLERANCE)
 
@@ -292,6 +408,7 @@ def run(args) -> int:
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("megatron-core")
-    except Exception:   # noqa: BLE001 -- reporting only
+    except Exception:  # noqa: BLE001 -- reporting only
         return "unknown"

@@ -92,8 +92,8 @@ from .cuda_stand_ins import Event as _Event
 from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
 
-
 # Patches --------------------------------------------------------------------------------------
+
 
 class _Patches:
     """setattr with undo."""
@@ -130,7 +130,7 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)      # megatron checks for torch.cuda.*Tensor types
+            name = func(*args)  # megatron checks for torch.cuda.*Tensor types
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
@@ -221,6 +221,7 @@ def _one_by_one(group=None, device=None, async_ops=False):
     class _Work:
         def wait(self):
             pass
+
     yield _Work()
 
 
@@ -248,6 +249,7 @@ def _float16_init(orig):
         finally:
             del module.__dict__["bfloat16"]
             del module.__dict__["half"]
+
     return init
 
 
@@ -260,6 +262,7 @@ def _fake_item(p: _Patches) -> None:
         if is_float_dtype(arg.dtype):
             return 1.0
         return False if arg.dtype == torch.bool else 0
+
     table = fake_impls.op_implementations_dict
     for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
         had = op in table
@@ -280,6 +283,7 @@ class _DictSlot:
 
 
 # Kernel policy ---------------------------------------------------------------------------------
+
 
 def _wgrad_accumulate(total_input, grad_output, main_grad):
     """apex's wgrad_gemm_accum_*: main_grad += grad_output^T @ input, in place (no allocation)."""
@@ -308,7 +312,7 @@ class _FusedNorm(torch.autograd.Function):
         rstd = torch.empty(tokens, dtype=torch.float32)
         saved = [x, weight, rstd]
         if not rms:
-            saved.append(torch.empty(tokens, dtype=torch.float32))   # mean
+            saved.append(torch.empty(tokens, dtype=torch.float32))  # mean
         ctx.save_for_backward(*saved)
         ctx.has_bias = bias is not None
         return y
@@ -335,9 +339,18 @@ class FusedNorm(torch.nn.Module):
         return _FusedNorm.apply(x, self.weight, self.bias, self.rms)
 
 
-def _fused_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-                    normalization="LayerNorm"):
-    return FusedNorm(hidden_size, config.normalization == "RMSNorm", config.params_dtype, config.sequence_parallel)
+def _fused_norm_new(
+    cls,
+    config,
+    hidden_size,
+    eps=1e-5,
+    persist_layer_norm=False,
+    zero_centered_gamma=False,
+    normalization="LayerNorm",
+):
+    return FusedNorm(
+        hidden_size, config.normalization == "RMSNorm", config.params_dtype, config.sequence_parallel
+    )
 
 
 def _fused_activations(p: _Patches) -> None:
@@ -349,6 +362,7 @@ def _fused_activations(p: _Patches) -> None:
 
     def half(y):
         return torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype)
+
     p.set(gelu, "bias_gelu", lambda bias, y: torch.empty_like(y))
     p.set(gelu, "bias_gelu_back", lambda g, bias, y: torch.empty_like(y))
     p.set(swiglu, "swiglu", half)
@@ -356,7 +370,9 @@ def _fused_activations(p: _Patches) -> None:
     p.set(swiglu, "weighted_swiglu", lambda y, weights: half(y))
     p.set(swiglu, "swiglu_back", lambda g, y: torch.empty_like(y))
     p.set(swiglu, "bias_swiglu_back", lambda g, y, bias: torch.empty_like(y))
-    p.set(swiglu, "weighted_swiglu_back", lambda g, y, weights: (torch.empty_like(y), torch.empty_like(weights)))
+    p.set(
+        swiglu, "weighted_swiglu_back", lambda g, y, weights: (torch.empty_like(y), torch.empty_like(weights))
+    )
 
 
 def _plain_fused_cross_entropy(p: _Patches) -> None:
@@ -368,8 +384,12 @@ def _plain_fused_cross_entropy(p: _Patches) -> None:
     and cast to a new bf16 logits grad; eagerly they also make a few per-token temporaries."""
     from megatron.core.fusions import fused_cross_entropy as fce
 
-    for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss",
-                 "calculate_gradients"):
+    for name in (
+        "calculate_logits_max",
+        "calculate_predicted_logits",
+        "calculate_cross_entropy_loss",
+        "calculate_gradients",
+    ):
         fn = getattr(fce, name)
         p.set(fce, name, getattr(fn, "_torchdynamo_orig_callable", getattr(fn, "__wrapped__", fn)))
 
@@ -402,16 +422,22 @@ def _moe_on_fake_tensors(p: _Patches) -> None:
         self.output_splits_tp = np.full(tp, per_expert * local * ep)
         self.num_global_tokens_per_local_expert = np.full((tp * ep, local), per_expert)
         return np.full(local, per_expert * tp * ep)
+
     p.set(td.MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
-    p.set(td.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
-          lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    p.set(
+        td.MoEAlltoAllTokenDispatcher,
+        "_maybe_dtoh_and_synchronize",
+        lambda self, point, tokens_per_expert=None: tokens_per_expert,
+    )
     p.set(td, "permute", _dropless_permute)
     from megatron.core.transformer.moe import moe_utils
-    p.set(moe_utils, "te_general_gemm", _te_gemm)     # the router GEMM, straight to fp32
+
+    p.set(moe_utils, "te_general_gemm", _te_gemm)  # the router GEMM, straight to fp32
 
 
 class _Recorder:
     """The trace's StorageRecorder, for megatron's forced releases (set by `_trace`)."""
+
     current = None
 
 
@@ -425,26 +451,26 @@ def _fine_grained_offload(p: _Patches) -> None:
     p.set(torch.cuda.nvtx, "range_pop", lambda *a, **k: None)
     p.set(torch.Tensor, "record_stream", lambda self, stream: None)
     p.set(te_ext, "cpu_offload", types.SimpleNamespace(CPUOffloadEnabled=False))
-    p.set(fgo.PipelineOffloadManager, "OFFLOAD_MGR", None)    # a fresh singleton per trace
+    p.set(fgo.PipelineOffloadManager, "OFFLOAD_MGR", None)  # a fresh singleton per trace
     handler = fgo.ChunkOffloadHandler
     orig_offload, orig_reload = handler.offload, handler.reload
 
     def offload(self, src_tensor, pin_memory=True, use_cpu_pool=True):
         if not src_tensor.is_contiguous():
-            src_tensor = src_tensor.contiguous()          # a device temporary, as on the GPU
-        with host_memory():                               # the pinned host copy
+            src_tensor = src_tensor.contiguous()  # a device temporary, as on the GPU
+        with host_memory():  # the pinned host copy
             return orig_offload(self, src_tensor, pin_memory=pin_memory, use_cpu_pool=use_cpu_pool)
 
     def reload(self, state, non_blocking=None):
-        return orig_reload(self, state, non_blocking=False)   # is_pinned() would ask for a device
+        return orig_reload(self, state, non_blocking=False)  # is_pinned() would ask for a device
 
-    def tensor_push(self, tensor):                        # megatron's, less the FakeTensor assert
+    def tensor_push(self, tensor):  # megatron's, less the FakeTensor assert
         tag = (self._offloaded_group_index, self._tensor_count_current_group)
         self._tensor_count_current_group += 1
         self.offload_groups[self._offloaded_group_index - 1].push_tensor(tag, tensor)
         return tag
 
-    def bulk_offload(self, forced_released_tensors):      # megatron's, resize_(0) recorded
+    def bulk_offload(self, forced_released_tensors):  # megatron's, resize_(0) recorded
         if self.should_bulk_offload():
             self._groups_to_reload.append(self._groups_to_offload[-1])
             self.bulk_offload_group()
@@ -511,11 +537,11 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
     if non_blocking and dst.dtype != src.dtype and _is_host(dst) != _is_host(src):
-        if _is_host(src):        # H2D: the host data lands in a device buffer of its dtype, converted there
+        if _is_host(src):  # H2D: the host data lands in a device buffer of its dtype, converted there
             tmp = torch.empty_like(dst, dtype=src.dtype)
             tmp.copy_(src)
             src = tmp
-        else:                    # D2H: converted on the device first
+        else:  # D2H: converted on the device first
             src = src.to(dst.dtype)
         out = dst.copy_(src)
         del src
@@ -556,14 +582,18 @@ def _hybrid_device_optimizer(p: _Patches) -> None:
         def wrapped(self, *a, _orig=orig, **k):
             with _host_tensors():
                 return _orig(self, *a, **k)
+
         p.set(cls, name, wrapped)
 
 
 def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
     """transformer_engine general_gemm's result for megatron's router: one output tensor in
     `out_dtype` (no casted copies of the operands). Layouts as megatron calls it."""
-    rows, cols = {"TN": (b.shape[0], a.shape[0]), "NN": (b.shape[0], a.shape[1]),
-                  "NT": (b.shape[1], a.shape[1])}[layout]
+    rows, cols = {
+        "TN": (b.shape[0], a.shape[0]),
+        "NN": (b.shape[0], a.shape[1]),
+        "NT": (b.shape[1], a.shape[1]),
+    }[layout]
     return (torch.empty((rows, cols), dtype=out_dtype),)
 
 
@@ -620,15 +650,28 @@ class GroupedLinear(torch.nn.Module):
     """Stands for TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (expert tensor
     parallel size 1 in the cases traced): one weight [out, in] per local expert."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method=None, bias=False,
-                 skip_bias_add=False, is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
+    def __init__(
+        self,
+        num_gemms,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method=None,
+        bias=False,
+        skip_bias_add=False,
+        is_expert=True,
+        tp_comm_buffer_name=None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.out_features = output_size
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-            for _ in range(num_gemms))
+            for _ in range(num_gemms)
+        )
         for w in self.weights:
-            w.allreduce = not is_expert     # expert params: the expert-data-parallel grad buffer
+            w.allreduce = not is_expert  # expert params: the expert-data-parallel grad buffer
 
     def forward(self, x, m_splits):
         return _GroupedGemm.apply(x, self.out_features, *self.weights), None
@@ -665,8 +708,10 @@ class _Flash(torch.autograd.Function):
         # the kernel's own buffers: the same assumption the templates make, from one place
         # (traced/kernel_workspace.py) -- rows that depend on it say so (kernel_workspace.ASSUMED)
         buffers = flash_attention_backward_workspace(s, b, a, k.shape[2], d, q.element_size())
-        workspace = [torch.empty(shape, dtype=q.dtype if eb == q.element_size() else torch.float32)
-                     for _, shape, eb in buffers]
+        workspace = [
+            torch.empty(shape, dtype=q.dtype if eb == q.element_size() else torch.float32)
+            for _, shape, eb in buffers
+        ]
         del workspace
         return dq, dk, dv
 
@@ -674,29 +719,54 @@ class _Flash(torch.autograd.Function):
 class FlashAttention(torch.nn.Module):
     """Stands for TE's DotProductAttention with a flash / cuDNN fused backend."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type=None, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type=None,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **kwargs,
+    ):
         super().__init__()
         self.config = config
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         return _Flash.apply(query, key, value)
 
 
 # The trace ---------------------------------------------------------------------------------------
 
+
 def _layer_spec(case: MegatronCase):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=case.grouped_gemm,
-                                    normalization="RMSNorm" if case.kind != "gpt" else "LayerNorm")
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=case.experts or None,
+        moe_grouped_gemm=case.grouped_gemm,
+        normalization="RMSNorm" if case.kind != "gpt" else "LayerNorm",
+    )
     spec.submodules.self_attention.submodules.core_attention = FlashAttention
     if case.experts:
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import TEGroupedMLP
         from megatron.core.transformer.spec_utils import ModuleSpec
+
         spec.submodules.mlp.submodules.experts = ModuleSpec(
-            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear))
+            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+        )
     return spec
 
 
@@ -705,30 +775,58 @@ def _config(case: MegatronCase):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     gpt = case.kind == "gpt"
-    kw = dict(num_layers=case.layers, hidden_size=case.hidden, num_attention_heads=case.heads,
-              num_query_groups=case.kv_heads, ffn_hidden_size=case.ffn, use_cpu_initialization=True,
-              sequence_parallel=case.sp and case.tp > 1, tensor_model_parallel_size=case.tp,
-              pipeline_model_parallel_size=case.pp, expert_model_parallel_size=case.ep,
-              params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
-              normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
-              activation_func=F.gelu if gpt else F.silu, add_bias_linear=gpt, bias_activation_fusion=True,
-              hidden_dropout=case.dropout, attention_dropout=case.dropout, gradient_accumulation_fusion=True,
-              apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=True,
-              deallocate_pipeline_outputs=True, batch_p2p_comm=True,   # as Megatron-LM sets them
-              cross_entropy_loss_fusion=case.ce_fusion, cross_entropy_fusion_impl="native")
+    kw = dict(
+        num_layers=case.layers,
+        hidden_size=case.hidden,
+        num_attention_heads=case.heads,
+        num_query_groups=case.kv_heads,
+        ffn_hidden_size=case.ffn,
+        use_cpu_initialization=True,
+        sequence_parallel=case.sp and case.tp > 1,
+        tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp,
+        expert_model_parallel_size=case.ep,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        pipeline_dtype=torch.bfloat16,
+        normalization="LayerNorm" if gpt else "RMSNorm",
+        gated_linear_unit=not gpt,
+        activation_func=F.gelu if gpt else F.silu,
+        add_bias_linear=gpt,
+        bias_activation_fusion=True,
+        hidden_dropout=case.dropout,
+        attention_dropout=case.dropout,
+        gradient_accumulation_fusion=True,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=True,
+        deallocate_pipeline_outputs=True,
+        batch_p2p_comm=True,  # as Megatron-LM sets them
+        cross_entropy_loss_fusion=case.ce_fusion,
+        cross_entropy_fusion_impl="native",
+    )
     if case.offload:
         kw.update(fine_grained_activation_offloading=True, offload_modules=case.offload.split(","))
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
-        kw.update(recompute_granularity="full", recompute_method=case.recompute_method,
-                  recompute_num_layers=case.recompute_layers or 1)
+        kw.update(
+            recompute_granularity="full",
+            recompute_method=case.recompute_method,
+            recompute_num_layers=case.recompute_layers or 1,
+        )
     if case.experts:
-        kw.update(num_moe_experts=case.experts, moe_router_topk=case.top_k, moe_ffn_hidden_size=case.expert_ffn,
-                  moe_token_dispatcher_type="alltoall", moe_grouped_gemm=case.grouped_gemm,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                  moe_shared_expert_intermediate_size=case.shared_ffn or None,
-                  moe_router_dtype="fp32")
+        kw.update(
+            num_moe_experts=case.experts,
+            moe_router_topk=case.top_k,
+            moe_ffn_hidden_size=case.expert_ffn,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=case.grouped_gemm,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_shared_expert_intermediate_size=case.shared_ffn or None,
+            moe_router_dtype="fp32",
+        )
     return TransformerConfig(**kw)
 
 
@@ -738,7 +836,9 @@ def trace_case(case: MegatronCase) -> dict:
     try:
         import megatron.core  # noqa: F401
     except ModuleNotFoundError:
-        raise UserError("pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'") from None
+        raise UserError(
+            "pipemem validate megatron needs megatron-core: pip install -e '.[megatron]'"
+        ) from None
     from ..traced.dist_capture import fake_process_group
 
     _DUMMY_WGRADS.clear()
@@ -748,8 +848,13 @@ def trace_case(case: MegatronCase) -> dict:
         warnings.simplefilter("ignore")
         with fake_process_group(rank, case.world), megatron_on_cpu():
             from megatron.core import parallel_state as ps
-            ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
-                                         expert_model_parallel_size=case.ep, create_gloo_process_groups=False)
+
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=case.tp,
+                pipeline_model_parallel_size=case.pp,
+                expert_model_parallel_size=case.ep,
+                create_gloo_process_groups=False,
+            )
             try:
                 return _trace(case)
             finally:
@@ -780,16 +885,14 @@ class _ReleasingRecorder(StorageRecorder):
 
 
 def _trace(case: MegatronCase) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..liveness import analyze_sequence
     from ..traced import kernel_policy
@@ -807,28 +910,48 @@ def _trace(case: MegatronCase) -> dict:
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
         with _default_dtype(torch.bfloat16):
-            gpt = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(case), vocab_size=vocab,
-                           max_sequence_length=case.seq_len, pre_process=pre, post_process=post,
-                           position_embedding_type="learned_absolute" if case.kind == "gpt" else "rope",
-                           share_embeddings_and_output_weights=case.kind == "gpt")
+            gpt = GPTModel(
+                config=cfg,
+                transformer_layer_spec=_layer_spec(case),
+                vocab_size=vocab,
+                max_sequence_length=case.seq_len,
+                pre_process=pre,
+                post_process=post,
+                position_embedding_type="learned_absolute" if case.kind == "gpt" else "rope",
+                share_embeddings_and_output_weights=case.kind == "gpt",
+            )
             model = Float16Module(cfg, gpt)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=case.main_grad_dtype == "fp32",
-                                                overlap_grad_reduce=False, use_distributed_optimizer=case.dist_opt)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=case.main_grad_dtype == "fp32",
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=case.dist_opt,
+        )
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
         offload = {}
         if case.optimizer_offload is not None:
             # --optimizer-cpu-offload --optimizer-offload-fraction F; Megatron-LM asserts
             # --use-precision-aware-optimizer with it (training/arguments.py), whose path the
             # hybrid optimizer reuses (fp32 masters made by it, grads as `decoupled_grad`)
-            offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=case.optimizer_offload,
-                           use_precision_aware_optimizer=True)
+            offload = dict(
+                optimizer_cpu_offload=True,
+                optimizer_offload_fraction=case.optimizer_offload,
+                use_precision_aware_optimizer=True,
+            )
         te_adam = _te_fused_adam() if case.precision_aware else contextlib.nullcontext()
         with te_adam:
             if case.precision_aware:
                 offload = _precision_aware_config(case.precision_aware)
-            opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=case.dist_opt,
-                                      clip_grad=1.0, **offload)
-            opt = _with_fused_adam(lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False))
+            opt_cfg = OptimizerConfig(
+                optimizer="adam",
+                lr=1e-4,
+                bf16=True,
+                use_distributed_optimizer=case.dist_opt,
+                clip_grad=1.0,
+                **offload,
+            )
+            opt = _with_fused_adam(
+                lambda: get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False)
+            )
         if offload:
             # get_megatron_optimizer's first HybridDeviceOptimizer, over the unsharded params
             # (optimizer/__init__.py), is replaced by the DistributedOptimizer's over its shards;
@@ -855,8 +978,12 @@ def _trace(case: MegatronCase) -> dict:
         def data():
             b, s = case.micro_batch, case.seq_len
             while True:
-                yield (torch.randint(0, case.vocab, (b, s)), torch.arange(s).unsqueeze(0).expand(b, s),
-                       torch.randint(0, case.vocab, (b, s)), torch.ones(b, s))
+                yield (
+                    torch.randint(0, case.vocab, (b, s)),
+                    torch.arange(s).unsqueeze(0).expand(b, s),
+                    torch.randint(0, case.vocab, (b, s)),
+                    torch.ones(b, s),
+                )
 
         it = data()
 
@@ -866,6 +993,7 @@ def _trace(case: MegatronCase) -> dict:
 
             def loss_func(output):
                 return torch.sum(output.float().view(-1) * mask.view(-1)) / mask.sum(), {}
+
             return out, loss_func
 
         fb = get_forward_backward_func()
@@ -878,9 +1006,15 @@ def _trace(case: MegatronCase) -> dict:
                     rec.begin(f"s{step}.zero_grad")
                     model.zero_grad_buffer()
                     opt.zero_grad()
-                    fb(forward_step_func=step_func, data_iterator=it, model=[model],
-                       num_microbatches=case.microbatches, seq_length=case.seq_len,
-                       micro_batch_size=case.micro_batch, forward_only=False)
+                    fb(
+                        forward_step_func=step_func,
+                        data_iterator=it,
+                        model=[model],
+                        num_microbatches=case.microbatches,
+                        seq_length=case.seq_len,
+                        micro_batch_size=case.micro_batch,
+                        forward_only=False,
+                    )
                     rec.begin(f"s{step}.optimizer")
                     opt.step()
         finally:
@@ -894,16 +1028,23 @@ def _trace(case: MegatronCase) -> dict:
     step2_start = None
     for r in results:
         if r.name == "s2.F0":
-            step2_start = cur       # resident during the step: after zero_grad, before the forward
+            step2_start = cur  # resident during the step: after zero_grad, before the forward
         top = cur + r.peak_bytes
         if r.name.startswith("s2.") and top > peak:
             peak, peak_at = top, f"{r.name}: {r.peak_op_label}"
         phases.append({"name": r.name, "start_bytes": cur, "peak_bytes": top, "net_bytes": r.net_bytes})
         cur += r.net_bytes
     kept = _layer_kept(programs, "s2.F0", layer_of)
-    return {"case": case.name, "peak_bytes": peak, "peak_at": peak_at, "static_bytes": step2_start,
-            "layer_kept_bytes": kept, "layer0_kept": _layer_kept_detail(programs, "s2.F0", layer_of, 0),
-            "phases": phases, "resident": _resident(programs, results, "s2.zero_grad")}
+    return {
+        "case": case.name,
+        "peak_bytes": peak,
+        "peak_at": peak_at,
+        "static_bytes": step2_start,
+        "layer_kept_bytes": kept,
+        "layer0_kept": _layer_kept_detail(programs, "s2.F0", layer_of, 0),
+        "phases": phases,
+        "resident": _resident(programs, results, "s2.zero_grad"),
+    }
 
 
 @contextlib.contextmanager
@@ -925,8 +1066,9 @@ def _precision_aware_config(spec: str) -> dict:
     """OptimizerConfig fields of `--use-precision-aware-optimizer --main-params-dtype M
     --exp-avg-dtype A --exp-avg-sq-dtype S` ("M/A/S"; Megatron-LM maps fp8 to torch.uint8)."""
     main, avg, avg_sq = (_TORCH_DTYPES[d] for d in spec.split("/"))
-    return dict(use_precision_aware_optimizer=True, main_params_dtype=main, exp_avg_dtype=avg,
-                exp_avg_sq_dtype=avg_sq)
+    return dict(
+        use_precision_aware_optimizer=True, main_params_dtype=main, exp_avg_dtype=avg, exp_avg_sq_dtype=avg_sq
+    )
 
 
 class _TEFusedAdam(torch.optim.Optimizer):
@@ -945,16 +1087,36 @@ class _TEFusedAdam(torch.optim.Optimizer):
     * the step is one multi-tensor kernel per group, in place: no temporaries; gradients are
       read from `decoupled_grad` when `use_decoupled_grad`."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, set_grad_none=None, capturable=False, master_weights=False,
-                 master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                 use_decoupled_grad=False, store_param_remainders=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=None,
+        capturable=False,
+        master_weights=False,
+        master_weight_dtype=torch.float32,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        use_decoupled_grad=False,
+        store_param_remainders=False,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master_weights = master_weights
-        self.dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
+        self.dtypes = {
+            "exp_avg": exp_avg_dtype,
+            "exp_avg_sq": exp_avg_sq_dtype,
+            "master_param": master_weight_dtype,
+        }
         self.use_decoupled_grad = use_decoupled_grad
-        self.store_param_remainders = (store_param_remainders and master_weights
-                                       and master_weight_dtype == torch.float32)
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
         self.scales = {}
 
     def _new_state(self, p, name: str, remainders: bool = False):
@@ -964,8 +1126,11 @@ class _TEFusedAdam(torch.optim.Optimizer):
         if dtype != torch.float32:
             self.scales.setdefault(p, {})[name] = torch.ones(1, dtype=torch.float32)
         if dtype == torch.uint8:
-            return (torch.empty_like(p, dtype=torch.uint8), torch.empty(p.shape[::-1], dtype=torch.uint8),
-                    torch.ones(1, dtype=torch.float32))
+            return (
+                torch.empty_like(p, dtype=torch.uint8),
+                torch.empty(p.shape[::-1], dtype=torch.uint8),
+                torch.ones(1, dtype=torch.float32),
+            )
         return torch.zeros_like(p, dtype=dtype)
 
     @torch.no_grad()
@@ -983,7 +1148,7 @@ class _TEFusedAdam(torch.optim.Optimizer):
                         remainders = self.store_param_remainders and p.dtype == torch.bfloat16
                         master = self._new_state(p, "master_param", remainders)
                         if not remainders:
-                            master.copy_(p.detach().float())    # TE fills it from an fp32 copy
+                            master.copy_(p.detach().float())  # TE fills it from an fp32 copy
                         state["master_param"] = master
         return None
 
@@ -995,6 +1160,7 @@ def _te_fused_adam():
     and the DistributedOptimizer accepts it, and the TE version checks pass (TE >= 2.1: store_param_remainders is passed)."""
     import megatron.core.optimizer as mopt
     from megatron.core.optimizer import distrib_optimizer, optimizer_config
+
     name = "transformer_engine.pytorch.optimizers"
     stand_in = types.ModuleType(name)
     stand_in.FusedAdam = _TEFusedAdam
@@ -1002,7 +1168,7 @@ def _te_fused_adam():
     sys.modules[name] = stand_in
     p = _Patches()
     p.set(mopt, "Adam", _TEFusedAdam)
-    p.set(distrib_optimizer, "Adam", _TEFusedAdam)     # its isinstance check of the inner optimizer
+    p.set(distrib_optimizer, "Adam", _TEFusedAdam)  # its isinstance check of the inner optimizer
     p.set(mopt, "USING_PYTORCH_OPTIMIZER", False)
     p.set(mopt, "is_te_min_version", lambda *a, **k: True)
     p.set(optimizer_config, "is_te_min_version", lambda *a, **k: True)
@@ -1026,8 +1192,10 @@ def _with_fused_adam(build):
             def __init__(self, *a, **k):
                 k.setdefault("fused", True)
                 super().__init__(*a, **k)
+
         Fused.__name__ = cls.__name__
         return Fused
+
     torch.optim.AdamW, torch.optim.Adam = fused(saved[0]), fused(saved[1])
     try:
         return build()
@@ -1053,8 +1221,10 @@ def _resident(programs, results, phase: str) -> list[dict]:
             g = groups.setdefault((ph, ty, mod, dt), [0, 0])
             g[0] += nb
             g[1] += 1
-    return [{"phase": k[0], "op": k[1], "module": k[2], "dtype": k[3], "bytes": v[0], "count": v[1]}
-            for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])]
+    return [
+        {"phase": k[0], "op": k[1], "module": k[2], "dtype": k[3], "bytes": v[0], "count": v[1]}
+        for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 def _layer_kept(programs, phase: str, layer_of) -> dict[int, int]:
@@ -1089,13 +1259,23 @@ def _layer_kept_detail(programs, phase: str, layer_of, layer: int) -> list[dict]
         if layer_of(op.module) == layer:
             made.extend((n, op) for n in op.outputs if prog.tensors[n].storage == n)
         freed.update(prog.tensors[n].storage for n in op.frees)
-    return [{"op": op.type, "module": op.module, "shape": list(prog.tensors[n].shape), "dtype": prog.tensors[n].dtype,
-             "bytes": prog.tensors[n].nbytes} for n, op in made if n not in freed]
+    return [
+        {
+            "op": op.type,
+            "module": op.module,
+            "shape": list(prog.tensors[n].shape),
+            "dtype": prog.tensors[n].dtype,
+            "bytes": prog.tensors[n].nbytes,
+        }
+        for n, op in made
+        if n not in freed
+    ]
 
 
 def main(argv=None) -> int:
     """Worker: `python -m pipemem.validation.megatron_trace '<case json>'` prints the trace JSON."""
     import json
+
     args = sys.argv[1:] if argv is None else argv
     case = MegatronCase(**json.loads(args[0]))
     print(json.dumps(trace_case(case)))

@@ -42,11 +42,11 @@ import sys
 from ..errors import UserError
 from .compare import exit_code, report
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
-from .paddle_runs.pir_models import CASES as PIR_CASES
 from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
 from .paddle_runs.paddlenlp_legacy import CASE_NAMES as LEGACY_NLP_CASE_NAMES
+from .paddle_runs.pir_models import CASES as PIR_CASES
 
-TRUTH = "measured"    # a real run, bytes from the allocator or profiler (compare.TRUTHS)
+TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # Paddle's executor measured (host memory statistics) against pipemem over the same captured
 # programs: every line within 1 % (docs/ACCURACY.md).
 TOLERANCE = 0.01
@@ -65,8 +65,9 @@ CASE_NAMES = tuple(CASES)
 PIR_CASE_NAMES = tuple(PIR_CASES)
 
 
-def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None,
-              progress=None) -> list[dict]:
+def run_cases(
+    names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None, progress=None
+) -> list[dict]:
     """Run the comparison for `names` (all of one IR: "legacy" or "pir") in a fresh Python
     process; its `cases[]` rows. `progress` (a progress.CaseProgress) advances per case, on
     the worker's progress lines."""
@@ -85,8 +86,9 @@ def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials
     left = list(names)
     err_lines: list[str] = []
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen([*cmd, "--", *names], stdout=out, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ))
+        proc = subprocess.Popen(
+            [*cmd, "--", *names], stdout=out, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+        )
         timer = threading.Timer(timeout, proc.kill)
         timer.start()
         started = time.monotonic()
@@ -97,7 +99,7 @@ def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials
                 if not line.startswith(PROGRESS_PREFIX):
                     err_lines.append(line)
                     continue
-                name = line[len(PROGRESS_PREFIX):].strip()
+                name = line[len(PROGRESS_PREFIX) :].strip()
                 if name in left:
                     left.remove(name)
                 if progress is not None:
@@ -126,17 +128,31 @@ def run_cases(names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials
 
 
 def register(sub) -> None:
-    p = sub.add_parser("paddle", help="Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
-                       description=__doc__.split("\n\n")[1], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "paddle",
+        help="Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
+        description=__doc__.split("\n\n")[1],
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all of --ir); "
-                                               f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES)}")
-    p.add_argument("--ir", choices=("legacy", "pir", "both", "paddlenlp", "paddlenlp-legacy", "all"), default="all",
-                   help="legacy Program cases, PIR cases (*-pir), both, PaddleNLP's own programs (paddlenlp-*: PIR, "
-                        "paddle 3; paddlenlp-legacy-*: legacy IR, built by paddle 2.6), or all (default; the "
-                        "paddlenlp cases are skipped with a note when their interpreter is missing)")
-    p.add_argument("--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)")
+    p.add_argument(
+        "--cases",
+        default="",
+        help="comma-separated case names (default: all of --ir); "
+        f"known: {', '.join(CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES)}",
+    )
+    p.add_argument(
+        "--ir",
+        choices=("legacy", "pir", "both", "paddlenlp", "paddlenlp-legacy", "all"),
+        default="all",
+        help="legacy Program cases, PIR cases (*-pir), both, PaddleNLP's own programs (paddlenlp-*: PIR, "
+        "paddle 3; paddlenlp-legacy-*: legacy IR, built by paddle 2.6), or all (default; the "
+        "paddlenlp cases are skipped with a note when their interpreter is missing)",
+    )
+    p.add_argument(
+        "--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)"
+    )
     p.set_defaults(func=run)
 
 
@@ -157,13 +173,20 @@ def _with_interpreter(cases: list[str], interpreter, label: str, asked: bool, no
 
 def run(args) -> int:
     ir = getattr(args, "ir", "all")
-    allowed = {"legacy": CASE_NAMES, "pir": PIR_CASE_NAMES, "both": CASE_NAMES + PIR_CASE_NAMES,
-               "paddlenlp": PADDLENLP_CASE_NAMES, "paddlenlp-legacy": LEGACY_NLP_CASE_NAMES,
-               "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES}[ir]
+    allowed = {
+        "legacy": CASE_NAMES,
+        "pir": PIR_CASE_NAMES,
+        "both": CASE_NAMES + PIR_CASE_NAMES,
+        "paddlenlp": PADDLENLP_CASE_NAMES,
+        "paddlenlp-legacy": LEGACY_NLP_CASE_NAMES,
+        "all": CASE_NAMES + PIR_CASE_NAMES + PADDLENLP_CASE_NAMES + LEGACY_NLP_CASE_NAMES,
+    }[ir]
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or list(allowed)
     bad = [n for n in names if n not in allowed]
     if bad:
-        raise UserError(f"--cases: unknown case(s) {', '.join(bad)} for --ir {ir}; known: {', '.join(allowed)}")
+        raise UserError(
+            f"--cases: unknown case(s) {', '.join(bad)} for --ir {ir}; known: {', '.join(allowed)}"
+        )
     from .progress import CaseProgress, print_summary
 
     rows = []
@@ -179,30 +202,64 @@ def run(args) -> int:
     from .paddle_runs import paddlenlp_cases, paddlenlp_legacy
 
     explicit = bool(args.cases)
-    nlp = _with_interpreter([n for n in names if n in PADDLENLP_CASE_NAMES], paddlenlp_python, "paddlenlp",
-                            explicit or ir == "paddlenlp", notes)
+    nlp = _with_interpreter(
+        [n for n in names if n in PADDLENLP_CASE_NAMES],
+        paddlenlp_python,
+        "paddlenlp",
+        explicit or ir == "paddlenlp",
+        notes,
+    )
     for n in nlp:
         rows += [r.to_dict() for r in paddlenlp_cases.compare_case(n, trials=getattr(args, "trials", 3))]
-    legacy_nlp = _with_interpreter([n for n in names if n in LEGACY_NLP_CASE_NAMES], paddlenlp_legacy.paddle26_python,
-                                   "paddlenlp-legacy", explicit or ir == "paddlenlp-legacy", notes)
+    legacy_nlp = _with_interpreter(
+        [n for n in names if n in LEGACY_NLP_CASE_NAMES],
+        paddlenlp_legacy.paddle26_python,
+        "paddlenlp-legacy",
+        explicit or ir == "paddlenlp-legacy",
+        notes,
+    )
     for n in legacy_nlp:
         rows += paddlenlp_legacy.compare_case(n)
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
     if args.json:
-        print(json.dumps(report("paddle", TRUTH, TOLERANCE, rows,
-                                paddle_max_abs_rel_error=max(perrs, default=0.0), notes=notes), indent=1))
+        print(
+            json.dumps(
+                report(
+                    "paddle",
+                    TRUTH,
+                    TOLERANCE,
+                    rows,
+                    paddle_max_abs_rel_error=max(perrs, default=0.0),
+                    notes=notes,
+                ),
+                indent=1,
+            )
+        )
         return exit_code(rows, TOLERANCE)
-    print_summary(rows, columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
-                  signed=lambda name: name.endswith("net"), what="lines", target="paddle", truth=TRUTH,
-                  tolerance=TOLERANCE)
-    undefined = sum(1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None)
-    theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + \
-        (f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)" if undefined else "")
+    print_summary(
+        rows,
+        columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
+        signed=lambda name: name.endswith("net"),
+        what="lines",
+        target="paddle",
+        truth=TRUTH,
+        tolerance=TOLERANCE,
+    )
+    undefined = sum(
+        1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None
+    )
+    theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + (
+        f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)"
+        if undefined
+        else ""
+    )
     if any(r["paddle_estimated_bytes"] is None and not r.get("paddle_error") for r in rows):
         theirs += "; it cannot read PIR programs (- on the -pir and paddlenlp lines)"
     failed = sorted({r["paddle_error"] for r in rows if r.get("paddle_error")})
     if failed:
-        theirs += f"; it fails on {sum(1 for r in rows if r.get('paddle_error'))} line(s) (-): " + " | ".join(failed)
+        theirs += f"; it fails on {sum(1 for r in rows if r.get('paddle_error'))} line(s) (-): " + " | ".join(
+            failed
+        )
     print(f"Paddle's own estimator: {theirs}")
     for note in notes:
         print(f"note: {note}")

@@ -40,7 +40,7 @@ def quiet_profiler_chatter(prefixes: tuple[bytes, ...] = CHATTER_PREFIXES):
     try:
         sys.stderr.flush()
         saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):   # no real fd 2 (embedded, captured)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (embedded, captured)
         yield
         return
     read_fd, write_fd = os.pipe()
@@ -71,7 +71,7 @@ def quiet_profiler_chatter(prefixes: tuple[bytes, ...] = CHATTER_PREFIXES):
             sys.stderr.flush()
         except ValueError:
             pass
-        os.dup2(saved, 2)          # closes our write end: the pump sees EOF once no child holds one
+        os.dup2(saved, 2)  # closes our write end: the pump sees EOF once no child holds one
         thread.join(timeout=5)
         if not thread.is_alive():  # else a child still writes: leave `saved` open for the pump
             os.close(saved)
@@ -114,9 +114,15 @@ class CaseProgress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]{task.fields[title]}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.description}"),
-                                      console=Console(file=self._file), transient=True)
+            self._progress = Progress(
+                TextColumn("[bold]{task.fields[title]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(file=self._file),
+                transient=True,
+            )
             self._progress.start()
             self._task = self._progress.add_task("", total=len(self.names), title=self.title)
         else:
@@ -127,8 +133,10 @@ class CaseProgress:
         if self._progress is not None:
             self._progress.stop()
         if self.enabled and self._file is not None:
-            self._line(f"{self.title}: {self._done} of {len(self.names)} done in "
-                       f"{time.perf_counter() - self._t0:.1f} s")
+            self._line(
+                f"{self.title}: {self._done} of {len(self.names)} done in "
+                f"{time.perf_counter() - self._t0:.1f} s"
+            )
         if self._own_file is not None:
             self._own_file.close()
 
@@ -150,7 +158,9 @@ class CaseProgress:
             self._progress.update(self._task, advance=1, description=name)
         elif self.enabled:
             seconds = time.perf_counter() - self._t_case
-            self._line(f"[{self._done}/{len(self.names)}] {name} ({seconds:.1f} s){' ' + note if note else ''}")
+            self._line(
+                f"[{self._done}/{len(self.names)}] {name} ({seconds:.1f} s){' ' + note if note else ''}"
+            )
         self._t_case = time.perf_counter()
 
     def _line(self, text: str) -> None:
@@ -177,9 +187,17 @@ def _get(row, key):
     return row.get(key)
 
 
-def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = (), file=None,
-                  signed: Callable[[object], bool] | None = None, what: str = "cases",
-                  truth: str | None = None, tolerance: float | None = None, target: str = "") -> float | None:
+def print_summary(
+    rows,
+    title: str = "",
+    columns: Sequence[tuple[str, str]] = (),
+    file=None,
+    signed: Callable[[object], bool] | None = None,
+    what: str = "cases",
+    truth: str | None = None,
+    tolerance: float | None = None,
+    target: str = "",
+) -> float | None:
     """The closing table of a validate target: case, measured, estimated, rel_error, then the
     target's own `columns` ((key, header) pairs; byte counts formatted), and one line with the
     worst |rel_error|. `signed(name)`: whether that row's bytes are a change (+/-). With `truth`
@@ -197,8 +215,14 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
     if truth is not None:
         head = header_line(target, truth, tolerance)
         title = f"{head}\n{title}" if title else head
-    t = Table(title=title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-              show_edge=False, pad_edge=False)
+    t = Table(
+        title=title or None,
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
     t.add_column("case", no_wrap=True, overflow="fold")
     for h in ("measured", "estimated", "rel_error"):
         t.add_column(h, justify="right", no_wrap=True)
@@ -214,13 +238,19 @@ def print_summary(rows, title: str = "", columns: Sequence[tuple[str, str]] = ()
 
     for r in rows:
         err = _get(r, "rel_error")
-        cells = [str(_get(r, "name")), b(r, _get(r, "measured_bytes")), b(r, _get(r, "estimated_bytes")),
-                 ("n/a" if err is None else f"{err * 100:+.2f}%") + (" gap" if _get(r, "known_gap") else "")]
+        cells = [
+            str(_get(r, "name")),
+            b(r, _get(r, "measured_bytes")),
+            b(r, _get(r, "estimated_bytes")),
+            ("n/a" if err is None else f"{err * 100:+.2f}%") + (" gap" if _get(r, "known_gap") else ""),
+        ]
         for key, _ in columns:
             v = _get(r, key)
-            cells.append(b(r, v) if key.endswith("bytes") else ("-" if v is None else
-                                                                 f"{v * 100:+.2f}%" if key.endswith("rel_error")
-                                                                 else str(v)))
+            cells.append(
+                b(r, v)
+                if key.endswith("bytes")
+                else ("-" if v is None else f"{v * 100:+.2f}%" if key.endswith("rel_error") else str(v))
+            )
         t.add_row(*cells)
     con = Console(file=file, width=max(terminal_width(file), 100), highlight=False, soft_wrap=False)
     con.print(t)

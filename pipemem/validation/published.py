@@ -54,16 +54,23 @@ ASSUMED = {
     # PR #62865's runs are the 4-layer Llama of PaddleNLP's auto-parallel script; the record's
     # fields cite the sibling PR #63402 script for seq_len 2048, --fp16 0, 8 accumulation
     # steps and --use_flash_attention 0; recompute is off by default in that script.
-    "paddle-pr62865-": {"seq_len": 2048, "dtype": "fp32", "microbatches": 8, "flash_attn": False,
-                        "recompute": "none",
-                        "why": "seq 2048, fp32, 8 microbatches, no flash attention, no recompute taken from the "
-                               "sibling PR #63402 script the record cites"},
+    "paddle-pr62865-": {
+        "seq_len": 2048,
+        "dtype": "fp32",
+        "microbatches": 8,
+        "flash_attn": False,
+        "recompute": "none",
+        "why": "seq 2048, fp32, 8 microbatches, no flash attention, no recompute taken from the "
+        "sibling PR #63402 script the record cites",
+    },
     # The ColossalAI Lightning GPT benchmark: the record's source names its model.py, whose
     # GPTLMLoss is the step's own loss on the model's logits
-    "colossal-lightning-": {"loss": "shifted",
-                            "why": "loss: the benchmark's GPTLMLoss (model.py, in the record's source): "
-                                   "logits[..., :-1, :].contiguous() and CrossEntropyLoss, no .float() "
-                                   "(--loss shifted)"},
+    "colossal-lightning-": {
+        "loss": "shifted",
+        "why": "loss: the benchmark's GPTLMLoss (model.py, in the record's source): "
+        "logits[..., :-1, :].contiguous() and CrossEntropyLoss, no .float() "
+        "(--loss shifted)",
+    },
 }
 # named vocabularies written as text in the records
 VOCAB_NAMES = {"gpt-2 bpe": 50257}
@@ -80,13 +87,15 @@ class Skip(Exception):
 
 # ---------------------------------------------------------------- reading the records
 
+
 def load_records(path: Path | None = None) -> list[dict]:
     if path is not None and not path.exists():
         raise SystemExit(f"--records {path}: no such file")
     path = path or RECORDS_PATH
     if not path.exists():
-        raise SystemExit(f"{path}: no such file (the records ship in a checkout of the repository); "
-                         "give --records FILE")
+        raise SystemExit(
+            f"{path}: no such file (the records ship in a checkout of the repository); give --records FILE"
+        )
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -112,13 +121,13 @@ def convention_of(framework: str) -> str:
     """The pipemem convention whose layers the record's framework runs."""
     f = framework.lower()
     if "torchtitan" in f:
-        return "torchtitan"           # DTensor/FSDP2 Llama with separate projections, eager dW
+        return "torchtitan"  # DTensor/FSDP2 Llama with separate projections, eager dW
     if "megatron" in f:
         return "megatron"
     if "paddle" in f:
         return "paddle"
     if "torchtune" in f:
-        return "torchtune"            # torchtune's own modules, pure bf16 as its recipes train
+        return "torchtune"  # torchtune's own modules, pure bf16 as its recipes train
     # litgpt, HF under Lightning/DeepSpeed: plain eager modules, one rank per layer
     return "hf"
 
@@ -162,8 +171,12 @@ def hf_config(rec: dict) -> dict:
     vocab = _int(m.get("vocab"))
     if vocab is None and isinstance(m.get("vocab"), str):
         vocab = next((v for k, v in VOCAB_NAMES.items() if k in m["vocab"].lower()), None)
-    shape = {"layers": _int(m.get("layers")), "hidden": _int(m.get("hidden")), "heads": _int(m.get("heads")),
-             "vocab": vocab}
+    shape = {
+        "layers": _int(m.get("layers")),
+        "hidden": _int(m.get("hidden")),
+        "heads": _int(m.get("heads")),
+        "vocab": vocab,
+    }
     experts = _int(m.get("experts"))
     ffn = _int(m.get("ffn")) or _int(m.get("ffn_dense"))
     if not experts:
@@ -184,30 +197,64 @@ def hf_config(rec: dict) -> dict:
     norm, act = str(m.get("norm", "")).lower(), str(m.get("act", m.get("mlp", ""))).lower()
     if m.get("parallel_residual") or "neox" in act:
         # litgpt's GptNeoxMLP + parallel residual + LayerNorm: the GPT-NeoX block
-        return {"model_type": "gpt_neox", "num_hidden_layers": layers, "hidden_size": hidden,
-                "num_attention_heads": heads, "intermediate_size": ffn, "vocab_size": vocab,
-                "hidden_act": "gelu", "use_parallel_residual": True, "tie_word_embeddings": tied,
-                "attention_bias": True, "rotary_pct": m.get("rotary_percentage", 1.0)}
+        return {
+            "model_type": "gpt_neox",
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "intermediate_size": ffn,
+            "vocab_size": vocab,
+            "hidden_act": "gelu",
+            "use_parallel_residual": True,
+            "tie_word_embeddings": tied,
+            "attention_bias": True,
+            "rotary_pct": m.get("rotary_percentage", 1.0),
+        }
     if experts:
         topk = _int(m.get("topk"))
         mt = "qwen3_moe" if "qwen3" in name else "mixtral"
-        cfg = {"model_type": mt, "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-               "num_key_value_heads": kv, "vocab_size": vocab, "num_experts_per_tok": topk,
-               "tie_word_embeddings": tied}
+        cfg = {
+            "model_type": mt,
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "vocab_size": vocab,
+            "num_experts_per_tok": topk,
+            "tie_word_embeddings": tied,
+        }
         moe_ffn = _int(m.get("moe_ffn")) or _int(m.get("expert_ffn"))
         if mt == "qwen3_moe":
-            cfg.update(num_experts=experts, moe_intermediate_size=moe_ffn, intermediate_size=ffn or moe_ffn,
-                       head_dim=_int(m.get("head_dim")) or hidden // heads)
+            cfg.update(
+                num_experts=experts,
+                moe_intermediate_size=moe_ffn,
+                intermediate_size=ffn or moe_ffn,
+                head_dim=_int(m.get("head_dim")) or hidden // heads,
+            )
         else:
             cfg.update(num_local_experts=experts, intermediate_size=moe_ffn)
         return cfg
     if "llama" in name or "rmsnorm" in norm or "swiglu" in act or kv != heads:
-        return {"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden,
-                "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": ffn,
-                "vocab_size": vocab, "tie_word_embeddings": tied}
+        return {
+            "model_type": "llama",
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "intermediate_size": ffn,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied,
+        }
     if "gpt" in name:
-        return {"model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "n_inner": ffn,
-                "vocab_size": vocab, "tie_word_embeddings": tied if "tied_embeddings" in m else True}
+        return {
+            "model_type": "gpt2",
+            "n_layer": layers,
+            "n_embd": hidden,
+            "n_head": heads,
+            "n_inner": ffn,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied if "tied_embeddings" in m else True,
+        }
     raise Skip(f"model family of {m.get('name')!r} not recognised")
 
 
@@ -216,12 +263,18 @@ def inexpressible(rec: dict) -> list[str]:
     out = []
     fw = str(rec.get("framework", "")).lower()
     if "llm.c" in fw:
-        out.append("llm.c: hand-written CUDA with static activation buffers sized for the whole step, no autograd "
-                   "liveness (not PyTorch/Paddle memory semantics)")
+        out.append(
+            "llm.c: hand-written CUDA with static activation buffers sized for the whole step, no autograd "
+            "liveness (not PyTorch/Paddle memory semantics)"
+        )
     if "infinity" in fw:
-        out.append("offload to CPU/NVMe (ZeRO-Infinity: parameters and activations paged from NVMe, not modelled)")
+        out.append(
+            "offload to CPU/NVMe (ZeRO-Infinity: parameters and activations paged from NVMe, not modelled)"
+        )
     if "paddle" in fw and "offload" in _text(rec, "recompute"):
-        out.append("Paddle's recompute offload (checkpoints on the CPU; not modelled for --convention paddle)")
+        out.append(
+            "Paddle's recompute offload (checkpoints on the CPU; not modelled for --convention paddle)"
+        )
     if "mp切分" in _text(rec, "recompute"):
         out.append("Paddle's MP-partitioned recompute checkpoints")
     return out
@@ -239,28 +292,40 @@ def modern_features(rec: dict, convention: str) -> tuple[dict, list[str]]:
         # torchtune's recipe compiles the loss too (compile_loss); torchtitan's 2024 benchmarks
         # (apply_compile per TransformerBlock) and litgpt's benchmark compile the model only
         plan["compile"] = "all" if "torchtune" in fw else "layers"
-        notes.append(f"torch.compile modelled ({'layers and loss' if 'torchtune' in fw else 'decoder layers'}, "
-                     "min-cut partition)")
+        notes.append(
+            f"torch.compile modelled ({'layers and loss' if 'torchtune' in fw else 'decoder layers'}, "
+            "min-cut partition)"
+        )
     dtype_text = _text(rec, "dtype")
     if re.search(r"float8|fp8", dtype_text):
         # torchao's Float8 default recipe (torchtitan's float8 converter): tensorwise dynamic scaling
         plan["fp8"] = "rowwise" if "rowwise" in dtype_text else "tensorwise"
-        notes.append(f"fp8 linears modelled as torchao Float8 {plan['fp8']} (dynamic scaling; high-precision "
-                     "input and weight saved, casts transient)")
+        notes.append(
+            f"fp8 linears modelled as torchao Float8 {plan['fp8']} (dynamic scaling; high-precision "
+            "input and weight saved, casts transient)"
+        )
     missing = " ".join(str(x) for x in rec.get("missing") or ()).lower()
     if opts.get("chunked_ce") or "chunked" in missing:
         plan["loss"] = "chunked"
-        notes.append("torchtitan's ChunkedLossWrapper modelled (8 chunks, its default num_chunks: output layer, loss "
-                     "and backward per chunk)" if convention == "torchtitan" else
-                     "chunked cross-entropy modelled (8 chunks, torchtune's default num_output_chunks)")
+        notes.append(
+            "torchtitan's ChunkedLossWrapper modelled (8 chunks, its default num_chunks: output layer, loss "
+            "and backward per chunk)"
+            if convention == "torchtitan"
+            else "chunked cross-entropy modelled (8 chunks, torchtune's default num_output_chunks)"
+        )
     if opts.get("opt_in_bwd"):
         plan["optimizer_in_backward"] = True
-    offload = str(opts.get("offload") if opts.get("offload") not in (None, False) else
-                  rec.get("offload") or par.get("offload") or "")
+    offload = str(
+        opts.get("offload")
+        if opts.get("offload") not in (None, False)
+        else rec.get("offload") or par.get("offload") or ""
+    )
     if opts.get("offload") is True:
         plan["activation_offload"] = "all"
-        notes.append("activation offloading modelled as torchtune's (every saved activation of the decoder "
-                     "layers; stream overlap and prefetch not modelled)")
+        notes.append(
+            "activation offloading modelled as torchtune's (every saved activation of the decoder "
+            "layers; stream overlap and prefetch not modelled)"
+        )
     elif offload and offload.lower() not in ("none", "false"):
         mods = re.findall(r"[a-z_0-9]+", offload.split("(")[0].lower())
         plan["activation_offload"] = ",".join(mods)
@@ -294,7 +359,7 @@ def _optimizer(rec: dict) -> str:
         return "adam"
     if "sgd" in t:
         return "sgd"
-    return "adamw"   # not stated: Adam and AdamW keep the same state
+    return "adamw"  # not stated: Adam and AdamW keep the same state
 
 
 def _recompute(rec: dict, assumed: dict) -> str:
@@ -303,7 +368,7 @@ def _recompute(rec: dict, assumed: dict) -> str:
     t = _text(rec, "recompute")
     if "not stated" in t or "not captured" in t:
         if "megatron" in str(rec.get("framework", "")).lower():
-            return "none"     # Megatron's default: no --recompute-granularity
+            return "none"  # Megatron's default: no --recompute-granularity
         raise Skip("recompute not stated")
     if t.startswith(("none", "w/o")):
         return "none"
@@ -358,9 +423,22 @@ def translate(rec: dict) -> dict:
         raise Skip(f"world {world} != dp {dp} x tp {tp} x pp {pp} x cp {cp}")
     dtype, master = _dtype(rec, assumed)
     convention = convention_of(str(rec.get("framework", "")))
-    plan = {"seq_len": seq, "micro_batch": mb, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vpp,
-            "dtype": dtype, "master_weights": master, "optimizer": _optimizer(rec),
-            "recompute": _recompute(rec, assumed), "flash_attn": _flash(rec, assumed), "convention": convention}
+    plan = {
+        "seq_len": seq,
+        "micro_batch": mb,
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "ep": ep,
+        "vpp": vpp,
+        "dtype": dtype,
+        "master_weights": master,
+        "optimizer": _optimizer(rec),
+        "recompute": _recompute(rec, assumed),
+        "flash_attn": _flash(rec, assumed),
+        "convention": convention,
+    }
     modern, modern_notes = modern_features(rec, convention)
     plan.update(modern)
     opt_compact = _text(rec, "optimizer").replace(" ", "")
@@ -380,6 +458,7 @@ def translate(rec: dict) -> dict:
     if paddlenlp:
         # the switches the record does not state take PaddleNLP's defaults, as --from-paddlenlp reads them
         from pipemem.configs.paddlenlp import default_switches
+
         plan.setdefault("extra", {}).update(default_switches(auto_parallel="auto" in fw_text))
     legacy_norm = convention == "torchtune" and _torchtune_legacy_rmsnorm(rec)
     if legacy_norm:
@@ -390,15 +469,17 @@ def translate(rec: dict) -> dict:
         # dp_shard_cp mesh), so cp 8 alone still shards the model states 8 ways
         plan["fsdp"] = dp * cp > 1
     elif "zero2" in shard:
-        plan["zero"] = 2                      # FSDP SHARD_GRAD_OP / reshard_after_forward=False
+        plan["zero"] = 2  # FSDP SHARD_GRAD_OP / reshard_after_forward=False
     elif _int(par.get("zero")):
         plan["zero"] = _int(par.get("zero"))
     opt_text = _text(rec, "optimizer")
     if "distributed optimizer" in opt_text and "non-distributed" not in opt_text:
         plan["dist_opt"] = True
     if dp_unknown:
-        raise Skip("world size / dp not stated (dp sets how far the optimizer and expert states are sharded)",
-                   partial=(config, plan))
+        raise Skip(
+            "world size / dp not stated (dp sets how far the optimizer and expert states are sharded)",
+            partial=(config, plan),
+        )
     if "loss" in assumed:
         plan["loss"] = assumed["loss"]
     lightning_ds = convention == "hf" and "deepspeedstrategy" in fw_text.replace(" ", "")
@@ -416,20 +497,35 @@ def translate(rec: dict) -> dict:
     measured = rec.get("measured") or {}
     per_unit, unit_note = unit_bytes(measured, str(rec.get("framework", "")))
     value = float(measured["value"])
-    notes = [n for n in (unit_note, assumed.get("why", "")) if n] + modern_notes + _assumption_notes(rec, assumed)
+    notes = (
+        [n for n in (unit_note, assumed.get("why", "")) if n] + modern_notes + _assumption_notes(rec, assumed)
+    )
     if paddlenlp:
-        notes.append("PaddleNLP's defaults for the kernel switches the record does not state (LlamaConfig: unfused "
-                     "QKV, RMSNorm and rope; gradient clipping on" + ("; auto-parallel: full-vocabulary loss"
-                                                                     if "auto" in fw_text else "")
-                     + "), as --from-paddlenlp reads them")
+        notes.append(
+            "PaddleNLP's defaults for the kernel switches the record does not state (LlamaConfig: unfused "
+            "QKV, RMSNorm and rope; gradient clipping on"
+            + ("; auto-parallel: full-vocabulary loss" if "auto" in fw_text else "")
+            + "), as --from-paddlenlp reads them"
+        )
     if lightning_ds:
-        notes.append("DeepSpeed's reduce bucket at Lightning's DeepSpeedStrategy default (reduce_bucket_size 2e8)")
+        notes.append(
+            "DeepSpeed's reduce bucket at Lightning's DeepSpeedStrategy default (reduce_bucket_size 2e8)"
+        )
     if legacy_norm:
-        notes.append("torchtune's own RMSNorm of the record's date (before torchtune PR #2054, 2024-11-25: "
-                     "normalise in fp32, cast, then scale, as HF's)")
-    return {"config": config, "plan": plan, "metric": metric_of(measured), "unit": str(measured.get("unit")),
-            "measured_value": value, "measured_bytes": value * per_unit, "rank": _rank_of(measured, pp),
-            "notes": notes}
+        notes.append(
+            "torchtune's own RMSNorm of the record's date (before torchtune PR #2054, 2024-11-25: "
+            "normalise in fp32, cast, then scale, as HF's)"
+        )
+    return {
+        "config": config,
+        "plan": plan,
+        "metric": metric_of(measured),
+        "unit": str(measured.get("unit")),
+        "measured_value": value,
+        "measured_bytes": value * per_unit,
+        "rank": _rank_of(measured, pp),
+        "notes": notes,
+    }
 
 
 # torchtune switched its RMSNorm to PyTorch's F.rms_norm on an fp32 copy (scale applied in fp32)
@@ -521,17 +617,31 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
     from pipemem.errors import UserError
     from pipemem.estimate import estimate
 
-    row = {"id": rec["id"], "framework": rec.get("framework", ""), "completeness": rec.get("completeness", "")}
+    row = {
+        "id": rec["id"],
+        "framework": rec.get("framework", ""),
+        "completeness": rec.get("completeness", ""),
+    }
     try:
         t = translate(rec)
     except Skip as e:
-        row.update(status="skipped", note=str(e), plan="", measured=_measured_text(rec),
-                   metric=metric_of(rec.get("measured") or {}))
+        row.update(
+            status="skipped",
+            note=str(e),
+            plan="",
+            measured=_measured_text(rec),
+            metric=metric_of(rec.get("measured") or {}),
+        )
         if e.partial is not None:
             row["note"] += "; " + _dp_range(*e.partial)
         return _row(row, None, None)
-    row.update(plan=plan_summary(t["plan"]), plan_kwargs=t["plan"], metric=t["metric"],
-               measured=_measured_text(rec), measured_bytes=t["measured_bytes"])
+    row.update(
+        plan=plan_summary(t["plan"]),
+        plan_kwargs=t["plan"],
+        metric=t["metric"],
+        measured=_measured_text(rec),
+        measured_bytes=t["measured_bytes"],
+    )
     try:
         est = estimate(t["config"], model_name=rec["id"], **t["plan"]).to_dict()
     except UserError as e:
@@ -555,25 +665,38 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
         # the reserved estimate (the allocation stream through the caching allocator model) on the
         # reserved measurement; the allocated estimate is in the note
         status = "compared"
-        notes.insert(0, f"reserved compared with the modelled reserved; the allocated estimate is {got / GiB:.2f} GiB "
-                        f"({rel_error(got, t['measured_bytes']):+.1%})")
+        notes.insert(
+            0,
+            f"reserved compared with the modelled reserved; the allocated estimate is {got / GiB:.2f} GiB "
+            f"({rel_error(got, t['measured_bytes']):+.1%})",
+        )
         row["allocated_bytes"] = int(got)
         got = reserved
     else:
         status = "gap"
-        notes.insert(0, {"reserved": "reserved (allocator cache included): estimated allocated should be below",
-                         "nvidia-smi": "nvidia-smi (adds CUDA context, cuBLAS/NCCL workspaces, allocator cache)",
-                         }.get(t["metric"], "metric not stated by the source"))
+        notes.insert(
+            0,
+            {
+                "reserved": "reserved (allocator cache included): estimated allocated should be below",
+                "nvidia-smi": "nvidia-smi (adds CUDA context, cuBLAS/NCCL workspaces, allocator cache)",
+            }.get(t["metric"], "metric not stated by the source"),
+        )
         if t["metric"] == "reserved":
             notes.insert(1, "reserved not modelled for this plan (see the estimate's warnings)")
         if t["metric"] == "nvidia-smi" and reserved is not None:
             # what nvidia-smi shows is the device peak's kind of number: reserved plus the CUDA
             # context, NCCL's buffers and the cuBLAS workspace (pipemem.outside_allocator)
-            device = (ranks[t["rank"]] if t["rank"] is not None else
-                      max(ranks, key=lambda r: r["device_peak_bytes"]))["device_peak_bytes"]
+            device = (
+                ranks[t["rank"]]
+                if t["rank"] is not None
+                else max(ranks, key=lambda r: r["device_peak_bytes"])
+            )["device_peak_bytes"]
             row["device_estimated_bytes"] = int(device)
-            notes.insert(1, f"device peak (reserved + outside the allocator) {device / GiB:.2f} GiB "
-                            f"({rel_error(device, t['measured_bytes']):+.1%}; the outside part from cited defaults)")
+            notes.insert(
+                1,
+                f"device peak (reserved + outside the allocator) {device / GiB:.2f} GiB "
+                f"({rel_error(device, t['measured_bytes']):+.1%}; the outside part from cited defaults)",
+            )
     notes.extend(EXPLAINED.get(rec["id"], []))
     if rec["id"] in ALTERNATES:
         change, label = ALTERNATES[rec["id"]]
@@ -586,14 +709,20 @@ def evaluate(rec: dict, traced: bool = False, exact: bool = False) -> dict:
     if traced and status == "compared" and len(ranks) == 1 and t["plan"]["dp"] == 1:
         try:
             first = estimate(t["config"], mode="traced", **t["plan"]).max_peak_allocated_bytes
-        except UserError as e:    # torch / transformers missing
+        except UserError as e:  # torch / transformers missing
             notes.append(f"traced mode unavailable: {e}")
     if first is not None:
-        notes.append(f"traced (HF module on fake tensors, steady-state step): {first / GiB:.2f} GiB "
-                     f"({rel_error(first, t['measured_bytes']):+.1%})")
+        notes.append(
+            f"traced (HF module on fake tensors, steady-state step): {first / GiB:.2f} GiB "
+            f"({rel_error(first, t['measured_bytes']):+.1%})"
+        )
         row["traced_first_step_bytes"] = int(first)
-    row.update(status=status, where=where, note="; ".join(notes), estimate_metric=(
-        "reserved" if status == "compared" and t["metric"] == "reserved" else "allocated"))
+    row.update(
+        status=status,
+        where=where,
+        note="; ".join(notes),
+        estimate_metric=("reserved" if status == "compared" and t["metric"] == "reserved" else "allocated"),
+    )
     return _row(row, t["measured_bytes"], int(got))
 
 
@@ -609,17 +738,23 @@ def _check_also_reserved(rec: dict, t: dict, reserved: int | None, row: dict, no
     """A record measured as allocated that also gives the max reserved of the same run (Megatron's
     report_memory, Paddle's max_memory_reserved): the reserved estimate is set against it too."""
     also = (rec.get("measured") or {}).get("also") or {}
-    value = next((v for k, v in also.items() if "reserved" in k.lower() and isinstance(v, (int, float))), None)
+    value = next(
+        (v for k, v in also.items() if "reserved" in k.lower() and isinstance(v, (int, float))), None
+    )
     if value is None or t["metric"] not in ("allocated", "active") or not t.get("measured_value"):
         return
-    measured = value * t["measured_bytes"] / t["measured_value"]      # the record's own unit
+    measured = value * t["measured_bytes"] / t["measured_value"]  # the record's own unit
     row["reserved_measured_bytes"] = int(measured)
     if reserved is None:
-        notes.append(f"max reserved {measured / GiB:.2f} GiB measured too; reserved is not modelled for this plan")
+        notes.append(
+            f"max reserved {measured / GiB:.2f} GiB measured too; reserved is not modelled for this plan"
+        )
         return
     rel = rel_error(reserved, measured)
     row.update(reserved_estimated_bytes=int(reserved), reserved_rel_error=rel)
-    notes.append(f"max reserved {measured / GiB:.2f} GiB measured too: modelled {reserved / GiB:.2f} GiB ({rel:+.1%})")
+    notes.append(
+        f"max reserved {measured / GiB:.2f} GiB measured too: modelled {reserved / GiB:.2f} GiB ({rel:+.1%})"
+    )
 
 
 _EXACT_CACHE: dict[str, object] = {}
@@ -640,11 +775,16 @@ def _exact_note(t: dict, row: dict) -> str:
     est = _EXACT_CACHE[key]
     if isinstance(est, str):
         return f"--exact unavailable: {est}"
-    got = (est.ranks[t["rank"]].peak_allocated_bytes if t["rank"] is not None
-           else max(r.peak_allocated_bytes for r in est.ranks))
+    got = (
+        est.ranks[t["rank"]].peak_allocated_bytes
+        if t["rank"] is not None
+        else max(r.peak_allocated_bytes for r in est.ranks)
+    )
     row["exact_bytes"] = int(got)
-    return (f"--exact (PaddleNLP 2.8.1's own programs, built by Paddle 3's passes): {got / GiB:.2f} GiB "
-            f"({rel_error(got, t['measured_bytes']):+.1%})")
+    return (
+        f"--exact (PaddleNLP 2.8.1's own programs, built by Paddle 3's passes): {got / GiB:.2f} GiB "
+        f"({rel_error(got, t['measured_bytes']):+.1%})"
+    )
 
 
 def _dp_range(config: dict, plan: dict) -> str:
@@ -674,14 +814,16 @@ EXPLAINED: dict[str, list[str]] = {
     "colossal-lightning-gpt2xl-ddp-amp": [
         "DDP's gradient buckets are counted (--grads ddp-bucket, the hf convention's default with dp > 1: "
         "gradient_as_bucket_view=False keeps a second fp32 copy of all gradients, 1.56 B x 4 B = 5.8 GiB; "
-        "it was -21.7 % without them); the remaining -6 % is unexplained"],
+        "it was -21.7 % without them); the remaining -6 % is unexplained"
+    ],
     "colossal-lightning-gpt2xl-deepspeed-zero3": [
         "the peak is the end of the forward at b 40: the fp16 logits, their shifted copy and the fp16 "
         "log-softmax (3 x 3.8 GiB) over the checkpointed layer inputs (5.9 GiB in half), the ZeRO-3 states "
         "with their resident fp16 grad partition, the reduce bucket and the last layers' parameters kept "
         "gathered for the backward (stage3_max_reuse_distance), as validate deepspeed found them in "
         "DeepSpeed's own engine; it was +60 % with the model under autocast (fp32 layer inputs) and HF's fp32 "
-        "upcast in the loss, +38 % with DeepSpeed's half model and fp32 master partitions alone"],
+        "upcast in the loss, +38 % with DeepSpeed's half model and fp32 master partitions alone"
+    ],
     "paddle-pr62865-1F1B-rank0": [
         "PaddleNLP's own programs for this run, built by Paddle 3.3.1's passes (`--exact`, see its note), agree with the template within 0.2 % per "
         "rank (it was -20 % before the record took PaddleNLP's kernel defaults: unfused QKV, RMSNorm and rope). "
@@ -689,39 +831,49 @@ EXPLAINED: dict[str, list[str]] = {
         "0.30 / 0.11 GiB), about 0.5 GiB per microbatch, the size of one layer's fp32 attention scores "
         "[32, 2048, 2048]: the run (Paddle of 2024-03) kept one more such tensor per microbatch than Paddle "
         "3.3.1's programs do -- consistent with its executor not running the softmax in place in the scores' "
-        "buffer, not verified"],
+        "buffer, not verified"
+    ],
     "torchtune-3B-Compile": [
         "the torchtune convention follows torchtune's own modules (K/V expanded to every head before "
         "attention, the attention output held to the layer's end, the decoder's `output(h).float()` so its "
         "compiled CE keeps fp32 logits): -19.0 % under the hf convention; the min-cut over its tape removes "
         "exactly what the real partitioner removes from torchtune's layers at small shapes (validate features "
         "compile/torchtune-bf16); the remaining -7.9 % (4.0 GiB) is unexplained (the run's torch 2.5-era "
-        "inductor at full shape is not reproduced here)"],
+        "inductor at full shape is not reproduced here)"
+    ],
     "torchtune-3B-Activation_Checkpointing": [
         "the peak is the optimizer step (params, grads and bf16 states, 24 GiB); torchtune's configs pass "
         "fused=True to torch.optim.AdamW (no step temporary; the torchtune convention's default, +20.2 % with "
-        "the foreach path's parameter-sized list), see 'alt'; the record does not say which"],
+        "the foreach path's parameter-sized list), see 'alt'; the record does not say which"
+    ],
     "torchtune-3B-8-bit_AdamW": [
         "8-bit states save 5.9 GiB in pipemem (2 x 1 B + block scales instead of 2 x 2 B per parameter); the "
         "measured rows differ by 4.2 GiB: 1.7 GiB unexplained (torchtune's config names bitsandbytes' "
-        "PagedAdamW8bit, whose paged states and step buffers are not modelled)"],
+        "PagedAdamW8bit, whose paged states and step buffers are not modelled)"
+    ],
     "torchtune-3B-Packed_Dataset": [
         "torchtune frees the grads each step (zero_grad set_to_none: --grads set-to-none, the torchtune "
         "convention's default), so the peak at the loss backward holds few of them (it was +6.5 % with "
-        "the 6.0 GiB of bf16 grads counted resident); under the hf convention (HF's modules) -3.5 %"],
+        "the 6.0 GiB of bf16 grads counted resident); under the hf convention (HF's modules) -3.5 %"
+    ],
 }
 for _r in (1, 2, 3):
-    EXPLAINED[f"paddle-pr62865-1F1B-rank{_r}"] = ["see rank0: PaddleNLP's own programs agree with the template; "
-                                                  "the gap grows with the microbatches in flight"]
+    EXPLAINED[f"paddle-pr62865-1F1B-rank{_r}"] = [
+        "see rank0: PaddleNLP's own programs agree with the template; "
+        "the gap grows with the microbatches in flight"
+    ]
 
 # Sensitivity checks: the same record under one other reading of an ambiguous field, shown
 # next to the main estimate and never used for the summary.
 ALTERNATES = {
     "torchtune-3B-Activation_Checkpointing": (
-        {"optimizer_impl": "foreach"}, "alt --optimizer-impl foreach (torch.optim.AdamW without fused=True)"),
+        {"optimizer_impl": "foreach"},
+        "alt --optimizer-impl foreach (torch.optim.AdamW without fused=True)",
+    ),
     "colossal-lightning-gpt2xl-deepspeed-zero3": (
-        {"loss": "standard"}, "alt --loss standard (HF's own loss of transformers >= 4.46: an fp32 copy of the "
-                              "logits)"),
+        {"loss": "standard"},
+        "alt --loss standard (HF's own loss of transformers >= 4.46: an fp32 copy of the logits)",
+    ),
 }
 
 
@@ -733,28 +885,44 @@ def run(records: list[dict], ids: set[str] | None = None, traced: bool = False, 
     high = [abs(r["rel_error"]) for r in comp if r["completeness"] == "high"]
     # reserved: records measured as reserved (compared on the reserved estimate) and records that
     # give max reserved beside max allocated
-    res = [abs(r["rel_error"]) for r in rows if r["status"] == "compared" and r.get("estimate_metric") == "reserved"]
+    res = [
+        abs(r["rel_error"])
+        for r in rows
+        if r["status"] == "compared" and r.get("estimate_metric") == "reserved"
+    ]
     res += [abs(r["reserved_rel_error"]) for r in rows if r.get("reserved_rel_error") is not None]
     skipped: dict[str, int] = {}
     for r in rows:
         if r["status"] == "skipped":
             skipped[_skip_kind(r["note"])] = skipped.get(_skip_kind(r["note"]), 0) + 1
-    summary = {"records": len(rows), "by_status": {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER},
-               "median_abs_rel_error_compared": statistics.median(errs) if errs else None,
-               "median_abs_rel_error_compared_high_completeness": statistics.median(high) if high else None,
-               "reserved_compared": len(res),
-               "median_abs_rel_error_reserved": statistics.median(res) if res else None,
-               "skipped_by_reason": skipped, "seconds": round(time.perf_counter() - t0, 2)}
+    summary = {
+        "records": len(rows),
+        "by_status": {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER},
+        "median_abs_rel_error_compared": statistics.median(errs) if errs else None,
+        "median_abs_rel_error_compared_high_completeness": statistics.median(high) if high else None,
+        "reserved_compared": len(res),
+        "median_abs_rel_error_reserved": statistics.median(res) if res else None,
+        "skipped_by_reason": skipped,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     # measured: real GPU runs, each number as its source measured it (the metric is per row)
     return {"command": COMMAND, "truth": "measured", "rows": rows, "summary": summary}
 
 
 def _skip_kind(note: str) -> str:
-    for key, label in (("llm.c", "llm.c static buffers"), ("fp8", "fp8 linears"), ("offload", "offload not modelled (ZeRO-Infinity, Paddle recompute offload)"),
-                       ("chunked", "chunked cross-entropy"), ("MP-partitioned", "Paddle MP-partitioned recompute"),
-                       ("model shape", "model shape not stated"), ("seq_len", "seq_len not stated"),
-                       ("world size", "world size / dp not stated"), ("precision", "precision not stated"),
-                       ("recompute", "recompute not stated"), ("refused", "pipemem refused the plan")):
+    for key, label in (
+        ("llm.c", "llm.c static buffers"),
+        ("fp8", "fp8 linears"),
+        ("offload", "offload not modelled (ZeRO-Infinity, Paddle recompute offload)"),
+        ("chunked", "chunked cross-entropy"),
+        ("MP-partitioned", "Paddle MP-partitioned recompute"),
+        ("model shape", "model shape not stated"),
+        ("seq_len", "seq_len not stated"),
+        ("world size", "world size / dp not stated"),
+        ("precision", "precision not stated"),
+        ("recompute", "recompute not stated"),
+        ("refused", "pipemem refused the plan"),
+    ):
         if key in note:
             return label
     return "other"
@@ -762,71 +930,102 @@ def _skip_kind(note: str) -> str:
 
 # ---------------------------------------------------------------- output
 
+
 def _fmt_gib(b) -> str:
     return "" if b is None else f"{b / GiB:.2f} GiB"
 
 
 def markdown(result: dict) -> str:
     s = result["summary"]
-    lines = ["# Published runs: pipemem vs measured peaks", "",
-             "Generated by `bench/validate_published.py` from `bench/data/published_runs.jsonl` "
-             "(real training runs with their configs and measured peak memory). Regenerate with:", "",
-             f"    {result['command']}", "",
-             "Truth: measured -- real GPU runs, each number measured by the people who ran them with "
-             "the metric its row names; the records and their sources are in "
-             "`bench/data/published_runs.jsonl` (fields: `bench/data/README.md`).", "",
-             f"({s['seconds']:.0f} s here; template mode, plus traced mode for single-GPU compared records "
-             "when `--traced` is given, and PaddleNLP's own programs for the Paddle records with `--exact`, "
-             "with $PIPEMEM_PADDLENLP_PYTHON naming a Python that has paddlenlp 2.8.1.)", "",
-             "Each record is translated from its own fields (model shape -> HF-style config; parallelism, "
-             "batch, precision, optimizer, recompute, framework -> plan and `--convention`) and estimated as "
-             "shipped: nothing is tuned or scaled. pipemem estimates *allocated* bytes "
-             "(`torch.cuda.max_memory_allocated`). Status:", "",
-             "* **compared**: measured as allocated (or torch's active bytes), compared with the allocated "
-             "estimate; or measured as reserved (`torch.cuda.max_memory_reserved`), compared with the reserved "
-             "estimate (each rank's allocation stream through pipemem's model of PyTorch's caching "
-             "allocator). The summary gives the two medians separately.",
-             "* **gap**: measured as nvidia-smi or an unstated metric, or as reserved where reserved is not "
-             "modelled (Paddle); these add allocator cache, CUDA context and workspaces, so the difference is "
-             "a gap, not an error (allocated <= reserved).",
-             "* **skipped**: pipemem cannot express the run (llm.c's static buffers, ZeRO-Infinity, Paddle's "
-             "recompute offload) or the record lacks an essential; the reason is given.", "",
-             "Runs with torch.compile, fp8 linears, chunked cross-entropy, activation offloading, the "
-             "optimizer step in backward or 8-bit optimizers are estimated with those features switched on "
-             "(the plan column and the notes say which).", "",
-             "Measured values are converted with the record's own unit (GiB = 2^30, GB = 1e9, MiB/'MB' = "
-             "2^20; Paddle's 'MB' is bytes/2^20). Where the record names a rank (a pipeline stage) that "
-             "rank's estimate is compared, otherwise the maximum over ranks. Notes give assumptions and, for "
-             "large disagreements, the reason found (or 'unexplained').", ""]
-    lines += ["| id | framework | plan | measured (metric) | measured GiB | estimated (same metric) | rel. error | "
-              "status | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Published runs: pipemem vs measured peaks",
+        "",
+        "Generated by `bench/validate_published.py` from `bench/data/published_runs.jsonl` "
+        "(real training runs with their configs and measured peak memory). Regenerate with:",
+        "",
+        f"    {result['command']}",
+        "",
+        "Truth: measured -- real GPU runs, each number measured by the people who ran them with "
+        "the metric its row names; the records and their sources are in "
+        "`bench/data/published_runs.jsonl` (fields: `bench/data/README.md`).",
+        "",
+        f"({s['seconds']:.0f} s here; template mode, plus traced mode for single-GPU compared records "
+        "when `--traced` is given, and PaddleNLP's own programs for the Paddle records with `--exact`, "
+        "with $PIPEMEM_PADDLENLP_PYTHON naming a Python that has paddlenlp 2.8.1.)",
+        "",
+        "Each record is translated from its own fields (model shape -> HF-style config; parallelism, "
+        "batch, precision, optimizer, recompute, framework -> plan and `--convention`) and estimated as "
+        "shipped: nothing is tuned or scaled. pipemem estimates *allocated* bytes "
+        "(`torch.cuda.max_memory_allocated`). Status:",
+        "",
+        "* **compared**: measured as allocated (or torch's active bytes), compared with the allocated "
+        "estimate; or measured as reserved (`torch.cuda.max_memory_reserved`), compared with the reserved "
+        "estimate (each rank's allocation stream through pipemem's model of PyTorch's caching "
+        "allocator). The summary gives the two medians separately.",
+        "* **gap**: measured as nvidia-smi or an unstated metric, or as reserved where reserved is not "
+        "modelled (Paddle); these add allocator cache, CUDA context and workspaces, so the difference is "
+        "a gap, not an error (allocated <= reserved).",
+        "* **skipped**: pipemem cannot express the run (llm.c's static buffers, ZeRO-Infinity, Paddle's "
+        "recompute offload) or the record lacks an essential; the reason is given.",
+        "",
+        "Runs with torch.compile, fp8 linears, chunked cross-entropy, activation offloading, the "
+        "optimizer step in backward or 8-bit optimizers are estimated with those features switched on "
+        "(the plan column and the notes say which).",
+        "",
+        "Measured values are converted with the record's own unit (GiB = 2^30, GB = 1e9, MiB/'MB' = "
+        "2^20; Paddle's 'MB' is bytes/2^20). Where the record names a rank (a pipeline stage) that "
+        "rank's estimate is compared, otherwise the maximum over ranks. Notes give assumptions and, for "
+        "large disagreements, the reason found (or 'unexplained').",
+        "",
+    ]
+    lines += [
+        "| id | framework | plan | measured (metric) | measured GiB | estimated (same metric) | rel. error | "
+        "status | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     key = {s_: i for i, s_ in enumerate(STATUS_ORDER)}
     for r in sorted(result["rows"], key=lambda r: key[r["status"]]):
         rel = "" if r["rel_error"] is None else f"{r['rel_error']:+.1%}"
         fw = r["framework"].split("(")[0].strip()
-        lines.append(f"| {r['id']} | {fw} | {r['plan']} | {r['measured']} | {_fmt_gib(r['measured_bytes'])} | "
-                     f"{_fmt_gib(r['estimated_bytes'])} | {rel} | {r['status']} | {r['note'].replace('|', '/')} |")
+        lines.append(
+            f"| {r['id']} | {fw} | {r['plan']} | {r['measured']} | {_fmt_gib(r['measured_bytes'])} | "
+            f"{_fmt_gib(r['estimated_bytes'])} | {rel} | {r['status']} | {r['note'].replace('|', '/')} |"
+        )
     lines += ["", "## Summary", ""]
-    lines.append(f"* {s['records']} records: " + ", ".join(f"{v} {k}" for k, v in s["by_status"].items())
-                 + f" ({s['by_status']['compared'] + s['by_status']['gap']} estimated and set against their "
-                 "measurement)")
+    lines.append(
+        f"* {s['records']} records: "
+        + ", ".join(f"{v} {k}" for k, v in s["by_status"].items())
+        + f" ({s['by_status']['compared'] + s['by_status']['gap']} estimated and set against their "
+        "measurement)"
+    )
     if s["median_abs_rel_error_compared"] is not None:
-        lines.append(f"* median |error| over compared (allocated / active) records: "
-                     f"{s['median_abs_rel_error_compared']:.1%}"
-                     + (f"; high-completeness records only: {s['median_abs_rel_error_compared_high_completeness']:.1%}"
-                        if s["median_abs_rel_error_compared_high_completeness"] is not None else ""))
+        lines.append(
+            f"* median |error| over compared (allocated / active) records: "
+            f"{s['median_abs_rel_error_compared']:.1%}"
+            + (
+                f"; high-completeness records only: {s['median_abs_rel_error_compared_high_completeness']:.1%}"
+                if s["median_abs_rel_error_compared_high_completeness"] is not None
+                else ""
+            )
+        )
     if s.get("median_abs_rel_error_reserved") is not None:
-        lines.append(f"* median |error| of the reserved estimate over the {s['reserved_compared']} reserved "
-                     f"measurements (records measured as reserved, and max reserved given beside max allocated): "
-                     f"{s['median_abs_rel_error_reserved']:.1%}")
+        lines.append(
+            f"* median |error| of the reserved estimate over the {s['reserved_compared']} reserved "
+            f"measurements (records measured as reserved, and max reserved given beside max allocated): "
+            f"{s['median_abs_rel_error_reserved']:.1%}"
+        )
     gaps = [r for r in result["rows"] if r["status"] == "gap" and r["metric"] in ("reserved", "nvidia-smi")]
     if gaps:
         below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in gaps)
         spread = ", ".join(f"{r['rel_error']:+.1%}" for r in gaps)
-        lines.append(f"* gap records (reserved / nvidia-smi): the allocated estimate is at or below the measured "
-                     f"value in {below} of {len(gaps)} (gaps {spread})")
-    lines.append("* skipped: " + ", ".join(f"{v} {k}" for k, v in sorted(s["skipped_by_reason"].items(),
-                                                                          key=lambda kv: -kv[1])))
+        lines.append(
+            f"* gap records (reserved / nvidia-smi): the allocated estimate is at or below the measured "
+            f"value in {below} of {len(gaps)} (gaps {spread})"
+        )
+    lines.append(
+        "* skipped: "
+        + ", ".join(f"{v} {k}" for k, v in sorted(s["skipped_by_reason"].items(), key=lambda kv: -kv[1]))
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -834,14 +1033,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", help="write the markdown table (or JSON with --json) to this file")
-    ap.add_argument("--records", type=Path,
-                    help="records, one JSON object a line (default: bench/data/published_runs.jsonl)")
+    ap.add_argument(
+        "--records",
+        type=Path,
+        help="records, one JSON object a line (default: bench/data/published_runs.jsonl)",
+    )
     ap.add_argument("--ids", help="comma-separated record ids (default: all)")
-    ap.add_argument("--traced", action="store_true",
-                    help="also trace the single-GPU compared records (needs torch + transformers; ~10 s each)")
-    ap.add_argument("--exact", action="store_true",
-                    help="also estimate the Paddle records from PaddleNLP's own programs (mode paddle; needs "
-                         "paddlenlp 2.8.1 here or in $PIPEMEM_PADDLENLP_PYTHON; ~40 s per configuration)")
+    ap.add_argument(
+        "--traced",
+        action="store_true",
+        help="also trace the single-GPU compared records (needs torch + transformers; ~10 s each)",
+    )
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="also estimate the Paddle records from PaddleNLP's own programs (mode paddle; needs "
+        "paddlenlp 2.8.1 here or in $PIPEMEM_PADDLENLP_PYTHON; ~40 s per configuration)",
+    )
     a = ap.parse_args(argv)
     ids = set(a.ids.split(",")) if a.ids else None
     records = load_records(a.records)

@@ -36,10 +36,23 @@ def run_ranks(module: str, case: dict, world: int, timeout: float, env: dict, wh
         for r in range(world):
             penv = dict(os.environ, OMP_NUM_THREADS="1", **env)
             if world > 1:
-                penv.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, "-m", module, src, os.path.join(d, f"rank{r}.json")],
-                                          env=penv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                penv.update(
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(world),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, src, os.path.join(d, f"rank{r}.json")],
+                    env=penv,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         deadline, errs = time.monotonic() + timeout, []
         try:
             for p in procs:

@@ -34,10 +34,17 @@ from ..errors import UserError
 
 # Action kinds as spelled by pipemem.schedules, torch.distributed.pipelining and Paddle.
 _KIND_ALIASES = {
-    "F": "F", "FORWARD": "F",
-    "B": "B", "FULL_BACKWARD": "B", "BACKWARD": "B",
-    "I": "I", "BACKWARD_INPUT": "I", "BACKWARD_B": "I",
-    "W": "W", "BACKWARD_WEIGHT": "W", "BACKWARD_W": "W",
+    "F": "F",
+    "FORWARD": "F",
+    "B": "B",
+    "FULL_BACKWARD": "B",
+    "BACKWARD": "B",
+    "I": "I",
+    "BACKWARD_INPUT": "I",
+    "BACKWARD_B": "I",
+    "W": "W",
+    "BACKWARD_WEIGHT": "W",
+    "BACKWARD_W": "W",
 }
 # Communication and bookkeeping actions: the emulator receives when it computes and drops sends.
 _SKIPPED_KINDS = {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"}
@@ -52,7 +59,7 @@ class Action:
     stage: int
     microbatch: int
 
-    def __str__(self) -> str:   # pipemem.schedules' text form: F3@s1
+    def __str__(self) -> str:  # pipemem.schedules' text form: F3@s1
         return f"{self.kind}{self.microbatch}@s{self.stage}"
 
 
@@ -89,8 +96,10 @@ def normalize_actions(actions: Iterable[Any]) -> list[Action]:
         if name in _SKIPPED_KINDS:
             continue
         if name not in _KIND_ALIASES or stage is None or mb is None:
-            raise UserError(f"schedule action {a!r}: cannot read it as a compute action "
-                            "(kind F/B/I/W with a stage and a microbatch)")
+            raise UserError(
+                f"schedule action {a!r}: cannot read it as a compute action "
+                "(kind F/B/I/W with a stage and a microbatch)"
+            )
         out.append(Action(_KIND_ALIASES[name], int(stage), int(mb)))
     return out
 
@@ -101,7 +110,7 @@ class ActionRecord:
 
     action: Action
     bytes_after: int | None
-    held_forwards: int    # (stage, microbatch) forwards kept for a backward not yet run
+    held_forwards: int  # (stage, microbatch) forwards kept for a backward not yet run
     held_weight_grads: int  # I done, W pending
 
 
@@ -111,7 +120,9 @@ class RankRun:
 
     records: list[ActionRecord] = field(default_factory=list)
     max_held_forwards: int = 0
-    received_activations: list[tuple[int, int, tuple, str]] = field(default_factory=list)  # stage, mb, shape, dtype
+    received_activations: list[tuple[int, int, tuple, str]] = field(
+        default_factory=list
+    )  # stage, mb, shape, dtype
     received_grads: list[tuple[int, int, tuple, str]] = field(default_factory=list)
     sent_activations: int = 0
     sent_grads: int = 0
@@ -131,9 +142,16 @@ class RankEmulator:
     probe: called after every action; its int is recorded (torch.cuda.memory_allocated).
     """
 
-    def __init__(self, stages: Mapping[int, Any], num_stages: int, make_input: Callable[[int], Any],
-                 recv_spec: Callable[[int], tuple[tuple, Any]], device: Any = "cpu",
-                 forward_context: Callable[[], Any] = nullcontext, probe: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        stages: Mapping[int, Any],
+        num_stages: int,
+        make_input: Callable[[int], Any],
+        recv_spec: Callable[[int], tuple[tuple, Any]],
+        device: Any = "cpu",
+        forward_context: Callable[[], Any] = nullcontext,
+        probe: Callable[[], int] | None = None,
+    ):
         if not stages:
             raise UserError("a pipeline rank needs at least one stage module")
         bad = [s for s in stages if not 0 <= s < num_stages]
@@ -149,9 +167,9 @@ class RankEmulator:
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._fwd: dict[tuple[int, int], tuple[Any, Any]] = {}        # (stage, mb) -> (output, input)
-        self._pending_w: dict[tuple[int, int], tuple] = {}           # (stage, mb) -> state kept until W
-        self._local_grads: dict[tuple[int, int], Any] = {}           # grad of (stage, mb)'s output
+        self._fwd: dict[tuple[int, int], tuple[Any, Any]] = {}  # (stage, mb) -> (output, input)
+        self._pending_w: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> state kept until W
+        self._local_grads: dict[tuple[int, int], Any] = {}  # grad of (stage, mb)'s output
         self._done_f: set[tuple[int, int]] = set()
 
     # The walk ---------------------------------------------------------------------------
@@ -161,13 +179,19 @@ class RankEmulator:
         run = RankRun()
         for action in normalize_actions(actions):
             if action.stage not in self.stages:
-                raise UserError(f"schedule action {action}: stage {action.stage} is not on this rank "
-                                f"(it holds stages {sorted(self.stages)})")
-            {"F": self._forward, "B": self._backward, "I": self._backward_input,
-             "W": self._backward_weight}[action.kind](action, run)
+                raise UserError(
+                    f"schedule action {action}: stage {action.stage} is not on this rank "
+                    f"(it holds stages {sorted(self.stages)})"
+                )
+            {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight}[
+                action.kind
+            ](action, run)
             run.max_held_forwards = max(run.max_held_forwards, len(self._fwd))
-            run.records.append(ActionRecord(action, self.probe() if self.probe else None,
-                                            len(self._fwd), len(self._pending_w)))
+            run.records.append(
+                ActionRecord(
+                    action, self.probe() if self.probe else None, len(self._fwd), len(self._pending_w)
+                )
+            )
         left = sorted(self._fwd) + sorted(self._pending_w)
         if left:
             raise UserError(f"schedule leaves (stage, microbatch) {left} without a finished backward")
@@ -179,14 +203,17 @@ class RankEmulator:
 
         key = (a.stage, a.microbatch)
         if key in self._done_f:
-            raise UserError(f"schedule action {a}: forward of stage {a.stage} microbatch {a.microbatch} runs twice")
+            raise UserError(
+                f"schedule action {a}: forward of stage {a.stage} microbatch {a.microbatch} runs twice"
+            )
         if a.stage == 0:
             inp = self.make_input(a.microbatch)
         elif (a.stage - 1) in self.stages:
             prev = self._fwd.get((a.stage - 1, a.microbatch))
             if prev is None:
-                raise UserError(f"schedule action {a}: runs before the forward of stage {a.stage - 1} "
-                                "on the same rank")
+                raise UserError(
+                    f"schedule action {a}: runs before the forward of stage {a.stage - 1} on the same rank"
+                )
             # A local hand-over is a detached view: same storage, a new leaf for this stage's graph.
             inp = prev[0].detach().requires_grad_(True)
         else:
@@ -196,7 +223,9 @@ class RankEmulator:
         with self.forward_context():
             out = self.stages[a.stage](inp)
         if a.stage == self.num_stages - 1 and out.dim() != 0:
-            raise UserError(f"the last stage's module must return the scalar loss, got shape {tuple(out.shape)}")
+            raise UserError(
+                f"the last stage's module must return the scalar loss, got shape {tuple(out.shape)}"
+            )
         if a.stage < self.num_stages - 1 and (a.stage + 1) not in self.stages:
             run.sent_activations += 1
         self._fwd[key] = (out, inp)
@@ -212,8 +241,10 @@ class RankEmulator:
         if (a.stage + 1) in self.stages:
             grad = self._local_grads.pop((a.stage, a.microbatch), None)
             if grad is None:
-                raise UserError(f"schedule action {a}: runs before the input-gradient pass of stage "
-                                f"{a.stage + 1} on the same rank")
+                raise UserError(
+                    f"schedule action {a}: runs before the input-gradient pass of stage "
+                    f"{a.stage + 1} on the same rank"
+                )
             return grad
         grad = torch.randn(out.shape, dtype=out.dtype, device=out.device)
         run.received_grads.append((a.stage, a.microbatch, tuple(out.shape), str(out.dtype)))
@@ -223,8 +254,10 @@ class RankEmulator:
         try:
             return self._fwd.pop((a.stage, a.microbatch))
         except KeyError:
-            raise UserError(f"schedule action {a}: backward without a pending forward of stage "
-                            f"{a.stage} microbatch {a.microbatch}") from None
+            raise UserError(
+                f"schedule action {a}: backward without a pending forward of stage "
+                f"{a.stage} microbatch {a.microbatch}"
+            ) from None
 
     def _send_input_grad(self, a: Action, grad: Any, run: RankRun) -> None:
         if a.stage == 0 or grad is None:
@@ -232,7 +265,7 @@ class RankEmulator:
         if (a.stage - 1) in self.stages:
             self._local_grads[(a.stage - 1, a.microbatch)] = grad
         else:
-            run.sent_grads += 1   # dropped: the previous rank is not emulated here
+            run.sent_grads += 1  # dropped: the previous rank is not emulated here
 
     def _backward(self, a: Action, run: RankRun) -> None:
         import torch
@@ -253,8 +286,9 @@ class RankEmulator:
             return
         from torch.distributed.pipelining._backward import stage_backward_input
 
-        dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [inp],
-                                               self.stages[a.stage].parameters())
+        dinputs, groups = stage_backward_input(
+            [out], None if grad is None else [grad], [inp], self.stages[a.stage].parameters()
+        )
         self._pending_w[(a.stage, a.microbatch)] = ("split", out, grad, inp, groups)
         self._send_input_grad(a, dinputs[0], run)
 
@@ -277,6 +311,7 @@ def stages_of_rank(rank: int, pp: int, vpp: int, style: str = "loop") -> list[in
     """Global stage indices held by `rank`: "loop" (interleaved: rank, rank + pp, ...) or
     "v" (ZB-V / DualPipeV: rank and 2 * pp - 1 - rank)."""
     from ..schedules.actions import loop_stage_map, v_stage_map
+
     if not 0 <= rank < pp:
         raise UserError(f"rank {rank} is outside 0..{pp - 1}")
     if style == "v" and vpp != 2:
@@ -287,8 +322,10 @@ def stages_of_rank(rank: int, pp: int, vpp: int, style: str = "loop") -> list[in
 
 # Stage modules of an HF causal LM ------------------------------------------------------------
 
-def hf_stage_modules(config: Any, stage_layers: Mapping[int, range], num_stages: int, labels: Any,
-                     device: Any, dtype: Any) -> dict[int, Any]:
+
+def hf_stage_modules(
+    config: Any, stage_layers: Mapping[int, range], num_stages: int, labels: Any, device: Any, dtype: Any
+) -> dict[int, Any]:
     """Build only the given stages of an HF causal LM (`config`: a transformers config) on
     `device`, weights drawn at random (no checkpoint). Each stage runs what the HF model's
     forward runs for its layers: embedding on stage 0; position ids, the causal mask and
@@ -347,18 +384,23 @@ def _stage_class():
 
             h = self.embed(x) if self.embed is not None else x
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            make_mask = (masking_utils.create_causal_mask if getattr(self.config, "sliding_window", None) is None
-                         else masking_utils.create_sliding_window_causal_mask)
-            mask = make_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                             position_ids=pos)
+            make_mask = (
+                masking_utils.create_causal_mask
+                if getattr(self.config, "sliding_window", None) is None
+                else masking_utils.create_sliding_window_causal_mask
+            )
+            mask = make_mask(
+                config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+            )
             pe = self.rotary(h, position_ids=pos)
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos, use_cache=False)
             if self.norm is None:
                 return h
             logits = self.lm_head(self.norm(h))
-            return self.loss_function(logits=logits, labels=self.labels.to(logits.device),
-                                      vocab_size=self.config.vocab_size)
+            return self.loss_function(
+                logits=logits, labels=self.labels.to(logits.device), vocab_size=self.config.vocab_size
+            )
 
     return HFStage
 
@@ -368,6 +410,7 @@ def _HFStage(*args, **kwargs):
 
 
 # Recompute ----------------------------------------------------------------------------------
+
 
 def core_attention_recompute_impl(base: str) -> str:
     """Register (once) an HF attention implementation that runs `base` ("sdpa" or "eager")

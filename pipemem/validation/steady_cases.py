@@ -7,8 +7,15 @@ fp32 and bf16; its output is in docs/ACCURACY.md).
 
 from __future__ import annotations
 
-BASE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
-            intermediate_size=688, vocab_size=4000, max_position_embeddings=1024)
+BASE = dict(
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    intermediate_size=688,
+    vocab_size=4000,
+    max_position_embeddings=1024,
+)
 
 FAMILIES = {
     "llama": dict(BASE, model_type="llama"),
@@ -19,15 +26,34 @@ FAMILIES = {
     "olmo": dict(BASE, model_type="olmo"),
     "olmo2": dict(BASE, model_type="olmo2"),
     "gpt2": dict(model_type="gpt2", n_embd=256, n_layer=4, n_head=8, vocab_size=4000, n_positions=1024),
-    "gpt_neox": dict(model_type="gpt_neox", hidden_size=256, num_attention_heads=8, num_hidden_layers=4,
-                     intermediate_size=1024, vocab_size=4000, max_position_embeddings=1024),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        hidden_size=256,
+        num_attention_heads=8,
+        num_hidden_layers=4,
+        intermediate_size=1024,
+        vocab_size=4000,
+        max_position_embeddings=1024,
+    ),
     # HF experts (grouped_mm) trace only with bf16 weights: pure bf16
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                      head_dim=32),
+    "qwen3_moe": dict(
+        BASE,
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        head_dim=32,
+    ),
     # a gated shared expert, top-k weights neither renormalised nor kept in fp32 (HF defaults)
-    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                      shared_expert_intermediate_size=512),
+    "qwen2_moe": dict(
+        BASE,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=512,
+    ),
 }
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
@@ -50,6 +76,13 @@ def compare(family: str, dtype: str, **extra) -> dict:
     traced = estimate(FAMILIES[family], mode="traced", **kw)
     templ = estimate(FAMILIES[family], mode="templates", **kw)
     t, m = traced.max_peak_allocated_bytes, templ.max_peak_allocated_bytes
-    return {"name": f"{family}-{kw['dtype']}{'' if kw.get('master_weights', True) else '-pure'}", "traced": t,
-            "templates": m, "rel_error": rel_error(m, t), "traced_peak_at": traced.ranks[0].peak_at,
-            "templates_peak_at": templ.ranks[0].peak_at, "step": templ.plan.step, "grads": templ.plan.grads}
+    return {
+        "name": f"{family}-{kw['dtype']}{'' if kw.get('master_weights', True) else '-pure'}",
+        "traced": t,
+        "templates": m,
+        "rel_error": rel_error(m, t),
+        "traced_peak_at": traced.ranks[0].peak_at,
+        "templates_peak_at": templ.ranks[0].peak_at,
+        "step": templ.plan.step,
+        "grads": templ.plan.grads,
+    }

@@ -40,13 +40,24 @@ examples:
 LLAMA = {"family": "llama3", "config": "llama3_debugmodel", "flavor": "debugmodel"}
 QWEN3_MOE = {"family": "qwen3", "config": "qwen3_moe_debug", "flavor": "debugmodel_moe"}
 SEQ = 256
-TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 TOLERANCE = 0.01
 
 
-def _case(name: str, world: int, parallelism: dict, ac: str = "none", model=LLAMA, ranks=(0,), **extra) -> dict:
-    return {"name": name, "world": world, "model": model, "parallelism": parallelism, "ac": ac,
-            "seq_len": SEQ, "local_batch_size": 2, "ranks": list(ranks), **extra}
+def _case(
+    name: str, world: int, parallelism: dict, ac: str = "none", model=LLAMA, ranks=(0,), **extra
+) -> dict:
+    return {
+        "name": name,
+        "world": world,
+        "model": model,
+        "parallelism": parallelism,
+        "ac": ac,
+        "seq_len": SEQ,
+        "local_batch_size": 2,
+        "ranks": list(ranks),
+        **extra,
+    }
 
 
 def all_cases() -> list[dict]:
@@ -68,19 +79,28 @@ CI_CASES = ("fsdp2", "fsdp2-tp2")
 
 # ---- measured: torchtitan's step, one subprocess per rank ----------------------------------------
 
+
 def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
     """{rank: trace result} for the case's traced ranks (`torchtitan_trace.main` per rank)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    )
     out: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pipemem-torchtitan-") as tmp:
         for rank in case["ranks"]:
             job, res = os.path.join(tmp, f"job{rank}.json"), os.path.join(tmp, f"out{rank}.json")
             with open(job, "w") as f:
                 json.dump({"rank": rank, "case": case}, f)
-            proc = subprocess.run([sys.executable, "-m", "pipemem.validation.torchtitan_trace", job, res],
-                                  env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pipemem.validation.torchtitan_trace", job, res],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
             if proc.returncode != 0:
                 tail = "\n".join(line for line in proc.stderr.splitlines() if "Warning" not in line)[-2500:]
                 raise RuntimeError(f"torchtitan trace of {case['name']} rank {rank} failed:\n{tail}")
@@ -91,32 +111,60 @@ def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
 
 # ---- estimated: the same job through pipemem.estimate ---------------------------------------------
 
+
 def estimate_kwargs(case: dict, arch: dict) -> tuple[dict, dict]:
     """(model config, estimate() keywords) of a case, from the model shapes the trace read off
     torchtitan's own model (`arch`) and the case's job settings."""
     par = case["parallelism"]
     dp = par.get("dp_shard", 1) * par.get("dp_replicate", 1)
-    model = {"model_type": "llama", "hidden_size": arch["dim"], "num_hidden_layers": arch["layers"],
-             "num_attention_heads": arch["n_heads"], "num_key_value_heads": arch["n_kv_heads"],
-             "head_dim": arch["head_dim"], "intermediate_size": arch["ffn"], "vocab_size": arch["vocab"],
-             "tie_word_embeddings": arch["tied"], "max_position_embeddings": case["seq_len"]}
+    model = {
+        "model_type": "llama",
+        "hidden_size": arch["dim"],
+        "num_hidden_layers": arch["layers"],
+        "num_attention_heads": arch["n_heads"],
+        "num_key_value_heads": arch["n_kv_heads"],
+        "head_dim": arch["head_dim"],
+        "intermediate_size": arch["ffn"],
+        "vocab_size": arch["vocab"],
+        "tie_word_embeddings": arch["tied"],
+        "max_position_embeddings": case["seq_len"],
+    }
     if arch.get("experts"):
-        model.update(model_type="qwen3_moe", num_experts=arch["experts"], num_experts_per_tok=arch["top_k"],
-                     moe_intermediate_size=arch["expert_ffn"], shared_expert_intermediate_size=0)
+        model.update(
+            model_type="qwen3_moe",
+            num_experts=arch["experts"],
+            num_experts_per_tok=arch["top_k"],
+            moe_intermediate_size=arch["expert_ffn"],
+            shared_expert_intermediate_size=0,
+        )
         if arch.get("qk_norm"):
             model["model_type"] = "qwen3_moe"
     elif arch.get("qk_norm"):
         model["model_type"] = "qwen3"
-    kw = dict(convention="torchtitan", dtype="bf16", master_weights=True, fsdp=True, dp=dp,
-              tp=par.get("tp", 1), cp=par.get("cp", 1), pp=par.get("pp", 1), ep=par.get("ep", 1),
-              seq_len=case["seq_len"], grads="set-to-none" if case.get("disable_cuda_graphs") else "buffer")
+    kw = dict(
+        convention="torchtitan",
+        dtype="bf16",
+        master_weights=True,
+        fsdp=True,
+        dp=dp,
+        tp=par.get("tp", 1),
+        cp=par.get("cp", 1),
+        pp=par.get("pp", 1),
+        ep=par.get("ep", 1),
+        seq_len=case["seq_len"],
+        grads="set-to-none" if case.get("disable_cuda_graphs") else "buffer",
+    )
     if par.get("pp", 1) > 1:
         mbs = case.get("microbatch_size", 1)
-        kw.update(micro_batch=mbs, microbatches=case["local_batch_size"] // mbs, schedule=par.get("schedule", "1F1B"))
+        kw.update(
+            micro_batch=mbs,
+            microbatches=case["local_batch_size"] // mbs,
+            schedule=par.get("schedule", "1F1B"),
+        )
     else:
         kw["micro_batch"] = case["local_batch_size"]
     ac = case.get("ac", "none")
-    if ac != "none":      # torchtitan 0.3: FullAC or SelectiveAC (op policy) on every block
+    if ac != "none":  # torchtitan 0.3: FullAC or SelectiveAC (op policy) on every block
         kw["recompute"] = ac
     if par.get("reshard_after_forward", "default") == "never":
         kw["extra"] = {"fsdp_reshard_after_forward": False}
@@ -134,10 +182,22 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     for rank, tr in sorted(traces.items()):
         stage_rank = rank // (case["world"] // pp) if pp > 1 else 0
         r = est.ranks[stage_rank]
-        rows.append(CaseRow(f"{case['name']}/rank{rank}", tr["peak_bytes"], r.peak_allocated_bytes,
-                            {"case": case["name"], "rank": rank, "pp_rank": stage_rank,
-                             "measured_static_bytes": tr["static_bytes"], "estimated_static_bytes": r.static.total,
-                             "measured_peak_at": tr["peak_at"], "estimated_peak_at": r.peak_at}))
+        rows.append(
+            CaseRow(
+                f"{case['name']}/rank{rank}",
+                tr["peak_bytes"],
+                r.peak_allocated_bytes,
+                {
+                    "case": case["name"],
+                    "rank": rank,
+                    "pp_rank": stage_rank,
+                    "measured_static_bytes": tr["static_bytes"],
+                    "estimated_static_bytes": r.static.total,
+                    "measured_peak_at": tr["peak_at"],
+                    "estimated_peak_at": r.peak_at,
+                },
+            )
+        )
     return rows
 
 
@@ -147,22 +207,43 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def register(sub) -> None:
-    p = sub.add_parser("torchtitan", help="torchtitan's own training step (fake tensors) per rank vs the estimate",
-                       description="Trace torchtitan 0.3's own training step (its parallelize / pipelining "
-                                   "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
-                                   "with the fake process group, second step, and compare each rank's peak "
-                                   "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
-                                   "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
-                                   f"than {TOLERANCE:.0%}.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_case_options(p, "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)", 600.0,
-                     "seconds per traced rank")
+    p = sub.add_parser(
+        "torchtitan",
+        help="torchtitan's own training step (fake tensors) per rank vs the estimate",
+        description="Trace torchtitan 0.3's own training step (its parallelize / pipelining "
+        "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
+        "with the fake process group, second step, and compare each rank's peak "
+        "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
+        "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+        f"than {TOLERANCE:.0%}.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_case_options(
+        p,
+        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)",
+        600.0,
+        "seconds per traced rank",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from .torchtitan_trace import available
-    return run_named_cases(args, "torchtitan", all_cases, CI_CASES, available, run_cases, TOLERANCE,
-                           {"torchtitan": "0.3.0", "kernel_policy": "cuda"}, measured_label="traced", name_width=32,
-                           rows_are="ranks", truth=TRUTH)
+
+    return run_named_cases(
+        args,
+        "torchtitan",
+        all_cases,
+        CI_CASES,
+        available,
+        run_cases,
+        TOLERANCE,
+        {"torchtitan": "0.3.0", "kernel_policy": "cuda"},
+        measured_label="traced",
+        name_width=32,
+        rows_are="ranks",
+        truth=TRUTH,
+    )

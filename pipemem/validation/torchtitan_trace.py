@@ -40,7 +40,7 @@ def available() -> str | None:
     try:
         with import_stubs():
             importlib.import_module("torchtitan.trainer")
-    except Exception as e:   # noqa: BLE001 - any import failure means "not usable here"
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
         return f"torchtitan is not importable ({type(e).__name__}: {e}); pip install 'pipemem[torchtitan]'"
     return None
 
@@ -54,6 +54,7 @@ def _patch_fake_item() -> None:
         if is_float_dtype(arg.dtype):
             return 1.0
         return False if arg.dtype == torch.bool else 1
+
     for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
         fake_impls.op_implementations_dict[op] = constant
 
@@ -69,19 +70,38 @@ def _flex_as_flash():
     from torchtitan.models.common.attention import FlexAttention
 
     # the argument names are FlexAttention.forward's: TP's local_map reads them
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, score_mod=None, scale=None,
-                enable_gqa=False, out_transform=None, **kwargs):
+    def forward(
+        self,
+        q_BLNH,
+        k_BLNH,
+        v_BLNH,
+        *,
+        attention_masks=None,
+        score_mod=None,
+        scale=None,
+        enable_gqa=False,
+        out_transform=None,
+        **kwargs,
+    ):
         if out_transform is not None:
-            raise NotImplementedError("flex attention with an output transform (attention sinks) is not traced")
-        out = F.scaled_dot_product_attention(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2),
-                                             v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
-                                             enable_gqa=enable_gqa)
+            raise NotImplementedError(
+                "flex attention with an output transform (attention sinks) is not traced"
+            )
+        out = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return out.transpose(1, 2)
 
     def no_masks(self, *args, **kwargs):
         return None
 
     from torchtitan.models.common.decoder import Decoder
+
     saved = (FlexAttention.forward, Decoder.get_attention_masks)
     FlexAttention.forward, Decoder.get_attention_masks = forward, no_masks
     try:
@@ -137,14 +157,26 @@ def _microbatch_step(schedule) -> None:
     `_step_microbatches`. Route the pre-split call there."""
     whole_batch_step = schedule.step
 
-    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
-             loss_kwargs=None, **kwargs):
+    def step(
+        *args,
+        arg_mbs=None,
+        kwarg_mbs=None,
+        target_mbs=None,
+        losses=None,
+        return_outputs=True,
+        loss_kwargs=None,
+        **kwargs,
+    ):
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return whole_batch_step(*args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
-                                    **kwargs)
+            return whole_batch_step(
+                *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
+            )
         schedule._stage.has_backward = schedule._has_backward
         schedule._stage.clear_runtime_states()
-        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        schedule._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+
     schedule.step = step
 
 
@@ -197,18 +229,36 @@ def trace_rank(case: dict, rank: int) -> dict:
         tr.ntokens_seen = 0
         tr.step = 1
         if pd.pp_enabled:
-            tr.num_pipeline_parallel_microbatches = (cfg.training.local_batch_size
-                                                     // cfg.parallelism.pipeline_parallel_microbatch_size)
+            tr.num_pipeline_parallel_microbatches = (
+                cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
+            )
             tr.pp_schedule, tr.model_parts, tr.pp_has_first_stage, tr.pp_has_last_stage = spec.pipelining_fn(
-                model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
-                compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/tmp",
-                device=tr.device, model_config=mc, parallelize_fn=spec.parallelize_fn, loss_fn=tr.loss_fn)
+                model,
+                parallel_dims=pd,
+                training=cfg.training,
+                parallelism=cfg.parallelism,
+                compile_config=cfg.compile,
+                ac_config=cfg.activation_checkpoint,
+                dump_folder="/tmp",
+                device=tr.device,
+                model_config=mc,
+                parallelize_fn=spec.parallelize_fn,
+                loss_fn=tr.loss_fn,
+            )
             _microbatch_step(tr.pp_schedule)
         else:
             tr.num_pipeline_parallel_microbatches = 1
-            tr.model_parts = [spec.parallelize_fn(
-                model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
-                compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/tmp")]
+            tr.model_parts = [
+                spec.parallelize_fn(
+                    model,
+                    parallel_dims=pd,
+                    training=cfg.training,
+                    parallelism=cfg.parallelism,
+                    compile_config=cfg.compile,
+                    ac_config=cfg.activation_checkpoint,
+                    dump_folder="/tmp",
+                )
+            ]
         del model
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in tr.model_parts:
@@ -222,7 +272,9 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.optimizers = cfg.optimizer.build(model_parts=tr.model_parts)
             if spec.post_optimizer_build_fn is not None:
                 spec.post_optimizer_build_fn(tr.optimizers, tr.model_parts, pd)
-            tr.lr_schedulers = cfg.lr_scheduler.build(optimizers=tr.optimizers, training_steps=cfg.training.steps)
+            tr.lr_schedulers = cfg.lr_scheduler.build(
+                optimizers=tr.optimizers, training_steps=cfg.training.steps
+            )
             tr.metrics_processor = tr.checkpointer = _NoLog()
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
@@ -241,7 +293,7 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
     def batches():
         while True:
             inputs = {"input": torch.empty((mb, seq), dtype=torch.long)}
-            if tr.parallel_dims.cp_enabled:    # context parallel shards the positions with the tokens
+            if tr.parallel_dims.cp_enabled:  # context parallel shards the positions with the tokens
                 inputs["positions"] = torch.empty((mb, seq), dtype=torch.long)
             yield inputs, torch.empty((mb, seq), dtype=torch.long)
 
@@ -258,6 +310,7 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
         out = loss_fn(*args, **kwargs)
         rec.begin("backward")
         return out
+
     step_fn = tr.optimizers.step
 
     def optimizer_step(*args, **kwargs):
@@ -265,22 +318,30 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
         return step_fn(*args, **kwargs)
 
     def label_states():
-        grads = [local_tensor(p.grad) for p in (p for m in tr.model_parts for p in m.parameters())
-                 if p.grad is not None]
+        grads = [
+            local_tensor(p.grad)
+            for p in (p for m in tr.model_parts for p in m.parameters())
+            if p.grad is not None
+        ]
         rec.set_kind(grads, TensorKind.GRAD)
-        states = [local_tensor(v) for o in tr.optimizers.optimizers for st in o.state.values()
-                  for v in st.values() if isinstance(v, torch.Tensor)]
+        states = [
+            local_tensor(v)
+            for o in tr.optimizers.optimizers
+            for st in o.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ]
         rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
 
     tr.loss_fn, tr.optimizers.step = loss_then_backward, optimizer_step
     data = batches()
     del vocab
     with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
-        tr.train_step(data)              # step 1: optimizer states made, grads left as zero_grad leaves them
+        tr.train_step(data)  # step 1: optimizer states made, grads left as zero_grad leaves them
         label_states()
         rec.restart()
         rec.begin("forward")
-        tr.train_step(data)              # step 2, recorded
+        tr.train_step(data)  # step 2, recorded
     programs = rec.programs()
     entry = rec.entry_storages()
     static = sum(rec.storages[n].nbytes for n in entry)
@@ -295,9 +356,16 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
         if cur + r.peak_bytes > peak:
             peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
         cur += r.net_bytes
-    return {"peak_bytes": static + peak, "static_bytes": static, "static_by_kind": kinds, "peak_at": at,
-            "phases": [{"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes,
-                        "peak_op": r.peak_op_label} for r in results]}
+    return {
+        "peak_bytes": static + peak,
+        "static_bytes": static,
+        "static_by_kind": kinds,
+        "peak_at": at,
+        "phases": [
+            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
+            for r in results
+        ],
+    }
 
 
 def main(argv=None) -> int:

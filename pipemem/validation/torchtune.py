@@ -31,7 +31,7 @@ examples:
 
 MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "ffn": 768}
 SEQ = 256
-TRUTH = "traced"    # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 TOLERANCE = 0.02
 # torchtune's Llama 3 configs shard these apart from the root (`custom_sharded_layers`)
 CUSTOM = ["tok_embeddings", "output"]
@@ -62,17 +62,30 @@ CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
 
 def hf_config(case: dict) -> dict:
     m = case["model"]
-    return {"model_type": "llama", "hidden_size": m["hidden"], "intermediate_size": m["ffn"],
-            "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
-            "num_hidden_layers": m["layers"], "vocab_size": m["vocab"],
-            "tie_word_embeddings": bool(m.get("tied", False)), "max_position_embeddings": case["seq_len"],
-            "rope_theta": 500000}
+    return {
+        "model_type": "llama",
+        "hidden_size": m["hidden"],
+        "intermediate_size": m["ffn"],
+        "num_attention_heads": m["heads"],
+        "num_key_value_heads": m["kv_heads"],
+        "num_hidden_layers": m["layers"],
+        "vocab_size": m["vocab"],
+        "tie_word_embeddings": bool(m.get("tied", False)),
+        "max_position_embeddings": case["seq_len"],
+        "rope_theta": 500000,
+    }
 
 
 def plan_kwargs(case: dict) -> dict:
     """What `--from-torchtune` makes of the case's configuration keys."""
-    kw = dict(convention="torchtune", dtype="bf16", fsdp=True, dp=case["world"], seq_len=case["seq_len"],
-              micro_batch=case["micro_batch"])
+    kw = dict(
+        convention="torchtune",
+        dtype="bf16",
+        fsdp=True,
+        dp=case["world"],
+        seq_len=case["seq_len"],
+        micro_batch=case["micro_batch"],
+    )
     extra = {}
     if case.get("custom_sharded_layers"):
         extra["custom_sharded_layers"] = sorted(case["custom_sharded_layers"])
@@ -92,8 +105,12 @@ def trace_case(case: dict, timeout: float) -> dict:
         src, out = os.path.join(d, "case.json"), os.path.join(d, "out.json")
         with open(src, "w") as f:
             json.dump(case, f)
-        proc = subprocess.run([sys.executable, "-m", "pipemem.validation.torchtune_trace", src, out],
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipemem.validation.torchtune_trace", src, out],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
             raise RuntimeError(f"tracing torchtune for case {case['name']} failed:\n{tail}")
@@ -103,12 +120,21 @@ def trace_case(case: dict, timeout: float) -> dict:
 
 def compare_case(case: dict, trace: dict) -> CaseRow:
     from ..estimate import estimate
+
     est = estimate(hf_config(case), model_name="torchtune-llama3_2-small", **plan_kwargs(case))
     r = est.ranks[0]
-    return CaseRow(f"{case['name']}/rank0", trace["peak_bytes"], r.peak_allocated_bytes,
-                   {"case": case["name"], "measured_static_bytes": trace["static_bytes"],
-                    "estimated_static_bytes": r.static.total, "measured_peak_at": trace["peak_at"],
-                    "estimated_peak_at": r.peak_at})
+    return CaseRow(
+        f"{case['name']}/rank0",
+        trace["peak_bytes"],
+        r.peak_allocated_bytes,
+        {
+            "case": case["name"],
+            "measured_static_bytes": trace["static_bytes"],
+            "estimated_static_bytes": r.static.total,
+            "measured_peak_at": trace["peak_at"],
+            "estimated_peak_at": r.peak_at,
+        },
+    )
 
 
 def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
@@ -119,30 +145,52 @@ def available() -> str | None:
     """None when torchtune's model and training code import here, else why not (one line)."""
     try:
         from .torchtune_trace import torchtune_training
+
         with torchtune_training():
             import torchtune.training._distributed  # noqa: F401
-    except Exception as e:   # noqa: BLE001 - any import failure means "not usable here"
-        return f"torchtune is not importable ({type(e).__name__}: {e}); pip install --no-deps torchtune==0.6.1"
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        return (
+            f"torchtune is not importable ({type(e).__name__}: {e}); pip install --no-deps torchtune==0.6.1"
+        )
     return None
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def register(sub) -> None:
-    p = sub.add_parser("torchtune", help="torchtune's distributed full fine-tune step (fake tensors) vs the "
-                                         "estimate",
-                       description="Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
-                                   "full_finetune_distributed step for rank 0 on fake tensors with the fake "
-                                   "process group, second step, and compare its peak with pipemem's "
-                                   "torchtune-convention estimate. Needs torchtune==0.6.1 "
-                                   "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
-                                   f"{TOLERANCE:.0%}.",
-                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_case_options(p, "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
-                        "dp 4, activation checkpointing)", 600.0, "seconds per case")
+    p = sub.add_parser(
+        "torchtune",
+        help="torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
+        description="Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+        "full_finetune_distributed step for rank 0 on fake tensors with the fake "
+        "process group, second step, and compare its peak with pipemem's "
+        "torchtune-convention estimate. Needs torchtune==0.6.1 "
+        "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
+        f"{TOLERANCE:.0%}.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_case_options(
+        p,
+        "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
+        "dp 4, activation checkpointing)",
+        600.0,
+        "seconds per case",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    return run_named_cases(args, "torchtune", all_cases, CI_CASES, available, run_cases, TOLERANCE,
-                           {"torchtune": "0.6.1", "kernel_policy": "cuda"}, "traced", truth=TRUTH)
+    return run_named_cases(
+        args,
+        "torchtune",
+        all_cases,
+        CI_CASES,
+        available,
+        run_cases,
+        TOLERANCE,
+        {"torchtune": "0.6.1", "kernel_policy": "cuda"},
+        "traced",
+        truth=TRUTH,
+    )

@@ -39,6 +39,7 @@ def torchtune_training():
     """torchtune's model code and `torchtune.training._distributed`, imported without the
     package `__init__`s."""
     from .features import torchtune_packages
+
     with torchtune_packages():
         name = "torchtune.training"
         pkg = types.ModuleType(name)
@@ -51,11 +52,21 @@ def torchtune_training():
 
 def _build(case: dict):
     from torchtune.models.llama3_2._component_builders import llama3_2
+
     m = case["model"]
-    return llama3_2(vocab_size=m["vocab"], num_layers=m["layers"], num_heads=m["heads"],
-                    num_kv_heads=m["kv_heads"], embed_dim=m["hidden"], max_seq_len=case["seq_len"],
-                    intermediate_dim=m["ffn"], attn_dropout=0.0, norm_eps=1e-5,
-                    tie_word_embeddings=m.get("tied", False), rope_base=500000)
+    return llama3_2(
+        vocab_size=m["vocab"],
+        num_layers=m["layers"],
+        num_heads=m["heads"],
+        num_kv_heads=m["kv_heads"],
+        embed_dim=m["hidden"],
+        max_seq_len=case["seq_len"],
+        intermediate_dim=m["ffn"],
+        attn_dropout=0.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=m.get("tied", False),
+        rope_base=500000,
+    )
 
 
 def trace_rank(case: dict, rank: int = 0) -> dict:
@@ -74,8 +85,8 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
         from functools import partial
 
         import torchtune.training._distributed as tt_dist
-        from torchtune.training._grad_scaler import scale_grads
         from torchtune.modules.loss import CEWithChunkedOutputLoss
+        from torchtune.training._grad_scaler import scale_grads
 
         with torch.device("meta"), _default_dtype(torch.bfloat16):
             model = _build(case)
@@ -83,11 +94,16 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
             # the recipe's enable_activation_checkpointing (ac_mode unset): every decoder layer
             from torchtune.modules import TransformerSelfAttentionLayer
             from torchtune.training.memory import set_activation_checkpointing
+
             set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         custom = case.get("custom_sharded_layers") or None
-        if world > 1:    # the recipe shards only with a data-parallel dimension above 1
-            tt_dist.shard_model(model, [partial(tt_dist.get_shard_conditions, names_to_match=custom)],
-                                cpu_offload=False, reshard_after_forward=case.get("reshard_after_forward", True))
+        if world > 1:  # the recipe shards only with a data-parallel dimension above 1
+            tt_dist.shard_model(
+                model,
+                [partial(tt_dist.get_shard_conditions, names_to_match=custom)],
+                cpu_offload=False,
+                reshard_after_forward=case.get("reshard_after_forward", True),
+            )
         chunks = case.get("loss_chunks", 1)
         if chunks > 1:
             model.set_num_output_chunks(chunks)
@@ -103,8 +119,19 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
                 mod.is_cache_built = True
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
-            out = _record(model, opt, loss_fn, case, DistStorageRecorder, ModuleScope, TensorKind,
-                          analyze_sequence, policies, local_tensor, scale_grads)
+            out = _record(
+                model,
+                opt,
+                loss_fn,
+                case,
+                DistStorageRecorder,
+                ModuleScope,
+                TensorKind,
+                analyze_sequence,
+                policies,
+                local_tensor,
+                scale_grads,
+            )
     return out
 
 
@@ -133,8 +160,19 @@ def _default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def _record(model, opt, loss_fn, case, Recorder, Scope, TensorKind, analyze_sequence, policies, local_tensor,
-            scale_grads) -> dict:
+def _record(
+    model,
+    opt,
+    loss_fn,
+    case,
+    Recorder,
+    Scope,
+    TensorKind,
+    analyze_sequence,
+    policies,
+    local_tensor,
+    scale_grads,
+) -> dict:
     b, s = case["micro_batch"], case["seq_len"]
     ignore = torch.full((b, 1), -100, dtype=torch.long)
     scope = Scope(model)
@@ -163,10 +201,10 @@ def _record(model, opt, loss_fn, case, Recorder, Scope, TensorKind, analyze_sequ
         opt.zero_grad(set_to_none=True)
 
     with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
-        step()                       # step 1: the optimizer states are made
+        step()  # step 1: the optimizer states are made
         rec.restart()
         rec.begin("forward")
-        step()                       # step 2, recorded
+        step()  # step 2, recorded
     programs = rec.programs()
     entry = rec.entry_storages()
     static = sum(rec.storages[n].nbytes for n in entry)
@@ -177,9 +215,15 @@ def _record(model, opt, loss_fn, case, Recorder, Scope, TensorKind, analyze_sequ
         if cur + r.peak_bytes > peak:
             peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
         cur += r.net_bytes
-    return {"peak_bytes": static + peak, "static_bytes": static, "peak_at": at,
-            "phases": [{"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes,
-                        "peak_op": r.peak_op_label} for r in results]}
+    return {
+        "peak_bytes": static + peak,
+        "static_bytes": static,
+        "peak_at": at,
+        "phases": [
+            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
+            for r in results
+        ],
+    }
 
 
 def main(argv=None) -> int:

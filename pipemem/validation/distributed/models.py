@@ -10,16 +10,32 @@ import os
 
 import torch
 
-from ...traced.stack import (DecoderStack, build_ddp_module, build_fsdp_model, build_stack, build_tp_model,  # noqa: F401
-                             causal_lm_loss as loss_fn, local_tensor, make_mesh, tp_plan)
+from ...traced.stack import (  # noqa: F401
+    DecoderStack,
+    build_ddp_module,
+    build_fsdp_model,
+    build_stack,
+    build_tp_model,
+    local_tensor,
+    make_mesh,
+    tp_plan,
+)
 
 
 def hf_config(spec: dict) -> dict:
     """The case's model as a Hugging Face config.json dict (what pipemem.estimate takes)."""
-    cfg = {"model_type": spec.get("arch", "llama"), "hidden_size": spec["hidden"],
-           "num_hidden_layers": spec["layers"], "num_attention_heads": spec["heads"],
-           "num_key_value_heads": spec["kv_heads"], "intermediate_size": spec["ffn"], "vocab_size": spec["vocab"],
-           "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_dropout": 0.0}
+    cfg = {
+        "model_type": spec.get("arch", "llama"),
+        "hidden_size": spec["hidden"],
+        "num_hidden_layers": spec["layers"],
+        "num_attention_heads": spec["heads"],
+        "num_key_value_heads": spec["kv_heads"],
+        "intermediate_size": spec["ffn"],
+        "vocab_size": spec["vocab"],
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+    }
     if cfg["model_type"] == "mixtral":
         cfg.update(num_local_experts=spec.get("experts", 4), num_experts_per_tok=spec.get("topk", 2))
     return cfg
@@ -29,6 +45,7 @@ def model_config(spec: dict):
     """The HF config object of the case (as traced mode builds it: sdpa attention, grouped_mm experts)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ...traced.hf import make_config
+
     return make_config(hf_config(spec), "sdpa")
 
 
@@ -54,6 +71,7 @@ def make_optimizer(params):
     """AdamW as traced mode builds it for the `cpu` kernel policy (PyTorch's defaults)."""
     from ...traced.hf import optimizer_factory
     from ...traced.kernel_policy import configure_optimizer
+
     opt = optimizer_factory("adamw")(params)
     configure_optimizer("cpu", opt)
     return opt

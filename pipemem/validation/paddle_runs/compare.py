@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ...liveness import analyze_sequence
-from ..compare import rel_error
 from ...paddle.capture import resolve_shapes, to_ir
 from ...paddle.split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
+from ..compare import rel_error
 
 # Paddle's estimator asserts that a job typed "backward" keeps nothing for later jobs:
 # true in its pipeline passes, where gradient merge makes the grads persistable, false
@@ -37,8 +37,6 @@ class Row:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
 
 
 class _SerialDistOp:
@@ -66,8 +64,10 @@ def paddle_estimates(sub_programs: dict) -> dict[str, tuple[int, int]]:
     keyed = {PADDLE_TYPE_KEYS[t]: p for t, p in sub_programs.items()}
     est.set_program_skip_gc_vars(keyed, list(keyed))
     ctx = SerialDistContext()
-    return {t: tuple(int(v) for v in est.estimate_memory(p, PADDLE_TYPE_KEYS[t], ctx))
-            for t, p in sub_programs.items()}
+    return {
+        t: tuple(int(v) for v in est.estimate_memory(p, PADDLE_TYPE_KEYS[t], ctx))
+        for t, p in sub_programs.items()
+    }
 
 
 def pipemem_estimates(sub_programs: dict, name_prefix: str = "") -> dict:
@@ -105,10 +105,17 @@ def compare_case(case, measure: bool = True) -> list[Row]:
         for quantity, est, pest in (("net", r.net_bytes, theirs[t][0]), ("peak", r.peak_bytes, theirs[t][1])):
             m = measured.get(t)
             meas = (m.net_bytes if quantity == "net" else m.peak_bytes) if m else 0
-            rows.append(Row(name=f"{case.name}/{t}/{quantity}", measured_bytes=meas, estimated_bytes=est,
-                            rel_error=rel_error(est, meas) if m else None,
-                            paddle_estimated_bytes=pest, paddle_rel_error=rel_error(pest, meas) if m else None,
-                            peak_op=r.peak_op_label if quantity == "peak" else ""))
+            rows.append(
+                Row(
+                    name=f"{case.name}/{t}/{quantity}",
+                    measured_bytes=meas,
+                    estimated_bytes=est,
+                    rel_error=rel_error(est, meas) if m else None,
+                    paddle_estimated_bytes=pest,
+                    paddle_rel_error=rel_error(pest, meas) if m else None,
+                    peak_op=r.peak_op_label if quantity == "peak" else "",
+                )
+            )
     return rows
 
 
@@ -140,11 +147,22 @@ def compare_pir_case(case, trials: int = 5) -> list[Row]:
     m = measure_step(case.main, case.startup, case.feeds, trials=trials)
     allocated = measure_no_gc(case.main, case.startup, case.feeds)
     rows = []
-    for quantity, est, meas in (("peak", peak, m.peak_bytes), ("net", net, m.net_bytes),
-                                ("allocated-no-gc", allocated_total(captured), allocated)):
-        rows.append(Row(name=f"{case.name}/step/{quantity}", measured_bytes=meas, estimated_bytes=est,
-                        rel_error=rel_error(est, meas), paddle_estimated_bytes=None, paddle_rel_error=None,
-                        peak_op=label if quantity == "peak" else ""))
+    for quantity, est, meas in (
+        ("peak", peak, m.peak_bytes),
+        ("net", net, m.net_bytes),
+        ("allocated-no-gc", allocated_total(captured), allocated),
+    ):
+        rows.append(
+            Row(
+                name=f"{case.name}/step/{quantity}",
+                measured_bytes=meas,
+                estimated_bytes=est,
+                rel_error=rel_error(est, meas),
+                paddle_estimated_bytes=None,
+                paddle_rel_error=None,
+                peak_op=label if quantity == "peak" else "",
+            )
+        )
     return rows
 
 

@@ -83,9 +83,18 @@ def allocated_now() -> int:
 def insert_marker(block, index: int, mark_var, callable_id: int) -> None:
     """A py_func op calling `callable_id`; it reads the persistable marker var only so
     that it is a valid op (py_func needs an input or an output), which frees nothing."""
-    block._insert_op(index, type="py_func", inputs={"X": [mark_var]}, outputs={"Out": []},
-                     attrs={"forward_callable_id": callable_id, "backward_callable_id": -1,
-                            "backward_skip_vars": [], "op_role": 0})
+    block._insert_op(
+        index,
+        type="py_func",
+        inputs={"X": [mark_var]},
+        outputs={"Out": []},
+        attrs={
+            "forward_callable_id": callable_id,
+            "backward_callable_id": -1,
+            "backward_skip_vars": [],
+            "op_role": 0,
+        },
+    )
 
 
 def marker_factory(marks: list):
@@ -98,12 +107,15 @@ def marker_factory(marks: list):
         def record(*_):
             marks.append((name, allocated_now(), int(core.host_memory_stat_peak_value("Allocated", 0))))
             core.host_memory_stat_reset_peak_value("Allocated", 0)
+
         return PyFuncRegistry(record).id
+
     return marker
 
 
-def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 1, seed: int = 0,
-                 per_op: bool = False) -> list[Measured]:
+def measure_step(
+    startup_program, sub_programs: dict, feeds: dict, steps: int = 1, seed: int = 0, per_op: bool = False
+) -> list[Measured]:
     """Net change and peak of each sub-program (in dict order) over one training step.
 
     `feeds` maps data var names to numpy arrays. The startup program runs once; `steps`
@@ -169,6 +181,5 @@ def measure_step(startup_program, sub_programs: dict, feeds: dict, steps: int = 
             core.set_feed_variable(scope, t, "feed", i)
         marks.clear()
         core.StandaloneExecutor(place, plan, scope).run([], False)
-        result = [Measured(name, c1 - c0, p1 - c0)
-                  for (name, c0, _), (_, c1, p1) in zip(marks, marks[1:])]
+        result = [Measured(name, c1 - c0, p1 - c0) for (name, c0, _), (_, c1, p1) in zip(marks, marks[1:])]
     return result

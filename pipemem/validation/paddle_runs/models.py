@@ -19,7 +19,7 @@ class Case:
     batch: int
     seq: int | None
     feeds: dict = field(default_factory=dict)
-    split_bw: bool = False    # split the backward into backward_b / backward_w (zero bubble)
+    split_bw: bool = False  # split the backward into backward_b / backward_w (zero bubble)
 
 
 def _programs():
@@ -43,14 +43,16 @@ def mlp(batch: int = 32, width: int = 64, hidden: int = 256, classes: int = 10) 
         loss = paddle.nn.functional.cross_entropy(logits, y).mean()
         paddle.optimizer.Adam(1e-3).minimize(loss)
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((batch, width), dtype=np.float32),
-             "y": rng.integers(0, classes, (batch, 1)).astype("int64")}
+    feeds = {
+        "x": rng.standard_normal((batch, width), dtype=np.float32),
+        "y": rng.integers(0, classes, (batch, 1)).astype("int64"),
+    }
     return Case("mlp", main, startup, batch, None, feeds)
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    style: str = "gpt"        # gpt: LayerNorm, GELU, 4h MLP, dropout; llama: RMSNorm, SwiGLU
+    style: str = "gpt"  # gpt: LayerNorm, GELU, 4h MLP, dropout; llama: RMSNorm, SwiGLU
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -59,8 +61,9 @@ class DecoderConfig:
     dropout: float = 0.1
 
 
-def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32,
-            recompute: bool = False) -> Case:
+def decoder(
+    cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32, recompute: bool = False
+) -> Case:
     """A causal decoder (GPT or Llama style) with a language-model loss and AdamW.
 
     recompute: Paddle's static `RecomputeOptimizer` with each layer's output as a
@@ -95,8 +98,8 @@ class DecoderOps:
     """The few primitives the legacy and PIR builders spell differently (some paddle.*
     functions of 3.x only build PIR ops, so the legacy programs append those ops by hand)."""
 
-    matmul: Callable      # (a, b, transpose_y) -> a @ b(^T)
-    gelu: Callable        # exact (erf) GELU
+    matmul: Callable  # (a, b, transpose_y) -> a @ b(^T)
+    gelu: Callable  # exact (erf) GELU
     rsqrt: Callable
 
 
@@ -122,13 +125,17 @@ def _pir_rsqrt(x):
     return paddle.rsqrt(x)
 
 
-LEGACY_OPS = DecoderOps(matmul=_legacy_matmul, gelu=lambda x: _legacy_op("gelu", {"X": x}, {"approximate": False}),
-                        rsqrt=lambda x: _legacy_op("rsqrt", {"X": x}))
+LEGACY_OPS = DecoderOps(
+    matmul=_legacy_matmul,
+    gelu=lambda x: _legacy_op("gelu", {"X": x}, {"approximate": False}),
+    rsqrt=lambda x: _legacy_op("rsqrt", {"X": x}),
+)
 PIR_OPS = DecoderOps(matmul=_pir_matmul, gelu=_pir_gelu, rsqrt=_pir_rsqrt)
 
 
-def decoder_loss(cfg: DecoderConfig, tokens, labels, positions, mask, ops: DecoderOps,
-                 on_layer: Callable = lambda x: None):
+def decoder_loss(
+    cfg: DecoderConfig, tokens, labels, positions, mask, ops: DecoderOps, on_layer: Callable = lambda x: None
+):
     """Embedding, `cfg.layers` decoder layers (each output handed to `on_layer`), final norm,
     LM head and mean cross-entropy, op by op, inside the caller's program guard."""
     import paddle
@@ -147,9 +154,9 @@ def decoder_loss(cfg: DecoderConfig, tokens, labels, positions, mask, ops: Decod
         a = norm()(x)
         qkv = paddle.nn.Linear(h, 3 * h)(a)
         qkv = paddle.reshape(qkv, [0, 0, 3, nh, hd])
-        qkv = paddle.transpose(qkv, [2, 0, 3, 1, 4])       # 3, b, nh, s, hd
+        qkv = paddle.transpose(qkv, [2, 0, 3, 1, 4])  # 3, b, nh, s, hd
         q, k, v = paddle.unbind(qkv, axis=0)
-        scores = ops.matmul(q, k, True) * (hd ** -0.5) + mask
+        scores = ops.matmul(q, k, True) * (hd**-0.5) + mask
         probs = F.softmax(scores, axis=-1)
         if cfg.dropout:
             probs = F.dropout(probs, cfg.dropout)
@@ -163,8 +170,9 @@ def decoder_loss(cfg: DecoderConfig, tokens, labels, positions, mask, ops: Decod
         if cfg.style == "gpt":
             m = paddle.nn.Linear(cfg.ffn, h)(ops.gelu(paddle.nn.Linear(h, cfg.ffn)(m)))
         else:
-            m = paddle.nn.Linear(cfg.ffn, h)(F.silu(paddle.nn.Linear(h, cfg.ffn)(m))
-                                             * paddle.nn.Linear(h, cfg.ffn)(m))
+            m = paddle.nn.Linear(cfg.ffn, h)(
+                F.silu(paddle.nn.Linear(h, cfg.ffn)(m)) * paddle.nn.Linear(h, cfg.ffn)(m)
+            )
         if cfg.dropout:
             m = F.dropout(m, cfg.dropout)
         x = x + m
@@ -177,9 +185,11 @@ def decoder_feeds(cfg: DecoderConfig, batch: int, seq: int) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    feeds = {"tokens": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
-             "labels": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
-             "mask": np.triu(np.full((seq, seq), -1e4, np.float32), 1)[None, None]}
+    feeds = {
+        "tokens": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
+        "labels": rng.integers(0, cfg.vocab, (batch, seq)).astype("int64"),
+        "mask": np.triu(np.full((seq, seq), -1e4, np.float32), 1)[None, None],
+    }
     if cfg.style == "gpt":
         feeds["positions"] = np.tile(np.arange(seq, dtype=np.int64), (batch, 1))
     return feeds
@@ -191,7 +201,9 @@ class _RMSNorm:
     def __init__(self, h: int, rsqrt: Callable, eps: float = 1e-6):
         import paddle
 
-        self.w = paddle.create_parameter([h], "float32", default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.w = paddle.create_parameter(
+            [h], "float32", default_initializer=paddle.nn.initializer.Constant(1.0)
+        )
         self.rsqrt = rsqrt
         self.eps = eps
 
@@ -208,8 +220,9 @@ def _legacy_op(op_type: str, inputs: dict, attrs: dict | None = None):
     helper = LayerHelper(op_type)
     first = next(iter(inputs.values()))
     out = helper.create_variable_for_type_inference(first.dtype)
-    helper.append_op(type=op_type, inputs={k: [v] for k, v in inputs.items()}, outputs={"Out": [out]},
-                     attrs=attrs or {})
+    helper.append_op(
+        type=op_type, inputs={k: [v] for k, v in inputs.items()}, outputs={"Out": [out]}, attrs=attrs or {}
+    )
     return out
 
 
@@ -233,9 +246,21 @@ CASES = {
     "llama2-zb": lambda: _zb(decoder(DecoderConfig(style="llama", dropout=0.0))),
     "gpt2-zb": lambda: _zb(decoder(DecoderConfig(style="gpt"))),
     # Wider and deeper, one of each style: 28 MB of activations instead of 1 MB.
-    "llama4-wide": lambda: _named(decoder(DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688,
-                                                        vocab=1000, dropout=0.0), batch=2, seq=128), "llama4-wide"),
-    "gpt4-wide-recompute": lambda: _named(decoder(DecoderConfig(style="gpt", layers=4, hidden=256, heads=8, ffn=1024,
-                                                                vocab=1000), batch=2, seq=128, recompute=True),
-                                          "gpt4-wide-recompute"),
+    "llama4-wide": lambda: _named(
+        decoder(
+            DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688, vocab=1000, dropout=0.0),
+            batch=2,
+            seq=128,
+        ),
+        "llama4-wide",
+    ),
+    "gpt4-wide-recompute": lambda: _named(
+        decoder(
+            DecoderConfig(style="gpt", layers=4, hidden=256, heads=8, ffn=1024, vocab=1000),
+            batch=2,
+            seq=128,
+            recompute=True,
+        ),
+        "gpt4-wide-recompute",
+    ),
 }

@@ -28,20 +28,33 @@ from pathlib import Path
 
 from ..compare import CaseRow
 
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-              "num_key_value_heads": 4, "vocab_size": 128, "num_hidden_layers": 4, "max_position_embeddings": 64,
-              "rms_norm_eps": 1e-6, "_name_or_path": "tiny-llama (seed shape / 64)"}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 128,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "_name_or_path": "tiny-llama (seed shape / 64)",
+}
 
 _BASE = dict(convention="paddle", dtype="fp32", master_weights=False, flash_attn=False, seq_len=16)
 
 # name -> pipemem.estimate plan keyword arguments (the PaddleNLP run each describes)
 CASES = {
     "paddlenlp-pp4": dict(_BASE, pp=4, micro_batch=1, microbatches=4, schedule="1F1B"),
-    "paddlenlp-pp4-recompute": dict(_BASE, pp=4, micro_batch=1, microbatches=4, schedule="1F1B", recompute="full"),
+    "paddlenlp-pp4-recompute": dict(
+        _BASE, pp=4, micro_batch=1, microbatches=4, schedule="1F1B", recompute="full"
+    ),
     "paddlenlp-pp2-mp2": dict(_BASE, pp=2, tp=2, sp=False, micro_batch=2, microbatches=4, schedule="1F1B"),
     "paddlenlp-pp2-fthenb": dict(_BASE, pp=2, micro_batch=1, microbatches=4, schedule="FThenB"),
     "paddlenlp-pp2-vpp2": dict(_BASE, pp=2, vpp=2, micro_batch=1, microbatches=4, schedule="VPP"),
-    "paddlenlp-dp2-sharding2": dict(_BASE, dp=4, zero=1, micro_batch=1, microbatches=2, extra={"zero_group": 4}),
+    "paddlenlp-dp2-sharding2": dict(
+        _BASE, dp=4, zero=1, micro_batch=1, microbatches=2, extra={"zero_group": 4}
+    ),
 }
 CASE_NAMES = tuple(CASES)
 
@@ -61,7 +74,7 @@ def _spec(plan_kw: dict) -> tuple[dict, object, object]:
 def measure_case(name: str, trials: int = 3, parallel: int = 2, timeout: float = 900) -> dict[int, dict]:
     """{card: measurement} for every card of the case; the captured documents land in the
     cache `pipemem.estimate(mode="paddle")` reads."""
-    from ...paddle.paddlenlp_programs import installed_versions, cache_dir, paddlenlp_python, spec_key, world
+    from ...paddle.paddlenlp_programs import cache_dir, installed_versions, paddlenlp_python, spec_key, world
 
     spec, _, _ = _spec(CASES[name])
     python = paddlenlp_python()
@@ -78,12 +91,26 @@ def measure_case(name: str, trials: int = 3, parallel: int = 2, timeout: float =
 
         def one(card: int) -> tuple[int, dict]:
             target = Path(tmp) / f"measured{card}.json"
-            proc = subprocess.run([python, "-m", "pipemem.validation.paddle_runs.paddlenlp_measure", str(spec_path),
-                                   str(card), str(target), str(folder / f"rank{card}.json"), str(trials)],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(
+                [
+                    python,
+                    "-m",
+                    "pipemem.validation.paddle_runs.paddlenlp_measure",
+                    str(spec_path),
+                    str(card),
+                    str(target),
+                    str(folder / f"rank{card}.json"),
+                    str(trials),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
             if proc.returncode != 0 or not target.is_file():
-                raise RuntimeError(f"{name}: measuring card {card} failed (exit {proc.returncode}):\n"
-                                   f"{proc.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"{name}: measuring card {card} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+                )
             return card, json.loads(target.read_text())
 
         with ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -112,7 +139,7 @@ def _step(chain: list[str], jtype: str) -> list[str]:
     """A compute job with its micro-batch's transfers (as pipemem reports a step: recv_*
     before it, send_* after it, same direction and chunk)."""
     base = jtype.rstrip("0123456789")
-    suffix = jtype[len(base):]
+    suffix = jtype[len(base) :]
     if base not in ("forward", "backward", "backward_b", "backward_w"):
         return [jtype]
     direction = "forward" if base == "forward" else "backward"
@@ -145,18 +172,33 @@ def compare_case(name: str, trials: int = 3) -> list[CaseRow]:
         jobs = {j["type"]: j for j in measured[card]["jobs"]}
         for job in measured[card]["jobs"]:
             jtype = job["type"]
-            chunk = int(jtype[len(jtype.rstrip("0123456789")):] or 0)
+            chunk = int(jtype[len(jtype.rstrip("0123456789")) :] or 0)
             stage = by_stage.get(chunk * pp + rank, {})
             step = _step(measured[card]["chain"], jtype)
             for kind, quantity, label in _kind_rows(jtype):
-                jm = (r.jobs.get("optimizer").to_dict() if kind == "optimizer" and r.jobs.get("optimizer")
-                      else stage.get(kind))
+                jm = (
+                    r.jobs.get("optimizer").to_dict()
+                    if kind == "optimizer" and r.jobs.get("optimizer")
+                    else stage.get(kind)
+                )
                 ours = None if not jm else jm["net_bytes" if quantity == "net" else "peak_bytes"]
                 net, peak = _fold_measured([jobs[u] for u in step])
                 meas = net if quantity == "net" else peak
-                rows.append(CaseRow(f"{name}/card{card}/{jtype}/{quantity}", meas, ours,
-                                    extra={"card": card, "pp_rank": rank, "estimated_from_card":
-                                           card_of_stage(spec, rank), "peaks": job["peaks"], "nets": job["nets"],
-                                           "paddle_estimated_bytes": None, "paddle_rel_error": None,
-                                           "label": label}))
+                rows.append(
+                    CaseRow(
+                        f"{name}/card{card}/{jtype}/{quantity}",
+                        meas,
+                        ours,
+                        extra={
+                            "card": card,
+                            "pp_rank": rank,
+                            "estimated_from_card": card_of_stage(spec, rank),
+                            "peaks": job["peaks"],
+                            "nets": job["nets"],
+                            "paddle_estimated_bytes": None,
+                            "paddle_rel_error": None,
+                            "label": label,
+                        },
+                    )
+                )
     return rows

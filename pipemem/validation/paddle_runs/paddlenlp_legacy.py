@@ -49,7 +49,9 @@ def load_card(folder: str | Path) -> tuple[dict, dict]:
     paddle.enable_static()
     folder = Path(folder)
     doc = json.loads((folder / "card.json").read_text())
-    progs = {t: paddle.static.Program.parse_from_string((folder / f"{t}.pb").read_bytes()) for t in doc["types"]}
+    progs = {
+        t: paddle.static.Program.parse_from_string((folder / f"{t}.pb").read_bytes()) for t in doc["types"]
+    }
     for p in progs.values():
         _rename_retired_ops(p)
     return progs, doc
@@ -58,10 +60,15 @@ def load_card(folder: str | Path) -> tuple[dict, dict]:
 # Collectives 2.6 spells with the c_ prefix and 3.3.1 no longer registers (Paddle's estimator
 # and `to_ir` ask each op's no_need_buffer slots, which fails on an unregistered op): the 3.x
 # op of the same slots (X -> Out) and effect.
-_RETIRED_OPS = {"c_allreduce_sum": "all_reduce", "c_allreduce_max": "all_reduce", "c_allreduce_min": "all_reduce",
-                "c_allreduce_prod": "all_reduce", "c_allgather": "all_gather",
-                # ZeRO's update: each shard's owner broadcasts its updated parameters (in place)
-                "c_broadcast": "broadcast"}
+_RETIRED_OPS = {
+    "c_allreduce_sum": "all_reduce",
+    "c_allreduce_max": "all_reduce",
+    "c_allreduce_min": "all_reduce",
+    "c_allreduce_prod": "all_reduce",
+    "c_allgather": "all_gather",
+    # ZeRO's update: each shard's owner broadcasts its updated parameters (in place)
+    "c_broadcast": "broadcast",
+}
 
 
 def _rename_retired_ops(program) -> None:
@@ -96,37 +103,62 @@ def replace_comm_ops(program) -> list[str]:
     for block in _blocks(program):
         for i in range(len(block.ops) - 1, -1, -1):
             op = block.ops[i]
-            op_type = op.type   # `op` is gone once removed below
+            op_type = op.type  # `op` is gone once removed below
             if op_type not in COMMUNICATION_OPS:
                 continue
             ins = list(dict.fromkeys(op.input_arg_names))
             outs = list(dict.fromkeys(op.output_arg_names))
             role = op.attr("op_role") if op.has_attr("op_role") else 0
             if op.type in ("recv_v2", "p_recv"):
-                new = ("fill_constant", {}, {"Out": outs},
-                       {"shape": [int(d) for d in op.attr("out_shape")], "dtype": op.attr("dtype"), "value": 0.0})
+                new = (
+                    "fill_constant",
+                    {},
+                    {"Out": outs},
+                    {
+                        "shape": [int(d) for d in op.attr("out_shape")],
+                        "dtype": op.attr("dtype"),
+                        "value": 0.0,
+                    },
+                )
             elif set(outs) <= set(ins):
                 # a send, an in-place collective or a stream sync: a read that allocates nothing
-                new = ("py_func", {"X": [block._var_recursive(n) for n in ins]}, {"Out": []},
-                       {"forward_callable_id": noop, "backward_callable_id": -1, "backward_skip_vars": []})
+                new = (
+                    "py_func",
+                    {"X": [block._var_recursive(n) for n in ins]},
+                    {"Out": []},
+                    {"forward_callable_id": noop, "backward_callable_id": -1, "backward_skip_vars": []},
+                )
             elif len(ins) == 1 and len(outs) == 1:
                 x, out = block._var_recursive(ins[0]), block._var_recursive(outs[0])
                 n_in, n_out = numel(x.shape), numel(out.shape)
-                if n_out == n_in:       # c_identity...: a copy
+                if n_out == n_in:  # c_identity...: a copy
                     new = ("assign", {"X": [ins[0]]}, {"Out": outs}, {})
                 elif n_out > n_in and n_out % n_in == 0 and list(out.shape[1:]) == list(x.shape[1:]):
                     # a gather along the first dim: the copies side by side
                     new = ("concat", {"X": [ins[0]] * (n_out // n_in)}, {"Out": outs}, {"axis": 0})
                 elif n_out > n_in and n_out % n_in == 0 and list(out.shape[:-1]) == list(x.shape[:-1]):
                     new = ("concat", {"X": [ins[0]] * (n_out // n_in)}, {"Out": outs}, {"axis": -1})
-                elif n_out < n_in and list(out.shape[:-1]) == list(x.shape[:-1]):   # c_split: a slice
-                    new = ("slice", {"Input": [ins[0]]}, {"Out": outs},
-                           {"axes": [len(x.shape) - 1], "starts": [0], "ends": [int(out.shape[-1])],
-                            "infer_flags": [1], "decrease_axis": []})
+                elif n_out < n_in and list(out.shape[:-1]) == list(x.shape[:-1]):  # c_split: a slice
+                    new = (
+                        "slice",
+                        {"Input": [ins[0]]},
+                        {"Out": outs},
+                        {
+                            "axes": [len(x.shape) - 1],
+                            "starts": [0],
+                            "ends": [int(out.shape[-1])],
+                            "infer_flags": [1],
+                            "decrease_axis": [],
+                        },
+                    )
                 else:
-                    raise NotImplementedError(f"{op.type} {list(x.shape)} -> {list(out.shape)}: no local stand-in")
+                    raise NotImplementedError(
+                        f"{op.type} {list(x.shape)} -> {list(out.shape)}: no local stand-in"
+                    )
             else:
-                raise NotImplementedError(f"{op.type} with inputs {ins} and outputs {outs}: no local stand-in")
+                raise NotImplementedError(
+                    f"{op.type} with inputs {ins} and outputs {outs}: no local stand-in"
+                )
             kind, inputs, outputs, attrs = new
             attrs["op_role"] = role
             block._remove_op(i, sync=False)
@@ -263,19 +295,32 @@ def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[d
     theirs, their_errors = paddle_estimates(subs)
     measured = {m.type: m for m in measure_card(programs, doc)} if measure else {}
     rows = []
-    for t, quantity in (("forward", "net"), ("forward", "peak"), ("backward", "net"), ("backward", "peak"),
-                        ("optimizer", "peak")):
+    for t, quantity in (
+        ("forward", "net"),
+        ("forward", "peak"),
+        ("backward", "net"),
+        ("backward", "peak"),
+        ("optimizer", "peak"),
+    ):
         if t not in subs:
             continue
         m = measured.get(t)
         meas = None if m is None else m.net_bytes if quantity == "net" else m.peak_bytes
         est = ours[t].net_bytes if quantity == "net" else ours[t].peak_bytes
         pest = None if t not in theirs else theirs[t][0] if quantity == "net" else theirs[t][1]
-        rows.append({"name": f"{label}/{t}/{quantity}", "measured_bytes": meas, "estimated_bytes": est,
-                     "rel_error": rel_error(est, meas), "paddle_estimated_bytes": pest,
-                     "paddle_rel_error": rel_error(pest, meas),
-                     "peak_op": ours[t].peak_op_label if quantity == "peak" else "",
-                     "paddle_error": their_errors.get(t, ""), "built_with": f"paddlepaddle {doc['paddle']}"})
+        rows.append(
+            {
+                "name": f"{label}/{t}/{quantity}",
+                "measured_bytes": meas,
+                "estimated_bytes": est,
+                "rel_error": rel_error(est, meas),
+                "paddle_estimated_bytes": pest,
+                "paddle_rel_error": rel_error(pest, meas),
+                "peak_op": ours[t].peak_op_label if quantity == "peak" else "",
+                "paddle_error": their_errors.get(t, ""),
+                "built_with": f"paddlepaddle {doc['paddle']}",
+            }
+        )
     return rows
 
 
@@ -286,29 +331,46 @@ TINY = {"hidden": 64, "ffn": 128, "heads": 4, "vocab": 128, "layers": 4, "seq": 
 # The estimator PR's three runs (run_pretrain_auto_static.py: 1F1B, no flash attention, fp32), at the
 # tiny shape of the other paddlenlp cases, gradient accumulation 4; plus FThenB.
 CASES = {
-    "paddlenlp-legacy-pp4": dict(TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B",
-                                 recompute=False),
-    "paddlenlp-legacy-pp4-recompute": dict(TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4,
-                                           schedule="1F1B", recompute=True),
-    "paddlenlp-legacy-pp2-mp2": dict(TINY, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=4, schedule="1F1B",
-                                     recompute=False),
-    "paddlenlp-legacy-pp2-fthenb": dict(TINY, pp=2, mp=1, dp=1, micro_batch=1, accumulate_steps=4,
-                                        schedule="FThenB", recompute=False),
+    "paddlenlp-legacy-pp4": dict(
+        TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B", recompute=False
+    ),
+    "paddlenlp-legacy-pp4-recompute": dict(
+        TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B", recompute=True
+    ),
+    "paddlenlp-legacy-pp2-mp2": dict(
+        TINY, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=4, schedule="1F1B", recompute=False
+    ),
+    "paddlenlp-legacy-pp2-fthenb": dict(
+        TINY, pp=2, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="FThenB", recompute=False
+    ),
     # no pipeline: the executor's one job, split by op role; ZeRO-1 over the sharding group
-    "paddlenlp-legacy-dp2-sharding2": dict(TINY, pp=1, mp=1, dp=2, sharding=2, sharding_stage=1, micro_batch=1,
-                                           accumulate_steps=4, schedule="1F1B", recompute=False),
+    "paddlenlp-legacy-dp2-sharding2": dict(
+        TINY,
+        pp=1,
+        mp=1,
+        dp=2,
+        sharding=2,
+        sharding_stage=1,
+        micro_batch=1,
+        accumulate_steps=4,
+        schedule="1F1B",
+        recompute=False,
+    ),
 }
 CASE_NAMES = tuple(CASES)
 # The estimator PR's three runs at their full size (llama-7b's shape, 4 layers): built and estimated
 # only (bench/paddlenlp_legacy_seed_shapes.py), the CPU does not run them.
 LLAMA_7B_4L = {"hidden": 4096, "ffn": 11008, "heads": 32, "vocab": 32000, "layers": 4, "seq": 2048}
 SEED_RUNS = {
-    "seed-pp4-recompute": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
-                               recompute=True),
-    "seed-pp4": dict(LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B",
-                     recompute=False),
-    "seed-pp2-mp2": dict(LLAMA_7B_4L, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=8, schedule="1F1B",
-                         recompute=False),
+    "seed-pp4-recompute": dict(
+        LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B", recompute=True
+    ),
+    "seed-pp4": dict(
+        LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B", recompute=False
+    ),
+    "seed-pp2-mp2": dict(
+        LLAMA_7B_4L, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=8, schedule="1F1B", recompute=False
+    ),
 }
 
 
@@ -320,18 +382,21 @@ def paddle26_python() -> str:
 
     exe = os.environ.get(PYTHON_ENV)
     if not exe:
-        raise UserError(f"the paddlenlp-legacy cases build programs with paddlepaddle 2.6 (legacy-IR pipeline "
-                        f"passes): python -m venv ~/venvs/paddle26 && ~/venvs/paddle26/bin/pip install "
-                        f"paddlepaddle==2.6.2 paddlenlp==2.8.1 huggingface-hub==0.23.5 aistudio-sdk==0.2.1 "
-                        f"datasets==2.19.2 'numpy<2' pyarrow==17.0.0 scipy==1.13.1, then export "
-                        f"{PYTHON_ENV}=~/venvs/paddle26/bin/python")
+        raise UserError(
+            f"the paddlenlp-legacy cases build programs with paddlepaddle 2.6 (legacy-IR pipeline "
+            f"passes): python -m venv ~/venvs/paddle26 && ~/venvs/paddle26/bin/pip install "
+            f"paddlepaddle==2.6.2 paddlenlp==2.8.1 huggingface-hub==0.23.5 aistudio-sdk==0.2.1 "
+            f"datasets==2.19.2 'numpy<2' pyarrow==17.0.0 scipy==1.13.1, then export "
+            f"{PYTHON_ENV}=~/venvs/paddle26/bin/python"
+        )
     if not Path(exe).exists():
         raise UserError(f"${PYTHON_ENV}={exe}: no such interpreter")
     return exe
 
 
-def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: float = 600,
-               spec: dict | None = None) -> dict[int, Path]:
+def build_case(
+    name: str, folder: Path, cards=None, parallel: int = 2, timeout: float = 600, spec: dict | None = None
+) -> dict[int, Path]:
     """{card: folder} of case `name`'s job programs (every card, or `cards`), built in the 2.6
     interpreter under `folder` (`spec`: instead of CASES[name])."""
     import os
@@ -351,12 +416,25 @@ def build_case(name: str, folder: Path, cards=None, parallel: int = 2, timeout: 
 
     def one(card: int) -> Path:
         out = folder / f"card{card}"
-        proc = subprocess.run([python, "-m", "pipemem.validation.paddle_runs.paddlenlp_legacy_build",
-                               str(spec_path), str(card), str(out)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        proc = subprocess.run(
+            [
+                python,
+                "-m",
+                "pipemem.validation.paddle_runs.paddlenlp_legacy_build",
+                str(spec_path),
+                str(card),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
         if proc.returncode != 0 or not (out / "card.json").is_file():
-            raise RuntimeError(f"{name}: building card {card} with paddle 2.6 failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{name}: building card {card} with paddle 2.6 failed (exit {proc.returncode}):\n"
+                f"{proc.stderr[-3000:]}"
+            )
         return out
 
     cards = list(range(world) if cards is None else cards)
@@ -372,12 +450,21 @@ def compare_built(name: str, cards: dict, timeout: float = 900, measure: bool = 
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", "paddlenlp-legacy",
-           *([] if measure else ["--estimate-only"]), "--",
-           *[f"{name}/card{i}={c}" for i, c in cards.items()]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipemem.validation.paddle_runs.worker",
+        "--ir",
+        "paddlenlp-legacy",
+        *([] if measure else ["--estimate-only"]),
+        "--",
+        *[f"{name}/card{i}={c}" for i, c in cards.items()],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: comparing on this Paddle failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{name}: comparing on this Paddle failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1])["cases"]
 

@@ -53,10 +53,9 @@ def set_rank_env(rank: int, world: int) -> None:
 
 
 def build_card(spec: dict, rank: int, out_dir: str) -> dict:
-    import scipy  # noqa: F401  (before paddle: module docstring)
-    import numpy as np
     import paddle
     import paddle.distributed as dist
+    import scipy  # noqa: F401  (before paddle: module docstring)
     from paddle.distributed import fleet
     from paddle.distributed.auto_parallel.static.engine import Engine
 
@@ -74,10 +73,17 @@ def build_card(spec: dict, rank: int, out_dir: str) -> dict:
     sharding = spec.get("sharding", 1)
     # TrainingArguments: the mesh's "dp" dimension is the dataset world, dp x sharding
     fleet.auto.create_mesh([("pp", pp), ("dp", dp * sharding), ("mp", mp)])
-    cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["ffn"],
-                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                      num_key_value_heads=spec["heads"], max_position_embeddings=spec["seq"],
-                      seq_length=spec["seq"], rms_norm_eps=1e-6)
+    cfg = LlamaConfig(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["ffn"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=spec["seq"],
+        seq_length=spec["seq"],
+        rms_norm_eps=1e-6,
+    )
     cfg.use_flash_attention = False
     cfg.use_fused_rms_norm = False
     cfg.fuse_attention_qkv = False
@@ -92,14 +98,20 @@ def build_card(spec: dict, rank: int, out_dir: str) -> dict:
     paddle.seed(0)
     model = LlamaForCausalLMAuto._from_config(cfg)
     if spec.get("recompute"):
-        def enable(layer):   # run_pretrain_auto_static.py's model.apply(fn)
+
+        def enable(layer):  # run_pretrain_auto_static.py's model.apply(fn)
             if hasattr(layer, "enable_recompute") and not layer.enable_recompute:
                 layer.enable_recompute = True
+
         model.apply(enable)
     decay = [p.name for n, p in model.named_parameters() if not any(nd in n for nd in ("bias", "norm"))]
-    opt = paddle.optimizer.AdamW(learning_rate=1e-4, parameters=model.parameters(), weight_decay=0.01,
-                                 apply_decay_param_fun=lambda x: x in decay,
-                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    opt = paddle.optimizer.AdamW(
+        learning_rate=1e-4,
+        parameters=model.parameters(),
+        weight_decay=0.01,
+        apply_decay_param_fun=lambda x: x in decay,
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
+    )
 
     strategy = fleet.auto.Strategy()
     acc = spec["accumulate_steps"]
@@ -124,8 +136,13 @@ def build_card(spec: dict, rank: int, out_dir: str) -> dict:
 
     engine = fleet.auto.Engine(model, lambda loss, outputs: loss, opt, strategy=strategy)
     total = spec["micro_batch"] * dp * sharding * acc
-    engine.prepare([paddle.static.InputSpec([total, spec["seq"]], "int64", "input_ids"),
-                    paddle.static.InputSpec([total, spec["seq"]], "int64", "labels")], mode="train")
+    engine.prepare(
+        [
+            paddle.static.InputSpec([total, spec["seq"]], "int64", "input_ids"),
+            paddle.static.InputSpec([total, spec["seq"]], "int64", "labels"),
+        ],
+        mode="train",
+    )
     main = engine.main_program
     return _executor_plan(engine, main, spec, out_dir)
 
@@ -134,7 +151,6 @@ def _executor_plan(engine, main, spec, out_dir) -> dict:
     """What the executor does with `main` on its first run, up to the job plan (module
     docstring); writes the job programs and their job list."""
     import paddle
-    from paddle.base import core
     from paddle.base.executor import _add_feed_fetch_ops, _apply_inplace_addto_pass
     from paddle.distributed.passes import pipeline_pass_base
     from paddle.distributed.passes.pipeline_scheduler_pass import apply_pass
@@ -143,8 +159,14 @@ def _executor_plan(engine, main, spec, out_dir) -> dict:
     feed_names = [n for n in ("input_ids", "labels") if block.has_var(n)]
     fetch_names, _ = engine._prepare_fetch(None, mode="train")
     fetch_names = [n for n in fetch_names if block.has_var(n)]
-    program = _add_feed_fetch_ops(program=main, feed={n: None for n in feed_names}, fetch_list=fetch_names,
-                                  feed_var_name="feed", fetch_var_name="fetch", use_fetch_v2=True)
+    program = _add_feed_fetch_ops(
+        program=main,
+        feed={n: None for n in feed_names},
+        fetch_list=fetch_names,
+        feed_var_name="feed",
+        fetch_var_name="fetch",
+        use_fetch_v2=True,
+    )
     _apply_inplace_addto_pass(program, True, False, feed_names + fetch_names)
     new_program = program.clone()
 
@@ -163,7 +185,7 @@ def _executor_plan(engine, main, spec, out_dir) -> dict:
             opt = new_program._pipeline_opt["standalone_opt"]
             plan = apply_pass(new_program, new_program, opt["schedule_mode"], opt)
             jobs = [(j.type(), int(j.micro_batch_id())) for j in plan.job_list()]
-        else:   # no pipeline: the executor's one default job
+        else:  # no pipeline: the executor's one default job
             captured["programs"] = {"default": new_program}
             captured["skip"] = [[]]
             jobs = [("default", 0)]
@@ -175,10 +197,17 @@ def _executor_plan(engine, main, spec, out_dir) -> dict:
         with open(os.path.join(out_dir, f"{t}.pb"), "wb") as f:
             f.write(p.desc.serialize_to_string())
     mb = spec["micro_batch"]
-    doc = {"rank": int(os.environ["PADDLE_TRAINER_ID"]), "paddle": paddle.__version__,
-           "job_list": jobs, "skip_gc_vars": captured["skip"], "types": list(captured["programs"]),
-           "feed": feed_names, "fetch": fetch_names,
-           "feed_shapes": {n: [mb, spec["seq"]] for n in feed_names}, "spec": spec}
+    doc = {
+        "rank": int(os.environ["PADDLE_TRAINER_ID"]),
+        "paddle": paddle.__version__,
+        "job_list": jobs,
+        "skip_gc_vars": captured["skip"],
+        "types": list(captured["programs"]),
+        "feed": feed_names,
+        "fetch": fetch_names,
+        "feed_shapes": {n: [mb, spec["seq"]] for n in feed_names},
+        "spec": spec,
+    }
     with open(os.path.join(out_dir, "card.json"), "w") as f:
         json.dump(doc, f, indent=1)
     return doc

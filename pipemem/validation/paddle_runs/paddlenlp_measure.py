@@ -61,8 +61,21 @@ def _replace_comm_ops(program) -> list[str]:
         name = op.name()
         short = name.split(".", 1)[-1]
         comm = short in ("recv_v2", "send_v2", "p_recv", "p_send") or short.startswith(
-            ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "c_allreduce", "c_allgather",
-             "c_reducescatter", "c_broadcast", "c_identity", "c_concat", "c_split", "reduce"))
+            (
+                "all_reduce",
+                "all_gather",
+                "reduce_scatter",
+                "broadcast",
+                "c_allreduce",
+                "c_allgather",
+                "c_reducescatter",
+                "c_broadcast",
+                "c_identity",
+                "c_concat",
+                "c_split",
+                "reduce",
+            )
+        )
         if not comm or short in ("reduce_as",):
             continue
         if short in ("send_v2", "p_send"):
@@ -188,12 +201,15 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         scope = root
         first = None
         if k:
-            first = core.StandaloneExecutor(place, core.Plan(jobs[:k], {JOB_PREFIX + t: ttp[JOB_PREFIX + t]
-                                                                       for t in chain[:k]}), root)
+            first = core.StandaloneExecutor(
+                place, core.Plan(jobs[:k], {JOB_PREFIX + t: ttp[JOB_PREFIX + t] for t in chain[:k]}), root
+            )
             first.run([], False)
             scope = root._kids()[-1]
         t = chain[k]
-        exe = core.StandaloneExecutor(place, core.Plan([jobs[k]], {JOB_PREFIX + t: ttp[JOB_PREFIX + t]}), scope)
+        exe = core.StandaloneExecutor(
+            place, core.Plan([jobs[k]], {JOB_PREFIX + t: ttp[JOB_PREFIX + t]}), scope
+        )
         time.sleep(DRAIN_S)
         before = stat()
         core.host_memory_stat_reset_peak_value("Allocated", 0)
@@ -201,7 +217,7 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         peak = int(core.host_memory_stat_peak_value("Allocated", 0)) - before
         time.sleep(DRAIN_S)
         net = stat() - before
-        kept.append((first, exe, root))      # executors hold their scopes: all live until the process ends
+        kept.append((first, exe, root))  # executors hold their scopes: all live until the process ends
         return net, peak
 
     results = {k: {"nets": [], "peaks": []} for k in range(len(chain))}
@@ -231,8 +247,10 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
                 seen |= new
             time.sleep(0.0002)
 
-    th = threading.Thread(target=lambda: (runner.append(threading.get_native_id()), trials_body()),
-                          name="pipemem-paddlenlp-measure")
+    th = threading.Thread(
+        target=lambda: (runner.append(threading.get_native_id()), trials_body()),
+        name="pipemem-paddlenlp-measure",
+    )
     boost = threading.Thread(target=booster, name="pipemem-booster", daemon=True)
     boost.start()
     th.start()
@@ -243,8 +261,15 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
     rows = []
     for k, t in enumerate(chain):
         nets, peaks = sorted(results[k]["nets"]), sorted(results[k]["peaks"])
-        rows.append({"type": t, "net_bytes": nets[len(nets) // 2], "peak_bytes": peaks[0], "peaks": peaks,
-                     "nets": nets})
+        rows.append(
+            {
+                "type": t,
+                "net_bytes": nets[len(nets) // 2],
+                "peak_bytes": peaks[0],
+                "peaks": peaks,
+                "nets": nets,
+            }
+        )
     return rows
 
 
@@ -254,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     trials = int(argv[4]) if len(argv) > 4 else 3
     try:
         cpu = sorted(os.sched_getaffinity(0))[-1]
-        os.sched_setaffinity(0, {cpu})           # the collector's thread shares the CPU of the ops
+        os.sched_setaffinity(0, {cpu})  # the collector's thread shares the CPU of the ops
     except (AttributeError, OSError):
         pass
     from ...paddle.paddlenlp_build import BuildSpec, build_rank, set_rank_env
@@ -275,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump({"card": card, "chain": chain, "jobs": rows}, f)
     sys.stdout.flush()
-    os._exit(0)     # skip tearing down executors and scopes (their destructors race each other)
+    os._exit(0)  # skip tearing down executors and scopes (their destructors race each other)
 
 
 if __name__ == "__main__":

@@ -34,17 +34,17 @@ import time
 from dataclasses import dataclass
 
 DRAIN_S = 0.05
-COLLECTOR_NICE = -15     # the collector's threads, where the process may raise priorities
-RUNNER_NICE = 19         # the thread running the measured step (lowering is always allowed)
+COLLECTOR_NICE = -15  # the collector's threads, where the process may raise priorities
+RUNNER_NICE = 19  # the thread running the measured step (lowering is always allowed)
 
 
 @dataclass
 class StepMeasurement:
-    peak_bytes: int          # smallest second-run peak over the trials, above the step's start
-    net_bytes: int           # first run: allocated after it (collector drained) minus before
-    peaks: list[int]         # every trial's peak, sorted
-    nets: list[int]          # every trial's net change, sorted
-    boosted: bool            # whether the collector's priority could be raised
+    peak_bytes: int  # smallest second-run peak over the trials, above the step's start
+    net_bytes: int  # first run: allocated after it (collector drained) minus before
+    peaks: list[int]  # every trial's peak, sorted
+    nets: list[int]  # every trial's net change, sorted
+    boosted: bool  # whether the collector's priority could be raised
 
 
 def _stat(core) -> int:
@@ -82,8 +82,13 @@ def measure_step(main, startup, feeds: dict, trials: int = 5, seed: int = 0) -> 
         paddle.set_flags(old)
     peaks = sorted(r[0] for r in runs)
     nets = sorted(r[1] for r in runs)
-    return StepMeasurement(peak_bytes=peaks[0], net_bytes=nets[len(nets) // 2], peaks=peaks, nets=nets,
-                           boosted=all(r[2] for r in runs))
+    return StepMeasurement(
+        peak_bytes=peaks[0],
+        net_bytes=nets[len(nets) // 2],
+        peaks=peaks,
+        nets=nets,
+        boosted=all(r[2] for r in runs),
+    )
 
 
 def _one_trial(paddle, core, main, startup, feeds, seed) -> tuple[int, int, bool]:

@@ -50,8 +50,10 @@ def mlp(batch: int = 32, width: int = 64, hidden: int = 256, classes: int = 10) 
     main, startup = _build(body, True)
     sizes, _ = _build(body, False)
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((batch, width), dtype=np.float32),
-             "y": rng.integers(0, classes, (batch, 1)).astype("int64")}
+    feeds = {
+        "x": rng.standard_normal((batch, width), dtype=np.float32),
+        "y": rng.integers(0, classes, (batch, 1)).astype("int64"),
+    }
     return PirCase("mlp-pir", main, startup, sizes, feeds)
 
 
@@ -84,7 +86,12 @@ CASES = {
     "gpt2-pir": lambda: decoder(DecoderConfig(style="gpt")),
     "llama2-pir": lambda: decoder(DecoderConfig(style="llama", dropout=0.0)),
     # Wider and deeper (as models.py's llama4-wide): 28 MB of activations instead of 1 MB.
-    "llama4-wide-pir": lambda: _named(decoder(DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688,
-                                                            vocab=1000, dropout=0.0), batch=2, seq=128),
-                                      "llama4-wide-pir"),
+    "llama4-wide-pir": lambda: _named(
+        decoder(
+            DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688, vocab=1000, dropout=0.0),
+            batch=2,
+            seq=128,
+        ),
+        "llama4-wide-pir",
+    ),
 }

@@ -27,10 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m pipemem.validation.paddle_runs.worker")
-    parser.add_argument("--ir", choices=("legacy", "pir", "paddlenlp-legacy"), default="legacy",
-                        help="paddlenlp-legacy: the cases are LABEL=CARD_DIR of built job programs")
-    parser.add_argument("--estimate-only", action="store_true",
-                        help="paddlenlp-legacy: pipemem's and Paddle's estimates without running the programs")
+    parser.add_argument(
+        "--ir",
+        choices=("legacy", "pir", "paddlenlp-legacy"),
+        default="legacy",
+        help="paddlenlp-legacy: the cases are LABEL=CARD_DIR of built job programs",
+    )
+    parser.add_argument(
+        "--estimate-only",
+        action="store_true",
+        help="paddlenlp-legacy: pipemem's and Paddle's estimates without running the programs",
+    )
     parser.add_argument("--trials", type=int, default=5, help="PIR: measured steps per case (smallest peak)")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rows = []
-        for name in names:   # one at a time, so the caller can show progress per case
+        for name in names:  # one at a time, so the caller can show progress per case
             rows += compare_pir([name], trials=args.trials) if args.ir == "pir" else compare([name])
             print(f"{PROGRESS_PREFIX}{name}", file=sys.stderr, flush=True)
     except UserError as e:
