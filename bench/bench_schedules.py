@@ -68,9 +68,9 @@ def main() -> int:
     print("seconds as wall / cpu")
     print(f"{'schedule':<24}{'actions':>9}{'generate':>16}{'replay':>16}{'check+simulate':>18}")
     for name in args.names:
-        gen, sched = median_time(lambda: get_schedule(name, pp, m, v), args.runs)
-        rep, _ = median_time(lambda: replay(sched, jobs, static), args.runs)
-        sim, _ = median_time(lambda: check_schedule(sched, TimeModel()), max(1, args.runs // 2))
+        gen, sched = median_time(lambda name=name: get_schedule(name, pp, m, v), args.runs)
+        rep, _ = median_time(lambda sched=sched: replay(sched, jobs, static), args.runs)
+        sim, _ = median_time(lambda sched=sched: check_schedule(sched, TimeModel()), max(1, args.runs // 2))
         cols = "".join(f"{f'{w:.3f} / {c:.3f}':>16}" for w, c in (gen, rep))
         print(f"{name:<24}{sched.num_actions:>9}{cols}{f'{sim[0]:.3f} / {sim[1]:.3f}':>18}")
     p2, m2 = 8, 64

@@ -297,37 +297,43 @@ def zb_v(pp: int, m: int, vpp: int = 2, name: str = "ZBVZeroBubble") -> Schedule
     n = max(2 * pp - 1, m)
     ranks = []
     for r in range(pp):
-        stage = (r, 2 * pp - 1 - r)
-        # next microbatch per (kind, chunk): F0 F1 I0 I1 W0 W1
-        cnt = [0, 0, 0, 0, 0, 0]
-        acts: list[Action] = []
-        append = acts.append
-
-        def add(slot, kind, chunk):
-            append(Action(kind, stage[chunk], cnt[slot]))
-            cnt[slot] += 1
-
-        for _ in range(2 * (pp - r) - 1):
-            add(0, F, 0)
-        for _ in range(r):
-            add(1, F, 1), add(0, F, 0)
-        for _ in range(pp - r):
-            add(1, F, 1), add(3, I, 1), add(5, W, 1)
-        while cnt[1] < cnt[0] or cnt[0] < n:
-            if cnt[0] < n:
-                add(0, F, 0)
-            add(2, I, 0), add(4, W, 0)
-            add(1, F, 1), add(3, I, 1), add(5, W, 1)
-        for _ in range(r):
-            add(2, I, 0), add(3, I, 1)
-        for _ in range(pp - r):
-            add(2, I, 0), add(4, W, 0)
-        while cnt[5] < cnt[3]:
-            add(5, W, 1)
-        while cnt[4] < cnt[2]:
-            add(4, W, 0)
+        acts = _zb_v_rank(pp, r, n)
         ranks.append(acts if n == m else [a for a in acts if a[2] < m])
     return Schedule(name, pp, 2, m, ranks, placement="v")
+
+
+def _zb_v_rank(pp: int, r: int, n: int) -> list[Action]:
+    """Rank r's actions of zb_v for n microbatches."""
+    stage = (r, 2 * pp - 1 - r)
+    # next microbatch per (kind, chunk): F0 F1 I0 I1 W0 W1
+    cnt = [0, 0, 0, 0, 0, 0]
+    acts: list[Action] = []
+    append = acts.append
+
+    def add(slot, kind, chunk):
+        append(Action(kind, stage[chunk], cnt[slot]))
+        cnt[slot] += 1
+
+    for _ in range(2 * (pp - r) - 1):
+        add(0, F, 0)
+    for _ in range(r):
+        add(1, F, 1), add(0, F, 0)
+    for _ in range(pp - r):
+        add(1, F, 1), add(3, I, 1), add(5, W, 1)
+    while cnt[1] < cnt[0] or cnt[0] < n:
+        if cnt[0] < n:
+            add(0, F, 0)
+        add(2, I, 0), add(4, W, 0)
+        add(1, F, 1), add(3, I, 1), add(5, W, 1)
+    for _ in range(r):
+        add(2, I, 0), add(3, I, 1)
+    for _ in range(pp - r):
+        add(2, I, 0), add(4, W, 0)
+    while cnt[5] < cnt[3]:
+        add(5, W, 1)
+    while cnt[4] < cnt[2]:
+        add(4, W, 0)
+    return acts
 
 
 def dualpipe_v(pp: int, m: int, vpp: int = 2, name: str = "DualPipeV") -> Schedule:
@@ -337,57 +343,60 @@ def dualpipe_v(pp: int, m: int, vpp: int = 2, name: str = "DualPipeV") -> Schedu
     _check_basic(name, pp, m, vpp)
     _multi_chunk(name, vpp, exact=2)
     _need(m >= 2 * pp, f"{name} needs --microbatches >= 2*pp = {2 * pp} (got {m}), as PyTorch requires")
-    ranks = []
-    for r in range(pp):
-        s0, s1 = r, 2 * pp - 1 - r
-        nf = {s0: 0, s1: 0}
-        nb = {s0: 0, s1: 0}  # backwards (full or input) started per stage
-        pending_w: list[tuple[int, int]] = []  # split backwards whose W has not run yet
-        acts: list[Action] = []
-
-        def fwd(s):
-            acts.append(Action(F, s, nf[s]))
-            nf[s] += 1
-
-        def bwd(s, split=False):
-            acts.append(Action(I if split else B, s, nb[s]))
-            if split:
-                pending_w.append((s, nb[s]))
-            nb[s] += 1
-
-        def weight():
-            if pending_w:
-                s, i = pending_w.pop(0)
-                acts.append(Action(W, s, i))
-
-        for _ in range(2 * (pp - r - 1)):
-            fwd(s0)
-        for _ in range(r + 1):
-            fwd(s0), fwd(s1)
-        for _ in range(pp - r - 1):
-            bwd(s1, split=True), weight(), fwd(s1)
-        for i in range(m - 2 * pp + r + 1):
-            fwd(s0), bwd(s1)  # overlapped pair (plain pair on the last rank's first)
-            fwd(s1), bwd(s0)
-        for _ in range(pp - r - 1):
-            bwd(s1)
-            fwd(s1), bwd(s0)
-        split = False
-        half = (r + 1) // 2
-        for i in range(r + 1):
-            if i == half and r % 2 == 1:
-                split = True
-            bwd(s1, split)
-            if i == half and r % 2 == 0:
-                split = True
-            bwd(s0, split)
-        for _ in range(pp - r - 1):
-            weight()
-            bwd(s0, split)
-        for _ in range(r + 1):
-            weight()
-        ranks.append(acts)
+    ranks = [_dualpipe_v_rank(pp, m, r) for r in range(pp)]
     return Schedule(name, pp, 2, m, ranks, placement="v")
+
+
+def _dualpipe_v_rank(pp: int, m: int, r: int) -> list[Action]:
+    """Rank r's actions of dualpipe_v."""
+    s0, s1 = r, 2 * pp - 1 - r
+    nf = {s0: 0, s1: 0}
+    nb = {s0: 0, s1: 0}  # backwards (full or input) started per stage
+    pending_w: list[tuple[int, int]] = []  # split backwards whose W has not run yet
+    acts: list[Action] = []
+
+    def fwd(s):
+        acts.append(Action(F, s, nf[s]))
+        nf[s] += 1
+
+    def bwd(s, split=False):
+        acts.append(Action(I if split else B, s, nb[s]))
+        if split:
+            pending_w.append((s, nb[s]))
+        nb[s] += 1
+
+    def weight():
+        if pending_w:
+            s, i = pending_w.pop(0)
+            acts.append(Action(W, s, i))
+
+    for _ in range(2 * (pp - r - 1)):
+        fwd(s0)
+    for _ in range(r + 1):
+        fwd(s0), fwd(s1)
+    for _ in range(pp - r - 1):
+        bwd(s1, split=True), weight(), fwd(s1)
+    for _ in range(m - 2 * pp + r + 1):
+        fwd(s0), bwd(s1)  # overlapped pair (plain pair on the last rank's first)
+        fwd(s1), bwd(s0)
+    for _ in range(pp - r - 1):
+        bwd(s1)
+        fwd(s1), bwd(s0)
+    split = False
+    half = (r + 1) // 2
+    for i in range(r + 1):
+        if i == half and r % 2 == 1:
+            split = True
+        bwd(s1, split)
+        if i == half and r % 2 == 0:
+            split = True
+        bwd(s0, split)
+    for _ in range(pp - r - 1):
+        weight()
+        bwd(s0, split)
+    for _ in range(r + 1):
+        weight()
+    return acts
 
 
 def _v_block_schedule(pp: int, m: int, offsets: list[list[int]], name: str) -> Schedule:
