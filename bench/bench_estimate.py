@@ -185,7 +185,8 @@ def cli(runs: int) -> None:
                 + (after.children_system - before.children_system)
             )
         print(
-            f"cli {what:16s} median {statistics.median(times):.3f} s wall, {statistics.median(cpu):.3f} s CPU "
+            f"cli {what:16s} median {statistics.median(times):.3f} s wall, "
+            f"{statistics.median(cpu):.3f} s CPU "
             f"over {runs} runs (wall min {min(times):.3f}, max {max(times):.3f}): pipemem {' '.join(args)}"
         )
 

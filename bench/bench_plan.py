@@ -105,10 +105,10 @@ def main() -> None:
             cpus.append(cpu)
         s = d["search"]
         print(
-            f"{what}: median {statistics.median(walls):.1f} s wall / {statistics.median(cpus):.1f} s CPU over "
-            f"{a.runs} runs (wall {min(walls):.1f}-{max(walls):.1f}); {s['proposed']:,} proposed, "
-            f"{sum(s['invalid'].values()):,} invalid, {s['pruned_by_static_bound']:,} pruned by static bytes, "
-            f"{s['estimate_calls']:,} estimates, {len(d['plans']):,} fit"
+            f"{what}: median {statistics.median(walls):.1f} s wall / {statistics.median(cpus):.1f} s CPU "
+            f"over {a.runs} runs (wall {min(walls):.1f}-{max(walls):.1f}); {s['proposed']:,} proposed, "
+            f"{sum(s['invalid'].values()):,} invalid, {s['pruned_by_static_bound']:,} pruned by static "
+            f"bytes, {s['estimate_calls']:,} estimates, {len(d['plans']):,} fit"
         )
         sys.stdout.flush()
         if a.check:
@@ -180,7 +180,8 @@ def check(plans: list[dict], n: int) -> None:
                 f"{got['max_peak_allocated_bytes']}"
             )
     print(
-        f"  re-estimated {len(sample)} listed plans with their flags: {same} give the same bytes on every rank"
+        f"  re-estimated {len(sample)} listed plans with their flags: {same} give "
+        "the same bytes on every rank"
     )
 
 

@@ -117,8 +117,8 @@ def main() -> int:
             lambda: trace_hf_step(LLAMA2_70B, BATCH, SEQ, dtype=DTYPE), max(1, args.runs - 1), "full"
         )
         print(
-            f"full 80-layer trace: {medf:.2f} s (cpu {CPU_TIMES['full']:.2f} s)  runs={[round(t, 2) for t in timesf]}  "
-            f"peak={fmt_bytes(full.peak_bytes)} ({full.peak_bytes} B); "
+            f"full 80-layer trace: {medf:.2f} s (cpu {CPU_TIMES['full']:.2f} s)  "
+            f"runs={[round(t, 2) for t in timesf]}  peak={fmt_bytes(full.peak_bytes)} ({full.peak_bytes} B); "
             f"replicated == full: {full.peak_bytes == rep.peak_bytes}"
         )
         print(f"  tracer max RSS: {rss_gib():.2f} GiB")

@@ -36,7 +36,8 @@ def main() -> int:
     args = ap.parse_args()
     lines = [
         "# PIPEMEM_PADDLE26_PYTHON=~/venvs/paddle26/bin/python python bench/paddlenlp_legacy_seed_shapes.py",
-        "# (programs built by paddlepaddle 2.6.2 + paddlenlp 2.8.1 at the seed's full size; estimates only; MB = 2^20 B)",
+        "# (programs built by paddlepaddle 2.6.2 + paddlenlp 2.8.1 at the seed's full size; "
+        "estimates only; MB = 2^20 B)",
         f"{'case':44} {'pipemem MB':>12} {'Paddle MB':>12} {'difference':>12}  Paddle's error",
     ]
     start = time.perf_counter()

@@ -1,6 +1,7 @@
 """Template mode vs PaddleNLP's own programs, per card, at the seed's full size.
 
-    PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python python bench/paddlenlp_templates.py [--json] [--more]
+    PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python python bench/paddlenlp_templates.py \\
+        [--json] [--more]
 
 The seed's three runs (Paddle PR #63402: PaddleNLP Llama, llama-7b width, 4 layers, seq 2048,
 fp32, no flash attention, 1F1B, gradient accumulation 8, run_pretrain_auto_static.py):
@@ -44,8 +45,8 @@ MORE = {
     "--recompute_granularity core_attn --world_size 4",
     "pp4 b1 flash": "--pipeline_parallel_degree 4 --per_device_train_batch_size 1 --recompute 0 "
     "--use_flash_attention 1 --world_size 4",
-    "pp2 x mp2 b2 sp": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 --per_device_train_batch_size 2 "
-    "--recompute 0 --sequence_parallel 1 --world_size 4",
+    "pp2 x mp2 b2 sp": "--pipeline_parallel_degree 2 --tensor_parallel_degree 2 "
+    "--per_device_train_batch_size 2 --recompute 0 --sequence_parallel 1 --world_size 4",
 }
 QUANTITIES = (
     ("F", "net_bytes", "F net"),

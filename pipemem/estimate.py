@@ -659,8 +659,8 @@ def _template_warnings(arch, plan) -> list[str]:
         out.append(
             "--activation-offload all: torchtune's offloading is checked against its own code on gated-MLP "
             "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
-            "template frees and its forward stash moves differently: an offloaded layer's forward and backward "
-            "peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)"
+            "template frees and its forward stash moves differently: an offloaded layer's forward and "
+            "backward peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)"
         )
     if frameworks.get(plan.convention).zero_is_deepspeed and plan.zero >= 1 and not plan.fsdp:
         from .ir import dtype_bytes
@@ -857,8 +857,8 @@ def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_b
         []
         if plan.step == "steady"
         else [
-            "traced mode, --step first: the first training step as recorded (gradients are created in backward "
-            "and optimizer states in the optimizer step, so they count under 'transient')"
+            "traced mode, --step first: the first training step as recorded (gradients are created in "
+            "backward and optimizer states in the optimizer step, so they count under 'transient')"
         ]
     )
     if plan.compile:

@@ -250,7 +250,7 @@ class Program:
                         "is not one of the op's no_need_buffer inputs"
                     )
         for t in self.tensors.values():
-            t.nbytes  # raises on unknown dimensions
+            _ = t.nbytes  # raises on unknown dimensions
 
 
 # Symbolic dimensions ------------------------------------------------------------------------

@@ -230,7 +230,8 @@ def test_megatron_uneven_pipeline():
     [
         ("--hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10", "--num-layers"),
         (
-            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --bf16 --fp16",
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 "
+            "--vocab-size 10 --bf16 --fp16",
             "choose one",
         ),
         ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8", "vocabulary"),
@@ -259,7 +260,8 @@ def test_megatron_uneven_pipeline():
             "divisible",
         ),
         (
-            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --vocab-size 10 --num-experts 4",
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 "
+            "--vocab-size 10 --num-experts 4",
             "Llama-style",
         ),
         ("stray --num-layers 2", "does not follow"),

@@ -12,7 +12,8 @@ import pipemem
 from pipemem.configs.deepspeed import read
 from pipemem.errors import UserError
 
-# Hugging Face's ZeRO-2 / ZeRO-3 example configs (transformers' DeepSpeed docs), "auto" where the Trainer fills in
+# Hugging Face's ZeRO-2 / ZeRO-3 example configs (transformers' DeepSpeed docs), "auto" where the
+# Trainer fills in
 HF_ZERO2 = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
     "bf16": {"enabled": "auto"},

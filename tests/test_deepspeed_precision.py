@@ -14,7 +14,8 @@ from pipemem.templates.static import optimizer_step_scratch, rank_param_counts
 DP = 4
 
 
-# untied, so every parameter count below is the model's own (validate deepspeed's zero3-tied case holds the tied one)
+# untied, so every parameter count below is the model's own (validate deepspeed's zero3-tied case
+# holds the tied one)
 MODEL = {
     "model_type": "llama",
     "hidden_size": 1024,

@@ -231,8 +231,8 @@ def test_from_paddlenlp_seed_launch_line():
 
 def test_from_megatron_table():
     args = (
-        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length 4096 "
-        "--micro-batch-size 1 --global-batch-size 32 --tensor-model-parallel-size 2 "
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --seq-length "
+        "4096 --micro-batch-size 1 --global-batch-size 32 --tensor-model-parallel-size 2 "
         "--pipeline-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer --bf16 --swiglu "
         "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
         "--tokenizer-type Llama2Tokenizer --position-embedding-type rope --lr 3e-4 --frobnicate 2"
@@ -398,7 +398,8 @@ def test_from_torchtitan_every_nth_layer_checkpoint(tmp_path, capsys):
     rc, out, err = run_main(capsys, ["estimate", "--json", "--from-torchtitan", str(f)])
     assert rc == 0, err
     p = json.loads(out)["plan"]
-    # 32 layers / pp 2 = 16 per stage; one layer in 2 fully checkpointed -> 8; local batch 4 = 4 microbatches of 1
+    # 32 layers / pp 2 = 16 per stage; one layer in 2 fully checkpointed -> 8;
+    # local batch 4 = 4 microbatches of 1
     assert (p["recompute"], p["recompute_layers"], p["microbatches"], p["micro_batch"], p["dp"]) == (
         "full",
         8,

@@ -115,7 +115,7 @@ SNIPPET = textwrap.dedent("""
     measured = {m.type: [m.net_bytes, m.peak_bytes] for m in measure_step(case.startup, subs_mlp, case.feeds)}
     out["mlp_seed_api"] = {p.type: [list(seed_api.estimate_memory(p, p.type)), measured[p.type]] for p in ir}
     print(json.dumps(out))
-""")
+""")  # noqa: E501 (a script run under Paddle's Python)
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ SNIPPET = textwrap.dedent("""
     except AttributeError as e:
         out["paddle_estimator"] = str(e)
     print(json.dumps(out))
-""")
+""")  # noqa: E501 (a script run under Paddle's Python)
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ vs = [v for v in progs["default"].global_block().vars.values() if v.persistable]
 size = lambda v: int(np.prod([max(int(d), 1) for d in v.shape])) * 4
 print(sum(size(v) for v in vs if "moment" in v.name), sum(size(v) for v in vs if v.name.endswith((".w_0", ".b_0"))
       or "weight" in v.name))
-"""
+"""  # noqa: E501 (a script run under Paddle's Python)
 
 
 @pytest.mark.skipif(

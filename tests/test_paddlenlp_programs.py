@@ -18,7 +18,8 @@ MB = 1 << 20
 
 
 def _doc(rank, job_list, first=False):
-    """recv_forward (unless first) -> forward (keeps 'h' for backward) -> backward -> send_backward -> optimizer."""
+    """recv_forward (unless first) -> forward (keeps 'h' for backward) -> backward -> send_backward
+    -> optimizer."""
     t = {
         "recv": {"shape": [MB // 4], "dtype": "float32"},
         "h": {"shape": [2 * MB // 4], "dtype": "float32"},

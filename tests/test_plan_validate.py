@@ -1,10 +1,13 @@
 """validate_plan: every bad combination is one UserError naming the flag and the fix."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipemem.errors import UserError
 from pipemem.model import arch_from_hf_config
 from pipemem.plan import ParallelPlan, validate_plan
+from pipemem.stages import build_stage_jobs
 
 LLAMA2_7B = {
     "model_type": "llama",
@@ -196,11 +199,6 @@ def test_named_schedules_place_stages_looped_or_v():
     assert get_schedule("ZBVZeroBubble", 4, 8, 2).stage_rank == v_stage_map(4, 2)
     assert get_schedule("Interleaved1F1B", 4, 8, 2).stage_rank == loop_stage_map(4, 2)
 
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
-
-from pipemem.stages import build_stage_jobs  # noqa: E402
 
 TINY = {
     "model_type": "mixtral",

@@ -21,7 +21,7 @@ from pipemem.runtime import PROFILES, lower
 from pipemem.schedules import SCHEDULE_NAMES, default_vpp, get_schedule
 from pipemem.schedules.actions import Action, Schedule
 
-# ---------------------------------------------------------------- the reference (pipemem 1cc8eb9, the lowering before the rewrite)
+# ------------------------------------ the reference (pipemem 1cc8eb9, the lowering before the rewrite)
 
 
 class _Holders:

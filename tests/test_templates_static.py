@@ -85,7 +85,8 @@ def test_pipeline_ranks_hold_their_layers_and_ends():
     sp = build_stage_jobs(arch, ParallelPlan(seq_len=128, pp=2, vpp=2))
     h, f, v = 512, 1024, 1024
     layer = 4 * h * h + 3 * h * f + 2 * h
-    # looped: rank 0: stages 0 and 2 (4 layers) + embedding; rank 1: stages 1 and 3 + final norm + output layer
+    # looped: rank 0: stages 0 and 2 (4 layers) + embedding; rank 1: stages 1 and 3 + final norm +
+    # output layer
     static = sp.static_per_rank(get_schedule("Interleaved1F1B", 2, 2, 2))
     assert static[0].params == 2 * (4 * layer + v * h)
     assert static[1].params == 2 * (4 * layer + h + v * h)

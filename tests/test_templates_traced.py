@@ -62,7 +62,7 @@ def traced_layer1(config, dtype):
                     t.name, t.shape, t.dtype, t.kind, storage=t.storage, persistent=t.persistent, bytes=0
                 )
         p._compiled = None
-    fwd, bwd = r.programs[0], r.programs[1]
+    fwd = r.programs[0]
     res = analyze_sequence(r.programs, live_on_entry=r.entry_storages)
     c = compile_program(fwd)
     layer_of = r.op_layers["forward"]

@@ -29,8 +29,9 @@ A new segment (malloc's order)
   1. get_free_block; 2. garbage_collect_cached_blocks when garbage_collection_threshold is
   set and a per-process memory fraction caps the allocator: while reserved is above
   threshold x cap, release in passes the whole cached large segments whose age
-  (get_free_block calls since they were cached) is at least the mean age; 3. alloc_block (cudaMalloc of the allocation
-  size; fails above the fraction's cap or the device's capacity); 4. on failure
+  (get_free_block calls since they were cached) is at least the mean age; 3. alloc_block
+  (cudaMalloc of the allocation size; fails above the fraction's cap or the device's
+  capacity); 4. on failure
   release_available_cached_blocks: with max_split_size set, release the smallest cached
   oversize segment of the stream that is at least max(size, max_split_size), or else the
   largest ones downwards until that much is released, and retry; 5. release_cached_blocks
@@ -444,7 +445,7 @@ class CachingAllocator:
         live = {}
         n = -1
         try:
-            for n, (nbytes, stream, key) in enumerate(events):
+            for n, (nbytes, stream, key) in enumerate(events):  # noqa: B007 (n: the except returns it)
                 if nbytes <= 0:
                     block = live.pop(key)
                     block.allocated = False
@@ -502,7 +503,7 @@ class CachingAllocator:
         handles = {}
         n = -1
         try:
-            for n, (nbytes, stream, key) in enumerate(events):
+            for n, (nbytes, stream, key) in enumerate(events):  # noqa: B007 (n: the except returns it)
                 if nbytes > 0:
                     handles[key] = self.malloc(nbytes, stream)
                 else:

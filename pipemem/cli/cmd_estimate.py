@@ -41,7 +41,7 @@ examples:
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).
 Exit status 0 whether or not the plan fits (read `fits` in --json); 2 on bad input.
-"""
+"""  # noqa: E501 (example command lines, printed as they stand)
 
 
 def _bool_flag(p, name: str, help_: str) -> None:
@@ -178,8 +178,8 @@ def register(sub) -> None:
         "--grads",
         choices=GRADS,
         help="how the trainer keeps gradients between steps: buffer (resident all step: Megatron, "
-        "Paddle, torchtitan 0.3 with CUDA graphs), set-to-none (zero_grad(set_to_none=True), created in backward: "
-        "HF, torchtune), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
+        "Paddle, torchtitan 0.3 with CUDA graphs), set-to-none (zero_grad(set_to_none=True), created in "
+        "backward: HF, torchtune), ddp-bucket / ddp-bucket-view (DistributedDataParallel's buckets, "
         "gradient_as_bucket_view off / on); default follows --convention (hf with --dp > 1: "
         "ddp-bucket)",
     )
@@ -561,7 +561,7 @@ def run(args) -> int:
         _check_plot_path(args.plot)
     est = estimate(model, **plan, **{k: v for k, v in opts.items() if v is not None})
     est.warnings = warnings + list(est.warnings)
-    est.max_peak_reserved_bytes  # the allocator model runs now, so its warning (if any) is printed below
+    _ = est.max_peak_reserved_bytes  # the allocator model runs now, so its warning (if any) is printed below
     if est.fits is False:
         est.suggest()  # a few one-step changes, each estimated by the engine
         tool = (

@@ -27,7 +27,7 @@ estimate`'s own verdict, reserved memory included, for up to 20 s: a plan it doe
 durations proportional to their FLOPs, plus communication at NVLink or network speed
 (docs/PLANNER.md). Each plan's flags paste into `pipemem estimate` and give the same bytes.
 --tp/--pp/--cp/--dp/--vpp/--ep pin a degree; the others are searched.
-"""
+"""  # noqa: E501 (help text, printed as it stands)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

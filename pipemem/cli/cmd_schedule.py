@@ -265,7 +265,7 @@ def _run(args) -> int:
         f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}"
     )
     print(
-        f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's activations) "
-        f"(w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else "")
+        f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's "
+        f"activations) (w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else "")
     )
     return 0

@@ -1,4 +1,5 @@
-"""`pipemem validate {cpu,dist,paddle,cuda,megatron,features}`: measured vs estimated on real runs and library traces."""
+"""`pipemem validate {cpu,dist,paddle,cuda,megatron,features}`: measured vs estimated on real runs and
+library traces."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 Users copy the command line they run. We accept it whole: the launcher part
 (`torchrun --nproc_per_node 8 --nnodes 2`, `python -m paddle.distributed.launch --gpus
-0,1,2,3`, `accelerate launch --num_processes 8`, `deepspeed --num_gpus 8`) gives the world size, the script part gives the training arguments. Shell line
-continuations (a lone `\\`) are dropped.
+0,1,2,3`, `accelerate launch --num_processes 8`, `deepspeed --num_gpus 8`) gives the world
+size, the script part gives the training arguments. Shell line continuations (a lone `\\`)
+are dropped.
 """
 
 from __future__ import annotations

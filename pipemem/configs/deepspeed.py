@@ -81,9 +81,10 @@ _READ = {
 }
 # top-level keys of features that change memory and are not modelled
 _REFUSED = {
-    "pipeline": "DeepSpeed's pipeline engine (PipelineModule) is not modelled; use --pp with --convention megatron "
+    "pipeline": "DeepSpeed's pipeline engine (PipelineModule) is not modelled; use --pp with --convention "
+    "megatron or torchtitan",
+    "tensor_parallel": "DeepSpeed's AutoTP is not modelled; use --tp with --convention megatron "
     "or torchtitan",
-    "tensor_parallel": "DeepSpeed's AutoTP is not modelled; use --tp with --convention megatron or torchtitan",
     "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism is not modelled",
     "data_types": "data_types (grad_accum_dtype) changes the gradients' dtype, which is not modelled",
     "compression_training": "DeepSpeed's compression training is not modelled",

@@ -309,7 +309,8 @@ REFUSED = {
     "cpu-offloading-num-layers": _OFFLOAD,
     "cpu-offloading-activations": _OFFLOAD,
     "cpu-offloading-weights": _OFFLOAD,
-    "tp-comm-overlap": "allocates Transformer Engine's userbuffers (communication/GEMM overlap), not modelled",
+    "tp-comm-overlap": "allocates Transformer Engine's userbuffers "
+    "(communication/GEMM overlap), not modelled",
     "delay-wgrad-compute": "keeps weight-gradient inputs until a delayed wgrad pass, not modelled",
     "defer-embedding-wgrad-compute": "keeps the embedding's wgrad inputs across microbatches, not modelled",
     "moe-expert-capacity-factor": "changes the tokens each expert receives (capacity), not modelled; "
@@ -349,8 +350,8 @@ REFUSED = {
     "attention-output-gate": "the attention output gate is not modelled",
     "spec": "names a custom layer spec, which pipemem does not read; it models megatron-core's Transformer "
     "Engine spec (the default)",
-    "overlap-moe-expert-parallel-comm": "runs one microbatch's forward with another's backward (combined 1F1B "
-    "expert-parallel overlap), not modelled",
+    "overlap-moe-expert-parallel-comm": "runs one microbatch's forward with another's backward (combined "
+    "1F1B expert-parallel overlap), not modelled",
 }
 
 # Vocabulary sizes of Megatron's built-in tokenizers (before padding).

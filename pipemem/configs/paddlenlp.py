@@ -135,7 +135,6 @@ IGNORED = {
     "dataset_world_size",
     "enable_linear_fused_grad_add",
     "sharding_comm_buffer_size_MB",
-    "pipeline_parallel_config",
     # PaddleFormers' names for the same kinds of arguments (data, checkpoints, logging)
     "train_dataset_type",
     "eval_dataset_type",

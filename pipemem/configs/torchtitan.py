@@ -3,16 +3,16 @@
 Two inputs: a job TOML (the tables of torchtitan 0.3's `Trainer.Config.to_dict()`, or an older
 job file), or torchtitan 0.3's own launch arguments (`--module llama3 --config llama3_8b
 --parallelism.tensor_parallel_degree 8`, resolved by torchtitan's ConfigManager when it is
-installed). Every memory-relevant key is honoured or refused by name (`_KEYS`; torch.compile
-and Float8 linears are read by `_modern`, MX is refused). Model: `[model] name` + `flavor`
-(or `model_spec`) name torchtitan's built-in Llama 3 sizes, mapped to our presets with the
-same shapes; launch arguments build torchtitan's own model on the meta device. Batch: with pipeline parallelism torchtitan splits each
-rank's `local_batch_size` into microbatches of `pipeline_parallel_microbatch_size`; without
-it the local batch is one microbatch (gradient accumulation repeats whole steps, which does
-not raise the peak). FSDP2 keeps fp32 sharded parameters and gathers them in
-`mixed_precision_param`, so bf16 training here means bf16 compute with fp32 master state.
-`[parallelism] tensor_parallel_recompute_allgather = true` (pipemem's key, for a plan whose
-column-parallel linears are `pipemem.torch_tp.RegatherColwiseParallel`) is
+installed). Every memory-relevant key is honoured or refused by name (`_KEYS`; torch.compile and
+Float8 linears are read by `_modern`, MX is refused). Model: `[model] name` + `flavor` (or
+`model_spec`) name torchtitan's built-in Llama 3 sizes, mapped to our presets with the same
+shapes; launch arguments build torchtitan's own model on the meta device. Batch: with pipeline
+parallelism torchtitan splits each rank's `local_batch_size` into microbatches of
+`pipeline_parallel_microbatch_size`; without it the local batch is one microbatch (gradient
+accumulation repeats whole steps, which does not raise the peak). FSDP2 keeps fp32 sharded
+parameters and gathers them in `mixed_precision_param`, so bf16 training here means bf16 compute
+with fp32 master state. `[parallelism] tensor_parallel_recompute_allgather = true` (pipemem's
+key, for a plan whose column-parallel linears are `pipemem.torch_tp.RegatherColwiseParallel`) is
 `--recompute-allgather`.
 """
 
@@ -118,7 +118,8 @@ _KEYS = {
         "deterministic": "none",
         "dataset": "none",
         "dataset_path": "none",
-        "enable_cpu_offload": "CPU offloading of parameters, gradients and optimizer states is not modelled yet",
+        "enable_cpu_offload": "CPU offloading of parameters, gradients and optimizer states "
+        "is not modelled yet",
     },
     "parallelism": {
         "data_parallel_replicate_degree": "plan",

@@ -242,7 +242,7 @@ def executor_inplace(ops, vid, skip_values=()) -> dict[int, dict[int, int]]:  # 
     leading dim of a 2-D-or-more shape; reshape / squeeze / unsqueeze skip the count)."""
     last_use: dict = {}
     skip: set = set(skip_values)
-    for i, op in enumerate(ops):
+    for op in ops:
         if op.name() in ("pd_op.data", "pd_op.feed"):
             skip.update(vid(r) for r in op.results() if not _fake(r))
         if op.name() in _SINK_OPS:

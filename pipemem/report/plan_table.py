@@ -168,9 +168,10 @@ def render_plans(
     con.print(
         Text(
             f"{s.proposed:,} plans proposed: {invalid:,} invalid, {s.pruned_static:,} ruled out by their "
-            f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} within the GPU on allocated + "
-            f"outside-the-allocator bytes, {sum(p.verdict == 'fits' for p in res.plans):,} of them judged FITS with "
-            f"reserved memory"
+            f"static bytes, {s.no_fit:,} estimated and too large, {len(res.plans):,} "
+            "within the GPU on allocated + "
+            f"outside-the-allocator bytes, {sum(p.verdict == 'fits' for p in res.plans):,} of them judged "
+            f"FITS with reserved memory"
             + (
                 f" ({s.dropped_on_reserved:,} dropped: not FITS once reserved is counted)"
                 if s.dropped_on_reserved
@@ -203,7 +204,8 @@ def render_plans(
         con,
         [(i + 1, p) for i, p in enumerate(res.plans[:top])],
         t,
-        f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} plans within the GPU (estimated step time)",
+        f"Fastest {min(top, len(res.plans))} of {len(res.plans):,} plans within "
+        "the GPU (estimated step time)",
     )
     pareto = res.pareto
     if pareto:
@@ -238,9 +240,10 @@ def render_plans(
             "verdict: FITS = pipemem estimate's verdict, reserved memory included; screened = allocated + "
             "outside-the-allocator bytes within the GPU, reserved not yet judged (the judging stops after "
             "20 s: run pipemem estimate with the plan's flags); "
-            "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus the "
-            "highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
-            "allocated in place of reserved); bubble: idle share of the pipeline ranks in the schedule simulated "
+            "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus "
+            "the highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
+            "allocated in place of reserved); bubble: idle share of the pipeline "
+            "ranks in the schedule simulated "
             "with F/I/W durations proportional to FLOPs; comm: bytes each GPU sends per step (tp, cp, ep, "
             "pp, dp); step: makespan + communication time at the link speeds, no overlap (docs/PLANNER.md).",
             style=DIM,

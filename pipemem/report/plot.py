@@ -159,7 +159,7 @@ _SCRIPT = """
     svg.addEventListener('mouseleave', function(){ tip.style.display='none'; marker.style.display='none'; });
   });
 })();
-"""
+"""  # noqa: E501 (JavaScript written into the page as it stands)
 
 
 def html_document(est) -> str:
@@ -202,7 +202,7 @@ vertical-align: -1px; }}
 <script type="application/json" id="pipemem-data">{payload}</script>
 <script>{_SCRIPT}</script>
 </body></html>
-"""
+"""  # noqa: E501 (HTML/CSS written into the page as it stands)
 
 
 def _svg_panel(idx, r, tl, n, top, gpu, gpu_name, plot_w) -> str:

@@ -147,7 +147,10 @@ def _flash_text(est) -> str:
     except Exception:  # --gpu-memory: no preset to consult
         info = {}
     if info and not info.get("flash_attention", True):
-        return f"no flash-attn ({info['key']}, compute capability {info.get('compute_capability')}, cannot run it)"
+        return (
+            f"no flash-attn ({info['key']}, compute capability "
+            f"{info.get('compute_capability')}, cannot run it)"
+        )
     return "no flash-attn"
 
 
@@ -465,11 +468,11 @@ def verdict(est, markup: bool = False):
         share = worst.device_peak_bytes / gpu
         margin = NEAR_LIMIT if est.reserved_modelled else NEAR_LIMIT_UNMODELLED
         why = (
-            "the reserved estimate and the sizes of NCCL's buffers and the CUDA context vary by a few percent "
-            "between runs and versions"
+            "the reserved estimate and the sizes of NCCL's buffers and the CUDA context vary by a few "
+            "percent between runs and versions"
             if est.reserved_modelled
-            else "reserved memory is not modelled here, and the caching allocator's rounding and fragmentation "
-            "add 3-27 % over allocated in Megatron's memory logs"
+            else "reserved memory is not modelled here, and the caching allocator's rounding and "
+            "fragmentation add 3-27 % over allocated in Megatron's memory logs"
         )
         line = Text.assemble(
             ("TIGHT", YELLOW),

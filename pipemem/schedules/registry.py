@@ -1,11 +1,11 @@
 """The schedule registry: every named schedule's `ScheduleSpec`, and the questions asked of a name.
 
 Each module in SCHEDULE_MODULES lists its schedules in `SPECS`; adding a schedule is one module
-(generator + spec) and its name in SCHEDULE_MODULES, or one spec in an existing module. Everything that needs to
-know about schedules asks this module: `get_schedule` (the generator), the plan's validation
-(searched or not, meaningful at pp 1), the estimate (default chunks per rank), the runtime
-lowering (which PyTorch runtime runs it), the planner (which fit a vpp, their placement),
-`pipemem schedule --help` and the README's table (`notation_rows`, `markdown_rows`).
+(generator + spec) and its name in SCHEDULE_MODULES, or one spec in an existing module.
+Everything that needs to know about schedules asks this module: `get_schedule` (the generator),
+the plan's validation (searched or not, meaningful at pp 1), the estimate (default chunks per
+rank), the runtime lowering (which PyTorch runtime runs it), the planner (which fit a vpp, their
+placement), `pipemem schedule --help` and the README's table (`notation_rows`, `markdown_rows`).
 """
 
 from __future__ import annotations

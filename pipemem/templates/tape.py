@@ -421,7 +421,7 @@ class Tape:
             # of the unit's output arrives: after the backward of what runs outside the unit
             # (the loss), just before the first node that reads the parameters or recomputes
             gathered = None
-        for src, copy in self.offloaded.items():
+        for copy in self.offloaded.values():
             self._add(i_prog, Op("h2d_reload", (), (copy,), phase="offload"))
         # per-pack offloading: the reloads of the node that ran before (the previous layer's
         # last, at first) are freed once the next reloading node has run

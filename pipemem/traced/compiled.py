@@ -2,10 +2,11 @@
 
 `compile_layers(model)` replaces each decoder layer's forward with an `aot_function` of it
 (parameters as graph inputs) that uses inductor's decompositions, its partitioner
-`min_cut_rematerialization_partition` and no-op graph compilers. The recorded step then runs the partitioned forward and backward graphs op by op,
-and autograd holds exactly the tensors the compiled forward returns for the backward: the
-liveness engine sees what a compiled layer saves. Inductor's fusion of pointwise chains
-(fewer transient buffers inside a graph) is not modelled; the saved set is the partitioner's.
+`min_cut_rematerialization_partition` and no-op graph compilers. The recorded step then runs the
+partitioned forward and backward graphs op by op, and autograd holds exactly the tensors the
+compiled forward returns for the backward: the liveness engine sees what a compiled layer saves.
+Inductor's fusion of pointwise chains (fewer transient buffers inside a graph) is not modelled;
+the saved set is the partitioner's.
 
 The graphs are traced once per layer on its first call, with the recorder's dispatch modes
 off (tracing is not part of the step); that warm-up forward is discarded and the call is

@@ -92,7 +92,8 @@ class Precision:
             return cls(torch.float32, None)
         if base not in low or how not in ("", "pure", "autocast"):
             raise UserError(
-                f"--dtype {dtype!r}: use fp32, bf16, fp16 (or bf16-pure, bf16-autocast, fp16-pure, fp16-autocast)"
+                f"--dtype {dtype!r}: use fp32, bf16, fp16 (or bf16-pure, "
+                "bf16-autocast, fp16-pure, fp16-autocast)"
             )
         pure = how == "pure" or (how == "" and not master_weights)
         return cls(low[base], None) if pure else cls(torch.float32, low[base])

@@ -402,7 +402,9 @@ def trace_step(
                     backward=backward,
                     set_to_none=set_to_none,
                 )
-            del optimizer, args, kwargs, input_tensors
+            # on_phase reads `optimizer` from its cell: rebinding it drops the reference as `del` would
+            optimizer = None
+            del args, kwargs, input_tensors
             programs = rec.programs()
             entry = rec.entry_storages()
             static = _static_bytes(rec.storages, entry, names)

@@ -246,7 +246,8 @@ def run_named_cases(
         for r in done if isinstance(done, list) else [done]:
             if not args.json:
                 print(
-                    f"{r.name:{name_width}s} {fmt_bytes(r.measured_bytes):>12s} {fmt_bytes(r.estimated_bytes):>12s} "
+                    f"{r.name:{name_width}s} {fmt_bytes(r.measured_bytes):>12s} "
+                    f"{fmt_bytes(r.estimated_bytes):>12s} "
                     f"{r.rel_error:>+10.2%}  {r.extra['measured_peak_at'][:50]}",
                     flush=True,
                 )

@@ -262,6 +262,14 @@ def recv_dtype(case: Case) -> Any:
     return param_dtype(case)
 
 
+def _train_step(emu: Any, actions: Any, optimizer: Any) -> Any:
+    """One training step: the rank's schedule walked by the emulator, then the optimizer step."""
+    walk = emu.run(actions)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return walk
+
+
 def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict:
     """Build rank `rank`'s stages of `case` on `device`, run a warm-up step and a measured
     step (all the rank's actions, then the optimizer), and return what was measured.
@@ -315,13 +323,7 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
         probe=probe,
     )
 
-    def step():
-        walk = emu.run(actions)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return walk
-
-    step()  # warm-up: creates the optimizer states
+    _train_step(emu, actions, optimizer)  # warm-up: creates the optimizer states
     first_alloc, first_reserved = _peaks(dev_type)
     import gc
 
@@ -331,7 +333,7 @@ def run_rank(case: Case, rank: int, device: str = "cuda", seed: int = 0) -> dict
         # loop is in (the allocator keeps the segments of the step before).
         torch.cuda.reset_peak_memory_stats()
     start_bytes = int(torch.cuda.memory_allocated()) if dev_type == "cuda" else None
-    walk = step()
+    walk = _train_step(emu, actions, optimizer)
     alloc, reserved = _peaks(dev_type)
     result = {
         "rank": rank,
@@ -517,8 +519,8 @@ def format_table(report: dict) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     gpu = report.get("gpu", {})
     lines = [
-        f"GPU {gpu.get('name', '?')} (driver {report.get('driver') or '?'}, CUDA {report.get('cuda') or '?'}, "
-        f"torch {report.get('torch', '?')})",
+        f"GPU {gpu.get('name', '?')} (driver {report.get('driver') or '?'}, CUDA "
+        f"{report.get('cuda') or '?'}, torch {report.get('torch', '?')})",
         "  ".join(h.ljust(w) for h, w in zip(header, widths)),
     ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]

@@ -49,7 +49,7 @@ examples:
   pipemem validate dist --cases tp4-llama-regather   # with tp4-llama: the saving of RegatherColwiseParallel
   pipemem validate dist --cases ddp2-llama,ddp2-llama-view,ddp4-llama,ddp4-llama-view   # DDP, bucket view off / on
   pipemem validate dist --list
-"""
+"""  # noqa: E501 (example command lines, printed as they stand)
 
 LLAMA = {"arch": "llama", "hidden": 64, "layers": 8, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256}
 MIXTRAL = {

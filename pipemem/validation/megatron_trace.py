@@ -1157,7 +1157,8 @@ class _TEFusedAdam(torch.optim.Optimizer):
 def _te_fused_adam():
     """megatron-core with Transformer Engine's FusedAdam: its config's import check finds the
     stand-in module, get_megatron_optimizer takes `_TEFusedAdam` (USING_PYTORCH_OPTIMIZER off)
-    and the DistributedOptimizer accepts it, and the TE version checks pass (TE >= 2.1: store_param_remainders is passed)."""
+    and the DistributedOptimizer accepts it, and the TE version checks pass (TE >= 2.1:
+    store_param_remainders is passed)."""
     import megatron.core.optimizer as mopt
     from megatron.core.optimizer import distrib_optimizer, optimizer_config
 
@@ -1216,7 +1217,7 @@ def _resident(programs, results, phase: str) -> list[dict]:
                     made[n] = (prog.name, op.type, op.module, t.nbytes, tuple(t.shape), t.dtype)
             freed.update(prog.tensors[n].storage for n in op.frees)
     groups: dict[tuple, list] = {}
-    for n, (ph, ty, mod, nb, shape, dt) in made.items():
+    for n, (ph, ty, mod, nb, _shape, dt) in made.items():
         if n not in freed:
             g = groups.setdefault((ph, ty, mod, dt), [0, 0])
             g[0] += nb

@@ -59,7 +59,7 @@ examples:
   pipemem validate paddle --ir pir
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem validate paddle --ir paddlenlp --cases paddlenlp-pp4
   PIPEMEM_PADDLE26_PYTHON=~/venvs/paddle26/bin/python pipemem validate paddle --ir paddlenlp-legacy
-"""
+"""  # noqa: E501 (example command lines, printed as they stand)
 
 CASE_NAMES = tuple(CASES)
 PIR_CASE_NAMES = tuple(PIR_CASES)

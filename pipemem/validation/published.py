@@ -821,12 +821,14 @@ EXPLAINED: dict[str, list[str]] = {
         "log-softmax (3 x 3.8 GiB) over the checkpointed layer inputs (5.9 GiB in half), the ZeRO-3 states "
         "with their resident fp16 grad partition, the reduce bucket and the last layers' parameters kept "
         "gathered for the backward (stage3_max_reuse_distance), as validate deepspeed found them in "
-        "DeepSpeed's own engine; it was +60 % with the model under autocast (fp32 layer inputs) and HF's fp32 "
-        "upcast in the loss, +38 % with DeepSpeed's half model and fp32 master partitions alone"
+        "DeepSpeed's own engine; it was +60 % with the model under autocast (fp32 layer inputs) and HF's "
+        "fp32 upcast in the loss, +38 % with DeepSpeed's half model and fp32 master partitions alone"
     ],
     "paddle-pr62865-1F1B-rank0": [
-        "PaddleNLP's own programs for this run, built by Paddle 3.3.1's passes (`--exact`, see its note), agree with the template within 0.2 % per "
-        "rank (it was -20 % before the record took PaddleNLP's kernel defaults: unfused QKV, RMSNorm and rope). "
+        "PaddleNLP's own programs for this run, built by Paddle 3.3.1's passes (`--exact`, see its note), "
+        "agree with the template within 0.2 % per "
+        "rank (it was -20 % before the record took PaddleNLP's kernel defaults: "
+        "unfused QKV, RMSNorm and rope). "
         "The gap grows with the microbatches in flight under 1F1B (4 / 3 / 2 / 1 on ranks 0-3: 1.43 / 0.87 / "
         "0.30 / 0.11 GiB), about 0.5 GiB per microbatch, the size of one layer's fp32 attention scores "
         "[32, 2048, 2048]: the run (Paddle of 2024-03) kept one more such tensor per microbatch than Paddle "
@@ -837,14 +839,15 @@ EXPLAINED: dict[str, list[str]] = {
         "the torchtune convention follows torchtune's own modules (K/V expanded to every head before "
         "attention, the attention output held to the layer's end, the decoder's `output(h).float()` so its "
         "compiled CE keeps fp32 logits): -19.0 % under the hf convention; the min-cut over its tape removes "
-        "exactly what the real partitioner removes from torchtune's layers at small shapes (validate features "
+        "exactly what the real partitioner removes from torchtune's layers at "
+        "small shapes (validate features "
         "compile/torchtune-bf16); the remaining -7.9 % (4.0 GiB) is unexplained (the run's torch 2.5-era "
         "inductor at full shape is not reproduced here)"
     ],
     "torchtune-3B-Activation_Checkpointing": [
         "the peak is the optimizer step (params, grads and bf16 states, 24 GiB); torchtune's configs pass "
-        "fused=True to torch.optim.AdamW (no step temporary; the torchtune convention's default, +20.2 % with "
-        "the foreach path's parameter-sized list), see 'alt'; the record does not say which"
+        "fused=True to torch.optim.AdamW (no step temporary; the torchtune convention's default, +20.2 % "
+        "with the foreach path's parameter-sized list), see 'alt'; the record does not say which"
     ],
     "torchtune-3B-8-bit_AdamW": [
         "8-bit states save 5.9 GiB in pipemem (2 x 1 B + block scales instead of 2 x 2 B per parameter); the "
@@ -1003,7 +1006,8 @@ def markdown(result: dict) -> str:
             f"* median |error| over compared (allocated / active) records: "
             f"{s['median_abs_rel_error_compared']:.1%}"
             + (
-                f"; high-completeness records only: {s['median_abs_rel_error_compared_high_completeness']:.1%}"
+                f"; high-completeness records only: "
+                f"{s['median_abs_rel_error_compared_high_completeness']:.1%}"
                 if s["median_abs_rel_error_compared_high_completeness"] is not None
                 else ""
             )

@@ -120,9 +120,9 @@ def measure_step(
 
     `feeds` maps data var names to numpy arrays. The startup program runs once; `steps`
     steps run, each on a fresh executor; the last one is reported (a second step gave
-    the same bytes on every line of `pipemem validate paddle`, so one is the default). per_op: also a marker before every
-    op, giving one `Measured` per op ("type/index:op_type") - to find which op a residual
-    comes from."""
+    the same bytes on every line of `pipemem validate paddle`, so one is the default).
+    per_op: also a marker before every op, giving one `Measured` per op ("type/index:op_type")
+    - to find which op a residual comes from."""
     import numpy as np
     import paddle
     from paddle.base import core

@@ -25,7 +25,8 @@ build strategy, so in-place is on), the pipeline scheduler pass applied to a clo
 Faked, because one CPU process has no cluster: the rank comes from ``PADDLE_TRAINER_ID``
 and friends; ``Engine._init_comm`` (NCCL communicators) and ``Engine._initialize`` (the
 startup run) are replaced by no-ops, and `paddle.device.cuda.get_device_properties` (read
-by the engine's default cluster, an input of its cost model only) answers an A100. Nothing else: the programs are Paddle's own.
+by the engine's default cluster, an input of its cost model only) answers an A100. Nothing
+else: the programs are Paddle's own.
 
 scipy is imported before paddle: in this venv importing a C extension after paddle 2.6.2
 fails with ``zlib.error: Error -2 while decompressing data`` (paddle's bundled zlib).

@@ -19,8 +19,8 @@ How each job is run, and why (checked on paddlepaddle 3.3.1, CPU):
   holding a lone job typed "backward" (hence the `JOB_PREFIX` names).
 * **Communication ops run locally**: there is no process group on one CPU, so each is
   replaced by a local op that allocates the same output: ``recv_v2`` -> ``full`` of its
-  shape; ``send_v2`` -> ``share_data_`` of the sent value (a read that allocates nothing); an in-place collective
-  (``*_``) passes its input through; an out-of-place one becomes a copy (``assign``,
+  shape; ``send_v2`` -> ``share_data_`` of the sent value (a read that allocates nothing); an
+  in-place collective (``*_``) passes its input through; an out-of-place one becomes a copy (``assign``,
   same shape), a concatenation of copies (gathers: larger output) or a slice (scatters:
   smaller output). The stream-event attributes (``events_to_wait``...) are dropped:
   one CPU stream. So the measured programs are Paddle's minus the wire.
@@ -89,7 +89,7 @@ def _replace_comm_ops(program) -> list[str]:
             continue
         with paddle.static.program_guard(program):
             pir.set_insertion_point(op)
-            for j, r in enumerate(op.results()):
+            for r in op.results():
                 if r.use_empty() and short not in ("recv_v2", "p_recv"):
                     continue
                 shape = [int(d) for d in r.shape]

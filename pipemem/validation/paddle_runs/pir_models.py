@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from .models import PIR_OPS, DecoderConfig, decoder_feeds, decoder_loss
 
+_DEFAULT_DECODER = DecoderConfig()  # a frozen dataclass: one shared default instance
+
 
 @dataclass
 class PirCase:
@@ -57,7 +59,7 @@ def mlp(batch: int = 32, width: int = 64, hidden: int = 256, classes: int = 10) 
     return PirCase("mlp-pir", main, startup, sizes, feeds)
 
 
-def decoder(cfg: DecoderConfig = DecoderConfig(), batch: int = 2, seq: int = 32) -> PirCase:
+def decoder(cfg: DecoderConfig = _DEFAULT_DECODER, batch: int = 2, seq: int = 32) -> PirCase:
     """A causal decoder (GPT or Llama style) with a language-model loss and AdamW."""
     import paddle
 
