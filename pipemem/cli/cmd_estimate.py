@@ -10,7 +10,7 @@ from ..configs.resolve import merge
 from ..errors import UserError
 from ..features import LOSSES
 
-EXAMPLE = """\
+EXAMPLE = """\\
 examples:
   pipemem estimate --model llama3-70b --gpu h100-80g --dp 2 --tp 8 --pp 4
   pipemem estimate --model llama3-8b --gpu a100-80g --dp 8 --zero 1 --recompute selective --json
@@ -23,20 +23,20 @@ examples:
       --max_seq_length 2048 --per_device_train_batch_size 1 --gradient_accumulation_steps 8 \\
       --pipeline_parallel_degree 4 --recompute 1 --num_hidden_layers 4
   pipemem estimate --gpu h100-80g --dp 8 --from-torchtitan train_configs/llama3_8b.toml
-  pipemem estimate --model llama3.2-3b --convention torchtune --dtype bf16 --seq-len 4096 \
+  pipemem estimate --model llama3.2-3b --convention torchtune --dtype bf16 --seq-len 4096 \\
       --micro-batch 2 --compile --loss chunked --recompute full --optimizer-in-backward --activation-offload all
   pipemem estimate --gpu a100-80g --seq-len 4096 --from-torchtune recipes/configs/llama3_2/3B_full_single_device.yaml
-  pipemem estimate --gpu h100-80g --from-torchtitan - -- --module llama3 --config llama3_8b \
+  pipemem estimate --gpu h100-80g --from-torchtitan - -- --module llama3 --config llama3_8b \\
       --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2
   pipemem estimate --model qwen2.5-7b --convention hf --dtype bf16 --dp 4 --grads ddp-bucket-view
   pipemem estimate --model llama3-8b --gpu a100-80g --dp 8 --seq-len 4096 --recompute full --deepspeed ds_config.json
-  pipemem estimate --gpu a100-80g --from-hf-trainer -- torchrun --nproc_per_node 8 run_clm.py \
-      --model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 4096 --per_device_train_batch_size 1 \
+  pipemem estimate --gpu a100-80g --from-hf-trainer -- torchrun --nproc_per_node 8 run_clm.py \\
+      --model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 4096 --per_device_train_batch_size 1 \\
       --bf16 --gradient_checkpointing --deepspeed ds_config.json
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
-  PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \
-      --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \
-      --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4 \
+  PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \\
+      --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \\
+      --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4 \\
       --num_hidden_layers 4 --fp16 0 --use_flash_attention 0 --enable_auto_parallel 1
 
 Without --global-batch or --microbatches a pipeline runs pp microbatches (1 without pp).

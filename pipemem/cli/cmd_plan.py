@@ -21,7 +21,8 @@ examples:
 The search screens every plan on its allocated peak plus the memory outside the caching
 allocator (CUDA context, NCCL's buffers, cuBLAS workspace): a lower bound of what it takes from
 the GPU. The plans shown (the --top fastest and the Pareto sets) are then judged by `pipemem
-estimate`'s own verdict, reserved memory included, for up to 20 s: a plan it does not call FITS
+estimate`'s own verdict, reserved memory included, for up to --judge-seconds (default 10): a plan
+it does not call FITS
 (with --reserve more left free, if given) is dropped, and plans it did not reach are marked
 "screened" ("verdict": null in --json). Plans are ranked by an estimated step time: the schedule simulated with F/B/W
 durations proportional to their FLOPs, plus communication at NVLink or network speed
@@ -140,6 +141,14 @@ def register(sub) -> None:
     )
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="plans shown in the table (default 10)")
+    o.add_argument(
+        "--judge-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="time to spend judging the shown plans with reserved memory (the allocator model); "
+        "plans not reached are marked screened (default 10)",
+    )
     o.add_argument(
         "--zero-bubble",
         action="store_true",
@@ -264,7 +273,9 @@ def run(args) -> int:
         jobs=jobs,
     )
     # the plans shown are judged by pipemem estimate's own verdict (reserved included)
-    res.verify(args.top)
+    if not args.judge_seconds >= 0:
+        raise UserError(f"--judge-seconds {args.judge_seconds}: give 0 or more seconds")
+    res.verify(args.top, args.judge_seconds)
     if not res.plans and options.fixed:
         _explain_pinned(res, target, options)
     zb = None

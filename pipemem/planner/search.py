@@ -198,7 +198,7 @@ class PlanSearch:
     config: dict = field(default_factory=dict, repr=False)  # the model's HF config
     gpu_opts: dict = field(default_factory=dict)  # estimate()'s gpu / gpu_memory
 
-    def verify(self, top: int, budget_s: float = 20.0) -> int:
+    def verify(self, top: int, budget_s: float = 10.0) -> int:
         """Judge the plans a user is shown (the `top` fastest, then the Pareto sets' first
         `top`) by `pipemem estimate`'s own verdict, reserved memory included, and drop those it
         does not call FITS; returns how many were dropped. The search screens every plan on

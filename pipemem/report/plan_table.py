@@ -239,7 +239,7 @@ def render_plans(
         Text(
             "verdict: FITS = pipemem estimate's verdict, reserved memory included; screened = allocated + "
             "outside-the-allocator bytes within the GPU, reserved not yet judged (the judging stops after "
-            "20 s: run pipemem estimate with the plan's flags); "
+            "--judge-seconds: run pipemem estimate with the plan's flags); "
             "peak: highest allocated peak over the pipeline ranks (pipemem estimate); headroom: GPU minus "
             "the highest device peak (reserved + CUDA context, NCCL, cuBLAS workspace; for a screened plan, "
             "allocated in place of reserved); bubble: idle share of the pipeline "
