@@ -20,6 +20,7 @@ from ...traced.stack import (  # noqa: F401
     make_mesh,
     tp_plan,
 )
+from ...traced.stack import causal_lm_loss as loss_fn  # noqa: F401 (the workers' loss, named here)
 
 
 def hf_config(spec: dict) -> dict:
