@@ -7,6 +7,7 @@ from pipemem.model import arch_from_hf_config
 from pipemem.plan import ParallelPlan, validate_plan
 from pipemem.schedules import get_schedule
 from pipemem.stages import build_stage_jobs, clear_caches
+from pipemem.templates.static import pipelined_fsdp
 
 CONFIGS = {
     "llama": {
@@ -110,7 +111,14 @@ def test_higher_zero_never_raises_static(d):
     sched = get_schedule(
         "1F1B" if a.plan.vpp == 1 else "Interleaved1F1B", a.plan.pp, a.plan.microbatches, a.plan.vpp
     )
-    assert all(s1.total <= s0.total for s0, s1 in zip(a.static_per_rank(sched), b.static_per_rank(sched)))
+    s0s, s1s = a.static_per_rank(sched), b.static_per_rank(sched)
+    if pipelined_fsdp(b.plan, b.conv) and not pipelined_fsdp(a.plan, a.conv):
+        # FSDP2 under pipelining keeps each stage's gathered bf16 parameters and its unsharded
+        # gradients (in the reduce dtype) for the whole step: more than the sharding saves. The
+        # property holds for what sharding itself keeps (total less those held copies).
+        assert all(s1.total - s1.other <= s0.total for s0, s1 in zip(s0s, s1s))
+        return
+    assert all(s1.total <= s0.total for s0, s1 in zip(s0s, s1s))
 
 
 @settings(max_examples=10, deadline=None)
