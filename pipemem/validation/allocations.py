@@ -47,14 +47,17 @@ class Timeline:
                 return name
         return "between"
 
-    def measure(self, event_bytes: int, reached: set | None = None) -> dict:
+    def measure(self, event_bytes: int, reached: dict | None = None) -> dict:
         """Bytes alive when step 2 starts, step 2's peak and where, each phase's peak, step 2's large
         allocations. The profiler sees the allocator only on threads it profiles: a tensor freed on
         another thread (a gloo worker dropping the last reference of a collective's buffer) leaves
         no event. Such a free shows as a new allocation at a pointer still alive (`missed_frees`:
-        the old one is taken as freed there), and, with `reached` (the storages the garbage
-        collector reaches when step 2 starts), as an allocation alive then that no tensor holds:
-        dropped there (`reconciled_bytes`, `reconciled`)."""
+        the old one is taken as freed there), and, with `reached` (data_ptr -> bytes of the storages
+        the garbage collector reaches when step 2 starts), as an allocation alive then that no
+        tensor holds: dropped there (`reconciled_bytes`, `reconciled`). The other way round, a storage the
+        collector reaches that no event shows alive was allocated where the profiler does not look
+        (before it started, or on such a thread): `unseen_reached_bytes`, so that
+        `static_bytes + unseen_reached_bytes` is what the collector reaches."""
         s1, e1 = self.marks["step1"]
         s2, e2 = self.marks["step2"]
         live, cur = {}, 0
@@ -116,6 +119,7 @@ class Timeline:
             "missed_frees": missed,
             "reconciled_bytes": sum(r[0] for r in self.reconciled),
             "reconciled": [{"bytes": b, "op": op, "during": w} for b, op, w in self.reconciled[:6]],
+            "unseen_reached_bytes": sum(b for p, b in (reached or {}).items() if p not in static_live),
             "events": events,
         }
 

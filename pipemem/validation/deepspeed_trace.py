@@ -274,7 +274,7 @@ def run_rank(case: dict) -> dict:
         gc.collect()
         end = gc_storages()
     tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
     out.update(
         n_params=n_params,
@@ -321,7 +321,7 @@ def run_plain(case: dict) -> dict:
         gc.collect()
         end = gc_storages()
     tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
     out["plain_expected"] = plain_expected(model, opt, ids, labels)
     return out

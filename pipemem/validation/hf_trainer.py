@@ -199,6 +199,7 @@ def compare_case(case: dict, trace: dict, model_dir: str) -> CaseRow:
             "measured_static_bytes": trace["static_bytes"],
             "estimated_static_bytes": r.static.total,
             "check_gc_bytes": trace["check_gc_bytes"],
+            "unseen_reached_bytes": trace["unseen_reached_bytes"],
             "measured_peak_at": trace["peak_at"],
             "estimated_peak_at": r.peak_at,
             "optimizer": trace["optimizer"],

@@ -173,7 +173,7 @@ def run_case(case: dict) -> dict:
         out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     gcs = out.pop("gc_at_step2")
     tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), set(gcs)))
+    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
     out["check_gc_bytes"] = sum(gcs.values())
     out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
     out["torch"] = torch.__version__
