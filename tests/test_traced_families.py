@@ -379,15 +379,37 @@ def test_preset_cli_traced_and_template_refusal(capsys):
 
 
 def test_parallel_traced_plans_refuse_other_layers_by_name():
-    """Pipelines and sharded ranks are traced on Llama / Mixtral layers: another family is refused
-    on one line, not built of the wrong layers."""
+    """Pipelines and sharded ranks are traced on a slice of the family's own decoder layers: a
+    family whose model does more than embedding -> layers -> norm -> head, or a masked sliding
+    window, is refused on one line, not built of the wrong layers."""
     pytest.importorskip("torch")
     from pipemem import estimate
 
-    for kw in (dict(pp=2), dict(dp=2, fsdp=True)):
-        with pytest.raises(UserError, match="model_type 'gemma3_text' has other layers") as e:
-            estimate(dict(TINY["gemma3_text"]), mode="traced", step="first", layers=4, **kw, **PLAN)
-        assert "\n" not in str(e.value)
+    mistral = dict(TINY["gemma3_text"], model_type="mistral", layer_types=None)  # window 32 < seq 64
+    for cfg, why in (
+        (TINY["gemma3_text"], "model_type 'gemma3_text' is not one of them"),
+        (mistral, "sliding window"),
+    ):
+        for kw in (dict(pp=2), dict(dp=2, fsdp=True)):
+            with pytest.raises(UserError, match=why) as e:
+                estimate(dict(cfg), mode="traced", step="first", layers=4, **kw, **PLAN)
+            assert "\n" not in str(e.value)
+
+
+def test_stack_builds_the_familys_own_layers():
+    """A Qwen3 stage is built of Qwen3 decoder layers (q/k norms), not Llama's."""
+    pytest.importorskip("transformers")
+    from pipemem.traced.hf import make_config
+    from pipemem.traced.stack import DecoderStack
+
+    cfg = make_config(dict(BASE, model_type="qwen3", head_dim=16), "sdpa", 2)
+    import torch
+
+    with torch.device("meta"):
+        stack = DecoderStack(cfg, [0, 1], True, True, 64)
+    names = {n for n, _ in stack.named_parameters()}
+    assert type(stack.layers["0"]).__name__ == "Qwen3DecoderLayer"
+    assert "layers.1.self_attn.q_norm.weight" in names and "layers.1.self_attn.k_norm.weight" in names
 
 
 @pytest.mark.parametrize("flag", ["--multi-latent-attention", "--kv-lora-rank 512", "--mtp-num-layers 1"])

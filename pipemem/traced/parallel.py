@@ -289,26 +289,27 @@ def param_dtype_name(plan) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
 
 
-_NOT_LLAMA_LAYERS = ("gemma3_text",)  # template families whose HF layers are not Llama's
-
-
 def check_stack_family(model_config: dict, what: str) -> None:
-    """Pipelines and sharded ranks are traced on `stack.DecoderStack`, built of Llama or Mixtral
-    decoder layers: a family templates do not model has other layers, so it is refused by name
-    (its whole-model step, one rank at --pp 1, runs transformers' own modules)."""
-    from ..model import UnmodelledFamily, arch_from_hf_config, text_model_config
+    """Pipelines and sharded ranks are traced on `stack.DecoderStack`: a slice of the family's
+    own decoder layers, run without an attention mask. A family whose model does more than
+    embedding -> layers -> norm -> head, or a config whose layers mask a sliding window, is
+    refused by name (its whole-model step, one rank at --pp 1, runs transformers' own modules)."""
+    from ..model import text_model_config
+    from .stack import STACK_FAMILIES
 
-    mt = text_model_config(model_config)[0].get("model_type")
-    try:
-        other = arch_from_hf_config(text_model_config(model_config)[0]).model_type in _NOT_LLAMA_LAYERS
-    except UnmodelledFamily:
-        other = True
-    if other:
+    cfg = text_model_config(model_config)[0]
+    mt = cfg.get("model_type")
+    why = None
+    if mt not in STACK_FAMILIES:
+        why = f"model_type {mt!r} is not one of them"
+    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        why = f"its sliding window ({cfg['sliding_window']}) needs a mask the stack does not build"
+    if why:
         raise UserError(
-            f"traced mode traces {what} on Llama / Mixtral decoder layers split as torchtitan "
-            f"does; model_type {mt!r} has other layers: trace its whole step on one rank (no "
-            "--pp, --tp, --fsdp or DDP --grads)"
-        ) from None
+            f"traced mode traces {what} on a slice of the model's own decoder layers for "
+            f"{', '.join(STACK_FAMILIES)}; {why}: trace its whole step on one rank (no --pp, --tp, "
+            "--fsdp or DDP --grads), or use --mode templates"
+        )
 
 
 def traced_stage_plan(model_config: dict, plan, split_backward: bool, kernel_policy: str) -> TracedStagePlan:

@@ -14,24 +14,51 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Families whose causal LM runs embedding -> decoder layers -> final norm -> head and nothing
+# else (no scaled embedding, no logit soft-capping, no per-layer-type rotary tables), so a slice of
+# their own decoder layers is the model: the stack builds these, from transformers' modules.
+STACK_FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmo2",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+
+
+def layer_classes(model_type: str):
+    """The decoder layer, final norm and rotary embedding classes of `model_type`'s own module in
+    transformers (named after its causal LM class: LlamaForCausalLM -> LlamaDecoderLayer...)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in STACK_FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not one of the stack's families {STACK_FAMILIES}")
+    prefix = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type].removesuffix("ForCausalLM")
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return (
+        getattr(mod, f"{prefix}DecoderLayer"),
+        getattr(mod, f"{prefix}RMSNorm"),
+        getattr(mod, f"{prefix}RotaryEmbedding"),
+    )
+
 
 class DecoderStack(nn.Module):
-    """A contiguous slice of a decoder-only LM, written out top to bottom (nanoGPT style) so a
-    pipeline stage, a tensor-parallel rank and an FSDP rank all run the same forward:
+    """A contiguous slice of a decoder-only LM of one of `STACK_FAMILIES`, from its own decoder
+    layers, written out top to bottom (nanoGPT style) so a pipeline stage, a tensor-parallel
+    rank and an FSDP rank all run the same forward:
     [embedding] -> decoder layers -> [final norm -> lm_head]. Position embeddings are computed
     from the sequence length of the *global* sequence, so sequence-parallel shards agree."""
 
     def __init__(self, cfg, layer_ids, first: bool, last: bool, seq_len: int):
         super().__init__()
-        arch = cfg.model_type
-        if arch == "mixtral":
-            from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Layer
-            from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm as Norm
-            from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding as Rotary
-        else:
-            from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm as Norm
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+        Layer, Norm, Rotary = layer_classes(cfg.model_type)
         self.seq_len = seq_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
         # Keyed by the global layer index, as torchtitan does, so FQNs match across splits.
