@@ -1,9 +1,10 @@
 """`pipemem.estimate(model, **plan)`: the per-rank memory of one training plan.
 
 This module only wires the engine together and packages its answer; every number comes
-from the stage jobs (templates or traced programs, through liveness) and the schedule
-replay. Flow: model (preset / config.json / dict) -> ArchSpec -> validated ParallelPlan ->
-stage jobs + static bytes -> schedule -> replay per rank -> `Estimate`.
+from the stage jobs (templates, traced or Paddle programs, through liveness) and the schedule
+replay. One path for every mode: model (preset / config.json / dict) -> the mode's program
+source (pipemem.sources) -> ArchSpec -> the plan validated once -> its `jobs.StagePlan` ->
+per-rank static bytes, optimizer and first-backward jobs -> one replay -> one `Estimate`.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def _first_step_only(plan: ParallelPlan) -> None:
         raise UserError(
             "traced mode traces pipelines (--pp), sharded ranks (--tp, --fsdp) and DDP ranks (--grads "
             "ddp-bucket / ddp-bucket-view) for the first training step only so far: pass --step first, "
-            "or use --mode templates"
+            "or use --mode templates for the steady state"
         )
 
 
@@ -246,7 +246,9 @@ class TracedSource:
             if plan.pp > 1:
                 from .traced.parallel import traced_stage_plan
 
-                return traced_stage_plan(self.config, plan, schedule.split_backward, self.kernel_policy)
+                sp = traced_stage_plan(self.config, plan, schedule.split_backward, self.kernel_policy)
+                sp.warnings = [FIRST_STEP_WARNING]
+                return sp
             if _sharded(plan):
                 return self._sharded_rank(arch, plan)
             return self._one_step(plan)

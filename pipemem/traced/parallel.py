@@ -245,6 +245,7 @@ class TracedStagePlan(StagePlan):
     specs: dict[int, StageSpec]
     traced: dict[int, TracedStage]
     notes: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
 
     @property
     def stages(self) -> dict[int, StageJobs]:
