@@ -15,6 +15,10 @@ Stage boundaries (what a pipeline runtime hands between stages) are bytes on the
 what it makes (F leaves y allocated, B and I leave dx allocated) and never frees what the
 runtime handed it (x, dy): the runtime profile's lowering (pipemem.runtime) says when each of
 the four is allocated and freed.
+
+`StagePlan` is what every program source (pipemem.sources: templates, traced, Paddle) hands
+the estimate: the stage jobs, the first-backward jobs keyed by the one first-backward rule
+(`Schedule.first_grad_microbatches`), and each rank's static bytes and optimizer job.
 """
 
 from __future__ import annotations
