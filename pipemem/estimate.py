@@ -1,22 +1,23 @@
 """`pipemem.estimate(model, **plan)`: the per-rank memory of one training plan.
 
 This module only wires the engine together and packages its answer; every number comes
-from the stage jobs (templates or traced programs, through liveness) and the schedule
-replay. Flow: model (preset / config.json / dict) -> ArchSpec -> validated ParallelPlan ->
-stage jobs + static bytes -> schedule -> replay per rank -> `Estimate`.
+from the stage jobs (templates, traced or Paddle programs, through liveness) and the schedule
+replay. One path for every mode: model (preset / config.json / dict) -> the mode's program
+source (pipemem.sources) -> ArchSpec -> the plan validated once -> its `jobs.StagePlan` ->
+per-rank static bytes, optimizer and first-backward jobs -> one replay -> one `Estimate`.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any, Mapping
 
 from . import frameworks
 from .errors import UserError
-from .jobs import JobMemory, StaticBytes
+from .jobs import JobMemory, StagePlan, StaticBytes
 from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
+from .sources import SOURCES, default_schedule, schedule_of  # noqa: F401  (the last two: re-exported)
 
 MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
@@ -135,9 +136,11 @@ class RankEstimate:
                 for m in (re.match(r"([A-Z]+)\d+@s(\d+)$", p.label) for p in self.timeline[:i])
                 if m
             ]
-        done = {s for kind, s in acts if kind in ("B", "I", "W")}
+        # the one first-backward rule (Schedule.first_grad_microbatches): a B or W makes the
+        # stage's gradients, an I never does
+        done = {s for kind, s in acts if kind in ("B", "W")}
         before = sum(b for s, b in self.grads_made.items() if s in done)
-        m = re.match(r"([BI])\d+@s(\d+)$", label)
+        m = re.match(r"([BW])\d+@s(\d+)$", label)
         own = self.grads_made.get(int(m.group(2)), 0) if m and int(m.group(2)) not in done else 0
         return before, own
 
@@ -450,15 +453,6 @@ def split_kwargs(kwargs: dict) -> tuple[dict, dict]:
     return plan, opts
 
 
-def default_schedule(plan: ParallelPlan) -> str:
-    if plan.vpp > 1:
-        # the plan may not be validated yet: its convention as given (a name in another case
-        # gets the default)
-        fw = frameworks.ALL.get(plan.convention)
-        return fw.default_interleaved_schedule if fw is not None else "VPP"
-    return "1F1B"
-
-
 def gpu_capacity(gpu: str | None, gpu_memory: float | None) -> tuple[str | None, int | None]:
     from .presets import gpu_info
 
@@ -527,7 +521,7 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     from .reserved import alloc_config
 
     alloc_conf = alloc_config(opts.get("alloc_conf"))  # a bad key or value: UserError, before any work
-    name, source, config = resolve_model(
+    name, source_name, config = resolve_model(
         model, opts.get("model_name") or "", opts.get("model_flag") or "--model"
     )
 
@@ -536,7 +530,10 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
         plan_kw["pp_layout"] = tuple(plan_kw["pp_layout"])
     _flash_for_gpu(plan_kw, opts.get("gpu"))
 
-    arch, config, text_note = _arch(config, name, mode)
+    # one path for every mode (pipemem.sources): the source reads the model, validates the plan
+    # once and builds its stage plan; the replay and the Estimate are the same for all
+    source = SOURCES[mode](kernel_policy=policy, runtime=opts.get("runtime"), progress=opts.get("progress"))
+    arch, config, text_note = source.read_arch(config, name)
     try:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:  # a wrong type slipped through from the Python API
@@ -544,12 +541,27 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     from .plan import check_ranges
 
     check_ranges(plan)  # types and bounds first: nothing below computes with a bad number
-    if mode == "traced":
-        est = _traced(name, source, config, arch, plan, "vpp" in plan_kw, policy, gpu_name, gpu_bytes, opts)
-    elif mode == "paddle":
-        est = _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts)
-    else:
-        est = _templates(name, source, arch, plan, "vpp" in plan_kw, gpu_name, gpu_bytes, opts)
+    arch, plan = source.validate(arch, plan, "vpp" in plan_kw)
+    schedule = source.schedule(plan)
+    runtime = source.runtime(plan)
+    stage_plan = source.stage_plan(arch, plan, schedule)
+    schedule = schedule or stage_plan.schedule
+    est = Estimate(
+        model_name=name,
+        model_source=source_name,
+        arch=arch,
+        plan=plan,
+        mode=source.mode,
+        schedule=stage_plan.label or schedule.name,
+        ranks=per_rank(stage_plan, schedule, runtime, plan),
+        gpu_name=gpu_name,
+        gpu_memory_bytes=gpu_bytes,
+        explain=source.explain(arch, plan) if opts.get("explain") else None,
+        world_size=plan.world,
+        runtime=runtime,
+        warnings=list(stage_plan.warnings),
+        reserved_inputs=(stage_plan, schedule) if source.reserved_stream else None,
+    )
     _add_outside_allocator(est, opts)
     est.inputs = (model, dict(kwargs))
     from .reserved import attach_reserved
@@ -577,217 +589,52 @@ def _add_outside_allocator(est: Estimate, opts: dict) -> None:
         r.outside = outside_allocator(est.plan, bool(est.arch.tied_embeddings), r.pp_rank, cc, context, nccl)
 
 
-def _arch(config: dict, name: str, mode: str):
-    """(ArchSpec, the config estimated, a note): a multimodal config's text model; templates read
-    their families (and refuse others by name); traced mode runs any family transformers builds."""
-    from .model import arch_from_hf_config, check_config, text_model_config
-
-    config, note = text_model_config(config)
-    if mode != "traced":
-        check_config(config, name)
-        return arch_from_hf_config(config, name), config, note
-    try:
-        from .traced.hf import traced_arch
-
-        return traced_arch(config, name), config, note
-    except ModuleNotFoundError as e:
-        err = _needs_torch(e)
-        if err is None:
-            raise
-        raise err from None
-
-
-def _with_schedule(arch, plan, vpp_given: bool):
-    """The validated plan with its schedule named (V schedules: 2 chunks per rank unless
-    --vpp was given), the model with the plan's layer count."""
-    from dataclasses import replace
-
-    from .plan import validate_plan
-    from .schedules import canonical_name, default_vpp
-
-    sched_name = plan.schedule or default_schedule(plan)
-    if not sched_name.lower().startswith(("csv:", "torch:")):
-        sched_name = canonical_name(sched_name)
-        if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
-            plan = replace(plan, vpp=default_vpp(sched_name))
-    # at pp 1 no schedule runs: a named one is refused by validate_plan, none is replayed as 1F1B
-    plan = validate_plan(arch, replace(plan, schedule=sched_name if plan.pp > 1 else plan.schedule))
-    if plan.layers is not None and plan.layers != arch.layers:
-        arch = arch.with_layers(plan.layers)
-    return arch, plan
-
-
-def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -> Estimate:
-    from .stages import build_stage_jobs, layer_explain
-
-    arch, plan = _with_schedule(arch, plan, vpp_given)
-    schedule = schedule_of(plan)
-    runtime = _runtime(opts, plan)
-    stage_plan = build_stage_jobs(arch, plan)
-    ranks = per_rank(
-        stage_plan.stages,
-        schedule,
-        runtime,
-        stage_plan.static_per_rank(schedule),
-        stage_plan.optimizer_per_rank(schedule),
-        plan,
-        overrides=stage_plan.first_backward_overrides(schedule),
-    )
-    explain = layer_explain(arch, plan) if opts.get("explain") else None
-    return Estimate(
-        model_name=name,
-        model_source=source,
-        arch=arch,
-        plan=plan,
-        mode="templates",
-        schedule=schedule.name,
-        ranks=ranks,
-        gpu_name=gpu_name,
-        gpu_memory_bytes=gpu_bytes,
-        explain=explain,
-        world_size=_world(plan),
-        runtime=runtime,
-        warnings=_template_warnings(arch, plan),
-        reserved_inputs=(stage_plan, schedule),
-    )
-
-
-def _template_warnings(arch, plan) -> list[str]:
-    """What the templates model less surely for this plan, said beside the numbers."""
-    out = []
-    if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
-        # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
-        # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template
-        out.append(
-            "--activation-offload all: torchtune's offloading is checked against its own code on gated-MLP "
-            "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
-            "template frees and its forward stash moves differently: an offloaded layer's forward and "
-            "backward peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)"
-        )
-    if frameworks.get(plan.convention).zero_is_deepspeed and plan.zero >= 1 and not plan.fsdp:
-        from .ir import dtype_bytes
-        from .templates.static import DEEPSPEED_REDUCE_BUCKET
-        from .units import fmt_bytes
-
-        # docs/ACCURACY.md, "DeepSpeed's own engine" (validate deepspeed): the bucket is counted at
-        # DeepSpeed's default unless plan.extra names reduce_bucket_size; the gather / prefetch
-        # buckets of ZeRO-3's parameter fetches are not counted
-        parts = []
-        if "reduce_bucket_size" not in (plan.extra or {}):
-            b = dtype_bytes(plan.main_grad_dtype or plan.dtype)
-            parts.append(
-                f"its reduce bucket is counted at DeepSpeed's default reduce_bucket_size 5e8 "
-                f"({fmt_bytes(DEEPSPEED_REDUCE_BUCKET * b)}); HF's Trainer fills in hidden^2 for 'auto' "
-                f"({fmt_bytes(arch.hidden**2 * b)}), Lightning 2e8"
-            )
-        if plan.zero == 3:
-            parts.append("ZeRO-3's all-gather and prefetch buckets (transient) are not counted")
-        if plan.optimizer_offload:
-            # read from DeepSpeed's code, not measured: on its CPU accelerator (validate deepspeed)
-            # host and device memory are one allocator
-            parts.append(
-                "ZeRO-Offload is taken from DeepSpeed's code, not measured: the fp32 master, Adam "
-                "states and the step's fp32 grad partition are off the GPU (ZeRO-3: its grad partition "
-                "too), ZeRO-1/2's GPU staging buffer (the largest parameter's size) is counted"
-            )
-        if parts:
-            out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: " + "; ".join(parts))
-    return out
-
-
-def _runtime(opts, plan, default: str | None = None) -> str:
-    from .runtime import default_runtime, get_runtime
-
-    name = opts.get("runtime") or default or default_runtime(plan.convention)
-    return get_runtime(name).name
-
-
-def schedule_of(plan: ParallelPlan):
-    """The plan's schedule (named ones cached: a Schedule is never changed once built)."""
-    from .schedules import get_schedule
-
-    name = plan.schedule or default_schedule(plan)  # pp 1: no schedule named, one stage replayed as 1F1B
-    if name.lower().startswith(("csv:", "torch:")):
-        return _check_placement(get_schedule(name, plan.pp, plan.microbatches, vpp=plan.vpp), plan)
-    return _named_schedule(name, plan.pp, plan.microbatches, plan.vpp)
-
-
-@lru_cache(maxsize=256)
-def _named_schedule(name: str, pp: int, microbatches: int, vpp: int):
-    from .schedules import get_schedule
-
-    return get_schedule(name, pp, microbatches, vpp=vpp)
-
-
-def _check_placement(schedule, plan: ParallelPlan):
-    if schedule.vpp != plan.vpp:
-        raise UserError(
-            f"--schedule {plan.schedule}: the schedule runs {schedule.vpp} stage(s) per rank; "
-            f"pass --vpp {schedule.vpp}"
-        )
-    return schedule
-
-
 def batch_bytes(plan: ParallelPlan) -> int:
     """Token ids and labels (int64) of one step's microbatches."""
     return 2 * 8 * plan.micro_batch * plan.microbatches * plan.seq_len
 
 
-def per_rank(
-    stages: dict,
-    schedule,
-    runtime: str,
-    statics: list[StaticBytes],
-    optimizers: list[JobMemory] | None,
-    plan: ParallelPlan,
-    overrides: dict | None = None,
-) -> list[RankEstimate]:
-    """The one route from stage jobs to per-rank numbers: lower the schedule with the runtime
-    profile, replay it, and package each rank (templates and traced mode alike)."""
+def per_rank(stage_plan: StagePlan, schedule, runtime: str, plan: ParallelPlan) -> list[RankEstimate]:
+    """The one route from a source's stage plan to per-rank numbers: each rank's static bytes,
+    optimizer job and first-backward jobs from the stage plan, the schedule lowered with the
+    runtime profile (unless the programs hold the transfers: `stage_plan.lowered`), one replay,
+    and each rank packaged."""
     from .replay import replay
     from .runtime import get_runtime, lower
 
-    profile = get_runtime(runtime)
-    if profile.batch_on_every_rank and schedule.pp > 1:
-        statics = [s.plus(batch_bytes(plan)) for s in statics]
-    jobs = dict(stages)
-    if overrides:
-        jobs.update(overrides)
-    result = replay(
-        lower(schedule, profile.name), jobs, statics, optimizer_jobs=optimizers, simulate_time=False
-    )
-    # gradient bytes each stage's first backward makes (the override's B over the steady one)
-    made = (
-        {
-            s: int(j.B.net_bytes - stages[s].B.net_bytes)
-            for (s, _mb), j in (overrides or {}).items()
-            if isinstance(s, int) and s in stages and hasattr(j, "B")
-        }
-        if overrides
-        else None
-    )
+    statics = stage_plan.static_per_rank(schedule)
+    optimizers = stage_plan.optimizer_per_rank(schedule)
+    if all(o is None for o in optimizers):
+        optimizers = None  # the source's step has no optimizer job to replay
+    jobs = stage_plan.replay_jobs(schedule)
+    if stage_plan.lowered:
+        profile = get_runtime(runtime)
+        if profile.batch_on_every_rank and schedule.pp > 1:
+            statics = [s.plus(batch_bytes(plan)) for s in statics]
+        schedule = lower(schedule, profile.name)
+    result = replay(schedule, jobs, statics, optimizer_jobs=optimizers, simulate_time=False)
+    stages = stage_plan.stages
     out = []
     for r in result.ranks:
         stage_ids = schedule.stages_of_rank(r.pp_rank)
-        held = [stages[s] for s in stage_ids]
-        out.append(
-            RankEstimate(
-                pp_rank=r.pp_rank,
-                static=statics[r.pp_rank],
-                peak_allocated_bytes=int(r.peak_allocated_bytes),
-                peak_at=str(r.peak_at),
-                activation_hwm_bytes=int(r.activation_hwm_bytes),
-                inflight=int(r.max_inflight),
-                stages=list(stage_ids),
-                source=(r, held, optimizers[r.pp_rank] if optimizers else None),
-                grads_made=None if made is None else {s: made.get(s, 0) for s in stage_ids},
-            )
+        rank = RankEstimate(
+            pp_rank=r.pp_rank,
+            static=statics[r.pp_rank],
+            peak_allocated_bytes=int(r.peak_allocated_bytes),
+            peak_at=str(r.peak_at),
+            activation_hwm_bytes=int(r.activation_hwm_bytes),
+            inflight=int(r.max_inflight),
+            stages=list(stage_ids),
+            source=(
+                r,
+                [stages[s] for s in stage_ids if s in stages],
+                optimizers[r.pp_rank] if optimizers else None,
+            ),
+            grads_made=stage_plan.grads_made(stage_ids),
         )
+        rank.peak_at = stage_plan.peak_name(rank.peak_at, rank.peak_allocated_bytes) or rank.peak_at
+        out.append(rank)
     return out
-
-
-def _world(plan: ParallelPlan) -> int:
-    return plan.world
 
 
 def _rank_jobs(held, optimizer) -> dict[str, JobMemory | None]:
@@ -798,278 +645,6 @@ def _rank_jobs(held, optimizer) -> dict[str, JobMemory | None]:
         jobs[kind] = max(cands, key=lambda j: j.peak_bytes) if cands else None
     jobs["optimizer"] = optimizer
     return jobs
-
-
-def _needs_torch(e: ModuleNotFoundError):
-    if e.name and e.name.split(".")[0] in ("torch", "transformers"):
-        return UserError(
-            f"--mode traced needs {e.name.split('.')[0]}: pip install torch==2.13.0 transformers "
-            "(or use the default --mode templates)"
-        )
-    return None
-
-
-def _traced(name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts) -> Estimate:
-    from dataclasses import replace
-
-    from .plan import validate_plan
-
-    if not isinstance(config, dict):
-        raise UserError('traced mode needs an HF config.json (a dict with "model_type")')
-    sharded = plan.tp > 1 or (plan.dp > 1 and (plan.fsdp or plan.zero == 3)) or _ddp_rank(plan)
-    from .traced.estimate import refuse_unmodelled
-
-    refuse_unmodelled(plan, parallel=plan.pp > 1 or sharded)
-    if plan.pp > 1 or sharded:
-        try:
-            return _traced_parallel(
-                name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts
-            )
-        except ModuleNotFoundError as e:
-            err = _needs_torch(e)
-            if err is None:
-                raise
-            raise err from None
-    plan = validate_plan(arch, plan)
-    if plan.layers is not None and plan.layers != arch.layers:
-        arch = arch.with_layers(plan.layers)
-    try:
-        from .traced import traced_estimate
-
-        t = traced_estimate(config, plan, policy)
-    except ModuleNotFoundError as e:
-        err = _needs_torch(e)
-        if err is None:
-            raise
-        raise err from None
-    sj = t.jobs
-    # The traced step is one microbatch's forward, backward and optimizer step: replayed as a
-    # one-microbatch schedule, like every other estimate.
-    (rank,) = per_rank(
-        {0: sj},
-        schedule_of(replace(plan, schedule="1F1B", microbatches=1)),
-        "torch",
-        [t.static],
-        [t.optimizer] if t.optimizer is not None else None,
-        plan,
-    )
-    if rank.peak_allocated_bytes == t.peak_allocated_bytes:
-        rank.peak_at = str(t.peak_at)  # the same moment, named down to the op
-    warnings = (
-        []
-        if plan.step == "steady"
-        else [
-            "traced mode, --step first: the first training step as recorded (gradients are created in "
-            "backward and optimizer states in the optimizer step, so they count under 'transient')"
-        ]
-    )
-    if plan.compile:
-        warnings.append(
-            "traced mode, --compile: " + t.notes.get("compile", "") + "; what each compiled layer "
-            "saves is the partitioner's, its transient buffers are the unfused graph's"
-            + (
-                "; the HF model's own loss runs eager here (templates compile it)"
-                if plan.compile == "all"
-                else ""
-            )
-        )
-    warnings += t.notes.get("warnings", [])
-    if (plan.microbatches or 1) > 1:
-        warnings.append(
-            f"traced mode traces one microbatch; the {plan.microbatches} accumulation steps are not replayed"
-        )
-    return Estimate(
-        model_name=name,
-        model_source=source,
-        arch=arch,
-        plan=plan,
-        mode="traced",
-        schedule="one step (pp 1)",
-        ranks=[rank],
-        gpu_name=gpu_name,
-        gpu_memory_bytes=gpu_bytes,
-        warnings=warnings,
-        world_size=_world(plan),
-        runtime="torch",
-    )
-
-
-def _ddp_rank(plan: ParallelPlan) -> bool:
-    """A rank in DistributedDataParallel (replicated, its buckets asked for by --grads or the
-    convention's default; at --dp 1 too: DDP keeps its buckets in a world of one)."""
-    from .plan import default_grads
-
-    grads = plan.grads or default_grads(plan.convention, plan.dp, plan.zero)
-    return not (plan.fsdp or plan.zero) and str(grads).lower().replace("_", "-") in (
-        "ddp-bucket",
-        "ddp-bucket-view",
-    )
-
-
-def _first_step_only(plan: ParallelPlan) -> None:
-    """Traced pipelines and sharded ranks record one step of a fresh model: the first step. A
-    steady-state answer from it could say FITS wrongly (optimizer states not yet resident)."""
-    if plan.step != "first":
-        raise UserError(
-            "traced mode traces pipelines (--pp), sharded ranks (--tp, --fsdp) and DDP ranks (--grads "
-            "ddp-bucket / ddp-bucket-view) for the first training step only so far: pass --step first, "
-            "or use --mode templates for the steady state"
-        )
-
-
-def _traced_parallel(
-    name, source, config, arch, plan, vpp_given, policy, gpu_name, gpu_bytes, opts
-) -> Estimate:
-    """Traced pipelines (pp > 1) and tensor / fully sharded data parallel ranks: traced stage
-    jobs or a traced rank step, then the same schedule, runtime lowering and replay as templates
-    (`per_rank`). Traced code is PyTorch's: the runtime defaults to torch."""
-    from dataclasses import replace
-
-    from .traced.parallel import trace_sharded_rank, traced_stage_plan
-
-    if plan.pp > 1 and (plan.tp > 1 or plan.dp > 1 and (plan.fsdp or plan.zero == 3) or _ddp_rank(plan)):
-        raise UserError(
-            "traced mode traces either a pipeline (--pp) or one sharded or DDP rank (--tp, or --dp "
-            "with --fsdp or DDP's --grads), not both yet; use --mode templates"
-        )
-    warnings = []
-    if plan.pp > 1:
-        arch, plan = _with_schedule(arch, plan, vpp_given)
-        _first_step_only(plan)
-        schedule = schedule_of(plan)
-        runtime = _runtime(opts, plan, default="torch")
-        sp = traced_stage_plan(config, plan, schedule.split_backward, policy)
-        ranks = per_rank(
-            sp.stages,
-            schedule,
-            runtime,
-            sp.static_per_rank(schedule),
-            sp.optimizer_per_rank(schedule),
-            plan,
-            overrides=sp.first_grad_overrides(schedule),
-        )
-        sched_name = schedule.name
-    else:
-        from .plan import validate_plan
-
-        if plan.tp > 1 and plan.dp > 1 and (plan.fsdp or plan.zero == 3):
-            raise UserError(
-                "traced mode traces one sharding at a time: --tp or --fsdp with --dp, not both yet"
-            )
-        plan = validate_plan(arch, replace(plan, schedule="1F1B", microbatches=1))
-        _first_step_only(plan)
-        if plan.layers is not None and plan.layers != arch.layers:
-            arch = arch.with_layers(plan.layers)
-        if plan.tp > 1 and _ddp_rank(plan):
-            raise UserError(
-                "traced mode traces one parallelism at a time: --tp or DDP (--dp with --grads "
-                f"{plan.grads}), not both yet; use --mode templates"
-            )
-        kind = "tp" if plan.tp > 1 else "ddp" if _ddp_rank(plan) else "fsdp"
-        t = trace_sharded_rank(config, plan, kind, policy)
-        from .jobs import StageJobs
-
-        runtime = _runtime(opts, plan, default="torch")
-        (rank,) = per_rank(
-            {0: StageJobs(0, F=t["F"], B=t["B"], layers=range(arch.layers))},
-            schedule_of(plan),
-            runtime,
-            [t["static"]],
-            [t["optimizer"]],
-            plan,
-        )
-        phase = {"F0@s0": "forward", "B0@s0": "backward", "optimizer": "optimizer"}.get(rank.peak_at)
-        if phase in t["peak_op"]:
-            rank.peak_at = t["peak_op"][phase]  # the same moment, named down to the op
-        ranks = [rank]
-        sched_name = f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})"
-        warnings.append(f"traced mode: rank 0 of the {kind} group traced; its ranks run the same program")
-        if kind == "ddp":
-            warnings.append(
-                f"traced mode, DDP: the Reducer's {len(t['ddp_buckets'])} first-step gradient bucket(s) "
-                f"({sum(t['ddp_buckets'])} B, one per dtype whatever bucket_cap_mb, resident) modelled on "
-                f"the traced step, gradient_as_bucket_view={plan.grads == 'ddp-bucket-view'}"
-            )
-    warnings.append(
-        "traced mode, --step first: the first training step as recorded (gradients are created in "
-        "backward and optimizer states in the optimizer step, so they count under 'transient')"
-    )
-    return Estimate(
-        model_name=name,
-        model_source=source,
-        arch=arch,
-        plan=plan,
-        mode="traced",
-        schedule=sched_name,
-        ranks=ranks,
-        gpu_name=gpu_name,
-        gpu_memory_bytes=gpu_bytes,
-        warnings=warnings,
-        world_size=_world(plan),
-        runtime=runtime,
-    )
-
-
-def _paddle_programs(name, source, arch, plan, gpu_name, gpu_bytes, opts) -> Estimate:
-    """PaddleNLP's own job programs, built by Paddle's passes for one card per pipeline rank,
-    walked by liveness and replayed along each card's own job list (pipemem.paddle.paddlenlp_programs)."""
-    from dataclasses import replace
-
-    from .paddle.paddlenlp_programs import build_spec, card_of_stage, job_memory, rank_documents, stage_plan
-    from .plan import validate_plan
-    from .replay import replay
-
-    fw = frameworks.ALL.get(plan.convention)
-    if fw is None or not fw.paddle_programs:
-        raise UserError(
-            "--exact (mode paddle) builds PaddleNLP's programs: use --from-paddlenlp or --convention paddle"
-        )
-    plan = validate_plan(arch, replace(plan, schedule=plan.schedule or default_schedule(plan)))
-    if plan.layers is not None and plan.layers != arch.layers:
-        arch = arch.with_layers(plan.layers)
-    spec = build_spec(arch, plan)
-    cards = [card_of_stage(spec, r) for r in range(plan.pp)]
-    docs = rank_documents(spec, cards, progress=opts.get("progress"))
-    ps = stage_plan(spec, [job_memory(docs[c]) for c in cards], name=spec["schedule"])
-    optimizers = [o or JobMemory(0, 0) for o in ps.optimizer]
-    # The programs hold the pipeline's transfers themselves (recv/send jobs, folded into the
-    # actions): the schedule is replayed as it is, with no runtime profile's buffers added.
-    result = replay(ps.schedule, ps.stages, ps.static, optimizer_jobs=optimizers, simulate_time=False)
-    ranks = []
-    for r in result.ranks:
-        stage_ids = ps.schedule.stages_of_rank(r.pp_rank)
-        held = [ps.stages[s] for s in stage_ids if s in ps.stages]
-        ranks.append(
-            RankEstimate(
-                pp_rank=r.pp_rank,
-                static=ps.static[r.pp_rank],
-                peak_allocated_bytes=int(r.peak_allocated_bytes),
-                peak_at=str(r.peak_at),
-                activation_hwm_bytes=int(r.activation_hwm_bytes),
-                inflight=int(r.max_inflight),
-                stages=list(stage_ids),
-                source=(r, held, optimizers[r.pp_rank]),
-            )
-        )
-    warnings = [
-        f"paddle programs: cards {', '.join(map(str, cards))} (the first card of each pipeline stage) "
-        f"built by Paddle's own passes; fed inputs ({ps.cards[0].fed_bytes} B on card 0) are outside "
-        "the jobs"
-    ]
-    return Estimate(
-        model_name=name,
-        model_source=source,
-        arch=arch,
-        plan=plan,
-        mode="paddle",
-        schedule=f"{spec['schedule']} (Paddle's job lists)",
-        ranks=ranks,
-        gpu_name=gpu_name,
-        gpu_memory_bytes=gpu_bytes,
-        warnings=warnings,
-        world_size=_world(plan),
-        runtime="paddle",
-    )
 
 
 # ---------------------------------------------------------------- what would fit

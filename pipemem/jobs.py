@@ -15,6 +15,10 @@ Stage boundaries (what a pipeline runtime hands between stages) are bytes on the
 what it makes (F leaves y allocated, B and I leave dx allocated) and never frees what the
 runtime handed it (x, dy): the runtime profile's lowering (pipemem.runtime) says when each of
 the four is allocated and freed.
+
+`StagePlan` is what every program source (pipemem.sources: templates, traced, Paddle) hands
+the estimate: the stage jobs, the first-backward jobs keyed by the one first-backward rule
+(`Schedule.first_grad_microbatches`), and each rank's static bytes and optimizer job.
 """
 
 from __future__ import annotations
@@ -144,3 +148,91 @@ class StageJobs:
         if self.I is not None and self.W is not None:
             return compose((self.I, self.W))
         return None
+
+
+class StagePlan:
+    """What every program source hands the estimate (templates: `stages.StagePlan`; traced:
+    `traced.parallel.TracedStagePlan` and the one-rank plans of `traced`; Paddle's programs:
+    `paddle.paddlenlp_programs.PaddleStages`): the jobs of each virtual stage, the jobs of a
+    stage's first gradient-making backward, and each rank's static bytes and optimizer job.
+    `pipemem.estimate` builds the per-rank inputs of the replay from it, the same way for all.
+
+    A subclass provides `stages` ({virtual stage: StageJobs}), `first_backward` ({virtual
+    stage: StageJobs}, empty when no backward differs: gradients resident across steps), and
+    either `rank_static` / `rank_optimizer` (by the stages a rank holds) or `static_per_rank` /
+    `optimizer_per_rank` (by rank). The class attributes below say how the plan is replayed;
+    a source sets those that differ."""
+
+    # the source's own schedule (Paddle's job lists) when not the plan's (None)
+    schedule = None
+    # False: the programs hold the pipeline's transfers themselves, no runtime profile adds them
+    lowered = True
+    # Estimate.schedule when not the schedule's name (e.g. "one step (pp 1)")
+    label = None
+    # what the source models less surely for this plan, said beside the numbers
+    warnings: tuple | list = ()
+
+    def rank_static(self, stage_ids) -> StaticBytes:
+        raise NotImplementedError
+
+    def rank_optimizer(self, stage_ids) -> JobMemory | None:
+        raise NotImplementedError
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory | None]:
+        """Per rank its optimizer-step job; None for a source whose step has none to replay."""
+        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
+
+    def first_backward_overrides(self, schedule=None) -> dict:
+        """{(stage, microbatch): first-backward jobs}, keyed as `replay` takes them: the
+        microbatch whose B or W makes the stage's gradients first (`Schedule.first_grad_microbatches`,
+        the one rule; microbatch 0 without a schedule)."""
+        if not self.first_backward:
+            return {}
+        first = schedule.first_grad_microbatches() if schedule is not None else {}
+        return {(s, first.get(s, 0)): j for s, j in self.first_backward.items()}
+
+    def replay_jobs(self, schedule=None) -> dict:
+        """`stages`, with the per-microbatch jobs `replay` takes keyed (stage, microbatch)."""
+        jobs: dict = dict(self.stages)
+        jobs.update(self.first_backward_overrides(schedule))
+        return jobs
+
+    def grads_made(self, stage_ids) -> dict[int, int] | None:
+        """{stage: gradient bytes its first backward creates} for these stages (the first B
+        over a later one); None when no backward creates them."""
+        if not self.first_backward:
+            return None
+        fb = self.first_backward
+        return {s: int(fb[s].B.net_bytes - self.stages[s].B.net_bytes) if s in fb else 0 for s in stage_ids}
+
+    def peak_name(self, peak_at: str, peak_bytes: int) -> str | None:
+        """The rank's peak named down to the op, where the source knows it (traced programs)."""
+        return None
+
+
+@dataclass
+class RankPlan(StagePlan):
+    """A stage plan whose static bytes and optimizer job are known per rank rather than per set
+    of stages: one traced rank's step (its whole model as stage 0, under a schedule of its own)."""
+
+    stages: dict
+    statics: list  # per rank StaticBytes
+    optimizers: list  # per rank JobMemory, or None where the step has no optimizer job to replay
+    schedule: object = None
+    label: str | None = None
+    warnings: list = field(default_factory=list)
+    first_backward: dict = field(default_factory=dict)
+    # (peak_at, peak_bytes) -> the peak named down to the op, or None
+    namer: object = field(default=None, repr=False)
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return list(self.statics)
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory | None]:
+        return list(self.optimizers)
+
+    def peak_name(self, peak_at: str, peak_bytes: int) -> str | None:
+        return self.namer(peak_at, peak_bytes) if self.namer is not None else None

@@ -23,19 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from . import frameworks
 from .errors import UserError
 from .ir import Op, Program, Tensor
 from .jobs import JobMemory, StageJobs, StaticBytes, compose
+from .jobs import StagePlan as StagePlanBase
 from .liveness import analyze_program
 from .plan import ParallelPlan, validate_plan
 from .units import fmt_bytes
 
-__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "stage_layer_ranges"]
+__all__ = ["StagePlan", "build_stage_jobs", "layer_explain", "stage_layer_ranges", "template_warnings"]
 
 
 @dataclass(slots=True)
-class StagePlan:
-    """Per virtual stage jobs of a validated plan, and the static state of any set of stages."""
+class StagePlan(StagePlanBase):
+    """Per virtual stage jobs of a validated plan (the templates' programs), and the static
+    state of any set of stages (the program-source interface: `pipemem.jobs.StagePlan`)."""
 
     plan: ParallelPlan
     stages: dict[int, StageJobs]
@@ -43,29 +46,14 @@ class StagePlan:
     arch: object = None
     conv: object = None
     notes: dict = field(default_factory=dict)
-    # Jobs of each stage's first backward of the step (microbatch 0) when it creates the
-    # gradients (--grads set-to-none / ddp-bucket); later microbatches accumulate into them.
+    # Jobs of each stage's first backward of the step when it creates the gradients (--grads
+    # set-to-none / ddp-bucket; replayed for the microbatch of the stage's first B or W:
+    # `first_backward_overrides`); later microbatches accumulate into them.
     first_backward: dict[int, StageJobs] = field(default_factory=dict)
 
-    def replay_jobs(self, schedule=None) -> dict:
-        """`stages`, with the first-backward jobs keyed (stage, microbatch) as `replay` takes
-        them: the microbatch whose backward runs first on the stage in `schedule` (0 without)."""
-        jobs: dict = dict(self.stages)
-        jobs.update(self.first_backward_overrides(schedule))
-        return jobs
-
-    def first_backward_overrides(self, schedule=None) -> dict:
-        if not self.first_backward:
-            return {}
-        first_mb = {s: 0 for s in self.first_backward}
-        if schedule is not None:
-            seen = set()
-            for acts in schedule.ranks:
-                for kind, s, m in acts:
-                    if kind in ("B", "I") and s not in seen:
-                        seen.add(s)
-                        first_mb[s] = m
-        return {(s, first_mb[s]): j for s, j in self.first_backward.items()}
+    @property
+    def warnings(self) -> list[str]:
+        return template_warnings(self.arch, self.plan)
 
     def _rank_key(self, stage_ids) -> tuple:
         """What a rank's static bytes and optimizer job depend on: per stage it holds, its
@@ -144,12 +132,6 @@ class StagePlan:
         )
         return _optimizer_job(ws, st.grads_in_step, st.optimizer_in_step)
 
-    def static_per_rank(self, schedule) -> list[StaticBytes]:
-        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
-
-    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
-        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
-
     def to_dict(self) -> dict:
         return {
             "stages": {
@@ -158,6 +140,49 @@ class StagePlan:
             },
             "stage_layers": {s: list(v) for s, v in self.stage_layers.items()},
         }
+
+
+def template_warnings(arch, plan) -> list[str]:
+    """What the templates model less surely for this plan, said beside the numbers."""
+    out = []
+    if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
+        # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
+        # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template
+        out.append(
+            "--activation-offload all: torchtune's offloading is checked against its own code on gated-MLP "
+            "(Llama-style) layers; in this model's layers (a non-gated MLP) Python locals hold tensors the "
+            "template frees and its forward stash moves differently: an offloaded layer's forward and "
+            "backward peaks can be higher than shown (GPT-2: +55 % / +39 % of a layer's peak)"
+        )
+    if frameworks.get(plan.convention).zero_is_deepspeed and plan.zero >= 1 and not plan.fsdp:
+        from .ir import dtype_bytes
+        from .templates.static import DEEPSPEED_REDUCE_BUCKET
+        from .units import fmt_bytes
+
+        # docs/ACCURACY.md, "DeepSpeed's own engine" (validate deepspeed): the bucket is counted at
+        # DeepSpeed's default unless plan.extra names reduce_bucket_size; the gather / prefetch
+        # buckets of ZeRO-3's parameter fetches are not counted
+        parts = []
+        if "reduce_bucket_size" not in (plan.extra or {}):
+            b = dtype_bytes(plan.main_grad_dtype or plan.dtype)
+            parts.append(
+                f"its reduce bucket is counted at DeepSpeed's default reduce_bucket_size 5e8 "
+                f"({fmt_bytes(DEEPSPEED_REDUCE_BUCKET * b)}); HF's Trainer fills in hidden^2 for 'auto' "
+                f"({fmt_bytes(arch.hidden**2 * b)}), Lightning 2e8"
+            )
+        if plan.zero == 3:
+            parts.append("ZeRO-3's all-gather and prefetch buckets (transient) are not counted")
+        if plan.optimizer_offload:
+            # read from DeepSpeed's code, not measured: on its CPU accelerator (validate deepspeed)
+            # host and device memory are one allocator
+            parts.append(
+                "ZeRO-Offload is taken from DeepSpeed's code, not measured: the fp32 master, Adam "
+                "states and the step's fp32 grad partition are off the GPU (ZeRO-3: its grad partition "
+                "too), ZeRO-1/2's GPU staging buffer (the largest parameter's size) is counted"
+            )
+        if parts:
+            out.append(f"--zero {plan.zero} under --convention hf is DeepSpeed's ZeRO: " + "; ".join(parts))
+    return out
 
 
 def stage_layer_ranges(plan: ParallelPlan) -> dict[int, range]:

@@ -6,7 +6,9 @@ suggestion levers, or the refusal's message) and one small `pipemem plan` search
 convention, written by bench/framework_baseline.py. It was first written with the code before
 the move (the move reproduced it to the byte), then rewritten once for changes meant to move
 numbers: the verdict judged on the device peak (headroom, fits, the plans a search lists), the
-report row that shows gradients made in backward as grads, torchtitan's FSDP under pipelining.
+report row that shows gradients made in backward as grads, torchtitan's FSDP under pipelining,
+the one first-backward rule (a stage's first B or W makes its gradients, never an I: the hf
+ZB-H1 plan's rank 1 makes them in its fused B1, not in the deferred W0 at the end).
 Rewrite it only for such a change, and review the diff."""
 
 from __future__ import annotations

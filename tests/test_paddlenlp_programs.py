@@ -110,12 +110,16 @@ def test_schedule_is_each_cards_job_list_with_comm_jobs_folded():
     ps = stage_plan(spec, [job_memory(_doc(0, jl0, first=True)), job_memory(_doc(1, jl1))])
     assert [str(a) for a in ps.schedule.ranks[1]] == ["F0@s1", "B0@s1", "F1@s1", "B1@s1"]
     # F1@s1 runs send_backward(0) and recv_forward(1) first: -1 MiB then +1 MiB, then the forward (+2)
-    f1 = ps.stages[(1, 1)].F
+    jobs = ps.replay_jobs(ps.schedule)  # the stage jobs and the per-micro-batch composites
+    assert set(ps.stages) == {0, 1}  # stages: per virtual stage only
+    f1 = jobs[(1, 1)].F
     assert (f1.net_bytes, f1.peak_bytes) == (2 * MB, 5 * MB)
     assert ps.stages[1].layers == (2, 3) and ps.stages[0].layers == (0, 1)
     from pipemem.replay import replay
 
-    rep = replay(ps.schedule, ps.stages, ps.static, optimizer_jobs=ps.optimizer, simulate_time=False)
+    rep = replay(
+        ps.schedule, jobs, ps.static_per_rank(ps.schedule), optimizer_jobs=ps.optimizer, simulate_time=False
+    )
     # card 1: static 4 MiB; recv 1 + forward peak 5 -> 6 MiB above static at F0
     assert rep.ranks[1].peak_allocated_bytes == 4 * MB + 6 * MB
 

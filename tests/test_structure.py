@@ -102,7 +102,7 @@ LAYERS = (
     ("plan",),
     ("templates", "traced", "paddle", "pipeline_estimator", "examples"),
     ("configs", "stages"),
-    ("replay", "runtime"),
+    ("replay", "runtime", "sources"),
     ("alloc_stream", "reserved"),
     ("estimate", "report", "pipemem"),  # pipemem: the package's public API (__init__.py)
     ("planner", "validation"),

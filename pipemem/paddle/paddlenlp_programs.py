@@ -33,13 +33,13 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
 from ..errors import UserError
 from ..ir import TensorKind, programs_from_json
-from ..jobs import JobMemory, StageJobs, StaticBytes, compose
+from ..jobs import JobMemory, StageJobs, StagePlan, StaticBytes, compose
 from ..liveness import analyze_sequence
 
 PYTHON_ENV = "PIPEMEM_PADDLENLP_PYTHON"
@@ -337,17 +337,33 @@ def _chunk(jtype: str) -> tuple[str, int]:
 
 
 @dataclass
-class PaddleStages:
-    """What replay needs: the schedule (each card's job list as actions), per virtual stage
-    jobs, per (stage, micro-batch) composites (the action with the communication jobs
-    folded in), static bytes and optimizer jobs per pipeline rank."""
+class PaddleStages(StagePlan):
+    """What replay needs (a `pipemem.jobs.StagePlan`, the program-source interface): the
+    schedule (each card's job list as actions), per virtual stage jobs, per (stage, micro-batch)
+    composites (the action with the communication jobs folded in), static bytes and optimizer
+    jobs per pipeline rank. The programs hold the pipeline's transfers themselves: the schedule
+    is replayed as it is, with no runtime profile's buffers added (`lowered` False)."""
 
-    schedule: object
     stages: dict
     static: list[StaticBytes]
     optimizer: list[JobMemory | None]
     stage_layers: dict[int, tuple[int, ...]]
     cards: list[CardJobs]
+    schedule: object = None  # set always: each card's own job list
+    microbatch_jobs: dict = field(default_factory=dict)  # (stage, micro-batch) -> composite
+    label: str | None = None
+    warnings: list = field(default_factory=list)
+    lowered: bool = False
+    first_backward: dict = field(default_factory=dict)  # Paddle's gradient-merge buffers are resident
+
+    def static_per_rank(self, schedule) -> list[StaticBytes]:
+        return list(self.static)
+
+    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
+        return [o or JobMemory(0, 0) for o in self.optimizer]
+
+    def replay_jobs(self, schedule=None) -> dict:
+        return {**self.stages, **self.microbatch_jobs}
 
 
 def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStages:
@@ -413,12 +429,14 @@ def stage_plan(spec: dict, cards: list[CardJobs], name: str = "") -> PaddleStage
     layers = _stage_layers(spec)
     for s, sj in stages.items():
         sj.layers = layers.get(s, ())
-    jobs = dict(stages)
+    per_mb: dict = {}
     for a, j in composites.items():
-        jobs[(a.stage, a.microbatch)] = _override(jobs.get((a.stage, a.microbatch)), a.kind, j)
+        key = (a.stage, a.microbatch)
+        per_mb[key] = _override(per_mb.get(key), a.kind, j)
     return PaddleStages(
         schedule=sched,
-        stages=jobs,
+        stages=stages,
+        microbatch_jobs=per_mb,
         static=[c.static for c in cards],
         optimizer=optimizer,
         stage_layers=layers,

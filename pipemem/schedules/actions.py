@@ -153,6 +153,31 @@ class Schedule:
             )
         return hit
 
+    def first_grad_microbatches(self) -> dict[int, int]:
+        """{stage: microbatch} of the action that makes the stage's parameter gradients first in
+        the step: its first B, or its first W when the backward is split; never an I.
+
+        This is PyTorch's pipelining runtime (torch 2.13, `PipelineStage`):
+        `backward_one_chunk(full_backward=False)` (I) runs `stage_backward_input`, autograd over
+        the inputs alone, which touches no `.grad` (on the first stage it runs nothing), and
+        `backward_weight_one_chunk` (W) runs `stage_backward_weight`, which accumulates into
+        `.grad`; a full B does both. So with gradients set to None the first B or W creates them
+        and every later one accumulates. Most split schedules run I and W of a microbatch in the
+        same order, where the two rules agree; Paddle's ZB-H1 order (rank r: I0 .. I(r-1), then
+        fused B r, ..., the deferred W0 last) is where they differ: the fused B of microbatch r
+        makes the gradients, not the early I0 nor W0 at the end. Templates and traced stage jobs
+        both key their first-backward jobs here (`jobs.StagePlan.first_backward_overrides`), and
+        so does the allocation stream that models reserved memory."""
+        hit = self.cache.get("first_grad_microbatches")
+        if hit is None:
+            hit = {}
+            for acts in self.ranks:
+                for a in acts:
+                    if (a[0] == "B" or a[0] == "W") and a[1] not in hit:
+                        hit[a[1]] = a[2]
+            self.cache["first_grad_microbatches"] = hit
+        return hit
+
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_rank[stage]
 

@@ -2,7 +2,7 @@
 fully-sharded-data-parallel rank, traced on fake tensors with the model split and sharded as
 torchtitan does it (pipemem.traced.stack). The results are the same stage jobs templates
 produce, so `pipemem.estimate` replays them through the same schedule, runtime lowering and
-replay (`estimate.per_rank`).
+replay (`estimate.per_rank`): `TracedStagePlan` is a `pipemem.jobs.StagePlan`.
 
 Pipelines: for one stage (a `DecoderStack` slice), F, B, I and W are traced with the very
 functions torch.distributed.pipelining calls (`stage_backward`, `stage_backward_input`,
@@ -28,7 +28,7 @@ import torch
 
 from ..errors import UserError
 from ..ir import TensorKind
-from ..jobs import JobMemory, StageJobs, StaticBytes
+from ..jobs import JobMemory, StageJobs, StagePlan, StaticBytes
 from ..liveness import analyze_sequence
 
 
@@ -238,29 +238,24 @@ def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
 
 
 @dataclass
-class TracedStagePlan:
-    """Traced stage jobs of a pipeline plan, with the same interface as templates'
-    `pipemem.stages.StagePlan` (what `estimate.per_rank` needs)."""
+class TracedStagePlan(StagePlan):
+    """Traced stage jobs of a pipeline plan: the program-source interface
+    (`pipemem.jobs.StagePlan`) that templates' `pipemem.stages.StagePlan` implements too."""
 
     specs: dict[int, StageSpec]
     traced: dict[int, TracedStage]
     notes: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
 
     @property
     def stages(self) -> dict[int, StageJobs]:
         return {s: t.jobs for s, t in self.traced.items()}
 
-    def first_grad_overrides(self, schedule) -> dict:
-        """(stage, microbatch) -> the first-backward jobs, for the first action of each stage
-        that makes its parameters' gradients (a B, or a W when the backward is split)."""
-        out = {}
-        seen = set()
-        for acts in schedule.ranks:
-            for kind, s, m in acts:
-                if kind in ("B", "W") and s not in seen:
-                    seen.add(s)
-                    out[(s, m)] = self.traced[s].first_grad
-        return out
+    @property
+    def first_backward(self) -> dict[int, StageJobs]:
+        """The first B / W of the step per stage (creates the parameters' gradients); replayed
+        for the microbatch `Schedule.first_grad_microbatches` names."""
+        return {s: t.first_grad for s, t in self.traced.items()}
 
     def rank_static(self, stage_ids) -> StaticBytes:
         specs = tuple(self.specs[s] for s in sorted(stage_ids))
@@ -269,12 +264,6 @@ class TracedStagePlan:
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
         return trace_rank_optimizer(tuple(self.specs[s] for s in sorted(stage_ids)))[0]
-
-    def static_per_rank(self, schedule) -> list[StaticBytes]:
-        return [self.rank_static(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
-
-    def optimizer_per_rank(self, schedule) -> list[JobMemory]:
-        return [self.rank_optimizer(schedule.stages_of_rank(r)) for r in range(schedule.pp)]
 
 
 def param_dtype_name(plan) -> str:
