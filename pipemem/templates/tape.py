@@ -79,6 +79,7 @@ class Node:
     # dtype, then cast to the input's (autograd's validate_outputs)
     wgrad_saved: str = ""  # the weight grad was computed in forward and saved under this
     # name (Liger's fused linear CE): the backward scales it in place
+    wgrad_chain: tuple[str, ...] = ()  # this node's weight-grad dtypes, if not the tape's
     meta_i: tuple[str, ...] = ()  # read by the input-grad op for their shapes only (Paddle's
     # no_need_buffer): they keep nothing alive in the backward,
     # but the forward still keeps them for it and the backward
@@ -102,6 +103,8 @@ class Tape:
         # temporary becomes .grad, so the last cast writes the grad buffer directly).
         self.wgrad_chain: tuple[str, ...] = ()
         self.wgrad_final = "accumulate_grad"
+        # None: every parameter is trained; else only these (LoRA's adapters; the rest frozen)
+        self.trainable: set[str] | None = None
         # ZeRO-3 / FSDP: the part's parameters are all-gathered into one buffer before its
         # forward and its backward and released after; eager weight grads are held unsharded
         # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
@@ -213,7 +216,13 @@ class Tape:
         read_w=(),
         wgrad_saved="",
         meta_i=(),
+        wgrad_chain=(),
     ) -> Node:
+        if self.trainable is not None:
+            # frozen parameters (LoRA's base): no weight grad, so nothing is saved for one
+            params = tuple(p for p in params if p in self.trainable)
+            if not params:
+                save_w, read_w, pre_w = (), (), ()
         n = Node(
             type,
             tuple(inputs),
@@ -237,6 +246,7 @@ class Tape:
             self._pinned(type),
             promote_grads,
             wgrad_saved,
+            tuple(wgrad_chain),
             tuple(meta_i),
         )
         self.nodes.append(n)
@@ -670,7 +680,7 @@ class Tape:
     def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
         gparams = tuple(self._param_grad(prog, p) for p in n.params)
         reads = gouts + tuple(r(s) for s in (*n.save_w, *n.read_w))
-        chain = self.wgrad_chain
+        chain = n.wgrad_chain or self.wgrad_chain
         created = self.grad_create is not None
         if not chain:
             # a fused GEMM accumulates into the grad buffer; a created grad is only written

@@ -909,6 +909,77 @@ def torchtune_compile_case() -> list[CaseRow]:
     return [CaseRow("compile/torchtune-bf16: saved bytes removed", traced, est)]
 
 
+# ---------------------------------------------------------------- LoRA
+
+# the adapters of the comparisons: every decoder linear (PEFT's "all-linear"), rank 8
+LORA_RANK = 8
+HF_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_prepare(dropout: float, targets=None):
+    """PEFT's `get_peft_model` on the fake HF model, as a LoRA training script calls it (its
+    defaults: the adapters upcast to fp32, `autocast_adapter_dtype=True`); None without peft."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+
+    def prepare(model):
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(
+            r=LORA_RANK, lora_alpha=16, lora_dropout=dropout, target_modules=targets or HF_LINEARS
+        )
+        get_peft_model(model, cfg)  # replaces the targeted modules of `model` in place
+
+    return prepare
+
+
+def _lora_trace(prepare, dtype: str, layers: int = 2):
+    """A 2-layer HF Llama (LLAMA) in `dtype`, no autocast, `prepare` applied; steady step,
+    the adapters' grads zeroed in place (resident, as the layer templates count them)."""
+    from ..traced.hf import Precision, build_model, fake_tensor_quirks, hf_loss, make_config, step_inputs
+    from ..traced.step import trace_step
+
+    cfg = make_config(LLAMA, "sdpa", layers)
+
+    def build():  # on the meta device: the adapters are made there too
+        model = build_model(cfg, Precision.parse(dtype, False).param_dtype)
+        prepare(model)
+        return model
+
+    return trace_step(
+        build,
+        step_inputs(cfg, B, S),
+        hf_loss,
+        None,
+        "cuda",
+        patches=fake_tensor_quirks(),
+        step="steady",
+        set_to_none=False,
+    )
+
+
+def lora_peft_cases(dtype: str, dropout: float) -> list[CaseRow]:
+    """PEFT's LoraLayer on every linear of an HF Llama decoder layer (no autocast: the model in
+    `dtype`; PEFT's fp32 adapters on an input cast to fp32) against --lora-rank under the hf
+    convention: a layer's kept bytes, forward and backward peaks."""
+    st = _lora_trace(peft_prepare(dropout), dtype)
+    t = template_layer(
+        LLAMA,
+        1,
+        dtype=dtype,
+        master_weights=False,
+        lora_rank=LORA_RANK,
+        lora_targets="all-linear",
+        lora_dropout=dropout,
+    )
+    tag = f"lora-peft/{dtype}{'-dropout' if dropout else ''}"
+    return [
+        CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
+        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
+        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(st, "backward"), t.B.peak_bytes),
+    ]
+
+
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     """(name, run) of each case whose library is installed, in the order they run."""
     cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
