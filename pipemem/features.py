@@ -145,7 +145,7 @@ def _lora_key(plan) -> tuple:
     fw = ALL.get(plan.convention)
     extra = plan.extra or {}
     dt = extra.get("lora_dtype") or (fw.lora_adapter_dtype if fw is not None else "")
-    if dt in ("model", plan.dtype):
+    if dt in ("model", plan.dtype) or getattr(plan, "deepspeed_mixed_precision", False):
         dt = ""
     return (
         rank,

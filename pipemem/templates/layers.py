@@ -277,9 +277,18 @@ def first_backward_shard(sh: Shard, plan) -> Shard:
         sh,
         first_step=True,
         grads_created=True,
-        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_dt=_grad_dtype(plan),
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
     )
+
+
+def _grad_dtype(plan) -> str:
+    """The dtype of the gradients a backward creates: the main grads', or LoRA's adapters' own."""
+    if plan.lora_rank:
+        from .static import lora_adapter_dtype
+
+        return lora_adapter_dtype(plan)
+    return plan.main_grad_dtype or plan.dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,126 @@
+"""LoRA / QLoRA plans (pipemem.lora): static bytes against the libraries' own models and
+storage formats, and the refusals of what is not modelled. The activations are held against
+PEFT's and torchtune's own modules traced in tests/test_features_vs_libraries.py."""
+
+import re
+
+import pytest
+
+import pipemem
+from pipemem.errors import UserError
+from pipemem.lora import nf4_bytes, parse_targets
+
+CFG = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "intermediate_size": 1536,
+    "vocab_size": 32000,
+}
+
+
+def est(**kw):
+    kw.setdefault("convention", "hf")
+    return pipemem.estimate(CFG, seq_len=128, micro_batch=1, dtype="bf16", **kw)
+
+
+def test_static_bytes_match_a_peft_model():
+    # the parameters PEFT's get_peft_model leaves (bf16 base, fp32 adapters), their trainable
+    # share, and AdamW's two states per trainable element
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**CFG), dtype=torch.bfloat16
+        )
+        pm = peft.get_peft_model(
+            model, peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj", "down_proj"])
+        )
+    params = sum(p.numel() * p.element_size() for p in pm.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
+    st = est(master_weights=False, lora_rank=16, lora_targets="q_proj,v_proj,down_proj").ranks[0].static
+    assert st.params == params
+    assert st.grads_in_step == trainable  # set-to-none grads, fp32 as the adapters
+    assert st.optimizer == 2 * trainable
+    full = est(master_weights=False).ranks[0].static
+    assert st.optimizer < full.optimizer / 50
+
+
+def test_torchtune_adapters_in_the_model_dtype():
+    st = est(convention="torchtune", lora_rank=16, lora_targets="all-linear").ranks[0].static
+    per_layer = 16 * sum(o + i for o, i in [(512, 512), (256, 512), (256, 512), (512, 512)])
+    per_layer += 16 * 3 * (1536 + 512)
+    assert st.grads_in_step == 4 * per_layer * 2
+    assert st.optimizer == 2 * 4 * per_layer * 2
+
+
+def test_nf4_bytes_match_bitsandbytes():
+    # bitsandbytes' own quantize_4bit (NF4, blocksize 64, double quantization) on CPU tensors:
+    # the packed codes, the quantized absmax, the second level's absmax / code and the offset,
+    # and the NF4 code itself
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    for shape in [(512, 512), (1536, 512), (4096, 1000)]:
+        w = torch.randn(*shape, dtype=torch.bfloat16)
+        for dq in (True, False):
+            q, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=dq, quant_type="nf4")
+            tensors = [q, state.absmax, state.code]
+            if dq:
+                tensors += [state.offset, state.state2.absmax, state.state2.code]
+            real = sum(t.numel() * t.element_size() for t in tensors)
+            assert nf4_bytes(w.numel(), dq) == real, (shape, dq)
+            assert real < 0.3 * w.numel() * 2  # about a quarter of the bf16 weight
+
+
+def test_qlora_quantizes_the_layer_linears():
+    lora = est(lora_rank=16, lora_targets="all-linear").ranks[0].static
+    q = est(lora_rank=16, lora_targets="all-linear", qlora=True).ranks[0].static
+    linears = [512 * 512, 256 * 512, 256 * 512, 512 * 512] + 3 * [1536 * 512]  # one layer's
+    assert lora.params - q.params == 4 * sum(2 * n - nf4_bytes(n) for n in linears)
+    # torchtune quantizes only the targeted linears
+    tt = est(convention="torchtune", lora_rank=16, lora_targets="q_proj,v_proj", qlora=True).ranks[0].static
+    tt_lora = est(convention="torchtune", lora_rank=16, lora_targets="q_proj,v_proj").ranks[0].static
+    assert tt_lora.params - tt.params == 4 * sum(2 * n - nf4_bytes(n) for n in [512 * 512, 256 * 512])
+
+
+def test_lora_alpha_moves_nothing_and_targets_read_both_namings():
+    a = est(lora_rank=8, lora_targets="q_proj,output_proj,w1", lora_alpha=16)
+    b = est(lora_rank=8, lora_targets="q,o,gate", lora_alpha=64)
+    assert a.max_peak_allocated_bytes == b.max_peak_allocated_bytes
+    assert parse_targets("all") == parse_targets("all-linear") == parse_targets("q,k,v,o,gate,up,down")
+    assert est(lora_rank=8).to_dict()["plan"]["lora_targets"] == "q,v"  # PEFT's default
+
+
+def test_dropout_keeps_more():
+    a = est(lora_rank=8, lora_targets="all-linear").ranks[0].activations_at_peak_bytes
+    b = est(lora_rank=8, lora_targets="all-linear", lora_dropout=0.05).ranks[0].activations_at_peak_bytes
+    assert b > a
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(qlora=True), "--qlora needs --lora-rank"),
+        (dict(lora_dropout=0.1), "--lora-dropout needs --lora-rank"),
+        (dict(lora_rank=8, lora_targets="mlp.c_fc"), "--lora-targets 'mlp.c_fc'"),
+        (dict(lora_rank=-1), "--lora-rank -1"),
+        (dict(lora_rank=8, lora_dropout=1.5), "--lora-dropout 1.5"),
+        (dict(lora_rank=8, convention="megatron"), "--lora-rank with --convention megatron"),
+        (dict(lora_rank=8, compile=True), "--compile with --lora-rank"),
+        (dict(lora_rank=8, qlora=True, dtype="fp32"), "--qlora computes in bf16"),
+    ],
+)
+def test_refusals_name_the_flag(kw, words):
+    kw.setdefault("convention", "hf")
+    dtype = kw.pop("dtype", "bf16")
+    with pytest.raises(UserError, match=re.escape(words)):
+        pipemem.estimate(CFG, seq_len=128, micro_batch=1, dtype=dtype, **kw)
+
+
+def test_lora_refused_on_unmodelled_layers():
+    gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 8, "vocab_size": 512}
+    with pytest.raises(UserError, match="LoRA is modelled on Llama-like layers"):
+        pipemem.estimate(gpt2, seq_len=128, convention="hf", lora_rank=8)
