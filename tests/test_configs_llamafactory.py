@@ -131,3 +131,24 @@ def test_cli_bad_file_is_one_line(capsys):
     assert main(["estimate", "--from-llamafactory", "nowhere.yaml"]) == 2
     err = capsys.readouterr().err
     assert "nowhere.yaml" in err and "Traceback" not in err
+
+
+def test_defaults_are_llamafactorys():
+    """The defaults the reader assumes are LLaMA-Factory's own (its argument dataclasses, loaded
+    by path: the package's __init__ imports its datasets stack)."""
+    import dataclasses
+    import importlib.util
+
+    from pipemem.configs.llamafactory import DEFAULTS
+
+    spec = importlib.util.find_spec("llamafactory")
+    if spec is None:
+        pytest.skip("llamafactory not installed (pip install --no-deps llamafactory)")
+    root = Path(list(spec.submodule_search_locations)[0]) / "hparams"
+    found = {}
+    for name, cls in (("finetuning_args", "FinetuningArguments"), ("data_args", "DataArguments")):
+        s = importlib.util.spec_from_file_location("_lf_" + name, root / f"{name}.py")
+        mod = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mod)
+        found.update({f.name: f.default for f in dataclasses.fields(getattr(mod, cls))})
+    assert {k: found[k] for k in DEFAULTS} == DEFAULTS

@@ -38,6 +38,17 @@ from .tool_config import ToolConfig
 
 TOOL = "LLaMA-Factory"
 
+# LLaMA-Factory's defaults for the keys read here (its FinetuningArguments / DataArguments
+# dataclasses; tests/test_configs_llamafactory.py holds them equal when llamafactory is installed)
+DEFAULTS = {
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "lora_rank": 8,
+    "lora_target": "all",
+    "lora_dropout": 0.0,
+    "pure_bf16": False,
+    "cutoff_len": 2048,
+}
 # keys passed on to the Trainer's reader as its own arguments
 _TRAINER_KEYS = (
     "per_device_train_batch_size",
@@ -162,17 +173,18 @@ def read_dict(cfg: dict, base: Path | None = None, name: str = "the configuratio
             raise UserError(f"{name}: {key} ({what}) is not modelled; drop it to estimate without it")
     if _flag(cfg.get("do_train", True)) is False:
         raise UserError(f"{name}: do_train is false (no training step to estimate)")
-    stage = str(cfg.get("stage", "sft"))
+    cfg = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    stage = str(cfg["stage"])
     if stage not in ("sft", "pt"):
         raise UserError(
             f"{name}: stage {stage}: only sft and pt are modelled (one model's step; rm / ppo / dpo / "
             "kto hold a reference or reward model beside it)"
         )
-    ft = str(cfg.get("finetuning_type", "lora"))
+    ft = str(cfg["finetuning_type"])
     if ft not in ("lora", "full"):
         raise UserError(f"{name}: finetuning_type {ft} is not modelled; use full or lora")
-    pure = _flag(cfg.get("pure_bf16", False))
-    argv = ["--model_name_or_path", str(model), "--max_seq_length", str(int(cfg.get("cutoff_len", 2048)))]
+    pure = _flag(cfg["pure_bf16"])
+    argv = ["--model_name_or_path", str(model), "--max_seq_length", str(int(cfg["cutoff_len"]))]
     for k in _TRAINER_KEYS:
         if k in cfg and cfg[k] is not None:
             argv += [f"--{k}", str(cfg[k]).lower() if isinstance(cfg[k], bool) else str(cfg[k])]
@@ -212,8 +224,8 @@ def read_dict(cfg: dict, base: Path | None = None, name: str = "the configuratio
         raise UserError(f"{name}: flash_attn {flash}: use auto, sdpa, fa2 or disabled")
     qbit = cfg.get("quantization_bit")
     if ft == "lora":
-        plan["lora_rank"] = int(cfg.get("lora_rank", 8))
-        target = cfg.get("lora_target", "all")
+        plan["lora_rank"] = int(cfg["lora_rank"])
+        target = cfg["lora_target"]
         plan["lora_targets"] = ",".join(target) if isinstance(target, list) else str(target)
         if cfg.get("lora_dropout"):
             plan["lora_dropout"] = float(cfg["lora_dropout"])
