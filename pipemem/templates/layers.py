@@ -1502,7 +1502,8 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
         # FSDP2's root unit, gathered here with the final norm and the output layer (tape.py)
         tape.root_role = "first"
         tape.root_bytes = root_unit_bytes(arch, sh)
-        tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)  # the head's grads
+        # the head's grads (none under LoRA: the final norm and the output layer are frozen)
+        tape.root_grad_bytes = 0 if sh.feat.lora_rank else (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)
         tape.root_grad_elem_bytes = dtype_bytes(sh.dt)
     if tied_head and tape.grad_create is not None and not tape.fsdp:
         # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the
