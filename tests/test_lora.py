@@ -124,3 +124,59 @@ def test_lora_refused_on_unmodelled_layers():
     gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 8, "vocab_size": 512}
     with pytest.raises(UserError, match="LoRA is modelled on Llama-like layers"):
         pipemem.estimate(gpt2, seq_len=128, convention="hf", lora_rank=8)
+
+
+TRL = [
+    "trl",
+    "sft",
+    "--model_name_or_path",
+    "meta-llama/Meta-Llama-3-8B",
+    "--max_length",
+    "1024",
+    "--bf16",
+    "--per_device_train_batch_size",
+    "1",
+]
+
+
+def test_trl_peft_flags_are_read():
+    # TRL's ModelConfig (trl/trainer/model_config.py): --use_peft with lora_r 16 and lora_dropout
+    # 0.05 by default; --lora_target_modules takes a list; --load_in_4bit is nf4 without nested
+    # quantization unless --use_bnb_nested_quant
+    _, plan = pipemem.read_config("hf-trainer", TRL + ["--use_peft"], layers=2)
+    assert (plan["lora_rank"], plan["lora_dropout"]) == (16, 0.05) and "lora_targets" not in plan
+    argv = TRL + [
+        "--use_peft",
+        "--lora_r",
+        "32",
+        "--lora_alpha",
+        "64",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+    ]
+    _, plan = pipemem.read_config("hf-trainer", argv + ["--load_in_4bit"], layers=2)
+    assert (plan["lora_rank"], plan["lora_targets"], plan["qlora"]) == (32, "q_proj,v_proj", True)
+    assert plan["extra"]["qlora_double_quant"] is False
+    model, nested = pipemem.read_config(
+        "hf-trainer", argv + ["--load_in_4bit", "--use_bnb_nested_quant"], layers=2
+    )
+    plain = pipemem.estimate(model, **plan).ranks[0].static.params
+    dq = pipemem.estimate(model, **nested).ranks[0].static.params
+    # nested quantization stores one byte per 64 weights instead of an fp32 absmax: 3/64 B per weight
+    linears = 2 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    assert abs((plain - dq) - linears * 3 / 64) < 0.01 * linears * 3 / 64
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--lora_r", "8"], "--lora_r without --use_peft"),
+        (["--load_in_4bit"], "--load_in_4bit without --use_peft"),
+        (["--use_peft", "--use_dora"], "--use_dora"),
+        (["--use_peft", "--load_in_4bit", "--bnb_4bit_quant_type", "fp4"], "fp4"),
+    ],
+)
+def test_trl_refusals(extra, words):
+    with pytest.raises(UserError, match=re.escape(words)):
+        pipemem.read_config("hf-trainer", TRL + extra)

@@ -367,7 +367,8 @@ def _lora_static(arch, plan, conv: Convention, stage_layers, rank_stages, dense:
     base_bytes = (dense + expert) * dtype_bytes(plan.dtype)
     if plan.qlora:
         quant = quantized_linears(arch, targets, conv.framework.qlora_quantizes_all_linears, plan.tp)
-        base_bytes += layers * sum(nf4_bytes(n) - n * dtype_bytes(plan.dtype) for n in quant)
+        dq = bool((plan.extra or {}).get("qlora_double_quant", True))
+        base_bytes += layers * sum(nf4_bytes(n, dq) - n * dtype_bytes(plan.dtype) for n in quant)
     adt = dtype_bytes(lora_adapter_dtype(plan))
     master = 4 if getattr(plan, "deepspeed_mixed_precision", False) else 0
     per_state = QUANTIZED_STATE_BYTES.get(plan.optimizer, max(adt, master))
