@@ -74,6 +74,15 @@ def nf4_bytes(elems: int, double_quant: bool = True) -> int:
     return data + blocks + 4 * -(-blocks // NF4_SCALER_BLOCK) + 256 * 4 + 4 + 16 * 4
 
 
+def dequant_bytes(elems: int, compute_bytes: int) -> int:
+    """What one use of an NF4 weight allocates: its double-quantized absmax dequantized to fp32
+    (bitsandbytes' dequantize_blockwise, one per block of 64) and the weight in the compute dtype
+    (dequantize_4bit). bitsandbytes 0.50 runs this in MatMul4Bit's forward (gemm_4bit: CUDA takes
+    the dequantize + F.linear fallback past 256 tokens) and again for the input grad in its
+    backward; torchtune's linear_nf4 likewise dequantizes the weight in each."""
+    return elems * compute_bytes + 4 * -(-elems // NF4_BLOCK)
+
+
 def parse_targets(value) -> frozenset:
     """`--lora-targets` (a comma list, a sequence, all-linear / all, or None = PEFT's default
     q,v) -> canonical target names; a UserError names an unknown module."""

@@ -180,3 +180,62 @@ def test_trl_peft_flags_are_read():
 def test_trl_refusals(extra, words):
     with pytest.raises(UserError, match=re.escape(words)):
         pipemem.read_config("hf-trainer", TRL + extra)
+
+
+def test_bitsandbytes_qlora_linear_saves_nothing_more_and_dequantizes_once_per_pass():
+    # PEFT on bitsandbytes' own Linear4bit (NF4, double quantization) on CPU tensors: its
+    # MatMul4Bit saves no activation (the adapters save the same as over a bf16 base), and its
+    # backward dequantizes the absmax (fp32) and the weight (bf16) once: what dequant_bytes counts
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipemem.lora import dequant_bytes
+
+    IN, OUT = 256, 768
+
+    def model(quantized):
+        if quantized:
+            lin = bnb.nn.Linear4bit(
+                IN, OUT, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True
+            )
+            lin.weight = bnb.nn.Params4bit(
+                torch.randn(OUT, IN, dtype=torch.bfloat16),
+                requires_grad=False,
+                quant_type="nf4",
+                compress_statistics=True,
+            )
+            lin = lin.to("cpu")
+        else:
+            lin = torch.nn.Linear(IN, OUT, bias=False, dtype=torch.bfloat16)
+        holder = torch.nn.Module()
+        holder.proj = lin
+        holder.forward = lambda x: holder.proj(x)
+        return peft.get_peft_model(holder, peft.LoraConfig(r=8, target_modules=["proj"]))
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.out = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func).startswith("bitsandbytes.dequantize"):
+                self.out.append(out.numel() * out.element_size())
+            return out
+
+    saved = {}
+    for q in (False, True):
+        m = model(q)
+        x = torch.randn(2, 320, IN, dtype=torch.bfloat16, requires_grad=True)
+        got = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, got=got: (got.append(t), t)[1], lambda t: t):
+            y = m(x)
+        saved[q] = sorted(t.numel() * t.element_size() for t in got)
+        if q:
+            with Record() as rec:
+                y.float().sum().backward()
+            assert sum(rec.out) == dequant_bytes(IN * OUT, 2)
+    weight_view = IN * OUT * 2  # nn.Linear saves W^T, a view of the frozen weight
+    assert [s for s in saved[False] if s != weight_view] == saved[True]

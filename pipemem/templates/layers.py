@@ -545,14 +545,14 @@ class _Gen:
         """QLoRA: the base weight is stored NF4 (its parameter's bytes) and dequantized to the
         compute dtype for the forward GEMM and again for the input-grad GEMM (bitsandbytes'
         MatMul4Bit, torchtune's linear_nf4): one weight-sized transient in each."""
-        from ..lora import TEMPLATE_LINEARS, nf4_bytes
+        from ..lora import TEMPLATE_LINEARS, dequant_bytes, nf4_bytes
 
         f = self.sh.feat
         if not f.qlora or name not in TEMPLATE_LINEARS or not (f.qlora_all or f.lora_on(name)):
             return ws
         old = self.t.tensors[w]
         self.t.tensors[w] = type(old)(w, old.shape, old.dtype, old.kind, bytes=nf4_bytes(elems))
-        deq = elems * dtype_bytes(self.dt)
+        deq = dequant_bytes(elems, dtype_bytes(self.dt))
         return (ws[0] + deq, ws[1] + deq)
 
     def lora(self, x: str, name: str, y: str, out_shape: tuple, in_features: int) -> str:
