@@ -410,13 +410,16 @@ class Tape:
         if self.root_role == "first":
             # the root unit (gathered again by the head's backward) and the head's unsharded
             # grads: released when this backward ends
-            grads = self._root_tensor(i_prog, "head_grads", self.root_grad_bytes)
-            self.entry_b = (
-                self._root_tensor(
-                    i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd", self.root_bytes
-                ),
-                grads,
+            params = self._root_tensor(
+                i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd", self.root_bytes
             )
+            # (no head grads when the head is frozen: LoRA)
+            grads = (
+                (self._root_tensor(i_prog, "head_grads", self.root_grad_bytes),)
+                if self.root_grad_bytes
+                else ()
+            )
+            self.entry_b = (params,) + grads
         elif self.root_role == "last" and not self.fsdp_reshard:
             self.entry_b = ()
             root_gathered = "root.params_fwd"  # never resharded; the first part frees it
@@ -463,9 +466,12 @@ class Tape:
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
-            if gathered is None and (n.params or n.region >= 0):
+            # FSDP gathers a unit for the backward of the first node that needs its parameters
+            # (a frozen one's too: LoRA's base weights compute the input grads)
+            needs = n.params or n.region >= 0 or (self.trainable is not None and self._reads_param(n))
+            if gathered is None and needs:
                 gathered = self._fsdp_gather(i_prog, "bwd")
-            if self.root_role == "last" and not root_gathered and (n.params or n.region >= 0):
+            if self.root_role == "last" and not root_gathered and needs:
                 root_gathered = self._root_gather(i_prog, "bwd")
             ren: dict[str, str] = self.offloaded
             reloads = self.offload_packs.get(idx, {})
@@ -622,6 +628,9 @@ class Tape:
         self._root_release(w_prog)
         return [i_prog, w_prog]
 
+    def _reads_param(self, n: Node) -> bool:
+        return any(i in self.tensors and self.tensors[i].kind is PARAM for i in n.inputs)
+
     def _root_release(self, prog: Program) -> None:
         """The root's reduce-scatter when the backward ends: the unit and the head's unsharded
         grads go; a backward that creates the grads makes the head's grad shards here (its
@@ -630,7 +639,7 @@ class Tape:
             for t in self.entry_b:
                 prog.tensors.setdefault(t, self.tensors[t])
             made: tuple[str, ...] = ()
-            if self.grad_create is not None:
+            if self.grad_create is not None and self.root_grad_bytes:
                 dt, shard = self.grad_create
                 elems = self.root_grad_bytes // max(1, self.root_grad_elem_bytes)
                 made = (
