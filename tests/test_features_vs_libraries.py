@@ -221,6 +221,22 @@ def test_lora_matches_peft(dtype, dropout):
         close(row, 0.001)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_matches_peft_under_autocast(dropout):
+    # the bf16 model under the Trainer's bf16 autocast (--bf16; LLaMA-Factory's default) with PEFT's
+    # fp32 adapters, run on bf16 casts of their inputs and weights: --lora-rank with master weights
+    if F.peft_prepare(dropout) is None:
+        pytest.skip("peft not installed")
+    kept, fwd, bwd = F.lora_peft_cases("bf16", dropout, autocast=True)
+    pure = F.lora_peft_cases("bf16", dropout)[0]
+    # what is at stake: autocast keeps bf16 casts of the adapters' inputs, not PEFT's fp32 copies
+    assert kept.measured_bytes < pure.measured_bytes
+    close(kept, 0.001)
+    # the peaks: within 0.8 % (an r-wide weight-grad cast the template frees a little early)
+    for row in (fwd, bwd):
+        close(row, 0.01)
+
+
 @pytest.mark.parametrize("dtype, dropout", LORA_CASES)
 def test_lora_matches_torchtune(dtype, dropout):
     # torchtune's own LoRALinear (lora_llama3_2, every layer linear) traced, against --lora-rank

@@ -936,7 +936,7 @@ def peft_prepare(dropout: float, targets=None):
     return prepare
 
 
-def _lora_trace(prepare, dtype: str, layers: int = 2):
+def _lora_trace(prepare, dtype: str, layers: int = 2, autocast: bool = False):
     """A 2-layer HF Llama (LLAMA) in `dtype`, no autocast, `prepare` applied; steady step,
     the adapters' grads zeroed in place (resident, as the layer templates count them)."""
     from ..traced.hf import Precision, build_model, fake_tensor_quirks, hf_loss, make_config, step_inputs
@@ -949,33 +949,37 @@ def _lora_trace(prepare, dtype: str, layers: int = 2):
         prepare(model)
         return model
 
+    import torch
+
     return trace_step(
         build,
         step_inputs(cfg, B, S),
         hf_loss,
         None,
         "cuda",
+        autocast_dtype=torch.bfloat16 if autocast else None,
         patches=fake_tensor_quirks(),
         step="steady",
         set_to_none=False,
     )
 
 
-def lora_peft_cases(dtype: str, dropout: float) -> list[CaseRow]:
-    """PEFT's LoraLayer on every linear of an HF Llama decoder layer (no autocast: the model in
-    `dtype`; PEFT's fp32 adapters on an input cast to fp32) against --lora-rank under the hf
-    convention: a layer's kept bytes, forward and backward peaks."""
-    st = _lora_trace(peft_prepare(dropout), dtype)
+def lora_peft_cases(dtype: str, dropout: float, autocast: bool = False) -> list[CaseRow]:
+    """PEFT's LoraLayer on every linear of an HF Llama decoder layer (the model in `dtype`;
+    PEFT's fp32 adapters on an input cast to fp32; `autocast`: the bf16 model under the Trainer's
+    bf16 autocast, as --bf16 runs it) against --lora-rank under the hf convention: a layer's kept
+    bytes, forward and backward peaks."""
+    st = _lora_trace(peft_prepare(dropout), dtype, autocast=autocast)
     t = template_layer(
         LLAMA,
         1,
         dtype=dtype,
-        master_weights=False,
+        master_weights=autocast,
         lora_rank=LORA_RANK,
         lora_targets="all-linear",
         lora_dropout=dropout,
     )
-    tag = f"lora-peft/{dtype}{'-dropout' if dropout else ''}"
+    tag = f"lora-peft/{dtype}{'-autocast' if autocast else ''}{'-dropout' if dropout else ''}"
     return [
         CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
         CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
@@ -1087,6 +1091,13 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
         cases += [
             (f"lora-peft/{dt}{'-dropout' if d else ''}", lambda dt=dt, d=d: lora_peft_cases(dt, d))
             for dt in ("bf16", "fp32")
+            for d in (0.0, 0.1)
+        ]
+        cases += [
+            (
+                f"lora-peft/bf16-autocast{'-dropout' if d else ''}",
+                lambda d=d: lora_peft_cases("bf16", d, True),
+            )
             for d in (0.0, 0.1)
         ]
     return cases
