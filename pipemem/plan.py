@@ -662,6 +662,7 @@ def _validate_lora(arch, plan: ParallelPlan, fw, dtype: str) -> dict:
             ("--qlora", plan.qlora),
             ("--lora-targets", plan.lora_targets),
             ("--lora-dropout", drop),
+            ("--lora-alpha", alpha is not None),
         ):
             if on:
                 raise UserError(f"{flag} needs --lora-rank (the adapters' rank): set it, or drop {flag}")

@@ -105,6 +105,7 @@ def test_dropout_keeps_more():
     [
         (dict(qlora=True), "--qlora needs --lora-rank"),
         (dict(lora_dropout=0.1), "--lora-dropout needs --lora-rank"),
+        (dict(lora_alpha=16), "--lora-alpha needs --lora-rank"),
         (dict(lora_rank=8, lora_targets="mlp.c_fc"), "--lora-targets 'mlp.c_fc'"),
         (dict(lora_rank=-1), "--lora-rank -1"),
         (dict(lora_rank=8, lora_dropout=1.5), "--lora-dropout 1.5"),
@@ -270,3 +271,23 @@ def test_sharded_lora_plans_stream_as_they_replay(kw):
     assert gap in (0, r.static.grads_in_step), gap
     full = est(microbatches=2, **{k: v for k, v in kw.items() if k not in ("qlora", "lora_dropout")})
     assert r.static.total < full.ranks[0].static.total
+
+
+def test_cli_bad_target_is_one_line(capsys):
+    from pipemem.cli.main import main
+
+    rc = main(
+        [
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--seq-len",
+            "1024",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "c_fc",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--lora-targets 'c_fc'" in err and len(err.splitlines()) == 1
