@@ -80,6 +80,14 @@ class Features:
     offload: frozenset = frozenset()  # module tags whose saved activations go to the CPU; {"*"} = all
     opt_in_bwd: bool = False  # weight grads stepped and freed inside the backward
     compile_loss: bool = False  # the loss compiled too
+    # LoRA / QLoRA (pipemem.lora): adapters of this rank on the targeted linears; the base frozen
+    lora_rank: int = 0
+    lora_targets: frozenset = frozenset()  # canonical names (pipemem.lora.TARGETS)
+    lora_dropout: bool = False  # each adapter's own dropout: a new input copy and a mask saved
+    lora_dt: str = ""  # the adapters' dtype ("" = the model's)
+    lora_autocast: bool = False  # fp32 adapters computed under autocast (HF Trainer --bf16 / --fp16)
+    qlora: bool = False  # base linears NF4, dequantized to the compute dtype at each use
+    qlora_all: bool = False  # every layer linear is NF4 (bitsandbytes), not only the targeted ones
 
     @property
     def te_fp8(self) -> bool:
@@ -88,6 +96,12 @@ class Features:
     @property
     def torchao_fp8(self) -> bool:
         return self.fp8 in TORCHAO_RECIPES
+
+    def lora_on(self, linear: str) -> bool:
+        """Does the template linear `linear` (e.g. "attn.q_proj") carry an adapter?"""
+        from .lora import TEMPLATE_LINEARS
+
+        return self.lora_rank > 0 and TEMPLATE_LINEARS.get(linear) in self.lora_targets
 
     def offloads(self, module: str) -> bool:
         return "*" in self.offload or module in self.offload
@@ -117,6 +131,30 @@ def features_of(plan) -> Features:
         parse_offload(plan.activation_offload),
         bool(plan.optimizer_in_backward),
         plan.compile in (True, "all"),
+        *_lora_key(plan),
+    )
+
+
+def _lora_key(plan) -> tuple:
+    rank = int(getattr(plan, "lora_rank", 0) or 0)
+    if not rank:
+        return ()
+    from .frameworks import ALL
+    from .lora import parse_targets
+
+    fw = ALL.get(plan.convention)
+    extra = plan.extra or {}
+    dt = extra.get("lora_dtype") or (fw.lora_adapter_dtype if fw is not None else "")
+    if dt in ("model", plan.dtype) or getattr(plan, "deepspeed_mixed_precision", False):
+        dt = ""
+    return (
+        rank,
+        parse_targets(plan.lora_targets),
+        bool(plan.lora_dropout),
+        dt,
+        bool(dt == "fp32" and plan.master_weights and plan.dtype != "fp32"),
+        bool(plan.qlora),
+        bool(plan.qlora and fw is not None and fw.qlora_quantizes_all_linears),
     )
 
 
@@ -169,4 +207,10 @@ def describe(plan) -> list[str]:
         out.append("optimizer step in backward")
     if plan.optimizer_state_dtype:
         out.append(f"optimizer states in {plan.optimizer_state_dtype}")
+    if getattr(plan, "lora_rank", 0):
+        from .lora import parse_targets, targets_text
+
+        what = "QLoRA (NF4 base)" if plan.qlora else "LoRA"
+        drop = f", dropout {plan.lora_dropout:g}" if plan.lora_dropout else ""
+        out.append(f"{what} rank {plan.lora_rank} on {targets_text(parse_targets(plan.lora_targets))}{drop}")
     return out

@@ -71,7 +71,8 @@ LIMITS = {
     "layers": 1 << 14,  # 16,384 decoder layers (Llama 3.1 405B has 126)
     "recompute_layers": 1 << 14,
 }
-BOOL_FIELDS = ("sp", "fsdp", "dist_opt", "master_weights", "recompute_allgather", "flash_attn")
+BOOL_FIELDS = ("sp", "fsdp", "dist_opt", "master_weights", "recompute_allgather", "flash_attn", "qlora")
+MAX_LORA_RANK = 1 << 16
 MAX_WORLD = 1 << 20  # 1,048,576 GPUs in one job
 MAX_TOKENS = 1 << 32  # tokens per microbatch (seq_len x micro_batch)
 # Schedule actions per step are pp x vpp x microbatches (stage, microbatch) pairs; a replay
@@ -149,6 +150,13 @@ class ParallelPlan:
     optimizer_offload: float = 0.0  # fraction of optimizer states + master weights on the CPU
     optimizer_in_backward: bool = False  # torchtune optimizer_in_bwd
     optimizer_state_dtype: str | None = None  # Adam moments' dtype (Megatron precision-aware optimizer)
+    # LoRA / QLoRA fine-tuning (pipemem.lora): the base frozen, adapters of rank `lora_rank` on
+    # `lora_targets` (module names or all-linear; None = PEFT's default q_proj,v_proj)
+    lora_rank: int = 0  # 0 = every parameter trained
+    lora_targets: str | None = None
+    lora_alpha: float | None = None  # scales the adapters' output: moves no memory (accepted)
+    lora_dropout: float = 0.0
+    qlora: bool = False  # base linears 4-bit NF4 (bitsandbytes, double quantization), bf16 compute
 
     @property
     def deepspeed_mixed_precision(self) -> bool:
@@ -206,6 +214,10 @@ class ParallelPlan:
             self.fp8,
             self.fp8_param_gather,
             self.activation_offload,
+            self.lora_rank,
+            self.lora_targets,
+            self.lora_dropout,
+            self.qlora,
         )
 
 
@@ -603,6 +615,7 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     step = _choice(str(plan.step).lower(), STEPS, "--step")
 
     modern = _validate_features(plan, fw, _canon_opt(opt), microbatches)
+    modern.update(_validate_lora(arch, plan, fw, dtype))
     out = replace(
         plan,
         convention=conv,
@@ -626,6 +639,71 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
     )
     check_bytes(arch, out)
     return out
+
+
+def _validate_lora(arch, plan: ParallelPlan, fw, dtype: str) -> dict:
+    """LoRA / QLoRA switches (pipemem.lora), canonicalised; one UserError per bad value or
+    combination the templates do not model."""
+    from .lora import parse_targets, targets_text
+
+    rank = plan.lora_rank
+    if rank in (None, False):
+        rank = 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_LORA_RANK:
+        raise UserError(f"--lora-rank {rank!r}: a whole number from 1 to {_n(MAX_LORA_RANK)} (0 = no LoRA)")
+    drop = plan.lora_dropout if plan.lora_dropout is not None else 0.0
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop < 1:
+        raise UserError(f"--lora-dropout {drop!r}: a probability from 0 to below 1")
+    alpha = plan.lora_alpha
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise UserError(f"--lora-alpha {alpha!r}: a number (it scales the adapters' output)")
+    if not rank:
+        for flag, on in (
+            ("--qlora", plan.qlora),
+            ("--lora-targets", plan.lora_targets),
+            ("--lora-dropout", drop),
+            ("--lora-alpha", alpha is not None),
+        ):
+            if on:
+                raise UserError(f"{flag} needs --lora-rank (the adapters' rank): set it, or drop {flag}")
+        return {"lora_rank": 0, "lora_targets": None, "lora_dropout": 0.0, "qlora": False}
+    targets = parse_targets(plan.lora_targets)
+    conv = fw.name
+    name = arch.name or arch.model_type
+    if fw.lora_adapter_dtype is None:
+        raise UserError(
+            f"--lora-rank with --convention {conv}: LoRA is modelled for PEFT on HF modules "
+            "(--convention hf) and torchtune's LoRALinear (--convention torchtune)"
+        )
+    if arch.is_moe or arch.fused_qkv or arch.activation not in ("swiglu", "geglu"):
+        what = (
+            "mixture-of-experts layers"
+            if arch.is_moe
+            else "a fused QKV projection"
+            if arch.fused_qkv
+            else "a non-gated MLP"
+        )
+        raise UserError(
+            f"--lora-rank on {name}: LoRA is modelled on Llama-like layers (separate q/k/v, gated "
+            f"MLP); {name} has {what}"
+        )
+    if plan.qlora and dtype == "fp32":
+        raise UserError("--qlora computes in bf16 (or fp16) from the NF4 weights: use --dtype bf16")
+    for flag, on in (
+        ("--fp8", plan.fp8 not in (None, "", "none", False)),
+        ("--compile", plan.compile not in (False, None, "", "none", "false", "0")),
+        ("--activation-offload", plan.activation_offload not in (None, "", "none", False)),
+        ("--optimizer-in-backward", plan.optimizer_in_backward),
+        ("--optimizer-offload", bool(plan.optimizer_offload)),
+    ):
+        if on:
+            raise UserError(f"{flag} with --lora-rank: not modelled together (not checked against a trace)")
+    return {
+        "lora_rank": rank,
+        "lora_targets": targets_text(targets),
+        "lora_dropout": float(drop),
+        "qlora": bool(plan.qlora),
+    }
 
 
 def default_grads(convention: str, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
+import pipemem  # noqa: E402
 from pipemem.configs.torchtune import BUILDERS, builder_config, from_dict, read  # noqa: E402
 from pipemem.errors import UserError  # noqa: E402
 from pipemem.estimate import estimate  # noqa: E402
@@ -110,7 +111,8 @@ def test_distributed_config_shards_with_fsdp_over_dp(tmp_path):
 @pytest.mark.parametrize(
     "edit, words",
     [
-        (("llama3_2_3b", "lora_llama3_2_3b"), "LoRA"),
+        # a LoRA builder without its adapters' modules (lora_llama3_2_3b's required argument)
+        (("llama3_2_3b", "lora_llama3_2_3b"), "model.lora_attn_modules"),
         (("llama3_2.llama3_2_3b", "gemma.gemma_2b"), "not modelled under the torchtune convention"),
         (("dtype: bf16", "dtype: fp16"), "bf16 or fp32"),
         (("torch.optim.AdamW", "torch.optim.Adagrad"), "not modelled"),
@@ -315,5 +317,72 @@ def test_tune_run_line_decides_and_gives_the_world(tmp_path, capsys):
         read_tune_run(
             ["tune", "run", "--nproc_per_node", "4", "full_finetune_single_device", "--config", str(mine)]
         )
-    with pytest.raises(UserError, match="recipe lora_finetune_distributed: not modelled"):
-        read_tune_run(["tune", "run", "lora_finetune_distributed", "--config", str(mine)])
+    with pytest.raises(UserError, match="recipe knowledge_distillation_distributed: not modelled"):
+        read_tune_run(["tune", "run", "knowledge_distillation_distributed", "--config", str(mine)])
+
+
+# torchtune 0.6.1's own LoRA / QLoRA recipe configs (pytorch/torchtune recipes/configs/llama3_1/
+# 8B_lora_single_device.yaml, 8B_qlora_single_device.yaml, 8B_lora.yaml; copied unchanged)
+TT = Path(__file__).parent / "data" / "torchtune"
+
+
+@pytest.mark.parametrize(
+    "name, qlora, distributed",
+    [
+        ("8B_lora_single_device", False, False),
+        ("8B_qlora_single_device", True, False),
+        ("8B_lora", False, True),
+    ],
+)
+def test_lora_recipe_configs_are_read(name, qlora, distributed):
+    tool = read(str(TT / f"{name}.yaml"))
+    p = tool.plan
+    assert tool.model == "llama3-8b" and tool.warnings == []
+    # lora_attn_modules ['q_proj', 'v_proj', 'output_proj'] + apply_lora_to_mlp (w1, w2, w3)
+    assert (p["lora_rank"], p["lora_targets"]) == (8, "q_proj,v_proj,output_proj,w1,w2,w3")
+    assert p.get("qlora", False) is qlora and p.get("fsdp", False) is distributed
+    plan = dict(p, seq_len=2048, layers=2, **({"dp": 2} if distributed else {}))
+    est = estimate(tool.model, **plan)
+    assert est.to_dict()["plan"]["lora_targets"] == "q,v,o,gate,up,down"
+    full = estimate(tool.model, **{k: v for k, v in plan.items() if not k.startswith(("lora", "qlora"))})
+    assert est.ranks[0].static.optimizer < full.ranks[0].static.optimizer / 100
+
+
+@pytest.mark.parametrize(
+    "model_edit, words",
+    [("  apply_lora_to_output: True\n", "apply_lora_to_output"), ("  use_dora: True\n", "use_dora")],
+)
+def test_lora_builder_refusals(tmp_path, model_edit, words):
+    text = (TT / "8B_lora_single_device.yaml").read_text()
+    text = text.replace("  apply_lora_to_output: False\n", "").replace("  lora_dropout: 0.0\n", model_edit)
+    with pytest.raises(UserError, match=words):
+        read(_write(tmp_path, text, "8B_lora_single_device.yaml"))
+
+
+def test_lora_dropout_and_qlora_builder_argument(tmp_path):
+    text = (TT / "8B_lora_single_device.yaml").read_text()
+    text = text.replace("  lora_dropout: 0.0\n", "  lora_dropout: 0.05\n  quantize_base: True\n")
+    p = read(_write(tmp_path, text, "8B_lora_single_device.yaml")).plan
+    assert p["lora_dropout"] == 0.05 and p["qlora"] is True
+
+
+def test_lora_tune_run_line_equals_the_file(capsys):
+    import json
+
+    from pipemem.cli.main import main
+
+    line = [
+        "tune",
+        "run",
+        "--nproc_per_node",
+        "2",
+        "lora_finetune_distributed",
+        "--config",
+        str(TT / "8B_lora.yaml"),
+    ]
+    flags = ["--seq-len", "1024", "--layers", "2"]
+    assert main(["estimate", "--json", *flags, "--from-torchtune", "-", "--", *line]) == 0
+    cli = json.loads(capsys.readouterr().out)["max_peak_allocated_bytes"]
+    model, plan = pipemem.read_config("torchtune", line, seq_len=1024, layers=2)
+    assert plan["dp"] == 2 and plan["lora_rank"] == 8
+    assert estimate(model, **plan).max_peak_allocated_bytes == cli

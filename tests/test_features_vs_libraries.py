@@ -198,3 +198,59 @@ def test_quantized_optimizer_states_match_bitsandbytes():
         .static.optimizer
     )
     assert abs(est - reference) <= 0.005 * reference, (est, reference)
+
+
+LORA_CASES = [(dt, d) for dt in ("bf16", "fp32") for d in (0.0, 0.1)]
+
+
+@pytest.mark.parametrize("dtype, dropout", LORA_CASES)
+def test_lora_matches_peft(dtype, dropout):
+    # PEFT's own LoraLayer (get_peft_model, adapters on every linear, upcast to fp32 as PEFT does)
+    # on an HF Llama traced on fake tensors, against --lora-rank under the hf convention
+    if F.peft_prepare(dropout) is None:
+        pytest.skip("peft not installed")
+    kept, fwd, bwd = F.lora_peft_cases(dtype, dropout)
+    full = F.template_layer(F.LLAMA, 1, dtype=dtype, master_weights=False)
+    # what is at stake: the frozen linears save no input, but PEFT's fp32 copies of each input
+    # (one per adapter, and with dropout a second one and its mask) are kept
+    tokens_h = F.S * F.B * F.LLAMA["hidden_size"]
+    assert kept.measured_bytes != full.F.net_bytes
+    if dtype == "bf16":
+        assert kept.measured_bytes > 4 * tokens_h * 4  # q, k, v, gate, up each keep an fp32 copy
+    for row in (kept, fwd, bwd):
+        close(row, 0.001)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_matches_peft_under_autocast(dropout):
+    # the bf16 model under the Trainer's bf16 autocast (--bf16; LLaMA-Factory's default) with PEFT's
+    # fp32 adapters, run on bf16 casts of their inputs and weights: --lora-rank with master weights
+    if F.peft_prepare(dropout) is None:
+        pytest.skip("peft not installed")
+    kept, fwd, bwd = F.lora_peft_cases("bf16", dropout, autocast=True)
+    pure = F.lora_peft_cases("bf16", dropout)[0]
+    # what is at stake: autocast keeps bf16 casts of the adapters' inputs, not PEFT's fp32 copies
+    assert kept.measured_bytes < pure.measured_bytes
+    close(kept, 0.001)
+    # the peaks: within 0.8 % (an r-wide weight-grad cast the template frees a little early)
+    for row in (fwd, bwd):
+        close(row, 0.01)
+
+
+@pytest.mark.parametrize("dtype, dropout", LORA_CASES)
+def test_lora_matches_torchtune(dtype, dropout):
+    # torchtune's own LoRALinear (lora_llama3_2, every layer linear) traced, against --lora-rank
+    # under the torchtune convention
+    if F.torchtune_lora_decoder(dtype, dropout) is None:
+        pytest.skip("torchtune not installed")
+    kept, fwd, bwd = F.lora_torchtune_cases(dtype, dropout)
+    full = F.template_layer(F.TT_LLAMA, 1, convention="torchtune", dtype=dtype)
+    if not dropout and dtype == "bf16":
+        # frozen linears save no input, nor the norms' weight products: less than full fine-tuning
+        assert kept.measured_bytes < full.F.net_bytes
+    if not dropout and dtype == "fp32":
+        # in fp32 every input a frozen linear no longer saves is saved by its adapter's A: what
+        # LoRA adds is each B's r-wide input (7 adapters), within a few scalars
+        assert abs(kept.measured_bytes - full.F.net_bytes - 7 * F.S * F.B * F.LORA_RANK * 4) < 64
+    for row in (kept, fwd, bwd):
+        close(row, 0.001)

@@ -93,6 +93,7 @@ LAYERS = (
         "model",
         "presets",
         "features",
+        "lora",
         "torch_tp",
         "allocator",
         "outside_allocator",

@@ -106,6 +106,14 @@ def register(sub) -> None:
         "--mixed_precision / --config_file FILE.yaml are read)",
     )
     src.add_argument(
+        "--from-llamafactory",
+        metavar="FILE.yaml",
+        help="read a LLaMA-Factory train YAML (`llamafactory-cli train FILE`: model_name_or_path, "
+        "finetuning_type full / freeze / lora, lora_rank / lora_target / lora_dropout, "
+        "quantization_bit 4 (QLoRA), cutoff_len, per_device_train_batch_size, bf16 / pure_bf16, "
+        "gradient checkpointing, deepspeed); ranks from --dp",
+    )
+    src.add_argument(
         "--exact",
         action="store_true",
         help="with --from-paddlenlp (or --convention paddle): build PaddleNLP's own auto-parallel "
@@ -272,6 +280,27 @@ def register(sub) -> None:
         choices=("fp32", "bf16", "fp16", "fp8"),
         help="Adam moments' dtype (Megatron precision-aware optimizer)",
     )
+    lora = p.add_argument_group("LoRA / QLoRA fine-tuning (--convention hf: PEFT; torchtune)")
+    lora.add_argument(
+        "--lora-rank", type=int, metavar="R", help="train rank-R adapters; the base model frozen"
+    )
+    lora.add_argument(
+        "--lora-targets",
+        metavar="MODULES",
+        help="linears with adapters: all-linear or e.g. q_proj,k_proj,v_proj,o_proj (torchtune's "
+        "output_proj, w1, w2, w3 too; default q_proj,v_proj as PEFT's)",
+    )
+    lora.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale (moves no memory)")
+    lora.add_argument(
+        "--lora-dropout", type=float, metavar="P", help="adapters' input dropout (keeps a copy and a mask)"
+    )
+    lora.add_argument(
+        "--qlora",
+        action="store_const",
+        const=True,
+        default=None,
+        help="base linears in 4-bit NF4 with double quantization (bitsandbytes), bf16 compute",
+    )
 
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
@@ -358,6 +387,11 @@ PLAN_FLAGS = (
     "optimizer_offload",
     "optimizer_in_backward",
     "optimizer_state_dtype",
+    "lora_rank",
+    "lora_targets",
+    "lora_alpha",
+    "lora_dropout",
+    "qlora",
 )
 
 
@@ -389,6 +423,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
             ("--from-torchtitan", args.from_torchtitan is not None),
             ("--from-torchtune", args.from_torchtune is not None),
             ("--from-hf-trainer", args.from_hf_trainer),
+            ("--from-llamafactory", getattr(args, "from_llamafactory", None) is not None),
         )
         if on
     ]
@@ -473,9 +508,13 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
         tool = read_torchtune(args.from_torchtune)
     elif args.from_hf_trainer:
         tool = read_tool("hf-trainer", tool_args)
+    elif getattr(args, "from_llamafactory", None) is not None:
+        tool = read_tool("llamafactory", args.from_llamafactory)
     else:
         tool = read_torchtitan(args.from_torchtitan)
-    source_name = "the recipe" if tune_args else args.from_torchtune or ""
+    source_name = (
+        "the recipe" if tune_args else args.from_torchtune or getattr(args, "from_llamafactory", "") or ""
+    )
     model, plan, tool_opts, warnings = finish(tool, flags, source_name)
     opts.update(tool_opts)
     refuse_inert(flags, plan, opts)

@@ -91,6 +91,18 @@ _READ = {
     "fsdp",
     "fsdp_config",
     "optim_args",
+    # TRL's ModelConfig (trl sft / sft.py): PEFT LoRA and bitsandbytes 4-bit loading
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "load_in_4bit",
+    "load_in_8bit",
+    "bnb_4bit_quant_type",
+    "use_bnb_nested_quant",
+    "use_dora",
+    "lora_modules_to_save",
 }
 # gradient_checkpointing_kwargs: use_reentrant changes when, not what, is recomputed
 _NO_DEVICE_MEMORY = {
@@ -201,6 +213,11 @@ _NO_DEVICE_MEMORY = {
 
 
 def read(argv: list[str]) -> ToolConfig:
+    argv = list(argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if argv[:2] == ["trl", "sft"]:  # TRL's CLI runs its sft.py script with these arguments
+        argv = argv[2:]
     args = parse(argv, TOOL)
     model = args.str("model_name_or_path") or args.str("config_name")
     if not model:
@@ -283,6 +300,7 @@ def read(argv: list[str]) -> ToolConfig:
         _with_deepspeed(cfg, model, plan, warnings)
     else:
         _optim(optim, optim_args, plan, warnings)
+    _peft(args, plan)
     unknown = args.unknown(_READ, _NO_DEVICE_MEMORY)
     if unknown:
         warnings.append(
@@ -292,6 +310,49 @@ def read(argv: list[str]) -> ToolConfig:
     return ToolConfig(
         model=model, plan=plan, warnings=warnings, tool=TOOL, dp_unknown="dp" not in plan, needs=needs
     )
+
+
+# TRL's ModelConfig defaults (trl/trainer/model_config.py)
+TRL_LORA_DEFAULTS = {"lora_r": 16, "lora_dropout": 0.05}
+
+
+def _peft(args, plan: dict) -> None:
+    """TRL's LoRA flags (`trl sft ... --use_peft --lora_r 32 --lora_target_modules q_proj v_proj`,
+    `--load_in_4bit`): its ModelConfig builds PEFT's LoraConfig (`get_peft_config`) and
+    bitsandbytes' 4-bit loading (`get_quantization_config`: nf4, nested quantization off by
+    default). Without --lora_target_modules PEFT takes its default for the model (q_proj, v_proj)."""
+    lora_flags = [n for n in ("lora_r", "lora_dropout", "lora_target_modules", "lora_alpha") if args.has(n)]
+    if not args.bool("use_peft"):
+        for n in lora_flags + [n for n in ("load_in_4bit", "load_in_8bit") if args.bool(n)]:
+            raise UserError(
+                f"Trainer argument --{n} without --use_peft: TRL applies LoRA (and 4-bit loading is for "
+                "QLoRA) only with --use_peft; add it or drop --" + n
+            )
+        return
+    for n, what in (
+        ("use_dora", "DoRA's magnitude vectors"),
+        ("load_in_8bit", "8-bit base weights"),
+        ("lora_modules_to_save", "fully trained modules beside the adapters"),
+    ):
+        if args.bool(n) if n != "lora_modules_to_save" else args.has(n):
+            raise UserError(f"Trainer argument --{n}: {what} not modelled; drop it")
+    args.raw("lora_alpha")  # scales the adapters' output: moves no memory
+    plan["lora_rank"] = args.int("lora_r") or TRL_LORA_DEFAULTS["lora_r"]
+    drop = args.str("lora_dropout")
+    try:
+        plan["lora_dropout"] = float(drop) if drop is not None else TRL_LORA_DEFAULTS["lora_dropout"]
+    except ValueError:
+        raise UserError(f"Trainer argument --lora_dropout {drop!r}: expected a probability") from None
+    targets = args.str("lora_target_modules")
+    if targets:
+        plan["lora_targets"] = ",".join(targets.replace(",", " ").split())
+    if args.bool("load_in_4bit"):
+        qt = (args.str("bnb_4bit_quant_type") or "nf4").lower()
+        if qt != "nf4":
+            raise UserError(f"Trainer argument --bnb_4bit_quant_type {qt}: QLoRA is modelled with nf4")
+        plan["qlora"] = True
+        if not args.bool("use_bnb_nested_quant"):
+            plan.setdefault("extra", {})["qlora_double_quant"] = False
 
 
 def _with_deepspeed(cfg: dict, model: str, plan: dict, warnings: list[str]) -> None:

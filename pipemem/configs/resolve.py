@@ -16,6 +16,7 @@ TOOLS = {
     "torchtitan": "a torchtitan job TOML path, or torchtitan 0.3 launch arguments (--module, --config ...)",
     "torchtune": "a torchtune recipe config path, or a `tune run ... --config FILE` line",
     "hf-trainer": "Hugging Face Trainer launch arguments (run_clm.py --model_name_or_path ...)",
+    "llamafactory": "a LLaMA-Factory train YAML path (llamafactory-cli train FILE.yaml)",
     "deepspeed": "a DeepSpeed config (path, JSON text or dict); its plan needs a model: read_config("
     "'deepspeed', cfg, model=...)",
 }
@@ -67,6 +68,10 @@ def read_tool(tool: str, source, hidden: int | None = None) -> ToolConfig:
         from .hf_trainer import read
 
         return read(_argv(source))
+    if key in ("llamafactory", "llama-factory"):
+        from .llamafactory import read
+
+        return read(str(source))
     if key == "deepspeed":
         from .deepspeed import read
 
@@ -103,6 +108,8 @@ def finish(tool: ToolConfig, flags: dict, source_name: str = "") -> tuple[object
         opts["model_flag"] = "PaddleNLP --model_name_or_path"
     if tool.tool == "Hugging Face Trainer":
         opts["model_flag"] = "Trainer --model_name_or_path"
+    if tool.tool == "LLaMA-Factory":
+        opts["model_flag"] = "LLaMA-Factory model_name_or_path"
     if tool.tool == "torchtitan":
         from .torchtitan import finish_plan
 
@@ -115,7 +122,7 @@ def finish(tool: ToolConfig, flags: dict, source_name: str = "") -> tuple[object
 def read_config(tool: str, source, model=None, **flags) -> ReadConfig:
     """Another tool's configuration -> `(model, plan)` such that `pipemem.estimate(model, **plan)`
     is what `pipemem estimate --from-<tool>` prints for it (the same reader and resolution).
-    `tool`: megatron, paddlenlp, torchtitan, torchtune, hf-trainer or deepspeed; `source`: an
+    `tool`: megatron, paddlenlp, torchtitan, torchtune, hf-trainer, llamafactory or deepspeed; `source`: an
     argv list (or one string) or a file path, as `TOOLS` says; `flags`: pipemem's own plan
     flags given with it (`dp=8`...), merged as the CLI merges them. DeepSpeed configs name no
     model: give `model=`. The reader's notes are in `.warnings`."""

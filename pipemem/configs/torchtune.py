@@ -5,8 +5,11 @@ What torchtune's full-finetune recipes (0.6.1) do with each key that changes dev
 
 * `model._component_` names a builder (`torchtune.models.llama3_2.llama3_2_3b`): mapped to the
   preset of the same shape (`BUILDERS`), or, with torchtune installed, read from the builder's
-  own source (`builder_config`: Llama 2/3.x, Qwen2/2.5 and Mistral builders); LoRA / QLoRA
-  builders are refused (adapters and NF4 weights are not modelled).
+  own source (`builder_config`: Llama 2/3.x, Qwen2/2.5 and Mistral builders). LoRA / QLoRA
+  builders (`lora_llama3_1_8b`, `qlora_...`, as lora_finetune_single_device / _distributed run
+  them): `lora_attn_modules` and `apply_lora_to_mlp` (w1, w2, w3) -> `lora_targets`, `lora_rank`,
+  `lora_dropout`, `qlora` (quantize_base: the targeted linears in NF4); `apply_lora_to_output`
+  and `use_dora` are refused; `lora_alpha` moves no memory.
 * `batch_size` is the micro-batch; `gradient_accumulation_steps` repeats it before each
   optimizer step (the step's grads live across them); `tokenizer.max_seq_len` is the sequence
   length (null in most configs: the samples' lengths set it, so `--seq-len` must say it;
@@ -112,6 +115,7 @@ _NO_DEVICE_MEMORY = {
     "batch_size_val",
     "keep_last_n_checkpoints",
     "tensor_parallel_plan",
+    "low_cpu_ram",
 }
 
 # torchtune component builders whose decoders the torchtune convention models (its
@@ -254,7 +258,12 @@ _LOSSES = {
 
 
 # torchtune's recipes (recipes/*.py, `tune run NAME`): the full fine-tuning ones pipemem models
-RECIPES = {"full_finetune_single_device": False, "full_finetune_distributed": True}
+RECIPES = {
+    "full_finetune_single_device": False,
+    "full_finetune_distributed": True,
+    "lora_finetune_single_device": False,
+    "lora_finetune_distributed": True,
+}
 _RECIPE_WORD = re.compile(r"\b([a-z0-9_]+_(?:single_device|distributed))(?:\.py)?\b")
 
 
@@ -273,7 +282,7 @@ def recipe_in_comments(text: str) -> str | None:
 def _recipe_distributed(recipe: str, where: str) -> bool:
     if recipe not in RECIPES:
         raise UserError(
-            f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full "
+            f"{where}: recipe {recipe}: not modelled; pipemem models torchtune's full and LoRA "
             f"fine-tuning recipes ({', '.join(RECIPES)})"
         )
     return RECIPES[recipe]
@@ -409,6 +418,55 @@ def _component(cfg: dict, key: str, path: str) -> tuple[str, dict]:
     return sec["_component_"], {k: v for k, v in sec.items() if k != "_component_"}
 
 
+# torchtune's LoRA builders (`lora_llama3_1_8b(lora_attn_modules, apply_lora_to_mlp=False,
+# apply_lora_to_output=False, lora_rank=8, lora_alpha=16, lora_dropout=0.0, use_dora=False,
+# quantize_base=False)`; `qlora_*` = the same with quantize_base=True)
+_LORA_DEFAULTS = {
+    "apply_lora_to_mlp": False,
+    "apply_lora_to_output": False,
+    "lora_rank": 8,
+    "lora_dropout": 0.0,
+}
+
+
+def _lora(name: str, kw: dict, plan: dict, path: str) -> dict:
+    """A LoRA / QLoRA builder's arguments -> plan keys (pipemem.lora); returns the arguments
+    left unread."""
+    kw = {**_LORA_DEFAULTS, **kw}
+    if kw.get("use_dora"):
+        raise UserError(f"{path}: model.use_dora: DoRA's magnitude vectors and weight norms are not modelled")
+    if kw.get("apply_lora_to_output"):
+        raise UserError(
+            f"{path}: model.apply_lora_to_output: an adapter on the output layer is not modelled; "
+            "set it False"
+        )
+    attn = kw.get("lora_attn_modules")
+    if not isinstance(attn, list) or not all(isinstance(m, str) for m in attn):
+        raise UserError(
+            f"{path}: model.lora_attn_modules: {attn!r}: expected a list such as [q_proj, v_proj]"
+        )
+    targets = list(attn) + (["w1", "w2", "w3"] if kw.get("apply_lora_to_mlp") else [])
+    if not targets:
+        raise UserError(f"{path}: model: no LoRA adapters (lora_attn_modules empty, apply_lora_to_mlp False)")
+    plan["lora_rank"] = _pos_int(kw.get("lora_rank"), "model.lora_rank", path)
+    plan["lora_targets"] = ",".join(targets)
+    if kw.get("lora_dropout"):
+        plan["lora_dropout"] = float(kw["lora_dropout"])
+    if name.startswith("qlora_") or kw.get("quantize_base"):
+        plan["qlora"] = True
+    read = {
+        "lora_attn_modules",
+        "apply_lora_to_mlp",
+        "apply_lora_to_output",
+        "lora_rank",
+        "lora_alpha",  # scales the adapters' output: moves no memory
+        "lora_dropout",
+        "use_dora",
+        "quantize_base",
+    }
+    return {k: v for k, v in kw.items() if k not in read}
+
+
 def _pos_int(value, key: str, path: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise UserError(f"{path}: {key}: {value!r} is not a positive integer")
@@ -425,11 +483,10 @@ def from_dict(cfg: dict, path: str, distributed: bool = False) -> ToolConfig:
 
     builder, model_kw = _component(cfg, "model", path)
     name = builder.rsplit(".", 1)[-1]
-    if "lora" in name:
-        raise UserError(
-            f"{path}: model {builder}: LoRA / QLoRA adapters (and NF4 base weights) are not modelled; "
-            "pipemem models full fine-tuning"
-        )
+    if name.startswith(("lora_", "qlora_")):
+        model_kw = _lora(name, model_kw, plan, path)
+        name = name.split("_", 1)[1]
+        builder = builder.rsplit(".", 1)[0] + "." + name
     model = BUILDERS.get(name) or builder_config(builder)
     if model is None:
         raise UserError(

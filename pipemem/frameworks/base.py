@@ -52,6 +52,11 @@ class Framework:
     torch_compile = True  # --compile applies
     traced_mode = True  # --mode traced records this framework's modules
     paddle_programs = False  # --mode paddle (Paddle's own programs) applies
+    # LoRA / QLoRA (pipemem.lora): None = not modelled for this framework; else the adapters'
+    # dtype: "fp32" (PEFT's get_peft_model(autocast_adapter_dtype=True) upcasts bf16 / fp16
+    # adapters) or "model" (the model's dtype)
+    lora_adapter_dtype: str | None = None
+    qlora_quantizes_all_linears = False  # load_in_4bit: every nn.Linear but the output layer
 
     def check_plan(self, arch, plan, dtype: str) -> None:
         """Refuse (UserError) what this framework's runs never do; called by validate_plan

@@ -36,6 +36,10 @@ class HF(Framework):
     default_optimizer_impl = "foreach"  # a plain torch.optim.AdamW on GPUs
     whole_logits_loss = True
     torch_modules = True
+    # PEFT: adapters upcast to fp32 (get_peft_model's autocast_adapter_dtype=True), their input
+    # cast to it (LoraLayer._cast_input_dtype); QLoRA through bitsandbytes' load_in_4bit
+    lora_adapter_dtype = "fp32"
+    qlora_quantizes_all_linears = True
 
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         """zero_grad(set_to_none=True), wrapped in DistributedDataParallel (default buckets) when

@@ -46,6 +46,9 @@ class Torchtune(Framework):
     # configs shipped with 0.6.1 that name it)
     default_optimizer_impl = "fused"
     torch_modules = True
+    # LoRALinear: adapters in the model's dtype; QLoRA quantizes the targeted linears only
+    # (LoRALinear(quantize_base=True), torchao's NF4Tensor)
+    lora_adapter_dtype = "model"
     traced_mode = False  # traced mode records HF's modules, not torchtune's
 
     def check_plan(self, arch, plan, dtype: str) -> None:

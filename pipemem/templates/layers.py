@@ -161,6 +161,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
         autocast=conv.framework.autocast
+        and not plan.lora_rank  # LoRA: the frozen base is loaded in the compute dtype
         and plan.master_weights
         and plan.dtype != "fp32"
         and not plan.deepspeed_mixed_precision,
@@ -276,9 +277,18 @@ def first_backward_shard(sh: Shard, plan) -> Shard:
         sh,
         first_step=True,
         grads_created=True,
-        grad_dt=plan.main_grad_dtype or plan.dtype,
+        grad_dt=_grad_dtype(plan),
         grad_shard=plan.dp * plan.cp if (plan.zero >= 2 or plan.fsdp) else 1,
     )
+
+
+def _grad_dtype(plan) -> str:
+    """The dtype of the gradients a backward creates: the main grads', or LoRA's adapters' own."""
+    if plan.lora_rank:
+        from .static import lora_adapter_dtype
+
+        return lora_adapter_dtype(plan)
+    return plan.main_grad_dtype or plan.dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +377,8 @@ class _Gen:
         tape.fsdp_reduce_dtype = "fp32" if conv.fsdp2_reduce_fp32 else sh.dt
         tape.fsdp_group = max(1, sh.grad_shard)
         tape.keep_recompute_outputs = conv.checkpoint_keeps_outputs
+        if sh.feat.lora_rank:
+            tape.trainable = set()  # LoRA: the base is frozen; the adapters add themselves
         if sh.grads_created:
             tape.grad_create = (sh.grad_dt, sh.grad_shard)
         self.t = tape
@@ -512,6 +524,8 @@ class _Gen:
             )
             return y
         x_fwd, x_saved, ws = self.fp8_operands(x, name, out_shape, in_features)
+        if self.sh.feat.lora_rank:
+            ws = self.nf4_base(w, name, out_shape[-1] * in_features, ws)
         self.t.node(
             "linear",
             (x_fwd,) + params,
@@ -522,7 +536,82 @@ class _Gen:
             workspace_f=ws[0],
             workspace_i=ws[1],
         )
+        if self.sh.feat.lora_on(name):
+            return self.lora(x, name, y, out_shape, in_features)
         return y
+
+    # LoRA / QLoRA (pipemem.lora) ---------------------------------------------------------------
+    def nf4_base(self, w: str, name: str, elems: int, ws: tuple) -> tuple:
+        """QLoRA: the base weight is stored NF4 (its parameter's bytes) and dequantized to the
+        compute dtype for the forward GEMM and again for the input-grad GEMM (bitsandbytes'
+        MatMul4Bit, torchtune's linear_nf4): one weight-sized transient in each."""
+        from ..lora import TEMPLATE_LINEARS, dequant_bytes, nf4_bytes
+
+        f = self.sh.feat
+        if not f.qlora or name not in TEMPLATE_LINEARS or not (f.qlora_all or f.lora_on(name)):
+            return ws
+        old = self.t.tensors[w]
+        self.t.tensors[w] = type(old)(w, old.shape, old.dtype, old.kind, bytes=nf4_bytes(elems))
+        deq = dequant_bytes(elems, dtype_bytes(self.dt))
+        return (ws[0] + deq, ws[1] + deq)
+
+    def lora(self, x: str, name: str, y: str, out_shape: tuple, in_features: int) -> str:
+        """y + scale * B(A(dropout(x))) beside a frozen linear (PEFT's LoraLayer.forward,
+        torchtune's LoRALinear.forward). A saves its input: `x` itself unless the adapters'
+        dtype (PEFT casts the input to it) or dropout makes a new tensor; B saves A's r-wide
+        output; the scaling and the sum save nothing. Under autocast (HF Trainer --bf16 with
+        fp32 adapters) A and B run in the compute dtype on casts of their input and weight."""
+        f = self.sh.feat
+        r = f.lora_rank
+        adt = f.lora_dt or self.dt
+        cdt = self.dt if f.lora_autocast else adt
+        tok = out_shape[:-1]
+        in_shape = tok + (in_features,)
+        src, cast_in = x, None
+        if self.dtype_of(x) != adt:
+            src = cast_in = self.act(name + ".lora_in", in_shape, adt)
+            self.t.node("to_dtype", (x,), (src,), diff_inputs=(x,))
+        if f.lora_dropout:
+            src = self.dropout(src, name + ".lora_dropout", in_shape)
+        if self.dtype_of(src) != cdt:
+            cast = self.act(name + ".lora_autocast_in", in_shape, cdt)
+            self.t.node("autocast_cast", (src,), (cast,), diff_inputs=(src,))
+            src = cast
+        chain = (cdt, adt) if cdt != adt else (adt,)
+        out = src
+        for part, shape in (("lora_a", (r, in_features)), ("lora_b", (out_shape[-1], r))):
+            wp = self.t.param(self.n(f"{name}.{part}.weight"), shape, adt)
+            self.t.trainable.add(wp)
+            wc, save_i = wp, ()
+            if cdt != adt:
+                wc = self.act(f"{name}.{part}.weight_cast", shape, cdt)
+                self.t.node("autocast_weight", (wp,), (wc,))
+                save_i = (wc,)
+            nxt = self.act(f"{name}.{part}.out", tok + (shape[0],), cdt)
+            self.t.node(
+                "linear",
+                (out, wc),
+                (nxt,),
+                diff_inputs=(out,),
+                params=(wp,),
+                save_i=save_i,
+                save_w=(out,),
+                wgrad_chain=chain,
+            )
+            out = nxt
+        scaled = self.act(name + ".lora_scaled", out_shape, cdt)
+        self.t.node("mul_scalar", (out,), (scaled,), diff_inputs=(out,))
+        total = self.add(y, scaled, name + ".lora_sum", out_shape)
+        if self.dtype_of(total) != self.dtype_of(y):  # PEFT: result.to(torch_result_dtype)
+            back = self.act(name + ".lora_result", out_shape, self.dtype_of(y))
+            self.t.node("to_dtype", (total,), (back,), diff_inputs=(total,))
+            total = back
+        # the module's input (its caller's argument) and PEFT's cast of it (the rebound local
+        # `x`) are referenced until the forward returns
+        self.t.held_until.setdefault(len(self.t.nodes) - 1, []).extend(
+            t for t in (x, cast_in) if t is not None
+        )
+        return total
 
     # FP8 linears ---------------------------------------------------------------------------
     def weight_dt(self, name: str) -> str:
@@ -1413,7 +1502,8 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
         # FSDP2's root unit, gathered here with the final norm and the output layer (tape.py)
         tape.root_role = "first"
         tape.root_bytes = root_unit_bytes(arch, sh)
-        tape.root_grad_bytes = (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)  # the head's grads
+        # the head's grads (none under LoRA: the final norm and the output layer are frozen)
+        tape.root_grad_bytes = 0 if sh.feat.lora_rank else (sh.h + sh.vocab * sh.h) * dtype_bytes(sh.dt)
         tape.root_grad_elem_bytes = dtype_bytes(sh.dt)
     if tied_head and tape.grad_create is not None and not tape.fsdp:
         # (FSDP / ZeRO-3 reduce-scatters each part's grads into shards: not handled here, the

@@ -312,6 +312,17 @@ def optimizer_elems(
     dp_group, edp_group = _dp_groups(plan)
     shapes = _rank_param_shapes(arch, plan, conv, stage_layers, rank_stages)
     on = plan.zero >= 1 or plan.dist_opt
+    if getattr(plan, "lora_rank", 0):
+        # LoRA: the optimizer updates only the adapters
+        from ..lora import layer_linears, parse_targets
+
+        targets = parse_targets(plan.lora_targets)
+        layers = sum(len(_as_range(stage_layers[s])) for s in rank_stages)
+        per = [
+            plan.lora_rank * n for t, io in layer_linears(arch, plan.tp).items() if t in targets for n in io
+        ]
+        dense, expert = layers * sum(per), 0
+        shapes = [((n,), False) for n in per]
 
     def shard(n: int, group: int) -> int:
         return -(-n // group) if on else n
@@ -334,8 +345,64 @@ def pipelined_fsdp(plan, conv: Convention) -> bool:
     return conv.fsdp2 and (plan.zero >= 3 or bool(plan.fsdp)) and plan.pp * plan.vpp > 1
 
 
+def lora_adapter_dtype(plan) -> str:
+    """The adapters' dtype under a LoRA plan: the framework's (PEFT upcasts bf16 / fp16 adapters
+    to fp32; torchtune keeps the model's), `extra["lora_dtype"]` if given; DeepSpeed's engine
+    converts the whole model, adapters included, to its dtype (its fp32 master is separate)."""
+    if getattr(plan, "deepspeed_mixed_precision", False):
+        return plan.dtype
+    dt = (plan.extra or {}).get("lora_dtype") or ALL[plan.convention].lora_adapter_dtype or "model"
+    return plan.dtype if dt == "model" else dt
+
+
+def _lora_static(arch, plan, conv: Convention, stage_layers, rank_stages, dense: int, expert: int):
+    """(params, grads, master, states) bytes of a LoRA plan's rank, and the adapters' elements:
+    the base frozen in its dtype (QLoRA: its quantized linears as NF4 tensors), the adapters
+    with gradients and optimizer states (pipemem.lora)."""
+    from ..lora import adapter_elems, nf4_bytes, parse_targets, quantized_linears
+
+    targets = parse_targets(plan.lora_targets)
+    layers = sum(len(_as_range(stage_layers[s])) for s in rank_stages)
+    adapters = layers * adapter_elems(arch, targets, plan.lora_rank, plan.tp)
+    base_bytes = (dense + expert) * dtype_bytes(plan.dtype)
+    if plan.qlora:
+        quant = quantized_linears(arch, targets, conv.framework.qlora_quantizes_all_linears, plan.tp)
+        dq = bool((plan.extra or {}).get("qlora_double_quant", True))
+        base_bytes += layers * sum(nf4_bytes(n, dq) - n * dtype_bytes(plan.dtype) for n in quant)
+    adt = dtype_bytes(lora_adapter_dtype(plan))
+    master = 4 if getattr(plan, "deepspeed_mixed_precision", False) else 0
+    per_state = QUANTIZED_STATE_BYTES.get(plan.optimizer, max(adt, master))
+    n_states = STATES[plan.optimizer]
+    if plan.optimizer == "sgd" and not (plan.extra or {}).get("sgd_momentum", True):
+        n_states = 0
+    dp_group, _ = _dp_groups(plan)
+
+    def shard(n, on: bool) -> int:
+        return -(-n // dp_group) if on else n
+
+    opt_shard = plan.zero >= 1 or plan.dist_opt
+    params = shard(base_bytes, plan.zero >= 3) + shard(adapters, plan.zero >= 3) * adt
+    grads = shard(adapters, plan.zero >= 2) * adt
+    return (
+        params,
+        grads,
+        shard(adapters, opt_shard) * master,
+        int(shard(adapters, opt_shard) * n_states * per_state),
+    )
+
+
 def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages) -> StaticBytes:
     dense, expert = rank_param_counts(arch, plan, conv, stage_layers, rank_stages)
+    if getattr(plan, "lora_rank", 0):
+        params, grads, master, states = _lora_static(
+            arch, plan, conv, stage_layers, rank_stages, dense, expert
+        )
+        return step_state(
+            StaticBytes(params=int(params), grads=int(grads), optimizer=master + states, other=0),
+            plan.grads,
+            plan.step,
+            states,
+        )
     dp_group, edp_group = _dp_groups(plan)
     per_param = bytes_per_param(plan, conv)
     params, grads, master, states = _sharded(

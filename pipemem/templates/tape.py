@@ -79,6 +79,7 @@ class Node:
     # dtype, then cast to the input's (autograd's validate_outputs)
     wgrad_saved: str = ""  # the weight grad was computed in forward and saved under this
     # name (Liger's fused linear CE): the backward scales it in place
+    wgrad_chain: tuple[str, ...] = ()  # this node's weight-grad dtypes, if not the tape's
     meta_i: tuple[str, ...] = ()  # read by the input-grad op for their shapes only (Paddle's
     # no_need_buffer): they keep nothing alive in the backward,
     # but the forward still keeps them for it and the backward
@@ -102,6 +103,8 @@ class Tape:
         # temporary becomes .grad, so the last cast writes the grad buffer directly).
         self.wgrad_chain: tuple[str, ...] = ()
         self.wgrad_final = "accumulate_grad"
+        # None: every parameter is trained; else only these (LoRA's adapters; the rest frozen)
+        self.trainable: set[str] | None = None
         # ZeRO-3 / FSDP: the part's parameters are all-gathered into one buffer before its
         # forward and its backward and released after; eager weight grads are held unsharded
         # until one reduce-scatter at the end of the part's backward (FSDP2's per-module unit).
@@ -213,7 +216,13 @@ class Tape:
         read_w=(),
         wgrad_saved="",
         meta_i=(),
+        wgrad_chain=(),
     ) -> Node:
+        if self.trainable is not None:
+            # frozen parameters (LoRA's base): no weight grad, so nothing is saved for one
+            params = tuple(p for p in params if p in self.trainable)
+            if not params:
+                save_w, read_w, pre_w = (), (), ()
         n = Node(
             type,
             tuple(inputs),
@@ -237,6 +246,7 @@ class Tape:
             self._pinned(type),
             promote_grads,
             wgrad_saved,
+            tuple(wgrad_chain),
             tuple(meta_i),
         )
         self.nodes.append(n)
@@ -400,13 +410,16 @@ class Tape:
         if self.root_role == "first":
             # the root unit (gathered again by the head's backward) and the head's unsharded
             # grads: released when this backward ends
-            grads = self._root_tensor(i_prog, "head_grads", self.root_grad_bytes)
-            self.entry_b = (
-                self._root_tensor(
-                    i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd", self.root_bytes
-                ),
-                grads,
+            params = self._root_tensor(
+                i_prog, "params_bwd" if self.fsdp_reshard else "params_fwd", self.root_bytes
             )
+            # (no head grads when the head is frozen: LoRA)
+            grads = (
+                (self._root_tensor(i_prog, "head_grads", self.root_grad_bytes),)
+                if self.root_grad_bytes
+                else ()
+            )
+            self.entry_b = (params,) + grads
         elif self.root_role == "last" and not self.fsdp_reshard:
             self.entry_b = ()
             root_gathered = "root.params_fwd"  # never resharded; the first part frees it
@@ -453,9 +466,12 @@ class Tape:
             gouts = tuple(cur("d." + o, "d." + o) for o in n.outputs if ("d." + o) in written)
             if not gouts:
                 continue
-            if gathered is None and (n.params or n.region >= 0):
+            # FSDP gathers a unit for the backward of the first node that needs its parameters
+            # (a frozen one's too: LoRA's base weights compute the input grads)
+            needs = n.params or n.region >= 0 or (self.trainable is not None and self._reads_param(n))
+            if gathered is None and needs:
                 gathered = self._fsdp_gather(i_prog, "bwd")
-            if self.root_role == "last" and not root_gathered and (n.params or n.region >= 0):
+            if self.root_role == "last" and not root_gathered and needs:
                 root_gathered = self._root_gather(i_prog, "bwd")
             ren: dict[str, str] = self.offloaded
             reloads = self.offload_packs.get(idx, {})
@@ -612,6 +628,9 @@ class Tape:
         self._root_release(w_prog)
         return [i_prog, w_prog]
 
+    def _reads_param(self, n: Node) -> bool:
+        return any(i in self.tensors and self.tensors[i].kind is PARAM for i in n.inputs)
+
     def _root_release(self, prog: Program) -> None:
         """The root's reduce-scatter when the backward ends: the unit and the head's unsharded
         grads go; a backward that creates the grads makes the head's grad shards here (its
@@ -620,7 +639,7 @@ class Tape:
             for t in self.entry_b:
                 prog.tensors.setdefault(t, self.tensors[t])
             made: tuple[str, ...] = ()
-            if self.grad_create is not None:
+            if self.grad_create is not None and self.root_grad_bytes:
                 dt, shard = self.grad_create
                 elems = self.root_grad_bytes // max(1, self.root_grad_elem_bytes)
                 made = (
@@ -670,7 +689,7 @@ class Tape:
     def _wgrad_ops(self, n: Node, gouts: tuple[str, ...], r, prog: Program) -> list[Op]:
         gparams = tuple(self._param_grad(prog, p) for p in n.params)
         reads = gouts + tuple(r(s) for s in (*n.save_w, *n.read_w))
-        chain = self.wgrad_chain
+        chain = n.wgrad_chain or self.wgrad_chain
         created = self.grad_create is not None
         if not chain:
             # a fused GEMM accumulates into the grad buffer; a created grad is only written

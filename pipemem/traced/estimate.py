@@ -99,6 +99,7 @@ def refuse_unmodelled(plan: ParallelPlan, parallel: bool = False) -> None:
             ("--optimizer-offload", bool(plan.optimizer_offload)),
             ("--optimizer-in-backward", plan.optimizer_in_backward),
             ("--optimizer-state-dtype", bool(plan.optimizer_state_dtype)),
+            ("--lora-rank / --qlora", bool(getattr(plan, "lora_rank", 0))),
             ("--compile (with --pp, --tp or --fsdp)", parallel and bool(plan.compile)),
         )
         if on

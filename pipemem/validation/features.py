@@ -17,6 +17,9 @@ against traces made by each feature's own library, on fake tensors (no GPU):
   `llama3_2` builder -- a layer's kept bytes, forward and backward peaks, bf16 and fp32 -- and its
   Qwen2 decoder (`qwen2`: q/k/v biases) in bf16, and
   AOTAutograd's partitioner on its layers (`compile/torchtune-bf16`);
+* LoRA: PEFT's `get_peft_model` (LoraLayer on every linear, its fp32 adapters) on an HF Llama and
+  torchtune's `lora_llama3_2` (LoRALinear) -- a layer's kept bytes, forward and backward peaks,
+  bf16 and fp32, with and without the adapters' dropout;
 * activation offloading: torchtune's `OffloadActivations` (its copy stream and stashes) around
   the decoder, as torchtune's recipe wraps the model with the output layer left out --
   the kept bytes it removes and a layer's forward and backward peaks. Its CUDA streams and
@@ -909,6 +912,150 @@ def torchtune_compile_case() -> list[CaseRow]:
     return [CaseRow("compile/torchtune-bf16: saved bytes removed", traced, est)]
 
 
+# ---------------------------------------------------------------- LoRA
+
+# the adapters of the comparisons: every decoder linear (PEFT's "all-linear"), rank 8
+LORA_RANK = 8
+HF_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_prepare(dropout: float, targets=None):
+    """PEFT's `get_peft_model` on the fake HF model, as a LoRA training script calls it (its
+    defaults: the adapters upcast to fp32, `autocast_adapter_dtype=True`); None without peft."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+
+    def prepare(model):
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(
+            r=LORA_RANK, lora_alpha=16, lora_dropout=dropout, target_modules=targets or HF_LINEARS
+        )
+        get_peft_model(model, cfg)  # replaces the targeted modules of `model` in place
+
+    return prepare
+
+
+def _lora_trace(prepare, dtype: str, layers: int = 2, autocast: bool = False):
+    """A 2-layer HF Llama (LLAMA) in `dtype`, no autocast, `prepare` applied; steady step,
+    the adapters' grads zeroed in place (resident, as the layer templates count them)."""
+    from ..traced.hf import Precision, build_model, fake_tensor_quirks, hf_loss, make_config, step_inputs
+    from ..traced.step import trace_step
+
+    cfg = make_config(LLAMA, "sdpa", layers)
+
+    def build():  # on the meta device: the adapters are made there too
+        model = build_model(cfg, Precision.parse(dtype, False).param_dtype)
+        prepare(model)
+        return model
+
+    import torch
+
+    return trace_step(
+        build,
+        step_inputs(cfg, B, S),
+        hf_loss,
+        None,
+        "cuda",
+        autocast_dtype=torch.bfloat16 if autocast else None,
+        patches=fake_tensor_quirks(),
+        step="steady",
+        set_to_none=False,
+    )
+
+
+def lora_peft_cases(dtype: str, dropout: float, autocast: bool = False) -> list[CaseRow]:
+    """PEFT's LoraLayer on every linear of an HF Llama decoder layer (the model in `dtype`;
+    PEFT's fp32 adapters on an input cast to fp32; `autocast`: the bf16 model under the Trainer's
+    bf16 autocast, as --bf16 runs it) against --lora-rank under the hf convention: a layer's kept
+    bytes, forward and backward peaks."""
+    st = _lora_trace(peft_prepare(dropout), dtype, autocast=autocast)
+    t = template_layer(
+        LLAMA,
+        1,
+        dtype=dtype,
+        master_weights=autocast,
+        lora_rank=LORA_RANK,
+        lora_targets="all-linear",
+        lora_dropout=dropout,
+    )
+    tag = f"lora-peft/{dtype}{'-autocast' if autocast else ''}{'-dropout' if dropout else ''}"
+    return [
+        CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
+        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
+        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(st, "backward"), t.B.peak_bytes),
+    ]
+
+
+def torchtune_lora_decoder(dtype: str, dropout: float):
+    """torchtune's own `lora_llama3_2` decoder at TT_LLAMA's shape, adapters on every layer
+    linear (q, k, v, output_proj and the MLP's w1 / w2 / w3), the base frozen as its recipe's
+    `set_trainable_params(model, get_adapter_params(model))` leaves it; None without torchtune."""
+    import torch
+
+    if importlib.util.find_spec("torchtune") is None:
+        return None
+    c = TT_LLAMA
+    with torchtune_packages():
+        from torchtune.models.llama3_2._component_builders import lora_llama3_2
+
+        model = lora_llama3_2(
+            lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+            apply_lora_to_mlp=True,
+            apply_lora_to_output=False,
+            vocab_size=c["vocab_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_key_value_heads"],
+            embed_dim=c["hidden_size"],
+            max_seq_len=S,
+            intermediate_dim=c["intermediate_size"],
+            lora_rank=LORA_RANK,
+            lora_alpha=16,
+            lora_dropout=dropout,
+            tie_word_embeddings=False,
+        )
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+
+
+def lora_torchtune_cases(dtype: str, dropout: float) -> list[CaseRow]:
+    """torchtune's LoRALinear in its own decoder against --lora-rank under the torchtune
+    convention: a layer's kept bytes, forward and backward peaks."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..traced.step import trace_step
+
+    model = torchtune_lora_decoder(dtype, dropout)
+    V = TT_LLAMA["vocab_size"]
+    st = trace_step(
+        model,
+        lambda _m: ((torch.randint(0, V, (B, S)),), {}),
+        lambda logits: F.cross_entropy(logits.reshape(-1, V), torch.zeros(B * S, dtype=torch.long)),
+        None,
+        "cuda",
+        step="steady",
+        set_to_none=False,
+    )
+    t = template_layer(
+        TT_LLAMA,
+        1,
+        convention="torchtune",
+        dtype=dtype,
+        lora_rank=LORA_RANK,
+        lora_targets="all-linear",
+        lora_dropout=dropout,
+    )
+    tag = f"lora-torchtune/{dtype}{'-dropout' if dropout else ''}"
+    return [
+        CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
+        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
+        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(st, "backward"), t.B.peak_bytes),
+    ]
+
+
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
     """(name, run) of each case whose library is installed, in the order they run."""
     cases: list[tuple[str, Callable[[], list[CaseRow]]]] = [
@@ -934,6 +1081,24 @@ def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
             ("compile/torchtune-bf16", torchtune_compile_case),
             ("offload/torchtune-llama", offload_cases),
             ("offload/torchtune-gpt2", lambda: offload_cases(GPT2, "gpt2")),
+        ]
+        cases += [
+            (f"lora-torchtune/{dt}{'-dropout' if d else ''}", lambda dt=dt, d=d: lora_torchtune_cases(dt, d))
+            for dt in ("bf16", "fp32")
+            for d in (0.0, 0.1)
+        ]
+    if importlib.util.find_spec("peft") is not None:
+        cases += [
+            (f"lora-peft/{dt}{'-dropout' if d else ''}", lambda dt=dt, d=d: lora_peft_cases(dt, d))
+            for dt in ("bf16", "fp32")
+            for d in (0.0, 0.1)
+        ]
+        cases += [
+            (
+                f"lora-peft/bf16-autocast{'-dropout' if d else ''}",
+                lambda d=d: lora_peft_cases("bf16", d, True),
+            )
+            for d in (0.0, 0.1)
         ]
     return cases
 
