@@ -48,20 +48,16 @@ STAT = "fp32"
 
 
 def check_mla_plan(arch, plan) -> None:
-    """What the MLA templates hold: the hf convention on tp = cp = 1 (transformers' modules, as
-    traced mode runs them); anything else is refused by name."""
+    """What the MLA templates hold: the hf convention (transformers' modules, as traced mode runs
+    them); any other convention is refused by name."""
     from ..model import refuse_unmodelled
 
     what = None
-    if plan.convention != "hf":
+    if plan.convention != "hf":  # (hf's modules are modelled unsharded: no tp, cp, ep there)
         what = (
             f"multi-head latent attention under --convention {plan.convention} (only --convention hf "
             "is held against the framework's own modules)"
         )
-    elif plan.tp > 1:
-        what = f"multi-head latent attention with --tp {plan.tp} under --convention hf"
-    elif plan.cp > 1:
-        what = f"multi-head latent attention with --cp {plan.cp}"
     if what:
         raise refuse_unmodelled(arch.name or arch.model_type, arch.model_type, what)
 
@@ -158,6 +154,11 @@ def _core_attention(g, arch, q: str, k: str, v: str, opt) -> str:
     dq, dv = arch.head_dim, arch.v_head_dim
     if not opt.flash:
         # HF's eager attention: the scores path of `_Gen.core_attention` with V's head dim
+        # matmul(probs, V) reshapes the strided value view to [b x a, s, dv]: a contiguous copy,
+        # which the matmul saves (so the kv_b_proj output itself is freed)
+        vc = g.act("attn.v_contiguous", (s, b, a, dv), g.dtype_of(v))
+        t.node("contiguous", (v,), (vc,), diff_inputs=(v,))
+        v = vc
         saved, g.sh = g.sh, replace(sh, d=dv)
         try:
             return g.core_attention(q, k, v, opt)
