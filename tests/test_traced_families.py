@@ -293,7 +293,7 @@ def test_unknown_model_type_named_by_its_architecture():
 
     cfg = dict(TINY["deepseek_v3"], model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
     traced = estimate(dict(cfg), mode="traced", **PLAN)
-    templ = estimate(dict(cfg), **PLAN)
+    templ = estimate(dict(cfg), convention="hf", **PLAN)
     assert traced.arch.experts == templ.arch.experts == 8
     assert templ.ranks[0].static.params == traced.ranks[0].static.params
 
@@ -375,7 +375,10 @@ def test_preset_cli_traced_and_template_refusal(capsys):
         "--no-master-weights",
         "--json",
     ]
-    assert main(args) == 0  # templates model DeepSeek-V3 (tests/test_mla.py)
+    # templates model DeepSeek-V3 under --convention hf (tests/test_mla.py), refuse the others
+    assert main(args) == 2
+    assert "multi-head latent attention under --convention megatron" in capsys.readouterr().err
+    assert main(args + ["--convention", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["experts"] == 256
     assert main(args + ["--mode", "traced"]) == 0
     d = json.loads(capsys.readouterr().out)
