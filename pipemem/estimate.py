@@ -654,7 +654,9 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
 
 def _template_warnings(arch, plan) -> list[str]:
     """What the templates model less surely for this plan, said beside the numbers."""
-    out = []
+    from .templates.mla import mla_warnings
+
+    out = mla_warnings(arch, plan)
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
         # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template

@@ -161,3 +161,16 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     assert main(["estimate", "--model", str(bad), "--convention", "hf", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "n_group=3" in err and len(err.splitlines()) == 1
+
+
+def test_warnings_say_what_is_left_out():
+    """Multi-token prediction layers in the config (HF's module builds none) and the efficient
+    kernel's backward workspace are said; an equal-head model without MTP has neither."""
+    from pipemem import estimate
+
+    kw = dict(convention="hf", seq_len=128, dtype="bf16", master_weights=False)
+    w = estimate(dict(V3, num_nextn_predict_layers=1), **kw).warnings
+    assert any("num_nextn_predict_layers=1" in x for x in w)
+    assert any("memory-efficient kernel" in x for x in w)
+    w = estimate(dict(CONFIGS["v3-equal-heads"]), **kw).warnings
+    assert not any("num_nextn" in x or "memory-efficient" in x for x in w)
