@@ -174,3 +174,24 @@ def test_warnings_say_what_is_left_out():
     assert any("memory-efficient kernel" in x for x in w)
     w = estimate(dict(CONFIGS["v3-equal-heads"]), **kw).warnings
     assert not any("num_nextn" in x or "memory-efficient" in x for x in w)
+
+
+def test_plan_searches_deepseek_under_hf_and_refuses_other_conventions(capsys):
+    """`pipemem plan` on a DeepSeek preset: under --convention hf every listed plan's flags
+    re-estimate to the same peak; under a convention the templates do not hold, one line."""
+    import shlex
+
+    from pipemem import estimate
+    from pipemem.cli.main import main
+
+    args = "plan --model deepseek-v2-lite --gpus 8 --gpu h200 --seq-len 4096 --global-batch 64"
+    assert main(shlex.split(args + " --convention hf --json")) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and plans[0]["verdict"] == "fits"
+    best = plans[0]
+    kw = {k: v for k, v in best["plan"].items() if k != "global_batch"}
+    est = estimate("deepseek-v2-lite", gpu="h200", global_batch=64, **kw)
+    assert est.max_peak_allocated_bytes == best["max_peak_allocated_bytes"]
+    assert main(shlex.split(args + " --convention megatron")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "multi-head latent attention under --convention megatron" in err and len(err.splitlines()) == 1

@@ -48,18 +48,23 @@ STAT = "fp32"
 
 
 def check_mla_plan(arch, plan) -> None:
-    """What the MLA templates hold: the hf convention (transformers' modules, as traced mode runs
-    them); any other convention is refused by name."""
+    """What the MLA templates hold: the conventions whose framework says `mla_templates` (hf:
+    transformers' modules, as traced mode runs them); any other is refused by name."""
+    check_mla_convention(arch, plan.convention)
+
+
+def check_mla_convention(arch, convention: str) -> None:
+    from .. import frameworks
     from ..model import refuse_unmodelled
 
-    what = None
-    if plan.convention != "hf":  # (hf's modules are modelled unsharded: no tp, cp, ep there)
-        what = (
-            f"multi-head latent attention under --convention {plan.convention} (only --convention hf "
-            "is held against the framework's own modules)"
-        )
-    if what:
-        raise refuse_unmodelled(arch.name or arch.model_type, arch.model_type, what)
+    if not getattr(arch, "kv_lora_rank", 0) or frameworks.get(convention).mla_templates:
+        return
+    ok = ", ".join(f"--convention {f.name}" for f in frameworks.ALL.values() if f.mla_templates)
+    what = (
+        f"multi-head latent attention under --convention {convention} (held against the "
+        f"framework's own modules only under {ok})"
+    )
+    raise refuse_unmodelled(arch.name or arch.model_type, arch.model_type, what)
 
 
 def mla_warnings(arch, plan) -> list[str]:
