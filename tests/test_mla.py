@@ -122,6 +122,8 @@ def test_presets_read_with_published_sizes():
     [
         (dict(convention="megatron"), "--convention megatron"),
         (dict(convention="torchtitan"), "--convention torchtitan"),
+        (dict(convention="hf", compile=True), "--compile"),
+        (dict(convention="hf", activation_offload="all"), "--activation-offload"),
     ],
 )
 def test_unchecked_plans_refused_by_name(change, what):

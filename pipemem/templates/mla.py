@@ -49,8 +49,23 @@ STAT = "fp32"
 
 def check_mla_plan(arch, plan) -> None:
     """What the MLA templates hold: the conventions whose framework says `mla_templates` (hf:
-    transformers' modules, as traced mode runs them); any other is refused by name."""
+    transformers' modules, as traced mode runs them); any other is refused by name, as are the
+    features not checked against a trace of these modules (torch.compile's partitioner, activation
+    offloading, fp8 linears)."""
+    from ..model import refuse_unmodelled
+
     check_mla_convention(arch, plan.convention)
+    for flag, on in (
+        ("--compile", plan.compile),
+        ("--activation-offload", plan.activation_offload),
+        ("--fp8", plan.fp8),
+    ):
+        if on:
+            raise refuse_unmodelled(
+                arch.name or arch.model_type,
+                arch.model_type,
+                f"multi-head latent attention with {flag} (not checked against a trace)",
+            )
 
 
 def check_mla_convention(arch, convention: str) -> None:
