@@ -33,7 +33,7 @@ _LLAMA_LIKE = {
     "internlm2",
     "yi",
 }
-_MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
+_MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2"}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 
 # Families transformers builds that template mode does not model yet: what each one lacks, named
@@ -46,7 +46,6 @@ UNMODELLED = {
     "olmoe": "OLMoE's mixture-of-experts layers",
     "qwen3_next": "gated DeltaNet linear attention",
     "nemotron_h": "Mamba-2 layers",
-    "kimi_k2": "multi-head latent attention",
 }
 
 
@@ -117,6 +116,21 @@ class ArchSpec:
     router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
     dense_layers: tuple[int, ...] = ()  # layer indices that stay dense in a MoE model
     sliding_window: int = 0  # window of the sliding-window layers (gemma3_text); 0: none modelled
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; kv_lora_rank 0: none). head_dim is then
+    # the query / key head, qk_nope_head_dim + qk_rope_head_dim (pipemem/templates/mla.py)
+    q_lora_rank: int = 0  # 0: the query is one projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_style: str = "half"  # half (rotate_half) | interleave (DeepSeek-V3) | complex (DeepSeek-V2)
+    # DeepSeek routers: softmax or sigmoid scores (+ the e_score_correction_bias buffer), top-k within
+    # the router_topk_groups best of router_groups expert groups
+    router_score: str = "softmax"
+    router_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_scale: bool = False  # top-k weights times routed_scaling_factor (a new tensor)
+    mtp_layers: int = 0  # multi-token prediction depths (num_nextn_predict_layers / --mtp-num-layers)
 
     @property
     def is_moe(self) -> bool:
@@ -128,6 +142,10 @@ class ArchSpec:
     @property
     def attn_width(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def with_layers(self, layers: int) -> "ArchSpec":
         """The same model with `layers` decoder layers (``--layers N``)."""
@@ -489,7 +507,9 @@ def _softcap(r: _Reader, key: str, default: float) -> float:
 def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     c = r.c
     if c.get("kv_lora_rank") or c.get("q_lora_rank"):
-        raise refuse_unmodelled(r.name, mt, "multi-head latent attention (key 'kv_lora_rank')")
+        if mt not in _MLA_FAMILIES:
+            raise refuse_unmodelled(r.name, mt, "multi-head latent attention (key 'kv_lora_rank')")
+        return _deepseek_mla(r, mt)
     hidden = r.pos_int("hidden_size")
     heads = r.pos_int("num_attention_heads")
     kv = int(r.opt("num_key_value_heads", heads))
@@ -521,7 +541,7 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
             shared_ffn = int(r.opt("shared_expert_intermediate_size", 0))
             shared = 1 if shared_ffn else 0
             shared_gate = bool(shared)  # Qwen2MoeSparseMoeBlock.shared_expert_gate
-        elif mt.startswith("deepseek"):
+        elif mt.startswith("deepseek") or mt == "kimi_k2":
             shared = int(r.opt("n_shared_experts", 0))
             shared_ffn = expert_ffn if shared else 0
         first_dense = int(r.opt("first_k_dense_replace", 0))
@@ -586,6 +606,80 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     )
 
 
+_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+_MLA_DEFAULTS = {
+    "v3": {"n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},
+    "v2": {"n_shared_experts": 2, "first_k_dense_replace": 0},
+}
+
+
+def _deepseek_mla(r: _Reader, mt: str) -> ArchSpec:
+    """DeepSeek-V2 / V3 and Kimi-K2 (transformers' DeepseekV2 / DeepseekV3 modules): multi-head
+    latent attention, shared experts beside the routed ones, `first_k_dense_replace` dense layers;
+    V3's sigmoid router with its score-correction bias and group-limited top-k, V2's softmax
+    router (greedy, or group-limited greedy)."""
+    c = r.c
+    check_config(c, r.name)
+    if "kv_lora_rank" not in c or not c.get("kv_lora_rank"):
+        raise UserError(
+            f"config of {r.name}: 'q_lora_rank' without 'kv_lora_rank': multi-head latent attention "
+            "needs kv_lora_rank (the key / value latent's width)"
+        )
+    if r.opt("attention_bias", False):
+        raise refuse_unmodelled(r.name, mt, "multi-head latent attention with attention_bias")
+    if "q_lora_rank" not in c:
+        raise UserError(
+            f"config of {r.name}: missing key 'q_lora_rank' (null when the query has no low-rank "
+            "projection, as DeepSeek-V2-Lite); transformers would build its default of 1536"
+        )
+    v3 = mt != "deepseek_v2"
+    # transformers' config defaults (DeepseekV2Config / DeepseekV3Config, 5.24) for the keys
+    # the generic MoE reader reads with other defaults
+    defaults = _MLA_DEFAULTS["v3" if v3 else "v2"]
+    c = {k: v for k, v in c.items() if k not in ("kv_lora_rank", "q_lora_rank")}
+    for k, v in defaults.items():
+        if c.get(k) is None:
+            c[k] = v
+    base = _llama_like(_Reader(c, r.name), mt)
+    nope, rope = r.pos_int("qk_nope_head_dim"), r.pos_int("qk_rope_head_dim")
+    heads = base.heads
+    if base.kv_heads != heads:
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={base.kv_heads} must equal num_attention_heads="
+            f"{heads} with multi-head latent attention (kv_lora_rank)"
+        )
+    experts = base.experts
+    groups = int(c.get("n_group") or 1)
+    topk_groups = int(c.get("topk_group") or groups)
+    method = str(r.opt("topk_method", "greedy" if not v3 else "noaux_tc"))
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise UserError(f"config of {r.name}: topk_method {method!r}: use greedy or group_limited_greedy")
+    if not v3 and method == "greedy":
+        groups = topk_groups = 1
+    if experts and experts % groups:
+        raise UserError(f"config of {r.name}: n_group={groups} must divide the {experts} routed experts")
+    if not 0 < topk_groups <= groups:
+        raise UserError(f"config of {r.name}: topk_group={topk_groups} must be in 1..{groups} (n_group)")
+    if rope % 2:
+        raise UserError(f"config of {r.name}: qk_rope_head_dim={rope} must be even (rotary pairs)")
+    return replace(
+        base,
+        head_dim=nope + rope,
+        q_lora_rank=int(r.c.get("q_lora_rank") or 0),
+        kv_lora_rank=r.pos_int("kv_lora_rank"),
+        qk_rope_head_dim=rope,
+        v_head_dim=r.pos_int("v_head_dim"),
+        rope_style=("interleave" if r.opt("rope_interleave", True) else "half") if v3 else "complex",
+        router_score="sigmoid" if v3 else "softmax",
+        router_bias=v3,
+        router_groups=groups,
+        router_topk_groups=topk_groups,
+        router_norm_topk=bool(r.opt("norm_topk_prob", True)) if v3 else False,
+        router_scale=True,
+        mtp_layers=int(r.opt("num_nextn_predict_layers", 0) or 0),
+    )
+
+
 def _check_div(r: _Reader, a: int, b: int, ka: str, kb: str) -> None:
     if a % b:
         raise UserError(
@@ -609,10 +703,13 @@ def layer_param_shapes(
     ln_parts = (2 if arch.norm == "layernorm" else 1) if arch.norm_affine else 0
     out["input_norm"] = ((ln_parts * h,), False)
     out["post_attention_norm"] = ((ln_parts * h,), False)
-    out["qkv"] = (((a + 2 * kv) * d, h), False)
-    if arch.qkv_bias:
-        out["qkv_bias"] = (((a + 2 * kv) * d,), False)
-    out["o_proj"] = ((h, a * d), False)
+    if arch.kv_lora_rank:
+        out.update(mla_param_shapes(arch, tp))
+    else:
+        out["qkv"] = (((a + 2 * kv) * d, h), False)
+        if arch.qkv_bias:
+            out["qkv_bias"] = (((a + 2 * kv) * d,), False)
+        out["o_proj"] = ((h, a * d), False)
     if arch.out_bias:
         out["o_proj_bias"] = ((h,), False)
     if arch.qk_norm:
@@ -635,6 +732,25 @@ def layer_param_shapes(
         out["mlp"] = (((3 if gated else 2) * f, h), False)
         if arch.mlp_bias:
             out["mlp_bias"] = (((2 if gated else 1) * f + h,), False)
+    return out
+
+
+def mla_param_shapes(arch, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Multi-head latent attention's parameters on one rank: the down projections and their norms
+    replicated, the up projections split by heads (column-parallel), the output row-parallel."""
+    h, a = arch.hidden, arch.heads // tp
+    nope = arch.head_dim - arch.qk_rope_head_dim
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    if arch.q_lora_rank:
+        out["q_a_proj"] = ((arch.q_lora_rank, h), False)
+        out["q_a_layernorm"] = ((arch.q_lora_rank,), False)
+        out["q_b_proj"] = ((a * arch.head_dim, arch.q_lora_rank), False)
+    else:
+        out["q_proj"] = ((a * arch.head_dim, h), False)
+    out["kv_a_proj_with_mqa"] = ((arch.kv_lora_rank + arch.qk_rope_head_dim, h), False)
+    out["kv_a_layernorm"] = ((arch.kv_lora_rank,), False)
+    out["kv_b_proj"] = ((a * (nope + arch.v_head_dim), arch.kv_lora_rank), False)
+    out["o_proj"] = ((h, a * arch.v_head_dim), False)
     return out
 
 

@@ -144,7 +144,9 @@ class StagePlan(StagePlanBase):
 
 def template_warnings(arch, plan) -> list[str]:
     """What the templates model less surely for this plan, said beside the numbers."""
-    out = []
+    from .templates.mla import mla_warnings
+
+    out = mla_warnings(arch, plan)
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
         # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template

@@ -154,14 +154,17 @@ def _traced_only(name: str) -> bool:
         arch = arch_from_hf_config(text_model_config(load_model_config(name)[1])[0], name)
     except UnmodelledFamily:
         return True
-    return bool(arch.sliding_window)  # Gemma 3: templates hold it under --convention hf only
+    # Gemma 3, DeepSeek-V2 / V3 (MLA): templates hold them under --convention hf only
+    return bool(arch.sliding_window or arch.kv_lora_rank)
 
 
 @pytest.mark.parametrize("name", model_names())
 def test_every_preset_runs(capsys, name):
     rc, out, err = run_main(capsys, ["estimate", "--model", name, "--gpu", "h100-80g", "--pp", "2", "--json"])
     if _traced_only(name):  # a family templates do not model: one line naming it, pointing to traced mode
-        assert rc == 2 and "--mode traced" in err and len(err.strip().splitlines()) == 1, err
+        # (DeepSeek-V3 / Kimi-K2 61 layers, V2-Lite 27: the plan's --pp 2 is refused first)
+        assert rc == 2 and ("--mode traced" in err or "stages does not divide the" in err), err
+        assert len(err.strip().splitlines()) == 1, err
         return
     assert rc == 0, err
     d = json.loads(out)

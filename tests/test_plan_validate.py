@@ -150,7 +150,8 @@ def test_arch_families():
     ds = arch_from_hf_config(DEEPSEEK, "ds")
     assert (ds.experts, ds.top_k, ds.expert_ffn, ds.shared_experts, ds.shared_ffn) == (16, 4, 256, 2, 256)
     assert ds.dense_layers == (0, 1) and not ds.is_moe_layer(1) and ds.is_moe_layer(2)
-    with pytest.raises(UserError, match="kv_lora_rank"):
+    # multi-head latent attention (templates/mla.py) needs its head dims: the missing one named
+    with pytest.raises(UserError, match="qk_rope_head_dim"):
         arch_from_hf_config(dict(DEEPSEEK, kv_lora_rank=512), "ds")
     q3 = arch_from_hf_config(dict(LLAMA2_7B, model_type="qwen3", head_dim=128, num_key_value_heads=8))
     assert q3.qk_norm and q3.head_dim == 128

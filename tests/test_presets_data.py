@@ -284,7 +284,8 @@ def test_traced_preset_has_published_shape(name):
     cfg, _ = text_model_config(load_model_config(name)[1])
     a = traced_arch(cfg, name)
     assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
-    if name.startswith("gemma3"):  # templates read Gemma 3 (and refuse it past its window)
+    if name.startswith(("gemma3", "deepseek", "kimi")):  # templates read Gemma 3 (and refuse it past
+        # its window), DeepSeek-V2 / V3 and Kimi-K2
         t = arch_from_hf_config(cfg, name)
         assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == (
             a.layers,

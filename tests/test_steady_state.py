@@ -19,6 +19,8 @@ CASES = [
     ("gpt_neox", "bf16"),
     ("mixtral", "bf16"),
     ("qwen2_moe", "bf16"),
+    ("deepseek_v3", "bf16"),
+    ("deepseek_v2", "bf16"),
 ]
 
 

@@ -1,6 +1,6 @@
-"""Families template mode does not model (DeepSeek-V2/V3 MLA, GPT-OSS, Gemma 3, Llama 4, GLM-4
-MoE, OLMoE, Qwen3-Next): traced mode runs transformers' own modules for them on fake tensors;
-template mode refuses each by name and points to traced mode; inconsistent configs fail on
+"""Families template mode does not model (GPT-OSS, Llama 4, GLM-4 MoE, OLMoE, Qwen3-Next):
+traced mode runs transformers' own modules for them on fake tensors; template mode refuses each
+by name and points to traced mode; inconsistent configs fail on
 one line naming the key."""
 
 import json
@@ -111,7 +111,11 @@ def _known(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
-@pytest.mark.parametrize("family", sorted(set(TINY) - {"gemma3_text"}))
+# families templates model (DeepSeek-V2 / V3 multi-head latent attention: tests below)
+TEMPLATE_FAMILIES = {"gemma3_text", "deepseek_v3", "deepseek_v2"}
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATE_FAMILIES))
 def test_template_mode_refuses_by_name_and_points_to_traced(family):
     with pytest.raises(UnmodelledFamily, match=r"template mode does not model .*use --mode traced") as e:
         arch_from_hf_config(TINY[family], "tiny")
@@ -282,14 +286,16 @@ def test_multimodal_config_estimates_its_text_model():
 
 
 def test_unknown_model_type_named_by_its_architecture():
-    """Kimi-K2's config.json: model_type kimi_k2 (custom code), architectures DeepseekV3ForCausalLM."""
+    """Kimi-K2's config.json: model_type kimi_k2 (custom code), architectures DeepseekV3ForCausalLM:
+    traced mode builds DeepseekV3; templates read it as DeepSeek-V3 (the same parameters)."""
     _known("deepseek_v3")
     from pipemem import estimate
 
     cfg = dict(TINY["deepseek_v3"], model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
-    with pytest.raises(UnmodelledFamily, match="multi-head latent attention"):
-        estimate(dict(cfg), **PLAN)
-    assert estimate(dict(cfg), mode="traced", **PLAN).arch.experts == 8
+    traced = estimate(dict(cfg), mode="traced", **PLAN)
+    templ = estimate(dict(cfg), convention="hf", **PLAN)
+    assert traced.arch.experts == templ.arch.experts == 8
+    assert templ.ranks[0].static.params == traced.ranks[0].static.params
 
 
 BAD = [
@@ -369,8 +375,11 @@ def test_preset_cli_traced_and_template_refusal(capsys):
         "--no-master-weights",
         "--json",
     ]
+    # templates model DeepSeek-V3 under --convention hf (tests/test_mla.py), refuse the others
     assert main(args) == 2
-    assert "multi-head latent attention" in capsys.readouterr().err
+    assert "multi-head latent attention under --convention megatron" in capsys.readouterr().err
+    assert main(args + ["--convention", "hf"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["experts"] == 256
     assert main(args + ["--mode", "traced"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["mode"] == "traced" and d["model"]["experts"] == 256

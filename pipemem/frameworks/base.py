@@ -87,6 +87,7 @@ class Framework:
     gelu_new_op_by_op = False  # HF's NewGELUActivation, op by op
     op_level_sac = False  # --recompute selective is op-level selective checkpointing
     moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
+    mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
     conv1d_weight_saved = False  # Conv1D layers save their weight (a parameter) for backward
     te_offload_spec = False  # activation offloading follows TE's offload spec
     vocab_parallel_embedding_mask = False  # tp > 1: VocabParallelEmbedding's masked ids

@@ -60,6 +60,7 @@ class HF(Framework):
     eager_softmax = "fp32_softmax_cast"
     gelu_new_op_by_op = True
     moe_program = "moe_hf"
+    mla_templates = True  # transformers' DeepseekV2 / V3 modules (templates/mla.py)
     conv1d_weight_saved = True
 
     # Hugging Face Trainer with DeepSpeed ZeRO 1-3

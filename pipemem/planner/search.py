@@ -413,6 +413,9 @@ def _search_plans(
     t0 = time.perf_counter()
     name, _, config = resolve_model(model)
     arch = arch_from_hf_config(config, name)
+    from ..templates.mla import check_mla_convention
+
+    check_mla_convention(arch, options.convention)  # every plan would be refused: say so once
     extra = dict(extra or {})
     if extra.get("layers"):
         arch = arch.with_layers(extra["layers"])

@@ -123,6 +123,10 @@ def _check_sliding_window(arch, plan) -> None:
 def make_shard(arch, plan, conv: Convention) -> Shard:
     if arch.sliding_window:
         _check_sliding_window(arch, plan)
+    if getattr(arch, "kv_lora_rank", 0):
+        from .mla import check_mla_plan
+
+        check_mla_plan(arch, plan)
     if arch.model_type == "gemma2":
         from ..errors import UserError
 
@@ -1429,7 +1433,12 @@ def decoder_layer_tape(
     post = opt.norm_placement in ("post", "sandwich")
     h1 = g.norm(x, "input_norm", opt.norm, tok) if pre else x
     tape.module = "attn"
-    attn = g.attention(h1, opt)
+    if arch.kv_lora_rank:  # DeepSeek-V2 / V3, Kimi-K2 (templates/mla.py)
+        from . import mla
+
+        attn = mla.attention(g, arch, h1, opt)
+    else:
+        attn = g.attention(h1, opt)
     if opt.hidden_dropout:
         attn = g.dropout(attn, "attn.dropout_out", tok)
     tape.module = ""
@@ -1441,7 +1450,11 @@ def decoder_layer_tape(
         r1 = g.add(x, attn, "residual1", tok)
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
-    if opt.moe:
+    if opt.moe and arch.kv_lora_rank:
+        from . import mla
+
+        m = mla.moe(g, arch, h2, opt)
+    elif opt.moe:
         m = getattr(g, conv.framework.moe_program)(h2, opt)
     else:
         m = g.mlp(h2, opt)

@@ -162,7 +162,13 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     prec = Precision.parse(plan.dtype, plan.master_weights)
     import torch
 
-    if getattr(cfg, "_experts_implementation", None) == "grouped_mm" and prec.param_dtype != torch.bfloat16:
+    # (a DeepSeek config whose first_k_dense_replace covers every layer builds no experts)
+    dense_only = (getattr(cfg, "first_k_dense_replace", 0) or 0) >= cfg.num_hidden_layers
+    if (
+        getattr(cfg, "_experts_implementation", None) == "grouped_mm"
+        and prec.param_dtype != torch.bfloat16
+        and not dense_only
+    ):
         raise UserError(
             "traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
             "use --dtype bf16 --no-master-weights or --mode templates"

@@ -54,8 +54,43 @@ FAMILIES = {
         moe_intermediate_size=128,
         shared_expert_intermediate_size=512,
     ),
+    # multi-head latent attention (a value head unlike the query's: SDPA's memory-efficient
+    # kernel), a sigmoid router with group-limited top-k, a shared expert, a dense first layer
+    "deepseek_v3": dict(
+        BASE,
+        model_type="deepseek_v3",
+        num_key_value_heads=8,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
+    # no query LoRA, complex rotary embedding, softmax router, two shared experts (V2-Lite's form)
+    "deepseek_v2": dict(
+        BASE,
+        model_type="deepseek_v2",
+        num_key_value_heads=8,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+    ),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")
 
 
 def plan_for(family: str, dtype: str, **extra) -> dict:
