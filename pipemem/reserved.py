@@ -86,14 +86,18 @@ def attach_reserved(est, conf) -> None:
 
 
 def _peak_reserved(stage_plan, lowered, r, conf, first_mb) -> tuple[int | None, str]:
-    from .alloc_stream import StreamNotModelled, rank_stream
+    from .alloc_stream import StreamNotModelled, rank_stream_period
     from .allocator import simulate
 
     try:
-        ev = rank_stream(stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb)
+        _, events, period = rank_stream_period(
+            stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb
+        )
     except StreamNotModelled as e:
         return None, str(e)
-    return int(simulate(ev.as_tuples(), conf).peak_reserved_bytes), ""
+    # the steady phase's repetitions are not replayed once the allocator settles: same result
+    # (allocator.CachingAllocator.run_periodic)
+    return int(simulate(events if period else events[:], conf, period=period).peak_reserved_bytes), ""
 
 
 def _conf_text(conf) -> str:
