@@ -469,14 +469,44 @@ class CachingAllocator:
         keys_by_pool, free_by_pool = self._keys, self._free
         gc_calls = self._gc_calls
         mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
+        # the counters live in locals for the loop, written back at its end and around the
+        # rare calls that read or move them (_new_block)
+        allocated, peak_alloc = self.allocated_bytes, self.peak_allocated_bytes
+        reserved, peak_res, at_peak = (
+            self.reserved_bytes,
+            self.peak_reserved_bytes,
+            self.allocated_at_peak_reserved,
+        )
         n = first - 1
         try:
             for n, (nbytes, stream, key) in enumerate(events, first):  # noqa: B007 (the except returns n)
                 if nbytes <= 0:
+                    # free + free_block (merge with each free neighbour, previous first), inlined
                     block = live.pop(key)
                     block.allocated = False
-                    self.allocated_bytes -= block.size
-                    self._free_block(block)
+                    allocated -= block.size
+                    pool = block.pool
+                    free, keys = free_by_pool[pool], keys_by_pool[pool]
+                    prev = block.prev
+                    if prev is not None and free.get(prev.ptr) is prev:
+                        del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
+                        del free[prev.ptr]
+                        block.ptr = prev.ptr
+                        block.size += prev.size
+                        block.prev = prev = prev.prev
+                        if prev is not None:
+                            prev.next = block
+                    nxt = block.next
+                    if nxt is not None and free.get(nxt.ptr) is nxt:
+                        del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
+                        del free[nxt.ptr]
+                        block.size += nxt.size
+                        block.next = nxt = nxt.next
+                        if nxt is not None:
+                            nxt.prev = block
+                    insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
+                    free[block.ptr] = block
+                    block.gc_base = gc_calls[pool]
                     continue
                 if plain:
                     size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK
@@ -495,7 +525,10 @@ class CachingAllocator:
                             del free[k & _PTR]
                             block = b
                 if block is None:
+                    self.allocated_bytes, self.allocated_at_peak_reserved = allocated, at_peak
                     block = self._new_block(size, stream, pool)
+                    reserved, peak_res = self.reserved_bytes, self.peak_reserved_bytes
+                    at_peak = self.allocated_at_peak_reserved
                 rest = block.size - size
                 if (rest >= K_MIN_BLOCK) if pool == SMALL else (rest > K_SMALL_SIZE and size < mss):
                     new = _Block(block.ptr, size, stream, pool)
@@ -512,17 +545,18 @@ class CachingAllocator:
                     block = new
                 block.allocated = True
                 block.requested = nbytes
-                self.allocated_bytes += block.size
-                if self.allocated_bytes > self.peak_allocated_bytes:
-                    self.peak_allocated_bytes = self.allocated_bytes
-                if (
-                    self.reserved_bytes == self.peak_reserved_bytes
-                    and self.allocated_bytes > self.allocated_at_peak_reserved
-                ):
-                    self.allocated_at_peak_reserved = self.allocated_bytes
+                allocated += block.size
+                if allocated > peak_alloc:
+                    peak_alloc = allocated
+                if reserved == peak_res and allocated > at_peak:
+                    at_peak = allocated
                 live[key] = block
         except AllocatorOOM:
+            at_peak = self.allocated_at_peak_reserved
             return n
+        finally:
+            self.allocated_bytes, self.peak_allocated_bytes = allocated, peak_alloc
+            self.allocated_at_peak_reserved = at_peak
         return None
 
     def run_periodic(self, events, period: "Period") -> int | None:
