@@ -208,11 +208,11 @@ def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: ran
     return tuple(runs)
 
 
-def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
+def build_stage_jobs(arch, plan: ParallelPlan, key=None) -> StagePlan:
     """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
     optimizer job depend on which stages a rank holds: `StagePlan.rank_static`. The same
     plan asked again gets the same StagePlan, with the per-rank static bytes it has counted."""
-    key = _plan_key(plan)
+    key = plan_key(plan) if key is None else key  # (the caller may have it: `plan_key(plan)`)
     if key is None:
         return _build_stage_jobs(arch, plan)
     key = (arch, key)
@@ -225,7 +225,7 @@ def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     return hit
 
 
-def _plan_key(plan: ParallelPlan):
+def plan_key(plan: ParallelPlan):
     """A hashable picture of every field of the plan (None if a field cannot be frozen)."""
 
     def freeze(v):
