@@ -53,16 +53,19 @@ def attach_reserved(est, conf) -> None:
         )
         return
     stage_plan, schedule = est.reserved_inputs
-    from .runtime import lower
-
-    lowered = lower(schedule, est.runtime)
-    first_mb = {s: m for s, m in stage_plan.first_backward_overrides(schedule)}
+    runtime = est.runtime
     said = []
+    inputs: list = []  # the lowered schedule and first-backward microbatches, made when first needed
 
     def source(r):
-        key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
-
         def run():
+            if not inputs:
+                from .runtime import lower
+
+                inputs.append(lower(schedule, runtime))
+                inputs.append({s: m for s, m in stage_plan.first_backward_overrides(schedule)})
+            lowered, first_mb = inputs
+            key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
             hit = _CACHE.get(key)
             if hit is not None and hit[0] is stage_plan and hit[1] is lowered:
                 value, why = hit[2], hit[3]
