@@ -26,7 +26,7 @@ CASES = (
 )
 
 
-def run_case(case) -> dict:
+def run_case(case, jobs: int = 1) -> dict:
     from pipemem.estimate import estimate
     from pipemem.planner import SpaceOptions, Target, search_plans
     from pipemem.planner.hardware import speeds_for
@@ -37,7 +37,7 @@ def run_case(case) -> dict:
     res = search_plans(
         model, target, seq, batch, SpaceOptions(convention=conv, micro_batches=mbs, max_vpp=max_vpp)
     )
-    dropped = res.verify(top, float("inf"))
+    dropped = res.verify(top, float("inf"), jobs)
     judged = []
     for p in res.plans:
         if p.verdict is None:

@@ -25,3 +25,8 @@ def test_plan_search_matches_golden(case):
     assert [p["flags"] for p in got["plans"]] == [p["flags"] for p in want["plans"]]
     assert got["judged"] == want["judged"]
     assert got == want
+
+
+def test_judging_in_two_processes_gives_the_same():
+    case = golden.CASES[1]
+    assert golden.run_case(case, jobs=2) == WANT[case[0]]

@@ -275,7 +275,7 @@ def run(args) -> int:
     # the plans shown are judged by pipemem estimate's own verdict (reserved included)
     if not args.judge_seconds >= 0:
         raise UserError(f"--judge-seconds {args.judge_seconds}: give 0 or more seconds")
-    res.verify(args.top, args.judge_seconds)
+    res.verify(args.top, args.judge_seconds, jobs)
     if not res.plans and options.fixed:
         _explain_pinned(res, target, options)
     zb = None
