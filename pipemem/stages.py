@@ -398,7 +398,18 @@ def _zero3_kept(sh, runs: tuple) -> tuple:
 def _stage_jobs(
     arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int, layers: range
 ) -> StageJobs:
-    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
+    """Compose one stage's jobs from its parts (cached: equal stages of different plans share).
+    The composition reads neither the stage's index nor its layer indices (its layer `runs`
+    say what the layers are): stages alike in every other way, the middle stages of a
+    pipeline, are composed once."""
+    j = _stage_jobs_alike(arch, sh, conv, runs, first, last, seq_len)
+    return replace(j, stage=stage, layers=layers, notes=dict(j.notes))
+
+
+@lru_cache(maxsize=16384)
+def _stage_jobs_alike(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int) -> StageJobs:
+    """_stage_jobs without the stage's index and layer range (stage -1, no layers)."""
+    stage, layers = -1, ()
     from .templates.programs import embedding_memory, head_memory
 
     parts = _layer_parts(arch, sh, conv, _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), first, last)
@@ -684,6 +695,7 @@ def clear_caches() -> None:
 
     clear_static()
     _stage_jobs.cache_clear()
+    _stage_jobs_alike.cache_clear()
     _STAGE_PLANS.clear()
     _optimizer_job.cache_clear()
     _layer_runs.cache_clear()
