@@ -103,7 +103,9 @@ class Period:
     fixed: frozenset = frozenset()
 
 
-_PERIOD_LOOK = 64  # run_periodic compares the states before the first windows only
+# run_periodic compares the states before the first 64 windows only, and builds at most 16 whole
+# states (when the cheap fingerprint matches but the holders differ, each costs a pass over the blocks)
+_PERIOD_LOOK, _PERIOD_BUILDS = 64, 16
 
 
 class AllocatorOOM(Exception):
@@ -590,14 +592,16 @@ class CachingAllocator:
         live: dict = {}
         self._run_inline(events[:start], live)
         seen: dict = {}  # hash of a state -> [(window, state)]
+        built = 0
         t = 0
         while t < count:
-            if t <= _PERIOD_LOOK:
+            if t <= _PERIOD_LOOK and built < _PERIOD_BUILDS:
                 # a necessary condition first, in C: the same bytes and the same free blocks at
                 # the same addresses; the whole state is built only for states that meet it
                 key = hash((self.reserved_bytes, self.allocated_bytes, *map(tuple, self._keys)))
                 earlier = seen.setdefault(key, [])
                 now = self._canonical(live, fixed, t * shift) if earlier else None
+                built += now is not None
                 for u, then in earlier:
                     if then is not None and then == now:
                         # S_t = R^k(S_u), k = t - u: whole runs of k windows repeat (see above)
