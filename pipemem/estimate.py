@@ -656,12 +656,13 @@ _VALIDATED: dict = {}
 def _copy_plan(plan: ParallelPlan) -> ParallelPlan:
     """A copy of a plan with its own dicts and lists (the plan is a plain dataclass)."""
     p = ParallelPlan.__new__(ParallelPlan)
-    p.__dict__.update(
-        {
-            k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
-            for k, v in plan.__dict__.items()
-        }
-    )
+    d = p.__dict__
+    d.update(plan.__dict__)
+    for k, v in d.items():
+        if isinstance(v, dict):
+            d[k] = dict(v)
+        elif isinstance(v, list):
+            d[k] = list(v)
     return p
 
 

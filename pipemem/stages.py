@@ -235,6 +235,13 @@ def plan_key(plan: ParallelPlan):
             return tuple(freeze(x) for x in v)
         return v
 
+    d = plan.__dict__
+    key = tuple([d[f] for f in plan.__dataclass_fields__])
+    try:
+        hash(key)  # every field hashable as it is (the common case)
+        return key
+    except TypeError:
+        pass
     key = tuple(freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
     try:
         hash(key)
