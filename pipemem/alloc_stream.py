@@ -658,53 +658,207 @@ def rank_stream(
     runtime.lower's schedule), then the optimizer step. `stage_jobs`: {stage: StageJobs} (the
     boundary bytes); `first_mb`: {stage: microbatch} whose backward is the step's first (it
     creates the gradients: StagePlan.first_backward_overrides)."""
+    return rank_stream_period(stage_plan, lowered, rank, static, optimizer, stage_jobs, first_mb)[0]
+
+
+_KINDS = {}  # action kind -> a small int (the period search compares actions as ints)
+_COUNT_IN: dict = {}  # id(Events) -> (the Events, its events the allocator sees)
+
+
+def _count_in(ev: Events) -> int:
+    hit = _COUNT_IN.get(id(ev))
+    if hit is not None and hit[0] is ev:
+        return hit[1]
+    n = int(np.count_nonzero(ev.stream != OUTSIDE))
+    if len(_COUNT_IN) > 65536:
+        _COUNT_IN.clear()
+    _COUNT_IN[id(ev)] = (ev, n)
+    return n
+
+
+def rank_stream_period(
+    stage_plan, lowered, rank: int, static, optimizer, stage_jobs: dict, first_mb: dict
+) -> tuple[Events, AllocatorInput, object]:
+    """rank_stream; the stream as the allocator reads it; and the stretch of that which repeats
+    (`pipemem.allocator.Period`, or None): see `find_period`."""
     acts = lowered.ranks[rank]
     stage_ids = lowered.stages_of_rank(rank)
     normal, first = stage_streams(stage_plan, stage_ids)
     statics = static_sizes(stage_plan, stage_ids, static)
     n0 = len(statics)
-    parts = [
-        Events(
-            np.ones(n0, np.int64),
-            np.asarray(statics, np.int64),
-            np.arange(n0, dtype=np.int64),
-            np.zeros(n0, np.int64),
-        )
-    ]
     width = max([ss.width for ss in normal.values()] + [ss.width for ss in first.values()] + [_SLOTS])
     local = {s: i for i, s in enumerate(stage_ids)}
     M = lowered.microbatches
-    one = np.ones(1, np.int64)
-    zero = np.zeros(1, np.int64)
+    memory: dict = {}  # (kind, stage) -> the one event of a runtime memory action, or None
+    pieces: list = []  # per action that makes events: its template
+    bases: list = []  # and its handle offset
+    codes: list = []  # per action: its (kind, stage) as an int, its microbatch, its events seen
+    mbs: list = []
+    seen: list = []
     created: list = []
     total = n0
+    nst = len(stage_ids) + 1
     for kind, s, m in acts:
         base = n0 + (local[s] * M + m) * width
+        code = _KINDS.get(kind)
+        if code is None:
+            code = _KINDS[kind] = len(_KINDS)
+        codes.append(code * nst + local[s])
+        mbs.append(m)
         slot = _MEMORY_SLOT.get(kind)
         if slot is not None:
-            h, sign, attr = slot
-            b = int(getattr(stage_jobs[s], attr, 0) or 0)
-            if b:
-                parts.append(Events(one * sign, one * b, one * (base + h), zero))
+            ev = memory.get((kind, s), False)
+            if ev is False:
+                h, sign, attr = slot
+                b = int(getattr(stage_jobs[s], attr, 0) or 0)
+                ev = memory[(kind, s)] = (
+                    Events(*(np.asarray([x], np.int64) for x in (sign, b, h, COMPUTE))) if b else None
+                )
+            if ev is None:
+                seen.append(0)
+            else:
+                pieces.append(ev)
+                bases.append(base)
+                seen.append(1)
             continue
         ss = first[s] if (s in first and first_mb.get(s) == m and kind != "F") else normal[s]
         ev = ss.job(kind)
-        parts.append(Events(ev.sign, ev.size, ev.handle + base, ev.stream))
+        pieces.append(ev)
+        bases.append(base)
+        seen.append(_count_in(ev))
+        if ss is not normal[s]:
+            grads = ss.created_grads if kind == "B" else ss.created_grads_iw if kind == "W" else ()
+            created += [(base + h, b) for h, b in grads]
         total += len(ev)
         if total > MAX_EVENTS:
             raise StreamNotModelled(
                 f"more than {MAX_EVENTS:,} allocations and frees on rank {rank}, more than the allocator "
                 "model replays in reasonable time"
             )
-        if ss is not normal[s]:
-            grads = ss.created_grads if kind == "B" else ss.created_grads_iw if kind == "W" else ()
-            created += [(base + h, b) for h, b in grads]
+    static_ev = Events(
+        np.ones(n0, np.int64),
+        np.asarray(statics, np.int64),
+        np.arange(n0, dtype=np.int64),
+        np.zeros(n0, np.int64),
+    )
     weights = np.asarray(_param_elems(stage_plan, stage_ids), dtype=np.int64)
     per_param = (stage_plan.plan.optimizer_impl or "fused") != "for-loop"
-    parts.append(
-        _optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width, weights, per_param)
+    opt = _optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width, weights, per_param)
+    if pieces:
+        lens = np.fromiter((len(p) for p in pieces), np.int64, len(pieces))
+        body = Events(
+            np.concatenate([p.sign for p in pieces]),
+            np.concatenate([p.size for p in pieces]),
+            np.concatenate([p.handle for p in pieces]) + np.repeat(np.asarray(bases, np.int64), lens),
+            np.concatenate([p.stream for p in pieces]),
+        )
+    else:
+        body = _events([])
+    ev = concat([static_ev, body, opt])
+    period, inp = find_period(
+        ev, np.asarray(codes, np.int64), np.asarray(mbs, np.int64), np.asarray(seen, np.int64), n0, width
     )
-    return concat(parts)
+    return ev, inp, period
+
+
+class AllocatorInput:
+    """An Events stream as pipemem.allocator.simulate reads it (`Events.as_tuples`: (signed
+    bytes, stream, handle), events outside the allocator left out), converted to tuples only for
+    the slices asked for (a periodic replay skips most of the stream)."""
+
+    def __init__(self, ev: Events):
+        keep = ev.stream != OUTSIDE
+        self.signed = (ev.sign * ev.size)[keep]
+        self.stream = ev.stream[keep]
+        self.handle = ev.handle[keep]
+
+    def __len__(self) -> int:
+        return int(self.signed.size)
+
+    def __getitem__(self, sl: slice) -> list[tuple[int, int, int]]:
+        return list(zip(self.signed[sl].tolist(), self.stream[sl].tolist(), self.handle[sl].tolist()))
+
+
+_MAX_PERIOD_TRIES = 24
+
+
+def find_period(ev: Events, codes, mbs, seen, n0: int, width: int):
+    """The stretch of a rank's stream that repeats, as (`pipemem.allocator.Period` or None, the
+    `AllocatorInput` it refers to).
+
+    The steady phase of a pipeline schedule repeats a pattern of actions (1F1B: one forward and
+    one backward, with their runtime memory actions) with the microbatches moved by a constant
+    (one, or pp microbatches for the interleaved orders), and a microbatch's handles are its
+    stage's template moved by `width` per microbatch. The search takes the action in the middle
+    of the rank's list, tries the next few actions of the same kind and stage as the period's
+    end (`codes`: kind and stage as one int, `mbs`: the microbatches), and keeps the period
+    whose run of repeating actions covers the most. Then it checks, on the event arrays
+    themselves, that each window is the one before with every handle moved by the microbatch
+    shift x width (the step's first backward, which creates the gradients, differs: the windows
+    are the longest run that repeats exactly), and lists the `fixed` handles: those the stream
+    allocates before the windows and no window names (static state, gradients kept for the
+    optimizer step); they are renamed below zero in the input, so that no handle moved by any
+    number of windows is one of them."""
+    n = int(codes.size)
+    inp = AllocatorInput(ev)
+    if n < 16:
+        return None, inp
+    i0 = n // 2
+    best = None
+    cands = np.flatnonzero(codes[i0 + 1 : i0 + 1 + n // 3] == codes[i0]) + 1
+    for P in cands[:_MAX_PERIOD_TRIES].tolist():
+        d = int(mbs[i0 + P] - mbs[i0])
+        if d <= 0:
+            continue
+        eq = (codes[P:] == codes[:-P]) & (mbs[P:] - mbs[:-P] == d)
+        off = np.flatnonzero(~eq)
+        k = int(np.searchsorted(off, i0))
+        if k < off.size and off[k] == i0:
+            continue
+        lo = int(off[k - 1]) + 1 if k > 0 else 0
+        hi = int(off[k]) if k < off.size else int(eq.size)
+        count = (hi + P - lo) // P
+        if count >= 3 and (best is None or count * P > best[0]):
+            best = (count * P, P, d, lo, count)
+    if best is None:
+        return None, inp
+    _, P, d, lo, count = best
+    act_off = n0 + np.concatenate([[0], np.cumsum(seen)])
+    start = int(act_off[lo])
+    length = int(act_off[lo + P] - start)
+    shift = d * width
+    end = start + count * length
+    if length <= 0 or end > len(inp):
+        return None, inp
+    h = inp.handle[start:end].reshape(count, length)
+    if int(h.min()) < n0:
+        return None, inp  # a static handle inside the windows: not a repetition
+    sz = inp.signed[start:end].reshape(count, length)
+    st = inp.stream[start:end].reshape(count, length)
+    ok = (
+        (sz[1:] == sz[:-1]).all(axis=1)
+        & (st[1:] == st[:-1]).all(axis=1)
+        & (h[1:] == h[:-1] + shift).all(axis=1)
+    )
+    # the longest run of windows each the one before moved: windows t0 .. t0 + run
+    best_run, t0, cur = 0, 0, 0
+    for u, good in enumerate(ok.tolist()):
+        cur = cur + 1 if good else 0
+        if cur > best_run:
+            best_run, t0 = cur, u - cur + 1
+    if best_run < 2:
+        return None, inp
+    count = best_run + 1
+    start += t0 * length
+    end = start + count * length
+    from .allocator import Period
+
+    before = inp.handle[:start][inp.signed[:start] > 0]
+    fixed = before[~np.isin(before, inp.handle[start:end])]
+    # the fixed handles are renamed below zero, so that no moved handle (all >= n0, moved up)
+    # is ever one of them; handles are only names to the allocator: the result is the same
+    inp.handle = np.where(np.isin(inp.handle, fixed), -1 - inp.handle, inp.handle)
+    return Period(start, length, count, shift, frozenset((-1 - fixed).tolist())), inp
 
 
 def _optimizer_events(job, static, created: list, base: int, weights, per_param: bool = True) -> Events:

@@ -53,16 +53,19 @@ def attach_reserved(est, conf) -> None:
         )
         return
     stage_plan, schedule = est.reserved_inputs
-    from .runtime import lower
-
-    lowered = lower(schedule, est.runtime)
-    first_mb = {s: m for s, m in stage_plan.first_backward_overrides(schedule)}
+    runtime = est.runtime
     said = []
+    inputs: list = []  # the lowered schedule and first-backward microbatches, made when first needed
 
     def source(r):
-        key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
-
         def run():
+            if not inputs:
+                from .runtime import lower
+
+                inputs.append(lower(schedule, runtime))
+                inputs.append({s: m for s, m in stage_plan.first_backward_overrides(schedule)})
+            lowered, first_mb = inputs
+            key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
             hit = _CACHE.get(key)
             if hit is not None and hit[0] is stage_plan and hit[1] is lowered:
                 value, why = hit[2], hit[3]
@@ -86,14 +89,18 @@ def attach_reserved(est, conf) -> None:
 
 
 def _peak_reserved(stage_plan, lowered, r, conf, first_mb) -> tuple[int | None, str]:
-    from .alloc_stream import StreamNotModelled, rank_stream
+    from .alloc_stream import StreamNotModelled, rank_stream_period
     from .allocator import simulate
 
     try:
-        ev = rank_stream(stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb)
+        _, events, period = rank_stream_period(
+            stage_plan, lowered, r.pp_rank, r.static, r.source[2], stage_plan.stages, first_mb
+        )
     except StreamNotModelled as e:
         return None, str(e)
-    return int(simulate(ev.as_tuples(), conf).peak_reserved_bytes), ""
+    # the steady phase's repetitions are not replayed once the allocator settles: same result
+    # (allocator.CachingAllocator.run_periodic)
+    return int(simulate(events if period else events[:], conf, period=period).peak_reserved_bytes), ""
 
 
 def _conf_text(conf) -> str:

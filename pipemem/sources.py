@@ -65,17 +65,53 @@ def _check_placement(schedule, plan: ParallelPlan):
 def with_schedule(arch, plan: ParallelPlan, vpp_given: bool):
     """The validated plan with its schedule named (V schedules: 2 chunks per rank unless
     --vpp was given), the model with the plan's layer count."""
-    from .schedules import canonical_name, default_vpp
+    return with_schedule_key(arch, plan, vpp_given)[:2]
 
+
+def with_schedule_key(arch, plan: ParallelPlan, vpp_given: bool):
+    """with_schedule, and the validated plan's `stages.plan_key` (None where it has none). The
+    same plan given again validates the same: it is read back (a copy: callers may change it)."""
+    from .schedules import canonical_name, default_vpp
+    from .stages import plan_key
+
+    key = plan_key(plan)
+    if key is not None:
+        key = (arch, key, vpp_given)
+        hit = _VALIDATED.get(key)
+        if hit is not None:
+            return hit[0], _copy_plan(hit[1]), hit[2]
     sched_name = plan.schedule or default_schedule(plan)
     if not sched_name.lower().startswith(("csv:", "torch:")):
         sched_name = canonical_name(sched_name)
         if plan.pp > 1 and not vpp_given and default_vpp(sched_name) > 1:
             plan = replace(plan, vpp=default_vpp(sched_name))
     # at pp 1 no schedule runs: a named one is refused by validate_plan, none is replayed as 1F1B
-    return _with_layers(
+    arch, plan = _with_layers(
         arch, validate_plan(arch, replace(plan, schedule=sched_name if plan.pp > 1 else plan.schedule))
     )
+    stage_key = plan_key(plan)
+    if key is not None:
+        if len(_VALIDATED) >= 1024:
+            del _VALIDATED[next(iter(_VALIDATED))]
+        _VALIDATED[key] = (arch, _copy_plan(plan), stage_key)
+    return arch, plan, stage_key
+
+
+# (ArchSpec, the plan's fields as given, vpp given) -> (ArchSpec, the validated plan, its plan_key)
+_VALIDATED: dict = {}
+
+
+def _copy_plan(plan: ParallelPlan) -> ParallelPlan:
+    """A copy of a plan with its own dicts and lists (the plan is a plain dataclass)."""
+    p = ParallelPlan.__new__(ParallelPlan)
+    d = p.__dict__
+    d.update(plan.__dict__)
+    for k, v in d.items():
+        if isinstance(v, dict):
+            d[k] = dict(v)
+        elif isinstance(v, list):
+            d[k] = list(v)
+    return p
 
 
 def _with_layers(arch, plan: ParallelPlan):
@@ -103,7 +139,8 @@ class TemplateSource:
         return arch_from_hf_config(config, name), config, note
 
     def validate(self, arch, plan: ParallelPlan, vpp_given: bool):
-        return with_schedule(arch, plan, vpp_given)
+        arch, plan, self.stage_key = with_schedule_key(arch, plan, vpp_given)
+        return arch, plan
 
     def schedule(self, plan: ParallelPlan):
         return schedule_of(plan)
@@ -116,7 +153,7 @@ class TemplateSource:
     def stage_plan(self, arch, plan: ParallelPlan, schedule) -> StagePlan:
         from .stages import build_stage_jobs
 
-        return build_stage_jobs(arch, plan)
+        return build_stage_jobs(arch, plan, getattr(self, "stage_key", None))
 
     def explain(self, arch, plan: ParallelPlan):
         from .stages import layer_explain

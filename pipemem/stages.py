@@ -235,11 +235,11 @@ def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: ran
     return tuple(runs)
 
 
-def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
+def build_stage_jobs(arch, plan: ParallelPlan, key=None) -> StagePlan:
     """Per virtual stage F/B/I/W jobs (cached per distinct stage). Static bytes and the
     optimizer job depend on which stages a rank holds: `StagePlan.rank_static`. The same
     plan asked again gets the same StagePlan, with the per-rank static bytes it has counted."""
-    key = _plan_key(plan)
+    key = plan_key(plan) if key is None else key  # (the caller may have it: `plan_key(plan)`)
     if key is None:
         return _build_stage_jobs(arch, plan)
     key = (arch, key)
@@ -252,7 +252,7 @@ def build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     return hit
 
 
-def _plan_key(plan: ParallelPlan):
+def plan_key(plan: ParallelPlan):
     """A hashable picture of every field of the plan (None if a field cannot be frozen)."""
 
     def freeze(v):
@@ -262,6 +262,13 @@ def _plan_key(plan: ParallelPlan):
             return tuple(freeze(x) for x in v)
         return v
 
+    d = plan.__dict__
+    key = tuple([d[f] for f in plan.__dataclass_fields__])
+    try:
+        hash(key)  # every field hashable as it is (the common case)
+        return key
+    except TypeError:
+        pass
     key = tuple(freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
     try:
         hash(key)
@@ -425,7 +432,18 @@ def _zero3_kept(sh, runs: tuple) -> tuple:
 def _stage_jobs(
     arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int, stage: int, layers: range
 ) -> StageJobs:
-    """Compose one stage's jobs from its parts (cached: equal stages of different plans share)."""
+    """Compose one stage's jobs from its parts (cached: equal stages of different plans share).
+    The composition reads neither the stage's index nor its layer indices (its layer `runs`
+    say what the layers are): stages alike in every other way, the middle stages of a
+    pipeline, are composed once."""
+    j = _stage_jobs_alike(arch, sh, conv, runs, first, last, seq_len)
+    return replace(j, stage=stage, layers=layers, notes=dict(j.notes))
+
+
+@lru_cache(maxsize=16384)
+def _stage_jobs_alike(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int) -> StageJobs:
+    """_stage_jobs without the stage's index and layer range (stage -1, no layers)."""
+    stage, layers = -1, ()
     from .templates.programs import embedding_memory, head_memory
 
     parts = _layer_parts(arch, sh, conv, _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), first, last)
@@ -711,6 +729,7 @@ def clear_caches() -> None:
 
     clear_static()
     _stage_jobs.cache_clear()
+    _stage_jobs_alike.cache_clear()
     _STAGE_PLANS.clear()
     _optimizer_job.cache_clear()
     _layer_runs.cache_clear()

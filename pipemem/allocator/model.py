@@ -63,6 +63,7 @@ free blocks of equal size, and a caller may supply them (`address_source`).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 
 from .config import SIZE_MAX, AllocatorConfig
 
@@ -84,6 +85,27 @@ _UST, _UPTR = 64, (1 << 64) - 1  # unmapped ranges: (stream, address)
 
 def _key(stream: int, size: int, ptr: int) -> int:
     return (stream << _ST) + (size << _SZ) + ptr
+
+
+@dataclass(frozen=True)
+class Period:
+    """A repeating stretch of an event stream (CachingAllocator.run_periodic): events
+    [start, start + count * length) are `count` windows of `length` events, each the one before
+    with the same sizes and streams and every key k moved to k + shift, except the keys in
+    `fixed`, which stay (keys that windows never name, e.g. a rank's static state). The caller
+    guarantees it (pipemem.alloc_stream checks it on the arrays it builds), and that no key of
+    `fixed` is ever a moved key (k + shift for a key k of a window)."""
+
+    start: int
+    length: int
+    count: int
+    shift: int
+    fixed: frozenset = frozenset()
+
+
+# run_periodic compares the states before the first 64 windows only, and builds at most 16 whole
+# states (when the cheap fingerprint matches but the holders differ, each costs a pass over the blocks)
+_PERIOD_LOOK, _PERIOD_BUILDS = 64, 16
 
 
 class AllocatorOOM(Exception):
@@ -215,6 +237,7 @@ class CachingAllocator:
         self.segment_events: list[tuple[str, int]] = []
         self.num_alloc_retries = 0
         self.num_ooms = 0
+        self.windows_skipped = 0  # run_periodic: windows of the period not replayed
 
     # -- public API -----------------------------------------------------------------------
 
@@ -439,18 +462,53 @@ class CachingAllocator:
         out of memory, or None."""
         if self._expandable or self._gc:
             return self._run_stream_calls(events)
+        return self._run_inline(events, {})
+
+    def _run_inline(self, events, live: dict, first: int = 0) -> int | None:
+        """run_stream's inlined loop over `events` from the state `live` (the caller's key ->
+        allocated block), which it updates; `first`: the index of events[0] in the whole stream
+        (for the index it returns on OOM)."""
         keys_by_pool, free_by_pool = self._keys, self._free
         gc_calls = self._gc_calls
         mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
-        live = {}
-        n = -1
+        # the counters live in locals for the loop, written back at its end and around the
+        # rare calls that read or move them (_new_block)
+        allocated, peak_alloc = self.allocated_bytes, self.peak_allocated_bytes
+        reserved, peak_res, at_peak = (
+            self.reserved_bytes,
+            self.peak_reserved_bytes,
+            self.allocated_at_peak_reserved,
+        )
+        n = first - 1
         try:
-            for n, (nbytes, stream, key) in enumerate(events):  # noqa: B007 (n: the except returns it)
+            for n, (nbytes, stream, key) in enumerate(events, first):  # noqa: B007 (the except returns n)
                 if nbytes <= 0:
+                    # free + free_block (merge with each free neighbour, previous first), inlined
                     block = live.pop(key)
                     block.allocated = False
-                    self.allocated_bytes -= block.size
-                    self._free_block(block)
+                    allocated -= block.size
+                    pool = block.pool
+                    free, keys = free_by_pool[pool], keys_by_pool[pool]
+                    prev = block.prev
+                    if prev is not None and free.get(prev.ptr) is prev:
+                        del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
+                        del free[prev.ptr]
+                        block.ptr = prev.ptr
+                        block.size += prev.size
+                        block.prev = prev = prev.prev
+                        if prev is not None:
+                            prev.next = block
+                    nxt = block.next
+                    if nxt is not None and free.get(nxt.ptr) is nxt:
+                        del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
+                        del free[nxt.ptr]
+                        block.size += nxt.size
+                        block.next = nxt = nxt.next
+                        if nxt is not None:
+                            nxt.prev = block
+                    insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
+                    free[block.ptr] = block
+                    block.gc_base = gc_calls[pool]
                     continue
                 if plain:
                     size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK
@@ -469,7 +527,10 @@ class CachingAllocator:
                             del free[k & _PTR]
                             block = b
                 if block is None:
+                    self.allocated_bytes, self.allocated_at_peak_reserved = allocated, at_peak
                     block = self._new_block(size, stream, pool)
+                    reserved, peak_res = self.reserved_bytes, self.peak_reserved_bytes
+                    at_peak = self.allocated_at_peak_reserved
                 rest = block.size - size
                 if (rest >= K_MIN_BLOCK) if pool == SMALL else (rest > K_SMALL_SIZE and size < mss):
                     new = _Block(block.ptr, size, stream, pool)
@@ -486,18 +547,97 @@ class CachingAllocator:
                     block = new
                 block.allocated = True
                 block.requested = nbytes
-                self.allocated_bytes += block.size
-                if self.allocated_bytes > self.peak_allocated_bytes:
-                    self.peak_allocated_bytes = self.allocated_bytes
-                if (
-                    self.reserved_bytes == self.peak_reserved_bytes
-                    and self.allocated_bytes > self.allocated_at_peak_reserved
-                ):
-                    self.allocated_at_peak_reserved = self.allocated_bytes
+                allocated += block.size
+                if allocated > peak_alloc:
+                    peak_alloc = allocated
+                if reserved == peak_res and allocated > at_peak:
+                    at_peak = allocated
                 live[key] = block
         except AllocatorOOM:
+            at_peak = self.allocated_at_peak_reserved
             return n
+        finally:
+            self.allocated_bytes, self.peak_allocated_bytes = allocated, peak_alloc
+            self.allocated_at_peak_reserved = at_peak
         return None
+
+    def run_periodic(self, events, period: "Period") -> int | None:
+        """run_stream for a stream whose middle repeats (`Period`: identical microbatches of a
+        pipeline's steady phase), giving the same state, peaks and segment events as run_stream,
+        without replaying the repetitions once the allocator has settled.
+
+        Why it is exact. Call W_u the u-th window of the period and S_u the allocator's state
+        before it (its segments, every block's address, size, stream and pool, which caller key
+        holds each allocated block, the reserved and allocated bytes, the next segment address).
+        The caller promises W_{u+1} = R(W_u) (`Period`): the same sizes and streams, each key
+        moved by R (key + shift, but the `fixed` keys, which stay). Every rule of the allocator
+        reads keys only to find the block a free names, so renaming the keys of a state and of
+        the events it meets changes nothing else: f(R(S), R(W)) = R(f(S, W)), through the same
+        reserved and allocated bytes at every event. After window t, if S_t = R(S_{t-1})
+        (`_canonical`: the same blocks at the same addresses, each key moved by R), then
+        S_{t+1} = f(S_t, W_t) = f(R(S_{t-1}), R(W_{t-1})) = R(f(S_{t-1}, W_{t-1})) = R(S_t), and so
+        on to the last window: each later window walks the reserved and allocated bytes of window
+        t-1, already counted in the peaks (and, since reserved is the same before and after it,
+        it makes no segment: without a capacity nothing is ever released). So the state after
+        the last window is R^(count - t)(S_t): the keys of S_t moved, nothing else, and the rest
+        of the stream runs from there. R must be one-to-one on the keys it meets: the caller
+        promises no fixed key is a moved key (`Period`).
+
+        Only for the inlined path (no expandable segments, no garbage collection) and without a
+        capacity (no release, no OOM); otherwise the whole stream is replayed."""
+        if self._expandable or self._gc or self.capacity is not None or self._allowed is not None:
+            return self.run_stream(events[:])
+        start, length, count, shift = period.start, period.length, period.count, period.shift
+        fixed = period.fixed
+        live: dict = {}
+        self._run_inline(events[:start], live)
+        seen: dict = {}  # hash of a state -> [(window, state)]
+        built = 0
+        t = 0
+        while t < count:
+            if t <= _PERIOD_LOOK and built < _PERIOD_BUILDS:
+                # a necessary condition first, in C: the same bytes and the same free blocks at
+                # the same addresses; the whole state is built only for states that meet it
+                key = hash((self.reserved_bytes, self.allocated_bytes, *map(tuple, self._keys)))
+                earlier = seen.setdefault(key, [])
+                now = self._canonical(live, fixed, t * shift) if earlier else None
+                built += now is not None
+                for u, then in earlier:
+                    if then is not None and then == now:
+                        # S_t = R^k(S_u), k = t - u: whole runs of k windows repeat (see above)
+                        k = t - u
+                        skip = (count - t) // k * k
+                        if skip:
+                            live = {(h if h in fixed else h + skip * shift): b for h, b in live.items()}
+                            t += skip
+                            self.windows_skipped = skip
+                        break
+                earlier.append((t, now))
+                if t >= count:
+                    break
+            at = start + t * length
+            self._run_inline(events[at : at + length], live, at)
+            t += 1
+        end = start + count * length
+        return self._run_inline(events[end:], live, end)
+
+    def _canonical(self, live: dict, fixed, offset: int) -> tuple:
+        """The state as far as later events can tell (run_periodic): reserved and allocated
+        bytes, the next segment address, the segments, and every block (address -> size,
+        stream, pool, and the key holding it, moved keys less `offset`; None when free)."""
+        blocks = {}
+        for k, b in live.items():
+            blocks[b.ptr] = (b.size, b.stream, b.pool, ("f", k) if k in fixed else k - offset)
+        for pool in (LARGE, SMALL):
+            for ptr, b in self._free[pool].items():
+                blocks[ptr] = (b.size, b.stream, b.pool, None)
+        return (
+            self.reserved_bytes,
+            self.allocated_bytes,
+            self._next_addr,
+            tuple(self._segments),
+            frozenset(blocks.items()),
+        )
 
     def _run_stream_calls(self, events):
         handles = {}

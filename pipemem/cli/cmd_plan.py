@@ -21,7 +21,8 @@ examples:
 The search screens every plan on its allocated peak plus the memory outside the caching
 allocator (CUDA context, NCCL's buffers, cuBLAS workspace): a lower bound of what it takes from
 the GPU. The plans shown (the --top fastest and the Pareto sets) are then judged by `pipemem
-estimate`'s own verdict, reserved memory included, for up to --judge-seconds (default 10): a plan
+estimate`'s own verdict, reserved memory included, --jobs at a time for up to --judge-seconds
+(default 10): a plan
 it does not call FITS
 (with --reserve more left free, if given) is dropped, and plans it did not reach are marked
 "screened" ("verdict": null in --json). Plans are ranked by an estimated step time: the schedule simulated with F/B/W
@@ -166,7 +167,8 @@ def register(sub) -> None:
         "--jobs",
         type=int,
         metavar="N",
-        help="processes searching in parallel (default: the CPU count; the listing is the same)",
+        help="processes searching, then judging the shown plans, in parallel (default: the CPU count; "
+        "the listing is the same)",
     )
     p.set_defaults(func=run)
 
@@ -275,7 +277,7 @@ def run(args) -> int:
     # the plans shown are judged by pipemem estimate's own verdict (reserved included)
     if not args.judge_seconds >= 0:
         raise UserError(f"--judge-seconds {args.judge_seconds}: give 0 or more seconds")
-    res.verify(args.top, args.judge_seconds)
+    res.verify(args.top, args.judge_seconds, jobs)
     if not res.plans and options.fixed:
         _explain_pinned(res, target, options)
     zb = None

@@ -198,38 +198,61 @@ class PlanSearch:
     config: dict = field(default_factory=dict, repr=False)  # the model's HF config
     gpu_opts: dict = field(default_factory=dict)  # estimate()'s gpu / gpu_memory
 
-    def verify(self, top: int, budget_s: float = 10.0) -> int:
+    def verify(self, top: int, budget_s: float = 10.0, jobs: int = 1) -> int:
         """Judge the plans a user is shown (the `top` fastest, then the Pareto sets' first
         `top`) by `pipemem estimate`'s own verdict, reserved memory included, and drop those it
         does not call FITS; returns how many were dropped. The search screens every plan on
         allocated + outside-the-allocator bytes (a lower bound of the device peak) because the
         allocator model costs up to seconds per plan (its events grow with the microbatches):
         judging stops after `budget_s` seconds, and the plans left unjudged keep
-        `verdict=None` ("screened" in the table)."""
+        `verdict=None` ("screened" in the table). `jobs` > 1 judges that many plans at a time in
+        forked processes (each plan's verdict is its own: the same, sooner)."""
         import time
-
-        from ..estimate import estimate
 
         start = time.perf_counter()
         dropped = 0
-        while time.perf_counter() - start < budget_s:
-            shown = self.plans[:top] + self.pareto[:top] + self.pareto_step_time[-top:]
-            todo = {id(p): p for p in shown if p.verdict is None}
-            if not todo:
-                break
-            for p in todo.values():
-                if time.perf_counter() - start >= budget_s:
+        pool = None
+        global _JUDGE
+        try:
+            while time.perf_counter() - start < budget_s:
+                shown = self.plans[:top] + self.pareto[:top] + self.pareto_step_time[-top:]
+                todo = list({id(p): p for p in shown if p.verdict is None}.values())
+                if not todo:
                     break
-                est = estimate(self.config, model_name=self.model, **self.gpu_opts, **p.kwargs)
-                if _listable(est, self.target):
-                    p.verdict = "fits"
-                    p.device_peak_bytes = est.max_device_peak_bytes
-                    p.headroom_bytes = self.target.capacity_bytes - p.device_peak_bytes
+                if jobs > 1 and len(todo) > 1 and pool is None:
+                    import multiprocessing as mp
+
+                    if "fork" in mp.get_all_start_methods():
+                        _JUDGE = self
+                        pool = mp.get_context("fork").Pool(jobs)
+                if pool is not None:
+                    verdicts = pool.imap(_judge_in_worker, [p.kwargs for p in todo])
                 else:
-                    self.plans.remove(p)
-                    dropped += 1
-                    self.stats.dropped_on_reserved += 1
+                    verdicts = (self._judge(p.kwargs) for p in todo)
+                for p in todo:
+                    if time.perf_counter() - start >= budget_s:
+                        break
+                    listable, device_peak = next(verdicts)
+                    if listable:
+                        p.verdict = "fits"
+                        p.device_peak_bytes = device_peak
+                        p.headroom_bytes = self.target.capacity_bytes - p.device_peak_bytes
+                    else:
+                        self.plans.remove(p)
+                        dropped += 1
+                        self.stats.dropped_on_reserved += 1
+        finally:
+            if pool is not None:
+                pool.terminate()
+                _JUDGE = None
         return dropped
+
+    def _judge(self, kwargs: dict) -> tuple[bool, int]:
+        """(FITS with the reserve kept free, the highest device peak) by pipemem estimate."""
+        from ..estimate import estimate
+
+        est = estimate(self.config, model_name=self.model, **self.gpu_opts, **kwargs)
+        return _listable(est, self.target), est.max_device_peak_bytes
 
     @property
     def pareto(self) -> list[PlanResult]:
@@ -241,6 +264,13 @@ class PlanSearch:
     def pareto_step_time(self) -> list[PlanResult]:
         """Plans no other plan beats on both peak memory and estimated step time."""
         return pareto_front(self.plans, lambda p: p.cost.step_s)
+
+
+_JUDGE: "PlanSearch | None" = None  # the search whose plans forked judges estimate (verify)
+
+
+def _judge_in_worker(kwargs: dict) -> tuple[bool, int]:
+    return _JUDGE._judge(kwargs)
 
 
 def pareto_front(plans: list[PlanResult], second) -> list[PlanResult]:
