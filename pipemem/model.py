@@ -33,7 +33,16 @@ _LLAMA_LIKE = {
     "internlm2",
     "yi",
 }
-_MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
+_MOE_LLAMA_LIKE = {
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "olmoe",
+}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 
 # Families transformers builds that template mode does not model yet: what each one lacks, named
@@ -42,8 +51,6 @@ UNMODELLED = {
     "gpt_oss": "attention sinks, alternating sliding-window layers and clamped SwiGLU experts",
     "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
     "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
-    "glm4_moe": "GLM-4 MoE's partial rotary attention and sigmoid router with expert bias",
-    "olmoe": "OLMoE's mixture-of-experts layers",
     "qwen3_next": "gated DeltaNet linear attention",
     "nemotron_h": "Mamba-2 layers",
     "kimi_k2": "multi-head latent attention",
@@ -117,6 +124,16 @@ class ArchSpec:
     router_weights_cast: bool = False  # routing weights cast back to the logits' dtype (HF qwen MoE routers)
     dense_layers: tuple[int, ...] = ()  # layer indices that stay dense in a MoE model
     sliding_window: int = 0  # window of the sliding-window layers (gemma3_text); 0: none modelled
+    # Newer MoE families (pipemem.model `_newer_moe`): GLM-4 MoE
+    rotary_fraction: float = 1.0  # rope over this part of each head (glm4_moe partial_rotary_factor)
+    router: str = "softmax"  # softmax | sigmoid_group (glm4_moe: sigmoid scores + correction bias,
+    # group-limited top-k over n_group groups, scaled by routed_scaling_factor)
+    router_groups: int = 1  # n_group
+    router_topk_groups: int = 1  # topk_group
+    routed_scaling: float = 1.0  # routed_scaling_factor
+    shared_first: bool = (
+        True  # the shared expert runs before the routed ones (qwen2_moe), or after (glm4_moe)
+    )
 
     @property
     def is_moe(self) -> bool:
@@ -214,6 +231,8 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         return _gpt2(r)
     if mt == "gpt_neox":
         return _gpt_neox(r)
+    if mt in _NEWER_MOE:
+        return _newer_moe(r, mt)
     if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
         return _llama_like(r, mt)
     raise refuse_unmodelled(r.name, mt)
@@ -660,3 +679,83 @@ def head_param_shapes(
     if not (arch.tied_embeddings and same_stage_as_embedding):
         out["output_layer"] = (padded_vocab // tp, h)
     return out
+
+
+# Newer MoE families -------------------------------------------------------------------------
+# GLM-4 MoE and OLMoE read as Llama-like MoE models, then what their HF modules do differently
+# (transformers 5.24 modeling_glm4_moe.py, modeling_olmoe.py).
+
+# defaults of their config classes for the keys that change the layers (Glm4MoeConfig, OlmoeConfig)
+_NEWER_MOE = {
+    "glm4_moe": {
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "use_qk_norm": False,
+        "attention_bias": False,
+    },
+    "olmoe": {"norm_topk_prob": False, "attention_bias": False},
+}
+
+
+def _newer_moe(r: _Reader, mt: str) -> ArchSpec:
+    """GLM-4 MoE: q/k/v biases with `attention_bias` (o_proj never), per-head q/k RMSNorm with
+    `use_qk_norm`, rope over `partial_rotary_factor` of each head (default 0.5), the first
+    `first_k_dense_replace` layers dense, a sigmoid router in fp32 with a correction bias and
+    group-limited top-k, shared experts (n_shared_experts x moe_intermediate_size) added after the
+    routed ones. OLMoE: q/k RMSNorm over the whole projections, experts of width
+    `intermediate_size`, softmax router whose top-k weights are cast to the logits' dtype."""
+    c = {**_NEWER_MOE[mt], **{k: v for k, v in r.c.items() if v is not None}}
+    r = _Reader(c, r.name)
+    if mt == "olmoe":
+        if c.get("clip_qkv") is not None:
+            raise refuse_unmodelled(r.name, mt, "OLMoE's in-place clamp of q, k, v (key 'clip_qkv')")
+        # the Llama reader takes OLMoE's experts as intermediate_size wide (its expert width)
+        c.setdefault("moe_intermediate_size", r.pos_int("intermediate_size"))
+        spec = _llama_like(_Reader(c, r.name), mt)
+        return replace(
+            spec,
+            qk_norm=True,
+            qk_norm_scope="proj",
+            router_norm_topk=bool(c["norm_topk_prob"]),
+            router_weights_cast=True,
+        )
+    spec = _llama_like(r, mt)
+    experts = spec.experts
+    groups, topk_groups = int(r.pos_int("n_group")), int(r.pos_int("topk_group"))
+    if experts % groups or topk_groups > groups:
+        raise UserError(
+            f"config of {r.name}: n_group={groups} must divide the {experts} routed experts and "
+            f"topk_group={topk_groups} be at most n_group"
+        )
+    if experts // groups < 2:
+        raise UserError(
+            f"config of {r.name}: n_group={groups} leaves fewer than 2 experts per group (GLM-4 MoE's "
+            "router scores each group by its best two experts)"
+        )
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    fraction = c.get(
+        "partial_rotary_factor", rope.get("partial_rotary_factor", 0.5) if isinstance(rope, Mapping) else 0.5
+    )
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise UserError(f"config of {r.name}: partial_rotary_factor must be in (0, 1], got {fraction!r}")
+    shared = int(c["n_shared_experts"])
+    return replace(
+        spec,
+        qk_norm=bool(c["use_qk_norm"]),
+        qkv_bias=bool(c["attention_bias"]),
+        out_bias=False,
+        shared_experts=1 if shared else 0,  # one MLP n_shared_experts x moe_intermediate_size wide
+        shared_ffn=shared * spec.expert_ffn,
+        router="sigmoid_group",
+        router_groups=groups,
+        router_topk_groups=topk_groups,
+        routed_scaling=float(c["routed_scaling_factor"]),
+        router_norm_topk=bool(c["norm_topk_prob"]),
+        router_weights_cast=False,
+        rotary_fraction=float(fraction),
+        shared_first=False,
+    )

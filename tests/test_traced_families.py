@@ -111,7 +111,11 @@ def _known(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
-@pytest.mark.parametrize("family", sorted(set(TINY) - {"gemma3_text"}))
+# families templates read (Gemma 3 below its window, GLM-4 MoE, OLMoE): held against traced mode below
+TEMPLATED = {"gemma3_text", "glm4_moe", "olmoe"}
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATED))
 def test_template_mode_refuses_by_name_and_points_to_traced(family):
     with pytest.raises(UnmodelledFamily, match=r"template mode does not model .*use --mode traced") as e:
         arch_from_hf_config(TINY[family], "tiny")
@@ -210,6 +214,114 @@ def test_gemma3_template_matches_traced(dtype, master):
     assert t.static.params == r.static.params
     assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
     assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+GLM4_MOE = dict(
+    BASE,
+    model_type="glm4_moe",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    vocab_size=1000,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    attention_bias=True,
+    use_qk_norm=True,
+    partial_rotary_factor=0.5,
+)
+OLMOE = dict(
+    BASE,
+    model_type="olmoe",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    vocab_size=1000,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+MOE_CASES = {
+    "glm4_moe": GLM4_MOE,
+    # group-limited routing (2 of 4 groups), no renormalisation, scaled weights, no qk norm
+    "glm4_moe-groups": dict(
+        GLM4_MOE, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5, use_qk_norm=False
+    ),
+    "olmoe": OLMOE,
+    "olmoe-norm-topk": dict(OLMOE, norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_family_template_matches_traced(case):
+    """GLM-4 MoE (sigmoid router in fp32 with group-limited top-k, shared expert after the routed
+    ones, first layer dense, partial rope whose concatenated query makes SDPA's output a copy
+    o_proj saves, q/k/v biases, per-head q/k norms) and OLMoE (q/k norms over the projections)
+    under --convention hf, pure bf16 (traced mode runs HF's grouped_mm experts in bf16 only):
+    templates vs transformers' own modules, the step's peak and the forward's net within 1 %."""
+    cfg = MOE_CASES[case]
+    _known(cfg["model_type"])
+    from pipemem import estimate
+
+    kw = dict(
+        seq_len=512,
+        micro_batch=2,
+        dtype="bf16",
+        master_weights=False,
+        flash_attn=True,
+        convention="hf",
+        step="first",
+    )
+    t = estimate(dict(cfg), **kw).ranks[0]
+    r = estimate(dict(cfg), mode="traced", **kw).ranks[0]
+    assert t.static.params == r.static.params
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
+    assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+def test_glm4_moe_reads_its_family():
+    """What the GLM-4 MoE reader takes from the config and from Glm4MoeConfig's defaults."""
+    a = arch_from_hf_config({k: v for k, v in GLM4_MOE.items() if k != "first_k_dense_replace"}, "g")
+    assert a.dense_layers == (0,)  # first_k_dense_replace defaults to 1
+    assert (a.qkv_bias, a.out_bias, a.qk_norm, a.rotary_fraction) == (True, False, True, 0.5)
+    assert (a.router, a.shared_experts, a.shared_ffn, a.shared_first) == ("sigmoid_group", 1, 128, False)
+    two = arch_from_hf_config(dict(GLM4_MOE, n_shared_experts=2), "g")
+    assert two.shared_ffn == 256 and two.param_count() - a.param_count() == 3 * 3 * 128 * 256
+    o = arch_from_hf_config(OLMOE, "o")
+    assert (o.expert_ffn, o.qk_norm_scope, o.router_norm_topk, o.router_weights_cast) == (
+        128,
+        "proj",
+        False,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg,what",
+    [
+        (dict(GLM4_MOE, partial_rotary_factor=1.5), "partial_rotary_factor"),
+        (dict(GLM4_MOE, n_group=8), "n_group=8"),
+    ],
+)
+def test_glm4_moe_bad_keys_exit_2(tmp_path, capsys, cfg, what):
+    from pipemem.cli.main import main
+
+    path = tmp_path / "glm.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["estimate", "--model", str(path), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert what in err and len(err.splitlines()) == 1
+
+
+def test_olmoe_clip_qkv_refused_by_name():
+    with pytest.raises(UnmodelledFamily, match="clip_qkv.*--mode traced"):
+        arch_from_hf_config(dict(OLMOE, clip_qkv=8.0), "o")
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,12 @@ class LayerOptions:
     router_norm_topk: bool = True
     router_weights_cast: bool = False
     shared_expert_gate: bool = False
+    # newer MoE routers (ArchSpec fields of the same names; pipemem.templates.moe)
+    router: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    shared_first: bool = True
+    rope_cat: bool = False  # q, k concatenated after a partial rope (glm4_moe): a [b, heads, s, d] query
 
 
 def norm_kind(arch) -> str:
@@ -346,6 +352,11 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         router_norm_topk=arch.router_norm_topk,
         router_weights_cast=arch.router_weights_cast,
         shared_expert_gate=arch.shared_expert_gate,
+        router=arch.router,
+        router_groups=arch.router_groups,
+        router_topk_groups=arch.router_topk_groups,
+        shared_first=arch.shared_first,
+        rope_cat=arch.model_type == "glm4_moe",
     )
 
 
@@ -818,10 +829,22 @@ class _Gen:
         ctx = self.core_attention(q, k, v, opt)
         if core:
             self.t.end_region()
+        if opt.flash and opt.rope_cat and self.conv.framework.name == "hf":
+            ctx = self._attn_out_copy(ctx)
         out = self.row_linear(ctx, "attn.o_proj", a * d, opt.out_bias)
         if region:
             self.t.end_region()
         self.held_by_caller(x)
+        return out
+
+    def _attn_out_copy(self, ctx: str) -> str:
+        """GLM-4 MoE's rope concatenates the rotated and passed parts of q ([b, heads, s, d]
+        contiguous), so the SDPA kernel's output comes back in that layout (its output is
+        `empty_like` the query) and `transpose(1, 2).contiguous()` copies it: o_proj saves the
+        copy, the kernel its output."""
+        sh = self.sh
+        out = self.act("attn.ctx_contiguous", (sh.s, sh.b, sh.heads, sh.d))
+        self.t.node("contiguous", (ctx,), (out,), diff_inputs=(ctx,))
         return out
 
     def held_by_caller(self, x: str) -> None:
@@ -1032,10 +1055,22 @@ class _Gen:
         gathered, grouped GEMMs, the routing weights applied in their dtype, the original order
         restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts."""
         sh = self.sh
+        shared = (
+            self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
+            if sh.shared_ffn and opt.shared_first
+            else None
+        )
+        if opt.router == "sigmoid_group":
+            from .moe import sigmoid_group_router
+
+            topn, topi, wdt = sigmoid_group_router(self, x, opt)
+        else:
+            topn, topi, wdt = self._softmax_router(x, opt)
+        return self._moe_hf_experts(x, opt, topn, topi, wdt, shared)
+
+    def _softmax_router(self, x: str, opt: LayerOptions) -> tuple[str, str, str]:
+        sh = self.sh
         T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
-        S = T * K
-        f = sh.expert_ffn
-        shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn) if sh.shared_ffn else None
         logits = self.linear(x, "moe.router", (T, E), h, False)
         lf = self.act("moe.logits_fp32", (T, E), "fp32")
         self.t.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
@@ -1064,6 +1099,14 @@ class _Gen:
             topc = self.act("moe.topk_weights_cast", (T, K), wdt)
             self.t.node("to_dtype", (topn,), (topc,), diff_inputs=(topn,))
             topn = topc
+        return topn, topi, wdt
+
+    def _moe_hf_experts(self, x: str, opt: LayerOptions, topn: str, topi: str, wdt: str, shared) -> str:
+        sh = self.sh
+        T, K, h = sh.s_sp * sh.b, sh.top_k, sh.h
+        S = T * K
+        f = sh.expert_ffn
+        E = sh.experts * sh.ep
         ids_g = self.act("moe.expert_ids_sorted", (S,), "int64")
         perm = self.act("moe.perm", (S,), "int64")
         self.t.node("sort", (topi,), (ids_g, perm))
@@ -1119,6 +1162,8 @@ class _Gen:
             yc = self.act("moe.out", (sh.s_sp, sh.b, h))
             self.t.node("to_dtype", (y,), (yc,), diff_inputs=(y,))
             y = yc
+        if sh.shared_ffn and not opt.shared_first:  # GLM-4 MoE: experts, then the shared MLP
+            shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
         if shared is None:
             return y
         if opt.shared_expert_gate:
