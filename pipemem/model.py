@@ -48,7 +48,6 @@ MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"})
 # Families transformers builds that template mode does not model yet: what each one lacks, named
 # in the refusal (traced mode runs transformers' own modules for them).
 UNMODELLED = {
-    "gpt_oss": "attention sinks, alternating sliding-window layers and clamped SwiGLU experts",
     "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
     "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
     "qwen3_next": "gated DeltaNet linear attention",
@@ -134,6 +133,11 @@ class ArchSpec:
     shared_first: bool = (
         True  # the shared expert runs before the routed ones (qwen2_moe), or after (glm4_moe)
     )
+    # GPT-OSS: a learnable sink logit per head, biased experts with a clamped SwiGLU, router bias
+    attn_sinks: bool = False
+    expert_bias: bool = False  # per-expert gate_up and down biases
+    expert_act: str = "swiglu"  # swiglu | clamped_swiglu (gpt_oss: interleaved gate/up, clamp, sigmoid(a x))
+    router_bias: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -231,6 +235,8 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         return _gpt2(r)
     if mt == "gpt_neox":
         return _gpt_neox(r)
+    if mt == "gpt_oss":
+        return _gpt_oss(r)
     if mt in _NEWER_MOE:
         return _newer_moe(r, mt)
     if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
@@ -634,6 +640,8 @@ def layer_param_shapes(
     out["o_proj"] = ((h, a * d), False)
     if arch.out_bias:
         out["o_proj_bias"] = ((h,), False)
+    if arch.attn_sinks:
+        out["sinks"] = ((a,), False)
     if arch.qk_norm:
         out["qk_norm"] = (((a + kv) * d if arch.qk_norm_scope == "proj" else 2 * d,), False)
     if arch.norm_placement == "sandwich":  # gemma2: a second norm around each block
@@ -644,6 +652,10 @@ def layer_param_shapes(
         f = arch.expert_ffn // etp
         out["router"] = ((arch.experts, h), False)
         out["experts"] = ((e, (3 if gated else 2) * f, h), True)
+        if arch.expert_bias:
+            out["expert_bias"] = ((e, (2 if gated else 1) * f + h), True)
+        if arch.router_bias:
+            out["router_bias"] = ((arch.experts,), False)
         if arch.shared_experts:
             sf = arch.shared_experts * arch.shared_ffn // tp
             out["shared_mlp"] = (((3 if gated else 2) * sf, h), False)
@@ -758,4 +770,58 @@ def _newer_moe(r: _Reader, mt: str) -> ArchSpec:
         router_weights_cast=False,
         rotary_fraction=float(fraction),
         shared_first=False,
+    )
+
+
+def _gpt_oss(r: _Reader) -> ArchSpec:
+    """GPT-OSS (transformers 5.24 modeling_gpt_oss.py): every layer MoE; attention with q/k/v/o
+    biases (`attention_bias`, default on), a learnable sink logit per head and no SDPA path (HF
+    trains it with eager attention, where a sliding-window layer differs from a full one only
+    in its mask: same tensors saved); RMSNorm scaling by the fp32 weight before the cast; a
+    router with a bias (top-k of the logits, softmax over those k); experts
+    `intermediate_size` wide with biases and a clamped SwiGLU over interleaved gate / up columns."""
+    c = r.c
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    kv = int(r.opt("num_key_value_heads", 8))
+    if kv <= 0 or heads % kv:
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+            f"num_attention_heads={heads}"
+        )
+    experts = r.pos_int("num_local_experts")
+    top_k = r.pos_int("num_experts_per_tok")
+    if top_k > experts:
+        raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+    if c.get("output_router_logits"):
+        raise refuse_unmodelled(r.name, "gpt_oss", "GPT-OSS's router auxiliary loss (output_router_logits)")
+    bias = bool(r.opt("attention_bias", True))
+    return ArchSpec(
+        name=r.name,
+        model_type="gpt_oss",
+        layers=r.pos_int("num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(r.opt("head_dim", 64)),
+        ffn=0,
+        vocab=r.pos_int("vocab_size"),
+        activation="swiglu",
+        act_fn="silu",
+        max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        out_bias=bias,
+        norm_weight_first=True,
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=r.pos_int("intermediate_size"),
+        hf_sdpa=False,
+        router="topk_softmax",
+        router_norm_topk=False,
+        attn_sinks=True,
+        expert_bias=True,
+        expert_act="clamped_swiglu",
+        router_bias=True,
     )

@@ -284,11 +284,10 @@ def test_traced_preset_has_published_shape(name):
     cfg, _ = text_model_config(load_model_config(name)[1])
     a = traced_arch(cfg, name)
     assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
-    if name.startswith(
-        ("gemma3", "glm-4.5")
-    ):  # templates read Gemma 3 (and refuse it past its window), GLM-4.5
+    # templates read Gemma 3 (and refuse it past its window), GLM-4.5, GPT-OSS
+    if name.startswith(("gemma3", "glm-4.5", "gpt-oss")):
         t = arch_from_hf_config(cfg, name)
-        if name.startswith("glm"):  # the template counts the parameters transformers builds
+        if not name.startswith("gemma3"):  # the template counts the parameters transformers builds
             assert t.param_count() == _hf_params(cfg)
         assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == (
             a.layers,

@@ -111,8 +111,9 @@ def _known(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
-# families templates read (Gemma 3 below its window, GLM-4 MoE, OLMoE): held against traced mode below
-TEMPLATED = {"gemma3_text", "glm4_moe", "olmoe"}
+# families templates read (Gemma 3 below its window, GLM-4 MoE, OLMoE, GPT-OSS under --convention
+# hf): held against traced mode below
+TEMPLATED = {"gemma3_text", "glm4_moe", "olmoe", "gpt_oss"}
 
 
 @pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATED))
@@ -247,7 +248,26 @@ OLMOE = dict(
     num_experts=8,
     num_experts_per_tok=2,
 )
+GPT_OSS = dict(
+    BASE,
+    model_type="gpt_oss",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=128,
+    vocab_size=1000,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=64,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
 MOE_CASES = {
+    # sinks, eager attention (HF has no SDPA path for it; seq 512 is past the 64 window: a sliding
+    # layer saves what a full one does), biased clamped-SwiGLU experts, router bias
+    "gpt_oss": GPT_OSS,
+    "gpt_oss-no-bias": dict(GPT_OSS, attention_bias=False),
     "glm4_moe": GLM4_MOE,
     # group-limited routing (2 of 4 groups), no renormalisation, scaled weights, no qk norm
     "glm4_moe-groups": dict(
@@ -317,6 +337,22 @@ def test_glm4_moe_bad_keys_exit_2(tmp_path, capsys, cfg, what):
     assert main(["estimate", "--model", str(path), "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert what in err and len(err.splitlines()) == 1
+
+
+def test_gpt_oss_reads_its_family_and_refuses_other_conventions():
+    from pipemem import estimate
+
+    a = arch_from_hf_config(GPT_OSS, "g")
+    assert a.is_moe and a.dense_layers == () and (a.expert_ffn, a.ffn) == (128, 0)
+    assert (a.attn_sinks, a.expert_bias, a.router_bias, a.qkv_bias, a.out_bias) == (True,) * 5
+    # the parameters the sinks and the biases add, per layer: heads + experts x (2 ffn + hidden) + experts
+    from dataclasses import replace
+
+    bare = replace(a, attn_sinks=False, expert_bias=False, router_bias=False)
+    assert a.param_count() - bare.param_count() == 4 * (8 + 8 * (2 * 128 + 256) + 8)
+    with pytest.raises(UnmodelledFamily, match="attention sinks under --convention megatron") as e:
+        estimate(dict(GPT_OSS), seq_len=128, convention="megatron")
+    assert "--mode traced" in str(e.value)
 
 
 def test_olmoe_clip_qkv_refused_by_name():

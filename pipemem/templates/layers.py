@@ -123,6 +123,15 @@ def _check_sliding_window(arch, plan) -> None:
 def make_shard(arch, plan, conv: Convention) -> Shard:
     if arch.sliding_window:
         _check_sliding_window(arch, plan)
+    if arch.attn_sinks and plan.convention != "hf":
+        from ..model import refuse_unmodelled
+
+        raise refuse_unmodelled(
+            arch.name or arch.model_type,
+            arch.model_type,
+            f"attention sinks under --convention {plan.convention} (only HF's eager attention with "
+            "sinks, --convention hf, is checked)",
+        )
     if arch.model_type == "gemma2":
         from ..errors import UserError
 
@@ -316,6 +325,10 @@ class LayerOptions:
     router_topk_groups: int = 1
     shared_first: bool = True
     rope_cat: bool = False  # q, k concatenated after a partial rope (glm4_moe): a [b, heads, s, d] query
+    # GPT-OSS (pipemem.templates.gpt_oss)
+    attn_sinks: bool = False
+    expert_bias: bool = False
+    expert_act: str = "swiglu"
 
 
 def norm_kind(arch) -> str:
@@ -357,6 +370,9 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         router_topk_groups=arch.router_topk_groups,
         shared_first=arch.shared_first,
         rope_cat=arch.model_type == "glm4_moe",
+        attn_sinks=arch.attn_sinks,
+        expert_bias=arch.expert_bias,
+        expert_act=arch.expert_act,
     )
 
 
@@ -887,6 +903,10 @@ class _Gen:
         return ke, ve
 
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
+        if opt.attn_sinks:  # GPT-OSS: HF's eager attention with a sink logit per head
+            from .gpt_oss import sink_attention
+
+            return sink_attention(self, q, k, v, opt)
         sh = self.sh
         a, kv, d, s, b = sh.heads, sh.kv, sh.d, sh.s, sh.b
         eb = dtype_bytes(self.dt)
@@ -1064,6 +1084,10 @@ class _Gen:
             from .moe import sigmoid_group_router
 
             topn, topi, wdt = sigmoid_group_router(self, x, opt)
+        elif opt.router == "topk_softmax":
+            from .gpt_oss import topk_softmax_router
+
+            topn, topi, wdt = topk_softmax_router(self, x, opt)
         else:
             topn, topi, wdt = self._softmax_router(x, opt)
         return self._moe_hf_experts(x, opt, topn, topi, wdt, shared)
@@ -1127,8 +1151,16 @@ class _Gen:
         self.t.node("histc_cumsum", (ids_g,), (offs,))
         gated = opt.activation in ("swiglu", "geglu")
         fc1 = self.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
-        act = self.act("moe.experts.act", (S, f))
-        if gated:
+        if opt.expert_bias:
+            from .gpt_oss import expert_bias
+
+            fc1 = expert_bias(self, fc1, ids_g, "moe.experts.fc1")
+        if opt.expert_act == "clamped_swiglu":
+            from .gpt_oss import clamped_swiglu
+
+            act = clamped_swiglu(self, fc1, f)
+        elif gated:
+            act = self.act("moe.experts.act", (S, f))
             gate = self.act("moe.experts.gate", (S, f), storage=fc1)
             up = self.act("moe.experts.up", (S, f), storage=fc1)
             self.t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
@@ -1136,8 +1168,11 @@ class _Gen:
             self.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
             self.t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
         else:
+            act = self.act("moe.experts.act", (S, f))
             self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
         out = self.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
+        if opt.expert_bias:
+            out = expert_bias(self, out, ids_g, "moe.experts.fc2")
         inv = self.act("moe.inv_perm", (S,), "int64")
         self.t.node("inverse_perm", (perm,), (inv,))
         wb = dtype_bytes(wdt)
@@ -1558,6 +1593,7 @@ def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) ->
 def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
+    g.norm_weight_first = arch.norm_weight_first or conv.norm_weight_first  # the final norm as the layers'
     tape.fsdp_reshard = sh.fsdp_head_reshard
     tape.fsdp_state_to_backward = tape.fsdp_ag_state and not sh.fsdp_head_reshard
     if sh.fsdp_root:
