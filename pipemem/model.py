@@ -48,8 +48,6 @@ MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"})
 # Families transformers builds that template mode does not model yet: what each one lacks, named
 # in the refusal (traced mode runs transformers' own modules for them).
 UNMODELLED = {
-    "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
-    "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
     "qwen3_next": "gated DeltaNet linear attention",
     "nemotron_h": "Mamba-2 layers",
     "kimi_k2": "multi-head latent attention",
@@ -138,6 +136,12 @@ class ArchSpec:
     expert_bias: bool = False  # per-expert gate_up and down biases
     expert_act: str = "swiglu"  # swiglu | clamped_swiglu (gpt_oss: interleaved gate/up, clamp, sigmoid(a x))
     router_bias: bool = False
+    # Llama 4: NoPE layers (no rope, no q/k norm; their queries scaled by position: temperature
+    # tuning), L2 q/k norm without weight after the rope, every token through every expert
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: bool = False
+    attention_chunk: int = 0  # attention_chunk_size of the chunked layers (0: none)
+    expert_compute: str = "sparse"  # sparse (sorted tokens, grouped GEMMs) | dense (HF Llama 4: all experts)
 
     @property
     def is_moe(self) -> bool:
@@ -153,7 +157,8 @@ class ArchSpec:
     def with_layers(self, layers: int) -> "ArchSpec":
         """The same model with `layers` decoder layers (``--layers N``)."""
         dense = tuple(i for i in self.dense_layers if i < layers)
-        return replace(self, layers=layers, dense_layers=dense)
+        nope = tuple(i for i in self.nope_layers if i < layers)
+        return replace(self, layers=layers, dense_layers=dense, nope_layers=nope)
 
     def param_count(self) -> int:
         """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
@@ -237,6 +242,8 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         return _gpt_neox(r)
     if mt == "gpt_oss":
         return _gpt_oss(r)
+    if mt == "llama4_text":
+        return _llama4_text(r)
     if mt in _NEWER_MOE:
         return _newer_moe(r, mt)
     if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
@@ -642,7 +649,7 @@ def layer_param_shapes(
         out["o_proj_bias"] = ((h,), False)
     if arch.attn_sinks:
         out["sinks"] = ((a,), False)
-    if arch.qk_norm:
+    if arch.qk_norm and arch.qk_norm_scope != "l2":  # Llama 4's L2 norm has no weight
         out["qk_norm"] = (((a + kv) * d if arch.qk_norm_scope == "proj" else 2 * d,), False)
     if arch.norm_placement == "sandwich":  # gemma2: a second norm around each block
         out["sandwich_norms"] = ((2 * ln_parts * h,), False)
@@ -824,4 +831,88 @@ def _gpt_oss(r: _Reader) -> ArchSpec:
         expert_bias=True,
         expert_act="clamped_swiglu",
         router_bias=True,
+    )
+
+
+def _llama4_text(r: _Reader) -> ArchSpec:
+    """Llama 4's text model (transformers 5.24 modeling_llama4.py): MoE layers at `moe_layers`
+    (default every `interleave_moe_layer_step`-th), the others dense MLPs `intermediate_size_mlp`
+    wide; a MoE layer's router (top-k scattered into -inf logits, sigmoid in fp32) weights every
+    token for every expert and the experts run densely over all tokens (`hidden.repeat(E, 1)`,
+    batched GEMMs), beside one shared expert (`intermediate_size` wide, as each expert);
+    NoPE layers (`no_rope_layers` 0, default every 4th) skip the rope and the q/k norm, and with
+    `attn_temperature_tuning` scale their queries by position; the others apply the rope (complex
+    product) then an L2 norm without weight to q and k (`use_qk_norm`); chunked attention
+    (`attention_chunk_size`) on the rope layers."""
+    c = r.c
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    kv = int(r.opt("num_key_value_heads", heads))
+    if kv <= 0 or heads % kv:
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+            f"num_attention_heads={heads}"
+        )
+    layers = r.pos_int("num_hidden_layers")
+    experts = r.pos_int("num_local_experts")
+    top_k = int(r.opt("num_experts_per_tok", 1))
+    if not 0 < top_k <= experts:
+        raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+    if c.get("output_router_logits"):
+        raise refuse_unmodelled(
+            r.name, "llama4_text", "Llama 4's router auxiliary loss (output_router_logits)"
+        )
+    moe_layers = c.get("moe_layers")
+    if moe_layers is None:
+        step = int(r.opt("interleave_moe_layer_step", 1))
+        if step <= 0:
+            raise UserError(f"config of {r.name}: interleave_moe_layer_step must be positive, got {step}")
+        moe_layers = list(range(step - 1, layers, step))
+    if not isinstance(moe_layers, list) or any(
+        not isinstance(i, int) or not 0 <= i < layers for i in moe_layers
+    ):
+        raise UserError(f"config of {r.name}: moe_layers must list layer indices in 0..{layers - 1}")
+    rope_flags = c.get("no_rope_layers") or [
+        int((i + 1) % int(r.opt("no_rope_layer_interval", 4)) != 0) for i in range(layers)
+    ]
+    if len(rope_flags) != layers:
+        raise UserError(
+            f"config of {r.name}: 'no_rope_layers' must list one entry per layer (num_hidden_layers="
+            f"{layers}), got {len(rope_flags)} entries"
+        )
+    dense = tuple(i for i in range(layers) if i not in set(moe_layers))
+    ffn = r.pos_int("intermediate_size")
+    bias = bool(r.opt("attention_bias", False))
+    chunk = c.get("attention_chunk_size", 8192)
+    return ArchSpec(
+        name=r.name,
+        model_type="llama4_text",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(r.opt("head_dim", 128)),
+        ffn=r.pos_int("intermediate_size_mlp") if dense else int(r.opt("intermediate_size_mlp", 0)),
+        vocab=r.pos_int("vocab_size"),
+        activation=_activation(r.opt("hidden_act", "silu"), True, r.name),
+        act_fn=str(r.opt("hidden_act", "silu")),
+        max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=bool(r.opt("use_qk_norm", True)),
+        qk_norm_scope="l2",
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=ffn,
+        shared_experts=1,
+        shared_ffn=ffn,
+        shared_first=False,
+        router="sigmoid_scatter",
+        dense_layers=dense,
+        nope_layers=tuple(i for i, f in enumerate(rope_flags) if not f),
+        attn_temperature=bool(r.opt("attn_temperature_tuning", True)),
+        attention_chunk=int(chunk or 0),
+        expert_compute="dense",
     )

@@ -284,8 +284,8 @@ def test_traced_preset_has_published_shape(name):
     cfg, _ = text_model_config(load_model_config(name)[1])
     a = traced_arch(cfg, name)
     assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
-    # templates read Gemma 3 (and refuse it past its window), GLM-4.5, GPT-OSS
-    if name.startswith(("gemma3", "glm-4.5", "gpt-oss")):
+    # templates read Gemma 3 (and refuse it past its window), GLM-4.5, GPT-OSS, Llama 4
+    if name.startswith(("gemma3", "glm-4.5", "gpt-oss", "llama4")):
         t = arch_from_hf_config(cfg, name)
         if not name.startswith("gemma3"):  # the template counts the parameters transformers builds
             assert t.param_count() == _hf_params(cfg)

@@ -112,8 +112,8 @@ def _known(model_type):
 
 
 # families templates read (Gemma 3 below its window, GLM-4 MoE, OLMoE, GPT-OSS under --convention
-# hf): held against traced mode below
-TEMPLATED = {"gemma3_text", "glm4_moe", "olmoe", "gpt_oss"}
+# hf, Llama 4 within one attention chunk): held against traced mode below
+TEMPLATED = {"gemma3_text", "glm4_moe", "olmoe", "gpt_oss", "llama4_text"}
 
 
 @pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATED))
@@ -263,7 +263,35 @@ GPT_OSS = dict(
     sliding_window=64,
     layer_types=["sliding_attention", "full_attention"] * 2,
 )
+LLAMA4 = dict(
+    BASE,
+    model_type="llama4_text",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=128,
+    intermediate_size_mlp=512,
+    vocab_size=1000,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=1024,
+    no_rope_layers=[1, 1, 1, 0],
+    max_position_embeddings=2048,
+)
 MOE_CASES = {
+    # dense and MoE layers interleaved, every token through every expert, a NoPE layer with
+    # temperature-scaled queries, L2 q/k norms on the rope layers
+    "llama4_text": LLAMA4,
+    "llama4_text-all-moe-top2-plain": dict(
+        LLAMA4,
+        interleave_moe_layer_step=1,
+        num_experts_per_tok=2,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    ),
     # sinks, eager attention (HF has no SDPA path for it; seq 512 is past the 64 window: a sliding
     # layer saves what a full one does), biased clamped-SwiGLU experts, router bias
     "gpt_oss": GPT_OSS,
@@ -353,6 +381,29 @@ def test_gpt_oss_reads_its_family_and_refuses_other_conventions():
     with pytest.raises(UnmodelledFamily, match="attention sinks under --convention megatron") as e:
         estimate(dict(GPT_OSS), seq_len=128, convention="megatron")
     assert "--mode traced" in str(e.value)
+
+
+def test_llama4_reads_its_layers_and_runs_every_expert():
+    """Llama 4's experts see every token: the layer keeps E x the tokens for them (HF's dense
+    MoE), growing with the expert count where a sparse MoE's does not."""
+    from pipemem import estimate
+
+    a = arch_from_hf_config(LLAMA4, "l4")
+    assert (a.dense_layers, a.nope_layers, a.ffn, a.expert_ffn, a.shared_ffn) == ((0, 2), (3,), 512, 128, 128)
+    assert a.expert_compute == "dense" and a.router == "sigmoid_scatter"
+    default = arch_from_hf_config(dict(LLAMA4, num_hidden_layers=8, no_rope_layers=[]), "l4")
+    assert default.nope_layers == (3, 7)  # every 4th layer (no_rope_layer_interval)
+    kw = dict(seq_len=256, micro_batch=1, dtype="bf16", master_weights=False, convention="hf")
+    f4 = estimate(dict(LLAMA4), **kw).ranks[0].jobs["F"].net_bytes
+    f8 = estimate(dict(LLAMA4, num_local_experts=8), **kw).ranks[0].jobs["F"].net_bytes
+    # per MoE layer (2 of them), per extra expert, per token (256): the repeated input, the
+    # weighted input (h each), gate_up (2f), SiLU and product (f each), its score row in bf16,
+    # and the router's fp32 sigmoid column
+    assert f8 - f4 == 2 * 4 * 256 * (2 * (2 * 256 + 4 * 128 + 1) + 4)
+    with pytest.raises(
+        UnmodelledFamily, match="chunked attention with --seq-len 2048 > attention_chunk_size"
+    ):
+        estimate(dict(LLAMA4), **dict(kw, seq_len=2048))
 
 
 def test_olmoe_clip_qkv_refused_by_name():

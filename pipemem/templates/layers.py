@@ -123,6 +123,19 @@ def _check_sliding_window(arch, plan) -> None:
 def make_shard(arch, plan, conv: Convention) -> Shard:
     if arch.sliding_window:
         _check_sliding_window(arch, plan)
+    if (
+        arch.attention_chunk
+        and arch.nope_layers != tuple(range(arch.layers))
+        and plan.seq_len > arch.attention_chunk
+    ):
+        from ..model import refuse_unmodelled
+
+        raise refuse_unmodelled(
+            arch.name or arch.model_type,
+            arch.model_type,
+            f"chunked attention with --seq-len {plan.seq_len} > attention_chunk_size {arch.attention_chunk} "
+            "(past one chunk its mask is built and kept by the attention: not modelled)",
+        )
     if arch.attn_sinks and plan.convention != "hf":
         from ..model import refuse_unmodelled
 
@@ -329,6 +342,11 @@ class LayerOptions:
     attn_sinks: bool = False
     expert_bias: bool = False
     expert_act: str = "swiglu"
+    # Llama 4 (pipemem.templates.llama4)
+    nope: bool = False  # a NoPE layer: no rope, no q/k norm
+    qk_l2: bool = False  # L2 q/k norm without weight after the rope
+    attn_temperature: bool = False  # NoPE layers' queries scaled by position
+    expert_compute: str = "sparse"
 
 
 def norm_kind(arch) -> str:
@@ -338,12 +356,17 @@ def norm_kind(arch) -> str:
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
     return layer_options_of(
-        arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none"
+        arch,
+        arch.is_moe_layer(index),
+        plan.flash_attn,
+        plan.recompute if recomputed else "none",
+        index in arch.nope_layers,
     )
 
 
 @lru_cache(maxsize=4096)
-def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
+def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = False) -> LayerOptions:
+    l2 = arch.qk_norm and arch.qk_norm_scope == "l2"
     return LayerOptions(
         norm=norm_kind(arch),
         activation=arch.activation,
@@ -352,7 +375,7 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         qkv_bias=arch.qkv_bias,
         out_bias=arch.out_bias,
         mlp_bias=arch.mlp_bias,
-        qk_norm=arch.qk_norm,
+        qk_norm=arch.qk_norm and not l2,
         qk_norm_proj=arch.qk_norm_scope == "proj",
         norm_placement=arch.norm_placement,
         norm_weight_first=arch.norm_weight_first,
@@ -373,6 +396,10 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         attn_sinks=arch.attn_sinks,
         expert_bias=arch.expert_bias,
         expert_act=arch.expert_act,
+        nope=nope,
+        qk_l2=l2 and not nope,
+        attn_temperature=arch.attn_temperature and nope,
+        expert_compute=arch.expert_compute,
     )
 
 
@@ -827,7 +854,11 @@ class _Gen:
         if opt.qk_norm and not opt.qk_norm_proj:
             q = self.norm(q, "attn.q_norm", "rmsnorm", (s, b, a, d))
             k = self.norm(k, "attn.k_norm", "rmsnorm", (s, b, kv, d))
-        if self._uses_rope:
+        if opt.nope and opt.attn_temperature:
+            from .llama4 import temperature_scaled_query
+
+            q = temperature_scaled_query(self, q)
+        if self._uses_rope and not opt.nope:
             # HF casts cos/sin to the hidden states' dtype: fp32 under autocast, so q, k become fp32
             rope_dt = "fp32" if self.sh.autocast else None
             qr = self.act("attn.q_rope", (s, b, a, d), rope_dt)
@@ -839,6 +870,11 @@ class _Gen:
                 self.rotate_half_rope(q, qr, "attn.q", (s, b, a, d))
                 self.rotate_half_rope(k, kr, "attn.k", (s, b, kv, d))
             q, k = qr, kr
+        if opt.qk_l2:
+            from .llama4 import l2_norm
+
+            q = l2_norm(self, q, "attn.q_norm")
+            k = l2_norm(self, k, "attn.k_norm")
         core = opt.recompute in ("selective", "core_attn") and not self.sac
         if core:
             self.t.begin_region()
@@ -1084,6 +1120,11 @@ class _Gen:
             from .moe import sigmoid_group_router
 
             topn, topi, wdt = sigmoid_group_router(self, x, opt)
+        elif opt.router == "sigmoid_scatter":
+            from .llama4 import dense_experts, sigmoid_scatter_router
+
+            scores = sigmoid_scatter_router(self, x, opt)
+            return dense_experts(self, x, scores, opt)
         elif opt.router == "topk_softmax":
             from .gpt_oss import topk_softmax_router
 
