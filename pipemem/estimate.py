@@ -654,7 +654,9 @@ def _templates(name, source, arch, plan, vpp_given, gpu_name, gpu_bytes, opts) -
 
 def _template_warnings(arch, plan) -> list[str]:
     """What the templates model less surely for this plan, said beside the numbers."""
-    out = []
+    from .templates.moe import load_note
+
+    out = [n for n in (load_note(arch, plan),) if n]  # what the MoE routing is taken as
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
         # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template

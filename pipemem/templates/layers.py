@@ -21,6 +21,7 @@ Layout is Megatron's [s, b, ...]; only sizes matter to memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -61,6 +62,7 @@ class Shard:
     etp: int = 1
     ep: int = 1
     shared_ffn: int = 0  # local shared-expert width (after tp)
+    moe_load: float = 1.0  # tokens this rank's experts receive / the balanced mean (templates.moe.rank_load)
     autocast: bool = (
         False  # torch autocast over fp32 params (hf convention, mixed precision; not DeepSpeed's)
     )
@@ -157,6 +159,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
     sp = bool(plan.sp) and tp > 1
     kv_local = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     etp = plan.etp or 1
+    from .moe import rank_load
     from .static import deepspeed_bucket_bytes, pipelined_fsdp
 
     reuse = zero3_reuse(arch, plan, conv)
@@ -182,6 +185,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         etp=etp,
         ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
+        moe_load=rank_load(arch, plan),
         autocast=conv.framework.autocast
         and plan.master_weights
         and plan.dtype != "fp32"
@@ -1299,17 +1303,24 @@ class _Gen:
         self.t.node("transpose_contiguous", (probs,), (probs_t,), diff_inputs=(probs,))
         tprobs = self.act("moe.permuted_probs", (N,), "fp32")
         self.t.node("masked_select", (probs_t, mask_t), (tprobs,), diff_inputs=(probs_t,), save_i=(mask_t,))
-        tokens = self.act("moe.permuted", (N, h))
+        # the rank's experts receive Nr tokens (moe_load x the balanced N); with --ep 1 only
+        # padding to capacity changes it, in the permutation itself
+        Nr = _loaded(N, sh.moe_load)
+        tokens = self.act("moe.permuted", (N if sh.ep > 1 else Nr, h))
         self.t.node("index_select", (x, sidx), (tokens,), diff_inputs=(x,), save_i=(sidx,))
         if sh.ep > 1:
-            recv = self.act("moe.dispatch_a2a", (N, h), kind=COMM)
+            recv = self.act("moe.dispatch_a2a", (Nr, h), kind=COMM)
             self.t.node("all_to_all", (tokens,), (recv,), diff_inputs=(tokens,))
-            precv = self.act("moe.dispatch_a2a_probs", (N,), "fp32", kind=COMM)
+            precv = self.act("moe.dispatch_a2a_probs", (Nr,), "fp32", kind=COMM)
             self.t.node("all_to_all", (tprobs,), (precv,), diff_inputs=(tprobs,))
             tokens, tprobs = recv, precv
-        M = N
+        elif Nr != N:
+            padded = self.act("moe.permuted_probs_padded", (Nr,), "fp32")
+            self.t.node("pad_to_capacity", (tprobs,), (padded,), diff_inputs=(tprobs,))
+            tprobs = padded
+        M = Nr
         if sh.tp > 1 and sh.sp:
-            M = N * sh.tp
+            M = Nr * sh.tp
             g = self.act("moe.tp_allgather", (M, h), kind=COMM)
             self.t.node("all_gather", (tokens,), (g,), diff_inputs=(tokens,))
             gp = self.act("moe.tp_allgather_probs", (M,), "fp32", kind=COMM)
@@ -1338,7 +1349,7 @@ class _Gen:
             self.t.node("sort_chunks", (out,), (us,), diff_inputs=(out,))
             out = us
         if sh.tp > 1 and sh.sp:
-            rs = self.act("moe.tp_reduce_scatter", (N, h), kind=COMM)
+            rs = self.act("moe.tp_reduce_scatter", (Nr, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))
             out = rs
         if sh.ep > 1:
@@ -1367,16 +1378,17 @@ class _Gen:
         idx = self.act("moe.topk_idx", (T, sh.top_k), "int64")
         self.t.node("topk", (probs,), (topk, idx), diff_inputs=(probs,), save_i=(idx,))
         N = T * sh.top_k
-        perm = self.act("moe.permuted", (N, h))
+        Nr = _loaded(N, sh.moe_load)  # what this rank's experts receive
+        perm = self.act("moe.permuted", (N if sh.ep > 1 else Nr, h))
         self.t.node("permute", (x, idx), (perm,), diff_inputs=(x,), save_i=(idx,))
         tokens = perm
         if sh.ep > 1:
-            recv = self.act("moe.dispatch_a2a", (N, h), kind=COMM)
+            recv = self.act("moe.dispatch_a2a", (Nr, h), kind=COMM)
             self.t.node("all_to_all", (tokens,), (recv,), diff_inputs=(tokens,))
             tokens = recv
-        M = N
+        M = Nr
         if sh.etp > 1 and sh.sp:
-            M = N * sh.etp
+            M = Nr * sh.etp
             g = self.act("moe.etp_allgather", (M, h), kind=COMM)
             self.t.node("all_gather", (tokens,), (g,), diff_inputs=(tokens,))
             tokens = g
@@ -1398,11 +1410,11 @@ class _Gen:
             )
         out = self.linear(act, "moe.experts.fc2", (M, h), f, False, experts=sh.experts)
         if sh.etp > 1 and sh.sp:
-            rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
+            rs = self.act("moe.etp_reduce_scatter", (Nr, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))
             out = rs
         elif sh.etp > 1:
-            ar = self.act("moe.etp_allreduce", (N, h), storage=out)
+            ar = self.act("moe.etp_allreduce", (Nr, h), storage=out)
             self.t.node("all_reduce", (out,), (ar,), diff_inputs=(out,), grad_alias=True)
             out = ar
         if sh.ep > 1:
@@ -1417,6 +1429,11 @@ class _Gen:
             shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
         return y
+
+
+def _loaded(n: int, load: float) -> int:
+    """Tokens a rank's experts receive: `load` x the balanced `n`, rounded up."""
+    return n if load == 1.0 else math.ceil(n * load - 1e-9)
 
 
 def _numel(shape) -> int:

@@ -88,3 +88,60 @@ def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
     scaled = g.act("moe.topk_weights_scaled", (T, K), sdt)
     g.t.node("mul_scalar", (topv,), (scaled,), diff_inputs=(topv,))
     return scaled, topi, sdt
+
+
+# MoE load per expert-parallel rank ----------------------------------------------------------
+
+
+def capacity_of(plan) -> tuple[float, bool]:
+    """Megatron's --moe-expert-capacity-factor (0: dropless) and
+    --moe-pad-expert-input-to-capacity, as the Megatron reader puts them in plan.extra."""
+    extra = plan.extra or {}
+    return float(extra.get("moe_capacity_factor") or 0.0), bool(extra.get("moe_pad_to_capacity", False))
+
+
+def rank_load(arch, plan) -> float:
+    """Tokens this rank's experts receive as a multiple of the balanced mean (top_k x the rank's
+    tokens). With --ep 1 the rank holds every expert and receives exactly the mean whatever the
+    routing; with --ep > 1 the busiest rank receives --moe-imbalance x the mean, at most every
+    token of its expert-parallel group to min(top_k, local experts) of its experts. Megatron's
+    capacity factor C drops tokens past C x the balanced share of each expert (the rank's
+    experts: at most C x the mean) and, with padding to capacity, pads every expert's input to
+    exactly that."""
+    if not arch.experts:
+        return 1.0
+    ep = max(1, plan.ep)
+    load = 1.0
+    if ep > 1:
+        local = arch.experts // ep
+        cap = ep * min(arch.top_k, local) / arch.top_k
+        load = min(float(plan.moe_imbalance or 1.0), cap)
+    c, pad = capacity_of(plan)
+    if c:
+        load = c if pad else min(load, c)
+    return load
+
+
+def load_note(arch, plan) -> str | None:
+    """What the estimate assumes about the MoE routing (said beside the numbers)."""
+    if not arch.experts:
+        return None
+    c, pad = capacity_of(plan)
+    load = rank_load(arch, plan)
+    if c and pad:
+        return (
+            f"MoE load: each expert's input padded to capacity (--moe-expert-capacity-factor {c:g}): "
+            f"the rank's experts hold {load:g} x the balanced tokens (top_k x its tokens)"
+        )
+    if plan.ep <= 1 and not c:
+        return None  # every expert on the rank: the balanced count, whatever the routing
+    what = (
+        "balanced routing (each expert-parallel rank's experts receive top_k x its tokens)"
+        if load == 1.0
+        else f"the busiest expert-parallel rank's experts receive {load:g} x the balanced tokens"
+    )
+    if c:
+        what += f", tokens past capacity dropped (--moe-expert-capacity-factor {c:g})"
+    elif plan.moe_imbalance == 1.0:
+        what += "; --moe-imbalance F sizes the busiest rank at F x"
+    return "MoE load: " + what
