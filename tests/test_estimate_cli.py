@@ -154,7 +154,8 @@ def _traced_only(name: str) -> bool:
         arch = arch_from_hf_config(text_model_config(load_model_config(name)[1])[0], name)
     except UnmodelledFamily:
         return True
-    return bool(arch.sliding_window)  # Gemma 3: templates hold it under --convention hf only
+    # Gemma 3, gpt-oss: templates hold them under --convention hf only (the default is megatron)
+    return bool(arch.sliding_window or arch.attn_sinks)
 
 
 @pytest.mark.parametrize("name", model_names())
