@@ -383,6 +383,20 @@ def test_gpt_oss_reads_its_family_and_refuses_other_conventions():
     assert "--mode traced" in str(e.value)
 
 
+@pytest.mark.parametrize("dtype,master", [("bf16", True), ("fp32", True)])
+def test_llama4_template_matches_traced_in_autocast_and_fp32(dtype, master):
+    """Llama 4's experts are HF's own batched GEMMs (not grouped_mm), so traced mode runs it in
+    every precision: under autocast each expert GEMM keeps its bf16 weight copy, as a linear."""
+    _known("llama4_text")
+    from pipemem import estimate
+
+    kw = dict(seq_len=512, micro_batch=2, dtype=dtype, master_weights=master, convention="hf", step="first")
+    t = estimate(dict(LLAMA4), **kw).ranks[0]
+    r = estimate(dict(LLAMA4), mode="traced", **kw).ranks[0]
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
+    assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
 def test_llama4_reads_its_layers_and_runs_every_expert():
     """Llama 4's experts see every token: the layer keeps E x the tokens for them (HF's dense
     MoE), growing with the expert count where a sparse MoE's does not."""

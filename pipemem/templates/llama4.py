@@ -79,6 +79,17 @@ def sigmoid_scatter_router(g, x: str, opt) -> str:
     return st
 
 
+def _expert_weight(g, name: str, shape: tuple) -> tuple[str, str]:
+    """An expert weight and what the batched GEMM reads: under autocast its low-precision copy,
+    which the GEMM keeps for the input grad (as a linear's)."""
+    w = g.t.param(g.n(name + ".weight"), shape, g.dt)
+    if not g.sh.autocast:
+        return w, w
+    wc = g.act(name + ".weight_bf16", shape)
+    g.t.node("autocast_weight", (w,), (wc,))
+    return w, wc
+
+
 def dense_experts(g, x: str, scores: str, opt) -> str:
     """Every token through each local expert, then the shared expert and the in-place sum."""
     sh = g.sh
@@ -88,9 +99,9 @@ def dense_experts(g, x: str, scores: str, opt) -> str:
     g.t.node("repeat", (x,), (rep,), diff_inputs=(x,))
     win = g.act("moe.weighted_input", (E * T, h), rdt if rdt == "fp32" else None)
     g.t.node("mul", (rep, scores), (win,), diff_inputs=(rep, scores), save_i=(rep, scores))
-    w1 = g.t.param(g.n("moe.experts.fc1.weight"), (E, h, 2 * f), g.dt)
+    w1, w1c = _expert_weight(g, "moe.experts.fc1", (E, h, 2 * f))
     gu = g.act("moe.experts.gate_up", (E, T, 2 * f))
-    g.t.node("bmm", (win, w1), (gu,), diff_inputs=(win,), params=(w1,), save_i=(w1,), save_w=(win,))
+    g.t.node("bmm", (win, w1c), (gu,), diff_inputs=(win,), params=(w1,), save_i=(w1c,), save_w=(win,))
     gate = g.act("moe.experts.gate", (E, T, f), storage=gu)
     up = g.act("moe.experts.up", (E, T, f), storage=gu)
     g.t.node("chunk", (gu,), (gate, up), diff_inputs=(gu,))
@@ -98,9 +109,9 @@ def dense_experts(g, x: str, scores: str, opt) -> str:
     g.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
     act = g.act("moe.experts.act", (E, T, f))
     g.t.node("mul", (up, sg), (act,), diff_inputs=(up, sg), save_i=(up, sg))
-    w2 = g.t.param(g.n("moe.experts.fc2.weight"), (E, f, h), g.dt)
+    w2, w2c = _expert_weight(g, "moe.experts.fc2", (E, f, h))
     out = g.act("moe.experts.out", (E, T, h))
-    g.t.node("bmm", (act, w2), (out,), diff_inputs=(act,), params=(w2,), save_i=(w2,), save_w=(act,))
+    g.t.node("bmm", (act, w2c), (out,), diff_inputs=(act,), params=(w2,), save_i=(w2c,), save_w=(act,))
     routed = g.act("moe.routed_sum", (sh.s_sp, sh.b, h))
     g.t.node("sum_experts", (out,), (routed,), diff_inputs=(out,))
     shared = g.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
