@@ -632,3 +632,18 @@ def test_boolean_sdpa_mask_is_saved_as_an_additive_bias_of_the_query_dtype():
         bias = out.grad_fn._saved_attn_bias
     assert out.grad_fn.name() == "ScaledDotProductEfficientAttentionBackward0"
     assert bias.dtype == torch.bfloat16 and tuple(bias.shape) == (1, 1, 64, 64)
+
+
+@pytest.mark.parametrize(
+    "cfg,key",
+    [
+        (dict(LLAMA4, moe_layers=[7]), "moe_layers"),
+        (dict(LLAMA4, no_rope_layers=[1, 0]), "no_rope_layers"),
+        (dict(LLAMA4, interleave_moe_layer_step=0), "interleave_moe_layer_step"),
+        (dict(GPT_OSS, num_experts_per_tok=9), "num_experts_per_tok"),
+    ],
+)
+def test_newer_family_readers_name_the_bad_key(cfg, key):
+    with pytest.raises(UserError, match=rf"\b{key}\b") as e:
+        arch_from_hf_config(cfg, "bad")
+    assert "\n" not in str(e.value)
