@@ -1113,22 +1113,23 @@ class _Gen:
         in fp32, top-k (renormalised in place when the model does: autograd clones the top-k
         values; cast back to the logits' dtype by the Qwen routers), tokens sorted by expert and
         gathered, grouped GEMMs, the routing weights applied in their dtype, the original order
-        restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts."""
+        restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts.
+        The newer families' routers (GLM-4 MoE, GPT-OSS) and Llama 4's dense experts are in
+        templates/moe.py, gpt_oss.py and llama4.py."""
         sh = self.sh
         shared = (
             self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
             if sh.shared_ffn and opt.shared_first
             else None
         )
+        if opt.expert_compute == "dense":  # Llama 4: every token through every expert
+            from .llama4 import dense_experts, sigmoid_scatter_router
+
+            return dense_experts(self, x, sigmoid_scatter_router(self, x, opt), opt)
         if opt.router == "sigmoid_group":
             from .moe import sigmoid_group_router
 
             topn, topi, wdt = sigmoid_group_router(self, x, opt)
-        elif opt.router == "sigmoid_scatter":
-            from .llama4 import dense_experts, sigmoid_scatter_router
-
-            scores = sigmoid_scatter_router(self, x, opt)
-            return dense_experts(self, x, scores, opt)
         elif opt.router == "topk_softmax":
             from .gpt_oss import topk_softmax_router
 
