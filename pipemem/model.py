@@ -33,20 +33,22 @@ _LLAMA_LIKE = {
     "internlm2",
     "yi",
 }
-_MOE_LLAMA_LIKE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2"}
+_MOE_LLAMA_LIKE = {
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "glm4_moe",
+    "olmoe",
+}
 MODEL_TYPES = tuple(sorted(_LLAMA_LIKE | _MOE_LLAMA_LIKE | {"gpt2", "gpt_neox"}))
 
 # Families transformers builds that template mode does not model yet: what each one lacks, named
 # in the refusal (traced mode runs transformers' own modules for them).
-UNMODELLED = {
-    "gpt_oss": "attention sinks, alternating sliding-window layers and clamped SwiGLU experts",
-    "llama4_text": "chunked attention, NoPE layers and interleaved MoE layers",
-    "llama4": "chunked attention, NoPE layers and interleaved MoE layers",
-    "glm4_moe": "GLM-4 MoE's partial rotary attention and sigmoid router with expert bias",
-    "olmoe": "OLMoE's mixture-of-experts layers",
-    "qwen3_next": "gated DeltaNet linear attention",
-    "nemotron_h": "Mamba-2 layers",
-}
+UNMODELLED = {"qwen3_next": "gated DeltaNet linear attention", "nemotron_h": "Mamba-2 layers"}
 
 
 class UnmodelledFamily(UserError):
@@ -131,6 +133,26 @@ class ArchSpec:
     router_topk_groups: int = 1
     router_scale: bool = False  # top-k weights times routed_scaling_factor (a new tensor)
     mtp_layers: int = 0  # multi-token prediction depths (num_nextn_predict_layers / --mtp-num-layers)
+    # Newer MoE families (pipemem.model `_newer_moe`): GLM-4 MoE
+    rotary_fraction: float = 1.0  # rope over this part of each head (glm4_moe partial_rotary_factor)
+    router: str = "softmax"  # softmax | sigmoid_group (glm4_moe: sigmoid scores + correction bias,
+    # group-limited top-k over n_group groups, scaled by routed_scaling_factor)
+    # (router_groups / router_topk_groups: n_group / topk_group, above)
+    routed_scaling: float = 1.0  # routed_scaling_factor
+    shared_first: bool = (
+        True  # the shared expert runs before the routed ones (qwen2_moe), or after (glm4_moe)
+    )
+    # GPT-OSS: a learnable sink logit per head, biased experts with a clamped SwiGLU, router bias
+    attn_sinks: bool = False
+    expert_bias: bool = False  # per-expert gate_up and down biases
+    expert_act: str = "swiglu"  # swiglu | clamped_swiglu (gpt_oss: interleaved gate/up, clamp, sigmoid(a x))
+    router_linear_bias: bool = False  # the router linear's bias (gpt_oss)
+    # Llama 4: NoPE layers (no rope, no q/k norm; their queries scaled by position: temperature
+    # tuning), L2 q/k norm without weight after the rope, every token through every expert
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: bool = False
+    attention_chunk: int = 0  # attention_chunk_size of the chunked layers (0: none)
+    expert_compute: str = "sparse"  # sparse (sorted tokens, grouped GEMMs) | dense (HF Llama 4: all experts)
 
     @property
     def is_moe(self) -> bool:
@@ -150,7 +172,8 @@ class ArchSpec:
     def with_layers(self, layers: int) -> "ArchSpec":
         """The same model with `layers` decoder layers (``--layers N``)."""
         dense = tuple(i for i in self.dense_layers if i < layers)
-        return replace(self, layers=layers, dense_layers=dense)
+        nope = tuple(i for i in self.nope_layers if i < layers)
+        return replace(self, layers=layers, dense_layers=dense, nope_layers=nope)
 
     def param_count(self) -> int:
         """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
@@ -232,6 +255,12 @@ def arch_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
         return _gpt2(r)
     if mt == "gpt_neox":
         return _gpt_neox(r)
+    if mt == "gpt_oss":
+        return _gpt_oss(r)
+    if mt == "llama4_text":
+        return _llama4_text(r)
+    if mt in _NEWER_MOE:
+        return _newer_moe(r, mt)
     if mt in _LLAMA_LIKE or mt in _MOE_LLAMA_LIKE:
         return _llama_like(r, mt)
     raise refuse_unmodelled(r.name, mt)
@@ -712,7 +741,9 @@ def layer_param_shapes(
         out["o_proj"] = ((h, a * d), False)
     if arch.out_bias:
         out["o_proj_bias"] = ((h,), False)
-    if arch.qk_norm:
+    if arch.attn_sinks:
+        out["sinks"] = ((a,), False)
+    if arch.qk_norm and arch.qk_norm_scope != "l2":  # Llama 4's L2 norm has no weight
         out["qk_norm"] = (((a + kv) * d if arch.qk_norm_scope == "proj" else 2 * d,), False)
     if arch.norm_placement == "sandwich":  # gemma2: a second norm around each block
         out["sandwich_norms"] = ((2 * ln_parts * h,), False)
@@ -722,6 +753,10 @@ def layer_param_shapes(
         f = arch.expert_ffn // etp
         out["router"] = ((arch.experts, h), False)
         out["experts"] = ((e, (3 if gated else 2) * f, h), True)
+        if arch.expert_bias:
+            out["expert_bias"] = ((e, (2 if gated else 1) * f + h), True)
+        if arch.router_linear_bias:
+            out["router_bias"] = ((arch.experts,), False)
         if arch.shared_experts:
             sf = arch.shared_experts * arch.shared_ffn // tp
             out["shared_mlp"] = (((3 if gated else 2) * sf, h), False)
@@ -776,3 +811,221 @@ def head_param_shapes(
     if not (arch.tied_embeddings and same_stage_as_embedding):
         out["output_layer"] = (padded_vocab // tp, h)
     return out
+
+
+# Newer MoE families -------------------------------------------------------------------------
+# GLM-4 MoE and OLMoE read as Llama-like MoE models, then what their HF modules do differently
+# (transformers 5.24 modeling_glm4_moe.py, modeling_olmoe.py).
+
+# defaults of their config classes for the keys that change the layers (Glm4MoeConfig, OlmoeConfig)
+_NEWER_MOE = {
+    "glm4_moe": {
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "use_qk_norm": False,
+        "attention_bias": False,
+    },
+    "olmoe": {"norm_topk_prob": False, "attention_bias": False},
+}
+
+
+def _newer_moe(r: _Reader, mt: str) -> ArchSpec:
+    """GLM-4 MoE: q/k/v biases with `attention_bias` (o_proj never), per-head q/k RMSNorm with
+    `use_qk_norm`, rope over `partial_rotary_factor` of each head (default 0.5), the first
+    `first_k_dense_replace` layers dense, a sigmoid router in fp32 with a correction bias and
+    group-limited top-k, shared experts (n_shared_experts x moe_intermediate_size) added after the
+    routed ones. OLMoE: q/k RMSNorm over the whole projections, experts of width
+    `intermediate_size`, softmax router whose top-k weights are cast to the logits' dtype."""
+    c = {**_NEWER_MOE[mt], **{k: v for k, v in r.c.items() if v is not None}}
+    r = _Reader(c, r.name)
+    if mt == "olmoe":
+        if c.get("clip_qkv") is not None:
+            raise refuse_unmodelled(r.name, mt, "OLMoE's in-place clamp of q, k, v (key 'clip_qkv')")
+        # the Llama reader takes OLMoE's experts as intermediate_size wide (its expert width)
+        c.setdefault("moe_intermediate_size", r.pos_int("intermediate_size"))
+        spec = _llama_like(_Reader(c, r.name), mt)
+        return replace(
+            spec,
+            qk_norm=True,
+            qk_norm_scope="proj",
+            router_norm_topk=bool(c["norm_topk_prob"]),
+            router_weights_cast=True,
+        )
+    spec = _llama_like(r, mt)
+    experts = spec.experts
+    groups, topk_groups = int(r.pos_int("n_group")), int(r.pos_int("topk_group"))
+    if experts % groups or topk_groups > groups:
+        raise UserError(
+            f"config of {r.name}: n_group={groups} must divide the {experts} routed experts and "
+            f"topk_group={topk_groups} be at most n_group"
+        )
+    if experts // groups < 2:
+        raise UserError(
+            f"config of {r.name}: n_group={groups} leaves fewer than 2 experts per group (GLM-4 MoE's "
+            "router scores each group by its best two experts)"
+        )
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    fraction = c.get(
+        "partial_rotary_factor", rope.get("partial_rotary_factor", 0.5) if isinstance(rope, Mapping) else 0.5
+    )
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise UserError(f"config of {r.name}: partial_rotary_factor must be in (0, 1], got {fraction!r}")
+    shared = int(c["n_shared_experts"])
+    return replace(
+        spec,
+        qk_norm=bool(c["use_qk_norm"]),
+        qkv_bias=bool(c["attention_bias"]),
+        out_bias=False,
+        shared_experts=1 if shared else 0,  # one MLP n_shared_experts x moe_intermediate_size wide
+        shared_ffn=shared * spec.expert_ffn,
+        router="sigmoid_group",
+        router_groups=groups,
+        router_topk_groups=topk_groups,
+        routed_scaling=float(c["routed_scaling_factor"]),
+        router_norm_topk=bool(c["norm_topk_prob"]),
+        router_weights_cast=False,
+        rotary_fraction=float(fraction),
+        shared_first=False,
+    )
+
+
+def _gpt_oss(r: _Reader) -> ArchSpec:
+    """GPT-OSS (transformers 5.24 modeling_gpt_oss.py): every layer MoE; attention with q/k/v/o
+    biases (`attention_bias`, default on), a learnable sink logit per head and no SDPA path (HF
+    trains it with eager attention, where a sliding-window layer differs from a full one only
+    in its mask: same tensors saved); RMSNorm scaling by the fp32 weight before the cast; a
+    router with a bias (top-k of the logits, softmax over those k); experts
+    `intermediate_size` wide with biases and a clamped SwiGLU over interleaved gate / up columns."""
+    c = r.c
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    kv = int(r.opt("num_key_value_heads", 8))
+    if kv <= 0 or heads % kv:
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+            f"num_attention_heads={heads}"
+        )
+    experts = r.pos_int("num_local_experts")
+    top_k = r.pos_int("num_experts_per_tok")
+    if top_k > experts:
+        raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+    if c.get("output_router_logits"):
+        raise refuse_unmodelled(r.name, "gpt_oss", "GPT-OSS's router auxiliary loss (output_router_logits)")
+    bias = bool(r.opt("attention_bias", True))
+    return ArchSpec(
+        name=r.name,
+        model_type="gpt_oss",
+        layers=r.pos_int("num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(r.opt("head_dim", 64)),
+        ffn=0,
+        vocab=r.pos_int("vocab_size"),
+        activation="swiglu",
+        act_fn="silu",
+        max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        out_bias=bias,
+        norm_weight_first=True,
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=r.pos_int("intermediate_size"),
+        hf_sdpa=False,
+        router="topk_softmax",
+        router_norm_topk=False,
+        attn_sinks=True,
+        expert_bias=True,
+        expert_act="clamped_swiglu",
+        router_linear_bias=True,
+    )
+
+
+def _llama4_text(r: _Reader) -> ArchSpec:
+    """Llama 4's text model (transformers 5.24 modeling_llama4.py): MoE layers at `moe_layers`
+    (default every `interleave_moe_layer_step`-th), the others dense MLPs `intermediate_size_mlp`
+    wide; a MoE layer's router (top-k scattered into -inf logits, sigmoid in fp32) weights every
+    token for every expert and the experts run densely over all tokens (`hidden.repeat(E, 1)`,
+    batched GEMMs), beside one shared expert (`intermediate_size` wide, as each expert);
+    NoPE layers (`no_rope_layers` 0, default every 4th) skip the rope and the q/k norm, and with
+    `attn_temperature_tuning` scale their queries by position; the others apply the rope (complex
+    product) then an L2 norm without weight to q and k (`use_qk_norm`); chunked attention
+    (`attention_chunk_size`) on the rope layers."""
+    c = r.c
+    hidden = r.pos_int("hidden_size")
+    heads = r.pos_int("num_attention_heads")
+    kv = int(r.opt("num_key_value_heads", heads))
+    if kv <= 0 or heads % kv:
+        raise UserError(
+            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
+            f"num_attention_heads={heads}"
+        )
+    layers = r.pos_int("num_hidden_layers")
+    experts = r.pos_int("num_local_experts")
+    top_k = int(r.opt("num_experts_per_tok", 1))
+    if not 0 < top_k <= experts:
+        raise UserError(f"config of {r.name}: num_experts_per_tok={top_k} must be in 1..{experts} (experts)")
+    if c.get("output_router_logits"):
+        raise refuse_unmodelled(
+            r.name, "llama4_text", "Llama 4's router auxiliary loss (output_router_logits)"
+        )
+    moe_layers = c.get("moe_layers")
+    if moe_layers is None:
+        step = int(r.opt("interleave_moe_layer_step", 1))
+        if step <= 0:
+            raise UserError(f"config of {r.name}: interleave_moe_layer_step must be positive, got {step}")
+        moe_layers = list(range(step - 1, layers, step))
+    if not isinstance(moe_layers, list) or any(
+        not isinstance(i, int) or not 0 <= i < layers for i in moe_layers
+    ):
+        raise UserError(f"config of {r.name}: moe_layers must list layer indices in 0..{layers - 1}")
+    rope_flags = c.get("no_rope_layers") or [
+        int((i + 1) % int(r.opt("no_rope_layer_interval", 4)) != 0) for i in range(layers)
+    ]
+    if len(rope_flags) != layers:
+        raise UserError(
+            f"config of {r.name}: 'no_rope_layers' must list one entry per layer (num_hidden_layers="
+            f"{layers}), got {len(rope_flags)} entries"
+        )
+    dense = tuple(i for i in range(layers) if i not in set(moe_layers))
+    ffn = r.pos_int("intermediate_size")
+    bias = bool(r.opt("attention_bias", False))
+    chunk = c.get("attention_chunk_size", 8192)
+    return ArchSpec(
+        name=r.name,
+        model_type="llama4_text",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=int(r.opt("head_dim", 128)),
+        ffn=r.pos_int("intermediate_size_mlp") if dense else int(r.opt("intermediate_size_mlp", 0)),
+        vocab=r.pos_int("vocab_size"),
+        activation=_activation(r.opt("hidden_act", "silu"), True, r.name),
+        act_fn=str(r.opt("hidden_act", "silu")),
+        max_positions=int(r.opt("max_position_embeddings", 0)),
+        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=bool(r.opt("use_qk_norm", True)),
+        qk_norm_scope="l2",
+        attn_dropout=float(r.opt("attention_dropout", 0.0)),
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=ffn,
+        shared_experts=1,
+        shared_ffn=ffn,
+        shared_first=False,
+        router="sigmoid_scatter",
+        dense_layers=dense,
+        nope_layers=tuple(i for i, f in enumerate(rope_flags) if not f),
+        attn_temperature=bool(r.opt("attn_temperature_tuning", True)),
+        attention_chunk=int(chunk or 0),
+        expert_compute="dense",
+    )

@@ -157,6 +157,9 @@ class ParallelPlan:
     lora_alpha: float | None = None  # scales the adapters' output: moves no memory (accepted)
     lora_dropout: float = 0.0
     qlora: bool = False  # base linears 4-bit NF4 (bitsandbytes, double quantization), bf16 compute
+    # MoE load: the tokens the busiest expert-parallel rank's experts receive, as a multiple of the
+    # balanced mean (top_k x its tokens); 1.0 = balanced (pipemem.templates.moe.rank_load)
+    moe_imbalance: float = 1.0
 
     @property
     def deepspeed_mixed_precision(self) -> bool:
@@ -826,7 +829,14 @@ def _validate_features(plan: ParallelPlan, fw, opt: str, microbatches: int) -> d
         )
     if comp and not fw.torch_compile:
         raise UserError("--compile is torch.compile; with --convention paddle it does not apply")
+    imb = plan.moe_imbalance
+    if isinstance(imb, bool) or not isinstance(imb, (int, float)) or not 1 <= imb <= 1 << 20:
+        raise UserError(
+            f"--moe-imbalance {imb!r}: the busiest expert-parallel rank's tokens as a multiple of the "
+            "balanced mean, at least 1 (1 = balanced)"
+        )
     return {
+        "moe_imbalance": float(imb),
         "loss": loss,
         "fp8": fp8,
         "activation_offload": ("all" if mods == {"*"} else ",".join(sorted(mods)) if mods else None),

@@ -145,8 +145,10 @@ class StagePlan(StagePlanBase):
 def template_warnings(arch, plan) -> list[str]:
     """What the templates model less surely for this plan, said beside the numbers."""
     from .templates.mla import mla_warnings
+    from .templates.moe import load_note
 
     out = mla_warnings(arch, plan)
+    out += [n for n in (load_note(arch, plan),) if n]  # what the MoE routing is taken as
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
         # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template
@@ -219,15 +221,21 @@ def _layer_runs(arch, flash: bool, recompute: str, recompute_layers, layers: ran
     n = len(layers)
     k = n if recompute_layers is None else min(recompute_layers, n)
     cuts = {0, k, n}
-    if arch.is_moe:
-        for i in arch.dense_layers:
-            if i in layers:
-                cuts.update((i - layers.start, i - layers.start + 1))
+    # MoE and dense layers differ, so do NoPE layers (Llama 4)
+    for i in (arch.dense_layers if arch.is_moe else ()) + arch.nope_layers:
+        if i in layers:
+            cuts.update((i - layers.start, i - layers.start + 1))
     cuts = sorted(c for c in cuts if 0 <= c <= n)
     runs = []
     for a, b in zip(cuts, cuts[1:]):
         if b > a:
-            opt = layer_options_of(arch, arch.is_moe_layer(layers[a]), flash, recompute if a < k else "none")
+            opt = layer_options_of(
+                arch,
+                arch.is_moe_layer(layers[a]),
+                flash,
+                recompute if a < k else "none",
+                layers[a] in arch.nope_layers,
+            )
             if runs and runs[-1][0] == opt:
                 runs[-1] = (opt, runs[-1][1] + b - a)
             else:

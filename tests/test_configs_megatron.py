@@ -104,7 +104,6 @@ def read(extra: str):
         "--fp4-format e2m1",
         "--cpu-offloading",
         "--tp-comm-overlap",
-        "--moe-expert-capacity-factor 1.0",
         "--fine-grained-activation-offloading",
         "--fp16-lm-cross-entropy",
         "--mtp-num-layers 1",

@@ -154,8 +154,8 @@ def _traced_only(name: str) -> bool:
         arch = arch_from_hf_config(text_model_config(load_model_config(name)[1])[0], name)
     except UnmodelledFamily:
         return True
-    # Gemma 3, DeepSeek-V2 / V3 (MLA): templates hold them under --convention hf only
-    return bool(arch.sliding_window or arch.kv_lora_rank)
+    # Gemma 3, DeepSeek-V2 / V3 (MLA), gpt-oss: templates hold them under --convention hf only
+    return bool(arch.sliding_window or arch.kv_lora_rank or arch.attn_sinks)
 
 
 @pytest.mark.parametrize("name", model_names())

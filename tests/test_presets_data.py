@@ -284,9 +284,12 @@ def test_traced_preset_has_published_shape(name):
     cfg, _ = text_model_config(load_model_config(name)[1])
     a = traced_arch(cfg, name)
     assert (a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.vocab) == PUBLISHED_TRACED[name]
-    if name.startswith(("gemma3", "deepseek", "kimi")):  # templates read Gemma 3 (and refuse it past
-        # its window), DeepSeek-V2 / V3 and Kimi-K2
+    # templates read Gemma 3 (and refuse it past its window), DeepSeek-V2 / V3, Kimi-K2, GLM-4.5,
+    # GPT-OSS, Llama 4
+    if name.startswith(("gemma3", "deepseek", "kimi", "glm-4.5", "gpt-oss", "llama4")):
         t = arch_from_hf_config(cfg, name)
+        if not name.startswith("gemma3"):  # the template counts the parameters transformers builds
+            assert t.param_count() == _hf_params(cfg)
         assert (t.layers, t.hidden, t.heads, t.kv_heads, t.vocab, t.head_dim) == (
             a.layers,
             a.hidden,

@@ -111,11 +111,13 @@ def _known(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
-# families templates model (DeepSeek-V2 / V3 multi-head latent attention: tests below)
-TEMPLATE_FAMILIES = {"gemma3_text", "deepseek_v3", "deepseek_v2"}
+# families templates read (Gemma 3 below its window, DeepSeek-V2 / V3 multi-head latent attention,
+# GLM-4 MoE, OLMoE, GPT-OSS under --convention hf, Llama 4 within one attention chunk): held
+# against traced mode in their own tests
+TEMPLATED = {"gemma3_text", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe", "gpt_oss", "llama4_text"}
 
 
-@pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATE_FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(TINY) - TEMPLATED))
 def test_template_mode_refuses_by_name_and_points_to_traced(family):
     with pytest.raises(UnmodelledFamily, match=r"template mode does not model .*use --mode traced") as e:
         arch_from_hf_config(TINY[family], "tiny")
@@ -214,6 +216,214 @@ def test_gemma3_template_matches_traced(dtype, master):
     assert t.static.params == r.static.params
     assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
     assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+GLM4_MOE = dict(
+    BASE,
+    model_type="glm4_moe",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    vocab_size=1000,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    attention_bias=True,
+    use_qk_norm=True,
+    partial_rotary_factor=0.5,
+)
+OLMOE = dict(
+    BASE,
+    model_type="olmoe",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    vocab_size=1000,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+GPT_OSS = dict(
+    BASE,
+    model_type="gpt_oss",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=128,
+    vocab_size=1000,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=64,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
+LLAMA4 = dict(
+    BASE,
+    model_type="llama4_text",
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=128,
+    intermediate_size_mlp=512,
+    vocab_size=1000,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=1024,
+    no_rope_layers=[1, 1, 1, 0],
+    max_position_embeddings=2048,
+)
+MOE_CASES = {
+    # dense and MoE layers interleaved, every token through every expert, a NoPE layer with
+    # temperature-scaled queries, L2 q/k norms on the rope layers
+    "llama4_text": LLAMA4,
+    "llama4_text-all-moe-top2-plain": dict(
+        LLAMA4,
+        interleave_moe_layer_step=1,
+        num_experts_per_tok=2,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    ),
+    # sinks, eager attention (HF has no SDPA path for it; seq 512 is past the 64 window: a sliding
+    # layer saves what a full one does), biased clamped-SwiGLU experts, router bias
+    "gpt_oss": GPT_OSS,
+    "gpt_oss-no-bias": dict(GPT_OSS, attention_bias=False),
+    "glm4_moe": GLM4_MOE,
+    # group-limited routing (2 of 4 groups), no renormalisation, scaled weights, no qk norm
+    "glm4_moe-groups": dict(
+        GLM4_MOE, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5, use_qk_norm=False
+    ),
+    "olmoe": OLMOE,
+    "olmoe-norm-topk": dict(OLMOE, norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_family_template_matches_traced(case):
+    """GLM-4 MoE (sigmoid router in fp32 with group-limited top-k, shared expert after the routed
+    ones, first layer dense, partial rope whose concatenated query makes SDPA's output a copy
+    o_proj saves, q/k/v biases, per-head q/k norms) and OLMoE (q/k norms over the projections)
+    under --convention hf, pure bf16 (traced mode runs HF's grouped_mm experts in bf16 only):
+    templates vs transformers' own modules, the step's peak and the forward's net within 1 %."""
+    cfg = MOE_CASES[case]
+    _known(cfg["model_type"])
+    from pipemem import estimate
+
+    kw = dict(
+        seq_len=512,
+        micro_batch=2,
+        dtype="bf16",
+        master_weights=False,
+        flash_attn=True,
+        convention="hf",
+        step="first",
+    )
+    t = estimate(dict(cfg), **kw).ranks[0]
+    r = estimate(dict(cfg), mode="traced", **kw).ranks[0]
+    assert t.static.params == r.static.params
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
+    assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+def test_glm4_moe_reads_its_family():
+    """What the GLM-4 MoE reader takes from the config and from Glm4MoeConfig's defaults."""
+    a = arch_from_hf_config({k: v for k, v in GLM4_MOE.items() if k != "first_k_dense_replace"}, "g")
+    assert a.dense_layers == (0,)  # first_k_dense_replace defaults to 1
+    assert (a.qkv_bias, a.out_bias, a.qk_norm, a.rotary_fraction) == (True, False, True, 0.5)
+    assert (a.router, a.shared_experts, a.shared_ffn, a.shared_first) == ("sigmoid_group", 1, 128, False)
+    two = arch_from_hf_config(dict(GLM4_MOE, n_shared_experts=2), "g")
+    assert two.shared_ffn == 256 and two.param_count() - a.param_count() == 3 * 3 * 128 * 256
+    o = arch_from_hf_config(OLMOE, "o")
+    assert (o.expert_ffn, o.qk_norm_scope, o.router_norm_topk, o.router_weights_cast) == (
+        128,
+        "proj",
+        False,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg,what",
+    [
+        (dict(GLM4_MOE, partial_rotary_factor=1.5), "partial_rotary_factor"),
+        (dict(GLM4_MOE, n_group=8), "n_group=8"),
+    ],
+)
+def test_glm4_moe_bad_keys_exit_2(tmp_path, capsys, cfg, what):
+    from pipemem.cli.main import main
+
+    path = tmp_path / "glm.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["estimate", "--model", str(path), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert what in err and len(err.splitlines()) == 1
+
+
+def test_gpt_oss_reads_its_family_and_refuses_other_conventions():
+    from pipemem import estimate
+
+    a = arch_from_hf_config(GPT_OSS, "g")
+    assert a.is_moe and a.dense_layers == () and (a.expert_ffn, a.ffn) == (128, 0)
+    assert (a.attn_sinks, a.expert_bias, a.router_bias, a.qkv_bias, a.out_bias) == (True,) * 5
+    # the parameters the sinks and the biases add, per layer: heads + experts x (2 ffn + hidden) + experts
+    from dataclasses import replace
+
+    bare = replace(a, attn_sinks=False, expert_bias=False, router_bias=False)
+    assert a.param_count() - bare.param_count() == 4 * (8 + 8 * (2 * 128 + 256) + 8)
+    with pytest.raises(UnmodelledFamily, match="attention sinks under --convention megatron") as e:
+        estimate(dict(GPT_OSS), seq_len=128, convention="megatron")
+    assert "--mode traced" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype,master", [("bf16", True), ("fp32", True)])
+def test_llama4_template_matches_traced_in_autocast_and_fp32(dtype, master):
+    """Llama 4's experts are HF's own batched GEMMs (not grouped_mm), so traced mode runs it in
+    every precision: under autocast each expert GEMM keeps its bf16 weight copy, as a linear."""
+    _known("llama4_text")
+    from pipemem import estimate
+
+    kw = dict(seq_len=512, micro_batch=2, dtype=dtype, master_weights=master, convention="hf", step="first")
+    t = estimate(dict(LLAMA4), **kw).ranks[0]
+    r = estimate(dict(LLAMA4), mode="traced", **kw).ranks[0]
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
+    assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+
+
+def test_llama4_reads_its_layers_and_runs_every_expert():
+    """Llama 4's experts see every token: the layer keeps E x the tokens for them (HF's dense
+    MoE), growing with the expert count where a sparse MoE's does not."""
+    from pipemem import estimate
+
+    a = arch_from_hf_config(LLAMA4, "l4")
+    assert (a.dense_layers, a.nope_layers, a.ffn, a.expert_ffn, a.shared_ffn) == ((0, 2), (3,), 512, 128, 128)
+    assert a.expert_compute == "dense" and a.router == "sigmoid_scatter"
+    default = arch_from_hf_config(dict(LLAMA4, num_hidden_layers=8, no_rope_layers=[]), "l4")
+    assert default.nope_layers == (3, 7)  # every 4th layer (no_rope_layer_interval)
+    kw = dict(seq_len=256, micro_batch=1, dtype="bf16", master_weights=False, convention="hf")
+    f4 = estimate(dict(LLAMA4), **kw).ranks[0].jobs["F"].net_bytes
+    f8 = estimate(dict(LLAMA4, num_local_experts=8), **kw).ranks[0].jobs["F"].net_bytes
+    # per MoE layer (2 of them), per extra expert, per token (256): the repeated input, the
+    # weighted input (h each), gate_up (2f), SiLU and product (f each), its score row in bf16,
+    # and the router's fp32 sigmoid column
+    assert f8 - f4 == 2 * 4 * 256 * (2 * (2 * 256 + 4 * 128 + 1) + 4)
+    with pytest.raises(
+        UnmodelledFamily, match="chunked attention with --seq-len 2048 > attention_chunk_size"
+    ):
+        estimate(dict(LLAMA4), **dict(kw, seq_len=2048))
+
+
+def test_olmoe_clip_qkv_refused_by_name():
+    with pytest.raises(UnmodelledFamily, match="clip_qkv.*--mode traced"):
+        arch_from_hf_config(dict(OLMOE, clip_qkv=8.0), "o")
 
 
 @pytest.mark.parametrize(
@@ -450,3 +660,18 @@ def test_boolean_sdpa_mask_is_saved_as_an_additive_bias_of_the_query_dtype():
         bias = out.grad_fn._saved_attn_bias
     assert out.grad_fn.name() == "ScaledDotProductEfficientAttentionBackward0"
     assert bias.dtype == torch.bfloat16 and tuple(bias.shape) == (1, 1, 64, 64)
+
+
+@pytest.mark.parametrize(
+    "cfg,key",
+    [
+        (dict(LLAMA4, moe_layers=[7]), "moe_layers"),
+        (dict(LLAMA4, no_rope_layers=[1, 0]), "no_rope_layers"),
+        (dict(LLAMA4, interleave_moe_layer_step=0), "interleave_moe_layer_step"),
+        (dict(GPT_OSS, num_experts_per_tok=9), "num_experts_per_tok"),
+    ],
+)
+def test_newer_family_readers_name_the_bad_key(cfg, key):
+    with pytest.raises(UserError, match=rf"\b{key}\b") as e:
+        arch_from_hf_config(cfg, "bad")
+    assert "\n" not in str(e.value)

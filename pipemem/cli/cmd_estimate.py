@@ -276,6 +276,13 @@ def register(sub) -> None:
         help="step each parameter during backward and free its grad (torchtune optimizer_in_bwd)",
     )
     mod.add_argument(
+        "--moe-imbalance",
+        type=float,
+        metavar="F",
+        help="MoE load: tokens the busiest expert-parallel rank's experts receive, as a multiple of the "
+        "balanced mean (default 1 = balanced; at most --ep x min(top_k, local experts) / top_k)",
+    )
+    mod.add_argument(
         "--optimizer-state-dtype",
         choices=("fp32", "bf16", "fp16", "fp8"),
         help="Adam moments' dtype (Megatron precision-aware optimizer)",
@@ -392,6 +399,7 @@ PLAN_FLAGS = (
     "lora_alpha",
     "lora_dropout",
     "qlora",
+    "moe_imbalance",
 )
 
 

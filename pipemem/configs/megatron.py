@@ -313,10 +313,6 @@ REFUSED = {
     "(communication/GEMM overlap), not modelled",
     "delay-wgrad-compute": "keeps weight-gradient inputs until a delayed wgrad pass, not modelled",
     "defer-embedding-wgrad-compute": "keeps the embedding's wgrad inputs across microbatches, not modelled",
-    "moe-expert-capacity-factor": "changes the tokens each expert receives (capacity), not modelled; "
-    "pipemem assumes dropless balanced routing",
-    "moe-pad-expert-input-to-capacity": "pads expert inputs to capacity, not modelled",
-    "moe-token-drop-policy": "token dropping is not modelled (pipemem assumes dropless routing)",
     "moe-layer-recompute": "recomputes the MoE layer, not modelled",
     "moe-shared-expert-gate": "the shared-expert gate is not modelled",
     "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
@@ -511,6 +507,7 @@ def read(argv: list[str]) -> ToolConfig:
                 f"{dispatcher} (Megatron's default when not given) is not "
                 "modelled with expert or tensor parallelism; pipemem models alltoall",
             )
+        _capacity(a, extra)
 
     world = a.int("world-size")
     if world is None and a.has("nproc-per-node"):
@@ -702,6 +699,33 @@ def _modern_flags(a, plan: dict) -> None:
         plan["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in mods)
     else:
         a.raw("offload-modules")
+
+
+def _capacity(a, extra: dict) -> None:
+    """--moe-expert-capacity-factor C: each expert takes at most C x its balanced share of tokens
+    (the rest dropped, by --moe-token-drop-policy: which ones, not how many); with
+    --moe-pad-expert-input-to-capacity every expert's input is padded to that capacity
+    (pipemem.templates.moe.rank_load)."""
+    text = a.str("moe-expert-capacity-factor")
+    factor = None
+    if text is not None and text.lower() != "none":
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = -1.0
+        if not factor > 0:
+            raise UserError(f"{TOOL}: --moe-expert-capacity-factor {text!r}: expected a positive number")
+        extra["moe_capacity_factor"] = factor
+    policy = a.str("moe-token-drop-policy")
+    if policy is not None and policy not in ("probs", "position"):
+        raise UserError(f"{TOOL}: --moe-token-drop-policy {policy!r}: expected probs or position")
+    if a.bool("moe-pad-expert-input-to-capacity"):
+        if factor is None:
+            raise UserError(
+                f"{TOOL}: --moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                "(Megatron asserts it: padding is to the capacity)"
+            )
+        extra["moe_pad_to_capacity"] = True
 
 
 def _moe(a, model: dict, experts: int, topk: int | None, ffn: int, layers: int, warnings: list[str]) -> None:

@@ -21,6 +21,7 @@ Layout is Megatron's [s, b, ...]; only sizes matter to memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -61,6 +62,7 @@ class Shard:
     etp: int = 1
     ep: int = 1
     shared_ffn: int = 0  # local shared-expert width (after tp)
+    moe_load: float = 1.0  # tokens this rank's experts receive / the balanced mean (templates.moe.rank_load)
     autocast: bool = (
         False  # torch autocast over fp32 params (hf convention, mixed precision; not DeepSpeed's)
     )
@@ -127,6 +129,28 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         from .mla import check_mla_plan
 
         check_mla_plan(arch, plan)
+    if (
+        arch.attention_chunk
+        and arch.nope_layers != tuple(range(arch.layers))
+        and plan.seq_len > arch.attention_chunk
+    ):
+        from ..model import refuse_unmodelled
+
+        raise refuse_unmodelled(
+            arch.name or arch.model_type,
+            arch.model_type,
+            f"chunked attention with --seq-len {plan.seq_len} > attention_chunk_size {arch.attention_chunk} "
+            "(past one chunk its mask is built and kept by the attention: not modelled)",
+        )
+    if arch.attn_sinks and plan.convention != "hf":
+        from ..model import refuse_unmodelled
+
+        raise refuse_unmodelled(
+            arch.name or arch.model_type,
+            arch.model_type,
+            f"attention sinks under --convention {plan.convention} (only HF's eager attention with "
+            "sinks, --convention hf, is checked)",
+        )
     if arch.model_type == "gemma2":
         from ..errors import UserError
 
@@ -139,6 +163,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
     sp = bool(plan.sp) and tp > 1
     kv_local = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     etp = plan.etp or 1
+    from .moe import rank_load
     from .static import deepspeed_bucket_bytes, pipelined_fsdp
 
     reuse = zero3_reuse(arch, plan, conv)
@@ -164,6 +189,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         etp=etp,
         ep=plan.ep,
         shared_ffn=(arch.shared_experts * arch.shared_ffn) // tp if arch.shared_experts else 0,
+        moe_load=rank_load(arch, plan),
         autocast=conv.framework.autocast
         and not plan.lora_rank  # LoRA: the frozen base is loaded in the compute dtype
         and plan.master_weights
@@ -324,6 +350,21 @@ class LayerOptions:
     router_norm_topk: bool = True
     router_weights_cast: bool = False
     shared_expert_gate: bool = False
+    # newer MoE routers (ArchSpec fields of the same names; pipemem.templates.moe)
+    router: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    shared_first: bool = True
+    rope_cat: bool = False  # q, k concatenated after a partial rope (glm4_moe): a [b, heads, s, d] query
+    # GPT-OSS (pipemem.templates.gpt_oss)
+    attn_sinks: bool = False
+    expert_bias: bool = False
+    expert_act: str = "swiglu"
+    # Llama 4 (pipemem.templates.llama4)
+    nope: bool = False  # a NoPE layer: no rope, no q/k norm
+    qk_l2: bool = False  # L2 q/k norm without weight after the rope
+    attn_temperature: bool = False  # NoPE layers' queries scaled by position
+    expert_compute: str = "sparse"
 
 
 def norm_kind(arch) -> str:
@@ -333,12 +374,17 @@ def norm_kind(arch) -> str:
 
 def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
     return layer_options_of(
-        arch, arch.is_moe_layer(index), plan.flash_attn, plan.recompute if recomputed else "none"
+        arch,
+        arch.is_moe_layer(index),
+        plan.flash_attn,
+        plan.recompute if recomputed else "none",
+        index in arch.nope_layers,
     )
 
 
 @lru_cache(maxsize=4096)
-def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptions:
+def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = False) -> LayerOptions:
+    l2 = arch.qk_norm and arch.qk_norm_scope == "l2"
     return LayerOptions(
         norm=norm_kind(arch),
         activation=arch.activation,
@@ -347,7 +393,7 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         qkv_bias=arch.qkv_bias,
         out_bias=arch.out_bias,
         mlp_bias=arch.mlp_bias,
-        qk_norm=arch.qk_norm,
+        qk_norm=arch.qk_norm and not l2,
         qk_norm_proj=arch.qk_norm_scope == "proj",
         norm_placement=arch.norm_placement,
         norm_weight_first=arch.norm_weight_first,
@@ -360,6 +406,18 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str) -> LayerOptio
         router_norm_topk=arch.router_norm_topk,
         router_weights_cast=arch.router_weights_cast,
         shared_expert_gate=arch.shared_expert_gate,
+        router=arch.router,
+        router_groups=arch.router_groups,
+        router_topk_groups=arch.router_topk_groups,
+        shared_first=arch.shared_first,
+        rope_cat=arch.model_type == "glm4_moe",
+        attn_sinks=arch.attn_sinks,
+        expert_bias=arch.expert_bias,
+        expert_act=arch.expert_act,
+        nope=nope,
+        qk_l2=l2 and not nope,
+        attn_temperature=arch.attn_temperature and nope,
+        expert_compute=arch.expert_compute,
     )
 
 
@@ -893,7 +951,11 @@ class _Gen:
         if opt.qk_norm and not opt.qk_norm_proj:
             q = self.norm(q, "attn.q_norm", "rmsnorm", (s, b, a, d))
             k = self.norm(k, "attn.k_norm", "rmsnorm", (s, b, kv, d))
-        if self._uses_rope:
+        if opt.nope and opt.attn_temperature:
+            from .llama4 import temperature_scaled_query
+
+            q = temperature_scaled_query(self, q)
+        if self._uses_rope and not opt.nope:
             # HF casts cos/sin to the hidden states' dtype: fp32 under autocast, so q, k become fp32
             rope_dt = "fp32" if self.sh.autocast else None
             qr = self.act("attn.q_rope", (s, b, a, d), rope_dt)
@@ -905,16 +967,33 @@ class _Gen:
                 self.rotate_half_rope(q, qr, "attn.q", (s, b, a, d))
                 self.rotate_half_rope(k, kr, "attn.k", (s, b, kv, d))
             q, k = qr, kr
+        if opt.qk_l2:
+            from .llama4 import l2_norm
+
+            q = l2_norm(self, q, "attn.q_norm")
+            k = l2_norm(self, k, "attn.k_norm")
         core = opt.recompute in ("selective", "core_attn") and not self.sac
         if core:
             self.t.begin_region()
         ctx = self.core_attention(q, k, v, opt)
         if core:
             self.t.end_region()
+        if opt.flash and opt.rope_cat and self.conv.framework.name == "hf":
+            ctx = self._attn_out_copy(ctx)
         out = self.row_linear(ctx, "attn.o_proj", a * d, opt.out_bias)
         if region:
             self.t.end_region()
         self.held_by_caller(x)
+        return out
+
+    def _attn_out_copy(self, ctx: str) -> str:
+        """GLM-4 MoE's rope concatenates the rotated and passed parts of q ([b, heads, s, d]
+        contiguous), so the SDPA kernel's output comes back in that layout (its output is
+        `empty_like` the query) and `transpose(1, 2).contiguous()` copies it: o_proj saves the
+        copy, the kernel its output."""
+        sh = self.sh
+        out = self.act("attn.ctx_contiguous", (sh.s, sh.b, sh.heads, sh.d))
+        self.t.node("contiguous", (ctx,), (out,), diff_inputs=(ctx,))
         return out
 
     def held_by_caller(self, x: str) -> None:
@@ -957,6 +1036,10 @@ class _Gen:
         return ke, ve
 
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
+        if opt.attn_sinks:  # GPT-OSS: HF's eager attention with a sink logit per head
+            from .gpt_oss import sink_attention
+
+            return sink_attention(self, q, k, v, opt)
         sh = self.sh
         a, kv, d, s, b = sh.heads, sh.kv, sh.d, sh.s, sh.b
         eb = dtype_bytes(self.dt)
@@ -1123,12 +1206,34 @@ class _Gen:
         in fp32, top-k (renormalised in place when the model does: autograd clones the top-k
         values; cast back to the logits' dtype by the Qwen routers), tokens sorted by expert and
         gathered, grouped GEMMs, the routing weights applied in their dtype, the original order
-        restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts."""
+        restored and the top-k copies summed, cast back; then sigmoid(gate(x)) x shared + experts.
+        The newer families' routers (GLM-4 MoE, GPT-OSS) and Llama 4's dense experts are in
+        templates/moe.py, gpt_oss.py and llama4.py."""
+        sh = self.sh
+        shared = (
+            self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
+            if sh.shared_ffn and opt.shared_first
+            else None
+        )
+        if opt.expert_compute == "dense":  # Llama 4: every token through every expert
+            from .llama4 import dense_experts, sigmoid_scatter_router
+
+            return dense_experts(self, x, sigmoid_scatter_router(self, x, opt), opt)
+        if opt.router == "sigmoid_group":
+            from .moe import sigmoid_group_router
+
+            topn, topi, wdt = sigmoid_group_router(self, x, opt)
+        elif opt.router == "topk_softmax":
+            from .gpt_oss import topk_softmax_router
+
+            topn, topi, wdt = topk_softmax_router(self, x, opt)
+        else:
+            topn, topi, wdt = self._softmax_router(x, opt)
+        return self._moe_hf_experts(x, opt, topn, topi, wdt, shared)
+
+    def _softmax_router(self, x: str, opt: LayerOptions) -> tuple[str, str, str]:
         sh = self.sh
         T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
-        S = T * K
-        f = sh.expert_ffn
-        shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn) if sh.shared_ffn else None
         logits = self.linear(x, "moe.router", (T, E), h, False)
         lf = self.act("moe.logits_fp32", (T, E), "fp32")
         self.t.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
@@ -1157,6 +1262,14 @@ class _Gen:
             topc = self.act("moe.topk_weights_cast", (T, K), wdt)
             self.t.node("to_dtype", (topn,), (topc,), diff_inputs=(topn,))
             topn = topc
+        return topn, topi, wdt
+
+    def _moe_hf_experts(self, x: str, opt: LayerOptions, topn: str, topi: str, wdt: str, shared) -> str:
+        sh = self.sh
+        T, K, h = sh.s_sp * sh.b, sh.top_k, sh.h
+        S = T * K
+        f = sh.expert_ffn
+        E = sh.experts * sh.ep
         ids_g = self.act("moe.expert_ids_sorted", (S,), "int64")
         perm = self.act("moe.perm", (S,), "int64")
         self.t.node("sort", (topi,), (ids_g, perm))
@@ -1177,8 +1290,16 @@ class _Gen:
         self.t.node("histc_cumsum", (ids_g,), (offs,))
         gated = opt.activation in ("swiglu", "geglu")
         fc1 = self.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
-        act = self.act("moe.experts.act", (S, f))
-        if gated:
+        if opt.expert_bias:
+            from .gpt_oss import expert_bias
+
+            fc1 = expert_bias(self, fc1, ids_g, "moe.experts.fc1")
+        if opt.expert_act == "clamped_swiglu":
+            from .gpt_oss import clamped_swiglu
+
+            act = clamped_swiglu(self, fc1, f)
+        elif gated:
+            act = self.act("moe.experts.act", (S, f))
             gate = self.act("moe.experts.gate", (S, f), storage=fc1)
             up = self.act("moe.experts.up", (S, f), storage=fc1)
             self.t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
@@ -1186,8 +1307,11 @@ class _Gen:
             self.t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
             self.t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
         else:
+            act = self.act("moe.experts.act", (S, f))
             self.t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
         out = self.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
+        if opt.expert_bias:
+            out = expert_bias(self, out, ids_g, "moe.experts.fc2")
         inv = self.act("moe.inv_perm", (S,), "int64")
         self.t.node("inverse_perm", (perm,), (inv,))
         wb = dtype_bytes(wdt)
@@ -1212,6 +1336,8 @@ class _Gen:
             yc = self.act("moe.out", (sh.s_sp, sh.b, h))
             self.t.node("to_dtype", (y,), (yc,), diff_inputs=(y,))
             y = yc
+        if sh.shared_ffn and not opt.shared_first:  # GLM-4 MoE: experts, then the shared MLP
+            shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
         if shared is None:
             return y
         if opt.shared_expert_gate:
@@ -1271,17 +1397,24 @@ class _Gen:
         self.t.node("transpose_contiguous", (probs,), (probs_t,), diff_inputs=(probs,))
         tprobs = self.act("moe.permuted_probs", (N,), "fp32")
         self.t.node("masked_select", (probs_t, mask_t), (tprobs,), diff_inputs=(probs_t,), save_i=(mask_t,))
-        tokens = self.act("moe.permuted", (N, h))
+        # the rank's experts receive Nr tokens (moe_load x the balanced N); with --ep 1 only
+        # padding to capacity changes it, in the permutation itself
+        Nr = _loaded(N, sh.moe_load)
+        tokens = self.act("moe.permuted", (N if sh.ep > 1 else Nr, h))
         self.t.node("index_select", (x, sidx), (tokens,), diff_inputs=(x,), save_i=(sidx,))
         if sh.ep > 1:
-            recv = self.act("moe.dispatch_a2a", (N, h), kind=COMM)
+            recv = self.act("moe.dispatch_a2a", (Nr, h), kind=COMM)
             self.t.node("all_to_all", (tokens,), (recv,), diff_inputs=(tokens,))
-            precv = self.act("moe.dispatch_a2a_probs", (N,), "fp32", kind=COMM)
+            precv = self.act("moe.dispatch_a2a_probs", (Nr,), "fp32", kind=COMM)
             self.t.node("all_to_all", (tprobs,), (precv,), diff_inputs=(tprobs,))
             tokens, tprobs = recv, precv
-        M = N
+        elif Nr != N:
+            padded = self.act("moe.permuted_probs_padded", (Nr,), "fp32")
+            self.t.node("pad_to_capacity", (tprobs,), (padded,), diff_inputs=(tprobs,))
+            tprobs = padded
+        M = Nr
         if sh.tp > 1 and sh.sp:
-            M = N * sh.tp
+            M = Nr * sh.tp
             g = self.act("moe.tp_allgather", (M, h), kind=COMM)
             self.t.node("all_gather", (tokens,), (g,), diff_inputs=(tokens,))
             gp = self.act("moe.tp_allgather_probs", (M,), "fp32", kind=COMM)
@@ -1310,7 +1443,7 @@ class _Gen:
             self.t.node("sort_chunks", (out,), (us,), diff_inputs=(out,))
             out = us
         if sh.tp > 1 and sh.sp:
-            rs = self.act("moe.tp_reduce_scatter", (N, h), kind=COMM)
+            rs = self.act("moe.tp_reduce_scatter", (Nr, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))
             out = rs
         if sh.ep > 1:
@@ -1339,16 +1472,17 @@ class _Gen:
         idx = self.act("moe.topk_idx", (T, sh.top_k), "int64")
         self.t.node("topk", (probs,), (topk, idx), diff_inputs=(probs,), save_i=(idx,))
         N = T * sh.top_k
-        perm = self.act("moe.permuted", (N, h))
+        Nr = _loaded(N, sh.moe_load)  # what this rank's experts receive
+        perm = self.act("moe.permuted", (N if sh.ep > 1 else Nr, h))
         self.t.node("permute", (x, idx), (perm,), diff_inputs=(x,), save_i=(idx,))
         tokens = perm
         if sh.ep > 1:
-            recv = self.act("moe.dispatch_a2a", (N, h), kind=COMM)
+            recv = self.act("moe.dispatch_a2a", (Nr, h), kind=COMM)
             self.t.node("all_to_all", (tokens,), (recv,), diff_inputs=(tokens,))
             tokens = recv
-        M = N
+        M = Nr
         if sh.etp > 1 and sh.sp:
-            M = N * sh.etp
+            M = Nr * sh.etp
             g = self.act("moe.etp_allgather", (M, h), kind=COMM)
             self.t.node("all_gather", (tokens,), (g,), diff_inputs=(tokens,))
             tokens = g
@@ -1370,11 +1504,11 @@ class _Gen:
             )
         out = self.linear(act, "moe.experts.fc2", (M, h), f, False, experts=sh.experts)
         if sh.etp > 1 and sh.sp:
-            rs = self.act("moe.etp_reduce_scatter", (N, h), kind=COMM)
+            rs = self.act("moe.etp_reduce_scatter", (Nr, h), kind=COMM)
             self.t.node("reduce_scatter", (out,), (rs,), diff_inputs=(out,))
             out = rs
         elif sh.etp > 1:
-            ar = self.act("moe.etp_allreduce", (N, h), storage=out)
+            ar = self.act("moe.etp_allreduce", (Nr, h), storage=out)
             self.t.node("all_reduce", (out,), (ar,), diff_inputs=(out,), grad_alias=True)
             out = ar
         if sh.ep > 1:
@@ -1389,6 +1523,11 @@ class _Gen:
             shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
         return y
+
+
+def _loaded(n: int, load: float) -> int:
+    """Tokens a rank's experts receive: `load` x the balanced `n`, rounded up."""
+    return n if load == 1.0 else math.ceil(n * load - 1e-9)
 
 
 def _numel(shape) -> int:
@@ -1616,6 +1755,7 @@ def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) ->
 def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
+    g.norm_weight_first = arch.norm_weight_first or conv.norm_weight_first  # the final norm as the layers'
     tape.fsdp_reshard = sh.fsdp_head_reshard
     tape.fsdp_state_to_backward = tape.fsdp_ag_state and not sh.fsdp_head_reshard
     if sh.fsdp_root:

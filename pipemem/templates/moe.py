@@ -1,0 +1,147 @@
+"""Routers of the newer MoE families, as HF transformers' modules compute them (the rest of the
+MoE block is `_Gen.moe_hf` in layers.py).
+
+GLM-4 MoE (transformers 5.24 modeling_glm4_moe.py `Glm4MoeTopkRouter`): the router's linear runs
+in fp32 over an fp32 copy of its input and of its weight; sigmoid scores; the choice adds the
+correction bias, scores each of `n_group` groups by its best two experts, keeps the best
+`topk_group` groups (a mask filled with -inf) and takes the top k; the weights are the sigmoid
+scores gathered at those experts, renormalised in place (`norm_topk_prob`) and scaled by
+`routed_scaling_factor`. Only the gathered scores reach the loss: the choice's tensors (the
+biased scores, the group top-2, the mask, the masked scores) are transients of the forward whose
+autograd nodes die with them. Kept for backward: the fp32 input copy and weight copy (the
+linear's), the sigmoid's output, the top-k indices (the gather's), the renormalisation's clone
+and denominator.
+"""
+
+from __future__ import annotations
+
+
+def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
+    """GLM-4 MoE's router on `x` ([s_sp, b, h]) -> (routing weights [T, K], expert indices
+    [T, K] int64, the weights' dtype)."""
+    sh = g.sh
+    T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
+    G, TG = opt.router_groups, opt.router_topk_groups
+    if sh.autocast:
+        # autocast runs F.linear in the low precision whatever its operands' dtype: logits,
+        # sigmoid and the gathered weights in it (the correction bias promotes the choice to fp32)
+        logits = g.linear(x, "moe.router", (T, E), h, False)
+        sdt = g.dt
+    else:
+        sdt = "fp32"
+        xf = x
+        if g.dtype_of(x) != "fp32":
+            xf = g.act("moe.router.input_fp32", (T, h), "fp32")
+            g.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
+        w = g.t.param(g.n("moe.router.weight"), (E, h), g.dt)
+        wf = w
+        if g.dt != "fp32":
+            wf = g.act("moe.router.weight_fp32", (E, h), "fp32")
+            g.t.node("weight_to_fp32", (w,), (wf,))
+        logits = g.act("moe.router.out", (T, E), "fp32")
+        g.t.node(
+            "linear",
+            (xf, wf),
+            (logits,),
+            diff_inputs=(xf,),
+            params=(w,),
+            save_i=(wf,) if wf != w else (),
+            save_w=(xf,),
+        )
+    scores = g.act("moe.scores", (T, E), sdt)
+    g.t.node("sigmoid", (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
+    # the choice: transients with no path to the loss
+    biased = g.act("moe.choice.biased", (T, E), "fp32")
+    g.t.node("add_bias", (scores,), (biased,))
+    gtop = g.act("moe.choice.group_top2", (T, G, 2), "fp32")
+    gtop_i = g.act("moe.choice.group_top2_idx", (T, G, 2), "int64")
+    g.t.node("topk", (biased,), (gtop, gtop_i))
+    gsum = g.act("moe.choice.group_scores", (T, G), "fp32")
+    g.t.node("sum", (gtop,), (gsum,))
+    gsel = g.act("moe.choice.group_idx", (T, TG), "int64")
+    gval = g.act("moe.choice.group_top", (T, TG), "fp32")
+    g.t.node("topk", (gsum,), (gval, gsel))
+    gmask = g.act("moe.choice.group_mask", (T, G), "fp32")
+    g.t.node("zeros_scatter", (gsel,), (gmask,))
+    smask = g.act("moe.choice.score_mask", (T, E), "fp32")
+    g.t.node("expand_reshape", (gmask,), (smask,))
+    bmask = g.act("moe.choice.score_mask_bool", (T, E), "bool")
+    g.t.node("to_bool", (smask,), (bmask,))
+    nmask = g.act("moe.choice.score_mask_not", (T, E), "bool")
+    g.t.node("logical_not", (bmask,), (nmask,))
+    masked = g.act("moe.choice.masked", (T, E), "fp32")
+    g.t.node("masked_fill", (biased, nmask), (masked,))
+    tval = g.act("moe.choice.topk_values", (T, K), "fp32")
+    topi = g.act("moe.topk_idx", (T, K), "int64")
+    g.t.node("topk", (masked,), (tval, topi))
+    topv = g.act("moe.topk_values", (T, K), sdt)
+    g.t.node("gather", (scores, topi), (topv,), diff_inputs=(scores,), save_i=(topi,))
+    if opt.router_norm_topk:
+        ssum = g.act("moe.topk_sum", (T, 1), sdt)
+        g.t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
+        den = g.act("moe.topk_denominator", (T, 1), sdt)
+        g.t.node("add_scalar", (ssum,), (den,), diff_inputs=(ssum,), grad_alias=True)
+        orig = g.act("moe.topk_values_orig", (T, K), sdt)
+        topn = g.act("moe.topk_weights", (T, K), sdt, storage=topv)
+        g.t.node("div_", (topv, den), (orig, topn), diff_inputs=(topv, den), save_i=(orig, den))
+        topv = topn
+    scaled = g.act("moe.topk_weights_scaled", (T, K), sdt)
+    g.t.node("mul_scalar", (topv,), (scaled,), diff_inputs=(topv,))
+    return scaled, topi, sdt
+
+
+# MoE load per expert-parallel rank ----------------------------------------------------------
+
+
+def capacity_of(plan) -> tuple[float, bool]:
+    """Megatron's --moe-expert-capacity-factor (0: dropless) and
+    --moe-pad-expert-input-to-capacity, as the Megatron reader puts them in plan.extra."""
+    extra = plan.extra or {}
+    return float(extra.get("moe_capacity_factor") or 0.0), bool(extra.get("moe_pad_to_capacity", False))
+
+
+def rank_load(arch, plan) -> float:
+    """Tokens this rank's experts receive as a multiple of the balanced mean (top_k x the rank's
+    tokens). With --ep 1 the rank holds every expert and receives exactly the mean whatever the
+    routing; with --ep > 1 the busiest rank receives --moe-imbalance x the mean, at most every
+    token of its expert-parallel group to min(top_k, local experts) of its experts. Megatron's
+    capacity factor C drops tokens past C x the balanced share of each expert (the rank's
+    experts: at most C x the mean) and, with padding to capacity, pads every expert's input to
+    exactly that."""
+    if not arch.experts:
+        return 1.0
+    ep = max(1, plan.ep)
+    load = 1.0
+    if ep > 1:
+        local = arch.experts // ep
+        cap = ep * min(arch.top_k, local) / arch.top_k
+        load = min(float(plan.moe_imbalance or 1.0), cap)
+    c, pad = capacity_of(plan)
+    if c:
+        load = c if pad else min(load, c)
+    return load
+
+
+def load_note(arch, plan) -> str | None:
+    """What the estimate assumes about the MoE routing (said beside the numbers)."""
+    if not arch.experts:
+        return None
+    c, pad = capacity_of(plan)
+    load = rank_load(arch, plan)
+    if c and pad:
+        return (
+            f"MoE load: each expert's input padded to capacity (--moe-expert-capacity-factor {c:g}): "
+            f"the rank's experts hold {load:g} x the balanced tokens (top_k x its tokens)"
+        )
+    if plan.ep <= 1 and not c:
+        return None  # every expert on the rank: the balanced count, whatever the routing
+    what = (
+        "balanced routing (each expert-parallel rank's experts receive top_k x its tokens)"
+        if load == 1.0
+        else f"the busiest expert-parallel rank's experts receive {load:g} x the balanced tokens"
+    )
+    if c:
+        what += f", tokens past capacity dropped (--moe-expert-capacity-factor {c:g})"
+    elif plan.moe_imbalance == 1.0:
+        what += "; --moe-imbalance F sizes the busiest rank at F x"
+    return "MoE load: " + what
