@@ -215,7 +215,10 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         time.sleep(DRAIN_S)
         before = stat()
         core.host_memory_stat_reset_peak_value("Allocated", 0)
+        baseline[0] = thread_ids()
+        armed.set()  # the executor starts its collector threads when it runs
         exe.run([], False)
+        armed.clear()
         peak = int(core.host_memory_stat_peak_value("Allocated", 0)) - before
         returned = stat()
         time.sleep(DRAIN_S)
@@ -238,7 +241,9 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
             errors.append(e)
 
     stop = threading.Event()
+    armed = threading.Event()  # set while a measured job runs and its collector is not yet boosted
     runner: list[int] = []
+    baseline: list[set] = [set()]  # the threads before the measured job's run
     policies: list[str] = []
 
     def booster():
@@ -250,13 +255,19 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(COLLECTOR_RT_PRIORITY + 1))
         except (AttributeError, PermissionError, OSError):
             pass
-        seen = thread_ids()
         while not stop.is_set():
-            new = thread_ids() - seen - set(runner)
-            if new:
-                policies.append(boost_threads(new))
-                seen |= new
-            time.sleep(0.0002)
+            if not armed.wait(0.05):
+                continue
+            # polling only while a measured job starts: real-time, it must not take the CPU
+            # from the collectors (the kernel throttles real-time threads past 95 %)
+            new = thread_ids() - baseline[0] - set(runner)
+            if not new:
+                time.sleep(0.0002)
+                continue
+            time.sleep(0.001)  # the executor starts its threads together: take any late one too
+            new = thread_ids() - baseline[0] - set(runner)
+            policies.append(boost_threads(new))
+            armed.clear()
 
     th = threading.Thread(
         target=lambda: (runner.append(threading.get_native_id()), trials_body()),
@@ -291,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, card, out_path, doc_path = argv[0], int(argv[1]), argv[2], argv[3]
     trials = int(argv[4]) if len(argv) > 4 else 3
     try:
-        cpu = sorted(os.sched_getaffinity(0))[-1]
-        os.sched_setaffinity(0, {cpu})  # the collector's thread shares the CPU of the ops
+        cpus = sorted(os.sched_getaffinity(0))
+        # the collector's thread shares the CPU of the ops; cards measured side by side on
+        # different CPUs
+        os.sched_setaffinity(0, {cpus[card % len(cpus)]})
     except (AttributeError, OSError):
         pass
     from ...paddle.paddlenlp_build import BuildSpec, build_rank, set_rank_env
