@@ -183,7 +183,13 @@ def test_bench_script_runs_on_a_subset():
     # Paddle's max reserved beside its max allocated: recorded, and reserved said to be not modelled
     p0 = rows["paddle-pr62865-1F1B-rank0"]
     assert p0["reserved_measured_bytes"] > p0["measured_bytes"] and "reserved is not modelled" in p0["note"]
-    assert rows["megatron-vuiseng9-gpt2xl-1gpu"]["status"] == "gap"  # nvidia-smi
+    # nvidia-smi: compared with the device peak (reserved + outside the allocator), two-sided
+    smi = rows["megatron-vuiseng9-gpt2xl-1gpu"]
+    assert smi["status"] == "compared" and smi["estimate_metric"] == "device"
+    assert smi["estimated_bytes"] == smi["device_estimated_bytes"] > smi["allocated_bytes"]
+    assert smi["tolerance"] == V.TWO_SIDED_TOLERANCE["device"]
+    assert smi["within_tolerance"] == (abs(smi["rel_error"]) <= smi["tolerance"])
+    assert t1["tolerance"] == V.TWO_SIDED_TOLERANCE["reserved"]
     assert (
         rows["llmc-pr309-gpt2-124M-b32-z0"]["status"] == "skipped"
         and rows["llmc-pr309-gpt2-124M-b32-z0"]["note"]
@@ -191,9 +197,12 @@ def test_bench_script_runs_on_a_subset():
     r = rows["colossal-lightning-gpt2xl-ddp-amp"]
     assert r["status"] == "compared"
     assert r["rel_error"] == pytest.approx((r["estimated_bytes"] - r["measured_bytes"]) / r["measured_bytes"])
-    # two allocated (Paddle, ColossalAI) and two reserved (the torchtitan rows); the medians apart
-    assert result["summary"]["by_status"]["compared"] == 4
+    # two allocated (Paddle, ColossalAI), two reserved (the torchtitan rows) and one device peak
+    # (nvidia-smi); the medians apart
+    assert result["summary"]["by_status"]["compared"] == 5
     assert result["summary"]["reserved_compared"] == 2
+    assert result["summary"]["device_compared"] == 1
+    assert result["summary"]["two_sided_rows"] == 3
 
 
 def test_paddlenlp_records_take_paddlenlps_kernel_defaults():
@@ -261,11 +270,56 @@ def test_committed_table_is_what_the_records_give_now():
     committed = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 9 and cells[0] in ALL:
-            committed[cells[0]] = (cells[5], cells[7])
+        if len(cells) == 10 and cells[0] in ALL:
+            committed[cells[0]] = (cells[5], cells[8])
     assert set(committed) == set(ALL)
     result = V.run(list(ALL.values()), None, False, False)
     gib = lambda b: "" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731 -- the table's format
     now = {r["id"]: (gib(r["estimated_bytes"]), r["status"]) for r in result["rows"]}
     drift = {i: (committed[i], now[i]) for i in ALL if committed[i] != now[i]}
     assert not drift, f"regenerate docs/published_runs.md ({re.sub(' +', ' ', V.COMMAND)}): {drift}"
+
+
+def test_rows_on_a_per_record_choice_show_the_framework_default():
+    # torchtune's RMSNorm by date: the legacy record's estimate under the framework's default is
+    # the estimate of the same record dated after the change (no choice made there)
+    legacy = V.evaluate(dict(TORCHTUNE, source="x (2024-01-01)"))
+    current = V.evaluate(dict(TORCHTUNE, source="x (2025-02-01)"))
+    assert legacy["choices"] == ["torchtune RMSNorm by the record's date"]
+    assert not current.get("choices")
+    assert legacy["default_bytes"] == current["estimated_bytes"] != legacy["estimated_bytes"]
+    assert legacy["default_rel_error"] == pytest.approx(
+        (legacy["default_bytes"] - legacy["measured_bytes"]) / legacy["measured_bytes"]
+    )
+    # Lightning + DeepSpeed: the benchmark's loss, FusedAdam and Lightning's bucket are choices;
+    # the default plan drops exactly those fields
+    t = V.translate(ALL["colossal-lightning-gpt2xl-deepspeed-zero3"])
+    d = V.default_plan(t["plan"], t["choices"])
+    assert t["plan"]["loss"] == "shifted" and "loss" not in d
+    assert t["plan"]["optimizer_impl"] == "fused" and "optimizer_impl" not in d
+    assert "reduce_bucket_size" in t["plan"]["extra"] and "reduce_bucket_size" not in (d.get("extra") or {})
+    assert {k: v for k, v in d.items() if k not in ("loss", "optimizer_impl", "extra")} == {
+        k: v for k, v in t["plan"].items() if k not in ("loss", "optimizer_impl", "extra")
+    }
+    # a record whose plan rests on no choice has none and no default column
+    assert not V.evaluate(ALL["megatron-vuiseng9-gpt2xl-1gpu"]).get("choices")
+
+
+def test_two_sided_rows_state_what_is_compared_and_their_tolerance():
+    # measured as reserved or by nvidia-smi, with reserved modelled: both sides checked; as reserved
+    # where reserved is not modelled: a gap, one side only (the note says so)
+    result = V.run(
+        [ALL[i] for i in ("torchtitan-T1-FSDP", "megatron-vuiseng9-gpt2xl-1gpu")]
+        + [r for r in ALL.values() if r["id"].startswith("torchtitan-nvfp4doc")]
+    )
+    rows = {r["id"]: r for r in result["rows"]}
+    for r in rows.values():
+        if r["estimate_metric"] in ("reserved", "device"):
+            assert r["tolerance"] == V.TWO_SIDED_TOLERANCE[r["estimate_metric"]]
+            assert r["within_tolerance"] == (abs(r["rel_error"]) <= r["tolerance"])
+            assert ("BEYOND" in r["note"]) != r["within_tolerance"]
+    b200 = next(r for i, r in rows.items() if i.startswith("torchtitan-nvfp4doc"))
+    assert b200["status"] == "gap" and "only one side" in b200["note"] and "tolerance" not in b200
+    text = V.markdown(result)
+    assert "device peak (reserved + outside the allocator) against nvidia-smi" in text
+    assert "two-sided rows" in text

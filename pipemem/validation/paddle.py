@@ -66,11 +66,16 @@ PIR_CASE_NAMES = tuple(PIR_CASES)
 
 
 def run_cases(
-    names=CASE_NAMES, timeout: float = 300, ir: str = "legacy", trials: int | None = None, progress=None
+    names=CASE_NAMES,
+    timeout: float | None = None,
+    ir: str = "legacy",
+    trials: int | None = None,
+    progress=None,
 ) -> list[dict]:
     """Run the comparison for `names` (all of one IR: "legacy" or "pir") in a fresh Python
     process; its `cases[]` rows. `progress` (a progress.CaseProgress) advances per case, on
-    the worker's progress lines."""
+    the worker's progress lines. `timeout`: seconds for the whole run (default 300 per case:
+    a PIR case's trials take minutes on a loaded 2-core machine)."""
     import tempfile
     import threading
     import time
@@ -81,6 +86,8 @@ def run_cases(
     if find_spec("paddle") is None:
         raise UserError("pipemem validate paddle needs paddlepaddle: pip install 'pipemem[paddle]'")
     cmd = [sys.executable, "-m", "pipemem.validation.paddle_runs.worker", "--ir", ir]
+    if timeout is None:
+        timeout = 300.0 * max(1, len(list(names)))
     if trials is not None:
         cmd += ["--trials", str(trials)]
     left = list(names)

@@ -34,6 +34,11 @@ class Row:
     paddle_estimated_bytes: int | None
     paddle_rel_error: float | None
     peak_op: str = ""
+    # PIR peaks: how the measurement kept the collector ahead ("realtime" / "nice" / "none"),
+    # every trial's peak and the most the collector still held when a step returned
+    collector: str = ""
+    trial_peaks: list[int] | None = None
+    lag_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,6 +166,9 @@ def compare_pir_case(case, trials: int = 5) -> list[Row]:
                 paddle_estimated_bytes=None,
                 paddle_rel_error=None,
                 peak_op=label if quantity == "peak" else "",
+                collector=m.policy if quantity == "peak" else "",
+                trial_peaks=m.peaks if quantity == "peak" else None,
+                lag_bytes=m.lag_bytes if quantity == "peak" else None,
             )
         )
     return rows

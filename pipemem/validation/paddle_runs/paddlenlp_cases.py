@@ -195,6 +195,8 @@ def compare_case(name: str, trials: int = 3) -> list[CaseRow]:
                             "estimated_from_card": card_of_stage(spec, rank),
                             "peaks": job["peaks"],
                             "nets": job["nets"],
+                            "lags": job.get("lags", []),
+                            "collector": job.get("policy", ""),
                             "paddle_estimated_bytes": None,
                             "paddle_rel_error": None,
                             "label": label,

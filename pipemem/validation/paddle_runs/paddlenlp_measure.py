@@ -27,10 +27,12 @@ How each job is run, and why (checked on paddlepaddle 3.3.1, CPU):
 * **Program order, one thread; the collector kept ahead**: ``sequential_run`` and
   ``serial_run``; the CPU garbage collector frees on its own thread, so the process is
   pinned to one CPU and a watcher thread gives each thread an executor starts (its
-  collector) nice -15 as soon as it appears, above the thread running the ops
-  (`pir_measure.boost_threads`): a free is done before the next op allocates. Each job's
-  net change is read after the collector drained; its peak is the smallest over
-  `trials` runs of the whole chain (a late free can only raise a peak).
+  collector) the real-time policy ``SCHED_FIFO`` as soon as it appears
+  (`pir_measure.boost_threads`; nice -15 where real-time is not allowed): runnable, it
+  preempts the thread running the ops, so a free is done before the next op allocates.
+  Each job's net change is read after the collector drained; its peak is the smallest
+  over `trials` runs of the whole chain (a late free can only raise a peak); ``lags``
+  is what the collector still held when each run returned (0 when it kept up).
 * Persistables (parameters, optimizer states, gradient-merge buffers, the learning rate)
   are created before the first job (zeros; values do not change sizes), fed inputs
   (token ids, labels: random ids, every label valid) too: neither counts in a job.
@@ -171,7 +173,7 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
     from paddle.base import core
     from paddle.distributed.passes.pass_utils import _set_skip_gc_vars_in_pir
 
-    from .pir_measure import boost_threads, thread_ids
+    from .pir_measure import COLLECTOR_RT_PRIORITY, POLICY_RANK, boost_threads, thread_ids
 
     for p in programs.values():
         _replace_comm_ops(p)
@@ -193,7 +195,7 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         ttp = _set_skip_gc_vars_in_pir(1, [JOB_PREFIX + t for t in types], [programs[t] for t in types], jobs)
         return jobs, ttp
 
-    def run(k: int) -> tuple[int, int]:
+    def run(k: int) -> tuple[int, int, int]:
         root = core.Scope()
         for name, arr in inputs.items():
             root.var(name).get_tensor().set(arr, place)
@@ -213,39 +215,59 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
         time.sleep(DRAIN_S)
         before = stat()
         core.host_memory_stat_reset_peak_value("Allocated", 0)
+        baseline[0] = thread_ids()
+        armed.set()  # the executor starts its collector threads when it runs
         exe.run([], False)
+        armed.clear()
         peak = int(core.host_memory_stat_peak_value("Allocated", 0)) - before
+        returned = stat()
         time.sleep(DRAIN_S)
         net = stat() - before
         kept.append((first, exe, root))  # executors hold their scopes: all live until the process ends
-        return net, peak
+        return net, peak, returned - before - net
 
-    results = {k: {"nets": [], "peaks": []} for k in range(len(chain))}
+    results = {k: {"nets": [], "peaks": [], "lags": []} for k in range(len(chain))}
     errors: list = []
 
     def trials_body():
         try:
             for _ in range(trials):
                 for k in range(len(chain)):
-                    net, peak = run(k)
+                    net, peak, lag = run(k)
                     results[k]["nets"].append(net)
                     results[k]["peaks"].append(peak)
+                    results[k]["lags"].append(lag)
         except BaseException as e:  # re-raised below
             errors.append(e)
 
     stop = threading.Event()
+    armed = threading.Event()  # set while a measured job runs and its collector is not yet boosted
     runner: list[int] = []
+    baseline: list[set] = [set()]  # the threads before the measured job's run
+    policies: list[str] = []
 
     def booster():
         """Give every thread the executors start (their garbage collectors) a higher
-        priority than the thread running the ops, as soon as it appears."""
-        seen = thread_ids()
+        priority than the thread running the ops, as soon as it appears. An executor starts
+        its collector when it runs, so this thread is real-time itself (above the
+        collectors): it must not wait for the op thread's time slice to end."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(COLLECTOR_RT_PRIORITY + 1))
+        except (AttributeError, PermissionError, OSError):
+            pass
         while not stop.is_set():
-            new = thread_ids() - seen - set(runner)
-            if new:
-                boost_threads(new)
-                seen |= new
-            time.sleep(0.0002)
+            if not armed.wait(0.05):
+                continue
+            # polling only while a measured job starts: real-time, it must not take the CPU
+            # from the collectors (the kernel throttles real-time threads past 95 %)
+            new = thread_ids() - baseline[0] - set(runner)
+            if not new:
+                time.sleep(0.0002)
+                continue
+            time.sleep(0.001)  # the executor starts its threads together: take any late one too
+            new = thread_ids() - baseline[0] - set(runner)
+            policies.append(boost_threads(new))
+            armed.clear()
 
     th = threading.Thread(
         target=lambda: (runner.append(threading.get_native_id()), trials_body()),
@@ -268,6 +290,8 @@ def measure_chain(programs: dict, chain: list[str], vocab: int, trials: int = 3)
                 "peak_bytes": peaks[0],
                 "peaks": peaks,
                 "nets": nets,
+                "lags": results[k]["lags"],
+                "policy": min(policies, key=POLICY_RANK.index) if policies else "none",
             }
         )
     return rows
@@ -278,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, card, out_path, doc_path = argv[0], int(argv[1]), argv[2], argv[3]
     trials = int(argv[4]) if len(argv) > 4 else 3
     try:
-        cpu = sorted(os.sched_getaffinity(0))[-1]
-        os.sched_setaffinity(0, {cpu})  # the collector's thread shares the CPU of the ops
+        cpus = sorted(os.sched_getaffinity(0))
+        # the collector's thread shares the CPU of the ops; cards measured side by side on
+        # different CPUs
+        os.sched_setaffinity(0, {cpus[card % len(cpus)]})
     except (AttributeError, OSError):
         pass
     from ...paddle.paddlenlp_build import BuildSpec, build_rank, set_rank_env

@@ -11,17 +11,25 @@ jobs. So a step is measured whole, from `core.host_memory_stat_current_value("Al
   interpreter schedules ops by data dependence on a thread pool, which reorders
   independent ops; pipemem, like Paddle's estimators, walks the program order.
 * **Garbage collection is asynchronous on the CPU**: the interpreter hands each dead
-  value to a one-thread work queue (`InterpreterCoreEventGarbageCollector`). On a busy
-  machine that thread falls behind and a run's peak overshoots by whatever is still
-  queued (seen: +25% to +150%, different in every run). So each trial runs the step
-  twice on a fresh scope and executor: the first run builds the interpreter and its
-  collector thread (its drained net change is the *net* reported: the fed inputs, which
-  the scope keeps, plus whatever the step leaves); then the thread running the ops (a
-  thread of the trial's own, with ``serial_run``) is set to nice 19 and the threads the
-  first run created to nice -15 (only where the process may raise priorities), and the
-  second run's peak is the *peak* reported. With the collector ahead of the ops it keeps
-  up, and the second run's peak is the same in nearly every trial; the smallest over
-  the trials is reported (a late free can only raise a peak).
+  value to a one-thread work queue (`InterpreterCoreEventGarbageCollector`; on a CPU place
+  Paddle always builds this one, whatever ``FLAGS_fast_eager_deletion_mode`` says, and no
+  flag makes it free on the calling thread; ``FLAGS_eager_delete_tensor_gb=0``, the
+  default, hands each value over at once rather than in batches). On a busy machine that
+  thread falls behind and a run's peak overshoots by whatever is still queued (seen:
+  +25% to +150%, different in every run). So the collector is made to run the moment it
+  has work: each trial runs the step twice on a fresh scope and executor; the first run
+  builds the interpreter and its collector thread (its drained net change is the *net*
+  reported: the fed inputs, which the scope keeps, plus whatever the step leaves); then
+  the threads the first run created get the real-time policy ``SCHED_FIFO`` and the CPU
+  of the thread running the ops (``serial_run``: a thread of the trial's own, pinned to
+  one CPU). A real-time thread that becomes runnable preempts a normal one on its CPU at
+  once, so each free is done before the op thread allocates again: the second run's peak
+  is the peak with synchronous frees. Checked per trial: every trial's peak is the same,
+  and what the collector still holds when ``run`` returns (``lag_bytes``: allocated right
+  after the run minus allocated once drained) is 0. Where the process may not use
+  ``SCHED_FIFO`` (it needs ``CAP_SYS_NICE``), the collector gets nice -15 instead
+  (``StepMeasurement.policy`` says which): frees usually keep up, and the smallest peak
+  over the trials is reported (a late free can only raise a peak).
 * In the second run the feeds replace the first run's in the scope, so its peak is
   above the fed inputs, like a steady-state step.
 """
@@ -34,8 +42,9 @@ import time
 from dataclasses import dataclass
 
 DRAIN_S = 0.05
-COLLECTOR_NICE = -15  # the collector's threads, where the process may raise priorities
+COLLECTOR_NICE = -15  # the collector's threads, where real-time scheduling is not allowed
 RUNNER_NICE = 19  # the thread running the measured step (lowering is always allowed)
+COLLECTOR_RT_PRIORITY = 10  # SCHED_FIFO priority of the collector's threads (any of 1..99 preempts)
 
 
 @dataclass
@@ -44,7 +53,12 @@ class StepMeasurement:
     net_bytes: int  # first run: allocated after it (collector drained) minus before
     peaks: list[int]  # every trial's peak, sorted
     nets: list[int]  # every trial's net change, sorted
-    boosted: bool  # whether the collector's priority could be raised
+    policy: str  # how the collector was kept ahead in every trial: "realtime", "nice" or "none"
+    lag_bytes: int = 0  # most any trial's collector still held when the step returned
+
+    @property
+    def boosted(self) -> bool:
+        return self.policy != "none"
 
 
 def _stat(core) -> int:
@@ -58,14 +72,41 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def boost_threads(tids) -> bool:
-    ok = bool(tids)
+def boost_threads(tids, cpu: int | None = None) -> str:
+    """Keep the collector threads `tids` ahead of the thread running the ops: ``SCHED_FIFO``
+    on CPU `cpu` (the op thread's) where allowed, else nice -15 where allowed. Returns the
+    weakest policy any thread got: "realtime", "nice" or "none"."""
+    if not tids:
+        return "none"
+    policies = []
     for t in tids:
         try:
+            if cpu is not None:
+                os.sched_setaffinity(t, {cpu})
+            os.sched_setscheduler(t, os.SCHED_FIFO, os.sched_param(COLLECTOR_RT_PRIORITY))
+            policies.append("realtime")
+            continue
+        except (AttributeError, PermissionError, OSError):
+            pass
+        try:
             os.setpriority(os.PRIO_PROCESS, t, COLLECTOR_NICE)
+            policies.append("nice")
         except (PermissionError, OSError):
-            ok = False
-    return ok
+            policies.append("none")
+    return min(policies, key=POLICY_RANK.index)
+
+
+POLICY_RANK = ("none", "nice", "realtime")
+
+
+def pin_this_thread() -> int | None:
+    """Pin the calling thread to one of its CPUs (the last); that CPU, or None."""
+    try:
+        cpu = sorted(os.sched_getaffinity(0))[-1]
+        os.sched_setaffinity(0, {cpu})
+        return cpu
+    except (AttributeError, OSError):
+        return None
 
 
 def measure_step(main, startup, feeds: dict, trials: int = 5, seed: int = 0) -> StepMeasurement:
@@ -87,15 +128,17 @@ def measure_step(main, startup, feeds: dict, trials: int = 5, seed: int = 0) -> 
         net_bytes=nets[len(nets) // 2],
         peaks=peaks,
         nets=nets,
-        boosted=all(r[2] for r in runs),
+        policy=min((r[2] for r in runs), key=POLICY_RANK.index),
+        lag_bytes=max(r[3] for r in runs),
     )
 
 
-def _one_trial(paddle, core, main, startup, feeds, seed) -> tuple[int, int, bool]:
-    """(second-run peak, first-run drained net, collector boosted) on a fresh executor.
+def _one_trial(paddle, core, main, startup, feeds, seed) -> tuple[int, int, str, int]:
+    """(second-run peak, first-run drained net, collector policy, collector lag) on a fresh
+    executor.
 
-    Runs in a thread of its own, so that lowering that thread's priority for the second
-    run (always allowed) leaves the caller's as it was."""
+    Runs in a thread of its own, so that pinning it and lowering its priority leave the
+    caller's as they were."""
     out: list = []
     errors: list = []
 
@@ -113,7 +156,8 @@ def _one_trial(paddle, core, main, startup, feeds, seed) -> tuple[int, int, bool
     return out[0]
 
 
-def _trial_body(paddle, core, main, startup, feeds, seed) -> tuple[int, int, bool]:
+def _trial_body(paddle, core, main, startup, feeds, seed) -> tuple[int, int, str, int]:
+    cpu = pin_this_thread()
     scope = core.Scope()
     paddle.seed(seed)
     exe = paddle.static.Executor(paddle.CPUPlace())
@@ -124,20 +168,25 @@ def _trial_body(paddle, core, main, startup, feeds, seed) -> tuple[int, int, boo
     exe.run(main, feed=feeds, fetch_list=[], scope=scope)
     time.sleep(DRAIN_S)
     net = _stat(core) - before
-    # The collector thread now exists: raise it (root only) and lower this thread, which
-    # runs the ops (serial run), so the collector keeps up.
-    boosted = boost_threads(thread_ids() - before_threads - {threading.get_native_id()})
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RUNNER_NICE)
-    except OSError:
-        pass
+    # The collector thread now exists: put it ahead of this thread, which runs the ops
+    # (serial run), on this thread's CPU.
+    policy = boost_threads(thread_ids() - before_threads - {threading.get_native_id()}, cpu)
+    if policy != "realtime":
+        # without real-time scheduling, give the collector the CPU by lowering this thread
+        # (always allowed); with it, lowering would only slow the step on a loaded machine
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RUNNER_NICE)
+        except OSError:
+            pass
     before = _stat(core)
     core.host_memory_stat_reset_peak_value("Allocated", 0)
     exe.run(main, feed=feeds, fetch_list=[], scope=scope)
     peak = int(core.host_memory_stat_peak_value("Allocated", 0)) - before
+    returned = _stat(core)
     time.sleep(DRAIN_S)
+    lag = returned - _stat(core)
     exe.close()
-    return peak, net, boosted
+    return peak, net, policy, lag
 
 
 def measure_no_gc(main, startup, feeds: dict, seed: int = 0) -> int:
