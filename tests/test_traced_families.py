@@ -373,11 +373,11 @@ def test_gpt_oss_reads_its_family_and_refuses_other_conventions():
 
     a = arch_from_hf_config(GPT_OSS, "g")
     assert a.is_moe and a.dense_layers == () and (a.expert_ffn, a.ffn) == (128, 0)
-    assert (a.attn_sinks, a.expert_bias, a.router_bias, a.qkv_bias, a.out_bias) == (True,) * 5
+    assert (a.attn_sinks, a.expert_bias, a.router_linear_bias, a.qkv_bias, a.out_bias) == (True,) * 5
     # the parameters the sinks and the biases add, per layer: heads + experts x (2 ffn + hidden) + experts
     from dataclasses import replace
 
-    bare = replace(a, attn_sinks=False, expert_bias=False, router_bias=False)
+    bare = replace(a, attn_sinks=False, expert_bias=False, router_linear_bias=False)
     assert a.param_count() - bare.param_count() == 4 * (8 + 8 * (2 * 128 + 256) + 8)
     with pytest.raises(UnmodelledFamily, match="attention sinks under --convention megatron") as e:
         estimate(dict(GPT_OSS), seq_len=128, convention="megatron")
