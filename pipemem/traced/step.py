@@ -23,7 +23,7 @@ the first step: no optimizer state before its optimizer phase, gradients created
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -115,12 +115,7 @@ class PhaseMemory:
     peak_op: str = ""
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "net_bytes": self.net_bytes,
-            "peak_bytes": self.peak_bytes,
-            "peak_op": self.peak_op,
-        }
+        return asdict(self)  # the fields, in order: the `phases` rows of ProgramMemory.phase_row
 
 
 @dataclass

@@ -30,11 +30,11 @@ against an analytic count (`plain_expected`).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 
 from .allocations import MARK, Timeline, gc_storages
+from .case_worker import run_case_file
 
 
 def llama_config(case: dict):
@@ -345,15 +345,9 @@ def plain_expected(model, opt, ids, labels) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    plain = argv and argv[0] == "--plain"
-    if plain:
-        argv = argv[1:]
-    with open(argv[0]) as f:
-        case = json.load(f)
-    out = {"case": case["name"], **(run_plain(case) if plain else run_rank(case))}
-    with open(argv[1], "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
+    plain = bool(argv) and argv[0] == "--plain"
+    run = run_plain if plain else run_rank
+    return run_case_file(lambda case: {"case": case["name"], **run(case)}, argv[plain:], indent=1)
 
 
 if __name__ == "__main__":

@@ -894,7 +894,7 @@ def _trace(case: MegatronCase) -> dict:
     from megatron.core.transformer.module import Float16Module
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..liveness import analyze_sequence
+    from ..liveness import analyze_sequence, sequence_peak, sequence_starts
     from ..traced import kernel_policy
     from ..traced.capture import ModuleScope, find_layer_prefix, layer_index_fn
 
@@ -1022,18 +1022,14 @@ def _trace(case: MegatronCase) -> dict:
             _Recorder.current = None
     programs = rec.programs()
     results = analyze_sequence(programs, live_on_entry=[])
-    cur = 0
-    phases = []
-    peak, peak_at = 0, ""
-    step2_start = None
-    for r in results:
-        if r.name == "s2.F0":
-            step2_start = cur  # resident during the step: after zero_grad, before the forward
-        top = cur + r.peak_bytes
-        if r.name.startswith("s2.") and top > peak:
-            peak, peak_at = top, f"{r.name}: {r.peak_op_label}"
-        phases.append({"name": r.name, "start_bytes": cur, "peak_bytes": top, "net_bytes": r.net_bytes})
-        cur += r.net_bytes
+    starts = sequence_starts(results)
+    peak, peak_at = sequence_peak(results, lambda name: name.startswith("s2."))
+    # resident during step 2: after its zero_grad, before its forward
+    step2_start = {r.name: start for r, start in zip(results, starts)}.get("s2.F0")
+    phases = [
+        {"name": r.name, "start_bytes": start, "peak_bytes": start + r.peak_bytes, "net_bytes": r.net_bytes}
+        for r, start in zip(results, starts)
+    ]
     kept = _layer_kept(programs, "s2.F0", layer_of)
     return {
         "case": case.name,

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
-import sys
 
 import torch
 
 from ..traced.torchtitan_model import import_stubs, model_shapes
+from .case_worker import run_case_file
 
 REQUIRES = "torchtitan==0.3.0"
 
@@ -284,6 +283,7 @@ def trace_rank(case: dict, rank: int) -> dict:
 
 
 def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -> dict:
+    from ..liveness import sequence_peak
     from ..traced.stack import local_tensor
 
     mb = case["local_batch_size"] // tr.num_pipeline_parallel_microbatches
@@ -350,33 +350,26 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
         k = rec.storages[n].kind.value if rec.storages[n].kind is not None else "other"
         kinds[k] = kinds.get(k, 0) + rec.storages[n].nbytes
     results = analyze_sequence(programs, live_on_entry=entry)
-    cur = peak = 0
-    at = ""
-    for r in results:
-        if cur + r.peak_bytes > peak:
-            peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
-        cur += r.net_bytes
+    peak, at = sequence_peak(results)
     return {
         "peak_bytes": static + peak,
         "static_bytes": static,
         "static_by_kind": kinds,
         "peak_at": at,
-        "phases": [
-            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
-            for r in results
-        ],
+        "phases": [r.phase_row() for r in results],
     }
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    cases_path, out_path = argv[0], argv[1]
-    with open(cases_path) as f:
-        job = json.load(f)
-    out = {"rank": job["rank"], "case": job["case"]["name"], **trace_rank(job["case"], job["rank"])}
-    with open(out_path, "w") as f:
-        json.dump(out, f)
-    return 0
+    """The job file holds the case and the rank to trace."""
+    return run_case_file(
+        lambda job: {
+            "rank": job["rank"],
+            "case": job["case"]["name"],
+            **trace_rank(job["case"], job["rank"]),
+        },
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
-import json
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+from .case_worker import run_case_file
 
 
 @contextlib.contextmanager
@@ -173,6 +174,8 @@ def _record(
     local_tensor,
     scale_grads,
 ) -> dict:
+    from ..liveness import sequence_peak
+
     b, s = case["micro_batch"], case["seq_len"]
     ignore = torch.full((b, 1), -100, dtype=torch.long)
     scope = Scope(model)
@@ -209,31 +212,17 @@ def _record(
     entry = rec.entry_storages()
     static = sum(rec.storages[n].nbytes for n in entry)
     results = analyze_sequence(programs, live_on_entry=entry)
-    cur = peak = 0
-    at = ""
-    for r in results:
-        if cur + r.peak_bytes > peak:
-            peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
-        cur += r.net_bytes
+    peak, at = sequence_peak(results)
     return {
         "peak_bytes": static + peak,
         "static_bytes": static,
         "peak_at": at,
-        "phases": [
-            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
-            for r in results
-        ],
+        "phases": [r.phase_row() for r in results],
     }
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        case = json.load(f)
-    out = {"case": case["name"], **trace_rank(case)}
-    with open(argv[1], "w") as f:
-        json.dump(out, f)
-    return 0
+    return run_case_file(lambda case: {"case": case["name"], **trace_rank(case)}, argv)
 
 
 if __name__ == "__main__":
