@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+from .case_model import llama_hf_config
 from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
@@ -95,20 +96,8 @@ CI_CASES = ("zero2-ckpt", "zero3", "zero3-tied", "zero2-overlap-ds")
 
 
 def hf_config(case: dict) -> dict:
-    m = case["model"]
-    return {
-        "model_type": "llama",
-        "hidden_size": m["hidden"],
-        "intermediate_size": m["ffn"],
-        "num_attention_heads": m["heads"],
-        "num_key_value_heads": m["kv_heads"],
-        "num_hidden_layers": m["layers"],
-        "vocab_size": m["vocab"],
-        "tie_word_embeddings": bool(m.get("tied", False)),
-        "max_position_embeddings": case["seq_len"],
-        "rope_theta": 500000,
-        "torch_dtype": "float32",
-    }
+    """The case's Llama, fp32 as HF builds it (DeepSpeed's bf16 casts it)."""
+    return {**llama_hf_config(case), "torch_dtype": "float32"}
 
 
 def assumed_settings(plan_kw: dict) -> dict:

@@ -34,25 +34,16 @@ import os
 import sys
 
 from .allocations import MARK, Timeline, gc_storages
+from .case_model import llama_hf_config
 from .case_worker import run_case_file
 
 
 def llama_config(case: dict):
     from transformers import LlamaConfig
 
-    m = case["model"]
-    return LlamaConfig(
-        vocab_size=m["vocab"],
-        hidden_size=m["hidden"],
-        intermediate_size=m["ffn"],
-        num_hidden_layers=m["layers"],
-        num_attention_heads=m["heads"],
-        num_key_value_heads=m["kv_heads"],
-        max_position_embeddings=case["seq_len"],
-        tie_word_embeddings=bool(m.get("tied", False)),
-        rope_theta=500000.0,
-        attn_implementation="sdpa",
-    )
+    fields = llama_hf_config(case)
+    del fields["model_type"]  # LlamaConfig's own
+    return LlamaConfig(**fields | {"rope_theta": 500000.0}, attn_implementation="sdpa")
 
 
 def ds_config(case: dict) -> dict:

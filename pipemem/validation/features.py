@@ -42,6 +42,7 @@ import types
 from pathlib import Path
 from typing import Callable
 
+from .case_model import torchtune_decoder_kwargs
 from .compare import CaseRow, exit_code, report
 from .cuda_stand_ins import Stream as _Stream
 
@@ -234,19 +235,7 @@ def torchtune_decoder(config: dict, dtype: str):
             from torchtune.models.llama3_2._component_builders import llama3_2 as build
 
             extra = {"rope_base": 500000}
-        model = build(
-            vocab_size=config["vocab_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config["num_key_value_heads"],
-            embed_dim=config["hidden_size"],
-            max_seq_len=S,
-            intermediate_dim=config["intermediate_size"],
-            attn_dropout=0.0,
-            norm_eps=1e-5,
-            tie_word_embeddings=False,
-            **extra,
-        )
+        model = build(**torchtune_decoder_kwargs(config, S), tie_word_embeddings=False, **extra)
     return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+from .case_model import llama_hf_config
 from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
@@ -60,20 +61,7 @@ def all_cases() -> list[dict]:
 CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
 
 
-def hf_config(case: dict) -> dict:
-    m = case["model"]
-    return {
-        "model_type": "llama",
-        "hidden_size": m["hidden"],
-        "intermediate_size": m["ffn"],
-        "num_attention_heads": m["heads"],
-        "num_key_value_heads": m["kv_heads"],
-        "num_hidden_layers": m["layers"],
-        "vocab_size": m["vocab"],
-        "tie_word_embeddings": bool(m.get("tied", False)),
-        "max_position_embeddings": case["seq_len"],
-        "rope_theta": 500000,
-    }
+hf_config = llama_hf_config  # the case's model as the estimate reads it
 
 
 def plan_kwargs(case: dict) -> dict:

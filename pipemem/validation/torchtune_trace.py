@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .case_model import llama_hf_config, torchtune_decoder_kwargs
 from .case_worker import run_case_file
 
 
@@ -54,19 +55,11 @@ def torchtune_training():
 def _build(case: dict):
     from torchtune.models.llama3_2._component_builders import llama3_2
 
-    m = case["model"]
+    config = llama_hf_config(case)
     return llama3_2(
-        vocab_size=m["vocab"],
-        num_layers=m["layers"],
-        num_heads=m["heads"],
-        num_kv_heads=m["kv_heads"],
-        embed_dim=m["hidden"],
-        max_seq_len=case["seq_len"],
-        intermediate_dim=m["ffn"],
-        attn_dropout=0.0,
-        norm_eps=1e-5,
-        tie_word_embeddings=m.get("tied", False),
-        rope_base=500000,
+        **torchtune_decoder_kwargs(config, case["seq_len"]),
+        tie_word_embeddings=config["tie_word_embeddings"],
+        rope_base=config["rope_theta"],
     )
 
 
