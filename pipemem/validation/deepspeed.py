@@ -14,13 +14,12 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -219,17 +218,17 @@ def available() -> str | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "deepspeed",
-        help="DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
-        description=f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
+        "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
+        f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
         "Face Llama over a real gloo process group on the CPU, measure rank 0's "
         "allocations during the second step with PyTorch's profiler, and compare the "
         "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
         f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
         f"{TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,

@@ -31,11 +31,9 @@ Reference = the traced library run, estimate = the template. Seconds on 2 cores:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.machinery
 import importlib.util
-import json
 import sys
 import time
 import types
@@ -43,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from .case_model import torchtune_decoder_kwargs
-from .compare import CaseRow, exit_code, report
+from .compare import CaseRow, add_json_option, target_parser
 from .cuda_stand_ins import Stream as _Stream
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
@@ -952,14 +950,14 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "features",
-        help="compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
-        description=__doc__.split("\n\n")[0],
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
+        __doc__.split("\n\n")[0],
+        EXAMPLE,
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
@@ -972,23 +970,23 @@ def run(args) -> int:
     for mod in ("torch", "transformers", "networkx"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"pipemem validate features needs {mod}: pip install 'pipemem[torch,modern]'")
-    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+    from .progress import CaseProgress, print_result, quiet_profiler_chatter
 
     t0 = time.perf_counter()
     cases = case_list()
     with quiet_profiler_chatter(), CaseProgress([n for n, _ in cases], "validate features") as bar:
         rows = run_all(bar, cases)
     seconds = round(time.perf_counter() - t0, 1)
-    if args.json:
-        print(json.dumps(report("features", TRUTH, TOLERANCE, rows, seconds=seconds), indent=1))
-    else:
-        # measured = the library's own code traced, estimated = the template
-        print_summary(
-            rows,
-            title="reference (library trace) vs template",
-            target="features",
-            truth=TRUTH,
-            tolerance=TOLERANCE,
-        )
+    # measured = the library's own code traced, estimated = the template
+    status = print_result(
+        rows,
+        args.json,
+        "features",
+        TRUTH,
+        TOLERANCE,
+        {"seconds": seconds},
+        title="reference (library trace) vs template",
+    )
+    if not args.json:
         print(f"({seconds} s)")
-    return exit_code(rows, TOLERANCE)
+    return status

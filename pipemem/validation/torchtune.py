@@ -12,7 +12,6 @@ makes of those keys. `rel_error` = (estimated - measured) / measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import tempfile
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -147,17 +146,17 @@ def available() -> str | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "torchtune",
-        help="torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
-        description="Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+        "torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
+        "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
         "full_finetune_distributed step for rank 0 on fake tensors with the fake "
         "process group, second step, and compare its peak with pipemem's "
         "torchtune-convention estimate. Needs torchtune==0.6.1 "
         "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
         f"{TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,
