@@ -33,7 +33,7 @@ import gc
 import os
 import sys
 
-from .allocations import MARK, Timeline, gc_storages
+from .allocations import MARK, gc_storages, profiled_run
 from .case_model import llama_hf_config
 from .case_worker import run_case_file
 
@@ -264,9 +264,7 @@ def run_rank(case: dict) -> dict:
                 del loss
         gc.collect()
         end = gc_storages()
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out.update(
         n_params=n_params,
         zero_settings=zero_settings(engine),
@@ -311,9 +309,7 @@ def run_plain(case: dict) -> dict:
                 del loss
         gc.collect()
         end = gc_storages()
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out["plain_expected"] = plain_expected(model, opt, ids, labels)
     return out
 

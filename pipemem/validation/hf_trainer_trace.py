@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from .allocations import MARK, Timeline, gc_storages
+from .allocations import MARK, gc_storages, profiled_run
 from .case_worker import run_case_file
 
 # appended to every case's arguments: CPU, two optimizer steps, nothing written or logged
@@ -171,10 +171,8 @@ def run_case(case: dict) -> dict:
         out["optimizer_defaults"] = {k: v for k, v in defaults.items() if k in ("fused", "foreach")}
         out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     gcs = out.pop("gc_at_step2")
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
     out["check_gc_bytes"] = sum(gcs.values())
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out["torch"] = torch.__version__
     import transformers
 

@@ -91,6 +91,7 @@ from ..traced.kernel_workspace import flash_attention_backward_workspace
 from .cuda_stand_ins import Event as _Event
 from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
+from .recorded_step import default_dtype
 
 # Patches --------------------------------------------------------------------------------------
 
@@ -909,7 +910,7 @@ def _trace(case: MegatronCase) -> dict:
         # the model (megatron/training/tokenizer: _vocab_size_with_padding)
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
-        with _default_dtype(torch.bfloat16):
+        with default_dtype(torch.bfloat16):
             gpt = GPTModel(
                 config=cfg,
                 transformer_layer_spec=_layer_spec(case),
@@ -1041,18 +1042,6 @@ def _trace(case: MegatronCase) -> dict:
         "phases": phases,
         "resident": _resident(programs, results, "s2.zero_grad"),
     }
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    """Modules built with torch defaults (the learned position embedding) in bf16: what
-    Float16Module's `.bfloat16()` makes of them (fake parameters cannot be cast in place)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}

@@ -34,6 +34,7 @@ import torch
 
 from .case_model import llama_hf_config, torchtune_decoder_kwargs
 from .case_worker import run_case_file
+from .recorded_step import default_dtype, recorded_peak
 
 
 @contextlib.contextmanager
@@ -68,7 +69,6 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..ir import TensorKind
-    from ..liveness import analyze_sequence
     from ..traced import kernel_policy as policies
     from ..traced.capture import ModuleScope
     from ..traced.dist_capture import DistStorageRecorder, fake_process_group
@@ -82,7 +82,7 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
         from torchtune.modules.loss import CEWithChunkedOutputLoss
         from torchtune.training._grad_scaler import scale_grads
 
-        with torch.device("meta"), _default_dtype(torch.bfloat16):
+        with torch.device("meta"), default_dtype(torch.bfloat16):
             model = _build(case)
         if case.get("activation_checkpointing"):
             # the recipe's enable_activation_checkpointing (ac_mode unset): every decoder layer
@@ -121,7 +121,6 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
                 DistStorageRecorder,
                 ModuleScope,
                 TensorKind,
-                analyze_sequence,
                 policies,
                 local_tensor,
                 scale_grads,
@@ -144,31 +143,9 @@ def _rope_caches(model) -> list:
     return out
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _record(
-    model,
-    opt,
-    loss_fn,
-    case,
-    Recorder,
-    Scope,
-    TensorKind,
-    analyze_sequence,
-    policies,
-    local_tensor,
-    scale_grads,
+    model, opt, loss_fn, case, Recorder, Scope, TensorKind, policies, local_tensor, scale_grads
 ) -> dict:
-    from ..liveness import sequence_peak
-
     b, s = case["micro_batch"], case["seq_len"]
     ignore = torch.full((b, 1), -100, dtype=torch.long)
     scope = Scope(model)
@@ -201,17 +178,7 @@ def _record(
         rec.restart()
         rec.begin("forward")
         step()  # step 2, recorded
-    programs = rec.programs()
-    entry = rec.entry_storages()
-    static = sum(rec.storages[n].nbytes for n in entry)
-    results = analyze_sequence(programs, live_on_entry=entry)
-    peak, at = sequence_peak(results)
-    return {
-        "peak_bytes": static + peak,
-        "static_bytes": static,
-        "peak_at": at,
-        "phases": [r.phase_row() for r in results],
-    }
+    return recorded_peak(rec)
 
 
 def main(argv=None) -> int:
