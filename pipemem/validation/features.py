@@ -73,6 +73,17 @@ HEAD = dict(LLAMA, vocab_size=4096, num_hidden_layers=1)
 CHUNKS = 8
 
 
+def _llama_head_layers():
+    """The last stage's final norm and output layer at HEAD's shape (HF Llama's RMSNorm, an
+    output projection without bias): what every loss head traced here puts before its loss."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(HEAD["hidden_size"]), torch.nn.Linear(
+        HEAD["hidden_size"], HEAD["vocab_size"], bias=False
+    )
+
+
 # ---------------------------------------------------------------- shared helpers
 
 
@@ -383,10 +394,7 @@ def _chunked_head_trace(compiled: bool):
 
         def __init__(self):
             super().__init__()
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
             self.loss = loss
 
         def forward(self, h, labels):
@@ -452,10 +460,7 @@ def _shifted_head_trace():
     class Head(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
 
         def forward(self, h, labels):
             logits = self.output(self.norm(h))
@@ -596,7 +601,6 @@ def _real_step_memory(model, args):
 def _liger_head_trace():
     mod = liger_flce_module()  # before transformers, which imports triton
     import torch
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     gpu_forward = _liger_gpu_forward(mod)
     H, V = HEAD["hidden_size"], HEAD["vocab_size"]
@@ -609,8 +613,7 @@ def _liger_head_trace():
             super().__init__()
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
             self.loss = LigerFusedLinearCrossEntropyLoss()
 
         def forward(self, h, labels):

@@ -52,12 +52,15 @@ TOLERANCE = 0.03
 MODEL_DIR = "{model}"  # replaced by the case's model directory
 DS_CONFIG = "{ds_config}"  # replaced by the path of the case's DeepSpeed config
 # Hugging Face's example DeepSpeed configs (transformers' DeepSpeed docs), "auto" where the Trainer fills in
-HF_DS_ZERO2 = {
+_HF_DS_AUTO = {  # what both examples leave to the Trainer
     "bf16": {"enabled": "auto"},
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
+}
+HF_DS_ZERO2 = {
+    **_HF_DS_AUTO,
     "zero_optimization": {
         "stage": 2,
         "allgather_partitions": True,
@@ -69,11 +72,7 @@ HF_DS_ZERO2 = {
     },
 }
 HF_DS_ZERO3 = {
-    "bf16": {"enabled": "auto"},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
+    **_HF_DS_AUTO,
     "zero_optimization": {
         "stage": 3,
         "overlap_comm": True,
