@@ -187,12 +187,7 @@ class Schedule:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name,
-            "pp": self.pp,
-            "vpp": self.vpp,
-            "microbatches": self.microbatches,
-            "num_stages": self.num_stages,
-            "placement": self.placement,
+            **{k: getattr(self, k) for k in ("name", "pp", "vpp", "microbatches", "num_stages", "placement")},
             "stage_rank": list(self.stage_rank),
             "split_backward": self.split_backward,
             "ranks": [
