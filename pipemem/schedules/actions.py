@@ -153,6 +153,21 @@ class Schedule:
             )
         return hit
 
+    def with_ranks(self, ranks: list[list[Action]]) -> "Schedule":
+        """The same schedule (name, degrees, stage placement, notes) with other actions per rank:
+        its compute actions alone, or lowered with a runtime's memory actions. The cache is not
+        carried: it belongs to these actions."""
+        return Schedule(
+            self.name,
+            self.pp,
+            self.vpp,
+            self.microbatches,
+            ranks,
+            stage_rank=self.stage_rank,
+            placement=self.placement,
+            notes=self.notes,
+        )
+
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_rank[stage]
 
