@@ -59,3 +59,44 @@ def test_the_case_model_reads_the_same_on_every_side():
         m["ffn"],
     )
     assert tt["max_seq_len"] == case["seq_len"]
+
+
+def test_pick_cases_keeps_the_order_given_and_names_the_known_ones_on_a_typo():
+    import pytest
+
+    from pipemem.errors import UserError
+    from pipemem.validation.compare import pick_cases
+
+    cases = tuple(SimpleNamespace(name=n) for n in ("a", "b", "c"))
+    assert pick_cases("", cases) == cases
+    assert [c.name for c in pick_cases(" c, a ", cases)] == ["c", "a"]
+    with pytest.raises(UserError, match="unknown case.*zz; known: a, b, c"):
+        pick_cases("a,zz", cases)
+
+
+def test_print_result_prints_the_report_and_returns_the_verdict(capsys):
+    from pipemem.validation.compare import CaseRow
+    from pipemem.validation.progress import print_result
+
+    rows = [CaseRow("ok", 100, 101), CaseRow("off", 100, 150)]
+    assert print_result(rows, True, "t", "measured", 0.05, {"extra": 7}) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["target"] == "t" and out["extra"] == 7 and out["beyond_tolerance"] == ["off"]
+    assert print_result(rows[:1], True, "t", "measured", 0.05, {}) == 0
+
+
+def test_with_ranks_keeps_the_schedule_and_changes_only_its_actions():
+    from pipemem.schedules.generators import one_f_one_b
+
+    s = one_f_one_b(2, 4)
+    fewer = s.with_ranks([acts[:2] for acts in s.ranks])
+    assert (fewer.name, fewer.pp, fewer.vpp, fewer.microbatches, fewer.stage_rank, fewer.placement) == (
+        s.name,
+        s.pp,
+        s.vpp,
+        s.microbatches,
+        s.stage_rank,
+        s.placement,
+    )
+    assert fewer.ranks == [acts[:2] for acts in s.ranks] and fewer != s
+    assert s.with_ranks(s.ranks) == s
