@@ -100,16 +100,11 @@ class StaticBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.other
 
+    # the `static_bytes` object of --json, in this order
+    JSON_FIELDS = ("params", "grads", "optimizer", "other", "total", "grads_in_step", "optimizer_in_step")
+
     def to_dict(self) -> dict:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "other": self.other,
-            "total": self.total,
-            "grads_in_step": self.grads_in_step,
-            "optimizer_in_step": self.optimizer_in_step,
-        }
+        return {k: getattr(self, k) for k in self.JSON_FIELDS}
 
     def plus(self, other: int = 0) -> "StaticBytes":
         """The same state with `other` more bytes held for the whole step."""

@@ -26,7 +26,7 @@ import operator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -197,14 +197,17 @@ class ProgramMemory:
     entry: tuple = field(repr=False, default=())
     keep: tuple = field(repr=False, default=())
 
-    def to_dict(self) -> dict:
+    def phase_row(self) -> dict:
+        """The program as a `phases` row (traced steps, the validate workers): its peak op by label."""
         return {
             "name": self.name,
             "net_bytes": self.net_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_op": self.peak_op_label,
-            "peak_op_index": self.peak_op,
         }
+
+    def to_dict(self) -> dict:
+        return {**self.phase_row(), "peak_op_index": self.peak_op}
 
 
 def analyze_program(
@@ -333,3 +336,27 @@ def analyze_sequence(
         results.append(r)
         live = r.live_after
     return results
+
+
+def sequence_starts(results: Sequence[ProgramMemory]) -> list[int]:
+    """The bytes above the sequence's entry when each program starts: the net bytes of the
+    programs before it (each program's numbers are relative to its own start)."""
+    starts, cur = [], 0
+    for r in results:
+        starts.append(cur)
+        cur += r.net_bytes
+    return starts
+
+
+def sequence_peak(
+    results: Sequence[ProgramMemory], counted: Callable[[str], bool] | None = None
+) -> tuple[int, str]:
+    """The highest bytes above the sequence's entry that a program reaches (its peak on top of
+    its start) and where ("program: op"); (0, "") when none rises above the entry. `counted`
+    (a program name -> bool) limits the peak to some programs, e.g. one step of two: the others
+    still move the running count. The first program to reach the highest value names it."""
+    peak, at = 0, ""
+    for r, start in zip(results, sequence_starts(results)):
+        if (counted is None or counted(r.name)) and start + r.peak_bytes > peak:
+            peak, at = start + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
+    return peak, at

@@ -289,38 +289,22 @@ def text_model_config(config: Mapping[str, Any]) -> tuple[dict, str | None]:
     return out, note
 
 
+# DeepSeek-V2's multi-head latent attention and routed experts (V3 and Kimi K2 are built alike)
+_MLA_MOE_KEYS = (
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 # Keys without which transformers would build a different model from its defaults, per family
 _FAMILY_KEYS = {
-    "deepseek_v2": (
-        "kv_lora_rank",
-        "q_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-    ),
-    "deepseek_v3": (
-        "kv_lora_rank",
-        "q_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-    ),
-    "kimi_k2": (
-        "kv_lora_rank",
-        "q_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-    ),
+    "deepseek_v2": _MLA_MOE_KEYS,
+    "deepseek_v3": _MLA_MOE_KEYS,
+    "kimi_k2": _MLA_MOE_KEYS,
     "glm4_moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
     "olmoe": ("num_experts", "num_experts_per_tok"),

@@ -70,11 +70,9 @@ class OutsideAllocator:
         return self.cuda_context_bytes + self.nccl_bytes + self.cublas_workspace_bytes
 
     def to_dict(self) -> dict:
+        sums = ("cuda_context_bytes", "nccl_bytes", "cublas_workspace_bytes", "total_bytes")
         return {
-            "cuda_context_bytes": self.cuda_context_bytes,
-            "nccl_bytes": self.nccl_bytes,
-            "cublas_workspace_bytes": self.cublas_workspace_bytes,
-            "total_bytes": self.total_bytes,
+            **{k: getattr(self, k) for k in sums},
             "communicators": [c.to_dict() for c in self.communicators],
         }
 

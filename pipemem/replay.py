@@ -346,16 +346,7 @@ def _compute_only(schedule: Schedule) -> Schedule:
     if all(a[0] in KINDS for acts in schedule.ranks for a in acts):
         return schedule
     ranks = [[a for a in acts if a[0] in KINDS] for acts in schedule.ranks]
-    return Schedule(
-        schedule.name,
-        schedule.pp,
-        schedule.vpp,
-        schedule.microbatches,
-        ranks,
-        stage_rank=schedule.stage_rank,
-        placement=schedule.placement,
-        notes=schedule.notes,
-    )
+    return schedule.with_ranks(ranks)
 
 
 def inflight_counts(schedule: Schedule) -> list[int]:

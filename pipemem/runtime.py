@@ -103,16 +103,7 @@ def lower(schedule: Schedule, runtime: str) -> Schedule:
     if key not in cache:
         with paused_gc():  # 10^5-10^6 new tuples, no cycles (see paused_gc)
             ranks = [profile.lower_rank(schedule, r) for r in range(schedule.pp)]
-        cache[key] = Schedule(
-            schedule.name,
-            schedule.pp,
-            schedule.vpp,
-            schedule.microbatches,
-            ranks,
-            stage_rank=schedule.stage_rank,
-            placement=schedule.placement,
-            notes=schedule.notes,
-        )
+        cache[key] = schedule.with_ranks(ranks)
     return cache[key]
 
 

@@ -101,25 +101,29 @@ def run(args) -> int:
 
     from ..report.text import console, table_width, terminal_width
 
-    t = Table(
-        title="models (--model NAME)",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-        box=box.SIMPLE_HEAD,
+    def table(title: str, columns) -> Table:
+        """One of the two listings: (header, justification) per column, cells never wrapped."""
+        out = Table(
+            title=title, title_justify="left", header_style="bold", pad_edge=False, box=box.SIMPLE_HEAD
+        )
+        for c, j in columns:
+            out.add_column(c, justify=j, no_wrap=True)
+        return out
+
+    t = table(
+        "models (--model NAME)",
+        (
+            ("name", "left"),
+            ("type", "left"),
+            ("params", "right"),
+            ("layers", "right"),
+            ("hidden", "right"),
+            ("heads/kv", "right"),
+            ("ffn", "right"),
+            ("experts", "right"),
+            ("vocab", "right"),
+        ),
     )
-    for c, j in (
-        ("name", "left"),
-        ("type", "left"),
-        ("params", "right"),
-        ("layers", "right"),
-        ("hidden", "right"),
-        ("heads/kv", "right"),
-        ("ffn", "right"),
-        ("experts", "right"),
-        ("vocab", "right"),
-    ):
-        t.add_column(c, justify=j, no_wrap=True)
 
     def v(x):
         return "-" if x is None else str(x)
@@ -140,22 +144,17 @@ def run(args) -> int:
             experts,
             v(m["vocab"]),
         )
-    g = Table(
-        title="GPUs (--gpu NAME)",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-        box=box.SIMPLE_HEAD,
+    g = table(
+        "GPUs (--gpu NAME)",
+        (
+            ("name", "left"),
+            ("device", "left"),
+            ("memory", "right"),
+            ("MiB", "right"),
+            ("compute", "right"),
+            ("flash-attn", "left"),
+        ),
     )
-    for c, j in (
-        ("name", "left"),
-        ("device", "left"),
-        ("memory", "right"),
-        ("MiB", "right"),
-        ("compute", "right"),
-        ("flash-attn", "left"),
-    ):
-        g.add_column(c, justify=j, no_wrap=True)
     for row in gpus:
         g.add_row(
             row["key"],

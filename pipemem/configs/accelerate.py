@@ -92,18 +92,18 @@ def settings(launcher: dict[str, list[str]]) -> dict:
             f"accelerate mixed_precision {mp}: not modelled for the Trainer; use no, bf16 or fp16"
         )
     out["mixed_precision"] = None if mp in (None, "no") else mp
-    fsdp = dict(cfg.get("fsdp_config") or {})
-    for key in _FSDP_FLAGS:
-        v = flag(key)
-        if v is not None:
-            fsdp[key] = v
-    out["fsdp"] = fsdp
-    ds = dict(cfg.get("deepspeed_config") or {})
-    for key in _DS_FLAGS:
-        v = flag(key)
-        if v is not None:
-            ds[key] = v
-    out["deepspeed"] = ds
+
+    def section(name: str, keys) -> dict:
+        """The config file's `name` section with the launch line's flags for `keys` over it."""
+        merged = dict(cfg.get(name) or {})
+        for key in keys:
+            v = flag(key)
+            if v is not None:
+                merged[key] = v
+        return merged
+
+    out["fsdp"] = section("fsdp_config", _FSDP_FLAGS)
+    out["deepspeed"] = section("deepspeed_config", _DS_FLAGS)
     return out
 
 

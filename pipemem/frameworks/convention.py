@@ -53,3 +53,26 @@ class Convention:
     # the `pipemem.frameworks.Framework` this convention belongs to (its other rules); set by the
     # framework object, carried along by dataclasses.replace, not part of equality or hashing
     framework: Any = field(default=None, compare=False, repr=False)
+
+
+# The layer as eager PyTorch modules write it (HF transformers, torchtune, torchtitan): separate
+# q/k/v and gate/up linears, one all-gather per block under SP keeping the gathered input,
+# unfused norms and cross-entropy, no vocabulary padding, weight grads not accumulated in place.
+# The frameworks start from it and say where they differ.
+EAGER_MODULES = dict(
+    fused_qkv=False,
+    fused_gate_up=False,
+    sp_save="gathered",
+    gather_once_per_block=True,
+    fused_norm=False,
+    ce_inplace=False,
+    vocab_multiple=1,
+    gqa_expand_eager=True,
+    wgrad_fused=False,
+)
+
+# The layer as the fused-kernel frameworks (Megatron, Paddle) build it: one q/k/v and one gate/up
+# linear, norms saving their input and fp32 statistics, cross-entropy reusing its saved softmax.
+FUSED_MODULES = dict(
+    fused_qkv=True, fused_gate_up=True, fused_norm=True, ce_inplace=True, gqa_expand_eager=True
+)

@@ -12,24 +12,13 @@ own engine by `pipemem validate deepspeed` and `validate hf-trainer`).
 from __future__ import annotations
 
 from .base import Framework
-from .convention import Convention
+from .convention import EAGER_MODULES, Convention
 
 
 class HF(Framework):
     name = "hf"
     title = "Hugging Face transformers modules (Trainer, accelerate, Lightning; DeepSpeed ZeRO)"
-    convention = Convention(
-        "hf",
-        fused_qkv=False,
-        fused_gate_up=False,
-        sp_save="gathered",
-        gather_once_per_block=True,
-        fused_norm=False,
-        ce_inplace=False,
-        vocab_multiple=1,
-        gqa_expand_eager=True,
-        wgrad_fused=False,
-    )
+    convention = Convention("hf", **EAGER_MODULES)
 
     unsharded_modules = True  # HF modules as written: one rank holds whole layers
     zero_is_deepspeed = True

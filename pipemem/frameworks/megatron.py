@@ -10,7 +10,7 @@ fp32 copy of the logits. Held against megatron-core's own step by `pipemem valid
 from __future__ import annotations
 
 from .base import Framework
-from .convention import Convention
+from .convention import FUSED_MODULES, Convention
 
 
 class Megatron(Framework):
@@ -18,14 +18,10 @@ class Megatron(Framework):
     title = "Megatron-LM / Megatron-Core with Transformer Engine"
     convention = Convention(
         "megatron",
-        fused_qkv=True,
-        fused_gate_up=True,
+        **FUSED_MODULES,
         sp_save="shard",
         gather_once_per_block=True,
-        fused_norm=True,
-        ce_inplace=True,
         vocab_multiple=128,
-        gqa_expand_eager=True,
         checkpoint_keeps_outputs=True,
     )
 

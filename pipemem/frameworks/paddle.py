@@ -19,7 +19,7 @@ Paddle inserts: all_gather, split, concat). Held against the programs Paddle bui
 from __future__ import annotations
 
 from .base import Framework
-from .convention import Convention
+from .convention import FUSED_MODULES, Convention
 
 
 class Paddle(Framework):
@@ -27,14 +27,10 @@ class Paddle(Framework):
     title = "PaddleNLP on Paddle Fleet"
     convention = Convention(
         "paddle",
-        fused_qkv=True,
-        fused_gate_up=True,
+        **FUSED_MODULES,
         sp_save="shard+gathered",
         gather_once_per_block=False,
-        fused_norm=True,
-        ce_inplace=True,
         vocab_multiple=1,
-        gqa_expand_eager=True,
         wgrad_fused=False,
         grad_clip_copy=True,
         caller_holds_input=False,

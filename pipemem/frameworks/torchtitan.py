@@ -11,25 +11,14 @@ place. Grads in param dtype. Held against torchtitan's own step by `pipemem vali
 from __future__ import annotations
 
 from .base import Framework
-from .convention import Convention
+from .convention import EAGER_MODULES, Convention
 
 
 class Torchtitan(Framework):
     name = "torchtitan"
     title = "torchtitan (DTensor TP/SP, FSDP2, torch pipelining)"
     convention = Convention(
-        "torchtitan",
-        fused_qkv=False,
-        fused_gate_up=False,
-        sp_save="gathered",
-        gather_once_per_block=True,
-        fused_norm=True,
-        ce_inplace=False,
-        vocab_multiple=1,
-        gqa_expand_eager=True,
-        wgrad_fused=False,
-        fsdp2=True,
-        fsdp2_reduce_fp32=True,
+        "torchtitan", **EAGER_MODULES | dict(fused_norm=True), fsdp2=True, fsdp2_reduce_fp32=True
     )
 
     default_optimizer_impl = "fused"  # [optimizer] implementation defaults to "fused"

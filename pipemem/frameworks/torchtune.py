@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .base import Framework
-from .convention import Convention
+from .convention import EAGER_MODULES, Convention
 
 
 class Torchtune(Framework):
@@ -24,15 +24,7 @@ class Torchtune(Framework):
     title = "torchtune's recipes and modules"
     convention = Convention(
         "torchtune",
-        fused_qkv=False,
-        fused_gate_up=False,
-        sp_save="gathered",
-        gather_once_per_block=True,
-        fused_norm=False,
-        ce_inplace=False,
-        vocab_multiple=1,
-        gqa_expand_eager=True,
-        wgrad_fused=False,
+        **EAGER_MODULES,
         norm_weight_first=True,
         gqa_expand_always=True,
         logits_fp32_in_model=True,

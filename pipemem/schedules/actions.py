@@ -178,6 +178,21 @@ class Schedule:
             self.cache["first_grad_microbatches"] = hit
         return hit
 
+    def with_ranks(self, ranks: list[list[Action]]) -> "Schedule":
+        """The same schedule (name, degrees, stage placement, notes) with other actions per rank:
+        its compute actions alone, or lowered with a runtime's memory actions. The cache is not
+        carried: it belongs to these actions."""
+        return Schedule(
+            self.name,
+            self.pp,
+            self.vpp,
+            self.microbatches,
+            ranks,
+            stage_rank=self.stage_rank,
+            placement=self.placement,
+            notes=self.notes,
+        )
+
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_rank[stage]
 
@@ -212,12 +227,7 @@ class Schedule:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name,
-            "pp": self.pp,
-            "vpp": self.vpp,
-            "microbatches": self.microbatches,
-            "num_stages": self.num_stages,
-            "placement": self.placement,
+            **{k: getattr(self, k) for k in ("name", "pp", "vpp", "microbatches", "num_stages", "placement")},
             "stage_rank": list(self.stage_rank),
             "split_backward": self.split_backward,
             "ranks": [

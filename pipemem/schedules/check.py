@@ -57,12 +57,7 @@ class Simulation:
     end: list[list[float]] | None
 
     def to_dict(self) -> dict:
-        return {
-            "makespan": self.makespan,
-            "bubble_ratio": self.bubble_ratio,
-            "stage_bubble_ratio": self.stage_bubble_ratio,
-            "busy": self.busy,
-        }
+        return {k: getattr(self, k) for k in ("makespan", "bubble_ratio", "stage_bubble_ratio", "busy")}
 
 
 def _structure(schedule: Schedule) -> None:

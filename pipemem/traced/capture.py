@@ -335,32 +335,18 @@ class StorageRecorder(TorchDispatchMode):
         if func is _PRIM_DEVICE:  # metadata query, touches no memory
             return out
         self._after_call(func, args, out)
-        ids = self._ids
         inputs = []
         constants = []
         # lift_fresh wraps the real constant behind a fake tensor built from Python data
         # (torch.tensor(0.0) for Adam's `step`): the real run has one storage, the output's.
         flat_args = () if func is _LIFT_FRESH else _flat(args, kwargs)
-        for a in flat_args:
-            if isinstance(a, torch.Tensor):
-                a = self._unwrap(a)
-                st = a.untyped_storage()
-                if self._skip(st):
-                    continue
-                name = ids.get(st)
-                if name is None:
-                    name = self._undeclared_input(a, st, constants)
-                if name not in inputs:
-                    inputs.append(name)
+        for a, st, name in self._recorded(flat_args):
+            if name is None:
+                name = self._undeclared_input(a, st, constants)
+            if name not in inputs:
+                inputs.append(name)
         outputs = []
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(t, torch.Tensor):
-                continue
-            t = self._unwrap(t)
-            st = t.untyped_storage()
-            if self._skip(st):
-                continue
-            name = ids.get(st)
+        for t, st, name in self._recorded(out if isinstance(out, (tuple, list)) else (out,)):
             if name is None:
                 outputs.append(self._new(t, st, self.phase))
             else:
@@ -388,6 +374,18 @@ class StorageRecorder(TorchDispatchMode):
             ]
         )
         return out
+
+    def _recorded(self, values):
+        """(tensor, storage, its recorded name or None) for each tensor among `values` whose storage
+        is recorded, the tensor unwrapped. The name is looked up when the item is reached: what the
+        caller records for one tensor is known for the next (two views of a new storage)."""
+        ids = self._ids
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                t = self._unwrap(t)
+                st = t.untyped_storage()
+                if not self._skip(st):
+                    yield t, st, ids.get(st)
 
     # Hooks for recorders of tensor subclasses (pipemem.validation.distributed.capture) ----------------
     def _unwrap(self, t: torch.Tensor) -> torch.Tensor:

@@ -22,55 +22,37 @@ from ..errors import UserError  # noqa: E402
 RECOMPUTE = ("none", "full", "selective")
 ATTENTION = ("sdpa", "eager")
 
-# Tiny configurations (seconds on a CPU) for validation and tests, one per architecture.
+# Tiny configurations (seconds on a CPU) for validation and tests, one per architecture; the
+# Llama-like ones share their shape, and differ in what their family changes
+_TINY_BASE = dict(
+    hidden_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 TINY = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=344,
-        vocab_size=1024,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    ),
+    "llama": dict(_TINY_BASE, model_type="llama", intermediate_size=344, vocab_size=1024),
     "mistral": dict(
+        _TINY_BASE,
         model_type="mistral",
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=1,
         intermediate_size=256,
         vocab_size=1000,
-        max_position_embeddings=1024,
         sliding_window=None,
-        tie_word_embeddings=False,
     ),
     "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=320,
-        vocab_size=1200,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        _TINY_BASE, model_type="qwen2", intermediate_size=320, vocab_size=1200, tie_word_embeddings=True
     ),
     "gpt2": dict(model_type="gpt2", n_embd=128, n_layer=3, n_head=4, vocab_size=1024, n_positions=1024),
     "mixtral": dict(
+        _TINY_BASE,
         model_type="mixtral",
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         intermediate_size=192,
         vocab_size=1024,
         num_local_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
     ),
 }
 

@@ -206,7 +206,9 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 _LOW = (torch.float16, torch.bfloat16)
-_FP32_TORCH = (
+# CUDA autocast's fp32 list: the pointwise functions both torch and torch.Tensor name, then each
+# namespace's own
+_FP32_POINTWISE = (
     "acos",
     "asin",
     "cosh",
@@ -222,36 +224,9 @@ _FP32_TORCH = (
     "sinh",
     "tan",
     "pow",
-    "cdist",
-    "dist",
-    "renorm",
-    "cosine_similarity",
-    "layer_norm",
-    "group_norm",
 )
-_FP32_TENSOR = (
-    "acos",
-    "asin",
-    "cosh",
-    "erfinv",
-    "exp",
-    "expm1",
-    "log",
-    "log10",
-    "log1p",
-    "log2",
-    "reciprocal",
-    "rsqrt",
-    "sinh",
-    "tan",
-    "pow",
-    "__pow__",
-    "__rpow__",
-    "__rtruediv__",
-    "__rdiv__",
-    "dist",
-    "renorm",
-)
+_FP32_TORCH = _FP32_POINTWISE + ("cdist", "dist", "renorm", "cosine_similarity", "layer_norm", "group_norm")
+_FP32_TENSOR = _FP32_POINTWISE + ("__pow__", "__rpow__", "__rtruediv__", "__rdiv__", "dist", "renorm")
 _FP32_FUNCTIONAL = (
     "layer_norm",
     "group_norm",

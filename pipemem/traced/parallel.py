@@ -110,25 +110,21 @@ def trace_stage(spec: StageSpec) -> TracedStage:
         output_grad_bytes=0 if spec.last else act,
     )
     layers = range(spec.layers[0], spec.layers[-1] + 1) if spec.layers else range(0)
-    later = StageJobs(
-        spec.stage,
-        F=full["F0"],
-        B=full["B1"],
-        I=split["I0"] if split else None,
-        W=split["W1"] if split else None,
-        layers=layers,
-        **bounds,
-    )
-    first = StageJobs(
-        spec.stage,
-        F=full["F0"],
-        B=full["B0"],
-        I=split["I0"] if split else None,
-        W=split["W0"] if split else None,
-        layers=layers,
-        **bounds,
-    )
-    return TracedStage(later, first, full["param_bytes"])
+
+    def jobs(mb: int) -> StageJobs:
+        """The stage's jobs with microbatch `mb`'s backward: 0 the step's first (it creates the
+        parameter grads), 1 every later one."""
+        return StageJobs(
+            spec.stage,
+            F=full["F0"],
+            B=full[f"B{mb}"],
+            I=split["I0"] if split else None,
+            W=split[f"W{mb}"] if split else None,
+            layers=layers,
+            **bounds,
+        )
+
+    return TracedStage(jobs(1), jobs(0), full["param_bytes"])
 
 
 def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:

@@ -23,7 +23,7 @@ from ..ir import TensorKind
 from ..jobs import JobMemory, compose_at
 from ..liveness import analyze_sequence, compile_program, retention_sets
 from . import kernel_policy as policies
-from .step import PhaseMemory, TracedStep, trace_step
+from .step import PhaseMemory, TracedStep, step_summary, trace_step
 
 TRACED_LAYERS = 4
 TEMPLATE_LAYER = 2
@@ -231,15 +231,7 @@ class ReplicatedStep:
     phase = TracedStep.phase
 
     def summary(self) -> dict:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_at": self.peak_at,
-            "net_after_forward": self.net_after_forward,
-            "static": dict(self.static),
-            "phases": [p.to_dict() for p in self.phases],
-            "layers": self.layers,
-            "replicated_from_layers": self.traced.layers if self.traced else None,
-        }
+        return {**step_summary(self), "replicated_from_layers": self.traced.layers if self.traced else None}
 
 
 def trace_replicated(

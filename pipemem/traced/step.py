@@ -23,7 +23,7 @@ the first step: no optimizer state before its optimizer phase, gradients created
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -115,12 +115,7 @@ class PhaseMemory:
     peak_op: str = ""
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "net_bytes": self.net_bytes,
-            "peak_bytes": self.peak_bytes,
-            "peak_op": self.peak_op,
-        }
+        return asdict(self)  # the fields, in order: the `phases` rows of ProgramMemory.phase_row
 
 
 @dataclass
@@ -159,15 +154,20 @@ class TracedStep:
         return PhaseMemory(name, 0, 0)
 
     def summary(self) -> dict:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_at": self.peak_at,
-            "net_after_forward": self.net_after_forward,
-            "static": dict(self.static),
-            "phases": [p.to_dict() for p in self.phases],
-            "layers": self.layers,
-            "created_bytes_by_kind": dict(self.kinds_bytes),
-        }
+        return {**step_summary(self), "created_bytes_by_kind": dict(self.kinds_bytes)}
+
+
+def step_summary(step) -> dict:
+    """What a traced step's summary says, for TracedStep and the steps made from one
+    (traced.replicate): its peak and where, the static bytes, the phases, its layers."""
+    return {
+        "peak_bytes": step.peak_bytes,
+        "peak_at": step.peak_at,
+        "net_after_forward": step.net_after_forward,
+        "static": dict(step.static),
+        "phases": [p.to_dict() for p in step.phases],
+        "layers": step.layers,
+    }
 
 
 def _peak_of(phases) -> tuple[int, int]:
@@ -374,7 +374,8 @@ def trace_step(
 
             host = _host_rng_states(rec) if kernel_policy == "cpu" else contextlib.nullcontext()
             with scope, rec, policies.context(kernel_policy), host:
-                if step == "steady":  # the warm-up step, then record afresh
+                # "steady": a warm-up step first, then the recorder starts afresh for the one recorded
+                for warm_up in (True, False) if step == "steady" else (False,):
                     run_step(
                         model,
                         args,
@@ -387,21 +388,10 @@ def trace_step(
                         backward=backward,
                         set_to_none=set_to_none,
                     )
-                    if optimizer is None and zero_grad:
-                        zero_grads(params, set_to_none)
-                    rec.restart()
-                run_step(
-                    model,
-                    args,
-                    kwargs,
-                    loss_fn,
-                    optimizer,
-                    autocast_dtype,
-                    on_phase,
-                    zero_grad=zero_grad,
-                    backward=backward,
-                    set_to_none=set_to_none,
-                )
+                    if warm_up:
+                        if optimizer is None and zero_grad:
+                            zero_grads(params, set_to_none)
+                        rec.restart()
             # on_phase reads `optimizer` from its cell: rebinding it drops the reference as `del` would
             optimizer = None
             del args, kwargs, input_tensors

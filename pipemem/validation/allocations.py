@@ -148,3 +148,14 @@ def gc_storages() -> dict:
         except Exception:  # noqa: BLE001 - a half-built object: skip it
             continue
     return seen
+
+
+def profiled_run(prof, case: dict, reached_at_step2: dict, reached_at_end: dict) -> dict:
+    """What a profiled two-step run measured: `Timeline.measure` (step 2's allocations of at least
+    the case's `event_bytes` listed, default 256 KiB) and `unreached_at_end_bytes`.
+    `reached_at_step2` / `reached_at_end` are `gc_storages()` taken then."""
+    tl = Timeline(prof)
+    return {
+        **tl.measure(case.get("event_bytes", 1 << 18), reached_at_step2),
+        "unreached_at_end_bytes": tl.unreached_at_end(set(reached_at_end)),
+    }

@@ -12,8 +12,9 @@ the final segments agree (each segment's size and the bytes allocated in it at t
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+
+from .compare import add_json_option, target_parser
 
 TRUTH = "measured"  # the allocator's own segment events, recorded on real GPUs (compare.TRUTHS)
 TOL_FROM_EMPTY = 0.01
@@ -72,15 +73,15 @@ def compare_file(path: Path) -> list:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "allocator",
-        help="the CUDA caching-allocator model vs real GPU memory snapshots",
-        description=__doc__.split("\n\n", 1)[1].strip(),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "the CUDA caching-allocator model vs real GPU memory snapshots",
+        __doc__.split("\n\n", 1)[1].strip(),
+        EXAMPLE,
     )
     p.add_argument("--dir", default=str(DATA), help="directory of snapshots (default: the bundled set)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 

@@ -164,13 +164,53 @@ def max_abs_rel_error(rows) -> float | None:
     return max(errs) if errs else None
 
 
+def target_parser(sub, name: str, help: str, description: str, epilog: str):
+    """A validate target's subcommand: its one-line help, its description, and its examples
+    (`epilog`) kept as written."""
+    import argparse
+
+    return sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_json_option(p) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+
+
+def add_known_cases_option(p, names) -> None:
+    """--cases for a target whose every case runs by default: the known names are in its help."""
+    p.add_argument(
+        "--cases", default="", help=f"comma-separated case names (default: all); known: {', '.join(names)}"
+    )
+
+
+def pick_cases(text: str, cases) -> tuple:
+    """The cases --cases names (comma-separated, in the order given; each case has a `name`), or
+    all of `cases` when it names none. An unknown name is one error line naming the known ones."""
+    from ..errors import UserError
+
+    wanted = [n.strip() for n in text.split(",") if n.strip()]
+    if not wanted:
+        return tuple(cases)
+    known = {c.name: c for c in cases}
+    bad = [w for w in wanted if w not in known]
+    if bad:
+        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return tuple(known[w] for w in wanted)
+
+
 def add_case_options(p, full_help: str, timeout: float, timeout_help: str) -> None:
     """The case-selection options of a validate target that runs named cases:
     --full, --cases, --list, --json, --timeout."""
     p.add_argument("--full", action="store_true", help=full_help)
     p.add_argument("--cases", default="", help="comma-separated case names (see --list)")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    add_json_option(p)
     p.add_argument("--timeout", type=float, default=timeout, help=f"{timeout_help} (default {timeout:g})")
 
 

@@ -12,12 +12,10 @@ with `--kernel-policy cpu` (the kernels the real run uses). Seconds per case on 
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import dataclass
 
-from .compare import CaseRow, exit_code, report
+from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases, target_parser
 
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # A real step measured by the profiler against a trace with the kernels it runs: the same
@@ -217,50 +215,35 @@ def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "cpu",
-        help="traced estimates vs real CPU training steps of tiny HF models",
-        description="Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
+        "traced estimates vs real CPU training steps of tiny HF models",
+        "Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
         "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
         "bytes with the profiler, and compare with traced mode "
         "(--kernel-policy cpu). Exit 1 if any case is off by more than "
         f"{TOLERANCE:.1%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument(
-        "--cases",
-        default="",
-        help=f"comma-separated case names (default: all); known: {', '.join(c.name for c in CASES)}",
-    )
+    add_json_option(p)
+    add_known_cases_option(p, [c.name for c in CASES])
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..errors import UserError
+    from .progress import CaseProgress, print_result, quiet_profiler_chatter
 
-    cases = CASES
-    if getattr(args, "cases", ""):
-        wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
-        known = {c.name: c for c in CASES}
-        bad = [w for w in wanted if w not in known]
-        if bad:
-            raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
-        cases = tuple(known[w] for w in wanted)
-    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
-
+    cases = pick_cases(getattr(args, "cases", ""), CASES)
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cpu") as bar:
         rows = run_cases(cases, bar)
-    if args.json:
-        print(json.dumps(report("cpu", TRUTH, TOLERANCE, rows, kernel_policy="cpu"), indent=1))
-    else:
-        print_summary(
-            rows,
-            columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
-            signed=lambda name: name.endswith("net_after_forward"),
-            target="cpu",
-            truth=TRUTH,
-            tolerance=TOLERANCE,
-        )
-    return exit_code(rows, TOLERANCE)
+    return print_result(
+        rows,
+        args.json,
+        "cpu",
+        TRUTH,
+        TOLERANCE,
+        {"kernel_policy": "cpu"},
+        columns=(("trace_seconds", "trace s"), ("real_seconds", "real s")),
+        signed=lambda name: name.endswith("net_after_forward"),
+    )

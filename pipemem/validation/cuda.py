@@ -15,7 +15,6 @@ Without a CUDA GPU it says so in one line and exits 2. torch is imported inside 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
-from .compare import CaseRow, beyond_tolerance, exit_code, header_line, rel_error, verdict_line
+from .compare import CaseRow, beyond_tolerance, exit_code, header_line, rel_error, target_parser, verdict_line
 from .cuda_cases import CONFIG_SETS, Case, get_cases, hf_config_dict, to_plan
 
 FORMAT = "pipemem.validation.cuda/1"
@@ -46,15 +45,15 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "cuda",
-        help="measure real peaks on this machine's CUDA GPU and compare with the estimates",
-        description="Run real training steps of small HF Llama / Mistral / Mixtral models on the CUDA GPU, "
+        "measure real peaks on this machine's CUDA GPU and compare with the estimates",
+        "Run real training steps of small HF Llama / Mistral / Mixtral models on the CUDA GPU, "
         "measure max_memory_allocated and the reserved peak (pipelines: one process per rank, "
         "each walking its rank's schedule), compare with pipemem's traced and templates "
         "estimates, write the results as one JSON file and print a table.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     p.add_argument(
         "--configs",

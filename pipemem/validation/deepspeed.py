@@ -14,12 +14,12 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .case_model import llama_hf_config
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -95,20 +95,8 @@ CI_CASES = ("zero2-ckpt", "zero3", "zero3-tied", "zero2-overlap-ds")
 
 
 def hf_config(case: dict) -> dict:
-    m = case["model"]
-    return {
-        "model_type": "llama",
-        "hidden_size": m["hidden"],
-        "intermediate_size": m["ffn"],
-        "num_attention_heads": m["heads"],
-        "num_key_value_heads": m["kv_heads"],
-        "num_hidden_layers": m["layers"],
-        "vocab_size": m["vocab"],
-        "tie_word_embeddings": bool(m.get("tied", False)),
-        "max_position_embeddings": case["seq_len"],
-        "rope_theta": 500000,
-        "torch_dtype": "float32",
-    }
+    """The case's Llama, fp32 as HF builds it (DeepSpeed's bf16 casts it)."""
+    return {**llama_hf_config(case), "torch_dtype": "float32"}
 
 
 def assumed_settings(plan_kw: dict) -> dict:
@@ -230,17 +218,17 @@ def available() -> str | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "deepspeed",
-        help="DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
-        description=f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
+        "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
+        f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
         "Face Llama over a real gloo process group on the CPU, measure rank 0's "
         "allocations during the second step with PyTorch's profiler, and compare the "
         "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
         f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
         f"{TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,

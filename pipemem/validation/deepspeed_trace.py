@@ -30,29 +30,20 @@ against an analytic count (`plain_expected`).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 
-from .allocations import MARK, Timeline, gc_storages
+from .allocations import MARK, gc_storages, profiled_run
+from .case_model import llama_hf_config
+from .case_worker import run_case_file
 
 
 def llama_config(case: dict):
     from transformers import LlamaConfig
 
-    m = case["model"]
-    return LlamaConfig(
-        vocab_size=m["vocab"],
-        hidden_size=m["hidden"],
-        intermediate_size=m["ffn"],
-        num_hidden_layers=m["layers"],
-        num_attention_heads=m["heads"],
-        num_key_value_heads=m["kv_heads"],
-        max_position_embeddings=case["seq_len"],
-        tie_word_embeddings=bool(m.get("tied", False)),
-        rope_theta=500000.0,
-        attn_implementation="sdpa",
-    )
+    fields = llama_hf_config(case)
+    del fields["model_type"]  # LlamaConfig's own
+    return LlamaConfig(**fields | {"rope_theta": 500000.0}, attn_implementation="sdpa")
 
 
 def ds_config(case: dict) -> dict:
@@ -273,9 +264,7 @@ def run_rank(case: dict) -> dict:
                 del loss
         gc.collect()
         end = gc_storages()
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out.update(
         n_params=n_params,
         zero_settings=zero_settings(engine),
@@ -320,9 +309,7 @@ def run_plain(case: dict) -> dict:
                 del loss
         gc.collect()
         end = gc_storages()
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out["plain_expected"] = plain_expected(model, opt, ids, labels)
     return out
 
@@ -345,15 +332,9 @@ def plain_expected(model, opt, ids, labels) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    plain = argv and argv[0] == "--plain"
-    if plain:
-        argv = argv[1:]
-    with open(argv[0]) as f:
-        case = json.load(f)
-    out = {"case": case["name"], **(run_plain(case) if plain else run_rank(case))}
-    with open(argv[1], "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
+    plain = bool(argv) and argv[0] == "--plain"
+    run = run_plain if plain else run_rank
+    return run_case_file(lambda case: {"case": case["name"], **run(case)}, argv[plain:], indent=1)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ here computes a memory number.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -38,7 +37,7 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from .compare import CaseRow, add_case_options, case_names, exit_code, rel_error, report
+from .compare import CaseRow, add_case_options, case_names, exit_code, rel_error, target_parser
 from .rank_processes import free_port
 
 EXAMPLE = """\
@@ -439,15 +438,15 @@ def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "dist",
-        help="real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
-        description="Real multi-process training steps over gloo on the CPU "
+        "real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
+        "Real multi-process training steps over gloo on the CPU "
         "(torch.distributed.pipelining schedules, DTensor TP with sequence "
         "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
         "against pipemem's per-rank estimate of the same runs.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,
@@ -481,7 +480,7 @@ def run(args) -> int:
         for c in all_cases():
             print(c["name"])
         return 0
-    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+    from .progress import CaseProgress, print_result, print_summary, quiet_profiler_chatter
 
     try:
         with quiet_profiler_chatter(), CaseProgress([c["name"] for c in cases], "validate dist") as bar:
@@ -495,25 +494,18 @@ def run(args) -> int:
         (abs(r.extra["saving_rel_error"]) for r in savings if r.extra["saving_rel_error"] is not None),
         default=None,
     )
-    if args.json:
-        print(
-            json.dumps(
-                report(
-                    "dist",
-                    TRUTH,
-                    TOLERANCE,
-                    rows,
-                    backend="gloo",
-                    kernel_policy="cpu",
-                    repair_bound=REPAIR_BOUND,
-                    max_abs_saving_rel_error=worst_saving,
-                ),
-                indent=1,
-            )
-        )
-        return exit_code(rows, TOLERANCE)
-    print_summary(
+    status = print_result(
         rows,
+        args.json,
+        "dist",
+        TRUTH,
+        TOLERANCE,
+        dict(
+            backend="gloo",
+            kernel_policy="cpu",
+            repair_bound=REPAIR_BOUND,
+            max_abs_saving_rel_error=worst_saving,
+        ),
         columns=(
             ("raw_measured_bytes", "raw measured"),
             ("proven_measured_bytes", "proven"),
@@ -521,10 +513,9 @@ def run(args) -> int:
             ("peak_at", "peak at"),
         ),
         what="rank measurements",
-        target="dist",
-        truth=TRUTH,
-        tolerance=TOLERANCE,
     )
+    if args.json:
+        return status
     print(
         "measured = the lowest peak over the runs, frees missed on gloo's threads repaired; raw measured "
         "= the same run as recorded; proven = those frees only where address reuse proves them; a repair "

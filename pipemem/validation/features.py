@@ -34,18 +34,17 @@ Reference = the traced library run, estimate = the template. Seconds on 2 cores:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.machinery
 import importlib.util
-import json
 import sys
 import time
 import types
 from pathlib import Path
 from typing import Callable
 
-from .compare import CaseRow, exit_code, report
+from .case_model import torchtune_decoder_kwargs
+from .compare import CaseRow, add_json_option, target_parser
 from .cuda_stand_ins import Stream as _Stream
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
@@ -75,6 +74,17 @@ LLAMA = {
 }
 HEAD = dict(LLAMA, vocab_size=4096, num_hidden_layers=1)
 CHUNKS = 8
+
+
+def _llama_head_layers():
+    """The last stage's final norm and output layer at HEAD's shape (HF Llama's RMSNorm, an
+    output projection without bias): what every loss head traced here puts before its loss."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(HEAD["hidden_size"]), torch.nn.Linear(
+        HEAD["hidden_size"], HEAD["vocab_size"], bias=False
+    )
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -237,19 +247,7 @@ def torchtune_decoder(config: dict, dtype: str):
             from torchtune.models.llama3_2._component_builders import llama3_2 as build
 
             extra = {"rope_base": 500000}
-        model = build(
-            vocab_size=config["vocab_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config["num_key_value_heads"],
-            embed_dim=config["hidden_size"],
-            max_seq_len=S,
-            intermediate_dim=config["intermediate_size"],
-            attn_dropout=0.0,
-            norm_eps=1e-5,
-            tie_word_embeddings=False,
-            **extra,
-        )
+        model = build(**torchtune_decoder_kwargs(config, S), tie_word_embeddings=False, **extra)
     return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 
@@ -399,10 +397,7 @@ def _chunked_head_trace(compiled: bool):
 
         def __init__(self):
             super().__init__()
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
             self.loss = loss
 
         def forward(self, h, labels):
@@ -468,10 +463,7 @@ def _shifted_head_trace():
     class Head(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
 
         def forward(self, h, labels):
             logits = self.output(self.norm(h))
@@ -612,7 +604,6 @@ def _real_step_memory(model, args):
 def _liger_head_trace():
     mod = liger_flce_module()  # before transformers, which imports triton
     import torch
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     gpu_forward = _liger_gpu_forward(mod)
     H, V = HEAD["hidden_size"], HEAD["vocab_size"]
@@ -625,8 +616,7 @@ def _liger_head_trace():
             super().__init__()
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            self.norm = LlamaRMSNorm(H)
-            self.output = torch.nn.Linear(H, V, bias=False)
+            self.norm, self.output = _llama_head_layers()
             self.loss = LigerFusedLinearCrossEntropyLoss()
 
         def forward(self, h, labels):
@@ -1128,14 +1118,14 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "features",
-        help="compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
-        description=__doc__.split("\n\n")[0],
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
+        __doc__.split("\n\n")[0],
+        EXAMPLE,
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
@@ -1148,23 +1138,23 @@ def run(args) -> int:
     for mod in ("torch", "transformers", "networkx"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"pipemem validate features needs {mod}: pip install 'pipemem[torch,modern]'")
-    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+    from .progress import CaseProgress, print_result, quiet_profiler_chatter
 
     t0 = time.perf_counter()
     cases = case_list()
     with quiet_profiler_chatter(), CaseProgress([n for n, _ in cases], "validate features") as bar:
         rows = run_all(bar, cases)
     seconds = round(time.perf_counter() - t0, 1)
-    if args.json:
-        print(json.dumps(report("features", TRUTH, TOLERANCE, rows, seconds=seconds), indent=1))
-    else:
-        # measured = the library's own code traced, estimated = the template
-        print_summary(
-            rows,
-            title="reference (library trace) vs template",
-            target="features",
-            truth=TRUTH,
-            tolerance=TOLERANCE,
-        )
+    # measured = the library's own code traced, estimated = the template
+    status = print_result(
+        rows,
+        args.json,
+        "features",
+        TRUTH,
+        TOLERANCE,
+        {"seconds": seconds},
+        title="reference (library trace) vs template",
+    )
+    if not args.json:
         print(f"({seconds} s)")
-    return exit_code(rows, TOLERANCE)
+    return status

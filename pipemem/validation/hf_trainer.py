@@ -13,14 +13,13 @@ read by `pipemem.configs.hf_trainer` (what `pipemem estimate --from-hf-trainer` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -53,12 +52,15 @@ TOLERANCE = 0.03
 MODEL_DIR = "{model}"  # replaced by the case's model directory
 DS_CONFIG = "{ds_config}"  # replaced by the path of the case's DeepSpeed config
 # Hugging Face's example DeepSpeed configs (transformers' DeepSpeed docs), "auto" where the Trainer fills in
-HF_DS_ZERO2 = {
+_HF_DS_AUTO = {  # what both examples leave to the Trainer
     "bf16": {"enabled": "auto"},
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
+}
+HF_DS_ZERO2 = {
+    **_HF_DS_AUTO,
     "zero_optimization": {
         "stage": 2,
         "allgather_partitions": True,
@@ -70,11 +72,7 @@ HF_DS_ZERO2 = {
     },
 }
 HF_DS_ZERO3 = {
-    "bf16": {"enabled": "auto"},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
+    **_HF_DS_AUTO,
     "zero_optimization": {
         "stage": 3,
         "overlap_comm": True,
@@ -240,17 +238,17 @@ def available() -> str | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "hf-trainer",
-        help="Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer",
-        description="Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
+        "Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer",
+        "Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
         "TrainingArguments, Trainer) on a tiny Llama on the CPU for each case's command "
         "line, measure the second optimizer step's allocations with PyTorch's profiler, "
         "and compare the peak with pipemem's estimate of the same command line read by "
         "--from-hf-trainer (--kernel-policy cpu). Needs transformers and accelerate "
         f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,

@@ -20,13 +20,12 @@ against what the garbage collector reaches then (`check_gc_bytes`).
 from __future__ import annotations
 
 import gc
-import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from .allocations import MARK, Timeline, gc_storages
+from .allocations import MARK, gc_storages, profiled_run
+from .case_worker import run_case_file
 
 # appended to every case's arguments: CPU, two optimizer steps, nothing written or logged
 HOUSEKEEPING = [
@@ -172,10 +171,8 @@ def run_case(case: dict) -> dict:
         out["optimizer_defaults"] = {k: v for k, v in defaults.items() if k in ("fused", "foreach")}
         out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     gcs = out.pop("gc_at_step2")
-    tl = Timeline(prof)
-    out.update(tl.measure(case.get("event_bytes", 1 << 18), gcs))
     out["check_gc_bytes"] = sum(gcs.values())
-    out["unreached_at_end_bytes"] = tl.unreached_at_end(set(end))
+    out.update(profiled_run(prof, case, gcs, end))
     out["torch"] = torch.__version__
     import transformers
 
@@ -183,18 +180,16 @@ def run_case(case: dict) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        case = json.load(f)
+def _measure(case: dict) -> dict:
     if case.get("deepspeed_config"):
         from .deepspeed_trace import skip_shm_comm_op
 
         skip_shm_comm_op()
-    out = {"case": case["name"], **run_case(case)}
-    with open(argv[1], "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
+    return {"case": case["name"], **run_case(case)}
+
+
+def main(argv=None) -> int:
+    return run_case_file(_measure, argv, indent=1)
 
 
 if __name__ == "__main__":

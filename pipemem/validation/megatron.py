@@ -22,7 +22,6 @@ row is off by more than 0.5 %.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UserError
 from ..traced.kernel_workspace import ASSUMED
-from .compare import CaseRow, exit_code, report
+from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases, target_parser
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 # megatron-core's step traced on fake tensors against the same flags' estimate: the same kernel
@@ -347,62 +346,52 @@ def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "megatron",
-        help="the megatron convention vs megatron-core's own training step",
-        description="Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
+        "the megatron convention vs megatron-core's own training step",
+        "Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
         "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
         "group, one rank per case, and compare its steady-state peak and the bytes a "
         "decoder layer keeps with pipemem.estimate for the same flags. Needs "
         "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
         f"than {TOLERANCE:.1%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
-    p.add_argument(
-        "--cases",
-        default="",
-        help=f"comma-separated case names (default: all); known: {', '.join(c.name for c in CASES)}",
-    )
+    add_json_option(p)
+    add_known_cases_option(p, [c.name for c in CASES])
     p.add_argument("--jobs", type=int, default=2, help="cases traced at once, one process each (default 2)")
     p.set_defaults(func=run)
 
 
 def select(names: str) -> tuple[MegatronCase, ...]:
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    if not wanted:
-        return CASES
-    known = {c.name: c for c in CASES}
-    bad = [w for w in wanted if w not in known]
-    if bad:
-        raise UserError(f"--cases: unknown case(s) {', '.join(bad)}; known: {', '.join(known)}")
-    return tuple(known[w] for w in wanted)
+    """The cases --cases names (all when none)."""
+    return pick_cases(names, CASES)
 
 
 def run(args) -> int:
-    from .progress import CaseProgress, print_summary, quiet_profiler_chatter
+    from .progress import CaseProgress, print_result, quiet_profiler_chatter
 
     cases = select(getattr(args, "cases", ""))
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate megatron") as bar:
         rows = run_cases(cases, jobs=getattr(args, "jobs", 2), progress=bar)
-    if args.json:
-        print(json.dumps(report("megatron", TRUTH, TOLERANCE, rows, megatron_core=_version()), indent=1))
-    else:
-        print_summary(
-            rows,
-            columns=(
-                ("measured_static_bytes", "static (traced)"),
-                ("estimated_static_bytes", "static (pipemem)"),
-                ("kernel_workspace", "note"),
-            ),
-            what="rows",
-            target="megatron",
-            truth=TRUTH,
-            tolerance=TOLERANCE,
-        )
+    status = print_result(
+        rows,
+        args.json,
+        "megatron",
+        TRUTH,
+        TOLERANCE,
+        {"megatron_core": _version()},
+        columns=(
+            ("measured_static_bytes", "static (traced)"),
+            ("estimated_static_bytes", "static (pipemem)"),
+            ("kernel_workspace", "note"),
+        ),
+        what="rows",
+    )
+    if not args.json:
         print(f"megatron-core {_version()}")
-    return exit_code(rows, TOLERANCE)
+    return status
 
 
 def _version() -> str:

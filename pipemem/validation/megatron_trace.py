@@ -91,6 +91,7 @@ from ..traced.kernel_workspace import flash_attention_backward_workspace
 from .cuda_stand_ins import Event as _Event
 from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
+from .recorded_step import default_dtype
 
 # Patches --------------------------------------------------------------------------------------
 
@@ -894,7 +895,7 @@ def _trace(case: MegatronCase) -> dict:
     from megatron.core.transformer.module import Float16Module
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..liveness import analyze_sequence
+    from ..liveness import analyze_sequence, sequence_peak, sequence_starts
     from ..traced import kernel_policy
     from ..traced.capture import ModuleScope, find_layer_prefix, layer_index_fn
 
@@ -909,7 +910,7 @@ def _trace(case: MegatronCase) -> dict:
         # the model (megatron/training/tokenizer: _vocab_size_with_padding)
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
-        with _default_dtype(torch.bfloat16):
+        with default_dtype(torch.bfloat16):
             gpt = GPTModel(
                 config=cfg,
                 transformer_layer_spec=_layer_spec(case),
@@ -1022,18 +1023,14 @@ def _trace(case: MegatronCase) -> dict:
             _Recorder.current = None
     programs = rec.programs()
     results = analyze_sequence(programs, live_on_entry=[])
-    cur = 0
-    phases = []
-    peak, peak_at = 0, ""
-    step2_start = None
-    for r in results:
-        if r.name == "s2.F0":
-            step2_start = cur  # resident during the step: after zero_grad, before the forward
-        top = cur + r.peak_bytes
-        if r.name.startswith("s2.") and top > peak:
-            peak, peak_at = top, f"{r.name}: {r.peak_op_label}"
-        phases.append({"name": r.name, "start_bytes": cur, "peak_bytes": top, "net_bytes": r.net_bytes})
-        cur += r.net_bytes
+    starts = sequence_starts(results)
+    peak, peak_at = sequence_peak(results, lambda name: name.startswith("s2."))
+    # resident during step 2: after its zero_grad, before its forward
+    step2_start = {r.name: start for r, start in zip(results, starts)}.get("s2.F0")
+    phases = [
+        {"name": r.name, "start_bytes": start, "peak_bytes": start + r.peak_bytes, "net_bytes": r.net_bytes}
+        for r, start in zip(results, starts)
+    ]
     kept = _layer_kept(programs, "s2.F0", layer_of)
     return {
         "case": case.name,
@@ -1045,18 +1042,6 @@ def _trace(case: MegatronCase) -> dict:
         "phases": phases,
         "resident": _resident(programs, results, "s2.zero_grad"),
     }
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    """Modules built with torch defaults (the learned position embedding) in bf16: what
-    Float16Module's `.bfloat16()` makes of them (fake parameters cannot be cast in place)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}

@@ -33,14 +33,13 @@ configured before import (legacy IR or PIR) and must not share a process with Py
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 
 from ..errors import UserError
-from .compare import exit_code, report
+from .compare import add_json_option, exit_code, target_parser
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
 from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
 from .paddle_runs.paddlenlp_legacy import CASE_NAMES as LEGACY_NLP_CASE_NAMES
@@ -135,14 +134,14 @@ def run_cases(
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "paddle",
-        help="Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
-        description=__doc__.split("\n\n")[1],
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
+        __doc__.split("\n\n")[1],
+        EXAMPLE,
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
+    add_json_option(p)
     p.add_argument(
         "--cases",
         default="",
@@ -194,7 +193,7 @@ def run(args) -> int:
         raise UserError(
             f"--cases: unknown case(s) {', '.join(bad)} for --ir {ir}; known: {', '.join(allowed)}"
         )
-    from .progress import CaseProgress, print_summary
+    from .progress import CaseProgress, print_result
 
     rows = []
     legacy = [n for n in names if n in CASE_NAMES]
@@ -228,30 +227,19 @@ def run(args) -> int:
     for n in legacy_nlp:
         rows += paddlenlp_legacy.compare_case(n)
     perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
-    if args.json:
-        print(
-            json.dumps(
-                report(
-                    "paddle",
-                    TRUTH,
-                    TOLERANCE,
-                    rows,
-                    paddle_max_abs_rel_error=max(perrs, default=0.0),
-                    notes=notes,
-                ),
-                indent=1,
-            )
-        )
-        return exit_code(rows, TOLERANCE)
-    print_summary(
+    status = print_result(
         rows,
+        args.json,
+        "paddle",
+        TRUTH,
+        TOLERANCE,
+        dict(paddle_max_abs_rel_error=max(perrs, default=0.0), notes=notes),
         columns=(("paddle_estimated_bytes", "Paddle estimator"), ("paddle_rel_error", "its error")),
         signed=lambda name: name.endswith("net"),
         what="lines",
-        target="paddle",
-        truth=TRUTH,
-        tolerance=TOLERANCE,
     )
+    if args.json:
+        return status
     undefined = sum(
         1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None
     )

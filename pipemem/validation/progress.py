@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Sequence
 
-from .compare import CaseRow, header_line, max_abs_rel_error, verdict_line
+from .compare import CaseRow, exit_code, header_line, max_abs_rel_error, report, verdict_line
 
 CHATTER_PREFIXES = (b"USDT:",)
 
@@ -260,3 +260,18 @@ def print_summary(
     if truth is not None:
         con.print(verdict_line(rows, tolerance), markup=False)
     return worst
+
+
+def print_result(
+    rows, as_json: bool, target: str, truth: str, tolerance: float, json_fields: dict, **summary
+) -> int:
+    """What a validate target prints for its rows: with --json the report object (compare.report,
+    with the target's own `json_fields`), else the summary table (print_summary's `summary`
+    keywords). Returns the target's exit status (compare.exit_code)."""
+    import json
+
+    if as_json:
+        print(json.dumps(report(target, truth, tolerance, rows, **json_fields), indent=1))
+    else:
+        print_summary(rows, target=target, truth=truth, tolerance=tolerance, **summary)
+    return exit_code(rows, tolerance)

@@ -20,14 +20,13 @@ fake process group cannot answer) and expert parallelism (the all-to-all splits 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -209,17 +208,17 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "torchtitan",
-        help="torchtitan's own training step (fake tensors) per rank vs the estimate",
-        description="Trace torchtitan 0.3's own training step (its parallelize / pipelining "
+        "torchtitan's own training step (fake tensors) per rank vs the estimate",
+        "Trace torchtitan 0.3's own training step (its parallelize / pipelining "
         "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
         "with the fake process group, second step, and compare each rank's peak "
         "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
         "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
         f"than {TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
-import sys
 
 import torch
 
 from ..traced.torchtitan_model import import_stubs, model_shapes
+from .case_worker import run_case_file
+from .recorded_step import recorded_peak
 
 REQUIRES = "torchtitan==0.3.0"
 
@@ -193,7 +193,6 @@ class _NoLog:
 def trace_rank(case: dict, rank: int) -> dict:
     """Trace the second training step of `rank`; returns its peak, static bytes and phases."""
     from ..ir import TensorKind
-    from ..liveness import analyze_sequence
     from ..traced import kernel_policy as policies
     from ..traced.capture import ModuleScope
     from ..traced.dist_capture import DistStorageRecorder, fake_process_group
@@ -228,18 +227,22 @@ def trace_rank(case: dict, rank: int) -> dict:
         tr.gradient_accumulation_steps = 1
         tr.ntokens_seen = 0
         tr.step = 1
+        # what the Trainer passes to the parallelize function, and to the pipelining one with it
+        parallelize_kw = dict(
+            parallel_dims=pd,
+            training=cfg.training,
+            parallelism=cfg.parallelism,
+            compile_config=cfg.compile,
+            ac_config=cfg.activation_checkpoint,
+            dump_folder="/tmp",
+        )
         if pd.pp_enabled:
             tr.num_pipeline_parallel_microbatches = (
                 cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
             )
             tr.pp_schedule, tr.model_parts, tr.pp_has_first_stage, tr.pp_has_last_stage = spec.pipelining_fn(
                 model,
-                parallel_dims=pd,
-                training=cfg.training,
-                parallelism=cfg.parallelism,
-                compile_config=cfg.compile,
-                ac_config=cfg.activation_checkpoint,
-                dump_folder="/tmp",
+                **parallelize_kw,
                 device=tr.device,
                 model_config=mc,
                 parallelize_fn=spec.parallelize_fn,
@@ -248,17 +251,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             _microbatch_step(tr.pp_schedule)
         else:
             tr.num_pipeline_parallel_microbatches = 1
-            tr.model_parts = [
-                spec.parallelize_fn(
-                    model,
-                    parallel_dims=pd,
-                    training=cfg.training,
-                    parallelism=cfg.parallelism,
-                    compile_config=cfg.compile,
-                    ac_config=cfg.activation_checkpoint,
-                    dump_folder="/tmp",
-                )
-            ]
+            tr.model_parts = [spec.parallelize_fn(model, **parallelize_kw)]
         del model
         with FakeTensorMode(allow_non_fake_inputs=True):
             for m in tr.model_parts:
@@ -278,12 +271,12 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.metrics_processor = tr.checkpointer = _NoLog()
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
-            out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, analyze_sequence, policies)
+            out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
     out["arch"] = arch
     return out
 
 
-def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -> dict:
+def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
     from ..traced.stack import local_tensor
 
     mb = case["local_batch_size"] // tr.num_pipeline_parallel_microbatches
@@ -342,41 +335,19 @@ def _record(tr, case, Recorder, Scope, TensorKind, analyze_sequence, policies) -
         rec.restart()
         rec.begin("forward")
         tr.train_step(data)  # step 2, recorded
-    programs = rec.programs()
-    entry = rec.entry_storages()
-    static = sum(rec.storages[n].nbytes for n in entry)
-    kinds: dict[str, int] = {}
-    for n in entry:
-        k = rec.storages[n].kind.value if rec.storages[n].kind is not None else "other"
-        kinds[k] = kinds.get(k, 0) + rec.storages[n].nbytes
-    results = analyze_sequence(programs, live_on_entry=entry)
-    cur = peak = 0
-    at = ""
-    for r in results:
-        if cur + r.peak_bytes > peak:
-            peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
-        cur += r.net_bytes
-    return {
-        "peak_bytes": static + peak,
-        "static_bytes": static,
-        "static_by_kind": kinds,
-        "peak_at": at,
-        "phases": [
-            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
-            for r in results
-        ],
-    }
+    return recorded_peak(rec, by_kind=True)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    cases_path, out_path = argv[0], argv[1]
-    with open(cases_path) as f:
-        job = json.load(f)
-    out = {"rank": job["rank"], "case": job["case"]["name"], **trace_rank(job["case"], job["rank"])}
-    with open(out_path, "w") as f:
-        json.dump(out, f)
-    return 0
+    """The job file holds the case and the rank to trace."""
+    return run_case_file(
+        lambda job: {
+            "rank": job["rank"],
+            "case": job["case"]["name"],
+            **trace_rank(job["case"], job["rank"]),
+        },
+        argv,
+    )
 
 
 if __name__ == "__main__":

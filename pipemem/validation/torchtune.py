@@ -12,14 +12,14 @@ makes of those keys. `rel_error` = (estimated - measured) / measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .case_model import llama_hf_config
+from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -60,20 +60,7 @@ def all_cases() -> list[dict]:
 CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
 
 
-def hf_config(case: dict) -> dict:
-    m = case["model"]
-    return {
-        "model_type": "llama",
-        "hidden_size": m["hidden"],
-        "intermediate_size": m["ffn"],
-        "num_attention_heads": m["heads"],
-        "num_key_value_heads": m["kv_heads"],
-        "num_hidden_layers": m["layers"],
-        "vocab_size": m["vocab"],
-        "tie_word_embeddings": bool(m.get("tied", False)),
-        "max_position_embeddings": case["seq_len"],
-        "rope_theta": 500000,
-    }
+hf_config = llama_hf_config  # the case's model as the estimate reads it
 
 
 def plan_kwargs(case: dict) -> dict:
@@ -159,17 +146,17 @@ def available() -> str | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    p = target_parser(
+        sub,
         "torchtune",
-        help="torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
-        description="Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+        "torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
+        "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
         "full_finetune_distributed step for rank 0 on fake tensors with the fake "
         "process group, second step, and compare its peak with pipemem's "
         "torchtune-convention estimate. Needs torchtune==0.6.1 "
         "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
         f"{TOLERANCE:.0%}.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLE,
     )
     add_case_options(
         p,

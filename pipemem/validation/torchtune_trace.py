@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
-import json
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+from .case_model import llama_hf_config, torchtune_decoder_kwargs
+from .case_worker import run_case_file
+from .recorded_step import default_dtype, recorded_peak
 
 
 @contextlib.contextmanager
@@ -53,19 +56,11 @@ def torchtune_training():
 def _build(case: dict):
     from torchtune.models.llama3_2._component_builders import llama3_2
 
-    m = case["model"]
+    config = llama_hf_config(case)
     return llama3_2(
-        vocab_size=m["vocab"],
-        num_layers=m["layers"],
-        num_heads=m["heads"],
-        num_kv_heads=m["kv_heads"],
-        embed_dim=m["hidden"],
-        max_seq_len=case["seq_len"],
-        intermediate_dim=m["ffn"],
-        attn_dropout=0.0,
-        norm_eps=1e-5,
-        tie_word_embeddings=m.get("tied", False),
-        rope_base=500000,
+        **torchtune_decoder_kwargs(config, case["seq_len"]),
+        tie_word_embeddings=config["tie_word_embeddings"],
+        rope_base=config["rope_theta"],
     )
 
 
@@ -74,7 +69,6 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..ir import TensorKind
-    from ..liveness import analyze_sequence
     from ..traced import kernel_policy as policies
     from ..traced.capture import ModuleScope
     from ..traced.dist_capture import DistStorageRecorder, fake_process_group
@@ -88,7 +82,7 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
         from torchtune.modules.loss import CEWithChunkedOutputLoss
         from torchtune.training._grad_scaler import scale_grads
 
-        with torch.device("meta"), _default_dtype(torch.bfloat16):
+        with torch.device("meta"), default_dtype(torch.bfloat16):
             model = _build(case)
         if case.get("activation_checkpointing"):
             # the recipe's enable_activation_checkpointing (ac_mode unset): every decoder layer
@@ -127,7 +121,6 @@ def trace_rank(case: dict, rank: int = 0) -> dict:
                 DistStorageRecorder,
                 ModuleScope,
                 TensorKind,
-                analyze_sequence,
                 policies,
                 local_tensor,
                 scale_grads,
@@ -150,28 +143,8 @@ def _rope_caches(model) -> list:
     return out
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _record(
-    model,
-    opt,
-    loss_fn,
-    case,
-    Recorder,
-    Scope,
-    TensorKind,
-    analyze_sequence,
-    policies,
-    local_tensor,
-    scale_grads,
+    model, opt, loss_fn, case, Recorder, Scope, TensorKind, policies, local_tensor, scale_grads
 ) -> dict:
     b, s = case["micro_batch"], case["seq_len"]
     ignore = torch.full((b, 1), -100, dtype=torch.long)
@@ -205,35 +178,11 @@ def _record(
         rec.restart()
         rec.begin("forward")
         step()  # step 2, recorded
-    programs = rec.programs()
-    entry = rec.entry_storages()
-    static = sum(rec.storages[n].nbytes for n in entry)
-    results = analyze_sequence(programs, live_on_entry=entry)
-    cur = peak = 0
-    at = ""
-    for r in results:
-        if cur + r.peak_bytes > peak:
-            peak, at = cur + r.peak_bytes, f"{r.name}: {r.peak_op_label}"
-        cur += r.net_bytes
-    return {
-        "peak_bytes": static + peak,
-        "static_bytes": static,
-        "peak_at": at,
-        "phases": [
-            {"name": r.name, "net_bytes": r.net_bytes, "peak_bytes": r.peak_bytes, "peak_op": r.peak_op_label}
-            for r in results
-        ],
-    }
+    return recorded_peak(rec)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        case = json.load(f)
-    out = {"case": case["name"], **trace_rank(case)}
-    with open(argv[1], "w") as f:
-        json.dump(out, f)
-    return 0
+    return run_case_file(lambda case: {"case": case["name"], **trace_rank(case)}, argv)
 
 
 if __name__ == "__main__":

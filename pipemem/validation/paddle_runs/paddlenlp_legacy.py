@@ -328,33 +328,44 @@ def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[d
 
 PYTHON_ENV = "PIPEMEM_PADDLE26_PYTHON"
 TINY = {"hidden": 64, "ffn": 128, "heads": 4, "vocab": 128, "layers": 4, "seq": 16}
+
+
+def _run(
+    shape: dict,
+    pp: int,
+    accumulate_steps: int,
+    mp: int = 1,
+    dp: int = 1,
+    micro_batch: int = 1,
+    schedule: str = "1F1B",
+    recompute: bool = False,
+    **sharding,
+) -> dict:
+    """One run_pretrain_auto_static.py run: the model's shape, the parallel degrees (`sharding`:
+    the sharding group's size and stage, when there is one), the batch, the schedule, recompute."""
+    return dict(
+        shape,
+        pp=pp,
+        mp=mp,
+        dp=dp,
+        **sharding,
+        micro_batch=micro_batch,
+        accumulate_steps=accumulate_steps,
+        schedule=schedule,
+        recompute=recompute,
+    )
+
+
 # The estimator PR's three runs (run_pretrain_auto_static.py: 1F1B, no flash attention, fp32), at the
 # tiny shape of the other paddlenlp cases, gradient accumulation 4; plus FThenB.
 CASES = {
-    "paddlenlp-legacy-pp4": dict(
-        TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B", recompute=False
-    ),
-    "paddlenlp-legacy-pp4-recompute": dict(
-        TINY, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="1F1B", recompute=True
-    ),
-    "paddlenlp-legacy-pp2-mp2": dict(
-        TINY, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=4, schedule="1F1B", recompute=False
-    ),
-    "paddlenlp-legacy-pp2-fthenb": dict(
-        TINY, pp=2, mp=1, dp=1, micro_batch=1, accumulate_steps=4, schedule="FThenB", recompute=False
-    ),
+    "paddlenlp-legacy-pp4": _run(TINY, pp=4, accumulate_steps=4),
+    "paddlenlp-legacy-pp4-recompute": _run(TINY, pp=4, accumulate_steps=4, recompute=True),
+    "paddlenlp-legacy-pp2-mp2": _run(TINY, pp=2, accumulate_steps=4, mp=2, micro_batch=2),
+    "paddlenlp-legacy-pp2-fthenb": _run(TINY, pp=2, accumulate_steps=4, schedule="FThenB"),
     # no pipeline: the executor's one job, split by op role; ZeRO-1 over the sharding group
-    "paddlenlp-legacy-dp2-sharding2": dict(
-        TINY,
-        pp=1,
-        mp=1,
-        dp=2,
-        sharding=2,
-        sharding_stage=1,
-        micro_batch=1,
-        accumulate_steps=4,
-        schedule="1F1B",
-        recompute=False,
+    "paddlenlp-legacy-dp2-sharding2": _run(
+        TINY, pp=1, accumulate_steps=4, dp=2, sharding=2, sharding_stage=1
     ),
 }
 CASE_NAMES = tuple(CASES)
@@ -362,15 +373,9 @@ CASE_NAMES = tuple(CASES)
 # only (bench/paddlenlp_legacy_seed_shapes.py), the CPU does not run them.
 LLAMA_7B_4L = {"hidden": 4096, "ffn": 11008, "heads": 32, "vocab": 32000, "layers": 4, "seq": 2048}
 SEED_RUNS = {
-    "seed-pp4-recompute": dict(
-        LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B", recompute=True
-    ),
-    "seed-pp4": dict(
-        LLAMA_7B_4L, pp=4, mp=1, dp=1, micro_batch=1, accumulate_steps=8, schedule="1F1B", recompute=False
-    ),
-    "seed-pp2-mp2": dict(
-        LLAMA_7B_4L, pp=2, mp=2, dp=1, micro_batch=2, accumulate_steps=8, schedule="1F1B", recompute=False
-    ),
+    "seed-pp4-recompute": _run(LLAMA_7B_4L, pp=4, accumulate_steps=8, recompute=True),
+    "seed-pp4": _run(LLAMA_7B_4L, pp=4, accumulate_steps=8),
+    "seed-pp2-mp2": _run(LLAMA_7B_4L, pp=2, accumulate_steps=8, mp=2, micro_batch=2),
 }
 
 

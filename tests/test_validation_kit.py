@@ -1,0 +1,102 @@
+"""The pieces the validate targets share: the phase fold over a walked sequence, the workers'
+entry point, the case's model as each side reads it."""
+
+import json
+from types import SimpleNamespace
+
+from pipemem.liveness import sequence_peak, sequence_starts
+from pipemem.validation.case_model import llama_hf_config, torchtune_decoder_kwargs
+from pipemem.validation.case_worker import run_case_file
+
+
+def _program(name, net, peak):
+    return SimpleNamespace(name=name, net_bytes=net, peak_bytes=peak, peak_op_label=f"op-{name}")
+
+
+def test_sequence_peak_stands_each_program_on_the_net_bytes_before_it():
+    results = [_program("a", 10, 5), _program("b", -5, 20), _program("c", 0, 3)]
+    assert sequence_starts(results) == [0, 10, 5]
+    # b's peak of 20 above its start of 10 is the highest, though a's own peak is not lower than c's
+    assert sequence_peak(results) == (30, "b: op-b")
+    # b left out of the peak still moves the count: c starts at 5
+    assert sequence_peak(results, lambda name: name != "b") == (8, "c: op-c")
+    assert sequence_peak([_program("x", -4, 0)]) == (0, "")
+
+
+def test_run_case_file_writes_what_the_measure_returns(tmp_path):
+    src, out = tmp_path / "case.json", tmp_path / "out.json"
+    src.write_text(json.dumps({"name": "c1", "n": 3}))
+    assert (
+        run_case_file(lambda case: {"case": case["name"], "twice": 2 * case["n"]}, [str(src), str(out)]) == 0
+    )
+    assert json.loads(out.read_text()) == {"case": "c1", "twice": 6}
+    run_case_file(lambda case: {"k": 1}, [str(src), str(out)], indent=1)
+    assert out.read_text() == '{\n "k": 1\n}'
+
+
+def test_the_case_model_reads_the_same_on_every_side():
+    case = {
+        "seq_len": 128,
+        "model": {
+            "vocab": 512,
+            "layers": 3,
+            "heads": 4,
+            "kv_heads": 2,
+            "hidden": 64,
+            "ffn": 96,
+            "tied": True,
+        },
+    }
+    hf = llama_hf_config(case)
+    assert (hf["vocab_size"], hf["num_hidden_layers"], hf["hidden_size"]) == (512, 3, 64)
+    assert hf["tie_word_embeddings"] is True and hf["max_position_embeddings"] == 128
+    tt = torchtune_decoder_kwargs(hf, case["seq_len"])
+    m = case["model"]
+    assert (tt["num_heads"], tt["num_kv_heads"], tt["embed_dim"], tt["intermediate_dim"]) == (
+        m["heads"],
+        m["kv_heads"],
+        m["hidden"],
+        m["ffn"],
+    )
+    assert tt["max_seq_len"] == case["seq_len"]
+
+
+def test_pick_cases_keeps_the_order_given_and_names_the_known_ones_on_a_typo():
+    import pytest
+
+    from pipemem.errors import UserError
+    from pipemem.validation.compare import pick_cases
+
+    cases = tuple(SimpleNamespace(name=n) for n in ("a", "b", "c"))
+    assert pick_cases("", cases) == cases
+    assert [c.name for c in pick_cases(" c, a ", cases)] == ["c", "a"]
+    with pytest.raises(UserError, match="unknown case.*zz; known: a, b, c"):
+        pick_cases("a,zz", cases)
+
+
+def test_print_result_prints_the_report_and_returns_the_verdict(capsys):
+    from pipemem.validation.compare import CaseRow
+    from pipemem.validation.progress import print_result
+
+    rows = [CaseRow("ok", 100, 101), CaseRow("off", 100, 150)]
+    assert print_result(rows, True, "t", "measured", 0.05, {"extra": 7}) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["target"] == "t" and out["extra"] == 7 and out["beyond_tolerance"] == ["off"]
+    assert print_result(rows[:1], True, "t", "measured", 0.05, {}) == 0
+
+
+def test_with_ranks_keeps_the_schedule_and_changes_only_its_actions():
+    from pipemem.schedules.generators import one_f_one_b
+
+    s = one_f_one_b(2, 4)
+    fewer = s.with_ranks([acts[:2] for acts in s.ranks])
+    assert (fewer.name, fewer.pp, fewer.vpp, fewer.microbatches, fewer.stage_rank, fewer.placement) == (
+        s.name,
+        s.pp,
+        s.vpp,
+        s.microbatches,
+        s.stage_rank,
+        s.placement,
+    )
+    assert fewer.ranks == [acts[:2] for acts in s.ranks] and fewer != s
+    assert s.with_ranks(s.ranks) == s
