@@ -88,6 +88,9 @@ class Framework:
     op_level_sac = False  # --recompute selective is op-level selective checkpointing
     moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
     mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
+    # the layer programs are transformers' modules: the families held only against them (sliding
+    # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
+    transformers_modules = False
     conv1d_weight_saved = False  # Conv1D layers save their weight (a parameter) for backward
     te_offload_spec = False  # activation offloading follows TE's offload spec
     vocab_parallel_embedding_mask = False  # tp > 1: VocabParallelEmbedding's masked ids

@@ -50,6 +50,7 @@ class HF(Framework):
     gelu_new_op_by_op = True
     moe_program = "moe_hf"
     mla_templates = True  # transformers' DeepseekV2 / V3 modules (templates/mla.py)
+    transformers_modules = True
     conv1d_weight_saved = True
 
     # Hugging Face Trainer with DeepSpeed ZeRO 1-3

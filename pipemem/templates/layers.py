@@ -109,7 +109,7 @@ def _check_sliding_window(arch, plan) -> None:
     from ..model import refuse_unmodelled
 
     what = None
-    if plan.convention != "hf":
+    if not CONVENTIONS[plan.convention].framework.transformers_modules:
         what = f"sliding-window layers under --convention {plan.convention} (only --convention hf is checked)"
     elif not plan.flash_attn:
         what = "Gemma 3's eager attention (--no-flash-attn)"
@@ -142,7 +142,7 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
             f"chunked attention with --seq-len {plan.seq_len} > attention_chunk_size {arch.attention_chunk} "
             "(past one chunk its mask is built and kept by the attention: not modelled)",
         )
-    if arch.attn_sinks and plan.convention != "hf":
+    if arch.attn_sinks and not CONVENTIONS[plan.convention].framework.transformers_modules:
         from ..model import refuse_unmodelled
 
         raise refuse_unmodelled(
@@ -978,7 +978,7 @@ class _Gen:
         ctx = self.core_attention(q, k, v, opt)
         if core:
             self.t.end_region()
-        if opt.flash and opt.rope_cat and self.conv.framework.name == "hf":
+        if opt.flash and opt.rope_cat and self.conv.framework.transformers_modules:
             ctx = self._attn_out_copy(ctx)
         out = self.row_linear(ctx, "attn.o_proj", a * d, opt.out_bias)
         if region:
