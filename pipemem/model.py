@@ -874,6 +874,7 @@ def _newer_moe(r: _Reader, mt: str) -> ArchSpec:
         router_weights_cast=False,
         rotary_fraction=float(fraction),
         shared_first=False,
+        mtp_layers=int(r.opt("num_nextn_predict_layers", 0) or 0),
     )
 
 

@@ -197,3 +197,12 @@ def test_plan_searches_deepseek_under_hf_and_refuses_other_conventions(capsys):
     assert main(shlex.split(args + " --convention megatron")) == 2
     err = capsys.readouterr().err.strip()
     assert "multi-head latent attention under --convention megatron" in err and len(err.splitlines()) == 1
+
+
+def test_glm_mtp_layers_are_said_not_dropped():
+    """GLM-4.5's config names an MTP layer (num_nextn_predict_layers) that transformers'
+    Glm4MoeForCausalLM does not build: the template estimate says so, as for DeepSeek."""
+    from pipemem import estimate
+
+    w = estimate("glm-4.5-air", convention="hf", seq_len=128, layers=3).warnings
+    assert any("num_nextn_predict_layers=1" in x and "glm4_moe" in x for x in w)

@@ -83,9 +83,9 @@ def check_mla_convention(arch, convention: str) -> None:
 
 
 def mla_warnings(arch, plan) -> list[str]:
-    """What a DeepSeek plan's numbers leave out, said beside them."""
+    """What a DeepSeek (or GLM-4 MoE) plan's numbers leave out, said beside them."""
     out = []
-    if getattr(arch, "mtp_layers", 0) and arch.kv_lora_rank:
+    if getattr(arch, "mtp_layers", 0):
         out.append(
             f"num_nextn_predict_layers={arch.mtp_layers}: transformers' {arch.model_type} causal LM "
             "(--convention hf) has no multi-token prediction layers, so the step modelled has none "
