@@ -9,33 +9,11 @@ import pytest
 
 from pipemem.errors import UserError
 from pipemem.model import UnmodelledFamily, arch_from_hf_config
+from pipemem.validation.steady_cases import FAMILIES
 
-BASE = dict(
-    hidden_size=256,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    num_hidden_layers=4,
-    intermediate_size=688,
-    vocab_size=1000,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
-V3 = dict(
-    BASE,
-    model_type="deepseek_v3",
-    q_lora_rank=96,
-    kv_lora_rank=64,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    n_group=4,
-    topk_group=2,
-)
+# the DeepSeek-V3 shape of the whole-step cases (validation/steady_cases.py), with a smaller
+# vocabulary: the tests below trace it several times
+V3 = dict(FAMILIES["deepseek_v3"], vocab_size=1000, tie_word_embeddings=False)
 CONFIGS = {
     # value head unlike the query's: SDPA takes the memory-efficient kernel
     "v3": V3,
