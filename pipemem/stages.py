@@ -148,6 +148,12 @@ def template_warnings(arch, plan) -> list[str]:
     from .templates.moe import load_note
 
     out = mla_warnings(arch, plan)
+    if arch.mtp_layers:  # DeepSeek-V3, GLM-4.5: named in the config, built by neither HF module
+        out.append(
+            f"num_nextn_predict_layers={arch.mtp_layers}: transformers' {arch.model_type} causal LM "
+            "(--convention hf) has no multi-token prediction layers, so the step modelled has none "
+            "(Megatron's --mtp-num-layers trains them: not modelled by templates)"
+        )
     out += [n for n in (load_note(arch, plan),) if n]  # what the MoE routing is taken as
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on

@@ -83,14 +83,8 @@ def check_mla_convention(arch, convention: str) -> None:
 
 
 def mla_warnings(arch, plan) -> list[str]:
-    """What a DeepSeek (or GLM-4 MoE) plan's numbers leave out, said beside them."""
+    """What a DeepSeek plan's numbers leave out, said beside them."""
     out = []
-    if getattr(arch, "mtp_layers", 0):
-        out.append(
-            f"num_nextn_predict_layers={arch.mtp_layers}: transformers' {arch.model_type} causal LM "
-            "(--convention hf) has no multi-token prediction layers, so the step modelled has none "
-            "(Megatron's --mtp-num-layers trains them: not modelled by templates)"
-        )
     if getattr(arch, "kv_lora_rank", 0) and plan.flash_attn and arch.head_dim != arch.v_head_dim:
         out.append(
             "multi-head latent attention: the value head differs from the query's, so SDPA runs the "
