@@ -34,6 +34,9 @@ examples:
       --model_name_or_path meta-llama/Meta-Llama-3-8B --block_size 4096 --per_device_train_batch_size 1 \\
       --bf16 --gradient_checkpointing --deepspeed ds_config.json
   pipemem estimate --model ./config.json --mode traced --step first    # the first step, as recorded
+  pipemem estimate --model llama3-8b --convention hf --dtype bf16 --lora-rank 16 --lora-targets all-linear --qlora
+  pipemem estimate --gpu a100-80g --from-llamafactory examples/train_lora/llama3_lora_sft.yaml
+  pipemem estimate --model mixtral-8x7b --dp 8 --ep 8 --seq-len 4096 --moe-imbalance 1.5    # the busiest experts
   PIPEMEM_PADDLENLP_PYTHON=~/venvs/paddlenlp/bin/python pipemem estimate --gpu gtx1080ti --exact \\
       --from-paddlenlp -- --model_name_or_path facebook/llama-7b --max_seq_length 2048 \\
       --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --pipeline_parallel_degree 4 \\
