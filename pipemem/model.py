@@ -125,13 +125,10 @@ class ArchSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_style: str = "half"  # half (rotate_half) | interleave (DeepSeek-V3) | complex (DeepSeek-V2)
-    # DeepSeek routers: softmax or sigmoid scores (+ the e_score_correction_bias buffer), top-k within
-    # the router_topk_groups best of router_groups expert groups
-    router_score: str = "softmax"
-    router_bias: bool = False
+    # group-limited routing (DeepSeek, GLM-4 MoE): top-k within the router_topk_groups best of
+    # router_groups expert groups (n_group / topk_group)
     router_groups: int = 1
     router_topk_groups: int = 1
-    router_scale: bool = False  # top-k weights times routed_scaling_factor (a new tensor)
     mtp_layers: int = 0  # multi-token prediction depths (num_nextn_predict_layers / --mtp-num-layers)
     # Newer MoE families (pipemem.model `_newer_moe`): GLM-4 MoE
     rotary_fraction: float = 1.0  # rope over this part of each head (glm4_moe partial_rotary_factor)
@@ -683,12 +680,12 @@ def _deepseek_mla(r: _Reader, mt: str) -> ArchSpec:
         qk_rope_head_dim=rope,
         v_head_dim=r.pos_int("v_head_dim"),
         rope_style=("interleave" if r.opt("rope_interleave", True) else "half") if v3 else "complex",
-        router_score="sigmoid" if v3 else "softmax",
-        router_bias=v3,
+        # V3: DeepseekV3TopkRouter, the router GLM-4 MoE copies (templates/moe.py); V2 softmax
+        router="sigmoid_group" if v3 else "softmax",
         router_groups=groups,
         router_topk_groups=topk_groups,
+        routed_scaling=float(r.opt("routed_scaling_factor", 1.0)),
         router_norm_topk=bool(r.opt("norm_topk_prob", True)) if v3 else False,
-        router_scale=True,
         mtp_layers=int(r.opt("num_nextn_predict_layers", 0) or 0),
     )
 

@@ -86,10 +86,10 @@ def test_presets_read_with_published_sizes():
         128,
         64,
     )
-    assert ds.dense_layers == (0, 1, 2) and ds.router_score == "sigmoid" and ds.router_groups == 8
+    assert ds.dense_layers == (0, 1, 2) and ds.router == "sigmoid_group" and ds.router_groups == 8
     assert round(ds.param_count() / 1e9) == 671  # the main model (the MTP module's 14B aside)
     lite = arch_from_hf_config(load_model_config("deepseek-v2-lite")[1], "deepseek-v2-lite")
-    assert lite.q_lora_rank == 0 and lite.router_score == "softmax" and lite.rope_style == "complex"
+    assert lite.q_lora_rank == 0 and lite.router == "softmax" and lite.rope_style == "complex"
     assert round(lite.param_count() / 1e8) == 157
     kimi = arch_from_hf_config(load_model_config("kimi-k2")[1], "kimi-k2")
     assert kimi.experts == 384 and kimi.router_groups == 1 and kimi.dense_layers == (0,)

@@ -27,14 +27,11 @@ Attention (transformers 5.24, models/deepseek_v3/modeling_deepseek_v3.py `Deepse
 The forward's locals (the query projection, the kv_a projection, the rotary outputs) stay alive
 until the attention module returns.
 
-Router (`DeepseekV3TopkRouter`): the input and the weight cast to fp32, fp32 logits, sigmoid
-scores (saved), + the ``e_score_correction_bias`` buffer, group scores (top-2 per group, summed),
-the top ``topk_group`` groups made into a [T, E] mask, masked scores, top-k indices; the weights
-gathered from the scores, renormalised in place (norm_topk_prob), times
-``routed_scaling_factor``. The choice's intermediates are transient ([T, E] fp32 / bool; freed
-when the router returns). V2 (`DeepseekV2TopkRouter`): softmax scores, greedy top-k or a group
-mask (kept by masked_fill for backward). Experts: HF's grouped_mm path as in `moe_hf`; the shared
-experts' MLP runs after the routed experts (`DeepseekV3MoE.forward`).
+Router (`DeepseekV3TopkRouter`, which GLM-4 MoE's copies): `templates/moe.py`
+`sigmoid_group_router`, written out there. V2 (`DeepseekV2TopkRouter`): softmax scores, greedy
+top-k or a group mask (kept by masked_fill for backward), never renormalised. Experts: HF's
+grouped_mm path as in `moe_hf`; the shared experts' MLP runs after the routed experts
+(`DeepseekV3MoE.forward`).
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from dataclasses import replace
 
 from ..ir import dtype_bytes
 from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
+from .moe import fp32_router_logits, sigmoid_group_router
 
 STAT = "fp32"
 
@@ -223,41 +221,31 @@ def _core_attention(g, arch, q: str, k: str, v: str, opt) -> str:
 
 def moe(g, arch, x: str, opt) -> str:
     """DeepseekV2Moe / DeepseekV3MoE: router, HF's grouped_mm experts, then the shared experts."""
-    sh, t = g.sh, g.t
-    T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
-    x_dt = g.dtype_of(x)
-    if sh.autocast:
-        # under autocast F.linear runs in the compute dtype whatever the .type(fp32) casts
-        logits = g.linear(x, "moe.router", (T, E), h, False)
+    sh = g.sh
+    if arch.router == "sigmoid_group":  # V3
+        topn, topi, sdt = sigmoid_group_router(g, x, opt)
     else:
-        xf = x
-        if x_dt != "fp32":
-            xf = g.act("moe.router_in_fp32", (T, h), "fp32")
-            t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
-        w = t.param(g.n("moe.router.weight"), (E, h), g.dt)
-        wf = w
-        if g.dt != "fp32":
-            wf = g.act("moe.router.weight_fp32", (E, h), "fp32")
-            t.node("to_fp32", (w,), (wf,))
-        logits = g.act("moe.router_logits", (T, E), "fp32")
-        t.node("linear", (xf, wf), (logits,), diff_inputs=(xf,), params=(w,), save_i=(wf,), save_w=(xf,))
-    ldt = g.dtype_of(logits)
-    sdt = ldt if arch.router_score == "sigmoid" else "fp32"
+        topn, topi, sdt = _v2_router(g, arch, x)
+    y = _hf_grouped_experts(g, x, topn, topi, sdt, opt)
+    if sh.shared_ffn:
+        shared = g.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
+        y = g.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, sh.h))
+    return y
+
+
+def _v2_router(g, arch, x: str) -> tuple[str, str, str]:
+    """DeepseekV2's router: fp32 logits, softmax scores (kept), the top-k greedy or within the
+    router_topk_groups best groups (a [T, E] mask masked_fill keeps), times routed_scaling_factor
+    (never renormalised) -> (weights [T, K], indices [T, K], their dtype)."""
+    sh, t = g.sh, g.t
+    T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
+    logits = fp32_router_logits(g, x)
+    sdt = "fp32"
     scores = g.act("moe.scores", (T, E), sdt)
-    t.node(arch.router_score, (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
+    t.node("softmax", (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
     eb = dtype_bytes(sdt)
-    G = arch.router_groups
     topi = g.act("moe.topk_idx", (T, K), "int64")
-    if arch.router_score == "sigmoid":
-        # scores + bias, [T, G, 2] top-2 values / indices, group sums, group top-k, the [T, E]
-        # mask (a float copy of the expanded group mask, .bool(), ~), the masked scores, then
-        # top-k: at the masked_fill, the biased scores, the float mask, the inverted bool mask
-        # and the masked copy are alive together
-        ws = (3 * eb + 1) * T * E + T * G * (2 * (eb + 8) + 2 * eb) + T * K * eb
-        t.node("group_limited_topk", (scores,), (topi,), workspace_f=ws)
-        topv = g.act("moe.topk_values", (T, K), sdt)
-        t.node("gather", (scores, topi), (topv,), diff_inputs=(scores,), save_i=(topi,))
-    elif G > 1:
+    if arch.router_groups > 1:
         # group maxima, group top-k, the [T, E] mask: masked_fill keeps its bool mask
         mask = g.act("moe.group_mask", (T, E), "bool")
         t.node("group_mask", (scores,), (mask,), workspace_f=(eb + 1) * T * E)
@@ -268,31 +256,9 @@ def moe(g, arch, x: str, opt) -> str:
     else:
         topv = g.act("moe.topk_values", (T, K), sdt)
         t.node("topk", (scores,), (topv, topi), diff_inputs=(scores,), save_i=(topi,))
-    topn = topv
-    if arch.router_norm_topk:
-        ssum = g.act("moe.topk_sum", (T, 1), sdt)
-        t.node("sum", (topv,), (ssum,), diff_inputs=(topv,))
-        den = g.act("moe.topk_denominator", (T, 1), sdt)
-        t.node("add_scalar", (ssum,), (den,), diff_inputs=(ssum,), grad_alias=True)
-        orig = g.act("moe.topk_values_orig", (T, K), sdt)
-        topn = g.act("moe.topk_weights", (T, K), sdt, storage=topv)
-        t.node(
-            "div_",
-            (topv, den),
-            (orig, topn),
-            diff_inputs=(topv, den),
-            save_i=(orig, den),
-            fwd_ops=(_op("clone", (topv,), (orig,)), _op("div_", (topv, den), (topn,))),
-        )
-    if arch.router_scale:
-        scaled = g.act("moe.topk_scaled", (T, K), sdt)
-        t.node("mul_scalar", (topn,), (scaled,), diff_inputs=(topn,))
-        topn = scaled
-    y = _hf_grouped_experts(g, x, topn, topi, sdt, opt)
-    if sh.shared_ffn:
-        shared = g.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
-        y = g.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
-    return y
+    scaled = g.act("moe.topk_scaled", (T, K), sdt)
+    t.node("mul_scalar", (topv,), (scaled,), diff_inputs=(topv,))
+    return scaled, topi, sdt
 
 
 def _hf_grouped_experts(g, x: str, topn: str, topi: str, wdt: str, opt) -> str:

@@ -1,7 +1,8 @@
 """Routers of the newer MoE families, as HF transformers' modules compute them (the rest of the
-MoE block is `_Gen.moe_hf` in layers.py).
+MoE block is `_Gen.moe_hf` in layers.py, or `mla.moe` for DeepSeek).
 
-GLM-4 MoE (transformers 5.24 modeling_glm4_moe.py `Glm4MoeTopkRouter`): the router's linear runs
+DeepSeek-V3 and GLM-4 MoE (transformers 5.24 modeling_deepseek_v3.py `DeepseekV3TopkRouter`,
+modeling_glm4_moe.py `Glm4MoeTopkRouter`, the same code): the router's linear runs
 in fp32 over an fp32 copy of its input and of its weight; sigmoid scores; the choice adds the
 correction bias, scores each of `n_group` groups by its best two experts, keeps the best
 `topk_group` groups (a mask filled with -inf) and takes the top k; the weights are the sigmoid
@@ -16,38 +17,45 @@ and denominator.
 from __future__ import annotations
 
 
-def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
-    """GLM-4 MoE's router on `x` ([s_sp, b, h]) -> (routing weights [T, K], expert indices
-    [T, K] int64, the weights' dtype)."""
+def fp32_router_logits(g, x: str) -> str:
+    """The router linear of HF's DeepSeek-style routers (DeepseekV2 / V3, GLM-4 MoE):
+    `F.linear(x.type(float32), weight.type(float32))` -> logits [T, E]. Both casts are new
+    tensors the fp32 linear keeps; under autocast F.linear runs in the compute dtype whatever
+    the casts, so the logits are in it."""
     sh = g.sh
-    T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
-    G, TG = opt.router_groups, opt.router_topk_groups
+    T, E, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.h
     if sh.autocast:
-        # autocast runs F.linear in the low precision whatever its operands' dtype: logits,
-        # sigmoid and the gathered weights in it (the correction bias promotes the choice to fp32)
-        logits = g.linear(x, "moe.router", (T, E), h, False)
-        sdt = g.dt
-    else:
-        sdt = "fp32"
-        xf = x
-        if g.dtype_of(x) != "fp32":
-            xf = g.act("moe.router.input_fp32", (T, h), "fp32")
-            g.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
-        w = g.t.param(g.n("moe.router.weight"), (E, h), g.dt)
-        wf = w
-        if g.dt != "fp32":
-            wf = g.act("moe.router.weight_fp32", (E, h), "fp32")
-            g.t.node("weight_to_fp32", (w,), (wf,))
-        logits = g.act("moe.router.out", (T, E), "fp32")
-        g.t.node(
-            "linear",
-            (xf, wf),
-            (logits,),
-            diff_inputs=(xf,),
-            params=(w,),
-            save_i=(wf,) if wf != w else (),
-            save_w=(xf,),
-        )
+        return g.linear(x, "moe.router", (T, E), h, False)
+    xf = x
+    if g.dtype_of(x) != "fp32":
+        xf = g.act("moe.router.input_fp32", (T, h), "fp32")
+        g.t.node("to_fp32", (x,), (xf,), diff_inputs=(x,))
+    w = g.t.param(g.n("moe.router.weight"), (E, h), g.dt)
+    wf = w
+    if g.dt != "fp32":
+        wf = g.act("moe.router.weight_fp32", (E, h), "fp32")
+        g.t.node("weight_to_fp32", (w,), (wf,))
+    logits = g.act("moe.router.out", (T, E), "fp32")
+    g.t.node(
+        "linear",
+        (xf, wf),
+        (logits,),
+        diff_inputs=(xf,),
+        params=(w,),
+        save_i=(wf,) if wf != w else (),
+        save_w=(xf,),
+    )
+    return logits
+
+
+def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
+    """DeepSeek-V3's and GLM-4 MoE's router (`DeepseekV3TopkRouter`, which GLM's copies) on `x`
+    ([s_sp, b, h]) -> (routing weights [T, K], expert indices [T, K] int64, the weights' dtype)."""
+    sh = g.sh
+    T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
+    G, TG = opt.router_groups, opt.router_topk_groups
+    logits = fp32_router_logits(g, x)
+    sdt = g.dtype_of(logits)
     scores = g.act("moe.scores", (T, E), sdt)
     g.t.node("sigmoid", (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
     # the choice: transients with no path to the loss
