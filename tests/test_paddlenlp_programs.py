@@ -200,3 +200,23 @@ def test_exact_estimate_builds_paddlenlp_programs(tmp_path, monkeypatch):
     assert d["ranks"][0]["inflight"] == 2 and d["ranks"][1]["inflight"] == 1
     cached = list(tmp_path.rglob("rank*.json"))
     assert len(cached) == 2 and json.loads(cached[0].read_text())["format"] == "pipemem.paddlenlp-rank/1"
+
+
+def test_exact_says_what_it_builds_while_it_builds(tmp_path, monkeypatch, capsys):
+    """--exact spends 20-50 s per card in PaddleNLP's worker: a line on stderr as each card starts
+    (here the worker, a stand-in interpreter, refuses at once, as PaddleNLP refuses a plan)."""
+    from pipemem.cli.main import main
+
+    fake = tmp_path / "python"
+    fake.write_text(
+        '#!/bin/sh\nif [ "$1" = "-c" ]; then echo "3.3.1 2.8.1"; exit 0; fi\n'
+        'echo "this plan is refused by the worker" >&2; exit 2\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PIPEMEM_PADDLENLP_PYTHON", str(fake))
+    monkeypatch.setenv("PIPEMEM_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["estimate", "--model", "llama3.2-1b", "--convention", "paddle", "--pp", "2", "--exact"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--exact: building card 0's programs with PaddleNLP" in err
+    assert err.strip().splitlines()[-1] == "pipemem: error: this plan is refused by the worker"

@@ -85,3 +85,16 @@ def test_validate_features_shows_progress_and_summary(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "validate features: 2 cases" in err and "[1/2] compile/x (" in err and "[2/2] fp8/y (" in err
     assert "compile/x: saved" in out and "2.00 KiB" in out and "max |rel_error| = 0.100% over 2 cases" in out
+
+
+@pytest.mark.parametrize("target", ["cpu", "dist", "torchtitan", "torchtune", "hf-trainer", "deepspeed"])
+def test_validate_without_torch_is_one_line(target, monkeypatch, capsys):
+    # `pipemem validate cpu` on a base install (no torch) ended in a ModuleNotFoundError traceback
+    # from pipemem/traced/hf.py (dist: validation/distributed/models.py, torchtitan:
+    # validation/torchtitan_trace.py): one line naming what to install, exit 2
+    from pipemem.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec("torch") is None, `import torch` fails
+    assert main(["validate", target]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pipemem: error:") and "needs torch" in err and len(err.splitlines()) == 1

@@ -485,6 +485,7 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
             raise UserError(f"--exact builds Paddle's programs (mode paddle); drop --mode {mode}")
         mode = "paddle"
     opts = {
+        "progress": _exact_progress if mode == "paddle" else None,
         "gpu": args.gpu,
         "gpu_memory": args.gpu_memory,
         "mode": mode,
@@ -530,6 +531,23 @@ def collect(args) -> tuple[object, dict, dict, list[str]]:
     opts.update(tool_opts)
     refuse_inert(flags, plan, opts)
     return model, plan, opts, warnings
+
+
+def _exact_progress(card: int, doc, _started: dict = {}) -> None:  # noqa: B006 - start times per card
+    """A line on stderr when PaddleNLP starts building a card's programs and when it is done (each
+    takes 20-50 s; a built card is cached and says nothing)."""
+    import time
+
+    if doc is None:
+        _started[card] = time.perf_counter()
+        print(
+            f"pipemem: --exact: building card {card}'s programs with PaddleNLP (20-50 s; cached afterwards)",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        took = time.perf_counter() - _started.pop(card, time.perf_counter())
+        print(f"pipemem: --exact: card {card} built in {took:.0f} s", file=sys.stderr, flush=True)
 
 
 # a DeepSpeed config's "auto" -> (its key, the pipemem flag that gives it)

@@ -190,7 +190,8 @@ def rank_documents(
     progress=None,
 ) -> dict[int, dict]:
     """{card: captured document} for `cards`, each built by a worker process (at most
-    `parallel` at once), read from the cache when built before."""
+    `parallel` at once), read from the cache when built before. `progress(card, doc)` is called
+    when a card's worker starts (doc None) and when it is done."""
     python = python or paddlenlp_python()
     versions = installed_versions(python)
     folder = cache_dir() / spec_key(spec, versions)
@@ -217,6 +218,8 @@ def rank_documents(
 
         def one(card: int) -> tuple[int, dict]:
             target = Path(tmp) / f"rank{card}.json"
+            if progress:
+                progress(card, None)
             proc = subprocess.run(
                 [python, "-m", "pipemem.paddle.paddlenlp_worker", str(spec_path), str(card), str(target)],
                 capture_output=True,

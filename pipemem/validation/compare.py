@@ -242,6 +242,18 @@ def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
     return rows
 
 
+def require(target: str, modules=("torch",), install: str = "'pipemem[torch]'") -> None:
+    """One UserError line when a module `pipemem validate <target>` runs is not installed, before
+    anything imports it (a base install has no torch)."""
+    from importlib.util import find_spec
+
+    from ..errors import UserError
+
+    for mod in modules:
+        if find_spec(mod) is None:
+            raise UserError(f"pipemem validate {target} needs {mod}: pip install {install}")
+
+
 def run_named_cases(
     args,
     target: str,
@@ -273,6 +285,7 @@ def run_named_cases(
         return 0
     if args.timeout <= 0:
         raise UserError("--timeout: must be a positive number of seconds")
+    require(target)
     known = {c["name"]: c for c in all_cases()}
     if args.cases:
         cases = [known[n] for n in case_names(args.cases, known, target)]

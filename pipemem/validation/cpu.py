@@ -232,9 +232,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from .compare import require
     from .progress import CaseProgress, print_result, quiet_profiler_chatter
 
     cases = pick_cases(getattr(args, "cases", ""), CASES)
+    require("cpu", ("torch", "transformers"))
     with quiet_profiler_chatter(), CaseProgress([c.name for c in cases], "validate cpu") as bar:
         rows = run_cases(cases, bar)
     return print_result(

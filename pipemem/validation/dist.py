@@ -480,7 +480,10 @@ def run(args) -> int:
         for c in all_cases():
             print(c["name"])
         return 0
+    from .compare import require
     from .progress import CaseProgress, print_result, print_summary, quiet_profiler_chatter
+
+    require("dist")
 
     try:
         with quiet_profiler_chatter(), CaseProgress([c["name"] for c in cases], "validate dist") as bar:

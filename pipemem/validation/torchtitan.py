@@ -230,7 +230,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .torchtitan_trace import available
+    def available():
+        from .torchtitan_trace import available
+
+        return available()
 
     return run_named_cases(
         args,
