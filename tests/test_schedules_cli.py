@@ -67,3 +67,43 @@ def test_unknown_torch_schedule_is_refused_before_importing_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert "torch:Nope: unknown PyTorch schedule" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chart_help_and_presets_keep_to_an_80_column_terminal(monkeypatch, capsys):
+    """At COLUMNS=80 `pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8` printed 228-column
+    rank lines, `schedule --help` 141 columns and `presets` 103: each now keeps to the terminal's
+    width (no name or number cut), and a wide terminal still gets the tables."""
+    from pipemem.presets import model_names
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["schedule", "ZBVZeroBubble", "--pp", "4", "--microbatches", "8", "--full"]) == 0
+    full = capsys.readouterr().out
+    assert main(["schedule", "ZBVZeroBubble", "--pp", "4", "--microbatches", "8"]) == 0
+    chart = capsys.readouterr().out
+    try:
+        main(["schedule", "--help"])
+    except SystemExit:
+        pass
+    helptext = capsys.readouterr().out
+    assert main(["presets"]) == 0
+    presets = capsys.readouterr().out
+    for text in (full, chart, helptext, presets):
+        assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    back = _json(capsys, "ZBVZeroBubble", "--pp", "4", "--microbatches", "8")
+    # --full: every action of every rank, in order, on the rank's wrapped lines
+    blocks = full.split("\nrank ")[1:]
+    for r, block in zip(back["ranks"], blocks):
+        body = block.split("\nbubble")[0].splitlines()[1:]
+        words = " ".join(body).split()
+        assert len(words) == len(r["actions"])
+    # without --full: a rank's first actions, then how many more
+    line = chart.split("rank  0")[1].splitlines()[1].split()
+    assert line[-2] == "..." and len(line) - 2 + int(line[-1].strip("(+)")) == len(
+        back["ranks"][0]["actions"]
+    )
+    assert "I3 / W3" in helptext and "ScheduleZBVZeroBubble" in helptext
+    for name in model_names():
+        assert any(x.startswith(name + " ") for x in presets.splitlines()), name
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["presets"]) == 0
+    assert "heads/kv" in capsys.readouterr().out.split("\n")[2]

@@ -164,18 +164,69 @@ def run(args) -> int:
             str(row.get("compute_capability", "?")),
             "yes" if row.get("flash_attention", True) else "no",
         )
-    # never cut a name or a number: a table wider than the terminal is printed whole
-    con = console(width=max(terminal_width(), table_width(t), table_width(g)))
-    con.print(t)
-    con.print(
+    models_note = (
         "* --mode traced only (transformers' own modules; templates do not model the family); "
-        "- = transformers' default for a key the config.json leaves out",
-        style="dim",
+        "- = transformers' default for a key the config.json leaves out"
     )
-    con.print(g)
-    con.print(
+    gpus_note = (
         "GPU memory = the device total as nvidia-smi reports it; compute = CUDA compute capability (AMD: "
-        "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json.",
-        style="dim",
+        "gfx target); flash-attn no: --flash-attn defaults off. Sources: pipemem/presets/gpus.json."
     )
+    width = terminal_width()
+    con = console(width=width)
+    if max(table_width(t), table_width(g)) <= width:
+        for table, note in ((t, models_note), (g, gpus_note)):
+            con.print(table)
+            con.print(note, style="dim")
+        return 0
+    # narrower than the tables: one block per model / GPU, `name value` items wrapped whole (as
+    # pipemem estimate and plan stack theirs), so that no name or number is cut
+    _stacked(con, "models (--model NAME)", [_model_items(m) for m in models], models_note, width)
+    con.print()
+    _stacked(con, "GPUs (--gpu NAME)", [_gpu_items(row) for row in gpus], gpus_note, width)
     return 0
+
+
+def _model_items(m: dict) -> tuple[list[str], list[str]]:
+    def v(x):
+        return "-" if x is None else str(x)
+
+    params = "-" if m["params"] is None else f"{m['params'] / 1e9:.2f} B"
+    head = [m["name"], v(m["model_type"]) + ("" if m["modes"] != "traced" else " *"), f"{params} params"]
+    body = [
+        f"{v(m['layers'])} layers",
+        f"hidden {v(m['hidden'])}",
+        f"heads/kv {v(m['heads'])}/{v(m['kv_heads'])}",
+        f"ffn {v(m['ffn'])}",
+    ]
+    if m["experts"]:
+        body.append(f"{m['experts']} experts (top {m['top_k']})")
+    return head, body + [f"vocab {v(m['vocab'])}"]
+
+
+def _gpu_items(row: dict) -> tuple[list[str], list[str]]:
+    from ..units import fmt_bytes
+
+    head = [row["key"], row["name"]]
+    body = [
+        fmt_bytes(row["bytes"]),
+        f"{row['mib']} MiB",
+        f"compute {row.get('compute_capability', '?')}",
+        f"flash-attn {'yes' if row.get('flash_attention', True) else 'no'}",
+    ]
+    return head, body
+
+
+def _stacked(con, title: str, blocks, note: str, width: int) -> None:
+    import textwrap
+
+    from rich.text import Text
+
+    from ..report.text import wrap_items
+
+    out = Text(title + "\n", style="bold")
+    for head, body in blocks:
+        for i, line in enumerate(wrap_items(head, width) + wrap_items(body, width - 2, indent="  ")):
+            out.append(line + "\n", style="bold" if i == 0 else "")
+    con.print(out, end="")
+    con.print("\n".join(textwrap.wrap(note, width)), style="dim")

@@ -11,46 +11,66 @@ EXAMPLE = """\
 examples:
   pipemem schedule 1F1B --pp 4 --microbatches 8
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
-  pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4 --csv-out zb.csv
+  pipemem schedule auto --pp 4 --microbatches 16 --memory-limit 4
+  pipemem schedule ZBH1 --pp 4 --microbatches 8 --csv-out zb.csv
   pipemem schedule csv:zb.csv
 """
 
-NOTATION_TEXT = """\
-notation:
-  F3 forward of microbatch 3; B3 its backward; I3 / W3 the two halves of a split backward
-  (input grad, then weight grad). With 2 chunks per rank (--vpp 2) UPPER case is the rank's
-  first chunk and lower case its second (F3 / f3, B3 / b3); with more chunks, F3.2 is
-  microbatch 3 on chunk 2. In `pipemem estimate`, F3@s5 names the virtual stage (s5).
-  Memory: "mb" is one microbatch's activations on a rank (all its chunks): a chunk's F
-  keeps 1/vpp of it, B frees it; a split backward's I frees all but the weight-grad inputs
-  (w = M_W/M_B, --w-ratio) and W the rest. "in flight" is the most microbatches (in the same
-  unit) whose forward has run and whose backward has not, as `pipemem estimate` shows it.
-  Time: T_F = T_I = T_W = 1 unless --times.
-
-names (case-insensitive; '-' and '_' ignored):
-"""
+# paragraphs, wrapped to the terminal; a no-break space (\xa0) keeps a notation together
+NOTATION_TEXT = (
+    "F3 forward of microbatch 3; B3 its backward; I3\xa0/\xa0W3 the two halves of a split backward "
+    "(input grad, then weight grad). With 2 chunks per rank (--vpp\xa02) UPPER case is the rank's "
+    "first chunk and lower case its second (F3\xa0/\xa0f3, B3\xa0/\xa0b3); with more chunks, F3.2 is "
+    "microbatch 3 on chunk 2. In `pipemem estimate`, F3@s5 names the virtual stage (s5).",
+    "Memory: \"mb\" is one microbatch's activations on a rank (all its chunks): a chunk's F keeps "
+    "1/vpp of it, B frees it; a split backward's I frees all but the weight-grad inputs "
+    '(w = M_W/M_B, --w-ratio) and W the rest. "in flight" is the most microbatches (in the same '
+    "unit) whose forward has run and whose backward has not, as `pipemem estimate` shows it.",
+    "Time: T_F = T_I = T_W = 1 unless --times.",
+)
 IMPORTED_ROWS = """\
   csv:FILE          _load_csv (PyTorch's CSV of actions)
   torch:NAME        PyTorch's own generator, run (needs torch)
 """
 
 
-def notation() -> str:
-    """The help's notation and name table (one row per registered schedule)."""
+def _wrap(text: str, width: int, indent: str = "") -> str:
+    """`text` wrapped to `width` columns, each line after `indent`; no-break spaces kept whole."""
+    import textwrap
+
+    lines = textwrap.wrap(text, max(20, width - len(indent)), break_on_hyphens=False) or [""]
+    return "\n".join(indent + line.replace("\xa0", " ") for line in lines)
+
+
+def notation(width: int = 124) -> str:
+    """The help's notation and name table (one row per registered schedule), within `width`."""
     from ..schedules.registry import notation_rows
 
-    return NOTATION_TEXT + "\n".join(notation_rows()) + "\n" + IMPORTED_ROWS
+    text = "\n".join(_wrap(p, min(width, 92), "  ") for p in NOTATION_TEXT)
+    return (
+        "notation:\n"
+        + text
+        + "\n\nnames (case-insensitive; '-' and '_' ignored):\n"
+        + "\n".join(notation_rows(min(width, 124)))
+        + "\n"
+        + IMPORTED_ROWS
+    )
 
 
 def register(sub) -> None:
+    from ..report.text import terminal_width
     from ..schedules.registry import names_help
 
+    width = terminal_width()
     p = sub.add_parser(
         "schedule",
         help="per-rank actions, bubble and peak of a pipeline schedule",
-        description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
-        "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE + "\n" + notation(),
+        description=_wrap(
+            "Generate (or import) a pipeline schedule, check it, replay it per rank with "
+            "microbatch-unit jobs and a time model, and print a compact chart.",
+            min(width, 92),
+        ),
+        epilog=EXAMPLE + "\n" + notation(width),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("name", help=f"schedule name (table below): {names_help()}")
@@ -241,31 +261,76 @@ def _run(args) -> int:
         # schedules print compact
         print(json.dumps(out, indent=2 if sched.num_actions <= 20000 else None))
         return 0
+    from ..report.text import terminal_width
+
+    width = terminal_width()
     print(
-        f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
-        f"{sched.microbatches} microbatches, {sched.num_actions} actions"
-        + (", split backward (I/W)" if sched.split_backward else "")
+        _wrap(
+            f"{sched.name}: pp {sched.pp}, vpp {sched.vpp} ({sched.placement} placement), "
+            f"{sched.microbatches} microbatches, {sched.num_actions} actions"
+            + (", split backward (I/W)" if sched.split_backward else ""),
+            width,
+        )
     )
     if sched.notes:
-        print(f"  {sched.notes}")
-    print(_legend(sched))
-    limit = None if args.full else 40
+        print(_wrap(sched.notes, width, "  "))
+    print(_wrap(_legend(sched).strip(), width, "  "))
     for r, (acts, rr) in enumerate(zip(sched.ranks, res.ranks)):
-        shown = acts if limit is None else acts[:limit]
-        tail = f" ... (+{len(acts) - len(shown)})" if len(shown) < len(acts) else ""
-        print(
+        head = (
             f"rank {r:>2}  peak {_mb(mb(rr.peak_allocated_bytes)):>8} at {rr.peak_at:<9} "
             f"in flight {_mb(rr.max_inflight / sched.vpp):>7} | "
-            + " ".join(_label(a, sched) for a in shown)
-            + tail
         )
-    print(
+        for line in _action_lines(head, acts, sched, width, args.full):
+            print(line)
+    bubble = (
         f"bubble {res.bubble_ratio:.1%} of {sched.pp} x makespan {res.makespan:g} "
         f"(T_F={times.F:g} T_I={times.I:g} T_W={times.W:g} comm={times.comm:g}); "
         f"per-rank span bubble (Qi et al.) {res.stage_bubble_ratio:.1%}"
     )
+    print(_wrap(bubble, width))
     print(
-        f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's "
-        f"activations) (w = M_W/M_B = {float(w):.3f})" + (f"; wrote {args.csv_out}" if args.csv_out else "")
+        _wrap(
+            f"peak {_mb(mb(max(r.peak_allocated_bytes for r in res.ranks)))} (microbatches of a rank's "
+            f"activations) (w = M_W/M_B = {float(w):.3f})"
+            + (f"; wrote {args.csv_out}" if args.csv_out else ""),
+            width,
+        )
     )
     return 0
+
+
+# the first actions of a rank shown without --full, when the terminal has room for them
+SHOWN_ACTIONS = 40
+
+
+def _action_lines(head: str, acts, sched, width: int, full: bool) -> list[str]:
+    """A rank's line: `head`, then its actions within `width` columns. Without `full`, the first
+    SHOWN_ACTIONS or fewer, as many as fit on the line, then `... (+N)`; with `full`, every action,
+    wrapped under the first. Where `head` leaves too little room, the actions start on the next
+    line, indented."""
+    lines = []
+    if width - len(head) < 40:
+        lines.append(head.rstrip(" |"))
+        head = "    "
+    room = max(width - len(head), 8)
+    if full:
+        rows = [""]
+        for a in acts:
+            label = _label(a, sched)
+            if rows[-1] and len(rows[-1]) + 1 + len(label) > room:
+                rows.append(label)
+            else:
+                rows[-1] = f"{rows[-1]} {label}" if rows[-1] else label
+        return lines + [(head if i == 0 else " " * len(head)) + row for i, row in enumerate(rows)]
+    shown: list[str] = []
+    used = 0
+    for i, a in enumerate(acts[:SHOWN_ACTIONS]):
+        label = _label(a, sched)
+        rest = len(acts) - i - 1
+        need = used + (1 if shown else 0) + len(label) + (len(f" ... (+{rest})") if rest else 0)
+        if shown and need > room:
+            break
+        used += (1 if shown else 0) + len(label)
+        shown.append(label)
+    rest = len(acts) - len(shown)
+    return lines + [head + " ".join(shown) + (f" ... (+{rest})" if rest else "")]

@@ -113,19 +113,34 @@ def _shown(spec: ScheduleSpec) -> str:
 
 
 def notation_rows(width: int = 124) -> list[str]:
-    """`pipemem schedule --help`'s name table, one row per schedule (the paper column wrapped)."""
+    """`pipemem schedule --help`'s name table, one row per schedule, within `width` columns: four
+    columns (the paper column wrapped), or where they do not fit, the name and then its PyTorch,
+    Paddle and paper names as one wrapped text."""
+    lead = 2 + sum(_WIDTHS)
+    four = width - lead >= 30
 
     def row(cells):
-        head = "".join(c.ljust(w) for c, w in zip(cells[:3], _WIDTHS))
-        lead = 2 + sum(_WIDTHS)
-        wrapped = textwrap.wrap(cells[3], max(20, width - lead), break_on_hyphens=False) or [""]
+        if four:
+            head, at, text = "".join(c.ljust(w) for c, w in zip(cells[:3], _WIDTHS)), lead, cells[3]
+        else:
+            head, at, text = cells[0].ljust(_WIDTHS[0]), 2 + _WIDTHS[0], "; ".join(cells[1:])
+        wrapped = textwrap.wrap(text, max(20, width - at), break_on_hyphens=False) or [""]
         out = ["  " + head + wrapped[0]]
-        out += [" " * lead + more for more in wrapped[1:]]
+        out += [" " * at + more for more in wrapped[1:]]
         return [line.rstrip() for line in out]
 
     lines = row(NOTATION_HEADER)
     for spec in SPECS:
         cells = [_shown(spec), spec.torch or "-", spec.paddle or "-", spec.paper.replace("`", "") or "-"]
+        if not four:  # the names a framework has (none: not named)
+            cells = [
+                cells[0],
+                "; ".join(
+                    [f"PyTorch {cells[1]}"] * (cells[1] != "-")
+                    + [f"Paddle {cells[2]}"] * (cells[2] != "-")
+                    + [cells[3]]
+                ),
+            ]
         if len(cells[0]) >= _WIDTHS[0]:  # a long name gets its own line
             lines.append("  " + cells[0])
             cells[0] = ""
