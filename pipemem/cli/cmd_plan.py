@@ -130,6 +130,18 @@ def register(sub) -> None:
         help="flash attention (default on)",
     )
     m.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
+    lora = p.add_argument_group(
+        "LoRA / QLoRA fine-tuning (held fixed; --convention hf or torchtune), as for pipemem estimate"
+    )
+    lora.add_argument("--lora-rank", type=int, metavar="R", help="rank-R adapters; the base model frozen")
+    lora.add_argument(
+        "--lora-targets", metavar="MODULES", help="linears with adapters (default q_proj,v_proj)"
+    )
+    lora.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale (moves no memory)")
+    lora.add_argument("--lora-dropout", type=float, metavar="P", help="adapters' input dropout")
+    lora.add_argument(
+        "--qlora", action="store_const", const=True, default=None, help="base linears in 4-bit NF4"
+    )
     c = p.add_argument_group("cost model")
     c.add_argument(
         "--tflops", type=float, metavar="X", help="dense bf16 TFLOP/s per GPU (default from --gpu)"
@@ -249,12 +261,30 @@ def build_inputs(args):
     )
     extra = {
         k: getattr(args, k)
-        for k in ("dtype", "optimizer", "master_weights", "flash_attn", "layers")
+        for k in ("dtype", "optimizer", "master_weights", "flash_attn", "layers", *LORA_FLAGS)
         if getattr(args, k) is not None
     }
+    if any(k in extra for k in LORA_FLAGS):
+        _check_fixed(args, extra)
     if args.schedule_csv and not args.zero_bubble:
         raise UserError("--schedule-csv writes the --zero-bubble schedule: add --zero-bubble")
     return target, options, extra
+
+
+LORA_FLAGS = ("lora_rank", "lora_targets", "lora_alpha", "lora_dropout", "qlora")
+
+
+def _check_fixed(args, extra: dict) -> None:
+    """The fields held fixed, checked once on the plainest plan (one GPU, no parallelism): what
+    they refuse there (LoRA with a convention or a model it is not modelled for, a bad rank) every
+    plan of the search would refuse, so it is one error line, not "no plan fits"."""
+    from ..estimate import resolve_model
+    from ..model import arch_from_hf_config
+    from ..plan import ParallelPlan, validate_plan
+
+    name, _, config = resolve_model(args.model)
+    arch = arch_from_hf_config(config, name)
+    validate_plan(arch, ParallelPlan(seq_len=args.seq_len, convention=args.convention, **extra))
 
 
 def run(args) -> int:

@@ -36,7 +36,7 @@ dp x cp), added to the makespan without overlap:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..errors import UserError
@@ -61,11 +61,17 @@ def matmul_weights(arch, index: int) -> int:
     return attn + mlp
 
 
-def layer_flops(arch, index: int, seq_len: int, recompute: str = "none") -> tuple[float, float, float]:
-    """(F, I, W) FLOPs per token of one decoder layer, unsharded (module docstring)."""
+def layer_flops(
+    arch, index: int, seq_len: int, recompute: str = "none", adapters: int = 0
+) -> tuple[float, float, float]:
+    """(F, I, W) FLOPs per token of one decoder layer, unsharded (module docstring). `adapters`:
+    the layer's LoRA adapter weights (pipemem.lora), whose matmuls add to F and I; the base is
+    frozen, so the weight gradients (W) are the adapters' only."""
     p = matmul_weights(arch, index)
     core = 4.0 * seq_len * arch.heads * arch.head_dim
     f, i, w = 2.0 * p + core, 2.0 * p + 2 * core, 2.0 * p
+    if adapters:
+        f, i, w = f + 2.0 * adapters, i + 2.0 * adapters, 2.0 * adapters
     if recompute in ("full", "full_attn"):
         i += f
     elif recompute in ("selective", "core_attn"):
@@ -73,25 +79,33 @@ def layer_flops(arch, index: int, seq_len: int, recompute: str = "none") -> tupl
     return f, i, w
 
 
-def head_flops(arch) -> tuple[float, float, float]:
+def head_flops(arch, frozen: bool = False) -> tuple[float, float, float]:
     x = 2.0 * arch.hidden * arch.vocab
-    return x, x, x
+    return x, x, 0.0 if frozen else x
 
 
 @lru_cache(maxsize=4096)
-def stage_flops(arch, layout: tuple[int, ...], seq_len: int, recompute: str, recompute_layers: int | None):
+def stage_flops(
+    arch,
+    layout: tuple[int, ...],
+    seq_len: int,
+    recompute: str,
+    recompute_layers: int | None,
+    adapters: int = 0,
+):
     """Per virtual stage (F, I, W) FLOPs per token: its layers (the first `recompute_layers`
-    of each stage recomputed, all when None, as the memory model does) and the head on the last."""
+    of each stage recomputed, all when None, as the memory model does) and the head on the last.
+    `adapters` > 0: a LoRA plan's adapter weights per layer (`layer_flops`), the head frozen."""
     out, start = [], 0
     last = len(layout) - 1
     for s, n in enumerate(layout):
         k = n if recompute_layers is None else min(recompute_layers, n)
         f = i = w = 0.0
         for pos, idx in enumerate(range(start, start + n)):
-            a, b, c = layer_flops(arch, idx, seq_len, recompute if pos < k else "none")
+            a, b, c = layer_flops(arch, idx, seq_len, recompute if pos < k else "none", adapters)
             f, i, w = f + a, i + b, w + c
         if s == last:
-            a, b, c = head_flops(arch)
+            a, b, c = head_flops(arch, frozen=adapters > 0)
             f, i, w = f + a, i + b, w + c
         out.append((f, i, w))
         start += n
@@ -143,13 +157,15 @@ def schedule_for(name: str | None, pp: int, microbatches: int, vpp: int):
     return hit
 
 
-def stage_pipeline_time(arch, layout, seq_len, recompute, recompute_layers, name, pp, microbatches, vpp):
+def stage_pipeline_time(
+    arch, layout, seq_len, recompute, recompute_layers, name, pp, microbatches, vpp, adapters: int = 0
+):
     """PipelineTime of the plan's schedule in FLOPs-per-token units (cached)."""
-    key = (arch, layout, seq_len, recompute, recompute_layers, name, pp, microbatches, vpp)
+    key = (arch, layout, seq_len, recompute, recompute_layers, name, pp, microbatches, vpp, adapters)
     hit = _TIMES.get(key)
     if hit is None:
         sched = schedule_for(name, pp, microbatches, vpp)
-        hit = pipeline_time(sched, stage_flops(arch, layout, seq_len, recompute, recompute_layers))
+        hit = pipeline_time(sched, stage_flops(arch, layout, seq_len, recompute, recompute_layers, adapters))
         if len(_TIMES) > 20000:
             _TIMES.clear()
         _TIMES[key] = hit
@@ -218,17 +234,21 @@ def communication(
     param = dtype_bytes(plan.dtype)
     edp = plan.edp
     vol = 0.0
+    # LoRA: only the adapters have gradients and optimizer states (ZeRO-3 / FSDP still gathers
+    # the frozen base in F and B)
+    trained = lora_adapters(arch, plan) * layers_rank if plan.lora_rank else None
     for n, group in ((dense, dp * cp), (expert, edp)):
         if group <= 1 or n == 0:
             continue
+        t = n if trained is None else trained
         if plan.zero >= 3:
-            vol += _ring(group) * n * m * (grad + 2 * param)
+            vol += _ring(group) * m * (t * grad + 2 * n * param)
         elif plan.zero == 2:
-            vol += _ring(group) * n * (m * grad + param)
+            vol += _ring(group) * t * (m * grad + param)
         elif plan.zero == 1 or plan.dist_opt:
-            vol += _ring(group) * n * (grad + param)
+            vol += _ring(group) * t * (grad + param)
         else:
-            vol += 2 * _ring(group) * n * grad
+            vol += 2 * _ring(group) * t * grad
     out["dp"] = vol
     spans = group_spans(plan)
     res = []
@@ -280,6 +300,16 @@ class Cost:
         }
 
 
+def lora_adapters(arch, plan) -> int:
+    """A LoRA plan's adapter weights per decoder layer on one tensor-parallel rank (0 without
+    LoRA)."""
+    if not plan.lora_rank:
+        return 0
+    from ..lora import adapter_elems, parse_targets
+
+    return adapter_elems(arch, parse_targets(plan.lora_targets), plan.lora_rank, plan.tp)
+
+
 def plan_cost(
     arch, plan, schedule_name: str | None, rank_stages, rank_params, gpus_per_node: int, speeds
 ) -> Cost:
@@ -295,6 +325,7 @@ def plan_cost(
         plan.pp,
         plan.microbatches,
         plan.vpp,
+        lora_adapters(arch, replace(plan, tp=1)) if plan.lora_rank else 0,
     )
     tokens_per_rank = plan.micro_batch * plan.seq_len / (plan.tp * plan.cp)
     seconds = pt.makespan * tokens_per_rank / (speeds.tflops * 1e12)

@@ -312,6 +312,11 @@ FLAG_ORDER = (
     "optimizer",
     "flash_attn",
     "layers",
+    "lora_rank",
+    "lora_targets",
+    "lora_alpha",
+    "lora_dropout",
+    "qlora",
 )
 
 
@@ -333,7 +338,7 @@ def flags_string(model_flag: str, target: Target, kwargs: dict) -> str:
         if v is None:
             continue
         if isinstance(v, bool):
-            if k in ("fsdp", "dist_opt"):
+            if k in ("fsdp", "dist_opt", "qlora"):
                 if v:
                     parts.append(_flag(k))
             else:
@@ -347,7 +352,7 @@ def flags_string(model_flag: str, target: Target, kwargs: dict) -> str:
             continue
         if k == "pp_layout":
             v = ",".join(str(x) for x in v)
-        parts += [_flag(k), str(v)]
+        parts += [_flag(k), shlex.quote(f"{v:g}" if isinstance(v, float) else str(v))]
     return " ".join(parts)
 
 
