@@ -466,3 +466,47 @@ def test_report_shows_other_static_bytes(capsys):
     from pipemem.units import fmt_bytes
 
     assert fmt_bytes(pipemem.estimate(model, **plan).ranks[0].static.other) in out
+
+
+def test_megatron_fp8_recipe_keeps_te_fp8_copies_of_linear_inputs():
+    """NVIDIA/Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh (tests/data/megatron): each
+    linear's input is kept for its weight gradient as Transformer Engine keeps it under fp8 -- the
+    1-byte columnwise (transposed) fp8 copy only (TE 2.x `ln_out.update_usage(rowwise_usage=False)`
+    without sequence parallelism, which Megatron turns off at tp 1) -- while what other ops read
+    stays bf16 (the norms' inputs, the SwiGLU input, attention's q / k / v / out). So fp8 keeps
+    less than the same line in bf16 by exactly the bf16 linear inputs less their fp8 copies, per
+    layer. The line OOMs on 80 GB at its script's CP_SIZE=1; its README's default (and NVIDIA's
+    published run) is context parallelism 2, which fits."""
+    line = _megatron_line()
+    model, plan = pipemem.read_config("megatron", line)
+    fp8 = pipemem.estimate(model, **plan, explain=True, gpu="h100-80g")
+    bf16_plan = {k: v for k, v in plan.items() if k not in ("fp8", "fp8_param_gather")}
+    bf16 = pipemem.estimate(model, **bf16_plan, explain=True)
+
+    def kept(est):
+        return [r for r in est.explain if not r["tensor"].startswith("(")]
+
+    def for_wgrad_only(r):
+        return r["why"] == "read in backward by linear_wgrad"
+
+    fp8_copies = [r for r in kept(fp8) if for_wgrad_only(r)]
+    assert fp8_copies and all(
+        r["dtype"] == "fp8" and r["tensor"].endswith("_fp8_columnwise") for r in fp8_copies
+    )
+    for r in fp8_copies:
+        elems = 1
+        for d in r["shape"]:
+            elems *= d
+        assert r["bytes"] == elems  # one byte per element
+    bf16_inputs = [r for r in kept(bf16) if for_wgrad_only(r)]
+    assert bf16_inputs and all(r["dtype"] == "bf16" for r in bf16_inputs)
+    per_layer = sum(r["bytes"] for r in bf16_inputs) - sum(r["bytes"] for r in fp8_copies)
+    assert sum(r["bytes"] for r in kept(bf16)) - sum(r["bytes"] for r in kept(fp8)) == per_layer
+    layers = int(line[line.index("--num-layers") + 1])
+    a, b = fp8.ranks[0].activations_at_peak_bytes, bf16.ranks[0].activations_at_peak_bytes
+    assert b - a == layers * per_layer
+    assert fp8.verdict == "oom"
+    cp2 = list(line)
+    cp2[cp2.index("--context-parallel-size") + 1] = "2"
+    model, plan = pipemem.read_config("megatron", cp2)
+    assert pipemem.estimate(model, **plan, gpu="h100-80g").fits
