@@ -43,6 +43,30 @@ ALIASES = {
     "w2": "down",
 }
 ALL_LINEAR = ("all-linear", "all")
+# Module names PEFT would wrap whose adapters are not modelled, and why (refused by name)
+NOT_MODELLED = {
+    **{
+        n: "the output layer: its adapter's [tokens, vocab] outputs and the head are not modelled"
+        for n in ("lm_head", "output", "embed_out")
+    },
+    **{
+        n: "an embedding (LoRA's Embedding layer) is not modelled"
+        for n in ("embed_tokens", "wte", "tok_embeddings")
+    },
+    **{
+        n: "a fused QKV projection: LoRA is modelled on separate q_proj, k_proj, v_proj"
+        for n in ("qkv_proj", "query_key_value", "W_pack", "Wqkv", "qkv")
+    },
+    **{
+        n: "a GPT-2 style linear (c_attn is a fused QKV): LoRA is modelled on Llama-like linears"
+        for n in ("c_attn", "c_proj", "c_fc")
+    },
+    **{
+        n: "a fused or non-gated MLP linear: LoRA is modelled on gate_proj, up_proj, down_proj"
+        for n in ("gate_up_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h")
+    },
+    **{n: "mixture-of-experts weights are not modelled" for n in ("experts", "router", "block_sparse_moe")},
+}
 # PEFT's default target modules for Llama-like models (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
 DEFAULT_TARGETS = ("q", "v")
 # The template's linear names (pipemem.templates.layers) -> canonical target
@@ -95,6 +119,8 @@ def parse_targets(value) -> frozenset:
     out = set()
     for n in names:
         key = n.rsplit(".", 1)[-1]  # "self_attn.q_proj" -> q_proj
+        if key in NOT_MODELLED:
+            raise UserError(f"--lora-targets {n!r}: {NOT_MODELLED[key]}; drop it from the targets")
         if key not in ALIASES:
             raise UserError(
                 f"--lora-targets {n!r}: not a linear pipemem knows; use all-linear or a comma list of "

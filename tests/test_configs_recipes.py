@@ -510,3 +510,29 @@ def test_megatron_fp8_recipe_keeps_te_fp8_copies_of_linear_inputs():
     cp2[cp2.index("--context-parallel-size") + 1] = "2"
     model, plan = pipemem.read_config("megatron", cp2)
     assert pipemem.estimate(model, **plan, gpu="h100-80g").fits
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ("lora_target: q_proj,v_proj,lm_head", "'lm_head': the output layer"),
+        ("lora_target: qkv_proj", "'qkv_proj': a fused QKV projection"),
+        ("lora_target: c_attn", "'c_attn': a GPT-2 style linear"),
+        ("lora_target: gate_up_proj", "'gate_up_proj': a fused or non-gated MLP"),
+        ("lora_target: experts", "'experts': mixture-of-experts"),
+        ("additional_target: embed_tokens,lm_head", "additional_target .*modules_to_save"),
+    ],
+)
+def test_lora_targets_not_modelled_are_refused_by_name(line, match, tmp_path):
+    """hiyouga/LLaMA-Factory examples/train_lora/llama3_lora_sft.yaml with its `lora_target` (or
+    FinetuningArguments' `additional_target`) set to a module PEFT would wrap whose adapter pipemem
+    does not model (the output layer, fused QKV / MLP linears, experts; whole trained modules): one
+    error naming it, not a silent estimate of another plan."""
+    text = (DATA / "llamafactory" / "llama3_lora_sft.yaml").read_text()
+    key = line.split(":")[0]
+    text = "\n".join(x for x in text.splitlines() if not x.startswith(key + ":")) + "\n" + line + "\n"
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=match):
+        model, plan = pipemem.read_config("llamafactory", str(path))
+        pipemem.estimate(model, **plan)

@@ -79,3 +79,20 @@ def test_root_unit_is_what_torchtune_holds():
     assert root_row.estimated_bytes > custom_row.estimated_bytes
     for row in (root_row, custom_row):
         assert abs(row.rel_error) <= TOLERANCE, row
+
+
+def test_lora_cases_are_the_8b_lora_recipe_as_the_reader_puts_it():
+    """The LoRA cases trace lora_finetune_distributed with recipes/configs/llama3_1/8B_lora.yaml's
+    adapters (tests/data/torchtune/8B_lora.yaml): the estimate they are held to has the LoRA
+    switches --from-torchtune reads from that file."""
+    from pathlib import Path
+
+    from pipemem.configs.torchtune import read
+
+    tool = read(str(Path(__file__).parent / "data" / "torchtune" / "8B_lora.yaml"))
+    lora = [c for c in all_cases() if c.get("lora")]
+    assert lora
+    for case in lora:
+        kw = plan_kwargs(case)
+        for key in ("lora_rank", "lora_targets", "fsdp"):
+            assert kw[key] == tool.plan[key], key

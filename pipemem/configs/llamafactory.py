@@ -138,6 +138,7 @@ _REFUSED = {
     "use_llama_pro": "LLaMA Pro's expanded blocks",
     "pissa_init": "PiSSA's initialisation (it keeps a residual weight)",
     "fsdp": "the Trainer's FSDP from LLaMA-Factory (use --from-hf-trainer)",
+    "additional_target": "modules trained whole beside the adapters (PEFT's modules_to_save)",
 }
 
 

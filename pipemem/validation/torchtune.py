@@ -35,6 +35,9 @@ TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipem
 TOLERANCE = 0.02
 # torchtune's Llama 3 configs shard these apart from the root (`custom_sharded_layers`)
 CUSTOM = ["tok_embeddings", "output"]
+# torchtune's recipes/configs/llama3_1/8B_lora.yaml: lora_attn_modules [q_proj, v_proj, output_proj],
+# apply_lora_to_mlp, lora_rank 8 (alpha 16, no dropout)
+LORA = {"attn_modules": ["q_proj", "v_proj", "output_proj"], "mlp": True, "rank": 8}
 
 
 def _case(name: str, world: int = 2, **extra) -> dict:
@@ -54,6 +57,15 @@ def all_cases() -> list[dict]:
         _case("fsdp4-root-chunked", world=4, loss_chunks=8),
         _case("fsdp2-root-ac", activation_checkpointing=True, loss_chunks=8),
         _case("fsdp2-custom-ac", activation_checkpointing=True, loss_chunks=8, custom_sharded_layers=CUSTOM),
+        # lora_finetune_distributed with recipes/configs/llama3_1/8B_lora.yaml's adapters
+        _case("fsdp2-lora-chunked", lora=LORA, loss_chunks=8),
+        _case(
+            "fsdp2-lora-custom-ac",
+            lora=LORA,
+            loss_chunks=8,
+            activation_checkpointing=True,
+            custom_sharded_layers=CUSTOM,
+        ),
     ]
 
 
@@ -84,6 +96,10 @@ def plan_kwargs(case: dict) -> dict:
         kw.update(loss="chunked", loss_chunks=case["loss_chunks"])
     if case.get("activation_checkpointing"):
         kw["recompute"] = "full"
+    if case.get("lora"):
+        lora = case["lora"]
+        targets = lora["attn_modules"] + (["w1", "w2", "w3"] if lora["mlp"] else [])
+        kw.update(lora_rank=lora["rank"], lora_targets=",".join(targets))
     return kw
 
 

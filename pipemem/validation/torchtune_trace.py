@@ -1,6 +1,9 @@
 """torchtune's distributed full fine-tune step, traced for one rank on fake tensors.
 
-What `recipes/full_finetune_distributed.py` (torchtune 0.6.1) does with the model, in one
+What `recipes/full_finetune_distributed.py` (torchtune 0.6.1) does with the model (or
+`lora_finetune_distributed.py`, whose model setup differs only in building the LoRA model and
+leaving only its adapters trainable, `set_trainable_params(model, get_adapter_params(model))`,
+before checkpointing and sharding; its step is the same), in one
 process holding rank 0 of PyTorch's fake process group (`pipemem.traced.dist_capture`):
 torchtune's own decoder from its `llama3_2` component builder, built on the meta device;
 with `enable_activation_checkpointing`, its `set_activation_checkpointing` on every decoder layer;
@@ -54,14 +57,31 @@ def torchtune_training():
 
 
 def _build(case: dict):
-    from torchtune.models.llama3_2._component_builders import llama3_2
+    from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
 
     config = llama_hf_config(case)
-    return llama3_2(
+    kw = dict(
         **torchtune_decoder_kwargs(config, case["seq_len"]),
         tie_word_embeddings=config["tie_word_embeddings"],
         rope_base=config["rope_theta"],
     )
+    lora = case.get("lora")
+    if not lora:
+        return llama3_2(**kw)
+    # lora_finetune_distributed's _setup_model: the LoRA builder, then only the adapters trainable
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    model = lora_llama3_2(
+        lora_attn_modules=lora["attn_modules"],
+        apply_lora_to_mlp=lora["mlp"],
+        apply_lora_to_output=False,
+        lora_rank=lora["rank"],
+        lora_alpha=2 * lora["rank"],
+        lora_dropout=0.0,
+        **kw,
+    )
+    set_trainable_params(model, get_adapter_params(model))
+    return model
 
 
 def trace_rank(case: dict, rank: int = 0) -> dict:
