@@ -6,7 +6,8 @@ frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core impo
   through TARGETS. Every target estimates through `pipemem.estimate`, reports
   `compare.CaseRow`s (one `rel_error`), states its `TRUTH` (measured: a real run; traced: the
   framework's code on fake tensors) and `TOLERANCE`, and exits 1 beyond it (`compare.report`,
-  `compare.exit_code`).
+  `compare.exit_code`). A target checks the libraries it runs first (`compare.require`: one
+  error line naming what to install, not an import traceback).
 * `distributed/`: the models and launch helpers of the gloo runs (`validate dist`).
 * `paddle_runs/`: the Paddle cases, executor measurements and the comparison worker.
 * `published.py`: the published measured runs (bench/validate_published.py).
