@@ -150,6 +150,11 @@ class ArchSpec:
     attn_temperature: bool = False
     attention_chunk: int = 0  # attention_chunk_size of the chunked layers (0: none)
     expert_compute: str = "sparse"  # sparse (sorted tokens, grouped GEMMs) | dense (HF Llama 4: all experts)
+    # periods of the per-layer patterns past the config's layer count (--layers N): 0, none (cut);
+    # Llama 4's NoPE layers every no_rope_layer_interval-th (or its per-layer list, repeated), its
+    # dense layers between the interleave_moe_layer_step-th
+    nope_period: int = 0
+    dense_period: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -167,9 +172,10 @@ class ArchSpec:
         return self.kv_lora_rank > 0
 
     def with_layers(self, layers: int) -> "ArchSpec":
-        """The same model with `layers` decoder layers (``--layers N``)."""
-        dense = tuple(i for i in self.dense_layers if i < layers)
-        nope = tuple(i for i in self.nope_layers if i < layers)
+        """The same model with `layers` decoder layers (``--layers N``): per-layer patterns are cut,
+        or carried on where they repeat (`_extend_pattern`)."""
+        dense = _extend_pattern(self.dense_layers, self.dense_period, layers)
+        nope = _extend_pattern(self.nope_layers, self.nope_period, layers)
         return replace(self, layers=layers, dense_layers=dense, nope_layers=nope)
 
     def param_count(self) -> int:
@@ -187,6 +193,16 @@ class ArchSpec:
                 _prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items()
             )
         return total
+
+
+def _extend_pattern(indices: tuple[int, ...], period: int, layers: int) -> tuple[int, ...]:
+    """The layer indices of a per-layer pattern over `layers` layers: a pattern with a period
+    carries on with it (as the config class builds it for any layer count, or as a per-layer
+    list repeats), any other is cut (DeepSeek's first k dense layers stay the first k)."""
+    if period:
+        members = {i % period for i in indices}
+        return tuple(i for i in range(layers) if i % period in members)
+    return tuple(i for i in indices if i < layers)
 
 
 def _prod(shape) -> int:
@@ -958,8 +974,11 @@ def _llama4_text(r: _Reader) -> ArchSpec:
             r.name, "llama4_text", "Llama 4's router auxiliary loss (output_router_logits)"
         )
     moe_layers = c.get("moe_layers")
+    # a listed moe_layers repeats nothing past the config: --layers beyond it counts those layers
+    # as MoE layers (HF builds them dense; MoE layers, every token through every expert, hold more)
+    dense_period = 0
     if moe_layers is None:
-        step = int(r.opt("interleave_moe_layer_step", 1))
+        step = dense_period = int(r.opt("interleave_moe_layer_step", 1))
         if step <= 0:
             raise UserError(f"config of {r.name}: interleave_moe_layer_step must be positive, got {step}")
         moe_layers = list(range(step - 1, layers, step))
@@ -967,9 +986,11 @@ def _llama4_text(r: _Reader) -> ArchSpec:
         not isinstance(i, int) or not 0 <= i < layers for i in moe_layers
     ):
         raise UserError(f"config of {r.name}: moe_layers must list layer indices in 0..{layers - 1}")
-    rope_flags = c.get("no_rope_layers") or [
-        int((i + 1) % int(r.opt("no_rope_layer_interval", 4)) != 0) for i in range(layers)
-    ]
+    listed_flags = c.get("no_rope_layers")
+    nope_period = len(listed_flags) if listed_flags else int(r.opt("no_rope_layer_interval", 4))
+    if nope_period <= 0:
+        raise UserError(f"config of {r.name}: no_rope_layer_interval must be positive, got {nope_period}")
+    rope_flags = listed_flags or [int((i + 1) % nope_period != 0) for i in range(layers)]
     if len(rope_flags) != layers:
         raise UserError(
             f"config of {r.name}: 'no_rope_layers' must list one entry per layer (num_hidden_layers="
@@ -1007,6 +1028,8 @@ def _llama4_text(r: _Reader) -> ArchSpec:
         router="sigmoid_scatter",
         dense_layers=dense,
         nope_layers=tuple(i for i, f in enumerate(rope_flags) if not f),
+        dense_period=dense_period,
+        nope_period=nope_period,
         attn_temperature=bool(r.opt("attn_temperature_tuning", True)),
         attention_chunk=int(chunk or 0),
         expert_compute="dense",

@@ -421,6 +421,21 @@ def test_llama4_reads_its_layers_and_runs_every_expert():
         estimate(dict(LLAMA4), **dict(kw, seq_len=2048))
 
 
+def test_layers_beyond_the_config_carry_on_repeating_patterns():
+    """--layers past the config's count: Llama 4's NoPE and dense-layer patterns go on as its
+    config class builds them for that count; DeepSeek's first-k dense layers stay the first k."""
+    small = dict(LLAMA4, no_rope_layers=[])
+    grown = arch_from_hf_config(small, "l4").with_layers(12)
+    direct = arch_from_hf_config(dict(small, num_hidden_layers=12), "l4")
+    assert (grown.nope_layers, grown.dense_layers) == (direct.nope_layers, direct.dense_layers)
+    assert grown.nope_layers == (3, 7, 11) and grown.dense_layers == (0, 2, 4, 6, 8, 10)
+    assert arch_from_hf_config(small, "l4").with_layers(2).dense_layers == (0,)
+    listed = arch_from_hf_config(LLAMA4, "l4").with_layers(8)  # its per-layer list, repeated
+    assert listed.nope_layers == (3, 7)
+    ds = dict(TINY["deepseek_v3"], first_k_dense_replace=2, num_hidden_layers=5)
+    assert arch_from_hf_config(ds, "ds").with_layers(11).dense_layers == (0, 1)
+
+
 def test_olmoe_clip_qkv_refused_by_name():
     with pytest.raises(UnmodelledFamily, match="clip_qkv.*--mode traced"):
         arch_from_hf_config(dict(OLMOE, clip_qkv=8.0), "o")
