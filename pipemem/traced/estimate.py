@@ -27,6 +27,8 @@ class TracedEstimate:
     peak_at: str
     kernel_policy: str = "cuda"
     notes: dict = field(default_factory=dict)
+    # the step's allocations for the allocator model (pipemem.jobs.RankPlan.recorded), or why none
+    recorded: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         jobs = {
@@ -233,4 +235,25 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
         peak_at=step.peak_at,
         kernel_policy=kernel_policy,
         notes=notes,
+        recorded=recorded_step(step),
     )
+
+
+def recorded_step(step):
+    """The traced step's allocations as `RankPlan.recorded` wants them (pipemem.traced.allocs),
+    or why there are none."""
+    from ..jobs import StreamNotModelled
+    from ..liveness import analyze_sequence
+    from .allocs import one_step_allocs
+
+    t = step.traced if hasattr(step, "traced") else step
+    if getattr(step, "replicated", False) or t is None:
+        return (
+            f"traced mode traced {t.layers if t is not None else 'some'} of the {step.layers} layers and "
+            "repeats one layer's memory for the others; their allocations are not replayed yet"
+        )
+    try:
+        results = analyze_sequence(t.programs, live_on_entry=t.entry_storages)
+        return one_step_allocs(t.programs, results, t.entry_sizes)
+    except StreamNotModelled as e:
+        return str(e)

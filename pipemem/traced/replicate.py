@@ -224,6 +224,7 @@ class ReplicatedStep:
     phases: list[PhaseMemory]
     layers: int
     traced: TracedStep = field(repr=False, default=None)
+    replicated: bool = False  # False: `traced` is the whole step (its programs are the step's)
 
     peak_bytes = TracedStep.peak_bytes
     peak_at = TracedStep.peak_at
@@ -320,7 +321,7 @@ def trace_replicated(
         phases.append(opt)
         static["optimizer"] = static.get("optimizer", 0) + resident["optimizer"]
         static["total"] += resident["optimizer"]
-    return ReplicatedStep(static, phases, n_layers, step)
+    return ReplicatedStep(static, phases, n_layers, step, replicated=True)
 
 
 def trace_hf_replicated(

@@ -131,6 +131,7 @@ class TracedStep:
     layers: int = 0
     op_layers: dict = field(default_factory=dict, repr=False)  # phase -> [layer index or None per op]
     kinds_bytes: dict = field(default_factory=dict)  # created-in-step bytes per kind
+    entry_sizes: list = field(default_factory=list, repr=False)  # bytes of each entry storage
 
     @property
     def peak_bytes(self) -> int:
@@ -398,6 +399,7 @@ def trace_step(
             programs = rec.programs()
             entry = rec.entry_storages()
             static = _static_bytes(rec.storages, entry, names)
+            entry_sizes = [rec.storages[n].nbytes for n in entry]
             kinds: dict[str, int] = {}
             for info in rec.storages.values():
                 if info.phase:
@@ -417,6 +419,7 @@ def trace_step(
         layers=n_layers,
         op_layers=op_layers,
         kinds_bytes=kinds,
+        entry_sizes=entry_sizes,
     )
 
 
