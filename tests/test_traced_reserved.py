@@ -157,11 +157,22 @@ def test_verdict_and_json_use_traced_reserved(capsys, tmp_path):
     assert "reserved memory" not in text.err
 
 
-def test_replicated_layers_say_reserved_is_not_modelled():
-    """A traced step of more layers than it traces repeats one layer's memory; until its stream is
-    repeated too, reserved is said not modelled (null), and the verdict takes the wider margin."""
-    e = pipemem.estimate(
-        dict(CFG, num_hidden_layers=6), mode="traced", dtype="fp32", seq_len=128, step="first"
+def test_replicated_layers_reserve_as_the_whole_trace(monkeypatch):
+    """A step of more layers than traced repeats the template layer's piece of the recorded stream
+    for the layers it stands for (traced.replicate.replicated_allocs): the same reserved bytes as
+    a trace of every layer."""
+    import functools
+
+    from pipemem.traced import replicate
+
+    cfg = dict(CFG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    kw = dict(dtype="fp32", seq_len=64, step="first", convention="hf")
+    rep = pipemem.estimate(dict(cfg, num_hidden_layers=6), mode="traced", **kw)
+    assert rep.ranks[0].peak_reserved_bytes is not None and not any(
+        "reserved memory" in w for w in rep.warnings
     )
-    assert e.ranks[0].peak_reserved_bytes is None and e.to_dict()["max_peak_reserved_bytes"] is None
-    assert sum("reserved memory is not modelled" in w for w in e.warnings) == 1
+    whole = functools.partial(replicate.trace_hf_replicated, traced_layers=64)
+    monkeypatch.setattr(replicate, "trace_hf_replicated", whole)
+    full = pipemem.estimate(dict(cfg, num_hidden_layers=6), mode="traced", **kw)
+    assert full.ranks[0].peak_allocated_bytes == rep.ranks[0].peak_allocated_bytes
+    assert full.ranks[0].peak_reserved_bytes == rep.ranks[0].peak_reserved_bytes

@@ -247,12 +247,13 @@ def recorded_step(step):
     from .allocs import one_step_allocs
 
     t = step.traced if hasattr(step, "traced") else step
-    if getattr(step, "replicated", False) or t is None:
-        return (
-            f"traced mode traced {t.layers if t is not None else 'some'} of the {step.layers} layers and "
-            "repeats one layer's memory for the others; their allocations are not replayed yet"
-        )
+    if t is None:
+        return "the traced step's programs were not kept"
     try:
+        if getattr(step, "replicated", False):
+            from .replicate import replicated_allocs
+
+            return replicated_allocs(step)
         results = analyze_sequence(t.programs, live_on_entry=t.entry_storages)
         return one_step_allocs(t.programs, results, t.entry_sizes)
     except StreamNotModelled as e:
