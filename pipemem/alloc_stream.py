@@ -669,8 +669,7 @@ def recorded_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
 
 def _from_allocs(a, expected, stage: int) -> StageStream:
     def ev(rows):
-        rows = rows or ()
-        return _events([(sg, b, h, COMPUTE) for sg, b, h in rows])
+        return _events([(r[0], r[1], r[2], r[3] if len(r) > 3 else COMPUTE) for r in rows or ()])
 
     ss = StageStream(F=ev(a.F), B=ev(a.B), I=ev(a.I), W=ev(a.W), width=max(a.width, _SLOTS))
     for kind in "FBIW":
@@ -687,7 +686,7 @@ def _from_allocs(a, expected, stage: int) -> StageStream:
 def _recorded_optimizer(rows, handle_of, job) -> Events:
     """The optimizer step as the source recorded it, its refs made the rank's handles; checked
     against its job."""
-    ev = _events([(sg, b, handle_of(r), COMPUTE) for sg, b, r in rows])
+    ev = _events([(x[0], x[1], handle_of(x[2]), x[3] if len(x) > 3 else COMPUTE) for x in rows])
     want = (job.net_bytes, job.peak_bytes) if job is not None else (0, 0)
     if ev.walk() != want:
         raise StreamNotModelled(f"the optimizer step walks to {ev.walk()}, its job is {want}")

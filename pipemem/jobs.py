@@ -158,7 +158,9 @@ class StageAllocs:
     an allocation of the bytes a kernel asked for, -1 its free). Handles are local to one
     (stage, microbatch): 0-3 are the boundary the runtime owns (x, y, dy, dx: F allocates y,
     a backward dx; no job allocates or frees x or dy), the others the jobs' own; `width` is
-    the number of handles one microbatch uses. Everything runs on the compute stream."""
+    the number of handles one microbatch uses. An allocation on another allocator stream than
+    the compute stream (0) has the stream fourth: `(sign, bytes, handle, stream)` (1 FSDP's
+    all-gather stream, 2 its reduce-scatter stream: pipemem.alloc_stream's numbers)."""
 
     F: tuple
     B: tuple | None = None

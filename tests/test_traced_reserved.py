@@ -176,3 +176,19 @@ def test_replicated_layers_reserve_as_the_whole_trace(monkeypatch):
     full = pipemem.estimate(dict(cfg, num_hidden_layers=6), mode="traced", **kw)
     assert full.ranks[0].peak_allocated_bytes == rep.ranks[0].peak_allocated_bytes
     assert full.ranks[0].peak_reserved_bytes == rep.ranks[0].peak_reserved_bytes
+
+
+def test_sharded_ranks_have_reserved_on_their_streams():
+    """One traced TP rank and one FSDP2 rank: their recorded streams walk to the allocated peak;
+    FSDP2's all-gather buffers are allocated on the all-gather stream and its reduce-scatter
+    outputs on the reduce-scatter stream (pipemem.traced.allocs), one per unit and phase."""
+    cfg = dict(CFG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    for kw, ag, rs in ((dict(tp=2), 0, 0), (dict(dp=2, fsdp=True), 4 + 1 + 4, 4 + 1)):
+        e = pipemem.estimate(dict(cfg), mode="traced", dtype="fp32", seq_len=64, step="first", **kw)
+        r = e.ranks[0]
+        sp, sched = e.reserved_inputs
+        ev = A.rank_stream(sp, lower(sched, e.runtime), 0, r.static, r.source[2], sp.stages, {})
+        assert ev.problems() == [] and ev.allocated_peak() == r.peak_allocated_bytes
+        assert r.peak_reserved_bytes >= r.peak_allocated_bytes
+        allocs = ev.stream[ev.sign > 0].tolist()
+        assert (allocs.count(A.ALL_GATHER), allocs.count(A.REDUCE_SCATTER)) == (ag, rs), kw

@@ -20,6 +20,32 @@ from ..liveness import compile_program, program_events
 
 X, Y, DY, DX = 0, 1, 2, 3  # pipemem.alloc_stream's boundary slots of a (stage, microbatch)
 SLOTS = 4
+# pipemem.alloc_stream's allocator streams. FSDP2 (torch distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py) makes the all-gather buffer inside `all_gather_copy_in` under the
+# all-gather copy-in stream and the reduce-scatter output under the reduce-scatter stream; the
+# unsharded parameters (`alloc_all_gather_outputs`, in the copy-out) and the reduce-scatter
+# input come from the current stream
+COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
+_STREAM_OF_OP = {
+    "all_gather_copy_in.default": ALL_GATHER,
+    "_reduce_scatter_base_.default": REDUCE_SCATTER,
+}  # (functional collectives, DTensor's under TP, allocate their outputs on the current stream)
+
+
+def _streams(program) -> dict:
+    """Storage name -> allocator stream, for the storages FSDP2's collectives make (module
+    constants); the rest are the compute stream's."""
+    out = {}
+    for op in program.ops:
+        st = _STREAM_OF_OP.get(op.type)
+        if st is None:
+            continue
+        outs = op.outputs[-1:] if st == REDUCE_SCATTER else op.outputs  # the collective's output
+        for n in outs:
+            t = program.tensors.get(n)
+            if t is not None:
+                out[t.storage] = st
+    return out
 
 
 class Handles:
@@ -45,11 +71,13 @@ class Handles:
         return h
 
 
-def program_rows(program, result, handles: Handles, what: str, outside=None) -> list[tuple[int, int, int]]:
-    """(sign, bytes, handle) of one traced program's walk. A free of a storage `handles` did not
+def program_rows(program, result, handles: Handles, what: str, outside=None) -> list[tuple]:
+    """(sign, bytes, handle) of one traced program's walk, an allocation on another stream than
+    the compute stream with its stream fourth (`jobs.StageAllocs`). A free of a storage `handles` did not
     allocate is looked up in `outside` (name -> a ref the caller understands), else refused."""
     sign, size, sid, _ = program_events(program, result)
     names = compile_program(program).storage_names
+    streams = _streams(program)
     rows: list = []
     ws = -1
     for s, b, i in zip(sign.tolist(), size.tolist(), sid.tolist()):
@@ -62,7 +90,8 @@ def program_rows(program, result, handles: Handles, what: str, outside=None) -> 
             continue
         name = names[i]
         if s > 0:
-            rows.append((s, b, handles.alloc(name)))
+            st = streams.get(name, COMPUTE)
+            rows.append((s, b, handles.alloc(name)) + ((st,) if st != COMPUTE else ()))
             continue
         h = handles.of.pop(name, None)
         if h is None:
@@ -97,8 +126,8 @@ def one_step_allocs(programs, results, entry_sizes: list[int]) -> tuple[StageAll
         own = Handles()
         refs = {n: (0, k) for n, k in h.of.items()}
         opt = tuple(
-            (s, b, r if isinstance(r, tuple) else r - SLOTS)
-            for s, b, r in program_rows(*by["optimizer"], own, "the optimizer step", refs)
+            (x[0], x[1], x[2] if isinstance(x[2], tuple) else x[2] - SLOTS) + tuple(x[3:])
+            for x in program_rows(*by["optimizer"], own, "the optimizer step", refs)
         )
     allocs = StageAllocs(F=rows["F"], B=rows["B"], width=h.next)
     return allocs, opt, [b for b in entry_sizes if b > 0]

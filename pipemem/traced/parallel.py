@@ -377,7 +377,8 @@ class TracedStagePlan(StagePlan):
             raise StreamNotModelled(rows)
         owner = [(s, h) for s in sorted(stage_ids) for h in self._allocs(s)[2]]
         out = []
-        for sign, b, ref in rows:
+        for row in rows:
+            ref = row[2]
             if isinstance(ref, tuple):
                 s, h = owner[ref[1]]
                 if h is None:
@@ -385,7 +386,7 @@ class TracedStagePlan(StagePlan):
                         f"the optimizer step frees a gradient stage {s}'s backward did not make"
                     )
                 ref = (s, h)
-            out.append((sign, b, ref))
+            out.append((row[0], row[1], ref) + tuple(row[3:]))
         return tuple(out)
 
 
@@ -603,17 +604,11 @@ def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dic
 
 
 def _recorded_rank(programs, walked, entry_sizes):
-    """The rank's step as `RankPlan.recorded` (pipemem.traced.allocs), or why not: FSDP2 makes
-    its all-gather and reduce-scatter buffers on streams of their own, which the recorded
-    programs do not tell apart yet."""
+    """The rank's step as `RankPlan.recorded` (pipemem.traced.allocs: FSDP2's all-gather and
+    reduce-scatter buffers on their own streams), or why not."""
     from ..jobs import StreamNotModelled
     from .allocs import one_step_allocs
 
-    if any(op.type == "resize_storage" for p in programs for op in p.ops):
-        return (
-            "traced FSDP2 ranks: the all-gather and reduce-scatter buffers' streams are not told apart "
-            "in the recorded programs yet"
-        )
     try:
         return one_step_allocs(programs, walked, entry_sizes)
     except StreamNotModelled as e:
