@@ -268,7 +268,8 @@ class RankPlan(StagePlan):
     # (peak_at, peak_bytes) -> the peak named down to the op, or None
     namer: object = field(default=None, repr=False)
     # the one rank's recorded allocations, (stage 0's StageAllocs, optimizer rows, static tensor
-    # sizes), or why there are none (a str); None: the source records none
+    # sizes), or why there are none (a str), or a function giving either when first needed
+    # (reserved is computed only when read); None: the source records none
     recorded: object = field(default=None, repr=False)
 
     @property
@@ -276,6 +277,8 @@ class RankPlan(StagePlan):
         return "recorded" if self.recorded is not None else None
 
     def _recorded(self) -> tuple:
+        if callable(self.recorded):
+            self.recorded = self.recorded()
         if isinstance(self.recorded, str):
             raise StreamNotModelled(self.recorded)
         return self.recorded

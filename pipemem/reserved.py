@@ -8,8 +8,8 @@ settings (`--alloc-conf`, PYTORCH_CUDA_ALLOC_CONF syntax).
 schedule, runtime, rank, settings): the same plan asked again reads it back. Templates'
 streams are rebuilt from their programs, traced ones read from the recorded programs (the
 stage plan's `allocs`). Where the stream is not modelled (Paddle programs, the paddle
-convention, a stage adjustment the stream cannot express) the rank's `peak_reserved_bytes` is None and the estimate says why in a warning,
-once.
+convention, a stage adjustment the stream cannot express) the rank's `peak_reserved_bytes` is
+None and the estimate says why in a warning, once.
 
 The allocator runs without a capacity: the reserved peak is what the allocator would ask the
 device for if it had room (no release-and-retry near the capacity; the verdict compares it

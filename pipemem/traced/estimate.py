@@ -27,7 +27,8 @@ class TracedEstimate:
     peak_at: str
     kernel_policy: str = "cuda"
     notes: dict = field(default_factory=dict)
-    # the step's allocations for the allocator model (pipemem.jobs.RankPlan.recorded), or why none
+    # the step's allocations for the allocator model (pipemem.jobs.RankPlan.recorded: a function
+    # giving them, or why there are none, when reserved is first read)
     recorded: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -235,7 +236,7 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
         peak_at=step.peak_at,
         kernel_policy=kernel_policy,
         notes=notes,
-        recorded=recorded_step(step),
+        recorded=lambda: recorded_step(step),
     )
 
 

@@ -599,7 +599,7 @@ def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dic
         "peak_op": peak_op,
         "param_bytes": param_bytes,
         "buffer_bytes": buffer_bytes,
-        "recorded": _recorded_rank(programs, walked, [sizes[n].nbytes for n in entry]),
+        "recorded": partial(_recorded_rank, programs, walked, [sizes[n].nbytes for n in entry]),
     }
 
 
