@@ -192,3 +192,27 @@ def test_sharded_ranks_have_reserved_on_their_streams():
         assert r.peak_reserved_bytes >= r.peak_allocated_bytes
         allocs = ev.stream[ev.sign > 0].tolist()
         assert (allocs.count(A.ALL_GATHER), allocs.count(A.REDUCE_SCATTER)) == (ag, rs), kw
+
+
+def test_split_backward_stream_is_the_traced_walk():
+    """ZBVZeroBubble (two chunks per rank, V placement, I and W split): every rank's recorded stream
+    walks to its allocated peak, the gradients' handles the same in B and in I / W."""
+    cfg = dict(CFG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    e = pipemem.estimate(
+        dict(cfg),
+        mode="traced",
+        pp=2,
+        microbatches=4,
+        schedule="ZBVZeroBubble",
+        dtype="fp32",
+        seq_len=64,
+        step="first",
+    )
+    sp, sched = e.reserved_inputs
+    low = lower(sched, e.runtime)
+    first_mb = {s: m for s, m in sp.first_backward_overrides(sched)}
+    assert sched.split_backward and any(a.kind == "I" for a in low.ranks[0])
+    for r in e.ranks:
+        ev = A.rank_stream(sp, low, r.pp_rank, r.static, r.source[2], sp.stages, first_mb)
+        assert ev.problems() == [] and ev.allocated_peak() == r.peak_allocated_bytes
+        assert r.peak_reserved_bytes >= r.peak_allocated_bytes
