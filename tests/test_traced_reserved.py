@@ -167,13 +167,18 @@ def test_replicated_layers_reserve_as_the_whole_trace(monkeypatch):
 
     cfg = dict(CFG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     kw = dict(dtype="fp32", seq_len=64, step="first", convention="hf")
-    rep = pipemem.estimate(dict(cfg, num_hidden_layers=6), mode="traced", **kw)
+    calls = []
+    real = replicate.replicated_allocs
+    monkeypatch.setattr(replicate, "replicated_allocs", lambda step: calls.append(step) or real(step))
+    rep = pipemem.estimate(dict(cfg, num_hidden_layers=5), mode="traced", **kw)
     assert rep.ranks[0].peak_reserved_bytes is not None and not any(
         "reserved memory" in w for w in rep.warnings
     )
+    assert len(calls) == 1 and calls[0].traced.layers == 4  # 4 layers traced, the 5th repeated
     whole = functools.partial(replicate.trace_hf_replicated, traced_layers=64)
     monkeypatch.setattr(replicate, "trace_hf_replicated", whole)
-    full = pipemem.estimate(dict(cfg, num_hidden_layers=6), mode="traced", **kw)
+    full = pipemem.estimate(dict(cfg, num_hidden_layers=5), mode="traced", **kw)
+    assert full.ranks[0].peak_reserved_bytes is not None and len(calls) == 1  # every layer traced
     assert full.ranks[0].peak_allocated_bytes == rep.ranks[0].peak_allocated_bytes
     assert full.ranks[0].peak_reserved_bytes == rep.ranks[0].peak_reserved_bytes
 
@@ -183,7 +188,8 @@ def test_sharded_ranks_have_reserved_on_their_streams():
     FSDP2's all-gather buffers are allocated on the all-gather stream and its reduce-scatter
     outputs on the reduce-scatter stream (pipemem.traced.allocs), one per unit and phase."""
     cfg = dict(CFG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
-    for kw, ag, rs in ((dict(tp=2), 0, 0), (dict(dp=2, fsdp=True), 4 + 1 + 4, 4 + 1)):
+    cfg["num_hidden_layers"] = 2  # FSDP2 units: 2 layers and the root
+    for kw, ag, rs in ((dict(tp=2), 0, 0), (dict(dp=2, fsdp=True), 2 + 1 + 2, 2 + 1)):
         e = pipemem.estimate(dict(cfg), mode="traced", dtype="fp32", seq_len=64, step="first", **kw)
         r = e.ranks[0]
         sp, sched = e.reserved_inputs
