@@ -42,6 +42,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import jobs
+
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
 OUTSIDE = -1  # counted in the walk, not an allocator block (see stage_stream)
 X, Y, DY, DX = 0, 1, 2, 3  # boundary slots of a (stage, microbatch)
@@ -60,8 +62,8 @@ _STREAM_OF_OP = {
 MAX_EVENTS = 400_000
 
 
-class StreamNotModelled(Exception):
-    """The plan uses something the allocation stream does not reproduce; the message says what."""
+# the plan uses something the allocation stream does not reproduce; the message says what
+StreamNotModelled = jobs.StreamNotModelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,6 +653,46 @@ def stage_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
     return normal, first
 
 
+def recorded_streams(stage_plan, stage_ids) -> tuple[dict, dict]:
+    """stage_streams for a source that records its jobs' allocations (`jobs.StageAllocs`,
+    traced programs): each template checked against its stage job's {net, peak}."""
+    normal, first = {}, {}
+    for s in stage_ids:
+        a, f = stage_plan.stage_allocs(s)
+        normal[s] = _from_allocs(a, stage_plan.stages[s], s)
+        if f is not None:
+            if f.F != a.F:
+                raise StreamNotModelled(f"stage {s}: the step's first forward allocates differently")
+            first[s] = _from_allocs(f, stage_plan.first_backward[s], s)
+    return normal, first
+
+
+def _from_allocs(a, expected, stage: int) -> StageStream:
+    def ev(rows):
+        return _events([(r[0], r[1], r[2], r[3] if len(r) > 3 else COMPUTE) for r in rows or ()])
+
+    ss = StageStream(F=ev(a.F), B=ev(a.B), I=ev(a.I), W=ev(a.W), width=max(a.width, _SLOTS))
+    for kind in "FBIW":
+        j = getattr(expected, kind, None)
+        if j is not None and ss.job(kind).walk() != (j.net_bytes, j.peak_bytes):
+            raise StreamNotModelled(
+                f"stage {stage}: its {kind} job's allocation stream walks to {ss.job(kind).walk()}, "
+                f"the job is {(j.net_bytes, j.peak_bytes)}"
+            )
+    _check_handles(ss)
+    return ss
+
+
+def _recorded_optimizer(rows, handle_of, job) -> Events:
+    """The optimizer step as the source recorded it, its refs made the rank's handles; checked
+    against its job."""
+    ev = _events([(x[0], x[1], handle_of(x[2]), x[3] if len(x) > 3 else COMPUTE) for x in rows])
+    want = (job.net_bytes, job.peak_bytes) if job is not None else (0, 0)
+    if ev.walk() != want:
+        raise StreamNotModelled(f"the optimizer step walks to {ev.walk()}, its job is {want}")
+    return ev
+
+
 def rank_stream(
     stage_plan, lowered, rank: int, static, optimizer, stage_jobs: dict, first_mb: dict
 ) -> Events:
@@ -683,8 +725,23 @@ def rank_stream_period(
     (`pipemem.allocator.Period`, or None): see `find_period`."""
     acts = lowered.ranks[rank]
     stage_ids = lowered.stages_of_rank(rank)
-    normal, first = stage_streams(stage_plan, stage_ids)
-    statics = static_sizes(stage_plan, stage_ids, static)
+    recorded = getattr(stage_plan, "allocs", None) == "recorded"
+    if recorded:
+        normal, first = recorded_streams(stage_plan, stage_ids)
+        statics = [int(b) for b in stage_plan.rank_static_allocs(rank, stage_ids)]
+        if 0 < static.total - sum(statics) == static.total - stage_plan.static_per_rank(lowered)[rank].total:
+            # what the estimate holds beside the source's static state (the runtime's batch on
+            # every pipeline rank: estimate.batch_bytes), one block as templates count `other`
+            statics.append(static.total - sum(statics))
+        if sum(statics) != static.total:
+            raise StreamNotModelled(
+                f"rank {rank}'s static tensors sum to {sum(statics)} B, its static bytes are {static.total} B"
+            )
+    elif getattr(stage_plan, "allocs", None) == "templates":
+        normal, first = stage_streams(stage_plan, stage_ids)
+        statics = static_sizes(stage_plan, stage_ids, static)
+    else:
+        raise StreamNotModelled("the program source records no allocations")
     n0 = len(statics)
     width = max([ss.width for ss in normal.values()] + [ss.width for ss in first.values()] + [_SLOTS])
     local = {s: i for i, s in enumerate(stage_ids)}
@@ -741,9 +798,24 @@ def rank_stream_period(
         np.arange(n0, dtype=np.int64),
         np.zeros(n0, np.int64),
     )
-    weights = np.asarray(_param_elems(stage_plan, stage_ids), dtype=np.int64)
-    per_param = (stage_plan.plan.optimizer_impl or "fused") != "for-loop"
-    opt = _optimizer_events(optimizer, static, created, n0 + len(stage_ids) * M * width, weights, per_param)
+    opt_base = n0 + len(stage_ids) * M * width
+    if recorded:
+
+        def handle_of(ref):
+            if isinstance(ref, tuple):  # (stage, handle) of the microbatch that made the gradients
+                s, h = ref
+                return n0 + (local[s] * M + first_mb.get(s, 0)) * width + h
+            return opt_base + ref
+
+        opt = _recorded_optimizer(
+            stage_plan.rank_optimizer_allocs(rank, stage_ids) if optimizer is not None else (),
+            handle_of,
+            optimizer,
+        )
+    else:
+        weights = np.asarray(_param_elems(stage_plan, stage_ids), dtype=np.int64)
+        per_param = (stage_plan.plan.optimizer_impl or "fused") != "for-loop"
+        opt = _optimizer_events(optimizer, static, created, opt_base, weights, per_param)
     if pieces:
         lens = np.fromiter((len(p) for p in pieces), np.int64, len(pieces))
         body = Events(

@@ -145,6 +145,30 @@ class StageJobs:
         return None
 
 
+class StreamNotModelled(Exception):
+    """A plan's allocation stream (pipemem.alloc_stream) cannot be built: the message says what.
+    Reserved memory is then reported as not modelled, never guessed."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageAllocs:
+    """One virtual stage's jobs as the allocations and frees behind their {net, peak}, for a
+    source that records them (traced programs; templates' are rebuilt from their programs by
+    pipemem.alloc_stream). Per job kind, rows `(sign, bytes, handle)` in execution order (+1
+    an allocation of the bytes a kernel asked for, -1 its free). Handles are local to one
+    (stage, microbatch): 0-3 are the boundary the runtime owns (x, y, dy, dx: F allocates y,
+    a backward dx; no job allocates or frees x or dy), the others the jobs' own; `width` is
+    the number of handles one microbatch uses. An allocation on another allocator stream than
+    the compute stream (0) has the stream fourth: `(sign, bytes, handle, stream)` (1 FSDP's
+    all-gather stream, 2 its reduce-scatter stream: pipemem.alloc_stream's numbers)."""
+
+    F: tuple
+    B: tuple | None = None
+    I: tuple | None = None
+    W: tuple | None = None
+    width: int = 4
+
+
 class StagePlan:
     """What every program source hands the estimate (templates: `stages.StagePlan`; traced:
     `traced.parallel.TracedStagePlan` and the one-rank plans of `traced`; Paddle's programs:
@@ -166,6 +190,27 @@ class StagePlan:
     label = None
     # what the source models less surely for this plan, said beside the numbers
     warnings: tuple | list = ()
+    # how pipemem.alloc_stream gets each rank's allocation stream (reserved memory): "templates"
+    # (rebuilt from the template programs), "recorded" (the source's own rows: `stage_allocs`,
+    # `rank_static_allocs`, `rank_optimizer_allocs`) or None (not modelled)
+    allocs: str | None = None
+
+    def stage_allocs(self, stage: int) -> tuple[StageAllocs, StageAllocs | None]:
+        """("recorded") The stage's jobs as allocations: (every microbatch's, the step's first
+        gradient-making backward's or None when no backward differs); its F is the same in both.
+        Raises StreamNotModelled where the source cannot say."""
+        raise StreamNotModelled("the program source records no allocations")
+
+    def rank_static_allocs(self, rank: int, stage_ids) -> list[int]:
+        """("recorded") The bytes of each tensor of the rank's static state, in allocation order
+        (summing to its StaticBytes.total)."""
+        raise StreamNotModelled("the program source records no allocations")
+
+    def rank_optimizer_allocs(self, rank: int, stage_ids) -> tuple:
+        """("recorded") The optimizer step as rows `(sign, bytes, ref)`: `ref` an int is a handle
+        of the step's own; `(stage, handle)` is a handle of that stage's microbatch whose
+        backward made the gradients (the gradients and anything else the step frees)."""
+        raise StreamNotModelled("the program source records no allocations")
 
     def rank_static(self, stage_ids) -> StaticBytes:
         raise NotImplementedError
@@ -222,6 +267,30 @@ class RankPlan(StagePlan):
     first_backward: dict = field(default_factory=dict)
     # (peak_at, peak_bytes) -> the peak named down to the op, or None
     namer: object = field(default=None, repr=False)
+    # the one rank's recorded allocations, (stage 0's StageAllocs, optimizer rows, static tensor
+    # sizes), or why there are none (a str), or a function giving either when first needed
+    # (reserved is computed only when read); None: the source records none
+    recorded: object = field(default=None, repr=False)
+
+    @property
+    def allocs(self) -> str | None:
+        return "recorded" if self.recorded is not None else None
+
+    def _recorded(self) -> tuple:
+        if callable(self.recorded):
+            self.recorded = self.recorded()
+        if isinstance(self.recorded, str):
+            raise StreamNotModelled(self.recorded)
+        return self.recorded
+
+    def stage_allocs(self, stage: int) -> tuple[StageAllocs, StageAllocs | None]:
+        return self._recorded()[0], None
+
+    def rank_static_allocs(self, rank: int, stage_ids) -> list[int]:
+        return list(self._recorded()[2])
+
+    def rank_optimizer_allocs(self, rank: int, stage_ids) -> tuple:
+        return self._recorded()[1]
 
     def static_per_rank(self, schedule) -> list[StaticBytes]:
         return list(self.statics)

@@ -2,13 +2,14 @@
 through the CUDA caching allocator model (pipemem.allocator) under the plan's allocator
 settings (`--alloc-conf`, PYTORCH_CUDA_ALLOC_CONF syntax).
 
-`attach_reserved(est, conf)` gives every `RankEstimate` of a templates estimate a
+`attach_reserved(est, conf)` gives every `RankEstimate` of a templates or traced estimate a
 `reserved_source`: the stream is built and replayed when `peak_reserved_bytes` is first read
 (a plan search that never reads it pays nothing), and the result is cached per (stage plan,
-schedule, runtime, rank, settings): the same plan asked again reads it back. Where the
-stream is not modelled (traced and Paddle programs, the paddle convention, a stage
-adjustment the stream cannot express) the rank's `peak_reserved_bytes` is None and the
-estimate says why in a warning, once.
+schedule, runtime, rank, settings): the same plan asked again reads it back. Templates'
+streams are rebuilt from their programs, traced ones read from the recorded programs (the
+stage plan's `allocs`). Where the stream is not modelled (Paddle programs, the paddle
+convention, a stage adjustment the stream cannot express) the rank's `peak_reserved_bytes` is
+None and the estimate says why in a warning, once.
 
 The allocator runs without a capacity: the reserved peak is what the allocator would ask the
 device for if it had room (no release-and-retry near the capacity; the verdict compares it
@@ -21,7 +22,7 @@ from .errors import UserError
 
 _CACHE: dict = {}
 _CACHE_MAX = 4096
-NOT_MODELLED_MODES = dict(traced="traced programs", paddle="Paddle programs (Paddle's allocator is its own)")
+NOT_MODELLED_MODES = dict(paddle="Paddle programs (Paddle's allocator is its own)")
 
 
 def alloc_config(text):
@@ -45,7 +46,7 @@ def attach_reserved(est, conf) -> None:
     """Give each rank of `est` its reserved source (see the module docstring)."""
     text = _conf_text(conf)
     est.alloc_conf = text
-    if est.mode != "templates" or est.reserved_inputs is None:
+    if est.reserved_inputs is None or getattr(est.reserved_inputs[0], "allocs", None) is None:
         what = NOT_MODELLED_MODES.get(est.mode, f"--mode {est.mode}")
         est.warnings.append(
             f"reserved memory (the caching allocator's segments) is not modelled for {what}: "

@@ -210,7 +210,7 @@ class TracedSource:
     PyTorch's: the runtime defaults to torch."""
 
     mode = "traced"
-    reserved_stream = False
+    reserved_stream = True  # the traced programs' allocations (pipemem.traced.allocs)
 
     def __init__(
         self, config: dict | None = None, kernel_policy: str = "cuda", runtime: str | None = None, **_
@@ -328,6 +328,7 @@ class TracedSource:
             label="one step (pp 1)",
             warnings=warnings,
             namer=namer,
+            recorded=t.recorded,
         )
 
     def _sharded_rank(self, arch, plan: ParallelPlan) -> RankPlan:
@@ -356,6 +357,7 @@ class TracedSource:
             label=f"one step ({kind} rank 0 of {plan.tp if kind == 'tp' else plan.dp})",
             warnings=warnings,
             namer=namer,
+            recorded=t.get("recorded"),
         )
 
 

@@ -50,6 +50,7 @@ class StagePlan(StagePlanBase):
     # set-to-none / ddp-bucket; replayed for the microbatch of the stage's first B or W:
     # `first_backward_overrides`); later microbatches accumulate into them.
     first_backward: dict[int, StageJobs] = field(default_factory=dict)
+    allocs = "templates"  # pipemem.alloc_stream rebuilds the jobs' allocations from the programs
 
     @property
     def warnings(self) -> list[str]:

@@ -216,3 +216,54 @@ def test_huge_streams_are_refused_quickly():
     assert e.max_peak_reserved_bytes is None
     assert any("reserved memory is not modelled" in w and "allocations" in w for w in e.warnings)
     assert time.perf_counter() - t < 30
+
+
+def test_paddle_programs_say_reserved_is_not_modelled(monkeypatch, capsys):
+    """--mode paddle (--exact): Paddle's auto-growth allocator is not modelled. The report and --json
+    say so (null reserved, one warning), and the verdict takes the wider margin of an allocated-only
+    peak. PaddleNLP's program build (a separate interpreter) is stood in for by two cards' job
+    lists; everything after it is the estimate's own path."""
+    from pipemem.cli.main import main
+    from pipemem.estimate import NEAR_LIMIT_UNMODELLED, judge
+    from pipemem.jobs import StaticBytes
+    from pipemem.paddle import paddlenlp_programs as P
+    from pipemem.sources import PaddleSource
+
+    def cards_plan(self, arch, plan, schedule):
+        mib = 1 << 20
+        cards = []
+        for c in range(2):
+            jobs_list = [("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1), ("optimizer", 0)]
+            jobs = {("forward", m): (300 * mib, 400 * mib, "matmul") for m in range(2)} | {
+                ("backward", m): (-300 * mib, 200 * mib, "matmul_grad") for m in range(2)
+            }
+            jobs[("optimizer", 0)] = (0, 100 * mib, "adamw")
+            cards.append(P.CardJobs(c, jobs_list, {}, jobs, StaticBytes(params=1000 * mib), 0))
+        spec = {"pp": 2, "vpp": 1, "layers": plan.layers or arch.layers, "schedule": "1F1B"}
+        ps = P.stage_plan(spec, cards)
+        ps.label = "1F1B (Paddle's job lists)"
+        return ps
+
+    monkeypatch.setattr(PaddleSource, "stage_plan", cards_plan)
+    kw = dict(pp=2, microbatches=2, layers=4, convention="paddle", mode="paddle")
+    e = pipemem.estimate("llama3-8b", gpu_memory=4, **kw)
+    d = e.to_dict()
+    assert [r["peak_reserved_bytes"] for r in d["ranks"]] == [None, None]
+    assert d["max_peak_reserved_bytes"] is None and not e.reserved_modelled
+    said = [w for w in d["warnings"] if "reserved memory" in w]
+    assert len(said) == 1 and "Paddle programs" in said[0] and "not modelled" in said[0]
+    r = e.ranks[0]
+    assert r.device_peak_bytes == r.peak_allocated_bytes + r.outside.total_bytes
+    gpu = int(r.device_peak_bytes / (1 - NEAR_LIMIT_UNMODELLED / 2))  # within the wider margin only
+    assert r.verdict(gpu) == "tight" and judge(r.device_peak_bytes, gpu, True) == "fits"
+
+    flags = ["--model", "llama3-8b", "--pp", "2", "--microbatches", "2", "--layers", "4"]
+    flags += ["--convention", "paddle", "--mode", "paddle", "--gpu-memory", "4"]
+    assert main(["estimate", *flags, "--json"]) == 0
+    out = capsys.readouterr()
+    j = json.loads(out.out)
+    assert [x["peak_reserved_bytes"] for x in j["ranks"]] == [None, None]
+    assert any("Paddle programs" in w and "not modelled" in w for w in j["warnings"])
+    assert main(["estimate", *flags]) == 0
+    out = capsys.readouterr()
+    assert "reserved not modelled" in out.out and "reserved memory (the caching allocator" in out.err

@@ -27,6 +27,9 @@ class TracedEstimate:
     peak_at: str
     kernel_policy: str = "cuda"
     notes: dict = field(default_factory=dict)
+    # the step's allocations for the allocator model (pipemem.jobs.RankPlan.recorded: a function
+    # giving them, or why there are none, when reserved is first read)
+    recorded: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         jobs = {
@@ -233,4 +236,26 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
         peak_at=step.peak_at,
         kernel_policy=kernel_policy,
         notes=notes,
+        recorded=lambda: recorded_step(step),
     )
+
+
+def recorded_step(step):
+    """The traced step's allocations as `RankPlan.recorded` wants them (pipemem.traced.allocs),
+    or why there are none."""
+    from ..jobs import StreamNotModelled
+    from ..liveness import analyze_sequence
+    from .allocs import one_step_allocs
+
+    t = step.traced if hasattr(step, "traced") else step
+    if t is None:
+        return "the traced step's programs were not kept"
+    try:
+        if getattr(step, "replicated", False):
+            from .replicate import replicated_allocs
+
+            return replicated_allocs(step)
+        results = analyze_sequence(t.programs, live_on_entry=t.entry_storages)
+        return one_step_allocs(t.programs, results, t.entry_sizes)
+    except StreamNotModelled as e:
+        return str(e)

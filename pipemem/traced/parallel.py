@@ -69,6 +69,9 @@ class TracedStage:
     jobs: StageJobs  # F, later B / I / W
     first_grad: StageJobs  # the first B / W of the step (creates the param grads)
     param_bytes: int
+    # (every microbatch's StageAllocs, the first backward's, the first backward's gradient
+    # handle per parameter, each parameter's bytes), or why there are none (a str)
+    allocs: object = None
 
 
 @lru_cache(maxsize=256)
@@ -124,7 +127,55 @@ def trace_stage(spec: StageSpec) -> TracedStage:
             **bounds,
         )
 
-    return TracedStage(jobs(1), jobs(0), full["param_bytes"])
+    allocs = _stage_allocs(full, split, bounds, spec.stage)
+    return TracedStage(jobs(1), jobs(0), full["param_bytes"], allocs)
+
+
+def _stage_allocs(full: dict, split: dict | None, bounds: dict, stage: int):
+    """The stage's recorded jobs as `pipemem.jobs.StageAllocs` (pipemem.traced.allocs): microbatch
+    1's forward and backward stand for every microbatch, microbatch 0's for the step's first
+    (it creates the gradients). The stage boundary (x, y, dy, dx) takes the runtime's slots and
+    parameter i's gradient handle 4 + i in both traces (B, and I then W), so the optimizer step
+    frees the same handles whichever made them. Returns (every, first, the gradients' handles,
+    the parameters' bytes), or why there are none (a str)."""
+    from ..jobs import StageAllocs, StreamNotModelled
+    from .allocs import DX, DY, SLOTS, Handles, X, Y, check_slot, program_rows
+
+    def walk(trace: dict, m: int, kinds: str) -> tuple[dict, int]:
+        r = trace["record"]
+        slots = {r["x"]: X, r[f"y{m}"]: Y}
+        for name, slot in ((r["gy"], DY), (r[f"dx{m}"], DX)):
+            if name is not None:
+                slots[name] = slot
+        for i, g in enumerate(r["grads"]):
+            if g is not None:
+                slots[g] = SLOTS + i
+        hs = Handles(slots, start=SLOTS + len(r["grads"]))
+        rows = {}
+        for kind in kinds:
+            prog = r["programs"].get(f"{kind}{m}")
+            rows[kind] = tuple(program_rows(*prog, hs, f"stage {stage}'s {kind}{m}")) if prog else ()
+        return rows, hs.next
+
+    def pair(m: int) -> StageAllocs:
+        rows, width = walk(full, m, "FB")
+        if split is not None:
+            srows, swidth = walk(split, m, "FIW")
+            if srows["F"] != rows["F"]:
+                raise StreamNotModelled(f"stage {stage}: its two traces' forwards allocate differently")
+            rows.update(I=srows["I"], W=srows["W"])
+            width = max(width, swidth)
+        check_slot(rows["F"], Y, bounds["output_bytes"], f"stage {stage}'s output")
+        for kind in ("B", "I"):
+            check_slot(rows.get(kind, ()), DX, bounds["input_grad_bytes"], f"stage {stage}'s input grad")
+        return StageAllocs(width=width, **rows)
+
+    try:
+        every, first = pair(1), pair(0)
+    except StreamNotModelled as e:
+        return str(e)
+    grads = tuple(SLOTS + i if g is not None else None for i, g in enumerate(full["record"]["grads"]))
+    return every, first, grads, full["record"]["param_sizes"]
 
 
 def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
@@ -152,11 +203,13 @@ def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
     rec.register([t for t in (x, target, gy) if t is not None], TensorKind.ACTIVATION)
     held = []  # what the runtime owns: y, dx, losses (freed after the trace)
     phases = []
+    names = {"x": _one_name(rec, x), "gy": _one_name(rec, gy)}  # for pipemem.traced.allocs
     with rec:
         for m in range(2):
             rec.begin(f"F{m}")
             phases.append(f"F{m}")
             y = module(x)
+            names[f"y{m}"] = _one_name(rec, y)
             loss = causal_lm_loss(y, target) if last else None
             held += [y, loss]
             stage_output = loss if last else (y,)
@@ -181,6 +234,13 @@ def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
                     del groups, so
                 else:  # the runtime defers the first stage's whole backward to W
                     stage_backward(stage_output, output_grads, inputs)
+            dx_m = held[-1] if (kinds == "FB" or not first) else None  # stage_backward's input grads
+            if isinstance(dx_m, (list, tuple)):
+                dx_m = dx_m[0] if dx_m else None
+            names[f"dx{m}"] = _one_name(rec, dx_m)
+            del dx_m
+            if m == 0:
+                names["grads"] = [_one_name(rec, p.grad) for p in params]
             if last and not first:
                 y.detach_()
             del y, loss, stage_output, output_grads
@@ -188,17 +248,31 @@ def _trace_sequence(module, cfg, spec: StageSpec, dtype, kinds: str) -> dict:
     ordered = [programs.get(p) for p in phases]
     mem = iter(analyze_sequence([p for p in ordered if p is not None], live_on_entry=rec.entry_storages()))
     out = {}
+    walked = {}
     for name, prog in zip(phases, ordered):
         r = next(mem) if prog is not None else None
         out[name] = JobMemory(r.net_bytes, r.peak_bytes) if r is not None else JobMemory(0, 0)
+        if r is not None:
+            walked[name] = (prog, r)
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    out["record"] = dict(names, programs=walked, param_sizes=[p.untyped_storage().nbytes() for p in params])
     return out
 
 
+def _one_name(rec, t) -> str | None:
+    """The recorded storage name of tensor `t` (None: no tensor, or not recorded)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    got = rec.storage_names([t])
+    return next(iter(got)) if got else None
+
+
 @lru_cache(maxsize=256)
-def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
+def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int, object]:
     """`optimizer.step(); zero_grad(set_to_none=True)` over the params of a rank's stages, every
-    param holding a gradient on entry. Returns (job, buffer bytes of the stage modules)."""
+    param holding a gradient on entry. Returns (job, buffer bytes of the stage modules, its
+    allocations: rows `(sign, bytes, ref)` with ref ("grad", j) for the gradient of the rank's
+    j-th parameter, or why there are none)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from . import kernel_policy as policies
@@ -216,7 +290,7 @@ def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
         buffers = {id(b): b for m in mods for b in m.buffers()}
         buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
         if make is None:
-            return JobMemory(0, 0), buffer_bytes
+            return JobMemory(0, 0), buffer_bytes, ()
         for p in params:
             p.grad = torch.empty_like(p)
         opt = make(params)
@@ -224,13 +298,26 @@ def trace_rank_optimizer(specs: tuple[StageSpec, ...]) -> tuple[JobMemory, int]:
         rec = DistStorageRecorder()
         rec.register(params, TensorKind.PARAM)
         rec.register([p.grad for p in params], TensorKind.GRAD)
+        grad_names = [_one_name(rec, p.grad) for p in params]
         with rec:
             rec.begin("optimizer")
             opt.step()
             opt.zero_grad(set_to_none=True)
-        (r,) = analyze_sequence(rec.programs(), live_on_entry=rec.entry_storages())
+        progs = rec.programs()
+        (r,) = analyze_sequence(progs, live_on_entry=rec.entry_storages())
         del opt
-    return JobMemory(r.net_bytes, r.peak_bytes), buffer_bytes
+    return JobMemory(r.net_bytes, r.peak_bytes), buffer_bytes, _optimizer_rows(progs[0], r, grad_names)
+
+
+def _optimizer_rows(program, result, grad_names: list):
+    from ..jobs import StreamNotModelled
+    from .allocs import Handles, program_rows
+
+    refs = {g: ("grad", j) for j, g in enumerate(grad_names) if g is not None}
+    try:
+        return tuple(program_rows(program, result, Handles(start=0), "the optimizer step", refs))
+    except StreamNotModelled as e:
+        return str(e)
 
 
 @dataclass
@@ -253,13 +340,54 @@ class TracedStagePlan(StagePlan):
         for the microbatch `Schedule.first_grad_microbatches` names."""
         return {s: t.first_grad for s, t in self.traced.items()}
 
+    allocs = "recorded"  # pipemem.alloc_stream reads the traced programs' allocations
+
     def rank_static(self, stage_ids) -> StaticBytes:
         specs = tuple(self.specs[s] for s in sorted(stage_ids))
-        _, buffers = trace_rank_optimizer(specs)
+        buffers = trace_rank_optimizer(specs)[1]
         return StaticBytes(params=sum(self.traced[s].param_bytes for s in stage_ids), other=buffers)
 
     def rank_optimizer(self, stage_ids) -> JobMemory:
         return trace_rank_optimizer(tuple(self.specs[s] for s in sorted(stage_ids)))[0]
+
+    def _allocs(self, stage: int) -> tuple:
+        a = self.traced[stage].allocs
+        if not isinstance(a, tuple):
+            from ..jobs import StreamNotModelled
+
+            raise StreamNotModelled(a or "the stage's allocations were not recorded")
+        return a
+
+    def stage_allocs(self, stage: int):
+        every, first, _, _ = self._allocs(stage)
+        return every, first
+
+    def rank_static_allocs(self, rank: int, stage_ids) -> list[int]:
+        """Each parameter as its own tensor (stages in order), the modules' buffers as one."""
+        sizes = [b for s in sorted(stage_ids) for b in self._allocs(s)[3]]
+        buffers = self.rank_static(stage_ids).other
+        return [b for b in sizes + [buffers] if b > 0]
+
+    def rank_optimizer_allocs(self, rank: int, stage_ids) -> tuple:
+        """The traced optimizer step, its gradient frees named by the stage handle that made each."""
+        from ..jobs import StreamNotModelled
+
+        rows = trace_rank_optimizer(tuple(self.specs[s] for s in sorted(stage_ids)))[2]
+        if isinstance(rows, str):
+            raise StreamNotModelled(rows)
+        owner = [(s, h) for s in sorted(stage_ids) for h in self._allocs(s)[2]]
+        out = []
+        for row in rows:
+            ref = row[2]
+            if isinstance(ref, tuple):
+                s, h = owner[ref[1]]
+                if h is None:
+                    raise StreamNotModelled(
+                        f"the optimizer step frees a gradient stage {s}'s backward did not make"
+                    )
+                ref = (s, h)
+            out.append((row[0], row[1], ref) + tuple(row[3:]))
+        return tuple(out)
 
 
 def param_dtype_name(plan) -> str:
@@ -455,7 +583,8 @@ def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dic
     buffer_bytes = sum(sizes[n].nbytes for n in set(buffers) - set(params))
     grad_bytes = sum(sizes[n].nbytes for n in set(grads))
     total = sum(sizes[n].nbytes for n in entry)
-    results = {r.name: r for r in analyze_sequence(programs, live_on_entry=entry)}
+    walked = analyze_sequence(programs, live_on_entry=entry)
+    results = {r.name: r for r in walked}
 
     def job(name):
         r = results.get(name)
@@ -470,4 +599,17 @@ def _trace_model_step(model, plan, kernel_policy: str, resident_grads=()) -> dic
         "peak_op": peak_op,
         "param_bytes": param_bytes,
         "buffer_bytes": buffer_bytes,
+        "recorded": partial(_recorded_rank, programs, walked, [sizes[n].nbytes for n in entry]),
     }
+
+
+def _recorded_rank(programs, walked, entry_sizes):
+    """The rank's step as `RankPlan.recorded` (pipemem.traced.allocs: FSDP2's all-gather and
+    reduce-scatter buffers on their own streams), or why not."""
+    from ..jobs import StreamNotModelled
+    from .allocs import one_step_allocs
+
+    try:
+        return one_step_allocs(programs, walked, entry_sizes)
+    except StreamNotModelled as e:
+        return str(e)

@@ -21,7 +21,7 @@ import torch
 
 from ..ir import TensorKind
 from ..jobs import JobMemory, compose_at
-from ..liveness import analyze_sequence, compile_program, retention_sets
+from ..liveness import analyze_sequence, compile_program, program_events, retention_sets
 from . import kernel_policy as policies
 from .step import PhaseMemory, TracedStep, step_summary, trace_step
 
@@ -166,12 +166,15 @@ def trace_optimizer(
     zero_grad: bool = True,
     step: str = "steady",
     set_to_none: bool = True,
+    detail: dict | None = None,
 ) -> tuple[PhaseMemory, dict]:
     """The optimizer phase of the step for parameters of these shapes, their gradients alive
     on entry (as after a backward) and the loss freed at the end (as `run_step` does).
     step="steady": the optimizer has stepped once before (its states exist on entry);
     set_to_none=False: the gradients are resident buffers (zeroed, not freed).
-    Returns the phase and the bytes resident on entry: {"optimizer": states, "grads": kept grads}."""
+    Returns the phase and the bytes resident on entry: {"optimizer": states, "grads": kept grads}.
+    `detail` (a dict) gets what the allocation stream needs: the optimizer program and its walk,
+    the storage name of each parameter's gradient and of the loss, the states' sizes."""
     from .capture import StorageRecorder
     from .step import analyze_programs
 
@@ -202,6 +205,9 @@ def trace_optimizer(
             if p.grad is None:
                 p.grad = torch.empty_like(p)
         loss = torch.empty((), dtype=loss_dtype, device="meta")
+        if detail is not None:
+            detail["grads"] = [next(iter(rec.storage_names([p.grad])), None) for p in params]
+            detail["loss"] = next(iter(rec.storage_names([loss])), None)
         rec.begin("optimizer")
         optimizer.step()
         if zero_grad:
@@ -209,6 +215,11 @@ def trace_optimizer(
         del loss
     del optimizer
     phases = analyze_programs(rec.programs(), rec.entry_storages())
+    if detail is not None:
+        progs = rec.programs()
+        walked = analyze_sequence(progs, live_on_entry=rec.entry_storages())
+        detail["walk"] = next(((p, r) for p, r in zip(progs, walked) if p.name == "optimizer"), None)
+        detail["states"] = [rec.storages[n].nbytes for n in dict.fromkeys(states)]
     resident = {
         "optimizer": sum(rec.storages[n].nbytes for n in set(states)),
         "grads": sum(rec.storages[n].nbytes for n in set(kept)),
@@ -224,6 +235,8 @@ class ReplicatedStep:
     phases: list[PhaseMemory]
     layers: int
     traced: TracedStep = field(repr=False, default=None)
+    replicated: bool = False  # False: `traced` is the whole step (its programs are the step's)
+    stream: dict = field(repr=False, default=None)  # replicated: what `replicated_allocs` reads
 
     peak_bytes = TracedStep.peak_bytes
     peak_at = TracedStep.peak_at
@@ -306,8 +319,20 @@ def trace_replicated(
     if static.get("grads"):  # gradients kept resident (set_to_none=False): one per parameter
         static["grads"] += extra * per_layer
         static["total"] += extra * per_layer
+    layer = model.get_submodule(step.layer_prefix)[template]
+    stream = {  # what replicated_allocs needs
+        "template": template,
+        "extra": extra,
+        "template_params": {id(p) for p in layer.parameters()},
+        "params": [id(p) for p in model.parameters()],
+        "static": [p.numel() * p.element_size() for p in layer.parameters()] * extra
+        + [b.numel() * b.element_size() for b in layer.buffers()] * extra
+        + ([p.numel() * p.element_size() for p in layer.parameters()] * extra if static.get("grads") else []),
+        "optimizer": None,
+    }
     if optimizer_factory is not None:
         specs = layer_template_params(model, step.layer_prefix, n_layers, template)
+        detail: dict = {}
         opt, resident = trace_optimizer(
             specs,
             optimizer_factory,
@@ -316,11 +341,15 @@ def trace_replicated(
             trace_kwargs.get("zero_grad", True),
             trace_kwargs.get("step", "steady"),
             trace_kwargs.get("set_to_none", True),
+            detail=detail,
         )
+        stream["optimizer"] = detail
         phases.append(opt)
         static["optimizer"] = static.get("optimizer", 0) + resident["optimizer"]
         static["total"] += resident["optimizer"]
-    return ReplicatedStep(static, phases, n_layers, step)
+    out = ReplicatedStep(static, phases, n_layers, step, replicated=True)
+    out.stream = stream
+    return out
 
 
 def trace_hf_replicated(
@@ -435,3 +464,150 @@ def _prepare(model, recompute: str, compile: bool) -> None:
 
 
 replicate_step = trace_replicated
+
+
+# ---------------------------------------------------------------- the allocation stream
+
+
+def replicated_allocs(rs: ReplicatedStep) -> tuple:
+    """The replicated step's allocations as `pipemem.jobs.RankPlan.recorded` wants them: the
+    K-layer trace's forward and backward events, the template layer's piece repeated for the
+    layers it stands for, and the optimizer step traced on the N-layer parameters.
+
+    The N-layer step is read as virtual layers: layers before the template keep their index,
+    copy c of the template is layer T + c, later layers move up by the copies added; the
+    backward runs the copies last to first. A storage the template's piece allocates is one
+    storage per copy; a free names the storage of the virtual layer at the same distance as in
+    the trace (a layer's backward frees what its own forward saved; the template's input is
+    the previous copy's output), matched across layers by the order in which each layer's own
+    ops allocate (identical layers allocate alike; a mismatch raises StreamNotModelled). A free
+    outside the layers of a storage of the template (autocast's weight copies) frees every
+    copy, as `expand` counts them."""
+    from ..jobs import StageAllocs, StreamNotModelled
+    from .allocs import SLOTS
+
+    t, info = rs.traced, rs.stream
+    T, extra = info["template"], info["extra"]
+    results = analyze_sequence(t.programs, live_on_entry=t.entry_storages)
+    events, alloc_layer, own_seq, own_pos = {}, {}, {}, {}
+    for p, r in zip(t.programs, results):
+        if p.name not in ("forward", "backward"):
+            raise StreamNotModelled(f"the traced step has a {p.name} phase")
+        sign, size, sid, op = program_events(p, r)
+        names = compile_program(p).storage_names
+        owners = t.op_layers.get(p.name, [])
+        piece = [None] * len(p.ops)
+        slices = _piece_slices(owners)
+        for a, b, lay in slices:
+            piece[a : b + 1] = [lay] * (b - a + 1)
+        rows = []
+        for sg, b, i, o in zip(sign.tolist(), size.tolist(), sid.tolist(), op.tolist()):
+            if b == 0:
+                continue
+            n = names[i] if i >= 0 else None
+            rows.append((sg, b, n, o))
+            if sg > 0 and n is not None:
+                alloc_layer[n] = piece[o]
+                if owners and owners[o] is not None and owners[o] == piece[o]:
+                    lst = own_seq.setdefault((owners[o], p.name), [])
+                    own_pos[n] = (p.name, len(lst), b)
+                    lst.append(n)
+        events[p.name] = (rows, slices)
+
+    def equiv(n: str, a: int, b: int) -> str:
+        if a == b:
+            return n
+        pos = own_pos.get(n)
+        lst = own_seq.get((b, pos[0])) if pos is not None else None
+        if lst is None or pos[1] >= len(lst) or own_pos[lst[pos[1]]][2] != pos[2]:
+            raise StreamNotModelled(f"layers {a} and {b} of the traced step allocate differently")
+        return lst[pos[1]]
+
+    def freed(n: str, lay, v) -> list:
+        a = alloc_layer.get(n, "entry")
+        if a == "entry":
+            raise StreamNotModelled(f"the traced step frees storage {n}, which existed before it")
+        if lay is None:
+            return [(n, T + c) for c in range(extra + 1)] if a == T else [(n, None)]
+        if a is None:
+            return [(n, None)]
+        w = v + (a - lay)
+        if T <= w <= T + extra:
+            return [(equiv(n, a, T), w)]
+        return [(equiv(n, a, w if w < T else w - extra), None)]
+
+    def _order(ident) -> int:
+        n, v = ident
+        if v is not None:
+            return v
+        a = alloc_layer.get(n)
+        return -1 if a is None else a if a < T else a + extra
+
+    handles: dict = {}
+
+    def handle(ident) -> int:
+        h = handles.get(ident)
+        if h is None:
+            h = handles[ident] = SLOTS + len(handles)
+        return h
+
+    loss = t.loss_storage
+    job_rows: dict = {}
+    ws = 0
+    for phase, kind in (("forward", "F"), ("backward", "B")):
+        rows, slices = events.get(phase, ([], []))
+        out = []
+        by_op: dict = {}
+        for row in rows:
+            by_op.setdefault(row[3], []).append(row)
+        for a, b, lay in slices:
+            if lay == T:
+                copies = range(extra + 1) if phase == "forward" else range(extra, -1, -1)
+                views = [T + c for c in copies]
+            else:
+                views = [lay if lay is None or lay < T else lay + extra]
+            for v in views:
+                for o in range(a, b + 1):
+                    op_out = []  # (order, row): outside the layers, frees go in virtual-layer order
+                    for sg, size, n, _ in by_op.get(o, ()):
+                        if n is None:  # an op's workspace
+                            if sg > 0:
+                                ws += 1
+                            op_out.append((-2, (sg, size, handle(("ws", ws)))))
+                        elif sg > 0:
+                            op_out.append((-2, (sg, size, handle((n, v if lay == T else None)))))
+                        elif phase == "backward" and n == loss:
+                            continue  # traced without an optimizer: the optimizer step frees it
+                        else:
+                            op_out += [(_order(i), (sg, size, handle(i))) for i in freed(n, lay, v)]
+                    if lay is None:  # as a trace of every layer frees them (autocast's cache)
+                        op_out.sort(key=lambda x: x[0])
+                    out += [row for _, row in op_out]
+        job_rows[kind] = tuple(out)
+    opt_rows: tuple = ()
+    detail = info.get("optimizer")
+    static = list(t.entry_sizes) + list(info["static"])
+    if detail is not None:
+        if detail.get("walk") is None:
+            raise StreamNotModelled("the optimizer step was not recorded")
+        grads = {}
+        k_grads = t.grad_storages
+        j = 0
+        for k, pid in enumerate(info["params"]):
+            copies = extra + 1 if pid in info["template_params"] else 1
+            g = k_grads[k] if k < len(k_grads) else None
+            for c in range(copies):
+                name = detail["grads"][j] if j < len(detail["grads"]) else None
+                j += 1
+                if name is None or g is None or g not in alloc_layer:
+                    continue  # no gradient, or one resident from before the step (not freed)
+                if copies > 1 and alloc_layer[g] != T:
+                    raise StreamNotModelled("a template parameter's gradient is made outside its layer")
+                grads[name] = (0, handle((g, T + c if copies > 1 else None)))
+        if detail.get("loss") is not None and loss is not None:
+            grads[detail["loss"]] = (0, handle((loss, None)))
+        from .allocs import Handles, program_rows
+
+        opt_rows = tuple(program_rows(*detail["walk"], Handles(start=0), "the optimizer step", grads))
+        static += detail.get("states", [])
+    return StageAllocs(F=job_rows["F"], B=job_rows["B"], width=SLOTS + len(handles)), opt_rows, static

@@ -131,6 +131,10 @@ class TracedStep:
     layers: int = 0
     op_layers: dict = field(default_factory=dict, repr=False)  # phase -> [layer index or None per op]
     kinds_bytes: dict = field(default_factory=dict)  # created-in-step bytes per kind
+    entry_sizes: list = field(default_factory=list, repr=False)  # bytes of each entry storage
+    # storage of each parameter's .grad when the step ends (None: no grad) and of the loss
+    grad_storages: list = field(default_factory=list, repr=False)
+    loss_storage: str | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -357,9 +361,13 @@ def trace_step(
             input_tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             names["inputs"] = rec.register(input_tensors, TensorKind.ACTIVATION)
 
+            seen: dict = {}  # storage names the allocation stream needs (pipemem.traced.replicate)
+
             def on_phase(phase: str) -> None:
                 if phase in ("optimizer", "end"):
                     rec.set_kind([p.grad for p in params if p.grad is not None], TensorKind.GRAD)
+                if phase == "end":
+                    seen["grads"] = [next(iter(rec.storage_names([p.grad])), None) for p in params]
                 if phase == "end" and optimizer is not None:
                     states = [
                         v
@@ -380,7 +388,7 @@ def trace_step(
                         model,
                         args,
                         kwargs,
-                        loss_fn,
+                        _named_loss(loss_fn, rec, seen),
                         optimizer,
                         autocast_dtype,
                         on_phase,
@@ -398,6 +406,7 @@ def trace_step(
             programs = rec.programs()
             entry = rec.entry_storages()
             static = _static_bytes(rec.storages, entry, names)
+            entry_sizes = [rec.storages[n].nbytes for n in entry]
             kinds: dict[str, int] = {}
             for info in rec.storages.values():
                 if info.phase:
@@ -417,7 +426,22 @@ def trace_step(
         layers=n_layers,
         op_layers=op_layers,
         kinds_bytes=kinds,
+        entry_sizes=entry_sizes,
+        grad_storages=seen.get("grads", []),
+        loss_storage=seen.get("loss"),
     )
+
+
+def _named_loss(loss_fn, rec, seen: dict):
+    """loss_fn, noting the recorded storage name of the loss it returns (a plain tensor)."""
+
+    def named(out):
+        loss = loss_fn(out)
+        if isinstance(loss, torch.Tensor):
+            seen["loss"] = next(iter(rec.storage_names([loss])), None)
+        return loss
+
+    return named
 
 
 def trace_stage(
