@@ -767,6 +767,54 @@ def layer_param_shapes(
     return out
 
 
+def layer_param_tensors(
+    arch, index: int, tp: int, etp: int, ep: int, fused_qkv: bool, fused_gate_up: bool
+) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, is_expert) of each parameter tensor of one decoder layer as the framework's modules
+    hold them (what the caching allocator sees: one block per tensor): `layer_param_shapes`'
+    lumps split where the modules keep separate tensors. q / k / v as three projections unless
+    `fused_qkv` (Megatron's linear_qkv); gate / up / down as three unless `fused_gate_up`
+    (Megatron's linear_fc1 holds gate and up, linear_fc2 the down projection); a LayerNorm's
+    weight and bias, q and k norms, and the MLP biases each their own tensor. Experts stay one
+    entry per layer (their total; grouped expert weights)."""
+    h, d = arch.hidden, arch.head_dim
+    a = arch.heads // tp
+    kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
+    gated = arch.activation in ("swiglu", "geglu")
+    ln_parts = (2 if arch.norm == "layernorm" else 1) if arch.norm_affine else 0
+
+    def mlp(f: int, bias: bool) -> list:
+        if gated and not fused_gate_up:
+            mats = [(f, h), (f, h), (h, f)]
+            biases = [(f,), (f,), (h,)]
+        else:
+            mats = [((2 if gated else 1) * f, h), (h, f)]
+            biases = [((2 if gated else 1) * f,), (h,)]
+        return mats + (biases if bias else [])
+
+    out: list[tuple[tuple[int, ...], bool]] = []
+    for name, (shape, expert) in layer_param_shapes(arch, index, tp, etp, ep).items():
+        if name in ("input_norm", "post_attention_norm", "sandwich_norms"):
+            parts = ln_parts * (2 if name == "sandwich_norms" else 1)
+            out += [((h,), False)] * parts
+        elif name == "qkv" and not fused_qkv:
+            out += [((a * d, h), False), ((kv * d, h), False), ((kv * d, h), False)]
+        elif name == "qkv_bias" and not fused_qkv:
+            out += [((a * d,), False), ((kv * d,), False), ((kv * d,), False)]
+        elif name == "qk_norm":
+            q, k = (a * d, kv * d) if arch.qk_norm_scope == "proj" else (d, d)
+            out += [((q,), False), ((k,), False)]
+        elif name == "mlp":
+            out += [(x, False) for x in mlp(arch.ffn // tp, arch.mlp_bias)]
+        elif name == "mlp_bias":
+            continue  # with the MLP's matrices, above
+        elif name == "shared_mlp":
+            out += [(x, False) for x in mlp(arch.shared_experts * arch.shared_ffn // tp, False)]
+        else:
+            out.append((shape, expert))
+    return out
+
+
 def mla_param_shapes(arch, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Multi-head latent attention's parameters on one rank: the down projections and their norms
     replicated, the up projections split by heads (column-parallel), the output row-parallel."""

@@ -40,6 +40,10 @@ class Framework:
     zero_is_deepspeed = False  # --zero 1-3 (not --fsdp) is DeepSpeed's ZeRO engine
     contiguous_grad_buffer = False  # one resident grad buffer; no DDP buckets
     pytorch_allocator = True  # its tensors live in PyTorch's CUDA caching allocator
+    # its modules keep q / k / v in one parameter (Megatron's linear_qkv) and gate / up in one
+    # (linear_fc1): the tensors the caching allocator holds (templates/static.py)
+    fused_qkv_params = False
+    fused_gate_up_params = False
     allocator_note = ""  # where not: whose allocator, said when reserved is not modelled
     default_optimizer_impl = "fused"  # plan.OPTIMIZER_IMPLS
     fused_ce_loss = False  # --loss fused / fused_te (Megatron's CE fusion)

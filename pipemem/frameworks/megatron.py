@@ -31,6 +31,8 @@ class Megatron(Framework):
     interleaved_needs_pp_multiple = True  # its interleaved schedule's rule
     has_dist_opt = True
     contiguous_grad_buffer = True
+    fused_qkv_params = True  # linear_qkv
+    fused_gate_up_params = True  # linear_fc1 (gate and up); linear_fc2 the down projection
     default_optimizer_impl = "fused"  # TE / Apex FusedAdam
     fused_ce_loss = True  # --cross-entropy-loss-fusion (native or TE)
     fp8 = "te"

@@ -41,7 +41,7 @@ from functools import lru_cache
 from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
+from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes, layer_param_tensors
 from .conventions import Convention
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
@@ -238,6 +238,21 @@ def _dp_groups(plan) -> tuple[int, int]:
     return dp_group, edp_group
 
 
+def _layer_tensors(arch, plan, conv: Convention, moe: bool) -> list[tuple]:
+    """(shape, is_expert) of each parameter tensor of a dense or MoE layer as the framework's
+    modules hold them (fused projections where its modules fuse them)."""
+    fw = conv.framework
+    return layer_param_tensors(
+        arch,
+        _layer_of_kind(arch, moe),
+        plan.tp,
+        plan.etp or 1,
+        plan.ep,
+        fused_qkv=fw.fused_qkv_params or arch.fused_qkv,
+        fused_gate_up=fw.fused_gate_up_params,
+    )
+
+
 def _rank_param_shapes(
     arch, plan, conv: Convention, stage_layers: dict[int, range], rank_stages
 ) -> list[tuple]:
@@ -248,13 +263,7 @@ def _rank_param_shapes(
     for s in rank_stages:
         n_moe = moe_layers_in(arch, stage_layers[s])
         kinds.update(k for k, n in ((True, n_moe), (False, len(stage_layers[s]) - n_moe)) if n)
-    shapes = [
-        (shape, e)
-        for moe in kinds
-        for shape, e in layer_param_shapes(
-            arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep
-        ).values()
-    ]
+    shapes = [x for moe in kinds for x in _layer_tensors(arch, plan, conv, moe)]
     if 0 in rank_stages:
         shapes += [(s, False) for s in embedding_param_shapes(arch, vocab, plan.tp, head=False).values()]
     if plan.pp * plan.vpp - 1 in rank_stages:
@@ -283,8 +292,7 @@ def rank_param_tensor_elems(
         for i in stage_layers[s]:
             moe = arch.is_moe_layer(i)
             if moe not in per_kind:
-                shapes = layer_param_shapes(arch, _layer_of_kind(arch, moe), plan.tp, plan.etp or 1, plan.ep)
-                per_kind[moe] = [_prod(x) for x, _ in shapes.values()]
+                per_kind[moe] = [_prod(x) for x, _ in _layer_tensors(arch, plan, conv, moe)]
             out += per_kind[moe]
         if s == last:
             out += [
