@@ -88,6 +88,8 @@ class Framework:
     op_level_sac = False  # --recompute selective is op-level selective checkpointing
     moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
     mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
+    moe_program_runs_mla = False  # its moe_program also runs DeepSeek's MoE (else templates/mla.py's)
+    mla_rope_style: str | None = None  # the MLA rotary form it runs (None: the model's rope_style)
     # the layer programs are transformers' modules: the families held only against them (sliding
     # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
     transformers_modules = False
@@ -105,6 +107,11 @@ class Framework:
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of the framework's own chunked head (1: none)."""
         return 1
+
+    def layer_buffer_bytes(self, arch, plan, layers: int, moe_layers: int) -> int:
+        """Bytes of the buffers its modules register in `layers` decoder layers (`moe_layers` of
+        them MoE), held all run beside the parameters (templates/static.py: `other`)."""
+        return 0
 
     # -- the answer ------------------------------------------------------------------------------
     default_interleaved_schedule = "VPP"  # the schedule of --vpp > 1 without --schedule

@@ -13,6 +13,9 @@ from __future__ import annotations
 from .base import Framework
 from .convention import EAGER_MODULES, Convention
 
+# the model types whose torchtitan module uses CosSinRoPE (models/qwen3: `CosSinRoPE.Config`)
+COS_SIN_ROPE = ("qwen3", "qwen3_moe")
+
 
 class Torchtitan(Framework):
     name = "torchtitan"
@@ -36,6 +39,14 @@ class Torchtitan(Framework):
     cp_attention = "allgather_kv"  # its CP for (flex) attention all-gathers K and V
     op_level_sac = True  # selective_ac_option = "op"
     regather_sp_save = "shard_regather"  # pipemem.torch_tp.RegatherColwiseParallel
+    # its MoE module (models/common/moe.py: fp32 gate, expert bias, grouped experts, local token
+    # dispatch; templates/torchtitan_moe.py), for qwen3's MoE flavors and deepseek_v3's alike
+    moe_program = "moe_torchtitan"
+    moe_program_runs_mla = True
+    # deepseek_v3's multi-head latent attention (models/deepseek_v3/model.py `Attention`): the
+    # module transformers' DeepseekV2 runs (templates/mla.py), with ComplexRoPE for every flavor
+    mla_templates = True
+    mla_rope_style = "complex"
 
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of ChunkedLossWrapper: `--loss chunked --loss-chunks N` names it (under
@@ -44,6 +55,22 @@ class Torchtitan(Framework):
         if plan.loss == "chunked":
             return int(plan.loss_chunks)
         return int((plan.extra or {}).get("loss_chunks", 8))
+
+    def layer_buffer_bytes(self, arch, plan, layers: int, moe_layers: int) -> int:
+        """torchtitan 0.3 builds a RoPE module in every attention (models/common/rope.py), each
+        with its own cache buffer for training.seq_len positions (`Decoder.Config.update_from_config`
+        sets max_seq_len to it): `ComplexRoPE` complex64 [seq, rope_dim / 2] (llama3, and
+        deepseek_v3 over qk_rope_head_dim), `CosSinRoPE` fp32 [seq, 2 x head_dim] (qwen3). Each
+        MoE module keeps fp32 `expert_bias_E` and `tokens_per_expert_E` buffers [experts]."""
+        if arch.position != "rope":
+            return 0
+        if arch.mla:
+            per_position = arch.qk_rope_head_dim * 4
+        elif arch.model_type in COS_SIN_ROPE:
+            per_position = 2 * arch.head_dim * 4
+        else:
+            per_position = arch.head_dim * 4
+        return layers * plan.seq_len * per_position + moe_layers * 2 * arch.experts * 4
 
     default_interleaved_schedule = "Interleaved1F1B"
     runtime = "torch"  # torch.distributed.pipelining

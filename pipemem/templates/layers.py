@@ -1457,6 +1457,12 @@ class _Gen:
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
         return y
 
+    def moe_torchtitan(self, x: str, opt: LayerOptions) -> str:
+        """torchtitan's MoE module (templates/torchtitan_moe.py)."""
+        from .torchtitan_moe import moe
+
+        return moe(self, x, opt)
+
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
         Routing is taken as balanced: each rank's experts receive top_k x its tokens."""
@@ -1589,7 +1595,7 @@ def decoder_layer_tape(
         r1 = g.add(x, attn, "residual1", tok)
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
-    if opt.moe and arch.kv_lora_rank:
+    if opt.moe and arch.kv_lora_rank and not conv.framework.moe_program_runs_mla:
         from . import mla
 
         m = mla.moe(g, arch, h2, opt)
