@@ -62,6 +62,11 @@ class Framework:
         """Refuse (UserError) what this framework's runs never do; called by validate_plan
         after the generic parallelism checks of the convention."""
 
+    def default_etp(self, tp: int, ep: int) -> int:
+        """Expert tensor parallelism when --etp is not given: the experts split as the dense
+        layers are (Megatron-Core's default, --expert-tensor-parallel-size = tp)."""
+        return tp
+
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         """How the trainer keeps gradients between steps (plan.GRADS); PyTorch's
         zero_grad(set_to_none=True) unless the framework says otherwise."""

@@ -28,6 +28,13 @@ class Torchtitan(Framework):
     chunked_loss_wrapper = True  # its ChunkedLossWrapper: loss parallel
     torch_modules = True
 
+    def default_etp(self, tp: int, ep: int) -> int:
+        """torchtitan 0.3 has no expert-TP degree of its own: without expert parallelism the
+        routed experts are split over the TP axis (models/common/moe_sharding.py
+        `expert_param_placement_dense`); with it, EP borrows its ranks from FSDP and TP
+        (config/configs.py: efsdp x ep = dp_shard x cp x tp) and each expert is whole."""
+        return 1 if ep > 1 else tp
+
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         # Trainer.train_step calls zero_grad(set_to_none=training.disable_cuda_graphs), False by
         # default: CUDA-graph replay needs fixed gradient addresses

@@ -202,3 +202,46 @@ def hf_config(mc, max_position: int = 131072) -> dict:
     if not qk_norm:
         raise UserError("torchtitan MoE model without q/k norms is not read (qwen3 MoE has them)")
     return cfg
+
+
+# The models whose flavors `--from-torchtitan` reads from pipemem/presets/torchtitan_flavors.json
+# (written from torchtitan's own flavor functions by `main`; tests/test_torchtitan_flavors.py holds
+# the file equal to them). llama3 / llama2 flavors map to presets (configs/torchtitan.py FLAVORS).
+FLAVOR_MODELS = ("qwen3", "deepseek_v3")
+
+
+def flavor_table() -> dict:
+    """{model name: {flavor: HF-style config}} of torchtitan's qwen3 and deepseek_v3 flavors, from
+    the installed torchtitan (each flavor's `model_registry(flavor).model`)."""
+    out: dict = {}
+    with import_stubs():
+        for name in FLAVOR_MODELS:
+            mod = importlib.import_module(f"torchtitan.models.{name}")
+            flavors = next(v for k, v in vars(mod).items() if k.endswith("_configs") and isinstance(v, dict))
+            out[name] = {fl: hf_config(mod.model_registry(fl).model) for fl in flavors}
+    return out
+
+
+def main(argv=None) -> int:
+    """`python -m pipemem.traced.torchtitan_model PATH`: write the flavor table (torchtitan 0.3)."""
+    import json
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pipemem.traced.torchtitan_model pipemem/presets/torchtitan_flavors.json")
+        return 2
+    import torchtitan
+
+    table = {
+        "_pipemem_source": f"torchtitan {getattr(torchtitan, '__version__', '0.3.0')} "
+        "models/<name>/__init__.py flavor functions, read by pipemem.traced.torchtitan_model.hf_config",
+        **flavor_table(),
+    }
+    with open(args[0], "w") as f:
+        json.dump(table, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

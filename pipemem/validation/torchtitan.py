@@ -74,6 +74,9 @@ def all_cases() -> list[dict]:
         _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
         _case("qwen3-fsdp2", 2, {"dp_shard": 2}, model=QWEN3),
         _case("dsv3-fsdp2", 2, {"dp_shard": 2}, model=DEEPSEEK_V3),
+        _case("dsv3-tp2", 2, {"tp": 2}, model=DEEPSEEK_V3),
+        _case("dsv3-fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective", model=DEEPSEEK_V3),
+        _case("dsv3-fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full", model=DEEPSEEK_V3),
     ]
 
 
