@@ -113,6 +113,11 @@ class Framework:
         """Sequence chunks of the framework's own chunked head (1: none)."""
         return 1
 
+    def template_warnings(self, arch, plan) -> list[str]:
+        """What this framework's templates model less surely for the plan, said beside the
+        numbers (pipemem.stages.template_warnings adds them)."""
+        return []
+
     def layer_buffer_bytes(self, arch, plan, layers: int, moe_layers: int) -> int:
         """Bytes of the buffers its modules register in `layers` decoder layers (`moe_layers` of
         them MoE), held all run beside the parameters (templates/static.py: `other`)."""

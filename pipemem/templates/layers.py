@@ -1635,15 +1635,19 @@ def decoder_layer_tape(
 
 def _torchtitan_op_sac():
     """torchtitan's op-level selective checkpointing ("selective_ac_option = 'op'"): inside a
-    checkpointed layer, keep the outputs of SDPA, of reduce-scatters and of every odd-numbered
-    matmul (1st, 3rd, ...), recompute everything else (its custom policy over aten ops)."""
+    checkpointed layer, keep the outputs of SDPA, of topk, of reduce-scatters / all-to-alls and of
+    every odd-numbered matmul (1st, 3rd, ...), recompute everything else (its custom policy over
+    aten ops)."""
     count = [0]
 
     def pin(node_type: str) -> bool:
         if node_type == "linear":
             count[0] += 1
             return count[0] % 2 == 1
-        return node_type in ("flash_attn", "reduce_scatter")
+        # torchtitan's save list (distributed/activation_checkpoint.py `_get_default_save_ops`):
+        # the partitioner's compute-intensive ops (mm, flash / efficient SDPA; not _grouped_mm),
+        # topk (MoE routing), reduce-scatters and all-to-alls
+        return node_type in ("flash_attn", "efficient_attn", "reduce_scatter", "topk", "all_to_all")
 
     return pin
 

@@ -42,7 +42,9 @@ def router(g, x: str, opt) -> tuple[str, str]:
     """`TokenChoiceTopKRouter` on `x` ([s_sp, b, h]) -> (weights [T, K] fp32, expert ids [T, K])."""
     sh, t = g.sh, g.t
     T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
-    logits = fp32_router_logits(g, x)
+    # its SelectiveAC recomputes the gate's matmul outside the count of matmuls it alternates
+    # (per_op_sac_force_recompute_mm_shapes_by_fqns defaults to the router gate)
+    logits = fp32_router_logits(g, x, op="router_gate")
     scores = g.act("moe.scores", (T, E), "fp32")
     kind = "sigmoid" if opt.router == "sigmoid_group" else "softmax"
     t.node(kind, (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
