@@ -77,6 +77,9 @@ def all_cases() -> list[dict]:
         _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
         _case("qwen3-fsdp2", 2, {"dp_shard": 2}, model=QWEN3),
         _case("dsv3-fsdp2", 2, {"dp_shard": 2}, model=DEEPSEEK_V3),
+        # the CI case: deepseek_v3 debugmodel's first three layers (one dense, two MLA + MoE: the
+        # last layer's backward prefetches a layer of its own kind, as in the whole model)
+        _case("dsv3-3layers-fsdp2", 2, {"dp_shard": 2}, model=DEEPSEEK_V3, layers=3),
         _case("moe-tp2", 2, {"tp": 2}, model=QWEN3_MOE, known_gap=MOE_TP_GAP),
         _case("dsv3-fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective", model=DEEPSEEK_V3),
         _case("dsv3-fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full", model=DEEPSEEK_V3),

@@ -152,6 +152,8 @@ def job_config(case: dict):
     configs = importlib.import_module(f"torchtitan.models.{model['family']}.config_registry")
     cfg = getattr(configs, model["config"])()
     cfg.model_spec = registry.model_registry(model["flavor"])
+    if case.get("layers"):  # the flavor's first N decoder layers (a smaller case of the same model)
+        cfg.model_spec.model.layers = cfg.model_spec.model.layers[: case["layers"]]
     p = cfg.parallelism
     par = case["parallelism"]
     p.data_parallel_shard_degree = par.get("dp_shard", 1)
