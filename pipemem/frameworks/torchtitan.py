@@ -82,12 +82,6 @@ class Torchtitan(Framework):
 
     def template_warnings(self, arch, plan) -> list[str]:
         out = []
-        if arch.experts and plan.tp > 1 and not plan.ep > 1:
-            out.append(
-                "torchtitan MoE with --tp > 1: its tensor-parallel MoE (experts split over the TP "
-                "axis, the router on sequence shards) is estimated from the one-rank module; a trace "
-                "of torchtitan's step (qwen3 debugmodel_moe, tp 2) holds 2.9 % more than estimated"
-            )
         if arch.experts and plan.ep > 1:
             out.append(
                 "torchtitan MoE with --ep > 1: the all-to-all token dispatch is modelled from its code "

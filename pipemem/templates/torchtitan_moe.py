@@ -29,6 +29,7 @@ held against a trace (torchtitan's all-to-all splits are data: a fake-tensor ste
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .moe import fp32_router_logits
 from .tape import COMM
@@ -38,13 +39,17 @@ def _loaded(n: int, load: float) -> int:
     return n if load == 1.0 else math.ceil(n * load - 1e-9)
 
 
-def router(g, x: str, opt) -> tuple[str, str]:
-    """`TokenChoiceTopKRouter` on `x` ([s_sp, b, h]) -> (weights [T, K] fp32, expert ids [T, K])."""
+def router(g, x: str, opt, T: int) -> tuple[str, str]:
+    """`TokenChoiceTopKRouter` on `x` (T tokens) -> (weights [T, K] fp32, expert ids [T, K])."""
     sh, t = g.sh, g.t
-    T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
+    E, K = sh.experts * sh.ep, sh.top_k
     # its SelectiveAC recomputes the gate's matmul outside the count of matmuls it alternates
     # (per_op_sac_force_recompute_mm_shapes_by_fqns defaults to the router gate)
-    logits = fp32_router_logits(g, x, op="router_gate")
+    saved, g.sh = sh, replace(sh, s_sp=T // sh.b)  # the gate's tokens
+    try:
+        logits = fp32_router_logits(g, x, op="router_gate")
+    finally:
+        g.sh = saved
     scores = g.act("moe.scores", (T, E), "fp32")
     kind = "sigmoid" if opt.router == "sigmoid_group" else "softmax"
     t.node(kind, (logits,), (scores,), diff_inputs=(logits,), save_i=(scores,))
@@ -92,8 +97,18 @@ def router(g, x: str, opt) -> tuple[str, str]:
 def moe(g, x: str, opt) -> str:
     """torchtitan's `MoE.forward` on `x` ([s_sp, b, h]) -> its output [s_sp, b, h]."""
     sh, t = g.sh, g.t
-    T, K, h, f = sh.s_sp * sh.b, sh.top_k, sh.h, sh.expert_ffn
-    weights, ids = router(g, x, opt)
+    K, h, f = sh.top_k, sh.h, sh.expert_ffn
+    x_in = x
+    # tensor parallel without EP (moe_sharding.py `_moe_sharding_config`): the block's input is
+    # made whole (all-gathered from the sequence shards), the router, dispatch and experts (split
+    # over the TP axis) run on every token, and the output (partial sums) is reduce-scattered back
+    whole = sh.tp > 1 and sh.ep == 1
+    if whole and sh.sp:
+        xg = g.act("moe.tp_allgather", (sh.s, sh.b, h), kind=COMM)
+        t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
+        x = xg
+    T = (sh.s if whole else sh.s_sp) * sh.b
+    weights, ids = router(g, x, opt, T)
     N = T * K
     Nr = _loaded(N, sh.moe_load)  # the tokens this rank's experts receive
     order = g.act("moe.sort_idx", (N,), "int64")
@@ -135,9 +150,28 @@ def moe(g, x: str, opt) -> str:
         wo = wc
     zeros = g.act("moe.combine_zeros", (T, h))
     t.node("zeros_like", (x,), (zeros,))
-    y = g.act("moe.out", (sh.s_sp, sh.b, h))
+    y = g.act("moe.out", (T // sh.b, sh.b, h))
     t.node("scatter_add", (zeros, tok, wo), (y,), diff_inputs=(wo,), save_i=(tok,))
-    if sh.shared_ffn:
-        shared = g.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
-        y = g.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
-    return y
+    if not whole:
+        if sh.shared_ffn:
+            shared = g.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
+            y = g.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
+        return y
+    if sh.shared_ffn:  # colwise w1 / w3 and rowwise w2 on the whole input: partial sums
+        sf = sh.shared_ffn
+        u1 = g.linear(x, "moe.shared.gate_proj", (sh.s, sh.b, sf), h, False)
+        a1 = g.act("moe.shared.silu", (sh.s, sh.b, sf))
+        t.node("silu", (u1,), (a1,), diff_inputs=(u1,), save_i=(u1,))
+        u3 = g.linear(x, "moe.shared.up_proj", (sh.s, sh.b, sf), h, False)
+        a = g.act("moe.shared.act", (sh.s, sh.b, sf))
+        t.node("mul", (a1, u3), (a,), diff_inputs=(a1, u3), save_i=(a1, u3))
+        shared = g.linear(a, "moe.shared.fc2", (sh.s, sh.b, h), sf, False)
+        y = g.add(y, shared, "moe.out_shared", (sh.s, sh.b, h))
+    if sh.sp:
+        out = g.act("moe.tp_reduce_scatter", (sh.s_sp, sh.b, h), kind=COMM)
+        t.node("reduce_scatter", (y,), (out,), diff_inputs=(y,))
+    else:
+        out = g.act("moe.tp_allreduce", (sh.s, sh.b, h), storage=y)
+        t.node("all_reduce", (y,), (out,), diff_inputs=(y,), grad_alias=True)
+    g.held_by_caller(x_in)
+    return out
