@@ -640,14 +640,14 @@ def _model(cfg: dict, path: str) -> dict | str:
         flavors = {f.lower(): f for f in table[name]}
         if flavor.lower() not in flavors:
             raise UserError(
-                f"{path}: {fkey} {flavor!r} is not a torchtitan 0.3 {name} flavor; known: "
+                f"{path}: {fkey} {flavor!r} is not known (torchtitan 0.3's {name} flavors); known: "
                 + ", ".join(table[name])
             )
         return dict(table[name][flavors[flavor.lower()]])
     known_names = sorted({n for n, _ in FLAVORS} | set(table))
     if name not in known_names:
         raise UserError(
-            f"{path}: {key} {name!r} is not read by pipemem; known: {', '.join(known_names)}"
+            f"{path}: {key} {name!r} is not known to pipemem; known: {', '.join(known_names)}"
             + (" (torchtitan 0.3 ships no llama4 model)" if name.startswith("llama4") else "")
             + "; or use --model with an HF config.json"
         )
@@ -657,7 +657,7 @@ def _model(cfg: dict, path: str) -> dict | str:
         return FLAVORS[(name, flavor.lower())]
     known = ", ".join(f for n, f in FLAVORS if n == name) + ", debugmodel"
     raise UserError(
-        f"{path}: {fkey} {flavor!r} is not a known {name} flavor; known: {known}. Use --model with "
+        f"{path}: {fkey} {flavor!r} is not known for {name}; known: {known}. Use --model with "
         "an HF config.json, or torchtitan's own launch arguments (--from-torchtitan - -- --module "
         "NAME --config FN ...)"
     )
