@@ -138,3 +138,12 @@ def test_layer_buffers_are_torchtitans(name, flavor):
         fsdp=True,
     )
     assert est.ranks[0].static.other == buffers
+
+
+def test_rope_cache_before_0_3_is_one_per_model():
+    """torchtitan before 0.3 kept one freqs_cis buffer on the model (plan.extra rope_cache =
+    "model", as validation.published sets for its records), 0.3 one per attention."""
+    kw = dict(convention="torchtitan", seq_len=1024, micro_batch=1, dp=2, fsdp=True, layers=4)
+    per_layer = estimate("llama3-8b", **kw).ranks[0].static.other
+    one = estimate("llama3-8b", extra={"rope_cache": "model"}, **kw).ranks[0].static.other
+    assert per_layer == 4 * one > 0

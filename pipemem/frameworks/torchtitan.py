@@ -105,13 +105,17 @@ class Torchtitan(Framework):
         MoE module keeps fp32 `expert_bias_E` and `tokens_per_expert_E` buffers [experts]."""
         if arch.position != "rope":
             return 0
+        # torchtitan before 0.3: one `freqs_cis` buffer on the model (complex64 [seq, head_dim / 2])
+        # per stage, not one per attention (plan.extra rope_cache = "model")
+        one_per_model = (plan.extra or {}).get("rope_cache") == "model"
         if arch.mla:
             per_position = arch.qk_rope_head_dim * 4
         elif arch.model_type in COS_SIN_ROPE:
             per_position = 2 * arch.head_dim * 4
         else:
             per_position = arch.head_dim * 4
-        return layers * plan.seq_len * per_position + moe_layers * 2 * arch.experts * 4
+        caches = (1 if layers else 0) if one_per_model else layers
+        return caches * plan.seq_len * per_position + moe_layers * 2 * arch.experts * 4
 
     default_interleaved_schedule = "Interleaved1F1B"
     runtime = "torch"  # torch.distributed.pipelining

@@ -202,7 +202,10 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True))
         and (conv.framework.fsdp_reshards_head or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
         and not reuse.head,
-        fsdp_embed_reshard=not reuse.embedding,
+        # the embedding's unit too keeps its parameters gathered after the forward when
+        # resharding is off (torchtitan's fsdp_reshard_after_forward = "never" on every block)
+        fsdp_embed_reshard=not reuse.embedding
+        and bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         zero3_kept_layers=reuse.layers,
         backward_bucket_bytes=deepspeed_bucket_bytes(plan) if plan.zero in (1, 2) else 0,
         loss_chunks=conv.framework.loss_chunks(plan),

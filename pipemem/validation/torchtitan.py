@@ -1,7 +1,8 @@
 """`pipemem validate torchtitan`: the torchtitan convention held against torchtitan's own code.
 
-Each case is a torchtitan 0.3 job (a debug flavour of one of its models, a parallelism,
-activation checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
+Each case is a torchtitan 0.3 job (a debug flavour of one of its models: llama3, qwen3 dense and
+MoE, deepseek_v3 with its multi-head latent attention and MoE; a parallelism, activation
+checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
 with the fake process group (`torchtitan_trace.py`: its parallelize / pipelining functions,
 optimizer, loss and `Trainer.train_step`, second step recorded). Estimated: the same job
 through `pipemem.estimate(..., convention="torchtitan")`, the rank's pipeline stage. One row
@@ -209,7 +210,7 @@ def register(sub) -> None:
     )
     add_case_options(
         p,
-        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)",
+        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)",
         600.0,
         "seconds per traced rank",
     )
