@@ -481,6 +481,10 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise UserError(f"{path}: [loss] num_chunks = {chunks!r}: expected a positive integer")
     extra["loss_chunks"] = chunks
+    if "model_spec" not in cfg:
+        # an older job file: torchtitan before 0.3 kept one RoPE buffer (freqs_cis) on the model,
+        # 0.3 one per attention (frameworks/torchtitan.py layer_buffer_bytes)
+        extra["rope_cache"] = "model"
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):
