@@ -533,7 +533,7 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
 
     # Experts.
     ep = plan.ep
-    etp = plan.etp if plan.etp is not None else (tp if arch.is_moe else 1)
+    etp = plan.etp if plan.etp is not None else (fw.default_etp(tp, ep) if arch.is_moe else 1)
     if not arch.is_moe:
         if ep > 1:
             raise UserError(f"--ep {ep}: {name} has no experts; use --ep 1")

@@ -156,6 +156,7 @@ def template_warnings(arch, plan) -> list[str]:
             "(Megatron's --mtp-num-layers trains them: not modelled by templates)"
         )
     out += [n for n in (load_note(arch, plan),) if n]  # what the MoE routing is taken as
+    out += frameworks.get(plan.convention).template_warnings(arch, plan)
     if plan.activation_offload == "all" and arch.activation not in ("swiglu", "geglu"):
         # docs/ACCURACY.md, "Modern-trainer features": torchtune's OffloadActivations traced on
         # GPT-2 layers held ~1.6 MB more of a 4.5 MB layer forward peak than the template

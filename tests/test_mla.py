@@ -99,7 +99,8 @@ def test_presets_read_with_published_sizes():
     "change,what",
     [
         (dict(convention="megatron"), "--convention megatron"),
-        (dict(convention="torchtitan"), "--convention torchtitan"),
+        (dict(convention="paddle"), "--convention paddle"),
+        (dict(convention="torchtitan", compile=True), "--compile"),
         (dict(convention="hf", compile=True), "--compile"),
         (dict(convention="hf", activation_offload="all"), "--activation-offload"),
     ],

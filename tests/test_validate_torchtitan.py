@@ -18,20 +18,42 @@ def test_fsdp2_rank_within_one_percent():
     t = traces[0]
     # the trace read torchtitan's own model (llama3 debugmodel) and recorded the second step:
     # optimizer states (AdamW: 2 x fp32 shards) and resident gradients are what it starts with
-    assert t["arch"] == {
-        "vocab": 2048,
-        "dim": 256,
-        "layers": 6,
-        "n_heads": 16,
-        "n_kv_heads": 16,
+    assert t["model"] == {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "vocab_size": 2048,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 256,
+        "hidden_act": "silu",
+        "intermediate_size": 768,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
         "head_dim": 16,
-        "tied": False,
-        "qk_norm": False,
-        "ffn": 768,
     }
     kinds = t["static_by_kind"]
     assert kinds["optimizer_state"] >= 2 * kinds["param"] and kinds["grad"] == kinds["param"]
     (row,) = compare_case(case, traces)
+    assert abs(row.rel_error) <= 0.01, row.to_dict()
+
+
+def test_deepseek_v3_mla_moe_rank_within_one_percent():
+    """deepseek_v3's debugmodel cut to its first three layers (one dense, two MLA + MoE): its
+    multi-head latent attention, torchtitan's MoE module (fp32 gate, grouped experts, fp32 combine)
+    and the per-layer RoPE / expert buffers, against torchtitan's own step."""
+    from pipemem.validation.torchtitan import all_cases, compare_case, trace_case
+
+    case = {c["name"]: c for c in all_cases()}["dsv3-3layers-fsdp2"]
+    traces = trace_case(case)
+    t = traces[0]
+    m = t["model"]
+    # read off torchtitan's own config tree: a softmax router is HF's deepseek_v2 form
+    assert m["model_type"] == "deepseek_v2" and m["num_hidden_layers"] == 3
+    assert m["first_k_dense_replace"] == 1 and m["kv_lora_rank"] > 0 and m["q_lora_rank"] is None
+    # the RoPE caches and the MoE's expert-bias / token-count buffers are what the estimate's
+    # `other` static bytes hold
+    (row,) = compare_case(case, traces)
+    assert t["static_by_kind"]["buffer"] > 0
     assert abs(row.rel_error) <= 0.01, row.to_dict()
 
 

@@ -19,6 +19,7 @@ key, for a plan whose column-parallel linears are `pipemem.torch_tp.RegatherColw
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import UserError
@@ -258,34 +259,11 @@ def _target_gpu_capability():
 
 
 def _model_from_spec(spec) -> dict:
-    """An HF-style config dict of torchtitan's model (built on the meta device)."""
-    import torch
+    """An HF-style config dict of torchtitan's model, read off its config tree
+    (`traced.torchtitan_model.hf_config`: llama3, qwen3 and its MoE, deepseek_v3)."""
+    from ..traced.torchtitan_model import hf_config
 
-    from ..traced.torchtitan_model import model_shapes
-
-    with torch.device("meta"):
-        model = spec.model.build()
-    a = model_shapes(model)
-    cfg = {
-        "model_type": "qwen3" if a["qk_norm"] else "llama",
-        "hidden_size": a["dim"],
-        "num_hidden_layers": a["layers"],
-        "num_attention_heads": a["n_heads"],
-        "num_key_value_heads": a["n_kv_heads"],
-        "head_dim": a["head_dim"],
-        "intermediate_size": a["ffn"],
-        "vocab_size": a["vocab"],
-        "tie_word_embeddings": a["tied"],
-        "max_position_embeddings": 131072,
-    }
-    if a.get("experts"):
-        cfg.update(
-            model_type="qwen3_moe",
-            num_experts=a["experts"],
-            num_experts_per_tok=a["top_k"],
-            moe_intermediate_size=a["expert_ffn"],
-        )
-    return cfg
+    return hf_config(spec.model)
 
 
 def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolConfig:
@@ -503,6 +481,10 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise UserError(f"{path}: [loss] num_chunks = {chunks!r}: expected a positive integer")
     extra["loss_chunks"] = chunks
+    if "model_spec" not in cfg:
+        # an older job file: torchtitan before 0.3 kept one RoPE buffer (freqs_cis) on the model,
+        # 0.3 one per attention (frameworks/torchtitan.py layer_buffer_bytes)
+        extra["rope_cache"] = "model"
 
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):
@@ -653,17 +635,48 @@ def _model(cfg: dict, path: str) -> dict | str:
     model_sec = _section(cfg, "model", path)
     spec = cfg.get("model_spec") if isinstance(cfg.get("model_spec"), dict) else {}
     name = str(model_sec.get("name") or spec.get("name") or "llama3").lower()
-    flavor = str(model_sec.get("flavor") or spec.get("flavor") or "").lower()
-    if flavor == "debugmodel":
+    flavor = str(model_sec.get("flavor") or spec.get("flavor") or "")
+    key = "[model] name" if model_sec.get("name") else "model_spec name"
+    fkey = "[model] flavor" if model_sec.get("flavor") else "model_spec flavor"
+    table = flavor_table()
+    if name in table:
+        # torchtitan's qwen3 / deepseek_v3 flavors, as its own flavor functions build them
+        flavors = {f.lower(): f for f in table[name]}
+        if flavor.lower() not in flavors:
+            raise UserError(
+                f"{path}: {fkey} {flavor!r} is not known (torchtitan 0.3's {name} flavors); known: "
+                + ", ".join(table[name])
+            )
+        return dict(table[name][flavors[flavor.lower()]])
+    known_names = sorted({n for n, _ in FLAVORS} | set(table))
+    if name not in known_names:
+        raise UserError(
+            f"{path}: {key} {name!r} is not known to pipemem; known: {', '.join(known_names)}"
+            + (" (torchtitan 0.3 ships no llama4 model)" if name.startswith("llama4") else "")
+            + "; or use --model with an HF config.json"
+        )
+    if flavor.lower() == "debugmodel":
         return dict(DEBUG_MODEL)
-    if (name, flavor) in FLAVORS:
-        return FLAVORS[(name, flavor)]
-    known = ", ".join(f"{n} {f}" for n, f in FLAVORS) + ", <any> debugmodel"
+    if (name, flavor.lower()) in FLAVORS:
+        return FLAVORS[(name, flavor.lower())]
+    known = ", ".join(f for n, f in FLAVORS if n == name) + ", debugmodel"
     raise UserError(
-        f"{path}: [model] name={name!r} flavor={flavor!r} is not known; known: {known}. "
-        "Use --model with an HF config.json, or torchtitan's own launch arguments "
-        "(--from-torchtitan -- --module NAME --config FN ...)"
+        f"{path}: {fkey} {flavor!r} is not known for {name}; known: {known}. Use --model with "
+        "an HF config.json, or torchtitan's own launch arguments (--from-torchtitan - -- --module "
+        "NAME --config FN ...)"
     )
+
+
+@lru_cache(maxsize=1)
+def flavor_table() -> dict:
+    """{model name: {flavor: HF-style config}} of torchtitan 0.3's qwen3 and deepseek_v3 flavors
+    (pipemem/presets/torchtitan_flavors.json, written from torchtitan's own flavor functions by
+    `python -m pipemem.traced.torchtitan_model`)."""
+    import json
+
+    path = Path(__file__).resolve().parent.parent / "presets" / "torchtitan_flavors.json"
+    with open(path) as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
 
 
 def finish_plan(plan: dict, layers: int) -> dict:

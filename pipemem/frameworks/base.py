@@ -66,6 +66,11 @@ class Framework:
         """Refuse (UserError) what this framework's runs never do; called by validate_plan
         after the generic parallelism checks of the convention."""
 
+    def default_etp(self, tp: int, ep: int) -> int:
+        """Expert tensor parallelism when --etp is not given: the experts split as the dense
+        layers are (Megatron-Core's default, --expert-tensor-parallel-size = tp)."""
+        return tp
+
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         """How the trainer keeps gradients between steps (plan.GRADS); PyTorch's
         zero_grad(set_to_none=True) unless the framework says otherwise."""
@@ -92,6 +97,8 @@ class Framework:
     op_level_sac = False  # --recompute selective is op-level selective checkpointing
     moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
     mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
+    moe_program_runs_mla = False  # its moe_program also runs DeepSeek's MoE (else templates/mla.py's)
+    mla_rope_style: str | None = None  # the MLA rotary form it runs (None: the model's rope_style)
     # the layer programs are transformers' modules: the families held only against them (sliding
     # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
     transformers_modules = False
@@ -109,6 +116,16 @@ class Framework:
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of the framework's own chunked head (1: none)."""
         return 1
+
+    def template_warnings(self, arch, plan) -> list[str]:
+        """What this framework's templates model less surely for the plan, said beside the
+        numbers (pipemem.stages.template_warnings adds them)."""
+        return []
+
+    def layer_buffer_bytes(self, arch, plan, layers: int, moe_layers: int) -> int:
+        """Bytes of the buffers its modules register in `layers` decoder layers (`moe_layers` of
+        them MoE), held all run beside the parameters (templates/static.py: `other`)."""
+        return 0
 
     # -- the answer ------------------------------------------------------------------------------
     default_interleaved_schedule = "VPP"  # the schedule of --vpp > 1 without --schedule

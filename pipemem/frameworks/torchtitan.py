@@ -10,8 +10,12 @@ place. Grads in param dtype. Held against torchtitan's own step by `pipemem vali
 
 from __future__ import annotations
 
+from ..errors import UserError
 from .base import Framework
 from .convention import EAGER_MODULES, Convention
+
+# the model types whose torchtitan module uses CosSinRoPE (models/qwen3: `CosSinRoPE.Config`)
+COS_SIN_ROPE = ("qwen3", "qwen3_moe")
 
 
 class Torchtitan(Framework):
@@ -25,6 +29,13 @@ class Torchtitan(Framework):
     chunked_loss_wrapper = True  # its ChunkedLossWrapper: loss parallel
     torch_modules = True
 
+    def default_etp(self, tp: int, ep: int) -> int:
+        """torchtitan 0.3 has no expert-TP degree of its own: without expert parallelism the
+        routed experts are split over the TP axis (models/common/moe_sharding.py
+        `expert_param_placement_dense`); with it, EP borrows its ranks from FSDP and TP
+        (config/configs.py: efsdp x ep = dp_shard x cp x tp) and each expert is whole."""
+        return 1 if ep > 1 else tp
+
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         # Trainer.train_step calls zero_grad(set_to_none=training.disable_cuda_graphs), False by
         # default: CUDA-graph replay needs fixed gradient addresses
@@ -36,6 +47,14 @@ class Torchtitan(Framework):
     cp_attention = "allgather_kv"  # its CP for (flex) attention all-gathers K and V
     op_level_sac = True  # selective_ac_option = "op"
     regather_sp_save = "shard_regather"  # pipemem.torch_tp.RegatherColwiseParallel
+    # its MoE module (models/common/moe.py: fp32 gate, expert bias, grouped experts, local token
+    # dispatch; templates/torchtitan_moe.py), for qwen3's MoE flavors and deepseek_v3's alike
+    moe_program = "moe_torchtitan"
+    moe_program_runs_mla = True
+    # deepseek_v3's multi-head latent attention (models/deepseek_v3/model.py `Attention`): the
+    # module transformers' DeepseekV2 runs (templates/mla.py), with ComplexRoPE for every flavor
+    mla_templates = True
+    mla_rope_style = "complex"
 
     def loss_chunks(self, plan) -> int:
         """Sequence chunks of ChunkedLossWrapper: `--loss chunked --loss-chunks N` names it (under
@@ -44,6 +63,59 @@ class Torchtitan(Framework):
         if plan.loss == "chunked":
             return int(plan.loss_chunks)
         return int((plan.extra or {}).get("loss_chunks", 8))
+
+    def check_plan(self, arch, plan, dtype: str) -> None:
+        """deepseek_v3's multi-head latent attention is held against torchtitan's step with FSDP
+        and activation checkpointing (validate torchtitan); its TP and CP plans (the latent
+        projection replicated, the sequence-parallel gathers of wq / wkv_a's input, CP around the
+        inner attention) are not modelled: a trace of each is 3-5 % above the template."""
+        if not getattr(arch, "kv_lora_rank", 0):
+            return
+        for flag, n in (("--tp", plan.tp), ("--cp", plan.cp)):
+            if n > 1:
+                raise UserError(
+                    f"{flag} {n}: multi-head latent attention (deepseek_v3) under --convention "
+                    f"torchtitan is modelled without {'tensor' if flag == '--tp' else 'context'} "
+                    f"parallelism (its sharded module is not checked against torchtitan's step); use "
+                    f"{flag} 1 with FSDP / --ep"
+                )
+
+    def template_warnings(self, arch, plan) -> list[str]:
+        out = []
+        if arch.experts and plan.ep > 1:
+            out.append(
+                "torchtitan MoE with --ep > 1: the all-to-all token dispatch is modelled from its code "
+                "(buffers the size of the routed tokens), not checked against a trace of its step"
+            )
+        if arch.tied_embeddings and plan.fsdp and self.loss_chunks(plan) > 1:
+            out.append(
+                "torchtitan with tied embeddings under FSDP: the embedding, final norm and output "
+                "layer are one FSDP unit, driven by the chunked loss and the embedding's backward; "
+                "a trace of its step (qwen3 debugmodel) holds a second fp32 gradient shard of the "
+                "tied weight and about 3x the weight's bf16 size more at the backward's peak, not "
+                "modelled (0.9 % more than estimated there)"
+            )
+        return out
+
+    def layer_buffer_bytes(self, arch, plan, layers: int, moe_layers: int) -> int:
+        """torchtitan 0.3 builds a RoPE module in every attention (models/common/rope.py), each
+        with its own cache buffer for training.seq_len positions (`Decoder.Config.update_from_config`
+        sets max_seq_len to it): `ComplexRoPE` complex64 [seq, rope_dim / 2] (llama3, and
+        deepseek_v3 over qk_rope_head_dim), `CosSinRoPE` fp32 [seq, 2 x head_dim] (qwen3). Each
+        MoE module keeps fp32 `expert_bias_E` and `tokens_per_expert_E` buffers [experts]."""
+        if arch.position != "rope":
+            return 0
+        # torchtitan before 0.3: one `freqs_cis` buffer on the model (complex64 [seq, head_dim / 2])
+        # per stage, not one per attention (plan.extra rope_cache = "model")
+        one_per_model = (plan.extra or {}).get("rope_cache") == "model"
+        if arch.mla:
+            per_position = arch.qk_rope_head_dim * 4
+        elif arch.model_type in COS_SIN_ROPE:
+            per_position = 2 * arch.head_dim * 4
+        else:
+            per_position = arch.head_dim * 4
+        caches = (1 if layers else 0) if one_per_model else layers
+        return caches * plan.seq_len * per_position + moe_layers * 2 * arch.experts * 4
 
     default_interleaved_schedule = "Interleaved1F1B"
     runtime = "torch"  # torch.distributed.pipelining

@@ -202,7 +202,10 @@ def make_shard(arch, plan, conv: Convention) -> Shard:
         fsdp_head_reshard=bool((plan.extra or {}).get("fsdp_reshard_after_forward", True))
         and (conv.framework.fsdp_reshards_head or bool((plan.extra or {}).get("fsdp_reshard_head", False)))
         and not reuse.head,
-        fsdp_embed_reshard=not reuse.embedding,
+        # the embedding's unit too keeps its parameters gathered after the forward when
+        # resharding is off (torchtitan's fsdp_reshard_after_forward = "never" on every block)
+        fsdp_embed_reshard=not reuse.embedding
+        and bool((plan.extra or {}).get("fsdp_reshard_after_forward", True)),
         zero3_kept_layers=reuse.layers,
         backward_bucket_bytes=deepspeed_bucket_bytes(plan) if plan.zero in (1, 2) else 0,
         loss_chunks=conv.framework.loss_chunks(plan),
@@ -1457,6 +1460,12 @@ class _Gen:
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
         return y
 
+    def moe_torchtitan(self, x: str, opt: LayerOptions) -> str:
+        """torchtitan's MoE module (templates/torchtitan_moe.py)."""
+        from .torchtitan_moe import moe
+
+        return moe(self, x, opt)
+
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
         Routing is taken as balanced: each rank's experts receive top_k x its tokens."""
@@ -1589,7 +1598,7 @@ def decoder_layer_tape(
         r1 = g.add(x, attn, "residual1", tok)
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
-    if opt.moe and arch.kv_lora_rank:
+    if opt.moe and arch.kv_lora_rank and not conv.framework.moe_program_runs_mla:
         from . import mla
 
         m = mla.moe(g, arch, h2, opt)
@@ -1629,15 +1638,19 @@ def decoder_layer_tape(
 
 def _torchtitan_op_sac():
     """torchtitan's op-level selective checkpointing ("selective_ac_option = 'op'"): inside a
-    checkpointed layer, keep the outputs of SDPA, of reduce-scatters and of every odd-numbered
-    matmul (1st, 3rd, ...), recompute everything else (its custom policy over aten ops)."""
+    checkpointed layer, keep the outputs of SDPA, of topk, of reduce-scatters / all-to-alls and of
+    every odd-numbered matmul (1st, 3rd, ...), recompute everything else (its custom policy over
+    aten ops)."""
     count = [0]
 
     def pin(node_type: str) -> bool:
         if node_type == "linear":
             count[0] += 1
             return count[0] % 2 == 1
-        return node_type in ("flash_attn", "reduce_scatter")
+        # torchtitan's save list (distributed/activation_checkpoint.py `_get_default_save_ops`):
+        # the partitioner's compute-intensive ops (mm, flash / efficient SDPA; not _grouped_mm),
+        # topk (MoE routing), reduce-scatters and all-to-alls
+        return node_type in ("flash_attn", "efficient_attn", "reduce_scatter", "topk", "all_to_all")
 
     return pin
 

@@ -159,13 +159,14 @@ def _rope(g, arch, x: str, name: str, shape: tuple) -> str:
     y = g.act(name + "_rope", shape, dt)
     n = _numel(shape)
     eb = dtype_bytes(dt)
-    if arch.rope_style == "complex":
+    style = g.conv.framework.mla_rope_style or arch.rope_style
+    if style == "complex":
         # x.float().reshape(.., -1, 2) (an fp32 copy: the slice is not contiguous), view_as_complex,
         # * freqs_cis (a complex64 product, 8 bytes a pair), view_as_real, type_as(x) (a copy back
         # unless fp32); backward: the cast grad, the complex product's grad, the cast back
         wf = 4 * n + (4 * n if dt != "fp32" else 0)
         wi = 8 * n
-    elif arch.rope_style == "interleave":
+    elif style == "interleave":
         # cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin]): at most two halves' products and a
         # difference beside the next sum (2 x the output), or both halves beside the concat
         wf, wi = n * eb, 2 * n * eb

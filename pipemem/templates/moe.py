@@ -17,11 +17,12 @@ and denominator.
 from __future__ import annotations
 
 
-def fp32_router_logits(g, x: str) -> str:
+def fp32_router_logits(g, x: str, op: str = "linear") -> str:
     """The router linear of HF's DeepSeek-style routers (DeepseekV2 / V3, GLM-4 MoE):
     `F.linear(x.type(float32), weight.type(float32))` -> logits [T, E]. Both casts are new
     tensors the fp32 linear keeps; under autocast F.linear runs in the compute dtype whatever
-    the casts, so the logits are in it."""
+    the casts, so the logits are in it. `op`: the node's type (torchtitan's router gate is
+    "router_gate": its op-level checkpointing recomputes it outside its count of matmuls)."""
     sh = g.sh
     T, E, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.h
     if sh.autocast:
@@ -37,13 +38,7 @@ def fp32_router_logits(g, x: str) -> str:
         g.t.node("weight_to_fp32", (w,), (wf,))
     logits = g.act("moe.router.out", (T, E), "fp32")
     g.t.node(
-        "linear",
-        (xf, wf),
-        (logits,),
-        diff_inputs=(xf,),
-        params=(w,),
-        save_i=(wf,) if wf != w else (),
-        save_w=(xf,),
+        op, (xf, wf), (logits,), diff_inputs=(xf,), params=(w,), save_i=(wf,) if wf != w else (), save_w=(xf,)
     )
     return logits
 

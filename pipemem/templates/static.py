@@ -433,13 +433,15 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         # held from the first forward / backward to the step's end: counted as static
         grad_dt = plan.main_grad_dtype or plan.dtype
         other += (dense + expert) * (dtype_bytes(plan.dtype) + dtype_bytes(grad_dt))
+    ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
+    n_layers = sum(len(r) for r in ranges)
+    n_moe = sum(moe_layers_in(arch, r) for r in ranges)
     if conv.framework.te_runtime_buffers:
-        ranges = tuple(_as_range(stage_layers[st]) for st in rank_stages)
-        n_layers = sum(len(r) for r in ranges)
-        n_moe = sum(moe_layers_in(arch, r) for r in ranges)
         other += megatron_runtime_bytes(
             arch, plan, conv, n_layers - n_moe > 0, n_moe > 0, plan.pp * plan.vpp - 1 in rank_stages
         )
+    # buffers the framework's modules register per decoder layer (torchtitan: rotary caches)
+    other += conv.framework.layer_buffer_bytes(arch, plan, n_layers, n_moe)
     if plan.zero == 3:
         other += deepspeed_bucket_bytes(plan)  # DeepSpeed ZeRO-3's resident reduce bucket
     if getattr(plan, "deepspeed_mixed_precision", False) and plan.optimizer_offload:

@@ -460,12 +460,15 @@ def translate(rec: dict) -> dict:
         # sequence and the trainer's plain optimizer.zero_grad() (set_to_none); 0.3's chunked
         # loss and CUDA-graph resident grads only when the record names them
         whole = json.dumps(rec).lower()
-        plan["extra"] = {"loss_chunks": 8 if "chunkedloss" in whole.replace(" ", "") else 1}
+        plan["extra"] = {
+            "loss_chunks": 8 if "chunkedloss" in whole.replace(" ", "") else 1,
+            "rope_cache": "model",  # one freqs_cis buffer per model, not 0.3's one per attention
+        }
         plan["grads"] = "buffer" if "cuda graph" in whole else "set-to-none"
         choices.append(
             {
                 "label": "torchtitan before 0.3 (loss chunks and grads by the record's date)",
-                "paths": [["extra", "loss_chunks"], ["grads"]],
+                "paths": [["extra", "loss_chunks"], ["extra", "rope_cache"], ["grads"]],
             }
         )
     fw_text = str(rec.get("framework", "")).lower()

@@ -1,7 +1,8 @@
 """`pipemem validate torchtitan`: the torchtitan convention held against torchtitan's own code.
 
-Each case is a torchtitan 0.3 job (a debug flavour of one of its models, a parallelism,
-activation checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
+Each case is a torchtitan 0.3 job (a debug flavour of one of its models: llama3, qwen3 dense and
+MoE, deepseek_v3 with its multi-head latent attention and MoE; a parallelism, activation
+checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
 with the fake process group (`torchtitan_trace.py`: its parallelize / pipelining functions,
 optimizer, loss and `Trainer.train_step`, second step recorded). Estimated: the same job
 through `pipemem.estimate(..., convention="torchtitan")`, the rank's pipeline stage. One row
@@ -38,6 +39,8 @@ examples:
 
 LLAMA = {"family": "llama3", "config": "llama3_debugmodel", "flavor": "debugmodel"}
 QWEN3_MOE = {"family": "qwen3", "config": "qwen3_moe_debug", "flavor": "debugmodel_moe"}
+QWEN3 = {"family": "qwen3", "config": "qwen3_debugmodel", "flavor": "debugmodel"}
+DEEPSEEK_V3 = {"family": "deepseek_v3", "config": "deepseek_v3_debugmodel", "flavor": "debugmodel"}
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 TOLERANCE = 0.01
@@ -70,6 +73,14 @@ def all_cases() -> list[dict]:
         _case("fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full"),
         _case("fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective"),
         _case("moe-fsdp2", 2, {"dp_shard": 2}, model=QWEN3_MOE),
+        _case("qwen3-fsdp2", 2, {"dp_shard": 2}, model=QWEN3),
+        _case("dsv3-fsdp2", 2, {"dp_shard": 2}, model=DEEPSEEK_V3),
+        # the CI case: deepseek_v3 debugmodel's first three layers (one dense, two MLA + MoE: the
+        # last layer's backward prefetches a layer of its own kind, as in the whole model)
+        _case("dsv3-3layers-fsdp2", 2, {"dp_shard": 2}, model=DEEPSEEK_V3, layers=3),
+        _case("moe-tp2", 2, {"tp": 2}, model=QWEN3_MOE),
+        _case("dsv3-fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective", model=DEEPSEEK_V3),
+        _case("dsv3-fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full", model=DEEPSEEK_V3),
     ]
 
 
@@ -111,35 +122,12 @@ def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
 # ---- estimated: the same job through pipemem.estimate ---------------------------------------------
 
 
-def estimate_kwargs(case: dict, arch: dict) -> tuple[dict, dict]:
-    """(model config, estimate() keywords) of a case, from the model shapes the trace read off
-    torchtitan's own model (`arch`) and the case's job settings."""
+def estimate_kwargs(case: dict, model: dict) -> tuple[dict, dict]:
+    """(model config, estimate() keywords) of a case: the HF-style config the trace read off
+    torchtitan's own model config (`traced.torchtitan_model.hf_config`, the reader's too) and the
+    case's job settings."""
     par = case["parallelism"]
     dp = par.get("dp_shard", 1) * par.get("dp_replicate", 1)
-    model = {
-        "model_type": "llama",
-        "hidden_size": arch["dim"],
-        "num_hidden_layers": arch["layers"],
-        "num_attention_heads": arch["n_heads"],
-        "num_key_value_heads": arch["n_kv_heads"],
-        "head_dim": arch["head_dim"],
-        "intermediate_size": arch["ffn"],
-        "vocab_size": arch["vocab"],
-        "tie_word_embeddings": arch["tied"],
-        "max_position_embeddings": case["seq_len"],
-    }
-    if arch.get("experts"):
-        model.update(
-            model_type="qwen3_moe",
-            num_experts=arch["experts"],
-            num_experts_per_tok=arch["top_k"],
-            moe_intermediate_size=arch["expert_ffn"],
-            shared_expert_intermediate_size=0,
-        )
-        if arch.get("qk_norm"):
-            model["model_type"] = "qwen3_moe"
-    elif arch.get("qk_norm"):
-        model["model_type"] = "qwen3"
     kw = dict(
         convention="torchtitan",
         dtype="bf16",
@@ -174,8 +162,7 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     from ..estimate import estimate
 
     rows = []
-    arch = next(iter(traces.values()))["arch"]
-    model, kw = estimate_kwargs(case, arch)
+    model, kw = estimate_kwargs(case, next(iter(traces.values()))["model"])
     est = estimate(model, model_name=f"torchtitan-{case['model']['flavor']}", **kw)
     pp = kw["pp"]
     for rank, tr in sorted(traces.items()):
@@ -194,6 +181,7 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
                     "estimated_static_bytes": r.static.total,
                     "measured_peak_at": tr["peak_at"],
                     "estimated_peak_at": r.peak_at,
+                    **({"known_gap": case["known_gap"]} if case.get("known_gap") else {}),
                 },
             )
         )
@@ -222,7 +210,7 @@ def register(sub) -> None:
     )
     add_case_options(
         p,
-        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)",
+        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)",
         600.0,
         "seconds per traced rank",
     )

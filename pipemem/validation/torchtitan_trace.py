@@ -28,7 +28,7 @@ import importlib
 
 import torch
 
-from ..traced.torchtitan_model import import_stubs, model_shapes
+from ..traced.torchtitan_model import hf_config, import_stubs
 from .case_worker import run_case_file
 from .recorded_step import recorded_peak
 
@@ -110,6 +110,38 @@ def _flex_as_flash():
         FlexAttention.forward, Decoder.get_attention_masks = saved
 
 
+@contextlib.contextmanager
+def _router_autocast_as_cuda():
+    """torchtitan's MoE router computes its gate under `torch.autocast(device_type, float32)`:
+    on CUDA that casts the input and the weight to fp32 copies (both kept by the matmul for
+    backward) and gives fp32 scores; CPU autocast refuses float32 and disables itself, so a CPU
+    trace would run the gate in bf16. The gate is run as CUDA runs it:
+    `F.linear(x.float(), weight.float())`."""
+    import torch.nn.functional as F
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+    router_forward = TokenChoiceTopKRouter.forward
+
+    def forward(self, x_BLD, expert_bias_E=None):
+        gate = self.gate
+
+        def fp32_gate(x):
+            bias = gate.bias.float() if gate.bias is not None else None
+            return F.linear(x.float(), gate.weight.float(), bias)
+
+        gate.forward = fp32_gate
+        try:
+            return router_forward(self, x_BLD, expert_bias_E)
+        finally:
+            del gate.forward
+
+    TokenChoiceTopKRouter.forward = forward
+    try:
+        yield
+    finally:
+        TokenChoiceTopKRouter.forward = router_forward
+
+
 def job_config(case: dict):
     """torchtitan's Trainer.Config for a case: its debug flavour of the model, the case's
     parallelism, activation checkpointing and batch."""
@@ -120,6 +152,8 @@ def job_config(case: dict):
     configs = importlib.import_module(f"torchtitan.models.{model['family']}.config_registry")
     cfg = getattr(configs, model["config"])()
     cfg.model_spec = registry.model_registry(model["flavor"])
+    if case.get("layers"):  # the flavor's first N decoder layers (a smaller case of the same model)
+        cfg.model_spec.model.layers = cfg.model_spec.model.layers[: case["layers"]]
     p = cfg.parallelism
     par = case["parallelism"]
     p.data_parallel_shard_degree = par.get("dp_shard", 1)
@@ -211,7 +245,7 @@ def trace_rank(case: dict, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = job_config(case)
-    with fake_process_group(rank, world), _flex_as_flash():
+    with fake_process_group(rank, world), _flex_as_flash(), _router_autocast_as_cuda():
         dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
         pd = ParallelDims.from_config(cfg.parallelism, world)
         pd.build_mesh()
@@ -220,7 +254,7 @@ def trace_rank(case: dict, rank: int) -> dict:
         mc.update_from_config(config=cfg)
         with torch.device("meta"):
             model = mc.build()
-        arch = model_shapes(model)
+        model_config = hf_config(mc, max_position=case["seq_len"])
         tr = object.__new__(Trainer)
         tr.config, tr.parallel_dims, tr.device, tr.model_config = cfg, pd, torch.device("cpu"), mc
         tr.loss_fn = cfg.loss.build(compile_config=cfg.compile)
@@ -272,7 +306,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
             out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
-    out["arch"] = arch
+    out["model"] = model_config
     return out
 
 
