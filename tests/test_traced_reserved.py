@@ -4,15 +4,13 @@ freed them), strung through the schedule replay (pipemem.alloc_stream) and repla
 the caching allocator model, as templates' streams are.
 
 The reference is the templates' stream of the same model and plan: two independent accounts
-of the same step (one generated, one recorded) that agree on allocated bytes. The traced
-stream holds each parameter as the HF module does (q, k, v, o; gate, up, down: separate
-tensors); the templates' static stream lumps a layer's q/k/v into one tensor and its MLP into
-another for every convention (templates/static.rank_param_tensor_elems), which moves the
-reserved bytes of a parameter-heavy rank by whole segments (pp 2 rank 0 below: 1.49 GB with
-the lumped tensors, 1.28 GB with HF's). The comparison therefore gives the templates' stream
-HF's parameter tensors (the same bytes, split as HF splits them); what it checks is that the
-activations, gradients, temporaries and optimizer step the two streams allocate leave the
-allocator with the same reservations.
+of the same step (one generated, one recorded) that agree on allocated bytes. Both hold each
+parameter as the HF module does (q, k, v, o; gate, up, down: separate tensors;
+templates/static.rank_param_tensor_elems): lumping a layer's q/k/v into one tensor moved the
+reserved bytes of a parameter-heavy rank by whole segments (pp 2 rank 0 below: 1.49 GB lumped,
+1.28 GB as HF holds them). What the comparison checks is that the activations, gradients,
+temporaries and optimizer step the two streams allocate leave the allocator with the same
+reservations.
 
 Tolerance: |reserved difference| <= |allocated difference| + 20 MiB. The allocated bytes of the
 two streams are compared by other tests; on top of them the allocator reserves whole
@@ -34,7 +32,6 @@ pytest.importorskip("transformers")
 
 import pipemem  # noqa: E402
 from pipemem import alloc_stream as A  # noqa: E402
-from pipemem import reserved  # noqa: E402
 from pipemem.runtime import lower  # noqa: E402
 
 CFG = {
@@ -61,36 +58,6 @@ def traced(name: str):
     return _TRACED[name]
 
 
-def hf_layout(monkeypatch):
-    """The templates' static stream with a decoder layer's parameters as HF's modules hold them:
-    q, k, v and gate, up, down as separate tensors (the same bytes; module docstring)."""
-    from pipemem.templates import static
-
-    lumped = static.layer_param_shapes
-
-    def split(arch, index, tp, etp, ep):
-        out = {}
-        for k, (shape, sharded) in lumped(arch, index, tp, etp, ep).items():
-            if k == "qkv":
-                a, kv, d = arch.heads // tp, max(1, arch.kv_heads // tp), arch.head_dim
-                for name, rows in (("q", a * d), ("k", kv * d), ("v", kv * d)):
-                    out[name] = ((rows, arch.hidden), sharded)
-            elif k == "mlp" and arch.activation in ("swiglu", "geglu"):
-                f = arch.ffn // tp
-                out.update(
-                    gate=((f, arch.hidden), sharded),
-                    up=((f, arch.hidden), sharded),
-                    down=((arch.hidden, f), sharded),
-                )
-            else:
-                out[k] = (shape, sharded)
-        return out
-
-    monkeypatch.setattr(static, "layer_param_shapes", split)
-    reserved.clear_cache()  # reserved bytes are cached per stage plan: read the stream afresh
-    monkeypatch.setattr(reserved, "_CACHE", {})
-
-
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_stream_is_the_traced_walk(name):
     """The recorded stream walks to each rank's allocated peak, to the byte, every free names a
@@ -108,8 +75,7 @@ def test_stream_is_the_traced_walk(name):
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_traced_and_templates_reserve_alike(name, monkeypatch):
-    hf_layout(monkeypatch)
+def test_traced_and_templates_reserve_alike(name):
     t = traced(name)
     m = pipemem.estimate(dict(CFG), convention="hf", **PLANS[name])
     assert len(t.ranks) == len(m.ranks)
