@@ -88,6 +88,9 @@ class Framework:
     op_level_sac = False  # --recompute selective is op-level selective checkpointing
     moe_program = "moe"  # the layer generator's MoE method (templates.layers._Gen)
     mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
+    # those templates follow megatron-core's MLASelfAttention and its MoE router (else transformers'
+    # DeepseekV2 / V3 attention and MoE)
+    mla_megatron = False
     # the layer programs are transformers' modules: the families held only against them (sliding
     # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
     transformers_modules = False

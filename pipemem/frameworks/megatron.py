@@ -44,6 +44,10 @@ class Megatron(Framework):
     te_fp8_weight_caches = True
 
     moe_program = "moe_megatron"
+    # megatron-core's MLASelfAttention (--multi-latent-attention; templates/mla.py
+    # `attention_megatron`), its MoE router's sigmoid / group-limited scores (moe_megatron)
+    mla_templates = True
+    mla_megatron = True
     te_offload_spec = True
     vocab_parallel_embedding_mask = True
     compile_covers_loss = False

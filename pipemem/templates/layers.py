@@ -354,6 +354,7 @@ class LayerOptions:
     router: str = "softmax"
     router_groups: int = 1
     router_topk_groups: int = 1
+    routed_scaling: float = 1.0
     shared_first: bool = True
     rope_cat: bool = False  # q, k concatenated after a partial rope (glm4_moe): a [b, heads, s, d] query
     # GPT-OSS (pipemem.templates.gpt_oss)
@@ -409,6 +410,7 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = 
         router=arch.router,
         router_groups=arch.router_groups,
         router_topk_groups=arch.router_topk_groups,
+        routed_scaling=arch.routed_scaling,
         shared_first=arch.shared_first,
         rope_cat=arch.model_type == "glm4_moe",
         attn_sinks=arch.attn_sinks,
@@ -1378,15 +1380,18 @@ class _Gen:
         N = T * K
         w = self.t.param(self.n("moe.router.weight"), (E, h), self.dt)
         logits = self.act("moe.router_logits", (T, E), "fp32")
-        scores = self.act("moe.topk_scores", (T, K), "fp32")
         idx = self.act("moe.topk_idx", (T, K), "int64")
-        p = self.act("moe.topk_probs", (T, K), "fp32")
         probs = self.act("moe.probs", (T, E), "fp32")
         rmap = self.act("moe.routing_map", (T, E), "bool")
         self.t.node("router_gemm", (x, w), (logits,), diff_inputs=(x,), params=(w,), save_w=(x,))
-        # the dispatcher's references to probs and the routing map outlive the layer's backward
-        self.t.node("topk", (logits,), (scores, idx), diff_inputs=(logits,), save_i=(idx, probs, rmap))
-        self.t.node("softmax", (scores,), (p,), diff_inputs=(scores,), save_i=(p,))
+        if opt.router == "sigmoid_group":
+            p = self._megatron_sigmoid_scores(logits, idx, probs, rmap, opt)
+        else:
+            scores = self.act("moe.topk_scores", (T, K), "fp32")
+            p = self.act("moe.topk_probs", (T, K), "fp32")
+            # the dispatcher's references to probs and the routing map outlive the layer's backward
+            self.t.node("topk", (logits,), (scores, idx), diff_inputs=(logits,), save_i=(idx, probs, rmap))
+            self.t.node("softmax", (scores,), (p,), diff_inputs=(scores,), save_i=(p,))
         self.t.node("scatter", (p, idx), (probs,), diff_inputs=(p,), save_i=(idx,))
         self.t.node("routing_map", (idx,), (rmap,))
         mask_t = self.act("moe.routing_map_t", (E, T), "bool")
@@ -1456,6 +1461,60 @@ class _Gen:
             shared = self.mlp(x, opt, name="moe.shared", width=sh.shared_ffn)
             y = self.add(y, shared, "moe.out_shared", (sh.s_sp, sh.b, h))
         return y
+
+    def _megatron_sigmoid_scores(self, logits: str, idx: str, probs: str, rmap: str, opt) -> str:
+        """megatron-core's `topk_routing_with_score_function(score_function="sigmoid")`
+        (transformer/moe/moe_utils.py) on fp32 logits: sigmoid scores (kept); the choice adds the
+        expert bias (`--moe-router-enable-expert-bias`, an fp32 buffer) and takes the top k, within
+        the best `--moe-router-group-topk` of `--moe-router-num-groups` groups when given
+        (`group_limited_topk`: transients with no path to the loss); the scores gathered at the
+        chosen experts (the gather keeps the indices), normalised over the k (the division keeps
+        both operands) and scaled by `--moe-router-topk-scaling-factor`. -> the [T, K] probs."""
+        sh, t = self.sh, self.t
+        T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
+        scores = self.act("moe.sigmoid_scores", (T, E), "fp32")
+        # the dispatcher's references to probs and the routing map outlive the layer's backward
+        t.node("sigmoid", (logits,), (scores,), diff_inputs=(logits,), save_i=(scores, probs, rmap))
+        biased = self.act("moe.choice.biased", (T, E), "fp32")
+        t.node("add_expert_bias", (scores,), (biased,))
+        choice = biased
+        if opt.router_topk_groups and opt.router_groups > 1:
+            G, TG = opt.router_groups, opt.router_topk_groups
+            per = max(1, K // TG)
+            gtop = self.act("moe.choice.group_topk", (T, G, per), "fp32")
+            gtop_i = self.act("moe.choice.group_topk_idx", (T, G, per), "int64")
+            t.node("topk", (biased,), (gtop, gtop_i))
+            gsum = self.act("moe.choice.group_scores", (T, G), "fp32")
+            t.node("sum", (gtop,), (gsum,))
+            gsel = self.act("moe.choice.group_idx", (T, TG), "int64")
+            gval = self.act("moe.choice.group_top", (T, TG), "fp32")
+            t.node("topk", (gsum,), (gval, gsel))
+            gmask = self.act("moe.choice.group_mask", (T, G), "fp32")
+            t.node("zeros_scatter", (gsel,), (gmask,))
+            smask = self.act("moe.choice.score_mask", (T, E), "fp32")
+            t.node("expand_reshape", (gmask,), (smask,))
+            nmask = self.act("moe.choice.score_mask_not", (T, E), "bool")
+            t.node("logical_not", (smask,), (nmask,))
+            masked = self.act("moe.choice.masked", (T, E), "fp32")
+            t.node("masked_fill", (biased, nmask), (masked,))
+            choice = masked
+        tval = self.act("moe.choice.topk_values", (T, K), "fp32")
+        t.node("topk", (choice,), (tval, idx))
+        sk = self.act("moe.topk_scores", (T, K), "fp32")
+        t.node("gather", (scores, idx), (sk,), diff_inputs=(scores,), save_i=(idx,))
+        p = sk
+        if K > 1:
+            ssum = self.act("moe.topk_sum", (T, 1), "fp32")
+            t.node("sum", (sk,), (ssum,), diff_inputs=(sk,))
+            den = self.act("moe.topk_denominator", (T, 1), "fp32")
+            t.node("add_scalar", (ssum,), (den,), diff_inputs=(ssum,), grad_alias=True)
+            p = self.act("moe.topk_probs", (T, K), "fp32")
+            t.node("div", (sk, den), (p,), diff_inputs=(sk, den), save_i=(sk, den))
+        if opt.routed_scaling != 1.0:
+            scaled = self.act("moe.topk_probs_scaled", (T, K), "fp32")
+            t.node("mul_scalar", (p,), (scaled,), diff_inputs=(p,))
+            p = scaled
+        return p
 
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
@@ -1589,7 +1648,7 @@ def decoder_layer_tape(
         r1 = g.add(x, attn, "residual1", tok)
         h2 = g.norm(r1, "pre_mlp_norm" if post else "post_attention_norm", opt.norm, tok) if pre else r1
     tape.module = "mlp"
-    if opt.moe and arch.kv_lora_rank:
+    if opt.moe and arch.kv_lora_rank and not conv.framework.mla_megatron:
         from . import mla
 
         m = mla.moe(g, arch, h2, opt)

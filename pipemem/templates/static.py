@@ -41,7 +41,7 @@ from functools import lru_cache
 from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes
+from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes, mla_param_shapes
 from .conventions import Convention
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
@@ -430,7 +430,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
         n_layers = sum(len(r) for r in ranges)
         n_moe = sum(moe_layers_in(arch, r) for r in ranges)
         other += megatron_runtime_bytes(
-            arch, plan, conv, n_layers - n_moe > 0, n_moe > 0, plan.pp * plan.vpp - 1 in rank_stages
+            arch,
+            plan,
+            conv,
+            n_layers - n_moe > 0,
+            n_moe > 0,
+            plan.pp * plan.vpp - 1 in rank_stages,
+            layers=n_layers,
         )
     if plan.zero == 3:
         other += deepspeed_bucket_bytes(plan)  # DeepSpeed ZeRO-3's resident reduce bucket
@@ -621,7 +627,7 @@ def optimizer_step_scratch(
 
 
 def megatron_runtime_bytes(
-    arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool
+    arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool, layers: int = 0
 ) -> int:
     """What a Megatron-LM rank keeps for the whole run besides model states (validated against
     megatron-core's own step, `pipemem validate megatron`):
@@ -631,7 +637,9 @@ def megatron_runtime_bytes(
       cached tensor per distinct local weight shape (and dtype), kept for the run
       (transformer_engine/pytorch/module/base.py; megatron tensor_parallel/layers.py);
     * the rotary embedding's cached frequencies, fp32 [seq, 1, 1, head_dim] per stage
-      (RotaryEmbedding.forward is lru_cached in megatron-core)."""
+      (RotaryEmbedding.forward is lru_cached in megatron-core); multi-head latent attention
+      builds a RotaryEmbedding over qk_pos_emb_head_dim in each layer's MLASelfAttention, so
+      one [seq, 1, 1, qk_pos_emb_head_dim] per layer of the rank (`layers`)."""
     total = 0
     if conv.wgrad_fused and not (plan.zero >= 3 or plan.fsdp):
         shapes = set()
@@ -642,7 +650,9 @@ def megatron_runtime_bytes(
             m = conv.vocab_multiple * plan.tp
             shapes.add((-(-arch.vocab // m) * m // plan.tp, arch.hidden))
         total += sum(_prod(sh) for sh in shapes) * dtype_bytes(plan.dtype)
-    if arch.position == "rope" and (has_dense or has_moe):
+    if arch.kv_lora_rank:
+        total += plan.seq_len * arch.qk_rope_head_dim * 4 * layers
+    elif arch.position == "rope" and (has_dense or has_moe):
         total += plan.seq_len * arch.head_dim * 4
     return total
 
@@ -654,7 +664,11 @@ def _linear_weight_shapes(arch, moe: bool, tp: int, etp: int, ep: int) -> list[t
     a = arch.heads // tp
     kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     gated = 2 if arch.activation in ("swiglu", "geglu") else 1
-    out = [((a + 2 * kv) * d, h), (h, a * d)]
+    if arch.kv_lora_rank:
+        # multi-head latent attention's down and up projections and its output projection
+        out = [shape for shape, _ in mla_param_shapes(arch, tp).values() if len(shape) == 2]
+    else:
+        out = [((a + 2 * kv) * d, h), (h, a * d)]
     if moe:
         f = arch.expert_ffn // etp
         out += [(gated * f, h), (h, f)]
