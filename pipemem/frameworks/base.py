@@ -91,6 +91,9 @@ class Framework:
     # those templates follow megatron-core's MLASelfAttention and its MoE router (else transformers'
     # DeepseekV2 / V3 attention and MoE)
     mla_megatron = False
+    # the config's multi-token prediction layers (ArchSpec.mtp_layers) run on the last stage:
+    # megatron-core's MTP block, its heads and losses (templates/mtp.py); else none is built
+    mtp_block = False
     # the layer programs are transformers' modules: the families held only against them (sliding
     # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
     transformers_modules = False

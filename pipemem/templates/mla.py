@@ -148,7 +148,7 @@ def attention_megatron(g, arch, x: str, opt) -> str:
         qr = arch.q_lora_rank
         qa = g.linear(x, "attn.q_down_proj", tok + (qr,), h, False)
         qn = g.norm(qa, "attn.q_layernorm", opt.norm, tok + (qr,))
-        (q,) = g.column_linears(qn, "attn.q_up", [("attn.q_up_proj", a * dq, False)])
+        (q,) = g.column_linears(qn, "attn.q_up", [("attn.q_up_proj", a * dq, False)], in_features=qr)
     else:
         (q,) = g.column_linears(x, "attn.q", [("attn.q_proj", a * dq, False)])
     q_nope = g.act("attn.q_no_pe", (s, b, a, dn), storage=q)
@@ -171,7 +171,7 @@ def attention_megatron(g, arch, x: str, opt) -> str:
     t.node("rope", (k_rot,), (k_emb,), diff_inputs=(k_rot,))
     query = g.act("attn.query", (s, b, a, dq))
     t.node("cat", (q_nope, q_emb), (query,), diff_inputs=(q_nope, q_emb))
-    (kv,) = g.column_linears(latn, "attn.kv_up", [("attn.kv_up_proj", a * (dn + dv), False)])
+    (kv,) = g.column_linears(latn, "attn.kv_up", [("attn.kv_up_proj", a * (dn + dv), False)], in_features=kr)
     k_nope = g.act("attn.k_no_pe", (s, b, a, dn), storage=kv)
     v = g.act("attn.value_view", (s, b, a, dv), storage=kv)
     t.node("split", (kv,), (k_nope, v), diff_inputs=(kv,))

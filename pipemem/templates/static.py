@@ -41,7 +41,13 @@ from functools import lru_cache
 from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes, mla_param_shapes
+from ..model import (
+    embedding_param_shapes,
+    head_param_shapes,
+    layer_param_shapes,
+    mla_param_shapes,
+    mtp_param_shapes,
+)
 from .conventions import Convention
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
@@ -148,6 +154,7 @@ def rank_param_counts(
         ranges,
         0 in rank_stages,
         last in rank_stages,
+        _mtp_on(arch, conv),
     )
 
 
@@ -181,6 +188,7 @@ def _rank_counts(
     ranges: tuple[range, ...],
     has_embedding: bool,
     has_head: bool,
+    mtp: bool = False,
 ) -> tuple[int, int]:
     m = vocab_multiple * tp
     vocab = -(-arch.vocab // m) * m
@@ -199,7 +207,18 @@ def _rank_counts(
             _prod(v)
             for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values()
         )
+    if has_head and mtp:
+        for shape, is_expert in mtp_param_shapes(arch, vocab, tp, etp, ep, not has_embedding):
+            if is_expert:
+                expert += _prod(shape)
+            else:
+                dense += _prod(shape)
     return dense, expert
+
+
+def _mtp_on(arch, conv: Convention) -> bool:
+    """Whether the last stage holds megatron-core's multi-token prediction block."""
+    return bool(arch.mtp_layers) and conv.framework.mtp_block
 
 
 @lru_cache(maxsize=8192)
@@ -264,6 +283,8 @@ def _rank_param_shapes(
                 arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
             ).values()
         ]
+        if _mtp_on(arch, conv):
+            shapes += mtp_param_shapes(arch, vocab, plan.tp, plan.etp or 1, plan.ep, 0 not in rank_stages)
     return shapes
 
 
@@ -293,6 +314,13 @@ def rank_param_tensor_elems(
                     arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
                 ).values()
             ]
+            if _mtp_on(arch, conv):
+                out += [
+                    _prod(x)
+                    for x, _ in mtp_param_shapes(
+                        arch, vocab, plan.tp, plan.etp or 1, plan.ep, 0 not in rank_stages
+                    )
+                ]
     return out
 
 
@@ -649,9 +677,14 @@ def megatron_runtime_bytes(
         if has_head:
             m = conv.vocab_multiple * plan.tp
             shapes.add((-(-arch.vocab // m) * m // plan.tp, arch.hidden))
+        if has_head and _mtp_on(arch, conv):  # the MTP layers' linears and eh_proj
+            mtp_moe = arch.is_moe_layer(arch.layers - 1)
+            shapes.update(_linear_weight_shapes(arch, mtp_moe, plan.tp, plan.etp or 1, plan.ep))
+            shapes.add((arch.hidden // plan.tp, 2 * arch.hidden))
         total += sum(_prod(sh) for sh in shapes) * dtype_bytes(plan.dtype)
     if arch.kv_lora_rank:
-        total += plan.seq_len * arch.qk_rope_head_dim * 4 * layers
+        mtp = arch.mtp_layers if has_head and _mtp_on(arch, conv) else 0
+        total += plan.seq_len * arch.qk_rope_head_dim * 4 * (layers + mtp)
     elif arch.position == "rope" and (has_dense or has_moe):
         total += plan.seq_len * arch.head_dim * 4
     return total

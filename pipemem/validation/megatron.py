@@ -212,6 +212,25 @@ CASES = (
         topk_scaling=2.5,
         dense_layers=1,
     ),
+    MegatronCase("mtp-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=1),
+    MegatronCase("mtp2-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=2),
+    MegatronCase(
+        "deepseek-mtp-ep2",
+        kind="deepseek",
+        tp=1,
+        dp=2,
+        ep=2,
+        sp=False,
+        experts=8,
+        top_k=2,
+        expert_ffn=128,
+        shared_ffn=128,
+        router_groups=4,
+        router_group_topk=2,
+        topk_scaling=2.5,
+        dense_layers=1,
+        mtp_layers=1,
+    ),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
 # fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-

@@ -964,10 +964,17 @@ def _trace(case: MegatronCase) -> dict:
         # the model (megatron/training/tokenizer: _vocab_size_with_padding)
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
+        layer_spec = _layer_spec(case)
+        mtp_spec = None
+        if case.mtp_layers:  # --mtp-num-layers: what Megatron-LM's pretrain_gpt.py builds
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp_spec = get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False)
         with default_dtype(torch.bfloat16):
             gpt = GPTModel(
                 config=cfg,
-                transformer_layer_spec=_layer_spec(case),
+                transformer_layer_spec=layer_spec,
+                mtp_block_spec=mtp_spec,
                 vocab_size=vocab,
                 max_sequence_length=case.seq_len,
                 pre_process=pre,
