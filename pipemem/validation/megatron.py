@@ -214,6 +214,8 @@ CASES = (
     ),
     MegatronCase("mtp-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=1),
     MegatronCase("mtp2-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=2),
+    # the last stage holds its own copy of the word embedding for MTP
+    MegatronCase("mtp-pp2-last", kind="deepseek", tp=1, sp=False, pp=2, pp_rank=1, mtp_layers=1, **_PP),
     MegatronCase(
         "deepseek-mtp-ep2",
         kind="deepseek",
@@ -233,9 +235,10 @@ CASES = (
     ),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
-# fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-
-# offload cases for what megatron's own code does there.
-CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared")
+# fused-CE twin, the MoE case and the DeepSeek-style one (MLA, DeepSeek's MoE with a dense first
+# layer, MTP); the same tests trace the activation-offload and optimizer-offload cases for what
+# megatron's own code does there.
+CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared", "deepseek-mtp-ep2")
 
 
 def hf_config(case: MegatronCase) -> dict:
