@@ -419,27 +419,47 @@ def test_deepseek_router_choices_are_read():
     assert s3 > s2
 
 
-def test_validation_cases_are_what_the_reader_reads():
-    """The DeepSeek-style `validate megatron` case, given as Megatron-LM arguments: the reader's
-    estimate is the case's to the byte."""
+def case_argv(case) -> list[str]:
+    """A DeepSeek-style `validate megatron` case as Megatron-LM arguments."""
+    text = (
+        f"--num-layers {case.layers} --hidden-size {case.hidden} --num-attention-heads {case.heads} "
+        f"--ffn-hidden-size {case.ffn} --seq-length {case.seq_len} --max-position-embeddings {case.seq_len} "
+        "--swiglu --normalization RMSNorm --position-embedding-type rope "
+        f"--vocab-size {case.vocab} --disable-bias-linear --untie-embeddings-and-output-weights "
+        f"--micro-batch-size {case.micro_batch} --global-batch-size {case.micro_batch * case.dp} --bf16 "
+        f"--world-size {case.world} --tensor-model-parallel-size {case.tp} --expert-model-parallel-size "
+        f"{case.ep} --use-distributed-optimizer --use-flash-attn --multi-latent-attention --qk-layernorm "
+        f"--kv-lora-rank {case.kv_lora_rank} --qk-head-dim {case.qk_head_dim} "
+        f"--qk-pos-emb-head-dim {case.qk_pos_emb_head_dim} --v-head-dim {case.v_head_dim} "
+    )
+    if case.sp and case.tp > 1:
+        text += "--sequence-parallel "
+    if case.q_lora_rank:
+        text += f"--q-lora-rank {case.q_lora_rank} "
+    if case.mtp_layers:
+        text += f"--mtp-num-layers {case.mtp_layers} --mtp-loss-scaling-factor 0.1 "
+    if case.experts:
+        dense = "[0]*%d+[1]*%d" % (case.dense_layers, case.layers - case.dense_layers)
+        text += (
+            f"--num-experts {case.experts} --moe-router-topk {case.top_k} --moe-ffn-hidden-size "
+            f"{case.expert_ffn} --moe-shared-expert-intermediate-size {case.shared_ffn} "
+            f"--moe-layer-freq {dense} --moe-router-score-function sigmoid "
+            f"--moe-router-enable-expert-bias --moe-router-num-groups {case.router_groups} "
+            f"--moe-router-group-topk {case.router_group_topk} --moe-router-topk-scaling-factor "
+            f"{case.topk_scaling} --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall "
+        )
+    return shlex.split(text)
+
+
+@pytest.mark.parametrize("name", ["mla-tp1", "mla-tp2-sp", "mtp-tp2-sp", "deepseek-mtp-ep2"])
+def test_validation_cases_are_what_the_reader_reads(name):
+    """The DeepSeek-style `validate megatron` cases, given as Megatron-LM arguments: the
+    reader's estimate is the case's to the byte."""
     from pipemem.validation.megatron import CASES, estimate_case
 
-    case = next(c for c in CASES if c.name == "deepseek-mtp-ep2")
-    argv = shlex.split(
-        "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 512 --seq-length 128 "
-        "--max-position-embeddings 128 --swiglu --normalization RMSNorm --position-embedding-type rope "
-        "--vocab-size 1000 --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
-        "--global-batch-size 4 --bf16 --world-size 2 --expert-model-parallel-size 2 "
-        "--use-distributed-optimizer --use-flash-attn --multi-latent-attention --qk-layernorm "
-        "--q-lora-rank 96 --kv-lora-rank 64 --qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 32 "
-        "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 128 "
-        "--moe-shared-expert-intermediate-size 128 --moe-layer-freq ([0]*1+[1]*1) "
-        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 "
-        "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 "
-        "--moe-token-dispatcher-type alltoall --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1"
-    )
-    tc = read_megatron(argv)
+    case = next(c for c in CASES if c.name == name)
+    tc = read_megatron(case_argv(case))
     assert tc.warnings == []
-    est = pipemem.estimate(tc.model, **tc.plan).ranks[0]
+    est = pipemem.estimate(tc.model, **tc.plan).ranks[case.pp_rank]
     want = estimate_case(case)
     assert (est.peak_allocated_bytes, est.static.total) == (want["peak_bytes"], want["static_bytes"])

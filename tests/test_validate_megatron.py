@@ -68,6 +68,7 @@ def test_patches_are_undone():
     before = (
         mla.apply_rotary_pos_emb,
         mla.HAVE_TE,
+        mla.TELinear,
         torch.cuda.current_device,
         torch.cuda.Stream,
         torch.cuda.Event,
@@ -87,6 +88,7 @@ def test_patches_are_undone():
     assert (
         mla.apply_rotary_pos_emb,
         mla.HAVE_TE,
+        mla.TELinear,
         torch.cuda.current_device,
         torch.cuda.Stream,
         torch.cuda.Event,
@@ -195,15 +197,24 @@ def test_precision_aware_optimizer_runs_megatron_code():
 
 
 def test_deepseek_cases_cover_mla_moe_and_mtp():
-    """The DeepSeek-style cases: MLA alone (with and without the q LoRA, selective recompute),
-    DeepSeek's MoE after a dense layer, MTP of one and two depths (and on a last pipeline
-    stage), all three together; each estimated with what --from-megatron reads for them."""
+    """The DeepSeek-style cases: MLA alone (with and without the q LoRA, selective and full
+    recompute, tp 2 with and without SP), DeepSeek's MoE after a dense layer, MTP of one and two
+    depths (at tp 2 with SP, on a last pipeline stage), all three together; each estimated
+    with what --from-megatron reads for them."""
     from pipemem.model import arch_from_hf_config
 
     ds = {c.name: c for c in CASES if c.kind == "deepseek"}
-    assert {"mla-tp1", "mla-tp1-no-q-lora", "deepseek-moe-ep2", "mtp-tp1", "mtp2-tp1", "mtp-pp2-last"} <= set(
-        ds
-    )
+    assert {
+        "mla-tp1",
+        "mla-tp1-no-q-lora",
+        "mla-tp1-full",
+        "mla-tp2-sp",
+        "deepseek-moe-ep2",
+        "mtp-tp1",
+        "mtp2-tp1",
+        "mtp-tp2-sp",
+        "mtp-pp2-last",
+    } <= set(ds)
     both = arch_from_hf_config(hf_config(ds["deepseek-mtp-ep2"]))
     assert both.kv_lora_rank and both.mtp_layers == 1 and both.dense_layers == (0,)
     assert (both.router, both.router_groups, both.shared_experts) == ("sigmoid_group", 4, 1)

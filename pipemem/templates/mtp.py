@@ -11,7 +11,8 @@ After the decoder's final norm, each depth k (1..D):
   fused norms saving their inputs and statistics; their outputs concatenated to [s, b, 2h] (a
   new tensor, nothing saved) and projected back to h by `eh_proj` (a column-parallel linear
   saving the concatenation; under tp its output gathered over the last dim and, under SP,
-  scattered over the sequence again);
+  scattered over the sequence again: the rank's rows are a view of the gathered tensor, which
+  the layer's input therefore keeps whole);
 * one transformer layer of the decoder's last layer kind (its spec), then its own final norm.
 
 The decoder's output and every depth's are then concatenated along the sequence (a new
@@ -61,7 +62,10 @@ def mtp_block(tape, arch, sh, conv, mtp, h: str, ops) -> tuple[str, list[str]]:
             x = g.act("eh_proj.gathered", (s, b, hid), kind=COMM)
             tape.node("all_gather_last_dim", (p,), (x,), diff_inputs=(p,))
             if sh.sp:
-                xs = g.act("eh_proj.scattered", tok)
+                # scatter_to_sequence_parallel_region: `input_[rank's rows].contiguous()` of a
+                # contiguous tensor is a view, so the layer's input keeps the whole gathered
+                # tensor; its backward all-gathers the grad
+                xs = g.act("eh_proj.scattered", tok, storage=x)
                 tape.node("split_sequence", (x,), (xs,), diff_inputs=(x,))
                 x = xs
         _, y = _layer_body(g, arch, sh, conv, opt, x)

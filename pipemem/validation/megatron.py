@@ -196,6 +196,9 @@ CASES = (
     MegatronCase("mla-tp1", kind="deepseek", tp=1, dp=2, sp=False),
     MegatronCase("mla-tp1-no-q-lora", kind="deepseek", tp=1, dp=2, sp=False, q_lora_rank=0),
     MegatronCase("mla-tp1-selective", kind="deepseek", tp=1, dp=2, sp=False, recompute="selective"),
+    MegatronCase("mla-tp1-full", kind="deepseek", tp=1, dp=2, sp=False, recompute="full"),
+    MegatronCase("mla-tp2-sp", kind="deepseek", tp=2, dp=2),
+    MegatronCase("mla-tp2-nosp", kind="deepseek", tp=2, dp=2, sp=False),
     MegatronCase(
         "deepseek-moe-ep2",
         kind="deepseek",
@@ -214,6 +217,7 @@ CASES = (
     ),
     MegatronCase("mtp-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=1),
     MegatronCase("mtp2-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=2),
+    MegatronCase("mtp-tp2-sp", kind="deepseek", tp=2, dp=2, mtp_layers=1),
     # the last stage holds its own copy of the word embedding for MTP
     MegatronCase("mtp-pp2-last", kind="deepseek", tp=1, sp=False, pp=2, pp_rank=1, mtp_layers=1, **_PP),
     MegatronCase(

@@ -206,6 +206,7 @@ def _apply(p: _Patches, fused_wgrad) -> None:
 
     if find_spec("transformer_engine") is None:  # its TE names are stand-in mocks without TE
         p.set(mla, "HAVE_TE", False)
+        p.set(mla, "TELinear", DuplicatedLinear)  # MLASelfAttention's "duplicated" down projections
     _fused_activations(p)
     _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
@@ -686,6 +687,24 @@ class GroupedLinear(torch.nn.Module):
         return _GroupedGemm.apply(x, self.out_features, *self.weights), None
 
 
+class DuplicatedLinear(torch.nn.Module):
+    """Stands for Transformer Engine's TELinear with `parallel_mode="duplicated"`: MLA's down
+    projections in the TE layer spec Megatron-LM runs (the local spec's are column-parallel and
+    gathered), one full weight on every tp rank reading the rank's (sequence-shard) input; saves
+    its input, fused wgrad accumulation as the other stand-ins."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False, **kwargs):
+        super().__init__()
+        self.out_features = output_size
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel  # grads all-reduced over tp
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        out = _GroupedGemm.apply(flat, self.out_features, self.weight)
+        return out.view(*x.shape[:-1], self.out_features), None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
@@ -785,6 +804,10 @@ def _one_layer_spec(case: MegatronCase, moe: bool):
         qk_layernorm=case.kind == "deepseek",
     )
     spec.submodules.self_attention.submodules.core_attention = FlashAttention
+    if case.kind == "deepseek":
+        # the TE spec's down projections (TELinear, duplicated over tp), not the local spec's
+        sub = spec.submodules.self_attention.submodules
+        sub.linear_q_down_proj = sub.linear_kv_down_proj = DuplicatedLinear
     if moe:
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import TEGroupedMLP
