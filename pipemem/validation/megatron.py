@@ -10,7 +10,9 @@ through `pipemem.estimate(...)` with the same flags, and two numbers are compare
   state included, against the estimate's `peak_allocated_bytes` for that pipeline rank;
 * `layer_kept`: what decoder layer 0 of the rank keeps from its forward for its backward
   (the storages its forward made that are alive when the forward ends, its output
-  included) against the sum of the estimate's `--explain` rows for that layer.
+  included) against the sum of the estimate's `--explain` rows for that layer;
+* `moe_layer_kept` (a DeepSeek-style case with dense first layers): the same for its first MoE
+  layer.
 
 The bytes resident when the second step's forward starts (params, grad buffer, optimizer
 state, runtime buffers) are reported beside the rows as `static` (not a pass criterion:
