@@ -325,7 +325,7 @@ def _live(rows) -> dict:
 def _segments(arch, sh, conv, runs, first, last, seq_len):
     """The stage's parts as `stages._stage_jobs` strings them, in forward order:
     (PartPrograms, PartMemory, copies)."""
-    from .stages import stage_layer_runs
+    from .stages import mtp_of, stage_layer_runs
     from .templates.programs import (
         embedding_memory,
         embedding_programs,
@@ -376,6 +376,7 @@ def _segments(arch, sh, conv, runs, first, last, seq_len):
         kw = dict(
             keep_input=not first and not total,
             tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard,
+            mtp=mtp_of(arch, conv, runs),
         )
         segs.append((head_programs(arch, sh, conv, **kw), head_memory(arch, sh, conv, **kw), 1))
     return segs, total

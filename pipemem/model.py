@@ -834,6 +834,23 @@ def mla_param_shapes(arch, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     return out
 
 
+def mtp_param_shapes(
+    arch, padded_vocab: int, tp: int, etp: int, ep: int, with_embedding: bool
+) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, is_expert) of the parameters of megatron-core's multi-token prediction block on
+    the last stage (`arch.mtp_layers` depths): per depth its enorm, hnorm, eh_proj (column
+    parallel, 2h -> h), one layer of the decoder's last layer kind and its final norm; with
+    `with_embedding`, the stage's own copy of the word embedding (a stage without the first)."""
+    h = arch.hidden
+    out: list[tuple[tuple[int, ...], bool]] = []
+    for _ in range(arch.mtp_layers):
+        out += [((h,), False), ((h,), False), ((h // tp, 2 * h), False), ((h,), False)]
+        out += list(layer_param_shapes(arch, arch.layers - 1, tp, etp, ep).values())
+    if with_embedding and arch.mtp_layers:
+        out.append(((padded_vocab // tp, h), False))
+    return out
+
+
 def embedding_param_shapes(arch, padded_vocab: int, tp: int, head: bool) -> dict[str, tuple[int, ...]]:
     """Word (and learned position) embedding; with `head`, also the final norm and output
     layer (the output layer is a separate weight unless tied on a single stage)."""

@@ -149,7 +149,13 @@ def template_warnings(arch, plan) -> list[str]:
     from .templates.moe import load_note
 
     out = mla_warnings(arch, plan)
-    if arch.mtp_layers:  # DeepSeek-V3, GLM-4.5: named in the config, built by neither HF module
+    if arch.mtp_layers and frameworks.get(plan.convention).mtp_block:
+        out.append(
+            f"multi-token prediction: {arch.mtp_layers} depth(s) (--mtp-num-layers / "
+            "num_nextn_predict_layers) counted on the last pipeline stage: megatron-core's MTP block "
+            "(embedding, enorm / hnorm, eh_proj, one layer, the shared head and its loss per depth)"
+        )
+    elif arch.mtp_layers:  # DeepSeek-V3, GLM-4.5: named in the config, built by neither HF module
         out.append(
             f"num_nextn_predict_layers={arch.mtp_layers}: transformers' {arch.model_type} causal LM "
             "(--convention hf) has no multi-token prediction layers, so the step modelled has none "
@@ -352,6 +358,25 @@ def _layer_parts(arch, sh, conv, runs, first: bool, last: bool) -> list[tuple]:
     return out
 
 
+def mtp_of(arch, conv, runs: tuple):
+    """(depths, LayerOptions of their layers) of the multi-token prediction block the last stage
+    runs before its head (Megatron's `--mtp-num-layers`: `Framework.mtp_block`), or None. Its
+    layers are the decoder's last layer kind, recomputed as the stage's layers are (selective
+    only: full recompute with MTP is refused by `check_mtp`)."""
+    if not (arch.mtp_layers and conv.framework.mtp_block):
+        return None
+    if not runs:
+        raise UserError(
+            "multi-token prediction layers on a last pipeline stage without decoder layers: "
+            "not modelled; give the last stage layers (--pp-layout)"
+        )
+    opt = runs[-1][0]
+    rec = opt.recompute if opt.recompute in ("selective", "core_attn") else "none"
+    return arch.mtp_layers, replace(
+        opt, moe=arch.is_moe_layer(arch.layers - 1), recompute=rec, offload_keep=0, fsdp_keep=False
+    )
+
+
 def _stage_prologue(sh, conv, runs) -> list[tuple]:
     """Parts every stage runs before its layers: PaddleNLP's per-stage causal mask when the
     attention is not flash (kept for backward when layers are recomputed)."""
@@ -477,6 +502,7 @@ def _stage_jobs_alike(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_
                         conv,
                         keep_input=not first and not parts,
                         tied_gathered=tied_head and sh.fsdp and not sh.fsdp_embed_reshard,
+                        mtp=mtp_of(arch, conv, runs),
                     ),
                     1,
                 )

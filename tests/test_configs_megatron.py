@@ -1,6 +1,7 @@
 """`--from-megatron`: NVIDIA's own example scripts as pasted, and every Megatron-LM argument that
 changes memory honoured or refused by name."""
 
+import math
 import shlex
 from pathlib import Path
 
@@ -285,3 +286,180 @@ def test_megatron_fsdp_fp8_param_gather_keeps_a_shard_of_the_fp8_weights():
     h, ffn, layers, kv = 4096, 14336, 32, 8 * 128  # the script's --hidden-size, --ffn-hidden-size ...
     linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn)  # qkv, proj, fc1 (gate + up), fc2
     assert 0 < fp8 < bf16 and bf16 - fp8 == -(-linear // 8) * (2 - 1)
+
+
+# DeepSeek-V3 in Megatron-LM's own arguments (multi-head latent attention, DeepSeek's MoE, MTP)
+
+
+def deepseek_r1_argv() -> list[str]:
+    """NVIDIA Megatron-LM examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh, its
+    MODEL_ARGS as the file gives them (tests/data/megatron/deepseek_r1_modelopt.txt)."""
+    return script_argv("deepseek_r1_modelopt.txt")
+
+
+def test_deepseek_v3_arguments_as_pasted_refuse_moe_layer_recompute():
+    with pytest.raises(UserError, match="^Megatron: --moe-layer-recompute recomputes the MoE layer") as e:
+        read_megatron(deepseek_r1_argv())
+    assert "\n" not in str(e.value)
+
+
+def test_deepseek_v3_arguments_read_into_its_model():
+    """Megatron-LM's DeepSeek-R1 (DeepSeek-V3) arguments, less --moe-layer-recompute and with
+    the tokenizer's vocabulary: every argument known, the model DeepSeek-V3's 671B shape."""
+    argv = without(deepseek_r1_argv(), "moe-layer-recompute") + ["--vocab-size", "129280"]
+    tc = read_megatron(argv)
+    assert not [w for w in tc.warnings if "not modelled" in w], tc.warnings
+    a = arch_from_hf_config(tc.model)
+    assert (a.q_lora_rank, a.kv_lora_rank, a.head_dim, a.qk_rope_head_dim, a.v_head_dim) == (
+        1536,
+        512,
+        192,
+        64,
+        128,
+    )
+    assert (a.experts, a.top_k, a.expert_ffn, a.dense_layers) == (256, 8, 2048, (0, 1, 2))
+    assert (a.shared_experts * a.shared_ffn, a.ffn) == (2048, 18432)
+    assert (a.router, a.router_groups, a.router_topk_groups, a.routed_scaling) == ("sigmoid_group", 8, 4, 2.5)
+    assert a.mtp_layers == 0 and round(a.param_count() / 1e9) == 671
+    assert (tc.plan["recompute"], tc.plan["sp"], tc.plan["convention"]) == ("selective", True, "megatron")
+
+
+def test_deepseek_v3_with_mtp_on_pipeline_stages():
+    """--mtp-num-layers 1 adds the MTP block to the last stage only: its enorm / hnorm / eh_proj,
+    one MoE layer (the decoder's last kind), its final norm and a copy of the word embedding,
+    in the param dtype; every other rank is unchanged."""
+    from pipemem.model import mtp_param_shapes
+
+    argv = without(deepseek_r1_argv(), "moe-layer-recompute") + shlex.split(
+        "--vocab-size 129280 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 "
+        "--decoder-first-pipeline-num-layers 5 --expert-model-parallel-size 64 --world-size 1024 "
+        "--global-batch-size 512 --use-distributed-optimizer --seq-length 1024"
+    )
+    base = read_megatron(argv)
+    mtp = read_megatron(argv + ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"])
+    assert arch_from_hf_config(mtp.model).mtp_layers == 1
+    e0 = pipemem.estimate(base.model, **base.plan)
+    e1 = pipemem.estimate(mtp.model, **mtp.plan)
+    assert [r.static.params for r in e0.ranks[:-1]] == [r.static.params for r in e1.ranks[:-1]]
+    a = arch_from_hf_config(mtp.model)
+    vocab = -(-a.vocab // (1280 * 2)) * 1280 * 2  # --make-vocab-size-divisible-by 1280 x tp
+    etp = e1.plan.etp  # Megatron's expert tensor parallelism defaults to tp
+    shapes = mtp_param_shapes(a, vocab, 2, etp, 64, with_embedding=True)
+    added = sum(math.prod(shape) for shape, _ in shapes)
+    assert e1.ranks[-1].static.params - e0.ranks[-1].static.params == 2 * added
+    assert e1.ranks[-1].peak_allocated_bytes > e0.ranks[-1].peak_allocated_bytes
+    assert any("multi-token prediction: 1 depth" in w for w in e1.warnings)
+
+
+DEEPSEEK = BASE.replace("--group-query-attention --num-query-groups 4 ", "") + (
+    "--bf16 --multi-latent-attention --qk-layernorm --q-lora-rank 96 --kv-lora-rank 64 --qk-head-dim 32 "
+    "--qk-pos-emb-head-dim 16 --v-head-dim 32 --num-experts 8 --moe-router-topk 2 "
+    "--moe-ffn-hidden-size 128 --moe-token-dispatcher-type alltoall "
+)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--kv-lora-rank 64", "--kv-lora-rank needs --multi-latent-attention"),
+        ("--multi-latent-attention", "without --qk-layernorm"),
+        ("--multi-latent-attention --qk-layernorm --kv-lora-rank 64", "needs --qk-head-dim"),
+        ("--mtp-num-layers 1", "--mtp-num-layers without --multi-latent-attention"),
+    ],
+)
+def test_mla_arguments_inconsistent_are_one_line(extra, message):
+    with pytest.raises(UserError, match=message) as e:
+        read(extra)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--moe-router-num-groups 3 --moe-router-group-topk 1", "--moe-router-num-groups 3 must divide"),
+        ("--moe-router-group-topk 2", "--moe-router-group-topk without its pair"),
+        ("--moe-router-num-groups 4 --moe-router-group-topk 5", "--moe-router-group-topk 5 must be in 1..4"),
+        ("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid"),
+        ("--moe-router-score-function sinkhorn", "'sinkhorn': expected softmax or sigmoid"),
+        ("--moe-shared-expert-intermediate-size 100", "not a multiple of --moe-ffn-hidden-size 128"),
+        ("--moe-layer-freq [0]*3+[1]*6", "needs one 0 or 1 per layer"),
+    ],
+)
+def test_deepseek_moe_arguments_inconsistent_are_one_line(extra, message):
+    with pytest.raises(UserError, match=message) as e:
+        read_megatron(shlex.split(DEEPSEEK + extra))
+    assert "\n" not in str(e.value)
+
+
+def test_inconsistent_mla_arguments_exit_2(capsys):
+    from pipemem.cli.main import main
+
+    argv = ["estimate", "--from-megatron", "--"] + shlex.split(BASE + "--v-head-dim 64")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--v-head-dim needs --multi-latent-attention" in err and len(err.splitlines()) == 1
+
+
+def test_deepseek_router_choices_are_read():
+    """sigmoid: DeepSeek-V3's router (a DeepSeek-V3 config); softmax: DeepSeek-V2's."""
+    v3 = read_megatron(
+        shlex.split(
+            DEEPSEEK + "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+            "--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5"
+        )
+    )
+    a = arch_from_hf_config(v3.model)
+    assert (a.router, a.router_groups, a.router_topk_groups, a.routed_scaling) == ("sigmoid_group", 4, 2, 2.5)
+    v2 = arch_from_hf_config(read_megatron(shlex.split(DEEPSEEK)).model)
+    assert (v2.model_type, v2.router, v2.router_groups) == ("deepseek_v2", "softmax", 1)
+    # the sigmoid router keeps its [tokens, experts] fp32 scores: more than the softmax top-k
+    p = dict(v3.plan, ep=2, dp=8)
+    s3 = pipemem.estimate(v3.model, **p).ranks[0].jobs["F"].net_bytes
+    s2 = pipemem.estimate(read_megatron(shlex.split(DEEPSEEK)).model, **p).ranks[0].jobs["F"].net_bytes
+    assert s3 > s2
+
+
+def case_argv(case) -> list[str]:
+    """A DeepSeek-style `validate megatron` case as Megatron-LM arguments."""
+    text = (
+        f"--num-layers {case.layers} --hidden-size {case.hidden} --num-attention-heads {case.heads} "
+        f"--ffn-hidden-size {case.ffn} --seq-length {case.seq_len} --max-position-embeddings {case.seq_len} "
+        "--swiglu --normalization RMSNorm --position-embedding-type rope "
+        f"--vocab-size {case.vocab} --disable-bias-linear --untie-embeddings-and-output-weights "
+        f"--micro-batch-size {case.micro_batch} --global-batch-size {case.micro_batch * case.dp} --bf16 "
+        f"--world-size {case.world} --tensor-model-parallel-size {case.tp} --expert-model-parallel-size "
+        f"{case.ep} --use-distributed-optimizer --use-flash-attn --multi-latent-attention --qk-layernorm "
+        f"--kv-lora-rank {case.kv_lora_rank} --qk-head-dim {case.qk_head_dim} "
+        f"--qk-pos-emb-head-dim {case.qk_pos_emb_head_dim} --v-head-dim {case.v_head_dim} "
+    )
+    if case.sp and case.tp > 1:
+        text += "--sequence-parallel "
+    if case.q_lora_rank:
+        text += f"--q-lora-rank {case.q_lora_rank} "
+    if case.mtp_layers:
+        text += f"--mtp-num-layers {case.mtp_layers} --mtp-loss-scaling-factor 0.1 "
+    if case.experts:
+        dense = "[0]*%d+[1]*%d" % (case.dense_layers, case.layers - case.dense_layers)
+        text += (
+            f"--num-experts {case.experts} --moe-router-topk {case.top_k} --moe-ffn-hidden-size "
+            f"{case.expert_ffn} --moe-shared-expert-intermediate-size {case.shared_ffn} "
+            f"--moe-layer-freq {dense} --moe-router-score-function sigmoid "
+            f"--moe-router-enable-expert-bias --moe-router-num-groups {case.router_groups} "
+            f"--moe-router-group-topk {case.router_group_topk} --moe-router-topk-scaling-factor "
+            f"{case.topk_scaling} --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall "
+        )
+    return shlex.split(text)
+
+
+@pytest.mark.parametrize("name", ["mla-tp1", "mla-tp2-sp", "mtp-tp2-sp", "deepseek-mtp-ep2"])
+def test_validation_cases_are_what_the_reader_reads(name):
+    """The DeepSeek-style `validate megatron` cases, given as Megatron-LM arguments: the
+    reader's estimate is the case's to the byte."""
+    from pipemem.validation.megatron import CASES, estimate_case
+
+    case = next(c for c in CASES if c.name == name)
+    tc = read_megatron(case_argv(case))
+    assert tc.warnings == []
+    est = pipemem.estimate(tc.model, **tc.plan).ranks[case.pp_rank]
+    want = estimate_case(case)
+    assert (est.peak_allocated_bytes, est.static.total) == (want["peak_bytes"], want["static_bytes"])

@@ -98,7 +98,7 @@ def test_presets_read_with_published_sizes():
 @pytest.mark.parametrize(
     "change,what",
     [
-        (dict(convention="megatron"), "--convention megatron"),
+        (dict(convention="megatron", flash_attn=False), "without --flash-attn"),
         (dict(convention="paddle"), "--convention paddle"),
         (dict(convention="torchtitan", compile=True), "--compile"),
         (dict(convention="hf", compile=True), "--compile"),
@@ -158,8 +158,9 @@ def test_warnings_say_what_is_left_out():
 
 
 def test_plan_searches_deepseek_under_hf_and_refuses_other_conventions(capsys):
-    """`pipemem plan` on a DeepSeek preset: under --convention hf every listed plan's flags
-    re-estimate to the same peak; under a convention the templates do not hold, one line."""
+    """`pipemem plan` on a DeepSeek preset: under --convention hf (and megatron) every listed
+    plan's flags re-estimate to the same peak; under a convention the templates do not hold, one
+    line."""
     import shlex
 
     from pipemem import estimate
@@ -173,9 +174,15 @@ def test_plan_searches_deepseek_under_hf_and_refuses_other_conventions(capsys):
     kw = {k: v for k, v in best["plan"].items() if k != "global_batch"}
     est = estimate("deepseek-v2-lite", gpu="h200", global_batch=64, **kw)
     assert est.max_peak_allocated_bytes == best["max_peak_allocated_bytes"]
-    assert main(shlex.split(args + " --convention megatron")) == 2
+    assert main(shlex.split(args + " --convention megatron --json")) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and plans[0]["plan"]["convention"] == "megatron"
+    kw = {k: v for k, v in plans[0]["plan"].items() if k != "global_batch"}
+    est = estimate("deepseek-v2-lite", gpu="h200", global_batch=64, **kw)
+    assert est.max_peak_allocated_bytes == plans[0]["max_peak_allocated_bytes"]
+    assert main(shlex.split(args + " --convention paddle")) == 2
     err = capsys.readouterr().err.strip()
-    assert "multi-head latent attention under --convention megatron" in err and len(err.splitlines()) == 1
+    assert "multi-head latent attention under --convention paddle" in err and len(err.splitlines()) == 1
 
 
 def test_glm_mtp_layers_are_said_not_dropped():

@@ -67,3 +67,23 @@ def test_megatron_keeps_linear_qkv_and_linear_fc1_whole():
         [(256,), (256,), (192, 256), (256, 128), (256, 256), (512, 256)]
     )
     assert sum(torch.Size(s).numel() for s, _ in fused) == sum(torch.Size(s).numel() for s, _ in split)
+
+
+def test_torchtitan_layer_tensors_are_torchtitans_own():
+    """torchtitan 0.3's llama3 block (debugmodel), built on the meta device: one fused wqkv, wo,
+    w1 / w2 / w3, two norms."""
+    import importlib
+
+    pytest.importorskip("torchtitan")
+    from pipemem.traced.torchtitan_model import hf_config, import_stubs
+
+    with import_stubs():
+        registry = importlib.import_module("torchtitan.models.llama3")
+    mc = registry.model_registry("debugmodel").model
+    with torch.device("meta"):
+        model = mc.build()
+    theirs = sorted(p.numel() for p in next(iter(model.layers.values())).parameters())
+    fw = ALL["torchtitan"]
+    arch = arch_from_hf_config(hf_config(mc), "debugmodel")
+    ours = layer_param_tensors(arch, 0, 1, 1, 1, fw.fused_qkv_params, fw.fused_gate_up_params)
+    assert sorted(torch.Size(s).numel() for s, _ in ours) == theirs

@@ -37,7 +37,12 @@ def test_validate_megatron_ci_cases_agree():
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
     names = {r["name"] for r in d["cases"]}
-    assert names == {f"{c}/{q}" for c in CI_CASES for q in ("peak", "layer_kept")}
+    # a case with dense first layers also holds its first MoE layer (moe_layer_kept)
+    mixed = {c.name for c in CASES if c.name in CI_CASES and c.experts and c.dense_layers}
+    assert mixed == {"deepseek-mtp-ep2"}
+    assert names == {f"{c}/{q}" for c in CI_CASES for q in ("peak", "layer_kept")} | {
+        f"{c}/moe_layer_kept" for c in mixed
+    }
     # a trace, not a measurement; the peak rows rest on the flash workspace the templates assume
     assert (d["truth"], d["tolerance"], d["passed"]) == ("traced", TOLERANCE, True)
     assert all(
@@ -56,10 +61,14 @@ def test_patches_are_undone():
     from megatron.core.optimizer import optimizer_config
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer as HDO
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+    from megatron.core.transformer import multi_latent_attention as mla
 
     from pipemem.validation.megatron_trace import megatron_on_cpu
 
     before = (
+        mla.apply_rotary_pos_emb,
+        mla.HAVE_TE,
+        mla.TELinear,
         torch.cuda.current_device,
         torch.cuda.Stream,
         torch.cuda.Event,
@@ -77,6 +86,9 @@ def test_patches_are_undone():
         assert torch.cuda.current_device() == "cpu"
         assert not hasattr(fce.calculate_logits_max, "_torchdynamo_orig_callable")  # the plain function
     assert (
+        mla.apply_rotary_pos_emb,
+        mla.HAVE_TE,
+        mla.TELinear,
         torch.cuda.current_device,
         torch.cuda.Stream,
         torch.cuda.Event,
@@ -182,3 +194,28 @@ def test_precision_aware_optimizer_runs_megatron_code():
             assert abs(row.rel_error) <= TOLERANCE, row
             est, measured = row.extra["estimated_static_bytes"], row.extra["measured_static_bytes"]
             assert abs(est - measured) <= 1e-4 * measured, row
+
+
+def test_deepseek_cases_cover_mla_moe_and_mtp():
+    """The DeepSeek-style cases: MLA alone (with and without the q LoRA, selective and full
+    recompute, tp 2 with and without SP), DeepSeek's MoE after a dense layer, MTP of one and two
+    depths (at tp 2 with SP, on a last pipeline stage), all three together; each estimated
+    with what --from-megatron reads for them."""
+    from pipemem.model import arch_from_hf_config
+
+    ds = {c.name: c for c in CASES if c.kind == "deepseek"}
+    assert {
+        "mla-tp1",
+        "mla-tp1-no-q-lora",
+        "mla-tp1-full",
+        "mla-tp2-sp",
+        "deepseek-moe-ep2",
+        "mtp-tp1",
+        "mtp2-tp1",
+        "mtp-tp2-sp",
+        "mtp-pp2-last",
+    } <= set(ds)
+    both = arch_from_hf_config(hf_config(ds["deepseek-mtp-ep2"]))
+    assert both.kv_lora_rank and both.mtp_layers == 1 and both.dense_layers == (0,)
+    assert (both.router, both.router_groups, both.shared_experts) == ("sigmoid_group", 4, 1)
+    assert arch_from_hf_config(hf_config(ds["mla-tp1-no-q-lora"])).q_lora_rank == 0

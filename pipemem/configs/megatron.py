@@ -112,6 +112,20 @@ KNOWN = {
     "apply-query-key-layer-scaling",
     "transformer-impl",
     "microbatch-group-size-per-virtual-pipeline-stage",
+    # multi-head latent attention, multi-token prediction, DeepSeek's router (`_mla`)
+    "multi-latent-attention",
+    "q-lora-rank",
+    "kv-lora-rank",
+    "qk-head-dim",
+    "qk-pos-emb-head-dim",
+    "v-head-dim",
+    "mtp-num-layers",
+    "mtp-loss-scaling-factor",
+    "moe-router-score-function",
+    "moe-router-enable-expert-bias",
+    "moe-router-num-groups",
+    "moe-router-group-topk",
+    "moe-router-topk-scaling-factor",
 }
 
 # Arguments that change no allocated bytes (or only in ways stated here), accepted as they are.
@@ -233,17 +247,20 @@ NO_MEMORY_EFFECT = {
     "moe-router-load-balancing-type",
     "moe-aux-loss-coeff",
     "moe-z-loss-coeff",
-    "moe-router-score-function",
     "moe-router-pre-softmax",
-    "moe-router-topk-scaling-factor",
-    "moe-router-enable-expert-bias",
     "moe-router-bias-update-rate",
     "moe-router-dtype",
+    # yarn rope of multi-head latent attention: its cos / sin only
+    "rope-type",
+    "rotary-scaling-factor",
+    "mscale",
+    "mscale-all-dim",
+    "beta-fast",
+    "beta-slow",
+    "original-max-position-embeddings",
     "moe-input-jitter-eps",
     "moe-per-layer-logging",
     "moe-use-upcycling",
-    "moe-router-num-groups",
-    "moe-router-group-topk",
     "check-for-nan-in-loss-and-grad",
     "no-check-for-nan-in-loss-and-grad",
     "deterministic-mode",
@@ -286,11 +303,6 @@ _FP8 = (
     "remove the FP8 arguments to estimate the BF16 run instead"
 )
 _OFFLOAD = "moves tensors to host memory, which pipemem does not model yet"
-_MLA = (
-    "selects multi-head latent attention (MLASelfAttention: q/kv LoRA down- and up-projections, "
-    "nope/rope head dims), which template mode does not model; traced mode runs the model's Hugging Face "
-    "config.json (--model config.json --mode traced)"
-)
 REFUSED = {
     "no-fp8-wgrad": _FP8,
     "fp8-dot-product-attention": _FP8,
@@ -316,13 +328,6 @@ REFUSED = {
     "moe-layer-recompute": "recomputes the MoE layer, not modelled",
     "moe-shared-expert-gate": "the shared-expert gate is not modelled",
     "moe-extended-tp": "extended tensor parallelism of experts is not modelled",
-    "multi-latent-attention": _MLA,
-    "q-lora-rank": _MLA,
-    "kv-lora-rank": _MLA,
-    "mtp-num-layers": "adds multi-token prediction layers (per depth: an embedding norm, a projection, "
-    "a transformer layer, the output head and its loss), which template mode does not "
-    "model; traced mode runs the model's Hugging Face config.json (--model config.json "
-    "--mode traced: transformers' modules, without MTP layers)",
     "pipeline-model-parallel-layout": "custom pipeline layouts are not read; use "
     "--decoder-first/last-pipeline-num-layers",
     "account-for-embedding-in-pipeline-split": "changes the layer split, not modelled",
@@ -446,18 +451,25 @@ def read(argv: list[str]) -> ToolConfig:
             )
         if a.bool("qk-layernorm"):
             model["qk_layernorm"] = True
-        if experts:
-            if bias:
-                raise UserError(
-                    f"{TOOL}: --num-experts without --disable-bias-linear: biases in MoE layers are "
-                    "not modelled; add --disable-bias-linear (as Megatron's MoE examples do)"
-                )
+        if experts and bias:
+            raise UserError(
+                f"{TOOL}: --num-experts without --disable-bias-linear: biases in MoE layers are "
+                "not modelled; add --disable-bias-linear (as Megatron's MoE examples do)"
+            )
+        if a.bool("multi-latent-attention"):
+            model = _mla(a, model, experts, topk, ffn, layers, bias, warnings)
+        elif experts:
             _moe(a, model, experts, topk, ffn, layers, warnings)
     else:
         if experts:
             raise UserError(
                 f"{TOOL}: --num-experts needs a Llama-style model (--swiglu, "
                 "--normalization RMSNorm); GPT-style MoE is not supported"
+            )
+        if a.bool("multi-latent-attention"):
+            raise UserError(
+                f"{TOOL}: --multi-latent-attention needs a Llama-style model (--swiglu, "
+                "--normalization RMSNorm, rope), as Megatron's DeepSeek examples give"
             )
         if a.bool("qk-layernorm"):
             refuse("qk-layernorm", "on a GPT-style model is not modelled")
@@ -481,6 +493,19 @@ def read(argv: list[str]) -> ToolConfig:
         if pos == "none":
             refuse("position-embedding-type", "none on a GPT-style model is not modelled")
     a.used.update({"attention-dropout", "hidden-dropout"})
+    if not a.bool("multi-latent-attention"):
+        for flag in _MLA_FLAGS:
+            if a.has(flag):
+                raise UserError(f"{TOOL}: --{flag} needs --multi-latent-attention")
+    if not a.bool("multi-latent-attention"):
+        if a.int("mtp-num-layers", minimum=0):
+            refuse(
+                "mtp-num-layers",
+                "without --multi-latent-attention: pipemem models multi-token prediction on "
+                "DeepSeek-style models (MLA) only",
+            )
+    if experts and not a.bool("multi-latent-attention"):
+        _router_without_mla(a, warnings)
 
     plan["seq_len"] = seq
     mb = a.int("micro-batch-size")
@@ -749,6 +774,170 @@ def _moe(a, model: dict, experts: int, topk: int | None, ffn: int, layers: int, 
         pattern = _layer_pattern(freq, layers)
         moe_layers = {i for i in range(layers) if pattern[i]}
     model["mlp_only_layers"] = sorted(set(range(layers)) - moe_layers)
+
+
+_MLA_FLAGS = ("q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim")
+
+
+def _mla(
+    a, llama: dict, experts: int | None, topk: int | None, ffn: int, layers: int, bias: bool, warnings
+) -> dict:
+    """--multi-latent-attention: megatron-core's MLASelfAttention, written as a DeepSeek-V3
+    config (a DeepSeek-V2 one with the softmax router): --q-lora-rank (absent: one query
+    projection, Megatron-LM's default), --kv-lora-rank, --qk-head-dim (the no-position part),
+    --qk-pos-emb-head-dim (the rotary part), --v-head-dim; --qk-layernorm (the latents' norms:
+    Megatron's DeepSeek examples give it). With --num-experts, DeepSeek's MoE as megatron-core
+    builds it: the router (`_router`), --moe-shared-expert-intermediate-size (all shared
+    experts fused in one MLP: n_shared_experts x --moe-ffn-hidden-size), --moe-layer-freq's dense
+    layers; --mtp-num-layers multi-token prediction depths on the last stage."""
+    if not a.bool("qk-layernorm"):
+        refuse(
+            "multi-latent-attention",
+            "without --qk-layernorm (no norms on the q / kv latents) is not modelled; "
+            "Megatron's DeepSeek examples give --qk-layernorm",
+        )
+    if bias:
+        refuse(
+            "multi-latent-attention", "without --disable-bias-linear: biased MLA projections are not modelled"
+        )
+    dims = {}
+    for flag in _MLA_FLAGS[1:]:
+        v = a.int(flag)
+        if v is None or v <= 0:
+            raise UserError(f"{TOOL}: --multi-latent-attention needs --{flag} (a positive integer)")
+        dims[flag] = v
+    if dims["qk-pos-emb-head-dim"] % 2:
+        raise UserError(
+            f"{TOOL}: --qk-pos-emb-head-dim {dims['qk-pos-emb-head-dim']} must be even (rotary pairs)"
+        )
+    q_lora = a.int("q-lora-rank")
+    if q_lora is not None and q_lora <= 0:
+        raise UserError(f"{TOOL}: --q-lora-rank {q_lora}: expected a positive integer (or leave it out)")
+    a.int("kv-channels")  # MLA's heads are --qk-head-dim + --qk-pos-emb-head-dim wide
+    a.used.update({"group-query-attention", "num-query-groups"})  # MLA has no query groups
+    mtp = a.int("mtp-num-layers", minimum=0) or 0
+    a.raw("mtp-loss-scaling-factor")  # scales the MTP loss: no memory effect
+    model = {
+        "model_type": "deepseek_v3",
+        "hidden_size": llama["hidden_size"],
+        "intermediate_size": ffn,
+        "num_attention_heads": llama["num_attention_heads"],
+        "num_key_value_heads": llama["num_attention_heads"],
+        "num_hidden_layers": layers,
+        "vocab_size": llama["vocab_size"],
+        "max_position_embeddings": llama["max_position_embeddings"],
+        "tie_word_embeddings": llama["tie_word_embeddings"],
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "q_lora_rank": q_lora,
+        "kv_lora_rank": dims["kv-lora-rank"],
+        "qk_nope_head_dim": dims["qk-head-dim"],
+        "qk_rope_head_dim": dims["qk-pos-emb-head-dim"],
+        "v_head_dim": dims["v-head-dim"],
+        "num_nextn_predict_layers": mtp,
+        "first_k_dense_replace": 0,
+    }
+    if not experts:
+        # every layer dense: the MoE keys only say so (first_k_dense_replace = all layers)
+        model.update(
+            n_routed_experts=1, num_experts_per_tok=1, moe_intermediate_size=ffn, first_k_dense_replace=layers
+        )
+        model.update(n_shared_experts=0, n_group=1, topk_group=1)
+        return model
+    moe_ffn = a.int("moe-ffn-hidden-size") or ffn
+    if topk is None:
+        warnings.append(f"{TOOL}: --moe-router-topk not given; Megatron's default 2 used")
+    topk = topk or 2
+    if not 0 < topk <= experts:
+        raise UserError(f"{TOOL}: --moe-router-topk {topk} must be in 1..{experts} (--num-experts)")
+    shared = a.int("moe-shared-expert-intermediate-size") or 0
+    if shared % moe_ffn:
+        refuse(
+            "moe-shared-expert-intermediate-size",
+            f"{shared} is not a multiple of --moe-ffn-hidden-size {moe_ffn}: DeepSeek's shared experts "
+            "are whole experts (n_shared_experts x the expert width)",
+        )
+    model.update(
+        n_routed_experts=experts,
+        num_experts_per_tok=topk,
+        moe_intermediate_size=moe_ffn,
+        n_shared_experts=shared // moe_ffn,
+    )
+    freq = a.str("moe-layer-freq")
+    if freq is not None:
+        pattern = _layer_pattern(freq, layers)
+        model["mlp_only_layers"] = [i for i in range(layers) if not pattern[i]]
+    model.update(_router(a, experts, topk))
+    return model
+
+
+def _router(a, experts: int, topk: int) -> dict:
+    """megatron-core's top-k router (transformer/moe/router.py, moe_utils.py
+    `topk_routing_with_score_function`) as a DeepSeek config: --moe-router-score-function sigmoid
+    (DeepSeek-V3: sigmoid scores, renormalised over the k) or softmax (DeepSeek-V2),
+    --moe-router-enable-expert-bias (sigmoid only: a bias on the choice, an fp32 buffer),
+    group-limited top-k over --moe-router-num-groups (both group flags or neither; groups divide
+    the experts), --moe-router-topk-scaling-factor."""
+    score = (a.str("moe-router-score-function") or "softmax").lower()
+    if score not in ("softmax", "sigmoid"):
+        refuse("moe-router-score-function", f"{score!r}: expected softmax or sigmoid")
+    if a.bool("moe-router-enable-expert-bias") and score != "sigmoid":
+        raise UserError(
+            f"{TOOL}: --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+            "(Megatron asserts this)"
+        )
+    groups, group_topk = a.int("moe-router-num-groups"), a.int("moe-router-group-topk")
+    if (groups is None) != (group_topk is None):
+        given = "--moe-router-num-groups" if groups is not None else "--moe-router-group-topk"
+        raise UserError(
+            f"{TOOL}: {given} without its pair: group-limited routing needs both "
+            "--moe-router-num-groups and --moe-router-group-topk"
+        )
+    if groups is not None:
+        if groups <= 0 or experts % groups:
+            raise UserError(f"{TOOL}: --moe-router-num-groups {groups} must divide --num-experts {experts}")
+        if not 0 < group_topk <= groups:
+            raise UserError(
+                f"{TOOL}: --moe-router-group-topk {group_topk} must be in 1..{groups} "
+                "(--moe-router-num-groups)"
+            )
+        if topk % group_topk:
+            raise UserError(
+                f"{TOOL}: --moe-router-topk {topk} must be a multiple of --moe-router-group-topk "
+                f"{group_topk} (Megatron takes topk / group_topk experts per group)"
+            )
+    scaling = _float(a, "moe-router-topk-scaling-factor", 1.0)
+    out = {"n_group": groups or 1, "topk_group": group_topk or 1, "routed_scaling_factor": scaling}
+    if score == "softmax":
+        out.update(
+            model_type="deepseek_v2",
+            topk_method="group_limited_greedy" if groups else "greedy",
+            rope_interleave=False,
+        )
+    else:
+        out["norm_topk_prob"] = True
+    return out
+
+
+def _router_without_mla(a, warnings: list[str]) -> None:
+    """DeepSeek's router flags on a model without multi-head latent attention (a qwen2_moe-style
+    config): read and checked, the choice modelled as the softmax top-k router."""
+    score = (a.str("moe-router-score-function") or "softmax").lower()
+    if score not in ("softmax", "sigmoid"):
+        refuse("moe-router-score-function", f"{score!r}: expected softmax or sigmoid")
+    a.bool("moe-router-enable-expert-bias")
+    a.raw("moe-router-topk-scaling-factor")
+    groups, group_topk = a.int("moe-router-num-groups"), a.int("moe-router-group-topk")
+    if (groups is None) != (group_topk is None):
+        raise UserError(
+            f"{TOOL}: group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk"
+        )
+    if score == "sigmoid":
+        warnings.append(
+            f"{TOOL}: --moe-router-score-function sigmoid without --multi-latent-attention: the "
+            "router is modelled as softmax top-k (it keeps [tokens, k] scores where the sigmoid "
+            "router keeps [tokens, experts] fp32 ones per MoE layer)"
+        )
 
 
 def _layer_pattern(text: str, layers: int) -> list[int]:

@@ -99,6 +99,12 @@ class Framework:
     mla_templates = False  # templates/mla.py holds its multi-head latent attention (DeepSeek)
     moe_program_runs_mla = False  # its moe_program also runs DeepSeek's MoE (else templates/mla.py's)
     mla_rope_style: str | None = None  # the MLA rotary form it runs (None: the model's rope_style)
+    # those templates follow megatron-core's MLASelfAttention and its MoE router (else transformers'
+    # DeepseekV2 / V3 attention and MoE)
+    mla_megatron = False
+    # the config's multi-token prediction layers (ArchSpec.mtp_layers) run on the last stage:
+    # megatron-core's MTP block, its heads and losses (templates/mtp.py); else none is built
+    mtp_block = False
     # the layer programs are transformers' modules: the families held only against them (sliding
     # windows, attention sinks, a partial rope's concatenated query) are modelled under it alone
     transformers_modules = False

@@ -40,12 +40,42 @@ class Megatron(Framework):
     def default_grads(self, dp: int = 1, zero: int = 0, fsdp: bool = False) -> str:
         return "buffer"  # the DDP wrapper's contiguous main-grad buffer
 
+    def check_plan(self, arch, plan, dtype: str) -> None:
+        """Multi-token prediction (templates/mtp.py) is held against megatron-core's step with
+        its plain cross entropy, without full recompute (MTP's own checkpointed forward), FSDP,
+        context parallelism, offloading or fp8: each of those with it is refused by name."""
+        if not getattr(arch, "mtp_layers", 0):
+            return
+        from ..errors import UserError
+
+        for flag, on in (
+            ("--recompute full", plan.recompute == "full"),
+            (f"--loss {plan.loss}", plan.loss not in (None, "standard")),
+            ("--fsdp / --zero 3", bool(plan.fsdp) or plan.zero >= 3),
+            ("--cp > 1", plan.cp > 1),
+            ("--activation-offload", bool(plan.activation_offload)),
+            ("--fp8", bool(plan.fp8)),
+            ("--compile", bool(plan.compile)),
+        ):
+            if on:
+                raise UserError(
+                    f"multi-token prediction layers ({arch.mtp_layers}, --mtp-num-layers / "
+                    f"num_nextn_predict_layers) with {flag} are not modelled under --convention "
+                    "megatron; drop one of them"
+                )
+
     precision_aware_optimizer = True
     te_runtime_buffers = True
     fp32_grad_copies = True
     te_fp8_weight_caches = True
 
     moe_program = "moe_megatron"
+    # megatron-core's MLASelfAttention (--multi-latent-attention; templates/mla.py
+    # `attention_megatron`), its MoE router's sigmoid / group-limited scores (moe_megatron)
+    mla_templates = True
+    mla_megatron = True
+    moe_program_runs_mla = True  # moe_megatron runs DeepSeek's router (sigmoid scores, groups, bias)
+    mtp_block = True  # --mtp-num-layers: megatron-core's MultiTokenPredictionBlock (templates/mtp.py)
     te_offload_spec = True
     vocab_parallel_embedding_mask = True
     compile_covers_loss = False

@@ -28,6 +28,7 @@ class Torchtitan(Framework):
     default_optimizer_impl = "fused"  # [optimizer] implementation defaults to "fused"
     chunked_loss_wrapper = True  # its ChunkedLossWrapper: loss parallel
     torch_modules = True
+    fused_qkv_params = True  # torchtitan 0.3's attention: one wqkv (fuse_qkv=True); w1 / w2 / w3 apart
 
     def default_etp(self, tp: int, ep: int) -> int:
         """torchtitan 0.3 has no expert-TP degree of its own: without expert parallelism the

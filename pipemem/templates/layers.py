@@ -357,6 +357,7 @@ class LayerOptions:
     router: str = "softmax"
     router_groups: int = 1
     router_topk_groups: int = 1
+    routed_scaling: float = 1.0
     shared_first: bool = True
     rope_cat: bool = False  # q, k concatenated after a partial rope (glm4_moe): a [b, heads, s, d] query
     # GPT-OSS (pipemem.templates.gpt_oss)
@@ -412,6 +413,7 @@ def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = 
         router=arch.router,
         router_groups=arch.router_groups,
         router_topk_groups=arch.router_topk_groups,
+        routed_scaling=arch.routed_scaling,
         shared_first=arch.shared_first,
         rope_cat=arch.model_type == "glm4_moe",
         attn_sinks=arch.attn_sinks,
@@ -748,27 +750,35 @@ class _Gen:
         return x, x, (ws_f, ws_i)
 
     def column_linears(
-        self, x: str, block: str, specs: list[tuple[str, int, bool]], gathered_by_linear: bool = False
+        self,
+        x: str,
+        block: str,
+        specs: list[tuple[str, int, bool]],
+        gathered_by_linear: bool = False,
+        in_features: int | None = None,
     ) -> list[str]:
-        """Column-parallel linears reading the same input `x` ([s_sp, b, h]); specs are
-        (name, local out features, bias). Handles the sequence-parallel all-gather.
-        `gathered_by_linear`: the linear gathers its own input (DTensor: `input_layouts=Shard`,
-        as the LM head) rather than a `PrepareModuleInput` before the block."""
+        """Column-parallel linears reading the same input `x` ([s_sp, b, in_features], the
+        hidden size unless given); specs are (name, local out features, bias). Handles the
+        sequence-parallel all-gather. `gathered_by_linear`: the linear gathers its own input
+        (DTensor: `input_layouts=Shard`, as the LM head) rather than a `PrepareModuleInput`
+        before the block."""
         sh, conv = self.sh, self.conv
-        full = (sh.s, sh.b, sh.h)
+        hin = in_features or sh.h
+        full = (sh.s, sh.b, hin)
         if not sh.sp:
-            return [self.linear(x, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
+            return [self.linear(x, nm, (sh.s, sh.b, f), hin, bias) for nm, f, bias in specs]
         if conv.sp_save == "gathered":
             # DTensor: one all-gather feeds every projection, which save the gathered tensor;
             # its backward is a reduce-scatter of the accumulated grad into the shard's grad.
             xg = self.act(block + ".allgather", full, kind=COMM)
             self.t.node("all_gather", (x,), (xg,), diff_inputs=(x,))
-            return [self.linear(xg, nm, (sh.s, sh.b, f), sh.h, bias) for nm, f, bias in specs]
+            return [self.linear(xg, nm, (sh.s, sh.b, f), hin, bias) for nm, f, bias in specs]
         if conv.sp_save == "shard_regather":
+            assert hin == sh.h, "DTensor's regathered linears read the hidden size"
             return self._regather_linears(x, block, specs, gathered_by_linear)
         outs = []
         for nm, f, bias in specs:
-            w = self.t.param(self.n(nm + ".weight"), (f, sh.h), self.weight_dt(nm))
+            w = self.t.param(self.n(nm + ".weight"), (f, hin), self.weight_dt(nm))
             params = (w,)
             if bias:
                 params += (self.t.param(self.n(nm + ".bias"), (f,), self.dt),)
@@ -785,7 +795,7 @@ class _Gen:
                 src, ws, gdt, keep = x, (0, 0), None, ()
                 if self.fp8_linear(nm) and self.sh.feat.te_fp8:
                     mx = self.sh.feat.fp8 == "mxfp8"
-                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), sh.h, rowwise_only=not mx)
+                    row, col, ws = self.fp8_operands(x, nm, (sh.s_sp, sh.b, f), hin, rowwise_only=not mx)
                     gdt = "fp8"
                     src = col if mx else row
                     if not mx:
@@ -915,6 +925,40 @@ class _Gen:
         # the grad of an operand of another dtype is cast (a new tensor); the others alias it
         alias = tuple(x for x in (a, b) if self.dtype_of(x) == dt)
         self.t.node("add", (a, b), (y,), diff_inputs=(a, b), grad_alias=alias)
+        return y
+
+    def embed_lookup(self, ids: str, w: str) -> str:
+        """The vocab-parallel word embedding of `ids` ([b, s] int64) with weight `w`, reduced
+        over tp (scattered over the sequence under SP) -> [s_sp, b, h]."""
+        sh, tape = self.sh, self.t
+        full = (sh.s, sh.b, sh.h)
+        tok = (sh.s_sp, sh.b, sh.h)
+        partial = self.act("lookup", full, sh.res_dt)
+        if sh.tp > 1 and self.conv.framework.vocab_parallel_embedding_mask:
+            # VocabParallelEmbedding: ids outside the shard are masked (a bool mask) and shifted (an
+            # int64 copy, what the lookup saves); the output rows of masked ids are zeroed (the
+            # mask is kept for that index_put's backward)
+            mask = self.act("input_mask", (sh.b, sh.s), "bool")
+            masked = self.act("masked_ids", (sh.b, sh.s), "int64")
+            tape.node("mask_ids", (ids,), (mask, masked))
+            tape.node(
+                "embedding",
+                (masked, w, mask),
+                (partial,),
+                diff_inputs=(),
+                params=(w,),
+                save_w=(ids, masked, mask),
+            )
+        else:
+            tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
+        y = partial
+        if sh.tp > 1:
+            if sh.sp:
+                y = self.act("reduce_scatter", tok, sh.res_dt, kind=COMM)
+                tape.node("reduce_scatter", (partial,), (y,), diff_inputs=(partial,))
+            else:
+                y = self.act("all_reduce", full, sh.res_dt, storage=partial)
+                tape.node("all_reduce", (partial,), (y,), diff_inputs=(partial,), grad_alias=True)
         return y
 
     # Attention ----------------------------------------------------------------------------
@@ -1381,15 +1425,18 @@ class _Gen:
         N = T * K
         w = self.t.param(self.n("moe.router.weight"), (E, h), self.dt)
         logits = self.act("moe.router_logits", (T, E), "fp32")
-        scores = self.act("moe.topk_scores", (T, K), "fp32")
         idx = self.act("moe.topk_idx", (T, K), "int64")
-        p = self.act("moe.topk_probs", (T, K), "fp32")
         probs = self.act("moe.probs", (T, E), "fp32")
         rmap = self.act("moe.routing_map", (T, E), "bool")
         self.t.node("router_gemm", (x, w), (logits,), diff_inputs=(x,), params=(w,), save_w=(x,))
-        # the dispatcher's references to probs and the routing map outlive the layer's backward
-        self.t.node("topk", (logits,), (scores, idx), diff_inputs=(logits,), save_i=(idx, probs, rmap))
-        self.t.node("softmax", (scores,), (p,), diff_inputs=(scores,), save_i=(p,))
+        if opt.router == "sigmoid_group":
+            p = self._megatron_sigmoid_scores(logits, idx, probs, rmap, opt)
+        else:
+            scores = self.act("moe.topk_scores", (T, K), "fp32")
+            p = self.act("moe.topk_probs", (T, K), "fp32")
+            # the dispatcher's references to probs and the routing map outlive the layer's backward
+            self.t.node("topk", (logits,), (scores, idx), diff_inputs=(logits,), save_i=(idx, probs, rmap))
+            self.t.node("softmax", (scores,), (p,), diff_inputs=(scores,), save_i=(p,))
         self.t.node("scatter", (p, idx), (probs,), diff_inputs=(p,), save_i=(idx,))
         self.t.node("routing_map", (idx,), (rmap,))
         mask_t = self.act("moe.routing_map_t", (E, T), "bool")
@@ -1465,6 +1512,60 @@ class _Gen:
         from .torchtitan_moe import moe
 
         return moe(self, x, opt)
+
+    def _megatron_sigmoid_scores(self, logits: str, idx: str, probs: str, rmap: str, opt) -> str:
+        """megatron-core's `topk_routing_with_score_function(score_function="sigmoid")`
+        (transformer/moe/moe_utils.py) on fp32 logits: sigmoid scores (kept); the choice adds the
+        expert bias (`--moe-router-enable-expert-bias`, an fp32 buffer) and takes the top k, within
+        the best `--moe-router-group-topk` of `--moe-router-num-groups` groups when given
+        (`group_limited_topk`: transients with no path to the loss); the scores gathered at the
+        chosen experts (the gather keeps the indices), normalised over the k (the division keeps
+        both operands) and scaled by `--moe-router-topk-scaling-factor`. -> the [T, K] probs."""
+        sh, t = self.sh, self.t
+        T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
+        scores = self.act("moe.sigmoid_scores", (T, E), "fp32")
+        # the dispatcher's references to probs and the routing map outlive the layer's backward
+        t.node("sigmoid", (logits,), (scores,), diff_inputs=(logits,), save_i=(scores, probs, rmap))
+        biased = self.act("moe.choice.biased", (T, E), "fp32")
+        t.node("add_expert_bias", (scores,), (biased,))
+        choice = biased
+        if opt.router_topk_groups and opt.router_groups > 1:
+            G, TG = opt.router_groups, opt.router_topk_groups
+            per = max(1, K // TG)
+            gtop = self.act("moe.choice.group_topk", (T, G, per), "fp32")
+            gtop_i = self.act("moe.choice.group_topk_idx", (T, G, per), "int64")
+            t.node("topk", (biased,), (gtop, gtop_i))
+            gsum = self.act("moe.choice.group_scores", (T, G), "fp32")
+            t.node("sum", (gtop,), (gsum,))
+            gsel = self.act("moe.choice.group_idx", (T, TG), "int64")
+            gval = self.act("moe.choice.group_top", (T, TG), "fp32")
+            t.node("topk", (gsum,), (gval, gsel))
+            gmask = self.act("moe.choice.group_mask", (T, G), "fp32")
+            t.node("zeros_scatter", (gsel,), (gmask,))
+            smask = self.act("moe.choice.score_mask", (T, E), "fp32")
+            t.node("expand_reshape", (gmask,), (smask,))
+            nmask = self.act("moe.choice.score_mask_not", (T, E), "bool")
+            t.node("logical_not", (smask,), (nmask,))
+            masked = self.act("moe.choice.masked", (T, E), "fp32")
+            t.node("masked_fill", (biased, nmask), (masked,))
+            choice = masked
+        tval = self.act("moe.choice.topk_values", (T, K), "fp32")
+        t.node("topk", (choice,), (tval, idx))
+        sk = self.act("moe.topk_scores", (T, K), "fp32")
+        t.node("gather", (scores, idx), (sk,), diff_inputs=(scores,), save_i=(idx,))
+        p = sk
+        if K > 1:
+            ssum = self.act("moe.topk_sum", (T, 1), "fp32")
+            t.node("sum", (sk,), (ssum,), diff_inputs=(sk,))
+            den = self.act("moe.topk_denominator", (T, 1), "fp32")
+            t.node("add_scalar", (ssum,), (den,), diff_inputs=(ssum,), grad_alias=True)
+            p = self.act("moe.topk_probs", (T, K), "fp32")
+            t.node("div", (sk, den), (p,), diff_inputs=(sk, den), save_i=(sk, den))
+        if opt.routed_scaling != 1.0:
+            scaled = self.act("moe.topk_probs_scaled", (T, K), "fp32")
+            t.node("mul_scalar", (p,), (scaled,), diff_inputs=(p,))
+            p = scaled
+        return p
 
     def moe(self, x: str, opt: LayerOptions) -> str:
         """Router, token permutation, all-to-all over ep, grouped expert FFN, and back.
@@ -1575,6 +1676,32 @@ def decoder_layer_tape(
     compiled = sh.feat.compile and opt.recompute == "none"
     if opt.recompute == "full" or g.sac or compiled:
         tape.begin_region()
+    attn, y = _layer_body(g, arch, sh, conv, opt, x)
+    if opt.recompute == "full" or g.sac or compiled:
+        tape.end_region()
+    if compiled:
+        from .compiled import min_cut_region
+
+        min_cut_region(tape, 0)
+    if sh.feat.offload:
+        from .offload import mark_offloaded
+
+        tape.weights_saved_as_params = arch.conv1d and conv.framework.conv1d_weight_saved
+        mark_offloaded(
+            tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec, moe=opt.moe
+        )
+    held = (x,) if conv.caller_holds_input else ()
+    if conv.attn_out_held_to_return:
+        held += (attn,)
+    tape.held_to_return = held
+    return tape, x, y
+
+
+def _layer_body(g, arch, sh: Shard, conv: Convention, opt: LayerOptions, x: str) -> tuple[str, str]:
+    """The ops of one decoder layer on g's tape from its input `x` -> (the attention block's
+    output, the layer's output)."""
+    tape = g.t
+    tok = (sh.s_sp, sh.b, sh.h)
     # norm placement: pre (llama) normalises each block's input; post (olmo2) its output
     # before the residual add; sandwich (gemma2) both
     pre = opt.norm_placement in ("pre", "sandwich")
@@ -1616,24 +1743,7 @@ def decoder_layer_tape(
         y = g.add(r, m, "output", tok)
     else:
         y = g.add(r1, m, "output", tok)
-    if opt.recompute == "full" or g.sac or compiled:
-        tape.end_region()
-    if compiled:
-        from .compiled import min_cut_region
-
-        min_cut_region(tape, 0)
-    if sh.feat.offload:
-        from .offload import mark_offloaded
-
-        tape.weights_saved_as_params = arch.conv1d and conv.framework.conv1d_weight_saved
-        mark_offloaded(
-            tape, sh.feat, keep=opt.offload_keep, te_spec=conv.framework.te_offload_spec, moe=opt.moe
-        )
-    held = (x,) if conv.caller_holds_input else ()
-    if conv.attn_out_held_to_return:
-        held += (attn,)
-    tape.held_to_return = held
-    return tape, x, y
+    return attn, y
 
 
 def _torchtitan_op_sac():
@@ -1677,34 +1787,8 @@ def embedding_tape(arch, sh: Shard, conv: Convention, plan, tied_head: bool = Fa
     ids = g.act("input_ids", (sh.b, sh.s), "int64")
     tape.node("load_batch", (), (ids,))
     w = tape.param("emb.word.weight", (sh.vocab, sh.h), sh.dt)
-    full = (sh.s, sh.b, sh.h)
     tok = (sh.s_sp, sh.b, sh.h)
-    partial = g.act("lookup", full, sh.res_dt)
-    if sh.tp > 1 and conv.framework.vocab_parallel_embedding_mask:
-        # VocabParallelEmbedding: ids outside the shard are masked (a bool mask) and shifted (an
-        # int64 copy, what the lookup saves); the output rows of masked ids are zeroed (the
-        # mask is kept for that index_put's backward)
-        mask = g.act("input_mask", (sh.b, sh.s), "bool")
-        masked = g.act("masked_ids", (sh.b, sh.s), "int64")
-        tape.node("mask_ids", (ids,), (mask, masked))
-        tape.node(
-            "embedding",
-            (masked, w, mask),
-            (partial,),
-            diff_inputs=(),
-            params=(w,),
-            save_w=(ids, masked, mask),
-        )
-    else:
-        tape.node("embedding", (ids, w), (partial,), diff_inputs=(), params=(w,), save_w=(ids,))
-    y = partial
-    if sh.tp > 1:
-        if sh.sp:
-            y = g.act("reduce_scatter", tok, sh.res_dt, kind=COMM)
-            tape.node("reduce_scatter", (partial,), (y,), diff_inputs=(partial,))
-        else:
-            y = g.act("all_reduce", full, sh.res_dt, storage=partial)
-            tape.node("all_reduce", (partial,), (y,), diff_inputs=(partial,), grad_alias=True)
+    y = g.embed_lookup(ids, w)
     if arch.position == "learned":
         pw = tape.param("emb.position.weight", (max(arch.max_positions, plan.seq_len), sh.h), sh.dt)
         pos = g.act("positions", tok, sh.res_dt)
@@ -1751,13 +1835,16 @@ def causal_mask_tape(sh: Shard, keep: bool) -> tuple[Tape, str, str]:
     return tape, x, y
 
 
-def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) -> tuple[Tape, str, str]:
+def head_tape(
+    arch, sh: Shard, conv: Convention, tied_gathered: bool = False, mtp=None
+) -> tuple[Tape, str, str]:
     """Final norm, vocab-parallel output linear, fp32 logits and cross entropy (last stage).
     Returns (tape, input name, loss name). tied_gathered: the output weight is the word
     embedding and the stage's embedding keeps it gathered from its forward to its backward
     (DeepSpeed ZeRO-3's reuse window, `zero3_reuse`): one parameter, which DeepSpeed gathers
-    once, so the head's gathers leave it out."""
-    tape, x, loss = _head_tape(arch, sh, conv)
+    once, so the head's gathers leave it out. mtp: (depths, LayerOptions of their layers) of
+    megatron-core's multi-token prediction block, run before the head (templates/mtp.py)."""
+    tape, x, loss = _head_tape(arch, sh, conv, mtp)
     if tied_gathered:
         tape.fsdp_gathered_elsewhere = frozenset(
             n for n, t in tape.tensors.items() if t.kind is PARAM and n.endswith("output.weight")
@@ -1765,7 +1852,37 @@ def head_tape(arch, sh: Shard, conv: Convention, tied_gathered: bool = False) ->
     return tape, x, loss
 
 
-def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
+def megatron_cross_entropy(g, logits: str, lf: str, labels: str, loss: str) -> str:
+    """Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed to
+    [s, b]: max/sub/exp/div in place on the fp32 copy `lf` of `logits`, which it saves as the
+    softmax with the bool target mask and the int64 masked target; backward edits the softmax
+    in place into the logits grad. Inside it: logits max, predicted logits (+ a clone), the sum
+    of exps (fp32) and an int64 arange per token. GPTModel still holds the bf16 logits and the
+    transposed labels when it transposes the loss back to [b, s]. -> the [b, s] loss."""
+    sh, tape = g.sh, g.t
+    tokens = sh.s * sh.b
+    labels_t = g.act("labels_t", (sh.s, sh.b), "int64")
+    tape.node("transpose_contiguous", (labels,), (labels_t,))
+    soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+    tmask = g.act("target_mask", (sh.s, sh.b), "bool")
+    mtarget = g.act("masked_target", (tokens,), "int64")
+    tape.node(
+        "vocab_parallel_cross_entropy",
+        (lf, labels_t),
+        (soft, loss, tmask, mtarget),
+        diff_inputs=(lf,),
+        save_i=(soft, tmask, mtarget),
+        workspace_f=tokens * (4 + 4 + 4 + 4 + 8),
+    )
+    tape.tensors["d." + lf] = type(tape.tensors[lf])("d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
+    loss_t = g.act("loss_bs", (sh.b, sh.s), "fp32")
+    tape.node(
+        "transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True
+    )
+    return loss_t
+
+
+def _head_tape(arch, sh: Shard, conv: Convention, mtp=None) -> tuple[Tape, str, str]:
     tape = Tape("head.")
     g = _Gen(tape, sh, conv, "head.")
     g.norm_weight_first = arch.norm_weight_first or conv.norm_weight_first  # the final norm as the layers'
@@ -1780,6 +1897,11 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
     tok = (sh.s_sp, sh.b, sh.h)
     x = g.act("input", tok, sh.res_dt)
     hn = g.norm(x, "final_norm", norm_kind(arch), tok)
+    mtp_hold: list[str] = []
+    if mtp is not None:  # megatron-core's MTP block, its heads and losses (templates/mtp.py)
+        from .mtp import mtp_block
+
+        hn, mtp_hold = mtp_block(tape, arch, sh, conv, mtp, hn, (_Gen, _layer_body, megatron_cross_entropy))
     # torch.compile covers the loss too (torchtune compiles its loss; torchtitan's "loss" component)
     compiled_loss = sh.feat.compile_loss and conv.framework.compile_covers_loss
     if sh.feat.loss in ("chunked", "fused_linear", "fused_te") or compiled_loss:
@@ -1823,33 +1945,9 @@ def _head_tape(arch, sh: Shard, conv: Convention) -> tuple[Tape, str, str]:
             save_i=(soft, labels),
         )
     elif conv.ce_inplace:
-        # Megatron's vocab-parallel CE (tensor_parallel/cross_entropy.py) on labels transposed
-        # to [s, b]: max/sub/exp/div in place on the fp32 copy, which it saves as the softmax
-        # with the bool target mask and the int64 masked target; backward edits the softmax in
-        # place into the logits grad. Inside it: logits max, predicted logits (+ a clone), the
-        # sum of exps (fp32) and an int64 arange per token. GPTModel still holds the bf16
-        # logits and the transposed labels when it transposes the loss back to [b, s].
-        tokens = sh.s * sh.b
-        labels_t = g.act("labels_t", (sh.s, sh.b), "int64")
-        tape.node("transpose_contiguous", (labels,), (labels_t,))
-        soft = g.act("softmax", (sh.s, sh.b, sh.vocab), "fp32", storage=lf)
-        tmask = g.act("target_mask", (sh.s, sh.b), "bool")
-        mtarget = g.act("masked_target", (tokens,), "int64")
-        tape.node(
-            "vocab_parallel_cross_entropy",
-            (lf, labels_t),
-            (soft, loss, tmask, mtarget),
-            diff_inputs=(lf,),
-            save_i=(soft, tmask, mtarget),
-            workspace_f=tokens * (4 + 4 + 4 + 4 + 8),
-        )
-        tape.tensors["d." + lf] = type(tape.tensors[lf])(
-            "d." + lf, (sh.s, sh.b, sh.vocab), "fp32", storage=lf
-        )
-        loss_t = g.act("loss_bs", (sh.b, sh.s), "fp32")
-        tape.node(
-            "transpose_contiguous", (loss, logits, labels_t), (loss_t,), diff_inputs=(loss,), grad_alias=True
-        )
+        loss_t = megatron_cross_entropy(g, logits, lf, labels, loss)
+        if mtp_hold:  # GPTModel._postprocess's locals: the last depth's logits
+            tape.held_until.setdefault(len(tape.nodes) - 1, []).extend(mtp_hold)
         return tape, x, loss_t
     else:
         logp = g.act("log_softmax", (sh.s, sh.b, vocab), "fp32")

@@ -41,6 +41,7 @@ from dataclasses import replace
 from ..ir import dtype_bytes
 from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
 from .moe import fp32_router_logits, sigmoid_group_router
+from .tape import COMM
 
 STAT = "fp32"
 
@@ -50,9 +51,17 @@ def check_mla_plan(arch, plan) -> None:
     transformers' modules, as traced mode runs them); any other is refused by name, as are the
     features not checked against a trace of these modules (torch.compile's partitioner, activation
     offloading, fp8 linears)."""
+    from .. import frameworks
     from ..model import refuse_unmodelled
 
     check_mla_convention(arch, plan.convention)
+    if frameworks.get(plan.convention).mla_megatron and not plan.flash_attn:
+        raise refuse_unmodelled(
+            arch.name or arch.model_type,
+            arch.model_type,
+            "megatron-core's multi-head latent attention without --flash-attn (its unfused "
+            "attention over unequal q / v head dims is not checked against a trace)",
+        )
     for flag, on in (
         ("--compile", plan.compile),
         ("--activation-offload", plan.activation_offload),
@@ -82,8 +91,11 @@ def check_mla_convention(arch, convention: str) -> None:
 
 def mla_warnings(arch, plan) -> list[str]:
     """What a DeepSeek plan's numbers leave out, said beside them."""
+    from .. import frameworks
+
     out = []
-    if getattr(arch, "kv_lora_rank", 0) and plan.flash_attn and arch.head_dim != arch.v_head_dim:
+    hf = not frameworks.get(plan.convention).mla_megatron
+    if getattr(arch, "kv_lora_rank", 0) and hf and plan.flash_attn and arch.head_dim != arch.v_head_dim:
         out.append(
             "multi-head latent attention: the value head differs from the query's, so SDPA runs the "
             "memory-efficient kernel (not flash); its backward's internal workspace is not counted"
@@ -99,6 +111,98 @@ def _numel(shape) -> int:
 
 
 def attention(g, arch, x: str, opt) -> str:
+    """One rank's MLA block: the framework's own module (`Framework.mla_megatron`)."""
+    if g.conv.framework.mla_megatron:
+        return attention_megatron(g, arch, x, opt)
+    return attention_hf(g, arch, x, opt)
+
+
+def attention_megatron(g, arch, x: str, opt) -> str:
+    """megatron-core 0.16.1's `MLASelfAttention` (transformer/multi_latent_attention.py) with its
+    Transformer Engine layer spec (`get_gpt_layer_with_transformer_engine_spec(multi_latent_
+    attention=True, qk_layernorm=True)`), on one rank; returns linear_proj's output.
+
+    * down projections (`linear_q_down_proj`, `linear_kv_down_proj`: TELinear, duplicated over
+      tp) read the layer's normed input as it is (the sequence shard under SP) and both save it;
+    * the latents' norms are fused into the up projections (TELayerNormColumnParallelLinear):
+      the norm saves its input and rstd, the column-parallel linear its (sequence-shard) output,
+      gathered again in backward. The kv latent is a split view of kv_combined: TE's norm works
+      on a contiguous copy, which it saves (kv_combined itself dies after the key's rope);
+    * the shared rotary key is all-gathered over the sequence under SP;
+    * rope (`--apply-rope-fusion`, TE's fused kernel) on q's and k's rotary parts: new tensors,
+      nothing saved; `query = cat(q_no_pe, q_pos_emb)`, `key = cat(k_no_pe, k_pos_emb.expand)`
+      (new tensors, nothing saved: the up projections' outputs die), `value.contiguous()` a copy
+      of the strided split of the kv up projection;
+    * core attention: TE's fused (cuDNN / flash) attention, which takes MLA's unequal q / v head
+      dims: saves q, k, v, its output [s, b, heads x v_head_dim] and the fp32 softmax statistics;
+    * linear_proj: row-parallel over heads x v_head_dim."""
+    sh, t = g.sh, g.t
+    s, b, a, h = sh.s, sh.b, sh.heads, sh.h
+    dq, dr, dv, kr = arch.head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.kv_lora_rank
+    dn = dq - dr
+    tok = (sh.s_sp, sh.b)
+    region = opt.recompute == "full_attn"
+    if region:
+        t.begin_region()
+    if arch.q_lora_rank:
+        qr = arch.q_lora_rank
+        qa = g.linear(x, "attn.q_down_proj", tok + (qr,), h, False)
+        qn = g.norm(qa, "attn.q_layernorm", opt.norm, tok + (qr,))
+        (q,) = g.column_linears(qn, "attn.q_up", [("attn.q_up_proj", a * dq, False)], in_features=qr)
+    else:
+        (q,) = g.column_linears(x, "attn.q", [("attn.q_proj", a * dq, False)])
+    q_nope = g.act("attn.q_no_pe", (s, b, a, dn), storage=q)
+    q_rot = g.act("attn.q_pos_emb", (s, b, a, dr), storage=q)
+    t.node("split", (q,), (q_nope, q_rot), diff_inputs=(q,))
+    ckv = g.linear(x, "attn.kv_down_proj", tok + (kr + dr,), h, False)
+    lat = g.act("attn.kv_compressed", tok + (kr,), storage=ckv)
+    k_rot = g.act("attn.k_pos_emb", tok + (1, dr), storage=ckv)
+    t.node("split", (ckv,), (lat, k_rot), diff_inputs=(ckv,))
+    latc = g.act("attn.kv_compressed_contiguous", tok + (kr,))
+    t.node("contiguous", (lat,), (latc,), diff_inputs=(lat,))
+    latn = g.norm(latc, "attn.kv_layernorm", opt.norm, tok + (kr,))
+    if sh.sp:
+        kg = g.act("attn.k_pos_emb_gathered", (s, b, 1, dr), kind=COMM)
+        t.node("all_gather", (k_rot,), (kg,), diff_inputs=(k_rot,))
+        k_rot = kg
+    q_emb = g.act("attn.q_pos_emb_rope", (s, b, a, dr))
+    t.node("rope", (q_rot,), (q_emb,), diff_inputs=(q_rot,))
+    k_emb = g.act("attn.k_pos_emb_rope", (s, b, 1, dr))
+    t.node("rope", (k_rot,), (k_emb,), diff_inputs=(k_rot,))
+    query = g.act("attn.query", (s, b, a, dq))
+    t.node("cat", (q_nope, q_emb), (query,), diff_inputs=(q_nope, q_emb))
+    (kv,) = g.column_linears(latn, "attn.kv_up", [("attn.kv_up_proj", a * (dn + dv), False)], in_features=kr)
+    k_nope = g.act("attn.k_no_pe", (s, b, a, dn), storage=kv)
+    v = g.act("attn.value_view", (s, b, a, dv), storage=kv)
+    t.node("split", (kv,), (k_nope, v), diff_inputs=(kv,))
+    key = g.act("attn.key", (s, b, a, dq))
+    t.node("cat_expand", (k_nope, k_emb), (key,), diff_inputs=(k_nope, k_emb))
+    vc = g.act("attn.value", (s, b, a, dv))
+    t.node("contiguous", (v,), (vc,), diff_inputs=(v,))
+    core = opt.recompute in ("selective", "core_attn")
+    if core:
+        t.begin_region()
+    ctx = g.act("attn.ctx", (s, b, a * dv))
+    lse = g.act("attn.lse", (b, a, s), STAT)
+    ws_i = flash_attention_backward_workspace_bytes(s, b, a, a, dq, dtype_bytes(g.dt))
+    t.node(
+        "flash_attn",
+        (query, key, vc),
+        (ctx, lse),
+        diff_inputs=(query, key, vc),
+        save_i=(query, key, vc, ctx, lse),
+        workspace_i=ws_i,
+    )
+    if core:
+        t.end_region()
+    out = g.row_linear(ctx, "attn.o_proj", a * dv, False)
+    if region:
+        t.end_region()
+    g.held_by_caller(x)
+    return out
+
+
+def attention_hf(g, arch, x: str, opt) -> str:
     """One rank's MLA block (tp = 1), HF's DeepseekV2 / V3 attention; returns o_proj's output."""
     sh, t = g.sh, g.t
     s, b, a, h = sh.s, sh.b, sh.heads, sh.h

@@ -198,7 +198,7 @@ def embedding_programs(arch, sh: Shard, conv: Convention, plan, tied_head: bool 
 
 
 def head_programs(
-    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False
+    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False, mtp=None
 ) -> PartPrograms:
     # torchtitan 0.3's ChunkedLossWrapper: its default head, and what `--loss chunked` means under
     # the torchtitan convention; the other losses (pipemem.templates.losses: torchtune's chunked
@@ -211,7 +211,7 @@ def head_programs(
     ):
         F, B, W, x, y, results = chunked_head_programs(arch, sh, keep_input)
         return PartPrograms(F, B, B, W, x, y, results)
-    tape, x, loss = head_tape(arch, sh, conv, tied_gathered)
+    tape, x, loss = head_tape(arch, sh, conv, tied_gathered, mtp)
     return _analyze(tape, x, loss, loss, keep_input)
 
 
@@ -258,12 +258,13 @@ def embedding_memory(arch, sh: Shard, conv: Convention, seq_len: int, tied_head:
 
 @lru_cache(maxsize=1024)
 def head_memory(
-    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False
+    arch, sh: Shard, conv: Convention, keep_input: bool = False, tied_gathered: bool = False, mtp=None
 ) -> PartMemory:
     """`keep_input`: the head is the first part of its stage (a last stage without layers);
     `tied_gathered`: its weight is the stage's word embedding, held gathered by the embedding's
-    part (`head_tape`)."""
-    return _part_memory(head_programs(arch, sh, conv, keep_input, tied_gathered), _act_bytes(sh), 0)
+    part (`head_tape`); `mtp`: (depths, LayerOptions) of Megatron's multi-token prediction
+    block before it (`stages.mtp_of`)."""
+    return _part_memory(head_programs(arch, sh, conv, keep_input, tied_gathered, mtp), _act_bytes(sh), 0)
 
 
 @lru_cache(maxsize=1024)

@@ -41,7 +41,14 @@ from functools import lru_cache
 from ..frameworks import ALL
 from ..ir import dtype_bytes
 from ..jobs import StaticBytes
-from ..model import embedding_param_shapes, head_param_shapes, layer_param_shapes, layer_param_tensors
+from ..model import (
+    embedding_param_shapes,
+    head_param_shapes,
+    layer_param_shapes,
+    layer_param_tensors,
+    mla_param_shapes,
+    mtp_param_shapes,
+)
 from .conventions import Convention
 
 STATES = {"adam": 2, "adamw": 2, "sgd": 1, "adam8bit": 2, "adam4bit": 2}
@@ -148,6 +155,7 @@ def rank_param_counts(
         ranges,
         0 in rank_stages,
         last in rank_stages,
+        _mtp_on(arch, conv),
     )
 
 
@@ -181,6 +189,7 @@ def _rank_counts(
     ranges: tuple[range, ...],
     has_embedding: bool,
     has_head: bool,
+    mtp: bool = False,
 ) -> tuple[int, int]:
     m = vocab_multiple * tp
     vocab = -(-arch.vocab // m) * m
@@ -199,7 +208,18 @@ def _rank_counts(
             _prod(v)
             for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values()
         )
+    if has_head and mtp:
+        for shape, is_expert in mtp_param_shapes(arch, vocab, tp, etp, ep, not has_embedding):
+            if is_expert:
+                expert += _prod(shape)
+            else:
+                dense += _prod(shape)
     return dense, expert
+
+
+def _mtp_on(arch, conv: Convention) -> bool:
+    """Whether the last stage holds megatron-core's multi-token prediction block."""
+    return bool(arch.mtp_layers) and conv.framework.mtp_block
 
 
 @lru_cache(maxsize=8192)
@@ -273,6 +293,8 @@ def _rank_param_shapes(
                 arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
             ).values()
         ]
+        if _mtp_on(arch, conv):
+            shapes += mtp_param_shapes(arch, vocab, plan.tp, plan.etp or 1, plan.ep, 0 not in rank_stages)
     return shapes
 
 
@@ -301,6 +323,13 @@ def rank_param_tensor_elems(
                     arch, vocab, plan.tp, same_stage_as_embedding=0 in rank_stages
                 ).values()
             ]
+            if _mtp_on(arch, conv):
+                out += [
+                    _prod(x)
+                    for x, _ in mtp_param_shapes(
+                        arch, vocab, plan.tp, plan.etp or 1, plan.ep, 0 not in rank_stages
+                    )
+                ]
     return out
 
 
@@ -438,7 +467,13 @@ def static_bytes(arch, plan, conv: Convention, stage_layers: dict[int, range], r
     n_moe = sum(moe_layers_in(arch, r) for r in ranges)
     if conv.framework.te_runtime_buffers:
         other += megatron_runtime_bytes(
-            arch, plan, conv, n_layers - n_moe > 0, n_moe > 0, plan.pp * plan.vpp - 1 in rank_stages
+            arch,
+            plan,
+            conv,
+            n_layers - n_moe > 0,
+            n_moe > 0,
+            plan.pp * plan.vpp - 1 in rank_stages,
+            layers=n_layers,
         )
     # buffers the framework's modules register per decoder layer (torchtitan: rotary caches)
     other += conv.framework.layer_buffer_bytes(arch, plan, n_layers, n_moe)
@@ -631,7 +666,7 @@ def optimizer_step_scratch(
 
 
 def megatron_runtime_bytes(
-    arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool
+    arch, plan, conv: Convention, has_dense: bool, has_moe: bool, has_head: bool, layers: int = 0
 ) -> int:
     """What a Megatron-LM rank keeps for the whole run besides model states (validated against
     megatron-core's own step, `pipemem validate megatron`):
@@ -641,7 +676,9 @@ def megatron_runtime_bytes(
       cached tensor per distinct local weight shape (and dtype), kept for the run
       (transformer_engine/pytorch/module/base.py; megatron tensor_parallel/layers.py);
     * the rotary embedding's cached frequencies, fp32 [seq, 1, 1, head_dim] per stage
-      (RotaryEmbedding.forward is lru_cached in megatron-core)."""
+      (RotaryEmbedding.forward is lru_cached in megatron-core); multi-head latent attention
+      builds a RotaryEmbedding over qk_pos_emb_head_dim in each layer's MLASelfAttention, so
+      one [seq, 1, 1, qk_pos_emb_head_dim] per layer of the rank (`layers`)."""
     total = 0
     if conv.wgrad_fused and not (plan.zero >= 3 or plan.fsdp):
         shapes = set()
@@ -651,8 +688,15 @@ def megatron_runtime_bytes(
         if has_head:
             m = conv.vocab_multiple * plan.tp
             shapes.add((-(-arch.vocab // m) * m // plan.tp, arch.hidden))
+        if has_head and _mtp_on(arch, conv):  # the MTP layers' linears and eh_proj
+            mtp_moe = arch.is_moe_layer(arch.layers - 1)
+            shapes.update(_linear_weight_shapes(arch, mtp_moe, plan.tp, plan.etp or 1, plan.ep))
+            shapes.add((arch.hidden // plan.tp, 2 * arch.hidden))
         total += sum(_prod(sh) for sh in shapes) * dtype_bytes(plan.dtype)
-    if arch.position == "rope" and (has_dense or has_moe):
+    if arch.kv_lora_rank:
+        mtp = arch.mtp_layers if has_head and _mtp_on(arch, conv) else 0
+        total += plan.seq_len * arch.qk_rope_head_dim * 4 * (layers + mtp)
+    elif arch.position == "rope" and (has_dense or has_moe):
         total += plan.seq_len * arch.head_dim * 4
     return total
 
@@ -664,7 +708,11 @@ def _linear_weight_shapes(arch, moe: bool, tp: int, etp: int, ep: int) -> list[t
     a = arch.heads // tp
     kv = arch.kv_heads // tp if arch.kv_heads >= tp else 1
     gated = 2 if arch.activation in ("swiglu", "geglu") else 1
-    out = [((a + 2 * kv) * d, h), (h, a * d)]
+    if arch.kv_lora_rank:
+        # multi-head latent attention's down and up projections and its output projection
+        out = [shape for shape, _ in mla_param_shapes(arch, tp).values() if len(shape) == 2]
+    else:
+        out = [((a + 2 * kv) * d, h), (h, a * d)]
     if moe:
         f = arch.expert_ffn // etp
         out += [(gated * f, h), (h, f)]

@@ -10,7 +10,9 @@ through `pipemem.estimate(...)` with the same flags, and two numbers are compare
   state included, against the estimate's `peak_allocated_bytes` for that pipeline rank;
 * `layer_kept`: what decoder layer 0 of the rank keeps from its forward for its backward
   (the storages its forward made that are alive when the forward ends, its output
-  included) against the sum of the estimate's `--explain` rows for that layer.
+  included) against the sum of the estimate's `--explain` rows for that layer;
+* `moe_layer_kept` (a DeepSeek-style case with dense first layers): the same for its first MoE
+  layer.
 
 The bytes resident when the second step's forward starts (params, grad buffer, optimizer
 state, runtime buffers) are reported beside the rows as `static` (not a pass criterion:
@@ -77,6 +79,21 @@ class MegatronCase:
     # --use-precision-aware-optimizer: "main/exp_avg/exp_avg_sq", the --main-params-dtype,
     # --exp-avg-dtype and --exp-avg-sq-dtype (e.g. "fp32/bf16/bf16")
     precision_aware: str = ""
+    # kind "deepseek": --multi-latent-attention --qk-layernorm (MLASelfAttention) with these
+    # --q-lora-rank (0: one q projection), --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
+    # --v-head-dim; with experts, the DeepSeek router (--moe-router-score-function sigmoid
+    # --moe-router-enable-expert-bias, group-limited top-k, --moe-router-topk-scaling-factor)
+    # and the first `dense_layers` layers dense (--moe-layer-freq "([0]*k+[1]*rest)")
+    q_lora_rank: int = 96
+    kv_lora_rank: int = 64
+    qk_head_dim: int = 32
+    qk_pos_emb_head_dim: int = 16
+    v_head_dim: int = 32
+    router_groups: int = 0
+    router_group_topk: int = 0
+    topk_scaling: float = 0.0
+    dense_layers: int = 0
+    mtp_layers: int = 0  # --mtp-num-layers
 
     @property
     def world(self) -> int:
@@ -175,15 +192,65 @@ CASES = (
     MegatronCase(
         "dense-tp1-precision-aware-fp8-states", tp=1, dp=2, sp=False, precision_aware="fp32/fp8/fp8"
     ),
+    # DeepSeek-style: multi-head latent attention (MLASelfAttention), alone and with the DeepSeek
+    # MoE (a dense first layer, sigmoid router with expert bias and group-limited top-k, a
+    # shared expert) and multi-token prediction
+    MegatronCase("mla-tp1", kind="deepseek", tp=1, dp=2, sp=False),
+    MegatronCase("mla-tp1-no-q-lora", kind="deepseek", tp=1, dp=2, sp=False, q_lora_rank=0),
+    MegatronCase("mla-tp1-selective", kind="deepseek", tp=1, dp=2, sp=False, recompute="selective"),
+    MegatronCase("mla-tp1-full", kind="deepseek", tp=1, dp=2, sp=False, recompute="full"),
+    MegatronCase("mla-tp2-sp", kind="deepseek", tp=2, dp=2),
+    MegatronCase("mla-tp2-nosp", kind="deepseek", tp=2, dp=2, sp=False),
+    MegatronCase(
+        "deepseek-moe-ep2",
+        kind="deepseek",
+        tp=1,
+        dp=2,
+        ep=2,
+        sp=False,
+        experts=8,
+        top_k=2,
+        expert_ffn=128,
+        shared_ffn=128,
+        router_groups=4,
+        router_group_topk=2,
+        topk_scaling=2.5,
+        dense_layers=1,
+    ),
+    MegatronCase("mtp-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=1),
+    MegatronCase("mtp2-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=2),
+    MegatronCase("mtp-tp2-sp", kind="deepseek", tp=2, dp=2, mtp_layers=1),
+    # the last stage holds its own copy of the word embedding for MTP
+    MegatronCase("mtp-pp2-last", kind="deepseek", tp=1, sp=False, pp=2, pp_rank=1, mtp_layers=1, **_PP),
+    MegatronCase(
+        "deepseek-mtp-ep2",
+        kind="deepseek",
+        tp=1,
+        dp=2,
+        ep=2,
+        sp=False,
+        experts=8,
+        top_k=2,
+        expert_ffn=128,
+        shared_ffn=128,
+        router_groups=4,
+        router_group_topk=2,
+        topk_scaling=2.5,
+        dense_layers=1,
+        mtp_layers=1,
+    ),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
-# fused-CE twin and the MoE case; the same tests trace the activation-offload and optimizer-
-# offload cases for what megatron's own code does there.
-CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared")
+# fused-CE twin, the MoE case and the DeepSeek-style one (MLA, DeepSeek's MoE with a dense first
+# layer, MTP); the same tests trace the activation-offload and optimizer-offload cases for what
+# megatron's own code does there.
+CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared", "deepseek-mtp-ep2")
 
 
 def hf_config(case: MegatronCase) -> dict:
     """The model of a case as an HF config: what `--from-megatron` writes for the same flags."""
+    if case.kind == "deepseek":
+        return _deepseek_config(case)
     if case.kind == "gpt":
         return {
             "model_type": "gpt2",
@@ -221,6 +288,44 @@ def hf_config(case: MegatronCase) -> dict:
             moe_intermediate_size=case.expert_ffn,
             shared_expert_intermediate_size=case.shared_ffn,
         )
+    return cfg
+
+
+def _deepseek_config(case: MegatronCase) -> dict:
+    """A DeepSeek-style case as the deepseek_v3 config `--from-megatron` writes for its flags."""
+    cfg = {
+        "model_type": "deepseek_v3",
+        "hidden_size": case.hidden,
+        "intermediate_size": case.ffn,
+        "num_attention_heads": case.heads,
+        "num_key_value_heads": case.heads,
+        "num_hidden_layers": case.layers,
+        "vocab_size": case.vocab,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": case.seq_len,
+        "q_lora_rank": case.q_lora_rank or None,
+        "kv_lora_rank": case.kv_lora_rank,
+        "qk_nope_head_dim": case.qk_head_dim,
+        "qk_rope_head_dim": case.qk_pos_emb_head_dim,
+        "v_head_dim": case.v_head_dim,
+        "num_nextn_predict_layers": case.mtp_layers,
+        "first_k_dense_replace": case.dense_layers if case.experts else case.layers,
+        "n_group": case.router_groups or 1,
+        "topk_group": case.router_group_topk or 1,
+        "routed_scaling_factor": case.topk_scaling or 1.0,
+        "norm_topk_prob": True,
+    }
+    if case.experts:
+        cfg.update(
+            n_routed_experts=case.experts,
+            num_experts_per_tok=case.top_k,
+            moe_intermediate_size=case.expert_ffn,
+            n_shared_experts=case.shared_ffn // case.expert_ffn,
+        )
+    else:
+        cfg.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=case.ffn)
     return cfg
 
 
@@ -272,12 +377,25 @@ def estimate_case(case: MegatronCase) -> dict:
     est = pipemem.estimate(hf_config(case), **plan_kwargs(case), explain=True)
     rank = est.ranks[case.pp_rank]
     kept = sum(r["bytes"] for r in est.explain if not r["tensor"].startswith("("))
-    return {
+    out = {
         "peak_bytes": rank.peak_allocated_bytes,
         "peak_at": rank.peak_at,
         "static_bytes": rank.static.total,
         "layer_kept_bytes": kept,
     }
+    if case.kind == "deepseek" and case.experts and case.dense_layers:
+        out["moe_layer_kept_bytes"] = _layer_kept_estimate(case, case.dense_layers)
+    return out
+
+
+def _layer_kept_estimate(case: MegatronCase, layer: int) -> int:
+    """What decoder layer `layer` keeps for backward in the estimate (its `--explain` rows)."""
+    from ..model import arch_from_hf_config
+    from ..plan import ParallelPlan
+    from ..stages import layer_explain
+
+    rows = layer_explain(arch_from_hf_config(hf_config(case)), ParallelPlan(**plan_kwargs(case)), layer)
+    return sum(r["bytes"] for r in rows if not r["tensor"].startswith("("))
 
 
 def trace_in_subprocess(case: MegatronCase, timeout: float = 600) -> dict:
@@ -305,7 +423,7 @@ def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
     }
     # every case's core attention is the flash stand-in, whose backward allocates the workspace
     # the templates assume (traced/kernel_workspace.py): the peak rows rest on it, unchecked
-    return [
+    rows = [
         CaseRow(
             f"{case.name}/peak",
             trace["peak_bytes"],
@@ -319,6 +437,12 @@ def compare(case: MegatronCase, trace: dict) -> list[CaseRow]:
             dict(common),
         ),
     ]
+    if "moe_layer_kept_bytes" in est:  # the first MoE layer of a case with dense first layers
+        measured = trace["layer_kept_bytes"].get(str(case.dense_layers))
+        rows.append(
+            CaseRow(f"{case.name}/moe_layer_kept", measured, est["moe_layer_kept_bytes"], dict(common))
+        )
+    return rows
 
 
 def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:

@@ -199,6 +199,14 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     p.set(tpl, "get_dummy_wgrad", _dummy_wgrad)
     p.set(mutils.GlobalMemoryBuffer, "get_tensor", _fresh_tensor)
     p.set(attn, "apply_rotary_pos_emb", _fused_rope)
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    p.set(mla, "apply_rotary_pos_emb", _fused_rope)
+    from importlib.util import find_spec
+
+    if find_spec("transformer_engine") is None:  # its TE names are stand-in mocks without TE
+        p.set(mla, "HAVE_TE", False)
+        p.set(mla, "TELinear", DuplicatedLinear)  # MLASelfAttention's "duplicated" down projections
     _fused_activations(p)
     _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
@@ -308,6 +316,7 @@ def _fresh_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
 class _FusedNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rms: bool):
+        x = x.contiguous()  # TE's norms work on (and save) a contiguous copy of a strided input
         tokens = x.shape[:-1]
         y = torch.empty_like(x)
         rstd = torch.empty(tokens, dtype=torch.float32)
@@ -678,6 +687,24 @@ class GroupedLinear(torch.nn.Module):
         return _GroupedGemm.apply(x, self.out_features, *self.weights), None
 
 
+class DuplicatedLinear(torch.nn.Module):
+    """Stands for Transformer Engine's TELinear with `parallel_mode="duplicated"`: MLA's down
+    projections in the TE layer spec Megatron-LM runs (the local spec's are column-parallel and
+    gathered), one full weight on every tp rank reading the rank's (sequence-shard) input; saves
+    its input, fused wgrad accumulation as the other stand-ins."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False, **kwargs):
+        super().__init__()
+        self.out_features = output_size
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel  # grads all-reduced over tp
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        out = _GroupedGemm.apply(flat, self.out_features, self.weight)
+        return out.view(*x.shape[:-1], self.out_features), None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
@@ -696,7 +723,7 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         s, b, a, d = q.shape
-        out = torch.empty((s, b, a * d), dtype=q.dtype)
+        out = torch.empty((s, b, a * v.shape[-1]), dtype=q.dtype)  # MLA: v's head dim
         lse = torch.empty((b, a, s), dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -752,15 +779,36 @@ class FlashAttention(torch.nn.Module):
 
 
 def _layer_spec(case: MegatronCase):
+    """The local layer spec with the kernel policy's modules; a DeepSeek-style case with dense
+    first layers gets one spec per layer of the rank (what get_gpt_decoder_block_spec builds from
+    --moe-layer-freq)."""
+    if case.kind == "deepseek" and case.experts and case.dense_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        per_stage = case.layers // case.pp
+        first = case.pp_rank * per_stage
+        specs = [_one_layer_spec(case, moe=i >= case.dense_layers) for i in range(first, first + per_stage)]
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LNImpl)
+    return _one_layer_spec(case, moe=bool(case.experts))
+
+
+def _one_layer_spec(case: MegatronCase, moe: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=case.experts or None,
+        num_experts=case.experts if moe else None,
         moe_grouped_gemm=case.grouped_gemm,
         normalization="RMSNorm" if case.kind != "gpt" else "LayerNorm",
+        multi_latent_attention=case.kind == "deepseek",
+        qk_layernorm=case.kind == "deepseek",
     )
     spec.submodules.self_attention.submodules.core_attention = FlashAttention
-    if case.experts:
+    if case.kind == "deepseek":
+        # the TE spec's down projections (TELinear, duplicated over tp), not the local spec's
+        sub = spec.submodules.self_attention.submodules
+        sub.linear_q_down_proj = sub.linear_kv_down_proj = DuplicatedLinear
+    if moe:
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import TEGroupedMLP
         from megatron.core.transformer.spec_utils import ModuleSpec
@@ -816,6 +864,35 @@ def _config(case: MegatronCase):
             recompute_method=case.recompute_method,
             recompute_num_layers=case.recompute_layers or 1,
         )
+    if case.kind == "deepseek":
+        # megatron-core's MLA; rope_type "rope" with the fused rope (kernel policy) on its parts
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(
+            multi_latent_attention=True,
+            q_lora_rank=case.q_lora_rank or None,
+            kv_lora_rank=case.kv_lora_rank,
+            qk_head_dim=case.qk_head_dim,
+            qk_pos_emb_head_dim=case.qk_pos_emb_head_dim,
+            v_head_dim=case.v_head_dim,
+            rope_type="rope",
+            qk_layernorm=True,
+            num_query_groups=case.heads,
+        )
+        if case.experts:
+            kw.update(
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_num_groups=case.router_groups or None,
+                moe_router_group_topk=case.router_group_topk or None,
+                moe_router_topk_scaling_factor=case.topk_scaling or None,
+                moe_layer_freq=[0] * case.dense_layers + [1] * (case.layers - case.dense_layers),
+            )
+        if case.mtp_layers:
+            kw.update(mtp_num_layers=case.mtp_layers, mtp_loss_scaling_factor=0.1)
+        config_cls = MLATransformerConfig
+    else:
+        config_cls = TransformerConfig
     if case.experts:
         kw.update(
             num_moe_experts=case.experts,
@@ -828,7 +905,7 @@ def _config(case: MegatronCase):
             moe_shared_expert_intermediate_size=case.shared_ffn or None,
             moe_router_dtype="fp32",
         )
-    return TransformerConfig(**kw)
+    return config_cls(**kw)
 
 
 def trace_case(case: MegatronCase) -> dict:
@@ -910,10 +987,17 @@ def _trace(case: MegatronCase) -> dict:
         # the model (megatron/training/tokenizer: _vocab_size_with_padding)
         multiple = 128 * case.tp
         vocab = -(-case.vocab // multiple) * multiple
+        layer_spec = _layer_spec(case)
+        mtp_spec = None
+        if case.mtp_layers:  # --mtp-num-layers: what Megatron-LM's pretrain_gpt.py builds
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp_spec = get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False)
         with default_dtype(torch.bfloat16):
             gpt = GPTModel(
                 config=cfg,
-                transformer_layer_spec=_layer_spec(case),
+                transformer_layer_spec=layer_spec,
+                mtp_block_spec=mtp_spec,
                 vocab_size=vocab,
                 max_sequence_length=case.seq_len,
                 pre_process=pre,
