@@ -100,3 +100,44 @@ def test_with_ranks_keeps_the_schedule_and_changes_only_its_actions():
     )
     assert fewer.ranks == [acts[:2] for acts in s.ranks] and fewer != s
     assert s.with_ranks(s.ranks) == s
+
+
+def test_a_named_case_target_lists_and_checks_its_cases_before_running_any(capsys):
+    """torchtune, deepspeed, torchtitan and hf-trainer run through compare.run_named_cases, which reads
+    the cases, the CI subset and the library check off the target's module."""
+    from pipemem.cli.main import main
+    from pipemem.validation import deepspeed, torchtitan
+
+    assert main(["validate", "deepspeed", "--list"]) == 0
+    assert capsys.readouterr().out.split() == [c["name"] for c in deepspeed.all_cases()]
+    assert set(deepspeed.CI_CASES) < {c["name"] for c in deepspeed.all_cases()}
+    assert main(["validate", "torchtitan", "--cases", "no-such-case"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cases" in err[0] and "validate torchtitan --list" in err[0]
+    assert main(["validate", "hf-trainer", "--timeout", "0"]) == 2
+    assert "--timeout" in capsys.readouterr().err
+    assert torchtitan.ROWS_ARE == "ranks" and not hasattr(deepspeed, "ROWS_ARE")
+
+
+def test_every_command_and_target_parser_is_made_from_its_module():
+    """cli/command.py builds each parser from the module's HELP, DESCRIPTION and EXAMPLE; the
+    description is printed as written."""
+    import argparse
+    import importlib
+
+    from pipemem.cli.main import build_parser
+    from pipemem.validation import TARGETS
+
+    def subparsers(p):
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    commands = subparsers(build_parser())
+    for name, parser in commands.items():
+        module = importlib.import_module(f"pipemem.cli.cmd_{name}")
+        assert (parser.description, parser.epilog) == (module.DESCRIPTION, module.EXAMPLE)
+        assert parser.get_default("func") is module.run
+    targets = subparsers(commands["validate"])
+    assert sorted(targets) == sorted(t.replace("_", "-") for t in TARGETS)
+    for name in TARGETS:
+        module = importlib.import_module(f"pipemem.validation.{name}")
+        assert targets[name.replace("_", "-")].description == module.DESCRIPTION

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ..errors import UserError
 
-EXAMPLE = """\
+USAGE_EXAMPLES = """\
 examples:
   pipemem schedule 1F1B --pp 4 --microbatches 8
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
@@ -42,17 +41,17 @@ def notation() -> str:
     return NOTATION_TEXT + "\n".join(notation_rows()) + "\n" + IMPORTED_ROWS
 
 
-def register(sub) -> None:
+HELP = "per-rank actions, bubble and peak of a pipeline schedule"
+DESCRIPTION = (
+    "Generate (or import) a pipeline schedule, check it, replay it per rank with "
+    "microbatch-unit jobs and a time model, and print a compact chart."
+)
+EXAMPLE = USAGE_EXAMPLES + "\n" + notation()  # the help's epilog: examples, notation, names
+
+
+def add_arguments(p) -> None:
     from ..schedules.registry import names_help
 
-    p = sub.add_parser(
-        "schedule",
-        help="per-rank actions, bubble and peak of a pipeline schedule",
-        description="Generate (or import) a pipeline schedule, check it, replay it per rank with "
-        "microbatch-unit jobs and a time model, and print a compact chart.",
-        epilog=EXAMPLE + "\n" + notation(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     p.add_argument("name", help=f"schedule name (table below): {names_help()}")
     p.add_argument("--pp", type=int, help="pipeline ranks (required unless NAME is csv:FILE)")
     p.add_argument(
@@ -86,7 +85,6 @@ def register(sub) -> None:
     p.add_argument("--csv-out", metavar="FILE", help="write the schedule as CSV PyTorch pipelining loads")
     p.add_argument("--full", action="store_true", help="print every action (default: the first 40 per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def _parse_times(text: str):

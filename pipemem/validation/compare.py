@@ -164,20 +164,6 @@ def max_abs_rel_error(rows) -> float | None:
     return max(errs) if errs else None
 
 
-def target_parser(sub, name: str, help: str, description: str, epilog: str):
-    """A validate target's subcommand: its one-line help, its description, and its examples
-    (`epilog`) kept as written."""
-    import argparse
-
-    return sub.add_parser(
-        name,
-        help=help,
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 def add_json_option(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
 
@@ -242,24 +228,16 @@ def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
     return rows
 
 
-def run_named_cases(
-    args,
-    target: str,
-    all_cases,
-    ci_cases,
-    available,
-    run_cases,
-    tolerance: float,
-    json_header: dict,
-    measured_label: str = "measured",
-    name_width: int = 28,
-    rows_are: str = "cases",
-    truth: str = "measured",
-) -> int:
-    """The CLI of a validate target with named cases (torchtune, deepspeed, torchtitan): --list,
-    the selection (--cases / --full / the CI subset), the library check, a progress line per row
-    (`run_cases` reports a case's row, or its list of rows: one per rank), the JSON or the summary
-    line; exit 1 when a row is off by more than `tolerance`."""
+def run_named_cases(args, target: str, cases) -> int:
+    """The run of a validate target with named cases (torchtune, deepspeed, torchtitan, hf-trainer):
+    --list, the selection (--cases / --full / the CI subset), the library check, a progress line
+    per row, the JSON or the summary line; exit 1 when a row is off by more than its tolerance.
+
+    `cases` is the target's module, which holds: `all_cases()` (dicts with a "name"), `CI_CASES`
+    (the names run by default), `available()` (None, or why the target cannot run here),
+    `run_cases(cases, timeout, progress)` (the rows: one per case, or one per rank of each case),
+    `TRUTH` (also the label of the measured column), `TOLERANCE`, `json_header()` (the fields the
+    JSON object adds) and, when its rows are ranks, `ROWS_ARE = "ranks"`."""
     import json
     import subprocess
     import sys
@@ -267,18 +245,21 @@ def run_named_cases(
     from ..errors import UserError
     from ..units import fmt_bytes
 
+    truth, tolerance = cases.TRUTH, cases.TOLERANCE
+    rows_are = getattr(cases, "ROWS_ARE", "cases")
+    name_width = 32 if rows_are == "ranks" else 28  # room for "<case>/rank<N>"
     if args.list:
-        for c in all_cases():
+        for c in cases.all_cases():
             print(c["name"])
         return 0
     if args.timeout <= 0:
         raise UserError("--timeout: must be a positive number of seconds")
-    known = {c["name"]: c for c in all_cases()}
+    known = {c["name"]: c for c in cases.all_cases()}
     if args.cases:
-        cases = [known[n] for n in case_names(args.cases, known, target)]
+        chosen = [known[n] for n in case_names(args.cases, known, target)]
     else:
-        cases = list(known.values()) if args.full else [known[n] for n in ci_cases]
-    why = available()
+        chosen = list(known.values()) if args.full else [known[n] for n in cases.CI_CASES]
+    why = cases.available()
     if why:
         raise UserError(f"validate {target}: {why}")
 
@@ -295,17 +276,17 @@ def run_named_cases(
     if not args.json:
         print(header_line(target, truth, tolerance))
         print(
-            f"{'case / rank':{name_width}s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
-            f"{measured_label} peak at"
+            f"{'case / rank':{name_width}s} {truth:>12s} {'estimated':>12s} {'rel_error':>10s}  "
+            f"{truth} peak at"
         )
     try:
-        rows = run_cases(cases, args.timeout, progress)
+        rows = cases.run_cases(chosen, args.timeout, progress)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"pipemem: validate {target}: {e}", file=sys.stderr)
         return 1
     worst = max_abs_rel_error(rows) or 0.0
     if args.json:
-        print(json.dumps(report(target, truth, tolerance, rows, **json_header), indent=1))
+        print(json.dumps(report(target, truth, tolerance, rows, **cases.json_header()), indent=1))
     else:
         print(f"max |rel_error| = {worst:.2%} over {len(rows)} {rows_are} (tolerance {tolerance:.2%})")
         print(verdict_line(rows, tolerance))

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -217,38 +217,29 @@ def available() -> str | None:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "deepspeed",
-        "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
-        f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
-        "Face Llama over a real gloo process group on the CPU, measure rank 0's "
-        "allocations during the second step with PyTorch's profiler, and compare the "
-        "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
-        f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
-        f"{TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
+HELP = "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate"
+DESCRIPTION = (
+    f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
+    "Face Llama over a real gloo process group on the CPU, measure rank 0's "
+    "allocations during the second step with PyTorch's profiler, and compare the "
+    "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
+    f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
+    f"{TOLERANCE:.0%}."
+)
+
+
+def add_arguments(p) -> None:
     add_case_options(
         p,
         "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)",
         300.0,
         "seconds per case",
     )
-    p.set_defaults(func=run)
+
+
+def json_header() -> dict:
+    return {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"}
 
 
 def run(args) -> int:
-    return run_named_cases(
-        args,
-        "deepspeed",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"},
-        "measured",
-        truth=TRUTH,
-    )
+    return run_named_cases(args, "deepspeed", sys.modules[__name__])

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from .case_model import torchtune_decoder_kwargs
-from .compare import CaseRow, add_json_option, target_parser
+from .compare import CaseRow, add_json_option
 from .cuda_stand_ins import Stream as _Stream
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
@@ -1117,16 +1117,12 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "features",
-        "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
-        __doc__.split("\n\n")[0],
-        EXAMPLE,
-    )
+HELP = "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces"
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def add_arguments(p) -> None:
     add_json_option(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

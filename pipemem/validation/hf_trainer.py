@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -237,19 +237,18 @@ def available() -> str | None:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "hf-trainer",
-        "Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer",
-        "Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
-        "TrainingArguments, Trainer) on a tiny Llama on the CPU for each case's command "
-        "line, measure the second optimizer step's allocations with PyTorch's profiler, "
-        "and compare the peak with pipemem's estimate of the same command line read by "
-        "--from-hf-trainer (--kernel-policy cpu). Needs transformers and accelerate "
-        f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
+HELP = "Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer"
+DESCRIPTION = (
+    "Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
+    "TrainingArguments, Trainer) on a tiny Llama on the CPU for each case's command "
+    "line, measure the second optimizer step's allocations with PyTorch's profiler, "
+    "and compare the peak with pipemem's estimate of the same command line read by "
+    "--from-hf-trainer (--kernel-policy cpu). Needs transformers and accelerate "
+    f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}."
+)
+
+
+def add_arguments(p) -> None:
     add_case_options(
         p,
         "every case (fp32, bf16 autocast, checkpointing, accumulation, bf16 parameters, SGD, "
@@ -257,25 +256,17 @@ def register(sub) -> None:
         300.0,
         "seconds per case",
     )
-    p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def json_header() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         tv = version("transformers")
     except PackageNotFoundError:
         tv = None
-    return run_named_cases(
-        args,
-        "hf-trainer",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"transformers": tv, "kernel_policy": "cpu"},
-        "measured",
-        truth=TRUTH,
-    )
+    return {"transformers": tv, "kernel_policy": "cpu"}
+
+
+def run(args) -> int:
+    return run_named_cases(args, "hf-trainer", sys.modules[__name__])

@@ -39,7 +39,7 @@ import subprocess
 import sys
 
 from ..errors import UserError
-from .compare import add_json_option, exit_code, target_parser
+from .compare import add_json_option, exit_code
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
 from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
 from .paddle_runs.paddlenlp_legacy import CASE_NAMES as LEGACY_NLP_CASE_NAMES
@@ -133,14 +133,11 @@ def run_cases(
     return json.loads(lines[-1])["cases"]
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "paddle",
-        "Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
-        __doc__.split("\n\n")[1],
-        EXAMPLE,
-    )
+HELP = "Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator"
+DESCRIPTION = __doc__.split("\n\n")[1]
+
+
+def add_arguments(p) -> None:
     add_json_option(p)
     p.add_argument(
         "--cases",
@@ -159,7 +156,6 @@ def register(sub) -> None:
     p.add_argument(
         "--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)"
     )
-    p.set_defaults(func=run)
 
 
 def _with_interpreter(cases: list[str], interpreter, label: str, asked: bool, notes: list[str]) -> list[str]:

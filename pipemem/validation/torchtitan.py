@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -40,6 +40,7 @@ LLAMA = {"family": "llama3", "config": "llama3_debugmodel", "flavor": "debugmode
 QWEN3_MOE = {"family": "qwen3", "config": "qwen3_moe_debug", "flavor": "debugmodel_moe"}
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+ROWS_ARE = "ranks"  # one row per traced rank of each case
 TOLERANCE = 0.01
 
 
@@ -207,42 +208,35 @@ def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "torchtitan",
-        "torchtitan's own training step (fake tensors) per rank vs the estimate",
-        "Trace torchtitan 0.3's own training step (its parallelize / pipelining "
-        "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
-        "with the fake process group, second step, and compare each rank's peak "
-        "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
-        "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
-        f"than {TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
+HELP = "torchtitan's own training step (fake tensors) per rank vs the estimate"
+DESCRIPTION = (
+    "Trace torchtitan 0.3's own training step (its parallelize / pipelining "
+    "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
+    "with the fake process group, second step, and compare each rank's peak "
+    "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
+    "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+    f"than {TOLERANCE:.0%}."
+)
+
+
+def add_arguments(p) -> None:
     add_case_options(
         p,
         "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)",
         600.0,
         "seconds per traced rank",
     )
-    p.set_defaults(func=run)
+
+
+def json_header() -> dict:
+    return {"torchtitan": "0.3.0", "kernel_policy": "cuda"}
+
+
+def available() -> str | None:
+    from .torchtitan_trace import available
+
+    return available()
 
 
 def run(args) -> int:
-    from .torchtitan_trace import available
-
-    return run_named_cases(
-        args,
-        "torchtitan",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"torchtitan": "0.3.0", "kernel_policy": "cuda"},
-        measured_label="traced",
-        name_width=32,
-        rows_are="ranks",
-        truth=TRUTH,
-    )
+    return run_named_cases(args, "torchtitan", sys.modules[__name__])

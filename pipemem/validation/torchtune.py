@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -145,19 +145,18 @@ def available() -> str | None:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "torchtune",
-        "torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
-        "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
-        "full_finetune_distributed step for rank 0 on fake tensors with the fake "
-        "process group, second step, and compare its peak with pipemem's "
-        "torchtune-convention estimate. Needs torchtune==0.6.1 "
-        "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
-        f"{TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
+HELP = "torchtune's distributed full fine-tune step (fake tensors) vs the estimate"
+DESCRIPTION = (
+    "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+    "full_finetune_distributed step for rank 0 on fake tensors with the fake "
+    "process group, second step, and compare its peak with pipemem's "
+    "torchtune-convention estimate. Needs torchtune==0.6.1 "
+    "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
+    f"{TOLERANCE:.0%}."
+)
+
+
+def add_arguments(p) -> None:
     add_case_options(
         p,
         "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
@@ -165,19 +164,11 @@ def register(sub) -> None:
         600.0,
         "seconds per case",
     )
-    p.set_defaults(func=run)
+
+
+def json_header() -> dict:
+    return {"torchtune": "0.6.1", "kernel_policy": "cuda"}
 
 
 def run(args) -> int:
-    return run_named_cases(
-        args,
-        "torchtune",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"torchtune": "0.6.1", "kernel_policy": "cuda"},
-        "traced",
-        truth=TRUTH,
-    )
+    return run_named_cases(args, "torchtune", sys.modules[__name__])
