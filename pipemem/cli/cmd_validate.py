@@ -23,7 +23,8 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    from ..validation import TARGETS
+    from ..validation import NAMED_CASE_TARGETS, TARGETS
+    from ..validation.compare import NamedCaseCommand
     from .command import add_command
 
     targets = p.add_subparsers(dest="target", metavar="TARGET", parser_class=type(p))
@@ -34,7 +35,10 @@ def add_arguments(p) -> None:
             if e.name != f"pipemem.validation.{name}":
                 raise
             continue
-        add_command(targets, name.replace("_", "-"), module)
+        command = name.replace("_", "-")
+        add_command(
+            targets, command, NamedCaseCommand(command, module) if name in NAMED_CASE_TARGETS else module
+        )
     p.set_defaults(print_validate_help=p.print_help)
 
 

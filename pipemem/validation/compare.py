@@ -228,10 +228,32 @@ def timed_rows(cases: list[dict], one, progress=None) -> list[CaseRow]:
     return rows
 
 
+class NamedCaseCommand:
+    """The command of a validate target of named cases (torchtune, deepspeed, torchtitan,
+    hf-trainer), made from the target's module (`cases`). Besides what `run_named_cases` reads,
+    the module holds the command's `HELP`, `DESCRIPTION` and `EXAMPLE`, `FULL_HELP` (what --full
+    runs) and `TIMEOUT` (the default --timeout: seconds per case, or per traced rank)."""
+
+    def __init__(self, name: str, cases):
+        self.name, self.cases = name, cases
+        self.HELP, self.DESCRIPTION, self.EXAMPLE = cases.HELP, cases.DESCRIPTION, cases.EXAMPLE
+
+    def add_arguments(self, p) -> None:
+        per = "traced rank" if _rows_are(self.cases) == "ranks" else "case"
+        add_case_options(p, self.cases.FULL_HELP, self.cases.TIMEOUT, f"seconds per {per}")
+
+    def run(self, args) -> int:
+        return run_named_cases(args, self.name, self.cases)
+
+
+def _rows_are(cases) -> str:
+    return getattr(cases, "ROWS_ARE", "cases")
+
+
 def run_named_cases(args, target: str, cases) -> int:
-    """The run of a validate target with named cases (torchtune, deepspeed, torchtitan, hf-trainer):
-    --list, the selection (--cases / --full / the CI subset), the library check, a progress line
-    per row, the JSON or the summary line; exit 1 when a row is off by more than its tolerance.
+    """The run of a validate target with named cases: --list, the selection (--cases / --full /
+    the CI subset), the library check, a progress line per row, the JSON or the summary line;
+    exit 1 when a row is off by more than its tolerance.
 
     `cases` is the target's module, which holds: `all_cases()` (dicts with a "name"), `CI_CASES`
     (the names run by default), `available()` (None, or why the target cannot run here),
@@ -246,7 +268,7 @@ def run_named_cases(args, target: str, cases) -> int:
     from ..units import fmt_bytes
 
     truth, tolerance = cases.TRUTH, cases.TOLERANCE
-    rows_are = getattr(cases, "ROWS_ARE", "cases")
+    rows_are = _rows_are(cases)
     name_width = 32 if rows_are == "ranks" else 28  # room for "<case>/rank<N>"
     if args.list:
         for c in cases.all_cases():

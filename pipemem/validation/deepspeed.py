@@ -14,12 +14,8 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -35,6 +31,7 @@ MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "
 SEQ = 256
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 TOLERANCE = 0.03
+TIMEOUT = 300.0  # seconds per case: the default --timeout
 
 
 def hf_auto(stage: int, hidden: int) -> dict:
@@ -186,32 +183,20 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     )
 
 
-def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
 def available() -> str | None:
     """None when DeepSpeed (its CPU accelerator) and transformers import here, else why not (one line)."""
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import deepspeed, transformers; "
-                "from deepspeed.accelerator import get_accelerator; "
-                "assert get_accelerator().device_name() == 'cpu'",
-            ],
-            env=dict(os.environ, DS_ACCELERATOR="cpu"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"deepspeed could not be checked ({type(e).__name__}); {INSTALL}"
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return f"deepspeed is not importable with DS_ACCELERATOR=cpu ({last}); {INSTALL}"
-    return None
+    from .rank_processes import import_error
+
+    why = import_error(
+        "import deepspeed, transformers; from deepspeed.accelerator import get_accelerator; "
+        "assert get_accelerator().device_name() == 'cpu'",
+        {"DS_ACCELERATOR": "cpu"},
+    )
+    return why and f"deepspeed is not importable with DS_ACCELERATOR=cpu ({why}); {INSTALL}"
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -226,20 +211,8 @@ DESCRIPTION = (
     f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
     f"{TOLERANCE:.0%}."
 )
-
-
-def add_arguments(p) -> None:
-    add_case_options(
-        p,
-        "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)",
-        300.0,
-        "seconds per case",
-    )
+FULL_HELP = "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)"
 
 
 def json_header() -> dict:
     return {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"}
-
-
-def run(args) -> int:
-    return run_named_cases(args, "deepspeed", sys.modules[__name__])

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -42,6 +42,7 @@ SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 ROWS_ARE = "ranks"  # one row per traced rank of each case
 TOLERANCE = 0.01
+TIMEOUT = 600.0  # seconds per traced rank: the default --timeout
 
 
 def _case(
@@ -201,7 +202,7 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     return rows
 
 
-def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
@@ -217,15 +218,7 @@ DESCRIPTION = (
     "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
     f"than {TOLERANCE:.0%}."
 )
-
-
-def add_arguments(p) -> None:
-    add_case_options(
-        p,
-        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)",
-        600.0,
-        "seconds per traced rank",
-    )
+FULL_HELP = "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, MoE)"
 
 
 def json_header() -> dict:
@@ -236,7 +229,3 @@ def available() -> str | None:
     from .torchtitan_trace import available
 
     return available()
-
-
-def run(args) -> int:
-    return run_named_cases(args, "torchtitan", sys.modules[__name__])

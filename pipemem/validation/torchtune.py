@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, timed_rows
+from .compare import CaseRow, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -33,6 +33,7 @@ MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 TOLERANCE = 0.02
+TIMEOUT = 600.0  # seconds per case: the default --timeout
 # torchtune's Llama 3 configs shard these apart from the root (`custom_sharded_layers`)
 CUSTOM = ["tok_embeddings", "output"]
 
@@ -124,7 +125,7 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     )
 
 
-def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
@@ -154,21 +155,11 @@ DESCRIPTION = (
     "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
     f"{TOLERANCE:.0%}."
 )
-
-
-def add_arguments(p) -> None:
-    add_case_options(
-        p,
-        "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
-        "dp 4, activation checkpointing)",
-        600.0,
-        "seconds per case",
-    )
+FULL_HELP = (
+    "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
+    "dp 4, activation checkpointing)"
+)
 
 
 def json_header() -> dict:
     return {"torchtune": "0.6.1", "kernel_policy": "cuda"}
-
-
-def run(args) -> int:
-    return run_named_cases(args, "torchtune", sys.modules[__name__])
