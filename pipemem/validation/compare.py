@@ -34,6 +34,9 @@ def rel_error(estimated: int | None, measured: int | None) -> float | None:
     return (estimated - measured) / abs(measured)
 
 
+_CORE = ("name", "measured_bytes", "estimated_bytes", "rel_error")
+
+
 @dataclass
 class CaseRow:
     """One measured-vs-estimated comparison. `extra` holds target-specific fields (rank,
@@ -47,6 +50,16 @@ class CaseRow:
     @property
     def rel_error(self) -> float | None:
         return rel_error(self.estimated_bytes, self.measured_bytes)
+
+    def get(self, key: str, default=None):
+        """A field by its JSON name, core or extra (as `dict.get` reads the row's JSON)."""
+        return getattr(self, key) if key in _CORE else self.extra.get(key, default)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CaseRow:
+        """The row a `to_dict` wrote (a worker's JSON), its relative error computed again."""
+        extra = {k: v for k, v in d.items() if k not in _CORE}
+        return cls(d["name"], d["measured_bytes"], d["estimated_bytes"], extra)
 
     def to_dict(self) -> dict:
         d = {
@@ -65,18 +78,9 @@ TRUTHS = {
 }
 
 
-_CORE = ("name", "measured_bytes", "estimated_bytes", "rel_error")
-
-
-def _field(row, key):
-    if isinstance(row, CaseRow):
-        return getattr(row, key) if key in _CORE else row.extra.get(key)
-    return row.get(key)
-
-
 def row_tolerance(row, tolerance: float) -> float:
     """The row's own tolerance when it has one, else the target's."""
-    own = _field(row, "tolerance")
+    own = row.get("tolerance")
     return tolerance if own is None else own
 
 
@@ -86,17 +90,17 @@ def beyond_tolerance(rows, tolerance: float) -> list[str]:
     is outside the verdict."""
     bad = []
     for r in rows:
-        if _field(r, "unreliable"):  # the measurement itself is in doubt: never a pass
-            bad.append(str(_field(r, "name")))
+        if r.get("unreliable"):  # the measurement itself is in doubt: never a pass
+            bad.append(str(r.get("name")))
             continue
-        if _field(r, "known_gap"):
+        if r.get("known_gap"):
             continue
-        err = _field(r, "rel_error")
+        err = r.get("rel_error")
         if err is None:
-            if _field(r, "measured_bytes") is not None and _field(r, "estimated_bytes") is not None:
-                bad.append(str(_field(r, "name")))
+            if r.get("measured_bytes") is not None and r.get("estimated_bytes") is not None:
+                bad.append(str(r.get("name")))
         elif abs(err) > row_tolerance(r, tolerance):
-            bad.append(str(_field(r, "name")))
+            bad.append(str(r.get("name")))
     return bad
 
 
@@ -120,7 +124,7 @@ def report(target: str, truth: str, tolerance: float, rows, **fields) -> dict:
         **fields,
         "cases": [r.to_dict() if isinstance(r, CaseRow) else r for r in rows],
         "max_abs_rel_error": max_abs_rel_error(rows),
-        "known_gaps": [str(_field(r, "name")) for r in rows if _field(r, "known_gap")],
+        "known_gaps": [str(r.get("name")) for r in rows if r.get("known_gap")],
         "beyond_tolerance": bad,
         "passed": not bad,
     }
@@ -136,8 +140,8 @@ def verdict_line(rows, tolerance: float) -> str:
     and each unreliable measurement with its reason."""
     bad = beyond_tolerance(rows, tolerance)
     own = sorted({row_tolerance(r, tolerance) for r in rows} - {tolerance})
-    gaps = [r for r in rows if _field(r, "known_gap")]
-    covered = [r for r in rows if not _field(r, "known_gap")]
+    gaps = [r for r in rows if r.get("known_gap")]
+    covered = [r for r in rows if not r.get("known_gap")]
     worst = max_abs_rel_error(covered)
     if bad:
         text = f"FAIL: {len(bad)} of {len(covered)} rows beyond tolerance: {', '.join(bad)}"
@@ -150,16 +154,16 @@ def verdict_line(rows, tolerance: float) -> str:
     if gaps:
         text += f"; {len(gaps)} known gap(s) outside the verdict:"
     for r in gaps:
-        text += f"\n  known gap: {_field(r, 'name')}: {_field(r, 'known_gap')}"
+        text += f"\n  known gap: {r.get('name')}: {r.get('known_gap')}"
     for r in rows:
-        if _field(r, "unreliable"):
-            text += f"\n  unreliable measurement: {_field(r, 'name')}: {_field(r, 'unreliable')}"
+        if r.get("unreliable"):
+            text += f"\n  unreliable measurement: {r.get('name')}: {r.get('unreliable')}"
     return text
 
 
 def max_abs_rel_error(rows) -> float | None:
     """Largest |rel_error| over rows (CaseRow or dicts); None when no row has one."""
-    errs = [r.rel_error if isinstance(r, CaseRow) else r.get("rel_error") for r in rows]
+    errs = [r.get("rel_error") for r in rows]
     errs = [abs(e) for e in errs if e is not None]
     return max(errs) if errs else None
 
