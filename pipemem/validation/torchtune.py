@@ -5,9 +5,9 @@ Each case is a `full_finetune_distributed` configuration at a small shape (torch
 decoder, world 2 or 4, bf16): with or without `custom_sharded_layers`, chunked or plain cross
 entropy, tied embeddings, `fsdp_reshard_after_forward`, activation checkpointing. Measured:
 rank 0 of torchtune's own model, `shard_model` and step, traced on fake tensors with the fake
-process group (`torchtune_trace.py`, second step). Estimated: the same configuration through
-`pipemem.estimate(..., convention="torchtune", fsdp=True)`, with the plan `--from-torchtune`
-makes of those keys. `rel_error` = (estimated - measured) / measured.
+process group (`torchtune_trace.py`, second step). Estimated: the case's recipe config
+(`recipe_config`) read by `pipemem.read_config("torchtune", ...)` (what `--from-torchtune`
+reads), estimated with the case's model. `rel_error` = (estimated - measured) / measured.
 """
 
 from __future__ import annotations
@@ -64,28 +64,47 @@ CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
 hf_config = llama_hf_config  # the case's model as the estimate reads it
 
 
-def plan_kwargs(case: dict) -> dict:
-    """What `--from-torchtune` makes of the case's configuration keys."""
-    kw = dict(
-        convention="torchtune",
-        dtype="bf16",
-        fsdp=True,
-        dp=case["world"],
-        seq_len=case["seq_len"],
-        micro_batch=case["micro_batch"],
-    )
-    extra = {}
-    if case.get("custom_sharded_layers"):
-        extra["custom_sharded_layers"] = sorted(case["custom_sharded_layers"])
-    if case.get("reshard_after_forward") is False:
-        extra["fsdp_reshard_after_forward"] = False
-    if extra:
-        kw["extra"] = extra
+def recipe_config(case: dict) -> dict:
+    """The `full_finetune_distributed` recipe config the case runs (what `torchtune_trace` builds
+    and steps). Its model is the case's small Llama 3.2, which no builder names: the config names
+    the 1B builder, and only the plan is read from it."""
+    cfg = {
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+        "tokenizer": {
+            "_component_": "torchtune.models.llama3.llama3_tokenizer",
+            "max_seq_len": case["seq_len"],
+        },
+        "batch_size": case["micro_batch"],
+        "dtype": "bf16",
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        "loss": {"_component_": "torch.nn.CrossEntropyLoss"},
+        "enable_activation_checkpointing": bool(case.get("activation_checkpointing")),
+        "data_parallel_shard_dim": case["world"],
+        "fsdp_reshard_after_forward": case.get("reshard_after_forward", True),
+    }
     if case.get("loss_chunks", 1) > 1:
-        kw.update(loss="chunked", loss_chunks=case["loss_chunks"])
-    if case.get("activation_checkpointing"):
-        kw["recompute"] = "full"
-    return kw
+        cfg["loss"] = {
+            "_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",
+            "num_output_chunks": case["loss_chunks"],
+        }
+    if case.get("custom_sharded_layers"):
+        cfg["custom_sharded_layers"] = list(case["custom_sharded_layers"])
+    return cfg
+
+
+def plan_kwargs(case: dict) -> dict:
+    """The plan of the case's recipe config as `pipemem estimate --from-torchtune` reads it
+    (`pipemem.read_config`)."""
+    import yaml
+
+    from ..configs.resolve import read_config
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "recipe.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(recipe_config(case), f)
+        _, plan = read_config("torchtune", path)
+    return plan
 
 
 def trace_case(case: dict, timeout: float) -> dict:
