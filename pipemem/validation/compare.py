@@ -72,6 +72,27 @@ class CaseRow:
         return d
 
 
+def peak_row(name: str, case: str, trace: dict, rank, where: dict | None = None, **more) -> CaseRow:
+    """One rank's peak as the framework's own step gave it (`trace`: its `peak_bytes`,
+    `static_bytes` and `peak_at`) against the estimate's rank (`rank`: a `RankEstimate`), with
+    the static bytes and the moment of the peak on both sides. `where` (rank, pp_rank...) follows
+    the case's name in the row; `more` ends it."""
+    return CaseRow(
+        name,
+        trace["peak_bytes"],
+        rank.peak_allocated_bytes,
+        {
+            "case": case,
+            **(where or {}),
+            "measured_static_bytes": trace["static_bytes"],
+            "estimated_static_bytes": rank.static.total,
+            "measured_peak_at": trace["peak_at"],
+            "estimated_peak_at": rank.peak_at,
+            **more,
+        },
+    )
+
+
 TRUTHS = {
     "measured": "a real run, bytes from the allocator or profiler",
     "traced": "the framework's own code on fake tensors, bytes counted by pipemem",

@@ -15,7 +15,7 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 from __future__ import annotations
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -157,29 +157,22 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     est = estimate(
         hf_config(case), model_name="deepspeed-llama-small", kernel_policy="cpu", **plan_kwargs(case)
     )
-    r = est.ranks[0]
-    return CaseRow(
+    return peak_row(
         f"{case['name']}/rank0",
-        trace["peak_bytes"],
-        r.peak_allocated_bytes,
-        {
-            "case": case["name"],
-            "measured_static_bytes": trace["static_bytes"],
-            "estimated_static_bytes": r.static.total,
-            "measured_peak_at": trace["peak_at"],
-            "estimated_peak_at": r.peak_at,
-            "measured_phase_peaks": trace["phase_peaks"],
-            "rank_peaks": trace["rank_peaks"],
-            "breakdown": trace["breakdown"],
-            "zero_settings": trace["zero_settings"],
-            "optimizer": trace["optimizer"],
-            "settings_disagree": {
-                k: (v, trace["zero_settings"].get(k))
-                for k, v in assumed_settings(plan_kwargs(case)).items()
-                if trace["zero_settings"].get(k) != v
-            },
-            "reconciled_bytes": trace["reconciled_bytes"],
+        case["name"],
+        trace,
+        est.ranks[0],
+        measured_phase_peaks=trace["phase_peaks"],
+        rank_peaks=trace["rank_peaks"],
+        breakdown=trace["breakdown"],
+        zero_settings=trace["zero_settings"],
+        optimizer=trace["optimizer"],
+        settings_disagree={
+            k: (v, trace["zero_settings"].get(k))
+            for k, v in assumed_settings(plan_kwargs(case)).items()
+            if trace["zero_settings"].get(k) != v
         },
+        reconciled_bytes=trace["reconciled_bytes"],
     )
 
 

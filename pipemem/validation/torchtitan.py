@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -183,22 +183,8 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     for rank, tr in sorted(traces.items()):
         stage_rank = rank // (case["world"] // pp) if pp > 1 else 0
         r = est.ranks[stage_rank]
-        rows.append(
-            CaseRow(
-                f"{case['name']}/rank{rank}",
-                tr["peak_bytes"],
-                r.peak_allocated_bytes,
-                {
-                    "case": case["name"],
-                    "rank": rank,
-                    "pp_rank": stage_rank,
-                    "measured_static_bytes": tr["static_bytes"],
-                    "estimated_static_bytes": r.static.total,
-                    "measured_peak_at": tr["peak_at"],
-                    "estimated_peak_at": r.peak_at,
-                },
-            )
-        )
+        where = {"rank": rank, "pp_rank": stage_rank}
+        rows.append(peak_row(f"{case['name']}/rank{rank}", case["name"], tr, r, where))
     return rows
 
 

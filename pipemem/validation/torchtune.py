@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -129,19 +129,7 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     from ..estimate import estimate
 
     est = estimate(hf_config(case), model_name="torchtune-llama3_2-small", **plan_kwargs(case))
-    r = est.ranks[0]
-    return CaseRow(
-        f"{case['name']}/rank0",
-        trace["peak_bytes"],
-        r.peak_allocated_bytes,
-        {
-            "case": case["name"],
-            "measured_static_bytes": trace["static_bytes"],
-            "estimated_static_bytes": r.static.total,
-            "measured_peak_at": trace["peak_at"],
-            "estimated_peak_at": r.peak_at,
-        },
-    )
+    return peak_row(f"{case['name']}/rank0", case["name"], trace, est.ranks[0])
 
 
 def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
