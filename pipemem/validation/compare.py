@@ -193,11 +193,12 @@ def add_json_option(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
 
 
-def add_known_cases_option(p, names) -> None:
-    """--cases for a target whose every case runs by default: the known names are in its help."""
-    p.add_argument(
-        "--cases", default="", help=f"comma-separated case names (default: all); known: {', '.join(names)}"
-    )
+def add_listed_case_options(p, cases) -> None:
+    """--json, and --cases for a target whose every case runs by default (`cases`: each has a
+    `name`; the known names are in the help; `pick_cases` reads it)."""
+    add_json_option(p)
+    names = ", ".join(c.name for c in cases)
+    p.add_argument("--cases", default="", help=f"comma-separated case names (default: all); known: {names}")
 
 
 def pick_cases(text: str, cases) -> tuple:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases
+from .compare import CaseRow, add_listed_case_options, pick_cases
 
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # A real step measured by the profiler against a trace with the kernels it runs: the same
@@ -225,8 +225,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    add_json_option(p)
-    add_known_cases_option(p, [c.name for c in CASES])
+    add_listed_case_options(p, CASES)
 
 
 def run(args) -> int:

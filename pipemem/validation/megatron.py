@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UserError
 from ..traced.kernel_workspace import ASSUMED
-from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases
+from .compare import CaseRow, add_listed_case_options, pick_cases
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 # megatron-core's step traced on fake tensors against the same flags' estimate: the same kernel
@@ -357,8 +357,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    add_json_option(p)
-    add_known_cases_option(p, [c.name for c in CASES])
+    add_listed_case_options(p, CASES)
     p.add_argument("--jobs", type=int, default=2, help="cases traced at once, one process each (default 2)")
 
 
