@@ -11,6 +11,7 @@ The vocabulary is stored unpadded; each framework convention pads it its own way
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -180,7 +181,9 @@ class ArchSpec:
 
     def param_count(self) -> int:
         """Unsharded parameter count with the unpadded vocabulary (for reports and tests)."""
-        total = sum(_prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items())
+        total = sum(
+            math.prod(s) for _, s in embedding_param_shapes(self, self.vocab, tp=1, head=True).items()
+        )
         dense = [i for i in self.dense_layers if i < self.layers] if self.is_moe else []
         moe_index = next((i for i in range(len(dense) + 1) if i not in dense), 0)
         kinds = (
@@ -190,7 +193,7 @@ class ArchSpec:
         )
         for index, n in kinds:  # one layer of each kind: the cost does not grow with the layer count
             total += n * sum(
-                _prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items()
+                math.prod(s) for _, (s, _e) in layer_param_shapes(self, index, tp=1, etp=1, ep=1).items()
             )
         return total
 
@@ -203,13 +206,6 @@ def _extend_pattern(indices: tuple[int, ...], period: int, layers: int) -> tuple
         members = {i % period for i in indices}
         return tuple(i for i in range(layers) if i % period in members)
     return tuple(i for i in indices if i < layers)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class _Reader:

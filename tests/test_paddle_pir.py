@@ -91,7 +91,7 @@ def captured():
 
 @pytest.fixture(scope="module")
 def rows():
-    return {r["name"]: r for r in run_cases(("mlp-pir", "gpt2-pir"), ir="pir", trials=3)}
+    return {r.name: r.to_dict() for r in run_cases(("mlp-pir", "gpt2-pir"), ir="pir", trials=3)}
 
 
 def test_programs_are_pir(captured):

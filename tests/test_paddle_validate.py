@@ -16,7 +16,7 @@ F32 = 4
 
 @pytest.fixture(scope="module")
 def rows():
-    return {r["name"]: r for r in run_cases(CASE_NAMES)}
+    return {r.name: r.to_dict() for r in run_cases(CASE_NAMES)}
 
 
 def test_every_case_sub_program_and_quantity_is_reported(rows):

@@ -25,18 +25,23 @@ def test_target_registered_and_cases_are_valid_plans():
         assert est.ranks[0].peak_allocated_bytes > 0
 
 
-def test_custom_sharded_layers_reach_the_plan_as_the_reader_puts_them(tmp_path):
-    from pipemem.configs.torchtune import read
-
-    case = next(c for c in all_cases() if c.get("custom_sharded_layers"))
-    cfg = tmp_path / "8B_full.yaml"
-    cfg.write_text(
-        "model:\n  _component_: torchtune.models.llama3_2.llama3_2_3b\nbatch_size: 2\n"
-        "tokenizer:\n  max_seq_len: 256\ndtype: bf16\n"
-        "optimizer:\n  _component_: torch.optim.AdamW\n  fused: True\n"
-        "custom_sharded_layers: " + json.dumps(case["custom_sharded_layers"]) + "\n"
-    )
-    assert read(str(cfg)).plan["extra"] == plan_kwargs(case)["extra"]
+def test_every_case_key_the_trace_reads_reaches_the_plan_through_the_reader():
+    """The estimate's plan is the case's recipe config read by `pipemem.read_config`: each key
+    `torchtune_trace` acts on (world, chunks, checkpointing, custom units, resharding) shows."""
+    for case in all_cases():
+        plan = plan_kwargs(case)
+        extra = plan.get("extra", {})
+        assert (plan["convention"], plan["fsdp"], plan["dp"]) == ("torchtune", True, case["world"])
+        assert (plan["seq_len"], plan["micro_batch"], plan["dtype"]) == (
+            case["seq_len"],
+            case["micro_batch"],
+            "bf16",
+        )
+        assert plan.get("loss_chunks", 1) == case.get("loss_chunks", 1)
+        assert (plan.get("recompute") == "full") == bool(case.get("activation_checkpointing"))
+        assert extra.get("custom_sharded_layers", []) == sorted(case.get("custom_sharded_layers", []))
+        assert extra.get("fsdp_reshard_after_forward", True) == case.get("reshard_after_forward", True)
+        assert plan["optimizer_impl"] == "fused"  # the trace's torch.optim.AdamW(fused=True)
 
 
 @needs_torchtune

@@ -100,3 +100,97 @@ def test_with_ranks_keeps_the_schedule_and_changes_only_its_actions():
     )
     assert fewer.ranks == [acts[:2] for acts in s.ranks] and fewer != s
     assert s.with_ranks(s.ranks) == s
+
+
+def test_a_named_case_target_lists_and_checks_its_cases_before_running_any(capsys):
+    """torchtune, deepspeed, torchtitan and hf-trainer run through compare.run_named_cases, which reads
+    the cases, the CI subset and the library check off the target's module."""
+    from pipemem.cli.main import main
+    from pipemem.validation import deepspeed, torchtitan
+
+    assert main(["validate", "deepspeed", "--list"]) == 0
+    assert capsys.readouterr().out.split() == [c["name"] for c in deepspeed.all_cases()]
+    assert set(deepspeed.CI_CASES) < {c["name"] for c in deepspeed.all_cases()}
+    assert main(["validate", "torchtitan", "--cases", "no-such-case"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cases" in err[0] and "validate torchtitan --list" in err[0]
+    assert main(["validate", "hf-trainer", "--timeout", "0"]) == 2
+    assert "--timeout" in capsys.readouterr().err
+    assert torchtitan.ROWS_ARE == "ranks" and not hasattr(deepspeed, "ROWS_ARE")
+
+
+def test_every_command_and_target_parser_is_made_from_its_module():
+    """cli/command.py builds each parser from the module's HELP, DESCRIPTION and EXAMPLE; the
+    description is printed as written."""
+    import argparse
+    import importlib
+
+    from pipemem.cli.main import build_parser
+    from pipemem.validation import TARGETS
+
+    def subparsers(p):
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    commands = subparsers(build_parser())
+    for name, parser in commands.items():
+        module = importlib.import_module(f"pipemem.cli.cmd_{name}")
+        assert (parser.description, parser.epilog) == (module.DESCRIPTION, module.EXAMPLE)
+        assert parser.get_default("func") is module.run
+    targets = subparsers(commands["validate"])
+    assert sorted(targets) == sorted(t.replace("_", "-") for t in TARGETS)
+    for name in TARGETS:
+        module = importlib.import_module(f"pipemem.validation.{name}")
+        assert targets[name.replace("_", "-")].description == module.DESCRIPTION
+
+
+def test_a_row_reads_back_from_its_json_and_reads_as_its_json_does():
+    from pipemem.validation.compare import CaseRow, beyond_tolerance
+
+    row = CaseRow("a/rank0", 200, 210, {"case": "a", "known_gap": ""})
+    d = row.to_dict()
+    assert d["rel_error"] == 0.05 and CaseRow.from_dict(d) == row
+    assert [row.get(k) for k in ("name", "rel_error", "case", "missing")] == ["a/rank0", 0.05, "a", None]
+    # a row and its JSON give the same verdict
+    assert beyond_tolerance([row], 0.01) == beyond_tolerance([d], 0.01) == ["a/rank0"]
+
+
+def test_peak_row_sets_a_rank_of_the_trace_against_the_estimate_s():
+    from pipemem.validation.compare import peak_row
+
+    rank = SimpleNamespace(peak_allocated_bytes=110, static=SimpleNamespace(total=40), peak_at="B0@s0")
+    trace = {"peak_bytes": 100, "static_bytes": 41, "peak_at": "backward: add"}
+    row = peak_row("c/rank1", "c", trace, rank, {"rank": 1}, extra_field=7)
+    assert (row.measured_bytes, row.estimated_bytes) == (100, 110)
+    assert list(row.to_dict())[4:] == [
+        "case",
+        "rank",
+        "measured_static_bytes",
+        "estimated_static_bytes",
+        "measured_peak_at",
+        "estimated_peak_at",
+        "extra_field",
+    ]
+    assert (row.get("measured_static_bytes"), row.get("estimated_static_bytes")) == (41, 40)
+
+
+def test_paddle_rows_keep_their_json_fields_in_order():
+    """validate paddle's rows are CaseRows; a Program case's row has the fields (and the order)
+    its JSON has always had, Paddle's own error beside pipemem's."""
+    from pipemem.validation.paddle_runs.compare import paddle_row, program_row
+
+    d = program_row("mlp/forward/peak", 100, 90, 120, "matmul").to_dict()
+    assert list(d) == [
+        "name",
+        "measured_bytes",
+        "estimated_bytes",
+        "rel_error",
+        "paddle_estimated_bytes",
+        "paddle_rel_error",
+        "peak_op",
+        "collector",
+        "trial_peaks",
+        "lag_bytes",
+    ]
+    assert (d["rel_error"], d["paddle_rel_error"]) == (-0.1, 0.2)
+    unmeasured = paddle_row("card0/forward/net", None, 90, None, built_with="paddlepaddle 2.6.2").to_dict()
+    assert unmeasured["rel_error"] is None and unmeasured["built_with"] == "paddlepaddle 2.6.2"

@@ -51,20 +51,19 @@ def _bool_flag(p, name: str, help_: str) -> None:
     p.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help_)
 
 
-def register(sub) -> None:
+HELP = "per-rank GPU memory of a training plan"
+DESCRIPTION = (
+    "Estimate the allocated memory of every pipeline rank at every moment of the schedule, "
+    "for a model (preset, HF config.json, or another tool's launch configuration) and a "
+    "parallel plan; print a per-rank table, JSON, or a plot."
+)
+
+
+def add_arguments(p) -> None:
     from ..estimate import KERNEL_POLICIES, MODES
     from ..plan import CONVENTIONS, DTYPES, GRADS, OPTIMIZER_IMPLS, OPTIMIZERS, RECOMPUTE, STEPS
     from ..runtime import RUNTIMES
 
-    p = sub.add_parser(
-        "estimate",
-        help="per-rank GPU memory of a training plan",
-        description="Estimate the allocated memory of every pipeline rank at every moment of the schedule, "
-        "for a model (preset, HF config.json, or another tool's launch configuration) and a "
-        "parallel plan; print a per-rank table, JSON, or a plot.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     src = p.add_argument_group("model (one of)")
     src.add_argument(
         "--model",
@@ -124,13 +123,11 @@ def register(sub) -> None:
         "(= --mode paddle; needs paddlenlp 2.8.1 + paddlepaddle 3.x, in this Python or "
         "$PIPEMEM_PADDLENLP_PYTHON; shapes only, no GPU)",
     )
-
     b = p.add_argument_group("batch")
     b.add_argument("--seq-len", type=int, metavar="N", help="sequence length (default 4096)")
     b.add_argument("--micro-batch", type=int, metavar="N", help="sequences per microbatch (default 1)")
     b.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all dp ranks")
     b.add_argument("--microbatches", type=int, metavar="N", help="microbatches per pipeline per step")
-
     par = p.add_argument_group("parallelism")
     for flag, what in (
         ("--dp", "data"),
@@ -154,7 +151,6 @@ def register(sub) -> None:
         help="pipeline schedule (1F1B, GPipe, Interleaved1F1B, ZBH1, ZBVZeroBubble, DualPipeV, "
         "VPP, ... or csv:FILE); default 1F1B when pp > 1",
     )
-
     sh = p.add_argument_group("model states")
     sh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over dp (default 0)")
     sh.add_argument(
@@ -200,7 +196,6 @@ def register(sub) -> None:
         help="which training step: steady (default; what max_memory_allocated shows after a few "
         "steps) or first (no optimizer states before the first optimizer step)",
     )
-
     act = p.add_argument_group("activations")
     act.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
     act.add_argument("--recompute-layers", type=int, metavar="K", help="recompute only K layers per stage")
@@ -226,7 +221,6 @@ def register(sub) -> None:
         help="pipeline runtime whose buffers and references are replayed (default from --convention: "
         "megatron -> megatron, paddle -> paddle, torchtitan/hf -> torch)",
     )
-
     mod = p.add_argument_group("what modern trainers switch on (see pipemem.features)")
     mod.add_argument(
         "--compile",
@@ -311,7 +305,6 @@ def register(sub) -> None:
         default=None,
         help="base linears in 4-bit NF4 with double quantization (bitsandbytes), bf16 compute",
     )
-
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
@@ -355,7 +348,6 @@ def register(sub) -> None:
         "per rank when the table does not fit)",
     )
     p.add_argument("tool_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
 
 
 PLAN_FLAGS = (

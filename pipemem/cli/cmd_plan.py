@@ -53,18 +53,17 @@ def _names(text: str | None) -> tuple[str, ...] | None:
     return out or None
 
 
-def register(sub) -> None:
+HELP = "every parallel plan that fits on your GPUs, ranked"
+DESCRIPTION = (
+    "Search dp, tp, pp (and layouts), vpp, cp, ep/etp, ZeRO/FSDP/distributed optimizer, "
+    "recomputation, micro-batch size and schedule for plans whose every rank fits the GPU with "
+    "a reserve; rank them by pipeline bubble and communication; list the Pareto set."
+)
+
+
+def add_arguments(p) -> None:
     from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS
 
-    p = sub.add_parser(
-        "plan",
-        help="every parallel plan that fits on your GPUs, ranked",
-        description="Search dp, tp, pp (and layouts), vpp, cp, ep/etp, ZeRO/FSDP/distributed optimizer, "
-        "recomputation, micro-batch size and schedule for plans whose every rank fits the GPU with "
-        "a reserve; rank them by pipeline bubble and communication; list the Pareto set.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     p.add_argument(
         "--model",
         metavar="NAME|PATH",
@@ -182,7 +181,6 @@ def register(sub) -> None:
         help="processes searching, then judging the shown plans, in parallel (default: the CPU count; "
         "the listing is the same)",
     )
-    p.set_defaults(func=run)
 
 
 def _positive(args, names) -> None:

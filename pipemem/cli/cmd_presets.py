@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 EXAMPLE = """\
@@ -13,18 +12,16 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
-        "presets",
-        help="list built-in models and GPUs",
-        description="List the model presets (published Hugging Face config.json shapes, shipped "
-        "with pipemem) and GPU presets (total device memory) that --model and --gpu "
-        "accept.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "list built-in models and GPUs"
+DESCRIPTION = (
+    "List the model presets (published Hugging Face config.json shapes, shipped "
+    "with pipemem) and GPU presets (total device memory) that --model and --gpu "
+    "accept."
+)
+
+
+def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def model_rows() -> list[dict]:

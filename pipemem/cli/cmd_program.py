@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ..errors import UserError
@@ -14,16 +13,15 @@ example:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
-        "program",
-        help="liveness of a saved sequence of programs (JSON)",
-        description="Walk each program of a pipemem.programs/1 JSON file op by op, in order, carrying "
-        "what later programs need, and print each program's net change, peak above its "
-        "start, and the op at the peak.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "liveness of a saved sequence of programs (JSON)"
+DESCRIPTION = (
+    "Walk each program of a pipemem.programs/1 JSON file op by op, in order, carrying "
+    "what later programs need, and print each program's net change, peak above its "
+    "start, and the op at the peak."
+)
+
+
+def add_arguments(p) -> None:
     p.add_argument("file", help="programs file (format pipemem.programs/1)")
     p.add_argument(
         "--dim",
@@ -40,7 +38,6 @@ def register(sub) -> None:
         help="round every allocation up to a multiple of BYTES (the CUDA allocator uses 512)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 MAX_DIM = 1 << 40

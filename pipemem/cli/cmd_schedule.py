@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ..errors import UserError
 
-EXAMPLE = """\
+USAGE_EXAMPLES = """\
 examples:
   pipemem schedule 1F1B --pp 4 --microbatches 8
   pipemem schedule ZBVZeroBubble --pp 4 --microbatches 8 --vpp 2 --json
@@ -57,22 +56,28 @@ def notation(width: int = 124) -> str:
     )
 
 
-def register(sub) -> None:
+HELP = "per-rank actions, bubble and peak of a pipeline schedule"
+
+
+def DESCRIPTION() -> str:  # noqa: N802 (cli/command.py reads it; a function: the terminal's width)
     from ..report.text import terminal_width
+
+    return _wrap(
+        "Generate (or import) a pipeline schedule, check it, replay it per rank with "
+        "microbatch-unit jobs and a time model, and print a compact chart.",
+        min(terminal_width(), 92),
+    )
+
+
+def EXAMPLE() -> str:  # noqa: N802 (the help's epilog: examples, notation, names)
+    from ..report.text import terminal_width
+
+    return USAGE_EXAMPLES + "\n" + notation(terminal_width())
+
+
+def add_arguments(p) -> None:
     from ..schedules.registry import names_help
 
-    width = terminal_width()
-    p = sub.add_parser(
-        "schedule",
-        help="per-rank actions, bubble and peak of a pipeline schedule",
-        description=_wrap(
-            "Generate (or import) a pipeline schedule, check it, replay it per rank with "
-            "microbatch-unit jobs and a time model, and print a compact chart.",
-            min(width, 92),
-        ),
-        epilog=EXAMPLE + "\n" + notation(width),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     p.add_argument("name", help=f"schedule name (table below): {names_help()}")
     p.add_argument("--pp", type=int, help="pipeline ranks (required unless NAME is csv:FILE)")
     p.add_argument(
@@ -106,7 +111,6 @@ def register(sub) -> None:
     p.add_argument("--csv-out", metavar="FILE", help="write the schedule as CSV PyTorch pipelining loads")
     p.add_argument("--full", action="store_true", help="print every action (default: the first 40 per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def _parse_times(text: str):

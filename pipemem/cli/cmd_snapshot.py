@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
-EXAMPLES = """examples:
+EXAMPLE = """examples:
   # in your training script:
   #   torch.cuda.memory._record_memory_history(max_entries=100000)
   #   ... the steps ...
@@ -18,19 +16,18 @@ The file is read without running anything in it: a pickle that needs any class o
 is refused. The JSON form (.json, .json.gz) with the same keys is read too."""
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
-        "snapshot",
-        help="replay a torch.cuda.memory._dump_snapshot file through the allocator model",
-        description="Replay the allocations and frees that a CUDA memory snapshot recorded through "
-        "pipemem's model of PyTorch's caching allocator, with the snapshot's own settings, and "
-        "show per device the recorded and the modelled peak reserved, segment events, final "
-        "segments and fragmentation (reserved minus allocated at the reserved peak). With "
-        "--alloc-conf, replay the same requests under other settings: the peak reserved they "
-        "would have given, and whether a recorded out-of-memory would have happened.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "replay a torch.cuda.memory._dump_snapshot file through the allocator model"
+DESCRIPTION = (
+    "Replay the allocations and frees that a CUDA memory snapshot recorded through "
+    "pipemem's model of PyTorch's caching allocator, with the snapshot's own settings, and "
+    "show per device the recorded and the modelled peak reserved, segment events, final "
+    "segments and fragmentation (reserved minus allocated at the reserved peak). With "
+    "--alloc-conf, replay the same requests under other settings: the peak reserved they "
+    "would have given, and whether a recorded out-of-memory would have happened."
+)
+
+
+def add_arguments(p) -> None:
     p.add_argument("file", metavar="FILE", help="a _dump_snapshot pickle, or its JSON (.json / .json.gz)")
     p.add_argument("--device", type=int, default=None, metavar="N", help="only device N")
     p.add_argument(
@@ -41,7 +38,6 @@ def register(sub) -> None:
         "(e.g. expandable_segments:True,max_split_size_mb:256)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -3,7 +3,6 @@ library traces."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
 EXAMPLE = """\
@@ -17,17 +16,17 @@ examples:
 """
 
 
-def register(sub) -> None:
-    from ..validation import TARGETS
+HELP = "run real training steps, measure memory, compare with the estimate"
+DESCRIPTION = (
+    "Run real training steps, measure peak memory and compare with pipemem's estimate of the same runs."
+)
 
-    p = sub.add_parser(
-        "validate",
-        help="run real training steps, measure memory, compare with the estimate",
-        description="Run real training steps, measure peak memory and compare with pipemem's "
-        "estimate of the same runs.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+
+def add_arguments(p) -> None:
+    from ..validation import NAMED_CASE_TARGETS, TARGETS
+    from ..validation.compare import NamedCaseCommand
+    from .command import add_command
+
     targets = p.add_subparsers(dest="target", metavar="TARGET", parser_class=type(p))
     for name in TARGETS:
         try:
@@ -36,5 +35,14 @@ def register(sub) -> None:
             if e.name != f"pipemem.validation.{name}":
                 raise
             continue
-        module.register(targets)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+        command = name.replace("_", "-")
+        add_command(
+            targets, command, NamedCaseCommand(command, module) if name in NAMED_CASE_TARGETS else module
+        )
+    p.set_defaults(print_validate_help=p.print_help)
+
+
+def run(args) -> int:
+    """`pipemem validate` without a target: its help, exit 2."""
+    args.print_validate_help()
+    return 2

@@ -1,8 +1,8 @@
 """Entry point of the `pipemem` command.
 
-Each subcommand lives in `pipemem/cli/cmd_<name>.py` with `register(subparsers)` and
-`run(args) -> int`; they are discovered here so commands can be added without touching
-this file. Heavy libraries are imported inside `run`, so `pipemem --help` stays fast.
+Each subcommand lives in `pipemem/cli/cmd_<name>.py` with its help texts, `add_arguments(parser)`
+and `run(args) -> int` (cli/command.py); they are discovered here so commands can be added without
+touching this file. Heavy libraries are imported inside `run`, so `pipemem --help` stays fast.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipemem {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     from . import __path__ as cli_path
+    from .command import add_command
 
     for info in sorted(pkgutil.iter_modules(cli_path), key=lambda m: m.name):
         if info.name.startswith("cmd_"):
-            importlib.import_module(f"{__package__}.{info.name}").register(sub)
+            module = importlib.import_module(f"{__package__}.{info.name}")
+            add_command(sub, info.name.removeprefix("cmd_"), module)
     return parser
 
 

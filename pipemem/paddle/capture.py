@@ -200,18 +200,28 @@ def _is_dense(var) -> bool:
     return False
 
 
+def concrete_shape_dtype(shape, dtype, what: str, fix: str) -> tuple[tuple[int, ...], str]:
+    """A Paddle var's or PIR value's shape (ints) and the name of its dtype (a Paddle dtype, one
+    pipemem knows); an unresolved (-1) dimension is one error line: `what` has it, `fix` says
+    what to do."""
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise UserError(f"{what} has unresolved shape {list(shape)}: {fix}")
+    name = str(dtype).rsplit(".", 1)[-1]
+    dtype_bytes(name)
+    return shape, name
+
+
 def tensor_for_var(var) -> Tensor:
     """The pipemem tensor of one Paddle var (shape must be concrete)."""
     from paddle.base.framework import Parameter
 
-    shape = tuple(int(d) for d in var.shape)
-    if any(d < 0 for d in shape):
-        raise UserError(
-            f"Paddle var {var.name!r} has unresolved shape {list(shape)}: bind the dynamic dims "
-            "(batch=..., seq=... or feed_shapes) before capturing"
-        )
-    dtype = str(var.dtype).rsplit(".", 1)[-1]
-    dtype_bytes(dtype)
+    shape, dtype = concrete_shape_dtype(
+        var.shape,
+        var.dtype,
+        f"Paddle var {var.name!r}",
+        "bind the dynamic dims (batch=..., seq=... or feed_shapes) before capturing",
+    )
     if var.persistable:
         kind = TensorKind.PARAM if isinstance(var, Parameter) else TensorKind.OPTIMIZER_STATE
         return Tensor(var.name, shape, dtype, kind)

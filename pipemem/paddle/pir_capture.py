@@ -48,7 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..ir import Op, Program, Tensor, TensorKind, dtype_bytes
+from ..ir import Op, Program, Tensor, TensorKind
+from .capture import concrete_shape_dtype
 
 SUB_PROGRAM_TYPES = ("forward", "backward", "optimizer")
 
@@ -362,15 +363,13 @@ class _BlockCapture:
         inplace = executor_inplace(ops, vid, skip_values=set(kw_ids))
 
         def new_tensor(name: str, shape, v, kind: TensorKind, where: str) -> str:
-            shape = [int(d) for d in shape]
-            if any(d < 0 for d in shape):
-                raise UserError(
-                    f"PIR value {name} ({where}) has unresolved shape {shape}: give a sizes_program "
-                    "built with concrete input shapes"
-                )
-            dtype = str(v.dtype).rsplit(".", 1)[-1]
-            dtype_bytes(dtype)
-            table[name] = Tensor(name, tuple(shape), dtype, kind)
+            shape, dtype = concrete_shape_dtype(
+                shape,
+                v.dtype,
+                f"PIR value {name} ({where})",
+                "give a sizes_program built with concrete input shapes",
+            )
+            table[name] = Tensor(name, shape, dtype, kind)
             return name
 
         def tensor(op_index: int, slot: int, v, kind_hint: TensorKind | None = None) -> str:

@@ -19,6 +19,8 @@ gate, the sigmoid, gate x sigmoid and up + 1 are kept, beside the product the se
 
 from __future__ import annotations
 
+from .moe import router_topk
+
 
 def sink_attention(g, q: str, k: str, v: str, opt) -> str:
     """HF's eager attention with sinks -> the context [s, b, heads, d]."""
@@ -64,9 +66,7 @@ def topk_softmax_router(g, x: str, opt) -> tuple[str, str, str]:
     T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
     logits = g.linear(x, "moe.router", (T, E), h, True)
     ldt = g.dtype_of(logits)
-    topv = g.act("moe.topk_values", (T, K), ldt)
-    topi = g.act("moe.topk_idx", (T, K), "int64")
-    g.t.node("topk", (logits,), (topv, topi), diff_inputs=(logits,), save_i=(topi,))
+    topv, topi = router_topk(g, logits, ldt)
     w = g.act("moe.topk_weights", (T, K), ldt)
     g.t.node("softmax", (topv,), (w,), diff_inputs=(topv,), save_i=(w,))
     return w, topi, ldt

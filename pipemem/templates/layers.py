@@ -1286,9 +1286,9 @@ class _Gen:
         self.t.node("to_fp32", (logits,), (lf,), diff_inputs=(logits,))
         probs = self.act("moe.probs", (T, E), "fp32")
         self.t.node("softmax", (lf,), (probs,), diff_inputs=(lf,), save_i=(probs,))
-        topv = self.act("moe.topk_values", (T, K), "fp32")
-        topi = self.act("moe.topk_idx", (T, K), "int64")
-        self.t.node("topk", (probs,), (topv, topi), diff_inputs=(probs,), save_i=(topi,))
+        from .moe import router_topk
+
+        topv, topi = router_topk(self, probs, "fp32")
         topn = topv
         if opt.router_norm_topk:
             ssum = self.act("moe.topk_sum", (T, 1), "fp32")

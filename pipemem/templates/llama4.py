@@ -15,6 +15,8 @@ modeling_llama4.py): what differs from a Llama layer.
 
 from __future__ import annotations
 
+from .moe import router_topk
+
 
 def l2_norm(g, x: str, name: str) -> str:
     """`x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)`, cast to x's dtype."""
@@ -55,12 +57,10 @@ def temperature_scaled_query(g, q: str) -> str:
 def sigmoid_scatter_router(g, x: str, opt) -> str:
     """Llama4Router on `x` -> the [E, T] routing scores (the transposed copy the experts read)."""
     sh = g.sh
-    T, E, K, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k, sh.h
+    T, E, h = sh.s_sp * sh.b, sh.experts * sh.ep, sh.h
     logits = g.linear(x, "moe.router", (T, E), h, False)
     ldt = g.dtype_of(logits)
-    topv = g.act("moe.topk_values", (T, K), ldt)
-    topi = g.act("moe.topk_idx", (T, K), "int64")
-    g.t.node("topk", (logits,), (topv, topi), diff_inputs=(logits,), save_i=(topi,))
+    topv, topi = router_topk(g, logits, ldt)
     full = g.act("moe.scores_scattered", (T, E), ldt)
     g.t.node("full_scatter", (topv, topi), (full,), diff_inputs=(topv,), save_i=(topi,))
     sf = full

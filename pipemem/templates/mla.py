@@ -36,6 +36,7 @@ grouped_mm path as in `moe_hf`; the shared experts' MLP runs after the routed ex
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..ir import dtype_bytes
@@ -101,13 +102,6 @@ def mla_warnings(arch, plan) -> list[str]:
             "memory-efficient kernel (not flash); its backward's internal workspace is not counted"
         )
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def attention(g, arch, x: str, opt) -> str:
@@ -261,7 +255,7 @@ def _rope(g, arch, x: str, name: str, shape: tuple) -> str:
     autocast cos / sin are fp32 (the embedding's output dtype) and so is the output."""
     dt = "fp32" if g.sh.autocast else g.dtype_of(x)
     y = g.act(name + "_rope", shape, dt)
-    n = _numel(shape)
+    n = math.prod(shape)
     eb = dtype_bytes(dt)
     style = g.conv.framework.mla_rope_style or arch.rope_style
     if style == "complex":

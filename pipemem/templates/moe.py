@@ -17,6 +17,16 @@ and denominator.
 from __future__ import annotations
 
 
+def router_topk(g, scores: str, dtype: str) -> tuple[str, str]:
+    """`torch.topk(scores, top_k)` over a router's [T, E] scores -> the top-k values (in `dtype`)
+    and the int64 expert indices, which the backward keeps to scatter the values' grad."""
+    T, K = g.sh.s_sp * g.sh.b, g.sh.top_k
+    topv = g.act("moe.topk_values", (T, K), dtype)
+    topi = g.act("moe.topk_idx", (T, K), "int64")
+    g.t.node("topk", (scores,), (topv, topi), diff_inputs=(scores,), save_i=(topi,))
+    return topv, topi
+
+
 def fp32_router_logits(g, x: str, op: str = "linear") -> str:
     """The router linear of HF's DeepSeek-style routers (DeepseekV2 / V3, GLM-4 MoE):
     `F.linear(x.type(float32), weight.type(float32))` -> logits [T, E]. Both casts are new

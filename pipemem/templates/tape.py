@@ -823,28 +823,21 @@ class Tape:
         return ren
 
     def _fwd_ops(self, n: Node, ren: dict[str, str]) -> list[Op]:
+        """The node's forward ops (its own list, else the node as one op), tensors renamed by `ren`."""
         r = lambda x: ren.get(x, x)  # noqa: E731
-        if n.fwd_ops:
-            return [
-                Op(
-                    o.type,
-                    tuple(map(r, o.inputs)),
-                    tuple(map(r, o.outputs)),
-                    workspace_bytes=o.workspace_bytes,
-                    module=n.module,
-                    phase="forward",
-                )
-                for o in n.fwd_ops
-            ]
+        parts = [(o.type, o.inputs, o.outputs, o.workspace_bytes) for o in n.fwd_ops] or [
+            (n.type, n.inputs, n.outputs, n.workspace_f)
+        ]
         return [
             Op(
-                n.type,
-                tuple(map(r, n.inputs)),
-                tuple(map(r, n.outputs)),
-                workspace_bytes=n.workspace_f,
+                t,
+                tuple(map(r, ins)),
+                tuple(map(r, outs)),
+                workspace_bytes=ws,
                 module=n.module,
                 phase="forward",
             )
+            for t, ins, outs, ws in parts
         ]
 
     def _bop(self, b: BwdOp, r, n: Node) -> Op:

@@ -2,8 +2,11 @@
 frameworks' own code. Apart from the flow of DESIGN.md (nothing in the core imports it).
 
 * `pipemem validate <target>`: each target is a module here (cpu.py, dist.py, paddle.py,
-  cuda.py) defining `register(subparsers)` and `run(args) -> int`; `cmd_validate` finds them
-  through TARGETS. Every target estimates through `pipemem.estimate`, reports
+  cuda.py...) holding `HELP`, `DESCRIPTION`, `EXAMPLE`, `add_arguments(parser)` and
+  `run(args) -> int` (cli/command.py); `cmd_validate` finds them through TARGETS. A target of
+  named cases (NAMED_CASE_TARGETS) holds no `add_arguments` or `run`: `compare.NamedCaseCommand`
+  makes them, and `compare.run_named_cases` reads its cases, tolerance and library check off it.
+  Every target estimates through `pipemem.estimate`, reports
   `compare.CaseRow`s (one `rel_error`), states its `TRUTH` (measured: a real run; traced: the
   framework's code on fake tensors) and `TOLERANCE`, and exits 1 beyond it (`compare.report`,
   `compare.exit_code`). A target checks the libraries it runs first (`compare.require`: one
@@ -31,3 +34,5 @@ TARGETS = (
     "features",
     "allocator",
 )
+# targets of named cases: their command is compare.NamedCaseCommand, made from the module
+NAMED_CASE_TARGETS = ("torchtitan", "torchtune", "deepspeed", "hf_trainer")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .compare import add_json_option, target_parser
+from .compare import add_json_option
 
 TRUTH = "measured"  # the allocator's own segment events, recorded on real GPUs (compare.TRUTHS)
 TOL_FROM_EMPTY = 0.01
@@ -72,17 +72,13 @@ def compare_file(path: Path) -> list:
     return rows
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "allocator",
-        "the CUDA caching-allocator model vs real GPU memory snapshots",
-        __doc__.split("\n\n", 1)[1].strip(),
-        EXAMPLE,
-    )
+HELP = "the CUDA caching-allocator model vs real GPU memory snapshots"
+DESCRIPTION = __doc__.split("\n\n", 1)[1].strip()
+
+
+def add_arguments(p) -> None:
     p.add_argument("--dir", default=str(DATA), help="directory of snapshots (default: the bundled set)")
     add_json_option(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -34,6 +34,9 @@ def rel_error(estimated: int | None, measured: int | None) -> float | None:
     return (estimated - measured) / abs(measured)
 
 
+_CORE = ("name", "measured_bytes", "estimated_bytes", "rel_error")
+
+
 @dataclass
 class CaseRow:
     """One measured-vs-estimated comparison. `extra` holds target-specific fields (rank,
@@ -48,6 +51,16 @@ class CaseRow:
     def rel_error(self) -> float | None:
         return rel_error(self.estimated_bytes, self.measured_bytes)
 
+    def get(self, key: str, default=None):
+        """A field by its JSON name, core or extra (as `dict.get` reads the row's JSON)."""
+        return getattr(self, key) if key in _CORE else self.extra.get(key, default)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CaseRow:
+        """The row a `to_dict` wrote (a worker's JSON), its relative error computed again."""
+        extra = {k: v for k, v in d.items() if k not in _CORE}
+        return cls(d["name"], d["measured_bytes"], d["estimated_bytes"], extra)
+
     def to_dict(self) -> dict:
         d = {
             "name": self.name,
@@ -59,24 +72,36 @@ class CaseRow:
         return d
 
 
+def peak_row(name: str, case: str, trace: dict, rank, where: dict | None = None, **more) -> CaseRow:
+    """One rank's peak as the framework's own step gave it (`trace`: its `peak_bytes`,
+    `static_bytes` and `peak_at`) against the estimate's rank (`rank`: a `RankEstimate`), with
+    the static bytes and the moment of the peak on both sides. `where` (rank, pp_rank...) follows
+    the case's name in the row; `more` ends it."""
+    return CaseRow(
+        name,
+        trace["peak_bytes"],
+        rank.peak_allocated_bytes,
+        {
+            "case": case,
+            **(where or {}),
+            "measured_static_bytes": trace["static_bytes"],
+            "estimated_static_bytes": rank.static.total,
+            "measured_peak_at": trace["peak_at"],
+            "estimated_peak_at": rank.peak_at,
+            **more,
+        },
+    )
+
+
 TRUTHS = {
     "measured": "a real run, bytes from the allocator or profiler",
     "traced": "the framework's own code on fake tensors, bytes counted by pipemem",
 }
 
 
-_CORE = ("name", "measured_bytes", "estimated_bytes", "rel_error")
-
-
-def _field(row, key):
-    if isinstance(row, CaseRow):
-        return getattr(row, key) if key in _CORE else row.extra.get(key)
-    return row.get(key)
-
-
 def row_tolerance(row, tolerance: float) -> float:
     """The row's own tolerance when it has one, else the target's."""
-    own = _field(row, "tolerance")
+    own = row.get("tolerance")
     return tolerance if own is None else own
 
 
@@ -86,17 +111,17 @@ def beyond_tolerance(rows, tolerance: float) -> list[str]:
     is outside the verdict."""
     bad = []
     for r in rows:
-        if _field(r, "unreliable"):  # the measurement itself is in doubt: never a pass
-            bad.append(str(_field(r, "name")))
+        if r.get("unreliable"):  # the measurement itself is in doubt: never a pass
+            bad.append(str(r.get("name")))
             continue
-        if _field(r, "known_gap"):
+        if r.get("known_gap"):
             continue
-        err = _field(r, "rel_error")
+        err = r.get("rel_error")
         if err is None:
-            if _field(r, "measured_bytes") is not None and _field(r, "estimated_bytes") is not None:
-                bad.append(str(_field(r, "name")))
+            if r.get("measured_bytes") is not None and r.get("estimated_bytes") is not None:
+                bad.append(str(r.get("name")))
         elif abs(err) > row_tolerance(r, tolerance):
-            bad.append(str(_field(r, "name")))
+            bad.append(str(r.get("name")))
     return bad
 
 
@@ -120,7 +145,7 @@ def report(target: str, truth: str, tolerance: float, rows, **fields) -> dict:
         **fields,
         "cases": [r.to_dict() if isinstance(r, CaseRow) else r for r in rows],
         "max_abs_rel_error": max_abs_rel_error(rows),
-        "known_gaps": [str(_field(r, "name")) for r in rows if _field(r, "known_gap")],
+        "known_gaps": [str(r.get("name")) for r in rows if r.get("known_gap")],
         "beyond_tolerance": bad,
         "passed": not bad,
     }
@@ -136,8 +161,8 @@ def verdict_line(rows, tolerance: float) -> str:
     and each unreliable measurement with its reason."""
     bad = beyond_tolerance(rows, tolerance)
     own = sorted({row_tolerance(r, tolerance) for r in rows} - {tolerance})
-    gaps = [r for r in rows if _field(r, "known_gap")]
-    covered = [r for r in rows if not _field(r, "known_gap")]
+    gaps = [r for r in rows if r.get("known_gap")]
+    covered = [r for r in rows if not r.get("known_gap")]
     worst = max_abs_rel_error(covered)
     if bad:
         text = f"FAIL: {len(bad)} of {len(covered)} rows beyond tolerance: {', '.join(bad)}"
@@ -150,43 +175,30 @@ def verdict_line(rows, tolerance: float) -> str:
     if gaps:
         text += f"; {len(gaps)} known gap(s) outside the verdict:"
     for r in gaps:
-        text += f"\n  known gap: {_field(r, 'name')}: {_field(r, 'known_gap')}"
+        text += f"\n  known gap: {r.get('name')}: {r.get('known_gap')}"
     for r in rows:
-        if _field(r, "unreliable"):
-            text += f"\n  unreliable measurement: {_field(r, 'name')}: {_field(r, 'unreliable')}"
+        if r.get("unreliable"):
+            text += f"\n  unreliable measurement: {r.get('name')}: {r.get('unreliable')}"
     return text
 
 
 def max_abs_rel_error(rows) -> float | None:
     """Largest |rel_error| over rows (CaseRow or dicts); None when no row has one."""
-    errs = [r.rel_error if isinstance(r, CaseRow) else r.get("rel_error") for r in rows]
+    errs = [r.get("rel_error") for r in rows]
     errs = [abs(e) for e in errs if e is not None]
     return max(errs) if errs else None
-
-
-def target_parser(sub, name: str, help: str, description: str, epilog: str):
-    """A validate target's subcommand: its one-line help, its description, and its examples
-    (`epilog`) kept as written."""
-    import argparse
-
-    return sub.add_parser(
-        name,
-        help=help,
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
 
 
 def add_json_option(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with cases[]")
 
 
-def add_known_cases_option(p, names) -> None:
-    """--cases for a target whose every case runs by default: the known names are in its help."""
-    p.add_argument(
-        "--cases", default="", help=f"comma-separated case names (default: all); known: {', '.join(names)}"
-    )
+def add_listed_case_options(p, cases) -> None:
+    """--json, and --cases for a target whose every case runs by default (`cases`: each has a
+    `name`; the known names are in the help; `pick_cases` reads it)."""
+    add_json_option(p)
+    names = ", ".join(c.name for c in cases)
+    p.add_argument("--cases", default="", help=f"comma-separated case names (default: all); known: {names}")
 
 
 def pick_cases(text: str, cases) -> tuple:
@@ -254,24 +266,38 @@ def require(target: str, modules=("torch",), install: str = "'pipemem[torch]'") 
             raise UserError(f"pipemem validate {target} needs {mod}: pip install {install}")
 
 
-def run_named_cases(
-    args,
-    target: str,
-    all_cases,
-    ci_cases,
-    available,
-    run_cases,
-    tolerance: float,
-    json_header: dict,
-    measured_label: str = "measured",
-    name_width: int = 28,
-    rows_are: str = "cases",
-    truth: str = "measured",
-) -> int:
-    """The CLI of a validate target with named cases (torchtune, deepspeed, torchtitan): --list,
-    the selection (--cases / --full / the CI subset), the library check, a progress line per row
-    (`run_cases` reports a case's row, or its list of rows: one per rank), the JSON or the summary
-    line; exit 1 when a row is off by more than `tolerance`."""
+class NamedCaseCommand:
+    """The command of a validate target of named cases (torchtune, deepspeed, torchtitan,
+    hf-trainer), made from the target's module (`cases`). Besides what `run_named_cases` reads,
+    the module holds the command's `HELP`, `DESCRIPTION` and `EXAMPLE`, `FULL_HELP` (what --full
+    runs) and `TIMEOUT` (the default --timeout: seconds per case, or per traced rank)."""
+
+    def __init__(self, name: str, cases):
+        self.name, self.cases = name, cases
+        self.HELP, self.DESCRIPTION, self.EXAMPLE = cases.HELP, cases.DESCRIPTION, cases.EXAMPLE
+
+    def add_arguments(self, p) -> None:
+        per = "traced rank" if _rows_are(self.cases) == "ranks" else "case"
+        add_case_options(p, self.cases.FULL_HELP, self.cases.TIMEOUT, f"seconds per {per}")
+
+    def run(self, args) -> int:
+        return run_named_cases(args, self.name, self.cases)
+
+
+def _rows_are(cases) -> str:
+    return getattr(cases, "ROWS_ARE", "cases")
+
+
+def run_named_cases(args, target: str, cases) -> int:
+    """The run of a validate target with named cases: --list, the selection (--cases / --full /
+    the CI subset), the library check, a progress line per row, the JSON or the summary line;
+    exit 1 when a row is off by more than its tolerance.
+
+    `cases` is the target's module, which holds: `all_cases()` (dicts with a "name"), `CI_CASES`
+    (the names run by default), `available()` (None, or why the target cannot run here),
+    `run_cases(cases, timeout, progress)` (the rows: one per case, or one per rank of each case),
+    `TRUTH` (also the label of the measured column), `TOLERANCE`, `json_header()` (the fields the
+    JSON object adds) and, when its rows are ranks, `ROWS_ARE = "ranks"`."""
     import json
     import subprocess
     import sys
@@ -279,19 +305,22 @@ def run_named_cases(
     from ..errors import UserError
     from ..units import fmt_bytes
 
+    truth, tolerance = cases.TRUTH, cases.TOLERANCE
+    rows_are = _rows_are(cases)
+    name_width = 32 if rows_are == "ranks" else 28  # room for "<case>/rank<N>"
     if args.list:
-        for c in all_cases():
+        for c in cases.all_cases():
             print(c["name"])
         return 0
     if args.timeout <= 0:
         raise UserError("--timeout: must be a positive number of seconds")
     require(target)
-    known = {c["name"]: c for c in all_cases()}
+    known = {c["name"]: c for c in cases.all_cases()}
     if args.cases:
-        cases = [known[n] for n in case_names(args.cases, known, target)]
+        chosen = [known[n] for n in case_names(args.cases, known, target)]
     else:
-        cases = list(known.values()) if args.full else [known[n] for n in ci_cases]
-    why = available()
+        chosen = list(known.values()) if args.full else [known[n] for n in cases.CI_CASES]
+    why = cases.available()
     if why:
         raise UserError(f"validate {target}: {why}")
 
@@ -308,17 +337,17 @@ def run_named_cases(
     if not args.json:
         print(header_line(target, truth, tolerance))
         print(
-            f"{'case / rank':{name_width}s} {measured_label:>12s} {'estimated':>12s} {'rel_error':>10s}  "
-            f"{measured_label} peak at"
+            f"{'case / rank':{name_width}s} {truth:>12s} {'estimated':>12s} {'rel_error':>10s}  "
+            f"{truth} peak at"
         )
     try:
-        rows = run_cases(cases, args.timeout, progress)
+        rows = cases.run_cases(chosen, args.timeout, progress)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"pipemem: validate {target}: {e}", file=sys.stderr)
         return 1
     worst = max_abs_rel_error(rows) or 0.0
     if args.json:
-        print(json.dumps(report(target, truth, tolerance, rows, **json_header), indent=1))
+        print(json.dumps(report(target, truth, tolerance, rows, **cases.json_header()), indent=1))
     else:
         print(f"max |rel_error| = {worst:.2%} over {len(rows)} {rows_are} (tolerance {tolerance:.2%})")
         print(verdict_line(rows, tolerance))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases, target_parser
+from .compare import CaseRow, add_listed_case_options, pick_cases
 
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 # A real step measured by the profiler against a trace with the kernels it runs: the same
@@ -214,21 +214,18 @@ def run_cases(cases=CASES, progress=None) -> list[CaseRow]:
     return rows
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "cpu",
-        "traced estimates vs real CPU training steps of tiny HF models",
-        "Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
-        "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
-        "bytes with the profiler, and compare with traced mode "
-        "(--kernel-policy cpu). Exit 1 if any case is off by more than "
-        f"{TOLERANCE:.1%}.",
-        EXAMPLE,
-    )
-    add_json_option(p)
-    add_known_cases_option(p, [c.name for c in CASES])
-    p.set_defaults(func=run)
+HELP = "traced estimates vs real CPU training steps of tiny HF models"
+DESCRIPTION = (
+    "Run the default training step of tiny HF models (Llama, Mistral, Qwen2, "
+    "GPT-2, Mixtral) for real on the CPU, measure peak and net-after-forward "
+    "bytes with the profiler, and compare with traced mode "
+    "(--kernel-policy cpu). Exit 1 if any case is off by more than "
+    f"{TOLERANCE:.1%}."
+)
+
+
+def add_arguments(p) -> None:
+    add_listed_case_options(p, CASES)
 
 
 def run(args) -> int:

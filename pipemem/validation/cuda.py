@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
-from .compare import CaseRow, beyond_tolerance, exit_code, header_line, rel_error, target_parser, verdict_line
+from .compare import CaseRow, beyond_tolerance, exit_code, header_line, rel_error, verdict_line
 from .cuda_cases import CONFIG_SETS, Case, get_cases, hf_config_dict, to_plan
 
 FORMAT = "pipemem.validation.cuda/1"
@@ -44,17 +44,16 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "cuda",
-        "measure real peaks on this machine's CUDA GPU and compare with the estimates",
-        "Run real training steps of small HF Llama / Mistral / Mixtral models on the CUDA GPU, "
-        "measure max_memory_allocated and the reserved peak (pipelines: one process per rank, "
-        "each walking its rank's schedule), compare with pipemem's traced and templates "
-        "estimates, write the results as one JSON file and print a table.",
-        EXAMPLE,
-    )
+HELP = "measure real peaks on this machine's CUDA GPU and compare with the estimates"
+DESCRIPTION = (
+    "Run real training steps of small HF Llama / Mistral / Mixtral models on the CUDA GPU, "
+    "measure max_memory_allocated and the reserved peak (pipelines: one process per rank, "
+    "each walking its rank's schedule), compare with pipemem's traced and templates "
+    "estimates, write the results as one JSON file and print a table."
+)
+
+
+def add_arguments(p) -> None:
     p.add_argument(
         "--configs",
         choices=CONFIG_SETS,
@@ -76,7 +75,6 @@ def register(sub) -> None:
     p.add_argument("--no-estimates", action="store_true", help="measure only")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -14,12 +14,8 @@ kernel_policy="cpu")` of the same run. `rel_error` = (estimated - measured) / me
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -35,6 +31,7 @@ MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "
 SEQ = 256
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 TOLERANCE = 0.03
+TIMEOUT = 300.0  # seconds per case: the default --timeout
 
 
 def hf_auto(stage: int, hidden: int) -> dict:
@@ -160,95 +157,55 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     est = estimate(
         hf_config(case), model_name="deepspeed-llama-small", kernel_policy="cpu", **plan_kwargs(case)
     )
-    r = est.ranks[0]
-    return CaseRow(
+    return peak_row(
         f"{case['name']}/rank0",
-        trace["peak_bytes"],
-        r.peak_allocated_bytes,
-        {
-            "case": case["name"],
-            "measured_static_bytes": trace["static_bytes"],
-            "estimated_static_bytes": r.static.total,
-            "measured_peak_at": trace["peak_at"],
-            "estimated_peak_at": r.peak_at,
-            "measured_phase_peaks": trace["phase_peaks"],
-            "rank_peaks": trace["rank_peaks"],
-            "breakdown": trace["breakdown"],
-            "zero_settings": trace["zero_settings"],
-            "optimizer": trace["optimizer"],
-            "settings_disagree": {
-                k: (v, trace["zero_settings"].get(k))
-                for k, v in assumed_settings(plan_kwargs(case)).items()
-                if trace["zero_settings"].get(k) != v
-            },
-            "reconciled_bytes": trace["reconciled_bytes"],
+        case["name"],
+        trace,
+        est.ranks[0],
+        measured_phase_peaks=trace["phase_peaks"],
+        rank_peaks=trace["rank_peaks"],
+        breakdown=trace["breakdown"],
+        zero_settings=trace["zero_settings"],
+        optimizer=trace["optimizer"],
+        settings_disagree={
+            k: (v, trace["zero_settings"].get(k))
+            for k, v in assumed_settings(plan_kwargs(case)).items()
+            if trace["zero_settings"].get(k) != v
         },
+        reconciled_bytes=trace["reconciled_bytes"],
     )
 
 
-def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
 def available() -> str | None:
     """None when DeepSpeed (its CPU accelerator) and transformers import here, else why not (one line)."""
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import deepspeed, transformers; "
-                "from deepspeed.accelerator import get_accelerator; "
-                "assert get_accelerator().device_name() == 'cpu'",
-            ],
-            env=dict(os.environ, DS_ACCELERATOR="cpu"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"deepspeed could not be checked ({type(e).__name__}); {INSTALL}"
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return f"deepspeed is not importable with DS_ACCELERATOR=cpu ({last}); {INSTALL}"
-    return None
+    from .rank_processes import import_error
+
+    why = import_error(
+        "import deepspeed, transformers; from deepspeed.accelerator import get_accelerator; "
+        "assert get_accelerator().device_name() == 'cpu'",
+        {"DS_ACCELERATOR": "cpu"},
+    )
+    return why and f"deepspeed is not importable with DS_ACCELERATOR=cpu ({why}); {INSTALL}"
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "deepspeed",
-        "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate",
-        f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
-        "Face Llama over a real gloo process group on the CPU, measure rank 0's "
-        "allocations during the second step with PyTorch's profiler, and compare the "
-        "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
-        f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
-        f"{TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
-    add_case_options(
-        p,
-        "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)",
-        300.0,
-        "seconds per case",
-    )
-    p.set_defaults(func=run)
+HELP = "DeepSpeed's ZeRO engine training a tiny HF Llama on the CPU vs the estimate"
+DESCRIPTION = (
+    f"Run DeepSpeed {DEEPSPEED}'s own ZeRO-1/2/3 engine (bf16, AdamW) on a tiny Hugging "
+    "Face Llama over a real gloo process group on the CPU, measure rank 0's "
+    "allocations during the second step with PyTorch's profiler, and compare the "
+    "peak with pipemem's hf-convention --zero estimate (--kernel-policy cpu). "
+    f"Needs deepspeed=={DEEPSPEED} ({INSTALL}). Exit 1 if a case is off by more than "
+    f"{TOLERANCE:.0%}."
+)
+FULL_HELP = "every case (ZeRO-1/2/3, gradient checkpointing, world 4, DeepSpeed's default bucket sizes)"
 
 
-def run(args) -> int:
-    return run_named_cases(
-        args,
-        "deepspeed",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"},
-        "measured",
-        truth=TRUTH,
-    )
+def json_header() -> dict:
+    return {"deepspeed": DEEPSPEED, "kernel_policy": "cpu"}

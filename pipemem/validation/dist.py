@@ -37,7 +37,7 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from .compare import CaseRow, add_case_options, case_names, exit_code, rel_error, target_parser
+from .compare import CaseRow, add_case_options, case_names, exit_code, rel_error
 from .rank_processes import free_port
 
 EXAMPLE = """\
@@ -437,17 +437,16 @@ def add_savings(rows: list[CaseRow], cases: list[dict]) -> None:
         )
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "dist",
-        "real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate",
-        "Real multi-process training steps over gloo on the CPU "
-        "(torch.distributed.pipelining schedules, DTensor TP with sequence "
-        "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
-        "against pipemem's per-rank estimate of the same runs.",
-        EXAMPLE,
-    )
+HELP = "real gloo runs (pipelining, TP/SP, FSDP2, DDP) per rank vs the estimate"
+DESCRIPTION = (
+    "Real multi-process training steps over gloo on the CPU "
+    "(torch.distributed.pipelining schedules, DTensor TP with sequence "
+    "parallel, FSDP2, DistributedDataParallel), each rank measuring its own peak with the profiler, "
+    "against pipemem's per-rank estimate of the same runs."
+)
+
+
+def add_arguments(p) -> None:
     add_case_options(
         p,
         "every case (pp 2 and 4, 4 and 8 microbatches, 5 schedules, TP 2 and 4 with and "
@@ -455,7 +454,6 @@ def register(sub) -> None:
         900.0,
         "seconds per multi-process launch",
     )
-    p.set_defaults(func=run)
 
 
 def select(args) -> list[dict]:

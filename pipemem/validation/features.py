@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from .case_model import torchtune_decoder_kwargs
-from .compare import CaseRow, add_json_option, target_parser
+from .compare import CaseRow, add_json_option
 from .cuda_stand_ins import Stream as _Stream
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
@@ -165,6 +165,16 @@ def layer_segment_peak(step, phase: str, layer: int = 1) -> int:
     r = res[k]
     base = int(r.after[idx[0] - 1]) if idx[0] else 0
     return max(int(r.during[i]) for i in idx) - base
+
+
+def layer_rows(tag: str, step, template) -> list[CaseRow]:
+    """Layer 1 of a traced step against the template's layer: its kept bytes, its forward and its
+    backward peak (three rows named `<tag>: layer ...`)."""
+    return [
+        CaseRow(f"{tag}: layer kept", layer_kept(step), template.F.net_bytes),
+        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(step, "forward"), template.F.peak_bytes),
+        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(step, "backward"), template.B.peak_bytes),
+    ]
 
 
 def _torchtune_file(relative: str, stubs: dict | None = None):
@@ -875,17 +885,7 @@ def torchtune_module_cases(dtype: str, config: dict | None = None) -> list[CaseR
     st = _torchtune_trace(dtype, config=config)
     t = template_layer(config, 1, convention="torchtune", dtype=dtype)
     tag = f"{'qwen2-' if config.get('model_type') == 'qwen2' else ''}{dtype}"
-    return [
-        CaseRow(f"torchtune-modules/{tag}: layer kept", layer_kept(st), t.F.net_bytes),
-        CaseRow(
-            f"torchtune-modules/{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes
-        ),
-        CaseRow(
-            f"torchtune-modules/{tag}: layer backward peak",
-            layer_segment_peak(st, "backward"),
-            t.B.peak_bytes,
-        ),
-    ]
+    return layer_rows(f"torchtune-modules/{tag}", st, t)
 
 
 def torchtune_compile_case() -> list[CaseRow]:
@@ -954,27 +954,29 @@ def _lora_trace(prepare, dtype: str, layers: int = 2, autocast: bool = False):
     )
 
 
+def lora_template_layer(config: dict, convention: str, dropout: float, **plan):
+    """The template's layer 1 under --lora-rank LORA_RANK on every linear, with `dropout` on the
+    adapters' input."""
+    return template_layer(
+        config,
+        1,
+        convention=convention,
+        lora_rank=LORA_RANK,
+        lora_targets="all-linear",
+        lora_dropout=dropout,
+        **plan,
+    )
+
+
 def lora_peft_cases(dtype: str, dropout: float, autocast: bool = False) -> list[CaseRow]:
     """PEFT's LoraLayer on every linear of an HF Llama decoder layer (the model in `dtype`;
     PEFT's fp32 adapters on an input cast to fp32; `autocast`: the bf16 model under the Trainer's
     bf16 autocast, as --bf16 runs it) against --lora-rank under the hf convention: a layer's kept
     bytes, forward and backward peaks."""
     st = _lora_trace(peft_prepare(dropout), dtype, autocast=autocast)
-    t = template_layer(
-        LLAMA,
-        1,
-        dtype=dtype,
-        master_weights=autocast,
-        lora_rank=LORA_RANK,
-        lora_targets="all-linear",
-        lora_dropout=dropout,
-    )
+    t = lora_template_layer(LLAMA, "hf", dropout, dtype=dtype, master_weights=autocast)
     tag = f"lora-peft/{dtype}{'-autocast' if autocast else ''}{'-dropout' if dropout else ''}"
-    return [
-        CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
-        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
-        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(st, "backward"), t.B.peak_bytes),
-    ]
+    return layer_rows(tag, st, t)
 
 
 def torchtune_lora_decoder(dtype: str, dropout: float):
@@ -985,7 +987,6 @@ def torchtune_lora_decoder(dtype: str, dropout: float):
 
     if importlib.util.find_spec("torchtune") is None:
         return None
-    c = TT_LLAMA
     with torchtune_packages():
         from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
@@ -993,13 +994,7 @@ def torchtune_lora_decoder(dtype: str, dropout: float):
             lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
             apply_lora_to_mlp=True,
             apply_lora_to_output=False,
-            vocab_size=c["vocab_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=c["num_attention_heads"],
-            num_kv_heads=c["num_key_value_heads"],
-            embed_dim=c["hidden_size"],
-            max_seq_len=S,
-            intermediate_dim=c["intermediate_size"],
+            **torchtune_decoder_kwargs(TT_LLAMA, S),
             lora_rank=LORA_RANK,
             lora_alpha=16,
             lora_dropout=dropout,
@@ -1029,21 +1024,9 @@ def lora_torchtune_cases(dtype: str, dropout: float) -> list[CaseRow]:
         step="steady",
         set_to_none=False,
     )
-    t = template_layer(
-        TT_LLAMA,
-        1,
-        convention="torchtune",
-        dtype=dtype,
-        lora_rank=LORA_RANK,
-        lora_targets="all-linear",
-        lora_dropout=dropout,
-    )
+    t = lora_template_layer(TT_LLAMA, "torchtune", dropout, dtype=dtype)
     tag = f"lora-torchtune/{dtype}{'-dropout' if dropout else ''}"
-    return [
-        CaseRow(f"{tag}: layer kept", layer_kept(st), t.F.net_bytes),
-        CaseRow(f"{tag}: layer forward peak", layer_segment_peak(st, "forward"), t.F.peak_bytes),
-        CaseRow(f"{tag}: layer backward peak", layer_segment_peak(st, "backward"), t.B.peak_bytes),
-    ]
+    return layer_rows(tag, st, t)
 
 
 def case_list() -> list[tuple[str, Callable[[], list[CaseRow]]]]:
@@ -1117,16 +1100,12 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "features",
-        "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces",
-        __doc__.split("\n\n")[0],
-        EXAMPLE,
-    )
+HELP = "compile, chunked CE, fp8, optimizer-in-backward, offloading vs their libraries' traces"
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def add_arguments(p) -> None:
     add_json_option(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -49,6 +47,7 @@ CONFIG = {
 }
 TRUTH = "measured"  # a real run, bytes from the allocator or profiler (compare.TRUTHS)
 TOLERANCE = 0.03
+TIMEOUT = 300.0  # seconds per case: the default --timeout
 MODEL_DIR = "{model}"  # replaced by the case's model directory
 DS_CONFIG = "{ds_config}"  # replaced by the path of the case's DeepSpeed config
 # Hugging Face's example DeepSpeed configs (transformers' DeepSpeed docs), "auto" where the Trainer fills in
@@ -211,7 +210,7 @@ def compare_case(case: dict, trace: dict, model_dir: str) -> CaseRow:
     )
 
 
-def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(CONFIG, f)
@@ -222,60 +221,35 @@ def run_cases(cases: list[dict], timeout: float = 300.0, progress=None) -> list[
 
 def available() -> str | None:
     """None when transformers' Trainer imports here (it needs accelerate), else why not (one line)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "import accelerate, transformers; from transformers import Trainer"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return f"transformers' Trainer is not importable ({last}); {INSTALL}"
-    return None
+    from .rank_processes import import_error
+
+    why = import_error("import accelerate, transformers; from transformers import Trainer")
+    return why and f"transformers' Trainer is not importable ({why}); {INSTALL}"
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "hf-trainer",
-        "Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer",
-        "Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
-        "TrainingArguments, Trainer) on a tiny Llama on the CPU for each case's command "
-        "line, measure the second optimizer step's allocations with PyTorch's profiler, "
-        "and compare the peak with pipemem's estimate of the same command line read by "
-        "--from-hf-trainer (--kernel-policy cpu). Needs transformers and accelerate "
-        f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
-    add_case_options(
-        p,
-        "every case (fp32, bf16 autocast, checkpointing, accumulation, bf16 parameters, SGD, "
-        "the Trainer's DeepSpeed ZeRO-2 / ZeRO-3 over 2 processes)",
-        300.0,
-        "seconds per case",
-    )
-    p.set_defaults(func=run)
+HELP = "Hugging Face's Trainer.train() on a tiny Llama (CPU) vs --from-hf-trainer"
+DESCRIPTION = (
+    "Run Hugging Face's own Trainer.train() (transformers' HfArgumentParser, "
+    "TrainingArguments, Trainer) on a tiny Llama on the CPU for each case's command "
+    "line, measure the second optimizer step's allocations with PyTorch's profiler, "
+    "and compare the peak with pipemem's estimate of the same command line read by "
+    "--from-hf-trainer (--kernel-policy cpu). Needs transformers and accelerate "
+    f"({INSTALL}). Exit 1 if a case is off by more than {TOLERANCE:.0%}."
+)
+FULL_HELP = (
+    "every case (fp32, bf16 autocast, checkpointing, accumulation, bf16 parameters, SGD, "
+    "the Trainer's DeepSpeed ZeRO-2 / ZeRO-3 over 2 processes)"
+)
 
 
-def run(args) -> int:
+def json_header() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         tv = version("transformers")
     except PackageNotFoundError:
         tv = None
-    return run_named_cases(
-        args,
-        "hf-trainer",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"transformers": tv, "kernel_policy": "cpu"},
-        "measured",
-        truth=TRUTH,
-    )
+    return {"transformers": tv, "kernel_policy": "cpu"}

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UserError
 from ..traced.kernel_workspace import ASSUMED
-from .compare import CaseRow, add_json_option, add_known_cases_option, pick_cases, target_parser
+from .compare import CaseRow, add_listed_case_options, pick_cases
 
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 # megatron-core's step traced on fake tensors against the same flags' estimate: the same kernel
@@ -469,23 +469,20 @@ def run_cases(cases=CASES, jobs: int = 2, progress=None) -> list[CaseRow]:
     return rows
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "megatron",
-        "the megatron convention vs megatron-core's own training step",
-        "Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
-        "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
-        "group, one rank per case, and compare its steady-state peak and the bytes a "
-        "decoder layer keeps with pipemem.estimate for the same flags. Needs "
-        "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
-        f"than {TOLERANCE:.1%}.",
-        EXAMPLE,
-    )
-    add_json_option(p)
-    add_known_cases_option(p, [c.name for c in CASES])
+HELP = "the megatron convention vs megatron-core's own training step"
+DESCRIPTION = (
+    "Trace megatron-core's own training step (GPTModel, DistributedDataParallel, "
+    "optimizer, its pipeline schedule; two steps) on fake tensors with a fake process "
+    "group, one rank per case, and compare its steady-state peak and the bytes a "
+    "decoder layer keeps with pipemem.estimate for the same flags. Needs "
+    "megatron-core (pip install -e '.[megatron]'). Exit 1 if a row is off by more "
+    f"than {TOLERANCE:.1%}."
+)
+
+
+def add_arguments(p) -> None:
+    add_listed_case_options(p, CASES)
     p.add_argument("--jobs", type=int, default=2, help="cases traced at once, one process each (default 2)")
-    p.set_defaults(func=run)
 
 
 def select(names: str) -> tuple[MegatronCase, ...]:

@@ -39,7 +39,7 @@ import subprocess
 import sys
 
 from ..errors import UserError
-from .compare import add_json_option, exit_code, target_parser
+from .compare import CaseRow, add_json_option, exit_code
 from .paddle_runs.models import CASES  # builders only: paddle is imported when one runs, in the worker
 from .paddle_runs.paddlenlp_cases import CASE_NAMES as PADDLENLP_CASE_NAMES
 from .paddle_runs.paddlenlp_legacy import CASE_NAMES as LEGACY_NLP_CASE_NAMES
@@ -70,7 +70,7 @@ def run_cases(
     ir: str = "legacy",
     trials: int | None = None,
     progress=None,
-) -> list[dict]:
+) -> list[CaseRow]:
     """Run the comparison for `names` (all of one IR: "legacy" or "pir") in a fresh Python
     process; its `cases[]` rows. `progress` (a progress.CaseProgress) advances per case, on
     the worker's progress lines. `timeout`: seconds for the whole run (default 300 per case:
@@ -130,17 +130,14 @@ def run_cases(
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not lines:
         raise RuntimeError(f"paddle worker printed no result:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    return json.loads(lines[-1])["cases"]
+    return [CaseRow.from_dict(r) for r in json.loads(lines[-1])["cases"]]
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "paddle",
-        "Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator",
-        __doc__.split("\n\n")[1],
-        EXAMPLE,
-    )
+HELP = "Paddle static programs: pipemem vs Paddle's PipelineMemoryEstimator"
+DESCRIPTION = __doc__.split("\n\n")[1]
+
+
+def add_arguments(p) -> None:
     add_json_option(p)
     p.add_argument(
         "--cases",
@@ -159,7 +156,6 @@ def register(sub) -> None:
     p.add_argument(
         "--trials", type=int, default=3, help="paddlenlp cases: measured runs per job (smallest peak)"
     )
-    p.set_defaults(func=run)
 
 
 def _with_interpreter(cases: list[str], interpreter, label: str, asked: bool, notes: list[str]) -> list[str]:
@@ -216,7 +212,7 @@ def run(args) -> int:
         notes,
     )
     for n in nlp:
-        rows += [r.to_dict() for r in paddlenlp_cases.compare_case(n, trials=getattr(args, "trials", 3))]
+        rows += paddlenlp_cases.compare_case(n, trials=getattr(args, "trials", 3))
     legacy_nlp = _with_interpreter(
         [n for n in names if n in LEGACY_NLP_CASE_NAMES],
         paddlenlp_legacy.paddle26_python,
@@ -225,8 +221,8 @@ def run(args) -> int:
         notes,
     )
     for n in legacy_nlp:
-        rows += paddlenlp_legacy.compare_case(n)
-    perrs = [abs(r["paddle_rel_error"]) for r in rows if r["paddle_rel_error"] is not None]
+        rows += [CaseRow.from_dict(r) for r in paddlenlp_legacy.compare_case(n)]
+    perrs = [abs(r.get("paddle_rel_error")) for r in rows if r.get("paddle_rel_error") is not None]
     status = print_result(
         rows,
         args.json,
@@ -241,16 +237,16 @@ def run(args) -> int:
     if args.json:
         return status
     undefined = sum(
-        1 for r in rows if r["paddle_rel_error"] is None and r["paddle_estimated_bytes"] is not None
+        1 for r in rows if r.get("paddle_rel_error") is None and r.get("paddle_estimated_bytes") is not None
     )
     theirs = (f"max |error| {max(perrs) * 100:.2f}%" if perrs else "n/a") + (
         f" ({undefined} lines with measured 0 and a non-zero estimate have no relative error)"
         if undefined
         else ""
     )
-    if any(r["paddle_estimated_bytes"] is None and not r.get("paddle_error") for r in rows):
+    if any(r.get("paddle_estimated_bytes") is None and not r.get("paddle_error") for r in rows):
         theirs += "; it cannot read PIR programs (- on the -pir and paddlenlp lines)"
-    failed = sorted({r["paddle_error"] for r in rows if r.get("paddle_error")})
+    failed = sorted({r.get("paddle_error") for r in rows if r.get("paddle_error")})
     if failed:
         theirs += f"; it fails on {sum(1 for r in rows if r.get('paddle_error'))} line(s) (-): " + " | ".join(
             failed

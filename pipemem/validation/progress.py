@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Sequence
 
-from .compare import CaseRow, exit_code, header_line, max_abs_rel_error, report, verdict_line
+from .compare import exit_code, header_line, max_abs_rel_error, report, verdict_line
 
 CHATTER_PREFIXES = (b"USDT:",)
 
@@ -179,14 +179,6 @@ class CaseProgress:
         return rows
 
 
-def _get(row, key):
-    if isinstance(row, CaseRow):
-        if key in ("name", "measured_bytes", "estimated_bytes", "rel_error"):
-            return getattr(row, key)
-        return row.extra.get(key)
-    return row.get(key)
-
-
 def print_summary(
     rows,
     title: str = "",
@@ -233,19 +225,19 @@ def print_summary(
         if v is None:
             return "-"
         if isinstance(v, int) and not isinstance(v, bool):
-            return fmt_bytes(v, signed=bool(signed and signed(str(_get(row, "name")))))
+            return fmt_bytes(v, signed=bool(signed and signed(str(row.get("name")))))
         return str(v)
 
     for r in rows:
-        err = _get(r, "rel_error")
+        err = r.get("rel_error")
         cells = [
-            str(_get(r, "name")),
-            b(r, _get(r, "measured_bytes")),
-            b(r, _get(r, "estimated_bytes")),
-            ("n/a" if err is None else f"{err * 100:+.2f}%") + (" gap" if _get(r, "known_gap") else ""),
+            str(r.get("name")),
+            b(r, r.get("measured_bytes")),
+            b(r, r.get("estimated_bytes")),
+            ("n/a" if err is None else f"{err * 100:+.2f}%") + (" gap" if r.get("known_gap") else ""),
         ]
         for key, _ in columns:
-            v = _get(r, key)
+            v = r.get(key)
             cells.append(
                 b(r, v)
                 if key.endswith("bytes")
@@ -255,7 +247,7 @@ def print_summary(
     con = Console(file=file, width=max(terminal_width(file), 100), highlight=False, soft_wrap=False)
     con.print(t)
     worst = max_abs_rel_error(rows)
-    count = sum(1 for r in rows if _get(r, "rel_error") is not None)
+    count = sum(1 for r in rows if r.get("rel_error") is not None)
     con.print(f"max |rel_error| = {'n/a' if worst is None else f'{worst * 100:.3f}%'} over {count} {what}")
     if truth is not None:
         con.print(verdict_line(rows, tolerance), markup=False)

@@ -4,7 +4,8 @@ run a framework's own multi-process step on the CPU share (deepspeed, hf_trainer
 `run_ranks` writes the case to a file, starts `python -m MODULE CASE.json OUT_r.json` for each rank
 with torchrun's environment (a gloo group on 127.0.0.1; none for a single process), waits for all
 of them within one deadline, kills whatever is left, and returns every rank's JSON in rank order.
-A rank that fails raises RuntimeError with the last lines of its stderr.
+A rank that fails raises RuntimeError with the last lines of its stderr. `import_error` checks,
+in a fresh interpreter, that the framework imports at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,25 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+def import_error(code: str, env: dict | None = None, timeout: float = 300) -> str | None:
+    """None when `code` (imports, a check) runs in a fresh interpreter with `env` added to its
+    environment, else why not: the last line of its error. In a fresh process, so that a library
+    that sets itself up on import (DeepSpeed's accelerator) is checked as the ranks will see it."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, **(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not be checked ({type(e).__name__})"
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return None
 
 
 def free_port() -> int:

@@ -17,6 +17,23 @@ BASE = dict(
     max_position_embeddings=1024,
 )
 
+# Qwen's MoE blocks: 4 experts, top-2
+QWEN_MOE = dict(BASE, num_experts=4, num_experts_per_tok=2)
+# DeepSeek V2 / V3: multi-head latent attention (a value head unlike the query's: SDPA's
+# memory-efficient kernel), 8 routed experts, top-2, a dense first layer
+DEEPSEEK = dict(
+    BASE,
+    num_key_value_heads=8,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    first_k_dense_replace=1,
+)
+
 FAMILIES = {
     "llama": dict(BASE, model_type="llama"),
     "qwen2": dict(BASE, model_type="qwen2", tie_word_embeddings=True),
@@ -37,58 +54,17 @@ FAMILIES = {
     ),
     # HF experts (grouped_mm) trace only with bf16 weights: pure bf16
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(
-        BASE,
-        model_type="qwen3_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        head_dim=32,
-    ),
+    "qwen3_moe": dict(QWEN_MOE, model_type="qwen3_moe", moe_intermediate_size=256, head_dim=32),
     # a gated shared expert, top-k weights neither renormalised nor kept in fp32 (HF defaults)
     "qwen2_moe": dict(
-        BASE,
-        model_type="qwen2_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=512,
+        QWEN_MOE, model_type="qwen2_moe", moe_intermediate_size=128, shared_expert_intermediate_size=512
     ),
-    # multi-head latent attention (a value head unlike the query's: SDPA's memory-efficient
-    # kernel), a sigmoid router with group-limited top-k, a shared expert, a dense first layer
+    # a query LoRA, a sigmoid router with group-limited top-k, one shared expert
     "deepseek_v3": dict(
-        BASE,
-        model_type="deepseek_v3",
-        num_key_value_heads=8,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=4,
-        topk_group=2,
+        DEEPSEEK, model_type="deepseek_v3", q_lora_rank=96, n_shared_experts=1, n_group=4, topk_group=2
     ),
     # no query LoRA, complex rotary embedding, softmax router, two shared experts (V2-Lite's form)
-    "deepseek_v2": dict(
-        BASE,
-        model_type="deepseek_v2",
-        num_key_value_heads=8,
-        q_lora_rank=None,
-        kv_lora_rank=64,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        n_shared_experts=2,
-        first_k_dense_replace=1,
-    ),
+    "deepseek_v2": dict(DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, n_shared_experts=2),
 }
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")
 

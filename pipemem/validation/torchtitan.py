@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -43,7 +43,9 @@ QWEN3 = {"family": "qwen3", "config": "qwen3_debugmodel", "flavor": "debugmodel"
 DEEPSEEK_V3 = {"family": "deepseek_v3", "config": "deepseek_v3_debugmodel", "flavor": "debugmodel"}
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
+ROWS_ARE = "ranks"  # one row per traced rank of each case
 TOLERANCE = 0.01
+TIMEOUT = 600.0  # seconds per traced rank: the default --timeout
 
 
 def _case(
@@ -168,72 +170,36 @@ def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     for rank, tr in sorted(traces.items()):
         stage_rank = rank // (case["world"] // pp) if pp > 1 else 0
         r = est.ranks[stage_rank]
-        rows.append(
-            CaseRow(
-                f"{case['name']}/rank{rank}",
-                tr["peak_bytes"],
-                r.peak_allocated_bytes,
-                {
-                    "case": case["name"],
-                    "rank": rank,
-                    "pp_rank": stage_rank,
-                    "measured_static_bytes": tr["static_bytes"],
-                    "estimated_static_bytes": r.static.total,
-                    "measured_peak_at": tr["peak_at"],
-                    "estimated_peak_at": r.peak_at,
-                    **({"known_gap": case["known_gap"]} if case.get("known_gap") else {}),
-                },
-            )
-        )
+        where = {"rank": rank, "pp_rank": stage_rank}
+        gap = {"known_gap": case["known_gap"]} if case.get("known_gap") else {}
+        rows.append(peak_row(f"{case['name']}/rank{rank}", case["name"], tr, r, where, **gap))
     return rows
 
 
-def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "torchtitan",
-        "torchtitan's own training step (fake tensors) per rank vs the estimate",
-        "Trace torchtitan 0.3's own training step (its parallelize / pipelining "
-        "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
-        "with the fake process group, second step, and compare each rank's peak "
-        "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
-        "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
-        f"than {TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
-    add_case_options(
-        p,
-        "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)",
-        600.0,
-        "seconds per traced rank",
-    )
-    p.set_defaults(func=run)
+HELP = "torchtitan's own training step (fake tensors) per rank vs the estimate"
+DESCRIPTION = (
+    "Trace torchtitan 0.3's own training step (its parallelize / pipelining "
+    "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
+    "with the fake process group, second step, and compare each rank's peak "
+    "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
+    "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+    f"than {TOLERANCE:.0%}."
+)
+FULL_HELP = "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)"
 
 
-def run(args) -> int:
-    def available():
-        from .torchtitan_trace import available
+def json_header() -> dict:
+    return {"torchtitan": "0.3.0", "kernel_policy": "cuda"}
 
-        return available()
 
-    return run_named_cases(
-        args,
-        "torchtitan",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"torchtitan": "0.3.0", "kernel_policy": "cuda"},
-        measured_label="traced",
-        name_width=32,
-        rows_are="ranks",
-        truth=TRUTH,
-    )
+def available() -> str | None:
+    from .torchtitan_trace import available
+
+    return available()

@@ -5,9 +5,9 @@ Each case is a `full_finetune_distributed` configuration at a small shape (torch
 decoder, world 2 or 4, bf16): with or without `custom_sharded_layers`, chunked or plain cross
 entropy, tied embeddings, `fsdp_reshard_after_forward`, activation checkpointing. Measured:
 rank 0 of torchtune's own model, `shard_model` and step, traced on fake tensors with the fake
-process group (`torchtune_trace.py`, second step). Estimated: the same configuration through
-`pipemem.estimate(..., convention="torchtune", fsdp=True)`, with the plan `--from-torchtune`
-makes of those keys. `rel_error` = (estimated - measured) / measured.
+process group (`torchtune_trace.py`, second step). Estimated: the case's recipe config
+(`recipe_config`) read by `pipemem.read_config("torchtune", ...)` (what `--from-torchtune`
+reads), estimated with the case's model. `rel_error` = (estimated - measured) / measured.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from .case_model import llama_hf_config
-from .compare import CaseRow, add_case_options, run_named_cases, target_parser, timed_rows
+from .compare import CaseRow, peak_row, timed_rows
 
 EXAMPLE = """\
 examples:
@@ -33,6 +33,7 @@ MODEL = {"vocab": 4096, "layers": 2, "heads": 8, "kv_heads": 4, "hidden": 256, "
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 TOLERANCE = 0.02
+TIMEOUT = 600.0  # seconds per case: the default --timeout
 # torchtune's Llama 3 configs shard these apart from the root (`custom_sharded_layers`)
 CUSTOM = ["tok_embeddings", "output"]
 # torchtune's recipes/configs/llama3_1/8B_lora.yaml: lora_attn_modules [q_proj, v_proj, output_proj],
@@ -75,32 +76,56 @@ CI_CASES = ("fsdp2-root-chunked", "fsdp2-custom")
 hf_config = llama_hf_config  # the case's model as the estimate reads it
 
 
-def plan_kwargs(case: dict) -> dict:
-    """What `--from-torchtune` makes of the case's configuration keys."""
-    kw = dict(
-        convention="torchtune",
-        dtype="bf16",
-        fsdp=True,
-        dp=case["world"],
-        seq_len=case["seq_len"],
-        micro_batch=case["micro_batch"],
-    )
-    extra = {}
-    if case.get("custom_sharded_layers"):
-        extra["custom_sharded_layers"] = sorted(case["custom_sharded_layers"])
-    if case.get("reshard_after_forward") is False:
-        extra["fsdp_reshard_after_forward"] = False
-    if extra:
-        kw["extra"] = extra
+def recipe_config(case: dict) -> dict:
+    """The `full_finetune_distributed` recipe config the case runs (what `torchtune_trace` builds
+    and steps). Its model is the case's small Llama 3.2, which no builder names: the config names
+    the 1B builder, and only the plan is read from it."""
+    cfg = {
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+        "tokenizer": {
+            "_component_": "torchtune.models.llama3.llama3_tokenizer",
+            "max_seq_len": case["seq_len"],
+        },
+        "batch_size": case["micro_batch"],
+        "dtype": "bf16",
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        "loss": {"_component_": "torch.nn.CrossEntropyLoss"},
+        "enable_activation_checkpointing": bool(case.get("activation_checkpointing")),
+        "data_parallel_shard_dim": case["world"],
+        "fsdp_reshard_after_forward": case.get("reshard_after_forward", True),
+    }
     if case.get("loss_chunks", 1) > 1:
-        kw.update(loss="chunked", loss_chunks=case["loss_chunks"])
-    if case.get("activation_checkpointing"):
-        kw["recompute"] = "full"
-    if case.get("lora"):
+        cfg["loss"] = {
+            "_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss",
+            "num_output_chunks": case["loss_chunks"],
+        }
+    if case.get("custom_sharded_layers"):
+        cfg["custom_sharded_layers"] = list(case["custom_sharded_layers"])
+    if case.get("lora"):  # lora_finetune_distributed's model: the 1B builder's LoRA form
         lora = case["lora"]
-        targets = lora["attn_modules"] + (["w1", "w2", "w3"] if lora["mlp"] else [])
-        kw.update(lora_rank=lora["rank"], lora_targets=",".join(targets))
-    return kw
+        cfg["model"] = {
+            "_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
+            "lora_attn_modules": list(lora["attn_modules"]),
+            "apply_lora_to_mlp": lora["mlp"],
+            "lora_rank": lora["rank"],
+            "lora_alpha": 2 * lora["rank"],
+        }
+    return cfg
+
+
+def plan_kwargs(case: dict) -> dict:
+    """The plan of the case's recipe config as `pipemem estimate --from-torchtune` reads it
+    (`pipemem.read_config`)."""
+    import yaml
+
+    from ..configs.resolve import read_config
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "recipe.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(recipe_config(case), f)
+        _, plan = read_config("torchtune", path)
+    return plan
 
 
 def trace_case(case: dict, timeout: float) -> dict:
@@ -125,22 +150,10 @@ def compare_case(case: dict, trace: dict) -> CaseRow:
     from ..estimate import estimate
 
     est = estimate(hf_config(case), model_name="torchtune-llama3_2-small", **plan_kwargs(case))
-    r = est.ranks[0]
-    return CaseRow(
-        f"{case['name']}/rank0",
-        trace["peak_bytes"],
-        r.peak_allocated_bytes,
-        {
-            "case": case["name"],
-            "measured_static_bytes": trace["static_bytes"],
-            "estimated_static_bytes": r.static.total,
-            "measured_peak_at": trace["peak_at"],
-            "estimated_peak_at": r.peak_at,
-        },
-    )
+    return peak_row(f"{case['name']}/rank0", case["name"], trace, est.ranks[0])
 
 
-def run_cases(cases: list[dict], timeout: float = 600.0, progress=None) -> list[CaseRow]:
+def run_cases(cases: list[dict], timeout: float = TIMEOUT, progress=None) -> list[CaseRow]:
     return timed_rows(cases, lambda c: compare_case(c, trace_case(c, timeout)), progress)
 
 
@@ -161,39 +174,20 @@ def available() -> str | None:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def register(sub) -> None:
-    p = target_parser(
-        sub,
-        "torchtune",
-        "torchtune's distributed full fine-tune step (fake tensors) vs the estimate",
-        "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
-        "full_finetune_distributed step for rank 0 on fake tensors with the fake "
-        "process group, second step, and compare its peak with pipemem's "
-        "torchtune-convention estimate. Needs torchtune==0.6.1 "
-        "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
-        f"{TOLERANCE:.0%}.",
-        EXAMPLE,
-    )
-    add_case_options(
-        p,
-        "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
-        "dp 4, activation checkpointing)",
-        600.0,
-        "seconds per case",
-    )
-    p.set_defaults(func=run)
+HELP = "torchtune's distributed full fine-tune step (fake tensors) vs the estimate"
+DESCRIPTION = (
+    "Trace torchtune 0.6.1's own model, shard_model (FSDP2) and the "
+    "full_finetune_distributed step for rank 0 on fake tensors with the fake "
+    "process group, second step, and compare its peak with pipemem's "
+    "torchtune-convention estimate. Needs torchtune==0.6.1 "
+    "(pip install --no-deps torchtune==0.6.1, as .ci/run does). Exit 1 if a case is off by more than "
+    f"{TOLERANCE:.0%}."
+)
+FULL_HELP = (
+    "every case (root unit or custom_sharded_layers, chunked CE, tied, no reshard, "
+    "dp 4, activation checkpointing)"
+)
 
 
-def run(args) -> int:
-    return run_named_cases(
-        args,
-        "torchtune",
-        all_cases,
-        CI_CASES,
-        available,
-        run_cases,
-        TOLERANCE,
-        {"torchtune": "0.6.1", "kernel_policy": "cuda"},
-        "traced",
-        truth=TRUTH,
-    )
+def json_header() -> dict:
+    return {"torchtune": "0.6.1", "kernel_policy": "cuda"}

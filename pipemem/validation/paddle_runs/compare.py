@@ -11,12 +11,10 @@ Rows: one per sub-program and quantity (net, peak).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from ...liveness import analyze_sequence
 from ...paddle.capture import resolve_shapes, to_ir
 from ...paddle.split import SUB_PROGRAM_TYPES, split_backward_bw, split_program
-from ..compare import rel_error
+from ..compare import CaseRow, rel_error
 
 # Paddle's estimator asserts that a job typed "backward" keeps nothing for later jobs:
 # true in its pipeline passes, where gradient merge makes the grads persistable, false
@@ -25,23 +23,47 @@ from ..compare import rel_error
 PADDLE_TYPE_KEYS = {"forward": "F", "backward": "B", "backward_b": "B", "backward_w": "W", "optimizer": "O"}
 
 
-@dataclass
-class Row:
-    name: str
-    measured_bytes: int
-    estimated_bytes: int
-    rel_error: float | None
-    paddle_estimated_bytes: int | None
-    paddle_rel_error: float | None
-    peak_op: str = ""
-    # PIR peaks: how the measurement kept the collector ahead ("realtime" / "nice" / "none"),
-    # every trial's peak and the most the collector still held when a step returned
-    collector: str = ""
-    trial_peaks: list[int] | None = None
-    lag_bytes: int | None = None
+def paddle_row(
+    name: str, measured: int | None, estimated: int, paddle_estimated: int | None, peak_op: str = "", **fields
+) -> CaseRow:
+    """A row of `validate paddle`: pipemem's estimate and Paddle's own (None where it has none)
+    against the measurement (None where not measured), then the row's own `fields`."""
+    return CaseRow(
+        name,
+        measured,
+        estimated,
+        {
+            "paddle_estimated_bytes": paddle_estimated,
+            "paddle_rel_error": rel_error(paddle_estimated, measured),
+            "peak_op": peak_op,
+            **fields,
+        },
+    )
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+def program_row(
+    name: str,
+    measured: int | None,
+    estimated: int,
+    paddle_estimated: int | None,
+    peak_op: str = "",
+    collector: str = "",
+    trial_peaks: list[int] | None = None,
+    lag_bytes: int | None = None,
+) -> CaseRow:
+    """A row of a Program case (legacy IR or PIR). A PIR peak adds how the measurement kept the
+    collector ahead ("realtime" / "nice" / "none"), every trial's peak and the most the collector
+    still held when a step returned."""
+    return paddle_row(
+        name,
+        measured,
+        estimated,
+        paddle_estimated,
+        peak_op,
+        collector=collector,
+        trial_peaks=trial_peaks,
+        lag_bytes=lag_bytes,
+    )
 
 
 class _SerialDistOp:
@@ -93,7 +115,7 @@ def estimate(main_program, batch: int | None = None, seq: int | None = None, fee
     return pipemem_estimates(split_program(resolved, SUB_PROGRAM_TYPES))
 
 
-def compare_case(case, measure: bool = True) -> list[Row]:
+def compare_case(case, measure: bool = True) -> list[CaseRow]:
     from .measure import measure_step
 
     feed_shapes = {n: list(a.shape) for n, a in case.feeds.items()}
@@ -109,22 +131,13 @@ def compare_case(case, measure: bool = True) -> list[Row]:
         r = ours[t]
         for quantity, est, pest in (("net", r.net_bytes, theirs[t][0]), ("peak", r.peak_bytes, theirs[t][1])):
             m = measured.get(t)
-            meas = (m.net_bytes if quantity == "net" else m.peak_bytes) if m else 0
-            rows.append(
-                Row(
-                    name=f"{case.name}/{t}/{quantity}",
-                    measured_bytes=meas,
-                    estimated_bytes=est,
-                    rel_error=rel_error(est, meas) if m else None,
-                    paddle_estimated_bytes=pest,
-                    paddle_rel_error=rel_error(pest, meas) if m else None,
-                    peak_op=r.peak_op_label if quantity == "peak" else "",
-                )
-            )
+            meas = (m.net_bytes if quantity == "net" else m.peak_bytes) if m else None
+            peak_op = r.peak_op_label if quantity == "peak" else ""
+            rows.append(program_row(f"{case.name}/{t}/{quantity}", meas, est, pest, peak_op))
     return rows
 
 
-def compare(names=None) -> list[Row]:
+def compare(names=None) -> list[CaseRow]:
     from .models import CASES
 
     names = list(names or CASES)
@@ -143,7 +156,7 @@ def compare(names=None) -> list[Row]:
 PIR_QUANTITIES = ("peak", "net", "allocated-no-gc")
 
 
-def compare_pir_case(case, trials: int = 5) -> list[Row]:
+def compare_pir_case(case, trials: int = 5) -> list[CaseRow]:
     from ...paddle.pir_capture import allocated_total, capture, whole_step
     from .pir_measure import measure_no_gc, measure_step
 
@@ -157,24 +170,23 @@ def compare_pir_case(case, trials: int = 5) -> list[Row]:
         ("net", net, m.net_bytes),
         ("allocated-no-gc", allocated_total(captured), allocated),
     ):
+        peak = quantity == "peak"
         rows.append(
-            Row(
-                name=f"{case.name}/step/{quantity}",
-                measured_bytes=meas,
-                estimated_bytes=est,
-                rel_error=rel_error(est, meas),
-                paddle_estimated_bytes=None,
-                paddle_rel_error=None,
-                peak_op=label if quantity == "peak" else "",
-                collector=m.policy if quantity == "peak" else "",
-                trial_peaks=m.peaks if quantity == "peak" else None,
-                lag_bytes=m.lag_bytes if quantity == "peak" else None,
+            program_row(
+                f"{case.name}/step/{quantity}",
+                meas,
+                est,
+                None,
+                peak_op=label if peak else "",
+                collector=m.policy if peak else "",
+                trial_peaks=m.peaks if peak else None,
+                lag_bytes=m.lag_bytes if peak else None,
             )
         )
     return rows
 
 
-def compare_pir(names=None, trials: int = 5) -> list[Row]:
+def compare_pir(names=None, trials: int = 5) -> list[CaseRow]:
     from .pir_models import CASES as PIR_CASES
 
     rows = []

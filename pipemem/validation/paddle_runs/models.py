@@ -237,6 +237,11 @@ def _zb(case: Case) -> Case:
     return case
 
 
+# Wider and deeper, one of each style: 28 MB of activations instead of 1 MB
+WIDE_LLAMA = DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688, vocab=1000, dropout=0.0)
+WIDE_GPT = DecoderConfig(style="gpt", layers=4, hidden=256, heads=8, ffn=1024, vocab=1000)
+WIDE_SHAPE = dict(batch=2, seq=128)
+
 CASES = {
     "mlp": lambda: mlp(),
     "gpt2": lambda: decoder(DecoderConfig(style="gpt")),
@@ -245,22 +250,8 @@ CASES = {
     "llama2-recompute": lambda: decoder(DecoderConfig(style="llama", dropout=0.0), recompute=True),
     "llama2-zb": lambda: _zb(decoder(DecoderConfig(style="llama", dropout=0.0))),
     "gpt2-zb": lambda: _zb(decoder(DecoderConfig(style="gpt"))),
-    # Wider and deeper, one of each style: 28 MB of activations instead of 1 MB.
-    "llama4-wide": lambda: _named(
-        decoder(
-            DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688, vocab=1000, dropout=0.0),
-            batch=2,
-            seq=128,
-        ),
-        "llama4-wide",
-    ),
+    "llama4-wide": lambda: _named(decoder(WIDE_LLAMA, **WIDE_SHAPE), "llama4-wide"),
     "gpt4-wide-recompute": lambda: _named(
-        decoder(
-            DecoderConfig(style="gpt", layers=4, hidden=256, heads=8, ffn=1024, vocab=1000),
-            batch=2,
-            seq=128,
-            recompute=True,
-        ),
-        "gpt4-wide-recompute",
+        decoder(WIDE_GPT, **WIDE_SHAPE, recompute=True), "gpt4-wide-recompute"
     ),
 }

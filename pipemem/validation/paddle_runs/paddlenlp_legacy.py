@@ -281,13 +281,12 @@ def paddle_estimates(sub_programs: dict) -> tuple[dict, dict]:
     return out, errors
 
 
-def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[dict]:
+def compare_card(folder: str | Path, label: str, measure: bool = True) -> list:
     """Rows for one card: forward net and peak, backward peak, optimizer peak; measured,
     pipemem's, Paddle's estimator's. `measure=False`: estimates only (programs at shapes the
     CPU cannot run; the measured fields are None)."""
     from ...paddle.capture import resolve_job_shapes
-    from ..compare import rel_error
-    from .compare import pipemem_estimates
+    from .compare import paddle_row, pipemem_estimates
 
     programs, doc = load_card(folder)
     subs, _ = job_programs(programs, doc)
@@ -308,18 +307,17 @@ def compare_card(folder: str | Path, label: str, measure: bool = True) -> list[d
         meas = None if m is None else m.net_bytes if quantity == "net" else m.peak_bytes
         est = ours[t].net_bytes if quantity == "net" else ours[t].peak_bytes
         pest = None if t not in theirs else theirs[t][0] if quantity == "net" else theirs[t][1]
+        peak_op = ours[t].peak_op_label if quantity == "peak" else ""
         rows.append(
-            {
-                "name": f"{label}/{t}/{quantity}",
-                "measured_bytes": meas,
-                "estimated_bytes": est,
-                "rel_error": rel_error(est, meas),
-                "paddle_estimated_bytes": pest,
-                "paddle_rel_error": rel_error(pest, meas),
-                "peak_op": ours[t].peak_op_label if quantity == "peak" else "",
-                "paddle_error": their_errors.get(t, ""),
-                "built_with": f"paddlepaddle {doc['paddle']}",
-            }
+            paddle_row(
+                f"{label}/{t}/{quantity}",
+                meas,
+                est,
+                pest,
+                peak_op,
+                paddle_error=their_errors.get(t, ""),
+                built_with=f"paddlepaddle {doc['paddle']}",
+            )
         )
     return rows
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .models import PIR_OPS, DecoderConfig, decoder_feeds, decoder_loss
+from .models import PIR_OPS, WIDE_LLAMA, WIDE_SHAPE, DecoderConfig, decoder_feeds, decoder_loss
 
 _DEFAULT_DECODER = DecoderConfig()  # a frozen dataclass: one shared default instance
 
@@ -88,12 +88,5 @@ CASES = {
     "gpt2-pir": lambda: decoder(DecoderConfig(style="gpt")),
     "llama2-pir": lambda: decoder(DecoderConfig(style="llama", dropout=0.0)),
     # Wider and deeper (as models.py's llama4-wide): 28 MB of activations instead of 1 MB.
-    "llama4-wide-pir": lambda: _named(
-        decoder(
-            DecoderConfig(style="llama", layers=4, hidden=256, heads=8, ffn=688, vocab=1000, dropout=0.0),
-            batch=2,
-            seq=128,
-        ),
-        "llama4-wide-pir",
-    ),
+    "llama4-wide-pir": lambda: _named(decoder(WIDE_LLAMA, **WIDE_SHAPE), "llama4-wide-pir"),
 }

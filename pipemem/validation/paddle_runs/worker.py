@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             label, folder = item.split("=", 1)
             rows += compare_card(folder, label, measure=not args.estimate_only)
             print(f"{PROGRESS_PREFIX}{label}", file=sys.stderr, flush=True)
-        json.dump({"cases": rows}, sys.stdout)
+        json.dump({"cases": [r.to_dict() for r in rows]}, sys.stdout)
         print()
         return 0
     if args.ir == "pir":
