@@ -18,6 +18,7 @@ with the GPU).
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import numpy as np
 
@@ -57,40 +58,50 @@ def attach_reserved(est, conf) -> None:
             "peak_reserved_bytes is null; the allocated numbers stand"
         )
         return
-    stage_plan, schedule = est.reserved_inputs
-    runtime = est.runtime
-    said = []
-    inputs: list = []  # the lowered schedule and first-backward microbatches, made when first needed
-
-    def source(r):
-        def run():
-            if not inputs:
-                from .runtime import lower
-
-                inputs.append(lower(schedule, runtime))
-                inputs.append({s: m for s, m in stage_plan.first_backward_overrides(schedule)})
-            lowered, first_mb = inputs
-            key = (id(stage_plan), id(lowered), r.pp_rank, text, r.static, r.source[2])
-            hit = _CACHE.get(key)
-            if hit is not None and hit[0] is stage_plan and hit[1] is lowered:
-                value, why = hit[2], hit[3]
-            else:
-                value, why = _peak_reserved(stage_plan, lowered, r, conf, first_mb)
-                if len(_CACHE) >= _CACHE_MAX:
-                    del _CACHE[next(iter(_CACHE))]
-                _CACHE[key] = (stage_plan, lowered, value, why)
-            if why and not said:
-                said.append(why)
-                est.warnings.append(
-                    f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "
-                    "is null; the allocated numbers stand"
-                )
-            return value
-
-        return run
-
+    shared = _Sources(est, conf, text)
+    run = shared.run
     for r in est.ranks:
-        r.reserved_source = source(r)
+        r.reserved_source = partial(run, r)
+
+
+class _Sources:
+    """What the ranks of one estimate share to find their reserved bytes: the lowered schedule
+    and first-backward microbatches, made when a rank's reserved is first read."""
+
+    __slots__ = ("est", "conf", "text", "inputs", "said")
+
+    def __init__(self, est, conf, text):
+        self.est, self.conf, self.text = est, conf, text
+        self.inputs = None
+        self.said = False
+
+    def run(self, r):
+        est = self.est
+        stage_plan, schedule = est.reserved_inputs
+        if self.inputs is None:
+            from .runtime import lower
+
+            self.inputs = (
+                lower(schedule, est.runtime),
+                {s: m for s, m in stage_plan.first_backward_overrides(schedule)},
+            )
+        lowered, first_mb = self.inputs
+        key = (id(stage_plan), id(lowered), r.pp_rank, self.text, r.static, r.source[2])
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] is stage_plan and hit[1] is lowered:
+            value, why = hit[2], hit[3]
+        else:
+            value, why = _peak_reserved(stage_plan, lowered, r, self.conf, first_mb)
+            if len(_CACHE) >= _CACHE_MAX:
+                del _CACHE[next(iter(_CACHE))]
+            _CACHE[key] = (stage_plan, lowered, value, why)
+        if why and not self.said:
+            self.said = True
+            est.warnings.append(
+                f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "
+                "is null; the allocated numbers stand"
+            )
+        return value
 
 
 def _peak_reserved(stage_plan, lowered, r, conf, first_mb) -> tuple[int | None, str]:
