@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import AllocatorConfig
-from .model import K_SMALL_SIZE, CachingAllocator, Period, round_size
+from .model import K_SMALL_SIZE, LARGE, SMALL, CachingAllocator, PartAllocator, Period, round_size
 
 
 class _Part:
@@ -47,6 +47,30 @@ class _Part:
 
     def __getitem__(self, sl: slice) -> list[tuple[int, int, int]]:
         return list(zip(self.signed[sl].tolist(), self.streams[sl].tolist(), self.handles[sl].tolist()))
+
+
+class _RoundedPart:
+    """One part's events as `PartAllocator` reads them: (rounded size, handle) for an
+    allocation, (0, handle) for a free."""
+
+    def __init__(self, rounded, handles):
+        self.rounded, self.handles = rounded, handles
+
+    def __len__(self) -> int:
+        return int(self.rounded.size)
+
+    def __getitem__(self, sl: slice) -> list[tuple[int, int]]:
+        return list(zip(self.rounded[sl].tolist(), self.handles[sl].tolist()))
+
+
+def _rounded(signed, config: AllocatorConfig) -> np.ndarray:
+    """Each allocation's rounded size (`round_size`), 0 for a free."""
+    out = np.zeros(signed.size, np.int64)
+    alloc = signed > 0
+    sizes, inverse = np.unique(signed[alloc], return_inverse=True)
+    rounded = np.fromiter((round_size(int(x), config) for x in sizes), np.int64, sizes.size)
+    out[alloc] = rounded[inverse]
+    return out
 
 
 def peak_reserved_bytes(
@@ -79,22 +103,35 @@ def replay_parts(
     signed = np.asarray(signed, np.int64)
     streams = np.asarray(streams, np.int64)
     handles = np.asarray(handles, np.int64)
-    whole = [np.arange(signed.size)]
     groups = (
-        whole
-        if config.expandable_segments or signed.size == 0
-        else _groups(signed, streams, handles, config, period)
+        None if config.expandable_segments or signed.size == 0 else _groups(signed, streams, handles, config)
     )
+    if groups is not None and period is not None and period.count > 1:
+        # every window must hold the same events of each part (the windows repeat their sizes
+        # and streams; checked here for the parts, which the frees take from their allocations)
+        part = np.empty(signed.size, np.int64)
+        for k, idx in enumerate(groups):
+            part[idx] = k
+        w = part[period.start : period.start + period.count * period.length].reshape(period.count, -1)
+        if not (w == w[0]).all():
+            groups = None
     out = []
-    for idx in groups:
+    for idx in groups or [np.arange(signed.size)]:
         part_period = None
         if period is not None:
             start = int(np.searchsorted(idx, period.start))
             length = int(np.searchsorted(idx, period.start + period.length)) - start
             if length > 0:
                 part_period = Period(start, length, period.count, period.shift, period.fixed)
-        a = CachingAllocator(config)
-        part = _Part(signed[idx], streams[idx], handles[idx])
+        if groups is None:
+            a = CachingAllocator(config)
+            part = _Part(signed[idx], streams[idx], handles[idx])
+        else:
+            rounded = _rounded(signed[idx], config)
+            first = int(np.flatnonzero(rounded)[0])
+            pool = SMALL if rounded[first] <= K_SMALL_SIZE else LARGE
+            a = PartAllocator(config, pool, int(streams[idx][first]))
+            part = _RoundedPart(rounded, handles[idx])
         if part_period is None:
             a.run_stream(part[:])
         else:
@@ -103,9 +140,8 @@ def replay_parts(
     return out
 
 
-def _groups(signed, streams, handles, config, period) -> list[np.ndarray]:
-    """The event indices of each (pool, stream) part, or the whole stream as one part."""
-    whole = [np.arange(signed.size)]
+def _groups(signed, streams, handles, config) -> list[np.ndarray] | None:
+    """The event indices of each (pool, stream) part, or None: replay the stream whole."""
     alloc = signed > 0
     # the pool of each allocation, from its rounded size (few distinct sizes)
     sizes = np.unique(signed[alloc])
@@ -119,14 +155,8 @@ def _groups(signed, streams, handles, config, period) -> list[np.ndarray]:
     h, a = handles[order], alloc[order]
     frees = np.flatnonzero(~a)
     if frees.size and (frees[0] == 0 or not (a[frees - 1].all() and (h[frees - 1] == h[frees]).all())):
-        return whole
+        return None
     g = group[order]
     g[frees] = g[frees - 1]
     group[order] = g
-    # with a period, every window must hold the same events of each part (checked: the windows
-    # repeat their sizes and streams, and here their parts)
-    if period is not None and period.count > 1:
-        w = group[period.start : period.start + period.count * period.length].reshape(period.count, -1)
-        if not (w == w[0]).all():
-            return whole
     return [np.flatnonzero(group == k) for k in np.unique(group).tolist()]
