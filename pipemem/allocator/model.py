@@ -1065,7 +1065,9 @@ class PartAllocator(CachingAllocator):
     request already rounded (`round_size`), the pool and stream fixed (every free-list key has
     the part's stream: the stream check of the search is always true), and only the reserved
     bytes counted (allocated bytes and requested sizes are not kept: nothing here reads them, and
-    the state that `run_periodic` compares is still every block with its holder)."""
+    the state that `run_periodic` compares is still every block with its holder). A block here
+    is either allocated (held by a key) or in the free list (nothing waits for other streams,
+    nothing is unmapped), so a neighbour not allocated is a free block to merge with."""
 
     def __init__(self, config: AllocatorConfig, pool: int, stream: int):
         super().__init__(config)
@@ -1084,7 +1086,7 @@ class PartAllocator(CachingAllocator):
                 block = live.pop(key)
                 block.allocated = False
                 prev = block.prev
-                if prev is not None and free.get(prev.ptr) is prev:
+                if prev is not None and not prev.allocated:
                     del keys[bisect_left(keys, base + (prev.size << _SZ) + prev.ptr)]
                     del free[prev.ptr]
                     block.ptr = prev.ptr
@@ -1093,7 +1095,7 @@ class PartAllocator(CachingAllocator):
                     if prev is not None:
                         prev.next = block
                 nxt = block.next
-                if nxt is not None and free.get(nxt.ptr) is nxt:
+                if nxt is not None and not nxt.allocated:
                     del keys[bisect_left(keys, base + (nxt.size << _SZ) + nxt.ptr)]
                     del free[nxt.ptr]
                     block.size += nxt.size
