@@ -747,6 +747,7 @@ def rank_stream_period(
     width = max([ss.width for ss in normal.values()] + [ss.width for ss in first.values()] + [_SLOTS])
     local = {s: i for i, s in enumerate(stage_ids)}
     M = lowered.microbatches
+    _count_or_refuse(acts, normal, first, first_mb, n0, rank)
     memory: dict = {}  # (kind, stage) -> the one event of a runtime memory action, or None
     pieces: list = []  # per action that makes events: its template
     bases: list = []  # and its handle offset
@@ -832,6 +833,32 @@ def rank_stream_period(
         ev, np.asarray(codes, np.int64), np.asarray(mbs, np.int64), np.asarray(seen, np.int64), n0, width
     )
     return ev, inp, period
+
+
+def _count_or_refuse(acts, normal: dict, first: dict, first_mb: dict, n0: int, rank: int) -> None:
+    """The count of the rank's events that the loop of rank_stream_period adds up (its job
+    actions' templates), made first from the templates' lengths alone, so that a stream over
+    MAX_EVENTS is refused before it is built (the same refusal the loop would reach: the count
+    only grows). Where a template cannot be read here the loop decides, as before."""
+    lens: dict = {}
+    total = n0
+    try:
+        for kind, s, m in acts:
+            if kind in _MEMORY_SLOT:
+                continue
+            f = s in first and first_mb.get(s) == m and kind != "F"
+            k = (kind, s, f)
+            n = lens.get(k)
+            if n is None:
+                n = lens[k] = len((first[s] if f else normal[s]).job(kind))
+            total += n
+    except (KeyError, AttributeError, TypeError):
+        return
+    if total > MAX_EVENTS:
+        raise StreamNotModelled(
+            f"more than {MAX_EVENTS:,} allocations and frees on rank {rank}, more than the allocator "
+            "model replays in reasonable time"
+        )
 
 
 class AllocatorInput:

@@ -17,7 +17,7 @@ from . import frameworks
 from .errors import UserError
 from .jobs import JobMemory, StagePlan, StaticBytes
 from .plan import MAX_GPU_GIB, MIN_GPU_GIB, ParallelPlan
-from .sources import SOURCES, default_schedule, schedule_of  # noqa: F401  (the last two: re-exported)
+from .sources import SOURCES, copy_plan, default_schedule, schedule_of  # noqa: F401  (the last two: re-exported)
 
 MODES = ("templates", "traced", "paddle")
 KERNEL_POLICIES = ("cuda", "cpu")
@@ -437,9 +437,12 @@ def resolve_model(model: str | Mapping, name: str = "", flag: str = "--model") -
     return name or display, str(cfg.get("_pipemem_source") or model), cfg
 
 
+_PLAN_FIELDS: set = set()  # ParallelPlan's field names, filled on first use
+
+
 def split_kwargs(kwargs: dict) -> tuple[dict, dict]:
     """estimate() keyword arguments -> (plan fields, options); unknown names are a UserError."""
-    fields_ = set(ParallelPlan.field_names())
+    fields_ = _PLAN_FIELDS or _PLAN_FIELDS.update(ParallelPlan.field_names()) or _PLAN_FIELDS
     plan, opts = {}, {}
     for k, v in kwargs.items():
         if k in OPTIONS:
@@ -510,6 +513,11 @@ def estimate(model: str | Mapping, **kwargs) -> Estimate:
 
 
 def _estimate(model: str | Mapping, **kwargs) -> Estimate:
+    fast = _fast_key(model, kwargs)
+    if fast is not None:
+        hit = _FAST.get(fast)
+        if hit is not None:
+            return _package(model, kwargs, *hit[:3], copy_plan(hit[3]), *hit[4:])
     plan_kw, opts = split_kwargs(kwargs)
     mode = opts.get("mode") or "templates"
     if mode not in MODES:
@@ -521,9 +529,12 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     from .reserved import alloc_config
 
     alloc_conf = alloc_config(opts.get("alloc_conf"))  # a bad key or value: UserError, before any work
-    name, source_name, config = resolve_model(
-        model, opts.get("model_name") or "", opts.get("model_flag") or "--model"
-    )
+    model_key = _model_key(model, opts, mode)
+    read = _MODELS.get(model_key) if model_key is not None else None
+    if read is None:
+        name, source_name, config = resolve_model(
+            model, opts.get("model_name") or "", opts.get("model_flag") or "--model"
+        )
 
     plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
     if isinstance(plan_kw.get("pp_layout"), list):
@@ -533,7 +544,14 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     # one path for every mode (pipemem.sources): the source reads the model, validates the plan
     # once and builds its stage plan; the replay and the Estimate are the same for all
     source = SOURCES[mode](kernel_policy=policy, runtime=opts.get("runtime"), progress=opts.get("progress"))
-    arch, config, text_note = source.read_arch(config, name)
+    if read is None:
+        arch, config, text_note = source.read_arch(config, name)
+        read = (name, source_name, arch, text_note, config.get("_pipemem_note"))
+        if model_key is not None:
+            if len(_MODELS) >= 256:
+                del _MODELS[next(iter(_MODELS))]
+            _MODELS[model_key] = read
+    name, source_name, arch, text_note, config_note = read
     try:
         plan = ParallelPlan(**plan_kw)
     except TypeError as e:  # a wrong type slipped through from the Python API
@@ -546,6 +564,28 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     runtime = source.runtime(plan)
     stage_plan = source.stage_plan(arch, plan, schedule)
     schedule = schedule or stage_plan.schedule
+    if source.mode != "templates":
+        return _package(
+            model, kwargs, name, source_name, arch, plan, source, schedule, runtime, stage_plan, opts,
+            gpu_name, gpu_bytes, alloc_conf, text_note, config_note,
+        )  # fmt: skip
+    parts = (
+        name, source_name, arch, copy_plan(plan), source, schedule, runtime, stage_plan, opts,
+        gpu_name, gpu_bytes, alloc_conf, text_note, config_note,
+    )  # fmt: skip
+    if fast is not None and not opts.get("explain"):
+        if len(_FAST) >= 256:
+            del _FAST[next(iter(_FAST))]
+        _FAST[fast] = parts
+    return _package(model, kwargs, *parts[:3], plan, *parts[4:])
+
+
+def _package(
+    model, kwargs, name, source_name, arch, plan, source, schedule, runtime, stage_plan, opts,
+    gpu_name, gpu_bytes, alloc_conf, text_note, config_note,
+) -> Estimate:  # fmt: skip
+    """The Estimate of a validated plan and its stage plan: every call its own objects (plan,
+    ranks, warnings), the numbers read back where the same plan was replayed before."""
     est = Estimate(
         model_name=name,
         model_source=source_name,
@@ -571,9 +611,60 @@ def _estimate(model: str | Mapping, **kwargs) -> Estimate:
     attach_reserved(est, alloc_conf)
     if text_note:
         est.warnings.insert(0, text_note)
-    if config.get("_pipemem_note"):
-        est.warnings.insert(0, str(config["_pipemem_note"]))
+    if config_note:
+        est.warnings.insert(0, str(config_note))
     return est
+
+
+_SCALARS = frozenset((int, str, bool, float, type(None)))
+
+
+def _fast_key(model, kwargs: dict):
+    """The key under which a templates estimate called again with the same arguments (the same
+    values of the same types, in the same order) reads back its validated plan and stage plan
+    (`_FAST`), or None. Everything the slow path checks or derives from the arguments (the
+    plan's bounds, its validation, the model read, the GPU, the allocator settings) is a pure
+    function of them, so equal arguments pass and give the same; a model name that is a path
+    on this file system is read every time (`_model_key`)."""
+    items = []
+    for k, v in kwargs.items():
+        t = type(v)
+        if t is tuple or t is list:
+            if not all(type(x) is int for x in v):
+                return None
+            v = tuple(v)
+        elif t is float:
+            v = repr(v)  # -0.0 and 0.0 apart
+        elif t not in _SCALARS:
+            return None
+        items.append((k, t, v))
+    mode = kwargs.get("mode") or "templates"
+    key = _model_key(model, kwargs, mode) if type(mode) is str else None
+    return None if key is None else (key, tuple(items))
+
+
+# _fast_key -> what _package needs besides the call's own arguments
+_FAST: dict = {}
+
+
+def _model_key(model, opts: dict, mode: str):
+    """The key under which a model given by name is read back (`_MODELS`), or None. A name that
+    is a path on this file system is read again every time (the file may change); any other name
+    resolves to a preset (package data) and the same ArchSpec (frozen), so it is read once."""
+    if mode != "templates" or not isinstance(model, str) or len(model) > 4096:
+        return None
+    import os
+
+    try:
+        os.stat(os.path.expanduser(model.strip()))
+        return None  # a file, a directory, or something else there: resolve_model decides each time
+    except (OSError, ValueError):
+        pass  # nothing there: a preset name, a hub alias, or an error resolve_model raises each time
+    return (model, opts.get("model_name") or "", opts.get("model_flag") or "--model")
+
+
+# (model name, model_name, model_flag) -> (name, source, ArchSpec, text note, config note)
+_MODELS: dict = {}
 
 
 def _replayed_ranks(stage_plan, schedule, runtime: str, plan: ParallelPlan) -> list[RankEstimate]:
@@ -599,12 +690,16 @@ _REPLAYED_MAX = 256
 def _copy_rank(d: dict) -> RankEstimate:
     """A RankEstimate from the fields (`__dict__`) of one as per_rank made it, before anything
     was read or attached: the same numbers, its own lists."""
-    r = RankEstimate.__new__(RankEstimate)
-    r.__dict__.update(d)
-    r.__dict__["stages"] = list(d["stages"])
-    if d.get("grads_made") is not None:
-        r.__dict__["grads_made"] = dict(d["grads_made"])
+    r = _new_object(RankEstimate)
+    r.__dict__ = own = d.copy()
+    own["stages"] = list(own["stages"])
+    made = own.get("grads_made")
+    if made is not None:
+        own["grads_made"] = dict(made)
     return r
+
+
+_new_object = object.__new__
 
 
 def _add_outside_allocator(est: Estimate, opts: dict) -> None:

@@ -79,7 +79,7 @@ def with_schedule_key(arch, plan: ParallelPlan, vpp_given: bool):
         key = (arch, key, vpp_given)
         hit = _VALIDATED.get(key)
         if hit is not None:
-            return hit[0], _copy_plan(hit[1]), hit[2]
+            return hit[0], copy_plan(hit[1]), hit[2]
     sched_name = plan.schedule or default_schedule(plan)
     if not sched_name.lower().startswith(("csv:", "torch:")):
         sched_name = canonical_name(sched_name)
@@ -93,7 +93,7 @@ def with_schedule_key(arch, plan: ParallelPlan, vpp_given: bool):
     if key is not None:
         if len(_VALIDATED) >= 1024:
             del _VALIDATED[next(iter(_VALIDATED))]
-        _VALIDATED[key] = (arch, _copy_plan(plan), stage_key)
+        _VALIDATED[key] = (arch, copy_plan(plan), stage_key)
     return arch, plan, stage_key
 
 
@@ -101,7 +101,7 @@ def with_schedule_key(arch, plan: ParallelPlan, vpp_given: bool):
 _VALIDATED: dict = {}
 
 
-def _copy_plan(plan: ParallelPlan) -> ParallelPlan:
+def copy_plan(plan: ParallelPlan) -> ParallelPlan:
     """A copy of a plan with its own dicts and lists (the plan is a plain dataclass)."""
     p = ParallelPlan.__new__(ParallelPlan)
     d = p.__dict__

@@ -285,7 +285,13 @@ def plan_key(plan: ParallelPlan):
         return v
 
     d = plan.__dict__
-    key = tuple([d[f] for f in plan.__dataclass_fields__])
+    # the empty dicts and lists of a plain plan (`extra`) frozen here, every other field as it is
+    key = tuple(
+        [
+            () if (type(v) is dict or type(v) is list) and not v else v
+            for v in map(d.__getitem__, plan.__dataclass_fields__)
+        ]
+    )
     try:
         hash(key)  # every field hashable as it is (the common case)
         return key

@@ -267,3 +267,38 @@ def test_paddle_programs_say_reserved_is_not_modelled(monkeypatch, capsys):
     assert main(["estimate", *flags]) == 0
     out = capsys.readouterr()
     assert "reserved not modelled" in out.out and "reserved memory (the caching allocator" in out.err
+
+
+def test_the_count_before_the_stream_refuses_where_the_loop_would(monkeypatch):
+    """`_count_or_refuse` refuses a stream over MAX_EVENTS before building it: at exactly the
+    bounds where rank_stream_period's own running count does."""
+    from pipemem.estimate import schedule_of
+    from pipemem.runtime import lower
+    from pipemem.stages import build_stage_jobs
+
+    e = pipemem.estimate(
+        "llama3.2-1b", pp=2, microbatches=4, gpu="rtx3090", grads="set-to-none", convention="hf"
+    )
+    sp, sched = build_stage_jobs(e.arch, e.plan), schedule_of(e.plan)
+    low = lower(sched, e.runtime)
+    first_mb = {s: m for s, m in sp.first_backward_overrides(sched)}
+    r = e.ranks[0]
+
+    def refused(limit: int, precount: bool) -> bool:
+        monkeypatch.setattr(A, "MAX_EVENTS", limit)
+        if not precount:
+            monkeypatch.setattr(A, "_count_or_refuse", lambda *a: None)
+        try:
+            A.rank_stream_period(sp, low, r.pp_rank, r.static, r.source[2], sp.stages, first_mb)
+            return False
+        except A.StreamNotModelled:
+            return True
+        finally:
+            monkeypatch.undo()
+
+    lo, hi = 0, 10**7  # the loop's count: the least limit it does not refuse
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if not refused(mid, False) else (mid + 1, hi)
+    assert 100 < lo < 10**7
+    assert refused(lo - 1, True) and not refused(lo, True)

@@ -1057,3 +1057,78 @@ def _allocatable(b):
 
 def _grow_size(b):
     return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+
+class PartAllocator(CachingAllocator):
+    """The allocator replaying one (pool, stream) part (no capacity, no garbage collection, no
+    expandable segments): `_run_inline` is CachingAllocator's loop for that case, with the
+    request already rounded (`round_size`), the pool and stream fixed (every free-list key has
+    the part's stream: the stream check of the search is always true), and only the reserved
+    bytes counted (allocated bytes and requested sizes are not kept: nothing here reads them, and
+    the state that `run_periodic` compares is still every block with its holder). A block here
+    is either allocated (held by a key) or in the free list (nothing waits for other streams,
+    nothing is unmapped), so a neighbour not allocated is a free block to merge with."""
+
+    def __init__(self, config: AllocatorConfig, pool: int, stream: int):
+        super().__init__(config)
+        self._pool, self._stream = pool, stream
+
+    def _run_inline(self, events, live: dict, first: int = 0) -> None:
+        pool, stream = self._pool, self._stream
+        keys, free = self._keys[pool], self._free[pool]
+        base = stream << _ST
+        mss, nsr = self._mss, self._nsr
+        small = pool == SMALL
+        new_block = self._new_block
+        for size, key in events:
+            if not size:
+                # free + free_block: merge with each free neighbour, previous first
+                block = live.pop(key)
+                block.allocated = False
+                prev = block.prev
+                if prev is not None and not prev.allocated:
+                    del keys[bisect_left(keys, base + (prev.size << _SZ) + prev.ptr)]
+                    del free[prev.ptr]
+                    block.ptr = prev.ptr
+                    block.size += prev.size
+                    block.prev = prev = prev.prev
+                    if prev is not None:
+                        prev.next = block
+                nxt = block.next
+                if nxt is not None and not nxt.allocated:
+                    del keys[bisect_left(keys, base + (nxt.size << _SZ) + nxt.ptr)]
+                    del free[nxt.ptr]
+                    block.size += nxt.size
+                    block.next = nxt = nxt.next
+                    if nxt is not None:
+                        nxt.prev = block
+                insort(keys, base + (block.size << _SZ) + block.ptr)
+                free[block.ptr] = block
+                continue
+            block = None
+            i = bisect_left(keys, base + (size << _SZ))
+            if i < len(keys):
+                k = keys[i]
+                b = free[k & _PTR]
+                if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
+                    del keys[i]
+                    del free[k & _PTR]
+                    block = b
+            if block is None:
+                block = new_block(size, stream, pool)
+            rest = block.size - size
+            if (rest >= K_MIN_BLOCK) if small else (rest > K_SMALL_SIZE and size < mss):
+                new = _Block(block.ptr, size, stream, pool)
+                prev = new.prev = block.prev
+                if prev is not None:
+                    prev.next = new
+                new.next = block
+                block.prev = new
+                block.ptr += size
+                block.size = rest
+                insort(keys, base + (rest << _SZ) + block.ptr)
+                free[block.ptr] = block
+                block = new
+            block.allocated = True
+            live[key] = block
+        return None

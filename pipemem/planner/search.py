@@ -226,7 +226,19 @@ class PlanSearch:
                         _JUDGE = self
                         pool = mp.get_context("fork").Pool(jobs)
                 if pool is not None:
-                    verdicts = pool.imap(_judge_in_worker, [p.kwargs for p in todo])
+                    # plans likely to replay the same rank streams go to one worker, whose
+                    # allocator replays are cached by the streams' content (pipemem.reserved)
+                    groups: dict = {}
+                    for p in todo:
+                        groups.setdefault(_stream_twins(p.kwargs), []).append(p)
+                    todo = [p for g in groups.values() for p in g]
+                    verdicts = (
+                        v
+                        for vs in pool.imap(
+                            _judge_group_in_worker, [[p.kwargs for p in g] for g in groups.values()]
+                        )
+                        for v in vs
+                    )
                 else:
                     verdicts = (self._judge(p.kwargs) for p in todo)
                 for p in todo:
@@ -269,8 +281,19 @@ class PlanSearch:
 _JUDGE: "PlanSearch | None" = None  # the search whose plans forked judges estimate (verify)
 
 
-def _judge_in_worker(kwargs: dict) -> tuple[bool, int]:
-    return _JUDGE._judge(kwargs)
+def _judge_group_in_worker(group: list[dict]) -> list[tuple[bool, int]]:
+    return [_JUDGE._judge(kwargs) for kwargs in group]
+
+
+def _stream_twins(kwargs: dict) -> tuple:
+    """A guess at which plans make the same allocation streams (the same tokens per microbatch
+    on a context-parallel rank, the same data x context group, the same microbatch count):
+    only where the plans are judged (one worker each), never what is judged."""
+    kw = dict(kwargs)
+    mbs, cp, dp = kw.pop("micro_batch", 1), kw.pop("cp", 1) or 1, kw.pop("dp", 1) or 1
+    seq, batch = kw.get("seq_len", 0), kw.get("global_batch", 0)
+    rest = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()))
+    return rest, mbs * seq // cp, dp * cp, batch // max(1, dp * mbs)
 
 
 def pareto_front(plans: list[PlanResult], second) -> list[PlanResult]:
