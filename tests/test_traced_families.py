@@ -600,9 +600,10 @@ def test_preset_cli_traced_and_template_refusal(capsys):
         "--no-master-weights",
         "--json",
     ]
-    # templates model DeepSeek-V3 under --convention hf (tests/test_mla.py), refuse the others
-    assert main(args) == 2
-    assert "multi-head latent attention under --convention megatron" in capsys.readouterr().err
+    # templates model DeepSeek-V3 under --convention hf, megatron and torchtitan (tests/test_mla.py),
+    # refuse the others
+    assert main(args + ["--convention", "paddle"]) == 2
+    assert "multi-head latent attention under --convention paddle" in capsys.readouterr().err
     assert main(args + ["--convention", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["experts"] == 256
     assert main(args + ["--mode", "traced"]) == 0
@@ -646,17 +647,22 @@ def test_stack_builds_the_familys_own_layers():
     assert "layers.1.self_attn.q_norm.weight" in names and "layers.1.self_attn.k_norm.weight" in names
 
 
-@pytest.mark.parametrize("flag", ["--multi-latent-attention", "--kv-lora-rank 512", "--mtp-num-layers 1"])
-def test_megatron_mla_and_mtp_refusals_name_what_is_missing(flag):
+@pytest.mark.parametrize(
+    "flag,what",
+    [
+        ("--multi-latent-attention", "needs a Llama-style model"),
+        ("--kv-lora-rank 512", "needs --multi-latent-attention"),
+        ("--mtp-num-layers 1", "without --multi-latent-attention"),
+    ],
+)
+def test_megatron_mla_and_mtp_flags_on_a_model_without_them_name_what_is_missing(flag, what):
     import shlex
 
     from pipemem.configs.megatron import read
 
     base = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 "
-    with pytest.raises(UserError, match="^Megatron: " + flag.split()[0]) as e:
-        read(shlex.split(base + flag))
-    msg = str(e.value)
-    assert "--mode traced" in msg and ("latent attention" in msg or "multi-token prediction" in msg)
+    with pytest.raises(UserError, match="^Megatron: " + flag.split()[0] + ".*" + what):
+        read(shlex.split(base + "--vocab-size 1000 " + flag))
 
 
 def test_boolean_sdpa_mask_is_saved_as_an_additive_bias_of_the_query_dtype():
