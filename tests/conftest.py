@@ -9,6 +9,12 @@ import pytest
 # (tests/test_features_vs_libraries.py): set before anything imports triton
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers (.ci/run) come up with COLUMNS set (80 on CI's machine), which a serial
+# run from a pipe does not have: the reports the tests read are laid out as that run lays them
+# out (150 columns, pipemem.report.text.terminal_width), unless a test sets COLUMNS itself
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
