@@ -655,11 +655,9 @@ def _model_key(model, opts: dict, mode: str):
         return None
     import os
 
-    try:
-        os.stat(os.path.expanduser(model.strip()))
+    if os.path.lexists(os.path.expanduser(model.strip())):
         return None  # a file, a directory, or something else there: resolve_model decides each time
-    except (OSError, ValueError):
-        pass  # nothing there: a preset name, a hub alias, or an error resolve_model raises each time
+    # nothing there: a preset name, a hub alias, or an error resolve_model raises each time
     return (model, opts.get("model_name") or "", opts.get("model_flag") or "--model")
 
 

@@ -111,6 +111,23 @@ examples:
 """
 
 _PP = dict(layers=4, microbatches=4, dp=1)
+# DeepSeek-style MoE over ep 2: 8 experts, top 2 within the best 2 of 4 groups, scaled, one
+# shared expert, a dense first layer
+_DEEPSEEK_MOE_EP2 = dict(
+    kind="deepseek",
+    tp=1,
+    dp=2,
+    ep=2,
+    sp=False,
+    experts=8,
+    top_k=2,
+    expert_ffn=128,
+    shared_ffn=128,
+    router_groups=4,
+    router_group_topk=2,
+    topk_scaling=2.5,
+    dense_layers=1,
+)
 # activation offloading: [s, b, h] of 4M elements, so megatron's min_offloaded_tensor_size
 # (1024 x 1024 elements) lets the activations go, as in real runs
 _OFFLOAD = dict(layers=3, hidden=1024, ffn=2048, seq_len=4096, micro_batch=1, tp=1, dp=2, sp=False)
@@ -201,44 +218,13 @@ CASES = (
     MegatronCase("mla-tp1-full", kind="deepseek", tp=1, dp=2, sp=False, recompute="full"),
     MegatronCase("mla-tp2-sp", kind="deepseek", tp=2, dp=2),
     MegatronCase("mla-tp2-nosp", kind="deepseek", tp=2, dp=2, sp=False),
-    MegatronCase(
-        "deepseek-moe-ep2",
-        kind="deepseek",
-        tp=1,
-        dp=2,
-        ep=2,
-        sp=False,
-        experts=8,
-        top_k=2,
-        expert_ffn=128,
-        shared_ffn=128,
-        router_groups=4,
-        router_group_topk=2,
-        topk_scaling=2.5,
-        dense_layers=1,
-    ),
+    MegatronCase("deepseek-moe-ep2", **_DEEPSEEK_MOE_EP2),
     MegatronCase("mtp-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=1),
     MegatronCase("mtp2-tp1", kind="deepseek", tp=1, dp=2, sp=False, mtp_layers=2),
     MegatronCase("mtp-tp2-sp", kind="deepseek", tp=2, dp=2, mtp_layers=1),
     # the last stage holds its own copy of the word embedding for MTP
     MegatronCase("mtp-pp2-last", kind="deepseek", tp=1, sp=False, pp=2, pp_rank=1, mtp_layers=1, **_PP),
-    MegatronCase(
-        "deepseek-mtp-ep2",
-        kind="deepseek",
-        tp=1,
-        dp=2,
-        ep=2,
-        sp=False,
-        experts=8,
-        top_k=2,
-        expert_ffn=128,
-        shared_ffn=128,
-        router_groups=4,
-        router_group_topk=2,
-        topk_scaling=2.5,
-        dense_layers=1,
-        mtp_layers=1,
-    ),
+    MegatronCase("deepseek-mtp-ep2", **_DEEPSEEK_MOE_EP2, mtp_layers=1),
 )
 # What CI runs against pipemem (tests/test_validate_megatron.py): one dense TP+SP case, its
 # fused-CE twin, the MoE case and the DeepSeek-style one (MLA, DeepSeek's MoE with a dense first
