@@ -84,12 +84,22 @@ def test_plain_pickle_reads(tmp_path):
 @pytest.mark.parametrize(
     "data",
     [
-        gzip.compress(b'{"segments": [], "device_traces": []}')[:-12],  # truncated gzip
+        # mtime=0: the gzip header carries a timestamp, and every pytest-xdist
+        # worker must collect the same parameters
+        gzip.compress(b'{"segments": [], "device_traces": []}', mtime=0)[:-12],
         b"\x1f\x8b\x08\x00garbage",
         pickle.dumps({"segments": [], "device_traces": []})[:-5],  # truncated pickle
         b'{"segments": [',  # truncated JSON
         b"hello",
         b'{"segments": "x", "device_traces": []}',
+    ],
+    ids=[
+        "truncated-gzip",
+        "gzip-garbage",
+        "truncated-pickle",
+        "truncated-json",
+        "not-a-snapshot",
+        "segments-not-a-list",
     ],
 )
 def test_corrupt_snapshots_exit_2(tmp_path, capsys, data):
