@@ -323,3 +323,50 @@ def test_two_sided_rows_state_what_is_compared_and_their_tolerance():
     text = V.markdown(result)
     assert "device peak (reserved + outside the allocator) against nvidia-smi" in text
     assert "two-sided rows" in text
+
+
+MSSWIFT_MOONLIGHT = "msswift-moonlight-16b-a3b-pp2ep4-8gpu"
+
+
+def test_megatron_swift_deepseek_v3_record_gives_its_own_config_and_uneven_pipeline():
+    # Moonlight (DeepseekV3ForCausalLM) under ms-swift's Megatron-SWIFT: the model is the record's own
+    # config.json (latent attention, shared experts, a dense first layer), the plan its script's flags
+    rec = ALL[MSSWIFT_MOONLIGHT]
+    t = V.translate(rec)
+    cfg, plan = t["config"], t["plan"]
+    assert cfg == rec["model"]["hf_config"] and cfg is not rec["model"]["hf_config"]
+    assert (
+        cfg["model_type"] == "deepseek_v3"
+        and cfg["q_lora_rank"] is None
+        and cfg["first_k_dense_replace"] == 1
+    )
+    par = rec["parallelism"]
+    assert (plan["dp"], plan["pp"], plan["ep"]) == (par["dp"], par["pp"], par["ep"])
+    assert plan["pp_layout"] == tuple(par["pp_layout"]) and sum(plan["pp_layout"]) == cfg["num_hidden_layers"]
+    assert plan["convention"] == "megatron" and plan["dist_opt"] is True
+    assert plan["loss"] == "fused" and plan["global_batch"] == rec["global_batch"]
+    assert plan["recompute"] == "full" and plan["seq_len"] == rec["seq_len"]
+    # the script's comment says neither the metric nor the rank: a one-sided (gap) row
+    assert t["metric"] == "unknown" and t["rank"] is None
+    assert t["measured_bytes"] == rec["measured"]["value"] * 2**30
+    row = V.evaluate(rec)
+    assert row["status"] == "gap" and row["estimated_bytes"] < row["measured_bytes"]
+
+
+def test_record_config_and_layout_errors_are_skips():
+    rec = ALL[MSSWIFT_MOONLIGHT]
+    bad_cfg = dict(rec, model=dict(rec["model"], hf_config={"hidden_size": 2048}))
+    with pytest.raises(V.Skip, match="model_type"):
+        V.translate(bad_cfg)
+    bad_layout = dict(rec, parallelism=dict(rec["parallelism"], pp_layout=[27]))
+    with pytest.raises(V.Skip, match="pp_layout"):
+        V.translate(bad_layout)
+    # without its layout the 27 layers do not split over 2 stages: the layout is what makes the plan
+    from pipemem.errors import UserError
+    from pipemem.estimate import estimate
+
+    even = dict(rec, parallelism={k: v for k, v in rec["parallelism"].items() if k != "pp_layout"})
+    t = V.translate(even)
+    assert "pp_layout" not in t["plan"]
+    with pytest.raises(UserError):
+        estimate(t["config"], **t["plan"])
