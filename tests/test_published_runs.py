@@ -370,3 +370,30 @@ def test_record_config_and_layout_errors_are_skips():
     assert "pp_layout" not in t["plan"]
     with pytest.raises(UserError):
         estimate(t["config"], **t["plan"])
+
+
+def test_megatron_swift_folded_expert_parallel_record_reads_etp_and_capacity():
+    # Qwen3-30B-A3B with ep 4 carved from tp 4 (dp 1): the record's expert-tensor-parallel size and
+    # capacity factor reach the plan, which pipemem accepts as Megatron's MoE parallel folding
+    rec = ALL["msswift-qwen3-30b-a3b-instruct-pp2tp4ep4-8gpu"]
+    t = V.translate(rec)
+    plan, par = t["plan"], rec["parallelism"]
+    assert (plan["tp"], plan["ep"], plan["etp"], plan["dp"]) == (par["tp"], par["ep"], par["etp"], par["dp"])
+    assert plan["extra"]["moe_capacity_factor"] == rec["options"]["moe_expert_capacity_factor"]
+    assert "etp1" in V.plan_summary(plan) and "layout 25/23" in V.plan_summary(plan)
+    row = V.evaluate(rec)
+    assert row["status"] == "gap" and row["estimated_bytes"] < row["measured_bytes"]
+    # without its etp the plan is the default (etp = tp = 4), which ep 4 cannot fold into dp 1
+    default = dict(rec, parallelism={k: v for k, v in par.items() if k != "etp"})
+    assert "etp" not in V.translate(default)["plan"]
+    assert V.evaluate(default)["status"] == "skipped"
+
+
+def test_summary_counts_the_gap_rows_whose_metric_is_not_stated():
+    ids = {"msswift-moonlight-16b-a3b-pp2ep4-8gpu", "msswift-qwen3-30b-a3b-instruct-pp2tp4ep4-8gpu"}
+    result = V.run(list(ALL.values()), ids, False, False)
+    rows = result["rows"]
+    assert {r["metric"] for r in rows} == {"unknown"} and {r["status"] for r in rows} == {"gap"}
+    below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in rows)
+    line = next(x for x in V.markdown(result).splitlines() if "metric not stated" in x and x.startswith("*"))
+    assert f"in {below} of {len(rows)}" in line
