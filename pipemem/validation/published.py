@@ -987,18 +987,20 @@ EXPLAINED: dict[str, list[str]] = {
 }
 _MSSWIFT = (
     "ms-swift's example-script comments (whole GiB; how they were read is not stated) against the "
-    "device peak (reserved + CUDA context, NCCL, cuBLAS): -16.5 % (Moonlight, ms-swift 3.7.0.dev0), "
-    "-25.9 % (Qwen3-30B-A3B tp2 ep8, 3.4.0.dev0), -23.3 % (Qwen1.5-MoE, 3.7.0.dev0), -5.1 % "
-    "(Qwen3-30B-A3B tp4 ep4, 3.10.0.dev0). The three older runs are 15-20 GiB above the allocated "
-    "estimate, whose static part is what the plan implies (bf16 params, fp32 main grads, the experts' "
-    "fp32 master and Adam states unsharded since their expert-data-parallel group is 1: 36-37 GiB); the"
-    " routing load does not close it (full recompute leaves ~6 GB of activations; --moe-imbalance 2 "
-    "moves the Moonlight row by +0.9 GiB reserved, allocated unchanged). ms-swift's own issues report "
-    "memory swings of this size between its versions with the same flags (issue 5120: 3.7.0.dev0 nearly"
-    " double 3.6.0 after the first step; issue 8288: Qwen3-30B-A3B, 67 GB -> 37 GB per GPU from 3.12 to"
-    " 4.0); the cause in the older versions is not found here"
+    "device peak (reserved + CUDA context, NCCL, cuBLAS): -17.7 % (Moonlight tp2 ep4, ms-swift "
+    "3.6.0.dev0), -16.5 % (Moonlight pp2 ep4, 3.7.0.dev0), -25.9 % (Qwen3-30B-A3B tp2 ep8, 3.4.0.dev0),"
+    " -23.3 % (Qwen1.5-MoE, 3.7.0.dev0), -5.1 % (Qwen3-30B-A3B tp4 ep4, 3.10.0.dev0). The four older "
+    "runs are 15-20 GiB above the allocated estimate, whose static part is what the plan implies (bf16 "
+    "params, fp32 main grads, the experts' fp32 master and Adam states unsharded since their expert-"
+    "data-parallel group is 1: 36-37 GiB); the routing load does not close it (full recompute leaves ~6"
+    " GB of activations; --moe-imbalance 2 moves the Moonlight pp2 row by +0.9 GiB reserved, allocated "
+    "unchanged). ms-swift's own issues report memory swings of this size between its versions with the "
+    "same flags (issue 5120: 3.7.0.dev0 nearly double 3.6.0 after the first step; issue 8288: "
+    "Qwen3-30B-A3B, 67 GB -> 37 GB per GPU from 3.12 to 4.0); the cause in the older versions is not "
+    "found here"
 )
 for _id in (
+    "msswift-moonlight-16b-a3b-tp2ep4-8gpu",
     "msswift-moonlight-16b-a3b-pp2ep4-8gpu",
     "msswift-qwen3-30b-a3b-tp2ep8-16gpu",
     "msswift-qwen1.5-moe-a2.7b-pp2ep4-8gpu",
