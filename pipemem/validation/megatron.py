@@ -111,6 +111,10 @@ examples:
 """
 
 _PP = dict(layers=4, microbatches=4, dp=1)
+# GPT-style: LayerNorm, GeLU MLP with biases, learned positions, dropout
+_GPT = dict(kind="gpt", kv_heads=8, ffn=1024, dropout=0.1)
+# Megatron's MoE over ep 2: 4 experts, top 2, one shared expert
+_MOE_EP2 = dict(kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256)
 # DeepSeek-style MoE over ep 2: 8 experts, top 2 within the best 2 of 4 groups, scaled, one
 # shared expert, a dense first layer
 _DEEPSEEK_MOE_EP2 = dict(
@@ -148,19 +152,9 @@ CASES = (
     MegatronCase(
         "dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"
     ),
-    MegatronCase("gpt-tp2-sp", kind="gpt", tp=2, dp=2, kv_heads=8, ffn=1024, dropout=0.1),
-    MegatronCase(
-        "gpt-tp1-selective",
-        kind="gpt",
-        tp=1,
-        dp=2,
-        sp=False,
-        kv_heads=8,
-        ffn=1024,
-        dropout=0.1,
-        recompute="selective",
-    ),
-    MegatronCase("moe-ep2-shared", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256),
+    MegatronCase("gpt-tp2-sp", tp=2, dp=2, **_GPT),
+    MegatronCase("gpt-tp1-selective", tp=1, dp=2, sp=False, recompute="selective", **_GPT),
+    MegatronCase("moe-ep2-shared", **_MOE_EP2),
     MegatronCase("pp2-first-tp2", tp=2, pp=2, pp_rank=0, **_PP),
     MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
     MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
@@ -186,17 +180,7 @@ CASES = (
         optimizer_offload=0.46,
         main_grad_dtype="bf16",
     ),
-    MegatronCase(
-        "moe-ep2-optimizer-offload",
-        kind="moe",
-        tp=1,
-        dp=2,
-        ep=2,
-        experts=4,
-        expert_ffn=256,
-        shared_ffn=256,
-        optimizer_offload=1.0,
-    ),
+    MegatronCase("moe-ep2-optimizer-offload", optimizer_offload=1.0, **_MOE_EP2),
     # --use-precision-aware-optimizer (Transformer Engine's FusedAdam, see megatron_trace's
     # _te_fused_adam): fp32 masters of bf16 weights kept as 16-bit remainders; fp16 masters;
     # fp8 moments (uint8 data + transpose)
