@@ -28,6 +28,7 @@ import importlib
 
 import torch
 
+from ..configs.torchtitan import from_trainer_config
 from ..traced.torchtitan_model import hf_config, import_stubs
 from .case_worker import run_case_file
 from .kernel_stand_ins import flex_as_flash, install_fake_item
@@ -191,6 +192,8 @@ def trace_rank(case: dict, rank: int) -> dict:
         with torch.device("meta"):
             model = mc.build()
         model_config = hf_config(mc, max_position=case["seq_len"])
+        # the estimate's plan: what --from-torchtitan reads from the same Trainer.Config
+        plan = from_trainer_config(cfg, model=model_config).plan
         tr = object.__new__(Trainer)
         tr.config, tr.parallel_dims, tr.device, tr.model_config = cfg, pd, torch.device("cpu"), mc
         tr.loss_fn = cfg.loss.build(compile_config=cfg.compile)
@@ -242,7 +245,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
             out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
-    out["model"] = model_config
+    out["model"], out["plan"] = model_config, plan
     return out
 
 
