@@ -698,3 +698,47 @@ def test_torchtitan_03_precision(tmp_path):
         TITAN_03.replace('mixed_precision_reduce = "float32"', 'mixed_precision_reduce = "bfloat16"')
     )
     assert read_torchtitan(str(f)).plan["main_grad_dtype"] == "bf16"
+
+
+def test_args_ints_into_sets_the_given_flags_only():
+    from pipemem.configs.argv import parse
+
+    a = parse(["train.py", "--ep", "4", "--vpp", "2", "--bad", "x"], "tool")
+    plan = {"ep": 1}
+    a.ints_into(plan, ep="ep", vpp="vpp", layers="num_layers")
+    assert plan == {"ep": 4, "vpp": 2}  # a flag left out sets nothing
+    assert {"ep", "vpp", "num_layers"} <= a.used
+    with pytest.raises(UserError, match=r"tool argument --bad 'x': expected an integer"):
+        a.ints_into(plan, layers="bad")
+
+
+def test_megatron_and_paddlenlp_read_the_integer_flags_they_are_given():
+    megatron = (
+        "pretrain_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 3 --global-batch-size 48 --num-experts 4 "
+        "--swiglu --normalization RMSNorm --disable-bias-linear --bf16 --vocab-size 1000 "
+    )
+    mg = read_megatron(
+        shlex.split(megatron + "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall")
+    )
+    assert (mg.plan["micro_batch"], mg.plan["global_batch"], mg.plan["ep"]) == (3, 48, 2)
+    # the dispatcher check reads the ep given: allgather is refused with ep 2, read without ep
+    with pytest.raises(UserError, match="moe-token-dispatcher-type"):
+        read_megatron(shlex.split(megatron + "--expert-model-parallel-size 2"))
+    assert "ep" not in read_megatron(shlex.split(megatron)).plan
+    assert "etp" not in mg.plan
+    pn = read_paddlenlp(
+        shlex.split(
+            "run_pretrain.py --model_name_or_path facebook/llama-7b --num_hidden_layers 6 "
+            "--max_seq_length 512 --per_device_train_batch_size 2 --pipeline_parallel_degree 2 "
+            "--virtual_pp_degree 3 --gradient_accumulation_steps 4 --global_batch_size 8"
+        )
+    )
+    assert (pn.plan["layers"], pn.plan["seq_len"], pn.plan["micro_batch"], pn.plan["vpp"]) == (6, 512, 2, 3)
+    with pytest.raises(UserError, match="per_device_train_batch_size 2 x data parallel 1 = 8"):
+        read_paddlenlp(
+            shlex.split(
+                "run_pretrain.py --model_name_or_path facebook/llama-7b --per_device_train_batch_size 2 "
+                "--gradient_accumulation_steps 4 --global_batch_size 12"
+            )
+        )

@@ -9,7 +9,7 @@ from importlib.util import find_spec
 import pytest
 
 from pipemem.validation import TARGETS
-from pipemem.validation.megatron import CASES, CI_CASES, TOLERANCE, hf_config, plan_kwargs, select
+from pipemem.validation.megatron import CASES, CI_CASES, TOLERANCE, read_case, select
 
 needs_megatron = pytest.mark.skipif(
     find_spec("megatron") is None, reason="megatron-core not installed (pip install -e '.[megatron]')"
@@ -20,9 +20,17 @@ def test_target_registered_and_cases_are_valid_plans():
     import pipemem
 
     assert "megatron" in TARGETS
-    for case in CASES:  # every case is a plan pipemem accepts, estimated through the one path
-        est = pipemem.estimate(hf_config(case), **plan_kwargs(case))
+    for case in CASES:  # every case is a plan --from-megatron reads, estimated through the one path
+        tc = read_case(case)
+        assert tc.warnings == [], (case.name, tc.warnings)
+        est = pipemem.estimate(tc.model, **tc.plan)
         assert len(est.ranks) == case.pp
+        assert (est.plan.tp, est.plan.pp, est.plan.dp, est.plan.microbatches) == (
+            case.tp,
+            case.pp,
+            case.dp,
+            case.microbatches,
+        )
 
 
 @needs_megatron
@@ -110,8 +118,8 @@ def test_ce_fusion_cases_are_estimated_with_the_fused_loss():
     fused = [c for c in CASES if c.ce_fusion]
     assert {c.tp for c in fused} >= {1, 2}
     for case in fused:
-        assert plan_kwargs(case)["loss"] == "fused"
-    assert all("loss" not in plan_kwargs(c) for c in CASES if not c.ce_fusion)
+        assert read_case(case).plan["loss"] == "fused"
+    assert all("loss" not in read_case(c).plan for c in CASES if not c.ce_fusion)
 
 
 def test_unknown_case_is_one_clear_error():
@@ -215,7 +223,7 @@ def test_deepseek_cases_cover_mla_moe_and_mtp():
         "mtp-tp2-sp",
         "mtp-pp2-last",
     } <= set(ds)
-    both = arch_from_hf_config(hf_config(ds["deepseek-mtp-ep2"]))
+    both = arch_from_hf_config(read_case(ds["deepseek-mtp-ep2"]).model)
     assert both.kv_lora_rank and both.mtp_layers == 1 and both.dense_layers == (0,)
     assert (both.router, both.router_groups, both.shared_experts) == ("sigmoid_group", 4, 1)
-    assert arch_from_hf_config(hf_config(ds["mla-tp1-no-q-lora"])).q_lora_rank == 0
+    assert arch_from_hf_config(read_case(ds["mla-tp1-no-q-lora"]).model).q_lora_rank == 0

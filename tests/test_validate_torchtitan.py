@@ -31,6 +31,10 @@ def test_fsdp2_rank_within_one_percent():
         "num_key_value_heads": 16,
         "head_dim": 16,
     }
+    # the estimate's plan is what --from-torchtitan reads from the Trainer.Config the rank ran
+    plan = t["plan"]
+    assert (plan["convention"], plan["fsdp"], plan["dp"], plan["tp"]) == ("torchtitan", True, 2, 1)
+    assert (plan["seq_len"], plan["micro_batch"], plan["recompute"]) == (256, 2, "none")
     kinds = t["static_by_kind"]
     assert kinds["optimizer_state"] >= 2 * kinds["param"] and kinds["grad"] == kinds["param"]
     (row,) = compare_case(case, traces)

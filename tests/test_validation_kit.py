@@ -4,6 +4,8 @@ entry point, the case's model as each side reads it."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from pipemem.liveness import sequence_peak, sequence_starts
 from pipemem.validation.case_model import llama_hf_config, torchtune_decoder_kwargs
 from pipemem.validation.case_worker import run_case_file
@@ -195,3 +197,27 @@ def test_paddle_rows_keep_their_json_fields_in_order():
     assert (d["rel_error"], d["paddle_rel_error"]) == (-0.1, 0.2)
     unmeasured = paddle_row("card0/forward/net", None, 90, None, built_with="paddlepaddle 2.6.2").to_dict()
     assert unmeasured["rel_error"] is None and unmeasured["built_with"] == "paddlepaddle 2.6.2"
+
+
+def test_torchtune_lora_llama_puts_adapters_where_asked_and_freezes_the_base():
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("torchtune") is None:
+        pytest.skip("torchtune not installed")
+    import torch
+
+    from pipemem.validation.case_model import torchtune_lora_llama
+    from pipemem.validation.features import TT_LLAMA, torchtune_packages
+
+    with torchtune_packages(), torch.device("meta"):
+        model = torchtune_lora_llama(TT_LLAMA, 64, ["q_proj", "v_proj"], mlp=False, rank=4, alpha=8)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    layers = TT_LLAMA["num_hidden_layers"]
+    # lora_a / lora_b on q and v of every layer, nothing else trainable
+    assert len(trainable) == layers * 2 * 2
+    assert all(".attn.q_proj.lora_" in n or ".attn.v_proj.lora_" in n for n in trainable)
+    q = model.layers[0].attn.q_proj
+    assert (q.lora_a.weight.shape[0], q.rank, q.alpha) == (4, 4, 8)
+    assert not hasattr(model.layers[0].attn.k_proj, "lora_a")
+    assert not hasattr(model.layers[0].mlp.w1, "lora_a")

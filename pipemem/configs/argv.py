@@ -51,6 +51,14 @@ class Args:
             raise UserError(f"{self.tool} argument {self.flag(name)} {value}: must be >= {minimum}")
         return value
 
+    def ints_into(self, plan: dict, **names: str) -> None:
+        """For each `key=name`, in the order given: plan[key] = the integer `--name` gives (checked
+        as `int` checks it); a flag left out sets nothing."""
+        for key, name in names.items():
+            value = self.int(name)
+            if value is not None:
+                plan[key] = value
+
     def bool(self, name: str) -> bool | None:
         """A bare flag is True; `--x 1/0/true/false` as written."""
         text = self.raw(name)

@@ -508,9 +508,7 @@ def read(argv: list[str]) -> ToolConfig:
         _router_without_mla(a, warnings)
 
     plan["seq_len"] = seq
-    mb = a.int("micro-batch-size")
-    if mb is not None:
-        plan["micro_batch"] = mb
+    a.ints_into(plan, micro_batch="micro-batch-size")
     tp = a.int("tensor-model-parallel-size") or 1
     pp = a.int("pipeline-model-parallel-size") or 1
     cp = a.int("context-parallel-size") or 1
@@ -518,15 +516,10 @@ def read(argv: list[str]) -> ToolConfig:
     cp_comm = (a.str("cp-comm-type") or "p2p").lower()
     if cp > 1 and cp_comm != "p2p":
         refuse("cp-comm-type", f"{cp_comm} is not modelled; pipemem models the p2p ring (the default)")
-    ep = a.int("expert-model-parallel-size")
-    if ep is not None:
-        plan["ep"] = ep
-    etp = a.int("expert-tensor-parallel-size")
-    if etp is not None:
-        plan["etp"] = etp
+    a.ints_into(plan, ep="expert-model-parallel-size", etp="expert-tensor-parallel-size")
     if experts:
         dispatcher = (a.str("moe-token-dispatcher-type") or "allgather").lower()
-        if dispatcher != "alltoall" and ((ep or 1) > 1 or tp > 1):
+        if dispatcher != "alltoall" and (plan.get("ep", 1) > 1 or tp > 1):
             refuse(
                 "moe-token-dispatcher-type",
                 f"{dispatcher} (Megatron's default when not given) is not "
@@ -640,9 +633,7 @@ def read(argv: list[str]) -> ToolConfig:
             refuse("optimizer", f"{opt!r} is not modelled; expected adam or sgd")
         plan["optimizer"] = "adamw" if opt.lower() == "adam" else "sgd"  # Megatron's adam is AdamW
 
-    gbs = a.int("global-batch-size")
-    if gbs is not None:
-        plan["global_batch"] = gbs
+    a.ints_into(plan, global_batch="global-batch-size")
     if extra:
         plan["extra"] = extra
 

@@ -435,16 +435,9 @@ def read(argv: list[str]) -> ToolConfig:
     if not model:
         raise UserError("--from-paddlenlp: --model_name_or_path is required (a preset, hub id or config dir)")
     model_id, model = model, resolve_model_id(model)
-    layers = a.int("num_hidden_layers")
-    if layers is not None:
-        plan["layers"] = layers
-
-    seq = a.int("max_seq_length")
-    if seq is not None:
-        plan["seq_len"] = seq
-    mb = a.int("per_device_train_batch_size")
-    if mb is not None:
-        plan["micro_batch"] = mb
+    a.ints_into(
+        plan, layers="num_hidden_layers", seq_len="max_seq_length", micro_batch="per_device_train_batch_size"
+    )
 
     tp = _degree(a, "tensor_parallel_degree") or 1
     pp = _degree(a, "pipeline_parallel_degree") or 1
@@ -482,12 +475,7 @@ def read(argv: list[str]) -> ToolConfig:
     plan.update(tp=tp, pp=pp, cp=sep)
     if not dp_unknown:  # else pipemem's --dp gives the data-parallel (= sharding) degree
         plan["dp"] = dp_degree * sharding_degree
-    ep = a.int("expert_parallel_degree")
-    if ep is not None:
-        plan["ep"] = ep
-    vpp = a.int("virtual_pp_degree")
-    if vpp is not None:
-        plan["vpp"] = vpp
+    a.ints_into(plan, ep="expert_parallel_degree", vpp="virtual_pp_degree")
 
     if (sharding_degree > 1 or dp_unknown) and stage:
         levels = {int(s[-1]) for s in stage.split() if s.startswith("stage") and s[-1:].isdigit()}
@@ -568,11 +556,12 @@ def read(argv: list[str]) -> ToolConfig:
     accum = a.int("gradient_accumulation_steps")
     gbs = a.int("global_batch_size")
     if accum is not None and gbs is not None and not dp_unknown:
-        expected = accum * (mb or 1) * plan["dp"]
+        mb = plan.get("micro_batch", 1)
+        expected = accum * mb * plan["dp"]
         if gbs != expected:
             raise UserError(
                 f"{TOOL}: --global_batch_size {gbs} contradicts gradient_accumulation_steps "
-                f"{accum} x per_device_train_batch_size {mb or 1} x data parallel {plan['dp']} "
+                f"{accum} x per_device_train_batch_size {mb} x data parallel {plan['dp']} "
                 f"= {expected}"
             )
     if accum is not None:

@@ -216,6 +216,12 @@ def read_args(argv: list[str]) -> ToolConfig:
         ) from None
     except (ImportError, ValueError, AttributeError) as e:
         raise UserError(f"--from-torchtitan: {e}") from None
+    return from_trainer_config(cfg)
+
+
+def from_trainer_config(cfg, model: dict | None = None) -> ToolConfig:
+    """The plan of a torchtitan 0.3 `Trainer.Config` (what `read_args` resolves, or a config built
+    in code); `model`, when given, stands for the HF-style config of its model spec."""
     tables = cfg.to_dict()
     tables.update(_converter_tables(cfg.model_spec))
     ac = cfg.activation_checkpoint
@@ -231,7 +237,9 @@ def read_args(argv: list[str]) -> ToolConfig:
     )
     name = cfg.model_spec.name if cfg.model_spec is not None else "model"
     flavor = cfg.model_spec.flavor if cfg.model_spec is not None else ""
-    return from_tables(tables, f"torchtitan {name} {flavor}", model=_model_from_spec(cfg.model_spec))
+    if model is None:
+        model = _model_from_spec(cfg.model_spec)
+    return from_tables(tables, f"torchtitan {name} {flavor}", model=model)
 
 
 @contextmanager

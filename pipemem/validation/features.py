@@ -43,7 +43,7 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from .case_model import torchtune_decoder_kwargs
+from .case_model import torchtune_decoder_kwargs, torchtune_lora_llama
 from .compare import CaseRow, add_json_option
 from .cuda_stand_ins import Stream as _Stream
 
@@ -988,20 +988,16 @@ def torchtune_lora_decoder(dtype: str, dropout: float):
     if importlib.util.find_spec("torchtune") is None:
         return None
     with torchtune_packages():
-        from torchtune.models.llama3_2._component_builders import lora_llama3_2
-
-        model = lora_llama3_2(
-            lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
-            apply_lora_to_mlp=True,
-            apply_lora_to_output=False,
-            **torchtune_decoder_kwargs(TT_LLAMA, S),
-            lora_rank=LORA_RANK,
-            lora_alpha=16,
-            lora_dropout=dropout,
+        model = torchtune_lora_llama(
+            TT_LLAMA,
+            S,
+            ["q_proj", "k_proj", "v_proj", "output_proj"],
+            mlp=True,
+            rank=LORA_RANK,
+            alpha=16,
+            dropout=dropout,
             tie_word_embeddings=False,
         )
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
     return model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
 

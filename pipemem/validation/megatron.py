@@ -4,7 +4,8 @@ Each case is one rank of a small Megatron-LM run. `megatron_trace.trace_case` ru
 megatron-core's own code for it on fake tensors with a fake process group (GPTModel, its
 DistributedDataParallel and optimizer, two steps through its own pipeline schedule; the GPU
 kernel policy is stated there) and records every allocation. The same run is estimated
-through `pipemem.estimate(...)` with the same flags, and two numbers are compared:
+through `pipemem.estimate(...)` with the model and plan `--from-megatron` reads from the case's
+Megatron-LM flags (`megatron_argv`), and two numbers are compared:
 
 * `peak`: the rank's highest allocated bytes during the second (steady-state) step, static
   state included, against the estimate's `peak_allocated_bytes` for that pipeline rank;
@@ -111,6 +112,10 @@ examples:
 """
 
 _PP = dict(layers=4, microbatches=4, dp=1)
+# GPT-style: LayerNorm, GeLU MLP with biases, learned positions, dropout
+_GPT = dict(kind="gpt", kv_heads=8, ffn=1024, dropout=0.1)
+# Megatron's MoE over ep 2: 4 experts, top 2, one shared expert
+_MOE_EP2 = dict(kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256)
 # DeepSeek-style MoE over ep 2: 8 experts, top 2 within the best 2 of 4 groups, scaled, one
 # shared expert, a dense first layer
 _DEEPSEEK_MOE_EP2 = dict(
@@ -148,19 +153,9 @@ CASES = (
     MegatronCase(
         "dense-tp1-no-distopt-grad-bf16", tp=1, dp=2, sp=False, dist_opt=False, main_grad_dtype="bf16"
     ),
-    MegatronCase("gpt-tp2-sp", kind="gpt", tp=2, dp=2, kv_heads=8, ffn=1024, dropout=0.1),
-    MegatronCase(
-        "gpt-tp1-selective",
-        kind="gpt",
-        tp=1,
-        dp=2,
-        sp=False,
-        kv_heads=8,
-        ffn=1024,
-        dropout=0.1,
-        recompute="selective",
-    ),
-    MegatronCase("moe-ep2-shared", kind="moe", tp=1, dp=2, ep=2, experts=4, expert_ffn=256, shared_ffn=256),
+    MegatronCase("gpt-tp2-sp", tp=2, dp=2, **_GPT),
+    MegatronCase("gpt-tp1-selective", tp=1, dp=2, sp=False, recompute="selective", **_GPT),
+    MegatronCase("moe-ep2-shared", **_MOE_EP2),
     MegatronCase("pp2-first-tp2", tp=2, pp=2, pp_rank=0, **_PP),
     MegatronCase("pp2-last-tp2", tp=2, pp=2, pp_rank=1, **_PP),
     MegatronCase("pp2-last-full", tp=1, pp=2, pp_rank=1, recompute="full", layers=4, microbatches=3, dp=1),
@@ -186,17 +181,7 @@ CASES = (
         optimizer_offload=0.46,
         main_grad_dtype="bf16",
     ),
-    MegatronCase(
-        "moe-ep2-optimizer-offload",
-        kind="moe",
-        tp=1,
-        dp=2,
-        ep=2,
-        experts=4,
-        expert_ffn=256,
-        shared_ffn=256,
-        optimizer_offload=1.0,
-    ),
+    MegatronCase("moe-ep2-optimizer-offload", optimizer_offload=1.0, **_MOE_EP2),
     # --use-precision-aware-optimizer (Transformer Engine's FusedAdam, see megatron_trace's
     # _te_fused_adam): fp32 masters of bf16 weights kept as 16-bit remainders; fp16 masters;
     # fp8 moments (uint8 data + transpose)
@@ -233,134 +218,120 @@ CASES = (
 CI_CASES = ("dense-tp2-sp", "dense-tp2-sp-ce-fusion", "moe-ep2-shared", "deepseek-mtp-ep2")
 
 
-def hf_config(case: MegatronCase) -> dict:
-    """The model of a case as an HF config: what `--from-megatron` writes for the same flags."""
-    if case.kind == "deepseek":
-        return _deepseek_config(case)
-    if case.kind == "gpt":
-        return {
-            "model_type": "gpt2",
-            "n_embd": case.hidden,
-            "n_layer": case.layers,
-            "n_head": case.heads,
-            "n_inner": case.ffn,
-            "n_positions": case.seq_len,
-            "vocab_size": case.vocab,
-            "tie_word_embeddings": True,
-            "activation_function": "gelu",
-            "attn_pdrop": case.dropout,
-            "resid_pdrop": case.dropout,
-            "embd_pdrop": case.dropout,
-        }
-    cfg = {
-        "model_type": "llama",
-        "hidden_size": case.hidden,
-        "intermediate_size": case.ffn,
-        "num_attention_heads": case.heads,
-        "num_key_value_heads": case.kv_heads,
-        "num_hidden_layers": case.layers,
-        "vocab_size": case.vocab,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_act": "silu",
-        "max_position_embeddings": case.seq_len,
-    }
-    if case.experts:
-        cfg.update(
-            model_type="qwen2_moe",
-            num_experts=case.experts,
-            num_experts_per_tok=case.top_k,
-            moe_intermediate_size=case.expert_ffn,
-            shared_expert_intermediate_size=case.shared_ffn,
-        )
-    return cfg
-
-
-def _deepseek_config(case: MegatronCase) -> dict:
-    """A DeepSeek-style case as the deepseek_v3 config `--from-megatron` writes for its flags."""
-    cfg = {
-        "model_type": "deepseek_v3",
-        "hidden_size": case.hidden,
-        "intermediate_size": case.ffn,
-        "num_attention_heads": case.heads,
-        "num_key_value_heads": case.heads,
-        "num_hidden_layers": case.layers,
-        "vocab_size": case.vocab,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "max_position_embeddings": case.seq_len,
-        "q_lora_rank": case.q_lora_rank or None,
-        "kv_lora_rank": case.kv_lora_rank,
-        "qk_nope_head_dim": case.qk_head_dim,
-        "qk_rope_head_dim": case.qk_pos_emb_head_dim,
-        "v_head_dim": case.v_head_dim,
-        "num_nextn_predict_layers": case.mtp_layers,
-        "first_k_dense_replace": case.dense_layers if case.experts else case.layers,
-        "n_group": case.router_groups or 1,
-        "topk_group": case.router_group_topk or 1,
-        "routed_scaling_factor": case.topk_scaling or 1.0,
-        "norm_topk_prob": True,
-    }
-    if case.experts:
-        cfg.update(
-            n_routed_experts=case.experts,
-            num_experts_per_tok=case.top_k,
-            moe_intermediate_size=case.expert_ffn,
-            n_shared_experts=case.shared_ffn // case.expert_ffn,
-        )
-    else:
-        cfg.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=case.ffn)
-    return cfg
-
-
-def plan_kwargs(case: MegatronCase) -> dict:
-    """pipemem.estimate keyword arguments for the case's Megatron flags."""
-    kw = dict(
-        seq_len=case.seq_len,
-        micro_batch=case.micro_batch,
-        microbatches=case.microbatches,
-        tp=case.tp,
-        pp=case.pp,
-        dp=case.dp,
-        ep=case.ep,
-        sp=case.sp,
-        dist_opt=case.dist_opt,
-        dtype="bf16",
-        main_grad_dtype=case.main_grad_dtype,
-        recompute=case.recompute,
-        flash_attn=True,
-        convention="megatron",
-        schedule="1F1B",
-    )
+def megatron_argv(case: MegatronCase) -> list[str]:
+    """The pretrain_gpt.py arguments of a case: the Megatron-LM flags that megatron_trace's
+    TransformerConfig, layer spec and optimizer settings stand for."""
+    gpt = case.kind == "gpt"
+    argv = [
+        "pretrain_gpt.py",
+        f"--num-layers={case.layers}",
+        f"--hidden-size={case.hidden}",
+        f"--num-attention-heads={case.heads}",
+        f"--ffn-hidden-size={case.ffn}",
+        f"--vocab-size={case.vocab}",
+        f"--seq-length={case.seq_len}",
+        f"--micro-batch-size={case.micro_batch}",
+        f"--global-batch-size={case.micro_batch * case.microbatches * case.dp}",
+        f"--tensor-model-parallel-size={case.tp}",
+        f"--pipeline-model-parallel-size={case.pp}",
+        f"--data-parallel-size={case.dp}",
+        f"--attention-dropout={case.dropout}",
+        f"--hidden-dropout={case.dropout}",
+        "--bf16",
+        "--use-flash-attn",
+    ]
+    if not gpt:  # GPT-style cases tie the output layer to the word embedding (Megatron's default)
+        argv += [
+            "--untie-embeddings-and-output-weights",
+            "--swiglu",
+            "--normalization=RMSNorm",
+            "--position-embedding-type=rope",
+            "--disable-bias-linear",
+        ]
+        if case.kind != "deepseek":
+            argv += ["--group-query-attention", f"--num-query-groups={case.kv_heads}"]
+    if case.ep > 1:
+        argv.append(f"--expert-model-parallel-size={case.ep}")
+    if case.sp and case.tp > 1:
+        argv.append("--sequence-parallel")
+    if case.dist_opt:
+        argv.append("--use-distributed-optimizer")
+    if case.main_grad_dtype == "bf16":
+        argv.append("--grad-reduce-in-bf16")
+    if case.recompute == "selective":
+        argv.append("--recompute-granularity=selective")
+    elif case.recompute == "full":
+        argv += [
+            "--recompute-granularity=full",
+            f"--recompute-method={case.recompute_method}",
+            f"--recompute-num-layers={case.recompute_layers or 1}",
+        ]
     if case.ce_fusion:
-        kw["loss"] = "fused"  # what --from-megatron makes of --cross-entropy-loss-fusion (native impl)
-    if case.offload:  # what --from-megatron makes of --offload-modules
-        from ..configs.megatron import OFFLOAD_MODULES
-
-        kw["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in case.offload.split(","))
-    if case.optimizer_offload is not None:  # what --from-megatron makes of --optimizer-cpu-offload
-        kw["optimizer_offload"] = case.optimizer_offload  # (and of the --use-precision-aware-optimizer
-        kw["extra"] = {"precision_aware_optimizer": True}  # Megatron-LM asserts with it)
-    if case.precision_aware:  # what --from-megatron makes of --use-precision-aware-optimizer
+        argv += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl=native"]
+    if case.offload:
+        argv += ["--fine-grained-activation-offloading", f"--offload-modules={case.offload}"]
+    if case.optimizer_offload is not None:
+        argv += [
+            "--optimizer-cpu-offload",
+            f"--optimizer-offload-fraction={case.optimizer_offload}",
+            "--use-precision-aware-optimizer",
+        ]
+    if case.precision_aware:
         main, avg, avg_sq = case.precision_aware.split("/")
-        extra = {"precision_aware_optimizer": True}
-        for key, value in (("main_params_dtype", main), ("exp_avg_dtype", avg), ("exp_avg_sq_dtype", avg_sq)):
-            if value != "fp32":
-                extra[key] = value
-        kw["extra"] = extra
-    if case.recompute == "full" and case.recompute_method == "block":
-        kw["recompute_layers"] = case.recompute_layers or 1
-    elif case.recompute == "full" and (case.recompute_layers or 1) > 1:
-        raise UserError(f"case {case.name}: uniform recompute over several layers is not modelled")
-    return kw
+        argv += [
+            "--use-precision-aware-optimizer",
+            f"--main-params-dtype={main}",
+            f"--exp-avg-dtype={avg}",
+            f"--exp-avg-sq-dtype={avg_sq}",
+        ]
+    if case.kind == "deepseek":
+        argv += [
+            "--multi-latent-attention",
+            "--qk-layernorm",
+            f"--kv-lora-rank={case.kv_lora_rank}",
+            f"--qk-head-dim={case.qk_head_dim}",
+            f"--qk-pos-emb-head-dim={case.qk_pos_emb_head_dim}",
+            f"--v-head-dim={case.v_head_dim}",
+        ]
+        if case.q_lora_rank:
+            argv.append(f"--q-lora-rank={case.q_lora_rank}")
+        if case.mtp_layers:
+            argv.append(f"--mtp-num-layers={case.mtp_layers}")
+    if case.experts:
+        argv += [
+            f"--num-experts={case.experts}",
+            f"--moe-router-topk={case.top_k}",
+            f"--moe-ffn-hidden-size={case.expert_ffn}",
+            "--moe-token-dispatcher-type=alltoall",
+            "--moe-grouped-gemm",
+        ]
+        if case.shared_ffn:
+            argv.append(f"--moe-shared-expert-intermediate-size={case.shared_ffn}")
+        if case.kind == "deepseek":
+            argv += [
+                "--moe-router-score-function=sigmoid",
+                "--moe-router-enable-expert-bias",
+                f"--moe-router-num-groups={case.router_groups}",
+                f"--moe-router-group-topk={case.router_group_topk}",
+                f"--moe-router-topk-scaling-factor={case.topk_scaling}",
+                f"--moe-layer-freq=([0]*{case.dense_layers}+[1]*{case.layers - case.dense_layers})",
+            ]
+    return argv
+
+
+def read_case(case: MegatronCase):
+    """The model and plan `--from-megatron` reads from the case's flags (a ToolConfig): what the
+    estimate runs, so every case also holds the reader to megatron-core's own step."""
+    from ..configs import read_megatron
+
+    return read_megatron(megatron_argv(case))
 
 
 def estimate_case(case: MegatronCase) -> dict:
     import pipemem
 
-    est = pipemem.estimate(hf_config(case), **plan_kwargs(case), explain=True)
+    tc = read_case(case)
+    est = pipemem.estimate(tc.model, **tc.plan, explain=True)
     rank = est.ranks[case.pp_rank]
     kept = sum(r["bytes"] for r in est.explain if not r["tensor"].startswith("("))
     out = {
@@ -380,7 +351,8 @@ def _layer_kept_estimate(case: MegatronCase, layer: int) -> int:
     from ..plan import ParallelPlan
     from ..stages import layer_explain
 
-    rows = layer_explain(arch_from_hf_config(hf_config(case)), ParallelPlan(**plan_kwargs(case)), layer)
+    tc = read_case(case)
+    rows = layer_explain(arch_from_hf_config(tc.model), ParallelPlan(**tc.plan), layer)
     return sum(r["bytes"] for r in rows if not r["tensor"].startswith("("))
 
 

@@ -87,7 +87,7 @@ import torch
 
 from ..errors import UserError
 from ..traced.capture import StorageRecorder, host_memory
-from ..traced.kernel_workspace import flash_attention_backward_workspace
+from . import kernel_stand_ins as ksi
 from .cuda_stand_ins import Event as _Event
 from .cuda_stand_ins import Stream as _Stream
 from .megatron import MegatronCase
@@ -103,17 +103,20 @@ class _Patches:
         self._undo = []
 
     def set(self, obj, name, value):
-        had = hasattr(obj, name)
-        old = getattr(obj, name, None)
-        self._undo.append((obj, name, had, old))
+        if hasattr(obj, name):
+            old = getattr(obj, name)
+            self._undo.append(lambda: setattr(obj, name, old))
+        else:
+            self._undo.append(lambda: delattr(obj, name))
         setattr(obj, name, value)
 
+    def on_undo(self, undo) -> None:
+        """`undo()` runs with the undoing of the patches, in reverse order of patching."""
+        self._undo.append(undo)
+
     def undo(self):
-        for obj, name, had, old in reversed(self._undo):
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
+        for undo in reversed(self._undo):
+            undo()
         self._undo.clear()
 
 
@@ -149,8 +152,8 @@ def megatron_on_cpu():
     """The CPU / fake-tensor patches and the kernel policy of the module docstring."""
     p = _Patches()
     fused_wgrad = types.ModuleType("fused_weight_gradient_mlp_cuda")
-    fused_wgrad.wgrad_gemm_accum_fp32 = _wgrad_accumulate
-    fused_wgrad.wgrad_gemm_accum_fp16 = _wgrad_accumulate
+    fused_wgrad.wgrad_gemm_accum_fp32 = ksi.wgrad_accumulate
+    fused_wgrad.wgrad_gemm_accum_fp16 = ksi.wgrad_accumulate
     had_module = "fused_weight_gradient_mlp_cuda" in sys.modules
     sys.modules["fused_weight_gradient_mlp_cuda"] = fused_wgrad
     try:
@@ -196,23 +199,23 @@ def _apply(p: _Patches, fused_wgrad) -> None:
     p.set(tpl, "_grad_accum_fusion_available", True)
     p.set(tpl, "fused_weight_gradient_mlp_cuda", fused_wgrad)
     p.set(tpl, "HAVE_TE", True)
-    p.set(tpl, "get_dummy_wgrad", _dummy_wgrad)
+    p.set(tpl, "get_dummy_wgrad", ksi.dummy_wgrad)
     p.set(mutils.GlobalMemoryBuffer, "get_tensor", _fresh_tensor)
-    p.set(attn, "apply_rotary_pos_emb", _fused_rope)
+    p.set(attn, "apply_rotary_pos_emb", ksi.fused_rope)
     from megatron.core.transformer import multi_latent_attention as mla
 
-    p.set(mla, "apply_rotary_pos_emb", _fused_rope)
+    p.set(mla, "apply_rotary_pos_emb", ksi.fused_rope)
     from importlib.util import find_spec
 
     if find_spec("transformer_engine") is None:  # its TE names are stand-in mocks without TE
         p.set(mla, "HAVE_TE", False)
-        p.set(mla, "TELinear", DuplicatedLinear)  # MLASelfAttention's "duplicated" down projections
+        p.set(mla, "TELinear", ksi.DuplicatedLinear)  # MLASelfAttention's "duplicated" down projections
     _fused_activations(p)
     _plain_fused_cross_entropy(p)
     _moe_on_fake_tensors(p)
     _fine_grained_offload(p)
     _hybrid_device_optimizer(p)
-    _fake_item(p)
+    p.on_undo(ksi.install_fake_item(0))  # `.item()`: 0 for an integer
 
 
 @contextlib.contextmanager
@@ -262,91 +265,11 @@ def _float16_init(orig):
     return init
 
 
-def _fake_item(p: _Patches) -> None:
-    """`.item()` of a fake tensor: a constant (0 / False for ints and flags, 1.0 for floats)."""
-    from torch._prims_common import is_float_dtype
-    from torch._subclasses import fake_impls
-
-    def const(fake_mode, func, arg, *a, **k):
-        if is_float_dtype(arg.dtype):
-            return 1.0
-        return False if arg.dtype == torch.bool else 0
-
-    table = fake_impls.op_implementations_dict
-    for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
-        had = op in table
-        old = table.get(op)
-        table[op] = const
-        p._undo.append((_DictSlot(table, op), "value", had, old))
-
-
-class _DictSlot:
-    def __init__(self, d, key):
-        self.__dict__["_d"], self.__dict__["_k"] = d, key
-
-    def __setattr__(self, name, value):
-        self._d[self._k] = value
-
-    def __delattr__(self, name):
-        self._d.pop(self._k, None)
-
-
 # Kernel policy ---------------------------------------------------------------------------------
-
-
-def _wgrad_accumulate(total_input, grad_output, main_grad):
-    """apex's wgrad_gemm_accum_*: main_grad += grad_output^T @ input, in place (no allocation)."""
-
-
-_DUMMY_WGRADS: dict = {}
-
-
-def _dummy_wgrad(shape, dtype, zero=False, *args, **kwargs):
-    """Transformer Engine's get_dummy_wgrad: one cached tensor per (shape, dtype)."""
-    key = (*shape, dtype)
-    if key not in _DUMMY_WGRADS:
-        _DUMMY_WGRADS[key] = torch.empty(shape, dtype=dtype)
-    return _DUMMY_WGRADS[key].detach()
 
 
 def _fresh_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
     return torch.empty(tuple(tensor_shape), dtype=dtype)
-
-
-class _FusedNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, rms: bool):
-        x = x.contiguous()  # TE's norms work on (and save) a contiguous copy of a strided input
-        tokens = x.shape[:-1]
-        y = torch.empty_like(x)
-        rstd = torch.empty(tokens, dtype=torch.float32)
-        saved = [x, weight, rstd]
-        if not rms:
-            saved.append(torch.empty(tokens, dtype=torch.float32))  # mean
-        ctx.save_for_backward(*saved)
-        ctx.has_bias = bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors[:2]
-        dbias = torch.empty_like(weight) if ctx.has_bias else None
-        return torch.empty_like(x), torch.empty_like(weight), dbias, None
-
-
-class FusedNorm(torch.nn.Module):
-    """TE's LayerNorm / RMSNorm memory contract (see the module docstring)."""
-
-    def __init__(self, hidden: int, rms: bool, dtype, sequence_parallel: bool):
-        super().__init__()
-        self.rms = rms
-        self.weight = torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
-        self.bias = None if rms else torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
-        for prm in self.parameters():
-            prm.sequence_parallel = sequence_parallel
-
-    def forward(self, x):
-        return _FusedNorm.apply(x, self.weight, self.bias, self.rms)
 
 
 def _fused_norm_new(
@@ -358,7 +281,7 @@ def _fused_norm_new(
     zero_centered_gamma=False,
     normalization="LayerNorm",
 ):
-    return FusedNorm(
+    return ksi.FusedNorm(
         hidden_size, config.normalization == "RMSNorm", config.params_dtype, config.sequence_parallel
     )
 
@@ -442,7 +365,7 @@ def _moe_on_fake_tensors(p: _Patches) -> None:
     p.set(td, "permute", _dropless_permute)
     from megatron.core.transformer.moe import moe_utils
 
-    p.set(moe_utils, "te_general_gemm", _te_gemm)  # the router GEMM, straight to fp32
+    p.set(moe_utils, "te_general_gemm", ksi.te_gemm)  # the router GEMM, straight to fp32
 
 
 class _Recorder:
@@ -596,31 +519,6 @@ def _hybrid_device_optimizer(p: _Patches) -> None:
         p.set(cls, name, wrapped)
 
 
-def _te_gemm(a, b, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
-    """transformer_engine general_gemm's result for megatron's router: one output tensor in
-    `out_dtype` (no casted copies of the operands). Layouts as megatron calls it."""
-    rows, cols = {
-        "TN": (b.shape[0], a.shape[0]),
-        "NN": (b.shape[0], a.shape[1]),
-        "NT": (b.shape[1], a.shape[1]),
-    }[layout]
-    return (torch.empty((rows, cols), dtype=out_dtype),)
-
-
-class _MaskedSelect(torch.autograd.Function):
-    """x.masked_select(mask) with `n` selected entries (its backward keeps the mask)."""
-
-    @staticmethod
-    def forward(ctx, x, mask, n):
-        ctx.save_for_backward(mask)
-        ctx.shape = x.shape
-        return torch.empty(n, dtype=x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.empty(ctx.shape, dtype=g.dtype), None, None
-
-
 def _dropless_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
     """megatron.core.transformer.moe.moe_utils.permute, dropless branch, with masked_select's
     result sized by `num_out_tokens`."""
@@ -628,151 +526,11 @@ def _dropless_permute(tokens, routing_map, probs=None, num_out_tokens=None, fuse
     num_experts = routing_map.shape[1]
     routing_map = routing_map.bool().T.contiguous()
     token_indices = torch.arange(num_tokens).unsqueeze(0).expand(num_experts, -1)
-    sorted_indices = _MaskedSelect.apply(token_indices, routing_map, num_out_tokens)
+    sorted_indices = ksi.MaskedSelect.apply(token_indices, routing_map, num_out_tokens)
     permuted_probs = None
     if probs is not None:
-        permuted_probs = _MaskedSelect.apply(probs.T.contiguous(), routing_map, num_out_tokens)
+        permuted_probs = ksi.MaskedSelect.apply(probs.T.contiguous(), routing_map, num_out_tokens)
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
-
-
-class _GroupedGemm(torch.autograd.Function):
-    """Transformer Engine's GroupedLinear with fused weight-gradient accumulation: one output
-    for all local experts; saves its input; backward writes dgrad, accumulates each expert's
-    wgrad into its main_grad and hands autograd TE's cached dummy wgrads."""
-
-    @staticmethod
-    def forward(ctx, x, out_features, *weights):
-        ctx.save_for_backward(x, *weights)
-        return torch.empty((x.shape[0], out_features), dtype=x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, *weights = ctx.saved_tensors
-        dummies = []
-        for w in weights:
-            if hasattr(w, "grad_added_to_main_grad"):
-                w.grad_added_to_main_grad = True
-            dummies.append(_dummy_wgrad(list(w.shape), x.dtype))
-        return (torch.empty_like(x), None, *dummies)
-
-
-class GroupedLinear(torch.nn.Module):
-    """Stands for TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (expert tensor
-    parallel size 1 in the cases traced): one weight [out, in] per local expert."""
-
-    def __init__(
-        self,
-        num_gemms,
-        input_size,
-        output_size,
-        *,
-        config,
-        init_method=None,
-        bias=False,
-        skip_bias_add=False,
-        is_expert=True,
-        tp_comm_buffer_name=None,
-        pg_collection=None,
-    ):
-        super().__init__()
-        self.out_features = output_size
-        self.weights = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-            for _ in range(num_gemms)
-        )
-        for w in self.weights:
-            w.allreduce = not is_expert  # expert params: the expert-data-parallel grad buffer
-
-    def forward(self, x, m_splits):
-        return _GroupedGemm.apply(x, self.out_features, *self.weights), None
-
-
-class DuplicatedLinear(torch.nn.Module):
-    """Stands for Transformer Engine's TELinear with `parallel_mode="duplicated"`: MLA's down
-    projections in the TE layer spec Megatron-LM runs (the local spec's are column-parallel and
-    gathered), one full weight on every tp rank reading the rank's (sequence-shard) input; saves
-    its input, fused wgrad accumulation as the other stand-ins."""
-
-    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False, **kwargs):
-        super().__init__()
-        self.out_features = output_size
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel  # grads all-reduced over tp
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
-        out = _GroupedGemm.apply(flat, self.out_features, self.weight)
-        return out.view(*x.shape[:-1], self.out_features), None
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, freqs):
-        return torch.empty_like(t)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return torch.empty_like(dy), None
-
-
-def _fused_rope(t, freqs, config=None, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
-    return _Rope.apply(t, freqs)
-
-
-class _Flash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        s, b, a, d = q.shape
-        out = torch.empty((s, b, a * v.shape[-1]), dtype=q.dtype)  # MLA: v's head dim
-        lse = torch.empty((b, a, s), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        s, b, a, d = q.shape
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        # the kernel's own buffers: the same assumption the templates make, from one place
-        # (traced/kernel_workspace.py) -- rows that depend on it say so (kernel_workspace.ASSUMED)
-        buffers = flash_attention_backward_workspace(s, b, a, k.shape[2], d, q.element_size())
-        workspace = [
-            torch.empty(shape, dtype=q.dtype if eb == q.element_size() else torch.float32)
-            for _, shape, eb in buffers
-        ]
-        del workspace
-        return dq, dk, dv
-
-
-class FlashAttention(torch.nn.Module):
-    """Stands for TE's DotProductAttention with a flash / cuDNN fused backend."""
-
-    def __init__(
-        self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type=None,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-        **kwargs,
-    ):
-        super().__init__()
-        self.config = config
-
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
-        return _Flash.apply(query, key, value)
 
 
 # The trace ---------------------------------------------------------------------------------------
@@ -803,18 +561,19 @@ def _one_layer_spec(case: MegatronCase, moe: bool):
         multi_latent_attention=case.kind == "deepseek",
         qk_layernorm=case.kind == "deepseek",
     )
-    spec.submodules.self_attention.submodules.core_attention = FlashAttention
+    spec.submodules.self_attention.submodules.core_attention = ksi.FlashAttention
     if case.kind == "deepseek":
         # the TE spec's down projections (TELinear, duplicated over tp), not the local spec's
         sub = spec.submodules.self_attention.submodules
-        sub.linear_q_down_proj = sub.linear_kv_down_proj = DuplicatedLinear
+        sub.linear_q_down_proj = sub.linear_kv_down_proj = ksi.DuplicatedLinear
     if moe:
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import TEGroupedMLP
         from megatron.core.transformer.spec_utils import ModuleSpec
 
         spec.submodules.mlp.submodules.experts = ModuleSpec(
-            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+            module=TEGroupedMLP,
+            submodules=MLPSubmodules(linear_fc1=ksi.GroupedLinear, linear_fc2=ksi.GroupedLinear),
         )
     return spec
 
@@ -919,7 +678,7 @@ def trace_case(case: MegatronCase) -> dict:
         ) from None
     from ..traced.dist_capture import fake_process_group
 
-    _DUMMY_WGRADS.clear()
+    ksi.DUMMY_WGRADS.clear()
     # rank order of megatron's default "tp-cp-ep-dp-pp": pipeline rank r is global rank r * tp * dp
     rank = case.pp_rank * case.tp * case.dp
     with warnings.catch_warnings():
@@ -937,7 +696,7 @@ def trace_case(case: MegatronCase) -> dict:
                 return _trace(case)
             finally:
                 ps.destroy_model_parallel()
-                _DUMMY_WGRADS.clear()
+                ksi.DUMMY_WGRADS.clear()
 
 
 class _ReleasingRecorder(StorageRecorder):

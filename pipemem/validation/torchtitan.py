@@ -5,7 +5,9 @@ MoE, deepseek_v3 with its multi-head latent attention and MoE; a parallelism, ac
 checkpointing). Measured: torchtitan's own step traced per rank on fake tensors
 with the fake process group (`torchtitan_trace.py`: its parallelize / pipelining functions,
 optimizer, loss and `Trainer.train_step`, second step recorded). Estimated: the same job
-through `pipemem.estimate(..., convention="torchtitan")`, the rank's pipeline stage. One row
+through `pipemem.estimate` with the model and plan `--from-torchtitan` reads from the
+`Trainer.Config` the ranks ran (`configs.torchtitan.from_trainer_config`), the rank's pipeline
+stage. One row
 per traced rank; `rel_error` = (estimated - measured) / measured.
 
 Every rank of a case traces in its own subprocess (a fresh fake process group each); ranks
@@ -124,49 +126,14 @@ def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
 # ---- estimated: the same job through pipemem.estimate ---------------------------------------------
 
 
-def estimate_kwargs(case: dict, model: dict) -> tuple[dict, dict]:
-    """(model config, estimate() keywords) of a case: the HF-style config the trace read off
-    torchtitan's own model config (`traced.torchtitan_model.hf_config`, the reader's too) and the
-    case's job settings."""
-    par = case["parallelism"]
-    dp = par.get("dp_shard", 1) * par.get("dp_replicate", 1)
-    kw = dict(
-        convention="torchtitan",
-        dtype="bf16",
-        master_weights=True,
-        fsdp=True,
-        dp=dp,
-        tp=par.get("tp", 1),
-        cp=par.get("cp", 1),
-        pp=par.get("pp", 1),
-        ep=par.get("ep", 1),
-        seq_len=case["seq_len"],
-        grads="set-to-none" if case.get("disable_cuda_graphs") else "buffer",
-    )
-    if par.get("pp", 1) > 1:
-        mbs = case.get("microbatch_size", 1)
-        kw.update(
-            micro_batch=mbs,
-            microbatches=case["local_batch_size"] // mbs,
-            schedule=par.get("schedule", "1F1B"),
-        )
-    else:
-        kw["micro_batch"] = case["local_batch_size"]
-    ac = case.get("ac", "none")
-    if ac != "none":  # torchtitan 0.3: FullAC or SelectiveAC (op policy) on every block
-        kw["recompute"] = ac
-    if par.get("reshard_after_forward", "default") == "never":
-        kw["extra"] = {"fsdp_reshard_after_forward": False}
-    return model, kw
-
-
 def compare_case(case: dict, traces: dict[int, dict]) -> list[CaseRow]:
     from ..estimate import estimate
 
     rows = []
-    model, kw = estimate_kwargs(case, next(iter(traces.values()))["model"])
-    est = estimate(model, model_name=f"torchtitan-{case['model']['flavor']}", **kw)
-    pp = kw["pp"]
+    # the model and plan --from-torchtitan reads from the Trainer.Config the ranks ran
+    traced = next(iter(traces.values()))
+    est = estimate(traced["model"], model_name=f"torchtitan-{case['model']['flavor']}", **traced["plan"])
+    pp = traced["plan"].get("pp", 1)
     for rank, tr in sorted(traces.items()):
         stage_rank = rank // (case["world"] // pp) if pp > 1 else 0
         r = est.ranks[stage_rank]

@@ -28,8 +28,10 @@ import importlib
 
 import torch
 
+from ..configs.torchtitan import from_trainer_config
 from ..traced.torchtitan_model import hf_config, import_stubs
 from .case_worker import run_case_file
+from .kernel_stand_ins import flex_as_flash, install_fake_item
 from .recorded_step import recorded_peak
 
 REQUIRES = "torchtitan==0.3.0"
@@ -43,71 +45,6 @@ def available() -> str | None:
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
         return f"torchtitan is not importable ({type(e).__name__}: {e}); pip install 'pipemem[torchtitan]'"
     return None
-
-
-def _patch_fake_item() -> None:
-    """`.item()` of a fake tensor: a constant (token counts, grad norms) instead of an error."""
-    from torch._prims_common import is_float_dtype
-    from torch._subclasses import fake_impls
-
-    def constant(fake_mode, func, arg, *args, **kwargs):
-        if is_float_dtype(arg.dtype):
-            return 1.0
-        return False if arg.dtype == torch.bool else 1
-
-    for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
-        fake_impls.op_implementations_dict[op] = constant
-
-
-@contextlib.contextmanager
-def _flex_as_flash():
-    """FlexAttention (torchtitan's language-model attention: a compiled Triton kernel, no CPU
-    backward) run as causal SDPA, which pipemem's CUDA kernel policy routes to the flash
-    kernel: the same saved tensors (q, k, v, output, fp32 logsumexp). The per-document
-    BlockMask a real run builds from the batch's positions (int32, (S/128)^2 per sequence)
-    is not made (`Decoder.get_attention_masks` returns None while tracing)."""
-    import torch.nn.functional as F
-    from torchtitan.models.common.attention import FlexAttention
-
-    # the argument names are FlexAttention.forward's: TP's local_map reads them
-    def forward(
-        self,
-        q_BLNH,
-        k_BLNH,
-        v_BLNH,
-        *,
-        attention_masks=None,
-        score_mod=None,
-        scale=None,
-        enable_gqa=False,
-        out_transform=None,
-        **kwargs,
-    ):
-        if out_transform is not None:
-            raise NotImplementedError(
-                "flex attention with an output transform (attention sinks) is not traced"
-            )
-        out = F.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2),
-            k_BLNH.transpose(1, 2),
-            v_BLNH.transpose(1, 2),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-        return out.transpose(1, 2)
-
-    def no_masks(self, *args, **kwargs):
-        return None
-
-    from torchtitan.models.common.decoder import Decoder
-
-    saved = (FlexAttention.forward, Decoder.get_attention_masks)
-    FlexAttention.forward, Decoder.get_attention_masks = forward, no_masks
-    try:
-        yield
-    finally:
-        FlexAttention.forward, Decoder.get_attention_masks = saved
 
 
 @contextlib.contextmanager
@@ -241,11 +178,11 @@ def trace_rank(case: dict, rank: int) -> dict:
         from torchtitan.trainer import Trainer
     tu.device_type = "cpu"
     pdm.device_type = "cpu"
-    _patch_fake_item()
+    install_fake_item(1)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = job_config(case)
-    with fake_process_group(rank, world), _flex_as_flash(), _router_autocast_as_cuda():
+    with fake_process_group(rank, world), flex_as_flash(), _router_autocast_as_cuda():
         dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
         pd = ParallelDims.from_config(cfg.parallelism, world)
         pd.build_mesh()
@@ -255,6 +192,8 @@ def trace_rank(case: dict, rank: int) -> dict:
         with torch.device("meta"):
             model = mc.build()
         model_config = hf_config(mc, max_position=case["seq_len"])
+        # the estimate's plan: what --from-torchtitan reads from the same Trainer.Config
+        plan = from_trainer_config(cfg, model=model_config).plan
         tr = object.__new__(Trainer)
         tr.config, tr.parallel_dims, tr.device, tr.model_config = cfg, pd, torch.device("cpu"), mc
         tr.loss_fn = cfg.loss.build(compile_config=cfg.compile)
@@ -306,7 +245,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
             out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
-    out["model"] = model_config
+    out["model"], out["plan"] = model_config, plan
     return out
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .case_model import llama_hf_config, torchtune_decoder_kwargs
+from .case_model import llama_hf_config, torchtune_decoder_kwargs, torchtune_lora_llama
 from .case_worker import run_case_file
 from .recorded_step import default_dtype, recorded_peak
 
@@ -57,31 +57,24 @@ def torchtune_training():
 
 
 def _build(case: dict):
-    from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+    from torchtune.models.llama3_2._component_builders import llama3_2
 
     config = llama_hf_config(case)
-    kw = dict(
-        **torchtune_decoder_kwargs(config, case["seq_len"]),
-        tie_word_embeddings=config["tie_word_embeddings"],
-        rope_base=config["rope_theta"],
-    )
+    seq = case["seq_len"]
+    builder = dict(tie_word_embeddings=config["tie_word_embeddings"], rope_base=config["rope_theta"])
     lora = case.get("lora")
     if not lora:
-        return llama3_2(**kw)
+        return llama3_2(**torchtune_decoder_kwargs(config, seq), **builder)
     # lora_finetune_distributed's _setup_model: the LoRA builder, then only the adapters trainable
-    from torchtune.modules.peft import get_adapter_params, set_trainable_params
-
-    model = lora_llama3_2(
-        lora_attn_modules=lora["attn_modules"],
-        apply_lora_to_mlp=lora["mlp"],
-        apply_lora_to_output=False,
-        lora_rank=lora["rank"],
-        lora_alpha=2 * lora["rank"],
-        lora_dropout=0.0,
-        **kw,
+    return torchtune_lora_llama(
+        config,
+        seq,
+        lora["attn_modules"],
+        mlp=lora["mlp"],
+        rank=lora["rank"],
+        alpha=2 * lora["rank"],
+        **builder,
     )
-    set_trainable_params(model, get_adapter_params(model))
-    return model
 
 
 def trace_rank(case: dict, rank: int = 0) -> dict:
