@@ -92,6 +92,22 @@ def _key(stream: int, size: int, ptr: int) -> int:
 # without a method lookup. `gc_base`: the pool's get_free_block count (garbage collection ages).
 
 
+def _best_fit(free: dict, keys: list, stream: int, size: int, mss: int, nsr: int):
+    """get_free_block without expandable segments: the smallest cached block of `stream` of at
+    least `size` bytes, taken out of the free list, or None (none, or an oversize one that
+    max_split_size keeps from this request)."""
+    i = bisect_left(keys, (stream << _ST) + (size << _SZ))
+    if i < len(keys):
+        k = keys[i]
+        if (k >> _ST) == stream:
+            b = free[k & _PTR]
+            if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
+                del keys[i]
+                del free[k & _PTR]
+                return b
+    return None
+
+
 def _free_block(block, free: dict, keys: list, gc_base: int) -> None:
     """free_block: merge `block` with each free neighbour (previous first) and put it in the
     free list. A neighbour is free, without outstanding events and mapped alike exactly when it
@@ -504,7 +520,7 @@ class CachingAllocator:
         (for the index it returns on OOM)."""
         keys_by_pool, free_by_pool = self._keys, self._free
         # no garbage collection here: the pools' get_free_block counts stay 0, the blocks' gc_base too
-        free_block, split = _free_block, _split
+        best_fit, free_block, split = _best_fit, _free_block, _split
         mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
         # the counters live in locals for the loop, written back at its end and around the
         # rare calls that read or move them (_new_block)
@@ -531,16 +547,7 @@ class CachingAllocator:
                     size = round_size(nbytes, cfg)
                 pool = SMALL if size <= K_SMALL_SIZE else LARGE
                 keys, free = keys_by_pool[pool], free_by_pool[pool]
-                block = None
-                i = bisect_left(keys, (stream << _ST) + (size << _SZ))
-                if i < len(keys):
-                    k = keys[i]
-                    if (k >> _ST) == stream:
-                        b = free[k & _PTR]
-                        if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
-                            del keys[i]
-                            del free[k & _PTR]
-                            block = b
+                block = best_fit(free, keys, stream, size, mss, nsr)
                 if block is None:
                     self.allocated_bytes, self.allocated_at_peak_reserved = allocated, at_peak
                     block = self._new_block(size, stream, pool)
@@ -1064,23 +1071,14 @@ class PartAllocator(CachingAllocator):
     def _run_inline(self, events, live: dict, first: int = 0) -> None:
         pool, stream = self._pool, self._stream
         keys, free = self._keys[pool], self._free[pool]
-        base = stream << _ST
         mss, nsr = self._mss, self._nsr
         small = pool == SMALL
-        new_block, free_block, split = self._new_block, _free_block, _split
+        new_block, best_fit, free_block, split = self._new_block, _best_fit, _free_block, _split
         for size, key in events:
             if not size:
                 free_block(live.pop(key), free, keys, 0)
                 continue
-            block = None
-            i = bisect_left(keys, base + (size << _SZ))
-            if i < len(keys):
-                k = keys[i]
-                b = free[k & _PTR]
-                if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
-                    del keys[i]
-                    del free[k & _PTR]
-                    block = b
+            block = best_fit(free, keys, stream, size, mss, nsr)
             if block is None:
                 block = new_block(size, stream, pool)
             rest = block.size - size
