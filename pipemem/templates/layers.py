@@ -30,6 +30,7 @@ from ..features import Features, features_of
 from ..ir import dtype_bytes
 from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
 from .conventions import CONVENTIONS, Convention, padded_vocab
+from .moe import MEGATRON_GROUP_MASK, group_limited
 from .tape import COMM, PARAM, BwdOp, Tape
 
 MASK = "bool"
@@ -1082,6 +1083,28 @@ class _Gen:
         self.t.node("repeat_kv", (v,), (ve,), diff_inputs=(v,))
         return ke, ve
 
+    def flash_attention(
+        self, q: str, k: str, v: str, ctx: str, kv_heads: int, head_dim: int, ws_f: int = 0, ws_i: int = 0
+    ) -> None:
+        """The flash-attention kernel: q, k, v [s, b, heads / kv_heads, head_dim] -> `ctx` and the
+        fp32 log-sum-exp [b, heads, s], all five saved for backward. Its backward's workspace: the
+        fp32 dq accumulator and softmax_d, with GQA full-head dk, dv before the group sum (assumed
+        from flash-attention's source, traced/kernel_workspace.py, not traced) plus `ws_i`; `ws_f`
+        the forward's."""
+        sh = self.sh
+        s, b, a = sh.s, sh.b, sh.heads
+        lse = self.act("attn.lse", (b, a, s), STAT)
+        ws_i += flash_attention_backward_workspace_bytes(s, b, a, kv_heads, head_dim, dtype_bytes(self.dt))
+        self.t.node(
+            "flash_attn",
+            (q, k, v),
+            (ctx, lse),
+            diff_inputs=(q, k, v),
+            save_i=(q, k, v, ctx, lse),
+            workspace_f=ws_f,
+            workspace_i=ws_i,
+        )
+
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
         if opt.attn_sinks:  # GPT-OSS: HF's eager attention with a sink logit per head
             from .gpt_oss import sink_attention
@@ -1110,22 +1133,10 @@ class _Gen:
             k, v = self._repeat_kv(k, v, (s, b, a, d))
             kv = a
         if opt.flash:
-            lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
-            ws_f = 2 * kv_bytes if ring else 0  # ring: KV chunk in flight, double-buffered
-            # fp32 dq accumulator + softmax_d, with GQA full-head dk, dv before the group sum:
-            # assumed from flash-attention's source (traced/kernel_workspace.py), not traced
-            ws_i = flash_attention_backward_workspace_bytes(s, b, a, kv, d, eb)
-            if ring:
-                ws_i += 4 * kv_bytes  # KV and dKV chunks in flight
-            self.t.node(
-                "flash_attn",
-                (q, k, v),
-                (ctx, lse),
-                diff_inputs=(q, k, v),
-                save_i=(q, k, v, ctx, lse),
-                workspace_f=ws_f,
-                workspace_i=ws_i,
+            # ring: the KV chunk in flight, double-buffered; in backward the KV and dKV chunks
+            self.flash_attention(
+                q, k, v, ctx, kv, d, 2 * kv_bytes if ring else 0, 4 * kv_bytes if ring else 0
             )
             return ctx
         if kv < a and self.conv.gqa_expand_eager:
@@ -1530,25 +1541,8 @@ class _Gen:
         t.node("add_expert_bias", (scores,), (biased,))
         choice = biased
         if opt.router_topk_groups and opt.router_groups > 1:
-            G, TG = opt.router_groups, opt.router_topk_groups
-            per = max(1, K // TG)
-            gtop = self.act("moe.choice.group_topk", (T, G, per), "fp32")
-            gtop_i = self.act("moe.choice.group_topk_idx", (T, G, per), "int64")
-            t.node("topk", (biased,), (gtop, gtop_i))
-            gsum = self.act("moe.choice.group_scores", (T, G), "fp32")
-            t.node("sum", (gtop,), (gsum,))
-            gsel = self.act("moe.choice.group_idx", (T, TG), "int64")
-            gval = self.act("moe.choice.group_top", (T, TG), "fp32")
-            t.node("topk", (gsum,), (gval, gsel))
-            gmask = self.act("moe.choice.group_mask", (T, G), "fp32")
-            t.node("zeros_scatter", (gsel,), (gmask,))
-            smask = self.act("moe.choice.score_mask", (T, E), "fp32")
-            t.node("expand_reshape", (gmask,), (smask,))
-            nmask = self.act("moe.choice.score_mask_not", (T, E), "bool")
-            t.node("logical_not", (smask,), (nmask,))
-            masked = self.act("moe.choice.masked", (T, E), "fp32")
-            t.node("masked_fill", (biased, nmask), (masked,))
-            choice = masked
+            per = max(1, K // opt.router_topk_groups)
+            choice = group_limited(self, biased, T, opt, per, MEGATRON_GROUP_MASK)
         tval = self.act("moe.choice.topk_values", (T, K), "fp32")
         t.node("topk", (choice,), (tval, idx))
         sk = self.act("moe.topk_scores", (T, K), "fp32")
