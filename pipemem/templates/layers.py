@@ -387,43 +387,49 @@ def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
     )
 
 
+# LayerOptions fields that are the ArchSpec fields of the same name, as they are
+ARCH_FIELDS = (
+    "activation",
+    "act_fn",
+    "qkv_bias",
+    "out_bias",
+    "mlp_bias",
+    "norm_placement",
+    "norm_weight_first",
+    "parallel_residual",
+    "router_norm_topk",
+    "router_weights_cast",
+    "shared_expert_gate",
+    "router",
+    "router_groups",
+    "router_topk_groups",
+    "routed_scaling",
+    "shared_first",
+    "attn_sinks",
+    "expert_bias",
+    "expert_act",
+    "expert_compute",
+)
+
+
 @lru_cache(maxsize=4096)
 def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = False) -> LayerOptions:
     l2 = arch.qk_norm and arch.qk_norm_scope == "l2"
     return LayerOptions(
+        **{f: getattr(arch, f) for f in ARCH_FIELDS},
         norm=norm_kind(arch),
-        activation=arch.activation,
-        act_fn=arch.act_fn,
         moe=moe,
-        qkv_bias=arch.qkv_bias,
-        out_bias=arch.out_bias,
-        mlp_bias=arch.mlp_bias,
         qk_norm=arch.qk_norm and not l2,
         qk_norm_proj=arch.qk_norm_scope == "proj",
-        norm_placement=arch.norm_placement,
-        norm_weight_first=arch.norm_weight_first,
-        parallel_residual=arch.parallel_residual,
         native_fused_qkv=arch.fused_qkv,
         attn_dropout=arch.attn_dropout > 0,
         hidden_dropout=arch.hidden_dropout > 0,
         flash=flash,
         recompute=recompute,
-        router_norm_topk=arch.router_norm_topk,
-        router_weights_cast=arch.router_weights_cast,
-        shared_expert_gate=arch.shared_expert_gate,
-        router=arch.router,
-        router_groups=arch.router_groups,
-        router_topk_groups=arch.router_topk_groups,
-        routed_scaling=arch.routed_scaling,
-        shared_first=arch.shared_first,
         rope_cat=arch.model_type == "glm4_moe",
-        attn_sinks=arch.attn_sinks,
-        expert_bias=arch.expert_bias,
-        expert_act=arch.expert_act,
         nope=nope,
         qk_l2=l2 and not nope,
         attn_temperature=arch.attn_temperature and nope,
-        expert_compute=arch.expert_compute,
     )
 
 
