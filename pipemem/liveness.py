@@ -200,9 +200,7 @@ class ProgramMemory:
     def phase_row(self) -> dict:
         """The program as a `phases` row (traced steps, the validate workers): its peak op by label."""
         return {
-            "name": self.name,
-            "net_bytes": self.net_bytes,
-            "peak_bytes": self.peak_bytes,
+            **{k: getattr(self, k) for k in ("name", "net_bytes", "peak_bytes")},
             "peak_op": self.peak_op_label,
         }
 

@@ -236,6 +236,32 @@ class _Reader:
             raise UserError(f"config of {self.name}: {keys[0]!r} must be a positive integer, got {v!r}")
         return v
 
+    def gqa_heads(self) -> tuple[int, int, int]:
+        """(hidden_size, num_attention_heads, num_key_value_heads): the key-value heads (default
+        one per head) must divide the heads."""
+        hidden = self.pos_int("hidden_size")
+        heads = self.pos_int("num_attention_heads")
+        kv = int(self.opt("num_key_value_heads", heads))
+        if kv <= 0 or heads % kv:
+            raise UserError(
+                f"config of {self.name}: num_key_value_heads={kv} must be positive and divide "
+                f"num_attention_heads={heads}"
+            )
+        return hidden, heads, kv
+
+    def spec(self, model_type: str, **fields) -> ArchSpec:
+        """The ArchSpec of a family's `fields`, with what the families read alike where `fields`
+        does not give it: the reader's name, vocab_size, num_hidden_layers, the longest position
+        (max_position_embeddings, 0 when unknown) and untied embeddings unless the config ties
+        them."""
+        if "layers" not in fields:
+            fields["layers"] = self.pos_int("num_hidden_layers")
+        if "max_positions" not in fields:
+            fields["max_positions"] = int(self.opt("max_position_embeddings", 0) or 0)
+        if "tied_embeddings" not in fields:
+            fields["tied_embeddings"] = bool(self.opt("tie_word_embeddings", False))
+        return ArchSpec(name=self.name, model_type=model_type, vocab=self.pos_int("vocab_size"), **fields)
+
 
 def _activation(act: str, gated: bool, name: str) -> str:
     a = str(act).lower()
@@ -412,18 +438,14 @@ def sizes_from_hf_config(config: Mapping[str, Any], name: str = "") -> ArchSpec:
     experts = int(next((config[k] for k in _EXPERT_KEYS if config.get(k)), 0) or 0)
     layers = r.pos_int("num_hidden_layers", "n_layer")
     first_dense = int(r.opt("first_k_dense_replace", 0) or 0)
-    return ArchSpec(
-        name=r.name,
-        model_type=str(config.get("model_type") or "model"),
+    return r.spec(
+        str(config.get("model_type") or "model"),
         layers=layers,
         hidden=hidden,
         heads=heads,
         kv_heads=kv,
         head_dim=int(head_dim),
         ffn=int(r.opt("intermediate_size", 0) or r.opt("n_inner", 0) or 0),
-        vocab=r.pos_int("vocab_size"),
-        max_positions=int(r.opt("max_position_embeddings", 0) or 0),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
         experts=experts,
         top_k=int(r.opt("num_experts_per_tok", 0) or 0) if experts else 0,
         expert_ffn=int(r.opt("moe_intermediate_size", 0) or r.opt("intermediate_size", 0) or 0)
@@ -441,16 +463,14 @@ def _gpt2(r: _Reader) -> ArchSpec:
     bias = bool(
         r.opt("add_bias_linear", True)
     )  # Megatron's --disable-bias-linear (HF GPT-2 always has biases)
-    return ArchSpec(
-        name=r.name,
-        model_type="gpt2",
+    return r.spec(
+        "gpt2",
         layers=r.pos_int("n_layer", "num_hidden_layers"),
         hidden=hidden,
         heads=heads,
         kv_heads=heads,
         head_dim=hidden // heads,
         ffn=int(inner),
-        vocab=r.pos_int("vocab_size"),
         norm="layernorm",
         activation=_activation(r.opt("activation_function", "gelu_new"), False, r.name),
         act_fn=str(r.opt("activation_function", "gelu_new")),
@@ -472,22 +492,17 @@ def _gpt_neox(r: _Reader) -> ArchSpec:
     hidden = r.pos_int("hidden_size")
     heads = r.pos_int("num_attention_heads")
     _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
-    return ArchSpec(
-        name=r.name,
-        model_type="gpt_neox",
-        layers=r.pos_int("num_hidden_layers"),
+    return r.spec(
+        "gpt_neox",
         hidden=hidden,
         heads=heads,
         kv_heads=heads,
         head_dim=hidden // heads,
         ffn=r.pos_int("intermediate_size"),
-        vocab=r.pos_int("vocab_size"),
         norm="layernorm",
         activation=_activation(r.opt("hidden_act", "gelu"), False, r.name),
         position="rope",
         act_fn=str(r.opt("hidden_act", "gelu")),
-        max_positions=int(r.opt("max_position_embeddings", 0)),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
         qkv_bias=bool(r.opt("attention_bias", True)),
         out_bias=bool(r.opt("attention_bias", True)),
         mlp_bias=True,
@@ -532,14 +547,7 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         if mt not in _MLA_FAMILIES:
             raise refuse_unmodelled(r.name, mt, "multi-head latent attention (key 'kv_lora_rank')")
         return _deepseek_mla(r, mt)
-    hidden = r.pos_int("hidden_size")
-    heads = r.pos_int("num_attention_heads")
-    kv = int(r.opt("num_key_value_heads", heads))
-    if kv <= 0 or heads % kv:
-        raise UserError(
-            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
-            f"num_attention_heads={heads}"
-        )
+    hidden, heads, kv = r.gqa_heads()
     head_dim = c.get("head_dim", _HF_HEAD_DIM.get(mt))
     if head_dim is None:
         _check_div(r, hidden, heads, "hidden_size", "num_attention_heads")
@@ -576,9 +584,8 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
     ffn = r.pos_int("intermediate_size") if needs_dense_ffn or "intermediate_size" in c else 0
     qkv_bias = bool(r.opt("attention_bias", mt in ("qwen2", "qwen2_moe")))
     act_fn = str(r.opt("hidden_act", None) or r.opt("hidden_activation", None) or _HF_ACT.get(mt, "silu"))
-    return ArchSpec(
-        name=r.name,
-        model_type=mt,
+    return r.spec(
+        mt,
         layers=layers,
         hidden=hidden,
         heads=heads,
@@ -586,13 +593,11 @@ def _llama_like(r: _Reader, mt: str) -> ArchSpec:
         head_dim=int(head_dim),
         # olmo: LayerNorm in fp32 without weight or bias (OlmoLayerNorm)
         ffn=ffn,
-        vocab=r.pos_int("vocab_size"),
         norm="layernorm" if mt == "olmo" else "rmsnorm",
         norm_affine=mt != "olmo",
         activation=_activation(act_fn, True, r.name),
         act_fn=act_fn,
         position="rope",
-        max_positions=int(r.opt("max_position_embeddings", 0)),
         # HF's config classes tie by default only for gemma / gemma2
         tied_embeddings=bool(r.opt("tie_word_embeddings", mt in _GEMMA)),
         qkv_bias=qkv_bias,
@@ -975,20 +980,15 @@ def _gpt_oss(r: _Reader) -> ArchSpec:
     if c.get("output_router_logits"):
         raise refuse_unmodelled(r.name, "gpt_oss", "GPT-OSS's router auxiliary loss (output_router_logits)")
     bias = bool(r.opt("attention_bias", True))
-    return ArchSpec(
-        name=r.name,
-        model_type="gpt_oss",
-        layers=r.pos_int("num_hidden_layers"),
+    return r.spec(
+        "gpt_oss",
         hidden=hidden,
         heads=heads,
         kv_heads=kv,
         head_dim=int(r.opt("head_dim", 64)),
         ffn=0,
-        vocab=r.pos_int("vocab_size"),
         activation="swiglu",
         act_fn="silu",
-        max_positions=int(r.opt("max_position_embeddings", 0)),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
         qkv_bias=bias,
         out_bias=bias,
         norm_weight_first=True,
@@ -1017,14 +1017,7 @@ def _llama4_text(r: _Reader) -> ArchSpec:
     product) then an L2 norm without weight to q and k (`use_qk_norm`); chunked attention
     (`attention_chunk_size`) on the rope layers."""
     c = r.c
-    hidden = r.pos_int("hidden_size")
-    heads = r.pos_int("num_attention_heads")
-    kv = int(r.opt("num_key_value_heads", heads))
-    if kv <= 0 or heads % kv:
-        raise UserError(
-            f"config of {r.name}: num_key_value_heads={kv} must be positive and divide "
-            f"num_attention_heads={heads}"
-        )
+    hidden, heads, kv = r.gqa_heads()
     layers = r.pos_int("num_hidden_layers")
     experts = r.pos_int("num_local_experts")
     top_k = int(r.opt("num_experts_per_tok", 1))
@@ -1061,20 +1054,16 @@ def _llama4_text(r: _Reader) -> ArchSpec:
     ffn = r.pos_int("intermediate_size")
     bias = bool(r.opt("attention_bias", False))
     chunk = c.get("attention_chunk_size", 8192)
-    return ArchSpec(
-        name=r.name,
-        model_type="llama4_text",
+    return r.spec(
+        "llama4_text",
         layers=layers,
         hidden=hidden,
         heads=heads,
         kv_heads=kv,
         head_dim=int(r.opt("head_dim", 128)),
         ffn=r.pos_int("intermediate_size_mlp") if dense else int(r.opt("intermediate_size_mlp", 0)),
-        vocab=r.pos_int("vocab_size"),
         activation=_activation(r.opt("hidden_act", "silu"), True, r.name),
         act_fn=str(r.opt("hidden_act", "silu")),
-        max_positions=int(r.opt("max_position_embeddings", 0)),
-        tied_embeddings=bool(r.opt("tie_word_embeddings", False)),
         qkv_bias=bias,
         out_bias=bias,
         qk_norm=bool(r.opt("use_qk_norm", True)),

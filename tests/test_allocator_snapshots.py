@@ -268,3 +268,31 @@ def test_validate_allocator_fails_on_a_trace_the_model_does_not_reproduce(tmp_pa
     assert main(["validate", "allocator", "--json", "--dir", str(tmp_path)]) == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["passed"] and out["segment_events_differ"] and out["cases"][0]["events_match"] == "NO"
+
+
+_SEG = {"address": 0, "total_size": 2 << 20, "stream": 0, "blocks": [{"address": 0, "size": 512}]}
+_EV = {"action": "alloc", "addr": 0, "size": 512, "stream": 0}
+
+
+@pytest.mark.parametrize(
+    "snap, word",
+    [
+        ({"segments": [{**_SEG, "address": True}]}, "segment"),  # a bool is not an int
+        ({"segments": [{**_SEG, "stream": "0"}]}, "segment"),
+        ({"segments": [{k: v for k, v in _SEG.items() if k != "total_size"}]}, "segment"),
+        ({"segments": [{**_SEG, "blocks": {}}]}, "segment"),
+        ({"segments": [{**_SEG, "blocks": [{"address": 0, "size": -1}]}]}, "block"),
+        ({"segments": [{**_SEG, "blocks": [{"address": 0.0, "size": 512}]}]}, "block"),
+        ({"device_traces": [[{**_EV, "stream": None}]]}, "event"),
+        ({"device_traces": [[{**_EV, "addr": -2}]]}, "event"),
+        ({"device_traces": [[{k: v for k, v in _EV.items() if k != "size"}]]}, "event"),
+    ],
+)
+def test_snapshot_fields_must_be_ints_in_range(snap, word):
+    with pytest.raises(UserError, match=word):
+        S.loads(json.dumps(snap).encode(), "x")
+
+
+def test_snapshot_fields_checked_accept_a_good_one():
+    snap = {"segments": [_SEG], "device_traces": [[_EV, {k: v for k, v in _EV.items() if k != "stream"}]]}
+    assert S.loads(json.dumps(snap).encode(), "x")["segments"][0]["blocks"][0]["size"] == 512

@@ -333,3 +333,13 @@ def test_retain_reads_must_be_no_need_buffer_and_survive_json():
     bad = make("B", [act("h", 4), act("g", 4)], [Op("concat_grad", ("h",), ("g",), retain_reads=("h",))])
     with pytest.raises(UserError, match="retain_reads"):
         bad.validate()
+
+
+def test_phase_row_names_the_peak_op_by_label():
+    # as in test_reuse_after_free: op 0 peaks at 400 B, and the input (40 B) dies with the rest
+    p = make("fwd", [act("x", 10), act("a", 100)], [Op("f", ("x",), ("a",))])
+    res = analyze_program(p)
+    row = res.phase_row()
+    assert row == {"name": "fwd", "net_bytes": -40, "peak_bytes": 400, "peak_op": res.peak_op_label}
+    assert list(row) == ["name", "net_bytes", "peak_bytes", "peak_op"]
+    assert res.to_dict() == {**row, "peak_op_index": 0}

@@ -417,6 +417,15 @@ def test_zero_bubble_memory_is_found_and_reestimates(tmp_path):
     assert rc == 0, err
     assert json.loads(out)["max_peak_allocated_bytes"] == zb.peak_bytes
     assert zb.peak_bytes >= zb.memory_bytes - (1 << 20)
+    # the JSON view: its fields under their names, the peak and the probes renamed
+    d = zb.to_dict()
+    assert list(d)[:6] == ["flags", "memory_bytes", "zero_bubble", "stage_bubble", "bubble", "makespan_ratio"]
+    assert (d["flags"], d["memory_bytes"], d["makespan_ratio"]) == (
+        zb.flags,
+        zb.memory_bytes,
+        zb.makespan_ratio,
+    )
+    assert (d["max_peak_allocated_bytes"], d["scheduler_runs"]) == (zb.peak_bytes, zb.probes)
     # below the memory found, the scheduler's schedules are not zero-bubble (within the resolution)
     smaller = smallest_zero_bubble_memory(res, best)
     assert smaller.memory_bytes == zb.memory_bytes

@@ -79,3 +79,22 @@ def test_plan_refuses_lora_once_where_every_plan_would(capsys):
     assert main(argv) == 2  # the default convention (megatron) has no LoRA model
     err = capsys.readouterr().err.strip()
     assert err.startswith("pipemem: error: --lora-rank with --convention megatron") and "\n" not in err
+
+
+def test_plan_and_estimate_take_the_same_lora_flags():
+    import argparse
+
+    from pipemem.cli import cmd_estimate, cmd_plan
+
+    def lora_actions(add):
+        p = argparse.ArgumentParser(add_help=False)
+        add(p)
+        return {
+            a.option_strings[0]: (a.type, a.const, a.default, a.metavar, a.help)
+            for a in p._actions
+            if a.option_strings and ("lora" in a.option_strings[0] or a.option_strings[0] == "--qlora")
+        }
+
+    plan, est = lora_actions(cmd_plan.add_arguments), lora_actions(cmd_estimate.add_arguments)
+    assert set(plan) == {"--lora-rank", "--lora-targets", "--lora-alpha", "--lora-dropout", "--qlora"}
+    assert plan == est

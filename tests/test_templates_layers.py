@@ -144,3 +144,20 @@ def test_paddle_unfused_rope_halves_are_shape_only_reads_of_the_concat_backward(
     assert kept.F.net_bytes + kept.B.net_bytes == halves
     rc = layer(LLAMA, convention="paddle", dtype="fp32", recompute="full", extra=extra)
     assert rc.F.net_bytes + rc.B.net_bytes == 0
+
+
+def test_layer_options_take_the_arch_fields_of_their_names():
+    """ARCH_FIELDS are copied as they are: each a field of both, and a changed arch value shows."""
+    import dataclasses
+
+    from pipemem.templates.layers import ARCH_FIELDS, LayerOptions, layer_options_of
+
+    arch = arch_from_hf_config(dict(MIXTRAL, n_group=4, topk_group=2), "test")
+    arch_fields = {f.name for f in dataclasses.fields(arch)}
+    option_fields = {f.name for f in dataclasses.fields(LayerOptions)}
+    assert set(ARCH_FIELDS) <= arch_fields & option_fields
+    changed = dataclasses.replace(arch, router_groups=4, router_topk_groups=2, expert_act="clamped_swiglu")
+    opt = layer_options_of(changed, True, True, "none")
+    for f in ARCH_FIELDS:
+        assert getattr(opt, f) == getattr(changed, f), f
+    assert (opt.router_groups, opt.router_topk_groups, opt.expert_act) == (4, 2, "clamped_swiglu")

@@ -102,6 +102,21 @@ def test_trace_stage_forward_and_backward_from_output_grad():
     assert len(grads) == 1  # dW; dX goes to x.grad of the input (not a parameter)
 
 
+def test_trace_stage_takes_an_optimizer_only_when_named():
+    from pipemem.traced import trace_stage
+    from pipemem.traced.step import adamw
+
+    def states(step):
+        return [t for p in step.programs for t in p.tensors.values() if t.kind is TensorKind.OPTIMIZER_STATE]
+
+    x = torch.randn(4, 16, requires_grad=True)
+    assert not states(trace_stage(torch.nn.Linear(16, 16, bias=False), (x,), kernel_policy="cpu"))
+    with_opt = trace_stage(
+        torch.nn.Linear(16, 16, bias=False), (x,), optimizer_factory=adamw, kernel_policy="cpu"
+    )
+    assert states(with_opt)
+
+
 def test_import_pipemem_and_traced_package_do_not_import_torch():
     import subprocess
     import sys

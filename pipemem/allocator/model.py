@@ -87,6 +87,71 @@ def _key(stream: int, size: int, ptr: int) -> int:
     return (stream << _ST) + (size << _SZ) + ptr
 
 
+# The two steps every path of the model takes, as plain functions over one pool's free list
+# (`free`: address -> block, `keys`: its sorted `_key`s) so that the inlined loops call them
+# without a method lookup. `gc_base`: the pool's get_free_block count (garbage collection ages).
+
+
+def _best_fit(free: dict, keys: list, stream: int, size: int, mss: int, nsr: int):
+    """get_free_block without expandable segments: the smallest cached block of `stream` of at
+    least `size` bytes, taken out of the free list, or None (none, or an oversize one that
+    max_split_size keeps from this request)."""
+    i = bisect_left(keys, (stream << _ST) + (size << _SZ))
+    if i < len(keys):
+        k = keys[i]
+        if (k >> _ST) == stream:
+            b = free[k & _PTR]
+            if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
+                del keys[i]
+                del free[k & _PTR]
+                return b
+    return None
+
+
+def _free_block(block, free: dict, keys: list, gc_base: int) -> None:
+    """free_block: merge `block` with each free neighbour (previous first) and put it in the
+    free list. A neighbour is free, without outstanding events and mapped alike exactly when it
+    sits in the free list."""
+    prev = block.prev
+    if prev is not None and prev.ptr in free:
+        del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
+        del free[prev.ptr]
+        block.ptr = prev.ptr
+        block.size += prev.size
+        block.prev = prev = prev.prev
+        if prev is not None:
+            prev.next = block
+    nxt = block.next
+    if nxt is not None and nxt.ptr in free:
+        del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
+        del free[nxt.ptr]
+        block.size += nxt.size
+        block.next = nxt = nxt.next
+        if nxt is not None:
+            nxt.prev = block
+    insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
+    free[block.ptr] = block
+    block.gc_base = gc_base
+
+
+def _split(block, size: int, free: dict, keys: list, gc_base: int):
+    """Cut the first `size` bytes of `block` into a new block, returned; the rest stays `block`
+    and goes to the free list."""
+    ptr, stream = block.ptr, block.stream
+    new = _Block(ptr, size, stream, block.pool, block.seg)
+    prev = new.prev = block.prev
+    if prev is not None:
+        prev.next = new
+    new.next = block
+    block.prev = new
+    block.ptr = ptr = ptr + size
+    block.size -= size
+    insort(keys, (stream << _ST) + (block.size << _SZ) + ptr)
+    free[ptr] = block
+    block.gc_base = gc_base
+    return new
+
+
 @dataclass(frozen=True)
 class Period:
     """A repeating stretch of an event stream (CachingAllocator.run_periodic): events
@@ -386,15 +451,7 @@ class CachingAllocator:
         self._segments[address] = [size, stream, pool]
         insort(self._seg_starts, address)
         self.reserved_bytes += size
-        pieces, at = [], address
-        for ptr, bsize, req in live:
-            if ptr > at:
-                pieces.append((at, ptr - at, False))
-            pieces.append((ptr, bsize, req))
-            at = ptr + bsize
-        if at < address + size:
-            pieces.append((at, address + size - at, False))
-        return self._chain(pieces, stream, pool, None)
+        return self._chain(_with_gaps(live, address, address + size), stream, pool, None)
 
     def adopt_expandable(self, stream: int, small: bool, runs: list) -> list[int]:
         """Put an expandable range that was mapped before the model started into the state:
@@ -412,14 +469,7 @@ class CachingAllocator:
         for addr, size, live in runs:
             if addr > at:
                 pieces.append((at, addr - at, None))  # unmapped
-            at = addr
-            for ptr, bsize, req in live:
-                if ptr > at:
-                    pieces.append((at, ptr - at, False))
-                pieces.append((ptr, bsize, req))
-                at = ptr + bsize
-            if at < addr + size:
-                pieces.append((at, addr + size - at, False))
+            pieces += _with_gaps(live, addr, addr + size)
             at = addr + size
             self.reserved_bytes += size
         if at < base + space:
@@ -469,7 +519,8 @@ class CachingAllocator:
         allocated block), which it updates; `first`: the index of events[0] in the whole stream
         (for the index it returns on OOM)."""
         keys_by_pool, free_by_pool = self._keys, self._free
-        gc_calls = self._gc_calls
+        # no garbage collection here: the pools' get_free_block counts stay 0, the blocks' gc_base too
+        best_fit, free_block, split = _best_fit, _free_block, _split
         mss, nsr, plain, cfg = self._mss, self._nsr, self._plain_rounding, self.config
         # the counters live in locals for the loop, written back at its end and around the
         # rare calls that read or move them (_new_block)
@@ -483,32 +534,12 @@ class CachingAllocator:
         try:
             for n, (nbytes, stream, key) in enumerate(events, first):  # noqa: B007 (the except returns n)
                 if nbytes <= 0:
-                    # free + free_block (merge with each free neighbour, previous first), inlined
+                    # free (nothing recorded on other streams here) + free_block
                     block = live.pop(key)
                     block.allocated = False
                     allocated -= block.size
                     pool = block.pool
-                    free, keys = free_by_pool[pool], keys_by_pool[pool]
-                    prev = block.prev
-                    if prev is not None and free.get(prev.ptr) is prev:
-                        del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
-                        del free[prev.ptr]
-                        block.ptr = prev.ptr
-                        block.size += prev.size
-                        block.prev = prev = prev.prev
-                        if prev is not None:
-                            prev.next = block
-                    nxt = block.next
-                    if nxt is not None and free.get(nxt.ptr) is nxt:
-                        del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
-                        del free[nxt.ptr]
-                        block.size += nxt.size
-                        block.next = nxt = nxt.next
-                        if nxt is not None:
-                            nxt.prev = block
-                    insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
-                    free[block.ptr] = block
-                    block.gc_base = gc_calls[pool]
+                    free_block(block, free_by_pool[pool], keys_by_pool[pool], 0)
                     continue
                 if plain:
                     size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes >= K_MIN_BLOCK else K_MIN_BLOCK
@@ -516,16 +547,7 @@ class CachingAllocator:
                     size = round_size(nbytes, cfg)
                 pool = SMALL if size <= K_SMALL_SIZE else LARGE
                 keys, free = keys_by_pool[pool], free_by_pool[pool]
-                block = None
-                i = bisect_left(keys, (stream << _ST) + (size << _SZ))
-                if i < len(keys):
-                    k = keys[i]
-                    if (k >> _ST) == stream:
-                        b = free[k & _PTR]
-                        if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
-                            del keys[i]
-                            del free[k & _PTR]
-                            block = b
+                block = best_fit(free, keys, stream, size, mss, nsr)
                 if block is None:
                     self.allocated_bytes, self.allocated_at_peak_reserved = allocated, at_peak
                     block = self._new_block(size, stream, pool)
@@ -533,18 +555,7 @@ class CachingAllocator:
                     at_peak = self.allocated_at_peak_reserved
                 rest = block.size - size
                 if (rest >= K_MIN_BLOCK) if pool == SMALL else (rest > K_SMALL_SIZE and size < mss):
-                    new = _Block(block.ptr, size, stream, pool)
-                    prev = new.prev = block.prev
-                    if prev is not None:
-                        prev.next = new
-                    new.next = block
-                    block.prev = new
-                    block.ptr += size
-                    block.size = rest
-                    insort(keys, (stream << _ST) + (rest << _SZ) + block.ptr)
-                    free[block.ptr] = block
-                    block.gc_base = gc_calls[pool]
-                    block = new
+                    block = split(block, size, free, keys, 0)
                 block.allocated = True
                 block.requested = nbytes
                 allocated += block.size
@@ -724,16 +735,8 @@ class CachingAllocator:
         else:
             split = rest > K_SMALL_SIZE and size < self._mss
         if split:
-            new = _Block(block.ptr, size, block.stream, block.pool, block.seg)
-            new.prev = block.prev
-            if new.prev is not None:
-                new.prev.next = new
-            new.next = block
-            block.prev = new
-            block.ptr += size
-            block.size = rest
-            self._insert(block)
-            block = new
+            pool = block.pool
+            block = _split(block, size, self._free[pool], self._keys[pool], self._gc_calls[pool])
         block.allocated = True
         block.requested = requested
         self.allocated_bytes += block.size
@@ -825,30 +828,8 @@ class CachingAllocator:
         return src.size
 
     def _free_block(self, block):
-        # free_block: merge with each free neighbour (previous first). A neighbour is free,
-        # without outstanding events and mapped alike exactly when it sits in the free pool.
         pool = block.pool
-        free, keys = self._free[pool], self._keys[pool]
-        prev = block.prev
-        if prev is not None and free.get(prev.ptr) is prev:
-            del keys[bisect_left(keys, (prev.stream << _ST) + (prev.size << _SZ) + prev.ptr)]
-            del free[prev.ptr]
-            block.ptr = prev.ptr
-            block.size += prev.size
-            block.prev = prev = prev.prev
-            if prev is not None:
-                prev.next = block
-        nxt = block.next
-        if nxt is not None and free.get(nxt.ptr) is nxt:
-            del keys[bisect_left(keys, (nxt.stream << _ST) + (nxt.size << _SZ) + nxt.ptr)]
-            del free[nxt.ptr]
-            block.size += nxt.size
-            block.next = nxt = nxt.next
-            if nxt is not None:
-                nxt.prev = block
-        insort(keys, (block.stream << _ST) + (block.size << _SZ) + block.ptr)
-        free[block.ptr] = block
-        block.gc_base = self._gc_calls[pool]
+        _free_block(block, self._free[pool], self._keys[pool], self._gc_calls[pool])
 
     # -- releasing -------------------------------------------------------------------------
 
@@ -1059,15 +1040,29 @@ def _grow_size(b):
     return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
 
+def _with_gaps(live: list, start: int, end: int) -> list:
+    """The (address, size, state) pieces of [start, end): each live (address, block_size,
+    requested) block, and a cached free block (state False) in each gap between them."""
+    pieces, at = [], start
+    for ptr, bsize, req in live:
+        if ptr > at:
+            pieces.append((at, ptr - at, False))
+        pieces.append((ptr, bsize, req))
+        at = ptr + bsize
+    if at < end:
+        pieces.append((at, end - at, False))
+    return pieces
+
+
 class PartAllocator(CachingAllocator):
     """The allocator replaying one (pool, stream) part (no capacity, no garbage collection, no
     expandable segments): `_run_inline` is CachingAllocator's loop for that case, with the
     request already rounded (`round_size`), the pool and stream fixed (every free-list key has
     the part's stream: the stream check of the search is always true), and only the reserved
-    bytes counted (allocated bytes and requested sizes are not kept: nothing here reads them, and
-    the state that `run_periodic` compares is still every block with its holder). A block here
-    is either allocated (held by a key) or in the free list (nothing waits for other streams,
-    nothing is unmapped), so a neighbour not allocated is a free block to merge with."""
+    bytes counted (allocated bytes, requested sizes and the blocks' `allocated` flags are not
+    kept: nothing here reads them, and the state that `run_periodic` compares is still every
+    block with its holder). A block here is either held by a key or in the free list (nothing
+    waits for other streams, nothing is unmapped)."""
 
     def __init__(self, config: AllocatorConfig, pool: int, stream: int):
         super().__init__(config)
@@ -1076,59 +1071,18 @@ class PartAllocator(CachingAllocator):
     def _run_inline(self, events, live: dict, first: int = 0) -> None:
         pool, stream = self._pool, self._stream
         keys, free = self._keys[pool], self._free[pool]
-        base = stream << _ST
         mss, nsr = self._mss, self._nsr
         small = pool == SMALL
-        new_block = self._new_block
+        new_block, best_fit, free_block, split = self._new_block, _best_fit, _free_block, _split
         for size, key in events:
             if not size:
-                # free + free_block: merge with each free neighbour, previous first
-                block = live.pop(key)
-                block.allocated = False
-                prev = block.prev
-                if prev is not None and not prev.allocated:
-                    del keys[bisect_left(keys, base + (prev.size << _SZ) + prev.ptr)]
-                    del free[prev.ptr]
-                    block.ptr = prev.ptr
-                    block.size += prev.size
-                    block.prev = prev = prev.prev
-                    if prev is not None:
-                        prev.next = block
-                nxt = block.next
-                if nxt is not None and not nxt.allocated:
-                    del keys[bisect_left(keys, base + (nxt.size << _SZ) + nxt.ptr)]
-                    del free[nxt.ptr]
-                    block.size += nxt.size
-                    block.next = nxt = nxt.next
-                    if nxt is not None:
-                        nxt.prev = block
-                insort(keys, base + (block.size << _SZ) + block.ptr)
-                free[block.ptr] = block
+                free_block(live.pop(key), free, keys, 0)
                 continue
-            block = None
-            i = bisect_left(keys, base + (size << _SZ))
-            if i < len(keys):
-                k = keys[i]
-                b = free[k & _PTR]
-                if not ((size < mss and b.size >= mss) or (size >= mss and b.size >= size + nsr)):
-                    del keys[i]
-                    del free[k & _PTR]
-                    block = b
+            block = best_fit(free, keys, stream, size, mss, nsr)
             if block is None:
                 block = new_block(size, stream, pool)
             rest = block.size - size
             if (rest >= K_MIN_BLOCK) if small else (rest > K_SMALL_SIZE and size < mss):
-                new = _Block(block.ptr, size, stream, pool)
-                prev = new.prev = block.prev
-                if prev is not None:
-                    prev.next = new
-                new.next = block
-                block.prev = new
-                block.ptr += size
-                block.size = rest
-                insort(keys, base + (rest << _SZ) + block.ptr)
-                free[block.ptr] = block
-                block = new
-            block.allocated = True
+                block = split(block, size, free, keys, 0)
             live[key] = block
         return None

@@ -144,22 +144,16 @@ def _check(snap, name: str) -> dict:
             a = e.get("action")
             if not isinstance(a, str):
                 raise UserError(f"snapshot {name}: a trace event without an action")
-            if a in _SIZED and (
-                type(e.get("size")) is not int
-                or type(e.get("addr")) is not int
-                or not 0 <= e["size"] < _MAX_SIZE
-                or not -1 <= e["addr"] < _MAX_ADDR
-                or type(e.get("stream", 0)) is not int
+            if a in _SIZED and not (
+                _ints(e, ("size", "addr"), ("stream",))
+                and 0 <= e["size"] < _MAX_SIZE
+                and -1 <= e["addr"] < _MAX_ADDR
             ):
                 raise UserError(f"snapshot {name}: a {a} event without an integer addr/size/stream in range")
     for s in snap.get("segments") or []:
-        if (
-            not isinstance(s, dict)
-            or type(s.get("address")) is not int
-            or type(s.get("total_size")) is not int
-            or not isinstance(s.get("blocks", []), list)
-            or type(s.get("device", 0)) is not int
-            or type(s.get("stream", 0)) is not int
+        if not (
+            _ints(s, ("address", "total_size"), ("device", "stream"))
+            and isinstance(s.get("blocks", []), list)
         ):
             raise UserError(
                 f"snapshot {name}: a segment without an integer address/total_size/device/"
@@ -168,14 +162,19 @@ def _check(snap, name: str) -> dict:
         if not (0 <= s["address"] < _MAX_ADDR and 0 <= s["total_size"] < _MAX_SIZE):
             raise UserError(f"snapshot {name}: a segment address or size out of range")
         for b in s.get("blocks") or []:
-            if (
-                not isinstance(b, dict)
-                or type(b.get("address")) is not int
-                or type(b.get("size")) is not int
-                or not 0 <= b["size"] < _MAX_SIZE
-            ):
+            if not (_ints(b, ("address", "size")) and 0 <= b["size"] < _MAX_SIZE):
                 raise UserError(f"snapshot {name}: a block without an integer address/size")
     return snap
+
+
+def _ints(d, required: tuple, optional: tuple = ()) -> bool:
+    """Whether `d` is a dict with an int (not a bool) under each `required` key and under each
+    `optional` key it has."""
+    return (
+        isinstance(d, dict)
+        and all(type(d.get(k)) is int for k in required)
+        and all(type(d.get(k, 0)) is int for k in optional)
+    )
 
 
 def devices(snap: dict) -> list[int]:

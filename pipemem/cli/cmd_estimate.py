@@ -284,27 +284,7 @@ def add_arguments(p) -> None:
         choices=("fp32", "bf16", "fp16", "fp8"),
         help="Adam moments' dtype (Megatron precision-aware optimizer)",
     )
-    lora = p.add_argument_group("LoRA / QLoRA fine-tuning (--convention hf: PEFT; torchtune)")
-    lora.add_argument(
-        "--lora-rank", type=int, metavar="R", help="train rank-R adapters; the base model frozen"
-    )
-    lora.add_argument(
-        "--lora-targets",
-        metavar="MODULES",
-        help="linears with adapters: all-linear or e.g. q_proj,k_proj,v_proj,o_proj (torchtune's "
-        "output_proj, w1, w2, w3 too; default q_proj,v_proj as PEFT's)",
-    )
-    lora.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale (moves no memory)")
-    lora.add_argument(
-        "--lora-dropout", type=float, metavar="P", help="adapters' input dropout (keeps a copy and a mask)"
-    )
-    lora.add_argument(
-        "--qlora",
-        action="store_const",
-        const=True,
-        default=None,
-        help="base linears in 4-bit NF4 with double quantization (bitsandbytes), bf16 compute",
-    )
+    add_lora_options(p.add_argument_group("LoRA / QLoRA fine-tuning (--convention hf: PEFT; torchtune)"))
     out = p.add_argument_group("GPU and output")
     out.add_argument("--gpu", metavar="NAME", help="GPU preset for the fit check (see `pipemem presets`)")
     out.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity in GiB instead of --gpu")
@@ -396,6 +376,31 @@ PLAN_FLAGS = (
     "qlora",
     "moe_imbalance",
 )
+
+
+def add_lora_options(lora) -> None:
+    """The LoRA / QLoRA flags into the argument group `lora` (pipemem estimate's, and pipemem
+    plan's, which holds them fixed)."""
+    lora.add_argument(
+        "--lora-rank", type=int, metavar="R", help="train rank-R adapters; the base model frozen"
+    )
+    lora.add_argument(
+        "--lora-targets",
+        metavar="MODULES",
+        help="linears with adapters: all-linear or e.g. q_proj,k_proj,v_proj,o_proj (torchtune's "
+        "output_proj, w1, w2, w3 too; default q_proj,v_proj as PEFT's)",
+    )
+    lora.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale (moves no memory)")
+    lora.add_argument(
+        "--lora-dropout", type=float, metavar="P", help="adapters' input dropout (keeps a copy and a mask)"
+    )
+    lora.add_argument(
+        "--qlora",
+        action="store_const",
+        const=True,
+        default=None,
+        help="base linears in 4-bit NF4 with double quantization (bitsandbytes), bf16 compute",
+    )
 
 
 def parse_layout(text: str) -> tuple[int, ...]:

@@ -63,6 +63,7 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     from ..plan import CONVENTIONS, DTYPES, OPTIMIZERS
+    from .cmd_estimate import add_lora_options
 
     p.add_argument(
         "--model",
@@ -129,17 +130,8 @@ def add_arguments(p) -> None:
         help="flash attention (default on)",
     )
     m.add_argument("--layers", type=int, metavar="N", help="override the model's decoder layer count")
-    lora = p.add_argument_group(
-        "LoRA / QLoRA fine-tuning (held fixed; --convention hf or torchtune), as for pipemem estimate"
-    )
-    lora.add_argument("--lora-rank", type=int, metavar="R", help="rank-R adapters; the base model frozen")
-    lora.add_argument(
-        "--lora-targets", metavar="MODULES", help="linears with adapters (default q_proj,v_proj)"
-    )
-    lora.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale (moves no memory)")
-    lora.add_argument("--lora-dropout", type=float, metavar="P", help="adapters' input dropout")
-    lora.add_argument(
-        "--qlora", action="store_const", const=True, default=None, help="base linears in 4-bit NF4"
+    add_lora_options(
+        p.add_argument_group("LoRA / QLoRA fine-tuning (held fixed; --convention hf or torchtune)")
     )
     c = p.add_argument_group("cost model")
     c.add_argument(

@@ -46,13 +46,9 @@ class ZeroBubble:
     probes: int  # scheduler runs of the bisection
 
     def to_dict(self) -> dict:
+        same = ("flags", "memory_bytes", "zero_bubble", "stage_bubble", "bubble", "makespan_ratio")
         return {
-            "flags": self.flags,
-            "memory_bytes": self.memory_bytes,
-            "zero_bubble": self.zero_bubble,
-            "stage_bubble": self.stage_bubble,
-            "bubble": self.bubble,
-            "makespan_ratio": self.makespan_ratio,
+            **{k: getattr(self, k) for k in same},
             "max_peak_allocated_bytes": self.peak_bytes,
             "fits": self.fits,
             "scheduler_runs": self.probes,

@@ -85,14 +85,7 @@ def memory_limited_schedule(
         raise UserError(f"memory-limited schedule: placement {placement!r}: use 'loop' or 'v'")
     if placement == "v" and vpp % 2:
         raise UserError("memory-limited schedule: V placement needs an even --vpp (2)")
-    stage_rank = stage_rank_map(placement, pp, vpp)
-    S = pp * vpp
-    if jobs is None:
-        jobs = unit_jobs(S, vpp, w_ratio)
-    nums, scale = job_numbers(jobs, S)
-    if split and any(n[1] is None or n[2] is None for n in nums):
-        split = False
-    tms = stage_times(jobs, times, S)
+    stage_rank, jobs, nums, scale, split, tms = _problem(pp, vpp, placement, jobs, times, w_ratio, split)
     if memory_limit is None:
         limits = [float("inf")] * pp
     elif isinstance(memory_limit, (list, tuple)):
@@ -147,6 +140,18 @@ def memory_limited_schedule(
     )
 
 
+def _problem(pp, vpp, placement, jobs, times, w_ratio, split):
+    """What the scheduler and the limit search start from: each stage's rank, the jobs (unit
+    jobs of `w_ratio` when None), their integer numbers and scale (`job_numbers`), whether the
+    backwards split (not when a job lacks B or W) and the stage times."""
+    S = pp * vpp
+    if jobs is None:
+        jobs = unit_jobs(S, vpp, w_ratio)
+    nums, scale = job_numbers(jobs, S)
+    split = split and not any(n[1] is None or n[2] is None for n in nums)
+    return stage_rank_map(placement, pp, vpp), jobs, nums, scale, split, stage_times(jobs, times, S)
+
+
 def _default_placement(vpp: int) -> str:
     """The scheduler's placement when none is given: V with two chunks per rank, else looped."""
     return "v" if vpp == 2 else "loop"
@@ -194,14 +199,7 @@ def smallest_feasible_limit(
     """Smallest per-rank limit (same for every rank) under which the greedy finds a schedule,
     by binary search between the memory of one microbatch at a time and the unlimited peak."""
     placement = placement or _default_placement(vpp)
-    stage_rank = stage_rank_map(placement, pp, vpp)
-    S = pp * vpp
-    if jobs is None:
-        jobs = unit_jobs(S, vpp, w_ratio)
-    nums, scale = job_numbers(jobs, S)
-    if split and any(n[1] is None or n[2] is None for n in nums):
-        split = False
-    tms = stage_times(jobs, times, S)
+    stage_rank, jobs, nums, scale, split, tms = _problem(pp, vpp, placement, jobs, times, w_ratio, split)
     free = list_schedule(pp, microbatches, stage_rank, nums, tms, [float("inf")] * pp, split)
     hi = max(_peaks(free, stage_rank, nums))
     lo = 0
@@ -237,9 +235,20 @@ def smallest_feasible_limit(
 # ---------------------------------------------------------------- registration (schedules.registry)
 
 
-def _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named, placement=None):
-    """The search with unit jobs (microbatch units, w = `w_ratio`), timed by `times` when given
-    (`pipemem schedule --times`), else by the unit jobs' own durations."""
+def zb_auto(
+    pp: int,
+    m: int,
+    vpp: int = 1,
+    name: str = "ZBAuto",
+    memory_limit=None,
+    w_ratio=None,
+    times: TimeModel | None = None,
+    named=None,
+    placement=None,
+) -> Schedule:
+    """The memory-limited zero-bubble search (`auto`): any chunks per rank, V placement at two
+    unless `placement` says otherwise. Unit jobs (microbatch units, w = `w_ratio`), timed by
+    `times` when given (`pipemem schedule --times`), else by the unit jobs' own durations."""
     w = DEFAULT_W_RATIO if w_ratio is None else w_ratio
     if times is None:
         return memory_limited_schedule(
@@ -251,36 +260,13 @@ def _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named, placement=N
     )
 
 
-def zb_auto(
-    pp: int,
-    m: int,
-    vpp: int = 1,
-    name: str = "ZBAuto",
-    memory_limit=None,
-    w_ratio=None,
-    times: TimeModel | None = None,
-    named=None,
-) -> Schedule:
-    """The memory-limited zero-bubble search (`auto`): any chunks per rank, V placement at two."""
-    return _searched(pp, m, vpp, name, memory_limit, w_ratio, times, named)
-
-
-def zb_vpp(
-    pp: int,
-    m: int,
-    vpp: int = 2,
-    name: str = "ZBVPP",
-    memory_limit=None,
-    w_ratio=None,
-    times: TimeModel | None = None,
-    named=None,
-) -> Schedule:
-    """Paddle's ZBVPP: the search on V placement with ZB-V's memory (p microbatches) unless a
-    limit is given."""
+def zb_vpp(pp: int, m: int, vpp: int = 2, name: str = "ZBVPP", memory_limit=None, **search) -> Schedule:
+    """Paddle's ZBVPP: the search (`zb_auto`'s other settings) on V placement, two chunks per
+    rank, with ZB-V's memory (p microbatches) unless a limit is given."""
     if vpp != 2:
         raise UserError(f"ZBVPP runs 2 chunks per rank: pass --vpp 2 (got {vpp})")
     limit = pp if memory_limit is None else memory_limit
-    return _searched(pp, m, 2, name, limit, w_ratio, times, named, placement="v")
+    return zb_auto(pp, m, 2, name, limit, placement="v", **search)
 
 
 def _auto_placement(pp: int, vpp: int) -> list[int]:

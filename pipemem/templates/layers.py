@@ -30,6 +30,7 @@ from ..features import Features, features_of
 from ..ir import dtype_bytes
 from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
 from .conventions import CONVENTIONS, Convention, padded_vocab
+from .moe import MEGATRON_GROUP_MASK, group_limited
 from .tape import COMM, PARAM, BwdOp, Tape
 
 MASK = "bool"
@@ -386,43 +387,49 @@ def layer_options(arch, plan, index: int, recomputed: bool) -> LayerOptions:
     )
 
 
+# LayerOptions fields that are the ArchSpec fields of the same name, as they are
+ARCH_FIELDS = (
+    "activation",
+    "act_fn",
+    "qkv_bias",
+    "out_bias",
+    "mlp_bias",
+    "norm_placement",
+    "norm_weight_first",
+    "parallel_residual",
+    "router_norm_topk",
+    "router_weights_cast",
+    "shared_expert_gate",
+    "router",
+    "router_groups",
+    "router_topk_groups",
+    "routed_scaling",
+    "shared_first",
+    "attn_sinks",
+    "expert_bias",
+    "expert_act",
+    "expert_compute",
+)
+
+
 @lru_cache(maxsize=4096)
 def layer_options_of(arch, moe: bool, flash: bool, recompute: str, nope: bool = False) -> LayerOptions:
     l2 = arch.qk_norm and arch.qk_norm_scope == "l2"
     return LayerOptions(
+        **{f: getattr(arch, f) for f in ARCH_FIELDS},
         norm=norm_kind(arch),
-        activation=arch.activation,
-        act_fn=arch.act_fn,
         moe=moe,
-        qkv_bias=arch.qkv_bias,
-        out_bias=arch.out_bias,
-        mlp_bias=arch.mlp_bias,
         qk_norm=arch.qk_norm and not l2,
         qk_norm_proj=arch.qk_norm_scope == "proj",
-        norm_placement=arch.norm_placement,
-        norm_weight_first=arch.norm_weight_first,
-        parallel_residual=arch.parallel_residual,
         native_fused_qkv=arch.fused_qkv,
         attn_dropout=arch.attn_dropout > 0,
         hidden_dropout=arch.hidden_dropout > 0,
         flash=flash,
         recompute=recompute,
-        router_norm_topk=arch.router_norm_topk,
-        router_weights_cast=arch.router_weights_cast,
-        shared_expert_gate=arch.shared_expert_gate,
-        router=arch.router,
-        router_groups=arch.router_groups,
-        router_topk_groups=arch.router_topk_groups,
-        routed_scaling=arch.routed_scaling,
-        shared_first=arch.shared_first,
         rope_cat=arch.model_type == "glm4_moe",
-        attn_sinks=arch.attn_sinks,
-        expert_bias=arch.expert_bias,
-        expert_act=arch.expert_act,
         nope=nope,
         qk_l2=l2 and not nope,
         attn_temperature=arch.attn_temperature and nope,
-        expert_compute=arch.expert_compute,
     )
 
 
@@ -1082,6 +1089,28 @@ class _Gen:
         self.t.node("repeat_kv", (v,), (ve,), diff_inputs=(v,))
         return ke, ve
 
+    def flash_attention(
+        self, q: str, k: str, v: str, ctx: str, kv_heads: int, head_dim: int, ws_f: int = 0, ws_i: int = 0
+    ) -> None:
+        """The flash-attention kernel: q, k, v [s, b, heads / kv_heads, head_dim] -> `ctx` and the
+        fp32 log-sum-exp [b, heads, s], all five saved for backward. Its backward's workspace: the
+        fp32 dq accumulator and softmax_d, with GQA full-head dk, dv before the group sum (assumed
+        from flash-attention's source, traced/kernel_workspace.py, not traced) plus `ws_i`; `ws_f`
+        the forward's."""
+        sh = self.sh
+        s, b, a = sh.s, sh.b, sh.heads
+        lse = self.act("attn.lse", (b, a, s), STAT)
+        ws_i += flash_attention_backward_workspace_bytes(s, b, a, kv_heads, head_dim, dtype_bytes(self.dt))
+        self.t.node(
+            "flash_attn",
+            (q, k, v),
+            (ctx, lse),
+            diff_inputs=(q, k, v),
+            save_i=(q, k, v, ctx, lse),
+            workspace_f=ws_f,
+            workspace_i=ws_i,
+        )
+
     def core_attention(self, q: str, k: str, v: str, opt: LayerOptions) -> str:
         if opt.attn_sinks:  # GPT-OSS: HF's eager attention with a sink logit per head
             from .gpt_oss import sink_attention
@@ -1110,22 +1139,10 @@ class _Gen:
             k, v = self._repeat_kv(k, v, (s, b, a, d))
             kv = a
         if opt.flash:
-            lse = self.act("attn.lse", (b, a, s), STAT)
             kv_bytes = 2 * s * b * kv * d * eb
-            ws_f = 2 * kv_bytes if ring else 0  # ring: KV chunk in flight, double-buffered
-            # fp32 dq accumulator + softmax_d, with GQA full-head dk, dv before the group sum:
-            # assumed from flash-attention's source (traced/kernel_workspace.py), not traced
-            ws_i = flash_attention_backward_workspace_bytes(s, b, a, kv, d, eb)
-            if ring:
-                ws_i += 4 * kv_bytes  # KV and dKV chunks in flight
-            self.t.node(
-                "flash_attn",
-                (q, k, v),
-                (ctx, lse),
-                diff_inputs=(q, k, v),
-                save_i=(q, k, v, ctx, lse),
-                workspace_f=ws_f,
-                workspace_i=ws_i,
+            # ring: the KV chunk in flight, double-buffered; in backward the KV and dKV chunks
+            self.flash_attention(
+                q, k, v, ctx, kv, d, 2 * kv_bytes if ring else 0, 4 * kv_bytes if ring else 0
             )
             return ctx
         if kv < a and self.conv.gqa_expand_eager:
@@ -1530,25 +1547,8 @@ class _Gen:
         t.node("add_expert_bias", (scores,), (biased,))
         choice = biased
         if opt.router_topk_groups and opt.router_groups > 1:
-            G, TG = opt.router_groups, opt.router_topk_groups
-            per = max(1, K // TG)
-            gtop = self.act("moe.choice.group_topk", (T, G, per), "fp32")
-            gtop_i = self.act("moe.choice.group_topk_idx", (T, G, per), "int64")
-            t.node("topk", (biased,), (gtop, gtop_i))
-            gsum = self.act("moe.choice.group_scores", (T, G), "fp32")
-            t.node("sum", (gtop,), (gsum,))
-            gsel = self.act("moe.choice.group_idx", (T, TG), "int64")
-            gval = self.act("moe.choice.group_top", (T, TG), "fp32")
-            t.node("topk", (gsum,), (gval, gsel))
-            gmask = self.act("moe.choice.group_mask", (T, G), "fp32")
-            t.node("zeros_scatter", (gsel,), (gmask,))
-            smask = self.act("moe.choice.score_mask", (T, E), "fp32")
-            t.node("expand_reshape", (gmask,), (smask,))
-            nmask = self.act("moe.choice.score_mask_not", (T, E), "bool")
-            t.node("logical_not", (smask,), (nmask,))
-            masked = self.act("moe.choice.masked", (T, E), "fp32")
-            t.node("masked_fill", (biased, nmask), (masked,))
-            choice = masked
+            per = max(1, K // opt.router_topk_groups)
+            choice = group_limited(self, biased, T, opt, per, MEGATRON_GROUP_MASK)
         tval = self.act("moe.choice.topk_values", (T, K), "fp32")
         t.node("topk", (choice,), (tval, idx))
         sk = self.act("moe.topk_scores", (T, K), "fp32")

@@ -40,7 +40,6 @@ import math
 from dataclasses import replace
 
 from ..ir import dtype_bytes
-from ..traced.kernel_workspace import flash_attention_backward_workspace_bytes
 from .moe import fp32_router_logits, sigmoid_group_router
 from .tape import COMM
 
@@ -177,16 +176,7 @@ def attention_megatron(g, arch, x: str, opt) -> str:
     if core:
         t.begin_region()
     ctx = g.act("attn.ctx", (s, b, a * dv))
-    lse = g.act("attn.lse", (b, a, s), STAT)
-    ws_i = flash_attention_backward_workspace_bytes(s, b, a, a, dq, dtype_bytes(g.dt))
-    t.node(
-        "flash_attn",
-        (query, key, vc),
-        (ctx, lse),
-        diff_inputs=(query, key, vc),
-        save_i=(query, key, vc, ctx, lse),
-        workspace_i=ws_i,
-    )
+    g.flash_attention(query, key, vc, ctx, a, dq)
     if core:
         t.end_region()
     out = g.row_linear(ctx, "attn.o_proj", a * dv, False)
@@ -294,21 +284,16 @@ def _core_attention(g, arch, q: str, k: str, v: str, opt) -> str:
             g.sh = saved
     q, k, v = g.to_compute(q, "attn.q"), g.to_compute(k, "attn.k"), g.to_compute(v, "attn.v")
     ctx = g.act("attn.ctx", (s, b, a, dv))
-    eb = dtype_bytes(g.dt)
-    low = g.dt in ("bf16", "fp16")
-    if low and dq == dv and dq <= 256:
-        lse = g.act("attn.lse", (b, a, s), STAT)
-        ws_i = flash_attention_backward_workspace_bytes(s, b, a, a, dq, eb)
-        kind = "flash_attn"
+    flash = g.dt in ("bf16", "fp16") and dq == dv and dq <= 256
+    if flash:
+        g.flash_attention(q, k, v, ctx, a, dq)
     else:
         # memory-efficient attention: logsumexp rows padded to 32 (its CUDA kernel and meta
         # function, aten/src/ATen/native/transformers/cuda/attention.cu); its backward's own
         # workspace is not modelled (nor seen by a trace)
         lse = g.act("attn.lse", (b, a, -(-s // 32) * 32), STAT)
-        ws_i = 0
-        kind = "efficient_attn"
-    t.node(kind, (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse), workspace_i=ws_i)
-    if kind == "flash_attn":
+        t.node("efficient_attn", (q, k, v), (ctx, lse), diff_inputs=(q, k, v), save_i=(q, k, v, ctx, lse))
+    if flash:
         # the flash kernel's output takes the query's layout (flash_api.cpp `mha_fwd`: empty_like
         # of the [b, s, a, d] view of q); MLA's query is a concat laid out [b, a, s, d], so HF's
         # transpose(1, 2).reshape(b, s, -1) copies the output, and o_proj saves that copy

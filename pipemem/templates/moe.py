@@ -53,12 +53,58 @@ def fp32_router_logits(g, x: str, op: str = "linear") -> str:
     return logits
 
 
+# The group limit of DeepSeek-V3's router choice (transformers' `n_group` / `topk_group`,
+# megatron-core's `group_limited_topk`, torchtitan's `num_limited_groups`): the same steps in each
+# framework but for the ops that turn the chosen group ids [T, TG] into the mask that masked_fill
+# takes. Each framework's: (op, activation name after "moe.choice.", dtype, over the experts [T, E]
+# rather than the groups [T, G]) per step.
+# transformers: a zeros [T, G] scatter of ones, expanded to the experts, `.bool()`, then `~`
+HF_GROUP_MASK = (
+    ("zeros_scatter", "group_mask", "fp32", False),
+    ("expand_reshape", "score_mask", "fp32", True),
+    ("to_bool", "score_mask_bool", "bool", True),
+    ("logical_not", "score_mask_not", "bool", True),
+)
+# megatron-core: the same, with `~` on the float mask (`~score_mask.bool()` fused)
+MEGATRON_GROUP_MASK = (
+    ("zeros_scatter", "group_mask", "fp32", False),
+    ("expand_reshape", "score_mask", "fp32", True),
+    ("logical_not", "score_mask_not", "bool", True),
+)
+# torchtitan: a bool [T, G] mask scattered at once, broadcast over each group's experts
+TORCHTITAN_GROUP_MASK = (("ones_scatter", "group_mask", "bool", False),)
+
+
+def group_limited(g, biased: str, T: int, opt, per: int, mask_steps) -> str:
+    """The group limit on the choice's biased scores `biased` [T, E]: each of the `router_groups`
+    groups scored by the sum of its best `per` experts, the best `router_topk_groups` groups
+    kept and the experts of the others masked out (`mask_steps`: one of the *_GROUP_MASK) ->
+    the masked scores [T, E]. Transients with no path to the loss."""
+    t = g.t
+    E, G, TG = g.sh.experts * g.sh.ep, opt.router_groups, opt.router_topk_groups
+    gtop = g.act("moe.choice.group_topk", (T, G, per), "fp32")
+    gtop_i = g.act("moe.choice.group_topk_idx", (T, G, per), "int64")
+    t.node("topk", (biased,), (gtop, gtop_i))
+    gsum = g.act("moe.choice.group_scores", (T, G), "fp32")
+    t.node("sum", (gtop,), (gsum,))
+    gsel = g.act("moe.choice.group_idx", (T, TG), "int64")
+    gval = g.act("moe.choice.group_top", (T, TG), "fp32")
+    t.node("topk", (gsum,), (gval, gsel))
+    mask = gsel
+    for op, name, dtype, over_experts in mask_steps:
+        step = g.act("moe.choice." + name, (T, E if over_experts else G), dtype)
+        t.node(op, (mask,), (step,))
+        mask = step
+    masked = g.act("moe.choice.masked", (T, E), "fp32")
+    t.node("masked_fill", (biased, mask), (masked,))
+    return masked
+
+
 def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
     """DeepSeek-V3's and GLM-4 MoE's router (`DeepseekV3TopkRouter`, which GLM's copies) on `x`
     ([s_sp, b, h]) -> (routing weights [T, K], expert indices [T, K] int64, the weights' dtype)."""
     sh = g.sh
     T, E, K = sh.s_sp * sh.b, sh.experts * sh.ep, sh.top_k
-    G, TG = opt.router_groups, opt.router_topk_groups
     logits = fp32_router_logits(g, x)
     sdt = g.dtype_of(logits)
     scores = g.act("moe.scores", (T, E), sdt)
@@ -66,24 +112,7 @@ def sigmoid_group_router(g, x: str, opt) -> tuple[str, str, str]:
     # the choice: transients with no path to the loss
     biased = g.act("moe.choice.biased", (T, E), "fp32")
     g.t.node("add_bias", (scores,), (biased,))
-    gtop = g.act("moe.choice.group_top2", (T, G, 2), "fp32")
-    gtop_i = g.act("moe.choice.group_top2_idx", (T, G, 2), "int64")
-    g.t.node("topk", (biased,), (gtop, gtop_i))
-    gsum = g.act("moe.choice.group_scores", (T, G), "fp32")
-    g.t.node("sum", (gtop,), (gsum,))
-    gsel = g.act("moe.choice.group_idx", (T, TG), "int64")
-    gval = g.act("moe.choice.group_top", (T, TG), "fp32")
-    g.t.node("topk", (gsum,), (gval, gsel))
-    gmask = g.act("moe.choice.group_mask", (T, G), "fp32")
-    g.t.node("zeros_scatter", (gsel,), (gmask,))
-    smask = g.act("moe.choice.score_mask", (T, E), "fp32")
-    g.t.node("expand_reshape", (gmask,), (smask,))
-    bmask = g.act("moe.choice.score_mask_bool", (T, E), "bool")
-    g.t.node("to_bool", (smask,), (bmask,))
-    nmask = g.act("moe.choice.score_mask_not", (T, E), "bool")
-    g.t.node("logical_not", (bmask,), (nmask,))
-    masked = g.act("moe.choice.masked", (T, E), "fp32")
-    g.t.node("masked_fill", (biased, nmask), (masked,))
+    masked = group_limited(g, biased, T, opt, 2, HF_GROUP_MASK)
     tval = g.act("moe.choice.topk_values", (T, K), "fp32")
     topi = g.act("moe.topk_idx", (T, K), "int64")
     g.t.node("topk", (masked,), (tval, topi))

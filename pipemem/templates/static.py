@@ -209,12 +209,18 @@ def _rank_counts(
             for v in head_param_shapes(arch, vocab, tp, same_stage_as_embedding=has_embedding).values()
         )
     if has_head and mtp:
-        for shape, is_expert in mtp_param_shapes(arch, vocab, tp, etp, ep, not has_embedding):
-            if is_expert:
-                expert += _prod(shape)
-            else:
-                dense += _prod(shape)
+        d, e = _dense_expert(mtp_param_shapes(arch, vocab, tp, etp, ep, not has_embedding))
+        dense += d
+        expert += e
     return dense, expert
+
+
+def _dense_expert(shapes) -> tuple[int, int]:
+    """The elements of (shape, is_expert) parameter tensors: (dense, expert)."""
+    counts = [0, 0]
+    for shape, is_expert in shapes:
+        counts[bool(is_expert)] += _prod(shape)
+    return counts[0], counts[1]
 
 
 def _mtp_on(arch, conv: Convention) -> bool:
@@ -225,13 +231,7 @@ def _mtp_on(arch, conv: Convention) -> bool:
 @lru_cache(maxsize=8192)
 def layer_kind_counts(arch, moe: bool, tp: int, etp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) elements of one MoE or dense layer (all layers of a kind have the same shapes)."""
-    dense = expert = 0
-    for shape, is_expert in layer_param_shapes(arch, _layer_of_kind(arch, moe), tp, etp, ep).values():
-        if is_expert:
-            expert += _prod(shape)
-        else:
-            dense += _prod(shape)
-    return dense, expert
+    return _dense_expert(layer_param_shapes(arch, _layer_of_kind(arch, moe), tp, etp, ep).values())
 
 
 def _layer_of_kind(arch, moe: bool) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .moe import fp32_router_logits
+from .moe import TORCHTITAN_GROUP_MASK, fp32_router_logits, group_limited
 from .tape import COMM
 
 
@@ -56,21 +56,8 @@ def router(g, x: str, opt, T: int) -> tuple[str, str]:
     # the choice: scores + expert bias, the group mask, the top k (no path to the loss)
     choice = g.act("moe.choice.biased", (T, E), "fp32")
     t.node("add_expert_bias", (scores,), (choice,))
-    G, TG = opt.router_groups, opt.router_topk_groups
-    if G > 1:
-        gtop = g.act("moe.choice.group_top2", (T, G, 2), "fp32")
-        gtop_i = g.act("moe.choice.group_top2_idx", (T, G, 2), "int64")
-        t.node("topk", (choice,), (gtop, gtop_i))
-        gsum = g.act("moe.choice.group_scores", (T, G), "fp32")
-        t.node("sum", (gtop,), (gsum,))
-        gval = g.act("moe.choice.group_top", (T, TG), "fp32")
-        gsel = g.act("moe.choice.group_idx", (T, TG), "int64")
-        t.node("topk", (gsum,), (gval, gsel))
-        gmask = g.act("moe.choice.group_mask", (T, G), "bool")
-        t.node("ones_scatter", (gsel,), (gmask,))
-        masked = g.act("moe.choice.masked", (T, E), "fp32")
-        t.node("masked_fill", (choice, gmask), (masked,))
-        choice = masked
+    if opt.router_groups > 1:
+        choice = group_limited(g, choice, T, opt, 2, TORCHTITAN_GROUP_MASK)
     tval = g.act("moe.choice.topk_values", (T, K), "fp32")
     ids = g.act("moe.topk_idx", (T, K), "int64")
     t.node("topk", (choice,), (tval, ids))

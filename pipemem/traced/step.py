@@ -444,17 +444,12 @@ def _named_loss(loss_fn, rec, seen: dict):
     return named
 
 
-def trace_stage(
-    module,
-    inputs,
-    output_grad_fn: Callable | None = None,
-    optimizer_factory: Callable | None = None,
-    kernel_policy: str = "cuda",
-    **kwargs,
-) -> TracedStep:
+def trace_stage(module, inputs, output_grad_fn: Callable | None = None, **kwargs) -> TracedStep:
     """Forward and backward of one pipeline stage: `module(*inputs)` (inputs that require grad
     are the activations received from the previous stage), then the backward from an output
     gradient `output_grad_fn(output)` (default: ones like the output, as received from the
-    next stage; created when the backward starts). Other arguments as `trace_step`."""
+    next stage; created when the backward starts). Other arguments as `trace_step`'s, but no
+    optimizer unless `optimizer_factory` names one."""
     grad_fn = output_grad_fn or torch.ones_like
-    return trace_step(module, inputs, lambda out: (out, grad_fn), optimizer_factory, kernel_policy, **kwargs)
+    kwargs.setdefault("optimizer_factory", None)
+    return trace_step(module, inputs, lambda out: (out, grad_fn), **kwargs)
