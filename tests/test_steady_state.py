@@ -31,6 +31,23 @@ def test_steady_traced_matches_templates(family, dtype):
     assert abs(r["rel_error"]) <= 0.02, r
 
 
+# HF's grouped_mm experts traced with fp32 weights (and the newer families in pure bf16): within 1 %
+MOE_FP32 = [
+    ("glm4_moe", "fp32"),
+    ("olmoe", "fp32"),
+    ("gpt_oss", "fp32"),
+    ("deepseek_v3", "fp32"),
+    ("olmoe", "bf16"),
+]
+
+
+@pytest.mark.parametrize("family,dtype", MOE_FP32)
+def test_moe_steady_traced_matches_templates_within_1pct(family, dtype):
+    r = compare(family, dtype)
+    assert r["name"] == f"{family}-{dtype}" + ("-pure" if dtype == "bf16" else "")
+    assert abs(r["rel_error"]) <= 0.01, r
+
+
 @pytest.mark.parametrize("extra", [{"grads": "buffer"}, {"step": "first"}])
 def test_grads_and_step_modes_agree(extra):
     r = compare("llama", "bf16", **extra)

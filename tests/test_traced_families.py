@@ -307,12 +307,13 @@ MOE_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
-def test_moe_family_template_matches_traced(case):
+def test_moe_family_template_matches_traced(case, dtype):
     """GLM-4 MoE (sigmoid router in fp32 with group-limited top-k, shared expert after the routed
     ones, first layer dense, partial rope whose concatenated query makes SDPA's output a copy
     o_proj saves, q/k/v biases, per-head q/k norms) and OLMoE (q/k norms over the projections)
-    under --convention hf, pure bf16 (traced mode runs HF's grouped_mm experts in bf16 only):
+    under --convention hf, pure bf16 and fp32 (HF's grouped_mm experts in the weights' dtype):
     templates vs transformers' own modules, the step's peak and the forward's net within 1 %."""
     cfg = MOE_CASES[case]
     _known(cfg["model_type"])
@@ -321,8 +322,8 @@ def test_moe_family_template_matches_traced(case):
     kw = dict(
         seq_len=512,
         micro_batch=2,
-        dtype="bf16",
-        master_weights=False,
+        dtype=dtype,
+        master_weights=dtype == "fp32",
         flash_attn=True,
         convention="hf",
         step="first",
