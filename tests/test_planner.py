@@ -300,6 +300,28 @@ def test_pinned_degrees_and_moe():
     assert "--etp 1" in etp1.flags and json.loads(out)["max_peak_allocated_bytes"] == etp1.peak_bytes
 
 
+def test_moe_space_is_megatron_cores_expert_rule():
+    """megatron-core 0.16.1 parallel_state: expert data parallel = world / (etp x ep x pp), which
+    must divide; nothing asks ep to divide dp. The space proposes exactly the (ep, etp = tp or 1)
+    pairs that pass it for every tp / cp / pp split (DeepSeek-V3 on 512 GPUs: tp 8, dp 2 with
+    etp 1 goes up to ep 16)."""
+    from pipemem.model import arch_from_hf_config
+    from pipemem.planner.space import divisors, enumerate_bases
+    from pipemem.presets import load_model_config
+
+    arch = arch_from_hf_config(load_model_config("deepseek-v3")[1], "deepseek-v3")
+    gpus = 512
+    seen: dict = {}
+    for b in enumerate_bases(arch, gpus, SpaceOptions(convention="megatron", max_vpp=1)):
+        etp = b.etp or b.tp
+        assert gpus % (etp * b.ep * b.pp) == 0 and arch.experts % b.ep == 0
+        seen.setdefault((b.tp, b.cp, b.pp), set()).add((b.ep, etp))
+    for (tp, cp, pp), pairs in seen.items():
+        want = {(ep, etp) for ep in divisors(arch.experts) for etp in {tp, 1} if gpus % (etp * ep * pp) == 0}
+        assert pairs == want, (tp, cp, pp)
+    assert (16, 1) in seen[(8, 1, 32)] and (4, 8) not in seen[(8, 1, 32)]
+
+
 def test_megatron_moe_tp_traffic_follows_its_dispatcher():
     """Megatron's alltoall dispatcher under expert TP gathers the routed tokens (b s / (cp tp) x
     top-k x h a rank) over the etp ranks and reduce-scatters the experts' output: a MoE layer's
