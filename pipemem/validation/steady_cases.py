@@ -52,8 +52,8 @@ FAMILIES = {
         vocab_size=4000,
         max_position_embeddings=1024,
     ),
-    # HF's grouped_mm experts: fp32, and bf16 pure (under autocast HF runs them in the fp32
-    # weights' dtype, which templates do not follow: docs/ACCURACY.md)
+    # HF's grouped_mm experts: bf16 is pure bf16 here (master_weights=True for autocast, where
+    # HF runs the experts in the fp32 weights' dtype)
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(QWEN_MOE, model_type="qwen3_moe", moe_intermediate_size=256, head_dim=32),
     # a gated shared expert, top-k weights neither renormalised nor kept in fp32 (HF defaults)
