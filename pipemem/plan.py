@@ -553,9 +553,15 @@ def validate_plan(arch, plan: ParallelPlan) -> ParallelPlan:
         # ep x etp x expert-dp (Megatron-Core); with the default etp = tp this is "ep divides dp x cp".
         if (plan.dp * cp * tp) % (ep * etp):
             if etp == tp:
+                hint = (
+                    f"; or split the experts over fewer tp ranks with --etp 1 (--ep x --etp must "
+                    f"divide --dp x --cp x --tp = {plan.dp * cp * tp})"
+                    if tp > 1 and (plan.dp * cp * tp) % ep == 0
+                    else ""
+                )
                 raise UserError(
                     f"--ep {ep} must divide --dp {plan.dp} x --cp {cp} = {plan.dp * cp} (expert-parallel "
-                    "groups are carved from the data/context-parallel ranks)"
+                    "groups are carved from the data/context-parallel ranks)" + hint
                 )
             raise UserError(f"--ep {ep} x --etp {etp} must divide --dp x --cp x --tp = {plan.dp * cp * tp}")
         if arch.expert_ffn % etp:

@@ -2,6 +2,7 @@
 changes memory honoured or refused by name."""
 
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -73,7 +74,10 @@ def test_mixtral_script_needs_its_multinode_world():
         pipemem.estimate(tc.model, **tc.plan)
     argv[argv.index("--nnodes") + 1] = "4"
     tc = read_megatron(argv)
-    assert tc.warnings == []
+    # every argument honoured or without memory effect, but its aux loss's [T, E] fp32 scores
+    assert [w.split(":")[1].strip() for w in tc.warnings] == [
+        "--moe-router-load-balancing-type aux_loss with --moe-aux-loss-coeff > 0"
+    ]
     a = arch_from_hf_config(tc.model)
     assert (a.experts, a.top_k, a.expert_ffn, a.kv_heads, a.shared_experts) == (8, 2, 14336, 8, 0)
     assert (tc.plan["dp"], tc.plan["pp"], tc.plan["ep"], tc.plan["main_grad_dtype"]) == (8, 4, 8, "fp32")
@@ -235,6 +239,55 @@ def test_moe_shape_shared_experts_and_layer_freq():
     assert arch_from_hf_config(read(MOE + "--moe-layer-freq 2").model).dense_layers == (1, 3, 5, 7)
     with pytest.raises(UserError, match="--moe-layer-freq"):
         read(MOE + "--moe-layer-freq [1,0]")
+
+
+def test_aux_loss_scores_are_said_with_their_size():
+    """An auxiliary load-balancing loss with a coefficient above 0 keeps the router's [T, E] fp32
+    scores per MoE layer (not modelled): a warning gives T x E x 4 for the plan's T
+    (micro batch x seq / tp); the default coefficient 0, none and a zero coefficient say nothing."""
+    tc = read(MOE + "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4")
+    said = [w for w in tc.warnings if "auxiliary loss" in w]
+    assert len(said) == 1 and "seq_aux_loss" in said[0]
+    tokens = 1 * 2048  # micro batch 1, seq 2048, tp 1
+    assert f"{tokens} x 8 x 4 B = {tokens * 8 * 4 / 2**20:.2f} MiB per MoE layer" in said[0]
+    tp2 = read(
+        MOE + "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 "
+        "--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2"
+    )
+    assert any(f"{2 * 2048 // 2} x 8 x 4 B" in w for w in tp2.warnings), tp2.warnings
+    # several types, one coefficient each; only those above 0 are named
+    both = read(
+        MOE + "--moe-router-load-balancing-type seq_aux_loss global_aux_loss --moe-aux-loss-coeff 0 1e-3"
+    )
+    assert [w.split(" with ")[0] for w in both.warnings if "auxiliary loss" in w] == [
+        "Megatron: --moe-router-load-balancing-type global_aux_loss"
+    ]
+    for quiet in (
+        "",
+        "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01",
+        "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0",
+    ):
+        assert not [w for w in read(MOE + quiet).warnings if "auxiliary loss" in w]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--moe-router-load-balancing-type balanced", "--moe-router-load-balancing-type 'balanced'"),
+        ("--moe-aux-loss-coeff lots", "--moe-aux-loss-coeff 'lots'"),
+        ("--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.1", "one per type"),
+    ],
+)
+def test_aux_loss_flags_bad_values_are_one_line(extra, message):
+    with pytest.raises(UserError, match="^Megatron.*" + re.escape(message)) as e:
+        read(MOE + extra)
+    assert "\n" not in str(e.value)
+
+
+def test_deepseek_script_says_its_seq_aux_loss():
+    argv = without(deepseek_r1_argv(), "moe-layer-recompute") + ["--vocab-size", "129280"]
+    said = [w for w in read_megatron(argv).warnings if "auxiliary loss" in w]
+    assert len(said) == 1 and "seq_aux_loss" in said[0] and "4096 x 256 x 4 B" in said[0]
 
 
 def test_moe_default_dispatcher_with_expert_parallel_is_refused():

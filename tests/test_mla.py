@@ -34,6 +34,9 @@ CASES = [
     ("v2-grouped", "bf16", False),
     ("v3-dense", "fp32", True),
     ("v3-dense", "bf16", True),
+    # the MoE layers in fp32 and under autocast (HF's grouped_mm experts then run in fp32)
+    ("v3", "fp32", True),
+    ("v3", "bf16", True),
 ]
 
 

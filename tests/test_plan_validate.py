@@ -125,6 +125,17 @@ def test_ep_must_divide_dp_times_cp():
     bad(r"--ep 4 must divide --dp 2 x --cp 1 = 2", cfg=MIXTRAL, ep=4, dp=2)
     p = validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(ep=4, dp=2, tp=2, etp=1, seq_len=4096))
     assert p.ep == 4 and p.etp == 1
+    # megatron-core: expert data parallel = world / (etp x ep x pp); with etp = tp the ranks of one
+    # stage hold ep only as far as dp x cp does, and the message says how to decouple expert TP
+    with pytest.raises(
+        UserError,
+        match=r"--ep 4 must divide .* with --etp 1 \(--ep x --etp must divide --dp x --cp x --tp = 4\)$",
+    ):
+        validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(ep=4, dp=2, tp=2, seq_len=4096))
+    with pytest.raises(
+        UserError, match=r"= 2 \(expert-parallel groups are carved from the data/context-parallel ranks\)$"
+    ):
+        validate_plan(arch(MIXTRAL, "mixtral"), ParallelPlan(ep=8, dp=2, tp=2, seq_len=4096))
 
 
 def test_cp_needs_flash_attention():

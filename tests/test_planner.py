@@ -300,6 +300,57 @@ def test_pinned_degrees_and_moe():
     assert "--etp 1" in etp1.flags and json.loads(out)["max_peak_allocated_bytes"] == etp1.peak_bytes
 
 
+def test_moe_space_is_megatron_cores_expert_rule():
+    """megatron-core 0.16.1 parallel_state: expert data parallel = world / (etp x ep x pp), which
+    must divide; nothing asks ep to divide dp. The space proposes exactly the (ep, etp = tp or 1)
+    pairs that pass it for every tp / cp / pp split (DeepSeek-V3 on 512 GPUs: tp 8, dp 2 with
+    etp 1 goes up to ep 16)."""
+    from pipemem.model import arch_from_hf_config
+    from pipemem.planner.space import divisors, enumerate_bases
+    from pipemem.presets import load_model_config
+
+    arch = arch_from_hf_config(load_model_config("deepseek-v3")[1], "deepseek-v3")
+    gpus = 512
+    seen: dict = {}
+    for b in enumerate_bases(arch, gpus, SpaceOptions(convention="megatron", max_vpp=1)):
+        etp = b.etp or b.tp
+        assert gpus % (etp * b.ep * b.pp) == 0 and arch.experts % b.ep == 0
+        seen.setdefault((b.tp, b.cp, b.pp), set()).add((b.ep, etp))
+    for (tp, cp, pp), pairs in seen.items():
+        want = {(ep, etp) for ep in divisors(arch.experts) for etp in {tp, 1} if gpus % (etp * ep * pp) == 0}
+        assert pairs == want, (tp, cp, pp)
+    assert (16, 1) in seen[(8, 1, 32)] and (4, 8) not in seen[(8, 1, 32)]
+
+
+def test_megatron_moe_tp_traffic_follows_its_dispatcher():
+    """Megatron's alltoall dispatcher under expert TP gathers the routed tokens (b s / (cp tp) x
+    top-k x h a rank) over the etp ranks and reduce-scatters the experts' output: a MoE layer's
+    tp traffic is the attention's [b, s, h] collectives plus those; with etp 1 only the
+    attention's. Dense layers, and other conventions' MoE layers, keep 4 per pass."""
+    from pipemem.model import arch_from_hf_config
+    from pipemem.planner.cost import communication
+    from pipemem.presets import load_model_config
+
+    arch = arch_from_hf_config(load_model_config("mixtral-8x7b")[1], "mixtral-8x7b")  # no shared expert
+    b, s, h, k = 1, 4096, arch.hidden, arch.top_k
+
+    def tp_bytes(convention="megatron", **kw):
+        plan = validate_plan(arch, ParallelPlan(seq_len=s, tp=4, dp=2, convention=convention, **kw))
+        comm = communication(arch, plan, [0], (1, 1), 8, speeds_for("h100-80g"))
+        return plan, sum(c.bytes for c in comm if c.group == "tp")
+
+    plan, etp4 = tp_bytes()
+    m, layers, tokens = plan.microbatches, arch.layers, b * s // 4
+    attention = m * layers * 2 * 2 * (3 / 4) * b * s * h * 2  # 2 collectives a pass, F and B
+    routed = m * layers * 2 * 2 * 3 * tokens * k * h * 2  # (etp - 1) x the rank's routed tokens
+    assert etp4 == pytest.approx(attention + routed)
+    assert tp_bytes(ep=2, etp=1)[1] == pytest.approx(attention)
+    # a recomputed forward repeats its collectives: 3 passes where there were 2
+    assert tp_bytes(recompute="full")[1] == pytest.approx(1.5 * (attention + routed))
+    # torchtitan splits the experts over tp as a dense MLP: 4 collectives of [b, s, h] a pass
+    assert tp_bytes("torchtitan")[1] == pytest.approx(2 * attention)
+
+
 # ---------------------------------------------------------------- published runs
 
 

@@ -31,6 +31,26 @@ def test_steady_traced_matches_templates(family, dtype):
     assert abs(r["rel_error"]) <= 0.02, r
 
 
+# HF's grouped_mm experts traced with fp32 weights: fp32, and bf16 autocast (the experts in fp32,
+# the weights' dtype); the newer families in pure bf16: within 1 %
+MOE_PRECISIONS = [
+    ("glm4_moe", "fp32", True),
+    ("olmoe", "fp32", True),
+    ("gpt_oss", "fp32", True),
+    ("deepseek_v3", "fp32", True),
+    ("olmoe", "bf16", False),
+    ("glm4_moe", "bf16", True),
+    ("qwen2_moe", "bf16", True),
+]
+
+
+@pytest.mark.parametrize("family,dtype,master", MOE_PRECISIONS)
+def test_moe_steady_traced_matches_templates_within_1pct(family, dtype, master):
+    r = compare(family, dtype, master_weights=master)
+    assert r["name"] == f"{family}-{dtype}" + ("" if master else "-pure")
+    assert abs(r["rel_error"]) <= 0.01, r
+
+
 @pytest.mark.parametrize("extra", [{"grads": "buffer"}, {"step": "first"}])
 def test_grads_and_step_modes_agree(extra):
     r = compare("llama", "bf16", **extra)

@@ -46,7 +46,7 @@ CASES = {
         },
         "bf16",
     ),
-    # traced mode cannot run grouped_mm under autocast on fake CPU tensors: pure bf16
+    # under autocast HF runs its grouped_mm experts in the fp32 weights' dtype (templates do not): pure bf16
     "mixtral": (dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), "bf16-pure"),
 }
 

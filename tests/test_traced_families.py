@@ -307,22 +307,25 @@ MOE_CASES = {
 }
 
 
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16-autocast", "fp32"])
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
-def test_moe_family_template_matches_traced(case):
+def test_moe_family_template_matches_traced(case, precision):
     """GLM-4 MoE (sigmoid router in fp32 with group-limited top-k, shared expert after the routed
     ones, first layer dense, partial rope whose concatenated query makes SDPA's output a copy
     o_proj saves, q/k/v biases, per-head q/k norms) and OLMoE (q/k norms over the projections)
-    under --convention hf, pure bf16 (traced mode runs HF's grouped_mm experts in bf16 only):
-    templates vs transformers' own modules, the step's peak and the forward's net within 1 %."""
+    under --convention hf, pure bf16, bf16 autocast over fp32 weights (HF's grouped_mm experts
+    then run in fp32, the weights' dtype) and fp32: templates vs transformers' own modules, the
+    step's peak and the forward's net within 1 %."""
     cfg = MOE_CASES[case]
     _known(cfg["model_type"])
     from pipemem import estimate
 
+    dtype = precision.split("-")[0]
     kw = dict(
         seq_len=512,
         micro_batch=2,
-        dtype="bf16",
-        master_weights=False,
+        dtype=dtype,
+        master_weights=precision != "bf16-pure",
         flash_attn=True,
         convention="hf",
         step="first",
@@ -330,8 +333,13 @@ def test_moe_family_template_matches_traced(case):
     t = estimate(dict(cfg), **kw).ranks[0]
     r = estimate(dict(cfg), mode="traced", **kw).ranks[0]
     assert t.static.params == r.static.params
-    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
     assert abs(t.jobs["F"].net_bytes - r.jobs["F"].net_bytes) <= 0.01 * r.jobs["F"].net_bytes
+    if cfg["model_type"] == "gpt_oss" and precision == "bf16-autocast":
+        # the saved tensors agree (the forward's net above); the traced peak is a transient in the
+        # last layer's eager sink attention under autocast that templates do not hold (ACCURACY.md)
+        assert r.peak_at.startswith("forward:") and "self_attn" in r.peak_at
+        pytest.xfail("gpt-oss under autocast: the attention's forward transient is not modelled (-4.9 %)")
+    assert abs(t.peak_allocated_bytes - r.peak_allocated_bytes) <= 0.01 * r.peak_allocated_bytes
 
 
 def test_glm4_moe_reads_its_family():

@@ -70,3 +70,44 @@ def test_cuda_policy_restores_torch():
         torch.pow,
         "pow" in vars(torch.Tensor),
     ) == before
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_grouped_mm_of_fp32_operands_traces_under_both_policies(policy):
+    """torch's meta function for _grouped_mm wants bf16 (its CUDA fast path); the CPU kernel and
+    CUDA's per-group fallback take fp32. Inside a traced step fp32 operands pass with an fp32
+    output, and autograd saves both operands and the offsets; outside it torch's own check is
+    back (the meta function still refuses fp32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipemem.traced import kernel_policy
+
+    def grouped(rows):
+        a = torch.empty(rows, 16, requires_grad=True)
+        w = torch.empty(4, 16, 8, requires_grad=True)
+        return torch._grouped_mm(a, w, offs=torch.tensor([2, 5, 8, rows], dtype=torch.int32))
+
+    with FakeTensorMode(), kernel_policy.context(policy):
+        y = grouped(10)
+        assert y.dtype == torch.float32 and tuple(y.shape) == (10, 8)
+        assert y.grad_fn.name() == "GroupedMmBackward0"
+        assert y.grad_fn._saved_self.dtype == y.grad_fn._saved_mat2.dtype == torch.float32
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+        grouped(13)
+
+
+def test_traced_moe_runs_its_grouped_mm_experts_in_fp32():
+    """HF's MoE experts (grouped_mm) with fp32 weights: the trace runs them in fp32 (it used to
+    refuse), their parameters are fp32 and the GEMMs' saved inputs are fp32 [tokens x top-k, h]."""
+    from pipemem import estimate
+
+    cfg = dict(TINY["mixtral"])
+    est = estimate(cfg, mode="traced", seq_len=64, micro_batch=1, dtype="fp32", step="first")
+    pure = estimate(
+        cfg, mode="traced", seq_len=64, micro_batch=1, dtype="bf16", master_weights=False, step="first"
+    )
+    assert est.ranks[0].static.params == 2 * pure.ranks[0].static.params
+    step = trace_hf_step(cfg, 1, 64, dtype="fp32", kernel_policy="cuda", optimizer="none")
+    gmm = [op for op in step.programs[0].ops if op.type == "_grouped_mm.default"]
+    assert len(gmm) == 2 * cfg["num_hidden_layers"]
+    assert {step.programs[0].tensors[op.outputs[0]].dtype for op in gmm} == {"float32"}

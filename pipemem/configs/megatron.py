@@ -244,8 +244,6 @@ NO_MEMORY_EFFECT = {
     "no-position-embedding",
     "openai-gelu",
     "window-size",
-    "moe-router-load-balancing-type",
-    "moe-aux-loss-coeff",
     "moe-z-loss-coeff",
     "moe-router-pre-softmax",
     "moe-router-bias-update-rate",
@@ -526,6 +524,7 @@ def read(argv: list[str]) -> ToolConfig:
                 "modelled with expert or tensor parallelism; pipemem models alltoall",
             )
         _capacity(a, extra)
+        _aux_loss(a, experts, seq * (mb or 1) // (tp * cp), warnings)
 
     world = a.int("world-size")
     if world is None and a.has("nproc-per-node"):
@@ -715,6 +714,54 @@ def _modern_flags(a, plan: dict) -> None:
         plan["activation_offload"] = ",".join(OFFLOAD_MODULES[m] for m in mods)
     else:
         a.raw("offload-modules")
+
+
+_AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+def _aux_loss(a, experts: int, tokens: int, warnings: list[str]) -> None:
+    """--moe-router-load-balancing-type (one type or several, Megatron's default aux_loss) with
+    --moe-aux-loss-coeff (one coefficient per type; default 0: no loss). Each auxiliary loss
+    with a coefficient above 0 makes megatron-core's router (transformer/moe/router.py
+    `TopKRouter.routing` -> moe_utils.py `compute_routing_scores_for_aux_loss`) compute a second
+    set of [tokens, experts] scores (softmax in fp32; or sigmoid, divided by its row sum) whose
+    autograd node keeps them for the backward of the loss: T x E x 4 bytes per MoE layer per
+    micro-batch in flight (T = micro batch x seq / (tp x cp), the router's tokens under sequence
+    parallelism), shared by every type given. Not modelled: said, with its size."""
+    text = a.str("moe-router-load-balancing-type")
+    types = text.replace(",", " ").split() if text else ["aux_loss"]
+    for t in types:
+        if t not in _AUX_LOSSES + ("sinkhorn", "none"):
+            raise UserError(
+                f"{TOOL}: --moe-router-load-balancing-type {t!r}: expected aux_loss, seq_aux_loss, "
+                "global_aux_loss, sinkhorn or none"
+            )
+    ctext = a.str("moe-aux-loss-coeff")
+    try:
+        coeffs = [float(c) for c in ctext.replace(",", " ").split()] if ctext else [0.0]
+    except ValueError:
+        raise UserError(f"{TOOL} argument --moe-aux-loss-coeff {ctext!r}: expected a number") from None
+    if len(types) > 1 and len(coeffs) != len(types):
+        raise UserError(
+            f"{TOOL}: --moe-aux-loss-coeff gives {len(coeffs)} coefficient(s) for "
+            f"{len(types)} --moe-router-load-balancing-type values; give one per type"
+        )
+    if len(types) == 1:
+        coeffs = coeffs[:1]
+    on = [t for t, c in zip(types, coeffs) if t in _AUX_LOSSES and c > 0]
+    if on:
+        per_layer = tokens * experts * 4
+        warnings.append(
+            f"{TOOL}: --moe-router-load-balancing-type {' '.join(on)} with --moe-aux-loss-coeff > 0: "
+            "the router's [tokens, experts] scores for the auxiliary loss are kept for its "
+            f"backward and not counted: {tokens} x {experts} x 4 B = {per_layer / 2**20:.2f} MiB "
+            "per MoE layer per micro-batch in flight"
+        )
+    if "sinkhorn" in types:
+        warnings.append(
+            f"{TOOL}: --moe-router-load-balancing-type sinkhorn is not modelled (routed as top-k; "
+            "its fp32 Sinkhorn iterations run without autograd, its [tokens, experts] scores are kept)"
+        )
 
 
 def _capacity(a, extra: dict) -> None:

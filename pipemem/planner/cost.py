@@ -23,6 +23,9 @@ speed otherwise (ranks ordered tp, cp, dp, pp as Megatron lays them out; experts
 dp x cp), added to the makespan without overlap:
     tp   per layer and microbatch: 4 all-gathers / reduce-scatters of the layer's activation
          (b s / cp x h, 2 bytes) in F and 4 in B (+4 when the layer's forward is recomputed);
+         a Megatron MoE layer keeps the attention's 2 (and a shared expert's 2) per pass, and
+         under expert tensor parallelism its dispatcher gathers / scatters the routed tokens
+         (b s / (cp tp) x top-k x h per rank) over the etp ranks, 2 per pass;
     cp   per layer and microbatch: K and V of the local chunk passed cp-1 times around the
          ring in F, K, V and their grads in B;
     ep   per MoE layer and microbatch: dispatch and combine all-to-alls in F and in B of the
@@ -214,18 +217,38 @@ def communication(
     layers = [i for st in rank_stages for i in range(starts[st], starts[st + 1])]
     layers_rank = len(layers)
     moe_rank = sum(1 for i in layers if arch.is_moe_layer(i))
-    recomputed = 0
+    recomputed: list[int] = []  # the layers whose forward runs again in B
     if plan.recompute in ("full", "full_attn"):
         k = plan.recompute_layers
-        recomputed = sum(
-            plan.pp_layout[st] if k is None else min(k, plan.pp_layout[st]) for st in rank_stages
-        )
+        for st in rank_stages:
+            n = plan.pp_layout[st]
+            recomputed += range(starts[st], starts[st] + (n if k is None else min(k, n)))
     act = b * (s // cp) * h * ACT_BYTES  # one microbatch's activation, gathered
+    tokens = b * s // (cp * tp)
+    # Megatron's alltoall dispatcher under expert tensor parallelism (etp > 1) gathers the tokens
+    # the all-to-all brought (about tokens x top-k) over the etp ranks and reduce-scatters the
+    # experts' output (token_dispatcher.py, MoEAlltoAllTokenDispatcher): its MoE layers move
+    # top-k times a dense MLP's activation there, and only the attention (and a shared expert, a
+    # dense tensor-parallel MLP) gather [b, s, h] over tp; with etp 1 the experts need no tp
+    # collective. Other conventions split experts as a dense MLP (the MLP's own two).
+    etp = plan.etp or tp
+    folded = plan.convention == "megatron" and arch.is_moe
+
+    def h_collectives(i: int) -> int:  # per forward of layer i over tp, of [b, s, h]
+        if folded and arch.is_moe_layer(i):
+            return 2 + (2 if arch.shared_experts else 0)
+        return 4
+
+    def e_collectives(i: int) -> int:  # per forward of layer i over etp, of tokens x top-k x h
+        return 2 if folded and arch.is_moe_layer(i) and etp > 1 else 0
+
     out: dict[str, float] = {}
-    out["tp"] = m * (8 * layers_rank + 4 * recomputed) * _ring(tp) * act
+    passes = [(i, 2) for i in layers] + [(i, 1) for i in recomputed]  # F + B, and a recomputed F
+    out["tp"] = m * _ring(tp) * act * sum(n * h_collectives(i) for i, n in passes)
+    routed = (etp - 1) * tokens * max(1, arch.top_k) * h * ACT_BYTES  # sent per rank per collective
+    out["tp"] += m * routed * sum(n * e_collectives(i) for i, n in passes)
     kv = 2 * b * (s // cp) * (max(1, arch.kv_heads // tp)) * arch.head_dim * ACT_BYTES
     out["cp"] = m * layers_rank * 3 * (cp - 1) * kv if cp > 1 else 0.0
-    tokens = b * s // (cp * tp)
     out["ep"] = m * moe_rank * 4 * _ring(ep) * tokens * max(1, arch.top_k) * h * ACT_BYTES if ep > 1 else 0.0
     boundary = act / (tp if plan.sp else 1)
     out["pp"] = m * plan.vpp * 2 * boundary if pp > 1 else 0.0

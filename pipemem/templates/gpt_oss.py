@@ -76,7 +76,7 @@ def expert_bias(g, y: str, ids: str, name: str) -> str:
     """`y.add_(bias[expert_ids])`: the per-expert bias gathered by expert id (a transient [S, n])
     and added in place; its grad scatters back into the bias."""
     S, n = g.t.tensors[y].shape
-    bias = g.t.param(g.n(name + ".bias"), (g.sh.experts, n), g.dt)
+    bias = g.t.param(g.n(name + ".bias"), (g.sh.experts, n), g.sh.dt)
     gathered = g.act(name + ".bias_gathered", (S, n))
     # its backward scatters the grad into the bias by the (kept) sorted expert ids
     g.t.node("index", (bias, ids), (gathered,), params=(bias,), save_w=(ids,))

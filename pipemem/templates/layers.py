@@ -21,6 +21,7 @@ Layout is Megatron's [s, b, ...]; only sizes matter to memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -1339,20 +1340,51 @@ class _Gen:
         self.t.node("sort", (topi,), (ids_g, perm))
         tok_idx = self.act("moe.token_idx", (S,), "int64")
         self.t.node("floor_divide", (perm,), (tok_idx,))
-        hs_g = self.act("moe.permuted", (S, h))
+        xdt = self.dtype_of(x)
+        hs_g = self.act("moe.permuted", (S, h), xdt)
         self.t.node(
             "index",
             (x, tok_idx),
             (hs_g,),
             diff_inputs=(x,),
             save_i=(tok_idx,),
-            workspace_i=T * h * dtype_bytes(self.dt),
+            workspace_i=T * h * dtype_bytes(xdt),
         )  # new_zeros before index_put
         sw_g = self.act("moe.sample_weights", (S,), wdt)
         self.t.node("index", (topn, perm), (sw_g,), diff_inputs=(topn,), save_i=(perm,))
         offs = self.act("moe.offsets", (E,), "int32")
         self.t.node("histc_cumsum", (ids_g,), (offs,))
         gated = opt.activation in ("swiglu", "geglu")
+        with self.hf_experts_dtype():
+            hs_g = self.to_dtype(hs_g, "moe.permuted")
+            out = self._hf_expert_mlps(hs_g, ids_g, offs, opt, S, f, h, gated)
+        return self._hf_experts_combine(x, opt, out, sw_g, perm, wdt, shared)
+
+    def hf_experts_dtype(self):
+        """transformers' grouped_mm experts run in their weights' dtype: `_grouped_mm` casts the
+        tokens with `input.to(weight.dtype)` and grouped GEMMs are on no autocast list (PyTorch
+        registers no AutocastCPU / AutocastCUDA kernel for aten::_grouped_mm). Under autocast
+        (fp32 parameters) the experts' GEMMs, activations and biases are fp32: the tensors
+        declared inside this context take that dtype."""
+        return self._dtype_swapped("fp32" if self.sh.autocast else self.dt)
+
+    @contextlib.contextmanager
+    def _dtype_swapped(self, dt: str):
+        saved, self.dt = self.dt, dt
+        try:
+            yield
+        finally:
+            self.dt = saved
+
+    def to_dtype(self, x: str, name: str) -> str:
+        """`x.to(self.dt)`: x itself when it has that dtype, else a cast copy."""
+        if self.dtype_of(x) == self.dt:
+            return x
+        y = self.act(name + ".cast", self.t.tensors[x].shape)
+        self.t.node("to_dtype", (x,), (y,), diff_inputs=(x,))
+        return y
+
+    def _hf_expert_mlps(self, hs_g, ids_g, offs, opt, S, f, h, gated) -> str:
         fc1 = self.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
         if opt.expert_bias:
             from .gpt_oss import expert_bias
@@ -1376,8 +1408,18 @@ class _Gen:
         out = self.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
         if opt.expert_bias:
             out = expert_bias(self, out, ids_g, "moe.experts.fc2")
+        return out
+
+    def _hf_experts_combine(self, x, opt, out, sw_g, perm, wdt, shared) -> str:
+        """The routing weights applied (type promotion of the experts' output and the weights),
+        the original order restored, the top-k copies summed and cast to the input's dtype
+        (`final_hidden_states.to(hidden_states.dtype)`); then a shared expert."""
+        sh = self.sh
+        S, h = self.t.tensors[out].shape
         inv = self.act("moe.inv_perm", (S,), "int64")
         self.t.node("inverse_perm", (perm,), (inv,))
+        odt = self.dtype_of(x)
+        wdt = "fp32" if "fp32" in (wdt, self.dtype_of(out)) else wdt
         wb = dtype_bytes(wdt)
         wout = self.act("moe.weighted", (S, h), wdt)
         # grad of the low-precision factor: a product in the weights' dtype then a cast; grad of
@@ -1394,10 +1436,10 @@ class _Gen:
         self.t.node(
             "index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * wb
         )
-        y = self.act("moe.out_" + wdt if wdt != self.dt else "moe.out", (sh.s_sp, sh.b, h), wdt)
+        y = self.act("moe.out_" + wdt if wdt != odt else "moe.out", (sh.s_sp, sh.b, h), wdt)
         self.t.node("sum_topk", (wperm,), (y,), diff_inputs=(wperm,))
-        if wdt != self.dt:
-            yc = self.act("moe.out", (sh.s_sp, sh.b, h))
+        if wdt != odt:
+            yc = self.act("moe.out", (sh.s_sp, sh.b, h), odt)
             self.t.node("to_dtype", (y,), (yc,), diff_inputs=(y,))
             y = yc
         if sh.shared_ffn and not opt.shared_first:  # GLM-4 MoE: experts, then the shared MLP
@@ -1418,7 +1460,7 @@ class _Gen:
     def grouped_linear(self, x: str, offs: str, name: str, out_shape: tuple, in_features: int) -> str:
         """torch._grouped_mm over the local experts: saves its input (and the offsets)."""
         sh = self.sh
-        w = self.t.param(self.n(name + ".weight"), (sh.experts, out_shape[-1], in_features), self.dt)
+        w = self.t.param(self.n(name + ".weight"), (sh.experts, out_shape[-1], in_features), sh.dt)
         y = self.act(name + ".out", out_shape)
         self.t.node(
             "grouped_mm", (x, w, offs), (y,), diff_inputs=(x,), params=(w,), save_i=(offs,), save_w=(x, offs)

@@ -372,20 +372,24 @@ def _hf_grouped_experts(g, x: str, topn: str, topi: str, wdt: str, opt) -> str:
     offs = g.act("moe.offsets", (E,), "int32")
     t.node("histc_cumsum", (ids_g,), (offs,))
     gated = opt.activation in ("swiglu", "geglu")
-    fc1 = g.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
-    act = g.act("moe.experts.act", (S, f))
-    if gated:
-        gate = g.act("moe.experts.gate", (S, f), storage=fc1)
-        up = g.act("moe.experts.up", (S, f), storage=fc1)
-        t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
-        sg = g.act("moe.experts.silu", (S, f))
-        t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
-        t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
-    else:
-        t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
-    out = g.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
+    with g.hf_experts_dtype():  # the weights' dtype: fp32 under autocast (`_Gen.hf_experts_dtype`)
+        hs_g = g.to_dtype(hs_g, "moe.permuted")
+        fc1 = g.grouped_linear(hs_g, offs, "moe.experts.fc1", (S, 2 * f if gated else f), h)
+        act = g.act("moe.experts.act", (S, f))
+        if gated:
+            gate = g.act("moe.experts.gate", (S, f), storage=fc1)
+            up = g.act("moe.experts.up", (S, f), storage=fc1)
+            t.node("chunk", (fc1,), (gate, up), diff_inputs=(fc1,))
+            sg = g.act("moe.experts.silu", (S, f))
+            t.node("silu", (gate,), (sg,), diff_inputs=(gate,), save_i=(gate,))
+            t.node("mul", (sg, up), (act,), diff_inputs=(sg, up), save_i=(sg, up))
+        else:
+            t.node(opt.activation, (fc1,), (act,), diff_inputs=(fc1,), save_i=(fc1,))
+        out = g.grouped_linear(act, offs, "moe.experts.fc2", (S, h), f)
     inv = g.act("moe.inv_perm", (S,), "int64")
     t.node("inverse_perm", (perm,), (inv,))
+    odt = g.dtype_of(x)
+    wdt = "fp32" if "fp32" in (wdt, g.dtype_of(out)) else wdt  # type promotion of the product
     wb = dtype_bytes(wdt)
     wout = g.act("moe.weighted", (S, h), wdt)
     t.node(
@@ -393,10 +397,10 @@ def _hf_grouped_experts(g, x: str, topn: str, topi: str, wdt: str, opt) -> str:
     )
     wperm = g.act("moe.unpermuted", (S, h), wdt)
     t.node("index", (wout, inv), (wperm,), diff_inputs=(wout,), save_i=(inv,), workspace_i=S * h * wb)
-    y = g.act("moe.out_" + wdt if wdt != g.dt else "moe.out", (sh.s_sp, sh.b, h), wdt)
+    y = g.act("moe.out_" + wdt if wdt != odt else "moe.out", (sh.s_sp, sh.b, h), wdt)
     t.node("sum_topk", (wperm,), (y,), diff_inputs=(wperm,))
-    if wdt != g.dt:
-        yc = g.act("moe.out", (sh.s_sp, sh.b, h))
+    if wdt != odt:
+        yc = g.act("moe.out", (sh.s_sp, sh.b, h), odt)
         t.node("to_dtype", (y,), (yc,), diff_inputs=(y,))
         y = yc
     return y

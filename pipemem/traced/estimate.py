@@ -163,19 +163,6 @@ def traced_estimate(model_config: dict, plan: ParallelPlan, kernel_policy: str =
     attn = cfg._attn_implementation
     warnings += unmodelled_by_transformers(model_config)
     prec = Precision.parse(plan.dtype, plan.master_weights)
-    import torch
-
-    # (a DeepSeek config whose first_k_dense_replace covers every layer builds no experts)
-    dense_only = (getattr(cfg, "first_k_dense_replace", 0) or 0) >= cfg.num_hidden_layers
-    if (
-        getattr(cfg, "_experts_implementation", None) == "grouped_mm"
-        and prec.param_dtype != torch.bfloat16
-        and not dense_only
-    ):
-        raise UserError(
-            "traced mode: HF MoE experts (grouped_mm) trace only with bf16 weights; "
-            "use --dtype bf16 --no-master-weights or --mode templates"
-        )
     set_to_none = (plan.grads or "set-to-none") == "set-to-none"
     step = trace_hf_replicated(
         cfg,

@@ -298,9 +298,74 @@ def _fp32_dtype(original, name):
 
 
 def context(policy: str):
-    """The context manager a traced step runs under for `policy`."""
+    """The context manager a traced step runs under for `policy` (both policies: fp32 / fp16
+    grouped GEMMs, see `GroupedMmAnyFloat`)."""
     check(policy)
-    return CudaKernels() if policy == "cuda" else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(GroupedMmAnyFloat())
+    if policy == "cuda":
+        stack.enter_context(CudaKernels())
+    return stack
+
+
+class GroupedMmAnyFloat:
+    """`aten._grouped_mm` of fp32 or fp16 operands on fake tensors.
+
+    The kernels take them: the CPU kernel (aten/src/ATen/native/GroupedMMUtils.h,
+    `_grouped_mm_fallback`: an mm per group into one output) and, since PyTorch 2.9, the CUDA
+    one, which takes its CUTLASS path for bf16 on sm80+ only and that same per-group fallback
+    otherwise (`_grouped_mm_cuda`, GroupedBlas.cpp). The meta function in
+    torch/_meta_registrations.py (`_meta_grouped_mm_common`) still checks the bf16 fast path's
+    dtypes only, so without this a trace of HF's grouped_mm experts (its default for MoE) with
+    fp32 weights stops there. While a step is traced, equal fp32 / fp16 operands get an output
+    of their dtype (the fallback's `at::empty(..., mat_a.options())`); every other call, and
+    every call outside a trace, goes to torch's own meta function. Autograd is untouched
+    (GroupedMmBackward0 saves both operands and the offsets in every dtype).
+
+    The Meta kernel is registered once per process and delegates to torch's outside a trace
+    (a registration dropped on exit is still reached by later FakeTensorMode dispatches of
+    this PyTorch, so it is not dropped)."""
+
+    _OTHER = (torch.float32, torch.float16)
+    _active = 0
+    _lib = None
+
+    @classmethod
+    def _register(cls) -> bool:
+        if cls._lib is not None:
+            return True
+        try:
+            from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+        except ImportError:  # a PyTorch without grouped GEMMs
+            return False
+
+        def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+            if (
+                cls._active
+                and mat_a.dtype == mat_b.dtype
+                and mat_a.dtype in cls._OTHER
+                and out_dtype in (None, mat_a.dtype)
+                and bias is None
+            ):
+                return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+            return meta_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("_grouped_mm", meta, "Meta")
+        cls._lib = lib
+        return True
+
+    def __enter__(self):
+        self._on = self._register()
+        if self._on:
+            GroupedMmAnyFloat._active += 1
+        return self
+
+    def __exit__(self, *exc):
+        if self._on:
+            GroupedMmAnyFloat._active -= 1
+            self._on = False
+        return False
 
 
 def configure_optimizer(policy: str, optimizer) -> None:

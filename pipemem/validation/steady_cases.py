@@ -52,7 +52,8 @@ FAMILIES = {
         vocab_size=4000,
         max_position_embeddings=1024,
     ),
-    # HF experts (grouped_mm) trace only with bf16 weights: pure bf16
+    # HF's grouped_mm experts: bf16 is pure bf16 here (master_weights=True for autocast, where
+    # HF runs the experts in the fp32 weights' dtype)
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(QWEN_MOE, model_type="qwen3_moe", moe_intermediate_size=256, head_dim=32),
     # a gated shared expert, top-k weights neither renormalised nor kept in fp32 (HF defaults)
@@ -65,15 +66,46 @@ FAMILIES = {
     ),
     # no query LoRA, complex rotary embedding, softmax router, two shared experts (V2-Lite's form)
     "deepseek_v2": dict(DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, n_shared_experts=2),
+    # GLM-4.5's form: sigmoid group-limited router, a shared expert after the routed ones, a dense
+    # first layer, partial rope, q/k/v biases, per-head q/k norms
+    "glm4_moe": dict(
+        BASE,
+        model_type="glm4_moe",
+        head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+    ),
+    # q/k norms over the projections, 8 experts top-2
+    "olmoe": dict(QWEN_MOE, model_type="olmoe", num_experts=8, intermediate_size=128),
+    # attention sinks (HF runs it eagerly), alternating sliding (window 64 < seq 256) and full
+    # layers, biased clamped-SwiGLU experts, a router bias
+    "gpt_oss": dict(
+        BASE,
+        model_type="gpt_oss",
+        head_dim=32,
+        intermediate_size=128,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe", "gpt_oss")
 
 
 def plan_for(family: str, dtype: str, **extra) -> dict:
     """estimate() keywords of a case: hf convention, micro batch 2, seq 256."""
     kw = dict(convention="hf", micro_batch=2, seq_len=256, dtype=dtype)
-    if family in MOE:
-        kw.update(dtype="bf16", master_weights=False)
+    if family in MOE and dtype == "bf16":
+        kw.update(master_weights=False)
     kw.update(extra)
     return kw
 
