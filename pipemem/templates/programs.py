@@ -19,7 +19,7 @@ never frees them (the first / last part of a stage).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..jobs import JobMemory
@@ -43,6 +43,10 @@ class PartMemory:
     grad_passes_through: tuple = (False, False)
     rs_state_bytes: int = 0  # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
     bwd_gather_bytes: int = 0  # FSDP2's all-gather output buffer of a backward that starts by gathering
+    # a decoder layer's FSDP2 backward all-gather output, behind the residual adds' grads the tape
+    # puts first (pass-throughs: FSDP2's pre-backward hook gathers before any of them runs); the
+    # layer after it in the forward prefetches it (stages.py: layers of unequal sizes)
+    layer_gather_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -231,7 +235,29 @@ def layer_memory(
     """A decoder layer's F/B/I/W memory; `keep_input` / `keep_out_grad` when it is the first /
     last layer of a pipeline stage (the runtime owns its input and its output grad)."""
     n = _act_bytes(sh)
-    return _part_memory(layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad), n, n)
+    pp = layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad)
+    pm = _part_memory(pp, n, n)
+    types = [o.type for o in pp.B.ops]
+    lead = next((i for i, t in enumerate(types) if t != "add_grad"), len(types))
+    if lead < len(types) and types[lead].startswith("fsdp_all_gather"):
+        pm = replace(
+            pm,
+            layer_gather_bytes=sum(
+                t.nbytes for k, t in pp.B.tensors.items() if k.endswith("params_bwd.ag_out")
+            ),
+        )
+    return pm
+
+
+def layer_prefetch(p, nxt) -> int:
+    """FSDP2 prefetches the next decoder layer's all-gather output (the one before it in the
+    forward) during a layer's backward, where the tape counts the layer's own: with layers of
+    unequal sizes (llama4's MoE layers interleaved with dense ones, DeepSeek's dense first
+    layers) a smaller layer's backward holds the larger buffer, the difference counted here; a
+    larger layer keeps its own count (the smaller one prefetched is not subtracted)."""
+    if nxt is None or not (p.layer_gather_bytes and nxt.layer_gather_bytes):
+        return 0
+    return max(0, nxt.layer_gather_bytes - p.layer_gather_bytes)
 
 
 @lru_cache(maxsize=4096)
