@@ -43,9 +43,10 @@ class PartMemory:
     grad_passes_through: tuple = (False, False)
     rs_state_bytes: int = 0  # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
     bwd_gather_bytes: int = 0  # FSDP2's all-gather output buffer of a backward that starts by gathering
-    # a decoder layer's FSDP2 backward all-gather output, behind the residual adds' grads the tape
-    # puts first (pass-throughs: FSDP2's pre-backward hook gathers before any of them runs); the
-    # layer after it in the forward prefetches it (stages.py: layers of unequal sizes)
+    # a decoder layer's FSDP2 backward all-gather (its copy-in and output buffers, both alive while
+    # it runs; the tape gathers where the first parameter is needed, FSDP2's pre-backward hook
+    # before any of the layer's backward runs): the layer after it in the forward prefetches it
+    # (layer_prefetch: layers of unequal sizes)
     layer_gather_bytes: int = 0
 
 
@@ -237,15 +238,11 @@ def layer_memory(
     n = _act_bytes(sh)
     pp = layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad)
     pm = _part_memory(pp, n, n)
-    types = [o.type for o in pp.B.ops]
-    lead = next((i for i, t in enumerate(types) if t != "add_grad"), len(types))
-    if lead < len(types) and types[lead].startswith("fsdp_all_gather"):
-        pm = replace(
-            pm,
-            layer_gather_bytes=sum(
-                t.nbytes for k, t in pp.B.tensors.items() if k.endswith("params_bwd.ag_out")
-            ),
-        )
+    gather = [
+        t.nbytes for k, t in pp.B.tensors.items() if k.endswith(("params_bwd.ag_out", "params_bwd.ag_in"))
+    ]
+    if gather:
+        pm = replace(pm, layer_gather_bytes=sum(gather))
     return pm
 
 
