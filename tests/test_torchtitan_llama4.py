@@ -78,3 +78,20 @@ def test_set_to_none_grads_are_views_of_the_reduce_scatter_output(grads):
     i = ops.index("fsdp_accumulate_grad")
     made = pp.B.ops[i].outputs
     assert (made == ()) == (grads == "set-to-none")
+
+
+def test_llama4_case_without_torchtitan_022_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
+    """validate torchtitan's llama4 case where no torchtitan 0.2.2 directory is named: one line
+    saying what to install and where, exit 2, before any case runs (the others need only 0.3)."""
+    from pipemem.cli.main import main
+    from pipemem.validation import torchtitan
+
+    monkeypatch.setenv("PIPEMEM_TORCHTITAN_LLAMA4", str(tmp_path))  # no torchtitan/ inside
+    assert main(["validate", "torchtitan", "--cases", "llama4-fsdp2"]) == 2
+    err = capsys.readouterr().err
+    # (importing torchtitan 0.3 for its own check may log library warnings first)
+    ours = [line for line in err.splitlines() if line.startswith("pipemem")]
+    assert len(ours) == 1 and "torchtitan" in ours[0] and "Traceback" not in err
+    if torchtitan.available() is None:  # the 0.3 check passed: the line is about 0.2.2
+        assert "--target DIR torchtitan==0.2.2" in ours[0] and "PIPEMEM_TORCHTITAN_LLAMA4" in ours[0]
+        assert torchtitan.available_for([c for c in torchtitan.all_cases() if c["name"] == "fsdp2"]) is None

@@ -208,10 +208,15 @@ DESCRIPTION = (
     "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
     "with the fake process group, second step, and compare each rank's peak "
     "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
-    "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+    "(pip install 'pipemem[torchtitan]'); the llama4 cases run torchtitan 0.2.2's step (0.3 "
+    "ships no llama4) from a directory of its own: pip install --no-deps --target DIR "
+    "torchtitan==0.2.2 and set PIPEMEM_TORCHTITAN_LLAMA4=DIR. Exit 1 if a rank is off by more "
     f"than {TOLERANCE:.0%}."
 )
-FULL_HELP = "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)"
+FULL_HELP = (
+    "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3; "
+    "llama4 from torchtitan 0.2.2)"
+)
 
 
 def json_header() -> dict:
@@ -222,3 +227,13 @@ def available() -> str | None:
     from .torchtitan_trace import available
 
     return available()
+
+
+def available_for(cases: list[dict]) -> str | None:
+    """None when the chosen cases can run here: torchtitan 0.3, and for llama4's cases 0.2.2."""
+    why = available()
+    if why is None and any(c["model"].get("release") == "0.2.2" for c in cases):
+        from ..traced.torchtitan_llama4 import available as llama4_available
+
+        why = llama4_available()
+    return why
