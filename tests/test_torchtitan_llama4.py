@@ -95,3 +95,15 @@ def test_llama4_case_without_torchtitan_022_is_one_line_exit_2(capsys, monkeypat
     if torchtitan.available() is None:  # the 0.3 check passed: the line is about 0.2.2
         assert "--target DIR torchtitan==0.2.2" in ours[0] and "PIPEMEM_TORCHTITAN_LLAMA4" in ours[0]
         assert torchtitan.available_for([c for c in torchtitan.all_cases() if c["name"] == "fsdp2"]) is None
+
+
+def test_llama4_under_tp_or_ep_says_which_moe_module_is_modelled():
+    from pipemem import estimate
+
+    m = dict(flavor_table()["llama4"]["debugmodel"])
+    kw = dict(convention="torchtitan", seq_len=256, micro_batch=2, fsdp=True, grads="set-to-none")
+    plain = estimate(m, dp=2, **kw)
+    assert not any("0.2.2" in w for w in plain.warnings)
+    for par in (dict(dp=2, tp=2), dict(dp=4, ep=2)):
+        est = estimate(m, **par, **kw)
+        assert any("llama4" in w and "0.2.2" in w for w in est.warnings), est.warnings
