@@ -397,6 +397,9 @@ def _backward_extras(bsegs, i: int, copy: int, kind: str, sh, last: bool) -> lis
     own = pm.rs_state_bytes
     nxt = bsegs[i + 1][1] if i + 1 < len(bsegs) else None
     prefetch = nxt.bwd_gather_bytes - pm.bwd_gather_bytes if (pm.bwd_gather_bytes and nxt is not None) else 0
+    from .templates.programs import layer_prefetch
+
+    prefetch += layer_prefetch(pm, nxt)
     if not (linger or own or prefetch):
         return out
     if n > 1:

@@ -491,7 +491,7 @@ def _stage_jobs(
 def _stage_jobs_alike(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_len: int) -> StageJobs:
     """_stage_jobs without the stage's index and layer range (stage -1, no layers)."""
     stage, layers = -1, ()
-    from .templates.programs import embedding_memory, head_memory
+    from .templates.programs import embedding_memory, head_memory, layer_prefetch
 
     parts = _layer_parts(arch, sh, conv, _zero3_kept(sh, _offload_stash(arch, sh, conv, runs)), first, last)
     tied_head = first and last and bool(getattr(arch, "tied_embeddings", False))
@@ -551,6 +551,7 @@ def _stage_jobs_alike(arch, sh, conv, runs: tuple, first: bool, last: bool, seq_
             prefetch = 0
             if p.bwd_gather_bytes and nxt is not None:
                 prefetch = nxt.bwd_gather_bytes - p.bwd_gather_bytes
+            prefetch += layer_prefetch(p, nxt)
             if linger or own or prefetch:
                 head = JobMemory(j.net_bytes, j.peak_bytes + linger)
                 if n > 1:

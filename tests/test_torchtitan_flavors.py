@@ -33,9 +33,12 @@ def _tables(name, flavor, **par):
 def test_flavor_table_is_torchtitans_own():
     """The shipped table equals what torchtitan's own flavor functions build, read again."""
     _torchtitan()
+    from pipemem.traced.torchtitan_model import FLAVOR_MODELS
     from pipemem.traced.torchtitan_model import flavor_table as from_torchtitan
 
-    assert from_torchtitan() == flavor_table()
+    # llama4's flavors are torchtitan 0.2.2's (test_llama4_flavor_table_is_torchtitan_022s_own)
+    assert set(flavor_table()) == {*FLAVOR_MODELS, "llama4"}
+    assert from_torchtitan() == {k: v for k, v in flavor_table().items() if k in FLAVOR_MODELS}
 
 
 @pytest.mark.parametrize("name,flavor", [("qwen3", "0.6B"), ("qwen3", "30B-A3B"), ("deepseek_v3", "16B")])
@@ -73,7 +76,8 @@ def test_toml_names_flavors_case_insensitively():
     [
         ("deepseek_v3", "7B", ["flavor", "'7B'", "16B", "671B"]),
         ("qwen3", "2B", ["flavor", "0.6B", "235B-A22B"]),
-        ("llama4", "17bx16e", ["name", "'llama4'", "deepseek_v3", "qwen3", "no llama4"]),
+        ("llama4", "scout", ["flavor", "torchtitan 0.2.2's llama4", "17bx16e", "17bx128e"]),
+        ("llama4", "17bx16e_irope", ["flavor", "block mask", "do not run", "17bx16e,"]),
         ("gpt_oss", "20b", ["name", "'gpt_oss'", "llama3"]),
     ],
 )
@@ -147,3 +151,66 @@ def test_rope_cache_before_0_3_is_one_per_model():
     per_layer = estimate("llama3-8b", **kw).ranks[0].static.other
     one = estimate("llama3-8b", extra={"rope_cache": "model"}, **kw).ranks[0].static.other
     assert per_layer == 4 * one > 0
+
+
+def _llama4_site():
+    import os
+
+    from pipemem.traced.torchtitan_llama4 import ENV, available
+
+    if available() is not None:
+        pytest.skip(f"torchtitan 0.2.2 not found (${ENV})")
+    return os.environ[ENV]
+
+
+def test_llama4_flavor_table_is_torchtitan_022s_own(tmp_path):
+    """torchtitan 0.3 ships no llama4: the shipped llama4 flavors equal what 0.2.2's own
+    `llama4_args` build (read again in a process with 0.2.2 first on its path), and each flavor's
+    HF-style config gives the parameter count of 0.2.2's model built on meta."""
+    import json
+    import os
+
+    site = _llama4_site()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((site, root)))
+    out = tmp_path / "flavors.json"
+    code = (
+        "import json, sys, torch\n"
+        "from pipemem.traced.torchtitan_llama4 import main\n"
+        "from pipemem.traced.torchtitan_model import import_stubs\n"
+        "main([sys.argv[1]])\n"
+        "with import_stubs():\n"
+        "    from torchtitan.models.llama4 import llama4_args, get_train_spec\n"
+        "counts = {}\n"
+        "for f, a in llama4_args.items():\n"
+        "    with torch.device('meta'):\n"
+        "        counts[f] = sum(p.numel() for p in get_train_spec().model_cls(a).parameters())\n"
+        "print(json.dumps(counts))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    built = json.loads(r.stdout.strip().splitlines()[-1])
+    table = flavor_table()["llama4"]
+    assert json.loads(out.read_text())["llama4"] == table
+    assert set(built) == set(table)
+    for flavor, count in built.items():
+        if flavor.endswith("_irope"):
+            continue
+        assert arch_from_hf_config(dict(table[flavor]), f"llama4-{flavor}").param_count() == count, flavor
+
+
+def test_llama4_job_runs_as_torchtitan_022_does(tmp_path):
+    """A job TOML naming llama4 gets 0.2.2's model (interleaved MoE, the shared expert, separate
+    dense FFN width) and its trainer's habits: set-to-none grads, one model-level RoPE buffer,
+    one whole-sequence cross entropy."""
+    tc = from_tables(_tables("llama4", "17bx128e"), "job.toml")
+    arch = arch_from_hf_config(dict(tc.model), "llama4")
+    assert arch.model_type == "llama4_text" and arch.experts == 128 and arch.shared_ffn == arch.expert_ffn
+    assert arch.dense_layers == tuple(range(0, 48, 2)) and not arch.nope_layers and not arch.qk_norm
+    assert tc.plan["grads"] == "set-to-none"
+    assert tc.plan["extra"]["rope_cache"] == "model" and tc.plan["extra"]["loss_chunks"] == 1
+    # every layer MoE (interleave step 1): no dense FFN
+    arch16 = arch_from_hf_config(dict(from_tables(_tables("llama4", "17bx16e"), "j").model), "l")
+    assert arch16.dense_layers == () and arch16.experts == 16

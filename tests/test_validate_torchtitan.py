@@ -88,3 +88,26 @@ def test_from_torchtitan_launch_arguments():
     # torch.compile is modelled (pipemem.features): read from torchtitan's own flag
     tc = read_args(["--module", "llama3", "--config", "llama3_debugmodel", "--compile.enable"])
     assert tc.plan["compile"] in ("layers", "all")
+
+
+def test_llama4_rank_within_one_percent():
+    """torchtitan 0.3 ships no llama4: 0.2.2's own step (its llama4 debugmodel: dense layers
+    interleaved with MoE layers of 8 grouped-GEMM experts and a shared expert, set-to-none grads,
+    one model-level RoPE buffer) from $PIPEMEM_TORCHTITAN_LLAMA4, against the estimate."""
+    from pipemem.traced.torchtitan_llama4 import ENV
+    from pipemem.traced.torchtitan_llama4 import available as llama4_available
+
+    if llama4_available() is not None:
+        pytest.skip(f"torchtitan 0.2.2 not found (${ENV})")
+    from pipemem.validation.torchtitan import all_cases, compare_case, trace_case
+
+    case = {c["name"]: c for c in all_cases()}["llama4-fsdp2"]
+    traces = trace_case(case)
+    t = traces[0]
+    m = t["model"]
+    assert m["model_type"] == "llama4_text" and m["torchtitan_release"] == "0.2.2"
+    assert m["moe_layers"] == [1, 3, 5] and m["intermediate_size_mlp"] != m["intermediate_size"]
+    # the step starts with zero_grad(set_to_none): no gradients among what it starts with
+    assert "grad" not in t["static_by_kind"] and t["static_by_kind"]["buffer"] > 0
+    (row,) = compare_case(case, traces)
+    assert abs(row.rel_error) <= 0.01, row.to_dict()

@@ -494,6 +494,15 @@ def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolCo
         # 0.3 one per attention (frameworks/torchtitan.py layer_buffer_bytes)
         extra["rope_cache"] = "model"
 
+    if isinstance(model, dict) and model.get("torchtitan_release") == "0.2.2":
+        # llama4 runs in torchtitan 0.2.2 (0.3 ships none): its Trainer starts each step with
+        # `optimizers.zero_grad()` (set_to_none), keeps one model-level RoPE buffer and computes one
+        # whole-sequence cross entropy (held against its step by `pipemem validate torchtitan`)
+        if tr.get("disable_cuda_graphs") is None:
+            plan["grads"] = "set-to-none"
+        extra["rope_cache"] = "model"
+        extra["loss_chunks"] = 1
+
     gbs = tr.get("global_batch_size", -1)
     if isinstance(gbs, int) and gbs > 0 and "dp" in plan and gbs % (local * plan["dp"]):
         raise UserError(
@@ -648,19 +657,27 @@ def _model(cfg: dict, path: str) -> dict | str:
     fkey = "[model] flavor" if model_sec.get("flavor") else "model_spec flavor"
     table = flavor_table()
     if name in table:
-        # torchtitan's qwen3 / deepseek_v3 flavors, as its own flavor functions build them
+        # torchtitan's qwen3 / deepseek_v3 flavors (0.3) and llama4's (0.2.2), as its own flavor
+        # functions build them
         flavors = {f.lower(): f for f in table[name]}
+        release = "0.2.2" if name == "llama4" else "0.3"
         if flavor.lower() not in flavors:
             raise UserError(
-                f"{path}: {fkey} {flavor!r} is not known (torchtitan 0.3's {name} flavors); known: "
+                f"{path}: {fkey} {flavor!r} is not known (torchtitan {release}'s {name} flavors); known: "
                 + ", ".join(table[name])
+            )
+        if name == "llama4" and flavor.lower().endswith("_irope"):
+            raise UserError(
+                f"{path}: {fkey} {flavor!r}: torchtitan 0.2.2's FlexAttention llama4 flavors (NoPE "
+                "layers, chunked attention) hand the whole mask dictionary to flex attention as the "
+                "block mask (models/llama4/model/model.py Attention.forward), so they do not run; not "
+                "modelled. Use " + ", ".join(f for f in table[name] if not f.endswith("_irope"))
             )
         return dict(table[name][flavors[flavor.lower()]])
     known_names = sorted({n for n, _ in FLAVORS} | set(table))
     if name not in known_names:
         raise UserError(
             f"{path}: {key} {name!r} is not known to pipemem; known: {', '.join(known_names)}"
-            + (" (torchtitan 0.3 ships no llama4 model)" if name.startswith("llama4") else "")
             + "; or use --model with an HF config.json"
         )
     if flavor.lower() == "debugmodel":
@@ -679,12 +696,17 @@ def _model(cfg: dict, path: str) -> dict | str:
 def flavor_table() -> dict:
     """{model name: {flavor: HF-style config}} of torchtitan 0.3's qwen3 and deepseek_v3 flavors
     (pipemem/presets/torchtitan_flavors.json, written from torchtitan's own flavor functions by
-    `python -m pipemem.traced.torchtitan_model`)."""
+    `python -m pipemem.traced.torchtitan_model`) and torchtitan 0.2.2's llama4 flavors
+    (torchtitan_llama4_flavors.json, by `python -m pipemem.traced.torchtitan_llama4`)."""
     import json
 
-    path = Path(__file__).resolve().parent.parent / "presets" / "torchtitan_flavors.json"
-    with open(path) as f:
-        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    presets = Path(__file__).resolve().parent.parent / "presets"
+    out: dict = {}
+    # torchtitan 0.3 ships no llama4: its flavors are 0.2.2's (pipemem.traced.torchtitan_llama4)
+    for name in ("torchtitan_flavors.json", "torchtitan_llama4_flavors.json"):
+        with open(presets / name) as f:
+            out.update({k: v for k, v in json.load(f).items() if not k.startswith("_")})
+    return out
 
 
 def finish_plan(plan: dict, layers: int) -> dict:

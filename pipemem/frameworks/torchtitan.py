@@ -88,6 +88,12 @@ class Torchtitan(Framework):
                 "torchtitan MoE with --ep > 1: the all-to-all token dispatch is modelled from its code "
                 "(buffers the size of the routed tokens), not checked against a trace of its step"
             )
+        if arch.model_type == "llama4_text" and arch.experts and (plan.tp > 1 or plan.ep > 1):
+            out.append(
+                "torchtitan llama4 with --tp / --ep > 1: its MoE is torchtitan 0.2.2's module "
+                "(templates/torchtitan_llama4.py) only without tensor or expert parallelism; with them "
+                "0.3's sharded MoE module is modelled, not checked against 0.2.2's step"
+            )
         if arch.tied_embeddings and plan.fsdp and self.loss_chunks(plan) > 1:
             out.append(
                 "torchtitan with tied embeddings under FSDP: the embedding, final norm and output "

@@ -1567,7 +1567,13 @@ class _Gen:
         return y
 
     def moe_torchtitan(self, x: str, opt: LayerOptions) -> str:
-        """torchtitan's MoE module (templates/torchtitan_moe.py)."""
+        """torchtitan's MoE module (templates/torchtitan_moe.py); llama4's (its sigmoid router
+        scattered over the experts) is torchtitan 0.2.2's (templates/torchtitan_llama4.py)
+        without tensor or expert parallelism."""
+        if opt.router == "sigmoid_scatter" and self.sh.tp == 1 and self.sh.ep == 1:
+            from .torchtitan_llama4 import moe as moe_022
+
+            return moe_022(self, x, opt)
         from .torchtitan_moe import moe
 
         return moe(self, x, opt)

@@ -19,7 +19,7 @@ never frees them (the first / last part of a stage).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..jobs import JobMemory
@@ -43,6 +43,11 @@ class PartMemory:
     grad_passes_through: tuple = (False, False)
     rs_state_bytes: int = 0  # FSDP2's reduce-scatter input, alive until the next part's reduce-scatter
     bwd_gather_bytes: int = 0  # FSDP2's all-gather output buffer of a backward that starts by gathering
+    # a decoder layer's FSDP2 backward all-gather (its copy-in and output buffers, both alive while
+    # it runs; the tape gathers where the first parameter is needed, FSDP2's pre-backward hook
+    # before any of the layer's backward runs): the layer after it in the forward prefetches it
+    # (layer_prefetch: layers of unequal sizes)
+    layer_gather_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -231,7 +236,25 @@ def layer_memory(
     """A decoder layer's F/B/I/W memory; `keep_input` / `keep_out_grad` when it is the first /
     last layer of a pipeline stage (the runtime owns its input and its output grad)."""
     n = _act_bytes(sh)
-    return _part_memory(layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad), n, n)
+    pp = layer_programs(arch, sh, conv, opt, keep_input, keep_out_grad)
+    pm = _part_memory(pp, n, n)
+    gather = [
+        t.nbytes for k, t in pp.B.tensors.items() if k.endswith(("params_bwd.ag_out", "params_bwd.ag_in"))
+    ]
+    if gather:
+        pm = replace(pm, layer_gather_bytes=sum(gather))
+    return pm
+
+
+def layer_prefetch(p, nxt) -> int:
+    """FSDP2 prefetches the next decoder layer's all-gather output (the one before it in the
+    forward) during a layer's backward, where the tape counts the layer's own: with layers of
+    unequal sizes (llama4's MoE layers interleaved with dense ones, DeepSeek's dense first
+    layers) a smaller layer's backward holds the larger buffer, the difference counted here; a
+    larger layer keeps its own count (the smaller one prefetched is not subtracted)."""
+    if nxt is None or not (p.layer_gather_bytes and nxt.layer_gather_bytes):
+        return 0
+    return max(0, nxt.layer_gather_bytes - p.layer_gather_bytes)
 
 
 @lru_cache(maxsize=4096)

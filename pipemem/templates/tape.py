@@ -683,6 +683,12 @@ class Tape:
         self.tensors[rs_out] = Tensor(rs_out, (), "uint8", COMM, bytes=shard * width)
         self._add(prog, Op("fsdp_reduce_scatter_copy_in", temps, (rs_in,), frees=released, phase="fsdp"))
         self._add(prog, Op("fsdp_reduce_scatter", (rs_in,), (rs_out,), phase="fsdp"))
+        if self.grad_create is not None and self.grad_create[0] == self.fsdp_reduce_dtype:
+            # no grads yet (set to none) and the reduce dtype is theirs: FSDP2 makes each sharded
+            # grad a view of the reduce-scatter output (foreach_reduce's as_strided), no copy
+            self._add(prog, Op("fsdp_accumulate_grad", (rs_out,), (), frees=(rs_out, rs_in), phase="fsdp"))
+            self._add(prog, Op("fsdp_grad_views", (), grads, phase="fsdp"))
+            return
         reads = (rs_out,) if self.grad_create is not None else (rs_out,) + grads
         self._add(prog, Op("fsdp_accumulate_grad", reads, grads, frees=(rs_out, rs_in), phase="fsdp"))
 

@@ -43,6 +43,9 @@ LLAMA = {"family": "llama3", "config": "llama3_debugmodel", "flavor": "debugmode
 QWEN3_MOE = {"family": "qwen3", "config": "qwen3_moe_debug", "flavor": "debugmodel_moe"}
 QWEN3 = {"family": "qwen3", "config": "qwen3_debugmodel", "flavor": "debugmodel"}
 DEEPSEEK_V3 = {"family": "deepseek_v3", "config": "deepseek_v3_debugmodel", "flavor": "debugmodel"}
+# torchtitan 0.3 ships no llama4: its cases run 0.2.2's own step (torchtitan_llama4_trace.py), from
+# the directory $PIPEMEM_TORCHTITAN_LLAMA4 names (traced/torchtitan_llama4.py)
+LLAMA4 = {"family": "llama4", "flavor": "debugmodel", "release": "0.2.2"}
 SEQ = 256
 TRUTH = "traced"  # the framework's code on fake tensors, bytes counted by pipemem (compare.TRUTHS)
 ROWS_ARE = "ranks"  # one row per traced rank of each case
@@ -85,6 +88,9 @@ def all_cases() -> list[dict]:
         _case("moe-tp2", 2, {"tp": 2}, model=QWEN3_MOE),
         _case("dsv3-fsdp2-ac-op", 2, {"dp_shard": 2}, ac="selective", model=DEEPSEEK_V3),
         _case("dsv3-fsdp2-ac-full", 2, {"dp_shard": 2}, ac="full", model=DEEPSEEK_V3),
+        # llama4 debugmodel (torchtitan 0.2.2): three dense layers interleaved with three MoE
+        # layers (8 experts, top 1, a shared expert; grouped GEMMs as on SM90)
+        _case("llama4-fsdp2", 2, {"dp_shard": 2}, model=LLAMA4),
     ]
 
 
@@ -97,10 +103,18 @@ CI_CASES = ("fsdp2", "fsdp2-tp2")
 def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
     """{rank: trace result} for the case's traced ranks (`torchtitan_trace.main` per rank)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    worker, first = "pipemem.validation.torchtitan_trace", ""
+    if case["model"].get("release") == "0.2.2":
+        from ..traced import torchtitan_llama4
+
+        why = torchtitan_llama4.available()
+        if why is not None:
+            raise RuntimeError(f"case {case['name']}: {why}")
+        worker, first = "pipemem.validation.torchtitan_llama4_trace", torchtitan_llama4.site()
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+        PYTHONPATH=os.pathsep.join(p for p in (first, root, os.environ.get("PYTHONPATH", "")) if p),
     )
     out: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pipemem-torchtitan-") as tmp:
@@ -109,7 +123,7 @@ def trace_case(case: dict, timeout: float = 600.0) -> dict[int, dict]:
             with open(job, "w") as f:
                 json.dump({"rank": rank, "case": case}, f)
             proc = subprocess.run(
-                [sys.executable, "-m", "pipemem.validation.torchtitan_trace", job, res],
+                [sys.executable, "-m", worker, job, res],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -156,10 +170,15 @@ DESCRIPTION = (
     "functions, optimizer, loss and Trainer.train_step) per rank on fake tensors "
     "with the fake process group, second step, and compare each rank's peak "
     "with pipemem's torchtitan-convention estimate. Needs torchtitan==0.3.0 "
-    "(pip install 'pipemem[torchtitan]'). Exit 1 if a rank is off by more "
+    "(pip install 'pipemem[torchtitan]'); the llama4 cases run torchtitan 0.2.2's step (0.3 "
+    "ships no llama4) from a directory of its own: pip install --no-deps --target DIR "
+    "torchtitan==0.2.2 and set PIPEMEM_TORCHTITAN_LLAMA4=DIR. Exit 1 if a rank is off by more "
     f"than {TOLERANCE:.0%}."
 )
-FULL_HELP = "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3)"
+FULL_HELP = (
+    "every case (FSDP2 with and without resharding, dp 4, TP + SP, CP, AC, qwen3, MoE, deepseek_v3; "
+    "llama4 from torchtitan 0.2.2)"
+)
 
 
 def json_header() -> dict:
@@ -170,3 +189,13 @@ def available() -> str | None:
     from .torchtitan_trace import available
 
     return available()
+
+
+def available_for(cases: list[dict]) -> str | None:
+    """None when the chosen cases can run here: torchtitan 0.3, and for llama4's cases 0.2.2."""
+    why = available()
+    if why is None and any(c["model"].get("release") == "0.2.2" for c in cases):
+        from ..traced.torchtitan_llama4 import available as llama4_available
+
+        why = llama4_available()
+    return why
