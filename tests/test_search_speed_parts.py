@@ -135,3 +135,48 @@ class _collector_on:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replay_on_integers_walks_as_on_python_numbers(seed):
+    """The integer replay (levels over all ranks in a row, each rank's less what came before)
+    gives what the walk on Python numbers (each rank's levels from zero) gives."""
+    from fractions import Fraction
+
+    from pipemem.jobs import JobMemory, StageJobs
+    from pipemem.replay import replay
+    from pipemem.runtime import lower
+    from pipemem.schedules import get_schedule
+
+    rng = random.Random(seed)
+    name, pp, m, vpp = rng.choice([("1F1B", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2), ("ZB-H1", 3, 6, 1)])
+    sched = lower(get_schedule(name, pp, m, vpp=vpp), "megatron" if name != "ZB-H1" else "torch")
+    ints, fracs = {}, {}
+    for s in range(pp * vpp):
+        f, b = rng.randint(0, 90), rng.randint(-90, 0)
+        i, w = rng.randint(-40, 40), rng.randint(-50, 0)
+        peaks = [rng.randint(90, 200) for _ in range(4)]
+        io = [rng.randint(1, 9) for _ in range(4)]
+        for out, one in ((ints, int), (fracs, Fraction)):
+            out[s] = StageJobs(
+                s,
+                F=JobMemory(one(f), one(peaks[0])),
+                B=JobMemory(one(b), one(peaks[1])),
+                I=JobMemory(one(i), one(peaks[2])),
+                W=JobMemory(one(w), one(peaks[3])),
+                input_bytes=io[0],
+                output_bytes=io[1],
+                input_grad_bytes=io[2],
+                output_grad_bytes=io[3],
+            )
+    statics = [rng.randint(0, 1000) for _ in range(pp)]
+    a = replay(sched, ints, statics, simulate_time=False)
+    b = replay(sched, fracs, statics, simulate_time=False)
+    assert a.ranks[0]._net.dtype != object and b.ranks[0]._net.dtype == object
+    for x, y in zip(a.ranks, b.ranks):
+        assert (x.peak_allocated_bytes, x.peak_at, x.peak_action_index) == (
+            y.peak_allocated_bytes,
+            y.peak_at,
+            y.peak_action_index,
+        )
+        assert (x.activation_hwm_bytes, x.final_bytes) == (y.activation_hwm_bytes, y.final_bytes)
