@@ -309,7 +309,7 @@ def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) 
         # is this less what the ranks before it left (`base`): the same argmax, the same numbers
         during_all = cum - net
         during_all += peak
-    inflight = inflight_counts(schedule)
+    inflight = _inflight_from_codes(schedule, codes, bounds)
     ranks = []
     for r, (a, b) in enumerate(bounds):
         static = statics[r]
@@ -368,6 +368,18 @@ def _compute_only(schedule: Schedule) -> Schedule:
         return schedule
     ranks = [[a for a in acts if a[0] in KINDS] for acts in schedule.ranks]
     return schedule.with_ranks(ranks)
+
+
+def _inflight_from_codes(schedule: Schedule, codes: np.ndarray, bounds) -> list[int]:
+    """inflight_counts from the schedule's action codes (numpy; the same numbers, the same cache):
+    the most forwards held at once is the highest prefix sum of F +1, B or I -1 (0 at least)."""
+    out = schedule.cache.get("inflight")
+    if out is None:
+        k = codes // schedule.num_stages
+        d = (k == _KIND_INDEX["F"]).astype(np.int64) - ((k == _KIND_INDEX["B"]) | (k == _KIND_INDEX["I"]))
+        out = [max(0, int(np.cumsum(d[a:b]).max())) if b > a else 0 for a, b in bounds]
+        schedule.cache["inflight"] = out
+    return out
 
 
 def inflight_counts(schedule: Schedule) -> list[int]:

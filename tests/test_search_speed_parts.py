@@ -180,3 +180,20 @@ def test_replay_on_integers_walks_as_on_python_numbers(seed):
             y.peak_action_index,
         )
         assert (x.activation_hwm_bytes, x.final_bytes) == (y.activation_hwm_bytes, y.final_bytes)
+
+
+@pytest.mark.parametrize(
+    "name, pp, m, vpp, runtime",
+    [("1F1B", 4, 8, 1, "megatron"), ("interleaved-1f1b", 4, 8, 2, "megatron"), ("ZB-H1", 3, 6, 1, "torch")],
+)
+def test_inflight_from_codes_counts_as_the_walk(name, pp, m, vpp, runtime):
+    from pipemem.replay import _codes, _inflight_from_codes, inflight_counts
+    from pipemem.runtime import lower
+    from pipemem.schedules import get_schedule
+
+    sched = lower(get_schedule(name, pp, m, vpp=vpp), runtime)
+    walked = inflight_counts(sched)  # the action walk (cached on the schedule)
+    sched.cache.pop("inflight")
+    codes, bounds = _codes(sched)
+    assert _inflight_from_codes(sched, codes, bounds) == walked
+    assert max(walked) > 1
