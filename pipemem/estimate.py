@@ -74,7 +74,7 @@ class RankEstimate:
     stage_jobs: list[dict] = None
     timeline: list[TimelinePoint] = None
     source: Any = field(default=None, repr=False, compare=False)  # (RankReplay, stage jobs, optimizer job)
-    # () -> peak reserved bytes or None: the rank's allocation stream through the allocator
+    # (the rank) -> peak reserved bytes or None: the rank's allocation stream through the allocator
     # model (pipemem.reserved), run when first read
     reserved_source: Any = field(default=None, repr=False, compare=False)
 
@@ -85,7 +85,7 @@ class RankEstimate:
         warning says why)."""
         d = self.__dict__
         if "_peak_reserved" not in d:
-            d["_peak_reserved"] = self.reserved_source() if self.reserved_source is not None else None
+            d["_peak_reserved"] = self.reserved_source(self) if self.reserved_source is not None else None
         return d["_peak_reserved"]
 
     outside: Any = None  # pipemem.outside_allocator.OutsideAllocator: context, NCCL, cuBLAS workspace
@@ -665,6 +665,12 @@ def _model_key(model, opts: dict, mode: str):
 _MODELS: dict = {}
 
 
+def reads_model_once(model) -> bool:
+    """Whether estimates given `model` read it once and keep it (a preset name or hub alias that
+    is not a path here); a config dict is read into a model at every estimate."""
+    return _model_key(model, {}, "templates") is not None
+
+
 def _replayed_ranks(stage_plan, schedule, runtime: str, plan: ParallelPlan) -> list[RankEstimate]:
     """per_rank, read back when the same plan is asked again: the same StagePlan (cached per
     plan), Schedule (cached per plan) and runtime replay the same, so their ranks' numbers are
@@ -711,22 +717,24 @@ def _add_outside_allocator(est: Estimate, opts: dict) -> None:
         from .presets import gpu_info
 
         cc = gpu_info(opts["gpu"]).get("compute_capability")
-    # (OutsideAllocator is frozen: the same plan's ranks share theirs)
-    owner = est.reserved_inputs[0] if est.reserved_inputs is not None else None
+    # OutsideAllocator is frozen, and a pure function of the plan's group sizes and the rank
+    # (outside_allocator reads tp, cp, dp, pp, ep, etp of the plan and nothing else): plans
+    # alike there share theirs
+    p = est.plan
+    tied = bool(est.arch.tied_embeddings)
+    groups = (p.tp, p.cp, p.dp, p.pp, p.ep, p.etp, tied, cc, context, nccl)
     for r in est.ranks:
-        key = (id(owner), r.pp_rank, bool(est.arch.tied_embeddings), cc, context, nccl)
-        hit = _OUTSIDE.get(key) if owner is not None else None
-        if hit is not None and hit[0] is owner:
-            r.outside = hit[1]
-            continue
-        r.outside = outside_allocator(est.plan, bool(est.arch.tied_embeddings), r.pp_rank, cc, context, nccl)
-        if owner is not None:
+        key = (groups, r.pp_rank)
+        hit = _OUTSIDE.get(key)
+        if hit is None:
+            hit = outside_allocator(p, tied, r.pp_rank, cc, context, nccl)
             if len(_OUTSIDE) >= 4096:
                 del _OUTSIDE[next(iter(_OUTSIDE))]
-            _OUTSIDE[key] = (owner, r.outside)
+            _OUTSIDE[key] = hit
+        r.outside = hit
 
 
-_OUTSIDE: dict = {}  # (id(StagePlan), rank, tied, cc, overrides) -> (the StagePlan, OutsideAllocator)
+_OUTSIDE: dict = {}  # ((tp, cp, dp, pp, ep, etp, tied, cc, overrides), rank) -> OutsideAllocator
 
 
 def batch_bytes(plan: ParallelPlan) -> int:

@@ -165,6 +165,14 @@ def _codes(schedule: Schedule):
     return c
 
 
+def _used_codes(schedule: Schedule) -> np.ndarray:
+    """The distinct action codes of the schedule (cached): which (kind, stage) jobs it needs."""
+    u = schedule.cache.get("used_codes")
+    if u is None:
+        u = schedule.cache["used_codes"] = np.unique(_codes(schedule)[0])
+    return u
+
+
 def _job_table(schedule: Schedule, jobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(net, peak, present) per (kind, stage) code: compute jobs from the stages' jobs, memory
     actions from their boundary bytes."""
@@ -280,6 +288,10 @@ def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) 
         raise UserError(f"replay: {len(statics)} static sizes for {pp} pipeline ranks")
     codes, bounds = _codes(schedule)
     net_tab, peak_tab, have = _job_table(schedule, jobs)
+    if not have[_used_codes(schedule)].all():
+        bad = int(np.argmin(have[codes]))
+        r = next(r for r, (a, b) in enumerate(bounds) if a <= bad < b)
+        raise _missing_job(schedule, r, jobs)
     net = net_tab[codes]
     peak = peak_tab[codes]
     override = _overrides(jobs)
@@ -290,17 +302,26 @@ def _replay(schedule, jobs, static_bytes, optimizer_jobs, times, simulate_time) 
                 v = override.get(a)
                 if v is not None:
                     net[o + i], peak[o + i] = v
-    if not have[codes].all():
-        bad = int(np.argmin(have[codes]))
-        r = next(r for r, (a, b) in enumerate(bounds) if a <= bad < b)
-        raise _missing_job(schedule, r, jobs)
     cum = np.cumsum(net)
-    inflight = inflight_counts(schedule)
+    exact = net.dtype != object
+    if exact:
+        # integers: the level during each action over all ranks' actions in a row; a rank's own
+        # is this less what the ranks before it left (`base`): the same argmax, the same numbers
+        during_all = cum - net
+        during_all += peak
+    inflight = _inflight_from_codes(schedule, codes, bounds)
     ranks = []
     for r, (a, b) in enumerate(bounds):
         static = statics[r]
         acts = schedule.ranks[r]
-        if b > a:
+        if b > a and exact:
+            base = _py(cum[a - 1]) if a else 0
+            during = during_all[a:b]
+            at = int(during.argmax())
+            pk = static + (_py(during[at]) - base)
+            cur = _py(cum[b - 1]) - base
+            hi = max(0, _py(cum[a:b].max()) - base)
+        elif b > a:  # Python numbers (floats: summed in the order they always were)
             base = _py(cum[a - 1]) if a else 0
             after = cum[a:b] - base
             during = after - net[a:b] + peak[a:b]
@@ -347,6 +368,18 @@ def _compute_only(schedule: Schedule) -> Schedule:
         return schedule
     ranks = [[a for a in acts if a[0] in KINDS] for acts in schedule.ranks]
     return schedule.with_ranks(ranks)
+
+
+def _inflight_from_codes(schedule: Schedule, codes: np.ndarray, bounds) -> list[int]:
+    """inflight_counts from the schedule's action codes (numpy; the same numbers, the same cache):
+    the most forwards held at once is the highest prefix sum of F +1, B or I -1 (0 at least)."""
+    out = schedule.cache.get("inflight")
+    if out is None:
+        k = codes // schedule.num_stages
+        d = (k == _KIND_INDEX["F"]).astype(np.int64) - ((k == _KIND_INDEX["B"]) | (k == _KIND_INDEX["I"]))
+        out = [max(0, int(np.cumsum(d[a:b]).max())) if b > a else 0 for a, b in bounds]
+        schedule.cache["inflight"] = out
+    return out
 
 
 def inflight_counts(schedule: Schedule) -> list[int]:

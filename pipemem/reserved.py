@@ -19,7 +19,7 @@ with the GPU).
 from __future__ import annotations
 
 import hashlib
-from functools import partial
+import weakref
 
 import numpy as np
 
@@ -59,31 +59,36 @@ def attach_reserved(est, conf) -> None:
             "peak_reserved_bytes is null; the allocated numbers stand"
         )
         return
-    shared = _Sources(est, conf, text)
-    run = shared.run
+    # each rank's source is the shared one's `run`, called with the rank (holding the rank in it
+    # would make each rank a reference cycle)
+    run = _Sources(est, conf, text).run
     for r in est.ranks:
-        r.reserved_source = partial(run, r)
+        r.reserved_source = run
 
 
 class _Sources:
     """What the ranks of one estimate share to find their reserved bytes: the lowered schedule
-    and first-backward microbatches, made when a rank's reserved is first read."""
+    and first-backward microbatches, made when a rank's reserved is first read. It holds the
+    estimate weakly (only to add a warning to it): the estimate holds its ranks and they hold
+    this, so a strong reference would make every estimate a reference cycle, freed only by the
+    cyclic collector (a plan search makes thousands)."""
 
-    __slots__ = ("est", "conf", "text", "inputs", "said")
+    __slots__ = ("est", "reserved_inputs", "runtime", "conf", "text", "inputs", "said")
 
     def __init__(self, est, conf, text):
-        self.est, self.conf, self.text = est, conf, text
+        self.est = weakref.ref(est)
+        self.reserved_inputs, self.runtime = est.reserved_inputs, est.runtime
+        self.conf, self.text = conf, text
         self.inputs = None
         self.said = False
 
     def run(self, r):
-        est = self.est
-        stage_plan, schedule = est.reserved_inputs
+        stage_plan, schedule = self.reserved_inputs
         if self.inputs is None:
             from .runtime import lower
 
             self.inputs = (
-                lower(schedule, est.runtime),
+                lower(schedule, self.runtime),
                 {s: m for s, m in stage_plan.first_backward_overrides(schedule)},
             )
         lowered, first_mb = self.inputs
@@ -96,7 +101,8 @@ class _Sources:
             if len(_CACHE) >= _CACHE_MAX:
                 del _CACHE[next(iter(_CACHE))]
             _CACHE[key] = (stage_plan, lowered, value, why)
-        if why and not self.said:
+        est = self.est()
+        if why and not self.said and est is not None:  # (no estimate left to warn: nobody to tell)
             self.said = True
             est.warnings.append(
                 f"reserved memory is not modelled for this plan ({why}): peak_reserved_bytes "

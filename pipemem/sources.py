@@ -43,11 +43,12 @@ def schedule_of(plan: ParallelPlan):
     name = plan.schedule or default_schedule(plan)  # pp 1: no schedule named, one stage replayed as 1F1B
     if name.lower().startswith(("csv:", "torch:")):
         return _check_placement(get_schedule(name, plan.pp, plan.microbatches, vpp=plan.vpp), plan)
-    return _named_schedule(name, plan.pp, plan.microbatches, plan.vpp)
+    return named_schedule(name, plan.pp, plan.microbatches, plan.vpp)
 
 
 @lru_cache(maxsize=256)
-def _named_schedule(name: str, pp: int, microbatches: int, vpp: int):
+def named_schedule(name: str, pp: int, microbatches: int, vpp: int):
+    """get_schedule of a named schedule, cached (the planner's cost model asks for the same)."""
     from .schedules import get_schedule
 
     return get_schedule(name, pp, microbatches, vpp=vpp)

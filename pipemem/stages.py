@@ -276,14 +276,6 @@ def build_stage_jobs(arch, plan: ParallelPlan, key=None) -> StagePlan:
 
 def plan_key(plan: ParallelPlan):
     """A hashable picture of every field of the plan (None if a field cannot be frozen)."""
-
-    def freeze(v):
-        if isinstance(v, dict):
-            return tuple(sorted((k, freeze(x)) for k, x in v.items()))
-        if isinstance(v, list):
-            return tuple(freeze(x) for x in v)
-        return v
-
     d = plan.__dict__
     # the empty dicts and lists of a plain plan (`extra`) frozen here, every other field as it is
     key = tuple(
@@ -297,12 +289,22 @@ def plan_key(plan: ParallelPlan):
         return key
     except TypeError:
         pass
-    key = tuple(freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
+    key = tuple(_freeze(getattr(plan, f)) for f in plan.__dataclass_fields__)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _freeze(v):
+    """(plan_key) dicts and lists as tuples, recursively (a module-level function: a nested one
+    calling itself is a reference cycle per call)."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
 
 
 # (arch, plan key) -> StagePlan, most recently used last (ParallelPlan is not hashable)
@@ -320,19 +322,27 @@ def _build_stage_jobs(arch, plan: ParallelPlan) -> StagePlan:
     sh_first = first_backward_shard(sh, plan) if creates_grads else None
     stages: dict[int, StageJobs] = {}
     first: dict[int, StageJobs] = {}
+    # the stages' jobs looked up under the plan's (model, shard, convention, ...) once, then by
+    # the stage's own (first, last, index, layers): hashing the model and the shard once per
+    # plan rather than once per stage (their dataclass hashes are most of a warm lookup)
+    rec = (plan.flash_attn, plan.recompute, plan.recompute_layers)
+    memo = _stages_memo(arch, sh, conv, plan.seq_len, *rec)
+    memo_first = _stages_memo(arch, sh_first, conv, plan.seq_len, *rec) if creates_grads else None
     for s in range(n_stages):
-        args = (
-            _layer_runs(arch, plan.flash_attn, plan.recompute, plan.recompute_layers, layout[s]),
-            s == 0,
-            s == n_stages - 1,
-            plan.seq_len,
-            s,
-            layout[s],
-        )
-        stages[s] = _stage_jobs(arch, sh, conv, *args)
+        key = (s == 0, s == n_stages - 1, s, layout[s])
+        sj = memo.get(key)
+        if sj is None:
+            runs = _layer_runs(arch, *rec, layout[s])
+            sj = memo[key] = _stage_jobs(arch, sh, conv, runs, key[0], key[1], plan.seq_len, s, layout[s])
+        stages[s] = sj
         if creates_grads:
-            fj = _stage_jobs(arch, sh_first, conv, *args)
-            first[s] = replace(stages[s], B=fj.B, I=fj.I, W=fj.W)
+            fj = memo_first.get(key)
+            if fj is None:
+                runs = _layer_runs(arch, *rec, layout[s])
+                fj = memo_first[key] = _stage_jobs(
+                    arch, sh_first, conv, runs, key[0], key[1], plan.seq_len, s, layout[s]
+                )
+            first[s] = replace(sj, B=fj.B, I=fj.I, W=fj.W)
     return StagePlan(
         plan=plan,
         stages=stages,
@@ -473,6 +483,13 @@ def _zero3_kept(sh, runs: tuple) -> tuple:
             else:
                 out.append((o, m))
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _stages_memo(arch, sh, conv, seq_len: int, flash, recompute, recompute_layers) -> dict:
+    """(first, last, stage, layers) -> that stage's jobs (`_stage_jobs`) under this model, shard,
+    convention, sequence and recomputation: filled by `_build_stage_jobs`."""
+    return {}
 
 
 @lru_cache(maxsize=65536)
@@ -778,6 +795,7 @@ def clear_caches() -> None:
 
     clear_static()
     _stage_jobs.cache_clear()
+    _stages_memo.cache_clear()
     _stage_jobs_alike.cache_clear()
     _STAGE_PLANS.clear()
     _optimizer_job.cache_clear()

@@ -146,10 +146,10 @@ def schedule_for(name: str | None, pp: int, microbatches: int, vpp: int):
     key = (name, pp, microbatches, vpp)
     hit = _SCHEDULES.get(key)
     if hit is None:
-        from ..schedules import get_schedule
+        from ..sources import named_schedule
 
-        try:
-            hit = get_schedule(name or "1F1B", pp, microbatches, vpp=vpp)
+        try:  # the estimates' own schedule object (sources' cache), not a second one built alike
+            hit = named_schedule(name or "1F1B", pp, microbatches, vpp)
         except UserError as e:
             hit = e
         if len(_SCHEDULES) > 512:

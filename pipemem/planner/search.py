@@ -441,16 +441,23 @@ def search_plans(
 
 @contextmanager
 def _fewer_collections():
-    """A search makes millions of short-lived, acyclic objects (jobs, actions, arrays) beside
-    a growing set of cached programs: with the default thresholds the cyclic collector runs
-    ~25 % of the time, traversing the caches again and again. Collect rarely instead (the
-    same peak memory, measured on the 70B benchmark: 484 MB); the forked workers inherit it."""
-    old = gc.get_threshold()
-    gc.set_threshold(100_000, 50, 1000)
+    """A search makes millions of short-lived objects (jobs, actions, arrays, estimates) beside
+    a growing set of cached programs and schedules. None of them forms a reference cycle (an
+    estimate and its ranks hold each other only weakly: `reserved._Sources`; tested), so
+    reference counting frees them all, and the cyclic collector would only traverse the caches
+    again and again (~25 % of the time with the default thresholds, ~10 % with rare
+    collections). It is paused during the search; what the search leaves alive (the caches) is
+    then moved out of its sight (`gc.freeze`), so that the first collection after the search
+    does not traverse it either (its cycles, if any, are never collected: a search makes few).
+    The forked workers inherit it."""
+    was = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
+        gc.freeze()
+        if was:
+            gc.enable()
 
 
 def _search_plans(
@@ -480,6 +487,12 @@ def _search_plans(
     model_flag = model_flag or (model if isinstance(model, str) else name)
     runner = _Runner(config, name, arch, target, seq_len, global_batch, options, extra, model_flag)
     runner.prune = prune
+    from ..estimate import reads_model_once
+
+    if reads_model_once(model):
+        # a preset name (not a file): the estimates read the model once by that name and keep
+        # it, where the config dict would be read into a model again at every estimate
+        runner.model = model
     groups: dict[tuple, list[Base]] = {}
     for base in enumerate_bases(arch, target.gpus, options):
         groups.setdefault(replace(base, sharding=""), []).append(base)
@@ -542,6 +555,7 @@ def _run_task_in_worker(task: list[list[Base]]):
 class _Runner:
     def __init__(self, config, name, arch, target, seq_len, global_batch, options, extra, model_flag):
         self.config, self.name, self.arch, self.target = config, name, arch, target
+        self.model = config  # what the estimates are given (a preset's name where there is one)
         self.seq_len, self.global_batch = seq_len, global_batch
         self.options, self.extra, self.model_flag = options, extra, model_flag
         self.results: list[PlanResult] = []
@@ -744,7 +758,7 @@ class _Runner:
         call = self._call(kw, recompute, layers)
         self.stats.estimates += 1
         try:
-            return estimate(self.config, model_name=self.name, **self.gpu_opts, **call)
+            return estimate(self.model, model_name=self.name, **self.gpu_opts, **call)
         except UserError as e:  # a rule beyond validate_plan (e.g. the schedule's); never listed
             self.stats.refused_settings[_reason(str(e))] += 1
             return None
