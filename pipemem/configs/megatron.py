@@ -524,7 +524,7 @@ def read(argv: list[str]) -> ToolConfig:
                 "modelled with expert or tensor parallelism; pipemem models alltoall",
             )
         _capacity(a, extra)
-        _aux_loss(a, experts, seq * (mb or 1) // (tp * cp), warnings)
+        _aux_loss(a, experts, seq * plan.get("micro_batch", 1) // (tp * cp), warnings)
 
     world = a.int("world-size")
     if world is None and a.has("nproc-per-node"):
