@@ -274,6 +274,20 @@ def _model_from_spec(spec) -> dict:
     return hf_config(spec.model)
 
 
+def from_job_config(cfg, path: str, model: dict | str | None = None) -> ToolConfig:
+    """The plan of a torchtitan JobConfig dataclass from before 0.3 (0.2.2's ConfigManager builds
+    one): its sections as the job file's tables, each with the keys this reader knows (the rest
+    are that release's defaults, which pipemem does not read)."""
+    import dataclasses
+
+    tables = {
+        name: {k: v for k, v in section.items() if k in _KEYS[name]}
+        for name, section in dataclasses.asdict(cfg).items()
+        if name in _KEYS and isinstance(section, dict)
+    }
+    return from_tables(tables, path, model=model)
+
+
 def from_tables(cfg: dict, path: str, model: dict | str | None = None) -> ToolConfig:
     """The plan of torchtitan job-config tables (see `read`); `model` when the caller resolved it."""
     warnings: list[str] = []

@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 
-from ..configs.torchtitan import from_tables
+from ..configs.torchtitan import from_job_config
 from ..traced.torchtitan_llama4 import hf_config, version_check
 from ..traced.torchtitan_model import import_stubs
 from .case_worker import run_case_file
@@ -176,23 +176,9 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.maybe_enable_amp = dist_utils.maybe_enable_amp(pd, cfg.training.mixed_precision_param, "cpu")
             out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
     # the plan --from-torchtitan reads from the job tables the ranks ran (0.2.2's JobConfig)
-    plan = from_tables(job_tables(cfg), f"torchtitan llama4 {cfg.model.flavor}", model=model_config).plan
+    plan = from_job_config(cfg, f"torchtitan llama4 {cfg.model.flavor}", model=model_config).plan
     out["model"], out["plan"] = model_config, plan
     return out
-
-
-def job_tables(cfg) -> dict:
-    """A 0.2.2 JobConfig as the TOML tables a job file holds: the sections pipemem's torchtitan
-    reader knows, each with the fields it reads (the rest of 0.2.2's fields are its defaults)."""
-    import dataclasses
-
-    from ..configs.torchtitan import _KEYS
-
-    tables = {}
-    for name, section in dataclasses.asdict(cfg).items():
-        if name in _KEYS and isinstance(section, dict):
-            tables[name] = {k: v for k, v in section.items() if k in _KEYS[name]}
-    return tables
 
 
 def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
