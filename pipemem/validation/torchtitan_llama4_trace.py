@@ -32,22 +32,16 @@ import torch
 from ..configs.torchtitan import from_job_config
 from ..traced.torchtitan_llama4 import hf_config, version_check
 from ..traced.torchtitan_model import import_stubs
-from .case_worker import run_case_file
-from .recorded_step import recorded_peak
+from . import torchtitan_trace
+from .kernel_stand_ins import install_fake_item
 
 
 def _patch_fake_item() -> None:
-    """`.item()` of a fake tensor: a constant (token counts, grad norms) instead of an error."""
-    from torch._prims_common import is_float_dtype
+    """`.item()` of a fake tensor: a constant (token counts, grad norms) instead of an error; and
+    CUDA's histc for integer inputs."""
     from torch._subclasses import fake_impls
 
-    def constant(fake_mode, func, arg, *args, **kwargs):
-        if is_float_dtype(arg.dtype):
-            return 1.0
-        return False if arg.dtype == torch.bool else 1
-
-    for op in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
-        fake_impls.op_implementations_dict[op] = constant
+    install_fake_item(1)
 
     def histc(fake_mode, func, arg, bins=100, *args, **kwargs):
         # CUDA's histc counts integer inputs (the router's expert ids) into a tensor of their
@@ -174,81 +168,18 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.metrics_processor = tr.checkpointer = _NoLog()
             tr.train_context = dist_utils.get_train_context(pd.tp_enabled)
             tr.maybe_enable_amp = dist_utils.maybe_enable_amp(pd, cfg.training.mixed_precision_param, "cpu")
-            out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
+            out = torchtitan_trace.record_two_steps(
+                tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies, zero_grad_first=True
+            )
     # the plan --from-torchtitan reads from the job tables the ranks ran (0.2.2's JobConfig)
     plan = from_job_config(cfg, f"torchtitan llama4 {cfg.model.flavor}", model=model_config).plan
     out["model"], out["plan"] = model_config, plan
     return out
 
 
-def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
-    from ..traced.stack import local_tensor
-
-    mb, seq = case["local_batch_size"], case["seq_len"]
-
-    def batches():
-        while True:
-            yield (
-                {"input": torch.empty((mb, seq), dtype=torch.long)},
-                torch.empty((mb, seq), dtype=torch.long),
-            )
-
-    root = tr.model_parts[0]
-    scope = Scope(root)
-    rec = Recorder(scope)
-    rec.register([local_tensor(p) for p in root.parameters()], TensorKind.PARAM)
-    rec.register([local_tensor(b) for b in root.buffers()], TensorKind.BUFFER)
-
-    loss_fn = tr.loss_fn
-
-    def loss_then_backward(*args, **kwargs):
-        out = loss_fn(*args, **kwargs)
-        rec.begin("backward")
-        return out
-
-    step_fn = tr.optimizers.step
-
-    def optimizer_step(*args, **kwargs):
-        rec.begin("optimizer")
-        return step_fn(*args, **kwargs)
-
-    def label_states():
-        grads = [local_tensor(p.grad) for p in root.parameters() if p.grad is not None]
-        rec.set_kind(grads, TensorKind.GRAD)
-        states = [
-            local_tensor(v)
-            for o in tr.optimizers.optimizers
-            for st in o.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor)
-        ]
-        rec.set_kind(states, TensorKind.OPTIMIZER_STATE)
-
-    tr.loss_fn, tr.optimizers.step = loss_then_backward, optimizer_step
-    data = batches()
-    with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
-        tr.train_step(data)  # step 1: optimizer states made
-        # 0.2.2's train_step starts with `optimizers.zero_grad()` (set_to_none): the last step's
-        # grads die before the forward allocates anything. The recording takes what is alive
-        # when it restarts as held throughout, so that zero_grad runs here, before it
-        tr.optimizers.zero_grad()
-        label_states()
-        rec.restart()
-        rec.begin("forward")
-        tr.train_step(data)  # step 2, recorded
-    return recorded_peak(rec, by_kind=True)
-
-
 def main(argv=None) -> int:
     """The job file holds the case and the rank to trace."""
-    return run_case_file(
-        lambda job: {
-            "rank": job["rank"],
-            "case": job["case"]["name"],
-            **trace_rank(job["case"], job["rank"]),
-        },
-        argv,
-    )
+    return torchtitan_trace.main(argv, trace=trace_rank)
 
 
 if __name__ == "__main__":

@@ -244,17 +244,31 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.metrics_processor = tr.checkpointer = _NoLog()
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
-            out = _record(tr, case, DistStorageRecorder, ModuleScope, TensorKind, policies)
+            out = record_two_steps(
+                tr,
+                case,
+                DistStorageRecorder,
+                ModuleScope,
+                TensorKind,
+                policies,
+                microbatches=tr.num_pipeline_parallel_microbatches,
+            )
     out["model"], out["plan"] = model_config, plan
     return out
 
 
-def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
+def record_two_steps(
+    tr, case, Recorder, Scope, TensorKind, policies, microbatches: int = 1, zero_grad_first: bool = False
+) -> dict:
+    """The peak and phases of a torchtitan Trainer's second `train_step` (the first makes the
+    optimizer states), `microbatches` pipeline microbatches per local batch. `zero_grad_first`:
+    the release's train_step starts with `optimizers.zero_grad()` (set_to_none), so the last
+    step's grads die before the forward allocates anything; the recording takes what is alive
+    when it restarts as held throughout, so that zero_grad runs before it restarts."""
     from ..traced.stack import local_tensor
 
-    mb = case["local_batch_size"] // tr.num_pipeline_parallel_microbatches
+    mb = case["local_batch_size"] // microbatches
     seq = case["seq_len"]
-    vocab = tr.model_config.vocab_size
 
     def batches():
         while True:
@@ -301,9 +315,10 @@ def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
 
     tr.loss_fn, tr.optimizers.step = loss_then_backward, optimizer_step
     data = batches()
-    del vocab
     with scope, rec.fsdp_resizes(), rec, policies.context("cuda"):
         tr.train_step(data)  # step 1: optimizer states made, grads left as zero_grad leaves them
+        if zero_grad_first:
+            tr.optimizers.zero_grad()
         label_states()
         rec.restart()
         rec.begin("forward")
@@ -311,14 +326,11 @@ def _record(tr, case, Recorder, Scope, TensorKind, policies) -> dict:
     return recorded_peak(rec, by_kind=True)
 
 
-def main(argv=None) -> int:
-    """The job file holds the case and the rank to trace."""
+def main(argv=None, trace=None) -> int:
+    """The job file holds the case and the rank to trace (`trace`: a worker's own trace_rank)."""
+    trace = trace or trace_rank
     return run_case_file(
-        lambda job: {
-            "rank": job["rank"],
-            "case": job["case"]["name"],
-            **trace_rank(job["case"], job["rank"]),
-        },
+        lambda job: {"rank": job["rank"], "case": job["case"]["name"], **trace(job["case"], job["rank"])},
         argv,
     )
 
