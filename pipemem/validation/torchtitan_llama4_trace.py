@@ -94,16 +94,6 @@ def job_config(case: dict):
     return ConfigManager().parse_args(args)
 
 
-class _NoLog:
-    """What train_step asks of the metrics processor and the checkpointer."""
-
-    def should_log(self, step):
-        return False
-
-    def maybe_wait_for_staging(self):
-        return None
-
-
 def trace_rank(case: dict, rank: int) -> dict:
     """Trace the second training step of `rank`; returns its peak, static bytes and phases."""
     from ..ir import TensorKind
@@ -156,16 +146,12 @@ def trace_rank(case: dict, rank: int) -> dict:
         tr.model_parts = [spec.parallelize_fn(model, pd, cfg)]
         del model
         with FakeTensorMode(allow_non_fake_inputs=True):
-            for m in tr.model_parts:
-                m.to_empty(device="cpu")
-                with torch.no_grad():
-                    m.init_weights(buffer_device=None)
-                m.train()
+            torchtitan_trace.materialize(tr.model_parts)
             tr.optimizers = spec.build_optimizers_fn(tr.model_parts, cfg.optimizer, pd)
             tr.lr_schedulers = spec.build_lr_schedulers_fn(
                 tr.optimizers, cfg.lr_scheduler, cfg.training.steps
             )
-            tr.metrics_processor = tr.checkpointer = _NoLog()
+            tr.metrics_processor = tr.checkpointer = torchtitan_trace.NoLog()
             tr.train_context = dist_utils.get_train_context(pd.tp_enabled)
             tr.maybe_enable_amp = dist_utils.maybe_enable_amp(pd, cfg.training.mixed_precision_param, "cpu")
             out = torchtitan_trace.record_two_steps(

@@ -151,7 +151,17 @@ def _microbatch_step(schedule) -> None:
     schedule.step = step
 
 
-class _NoLog:
+def materialize(model_parts) -> None:
+    """The meta-device model parts as fake tensors in training mode, weights initialised as the
+    Trainer does (inside a FakeTensorMode)."""
+    for m in model_parts:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        m.train()
+
+
+class NoLog:
     """What train_step asks of the metrics processor and the checkpointer."""
 
     def should_log(self, step):
@@ -227,11 +237,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.model_parts = [spec.parallelize_fn(model, **parallelize_kw)]
         del model
         with FakeTensorMode(allow_non_fake_inputs=True):
-            for m in tr.model_parts:
-                m.to_empty(device="cpu")
-                with torch.no_grad():
-                    m.init_weights(buffer_device=None)
-                m.train()
+            materialize(tr.model_parts)
             if isinstance(tr.loss_fn, ChunkedLossWrapper) and (not pd.pp_enabled or tr.pp_has_last_stage):
                 tr.loss_fn.set_lm_head(tr.model_parts[-1].lm_head)
                 tr.model_parts[-1]._skip_lm_head = True
@@ -241,7 +247,7 @@ def trace_rank(case: dict, rank: int) -> dict:
             tr.lr_schedulers = cfg.lr_scheduler.build(
                 optimizers=tr.optimizers, training_steps=cfg.training.steps
             )
-            tr.metrics_processor = tr.checkpointer = _NoLog()
+            tr.metrics_processor = tr.checkpointer = NoLog()
             tr.train_context = dist_utils.get_spmd_context(parallel_dims=pd, spmd_typechecking=False)
             tr.fwd_bwd_fn = tr._forward_backward_body
             out = record_two_steps(
