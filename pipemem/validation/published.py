@@ -1248,22 +1248,18 @@ def markdown(result: dict) -> str:
             f"within {s['two_sided_tolerance']['device']:.0%}): {s['two_sided_within_tolerance']} of "
             f"{s['two_sided_rows']} within"
         )
-    gaps = [r for r in result["rows"] if r["status"] == "gap" and r["metric"] in ("reserved", "nvidia-smi")]
-    if gaps:
-        below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in gaps)
-        spread = ", ".join(f"{r['rel_error']:+.1%}" for r in gaps)
-        lines.append(
-            f"* gap records (reserved / nvidia-smi): the allocated estimate is at or below the measured "
-            f"value in {below} of {len(gaps)} (gaps {spread})"
-        )
-    unstated = [r for r in result["rows"] if r["status"] == "gap" and r["metric"] == "unknown"]
-    if unstated:
-        below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in unstated)
-        spread = ", ".join(f"{r['rel_error']:+.1%}" for r in unstated)
-        lines.append(
-            f"* gap records (metric not stated): the allocated estimate is at or below the measured value in "
-            f"{below} of {len(unstated)} (gaps {spread})"
-        )
+    for metrics, what in (
+        (("reserved", "nvidia-smi"), "reserved / nvidia-smi"),
+        (("unknown",), "metric not stated"),
+    ):
+        gaps = [r for r in result["rows"] if r["status"] == "gap" and r["metric"] in metrics]
+        if gaps:
+            below = sum(r["estimated_bytes"] <= r["measured_bytes"] for r in gaps)
+            spread = ", ".join(f"{r['rel_error']:+.1%}" for r in gaps)
+            lines.append(
+                f"* gap records ({what}): the allocated estimate is at or below the measured value in "
+                f"{below} of {len(gaps)} (gaps {spread})"
+            )
     lines.append(
         "* skipped: "
         + ", ".join(f"{v} {k}" for k, v in sorted(s["skipped_by_reason"].items(), key=lambda kv: -kv[1]))
