@@ -5,6 +5,8 @@ the allocation stream share."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 import pipemem.plan
@@ -93,6 +95,10 @@ def test_templates_make_the_gradients_in_the_first_b_or_w():
 
 
 def _count_validations(monkeypatch) -> list:
+    # a repeated estimate reads its validated plan back (estimate._FAST, sources._VALIDATED): start
+    # from none, so the count does not depend on what an earlier test in this process estimated
+    monkeypatch.setattr(importlib.import_module("pipemem.estimate"), "_FAST", {})
+    monkeypatch.setattr(pipemem.sources, "_VALIDATED", {})
     calls = []
     real = pipemem.plan.validate_plan
 
